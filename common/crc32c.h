@@ -1,0 +1,29 @@
+// CRC32C (Castagnoli), the checksum every stored Proxima block carries.
+//
+// Uses the SSE4.2 crc32 instruction when the CPU has it (checked once at run time, never assumed
+// from the build machine) and a slicing-by-8 table otherwise; both give identical results.
+// Thread-safe: pure functions.
+#ifndef PROXIMA_COMMON_CRC32C_H_
+#define PROXIMA_COMMON_CRC32C_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace proxima {
+
+// Returns the CRC32C of `data`.
+uint32_t Crc32c(std::span<const std::byte> data);
+
+// Continues a CRC32C: Crc32cExtend(Crc32c(a), b) == Crc32c(a ++ b). Crc32cExtend(0, x) == Crc32c(x).
+uint32_t Crc32cExtend(uint32_t crc, std::span<const std::byte> data);
+
+// The portable path, exposed so tests can compare it with the hardware path.
+uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data);
+
+// True when the SSE4.2 path is in use on this CPU.
+bool Crc32cIsHardwareAccelerated();
+
+}  // namespace proxima
+
+#endif  // PROXIMA_COMMON_CRC32C_H_
