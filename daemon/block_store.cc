@@ -1,0 +1,183 @@
+#include "daemon/block_store.h"
+
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/escaping.h"
+#include "common/crc32c.h"
+#include "common/log.h"
+
+namespace proxima::daemon {
+
+// The bytes of one block in the tier. Freed when the last reference goes: the index holds one,
+// and each reader holds one while it copies (the pin).
+struct BlockStore::StoredBlock {
+  StoredBlock(HostTier* tier, Extent extent, uint64_t size, uint32_t crc32c)
+      : tier(tier), extent(extent), size(size), crc32c(crc32c) {}
+  ~StoredBlock() { tier->Free(extent); }
+  std::span<std::byte> bytes() const { return tier->Bytes(extent).first(size); }
+
+  HostTier* const tier;
+  const Extent extent;
+  const uint64_t size;  // bytes of block data (extent.size is rounded up)
+  const uint32_t crc32c;
+};
+
+BlockStore::BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
+                       std::span<NamespaceCounters> counters)
+    : tier_(std::move(tier)), counters_(counters) {
+  shards_.reserve(num_shards);
+  for (uint32_t i = 0; i < num_shards; ++i) shards_.push_back(std::make_unique<Shard>());
+}
+
+BlockStore::~BlockStore() {
+  // Blocks free their extents into tier_, so they must go first.
+  for (auto& shard : shards_) {
+    absl::MutexLock lock(&shard->mu);
+    shard->map.clear();
+    shard->lru.clear();
+  }
+}
+
+BlockStore::Shard& BlockStore::ShardFor(const BlockId& id) const {
+  size_t h = absl::Hash<BlockId>{}(id);
+  return *shards_[h & (shards_.size() - 1)];
+}
+
+BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
+                                        const StoredBlock* expected) {
+  auto it = shard.map.find(id);
+  if (it == shard.map.end()) return nullptr;
+  if (expected != nullptr && it->second.block.get() != expected) return nullptr;
+  BlockRef block = std::move(it->second.block);
+  shard.lru.erase(it->second.lru);
+  shard.map.erase(it);
+  blocks_.fetch_sub(1, std::memory_order_relaxed);
+  NamespaceCounters& c = counters_[id.namespace_index];
+  c.blocks.fetch_sub(1, std::memory_order_relaxed);
+  c.bytes.fetch_sub(block->size, std::memory_order_relaxed);
+  return block;
+}
+
+bool BlockStore::EvictOne() {
+  // Find the shard whose LRU tail is oldest. Stamps can move between this scan and the lock
+  // below; evicting a slightly-less-old block then is harmless.
+  Shard* victim = nullptr;
+  uint64_t oldest = std::numeric_limits<uint64_t>::max();
+  for (auto& shard : shards_) {
+    absl::MutexLock lock(&shard->mu);
+    if (shard->lru.empty()) continue;
+    uint64_t stamp = shard->map.find(shard->lru.back())->second.stamp;
+    if (stamp < oldest) {
+      oldest = stamp;
+      victim = shard.get();
+    }
+  }
+  if (victim == nullptr) return false;
+  BlockRef evicted;
+  {
+    absl::MutexLock lock(&victim->mu);
+    if (victim->lru.empty()) return true;  // raced with a delete; the caller retries
+    BlockId id = victim->lru.back();
+    evicted = Unlink(*victim, id, nullptr);
+  }
+  evictions_.fetch_add(1, std::memory_order_relaxed);
+  return true;  // `evicted` frees its extent here, unless a reader still pins it
+}
+
+std::optional<Extent> BlockStore::AllocateEvicting(uint64_t bytes) {
+  while (true) {
+    if (std::optional<Extent> e = tier_->Allocate(bytes)) return e;
+    if (!EvictOne()) return tier_->Allocate(bytes);  // index empty; pinned bytes may have gone
+  }
+}
+
+PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c) {
+  Shard& shard = ShardFor(id);
+  {
+    absl::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(id);
+    if (it != shard.map.end()) {
+      shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
+      it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+      return PutOutcome::kAlreadyPresent;
+    }
+  }
+  std::optional<Extent> extent = AllocateEvicting(data.size());
+  if (!extent) return PutOutcome::kNoSpace;
+  auto block = std::make_shared<StoredBlock>(tier_.get(), *extent, data.size(), crc32c);
+  std::memcpy(block->bytes().data(), data.data(), data.size());
+
+  absl::MutexLock lock(&shard.mu);
+  auto [it, inserted] = shard.map.try_emplace(id);
+  if (!inserted) return PutOutcome::kAlreadyPresent;  // a concurrent put won; ours is freed
+  shard.lru.push_front(id);
+  it->second = Shard::Entry{std::move(block), shard.lru.begin(),
+                            clock_.fetch_add(1, std::memory_order_relaxed)};
+  blocks_.fetch_add(1, std::memory_order_relaxed);
+  NamespaceCounters& c = counters_[id.namespace_index];
+  c.blocks.fetch_add(1, std::memory_order_relaxed);
+  c.bytes.fetch_add(data.size(), std::memory_order_relaxed);
+  return PutOutcome::kStored;
+}
+
+std::optional<uint32_t> BlockStore::Get(const BlockId& id, std::string* out) {
+  Shard& shard = ShardFor(id);
+  BlockRef block;
+  {
+    absl::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(id);
+    if (it == shard.map.end()) return std::nullopt;
+    shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
+    it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    block = it->second.block;  // pin
+  }
+  std::span<const std::byte> bytes = block->bytes();
+  out->resize(bytes.size());
+  std::memcpy(out->data(), bytes.data(), bytes.size());
+  // Check the copy, not the original: these are the bytes the caller will receive.
+  uint32_t crc = Crc32c(std::as_bytes(std::span<const char>(out->data(), out->size())));
+  if (crc == block->crc32c) return crc;
+
+  crc_failures_.fetch_add(1, std::memory_order_relaxed);
+  PROXIMA_LOG(kError) << "stored block failed its CRC32C check; dropped"
+                      << log::Kv("namespace_index", id.namespace_index)
+                      << log::Kv("profile_id", id.profile_id)
+                      << log::Kv("key", absl::BytesToHexString(absl::string_view(
+                                            reinterpret_cast<const char*>(id.key.data()), 8)))
+                      << log::Kv("stored_crc", block->crc32c) << log::Kv("read_crc", crc);
+  BlockRef dropped;
+  {
+    absl::MutexLock lock(&shard.mu);
+    dropped = Unlink(shard, id, block.get());
+  }
+  out->clear();
+  return std::nullopt;
+}
+
+bool BlockStore::Contains(const BlockId& id) const {
+  Shard& shard = ShardFor(id);
+  absl::MutexLock lock(&shard.mu);
+  return shard.map.contains(id);
+}
+
+bool BlockStore::Delete(const BlockId& id) {
+  Shard& shard = ShardFor(id);
+  BlockRef removed;
+  {
+    absl::MutexLock lock(&shard.mu);
+    removed = Unlink(shard, id, nullptr);
+  }
+  return removed != nullptr;
+}
+
+bool BlockStore::CorruptForTesting(const BlockId& id, size_t byte_offset) {
+  Shard& shard = ShardFor(id);
+  absl::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(id);
+  if (it == shard.map.end() || byte_offset >= it->second.block->size) return false;
+  it->second.block->bytes()[byte_offset] ^= std::byte{0x01};
+  return true;
+}
+
+}  // namespace proxima::daemon

@@ -1,0 +1,128 @@
+// BlockStore: the daemon's block index over its host tier. Maps (namespace, profile, key) to
+// checksummed bytes in the HostTier, evicts least-recently-used blocks to make room, and pins
+// blocks while they are read so that eviction or deletion never frees bytes under a reader.
+//
+// Index: `num_shards` hash-map shards, each with its own mutex and LRU list, so unrelated keys
+// never contend. Global LRU order comes from one logical clock: every access stamps the block,
+// and eviction takes the tail of the shard whose tail is oldest.
+//
+// Visibility: a block enters the index only after its bytes are written and its CRC32C computed;
+// readers never see a partial block. Every read re-checks the CRC32C; a block that fails is
+// dropped, counted, and reported as a miss.
+//
+// Thread-safe. Lock order: a shard mutex may be held while HostTier's (internal) mutex is
+// taken; never the reverse, and never two shard mutexes at once.
+#ifndef PROXIMA_DAEMON_BLOCK_STORE_H_
+#define PROXIMA_DAEMON_BLOCK_STORE_H_
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/host_tier.h"
+
+namespace proxima::daemon {
+
+inline constexpr size_t kKeyBytes = 32;
+using BlockKey = std::array<uint8_t, kKeyBytes>;
+
+struct BlockId {
+  uint32_t namespace_index = 0;  // position in the daemon's namespace list
+  uint64_t profile_id = 0;
+  BlockKey key{};
+
+  friend bool operator==(const BlockId&, const BlockId&) = default;
+  template <typename H>
+  friend H AbslHashValue(H h, const BlockId& id) {
+    return H::combine(std::move(h), id.namespace_index, id.profile_id,
+                      std::string_view(reinterpret_cast<const char*>(id.key.data()), kKeyBytes));
+  }
+};
+
+// Per-namespace counters, owned by the caller; BlockStore keeps blocks/bytes current.
+struct NamespaceCounters {
+  std::atomic<uint64_t> blocks{0};
+  std::atomic<uint64_t> bytes{0};
+};
+
+enum class PutOutcome { kStored, kAlreadyPresent, kNoSpace };
+
+class BlockStore {
+ public:
+  // `counters[i]` tracks namespace i; it must outlive the store.
+  BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
+             std::span<NamespaceCounters> counters);
+  ~BlockStore();
+
+  BlockStore(const BlockStore&) = delete;
+  BlockStore& operator=(const BlockStore&) = delete;
+
+  // Stores `data` under `id`, evicting LRU blocks as needed. `crc32c` is Crc32c(data).
+  // An existing block with the same id is kept (keys name content) and marked recently used.
+  PutOutcome Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c);
+
+  // Copies the block into `out` (resized to the block's size) and returns its CRC32C, or
+  // nullopt when absent or when its bytes fail the CRC check (the block is then dropped).
+  std::optional<uint32_t> Get(const BlockId& id, std::string* out);
+
+  bool Contains(const BlockId& id) const;
+
+  // Removes the block; returns whether it was present. A reader holding it finishes first.
+  bool Delete(const BlockId& id);
+
+  uint64_t capacity_bytes() const { return tier_->capacity_bytes(); }
+  uint64_t used_bytes() const { return tier_->used_bytes(); }
+  uint64_t blocks() const { return blocks_.load(std::memory_order_relaxed); }
+  uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
+  uint64_t crc_failures() const { return crc_failures_.load(std::memory_order_relaxed); }
+
+  // For tests of corruption handling: flips one bit of a stored block's bytes in place.
+  // Returns false when the block is absent.
+  bool CorruptForTesting(const BlockId& id, size_t byte_offset);
+
+ private:
+  struct StoredBlock;
+  using BlockRef = std::shared_ptr<StoredBlock>;
+  struct Shard {
+    mutable absl::Mutex mu;
+    // LRU order: front is most recent. Each entry's `lru` iterator points into this list.
+    std::list<BlockId> lru ABSL_GUARDED_BY(mu);
+    struct Entry {
+      BlockRef block;
+      std::list<BlockId>::iterator lru;
+      uint64_t stamp;  // logical time of the last access
+    };
+    absl::flat_hash_map<BlockId, Entry> map ABSL_GUARDED_BY(mu);
+  };
+
+  Shard& ShardFor(const BlockId& id) const;
+  // Removes `id` from its shard's index (if present, and if `expected` is null or matches);
+  // returns the removed block so the caller drops it outside the lock.
+  BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Evicts the globally least recently used block. False when the index is empty.
+  bool EvictOne();
+  std::optional<Extent> AllocateEvicting(uint64_t bytes);
+
+  std::unique_ptr<HostTier> tier_;
+  std::span<NamespaceCounters> counters_;
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::atomic<uint64_t> clock_{0};
+  std::atomic<uint64_t> blocks_{0};
+  std::atomic<uint64_t> evictions_{0};
+  std::atomic<uint64_t> crc_failures_{0};
+};
+
+}  // namespace proxima::daemon
+
+#endif  // PROXIMA_DAEMON_BLOCK_STORE_H_

@@ -1,0 +1,134 @@
+#include "daemon/block_store.h"
+
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "common/testing/status_matchers.h"
+#include "gtest/gtest.h"
+
+namespace proxima::daemon {
+namespace {
+
+BlockId Id(uint32_t n, uint32_t ns = 0, uint64_t profile = 7) {
+  BlockId id{ns, profile, {}};
+  std::memcpy(id.key.data(), &n, sizeof(n));
+  return id;
+}
+
+std::string Payload(uint32_t n, size_t size) {
+  std::string s(size, '\0');
+  std::mt19937 rng(n);
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+std::span<const std::byte> B(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+class BlockStoreTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<BlockStore> MakeStore(uint64_t capacity, uint32_t shards = 8) {
+    auto tier = HostTier::Create(capacity);
+    EXPECT_OK(tier.status());
+    return std::make_unique<BlockStore>(*std::move(tier), shards, std::span(counters_));
+  }
+  PutOutcome Put(BlockStore& s, const BlockId& id, const std::string& data) {
+    return s.Put(id, B(data), Crc32c(B(data)));
+  }
+  NamespaceCounters counters_[2];
+};
+
+TEST_F(BlockStoreTest, RoundTripIsByteExactAndNamespacesAreSeparate) {
+  auto store = MakeStore(1 << 20);
+  std::string a = Payload(1, 5000), b = Payload(2, 5000);
+  EXPECT_EQ(Put(*store, Id(1, 0), a), PutOutcome::kStored);
+  EXPECT_EQ(Put(*store, Id(1, 1), b), PutOutcome::kStored);  // same key, other namespace
+  EXPECT_EQ(Put(*store, Id(1, 0), b), PutOutcome::kAlreadyPresent);
+  std::string out;
+  ASSERT_TRUE(store->Get(Id(1, 0), &out).has_value());
+  EXPECT_EQ(out, a);
+  ASSERT_TRUE(store->Get(Id(1, 1), &out).has_value());
+  EXPECT_EQ(out, b);
+  EXPECT_FALSE(store->Get(Id(1, 0, /*profile=*/8), &out).has_value());
+  EXPECT_EQ(counters_[0].blocks.load(), 1u);
+  EXPECT_EQ(counters_[0].bytes.load(), 5000u);
+  EXPECT_TRUE(store->Delete(Id(1, 0)));
+  EXPECT_FALSE(store->Delete(Id(1, 0)));
+  EXPECT_FALSE(store->Contains(Id(1, 0)));
+  EXPECT_EQ(counters_[0].blocks.load(), 0u);
+  EXPECT_EQ(counters_[1].blocks.load(), 1u);
+}
+
+TEST_F(BlockStoreTest, EvictsLeastRecentlyUsedAndNeverExceedsCapacity) {
+  const size_t kBlock = 64 << 10;
+  auto store = MakeStore(16 * kBlock);  // room for exactly 16 blocks
+  for (uint32_t i = 0; i < 16; ++i) ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  std::string out;
+  ASSERT_TRUE(store->Get(Id(0), &out));  // 0 becomes most recent; 1 is now the oldest
+  ASSERT_EQ(Put(*store, Id(100), Payload(100, kBlock)), PutOutcome::kStored);
+  EXPECT_TRUE(store->Contains(Id(0)));
+  EXPECT_FALSE(store->Contains(Id(1)));
+  EXPECT_TRUE(store->Contains(Id(2)));
+  EXPECT_EQ(store->evictions(), 1u);
+  for (uint32_t i = 200; i < 260; ++i) {
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+    ASSERT_LE(store->used_bytes(), store->capacity_bytes());
+  }
+  EXPECT_EQ(store->blocks(), 16u);
+  for (uint32_t i = 244; i < 260; ++i) {  // the newest 16 survive, intact
+    ASSERT_TRUE(store->Get(Id(i), &out));
+    EXPECT_EQ(out, Payload(i, kBlock));
+  }
+}
+
+TEST_F(BlockStoreTest, CorruptBlockIsDroppedAndCountedNeverReturned) {
+  auto store = MakeStore(1 << 20);
+  std::string a = Payload(9, 4096);
+  ASSERT_EQ(Put(*store, Id(9), a), PutOutcome::kStored);
+  ASSERT_TRUE(store->CorruptForTesting(Id(9), 1234));
+  std::string out = "untouched";
+  EXPECT_FALSE(store->Get(Id(9), &out).has_value());
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(store->crc_failures(), 1u);
+  EXPECT_FALSE(store->Contains(Id(9)));
+  EXPECT_EQ(store->used_bytes(), 0u);  // its extent was freed
+}
+
+TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
+  const size_t kBlock = 16 << 10;
+  auto store = MakeStore(64 * kBlock, 4);
+  std::atomic<bool> wrong{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::string out;
+      for (int i = 0; i < 3000; ++i) {
+        uint32_t k = rng() % 200;
+        switch (rng() % 4) {
+          case 0:
+          case 1:
+            Put(*store, Id(k), Payload(k, kBlock));
+            break;
+          case 2:
+            if (store->Get(Id(k), &out) && out != Payload(k, kBlock)) wrong = true;
+            break;
+          case 3:
+            store->Delete(Id(k));
+            break;
+        }
+        if (store->used_bytes() > store->capacity_bytes()) wrong = true;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_FALSE(wrong.load());
+  EXPECT_EQ(store->used_bytes(), store->blocks() * kBlock);  // nothing leaked
+  EXPECT_EQ(counters_[0].blocks.load(), store->blocks());
+}
+
+}  // namespace
+}  // namespace proxima::daemon

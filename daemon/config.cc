@@ -1,0 +1,398 @@
+#include "daemon/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+
+namespace proxima::daemon {
+namespace {
+
+constexpr absl::string_view kDefaultYaml = R"(# proximad configuration. Every key is optional; these are the defaults.
+server:
+  listen: "127.0.0.1:50051"        # gRPC over TCP, host:port ("" disables, port 0 picks one)
+  unix_socket: "/run/proxima/proximad.sock"  # gRPC over a Unix socket ("" disables)
+  unix_socket_mode: "0660"         # file mode of the socket, octal
+  metrics_listen: "127.0.0.1:9464" # Prometheus text endpoint, GET /metrics ("" disables)
+  max_message_bytes: 64MiB         # largest gRPC request or response
+  max_batch_blocks: 256            # most blocks per Put, Get or Delete
+  max_lookup_keys: 16384           # most keys per Lookup
+  max_profiles_per_namespace: 64   # model profiles one namespace may register
+  shutdown_grace_seconds: 10       # on SIGTERM, time in-flight calls get to finish
+tiers:
+  host:
+    capacity_bytes: 1GiB           # hard limit on stored block bytes in host memory
+index:
+  shards: 64                       # block index shards, a power of two in [1, 4096]
+namespaces:                        # tenants; a call naming another namespace gets NOT_FOUND
+  - name: default
+log:
+  level: info                      # debug | info | warning | error
+)";
+
+// Walks a YAML tree and produces errors that name the full dotted key.
+class Reader {
+ public:
+  explicit Reader(std::string source) : source_(std::move(source)) {}
+
+  absl::Status Error(absl::string_view key, absl::string_view value, absl::string_view expected) {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": config key '", key,
+                                                   "' has value '", value, "'; expected ",
+                                                   expected));
+  }
+
+  // Fails on keys of `node` (a map, or absent) that are not in `allowed`.
+  absl::Status CheckKeys(const YAML::Node& node, absl::string_view path,
+                         std::initializer_list<absl::string_view> allowed) {
+    if (!node || node.IsNull()) return absl::OkStatus();
+    if (!node.IsMap()) return Error(path, Dump(node), "a mapping of keys to values");
+    for (const auto& item : node) {
+      std::string key = item.first.as<std::string>();
+      bool known = false;
+      for (absl::string_view a : allowed) known |= (a == key);
+      if (!known) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source_, ": config key '", Join(path, key), "' is unknown; allowed keys",
+                         path.empty() ? "" : absl::StrCat(" under '", path, "'"), ": ",
+                         absl::StrJoin(allowed, ", ")));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status String(const YAML::Node& node, absl::string_view key, std::string* out) {
+    if (!node) return absl::OkStatus();
+    if (!node.IsScalar()) return Error(key, Dump(node), "a string");
+    *out = node.as<std::string>();
+    return absl::OkStatus();
+  }
+
+  absl::Status Uint(const YAML::Node& node, absl::string_view key, uint64_t min, uint64_t max,
+                    uint64_t* out) {
+    if (!node) return absl::OkStatus();
+    uint64_t v = 0;
+    if (!node.IsScalar() || !absl::SimpleAtoi(node.Scalar(), &v) || v < min || v > max) {
+      return Error(key, Dump(node), absl::StrCat("an integer in [", min, ", ", max, "]"));
+    }
+    *out = v;
+    return absl::OkStatus();
+  }
+
+  absl::Status Size(const YAML::Node& node, absl::string_view key, uint64_t min, uint64_t max,
+                    uint64_t* out) {
+    if (!node) return absl::OkStatus();
+    std::string text = node.IsScalar() ? node.Scalar() : Dump(node);
+    absl::StatusOr<uint64_t> v = ParseByteSize(text);
+    if (!node.IsScalar() || !v.ok() || *v < min || *v > max) {
+      return Error(key, text,
+                   absl::StrCat("a size such as 1073741824, 512MiB or 4GiB, in [", min, ", ", max,
+                                "] bytes"));
+    }
+    *out = *v;
+    return absl::OkStatus();
+  }
+
+  absl::Status Double(const YAML::Node& node, absl::string_view key, double min, double max,
+                      double* out) {
+    if (!node) return absl::OkStatus();
+    double v = 0;
+    if (!node.IsScalar() || !absl::SimpleAtod(node.Scalar(), &v) || !(v >= min && v <= max)) {
+      return Error(key, Dump(node), absl::StrCat("a number in [", min, ", ", max, "]"));
+    }
+    *out = v;
+    return absl::OkStatus();
+  }
+
+  static std::string Join(absl::string_view path, absl::string_view key) {
+    return path.empty() ? std::string(key) : absl::StrCat(path, ".", key);
+  }
+
+  static std::string Dump(const YAML::Node& node) {
+    if (node.IsScalar()) return node.Scalar();
+    YAML::Emitter e;
+    e << YAML::Flow << node;
+    return e.c_str();
+  }
+
+ private:
+  std::string source_;
+};
+
+bool ValidHostPort(absl::string_view text) {
+  size_t colon = text.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0) return false;
+  uint32_t port = 0;
+  return absl::SimpleAtoi(text.substr(colon + 1), &port) && port <= 65535;
+}
+
+bool ValidNamespaceName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-' && c != '.') {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status ApplyOverride(YAML::Node root, const std::string& override_text) {
+  size_t eq = override_text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("override '", override_text,
+                                                   "' is not of the form dotted.key=value"));
+  }
+  std::vector<std::string> parts = absl::StrSplit(override_text.substr(0, eq), '.');
+  YAML::Node value;
+  try {
+    value = YAML::Load(override_text.substr(eq + 1));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("override '", override_text, "': value is not valid YAML: ", e.msg));
+  }
+  // yaml-cpp nodes are handles: walking with operator[] on a copy descends in place.
+  std::vector<YAML::Node> chain = {root};
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    YAML::Node next = chain.back()[parts[i]];
+    if (next && !next.IsMap() && !next.IsNull()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "override '", override_text, "': '", parts[i], "' is not a mapping in the config"));
+    }
+    chain.push_back(next);
+  }
+  chain.back()[parts.back()] = value;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::string_view DefaultConfigYaml() { return kDefaultYaml; }
+
+absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  size_t split = 0;
+  while (split < t.size() && (absl::ascii_isdigit(static_cast<unsigned char>(t[split])) ||
+                              t[split] == '.')) {
+    ++split;
+  }
+  absl::string_view number = t.substr(0, split);
+  absl::string_view unit = absl::StripAsciiWhitespace(t.substr(split));
+  auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is not a size; expected e.g. 1073741824, 512MiB or 4GiB"));
+  };
+  if (number.empty()) return bad();
+  struct Unit {
+    absl::string_view name;
+    double factor;
+  };
+  static constexpr Unit kUnits[] = {{"", 1},           {"B", 1},
+                                    {"KiB", 1024.0},   {"MiB", 1048576.0},
+                                    {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+                                    {"KB", 1e3},       {"MB", 1e6},
+                                    {"GB", 1e9},       {"TB", 1e12}};
+  for (const Unit& u : kUnits) {
+    if (unit != u.name) continue;
+    if (u.name.empty() || u.name == "B") {
+      uint64_t v = 0;
+      if (!absl::SimpleAtoi(number, &v)) return bad();
+      return v;
+    }
+    double v = 0;
+    if (!absl::SimpleAtod(number, &v)) return bad();
+    double bytes = std::round(v * u.factor);
+    if (!(bytes >= 0) || bytes > 1.8e19) return bad();
+    return static_cast<uint64_t>(bytes);
+  }
+  return bad();
+}
+
+absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::string_view source,
+                                         absl::Span<const std::string> overrides) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid YAML at line ",
+                                                   e.mark.line + 1, ", column ",
+                                                   e.mark.column + 1, ": ", e.msg));
+  }
+  if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": the config must be a mapping of keys to values"));
+  }
+  for (const std::string& o : overrides) PROXIMA_RETURN_IF_ERROR(ApplyOverride(root, o));
+
+  Reader r{std::string(source)};
+  DaemonConfig c;
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(root, "", {"server", "tiers", "index", "namespaces", "log"}));
+
+  const YAML::Node server = root["server"];
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+      server, "server",
+      {"listen", "unix_socket", "unix_socket_mode", "metrics_listen", "max_message_bytes",
+       "max_batch_blocks", "max_lookup_keys", "max_profiles_per_namespace",
+       "shutdown_grace_seconds"}));
+  if (server && server.IsMap()) {
+    ServerConfig& s = c.server;
+    PROXIMA_RETURN_IF_ERROR(r.String(server["listen"], "server.listen", &s.listen));
+    if (!s.listen.empty() && !ValidHostPort(s.listen)) {
+      return r.Error("server.listen", s.listen, "host:port such as 127.0.0.1:50051, or \"\"");
+    }
+    PROXIMA_RETURN_IF_ERROR(r.String(server["unix_socket"], "server.unix_socket", &s.unix_socket));
+    if (!s.unix_socket.empty() && (s.unix_socket[0] != '/' || s.unix_socket.size() > 100)) {
+      return r.Error("server.unix_socket", s.unix_socket,
+                     "an absolute path of at most 100 characters, or \"\"");
+    }
+    if (const YAML::Node mode = server["unix_socket_mode"]) {
+      uint32_t m = 0;
+      std::string text = mode.IsScalar() ? mode.Scalar() : Reader::Dump(mode);
+      if (!mode.IsScalar() || text.empty() || text.size() > 4 ||
+          text.find_first_not_of("01234567") != std::string::npos ||
+          (m = static_cast<uint32_t>(std::stoul(text, nullptr, 8))) > 0777) {
+        return r.Error("server.unix_socket_mode", text, "an octal file mode such as 0660");
+      }
+      s.unix_socket_mode = m;
+    }
+    PROXIMA_RETURN_IF_ERROR(
+        r.String(server["metrics_listen"], "server.metrics_listen", &s.metrics_listen));
+    if (!s.metrics_listen.empty() && !ValidHostPort(s.metrics_listen)) {
+      return r.Error("server.metrics_listen", s.metrics_listen,
+                     "host:port such as 127.0.0.1:9464, or \"\"");
+    }
+    PROXIMA_RETURN_IF_ERROR(r.Size(server["max_message_bytes"], "server.max_message_bytes",
+                                   64 << 10, 2000ull << 20, &s.max_message_bytes));
+    uint64_t v = s.max_batch_blocks;
+    PROXIMA_RETURN_IF_ERROR(r.Uint(server["max_batch_blocks"], "server.max_batch_blocks", 1,
+                                   65536, &v));
+    s.max_batch_blocks = static_cast<uint32_t>(v);
+    v = s.max_lookup_keys;
+    PROXIMA_RETURN_IF_ERROR(
+        r.Uint(server["max_lookup_keys"], "server.max_lookup_keys", 1, 1 << 20, &v));
+    s.max_lookup_keys = static_cast<uint32_t>(v);
+    v = s.max_profiles_per_namespace;
+    PROXIMA_RETURN_IF_ERROR(r.Uint(server["max_profiles_per_namespace"],
+                                   "server.max_profiles_per_namespace", 1, 4096, &v));
+    s.max_profiles_per_namespace = static_cast<uint32_t>(v);
+    PROXIMA_RETURN_IF_ERROR(r.Double(server["shutdown_grace_seconds"],
+                                     "server.shutdown_grace_seconds", 0, 3600,
+                                     &s.shutdown_grace_seconds));
+  }
+  if (c.server.listen.empty() && c.server.unix_socket.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": server.listen and server.unix_socket are both empty; set at least one"));
+  }
+
+  const YAML::Node tiers = root["tiers"];
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(tiers, "tiers", {"host"}));
+  if (tiers && tiers.IsMap()) {
+    const YAML::Node host = tiers["host"];
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(host, "tiers.host", {"capacity_bytes"}));
+    if (host && host.IsMap()) {
+      PROXIMA_RETURN_IF_ERROR(r.Size(host["capacity_bytes"], "tiers.host.capacity_bytes", 1 << 20,
+                                     1ull << 50, &c.host_tier.capacity_bytes));
+    }
+  }
+
+  const YAML::Node index = root["index"];
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(index, "index", {"shards"}));
+  if (index && index.IsMap()) {
+    uint64_t shards = c.index_shards;
+    const YAML::Node n = index["shards"];
+    PROXIMA_RETURN_IF_ERROR(r.Uint(n, "index.shards", 1, 4096, &shards));
+    if ((shards & (shards - 1)) != 0) {
+      return r.Error("index.shards", n.Scalar(), "a power of two in [1, 4096]");
+    }
+    c.index_shards = static_cast<uint32_t>(shards);
+  }
+
+  if (const YAML::Node ns = root["namespaces"]) {
+    if (!ns.IsSequence() || ns.size() == 0) {
+      return r.Error("namespaces", Reader::Dump(ns), "a non-empty list such as [{name: default}]");
+    }
+    c.namespaces.clear();
+    absl::flat_hash_set<std::string> seen;
+    for (size_t i = 0; i < ns.size(); ++i) {
+      std::string path = absl::StrCat("namespaces[", i, "]");
+      PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ns[i], path, {"name"}));
+      NamespaceConfig n;
+      std::string name_key = path + ".name";
+      if (!ns[i].IsMap() || !ns[i]["name"]) {
+        return r.Error(name_key, "", "a namespace name of 1-64 characters [A-Za-z0-9_.-]");
+      }
+      PROXIMA_RETURN_IF_ERROR(r.String(ns[i]["name"], name_key, &n.name));
+      if (!ValidNamespaceName(n.name)) {
+        return r.Error(name_key, n.name, "a namespace name of 1-64 characters [A-Za-z0-9_.-]");
+      }
+      if (!seen.insert(n.name).second) {
+        return r.Error(name_key, n.name, "a name not used by an earlier namespace");
+      }
+      c.namespaces.push_back(std::move(n));
+    }
+  }
+
+  const YAML::Node log = root["log"];
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(log, "log", {"level"}));
+  if (log && log.IsMap()) {
+    PROXIMA_RETURN_IF_ERROR(r.String(log["level"], "log.level", &c.log_level));
+    if (c.log_level != "debug" && c.log_level != "info" && c.log_level != "warning" &&
+        c.log_level != "error") {
+      return r.Error("log.level", c.log_level, "one of debug, info, warning, error");
+    }
+  }
+  return c;
+}
+
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path,
+                                            absl::Span<const std::string> overrides) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseConfig(text.str(), path, overrides);
+}
+
+std::string ConfigToYaml(const DaemonConfig& c) {
+  YAML::Emitter e;
+  e << YAML::BeginMap;
+  e << YAML::Key << "server" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "listen" << YAML::Value << YAML::DoubleQuoted << c.server.listen;
+  e << YAML::Key << "unix_socket" << YAML::Value << YAML::DoubleQuoted << c.server.unix_socket;
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "0%o", c.server.unix_socket_mode);
+  e << YAML::Key << "unix_socket_mode" << YAML::Value << YAML::DoubleQuoted << mode;
+  e << YAML::Key << "metrics_listen" << YAML::Value << YAML::DoubleQuoted
+    << c.server.metrics_listen;
+  e << YAML::Key << "max_message_bytes" << YAML::Value << c.server.max_message_bytes;
+  e << YAML::Key << "max_batch_blocks" << YAML::Value << c.server.max_batch_blocks;
+  e << YAML::Key << "max_lookup_keys" << YAML::Value << c.server.max_lookup_keys;
+  e << YAML::Key << "max_profiles_per_namespace" << YAML::Value
+    << c.server.max_profiles_per_namespace;
+  e << YAML::Key << "shutdown_grace_seconds" << YAML::Value << c.server.shutdown_grace_seconds;
+  e << YAML::EndMap;
+  e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host"
+    << YAML::Value << YAML::BeginMap << YAML::Key << "capacity_bytes" << YAML::Value
+    << c.host_tier.capacity_bytes << YAML::EndMap << YAML::EndMap;
+  e << YAML::Key << "index" << YAML::Value << YAML::BeginMap << YAML::Key << "shards"
+    << YAML::Value << c.index_shards << YAML::EndMap;
+  e << YAML::Key << "namespaces" << YAML::Value << YAML::BeginSeq;
+  for (const NamespaceConfig& n : c.namespaces) {
+    e << YAML::BeginMap << YAML::Key << "name" << YAML::Value << n.name << YAML::EndMap;
+  }
+  e << YAML::EndSeq;
+  e << YAML::Key << "log" << YAML::Value << YAML::BeginMap << YAML::Key << "level"
+    << YAML::Value << c.log_level << YAML::EndMap;
+  e << YAML::EndMap;
+  return std::string(e.c_str()) + "\n";
+}
+
+}  // namespace proxima::daemon

@@ -1,0 +1,114 @@
+#include "daemon/config.h"
+
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace proxima::daemon {
+namespace {
+
+using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+TEST(ConfigTest, DefaultYamlEqualsBuiltInDefaults) {
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c, ParseConfig(DefaultConfigYaml(), "<default>", {}));
+  DaemonConfig d;
+  EXPECT_EQ(c.server.listen, d.server.listen);
+  EXPECT_EQ(c.server.unix_socket, d.server.unix_socket);
+  EXPECT_EQ(c.server.unix_socket_mode, d.server.unix_socket_mode);
+  EXPECT_EQ(c.server.max_message_bytes, d.server.max_message_bytes);
+  EXPECT_EQ(c.host_tier.capacity_bytes, d.host_tier.capacity_bytes);
+  EXPECT_EQ(c.index_shards, d.index_shards);
+  ASSERT_EQ(c.namespaces.size(), 1u);
+  EXPECT_EQ(c.namespaces[0].name, "default");
+  ASSERT_OK_AND_ASSIGN(DaemonConfig empty, ParseConfig("", "<empty>", {}));
+  EXPECT_EQ(empty.host_tier.capacity_bytes, d.host_tier.capacity_bytes);
+}
+
+TEST(ConfigTest, RenderedConfigParsesBackToTheSame) {
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c,
+                       ParseConfig("tiers: {host: {capacity_bytes: 3GiB}}\n"
+                                   "namespaces: [{name: a}, {name: b.c-d_e}]\n",
+                                   "x", {}));
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
+  EXPECT_EQ(again.host_tier.capacity_bytes, 3ull << 30);
+  ASSERT_EQ(again.namespaces.size(), 2u);
+  EXPECT_EQ(again.namespaces[1].name, "b.c-d_e");
+  EXPECT_EQ(again.server.unix_socket_mode, 0660u);
+}
+
+TEST(ConfigTest, OverridesApplyBeforeValidation) {
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("server: {listen: '127.0.0.1:1'}", "f",
+                  {"server.listen=0.0.0.0:50051", "tiers.host.capacity_bytes=512MiB",
+                   "namespaces=[{name: x}, {name: y}]", "server.unix_socket=''"}));
+  EXPECT_EQ(c.server.listen, "0.0.0.0:50051");
+  EXPECT_EQ(c.host_tier.capacity_bytes, 512ull << 20);
+  EXPECT_EQ(c.namespaces.size(), 2u);
+  EXPECT_EQ(c.server.unix_socket, "");
+  EXPECT_THAT(ParseConfig("", "f", {"tiers.host.capacity_bytes=lots"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tiers.host.capacity_bytes"), HasSubstr("lots"))));
+  EXPECT_THAT(ParseConfig("", "f", {"no_equals_sign"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dotted.key=value")));
+}
+
+TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
+  struct Case {
+    const char* yaml;
+    std::vector<std::string> must_mention;
+  };
+  const Case cases[] = {
+      {"server: {lisen: x}", {"server.lisen", "unknown", "listen"}},
+      {"bogus: 1", {"bogus", "unknown", "server, tiers"}},
+      {"server: {listen: nocolon}", {"server.listen", "nocolon", "host:port"}},
+      {"server: {max_batch_blocks: 0}", {"server.max_batch_blocks", "'0'", "[1, 65536]"}},
+      {"server: {unix_socket: relative.sock}", {"server.unix_socket", "absolute"}},
+      {"server: {unix_socket_mode: '999'}", {"server.unix_socket_mode", "999", "octal"}},
+      {"tiers: {host: {capacity_bytes: 12X}}", {"tiers.host.capacity_bytes", "12X", "512MiB"}},
+      {"tiers: {host: {capacity_bytes: 10}}", {"tiers.host.capacity_bytes", "'10'"}},
+      {"index: {shards: 3}", {"index.shards", "'3'", "power of two"}},
+      {"namespaces: []", {"namespaces", "non-empty"}},
+      {"namespaces: [{name: 'a b'}]", {"namespaces[0].name", "a b", "[A-Za-z0-9_.-]"}},
+      {"namespaces: [{name: a}, {name: a}]", {"namespaces[1].name", "earlier"}},
+      {"log: {level: loud}", {"log.level", "loud", "debug, info, warning, error"}},
+      {"server: [1, 2]", {"server", "mapping"}},
+      {"server: {listen: ''}\n", {}},  // valid: the Unix socket remains
+      {"server: {listen: '', unix_socket: ''}", {"both empty"}},
+      {"server: {listen: [\n", {"not valid YAML", "line"}},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<DaemonConfig> r = ParseConfig(c.yaml, "test.yaml", {});
+    if (c.must_mention.empty()) {
+      EXPECT_OK(r.status()) << c.yaml;
+      continue;
+    }
+    ASSERT_FALSE(r.ok()) << c.yaml;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.yaml;
+    EXPECT_THAT(r.status().message(), HasSubstr("test.yaml")) << c.yaml;
+    for (const std::string& m : c.must_mention) {
+      EXPECT_THAT(r.status().message(), HasSubstr(m)) << c.yaml;
+    }
+  }
+}
+
+TEST(ConfigTest, ByteSizes) {
+  EXPECT_EQ(*ParseByteSize("1073741824"), 1ull << 30);
+  EXPECT_EQ(*ParseByteSize("512MiB"), 512ull << 20);
+  EXPECT_EQ(*ParseByteSize("1.5GiB"), 3ull << 29);
+  EXPECT_EQ(*ParseByteSize("2GB"), 2000000000ull);
+  EXPECT_EQ(*ParseByteSize("64 KiB"), 65536ull);
+  for (const char* bad : {"", "GiB", "-1", "1.5", "5 parsecs", "1e9"}) {
+    EXPECT_FALSE(ParseByteSize(bad).ok()) << bad;
+  }
+}
+
+TEST(ConfigTest, MissingFileIsNotFound) {
+  EXPECT_THAT(LoadConfigFile("/nonexistent/proxima.yaml", {}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/proxima.yaml")));
+}
+
+}  // namespace
+}  // namespace proxima::daemon

@@ -1,0 +1,150 @@
+#include "daemon/daemon.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
+
+namespace proxima::daemon {
+namespace {
+
+constexpr char kServiceName[] = "proxima.v1.KVTier";
+
+// Prepares `path` for bind(): creates its directory, and removes a stale socket left by a daemon
+// that died, but refuses to take over a socket that a live server still answers on.
+absl::Status PrepareUnixSocket(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server.unix_socket '", path, "': cannot create directory '", dir.string(), "': ",
+        ec.message()));
+  }
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // nothing there
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("server.unix_socket '", path, "' exists and is not a socket"));
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (fd >= 0) close(fd);
+  if (live) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server.unix_socket '", path, "' is in use by a running server; stop it or pick "
+        "another path"));
+  }
+  unlink(path.c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
+  std::unique_ptr<Daemon> d(new Daemon());
+  d->config_ = config;
+  PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
+  d->service_ = std::make_unique<KvTierGrpcService>(d->core_.get(), &d->registry_);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.server.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.server.max_message_bytes));
+  if (!config.server.listen.empty()) {
+    builder.AddListeningPort(config.server.listen, grpc::InsecureServerCredentials(),
+                             &d->tcp_port_);
+  }
+  if (!config.server.unix_socket.empty()) {
+    PROXIMA_RETURN_IF_ERROR(PrepareUnixSocket(config.server.unix_socket));
+    builder.AddListeningPort("unix:" + config.server.unix_socket,
+                             grpc::InsecureServerCredentials());
+  }
+  builder.RegisterService(d->service_.get());
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr || (!config.server.listen.empty() && d->tcp_port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot start the gRPC server on server.listen '", config.server.listen,
+        "' / server.unix_socket '", config.server.unix_socket,
+        "' (address in use, or not an address of this host?)"));
+  }
+  if (!config.server.unix_socket.empty() &&
+      chmod(config.server.unix_socket.c_str(), config.server.unix_socket_mode) != 0) {
+    d->server_->Shutdown();
+    return absl::FailedPreconditionError(absl::StrCat("chmod of server.unix_socket '",
+                                                      config.server.unix_socket,
+                                                      "': ", std::strerror(errno)));
+  }
+  grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, true);
+  health->SetServingStatus(true);
+
+  if (!config.server.metrics_listen.empty()) {
+    auto metrics = metrics::MetricsHttpServer::Start(config.server.metrics_listen, &d->registry_);
+    if (!metrics.ok()) {
+      d->server_->Shutdown();
+      return metrics.status();
+    }
+    d->metrics_ = *std::move(metrics);
+  }
+
+  std::string why_no_gpu;
+  std::vector<gpu::DeviceInfo> gpus = gpu::VisibleDevices(&why_no_gpu);
+  d->registry_.AddGauge("proxima_build_info", "Build and runtime facts (value is always 1)",
+                        {{"version", PROXIMA_VERSION},
+                         {"cuda", gpu::BuiltWithCuda() ? "yes" : "no"},
+                         {"gpus", std::to_string(gpus.size())}},
+                        [] { return 1.0; });
+  if (gpus.empty()) {
+    PROXIMA_LOG(kInfo) << "no GPU tier: running with the host tier alone"
+                       << log::Kv("reason", why_no_gpu);
+  } else {
+    for (const gpu::DeviceInfo& g : gpus) {
+      PROXIMA_LOG(kInfo) << "GPU visible" << log::Kv("ordinal", g.ordinal)
+                         << log::Kv("name", g.name) << log::Kv("bytes", g.total_bytes);
+    }
+  }
+  PROXIMA_LOG(kInfo) << "proximad serving" << log::Kv("version", PROXIMA_VERSION)
+                     << log::Kv("tcp_port", d->tcp_port_)
+                     << log::Kv("unix_socket", config.server.unix_socket)
+                     << log::Kv("metrics_port", d->metrics_port())
+                     << log::Kv("host_capacity_bytes", config.host_tier.capacity_bytes)
+                     << log::Kv("namespaces", config.namespaces.size());
+  return d;
+}
+
+Daemon::~Daemon() { Shutdown(); }
+
+void Daemon::Shutdown() {
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_ || server_ == nullptr) return;
+  shut_down_ = true;
+  PROXIMA_LOG(kInfo) << "draining: refusing new calls, finishing in-flight ones"
+                     << log::Kv("grace_seconds", config_.server.shutdown_grace_seconds);
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  auto deadline = std::chrono::system_clock::now() +
+                  std::chrono::milliseconds(
+                      static_cast<int64_t>(config_.server.shutdown_grace_seconds * 1000));
+  server_->Shutdown(deadline);
+  server_->Wait();
+  if (metrics_) metrics_->Stop();
+  if (!config_.server.unix_socket.empty()) unlink(config_.server.unix_socket.c_str());
+  PROXIMA_LOG(kInfo) << "shutdown complete";
+}
+
+}  // namespace proxima::daemon

@@ -1,0 +1,58 @@
+// Daemon: one running proximad. Builds the tier, the core service, the gRPC server (TCP and/or
+// Unix socket, with the standard gRPC health service) and the metrics endpoint from a validated
+// DaemonConfig, and drains them in order on Shutdown().
+//
+// Thread-safe: Shutdown() may be called from any thread, more than once.
+#ifndef PROXIMA_DAEMON_DAEMON_H_
+#define PROXIMA_DAEMON_DAEMON_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/config.h"
+#include "daemon/grpc_service.h"
+#include "daemon/metrics.h"
+#include "daemon/metrics_http.h"
+#include "daemon/tier_service.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace proxima::daemon {
+
+class Daemon {
+ public:
+  // Starts serving. Fails (and leaves nothing running) when an address cannot be bound, the Unix
+  // socket is in use by a live server, or the tier cannot be reserved.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonConfig& config);
+  ~Daemon();  // Shuts down if still running.
+
+  // TCP port actually bound (useful with port 0), or 0 without TCP.
+  int tcp_port() const { return tcp_port_; }
+  // Metrics port actually bound, or 0 without a metrics endpoint.
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+
+  // Marks the health service NOT_SERVING, refuses new calls (UNAVAILABLE), gives in-flight calls
+  // up to server.shutdown_grace_seconds to finish, then cancels the rest and stops.
+  void Shutdown();
+
+ private:
+  Daemon() = default;
+
+  DaemonConfig config_;
+  metrics::Registry registry_;
+  std::unique_ptr<TierService> core_;
+  std::unique_ptr<KvTierGrpcService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_;
+  int tcp_port_ = 0;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace proxima::daemon
+
+#endif  // PROXIMA_DAEMON_DAEMON_H_

@@ -1,0 +1,83 @@
+#include "daemon/grpc_service.h"
+
+#include <chrono>
+
+namespace proxima::daemon {
+namespace {
+
+constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
+                                        "Lookup",        "Delete",          "Stats"};
+
+}  // namespace
+
+KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry)
+    : core_(core), registry_(registry) {
+  for (int m = 0; m < kMethods; ++m) {
+    latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
+                                         "Time to handle a KVTier call in the daemon",
+                                         {{"method", kMethodNames[m]}}, metrics::LatencyBuckets());
+  }
+}
+
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* KvTierGrpcService::Handle(
+    Method method, grpc::CallbackServerContext* context, const Req* request, Resp* response,
+    absl::Status (TierService::*call)(const Req&, Resp*)) {
+  auto start = std::chrono::steady_clock::now();
+  absl::Status status = (core_->*call)(*request, response);
+  if (!status.ok()) response->Clear();  // a failed call returns no partial results
+  latency_[method]->Observe(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  int code = static_cast<int>(status.code());
+  if (code < 0 || code >= kCodes) code = static_cast<int>(absl::StatusCode::kUnknown);
+  metrics::Counter* counter = requests_[method][code].load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    counter = registry_->AddCounter(
+        "proxima_requests_total", "KVTier calls handled, by method and status code",
+        {{"method", kMethodNames[method]},
+         {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+    requests_[method][code].store(counter, std::memory_order_release);
+  }
+  counter->Increment();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
+                                                           const v1::GetServerInfoRequest* req,
+                                                           v1::GetServerInfoResponse* resp) {
+  return Handle(kGetServerInfo, c, req, resp, &TierService::GetServerInfo);
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
+    grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,
+    v1::RegisterProfileResponse* resp) {
+  return Handle(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
+                                                 const v1::PutRequest* req,
+                                                 v1::PutResponse* resp) {
+  return Handle(kPut, c, req, resp, &TierService::Put);
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
+                                                 const v1::GetRequest* req,
+                                                 v1::GetResponse* resp) {
+  return Handle(kGet, c, req, resp, &TierService::Get);
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,
+                                                    const v1::LookupRequest* req,
+                                                    v1::LookupResponse* resp) {
+  return Handle(kLookup, c, req, resp, &TierService::Lookup);
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::Delete(grpc::CallbackServerContext* c,
+                                                    const v1::DeleteRequest* req,
+                                                    v1::DeleteResponse* resp) {
+  return Handle(kDelete, c, req, resp, &TierService::Delete);
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::Stats(grpc::CallbackServerContext* c,
+                                                   const v1::StatsRequest* req,
+                                                   v1::StatsResponse* resp) {
+  return Handle(kStats, c, req, resp, &TierService::Stats);
+}
+
+}  // namespace proxima::daemon

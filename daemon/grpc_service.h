@@ -1,0 +1,63 @@
+// KvTierGrpcService: the gRPC face of proximad (proxima.v1.KVTier, callback API). Each handler is
+// thin: it calls TierService, records the call's latency and status code, and converts the
+// absl::Status to a grpc::Status at the edge (the codes map one to one).
+//
+// Thread-safe: gRPC calls handlers concurrently.
+#ifndef PROXIMA_DAEMON_GRPC_SERVICE_H_
+#define PROXIMA_DAEMON_GRPC_SERVICE_H_
+
+#include <array>
+#include <atomic>
+
+#include "daemon/metrics.h"
+#include "daemon/tier_service.h"
+#include "proxima/v1/kvtier.grpc.pb.h"
+
+namespace proxima::daemon {
+
+class KvTierGrpcService final : public v1::KVTier::CallbackService {
+ public:
+  // `core` and `registry` must outlive the service.
+  KvTierGrpcService(TierService* core, metrics::Registry* registry);
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::GetServerInfoResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterProfile(grpc::CallbackServerContext* context,
+                                            const v1::RegisterProfileRequest* request,
+                                            v1::RegisterProfileResponse* response) override;
+  grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* context,
+                                const v1::PutRequest* request,
+                                v1::PutResponse* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::GetRequest* request,
+                                v1::GetResponse* response) override;
+  grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* context,
+                                   const v1::LookupRequest* request,
+                                   v1::LookupResponse* response) override;
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* context,
+                                   const v1::DeleteRequest* request,
+                                   v1::DeleteResponse* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
+                                  const v1::StatsRequest* request,
+                                  v1::StatsResponse* response) override;
+
+ private:
+  enum Method { kGetServerInfo, kRegisterProfile, kPut, kGet, kLookup, kDelete, kStats, kMethods };
+  static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
+
+  template <typename Req, typename Resp>
+  grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
+                                   const Req* request, Resp* response,
+                                   absl::Status (TierService::*call)(const Req&, Resp*));
+
+  TierService* const core_;
+  metrics::Registry* const registry_;
+  std::array<metrics::Histogram*, kMethods> latency_{};
+  // Request counters per (method, code), created on first use.
+  std::array<std::array<std::atomic<metrics::Counter*>, kCodes>, kMethods> requests_{};
+};
+
+}  // namespace proxima::daemon
+
+#endif  // PROXIMA_DAEMON_GRPC_SERVICE_H_

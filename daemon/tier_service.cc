@@ -1,0 +1,381 @@
+#include "daemon/tier_service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/crc32c.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace proxima::daemon {
+namespace {
+
+// Bytes a response message needs beyond its block data: per-result framing and headroom.
+constexpr uint64_t kPerBlockOverhead = 64;
+constexpr uint64_t kMessageOverhead = 4096;
+constexpr size_t kMaxFingerprintBytes = 256;
+
+std::string ProfileName(uint64_t id) { return absl::StrFormat("0x%016x", id); }
+
+std::span<const std::byte> AsBytes(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+absl::Status CheckDim(const char* field, uint64_t value, uint64_t max) {
+  if (value == 0 || value > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile.", field, " is ", value, "; expected 1..", max));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ProfileBlockBytes(const v1::ModelProfile& p) {
+  PROXIMA_RETURN_IF_ERROR(CheckDim("num_layers", p.num_layers(), 1024));
+  PROXIMA_RETURN_IF_ERROR(CheckDim("num_kv_heads", p.num_kv_heads(), 1024));
+  PROXIMA_RETURN_IF_ERROR(CheckDim("head_dim", p.head_dim(), 4096));
+  PROXIMA_RETURN_IF_ERROR(CheckDim("tokens_per_block", p.tokens_per_block(), 65536));
+  uint64_t elem = 0;
+  switch (p.dtype()) {
+    case v1::DTYPE_FP16:
+    case v1::DTYPE_BF16:
+      elem = 2;
+      break;
+    case v1::DTYPE_FP8_E4M3:
+      elem = 1;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "profile.dtype is ", v1::DType_Name(p.dtype()).empty() ? std::to_string(p.dtype())
+                                                                  : v1::DType_Name(p.dtype()),
+          "; expected DTYPE_FP16, DTYPE_BF16 or DTYPE_FP8_E4M3"));
+  }
+  if (p.fingerprint().size() > kMaxFingerprintBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("profile.fingerprint is ",
+                                                   p.fingerprint().size(), " bytes; at most ",
+                                                   kMaxFingerprintBytes));
+  }
+  return 2ull * p.num_layers() * p.tokens_per_block() * p.num_kv_heads() * p.head_dim() * elem;
+}
+
+uint64_t ProfileId(const v1::ModelProfile& p) {
+  // FNV-1a over a fixed little-endian encoding of the fields: stable across builds and hosts,
+  // unlike absl::Hash (seeded per process).
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](const void* data, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  };
+  for (uint32_t v : {p.num_layers(), p.num_kv_heads(), p.head_dim(), p.tokens_per_block(),
+                     static_cast<uint32_t>(p.dtype())}) {
+    uint8_t le[4] = {static_cast<uint8_t>(v), static_cast<uint8_t>(v >> 8),
+                     static_cast<uint8_t>(v >> 16), static_cast<uint8_t>(v >> 24)};
+    mix(le, 4);
+  }
+  mix(p.fingerprint().data(), p.fingerprint().size());
+  return h == 0 ? 1 : h;
+}
+
+absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonConfig& config,
+                                                                 metrics::Registry* registry) {
+  PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier,
+                           HostTier::Create(config.host_tier.capacity_bytes));
+  return std::unique_ptr<TierService>(new TierService(config, std::move(tier), registry));
+}
+
+TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
+                         metrics::Registry* registry)
+    : config_(config), start_time_(absl::Now()) {
+  counters_ = std::make_unique<NamespaceCounters[]>(config.namespaces.size());
+  for (size_t i = 0; i < config.namespaces.size(); ++i) {
+    auto ns = std::make_unique<Namespace>();
+    ns->name = config.namespaces[i].name;
+    metrics::Labels labels = {{"namespace", ns->name}};
+    ns->puts = registry->AddCounter("proxima_blocks_put_total",
+                                    "Blocks stored by Put (new blocks only)", labels);
+    ns->get_hits = registry->AddCounter("proxima_get_hits_total", "Blocks returned by Get", labels);
+    ns->get_misses =
+        registry->AddCounter("proxima_get_misses_total", "Keys asked for by Get and not found",
+                             labels);
+    ns->lookup_hits = registry->AddCounter("proxima_lookup_hits_total",
+                                           "Keys counted present by Lookup", labels);
+    ns->lookup_misses = registry->AddCounter(
+        "proxima_lookup_misses_total", "Lookup calls that stopped before the end of their chain",
+        labels);
+    NamespaceCounters* c = &counters_[i];
+    registry->AddGauge("proxima_namespace_blocks", "Blocks stored in the namespace", labels,
+                       [c] { return static_cast<double>(c->blocks.load()); });
+    registry->AddGauge("proxima_namespace_bytes", "Bytes of blocks stored in the namespace",
+                       labels, [c] { return static_cast<double>(c->bytes.load()); });
+    namespaces_.push_back(std::move(ns));
+  }
+  store_ = std::make_unique<BlockStore>(
+      std::move(tier), config.index_shards,
+      std::span<NamespaceCounters>(counters_.get(), config.namespaces.size()));
+  BlockStore* s = store_.get();
+  metrics::Labels host = {{"tier", "host"}};
+  registry->AddGauge("proxima_tier_capacity_bytes", "Hard capacity of the tier", host,
+                     [s] { return static_cast<double>(s->capacity_bytes()); });
+  registry->AddGauge("proxima_tier_used_bytes",
+                     "Bytes allocated to blocks in the tier, including blocks pinned by readers",
+                     host, [s] { return static_cast<double>(s->used_bytes()); });
+  registry->AddGauge("proxima_tier_blocks", "Blocks resident in the tier", host,
+                     [s] { return static_cast<double>(s->blocks()); });
+  registry->AddCounterFunction("proxima_tier_evictions_total",
+                     "Blocks evicted from the tier to make room (monotonic)", host,
+                     [s] { return static_cast<double>(s->evictions()); });
+  registry->AddCounterFunction("proxima_crc_failures_total",
+                     "Stored blocks that failed their CRC32C check on read (dropped; monotonic)",
+                     {}, [s] { return static_cast<double>(s->crc_failures()); });
+  absl::Time start = start_time_;
+  registry->AddGauge("proxima_uptime_seconds", "Seconds since proximad started", {},
+                     [start] { return absl::ToDoubleSeconds(absl::Now() - start); });
+  bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                   "Block bytes moved, by transport and direction",
+                                   {{"transport", "grpc_inline"}, {"direction", "in"}});
+  bytes_out_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                    "Block bytes moved, by transport and direction",
+                                    {{"transport", "grpc_inline"}, {"direction", "out"}});
+}
+
+TierService::~TierService() = default;
+
+absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) const {
+  if (name.empty()) return absl::InvalidArgumentError("namespace_name is empty");
+  for (uint32_t i = 0; i < namespaces_.size(); ++i) {
+    if (namespaces_[i]->name == name) return i;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("namespace '", name.substr(0, 64), "' is not configured on this daemon"));
+}
+
+absl::StatusOr<RegisteredProfile> TierService::FindProfile(uint32_t ns, uint64_t profile_id) {
+  Namespace& n = *namespaces_[ns];
+  absl::MutexLock lock(&n.mu);
+  auto it = n.profiles.find(profile_id);
+  if (it == n.profiles.end()) {
+    return absl::NotFoundError(absl::StrCat("profile ", ProfileName(profile_id),
+                                            " is not registered in namespace '", n.name,
+                                            "'; call RegisterProfile first"));
+  }
+  return it->second;
+}
+
+absl::Status TierService::ResolveKeys(const std::string& method,
+                                      const std::string& namespace_name, uint64_t profile_id,
+                                      const google::protobuf::RepeatedPtrField<std::string>& keys,
+                                      uint32_t max_keys, RegisteredProfile* profile,
+                                      std::vector<BlockId>* ids) {
+  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(namespace_name));
+  PROXIMA_ASSIGN_OR_RETURN(*profile, FindProfile(ns, profile_id));
+  if (keys.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no keys"));
+  if (static_cast<uint32_t>(keys.size()) > max_keys) {
+    return absl::ResourceExhaustedError(absl::StrCat(method, " has ", keys.size(),
+                                                     " keys; the limit is ", max_keys,
+                                                     " per call"));
+  }
+  ids->resize(keys.size());
+  for (int i = 0; i < keys.size(); ++i) {
+    if (keys[i].size() != kKeyBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(method, " keys[", i, "] is ", keys[i].size(),
+                                                     " bytes; keys are exactly ", kKeyBytes,
+                                                     " bytes"));
+    }
+    BlockId& id = (*ids)[i];
+    id.namespace_index = ns;
+    id.profile_id = profile_id;
+    std::memcpy(id.key.data(), keys[i].data(), kKeyBytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TierService::GetServerInfo(const v1::GetServerInfoRequest&,
+                                        v1::GetServerInfoResponse* response) {
+  response->set_version(PROXIMA_VERSION);
+  response->set_max_message_bytes(config_.server.max_message_bytes);
+  response->set_max_batch_blocks(config_.server.max_batch_blocks);
+  response->set_max_lookup_keys(config_.server.max_lookup_keys);
+  response->set_key_bytes(kKeyBytes);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::RegisterProfile(const v1::RegisterProfileRequest& request,
+                                          v1::RegisterProfileResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(request.namespace_name()));
+  PROXIMA_ASSIGN_OR_RETURN(uint64_t block_bytes, ProfileBlockBytes(request.profile()));
+  const uint64_t max_block = config_.server.max_message_bytes - kMessageOverhead;
+  if (block_bytes > max_block || block_bytes > store_->capacity_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "profile's block is ", block_bytes, " bytes; this daemon takes blocks of at most ",
+        std::min(max_block, store_->capacity_bytes()),
+        " bytes (server.max_message_bytes and tiers.host.capacity_bytes)"));
+  }
+  uint64_t id = ProfileId(request.profile());
+  Namespace& n = *namespaces_[ns];
+  {
+    absl::MutexLock lock(&n.mu);
+    if (!n.profiles.contains(id)) {
+      if (n.profiles.size() >= config_.server.max_profiles_per_namespace) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "namespace '", n.name, "' already has ", n.profiles.size(),
+            " profiles; the limit is server.max_profiles_per_namespace = ",
+            config_.server.max_profiles_per_namespace));
+      }
+      n.profiles.emplace(id, RegisteredProfile{request.profile(), block_bytes});
+      PROXIMA_LOG(kInfo) << "profile registered" << log::Kv("namespace", n.name)
+                         << log::Kv("profile_id", ProfileName(id))
+                         << log::Kv("block_bytes", block_bytes)
+                         << log::Kv("fingerprint", request.profile().fingerprint());
+    }
+  }
+  response->set_profile_id(id);
+  response->set_block_bytes(block_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(request.namespace_name()));
+  PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile profile, FindProfile(ns, request.profile_id()));
+  const auto& blocks = request.blocks();
+  if (blocks.empty()) return absl::InvalidArgumentError("Put has no blocks");
+  if (static_cast<uint32_t>(blocks.size()) > config_.server.max_batch_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat("Put has ", blocks.size(),
+                                                     " blocks; the limit is ",
+                                                     config_.server.max_batch_blocks, " per call"));
+  }
+  // Validate everything before storing anything: a rejected request changes nothing.
+  std::vector<uint32_t> crcs(blocks.size());
+  for (int i = 0; i < blocks.size(); ++i) {
+    const v1::PutBlock& b = blocks[i];
+    if (b.key().size() != kKeyBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("Put blocks[", i, "].key is ",
+                                                     b.key().size(), " bytes; keys are exactly ",
+                                                     kKeyBytes, " bytes"));
+    }
+    if (b.data().size() != profile.block_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Put blocks[", i, "].data is ", b.data().size(), " bytes; profile ",
+          ProfileName(request.profile_id()), " needs ", profile.block_bytes, " bytes per block"));
+    }
+    crcs[i] = Crc32c(AsBytes(b.data()));
+    if (b.has_crc32c() && b.crc32c() != crcs[i]) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Put blocks[%d].crc32c is 0x%08x but the received data has CRC32C 0x%08x "
+          "(corrupted in transit?)",
+          i, b.crc32c(), crcs[i]));
+    }
+  }
+  Namespace& n = *namespaces_[ns];
+  uint64_t stored = 0;
+  for (int i = 0; i < blocks.size(); ++i) {
+    BlockId id{ns, request.profile_id(), {}};
+    std::memcpy(id.key.data(), blocks[i].key().data(), kKeyBytes);
+    PutOutcome outcome = store_->Put(id, AsBytes(blocks[i].data()), crcs[i]);
+    switch (outcome) {
+      case PutOutcome::kStored:
+        response->add_outcomes(v1::PUT_OUTCOME_STORED);
+        ++stored;
+        break;
+      case PutOutcome::kAlreadyPresent:
+        response->add_outcomes(v1::PUT_OUTCOME_ALREADY_PRESENT);
+        break;
+      case PutOutcome::kNoSpace:
+        response->add_outcomes(v1::PUT_OUTCOME_NO_SPACE);
+        break;
+    }
+  }
+  n.puts->Increment(stored);
+  bytes_in_->Increment(static_cast<uint64_t>(blocks.size()) * profile.block_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* response) {
+  RegisteredProfile profile;
+  std::vector<BlockId> ids;
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys("Get", request.namespace_name(), request.profile_id(),
+                                      request.keys(), config_.server.max_batch_blocks, &profile,
+                                      &ids));
+  uint64_t need =
+      kMessageOverhead + ids.size() * (profile.block_bytes + kPerBlockOverhead);
+  if (need > config_.server.max_message_bytes) {
+    uint64_t fit = (config_.server.max_message_bytes - kMessageOverhead) /
+                   (profile.block_bytes + kPerBlockOverhead);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Get of ", ids.size(), " blocks of ", profile.block_bytes,
+        " bytes could need a response of ", need, " bytes, over server.max_message_bytes = ",
+        config_.server.max_message_bytes, "; ask for at most ", fit, " blocks per call"));
+  }
+  Namespace& n = *namespaces_[ids[0].namespace_index];
+  uint64_t hits = 0;
+  uint64_t out_bytes = 0;
+  for (const BlockId& id : ids) {
+    v1::GetResult* r = response->add_results();
+    if (std::optional<uint32_t> crc = store_->Get(id, r->mutable_data())) {
+      r->set_found(true);
+      r->set_crc32c(*crc);
+      ++hits;
+      out_bytes += r->data().size();
+    }
+  }
+  n.get_hits->Increment(hits);
+  n.get_misses->Increment(ids.size() - hits);
+  bytes_out_->Increment(out_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::Lookup(const v1::LookupRequest& request, v1::LookupResponse* response) {
+  RegisteredProfile profile;
+  std::vector<BlockId> ids;
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys("Lookup", request.namespace_name(), request.profile_id(),
+                                      request.keys(), config_.server.max_lookup_keys, &profile,
+                                      &ids));
+  uint32_t present = 0;
+  while (present < ids.size() && store_->Contains(ids[present])) ++present;
+  Namespace& n = *namespaces_[ids[0].namespace_index];
+  n.lookup_hits->Increment(present);
+  if (present < ids.size()) n.lookup_misses->Increment();
+  response->set_num_prefix_present(present);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::Delete(const v1::DeleteRequest& request, v1::DeleteResponse* response) {
+  RegisteredProfile profile;
+  std::vector<BlockId> ids;
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys("Delete", request.namespace_name(), request.profile_id(),
+                                      request.keys(), config_.server.max_batch_blocks, &profile,
+                                      &ids));
+  uint32_t deleted = 0;
+  for (const BlockId& id : ids) deleted += store_->Delete(id) ? 1 : 0;
+  response->set_num_deleted(deleted);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::Stats(const v1::StatsRequest&, v1::StatsResponse* response) {
+  response->set_version(PROXIMA_VERSION);
+  response->set_uptime_seconds(
+      static_cast<uint64_t>(absl::ToInt64Seconds(absl::Now() - start_time_)));
+  v1::TierStats* host = response->add_tiers();
+  host->set_name("host");
+  host->set_capacity_bytes(store_->capacity_bytes());
+  host->set_used_bytes(store_->used_bytes());
+  host->set_blocks(store_->blocks());
+  host->set_evictions(store_->evictions());
+  for (size_t i = 0; i < namespaces_.size(); ++i) {
+    const Namespace& n = *namespaces_[i];
+    v1::NamespaceStats* s = response->add_namespaces();
+    s->set_name(n.name);
+    s->set_blocks(counters_[i].blocks.load());
+    s->set_bytes(counters_[i].bytes.load());
+    s->set_puts(n.puts->value());
+    s->set_get_hits(n.get_hits->value());
+    s->set_get_misses(n.get_misses->value());
+    s->set_lookup_hits(n.lookup_hits->value());
+    s->set_lookup_misses(n.lookup_misses->value());
+  }
+  response->set_crc_failures(store_->crc_failures());
+  return absl::OkStatus();
+}
+
+}  // namespace proxima::daemon

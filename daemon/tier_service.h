@@ -1,0 +1,99 @@
+// TierService: the transport-independent core of proximad. It validates proxima.v1 requests,
+// resolves namespaces and model profiles, and runs them against the BlockStore. The gRPC layer
+// (grpc_service.h) only decodes, calls this, and converts the Status at the edge, so the same core
+// can be driven in-process by tests and fuzzers.
+//
+// Every error is an absl::Status whose code carries the gRPC meaning and whose message names the
+// offending field and value: INVALID_ARGUMENT (malformed), NOT_FOUND (unknown namespace or
+// profile), RESOURCE_EXHAUSTED (over a configured limit). A rejected request changes nothing.
+//
+// Thread-safe: every method may be called concurrently.
+#ifndef PROXIMA_DAEMON_TIER_SERVICE_H_
+#define PROXIMA_DAEMON_TIER_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/block_store.h"
+#include "daemon/config.h"
+#include "daemon/metrics.h"
+#include "proxima/v1/kvtier.pb.h"
+
+namespace proxima::daemon {
+
+// Geometry and raw block size of a registered profile.
+struct RegisteredProfile {
+  v1::ModelProfile profile;
+  uint64_t block_bytes = 0;
+};
+
+// Raw block size of `profile` (2 * L * T * H * D * sizeof(dtype)), or INVALID_ARGUMENT naming
+// the field that is zero, out of range or unknown.
+absl::StatusOr<uint64_t> ProfileBlockBytes(const v1::ModelProfile& profile);
+
+// The profile's id: a stable 64-bit FNV-1a hash of its fields (never 0), the same on every
+// daemon and across restarts.
+uint64_t ProfileId(const v1::ModelProfile& profile);
+
+class TierService {
+ public:
+  // `registry` receives the daemon's metrics and must outlive the service.
+  static absl::StatusOr<std::unique_ptr<TierService>> Create(const DaemonConfig& config,
+                                                             metrics::Registry* registry);
+  ~TierService();
+
+  absl::Status GetServerInfo(const v1::GetServerInfoRequest& request,
+                             v1::GetServerInfoResponse* response);
+  absl::Status RegisterProfile(const v1::RegisterProfileRequest& request,
+                               v1::RegisterProfileResponse* response);
+  absl::Status Put(const v1::PutRequest& request, v1::PutResponse* response);
+  absl::Status Get(const v1::GetRequest& request, v1::GetResponse* response);
+  absl::Status Lookup(const v1::LookupRequest& request, v1::LookupResponse* response);
+  absl::Status Delete(const v1::DeleteRequest& request, v1::DeleteResponse* response);
+  absl::Status Stats(const v1::StatsRequest& request, v1::StatsResponse* response);
+
+  BlockStore& store() { return *store_; }
+
+ private:
+  struct Namespace {
+    std::string name;
+    metrics::Counter* puts = nullptr;
+    metrics::Counter* get_hits = nullptr;
+    metrics::Counter* get_misses = nullptr;
+    metrics::Counter* lookup_hits = nullptr;
+    metrics::Counter* lookup_misses = nullptr;
+    absl::Mutex mu;
+    absl::flat_hash_map<uint64_t, RegisteredProfile> profiles ABSL_GUARDED_BY(mu);
+  };
+
+  TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
+              metrics::Registry* registry);
+
+  absl::StatusOr<uint32_t> FindNamespace(const std::string& name) const;
+  absl::StatusOr<RegisteredProfile> FindProfile(uint32_t ns, uint64_t profile_id);
+  // Validates namespace, profile and keys of a keyed request; fills `ids`.
+  absl::Status ResolveKeys(const std::string& method, const std::string& namespace_name,
+                           uint64_t profile_id,
+                           const google::protobuf::RepeatedPtrField<std::string>& keys,
+                           uint32_t max_keys, RegisteredProfile* profile,
+                           std::vector<BlockId>* ids);
+
+  const DaemonConfig config_;
+  const absl::Time start_time_;
+  std::vector<std::unique_ptr<Namespace>> namespaces_;
+  std::unique_ptr<NamespaceCounters[]> counters_;
+  std::unique_ptr<BlockStore> store_;
+  metrics::Counter* bytes_in_ = nullptr;
+  metrics::Counter* bytes_out_ = nullptr;
+};
+
+}  // namespace proxima::daemon
+
+#endif  // PROXIMA_DAEMON_TIER_SERVICE_H_
