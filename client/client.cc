@@ -1,0 +1,263 @@
+#include "client/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace proxima::client {
+namespace {
+
+// Mirrors the daemon's accounting of a response (tier_service.cc): per-block framing and
+// message headroom, so that a batch the client sends never exceeds max_message_bytes.
+constexpr uint64_t kPerBlockOverhead = 64;
+constexpr uint64_t kMessageOverhead = 4096;
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return absl::ToChronoTime(absl::Now() + d);
+}
+
+absl::Status CheckSizes(const char* what, size_t keys, size_t buffers, const Profile& profile,
+                        std::span<const size_t> sizes) {
+  if (keys != buffers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", keys, " keys but ", buffers, " buffers"));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] != profile.block_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": buffer ", i, " is ", sizes[i],
+                                                     " bytes; the profile's blocks are ",
+                                                     profile.block_bytes, " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string KeyString(const BlockKey& k) {
+  return std::string(reinterpret_cast<const char*>(k.data()), k.size());
+}
+
+}  // namespace
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);  // the daemon enforces its own limit; accept what it sends
+  args.SetMaxSendMessageSize(-1);
+  // One connection per Client: several Clients in a process (load generators, benchmarks, a
+  // worker per GPU) then move bytes in parallel instead of sharing one TCP stream.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto channel =
+      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(Deadline(options.connect_timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach proximad at '", options.target,
+                                               "' within ",
+                                               absl::FormatDuration(options.connect_timeout)));
+  }
+  std::unique_ptr<Client> client(new Client(options, std::move(channel)));
+  grpc::ClientContext context;
+  client->PrepareContext(&context);
+  v1::GetServerInfoResponse info;
+  PROXIMA_RETURN_IF_ERROR(
+      FromGrpc(client->stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
+  client->server_info_ = ServerInfo{info.version(), info.max_message_bytes(),
+                                    info.max_batch_blocks(), info.max_lookup_keys()};
+  if (info.key_bytes() != kKeyBytes || info.max_batch_blocks() == 0 ||
+      info.max_lookup_keys() == 0 || info.max_message_bytes() <= kMessageOverhead) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("proximad at '", options.target, "' reports limits this client cannot use: ",
+                     info.ShortDebugString()));
+  }
+  return client;
+}
+
+Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::KVTier::NewStub(channel_)) {}
+
+void Client::PrepareContext(grpc::ClientContext* context) const {
+  context->set_deadline(Deadline(options_.call_timeout));
+}
+
+size_t Client::BlocksPerCall(uint64_t block_bytes) const {
+  uint64_t by_bytes =
+      (server_info_.max_message_bytes - kMessageOverhead) / (block_bytes + kPerBlockOverhead);
+  return static_cast<size_t>(
+      std::max<uint64_t>(1, std::min<uint64_t>(by_bytes, server_info_.max_batch_blocks)));
+}
+
+template <typename Call>
+absl::Status Client::CallWithProfile(const Profile& profile, Call&& call) {
+  absl::Status status = call();
+  if (status.code() != absl::StatusCode::kNotFound) return status;
+  v1::ModelProfile known;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = profiles_.find(profile.id);
+    if (it == profiles_.end()) return status;
+    known = it->second;
+  }
+  absl::StatusOr<Profile> again = RegisterProfile(known);
+  if (!again.ok() || again->id != profile.id) return status;
+  PROXIMA_LOG(kInfo) << "re-registered model profile after the daemon forgot it (restart?)"
+                     << log::Kv("target", options_.target) << log::Kv("profile_id", profile.id);
+  return call();
+}
+
+absl::StatusOr<Profile> Client::RegisterProfile(const v1::ModelProfile& profile) {
+  v1::RegisterProfileRequest request;
+  request.set_namespace_name(options_.namespace_name);
+  *request.mutable_profile() = profile;
+  v1::RegisterProfileResponse response;
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->RegisterProfile(&context, request, &response)));
+  {
+    absl::MutexLock lock(&mu_);
+    profiles_[response.profile_id()] = profile;
+  }
+  return Profile{response.profile_id(), response.block_bytes()};
+}
+
+absl::StatusOr<std::vector<PutOutcome>> Client::Put(
+    const Profile& profile, std::span<const BlockKey> keys,
+    std::span<const std::span<const std::byte>> blocks) {
+  std::vector<size_t> sizes;
+  for (const auto& b : blocks) sizes.push_back(b.size());
+  PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
+  std::vector<PutOutcome> outcomes;
+  outcomes.reserve(keys.size());
+  const size_t per_call = BlocksPerCall(profile.block_bytes);
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::PutRequest request;
+    request.set_namespace_name(options_.namespace_name);
+    request.set_profile_id(profile.id);
+    for (size_t i = begin; i < end; ++i) {
+      v1::PutBlock* b = request.add_blocks();
+      b->set_key(KeyString(keys[i]));
+      b->set_data(reinterpret_cast<const char*>(blocks[i].data()), blocks[i].size());
+      b->set_crc32c(Crc32c(blocks[i]));
+    }
+    v1::PutResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
+      grpc::ClientContext context;
+      PrepareContext(&context);
+      return FromGrpc(stub_->Put(&context, request, &response));
+    }));
+    if (response.outcomes_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
+                                              " outcomes for ", end - begin, " blocks"));
+    }
+    for (int o : response.outcomes()) {
+      outcomes.push_back(o == v1::PUT_OUTCOME_STORED           ? PutOutcome::kStored
+                         : o == v1::PUT_OUTCOME_ALREADY_PRESENT ? PutOutcome::kAlreadyPresent
+                                                                 : PutOutcome::kNoSpace);
+    }
+  }
+  return outcomes;
+}
+
+absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
+                                              std::span<const BlockKey> keys,
+                                              std::span<const std::span<std::byte>> out) {
+  std::vector<size_t> sizes;
+  for (const auto& b : out) sizes.push_back(b.size());
+  PROXIMA_RETURN_IF_ERROR(CheckSizes("Get", keys.size(), out.size(), profile, sizes));
+  std::vector<bool> found(keys.size(), false);
+  const size_t per_call = BlocksPerCall(profile.block_bytes);
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::GetRequest request;
+    request.set_namespace_name(options_.namespace_name);
+    request.set_profile_id(profile.id);
+    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
+    v1::GetResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
+      grpc::ClientContext context;
+      PrepareContext(&context);
+      return FromGrpc(stub_->Get(&context, request, &response));
+    }));
+    if (response.results_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
+                                              " results for ", end - begin, " keys"));
+    }
+    for (size_t i = begin; i < end; ++i) {
+      const v1::GetResult& r = response.results(static_cast<int>(i - begin));
+      if (!r.found()) continue;
+      std::span<const std::byte> data =
+          std::as_bytes(std::span<const char>(r.data().data(), r.data().size()));
+      if (data.size() != out[i].size() || Crc32c(data) != r.crc32c()) {
+        crc_failures_.fetch_add(1);
+        PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
+                                 "treated as a miss"
+                              << log::Kv("target", options_.target) << log::Kv("index", i);
+        continue;
+      }
+      std::memcpy(out[i].data(), data.data(), data.size());
+      found[i] = true;
+    }
+  }
+  return found;
+}
+
+absl::StatusOr<size_t> Client::Lookup(const Profile& profile, std::span<const BlockKey> chain) {
+  size_t present = 0;
+  const size_t per_call = server_info_.max_lookup_keys;
+  for (size_t begin = 0; begin < chain.size(); begin += per_call) {
+    size_t end = std::min(chain.size(), begin + per_call);
+    v1::LookupRequest request;
+    request.set_namespace_name(options_.namespace_name);
+    request.set_profile_id(profile.id);
+    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(chain[i]));
+    v1::LookupResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
+      grpc::ClientContext context;
+      PrepareContext(&context);
+      return FromGrpc(stub_->Lookup(&context, request, &response));
+    }));
+    present += response.num_prefix_present();
+    if (response.num_prefix_present() < end - begin) break;  // the prefix ended in this chunk
+  }
+  return present;
+}
+
+absl::StatusOr<size_t> Client::Delete(const Profile& profile, std::span<const BlockKey> keys) {
+  size_t deleted = 0;
+  const size_t per_call = server_info_.max_batch_blocks;
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::DeleteRequest request;
+    request.set_namespace_name(options_.namespace_name);
+    request.set_profile_id(profile.id);
+    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
+    v1::DeleteResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
+      grpc::ClientContext context;
+      PrepareContext(&context);
+      return FromGrpc(stub_->Delete(&context, request, &response));
+    }));
+    deleted += response.num_deleted();
+  }
+  return deleted;
+}
+
+absl::StatusOr<v1::StatsResponse> Client::Stats() {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  v1::StatsResponse response;
+  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->Stats(&context, v1::StatsRequest(), &response)));
+  return response;
+}
+
+}  // namespace proxima::client

@@ -1,0 +1,120 @@
+// libproxima: the C++ client of proximad (proxima.v1.KVTier over gRPC).
+//
+// A Client is connected to one daemon and acts for one namespace (tenant). It sizes its calls
+// to the daemon's limits (splitting large batches into several calls), sets a deadline on every
+// call, checks the CRC32C of every block it receives, and re-registers a model profile by itself
+// when a restarted daemon no longer knows it.
+//
+//   PROXIMA_ASSIGN_OR_RETURN(auto client, Client::Connect({.target = "unix:/run/proxima/proximad.sock"}));
+//   PROXIMA_ASSIGN_OR_RETURN(Profile profile, client->RegisterProfile(model));
+//   PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client->Put(profile, keys, blocks));
+//   PROXIMA_ASSIGN_OR_RETURN(size_t cached, client->Lookup(profile, chain));
+//
+// Thread-safe: one Client may be used from many threads at once.
+#ifndef PROXIMA_CLIENT_CLIENT_H_
+#define PROXIMA_CLIENT_CLIENT_H_
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proxima/v1/kvtier.grpc.pb.h"
+
+namespace proxima::client {
+
+inline constexpr size_t kKeyBytes = 32;
+using BlockKey = std::array<uint8_t, kKeyBytes>;
+
+struct ClientOptions {
+  // gRPC target: "unix:/run/proxima/proximad.sock", "127.0.0.1:50051", "dns:///host:50051".
+  std::string target = "unix:/run/proxima/proximad.sock";
+  std::string namespace_name = "default";
+  absl::Duration connect_timeout = absl::Seconds(5);  // Connect() gives up after this
+  absl::Duration call_timeout = absl::Seconds(30);    // deadline of every call
+};
+
+// A registered model profile: pass it to every block call.
+struct Profile {
+  uint64_t id = 0;
+  uint64_t block_bytes = 0;  // raw size of one block
+};
+
+enum class PutOutcome { kStored, kAlreadyPresent, kNoSpace };
+
+struct ServerInfo {
+  std::string version;
+  uint64_t max_message_bytes = 0;
+  uint32_t max_batch_blocks = 0;
+  uint32_t max_lookup_keys = 0;
+};
+
+class Client {
+ public:
+  // Connects and fetches the daemon's limits. UNAVAILABLE when the daemon cannot be reached
+  // within connect_timeout.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  // Registers `profile` in the client's namespace (idempotent; the id is stable).
+  absl::StatusOr<Profile> RegisterProfile(const v1::ModelProfile& profile);
+
+  // Stores blocks[i] under keys[i]; each block must be profile.block_bytes long. Returns one
+  // outcome per block. Batches beyond the daemon's limits go out as several calls; if one of
+  // them fails, the error is returned and earlier calls' blocks stay stored.
+  absl::StatusOr<std::vector<PutOutcome>> Put(const Profile& profile,
+                                              std::span<const BlockKey> keys,
+                                              std::span<const std::span<const std::byte>> blocks);
+
+  // Reads keys[i] into out[i] (each profile.block_bytes long). found[i] tells whether block i
+  // was present and intact; out[i] is untouched when it was not.
+  absl::StatusOr<std::vector<bool>> Get(const Profile& profile, std::span<const BlockKey> keys,
+                                        std::span<const std::span<std::byte>> out);
+
+  // Number of leading keys of `chain` that are stored.
+  absl::StatusOr<size_t> Lookup(const Profile& profile, std::span<const BlockKey> chain);
+
+  // Removes blocks; returns how many were present.
+  absl::StatusOr<size_t> Delete(const Profile& profile, std::span<const BlockKey> keys);
+
+  absl::StatusOr<v1::StatsResponse> Stats();
+
+  const ServerInfo& server_info() const { return server_info_; }
+  const ClientOptions& options() const { return options_; }
+  // Blocks received whose CRC32C did not match (reported to the caller as not found).
+  uint64_t crc_failures() const { return crc_failures_.load(); }
+
+ private:
+  Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+
+  // Runs `call` (one RPC with a fresh context); when it fails with NOT_FOUND and `profile` was
+  // registered by this client, registers it again and retries once (the daemon restarted).
+  template <typename Call>
+  absl::Status CallWithProfile(const Profile& profile, Call&& call);
+  void PrepareContext(grpc::ClientContext* context) const;
+  // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
+  size_t BlocksPerCall(uint64_t block_bytes) const;
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KVTier::Stub> stub_;
+  ServerInfo server_info_;
+  std::atomic<uint64_t> crc_failures_{0};
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, v1::ModelProfile> profiles_ ABSL_GUARDED_BY(mu_);
+};
+
+// Converts between gRPC and Abseil statuses (the codes are the same).
+absl::Status FromGrpc(const grpc::Status& status);
+
+}  // namespace proxima::client
+
+#endif  // PROXIMA_CLIENT_CLIENT_H_

@@ -1,0 +1,102 @@
+/* libproxima C ABI: a stable C interface over the C++ client (client/client.h), for the Python
+ * binding and other languages.
+ *
+ * Conventions:
+ *  - Every function returns a proxima_status: 0 (PROXIMA_OK) on success, otherwise a gRPC/Abseil
+ *    status code (3 INVALID_ARGUMENT, 5 NOT_FOUND, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE, ...).
+ *    proxima_last_error() then returns the message, valid until the next call on this thread.
+ *  - Output parameters are written only on success.
+ *  - Keys are 32 bytes each, passed as one array of n * 32 bytes.
+ *  - A proxima_client may be used from several threads at once.
+ *  - The ABI only grows: new functions are added, existing signatures never change.
+ */
+#ifndef PROXIMA_CLIENT_PROXIMA_H_
+#define PROXIMA_CLIENT_PROXIMA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define PROXIMA_EXPORT __attribute__((visibility("default")))
+#else
+#define PROXIMA_EXPORT
+#endif
+
+#define PROXIMA_ABI_VERSION 1
+#define PROXIMA_KEY_BYTES 32
+#define PROXIMA_OK 0
+
+typedef int proxima_status;
+typedef struct proxima_client proxima_client;
+
+typedef enum {
+  PROXIMA_DTYPE_FP16 = 1,
+  PROXIMA_DTYPE_BF16 = 2,
+  PROXIMA_DTYPE_FP8_E4M3 = 3
+} proxima_dtype;
+
+typedef enum {
+  PROXIMA_PUT_STORED = 1,
+  PROXIMA_PUT_ALREADY_PRESENT = 2,
+  PROXIMA_PUT_NO_SPACE = 3
+} proxima_put_outcome;
+
+typedef struct {
+  uint32_t num_layers;
+  uint32_t num_kv_heads;
+  uint32_t head_dim;
+  uint32_t tokens_per_block;
+  proxima_dtype dtype;
+  const char* fingerprint; /* NUL-terminated; model name + revision + parallel layout */
+} proxima_model_profile;
+
+/* Returns PROXIMA_ABI_VERSION of the library actually loaded. */
+PROXIMA_EXPORT int proxima_abi_version(void);
+
+/* Message of the last failed call on this thread ("" if none). */
+PROXIMA_EXPORT const char* proxima_last_error(void);
+
+/* Connects to proximad at `target` ("unix:/run/proxima/proximad.sock" or "host:port") for
+ * namespace `namespace_name`. Timeouts in milliseconds; 0 picks the default (5 s / 30 s). */
+PROXIMA_EXPORT proxima_status proxima_connect(const char* target, const char* namespace_name,
+                               int64_t connect_timeout_ms, int64_t call_timeout_ms,
+                               proxima_client** client_out);
+
+/* Closes the connection and frees `client` (NULL is allowed). */
+PROXIMA_EXPORT void proxima_close(proxima_client* client);
+
+PROXIMA_EXPORT proxima_status proxima_register_profile(proxima_client* client,
+                                        const proxima_model_profile* profile,
+                                        uint64_t* profile_id_out, uint64_t* block_bytes_out);
+
+/* Stores n blocks: keys is n*32 bytes, blocks[i] points to block_bytes bytes. outcomes_out
+ * (n entries, may be NULL) receives a proxima_put_outcome per block. */
+PROXIMA_EXPORT proxima_status proxima_put(proxima_client* client, uint64_t profile_id, size_t n,
+                           const uint8_t* keys, const void* const* blocks,
+                           int32_t* outcomes_out);
+
+/* Reads n blocks into out[i] (block_bytes each); found_out[i] is 1 for a hit, 0 for a miss. */
+PROXIMA_EXPORT proxima_status proxima_get(proxima_client* client, uint64_t profile_id, size_t n,
+                           const uint8_t* keys, void* const* out, uint8_t* found_out);
+
+/* Number of leading keys of the chain (n keys) that are stored. */
+PROXIMA_EXPORT proxima_status proxima_lookup(proxima_client* client, uint64_t profile_id, size_t n,
+                              const uint8_t* keys, size_t* num_present_out);
+
+PROXIMA_EXPORT proxima_status proxima_delete(proxima_client* client, uint64_t profile_id, size_t n,
+                              const uint8_t* keys, size_t* num_deleted_out);
+
+/* The daemon's stats as a JSON object; free it with proxima_free_string(). */
+PROXIMA_EXPORT proxima_status proxima_stats_json(proxima_client* client, char** json_out);
+
+PROXIMA_EXPORT void proxima_free_string(char* s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PROXIMA_CLIENT_PROXIMA_H_ */

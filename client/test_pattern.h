@@ -1,0 +1,29 @@
+// Deterministic test blocks and key chains, shared by proximactl, the benchmarks and the tests:
+// anyone who knows (seed, index) can regenerate a block and check what came back byte for byte.
+//
+// Keys form a chain like an inference engine's: key[i] = H(key[i-1], seed, i), so a chain's
+// keys are distinct, and two seeds never share keys. Thread-safe (pure functions).
+#ifndef PROXIMA_CLIENT_TEST_PATTERN_H_
+#define PROXIMA_CLIENT_TEST_PATTERN_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "client/client.h"
+
+namespace proxima::client {
+
+// Keys [first, first + count) of the chain named by `seed`.
+std::vector<BlockKey> TestKeyChain(uint64_t seed, size_t first, size_t count);
+
+// Fills `out` with the pseudo-random content of block `index` of chain `seed`.
+void FillTestBlock(uint64_t seed, size_t index, std::span<std::byte> out);
+
+// True when `data` is exactly block `index` of chain `seed`.
+bool IsTestBlock(uint64_t seed, size_t index, std::span<const std::byte> data);
+
+}  // namespace proxima::client
+
+#endif  // PROXIMA_CLIENT_TEST_PATTERN_H_
