@@ -46,6 +46,12 @@ std::string KeyString(const BlockKey& k) {
 
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
+  if (status.error_code() == grpc::StatusCode::CANCELLED) {
+    // This client never cancels its calls, so CANCELLED means the daemon dropped the call
+    // (it stopped while the request was in transit): retryable, like any unavailability.
+    return absl::UnavailableError(
+        absl::StrCat("proximad cancelled the call (shutting down?): ", status.error_message()));
+  }
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 

@@ -71,6 +71,10 @@ class Reader {
 
   absl::Status String(const YAML::Node& node, absl::string_view key, std::string* out) {
     if (!node) return absl::OkStatus();
+    if (node.IsNull()) {  // "key:" with no value, or "~"
+      out->clear();
+      return absl::OkStatus();
+    }
     if (!node.IsScalar()) return Error(key, Dump(node), "a string");
     *out = node.as<std::string>();
     return absl::OkStatus();
@@ -153,7 +157,9 @@ absl::Status ApplyOverride(YAML::Node root, const std::string& override_text) {
   std::vector<std::string> parts = absl::StrSplit(override_text.substr(0, eq), '.');
   YAML::Node value;
   try {
-    value = YAML::Load(override_text.substr(eq + 1));
+    // "--set key=" means the empty string (YAML would read it as null).
+    std::string text = override_text.substr(eq + 1);
+    value = text.empty() ? YAML::Node(std::string()) : YAML::Load(text);
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("override '", override_text, "': value is not valid YAML: ", e.msg));

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -64,6 +65,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  // Without this, gRPC sets SO_REUSEPORT and a second daemon could bind the same port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.server.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.server.max_message_bytes));
   if (!config.server.listen.empty()) {
@@ -137,9 +140,15 @@ void Daemon::Shutdown() {
   PROXIMA_LOG(kInfo) << "draining: refusing new calls, finishing in-flight ones"
                      << log::Kv("grace_seconds", config_.server.shutdown_grace_seconds);
   server_->GetHealthCheckService()->SetServingStatus(false);
-  auto deadline = std::chrono::system_clock::now() +
-                  std::chrono::milliseconds(
-                      static_cast<int64_t>(config_.server.shutdown_grace_seconds * 1000));
+  // Phase 1: answer new calls UNAVAILABLE (a clear, retryable status) while the running ones
+  // finish. Phase 2: stop the gRPC server, which cancels whatever is still left at the deadline.
+  service_->StartDraining();
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(
+                            config_.server.shutdown_grace_seconds * 1000));
+  while (service_->in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   server_->Shutdown(deadline);
   server_->Wait();
   if (metrics_) metrics_->Stop();

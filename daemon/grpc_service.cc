@@ -24,7 +24,11 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(
     Method method, grpc::CallbackServerContext* context, const Req* request, Resp* response,
     absl::Status (TierService::*call)(const Req&, Resp*)) {
   auto start = std::chrono::steady_clock::now();
-  absl::Status status = (core_->*call)(*request, response);
+  in_flight_.fetch_add(1);
+  absl::Status status =
+      draining_.load() ? absl::UnavailableError("proximad is shutting down; retry elsewhere")
+                       : (core_->*call)(*request, response);
+  in_flight_.fetch_sub(1);
   if (!status.ok()) response->Clear();  // a failed call returns no partial results
   latency_[method]->Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

@@ -20,6 +20,11 @@ class KvTierGrpcService final : public v1::KVTier::CallbackService {
   // `core` and `registry` must outlive the service.
   KvTierGrpcService(TierService* core, metrics::Registry* registry);
 
+  // From now on every call is answered UNAVAILABLE ("draining"); calls already running finish.
+  void StartDraining() { draining_.store(true); }
+  // Calls whose handler is running now.
+  int in_flight() const { return in_flight_.load(); }
+
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
                                           v1::GetServerInfoResponse* response) override;
@@ -52,6 +57,8 @@ class KvTierGrpcService final : public v1::KVTier::CallbackService {
                                    absl::Status (TierService::*call)(const Req&, Resp*));
 
   TierService* const core_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int> in_flight_{0};
   metrics::Registry* const registry_;
   std::array<metrics::Histogram*, kMethods> latency_{};
   // Request counters per (method, code), created on first use.

@@ -2,6 +2,7 @@
 //
 //   EXPECT_THAT(DoIt(), IsOk());
 //   EXPECT_THAT(DoIt(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("key")));
+//   EXPECT_THAT(Count(), IsOkAndHolds(3));
 //   ASSERT_OK_AND_ASSIGN(auto value, MakeValue());
 #ifndef PROXIMA_COMMON_TESTING_STATUS_MATCHERS_H_
 #define PROXIMA_COMMON_TESTING_STATUS_MATCHERS_H_
@@ -36,6 +37,14 @@ MATCHER(IsOk, "is OK") {
   const absl::Status& status = ::proxima::testing::GetStatus(arg);
   *result_listener << "status is " << status;
   return status.ok();
+}
+
+MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status is " << arg.status();
+    return false;
+  }
+  return ::testing::ExplainMatchResult(value_matcher, *arg, result_listener);
 }
 
 }  // namespace proxima::testing

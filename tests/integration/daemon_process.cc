@@ -1,0 +1,201 @@
+#include "tests/integration/daemon_process.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+extern char** environ;
+
+namespace proxima::testing {
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// Extracts an integer field from the daemon's port file {"tcp_port":N,...}.
+int JsonInt(const std::string& json, const std::string& key) {
+  size_t pos = json.find("\"" + key + "\":");
+  if (pos == std::string::npos) return 0;
+  int v = 0;
+  (void)absl::SimpleAtoi(json.substr(pos + key.size() + 3, json.find_first_of(",}", pos) -
+                                                               (pos + key.size() + 3)),
+                         &v);
+  return v;
+}
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
+            const std::string& err_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_APPEND,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND,
+                                   0644);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&actions);
+  return pid;
+}
+
+int WaitPid(pid_t pid, absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (r < 0) return -1;
+    if (absl::Now() > deadline) return -2;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace
+
+std::string ProximadPath() { return PROXIMAD_PATH; }
+std::string ProximactlPath() { return PROXIMACTL_PATH; }
+
+CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration deadline) {
+  char tmpl[] = "/tmp/proxima-cmd-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  std::string out = dir + "/out", err = dir + "/err";
+  CommandResult result;
+  pid_t pid = Spawn(argv, out, err);
+  if (pid > 0) {
+    int code = WaitPid(pid, deadline);
+    if (code == -2) {
+      kill(pid, SIGKILL);
+      WaitPid(pid, absl::Seconds(5));
+      code = -1;
+    }
+    result.exit_code = code;
+  }
+  result.out = ReadFile(out);
+  result.err = ReadFile(err);
+  std::filesystem::remove_all(dir);
+  return result;
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(std::vector<std::string> sets) {
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess());
+  char tmpl[] = "/tmp/proxima-it-XXXXXX";
+  d->dir_ = mkdtemp(tmpl);
+  d->socket_path_ = d->dir_ + "/proximad.sock";
+  std::vector<std::string> all = {"server.listen=127.0.0.1:0",
+                                  "server.unix_socket=" + d->socket_path_,
+                                  "server.metrics_listen=127.0.0.1:0",
+                                  "tiers.host.capacity_bytes=64MiB",
+                                  "server.shutdown_grace_seconds=5"};
+  all.insert(all.end(), sets.begin(), sets.end());
+  d->sets_ = all;
+  absl::Status s = d->Launch(all);
+  if (!s.ok()) return s;
+  return d;
+}
+
+absl::Status DaemonProcess::Launch(const std::vector<std::string>& sets) {
+  std::string port_file = dir_ + "/port.json";
+  std::filesystem::remove(port_file);
+  std::vector<std::string> argv = {ProximadPath(), "--port_file=" + port_file};
+  for (const std::string& s : sets) argv.push_back("--set=" + s);
+  ++launches_;
+  pid_ = Spawn(argv, dir_ + "/stdout.log", dir_ + "/stderr.log");
+  if (pid_ <= 0) return absl::InternalError("cannot spawn " + ProximadPath());
+  absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < deadline) {
+    std::string json = ReadFile(port_file);
+    if (!json.empty()) {
+      tcp_port_ = JsonInt(json, "tcp_port");
+      metrics_port_ = JsonInt(json, "metrics_port");
+      return absl::OkStatus();
+    }
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return absl::InternalError("proximad exited during start-up: " + Log());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return absl::DeadlineExceededError("proximad did not start within 20 s: " + Log());
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    WaitPid(pid_, absl::Seconds(5));
+  }
+  std::filesystem::remove_all(dir_);
+}
+
+void DaemonProcess::Signal(int sig) {
+  if (pid_ > 0) kill(pid_, sig);
+}
+
+int DaemonProcess::WaitExit(absl::Duration timeout) {
+  if (pid_ <= 0) return -1;
+  int code = WaitPid(pid_, timeout);
+  if (code == -2) return -1;
+  pid_ = -1;
+  return code;
+}
+
+absl::Status DaemonProcess::Restart() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    WaitPid(pid_, absl::Seconds(5));
+    pid_ = -1;
+  }
+  std::vector<std::string> sets = sets_;
+  sets.push_back("server.listen=127.0.0.1:" + std::to_string(tcp_port_));
+  return Launch(sets);
+}
+
+std::string DaemonProcess::Log() const { return ReadFile(dir_ + "/stderr.log"); }
+
+absl::StatusOr<std::string> DaemonProcess::ScrapeMetrics() const {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(metrics_port_);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return absl::UnavailableError("cannot connect to the metrics port");
+  }
+  std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  send(fd, req.data(), req.size(), 0);
+  std::string out;
+  char buf[8192];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  size_t body = out.find("\r\n\r\n");
+  if (out.rfind("HTTP/1.1 200", 0) != 0 || body == std::string::npos) {
+    return absl::InternalError("bad metrics response: " + out.substr(0, 200));
+  }
+  return out.substr(body + 4);
+}
+
+}  // namespace proxima::testing

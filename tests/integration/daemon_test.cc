@@ -1,0 +1,398 @@
+// Integration tests: the real proximad binary on loopback, driven through libproxima, raw gRPC
+// stubs and proximactl.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/test_pattern.h"
+#include "common/crc32c.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace proxima {
+namespace {
+
+using ::proxima::client::BlockKey;
+using ::proxima::client::Client;
+using ::proxima::client::ClientOptions;
+using ::proxima::client::Profile;
+using ::proxima::client::PutOutcome;
+using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::IsOkAndHolds;
+using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// 4 layers x 16 tokens x 8 heads x 128 dim x bf16 x (K, V) = 256 KiB blocks.
+v1::ModelProfile TestModel(uint32_t tokens = 16, std::string fingerprint = "it-model") {
+  v1::ModelProfile p;
+  p.set_num_layers(4);
+  p.set_num_kv_heads(8);
+  p.set_head_dim(128);
+  p.set_tokens_per_block(tokens);
+  p.set_dtype(v1::DTYPE_BF16);
+  p.set_fingerprint(fingerprint);
+  return p;
+}
+
+std::unique_ptr<Client> MustConnect(const std::string& target, const std::string& ns = "default") {
+  ClientOptions options;
+  options.target = target;
+  options.namespace_name = ns;
+  options.call_timeout = absl::Seconds(20);
+  auto c = Client::Connect(options);
+  EXPECT_OK(c.status());
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+struct Blocks {
+  std::vector<BlockKey> keys;
+  std::vector<std::vector<std::byte>> data;
+  std::vector<std::span<const std::byte>> spans() const {
+    return {data.begin(), data.end()};
+  }
+};
+
+Blocks MakeBlocks(uint64_t seed, size_t first, size_t count, uint64_t block_bytes) {
+  Blocks b;
+  b.keys = client::TestKeyChain(seed, first, count);
+  for (size_t i = 0; i < count; ++i) {
+    b.data.emplace_back(block_bytes);
+    client::FillTestBlock(seed, first + i, b.data.back());
+  }
+  return b;
+}
+
+// Gets blocks [first, first+count) of chain `seed`; returns how many came back, and fails the
+// test if any came back wrong.
+size_t GetAndCheck(Client& c, const Profile& p, uint64_t seed, size_t first, size_t count) {
+  std::vector<BlockKey> keys = client::TestKeyChain(seed, first, count);
+  std::vector<std::vector<std::byte>> out(count, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
+  auto found = c.Get(p, keys, spans);
+  EXPECT_OK(found.status());
+  if (!found.ok()) return 0;
+  size_t hits = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (!(*found)[i]) continue;
+    ++hits;
+    EXPECT_TRUE(client::IsTestBlock(seed, first + i, out[i])) << "block " << first + i;
+  }
+  return hits;
+}
+
+double MetricValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+TEST(DaemonIntegrationTest, RoundTripsAreByteExactOverTcpAndUnixSocket) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  for (const std::string& target : {daemon->tcp_target(), daemon->unix_target()}) {
+    SCOPED_TRACE(target);
+    auto c = MustConnect(target);
+    ASSERT_NE(c, nullptr);
+    ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+    EXPECT_EQ(p.block_bytes, 256u << 10);
+    uint64_t seed = target.size();  // a different chain per transport
+    Blocks b = MakeBlocks(seed, 0, 24, p.block_bytes);
+    ASSERT_OK_AND_ASSIGN(auto outcomes, c->Put(p, b.keys, b.spans()));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    EXPECT_EQ(GetAndCheck(*c, p, seed, 0, 24), 24u);
+    ASSERT_OK_AND_ASSIGN(outcomes, c->Put(p, b.keys, b.spans()));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kAlreadyPresent));
+  }
+}
+
+TEST(DaemonIntegrationTest, LookupCountsLeadingPresentBlocks) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  auto c = MustConnect(daemon->unix_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  Blocks first5 = MakeBlocks(7, 0, 5, p.block_bytes);
+  ASSERT_OK(c->Put(p, first5.keys, first5.spans()).status());
+  Blocks seventh = MakeBlocks(7, 6, 1, p.block_bytes);
+  ASSERT_OK(c->Put(p, seventh.keys, seventh.spans()).status());
+  std::vector<BlockKey> chain = client::TestKeyChain(7, 0, 10);
+  EXPECT_THAT(c->Lookup(p, chain), IsOkAndHolds(5u));  // block 5 missing: stops there
+  EXPECT_THAT(c->Lookup(p, std::span(chain).first(3)), IsOkAndHolds(3u));
+  EXPECT_THAT(c->Lookup(p, client::TestKeyChain(8, 0, 4)), IsOkAndHolds(0u));
+  ASSERT_OK_AND_ASSIGN(size_t deleted, c->Delete(p, std::span(chain).subspan(2, 1)));
+  EXPECT_EQ(deleted, 1u);
+  EXPECT_THAT(c->Lookup(p, chain), IsOkAndHolds(2u));
+  // Another model's profile does not see these blocks even with the same keys.
+  ASSERT_OK_AND_ASSIGN(Profile other, c->RegisterProfile(TestModel(16, "another-model")));
+  EXPECT_THAT(c->Lookup(other, chain), IsOkAndHolds(0u));
+}
+
+TEST(DaemonIntegrationTest, EvictsAtCapacityAndNeverGoesAbove) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB"}));
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));  // 256 KiB: 16 fit
+  for (size_t round = 0; round < 5; ++round) {
+    Blocks b = MakeBlocks(1, round * 8, 8, p.block_bytes);
+    ASSERT_OK_AND_ASSIGN(auto outcomes, c->Put(p, b.keys, b.spans()));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    ASSERT_OK_AND_ASSIGN(auto stats, c->Stats());
+    ASSERT_EQ(stats.tiers_size(), 1);
+    EXPECT_LE(stats.tiers(0).used_bytes(), stats.tiers(0).capacity_bytes());
+    ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+    EXPECT_LE(MetricValue(metrics, "proxima_tier_used_bytes{tier=\"host\"}"), 4 << 20);
+  }
+  ASSERT_OK_AND_ASSIGN(auto stats, c->Stats());
+  EXPECT_EQ(stats.tiers(0).blocks(), 16u);
+  EXPECT_EQ(stats.tiers(0).evictions(), 24u);
+  EXPECT_EQ(GetAndCheck(*c, p, 1, 24, 16), 16u);  // the newest 16 are kept, intact
+  EXPECT_EQ(GetAndCheck(*c, p, 1, 0, 24), 0u);    // the oldest went first
+}
+
+TEST(DaemonIntegrationTest, ConcurrentClientsEachGetTheirOwnBytes) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB"}));
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = MustConnect(t % 2 ? daemon->tcp_target() : daemon->unix_target());
+      if (c == nullptr) return void(++failures);
+      auto p = c->RegisterProfile(TestModel());
+      if (!p.ok()) return void(++failures);
+      for (int round = 0; round < 10; ++round) {
+        Blocks b = MakeBlocks(100 + t, round * 4, 4, p->block_bytes);
+        if (!c->Put(*p, b.keys, b.spans()).ok()) ++failures;
+        if (GetAndCheck(*c, *p, 100 + t, round * 4, 4) != 4) ++failures;
+        auto present = c->Lookup(*p, client::TestKeyChain(100 + t, 0, (round + 1) * 4));
+        if (!present.ok() || *present != static_cast<size_t>((round + 1) * 4)) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST(DaemonIntegrationTest, RestartForgetsBlocksAndClientsCarryOn) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  Blocks b = MakeBlocks(3, 0, 4, p.block_bytes);
+  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  ASSERT_OK(daemon->Restart());  // SIGKILL, then start again on the same port and socket
+  // The same Client keeps working: the channel reconnects and the profile is re-registered.
+  absl::StatusOr<size_t> present;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    present = c->Lookup(p, b.keys);
+    if (present.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_OK(present.status());
+  EXPECT_EQ(*present, 0u);  // blocks live in memory only
+  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  EXPECT_EQ(GetAndCheck(*c, p, 3, 0, 4), 4u);
+  EXPECT_THAT(daemon->Log(), HasSubstr("proximad serving"));
+}
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto d = DaemonProcess::Start({"server.max_message_bytes=4MiB", "server.max_batch_blocks=8",
+                                   "server.max_lookup_keys=100",
+                                   "namespaces=[{name: default}, {name: other}]"});
+    ASSERT_OK(d.status());
+    daemon_ = *std::move(d);
+    client_ = MustConnect(daemon_->tcp_target());
+    ASSERT_NE(client_, nullptr);
+    auto p = client_->RegisterProfile(TestModel());
+    ASSERT_OK(p.status());
+    profile_ = *p;
+    stored_ = MakeBlocks(42, 0, 4, profile_.block_bytes);
+    ASSERT_OK(client_->Put(profile_, stored_.keys, stored_.spans()).status());
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    stub_ = v1::KVTier::NewStub(grpc::CreateCustomChannel(
+        daemon_->tcp_target(), grpc::InsecureChannelCredentials(), args));
+  }
+
+  // After each bad input: the daemon still serves, and the blocks stored first are intact.
+  void TearDown() override {
+    if (client_ == nullptr) return;
+    EXPECT_EQ(GetAndCheck(*client_, profile_, 42, 0, 4), 4u);
+  }
+
+  v1::PutRequest GoodPut(int n) {
+    v1::PutRequest r;
+    r.set_namespace_name("default");
+    r.set_profile_id(profile_.id);
+    Blocks b = MakeBlocks(77, 0, n, profile_.block_bytes);
+    for (int i = 0; i < n; ++i) {
+      v1::PutBlock* pb = r.add_blocks();
+      pb->set_key(std::string(reinterpret_cast<const char*>(b.keys[i].data()), 32));
+      pb->set_data(reinterpret_cast<const char*>(b.data[i].data()), b.data[i].size());
+    }
+    return r;
+  }
+
+  absl::Status Put(const v1::PutRequest& r) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    v1::PutResponse resp;
+    return client::FromGrpc(stub_->Put(&ctx, r, &resp));
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<v1::KVTier::Stub> stub_;
+  Profile profile_;
+  Blocks stored_;
+};
+
+TEST_F(BadInputTest, WrongBlockSize) {
+  v1::PutRequest r = GoodPut(2);
+  r.mutable_blocks(1)->mutable_data()->resize(1000);
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                               AllOf(HasSubstr("blocks[1].data is 1000 bytes"),
+                                     HasSubstr("262144"))));
+  // Nothing of the rejected batch was stored, not even its valid first block.
+  EXPECT_THAT(client_->Lookup(profile_, client::TestKeyChain(77, 0, 1)), IsOkAndHolds(0u));
+}
+
+TEST_F(BadInputTest, UnknownProfileAndNamespace) {
+  v1::PutRequest r = GoodPut(1);
+  r.set_profile_id(0xdeadbeef);
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kNotFound,
+                               AllOf(HasSubstr("0x00000000deadbeef"),
+                                     HasSubstr("RegisterProfile"))));
+  r = GoodPut(1);
+  r.set_namespace_name("nope");
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kNotFound, HasSubstr("namespace 'nope'")));
+  r = GoodPut(1);
+  r.set_namespace_name("other");  // configured, but the profile was registered in "default"
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kNotFound, HasSubstr("namespace 'other'")));
+}
+
+TEST_F(BadInputTest, EmptyAndOversizedBatches) {
+  EXPECT_THAT(Put(GoodPut(0)), StatusIs(absl::StatusCode::kInvalidArgument,
+                                        HasSubstr("no blocks")));
+  v1::PutRequest big = GoodPut(9);  // over max_batch_blocks = 8; shrunk to stay under 4 MiB
+  for (auto& b : *big.mutable_blocks()) b.mutable_data()->resize(profile_.block_bytes / 4);
+  EXPECT_THAT(Put(big), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 8")));
+  v1::LookupRequest lookup;
+  lookup.set_namespace_name("default");
+  lookup.set_profile_id(profile_.id);
+  for (int i = 0; i < 101; ++i) lookup.add_keys(std::string(32, 'k'));
+  grpc::ClientContext ctx;
+  v1::LookupResponse resp;
+  EXPECT_THAT(client::FromGrpc(stub_->Lookup(&ctx, lookup, &resp)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 100")));
+}
+
+TEST_F(BadInputTest, MalformedKey) {
+  v1::PutRequest r = GoodPut(3);
+  r.mutable_blocks(2)->set_key(std::string(33, 'x'));
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kInvalidArgument,
+                               AllOf(HasSubstr("blocks[2].key is 33 bytes"), HasSubstr("32"))));
+  v1::GetRequest g;
+  g.set_namespace_name("default");
+  g.set_profile_id(profile_.id);
+  g.add_keys("");
+  grpc::ClientContext ctx;
+  v1::GetResponse resp;
+  EXPECT_THAT(client::FromGrpc(stub_->Get(&ctx, g, &resp)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keys[0] is 0 bytes")));
+}
+
+TEST_F(BadInputTest, CorruptedInTransit) {
+  v1::PutRequest r = GoodPut(1);
+  r.mutable_blocks(0)->set_crc32c(Crc32c(std::as_bytes(std::span(r.blocks(0).data()))) ^ 1);
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("crc32c")));
+}
+
+TEST_F(BadInputTest, MessageOverTheSizeLimit) {
+  v1::PutRequest r = GoodPut(8);  // 2 MiB of data...
+  for (auto& b : *r.mutable_blocks()) b.mutable_data()->append(profile_.block_bytes, 'x');
+  // ...now 4 MiB + framing: over server.max_message_bytes = 4 MiB.
+  EXPECT_THAT(Put(r), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("larger than max")));
+}
+
+TEST_F(BadInputTest, ClientKilledMidCall) {
+  // proximactl sends a large put; it is killed while its message is still in flight.
+  for (int i = 0; i < 3; ++i) {
+    testing::CommandResult r = testing::RunCommand(
+        {"/usr/bin/timeout", "-s", "KILL", "0.15", testing::ProximactlPath(), "put",
+         "--target=" + daemon_->tcp_target(), "--count=256", "--tokens_per_block=64",
+         "--seed=9"},
+        absl::Seconds(30));
+    EXPECT_NE(r.exit_code, 0);
+  }
+  ASSERT_OK_AND_ASSIGN(auto stats, client_->Stats());
+  EXPECT_LE(stats.tiers(0).used_bytes(), stats.tiers(0).capacity_bytes());
+}
+
+TEST(DaemonIntegrationTest, SigtermDrainsInFlightCallsAndRefusesNewOnes) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=128MiB"}));
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, unavailable{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = MustConnect(daemon->unix_target());
+      if (c == nullptr) return void(++other);
+      auto p = c->RegisterProfile(TestModel());
+      if (!p.ok()) return void(++other);
+      for (int i = 0; !stop && i < 100000; ++i) {
+        Blocks b = MakeBlocks(500 + t, i * 4, 4, p->block_bytes);
+        absl::Status s = c->Put(*p, b.keys, b.spans()).status();
+        if (s.ok()) ++ok;
+        else if (s.code() == absl::StatusCode::kUnavailable) ++unavailable;
+        else {
+          ++other;
+          ADD_FAILURE() << "unexpected status during drain: " << s;
+        }
+        if (!s.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->WaitExit(absl::Seconds(10)), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  stop = true;
+  for (auto& t : threads) t.join();
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_GT(unavailable.load(), 0);  // calls after the drain began were refused...
+  EXPECT_EQ(other.load(), 0);        // ...and nothing failed any other way
+  EXPECT_THAT(daemon->Log(), HasSubstr("shutdown complete"));
+}
+
+TEST(DaemonIntegrationTest, MetricsEndpointExportsTheDocumentedSeries) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  Blocks b = MakeBlocks(5, 0, 3, p.block_bytes);
+  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  EXPECT_EQ(GetAndCheck(*c, p, 5, 0, 4), 3u);
+  ASSERT_OK_AND_ASSIGN(std::string m, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(m, "proxima_tier_capacity_bytes{tier=\"host\"}"), 64 << 20);
+  EXPECT_EQ(MetricValue(m, "proxima_tier_used_bytes{tier=\"host\"}"), 3 * (256 << 10));
+  EXPECT_EQ(MetricValue(m, "proxima_blocks_put_total{namespace=\"default\"}"), 3);
+  EXPECT_EQ(MetricValue(m, "proxima_get_hits_total{namespace=\"default\"}"), 3);
+  EXPECT_EQ(MetricValue(m, "proxima_get_misses_total{namespace=\"default\"}"), 1);
+  EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"Put\",code=\"OK\"}"), 1);
+  EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"grpc_inline\",direction=\"in\"}"),
+            3 * (256 << 10));
+  EXPECT_GT(MetricValue(m, "proxima_request_duration_seconds_count{method=\"Get\"}"), 0);
+  EXPECT_THAT(m, HasSubstr("proxima_build_info{"));
+}
+
+}  // namespace
+}  // namespace proxima
