@@ -75,7 +75,7 @@ class Client {
                                               std::span<const std::span<const std::byte>> blocks);
 
   // Reads keys[i] into out[i] (each profile.block_bytes long). found[i] tells whether block i
-  // was present and intact; out[i] is untouched when it was not.
+  // was present and intact; when it is false, out[i]'s contents are unspecified.
   absl::StatusOr<std::vector<bool>> Get(const Profile& profile, std::span<const BlockKey> keys,
                                         std::span<const std::span<std::byte>> out);
 

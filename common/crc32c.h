@@ -18,6 +18,10 @@ uint32_t Crc32c(std::span<const std::byte> data);
 // Continues a CRC32C: Crc32cExtend(Crc32c(a), b) == Crc32c(a ++ b). Crc32cExtend(0, x) == Crc32c(x).
 uint32_t Crc32cExtend(uint32_t crc, std::span<const std::byte> data);
 
+// Copies src into dst (REQUIRES: dst.size() == src.size()) and returns Crc32c(dst), touching
+// each byte once while it is in cache. Checksums what was written, not what was read.
+uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src);
+
 // The portable path, exposed so tests can compare it with the hardware path.
 uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data);
 

@@ -35,6 +35,19 @@ TEST(Crc32cTest, ExtendEqualsWholeAndHardwareEqualsPortable) {
   }
 }
 
+TEST(Crc32cTest, InterleavedLanesAndCopyMatchTheScalarDefinition) {
+  std::mt19937 rng(11);
+  for (size_t len : {24575u, 24576u, 24577u, 49152u + 13u, 2u << 20}) {
+    std::vector<std::byte> data(len), copy(len);
+    for (auto& b : data) b = static_cast<std::byte>(rng());
+    uint32_t expected = Crc32cExtendPortable(0, data);
+    EXPECT_EQ(Crc32c(data), expected) << len;
+    EXPECT_EQ(Crc32cExtend(0x12345678, data), Crc32cExtendPortable(0x12345678, data)) << len;
+    EXPECT_EQ(Crc32cCopy(copy, data), expected) << len;
+    EXPECT_EQ(copy, data);
+  }
+}
+
 TEST(Crc32cTest, DetectsSingleBitFlip) {
   std::vector<std::byte> data(1 << 16, std::byte{0x5A});
   uint32_t before = Crc32c(data);

@@ -134,9 +134,9 @@ std::optional<uint32_t> BlockStore::Get(const BlockId& id, std::string* out) {
   }
   std::span<const std::byte> bytes = block->bytes();
   out->resize(bytes.size());
-  std::memcpy(out->data(), bytes.data(), bytes.size());
-  // Check the copy, not the original: these are the bytes the caller will receive.
-  uint32_t crc = Crc32c(std::as_bytes(std::span<const char>(out->data(), out->size())));
+  // Checks the copy, not the original: these are the bytes the caller will receive.
+  uint32_t crc = Crc32cCopy(std::as_writable_bytes(std::span<char>(out->data(), out->size())),
+                            bytes);
   if (crc == block->crc32c) return crc;
 
   crc_failures_.fetch_add(1, std::memory_order_relaxed);

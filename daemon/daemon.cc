@@ -67,6 +67,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   grpc::ServerBuilder builder;
   // Without this, gRPC sets SO_REUSEPORT and a second daemon could bind the same port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Blocks are megabytes: large HTTP/2 frames and a deep flow-control window (as in the client).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.server.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.server.max_message_bytes));
   if (!config.server.listen.empty()) {
