@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's second command (and CI's): installs what Proxima needs, builds it with tests, and
+# runs the whole suite: unit tests, integration tests against the real proximad, and the
+# bounded fuzz runs. Exits non-zero if anything fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/install-deps.sh
+./scripts/build.sh build
+ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
