@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -9,6 +10,8 @@
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "absl/synchronization/notification.h"
+#include "proto/wire.h"
 
 namespace proxima::client {
 namespace {
@@ -93,7 +96,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
     : options_(std::move(options)),
       channel_(std::move(channel)),
-      stub_(v1::KVTier::NewStub(channel_)) {}
+      stub_(v1::KVTier::NewStub(channel_)),
+      generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
 void Client::PrepareContext(grpc::ClientContext* context) const {
   context->set_deadline(Deadline(options_.call_timeout));
@@ -195,22 +199,33 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
     request.set_namespace_name(options_.namespace_name);
     request.set_profile_id(profile.id);
     for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
-    v1::GetResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
+    grpc::ByteBuffer request_buffer;
+    bool own_buffer = false;
+    if (!grpc::SerializationTraits<v1::GetRequest>::Serialize(request, &request_buffer, &own_buffer)
+             .ok()) {
+      return absl::InternalError("cannot serialize GetRequest");
+    }
+    std::vector<wire::GetResult> results;
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
       grpc::ClientContext context;
       PrepareContext(&context);
-      return FromGrpc(stub_->Get(&context, request, &response));
+      grpc::ByteBuffer response;
+      absl::Notification done;
+      grpc::Status status;
+      generic_stub_->UnaryCall(&context, "/proxima.v1.KVTier/Get", grpc::StubOptions(),
+                               &request_buffer, &response, [&](grpc::Status s) {
+                                 status = std::move(s);
+                                 done.Notify();
+                               });
+      done.WaitForNotification();  // the call's deadline bounds this wait
+      PROXIMA_RETURN_IF_ERROR(FromGrpc(status));
+      // Block bytes go from the received slices straight into the caller's buffers.
+      return wire::ParseGetResponse(response, out.subspan(begin, end - begin), &results);
     }));
-    if (response.results_size() != static_cast<int>(end - begin)) {
-      return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
-                                              " results for ", end - begin, " keys"));
-    }
     for (size_t i = begin; i < end; ++i) {
-      const v1::GetResult& r = response.results(static_cast<int>(i - begin));
-      if (!r.found()) continue;
-      std::span<const std::byte> data =
-          std::as_bytes(std::span<const char>(r.data().data(), r.data().size()));
-      if (data.size() != out[i].size() || Crc32cCopy(out[i], data) != r.crc32c()) {
+      const wire::GetResult& r = results[i - begin];
+      if (!r.found) continue;
+      if (!r.intact) {
         crc_failures_.fetch_add(1);
         PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
                                  "treated as a miss"

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -106,6 +108,7 @@ class Client {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KVTier::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_stub_;  // Get, parsed without copies (wire.h)
   ServerInfo server_info_;
   std::atomic<uint64_t> crc_failures_{0};
   absl::Mutex mu_;

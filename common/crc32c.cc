@@ -141,11 +141,11 @@ uint32_t Crc32cExtend(uint32_t crc, std::span<const std::byte> data) {
 
 uint32_t Crc32c(std::span<const std::byte> data) { return Crc32cExtend(0, data); }
 
-uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src) {
+uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src, uint32_t crc_in) {
   // Chunks of three lanes: each chunk is checksummed right after it is copied, while it is still
   // in cache, so the bytes cross the memory bus once for both jobs.
   constexpr size_t kChunk = 3 * kLane;
-  uint32_t crc = ~0u;
+  uint32_t crc = ~crc_in;
   const uint8_t* s = reinterpret_cast<const uint8_t*>(src.data());
   uint8_t* d = reinterpret_cast<uint8_t*>(dst.data());
   size_t n = src.size();

@@ -20,7 +20,8 @@ uint32_t Crc32cExtend(uint32_t crc, std::span<const std::byte> data);
 
 // Copies src into dst (REQUIRES: dst.size() == src.size()) and returns Crc32c(dst), touching
 // each byte once while it is in cache. Checksums what was written, not what was read.
-uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src);
+// Crc32cCopy(dst, src, crc) continues `crc` like Crc32cExtend.
+uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src, uint32_t crc = 0);
 
 // The portable path, exposed so tests can compare it with the hardware path.
 uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data);

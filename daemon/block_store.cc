@@ -121,7 +121,7 @@ PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, u
   return PutOutcome::kStored;
 }
 
-std::optional<uint32_t> BlockStore::Get(const BlockId& id, std::string* out) {
+std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
   Shard& shard = ShardFor(id);
   BlockRef block;
   {
@@ -132,13 +132,11 @@ std::optional<uint32_t> BlockStore::Get(const BlockId& id, std::string* out) {
     it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
     block = it->second.block;  // pin
   }
-  std::span<const std::byte> bytes = block->bytes();
-  out->resize(bytes.size());
-  // Checks the copy, not the original: these are the bytes the caller will receive.
-  uint32_t crc = Crc32cCopy(std::as_writable_bytes(std::span<char>(out->data(), out->size())),
-                            bytes);
-  if (crc == block->crc32c) return crc;
-
+  uint32_t crc = Crc32c(block->bytes());
+  if (crc == block->crc32c) {
+    std::span<const std::byte> bytes = block->bytes();
+    return ReadBlock{std::move(block), bytes, crc};
+  }
   crc_failures_.fetch_add(1, std::memory_order_relaxed);
   PROXIMA_LOG(kError) << "stored block failed its CRC32C check; dropped"
                       << log::Kv("namespace_index", id.namespace_index)
@@ -151,7 +149,6 @@ std::optional<uint32_t> BlockStore::Get(const BlockId& id, std::string* out) {
     absl::MutexLock lock(&shard.mu);
     dropped = Unlink(shard, id, block.get());
   }
-  out->clear();
   return std::nullopt;
 }
 

@@ -71,9 +71,17 @@ class BlockStore {
   // An existing block with the same id is kept (keys name content) and marked recently used.
   PutOutcome Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c);
 
-  // Copies the block into `out` (resized to the block's size) and returns its CRC32C, or
-  // nullopt when absent or when its bytes fail the CRC check (the block is then dropped).
-  std::optional<uint32_t> Get(const BlockId& id, std::string* out);
+  // A block being read: `bytes` stay valid and unchanged while `pin` is held, even if the block
+  // is evicted or deleted meanwhile.
+  struct ReadBlock {
+    std::shared_ptr<const void> pin;
+    std::span<const std::byte> bytes;
+    uint32_t crc32c = 0;
+  };
+
+  // Pins the block and checks its bytes against their CRC32C. nullopt when absent, or when the
+  // check fails (the block is then dropped from the index and counted in crc_failures()).
+  std::optional<ReadBlock> Read(const BlockId& id);
 
   bool Contains(const BlockId& id) const;
 

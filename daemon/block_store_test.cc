@@ -28,6 +28,14 @@ std::span<const std::byte> B(const std::string& s) {
   return std::as_bytes(std::span<const char>(s.data(), s.size()));
 }
 
+// Reads a block into `out`; nullopt-like false when absent or corrupt.
+bool ReadInto(BlockStore& store, const BlockId& id, std::string* out) {
+  std::optional<BlockStore::ReadBlock> r = store.Read(id);
+  if (!r) return false;
+  out->assign(reinterpret_cast<const char*>(r->bytes.data()), r->bytes.size());
+  return true;
+}
+
 class BlockStoreTest : public ::testing::Test {
  protected:
   std::unique_ptr<BlockStore> MakeStore(uint64_t capacity, uint32_t shards = 8) {
@@ -48,11 +56,11 @@ TEST_F(BlockStoreTest, RoundTripIsByteExactAndNamespacesAreSeparate) {
   EXPECT_EQ(Put(*store, Id(1, 1), b), PutOutcome::kStored);  // same key, other namespace
   EXPECT_EQ(Put(*store, Id(1, 0), b), PutOutcome::kAlreadyPresent);
   std::string out;
-  ASSERT_TRUE(store->Get(Id(1, 0), &out).has_value());
+  ASSERT_TRUE(ReadInto(*store, Id(1, 0), &out));
   EXPECT_EQ(out, a);
-  ASSERT_TRUE(store->Get(Id(1, 1), &out).has_value());
+  ASSERT_TRUE(ReadInto(*store, Id(1, 1), &out));
   EXPECT_EQ(out, b);
-  EXPECT_FALSE(store->Get(Id(1, 0, /*profile=*/8), &out).has_value());
+  EXPECT_FALSE(ReadInto(*store, Id(1, 0, /*profile=*/8), &out));
   EXPECT_EQ(counters_[0].blocks.load(), 1u);
   EXPECT_EQ(counters_[0].bytes.load(), 5000u);
   EXPECT_TRUE(store->Delete(Id(1, 0)));
@@ -67,7 +75,7 @@ TEST_F(BlockStoreTest, EvictsLeastRecentlyUsedAndNeverExceedsCapacity) {
   auto store = MakeStore(16 * kBlock);  // room for exactly 16 blocks
   for (uint32_t i = 0; i < 16; ++i) ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
   std::string out;
-  ASSERT_TRUE(store->Get(Id(0), &out));  // 0 becomes most recent; 1 is now the oldest
+  ASSERT_TRUE(ReadInto(*store, Id(0), &out));  // 0 becomes most recent; 1 is now the oldest
   ASSERT_EQ(Put(*store, Id(100), Payload(100, kBlock)), PutOutcome::kStored);
   EXPECT_TRUE(store->Contains(Id(0)));
   EXPECT_FALSE(store->Contains(Id(1)));
@@ -79,7 +87,7 @@ TEST_F(BlockStoreTest, EvictsLeastRecentlyUsedAndNeverExceedsCapacity) {
   }
   EXPECT_EQ(store->blocks(), 16u);
   for (uint32_t i = 244; i < 260; ++i) {  // the newest 16 survive, intact
-    ASSERT_TRUE(store->Get(Id(i), &out));
+    ASSERT_TRUE(ReadInto(*store, Id(i), &out));
     EXPECT_EQ(out, Payload(i, kBlock));
   }
 }
@@ -89,12 +97,28 @@ TEST_F(BlockStoreTest, CorruptBlockIsDroppedAndCountedNeverReturned) {
   std::string a = Payload(9, 4096);
   ASSERT_EQ(Put(*store, Id(9), a), PutOutcome::kStored);
   ASSERT_TRUE(store->CorruptForTesting(Id(9), 1234));
-  std::string out = "untouched";
-  EXPECT_FALSE(store->Get(Id(9), &out).has_value());
-  EXPECT_TRUE(out.empty());
+  std::string out;
+  EXPECT_FALSE(ReadInto(*store, Id(9), &out));
   EXPECT_EQ(store->crc_failures(), 1u);
   EXPECT_FALSE(store->Contains(Id(9)));
   EXPECT_EQ(store->used_bytes(), 0u);  // its extent was freed
+}
+
+TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
+  auto store = MakeStore(64 << 10);
+  std::string a = Payload(1, 32 << 10);
+  ASSERT_EQ(Put(*store, Id(1), a), PutOutcome::kStored);
+  std::optional<BlockStore::ReadBlock> pinned = store->Read(Id(1));
+  ASSERT_TRUE(pinned.has_value());
+  EXPECT_TRUE(store->Delete(Id(1)));
+  EXPECT_EQ(store->used_bytes(), 32u << 10);  // still held by the reader
+  // With the pinned block's bytes still allocated, only one more 32 KiB block fits.
+  EXPECT_EQ(Put(*store, Id(2), Payload(2, 32 << 10)), PutOutcome::kStored);
+  EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kStored);  // evicts 2
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(pinned->bytes.data()), pinned->bytes.size()),
+            a);
+  pinned.reset();
+  EXPECT_EQ(store->used_bytes(), 32u << 10);
 }
 
 TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
@@ -114,7 +138,7 @@ TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
             Put(*store, Id(k), Payload(k, kBlock));
             break;
           case 2:
-            if (store->Get(Id(k), &out) && out != Payload(k, kBlock)) wrong = true;
+            if (ReadInto(*store, Id(k), &out) && out != Payload(k, kBlock)) wrong = true;
             break;
           case 3:
             store->Delete(Id(k));

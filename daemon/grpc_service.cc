@@ -2,6 +2,11 @@
 
 #include <chrono>
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "common/status_macros.h"
+#include "proto/wire.h"
+
 namespace proxima::daemon {
 namespace {
 
@@ -19,17 +24,16 @@ KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* regis
   }
 }
 
-template <typename Req, typename Resp>
-grpc::ServerUnaryReactor* KvTierGrpcService::Handle(
-    Method method, grpc::CallbackServerContext* context, const Req* request, Resp* response,
-    absl::Status (TierService::*call)(const Req&, Resp*)) {
+template <typename Call>
+grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
+                                                    grpc::CallbackServerContext* context,
+                                                    Call&& call) {
   auto start = std::chrono::steady_clock::now();
   in_flight_.fetch_add(1);
-  absl::Status status =
-      draining_.load() ? absl::UnavailableError("proximad is shutting down; retry elsewhere")
-                       : (core_->*call)(*request, response);
+  absl::Status status = draining_.load()
+                            ? absl::UnavailableError("proximad is shutting down; retry elsewhere")
+                            : call();
   in_flight_.fetch_sub(1);
-  if (!status.ok()) response->Clear();  // a failed call returns no partial results
   latency_[method]->Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   int code = static_cast<int>(status.code());
@@ -48,40 +52,70 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(
   return reactor;
 }
 
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
+    Method method, grpc::CallbackServerContext* context, const Req* request, Resp* response,
+    absl::Status (TierService::*call)(const Req&, Resp*)) {
+  return Handle(method, context, [&] {
+    absl::Status status = (core_->*call)(*request, response);
+    if (!status.ok()) response->Clear();  // a failed call returns no partial results
+    return status;
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
+  return Handle(kGet, c, [&]() -> absl::Status {
+    v1::GetRequest req;
+    grpc::ByteBuffer copy(*request);  // shares the slices; Deserialize consumes its argument
+    if (!grpc::SerializationTraits<v1::GetRequest>::Deserialize(&copy, &req).ok()) {
+      return absl::InvalidArgumentError("GetRequest does not parse as proxima.v1.GetRequest");
+    }
+    std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+    PROXIMA_RETURN_IF_ERROR(core_->GetBlocks(req, &blocks));
+    wire::GetResponseWriter writer;
+    for (auto& b : blocks) {
+      if (b) {
+        writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
+      } else {
+        writer.AddMiss();
+      }
+    }
+    *response = writer.Finish();
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
                                                            const v1::GetServerInfoRequest* req,
                                                            v1::GetServerInfoResponse* resp) {
-  return Handle(kGetServerInfo, c, req, resp, &TierService::GetServerInfo);
+  return HandleProto(kGetServerInfo, c, req, resp, &TierService::GetServerInfo);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
     grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,
     v1::RegisterProfileResponse* resp) {
-  return Handle(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
+  return HandleProto(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
                                                  const v1::PutRequest* req,
                                                  v1::PutResponse* resp) {
-  return Handle(kPut, c, req, resp, &TierService::Put);
-}
-grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
-                                                 const v1::GetRequest* req,
-                                                 v1::GetResponse* resp) {
-  return Handle(kGet, c, req, resp, &TierService::Get);
+  return HandleProto(kPut, c, req, resp, &TierService::Put);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,
                                                     const v1::LookupRequest* req,
                                                     v1::LookupResponse* resp) {
-  return Handle(kLookup, c, req, resp, &TierService::Lookup);
+  return HandleProto(kLookup, c, req, resp, &TierService::Lookup);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Delete(grpc::CallbackServerContext* c,
                                                     const v1::DeleteRequest* req,
                                                     v1::DeleteResponse* resp) {
-  return Handle(kDelete, c, req, resp, &TierService::Delete);
+  return HandleProto(kDelete, c, req, resp, &TierService::Delete);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Stats(grpc::CallbackServerContext* c,
                                                    const v1::StatsRequest* req,
                                                    v1::StatsResponse* resp) {
-  return Handle(kStats, c, req, resp, &TierService::Stats);
+  return HandleProto(kStats, c, req, resp, &TierService::Stats);
 }
 
 }  // namespace proxima::daemon

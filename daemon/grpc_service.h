@@ -15,7 +15,15 @@
 
 namespace proxima::daemon {
 
-class KvTierGrpcService final : public v1::KVTier::CallbackService {
+// Every method on the callback API; Get is "raw" (it writes the serialized response itself, so
+// block bytes go out from tier memory without a copy: see proto/wire.h).
+using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
+    v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithCallbackMethod_Put<
+        v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithCallbackMethod_Lookup<
+            v1::KVTier::WithCallbackMethod_Delete<
+                v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
+
+class KvTierGrpcService final : public KvTierCallbackBase {
  public:
   // `core` and `registry` must outlive the service.
   KvTierGrpcService(TierService* core, metrics::Registry* registry);
@@ -35,8 +43,8 @@ class KvTierGrpcService final : public v1::KVTier::CallbackService {
                                 const v1::PutRequest* request,
                                 v1::PutResponse* response) override;
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
-                                const v1::GetRequest* request,
-                                v1::GetResponse* response) override;
+                                const grpc::ByteBuffer* request,
+                                grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* context,
                                    const v1::LookupRequest* request,
                                    v1::LookupResponse* response) override;
@@ -51,10 +59,15 @@ class KvTierGrpcService final : public v1::KVTier::CallbackService {
   enum Method { kGetServerInfo, kRegisterProfile, kPut, kGet, kLookup, kDelete, kStats, kMethods };
   static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
 
-  template <typename Req, typename Resp>
+  // Runs `call` (returning absl::Status) unless draining, records latency and status code,
+  // and finishes the call.
+  template <typename Call>
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
-                                   const Req* request, Resp* response,
-                                   absl::Status (TierService::*call)(const Req&, Resp*));
+                                   Call&& call);
+  template <typename Req, typename Resp>
+  grpc::ServerUnaryReactor* HandleProto(Method method, grpc::CallbackServerContext* context,
+                                        const Req* request, Resp* response,
+                                        absl::Status (TierService::*call)(const Req&, Resp*));
 
   TierService* const core_;
   std::atomic<bool> draining_{false};

@@ -291,14 +291,14 @@ absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* re
   return absl::OkStatus();
 }
 
-absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* response) {
+absl::Status TierService::GetBlocks(const v1::GetRequest& request,
+                                    std::vector<std::optional<BlockStore::ReadBlock>>* blocks) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
   PROXIMA_RETURN_IF_ERROR(ResolveKeys("Get", request.namespace_name(), request.profile_id(),
                                       request.keys(), config_.server.max_batch_blocks, &profile,
                                       &ids));
-  uint64_t need =
-      kMessageOverhead + ids.size() * (profile.block_bytes + kPerBlockOverhead);
+  uint64_t need = kMessageOverhead + ids.size() * (profile.block_bytes + kPerBlockOverhead);
   if (need > config_.server.max_message_bytes) {
     uint64_t fit = (config_.server.max_message_bytes - kMessageOverhead) /
                    (profile.block_bytes + kPerBlockOverhead);
@@ -310,18 +310,31 @@ absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* re
   Namespace& n = *namespaces_[ids[0].namespace_index];
   uint64_t hits = 0;
   uint64_t out_bytes = 0;
+  blocks->clear();
+  blocks->reserve(ids.size());
   for (const BlockId& id : ids) {
-    v1::GetResult* r = response->add_results();
-    if (std::optional<uint32_t> crc = store_->Get(id, r->mutable_data())) {
-      r->set_found(true);
-      r->set_crc32c(*crc);
+    blocks->push_back(store_->Read(id));
+    if (blocks->back()) {
       ++hits;
-      out_bytes += r->data().size();
+      out_bytes += blocks->back()->bytes.size();
     }
   }
   n.get_hits->Increment(hits);
   n.get_misses->Increment(ids.size() - hits);
   bytes_out_->Increment(out_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* response) {
+  std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+  PROXIMA_RETURN_IF_ERROR(GetBlocks(request, &blocks));
+  for (const auto& b : blocks) {
+    v1::GetResult* r = response->add_results();
+    if (!b) continue;
+    r->set_found(true);
+    r->set_data(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
+    r->set_crc32c(b->crc32c);
+  }
   return absl::OkStatus();
 }
 

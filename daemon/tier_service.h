@@ -54,6 +54,11 @@ class TierService {
   absl::Status RegisterProfile(const v1::RegisterProfileRequest& request,
                                v1::RegisterProfileResponse* response);
   absl::Status Put(const v1::PutRequest& request, v1::PutResponse* response);
+  // Get, without copying: `blocks` receives one entry per key (nullopt for a miss), each pinned
+  // until the caller drops it. The gRPC layer sends the bytes straight from tier memory.
+  absl::Status GetBlocks(const v1::GetRequest& request,
+                         std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
+  // Get into a GetResponse message (a copy of each block; for in-process callers).
   absl::Status Get(const v1::GetRequest& request, v1::GetResponse* response);
   absl::Status Lookup(const v1::LookupRequest& request, v1::LookupResponse* response);
   absl::Status Delete(const v1::DeleteRequest& request, v1::DeleteResponse* response);

@@ -1,0 +1,226 @@
+#include "proto/wire.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+
+namespace proxima::wire {
+namespace {
+
+// Field tags of proxima.v1.GetResponse / GetResult (field_number << 3 | wire_type).
+constexpr uint8_t kResultsTag = (1 << 3) | 2;  // repeated GetResult results = 1
+constexpr uint8_t kFoundTag = (1 << 3) | 0;    // bool found = 1
+constexpr uint8_t kDataTag = (2 << 3) | 2;     // bytes data = 2
+constexpr uint8_t kCrcTag = (3 << 3) | 5;      // fixed32 crc32c = 3
+
+void PutVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+void ReleaseKeepAlive(void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }
+
+// Reads a byte stream spread over slices, never past its end.
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) { Settle(); }
+
+  uint64_t position() const { return position_; }
+  bool done() const { return index_ == slices_.size(); }
+
+  bool ReadByte(uint8_t* b) {
+    if (done()) return false;
+    *b = slices_[index_].begin()[offset_];
+    Advance(1);
+    return true;
+  }
+
+  bool ReadVarint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!ReadByte(&b)) return false;
+      *v |= static_cast<uint64_t>(b & 0x7F) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;  // over 10 bytes: malformed
+  }
+
+  bool ReadFixed32(uint32_t* v) {
+    uint8_t b[4];
+    for (uint8_t& x : b) {
+      if (!ReadByte(&x)) return false;
+    }
+    *v = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+    return true;
+  }
+
+  // Copies n bytes into dst (or skips them when dst is null), extending *crc over them.
+  bool Copy(std::byte* dst, uint64_t n, uint32_t* crc) {
+    while (n > 0) {
+      if (done()) return false;
+      const grpc::Slice& s = slices_[index_];
+      size_t len = static_cast<size_t>(std::min<uint64_t>(n, s.size() - offset_));
+      auto src = std::as_bytes(std::span(s.begin() + offset_, len));
+      if (dst != nullptr) {
+        *crc = Crc32cCopy(std::span(dst, len), src, *crc);
+        dst += len;
+      }
+      Advance(len);
+      n -= len;
+    }
+    return true;
+  }
+
+  bool Skip(uint64_t n) { return Copy(nullptr, n, nullptr); }
+
+ private:
+  void Advance(size_t n) {
+    offset_ += n;
+    position_ += n;
+    Settle();
+  }
+  void Settle() {
+    while (index_ < slices_.size() && offset_ == slices_[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0;
+  size_t offset_ = 0;
+  uint64_t position_ = 0;
+};
+
+bool SkipField(SliceReader& r, uint64_t tag) {
+  uint64_t v;
+  switch (tag & 7) {
+    case 0:
+      return r.ReadVarint(&v);
+    case 1:
+      return r.Skip(8);
+    case 2:
+      return r.ReadVarint(&v) && r.Skip(v);
+    case 5:
+      return r.Skip(4);
+    default:
+      return false;  // groups (3, 4) and reserved types never appear in proxima.v1
+  }
+}
+
+absl::Status Malformed(const char* what, uint64_t position) {
+  return absl::InternalError(
+      absl::StrCat("malformed GetResponse from proximad: ", what, " at byte ", position));
+}
+
+}  // namespace
+
+void GetResponseWriter::AddMiss() {
+  pending_.push_back(static_cast<char>(kResultsTag));
+  pending_.push_back(0);  // empty GetResult: found = false
+}
+
+void GetResponseWriter::AddHit(std::span<const std::byte> data, uint32_t crc32c,
+                               std::shared_ptr<const void> keep_alive) {
+  const uint64_t inner = 2 + 1 + VarintSize(data.size()) + data.size() + 5;
+  pending_.push_back(static_cast<char>(kResultsTag));
+  PutVarint(&pending_, inner);
+  pending_.push_back(static_cast<char>(kFoundTag));
+  pending_.push_back(1);
+  pending_.push_back(static_cast<char>(kDataTag));
+  PutVarint(&pending_, data.size());
+  slices_.emplace_back(pending_.data(), pending_.size());  // copies the few header bytes
+  pending_.clear();
+  slices_.emplace_back(const_cast<std::byte*>(data.data()), data.size(), &ReleaseKeepAlive,
+                       new std::shared_ptr<const void>(std::move(keep_alive)));
+  pending_.push_back(static_cast<char>(kCrcTag));
+  for (int i = 0; i < 4; ++i) pending_.push_back(static_cast<char>(crc32c >> (8 * i)));
+}
+
+grpc::ByteBuffer GetResponseWriter::Finish() {
+  if (!pending_.empty()) slices_.emplace_back(pending_.data(), pending_.size());
+  pending_.clear();
+  grpc::ByteBuffer buffer(slices_.data(), slices_.size());
+  slices_.clear();
+  return buffer;
+}
+
+absl::Status ParseGetResponse(const grpc::ByteBuffer& buffer,
+                              std::span<const std::span<std::byte>> out,
+                              std::vector<GetResult>* results) {
+  std::vector<grpc::Slice> slices;
+  if (buffer.Valid() && !buffer.Dump(&slices).ok()) {
+    return absl::InternalError("cannot read GetResponse buffer");
+  }
+  SliceReader r(slices);
+  std::vector<GetResult> parsed;
+  parsed.reserve(out.size());
+  while (!r.done()) {
+    uint64_t tag;
+    if (!r.ReadVarint(&tag)) return Malformed("truncated tag", r.position());
+    if (tag != kResultsTag) {
+      if (!SkipField(r, tag)) return Malformed("bad field", r.position());
+      continue;
+    }
+    uint64_t len;
+    if (!r.ReadVarint(&len)) return Malformed("truncated result length", r.position());
+    const uint64_t end = r.position() + len;
+    const size_t i = parsed.size();
+    if (i >= out.size()) return Malformed("more results than keys", r.position());
+    GetResult result;
+    bool have_data = false, have_crc = false;
+    uint32_t data_crc = 0, sent_crc = 0;
+    uint64_t data_len = 0;
+    while (r.position() < end) {
+      uint64_t t, v;
+      if (!r.ReadVarint(&t)) return Malformed("truncated result field", r.position());
+      if (t == kFoundTag) {
+        if (!r.ReadVarint(&v)) return Malformed("truncated found", r.position());
+        result.found = v != 0;
+      } else if (t == kDataTag) {
+        if (!r.ReadVarint(&data_len) || r.position() + data_len > end) {
+          return Malformed("bad data length", r.position());
+        }
+        data_crc = 0;
+        if (data_len == out[i].size()) {
+          if (!r.Copy(out[i].data(), data_len, &data_crc)) {
+            return Malformed("truncated data", r.position());
+          }
+          have_data = true;
+        } else if (!r.Skip(data_len)) {
+          return Malformed("truncated data", r.position());
+        }
+      } else if (t == kCrcTag) {
+        if (!r.ReadFixed32(&sent_crc)) return Malformed("truncated crc32c", r.position());
+        have_crc = true;
+      } else if (!SkipField(r, t)) {
+        return Malformed("bad result field", r.position());
+      }
+    }
+    if (r.position() != end) return Malformed("result overruns its length", r.position());
+    result.intact = result.found && have_data && have_crc && data_crc == sent_crc;
+    parsed.push_back(result);
+  }
+  if (parsed.size() != out.size()) {
+    return absl::InternalError(absl::StrCat("proximad answered ", parsed.size(),
+                                            " results for ", out.size(), " keys"));
+  }
+  *results = std::move(parsed);
+  return absl::OkStatus();
+}
+
+}  // namespace proxima::wire
