@@ -110,6 +110,21 @@ size_t Client::BlocksPerCall(uint64_t block_bytes) const {
       std::max<uint64_t>(1, std::min<uint64_t>(by_bytes, server_info_.max_batch_blocks)));
 }
 
+absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request,
+                             grpc::ByteBuffer* response) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  absl::Notification done;
+  grpc::Status status;
+  generic_stub_->UnaryCall(&context, method, grpc::StubOptions(), &request, response,
+                           [&](grpc::Status s) {
+                             status = std::move(s);
+                             done.Notify();
+                           });
+  done.WaitForNotification();  // the call's deadline bounds this wait
+  return FromGrpc(status);
+}
+
 template <typename Call>
 absl::Status Client::CallWithProfile(const Profile& profile, Call&& call) {
   absl::Status status = call();
@@ -154,23 +169,18 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   const size_t per_call = BlocksPerCall(profile.block_bytes);
   for (size_t begin = 0; begin < keys.size(); begin += per_call) {
     size_t end = std::min(keys.size(), begin + per_call);
-    v1::PutRequest request;
-    request.set_namespace_name(options_.namespace_name);
-    request.set_profile_id(profile.id);
-    for (size_t i = begin; i < end; ++i) {
-      v1::PutBlock* b = request.add_blocks();
-      b->set_key(KeyString(keys[i]));
-      std::string* data = b->mutable_data();
-      data->resize(blocks[i].size());
-      b->set_crc32c(
-          Crc32cCopy(std::as_writable_bytes(std::span<char>(data->data(), data->size())),
-                     blocks[i]));
-    }
+    // Block bytes are copied once, into the request's own slices, with their CRC32C.
+    grpc::ByteBuffer request = wire::EncodePutRequest(
+        options_.namespace_name, profile.id, keys.subspan(begin, end - begin),
+        blocks.subspan(begin, end - begin));
     v1::PutResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
-      grpc::ClientContext context;
-      PrepareContext(&context);
-      return FromGrpc(stub_->Put(&context, request, &response));
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
+      grpc::ByteBuffer reply;
+      PROXIMA_RETURN_IF_ERROR(CallRaw("/proxima.v1.KVTier/Put", request, &reply));
+      if (!grpc::SerializationTraits<v1::PutResponse>::Deserialize(&reply, &response).ok()) {
+        return absl::InternalError("malformed PutResponse from proximad");
+      }
+      return absl::OkStatus();
     }));
     if (response.outcomes_size() != static_cast<int>(end - begin)) {
       return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
@@ -207,18 +217,8 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
     }
     std::vector<wire::GetResult> results;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
-      grpc::ClientContext context;
-      PrepareContext(&context);
       grpc::ByteBuffer response;
-      absl::Notification done;
-      grpc::Status status;
-      generic_stub_->UnaryCall(&context, "/proxima.v1.KVTier/Get", grpc::StubOptions(),
-                               &request_buffer, &response, [&](grpc::Status s) {
-                                 status = std::move(s);
-                                 done.Notify();
-                               });
-      done.WaitForNotification();  // the call's deadline bounds this wait
-      PROXIMA_RETURN_IF_ERROR(FromGrpc(status));
+      PROXIMA_RETURN_IF_ERROR(CallRaw("/proxima.v1.KVTier/Get", request_buffer, &response));
       // Block bytes go from the received slices straight into the caller's buffers.
       return wire::ParseGetResponse(response, out.subspan(begin, end - begin), &results);
     }));

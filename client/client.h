@@ -102,6 +102,9 @@ class Client {
   template <typename Call>
   absl::Status CallWithProfile(const Profile& profile, Call&& call);
   void PrepareContext(grpc::ClientContext* context) const;
+  // One unary call with serialized messages (Put and Get encode their block bytes themselves).
+  absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
+                       grpc::ByteBuffer* response);
   // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
   size_t BlocksPerCall(uint64_t block_bytes) const;
 

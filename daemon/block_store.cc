@@ -11,17 +11,19 @@ namespace proxima::daemon {
 
 // The bytes of one block in the tier. Freed when the last reference goes: the index holds one,
 // and each reader holds one while it copies (the pin).
-struct BlockStore::StoredBlock {
-  StoredBlock(HostTier* tier, Extent extent, uint64_t size, uint32_t crc32c)
-      : tier(tier), extent(extent), size(size), crc32c(crc32c) {}
+struct StoredBlock {
+  StoredBlock(HostTier* tier, Extent extent, uint64_t size)
+      : tier(tier), extent(extent), size(size) {}
   ~StoredBlock() { tier->Free(extent); }
   std::span<std::byte> bytes() const { return tier->Bytes(extent).first(size); }
 
   HostTier* const tier;
   const Extent extent;
   const uint64_t size;  // bytes of block data (extent.size is rounded up)
-  const uint32_t crc32c;
+  uint32_t crc32c = 0;  // set once by Commit(), before the block becomes visible
 };
+
+std::span<std::byte> BlockStore::PendingBlock::bytes() const { return block_->bytes(); }
 
 BlockStore::BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
                        std::span<NamespaceCounters> counters)
@@ -92,33 +94,40 @@ std::optional<Extent> BlockStore::AllocateEvicting(uint64_t bytes) {
   }
 }
 
-PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c) {
-  Shard& shard = ShardFor(id);
-  {
-    absl::MutexLock lock(&shard.mu);
-    auto it = shard.map.find(id);
-    if (it != shard.map.end()) {
-      shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
-      it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
-      return PutOutcome::kAlreadyPresent;
-    }
-  }
-  std::optional<Extent> extent = AllocateEvicting(data.size());
-  if (!extent) return PutOutcome::kNoSpace;
-  auto block = std::make_shared<StoredBlock>(tier_.get(), *extent, data.size(), crc32c);
-  std::memcpy(block->bytes().data(), data.data(), data.size());
+std::optional<BlockStore::PendingBlock> BlockStore::Reserve(uint64_t bytes) {
+  std::optional<Extent> extent = AllocateEvicting(bytes);
+  if (!extent) return std::nullopt;
+  return PendingBlock(std::make_shared<StoredBlock>(tier_.get(), *extent, bytes));
+}
 
+PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t crc32c) {
+  BlockRef block = std::move(pending.block_);
+  block->crc32c = crc32c;
+  Shard& shard = ShardFor(id);
   absl::MutexLock lock(&shard.mu);
   auto [it, inserted] = shard.map.try_emplace(id);
-  if (!inserted) return PutOutcome::kAlreadyPresent;  // a concurrent put won; ours is freed
+  if (!inserted) {
+    shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
+    it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    return PutOutcome::kAlreadyPresent;  // `block` is freed after the lock is released
+  }
+  const uint64_t size = block->size;
   shard.lru.push_front(id);
   it->second = Shard::Entry{std::move(block), shard.lru.begin(),
                             clock_.fetch_add(1, std::memory_order_relaxed)};
   blocks_.fetch_add(1, std::memory_order_relaxed);
   NamespaceCounters& c = counters_[id.namespace_index];
   c.blocks.fetch_add(1, std::memory_order_relaxed);
-  c.bytes.fetch_add(data.size(), std::memory_order_relaxed);
+  c.bytes.fetch_add(size, std::memory_order_relaxed);
   return PutOutcome::kStored;
+}
+
+PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c) {
+  if (Touch(id)) return PutOutcome::kAlreadyPresent;
+  std::optional<PendingBlock> pending = Reserve(data.size());
+  if (!pending) return PutOutcome::kNoSpace;
+  std::memcpy(pending->bytes().data(), data.data(), data.size());
+  return Commit(id, *std::move(pending), crc32c);
 }
 
 std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
@@ -150,6 +159,16 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
     dropped = Unlink(shard, id, block.get());
   }
   return std::nullopt;
+}
+
+bool BlockStore::Touch(const BlockId& id) {
+  Shard& shard = ShardFor(id);
+  absl::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(id);
+  if (it == shard.map.end()) return false;
+  shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
+  it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 bool BlockStore::Contains(const BlockId& id) const {

@@ -57,6 +57,8 @@ struct NamespaceCounters {
 
 enum class PutOutcome { kStored, kAlreadyPresent, kNoSpace };
 
+struct StoredBlock;
+
 class BlockStore {
  public:
   // `counters[i]` tracks namespace i; it must outlive the store.
@@ -67,8 +69,30 @@ class BlockStore {
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
 
-  // Stores `data` under `id`, evicting LRU blocks as needed. `crc32c` is Crc32c(data).
-  // An existing block with the same id is kept (keys name content) and marked recently used.
+  // Tier memory for one block being written: not visible to readers until Commit(). Freed when
+  // dropped uncommitted.
+  class PendingBlock {
+   public:
+    PendingBlock(PendingBlock&&) = default;
+    PendingBlock& operator=(PendingBlock&&) = default;
+    std::span<std::byte> bytes() const;
+
+   private:
+    friend class BlockStore;
+    explicit PendingBlock(std::shared_ptr<StoredBlock> block) : block_(std::move(block)) {}
+    std::shared_ptr<StoredBlock> block_;
+  };
+
+  // Reserves `bytes` bytes in the tier, evicting least recently used blocks as needed; nullopt
+  // when nothing more can be evicted (the rest is pinned by readers).
+  std::optional<PendingBlock> Reserve(uint64_t bytes);
+
+  // Makes a written block visible under `id`. `crc32c` is the CRC32C of its bytes. When `id`
+  // is already stored, the stored block is kept (keys name content), marked recently used, and
+  // `block` is freed.
+  PutOutcome Commit(const BlockId& id, PendingBlock block, uint32_t crc32c);
+
+  // Reserve + copy + Commit.
   PutOutcome Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c);
 
   // A block being read: `bytes` stay valid and unchanged while `pin` is held, even if the block
@@ -84,6 +108,8 @@ class BlockStore {
   std::optional<ReadBlock> Read(const BlockId& id);
 
   bool Contains(const BlockId& id) const;
+  // Marks the block recently used; false when absent.
+  bool Touch(const BlockId& id);
 
   // Removes the block; returns whether it was present. A reader holding it finishes first.
   bool Delete(const BlockId& id);
@@ -99,7 +125,6 @@ class BlockStore {
   bool CorruptForTesting(const BlockId& id, size_t byte_offset);
 
  private:
-  struct StoredBlock;
   using BlockRef = std::shared_ptr<StoredBlock>;
   struct Shard {
     mutable absl::Mutex mu;

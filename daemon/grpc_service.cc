@@ -63,6 +63,22 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
   });
 }
 
+grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
+                                                 const grpc::ByteBuffer* request,
+                                                 grpc::ByteBuffer* response) {
+  return Handle(kPut, c, [&]() -> absl::Status {
+    wire::PutRequestReader reader;
+    PROXIMA_RETURN_IF_ERROR(reader.Parse(*request));
+    v1::PutResponse resp;
+    PROXIMA_RETURN_IF_ERROR(core_->Put(reader, &resp));
+    bool own_buffer = false;
+    if (!grpc::SerializationTraits<v1::PutResponse>::Serialize(resp, response, &own_buffer).ok()) {
+      return absl::InternalError("cannot serialize PutResponse");
+    }
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
@@ -96,11 +112,6 @@ grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
     grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,
     v1::RegisterProfileResponse* resp) {
   return HandleProto(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
-}
-grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
-                                                 const v1::PutRequest* req,
-                                                 v1::PutResponse* resp) {
-  return HandleProto(kPut, c, req, resp, &TierService::Put);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,
                                                     const v1::LookupRequest* req,

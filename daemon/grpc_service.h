@@ -15,10 +15,11 @@
 
 namespace proxima::daemon {
 
-// Every method on the callback API; Get is "raw" (it writes the serialized response itself, so
-// block bytes go out from tier memory without a copy: see proto/wire.h).
+// Every method on the callback API; Put and Get are "raw": they read the request and write the
+// response in wire format themselves, so block bytes move between the network buffers and tier
+// memory without protobuf copies (see proto/wire.h).
 using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
-    v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithCallbackMethod_Put<
+    v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithRawCallbackMethod_Put<
         v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithCallbackMethod_Lookup<
             v1::KVTier::WithCallbackMethod_Delete<
                 v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
@@ -40,8 +41,8 @@ class KvTierGrpcService final : public KvTierCallbackBase {
                                             const v1::RegisterProfileRequest* request,
                                             v1::RegisterProfileResponse* response) override;
   grpc::ServerUnaryReactor* Put(grpc::CallbackServerContext* context,
-                                const v1::PutRequest* request,
-                                v1::PutResponse* response) override;
+                                const grpc::ByteBuffer* request,
+                                grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
                                 const grpc::ByteBuffer* request,
                                 grpc::ByteBuffer* response) override;

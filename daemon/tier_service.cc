@@ -236,43 +236,82 @@ absl::Status TierService::RegisterProfile(const v1::RegisterProfileRequest& requ
 }
 
 absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* response) {
-  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(request.namespace_name()));
-  PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile profile, FindProfile(ns, request.profile_id()));
-  const auto& blocks = request.blocks();
+  std::vector<PutSource> sources;
+  sources.reserve(request.blocks_size());
+  for (const v1::PutBlock& b : request.blocks()) {
+    const std::string* data = &b.data();
+    sources.push_back(PutSource{
+        &b.key(), data->size(), b.has_crc32c(), b.crc32c(),
+        [data] { return Crc32c(AsBytes(*data)); },
+        [data](std::span<std::byte> dst) { std::memcpy(dst.data(), data->data(), dst.size()); }});
+  }
+  return PutBlocks(request.namespace_name(), request.profile_id(), sources, response);
+}
+
+absl::Status TierService::Put(const wire::PutRequestReader& request, v1::PutResponse* response) {
+  std::vector<PutSource> sources;
+  sources.reserve(request.blocks().size());
+  for (size_t i = 0; i < request.blocks().size(); ++i) {
+    const wire::PutRequestReader::Block& b = request.blocks()[i];
+    sources.push_back(PutSource{
+        &b.key, b.data_size, b.has_crc32c, b.crc32c,
+        [&request, i] { return request.DataCrc32c(i); },
+        [&request, i](std::span<std::byte> dst) { request.CopyData(i, dst); }});
+  }
+  return PutBlocks(request.namespace_name(), request.profile_id(), sources, response);
+}
+
+absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t profile_id,
+                                    std::span<const PutSource> blocks,
+                                    v1::PutResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(namespace_name));
+  PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile profile, FindProfile(ns, profile_id));
   if (blocks.empty()) return absl::InvalidArgumentError("Put has no blocks");
-  if (static_cast<uint32_t>(blocks.size()) > config_.server.max_batch_blocks) {
+  if (blocks.size() > config_.server.max_batch_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("Put has ", blocks.size(),
                                                      " blocks; the limit is ",
                                                      config_.server.max_batch_blocks, " per call"));
   }
-  // Validate everything before storing anything: a rejected request changes nothing.
+  // Validate everything before storing anything: a rejected request changes nothing (and
+  // evicts nothing to make room for itself).
   std::vector<uint32_t> crcs(blocks.size());
-  for (int i = 0; i < blocks.size(); ++i) {
-    const v1::PutBlock& b = blocks[i];
-    if (b.key().size() != kKeyBytes) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const PutSource& b = blocks[i];
+    if (b.key->size() != kKeyBytes) {
       return absl::InvalidArgumentError(absl::StrCat("Put blocks[", i, "].key is ",
-                                                     b.key().size(), " bytes; keys are exactly ",
+                                                     b.key->size(), " bytes; keys are exactly ",
                                                      kKeyBytes, " bytes"));
     }
-    if (b.data().size() != profile.block_bytes) {
+    if (b.data_size != profile.block_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "Put blocks[", i, "].data is ", b.data().size(), " bytes; profile ",
-          ProfileName(request.profile_id()), " needs ", profile.block_bytes, " bytes per block"));
+          "Put blocks[", i, "].data is ", b.data_size, " bytes; profile ",
+          ProfileName(profile_id), " needs ", profile.block_bytes, " bytes per block"));
     }
-    crcs[i] = Crc32c(AsBytes(b.data()));
-    if (b.has_crc32c() && b.crc32c() != crcs[i]) {
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    crcs[i] = blocks[i].data_crc32c();
+    if (blocks[i].has_crc32c && blocks[i].crc32c != crcs[i]) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "Put blocks[%d].crc32c is 0x%08x but the received data has CRC32C 0x%08x "
           "(corrupted in transit?)",
-          i, b.crc32c(), crcs[i]));
+          i, blocks[i].crc32c, crcs[i]));
     }
   }
   Namespace& n = *namespaces_[ns];
   uint64_t stored = 0;
-  for (int i = 0; i < blocks.size(); ++i) {
-    BlockId id{ns, request.profile_id(), {}};
-    std::memcpy(id.key.data(), blocks[i].key().data(), kKeyBytes);
-    PutOutcome outcome = store_->Put(id, AsBytes(blocks[i].data()), crcs[i]);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    BlockId id{ns, profile_id, {}};
+    std::memcpy(id.key.data(), blocks[i].key->data(), kKeyBytes);
+    PutOutcome outcome = PutOutcome::kAlreadyPresent;
+    if (!store_->Touch(id)) {
+      std::optional<BlockStore::PendingBlock> pending = store_->Reserve(profile.block_bytes);
+      if (!pending) {
+        outcome = PutOutcome::kNoSpace;
+      } else {
+        blocks[i].copy_data(pending->bytes());
+        outcome = store_->Commit(id, *std::move(pending), crcs[i]);
+      }
+    }
     switch (outcome) {
       case PutOutcome::kStored:
         response->add_outcomes(v1::PUT_OUTCOME_STORED);

@@ -12,6 +12,7 @@
 #define PROXIMA_DAEMON_TIER_SERVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "daemon/block_store.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
+#include "proto/wire.h"
 #include "proxima/v1/kvtier.pb.h"
 
 namespace proxima::daemon {
@@ -54,6 +56,9 @@ class TierService {
   absl::Status RegisterProfile(const v1::RegisterProfileRequest& request,
                                v1::RegisterProfileResponse* response);
   absl::Status Put(const v1::PutRequest& request, v1::PutResponse* response);
+  // Put from a request still in its received buffers: block bytes are copied once, from the
+  // network buffers into tier memory.
+  absl::Status Put(const wire::PutRequestReader& request, v1::PutResponse* response);
   // Get, without copying: `blocks` receives one entry per key (nullopt for a miss), each pinned
   // until the caller drops it. The gRPC layer sends the bytes straight from tier memory.
   absl::Status GetBlocks(const v1::GetRequest& request,
@@ -80,6 +85,18 @@ class TierService {
 
   TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
               metrics::Registry* registry);
+
+  // One block of a Put, wherever its bytes are.
+  struct PutSource {
+    const std::string* key;
+    uint64_t data_size;
+    bool has_crc32c;
+    uint32_t crc32c;
+    std::function<uint32_t()> data_crc32c;                // CRC32C of the data, read in place
+    std::function<void(std::span<std::byte>)> copy_data;  // copies the data out
+  };
+  absl::Status PutBlocks(const std::string& namespace_name, uint64_t profile_id,
+                         std::span<const PutSource> blocks, v1::PutResponse* response);
 
   absl::StatusOr<uint32_t> FindNamespace(const std::string& name) const;
   absl::StatusOr<RegisteredProfile> FindProfile(uint32_t ns, uint64_t profile_id);

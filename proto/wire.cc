@@ -37,6 +37,46 @@ void ReleaseKeepAlive(void* p) { delete static_cast<std::shared_ptr<const void>*
 class SliceReader {
  public:
   explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) { Settle(); }
+  SliceReader(const std::vector<grpc::Slice>& slices, size_t index, size_t offset)
+      : slices_(slices), index_(index), offset_(offset) {
+    Settle();
+  }
+
+  size_t slice_index() const { return index_; }
+  size_t slice_offset() const { return offset_; }
+
+  bool ReadFixed64(uint64_t* v) {
+    uint32_t lo, hi;
+    if (!ReadFixed32(&lo) || !ReadFixed32(&hi)) return false;
+    *v = lo | (static_cast<uint64_t>(hi) << 32);
+    return true;
+  }
+
+  bool ReadString(uint64_t n, std::string* out) {
+    out->clear();
+    while (n > 0) {
+      if (done()) return false;
+      const grpc::Slice& s = slices_[index_];
+      size_t len = static_cast<size_t>(std::min<uint64_t>(n, s.size() - offset_));
+      out->append(reinterpret_cast<const char*>(s.begin() + offset_), len);
+      Advance(len);
+      n -= len;
+    }
+    return true;
+  }
+
+  // CRC32C of the next n bytes, consuming them.
+  bool Crc(uint64_t n, uint32_t* crc) {
+    while (n > 0) {
+      if (done()) return false;
+      const grpc::Slice& s = slices_[index_];
+      size_t len = static_cast<size_t>(std::min<uint64_t>(n, s.size() - offset_));
+      *crc = Crc32cExtend(*crc, std::as_bytes(std::span(s.begin() + offset_, len)));
+      Advance(len);
+      n -= len;
+    }
+    return true;
+  }
 
   uint64_t position() const { return position_; }
   bool done() const { return index_ == slices_.size(); }
@@ -86,6 +126,19 @@ class SliceReader {
   }
 
   bool Skip(uint64_t n) { return Copy(nullptr, n, nullptr); }
+
+  bool CopyPlain(std::byte* dst, uint64_t n) {
+    while (n > 0) {
+      if (done()) return false;
+      const grpc::Slice& s = slices_[index_];
+      size_t len = static_cast<size_t>(std::min<uint64_t>(n, s.size() - offset_));
+      std::memcpy(dst, s.begin() + offset_, len);
+      dst += len;
+      Advance(len);
+      n -= len;
+    }
+    return true;
+  }
 
  private:
   void Advance(size_t n) {
@@ -221,6 +274,132 @@ absl::Status ParseGetResponse(const grpc::ByteBuffer& buffer,
   }
   *results = std::move(parsed);
   return absl::OkStatus();
+}
+
+namespace {
+
+// Field tags of proxima.v1.PutRequest / PutBlock.
+constexpr uint8_t kNamespaceTag = (1 << 3) | 2;  // string namespace_name = 1
+constexpr uint8_t kProfileTag = (2 << 3) | 1;    // fixed64 profile_id = 2
+constexpr uint8_t kBlocksTag = (3 << 3) | 2;     // repeated PutBlock blocks = 3
+constexpr uint8_t kKeyTag = (1 << 3) | 2;        // bytes key = 1
+constexpr uint8_t kBlockDataTag = (2 << 3) | 2;  // bytes data = 2
+constexpr uint8_t kBlockCrcTag = (3 << 3) | 5;   // optional fixed32 crc32c = 3
+
+// PutRequest fields are small (keys, names) except the block data; the key of a block is
+// bounded here so a hostile message cannot make the parser allocate much.
+constexpr uint64_t kMaxKeyBytes = 1024;
+
+absl::Status BadPut(const char* what, uint64_t position) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("PutRequest is not a well-formed proxima.v1.PutRequest: ", what, " at byte ",
+                   position));
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t profile_id,
+                                  std::span<const std::array<uint8_t, 32>> keys,
+                                  std::span<const std::span<const std::byte>> blocks) {
+  std::vector<grpc::Slice> slices;
+  std::string head;
+  head.push_back(static_cast<char>(kNamespaceTag));
+  PutVarint(&head, namespace_name.size());
+  head += namespace_name;
+  head.push_back(static_cast<char>(kProfileTag));
+  for (int i = 0; i < 8; ++i) head.push_back(static_cast<char>(profile_id >> (8 * i)));
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const uint64_t data = blocks[b].size();
+    const uint64_t inner = 2 + 32 + 1 + VarintSize(data) + data + 5;
+    head.push_back(static_cast<char>(kBlocksTag));
+    PutVarint(&head, inner);
+    head.push_back(static_cast<char>(kKeyTag));
+    head.push_back(32);
+    head.append(reinterpret_cast<const char*>(keys[b].data()), 32);
+    head.push_back(static_cast<char>(kBlockDataTag));
+    PutVarint(&head, data);
+    slices.emplace_back(head.data(), head.size());
+    head.clear();
+    grpc_slice owned = grpc_slice_malloc(data);
+    uint32_t crc = Crc32cCopy(
+        std::as_writable_bytes(std::span(GRPC_SLICE_START_PTR(owned), data)), blocks[b]);
+    slices.emplace_back(owned, grpc::Slice::STEAL_REF);
+    head.push_back(static_cast<char>(kBlockCrcTag));
+    for (int i = 0; i < 4; ++i) head.push_back(static_cast<char>(crc >> (8 * i)));
+  }
+  slices.emplace_back(head.data(), head.size());
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer) {
+  slices_.clear();
+  blocks_.clear();
+  namespace_name_.clear();
+  profile_id_ = 0;
+  if (buffer.Valid() && !buffer.Dump(&slices_).ok()) {
+    return absl::InternalError("cannot read PutRequest buffer");
+  }
+  SliceReader r(slices_);
+  while (!r.done()) {
+    uint64_t tag, len;
+    if (!r.ReadVarint(&tag)) return BadPut("truncated tag", r.position());
+    if (tag == kNamespaceTag) {
+      if (!r.ReadVarint(&len) || len > kMaxKeyBytes || !r.ReadString(len, &namespace_name_)) {
+        return BadPut("bad namespace_name", r.position());
+      }
+    } else if (tag == kProfileTag) {
+      if (!r.ReadFixed64(&profile_id_)) return BadPut("truncated profile_id", r.position());
+    } else if (tag == kBlocksTag) {
+      if (!r.ReadVarint(&len)) return BadPut("truncated block length", r.position());
+      const uint64_t end = r.position() + len;
+      Block block;
+      bool have_data = false;
+      while (r.position() < end) {
+        uint64_t t, n;
+        if (!r.ReadVarint(&t)) return BadPut("truncated block field", r.position());
+        if (t == kKeyTag) {
+          if (!r.ReadVarint(&n) || n > kMaxKeyBytes || r.position() + n > end ||
+              !r.ReadString(n, &block.key)) {
+            return BadPut("bad key", r.position());
+          }
+        } else if (t == kBlockDataTag) {
+          if (!r.ReadVarint(&n) || r.position() + n > end) {
+            return BadPut("bad data length", r.position());
+          }
+          block.data_size = n;
+          block.slice = r.slice_index();
+          block.offset = r.slice_offset();
+          have_data = true;
+          if (!r.Skip(n)) return BadPut("truncated data", r.position());
+        } else if (t == kBlockCrcTag) {
+          if (!r.ReadFixed32(&block.crc32c)) return BadPut("truncated crc32c", r.position());
+          block.has_crc32c = true;
+        } else if (!SkipField(r, t)) {
+          return BadPut("bad block field", r.position());
+        }
+      }
+      if (r.position() != end) return BadPut("block overruns its length", r.position());
+      if (!have_data) block.slice = slices_.size();  // empty data
+      blocks_.push_back(std::move(block));
+    } else if (!SkipField(r, tag)) {
+      return BadPut("bad field", r.position());
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint32_t PutRequestReader::DataCrc32c(size_t i) const {
+  const Block& b = blocks_[i];
+  SliceReader r(slices_, b.slice, b.offset);
+  uint32_t crc = 0;
+  r.Crc(b.data_size, &crc);  // Parse() checked that the bytes are there
+  return crc;
+}
+
+void PutRequestReader::CopyData(size_t i, std::span<std::byte> dst) const {
+  const Block& b = blocks_[i];
+  SliceReader r(slices_, b.slice, b.offset);
+  r.CopyPlain(dst.data(), b.data_size);
 }
 
 }  // namespace proxima::wire

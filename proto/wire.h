@@ -16,6 +16,7 @@
 #include <grpcpp/support/slice.h>
 
 #include <cstddef>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -53,6 +54,44 @@ struct GetResult {
 absl::Status ParseGetResponse(const grpc::ByteBuffer& buffer,
                               std::span<const std::span<std::byte>> out,
                               std::vector<GetResult>* results);
+
+// Serializes a proxima.v1.PutRequest. Each block's bytes are copied once, into slices the
+// buffer owns, with their CRC32C computed on the way and sent as PutBlock.crc32c.
+// REQUIRES: keys.size() == blocks.size().
+grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t profile_id,
+                                  std::span<const std::array<uint8_t, 32>> keys,
+                                  std::span<const std::span<const std::byte>> blocks);
+
+// A parsed proxima.v1.PutRequest whose block bytes still sit in the received slices.
+class PutRequestReader {
+ public:
+  struct Block {
+    std::string key;
+    uint64_t data_size = 0;
+    bool has_crc32c = false;
+    uint32_t crc32c = 0;
+    size_t slice = 0;  // where the data starts
+    size_t offset = 0;
+  };
+
+  // Parses the message structure. INVALID_ARGUMENT when it is not a well-formed PutRequest.
+  absl::Status Parse(const grpc::ByteBuffer& buffer);
+
+  const std::string& namespace_name() const { return namespace_name_; }
+  uint64_t profile_id() const { return profile_id_; }
+  const std::vector<Block>& blocks() const { return blocks_; }
+
+  // CRC32C of block i's data, read in place.
+  uint32_t DataCrc32c(size_t i) const;
+  // Copies block i's data into `dst`. REQUIRES: dst.size() == blocks()[i].data_size.
+  void CopyData(size_t i, std::span<std::byte> dst) const;
+
+ private:
+  std::vector<grpc::Slice> slices_;
+  std::string namespace_name_;
+  uint64_t profile_id_ = 0;
+  std::vector<Block> blocks_;
+};
 
 }  // namespace proxima::wire
 
