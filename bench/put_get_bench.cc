@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fcntl.h>
@@ -40,6 +41,9 @@ ABSL_FLAG(std::string, sizes, "262144,2097152", "block sizes in bytes, comma-sep
 ABSL_FLAG(int64_t, bytes_per_client, 64ll << 20, "bytes each client stores per block size");
 ABSL_FLAG(int, batch, 4, "blocks per call (Redis: commands per pipeline)");
 ABSL_FLAG(int, rounds, 3, "times each client reads its whole set back");
+ABSL_FLAG(int, repeats, 3,
+          "measurements of each system, interleaved (Redis, proximad, Redis, ...); the median "
+          "is reported, so that a noisy machine slows both sides alike");
 ABSL_FLAG(std::string, proximad, PROXIMAD_PATH, "proximad binary");
 ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "redis-server binary");
 
@@ -212,6 +216,21 @@ Result RunProxima(const std::string& target, uint64_t block_bytes, size_t blocks
   return {total / put_s / 1e9, total * rounds / get_s / 1e9, errors.load()};
 }
 
+// Per-metric median over repeated runs; errors add up.
+Result Median(std::vector<Result> runs) {
+  Result m;
+  auto median = [&](double Result::*field) {
+    std::vector<double> v;
+    for (const Result& r : runs) v.push_back(r.*field);
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  m.put_gbps = median(&Result::put_gbps);
+  m.get_gbps = median(&Result::get_gbps);
+  for (const Result& r : runs) m.errors += r.errors;
+  return m;
+}
+
 void Print(const char* metric, uint64_t block_bytes, const std::string& transport, double value,
            double baseline) {
   std::printf(
@@ -248,9 +267,13 @@ int main(int argc, char** argv) {
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
     uint64_t block_bytes = std::stoull(std::string(s));
     size_t blocks = static_cast<size_t>(per_client / static_cast<int64_t>(block_bytes));
-    Result redis_r = RunRedis(redis_port, block_bytes, blocks);
-    Result tcp = RunProxima(absl::StrCat("127.0.0.1:", proxima_port), block_bytes, blocks);
-    Result uds = RunProxima("unix:" + dir + "/proximad.sock", block_bytes, blocks);
+    std::vector<Result> redis_runs, tcp_runs, uds_runs;
+    for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
+      redis_runs.push_back(RunRedis(redis_port, block_bytes, blocks));
+      tcp_runs.push_back(RunProxima(absl::StrCat("127.0.0.1:", proxima_port), block_bytes, blocks));
+      uds_runs.push_back(RunProxima("unix:" + dir + "/proximad.sock", block_bytes, blocks));
+    }
+    Result redis_r = Median(redis_runs), tcp = Median(tcp_runs), uds = Median(uds_runs);
     Print("put_throughput", block_bytes, "tcp", tcp.put_gbps, redis_r.put_gbps);
     Print("get_throughput", block_bytes, "tcp", tcp.get_gbps, redis_r.get_gbps);
     Print("put_throughput", block_bytes, "unix", uds.put_gbps, redis_r.put_gbps);

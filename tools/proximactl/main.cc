@@ -387,13 +387,17 @@ int CmdLoad() {
   std::atomic<bool> failed_connect{false};
   absl::Mutex first_error_mu;
   std::string first_error;
-  auto start = std::chrono::steady_clock::now();
+  // Every client warms up, then all start together: `start` is set once all are ready.
+  std::atomic<uint32_t> ready{0};
+  std::atomic<bool> go{false};
+  std::chrono::steady_clock::time_point start;
   std::vector<std::thread> threads;
   for (uint32_t c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
       auto client = ConnectFromFlags();
       if (!client.ok()) {
         failed_connect = true;
+        ready.fetch_add(1);
         absl::MutexLock lock(&first_error_mu);
         if (first_error.empty()) first_error = client.status().ToString();
         return;
@@ -401,6 +405,7 @@ int CmdLoad() {
       auto profile = (*client)->RegisterProfile(*model);
       if (!profile.ok()) {
         failed_connect = true;
+        ready.fetch_add(1);
         absl::MutexLock lock(&first_error_mu);
         if (first_error.empty()) first_error = profile.status().ToString();
         return;
@@ -410,6 +415,18 @@ int CmdLoad() {
       std::vector<std::vector<std::byte>> blocks(batch, std::vector<std::byte>(profile->block_bytes));
       std::mt19937_64 rng(seed);
       LoadStats& st = stats[c];
+      // Warm-up: store the working set once, so that gets measure hits, not an empty cache.
+      for (uint64_t b = 0; b < working_set; b += batch) {
+        size_t n = std::min<uint64_t>(batch, working_set - b);
+        std::vector<std::span<const std::byte>> in;
+        for (size_t i = 0; i < n; ++i) {
+          proxima::client::FillTestBlock(seed, b + i, blocks[i]);
+          in.emplace_back(blocks[i]);
+        }
+        (void)(*client)->Put(*profile, std::span(keys).subspan(b, n), in);
+      }
+      ready.fetch_add(1);
+      while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       while (std::chrono::steady_clock::now() - start < duration) {
         size_t base = rng() % (working_set - batch + 1);
         std::span<const BlockKey> k(keys.data() + base, batch);
@@ -454,6 +471,9 @@ int CmdLoad() {
       }
     });
   }
+  while (ready.load() < clients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  start = std::chrono::steady_clock::now();
+  go.store(true);
   // Progress once a second on stderr (stdout stays clean for --json).
   std::thread reporter([&] {
     uint64_t last_bytes = 0;
