@@ -12,7 +12,7 @@
 struct proxima_client {
   std::unique_ptr<proxima::client::Client> client;
   // Profiles by id, so calls can pass just the id across the C boundary.
-  absl::Mutex mu;
+  proxima::Mutex mu;
   absl::flat_hash_map<uint64_t, proxima::client::Profile> profiles ABSL_GUARDED_BY(mu);
 };
 
@@ -37,7 +37,7 @@ std::vector<proxima::client::BlockKey> Keys(size_t n, const uint8_t* keys) {
 
 // Finds the profile `id` registered through this handle.
 bool FindProfile(proxima_client* c, uint64_t id, proxima::client::Profile* out) {
-  absl::MutexLock lock(&c->mu);
+  proxima::MutexLock lock(&c->mu);
   auto it = c->profiles.find(id);
   if (it == c->profiles.end()) return false;
   *out = it->second;
@@ -96,7 +96,7 @@ proxima_status proxima_register_profile(proxima_client* c, const proxima_model_p
   auto registered = c->client->RegisterProfile(profile);
   if (!registered.ok()) return Fail(registered.status());
   {
-    absl::MutexLock lock(&c->mu);
+    proxima::MutexLock lock(&c->mu);
     c->profiles[registered->id] = *registered;
   }
   if (profile_id_out != nullptr) *profile_id_out = registered->id;

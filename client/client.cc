@@ -10,7 +10,7 @@
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
-#include "absl/synchronization/notification.h"
+#include "common/mutex.h"
 #include "proto/wire.h"
 
 namespace proxima::client {
@@ -114,7 +114,7 @@ absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request
                              grpc::ByteBuffer* response) {
   grpc::ClientContext context;
   PrepareContext(&context);
-  absl::Notification done;
+  proxima::Notification done;
   grpc::Status status;
   generic_stub_->UnaryCall(&context, method, grpc::StubOptions(), &request, response,
                            [&](grpc::Status s) {
@@ -131,7 +131,7 @@ absl::Status Client::CallWithProfile(const Profile& profile, Call&& call) {
   if (status.code() != absl::StatusCode::kNotFound) return status;
   v1::ModelProfile known;
   {
-    absl::MutexLock lock(&mu_);
+    proxima::MutexLock lock(&mu_);
     auto it = profiles_.find(profile.id);
     if (it == profiles_.end()) return status;
     known = it->second;
@@ -152,7 +152,7 @@ absl::StatusOr<Profile> Client::RegisterProfile(const v1::ModelProfile& profile)
   PrepareContext(&context);
   PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->RegisterProfile(&context, request, &response)));
   {
-    absl::MutexLock lock(&mu_);
+    proxima::MutexLock lock(&mu_);
     profiles_[response.profile_id()] = profile;
   }
   return Profile{response.profile_id(), response.block_bytes()};

@@ -28,7 +28,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "absl/time/time.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
@@ -114,7 +114,7 @@ class Client {
   std::unique_ptr<grpc::GenericStub> generic_stub_;  // Get, parsed without copies (wire.h)
   ServerInfo server_info_;
   std::atomic<uint64_t> crc_failures_{0};
-  absl::Mutex mu_;
+  proxima::Mutex mu_;
   absl::flat_hash_map<uint64_t, v1::ModelProfile> profiles_ ABSL_GUARDED_BY(mu_);
 };
 

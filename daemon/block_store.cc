@@ -35,7 +35,7 @@ BlockStore::BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
 BlockStore::~BlockStore() {
   // Blocks free their extents into tier_, so they must go first.
   for (auto& shard : shards_) {
-    absl::MutexLock lock(&shard->mu);
+    proxima::MutexLock lock(&shard->mu);
     shard->map.clear();
     shard->lru.clear();
   }
@@ -67,7 +67,7 @@ bool BlockStore::EvictOne() {
   Shard* victim = nullptr;
   uint64_t oldest = std::numeric_limits<uint64_t>::max();
   for (auto& shard : shards_) {
-    absl::MutexLock lock(&shard->mu);
+    proxima::MutexLock lock(&shard->mu);
     if (shard->lru.empty()) continue;
     uint64_t stamp = shard->map.find(shard->lru.back())->second.stamp;
     if (stamp < oldest) {
@@ -78,7 +78,7 @@ bool BlockStore::EvictOne() {
   if (victim == nullptr) return false;
   BlockRef evicted;
   {
-    absl::MutexLock lock(&victim->mu);
+    proxima::MutexLock lock(&victim->mu);
     if (victim->lru.empty()) return true;  // raced with a delete; the caller retries
     BlockId id = victim->lru.back();
     evicted = Unlink(*victim, id, nullptr);
@@ -104,7 +104,7 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
   BlockRef block = std::move(pending.block_);
   block->crc32c = crc32c;
   Shard& shard = ShardFor(id);
-  absl::MutexLock lock(&shard.mu);
+  proxima::MutexLock lock(&shard.mu);
   auto [it, inserted] = shard.map.try_emplace(id);
   if (!inserted) {
     shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
@@ -134,7 +134,7 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
   Shard& shard = ShardFor(id);
   BlockRef block;
   {
-    absl::MutexLock lock(&shard.mu);
+    proxima::MutexLock lock(&shard.mu);
     auto it = shard.map.find(id);
     if (it == shard.map.end()) return std::nullopt;
     shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
@@ -155,7 +155,7 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
                       << log::Kv("stored_crc", block->crc32c) << log::Kv("read_crc", crc);
   BlockRef dropped;
   {
-    absl::MutexLock lock(&shard.mu);
+    proxima::MutexLock lock(&shard.mu);
     dropped = Unlink(shard, id, block.get());
   }
   return std::nullopt;
@@ -163,7 +163,7 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
 
 bool BlockStore::Touch(const BlockId& id) {
   Shard& shard = ShardFor(id);
-  absl::MutexLock lock(&shard.mu);
+  proxima::MutexLock lock(&shard.mu);
   auto it = shard.map.find(id);
   if (it == shard.map.end()) return false;
   shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
@@ -173,7 +173,7 @@ bool BlockStore::Touch(const BlockId& id) {
 
 bool BlockStore::Contains(const BlockId& id) const {
   Shard& shard = ShardFor(id);
-  absl::MutexLock lock(&shard.mu);
+  proxima::MutexLock lock(&shard.mu);
   return shard.map.contains(id);
 }
 
@@ -181,7 +181,7 @@ bool BlockStore::Delete(const BlockId& id) {
   Shard& shard = ShardFor(id);
   BlockRef removed;
   {
-    absl::MutexLock lock(&shard.mu);
+    proxima::MutexLock lock(&shard.mu);
     removed = Unlink(shard, id, nullptr);
   }
   return removed != nullptr;
@@ -189,7 +189,7 @@ bool BlockStore::Delete(const BlockId& id) {
 
 bool BlockStore::CorruptForTesting(const BlockId& id, size_t byte_offset) {
   Shard& shard = ShardFor(id);
-  absl::MutexLock lock(&shard.mu);
+  proxima::MutexLock lock(&shard.mu);
   auto it = shard.map.find(id);
   if (it == shard.map.end() || byte_offset >= it->second.block->size) return false;
   it->second.block->bytes()[byte_offset] ^= std::byte{0x01};

@@ -28,7 +28,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "daemon/host_tier.h"
 
 namespace proxima::daemon {
@@ -127,7 +127,7 @@ class BlockStore {
  private:
   using BlockRef = std::shared_ptr<StoredBlock>;
   struct Shard {
-    mutable absl::Mutex mu;
+    mutable proxima::Mutex mu;
     // LRU order: front is most recent. Each entry's `lru` iterator points into this list.
     std::list<BlockId> lru ABSL_GUARDED_BY(mu);
     struct Entry {

@@ -137,7 +137,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
 Daemon::~Daemon() { Shutdown(); }
 
 void Daemon::Shutdown() {
-  absl::MutexLock lock(&shutdown_mu_);
+  proxima::MutexLock lock(&shutdown_mu_);
   if (shut_down_ || server_ == nullptr) return;
   shut_down_ = true;
   PROXIMA_LOG(kInfo) << "draining: refusing new calls, finishing in-flight ones"

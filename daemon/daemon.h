@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "daemon/config.h"
 #include "daemon/grpc_service.h"
 #include "daemon/metrics.h"
@@ -49,7 +49,7 @@ class Daemon {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;
   int tcp_port_ = 0;
-  absl::Mutex shutdown_mu_;
+  proxima::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 

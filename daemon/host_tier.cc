@@ -35,7 +35,7 @@ HostTier::~HostTier() { munmap(base_, capacity_); }
 
 std::optional<Extent> HostTier::Allocate(uint64_t bytes) {
   uint64_t size = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   auto it = free_by_size_.lower_bound({size, 0});  // best fit: smallest region that fits
   if (it == free_by_size_.end()) return std::nullopt;
   auto [region_size, offset] = *it;
@@ -50,7 +50,7 @@ std::optional<Extent> HostTier::Allocate(uint64_t bytes) {
 }
 
 void HostTier::Free(const Extent& extent) {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   uint64_t offset = extent.offset;
   uint64_t size = extent.size;
   used_ -= size;
@@ -74,12 +74,12 @@ void HostTier::Free(const Extent& extent) {
 }
 
 uint64_t HostTier::used_bytes() const {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   return used_;
 }
 
 uint64_t HostTier::largest_free_bytes() const {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
 }
 

@@ -21,7 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 
 namespace proxima::daemon {
 
@@ -65,7 +65,7 @@ class HostTier {
   std::byte* const base_;
   const uint64_t capacity_;
 
-  mutable absl::Mutex mu_;
+  mutable proxima::Mutex mu_;
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, uint64_t> free_by_offset_ ABSL_GUARDED_BY(mu_);           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_ ABSL_GUARDED_BY(mu_);  // (size, offset)

@@ -114,7 +114,7 @@ Registry::Series* Registry::FindOrAdd(const std::string& name, const std::string
 
 Counter* Registry::AddCounter(const std::string& name, const std::string& help,
                               const Labels& labels) {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   bool created = false;
   Series* s = FindOrAdd(name, help, Type::kCounter, labels, &created);
   if (created) s->counter = std::make_unique<Counter>();
@@ -123,7 +123,7 @@ Counter* Registry::AddCounter(const std::string& name, const std::string& help,
 
 Histogram* Registry::AddHistogram(const std::string& name, const std::string& help,
                                   const Labels& labels, std::vector<double> upper_bounds) {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   bool created = false;
   Series* s = FindOrAdd(name, help, Type::kHistogram, labels, &created);
   if (created) s->histogram = std::make_unique<Histogram>(std::move(upper_bounds));
@@ -132,7 +132,7 @@ Histogram* Registry::AddHistogram(const std::string& name, const std::string& he
 
 void Registry::AddGauge(const std::string& name, const std::string& help, const Labels& labels,
                         std::function<double()> read) {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   bool created = false;
   Series* s = FindOrAdd(name, help, Type::kGauge, labels, &created);
   s->read = std::move(read);
@@ -140,14 +140,14 @@ void Registry::AddGauge(const std::string& name, const std::string& help, const 
 
 void Registry::AddCounterFunction(const std::string& name, const std::string& help,
                                   const Labels& labels, std::function<double()> read) {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   bool created = false;
   Series* s = FindOrAdd(name, help, Type::kCounter, labels, &created);
   s->read = std::move(read);
 }
 
 std::string Registry::RenderText() const {
-  absl::MutexLock lock(&mu_);
+  proxima::MutexLock lock(&mu_);
   std::string out;
   for (const auto& [name, family] : families_) {
     const char* type = family.type == Type::kCounter   ? "counter"

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 
 namespace proxima::metrics {
 
@@ -90,7 +90,7 @@ class Registry {
   Series* FindOrAdd(const std::string& name, const std::string& help, Type type,
                     const Labels& labels, bool* created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  mutable absl::Mutex mu_;
+  mutable proxima::Mutex mu_;
   std::map<std::string, Family> families_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -153,7 +153,7 @@ absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) con
 
 absl::StatusOr<RegisteredProfile> TierService::FindProfile(uint32_t ns, uint64_t profile_id) {
   Namespace& n = *namespaces_[ns];
-  absl::MutexLock lock(&n.mu);
+  proxima::MutexLock lock(&n.mu);
   auto it = n.profiles.find(profile_id);
   if (it == n.profiles.end()) {
     return absl::NotFoundError(absl::StrCat("profile ", ProfileName(profile_id),
@@ -215,7 +215,7 @@ absl::Status TierService::RegisterProfile(const v1::RegisterProfileRequest& requ
   uint64_t id = ProfileId(request.profile());
   Namespace& n = *namespaces_[ns];
   {
-    absl::MutexLock lock(&n.mu);
+    proxima::MutexLock lock(&n.mu);
     if (!n.profiles.contains(id)) {
       if (n.profiles.size() >= config_.server.max_profiles_per_namespace) {
         return absl::ResourceExhaustedError(absl::StrCat(

@@ -20,7 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/block_store.h"
 #include "daemon/config.h"
@@ -79,7 +79,7 @@ class TierService {
     metrics::Counter* get_misses = nullptr;
     metrics::Counter* lookup_hits = nullptr;
     metrics::Counter* lookup_misses = nullptr;
-    absl::Mutex mu;
+    proxima::Mutex mu;
     absl::flat_hash_map<uint64_t, RegisteredProfile> profiles ABSL_GUARDED_BY(mu);
   };
 

@@ -25,7 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/flags/reflection.h"
-#include "absl/synchronization/mutex.h"
+#include "common/mutex.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/log.h"
@@ -385,7 +385,7 @@ int CmdLoad() {
   std::vector<LoadStats> stats(clients);
   std::atomic<uint64_t> progress_bytes{0}, progress_calls{0}, progress_errors{0};
   std::atomic<bool> failed_connect{false};
-  absl::Mutex first_error_mu;
+  proxima::Mutex first_error_mu;
   std::string first_error;
   // Every client warms up, then all start together: `start` is set once all are ready.
   std::atomic<uint32_t> ready{0};
@@ -398,7 +398,7 @@ int CmdLoad() {
       if (!client.ok()) {
         failed_connect = true;
         ready.fetch_add(1);
-        absl::MutexLock lock(&first_error_mu);
+        proxima::MutexLock lock(&first_error_mu);
         if (first_error.empty()) first_error = client.status().ToString();
         return;
       }
@@ -406,7 +406,7 @@ int CmdLoad() {
       if (!profile.ok()) {
         failed_connect = true;
         ready.fetch_add(1);
-        absl::MutexLock lock(&first_error_mu);
+        proxima::MutexLock lock(&first_error_mu);
         if (first_error.empty()) first_error = profile.status().ToString();
         return;
       }
@@ -464,7 +464,7 @@ int CmdLoad() {
         if (!status.ok()) {
           ++st.errors;
           progress_errors.fetch_add(1);
-          absl::MutexLock lock(&first_error_mu);
+          proxima::MutexLock lock(&first_error_mu);
           if (first_error.empty()) first_error = status.ToString();
         }
         if (status.ok()) progress_bytes.fetch_add(uint64_t{batch} * profile->block_bytes);
