@@ -3,6 +3,7 @@
 // operations in the same order (no FMA: this file is built with -ffp-contract=off), and the
 // per-group scale arithmetic calls the scalar helpers, so the bytes are identical to the scalar
 // path. Segments whose head_dim is not a multiple of 8 take the scalar path wholesale.
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -18,7 +19,10 @@ bool CpuHasAvx2() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    // F16C from CPUID leaf 1 (ECX bit 29): not every compiler's __builtin_cpu_supports knows it.
+    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    return __builtin_cpu_supports("avx2") && f16c;
   }();
   return has;
 #else
