@@ -104,19 +104,21 @@ std::vector<std::vector<uint32_t>> RankImportant(const SegmentShape& shape, cons
   return out;
 }
 
+// Appends the segment's payload to `block`.
 absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shape,
                            const std::byte* in, const std::byte* layer_k,
-                           std::span<const float> importance, std::string* payload) {
+                           std::span<const float> importance, std::string* block) {
   const bool avx2 = path == CpuPath::kAvx2;
   if (codec == CodecId::kLossless) {
-    internal::EncodeLossless(shape, in, payload);
+    internal::EncodeLossless(shape, in, block);
     return absl::OkStatus();
   }
-  payload->resize(internal::FixedPayloadBytes(codec, shape));
-  std::byte* p = reinterpret_cast<std::byte*>(payload->data());
+  const size_t start = block->size();
+  block->resize(start + internal::FixedPayloadBytes(codec, shape));
+  std::byte* p = reinterpret_cast<std::byte*>(block->data()) + start;
   switch (codec) {
     case CodecId::kRaw:
-      std::memcpy(p, in, payload->size());
+      std::memcpy(p, in, block->size() - start);
       return absl::OkStatus();
     case CodecId::kFp8:
       avx2 ? internal::EncodeFp8Avx2(shape, in, p) : internal::EncodeFp8Scalar(shape, in, p);
@@ -487,20 +489,30 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
   const size_t seg_raw = geometry.SegmentElements() * 2;
   const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
   std::string block(table_end, '\0');
-  std::string payload;
+  // Reserve for the common case (fixed-size codecs) so appending segments does not reallocate.
+  size_t estimate = table_end;
+  for (uint32_t s = 0; s < num_segments; ++s) {
+    const CodecId codec = plan.CodecFor(s / 2, is_first_block);
+    estimate +=
+        codec == CodecId::kLossless
+            ? seg_raw + 1024
+            : internal::FixedPayloadBytes(
+                  codec, ShapeFor(geometry, s, IsGroupedCodec(codec) ? plan.group_size : 0));
+  }
+  block.reserve(estimate);
   for (uint32_t s = 0; s < num_segments; ++s) {
     const CodecId codec = plan.CodecFor(s / 2, is_first_block);
     const uint32_t group = IsGroupedCodec(codec) ? plan.group_size : 0;
     const SegmentShape shape = ShapeFor(geometry, s, group);
     const std::byte* in = raw.data() + s * seg_raw;
     const std::byte* layer_k = raw.data() + (s & ~1u) * seg_raw;
-    PROXIMA_RETURN_IF_ERROR(EncodeSegment(path, codec, shape, in, layer_k, importance, &payload));
+    const size_t before = block.size();
+    PROXIMA_RETURN_IF_ERROR(EncodeSegment(path, codec, shape, in, layer_k, importance, &block));
     std::byte* e = reinterpret_cast<std::byte*>(block.data()) + internal::kHeaderBytes +
                    internal::kSegmentEntryBytes * s;
     e[0] = std::byte{static_cast<uint8_t>(codec)};
     e[1] = std::byte{static_cast<uint8_t>(group == 0 ? 0 : std::countr_zero(group))};
-    StoreLe<uint64_t>(e + 8, payload.size());
-    block.append(payload);
+    StoreLe<uint64_t>(e + 8, block.size() - before);
   }
   std::byte* h = reinterpret_cast<std::byte*>(block.data());
   std::memcpy(h, internal::kBlockMagic, 8);

@@ -79,7 +79,9 @@ TEST(NumericTest, RoundUpDtypeNeverRoundsDown) {
       if (!std::isfinite(f)) continue;
       float r = numeric::DtypeToFloat(dt, numeric::RoundUpDtype(dt, f));
       ASSERT_TRUE(std::isfinite(r));
-      if (r != numeric::DtypeToFloat(dt, numeric::DtypeMaxFinite(dt))) ASSERT_GE(r, f) << f;
+      if (r != numeric::DtypeToFloat(dt, numeric::DtypeMaxFinite(dt))) {
+        ASSERT_GE(r, f) << f;
+      }
     }
   }
 }

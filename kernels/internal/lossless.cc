@@ -1,7 +1,7 @@
 // The `lossless` codec (docs/format.md: lossless): byte planes, the exponent plane coded with a
 // 4-way interleaved order-0 rANS. Interleaving four states hides the latency of the dependent
-// multiply/divide chain of one state; the byte-wise renormalisation keeps the decoder simple
-// enough to check every read against the end of the stream.
+// multiply chain of one state; 16-bit renormalisation means at most one refill per symbol, done
+// without a branch, so the decoder's speed does not hinge on branch prediction.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -15,7 +15,7 @@ namespace {
 
 constexpr uint32_t kProbBits = 12;
 constexpr uint32_t kProbScale = 1u << kProbBits;
-constexpr uint32_t kRansL = 1u << 23;
+constexpr uint32_t kRansL = 1u << 16;  // states live in [2^16, 2^32): one 16-bit renorm max
 constexpr int kStates = 4;
 
 void SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b) {
@@ -83,7 +83,6 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
   const size_t n = shape.Elements();
   std::vector<uint8_t> a(n), b(n);
   SplitPlanes(shape, in, a.data(), b.data());
-  payload->clear();
 
   std::array<size_t, 256> counts{};
   for (uint8_t s : a) ++counts[s];
@@ -95,20 +94,48 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     acc += freq[s];
     n_sym += freq[s] != 0;
   }
-  // rANS writes backwards; a symbol costs at most kProbBits bits plus renormalisation slack.
+  // Division-free encoding (ryg's rANS reciprocal form): q = x / freq by a multiply.
+  struct EncSymbol {
+    uint32_t x_max, rcp_freq, bias, cmpl_freq, rcp_shift;
+  };
+  std::array<EncSymbol, 256> sym{};
+  for (uint32_t v = 0; v < 256; ++v) {
+    const uint32_t f = freq[v];
+    if (f == 0) continue;
+    EncSymbol& e = sym[v];
+    e.x_max = ((kRansL >> kProbBits) << 16) * f;  // f << 20; wraps to 0 for f = 4096
+    e.cmpl_freq = kProbScale - f;
+    if (f < 2) {
+      e.rcp_freq = ~0u;
+      e.rcp_shift = 0;
+      e.bias = start[v] + kProbScale - 1;
+    } else {
+      uint32_t shift = 0;
+      while (f > (1u << shift)) ++shift;
+      e.rcp_freq = static_cast<uint32_t>(((uint64_t{1} << (shift + 31)) + f - 1) / f);
+      e.rcp_shift = shift - 1;
+      e.bias = start[v];
+    }
+  }
+  // rANS writes backwards, 16-bit words, at most one per symbol.
   std::vector<uint8_t> buf(2 * n + 64);
   uint8_t* end = buf.data() + buf.size();
   uint8_t* ptr = end;
   uint32_t x[kStates] = {kRansL, kRansL, kRansL, kRansL};
   for (size_t i = n; i-- > 0;) {
-    uint32_t& st = x[i % kStates];
-    uint32_t f = freq[a[i]];
-    uint32_t x_max = ((kRansL >> kProbBits) << 8) * f;
-    while (st >= x_max) {
-      *--ptr = static_cast<uint8_t>(st);
-      st >>= 8;
+    uint32_t& st = x[i & (kStates - 1)];
+    const EncSymbol& e = sym[a[i]];
+    // x_max = f << 20 overflows 32 bits only for f = 4096 (a single symbol), where the state
+    // never grows and no renormalisation is needed.
+    if (e.x_max != 0 && st >= e.x_max) {
+      ptr -= 2;
+      const uint16_t w = static_cast<uint16_t>(st);
+      std::memcpy(ptr, &w, 2);
+      st >>= 16;
     }
-    st = ((st / f) << kProbBits) + (st % f) + start[a[i]];
+    const uint32_t q =
+        static_cast<uint32_t>((static_cast<uint64_t>(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
+    st = st + e.bias + q * e.cmpl_freq;
   }
   for (int k = kStates - 1; k >= 0; --k) {
     ptr -= 4;
@@ -120,7 +147,7 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     payload->push_back(0);
     payload->append(reinterpret_cast<const char*>(a.data()), n);
   } else {
-    payload->reserve(1 + coded + n);
+    payload->reserve(payload->size() + 1 + coded + n);
     payload->push_back(1);
     PutU16(payload, static_cast<uint16_t>(n_sym));
     for (uint32_t s = 0; s < 256; ++s) {
@@ -158,9 +185,8 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
   if (n_sym == 0 || n_sym > 256 || !need(3 * size_t{n_sym})) {
     return absl::InvalidArgumentError("lossless: bad symbol count");
   }
-  // Per slot: frequency and offset inside the symbol's range (low/high 16 bits), and the symbol.
-  std::vector<uint32_t> slot_fo(kProbScale);
-  std::vector<uint8_t> slot_sym(kProbScale);
+  // Per slot: symbol (bits 0-7), offset inside the symbol's range (8-19), frequency - 1 (20-31).
+  std::vector<uint32_t> slot(kProbScale);
   uint32_t total = 0;
   int prev = -1;
   for (uint32_t k = 0; k < n_sym; ++k, p += 3) {
@@ -171,10 +197,7 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
       return absl::InvalidArgumentError("lossless: bad symbol table");
     }
     prev = sym;
-    for (uint32_t j = 0; j < f; ++j) {
-      slot_fo[total + j] = f | (j << 16);
-      slot_sym[total + j] = sym;
-    }
+    for (uint32_t j = 0; j < f; ++j) slot[total + j] = sym | (j << 8) | ((f - 1u) << 20);
     total += f;
   }
   if (total != kProbScale) return absl::InvalidArgumentError("lossless: frequencies do not sum");
@@ -191,23 +214,64 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
   uint32_t x[kStates];
   for (int k = 0; k < kStates; ++k, s += 4) std::memcpy(&x[k], s, 4);
 
-  std::vector<uint8_t> a(n);
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t& st = x[i % kStates];
-    uint32_t slot = st & (kProbScale - 1);
-    uint32_t fo = slot_fo[slot];
-    a[i] = slot_sym[slot];
-    st = (fo & 0xFFFFu) * (st >> kProbBits) + (fo >> 16);
-    while (st < kRansL) {
-      if (s == send) return absl::InvalidArgumentError("lossless: rANS stream overrun");
-      st = (st << 8) | *s++;
+  // Output value = (symbol << shift) | lo[plane B byte], merging the planes as symbols decode.
+  const bool bf16 = shape.dtype == numeric::kDtypeBf16;
+  const uint32_t shift = bf16 ? 7 : 8;
+  uint16_t lo[256];
+  for (uint32_t b = 0; b < 256; ++b) {
+    lo[b] = static_cast<uint16_t>(bf16 ? ((b & 0x80u) << 8) | (b & 0x7Fu) : b);
+  }
+  const uint32_t* tab = slot.data();
+  // Decodes symbol i from state st, writes output value i, returns the new (unrefilled) state.
+  auto step = [tab, &lo, plane_b, out, shift](uint32_t st, size_t i) -> uint32_t {
+    const uint32_t e = tab[st & (kProbScale - 1)];
+    Store16(out, i, static_cast<uint16_t>(((e & 0xFFu) << shift) | lo[plane_b[i]]));
+    return ((e >> 20) + 1) * (st >> kProbBits) + ((e >> 8) & 0xFFFu);
+  };
+  // Branch-free refill of at most one 16-bit word (`p` has at least 2 bytes left).
+  auto refill = [](uint32_t st, const uint8_t*& p) -> uint32_t {
+    uint16_t w;
+    std::memcpy(&w, p, 2);
+    const bool r = st < kRansL;
+    p += r ? 2 : 0;
+    return r ? (st << 16) | w : st;
+  };
+  size_t i = 0;
+  {
+    // Fast path: a symbol refills at most one word, so with 8 bytes left a group of 4 symbols
+    // cannot overrun. States and the stream pointer live in locals so that the output stores
+    // (std::byte, which may alias anything) do not force them through memory.
+    uint32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+    const uint8_t* sp = s;
+    while (i + kStates <= n && send - sp >= 2 * kStates) {
+      x0 = step(x0, i);
+      x1 = step(x1, i + 1);
+      x2 = step(x2, i + 2);
+      x3 = step(x3, i + 3);
+      x0 = refill(x0, sp);
+      x1 = refill(x1, sp);
+      x2 = refill(x2, sp);
+      x3 = refill(x3, sp);
+      i += kStates;
+    }
+    x[0] = x0, x[1] = x1, x[2] = x2, x[3] = x3;
+    s = sp;
+  }
+  for (; i < n; ++i) {
+    uint32_t& st = x[i & (kStates - 1)];
+    st = step(st, i);
+    if (st < kRansL) {
+      if (send - s < 2) return absl::InvalidArgumentError("lossless: rANS stream overrun");
+      uint16_t w;
+      std::memcpy(&w, s, 2);
+      st = (st << 16) | w;
+      s += 2;
     }
   }
   if (s != send) return absl::InvalidArgumentError("lossless: rANS stream has trailing bytes");
   for (int k = 0; k < kStates; ++k) {
     if (x[k] != kRansL) return absl::InvalidArgumentError("lossless: rANS final state mismatch");
   }
-  MergePlanes(shape, a.data(), plane_b, out);
   return absl::OkStatus();
 }
 

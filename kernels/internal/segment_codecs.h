@@ -104,7 +104,7 @@ void EncodeStar(const SegmentShape& shape, const std::byte* in,
                 const std::vector<std::vector<uint32_t>>& important, std::byte* payload);
 void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
 
-// lossless: variable size.
+// lossless: variable size; the encoder appends to `payload`.
 void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload);
 absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
                             std::byte* out);
