@@ -3,6 +3,7 @@
 // kernels/internal/numeric.h so the results match the CPU reference bit for bit. Payloads sit
 // at arbitrary byte offsets, so every multi-byte payload field is read and written bytewise.
 // Every pointer here comes from a SegmentJob whose sizes the host validated.
+// Thread-safety: each GPU thread writes only its own elements, groups or head slices.
 #ifndef PROXIMA_KERNELS_CODEC_KERNELS_CUH_
 #define PROXIMA_KERNELS_CODEC_KERNELS_CUH_
 

@@ -1,5 +1,6 @@
 // One segment of work for the CUDA kernels, filled in by the host wrapper (kernels/codec_cuda.cc)
 // from a validated header. Plain data shared by host and device code; no CUDA types.
+// Thread-safety: a plain value.
 #ifndef PROXIMA_KERNELS_INTERNAL_SEGMENT_JOB_H_
 #define PROXIMA_KERNELS_INTERNAL_SEGMENT_JOB_H_
 
