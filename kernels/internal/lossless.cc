@@ -197,7 +197,14 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
       return absl::InvalidArgumentError("lossless: bad symbol table");
     }
     prev = sym;
-    for (uint32_t j = 0; j < f; ++j) slot[total + j] = sym | (j << 8) | ((f - 1u) << 20);
+    // Two slots per 64-bit store: this fill runs once per segment and is not negligible.
+    const uint32_t base = sym | ((f - 1u) << 20);
+    uint32_t j = 0;
+    uint64_t pair = base | (uint64_t{base | (1u << 8)} << 32);
+    for (; j + 2 <= f; j += 2, pair += (uint64_t{2u << 8} << 32) | (2u << 8)) {
+      std::memcpy(&slot[total + j], &pair, 8);
+    }
+    if (j < f) slot[total + j] = base | (j << 8);
     total += f;
   }
   if (total != kProbScale) return absl::InvalidArgumentError("lossless: frequencies do not sum");
@@ -229,12 +236,13 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
     return ((e >> 20) + 1) * (st >> kProbBits) + ((e >> 8) & 0xFFFu);
   };
   // Branch-free refill of at most one 16-bit word (`p` has at least 2 bytes left).
+  // Written with masks rather than ?: because GCC turns the conditional form back into branches.
   auto refill = [](uint32_t st, const uint8_t*& p) -> uint32_t {
     uint16_t w;
     std::memcpy(&w, p, 2);
-    const bool r = st < kRansL;
-    p += r ? 2 : 0;
-    return r ? (st << 16) | w : st;
+    const uint32_t r = st < kRansL;  // 0 or 1
+    p += 2 * r;
+    return (st << (16 * r)) | (w & (0u - r));
   };
   size_t i = 0;
   {
