@@ -16,7 +16,9 @@ TEST(DeviceTest, EmptyListAlwaysComesWithAReason) {
       EXPECT_GE(d.compute_capability, 50);
     }
   }
-  if (!BuiltWithCuda()) EXPECT_TRUE(devices.empty());
+  if (!BuiltWithCuda()) {
+    EXPECT_TRUE(devices.empty());
+  }
 }
 
 }  // namespace

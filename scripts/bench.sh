@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs a named benchmark from a fresh Release build and prints its JSON lines.
 #   scripts/bench.sh put_get     proximad inline gRPC vs Redis, 256 KiB and 2 MiB blocks, 4 clients
+#   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec)}
 shift
 ./scripts/install-deps.sh >/dev/null
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -12,5 +13,6 @@ shift
 echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p') ($(nproc) CPUs)" >&2
 case "$NAME" in
   put_get) exec ./build-bench/bench/put_get_bench "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get)" >&2; exit 2 ;;
+  codec) exec ./scripts/bench-codec.sh "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec)" >&2; exit 2 ;;
 esac
