@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/build.sh build
-ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
 ./scripts/fuzz.sh codec_decode 30
+ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300

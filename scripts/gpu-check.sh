@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU checks, in two halves (the GPU machine has no package registry, so everything it runs is
+# built here and carried there):
+#
+#   scripts/gpu-check.sh prepare   # here: Release build with CUDA into build-gpu/, plus the shared
+#                                  # libraries the GPU binaries need, copied into build-gpu/lib
+#   scripts/gpu-check.sh run       # there: runs the GPU tests (ctest label `gpu`, gtest binaries
+#                                  # run directly) and writes logs and JUnit XML to $OUT
+#
+# With the device tool: run `prepare` here, then run with carry=["build-gpu"] and the command
+# `scripts/gpu-check.sh run`. Without a GPU the tests skip (each prints why), so `run` also works
+# here as a dry run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:?usage: scripts/gpu-check.sh prepare|run}
+DIR=build-gpu
+# The binaries that hold GPU tests (ctest label `gpu`).
+GPU_TESTS=(kernels/kernels_codec_cuda_test)
+
+case "$MODE" in
+  prepare)
+    ./scripts/install-deps.sh
+    ./scripts/build.sh "$DIR" -DCMAKE_BUILD_TYPE=Release -DPROXIMA_WITH_CUDA=ON \
+      -DPROXIMA_BUILD_BENCH=ON -DPROXIMA_BUILD_TESTS=ON
+    mkdir -p "$DIR/lib"
+    for t in "${GPU_TESTS[@]}"; do
+      ldd "$DIR/$t" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux)[.-]' |
+        while read -r lib; do cp -Lu "$lib" "$DIR/lib/"; done
+    done
+    du -sh "$DIR/lib" "${GPU_TESTS[@]/#/$DIR/}"
+    ;;
+  run)
+    OUT=${OUT:-$PWD/gpu-check-out}
+    mkdir -p "$OUT"
+    export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    { nvidia-smi || echo "nvidia-smi not available"; } > "$OUT/device.txt" 2>&1
+    status=0
+    for t in "${GPU_TESTS[@]}"; do
+      name=$(basename "$t")
+      "$DIR/$t" --gtest_output="xml:$OUT/$name.xml" 2>&1 | tee "$OUT/$name.log" || status=1
+    done
+    exit $status
+    ;;
+  *) echo "unknown mode '$MODE' (prepare | run)" >&2; exit 2 ;;
+esac
