@@ -120,8 +120,23 @@ TEST(ProximactlTest, CommandsWorkAndSpeakJson) {
   EXPECT_THAT(del.out, HasSubstr("\"deleted\":6"));
 }
 
+TEST(ProximactlTest, HealthServiceAnswersForTheServerAndForKVTier) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  for (const char* service : {"--service=proxima.v1.KVTier", "--service="}) {
+    CommandResult r = RunCommand(
+        {ProximactlPath(), "health", "--target=" + daemon->tcp_target(), service, "--json"});
+    EXPECT_EQ(r.exit_code, 0) << service << r.out << r.err;
+    EXPECT_THAT(r.out, HasSubstr("\"status\":\"SERVING\"")) << service;
+  }
+  CommandResult unknown = RunCommand({ProximactlPath(), "health",
+                                      "--target=" + daemon->unix_target(), "--service=nope",
+                                      "--json"});
+  EXPECT_EQ(unknown.exit_code, 1);
+  EXPECT_THAT(unknown.out, HasSubstr("NOT_FOUND"));
+}
+
 TEST(ProximactlTest, HelpForEveryCommandAndClearErrors) {
-  for (const char* cmd : {"info", "stats", "put", "get", "lookup", "delete", "load"}) {
+  for (const char* cmd : {"info", "health", "stats", "put", "get", "lookup", "delete", "load"}) {
     CommandResult r = RunCommand({ProximactlPath(), cmd, "--help"});
     EXPECT_EQ(r.exit_code, 0) << cmd;
     EXPECT_THAT(r.out, AllOf(HasSubstr(std::string("proximactl ") + cmd), HasSubstr("--target")))

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -27,6 +28,7 @@
 #include "absl/flags/reflection.h"
 #include "common/mutex.h"
 #include "client/client.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "client/test_pattern.h"
 #include "common/log.h"
 
@@ -35,6 +37,8 @@ ABSL_FLAG(std::string, target, "unix:/run/proxima/proximad.sock",
 ABSL_FLAG(std::string, ns, "default", "namespace (tenant) to act in");
 ABSL_FLAG(double, timeout, 10, "seconds: connect timeout and per-call deadline");
 ABSL_FLAG(bool, json, false, "print one JSON object instead of text");
+ABSL_FLAG(std::string, service, "proxima.v1.KVTier",
+          "health: the service to ask about (\"\" for the whole server)");
 ABSL_FLAG(uint32_t, layers, 4, "test profile: num_layers");
 ABSL_FLAG(uint32_t, kv_heads, 8, "test profile: num_kv_heads");
 ABSL_FLAG(uint32_t, head_dim, 128, "test profile: head_dim");
@@ -64,6 +68,7 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"info", "show the daemon's version, limits and the transport in use", ""},
+    {"health", "ask the standard gRPC health service; exit 0 only when SERVING", "service"},
     {"stats", "show tier usage and per-namespace counters", ""},
     {"put", "store test blocks --first..--first+--count of chain --seed",
      "seed first count layers kv_heads head_dim tokens_per_block dtype model"},
@@ -214,6 +219,34 @@ int CmdInfo() {
                 info.max_lookup_keys);
   }
   return 0;
+}
+
+int CmdHealth() {
+  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout))));
+  context.set_wait_for_ready(true);  // a daemon still starting is waited for, up to the deadline
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(absl::GetFlag(FLAGS_service));
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status = stub->Check(&context, request, &response);
+  if (!status.ok()) return Fail("health", proxima::client::FromGrpc(status));
+  const std::string name =
+      grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", Json()
+                            .Add("ok", response.status() ==
+                                           grpc::health::v1::HealthCheckResponse::SERVING)
+                            .Add("service", absl::GetFlag(FLAGS_service))
+                            .Add("status", name)
+                            .str()
+                            .c_str());
+  } else {
+    std::printf("%s: %s\n", absl::GetFlag(FLAGS_service).c_str(), name.c_str());
+  }
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
 int CmdStats() {
@@ -568,6 +601,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   proxima::log::SetMinLevel(proxima::log::Level::kWarning);
   if (name == "info") return CmdInfo();
+  if (name == "health") return CmdHealth();
   if (name == "stats") return CmdStats();
   if (name == "put") return CmdPut();
   if (name == "get") return CmdGet();
