@@ -26,6 +26,8 @@ def main(argv=None) -> int:
     ev.add_argument("--tokens-per-block", type=int, default=256)
     ev.add_argument("--plans", nargs="*", default=None, help="plan names (default: all)")
     ev.add_argument("--table", default=None, help="write the markdown table here")
+    ev.add_argument("--backend", default="kernels", choices=["kernels", "raw"],
+                    help="kernels: the C++ STAR-KV codec via proxima_codec_py; raw: identity")
     args = ap.parse_args(argv)
 
     from . import runtime
