@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+_DEFAULT_CONT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "testdata", "continuations_smollm2.json")
 
 
 def main(argv=None) -> int:
@@ -28,6 +32,12 @@ def main(argv=None) -> int:
     ev.add_argument("--table", default=None, help="write the markdown table here")
     ev.add_argument("--backend", default="kernels", choices=["kernels", "raw"],
                     help="kernels: the C++ STAR-KV codec via proxima_codec_py; raw: identity")
+    ev.add_argument("--continuations", default=_DEFAULT_CONT,
+                    help="committed greedy continuations (used when made by the same model)")
+    ge = sub.add_parser("generate", help="freeze the model's greedy continuations to JSON")
+    ge.add_argument("--length", type=int, default=768)
+    ge.add_argument("--count", type=int, default=4)
+    ge.add_argument("out")
     args = ap.parse_args(argv)
 
     from . import runtime
@@ -42,6 +52,10 @@ def main(argv=None) -> int:
     if args.cmd == "eval":
         from . import harness
         return harness.main(model, tok, args)
+    if args.cmd == "generate":
+        from . import harness
+        harness.write_generated(model, tok, args.length, args.count, args.out)
+        return 0
     return 2
 
 

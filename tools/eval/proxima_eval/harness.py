@@ -30,7 +30,7 @@ from .llama import KVCache
 
 def roundtrip_prefix(kv_fp32: np.ndarray, plan: CodecPlan, backend, tokens_per_block: int):
     """kv_fp32 [L, 2, P, H, D] (bf16-valued). Returns (decoded fp32 KV, raw bytes, encoded
-    bytes, list of per-block reconstruction-error dicts from the backend or [])."""
+    bytes, list of per-block error-sum dicts from the backend, or [] when it has none)."""
     bits = fp32_to_bf16_bits(kv_fp32)
     out = bits.copy()
     L, _, P, _, _ = bits.shape
@@ -38,13 +38,13 @@ def roundtrip_prefix(kv_fp32: np.ndarray, plan: CodecPlan, backend, tokens_per_b
     errs = []
     for b, s in enumerate(range(0, P - tokens_per_block + 1, tokens_per_block)):
         blk = np.ascontiguousarray(bits[:, :, s:s + tokens_per_block])
-        dec, n = backend.roundtrip(blk, plan.layer_codecs(L, b))
+        dec, n = backend.roundtrip(blk, plan, b == 0)
         if dec.shape != blk.shape or dec.dtype != np.uint16:
             raise ValueError(f"codec returned {dec.shape} {dec.dtype}, expected {blk.shape}")
         out[:, :, s:s + tokens_per_block] = dec
         raw_bytes += blk.nbytes
         enc_bytes += n
-        e = backend.reconstruction_error(blk, dec)
+        e = backend.error_sums(blk, dec)
         if e is not None:
             errs.append(e)
     return bf16_bits_to_fp32(out), raw_bytes, enc_bytes, errs
@@ -96,6 +96,20 @@ def evaluate_sample(model, sample_tokens, prefix_len, plans, backend, tokens_per
         a.errs.extend(errs)
 
 
+def finish_error_sums(sums: List[Dict[str, float]]) -> dict:
+    """kernels/error_metrics.h's figures over all blocks of all samples: sum the squared-error
+    and reference sums first, then take sqrt(err / ref) (what ErrorSums::Add + Finish do)."""
+    if not sums:
+        return dict(k_rel_l2=None, v_rel_l2=None, attn_rel_l2=None)
+    out = {}
+    for name in ("k", "v", "attn"):
+        err = sum(s[f"{name}_err"] for s in sums)
+        ref = sum(s[f"{name}_ref"] for s in sums)
+        out[f"{name}_rel_l2"] = (0.0 if err == 0 else float("inf")) if ref == 0 else \
+            float(np.sqrt(err / ref))
+    return out
+
+
 def summarize(plan: str, prefix_len: int, suffix_len: int, source: str, a: Acc,
               backend_name: str, tokens_per_block: int) -> dict:
     ppl_ex = float(np.exp(a.nll_exact / a.n))
@@ -107,12 +121,7 @@ def summarize(plan: str, prefix_len: int, suffix_len: int, source: str, a: Acc,
                ppl_exact=ppl_ex, ppl_codec=ppl_c,
                ppl_rel_change=metrics.relative_change(ppl_ex, ppl_c),
                kl_mean=a.kl / a.n, top1_agreement=a.top1 / a.n)
-    if a.errs:
-        keys = sorted(set().union(*a.errs))
-        row["recon_error_mean"] = {k: float(np.mean([e[k] for e in a.errs if k in e]))
-                                   for k in keys}
-    else:
-        row["recon_error_mean"] = None  # the backend exports no reconstruction-error measure
+    row.update(finish_error_sums(a.errs))
     return row
 
 
@@ -136,6 +145,41 @@ def generated_samples(model, tok, length: int, count: int) -> List[Sample]:
     return out
 
 
+def model_fingerprint(path: str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_generated(model, tok, length: int, count: int, path: str) -> None:
+    samples = generated_samples(model, tok, length, count)
+    with open(path, "w") as f:
+        json.dump(dict(model_sha256=model_fingerprint(model.gm.path), length=length,
+                       prompts=corpus.PROMPTS[:count],
+                       samples=[dict(name=s.name, tokens=s.tokens) for s in samples]), f)
+        f.write("\n")
+
+
+def load_generated(model, tok, length: int, count: int, path: Optional[str]) -> List[Sample]:
+    """Committed greedy continuations when they were made by this very model file and are long
+    enough (greedy decoding in fp32 can take another path on another BLAS build, so we freeze
+    the tokens for reproducible tables); otherwise generate them now."""
+    if path:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            if (d["model_sha256"] == model_fingerprint(model.gm.path) and d["length"] >= length
+                    and len(d["samples"]) >= count):
+                return [Sample("generated", s["name"], s["tokens"][:length])
+                        for s in d["samples"][:count]]
+        except FileNotFoundError:
+            pass
+    return generated_samples(model, tok, length, count)
+
+
 def prose_samples(tok, length: int, max_windows: int) -> List[Sample]:
     out = []
     for name, text in corpus.prose_texts().items():
@@ -144,9 +188,14 @@ def prose_samples(tok, length: int, max_windows: int) -> List[Sample]:
     return out[:max_windows]
 
 
+def _fig(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def format_table(rows: List[dict]) -> str:
     head = ("| plan | prefix | source | samples/tokens | ratio | ppl exact | ppl codec | rel. change "
-            "| KL (nats) | top-1 |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            "| KL (nats) | top-1 | K rel L2 | V rel L2 | attn rel L2 |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         ratio = "n/a" if r["compression_ratio"] is None else f"{r['compression_ratio']:.2f}x"
@@ -154,7 +203,8 @@ def format_table(rows: List[dict]) -> str:
             f"| `{r['plan']}` | {r['prefix_tokens']} | {r['source']} | "
             f"{r['samples']}/{r['scored_tokens']} | {ratio} | {r['ppl_exact']:.4f} | "
             f"{r['ppl_codec']:.4f} | {100 * r['ppl_rel_change']:+.3f}% | {r['kl_mean']:.2e} | "
-            f"{100 * r['top1_agreement']:.2f}% |")
+            f"{100 * r['top1_agreement']:.2f}% | {_fig(r['k_rel_l2'])} | {_fig(r['v_rel_l2'])} | "
+            f"{_fig(r['attn_rel_l2'])} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -177,7 +227,8 @@ def main(model, tok, args) -> int:
         length = P + args.suffix
         groups = {"prose": prose_samples(tok, length, args.windows)}
         if args.generated and P <= 512:
-            groups["generated"] = generated_samples(model, tok, length, args.generated)
+            groups["generated"] = load_generated(model, tok, length, args.generated,
+                                                 args.continuations)
         for source, samples in groups.items():
             accs: Dict[str, Acc] = {}
             t0 = time.time()

@@ -6,15 +6,18 @@ from proxima_eval.bf16 import fp32_to_bf16_bits, bf16_bits_to_fp32
 from proxima_eval.codecs import CodecPlan, RawBackend
 
 
-def test_plan_parsing():
-    p = CodecPlan.parse("int2;layers=0-1:int8;layers=5:int4;first_block=fp8")
-    assert p.codec_for(0, 0) == "fp8"  # first block wins
-    assert p.codec_for(1, 1) == "int8"
-    assert p.codec_for(5, 3) == "int4"
-    assert p.codec_for(6, 1) == "int2"
+def test_plan_parsing_follows_kernels_codec_plan():
+    p = CodecPlan.parse("layers[0:2]=int8,layers[1:6]=int4,default=int2,sink=fp8,group=32")
+    assert p.codec_for(0, True) == "int8"  # sink is a floor: int8 beats fp8
+    assert p.codec_for(1, False) == "int8"  # first matching range wins
+    assert p.codec_for(5, False) == "int4"
+    assert p.codec_for(5, True) == "fp8"
+    assert p.codec_for(6, False) == "int2" and p.codec_for(6, True) == "fp8"
+    assert p.group == 32
     assert p.codecs_used() == ["fp8", "int2", "int4", "int8"]
-    assert CodecPlan.parse("star").layer_codecs(3, 0) == ["star"] * 3
-    for bad in ["", "layers=0-1:int8", "int2;foo=1", "int2;layers=0-1"]:
+    assert CodecPlan.parse("star").layer_codecs(3, True) == ["star"] * 3
+    for bad in ["", "layers[0:2]=int8,int4,default=int2", "int2,foo=1", "layers[2:2]=int8",
+                "int3", "int2,group=16"]:
         with pytest.raises(ValueError):
             CodecPlan.parse(bad)
 
@@ -29,13 +32,13 @@ class _NoiseForTests:
         self.rel = rel
         self.calls = []
 
-    def roundtrip(self, bits, layer_codecs):
-        self.calls.append((bits.shape, tuple(layer_codecs)))
+    def roundtrip(self, bits, plan, is_first_block):
+        self.calls.append((bits.shape, tuple(plan.layer_codecs(bits.shape[0], is_first_block))))
         x = bf16_bits_to_fp32(bits)
         rng = np.random.default_rng(len(self.calls))
         return fp32_to_bf16_bits(x * (1 + self.rel * rng.standard_normal(x.shape))), bits.nbytes // 2
 
-    def reconstruction_error(self, a, b):
+    def error_sums(self, a, b):
         return None
 
 
@@ -58,16 +61,17 @@ def test_raw_roundtrip_changes_nothing(smollm2):
 def test_noise_costs_quality_monotonically(smollm2):
     m, tok = smollm2
     s = _sample(tok)
-    plan = CodecPlan.parse("int2;layers=0-0:int8;first_block=fp8")
+    plan = CodecPlan.parse("layers[0:1]=int8,default=int2,sink=fp8")
     rows = []
     for rel in (0.02, 0.3):
         be = _NoiseForTests(rel)
         accs = {}
         harness.evaluate_sample(m, s, 64, [plan], be, 32, accs)
         rows.append(harness.summarize(plan.spec, 64, 32, "prose", accs[plan.spec], be.name, 32))
-        # Two full blocks of 32 tokens; block 0 all fp8, block 1 int8 on layer 0 then int2.
+        # Two full blocks of 32 tokens; block 0: layer 0 int8, the rest raised to fp8 (sink);
+        # block 1: layer 0 int8, the rest int2.
         assert [c[0] for c in be.calls] == [(30, 2, 32, 3, 64)] * 2
-        assert set(be.calls[0][1]) == {"fp8"}
+        assert be.calls[0][1][:2] == ("int8", "fp8") and set(be.calls[0][1][1:]) == {"fp8"}
         assert be.calls[1][1][:2] == ("int8", "int2")
     small, big = rows
     assert small["compression_ratio"] == 2.0
