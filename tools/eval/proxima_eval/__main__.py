@@ -38,7 +38,13 @@ def main(argv=None) -> int:
     ge.add_argument("--length", type=int, default=768)
     ge.add_argument("--count", type=int, default=4)
     ge.add_argument("out")
+    rf = sub.add_parser("reference", help="record llama.cpp logits for the forward-pass test")
+    rf.add_argument("out")
     args = ap.parse_args(argv)
+    if args.cmd == "reference":  # needs only llama-cpp-python, not our model
+        from . import reference
+        reference.write_reference(args.model, args.out)
+        return 0
 
     from . import runtime
     model, tok = runtime.load(args.model)

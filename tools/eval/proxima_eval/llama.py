@@ -83,6 +83,15 @@ class LlamaModel:
                 wd=np.ascontiguousarray(w[p + "ffn_down.weight"].T),
             ))
 
+    def with_kv_dtype(self, kv_dtype: str) -> "LlamaModel":
+        """The same model (weights shared, not copied) with another cache precision."""
+        if kv_dtype not in ("bf16", "fp32"):
+            raise ValueError(kv_dtype)
+        import copy
+        other = copy.copy(self)
+        other.kv_dtype = kv_dtype
+        return other
+
     # -- pieces -----------------------------------------------------------------------------
     def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         ms = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)

@@ -16,3 +16,21 @@ def llamacpp_logits(path: str, tokens, top: int = 256, threads: int = 2):
     lg = np.array(llm.scores[: len(tokens)], np.float32)
     ids = np.argsort(-lg, axis=1)[:, :top]
     return ids, np.take_along_axis(lg, ids, axis=1)
+
+
+# Prose and chat text, tokenized by llama.cpp itself so that the ids do not depend on our
+# tokenizer; 24 positions.
+REFERENCE_TEXT = ("The GNU General Public License is a free, copyleft license for software and "
+                  "other kinds of works. <|im_start|>user\nHi!<|im_end|>")
+
+
+def write_reference(model_path, out: str, top: int = 256) -> None:
+    import llama_cpp
+    from .gguf_model import default_model_path
+    path = model_path or default_model_path()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, vocab_only=True, verbose=False)
+    tokens = llm.tokenize(REFERENCE_TEXT.encode(), add_bos=False, special=True)[:24]
+    ids, lg = llamacpp_logits(path, tokens, top)
+    np.savez_compressed(out, tokens=np.asarray(tokens, np.int64), top_ids=ids.astype(np.int32),
+                        top_logits=lg.astype(np.float32),
+                        llama_cpp_version=np.asarray(llama_cpp.__version__))

@@ -15,5 +15,4 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_fp32_kv(smollm2):
-    from proxima_eval.llama import LlamaModel
-    return LlamaModel(smollm2[0].gm, kv_dtype="fp32")
+    return smollm2[0].with_kv_dtype("fp32")

@@ -87,3 +87,23 @@ def test_partial_last_block_stays_raw():
     assert raw_b == 2 * 2 * 64 * 4 * 2 and enc_b == raw_b // 2
     np.testing.assert_array_equal(dec[:, :, 64:], kv[:, :, 64:])
     assert not np.array_equal(dec[:, :, :64], kv[:, :, :64])
+
+
+def test_error_sums_are_pooled_before_the_ratio():
+    # Two blocks: errors 1 and 0 over references 1 and 3 -> sqrt(1 / 4), not mean of ratios.
+    s = [dict(k_err=1.0, k_ref=1.0, v_err=0.0, v_ref=2.0, attn_err=0.0, attn_ref=0.0),
+         dict(k_err=0.0, k_ref=3.0, v_err=0.0, v_ref=2.0, attn_err=0.0, attn_ref=0.0)]
+    f = harness.finish_error_sums(s)
+    assert f["k_rel_l2"] == pytest.approx(0.5) and f["v_rel_l2"] == 0.0
+    assert f["attn_rel_l2"] == 0.0
+    assert harness.finish_error_sums([]) == dict(k_rel_l2=None, v_rel_l2=None, attn_rel_l2=None)
+
+
+def test_table_row_format():
+    row = dict(plan="int4", prefix_tokens=512, source="prose", samples=2, scored_tokens=510,
+               compression_ratio=3.7, ppl_exact=10.0, ppl_codec=10.05, ppl_rel_change=0.005,
+               kl_mean=1.5e-3, top1_agreement=0.991, k_rel_l2=0.1, v_rel_l2=None,
+               attn_rel_l2=0.05)
+    t = harness.format_table([row])
+    assert "| `int4` | 512 | prose | 2/510 | 3.70x | 10.0000 | 10.0500 | +0.500% | 1.50e-03 " \
+           "| 99.10% | 0.1000 | n/a | 0.0500 |" in t
