@@ -11,9 +11,9 @@ namespace proxima::gpu {
 
 struct DeviceInfo {
   int ordinal = 0;
-  std::string name;           // e.g. "NVIDIA H200"
-  size_t total_bytes = 0;     // device memory
-  int compute_capability = 0; // major * 10 + minor, e.g. 90
+  std::string name;            // e.g. "NVIDIA H200"
+  size_t total_bytes = 0;      // device memory
+  int compute_capability = 0;  // major * 10 + minor, e.g. 90
 };
 
 // True when this binary was built with the CUDA kernels.

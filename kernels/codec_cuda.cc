@@ -1,0 +1,280 @@
+// Host side of the CUDA batch entry points: validates blocks on the host, builds one
+// SegmentJob per segment, and launches one kernel per dtype for the whole batch.
+#include "kernels/codec_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <bit>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/status_macros.h"
+#include "kernels/internal/codec_launch.h"
+#include "kernels/internal/container.h"
+#include "kernels/internal/segment_codecs.h"
+#include "kernels/internal/segment_job.h"
+
+namespace proxima::codec {
+namespace {
+
+using internal::SegmentJob;
+using internal::SegmentShape;
+
+absl::Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+SegmentShape Shape(const BlockGeometry& g, uint32_t s, uint32_t group) {
+  SegmentShape sh;
+  sh.tokens = g.tokens_per_block;
+  sh.heads = g.num_kv_heads;
+  sh.dim = g.head_dim;
+  sh.dtype = static_cast<uint8_t>(g.dtype);
+  sh.is_value = (s & 1u) != 0;
+  sh.group = group;
+  return sh;
+}
+
+SegmentJob MakeJob(CodecId codec, const SegmentShape& sh, uint8_t* payload, uint16_t* raw) {
+  SegmentJob j;
+  j.payload = payload;
+  j.raw = raw;
+  j.elements = sh.Elements();
+  j.tokens = sh.tokens;
+  j.heads = sh.heads;
+  j.dim = sh.dim;
+  j.codec = static_cast<uint8_t>(codec);
+  j.is_value = sh.is_value ? 1 : 0;
+  j.units = j.elements;
+  switch (codec) {
+    case CodecId::kFp8:
+      j.groups = sh.heads;
+      break;
+    case CodecId::kInt8:
+      j.groups = sh.is_value ? uint64_t{sh.tokens} * sh.heads : uint64_t{sh.heads} * sh.dim;
+      break;
+    case CodecId::kInt4:
+    case CodecId::kInt2: {
+      j.bits = codec == CodecId::kInt4 ? 4 : 2;
+      internal::IntNLayout l = internal::IntNLayoutFor(sh, j.bits);
+      j.group_len = l.group_len;
+      j.num_groups = l.num_groups;
+      j.meta_count = l.meta_count;
+      j.groups = l.meta_count;
+      j.units = l.packed_bytes;
+      break;
+    }
+    case CodecId::kStar: {
+      internal::StarLayout l = internal::StarLayoutFor(sh);
+      j.centroids = l.centroids;
+      j.index_bits = l.index_bits;
+      j.important = l.important;
+      j.star_head_bytes = l.per_head_bytes;
+      break;
+    }
+    default:
+      break;
+  }
+  return j;
+}
+
+// Copies `jobs` to the device (stream-ordered) and returns the device pointer.
+absl::StatusOr<SegmentJob*> UploadJobs(const std::vector<SegmentJob>& jobs, cudaStream_t stream) {
+  void* dev = nullptr;
+  const size_t bytes = jobs.size() * sizeof(SegmentJob);
+  PROXIMA_RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&dev, bytes, stream), "cudaMallocAsync"));
+  // From pageable memory the copy is staged before the call returns, so `jobs` may go away.
+  cudaError_t err = cudaMemcpyAsync(dev, jobs.data(), bytes, cudaMemcpyHostToDevice, stream);
+  if (err != cudaSuccess) {
+    cudaFreeAsync(dev, stream);
+    return CudaStatus(err, "cudaMemcpyAsync(jobs)");
+  }
+  return static_cast<SegmentJob*>(dev);
+}
+
+struct Batch {
+  std::vector<SegmentJob> jobs;
+  uint64_t max_elements = 0, max_groups = 0, max_units = 0;
+  void Add(const SegmentJob& j) {
+    jobs.push_back(j);
+    max_elements = std::max(max_elements, j.elements);
+    max_groups = std::max(max_groups, j.groups);
+    max_units = std::max(max_units, j.units);
+  }
+};
+
+}  // namespace
+
+absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream) {
+  std::map<uint8_t, Batch> by_dtype;
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    const CudaDecodeJob& job = jobs[b];
+    PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, InspectBlock(job.encoded_host));
+    if (job.encoded_device == nullptr || job.raw_device == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("block ", b, ": null device pointer"));
+    }
+    const size_t seg_raw = info.geometry.SegmentElements() * 2;
+    for (uint32_t s = 0; s < info.segments.size(); ++s) {
+      const SegmentInfo& seg = info.segments[s];
+      const SegmentShape sh = Shape(info.geometry, s, seg.group_size);
+      const std::byte* host = job.encoded_host.data() + seg.offset;
+      switch (seg.codec) {
+        case CodecId::kLossless:
+          return absl::UnimplementedError("lossless decode is CPU-only");
+        case CodecId::kFp8:
+          PROXIMA_RETURN_IF_ERROR(internal::ValidateFp8(sh, host));
+          break;
+        case CodecId::kInt8:
+          PROXIMA_RETURN_IF_ERROR(internal::ValidateInt8(sh, host));
+          break;
+        case CodecId::kInt4:
+        case CodecId::kInt2:
+          PROXIMA_RETURN_IF_ERROR(
+              internal::ValidateIntN(sh, seg.codec == CodecId::kInt4 ? 4 : 2, host));
+          break;
+        case CodecId::kStar:
+          PROXIMA_RETURN_IF_ERROR(internal::ValidateStar(sh, host));
+          break;
+        case CodecId::kRaw:
+          break;
+      }
+      by_dtype[sh.dtype].Add(MakeJob(
+          seg.codec, sh,
+          const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(job.encoded_device + seg.offset)),
+          reinterpret_cast<uint16_t*>(job.raw_device + s * seg_raw)));
+    }
+  }
+  for (auto& [dtype, batch] : by_dtype) {
+    PROXIMA_ASSIGN_OR_RETURN(SegmentJob * dev, UploadJobs(batch.jobs, stream));
+    cudaError_t err = cuda::LaunchDecodeSegments(dev, static_cast<uint32_t>(batch.jobs.size()),
+                                                 batch.max_elements, dtype, stream);
+    cudaFreeAsync(dev, stream);
+    PROXIMA_RETURN_IF_ERROR(CudaStatus(err, "decode kernel launch"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
+                              std::span<const CudaEncodeJob> jobs, CUstream_st* stream) {
+  PROXIMA_RETURN_IF_ERROR(geometry.Validate());
+  if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
+    return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
+  }
+  if (jobs.empty()) return absl::OkStatus();
+  const uint32_t num_segments = 2 * geometry.num_layers;
+  const size_t seg_raw = geometry.SegmentElements() * 2;
+  const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
+  // The header and table depend only on the plan and is_first_block; build both variants.
+  std::string header[2];
+  for (int first = 0; first < 2; ++first) {
+    std::string& h = header[first];
+    h.assign(table_end, '\0');
+    std::memcpy(h.data(), internal::kBlockMagic, 8);
+    const uint16_t version = internal::kFormatVersion;
+    std::memcpy(h.data() + 8, &version, 2);
+    h[10] = static_cast<char>(geometry.dtype);
+    h[11] = static_cast<char>(first);
+    const uint32_t dims[5] = {geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                              geometry.tokens_per_block, num_segments};
+    std::memcpy(h.data() + 12, dims, sizeof(dims));
+    uint64_t payload = 0;
+    for (uint32_t s = 0; s < num_segments; ++s) {
+      const CodecId codec = plan.CodecFor(s / 2, first == 1);
+      if (codec == CodecId::kLossless || codec == CodecId::kStar) {
+        return absl::UnimplementedError(absl::StrCat("GPU encode of ",
+                                                     std::string(CodecName(codec)),
+                                                     " is not implemented; use EncodeBlocks"));
+      }
+      const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
+      const uint64_t bytes =
+          internal::FixedPayloadBytes(codec, Shape(geometry, s, grouped ? plan.group_size : 0));
+      char* e = h.data() + internal::kHeaderBytes + internal::kSegmentEntryBytes * s;
+      e[0] = static_cast<char>(codec);
+      e[1] = static_cast<char>(grouped ? std::countr_zero(plan.group_size) : 0);
+      std::memcpy(e + 8, &bytes, 8);
+      payload += bytes;
+    }
+    std::memcpy(h.data() + 32, &payload, 8);
+    uint32_t crc =
+        Crc32c(std::as_bytes(std::span<const char>(h.data(), internal::kHeaderCrcOffset)));
+    crc =
+        Crc32cExtend(crc, std::as_bytes(std::span<const char>(h.data() + internal::kHeaderBytes,
+                                                              table_end - internal::kHeaderBytes)));
+    std::memcpy(h.data() + internal::kHeaderCrcOffset, &crc, 4);
+  }
+  auto payload_bytes = [&](int first) {
+    uint64_t v;
+    std::memcpy(&v, header[first].data() + 32, 8);
+    return v;
+  };
+  // One device buffer holds every block's payloads back to back.
+  std::vector<uint64_t> block_offset(jobs.size() + 1, 0);
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    if (jobs[b].raw_device == nullptr || jobs[b].out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("job ", b, ": null pointer"));
+    }
+    block_offset[b + 1] = block_offset[b] + payload_bytes(jobs[b].is_first_block ? 1 : 0);
+  }
+  void* dev_out = nullptr;
+  PROXIMA_RETURN_IF_ERROR(
+      CudaStatus(cudaMallocAsync(&dev_out, block_offset.back(), stream), "cudaMallocAsync"));
+  Batch batch;
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    const int first = jobs[b].is_first_block ? 1 : 0;
+    uint64_t off = block_offset[b];
+    for (uint32_t s = 0; s < num_segments; ++s) {
+      const char* e =
+          header[first].data() + internal::kHeaderBytes + internal::kSegmentEntryBytes * s;
+      const CodecId codec = static_cast<CodecId>(e[0]);
+      uint64_t bytes;
+      std::memcpy(&bytes, e + 8, 8);
+      const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
+      batch.Add(MakeJob(
+          codec, Shape(geometry, s, grouped ? plan.group_size : 0),
+          static_cast<uint8_t*>(dev_out) + off,
+          reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw)));
+      off += bytes;
+    }
+  }
+  absl::Status status;
+  absl::StatusOr<SegmentJob*> dev_jobs = UploadJobs(batch.jobs, stream);
+  if (!dev_jobs.ok()) {
+    status = dev_jobs.status();
+  } else {
+    status = CudaStatus(cuda::LaunchEncodeSegments(
+                            *dev_jobs, static_cast<uint32_t>(batch.jobs.size()), batch.max_groups,
+                            batch.max_units, static_cast<uint8_t>(geometry.dtype), stream),
+                        "encode kernel launch");
+    cudaFreeAsync(*dev_jobs, stream);
+  }
+  std::vector<std::string> results(jobs.size());
+  if (status.ok()) {
+    for (size_t b = 0; b < jobs.size() && status.ok(); ++b) {
+      const int first = jobs[b].is_first_block ? 1 : 0;
+      results[b] = header[first];
+      results[b].resize(table_end + payload_bytes(first));
+      status = CudaStatus(cudaMemcpyAsync(results[b].data() + table_end,
+                                          static_cast<uint8_t*>(dev_out) + block_offset[b],
+                                          payload_bytes(first), cudaMemcpyDeviceToHost, stream),
+                          "cudaMemcpyAsync(payload)");
+    }
+  }
+  cudaFreeAsync(dev_out, stream);
+  absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  if (!status.ok()) return status;
+  PROXIMA_RETURN_IF_ERROR(sync);
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    std::string& r = results[b];
+    uint32_t crc =
+        Crc32c(std::as_bytes(std::span<const char>(r.data() + table_end, r.size() - table_end)));
+    std::memcpy(r.data() + internal::kPayloadCrcOffset, &crc, 4);
+    *jobs[b].out = std::move(r);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace proxima::codec

@@ -1,0 +1,54 @@
+// Batched CUDA encode/decode of STAR-KV blocks: one kernel launch covers every segment of every
+// block in the batch. The kernels follow docs/format.md with the same arithmetic as the CPU
+// scalar reference (kernels/internal/numeric.h is shared), so decoding gives bytes identical to
+// DecodeBlock(), and encoding fp8/int8/int4/int2/raw gives bytes identical to EncodeBlock().
+//
+// Not on the GPU (kUnimplemented, use the CPU entry points): `lossless` encode and decode, and
+// `star` encode. `star` decode runs on the GPU.
+//
+// Hostile input stays on the host side of the check: headers, sizes, CRCs and every metadata
+// value are validated from a host copy of each block before any kernel reads the device copy.
+// Builds without CUDA get these functions too; they return kFailedPrecondition.
+// Thread-safety: functions are reentrant; concurrent calls on distinct buffers are safe.
+#ifndef PROXIMA_KERNELS_CODEC_CUDA_H_
+#define PROXIMA_KERNELS_CODEC_CUDA_H_
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/codec.h"
+
+// The CUDA runtime's stream handle type (cudaStream_t is `CUstream_st*`), declared here so that
+// this header compiles without the CUDA toolkit.
+struct CUstream_st;
+
+namespace proxima::codec {
+
+struct CudaDecodeJob {
+  std::span<const std::byte> encoded_host;    // the block in host memory (validated here)
+  const std::byte* encoded_device = nullptr;  // the same bytes in device memory
+  std::byte* raw_device = nullptr;            // RawBytes() bytes of device memory
+};
+
+// Validates every block on the host, then enqueues the decode of all of them on `stream`
+// (a cudaStream_t; nullptr = the legacy default stream) and returns without synchronising.
+// The device buffers must stay valid until the stream reaches this point.
+absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream);
+
+struct CudaEncodeJob {
+  const std::byte* raw_device = nullptr;  // RawBytes() bytes of device memory, canonical layout
+  bool is_first_block = false;
+  std::string* out = nullptr;  // receives the encoded block (host memory)
+};
+
+// Encodes every block with the same geometry and plan on `stream`, copies the results back and
+// synchronises the stream (the payload CRC is computed on the host). kUnimplemented when the
+// plan selects `lossless` or `star` for any segment.
+absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
+                              std::span<const CudaEncodeJob> jobs, CUstream_st* stream);
+
+}  // namespace proxima::codec
+
+#endif  // PROXIMA_KERNELS_CODEC_CUDA_H_

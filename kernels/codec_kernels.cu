@@ -1,0 +1,45 @@
+// Launchers for the STAR-KV kernels (device code in kernels/codec_kernels.cuh).
+#include <algorithm>
+
+#include "kernels/codec_kernels.cuh"
+#include "kernels/dtype_dispatch.h"
+#include "kernels/internal/codec_launch.h"
+
+namespace proxima::codec::cuda {
+namespace {
+
+constexpr uint32_t kThreads = 256;
+// grid.y cap: enough blocks to fill a large GPU many times over, far below the 65535 limit.
+constexpr uint64_t kMaxBlocksPerJob = 4096;
+
+dim3 Grid(uint32_t num_jobs, uint64_t max_work) {
+  uint64_t y = std::min<uint64_t>(kMaxBlocksPerJob,
+                                  std::max<uint64_t>(1, (max_work + kThreads - 1) / kThreads));
+  return dim3(num_jobs, static_cast<uint32_t>(y));
+}
+
+}  // namespace
+
+cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
+                                 uint64_t max_elements, uint8_t dtype, cudaStream_t stream) {
+  if (num_jobs == 0) return cudaSuccess;
+  PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
+    DecodeSegmentsKernel<kDt><<<Grid(num_jobs, max_elements), kThreads, 0, stream>>>(jobs);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
+                                 uint64_t max_groups, uint64_t max_units, uint8_t dtype,
+                                 cudaStream_t stream) {
+  if (num_jobs == 0) return cudaSuccess;
+  PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
+    EncodeGroupsKernel<kDt><<<Grid(num_jobs, max_groups), kThreads, 0, stream>>>(jobs);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    EncodeUnitsKernel<kDt><<<Grid(num_jobs, max_units), kThreads, 0, stream>>>(jobs);
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace proxima::codec::cuda

@@ -1,0 +1,267 @@
+// Device code of the STAR-KV CUDA backend: per-element decode, per-group encode statistics and
+// per-unit quantisation, all written with the shared scalar arithmetic of
+// kernels/internal/numeric.h so the results match the CPU reference bit for bit. Payloads sit
+// at arbitrary byte offsets, so every multi-byte payload field is read and written bytewise.
+// Every pointer here comes from a SegmentJob whose sizes the host validated.
+#ifndef PROXIMA_KERNELS_CODEC_KERNELS_CUH_
+#define PROXIMA_KERNELS_CODEC_KERNELS_CUH_
+
+#include <cstdint>
+
+#include "kernels/internal/numeric.h"
+#include "kernels/internal/segment_job.h"
+
+namespace proxima::codec::cuda {
+
+using internal::SegmentJob;
+namespace nm = ::proxima::codec::numeric;
+
+// Codec ids (CodecId values, docs/format.md section 1).
+constexpr uint8_t kRaw = 0, kFp8 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5, kStar = 6;
+
+__device__ __forceinline__ uint16_t Ld16(const uint8_t* p, uint64_t i) {
+  return static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+}
+__device__ __forceinline__ void St16(uint8_t* p, uint64_t i, uint16_t v) {
+  p[2 * i] = static_cast<uint8_t>(v);
+  p[2 * i + 1] = static_cast<uint8_t>(v >> 8);
+}
+__device__ __forceinline__ float LdF32(const uint8_t* p, uint64_t i) {
+  const uint8_t* q = p + 4 * i;
+  return __uint_as_float(q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24));
+}
+__device__ __forceinline__ void StF32(uint8_t* p, uint64_t i, float f) {
+  uint32_t u = __float_as_uint(f);
+  for (int k = 0; k < 4; ++k) p[4 * i + k] = static_cast<uint8_t>(u >> (8 * k));
+}
+__device__ __forceinline__ uint32_t GetBits(const uint8_t* p, uint64_t index, uint32_t bits) {
+  uint64_t pos = index * bits;
+  uint32_t v = 0;
+  for (uint32_t b = 0; b < bits; ++b, ++pos) v |= ((p[pos / 8] >> (pos % 8)) & 1u) << b;
+  return v;
+}
+
+template <uint8_t kDt>
+__device__ __forceinline__ float ToF(uint16_t v) {
+  return nm::DtypeToFloat(kDt, v);
+}
+
+// ----------------------------------------------------------------------------------- decode
+
+// Value of element `i` (natural order [token][head][dim]) of a validated segment.
+template <uint8_t kDt>
+__device__ uint16_t DecodeElement(const SegmentJob& j, uint64_t i) {
+  const uint8_t* p = j.payload;
+  const uint64_t D = j.dim, H = j.heads;
+  switch (j.codec) {
+    case kRaw:
+      return Ld16(p, i);
+    case kFp8: {
+      float scale = LdF32(p, (i / D) % H);
+      return nm::FloatToDtype(kDt, PXK_MUL(nm::E4m3ToFloat(p[4 * H + i]), scale));
+    }
+    case kInt8: {
+      uint64_t s = j.is_value ? i / D : i % (H * D);
+      uint64_t meta = j.is_value ? uint64_t{j.tokens} * H : H * D;
+      float q = static_cast<float>(static_cast<int8_t>(p[2 * meta + i]));
+      return nm::FloatToDtype(kDt, PXK_MUL(q, ToF<kDt>(Ld16(p, s))));
+    }
+    case kInt4:
+    case kInt2: {
+      uint64_t m;
+      if (!j.is_value) {
+        m = (i / (H * D)) / j.group_len * (H * D) + i % (H * D);
+      } else {
+        m = (i / D) * j.num_groups + (i % D) / j.group_len;
+      }
+      float scale = ToF<kDt>(Ld16(p, m));
+      float mn = ToF<kDt>(Ld16(p + 2 * j.meta_count, m));
+      float q = static_cast<float>(GetBits(p + 4 * j.meta_count, i, j.bits));
+      return nm::FloatToDtype(kDt, PXK_ADD(PXK_MUL(q, scale), mn));
+    }
+    case kStar: {
+      const uint64_t d = i % D, h = (i / D) % H, t = i / (D * H);
+      const uint64_t C = j.centroids, M = j.important, T = j.tokens;
+      const uint8_t* cscale = p + h * j.star_head_bytes;
+      const uint8_t* cq = cscale + 2 * C;
+      const uint8_t* imp_idx = cq + C * D;
+      const uint8_t* iscale = imp_idx + 2 * M;
+      const uint8_t* iq = iscale + 2 * M;
+      const uint8_t* idx = iq + M * D;
+      const uint8_t* rscale = idx + (T * j.index_bits + 7) / 8;
+      const uint8_t* rsign = rscale + 2 * T;
+      int64_t found = -1;
+      for (uint64_t m = 0; m < M; ++m) {
+        if (Ld16(imp_idx, m) == t) found = static_cast<int64_t>(m);  // the last match wins
+      }
+      if (found >= 0) {
+        float q = static_cast<float>(static_cast<int8_t>(iq[found * D + d]));
+        return nm::FloatToDtype(kDt, PXK_MUL(q, ToF<kDt>(Ld16(iscale, found))));
+      }
+      uint32_t k = GetBits(idx, t, j.index_bits);
+      float c = PXK_MUL(static_cast<float>(static_cast<int8_t>(cq[k * D + d])),
+                        ToF<kDt>(Ld16(cscale, k)));
+      float rs = ToF<kDt>(Ld16(rscale, t));
+      float r = GetBits(rsign, t * D + d, 1) ? rs : -rs;
+      return nm::FloatToDtype(kDt, PXK_ADD(c, r));
+    }
+    default:
+      return 0;  // unreachable: the host rejects other codecs
+  }
+}
+
+// grid.x: job, grid.y * blockDim.x: stride over the job's elements.
+template <uint8_t kDt>
+__global__ void DecodeSegmentsKernel(const SegmentJob* jobs) {
+  const SegmentJob j = jobs[blockIdx.x];
+  for (uint64_t i = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; i < j.elements;
+       i += uint64_t{gridDim.y} * blockDim.x) {
+    j.raw[i] = DecodeElement<kDt>(j, i);
+  }
+}
+
+// ----------------------------------------------------------------------------------- encode
+
+__device__ __forceinline__ float FiniteAbs(float x) {
+  float a = fabsf(x);
+  return nm::IsFiniteFloat(a) ? a : 0.0f;
+}
+
+// Statistics of group `g`, visited in the scalar reference's order, written as metadata.
+template <uint8_t kDt>
+__device__ void EncodeGroup(const SegmentJob& j, uint64_t g) {
+  uint8_t* p = j.payload;
+  const uint64_t T = j.tokens, H = j.heads, D = j.dim;
+  auto x_at = [&](uint64_t i) { return ToF<kDt>(j.raw[i]); };
+  switch (j.codec) {
+    case kFp8: {
+      float amax = 0.0f;
+      for (uint64_t t = 0; t < T; ++t) {
+        for (uint64_t d = 0; d < D; ++d) {
+          float a = FiniteAbs(x_at((t * H + g) * D + d));
+          if (a > amax) amax = a;
+        }
+      }
+      StF32(p, g, PXK_DIV(amax, 448.0f));
+      return;
+    }
+    case kInt8: {
+      float amax = 0.0f;
+      if (!j.is_value) {
+        for (uint64_t t = 0; t < T; ++t) amax = fmaxf(amax, FiniteAbs(x_at(t * H * D + g)));
+      } else {
+        for (uint64_t d = 0; d < D; ++d) amax = fmaxf(amax, FiniteAbs(x_at(g * D + d)));
+      }
+      St16(p, g, nm::RoundUpDtype(kDt, PXK_DIV(amax, 127.0f)));
+      return;
+    }
+    case kInt4:
+    case kInt2: {
+      uint64_t base, stride, len;
+      if (!j.is_value) {  // g = group * H * D + channel
+        uint64_t grp = g / (H * D), c = g % (H * D);
+        uint64_t t0 = grp * j.group_len;
+        base = t0 * H * D + c;
+        stride = H * D;
+        len = T - t0 < j.group_len ? T - t0 : j.group_len;
+      } else {  // g = row * num_groups + group
+        uint64_t row = g / j.num_groups, grp = g % j.num_groups;
+        uint64_t d0 = grp * j.group_len;
+        base = row * D + d0;
+        stride = 1;
+        len = D - d0 < j.group_len ? D - d0 : j.group_len;
+      }
+      float mn = __int_as_float(0x7F800000), mx = -mn;
+      for (uint64_t k = 0; k < len; ++k) {
+        float x = x_at(base + k * stride);
+        if (!nm::IsFiniteFloat(x)) continue;
+        mn = x < mn ? x : mn;
+        mx = mx < x ? x : mx;
+      }
+      if (mn > mx) mn = mx = 0.0f;
+      mn = PXK_ADD(mn, 0.0f);
+      mx = PXK_ADD(mx, 0.0f);
+      const float qmax = static_cast<float>((1u << j.bits) - 1);
+      St16(p, g, nm::RoundUpDtype(kDt, PXK_DIV(PXK_SUB(mx, mn), qmax)));
+      St16(p + 2 * j.meta_count, g, nm::FloatToDtype(kDt, mn));
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+template <uint8_t kDt>
+__device__ __forceinline__ float Divisor(uint16_t scale) {
+  float s = ToF<kDt>(scale);
+  return s == 0.0f ? 1.0f : s;
+}
+
+// Quantises work item `u`: element `u` (raw, fp8, int8) or packed byte `u` (int4/int2).
+template <uint8_t kDt>
+__device__ void EncodeUnit(const SegmentJob& j, uint64_t u) {
+  uint8_t* p = j.payload;
+  const uint64_t H = j.heads, D = j.dim;
+  switch (j.codec) {
+    case kRaw:
+      St16(p, u, j.raw[u]);
+      return;
+    case kFp8: {
+      float s = LdF32(p, (u / D) % H);
+      float y = nm::ClampQ(PXK_DIV(ToF<kDt>(j.raw[u]), s == 0.0f ? 1.0f : s), -448.0f, 448.0f);
+      p[4 * H + u] = nm::FloatToE4m3(y);
+      return;
+    }
+    case kInt8: {
+      uint64_t s = j.is_value ? u / D : u % (H * D);
+      uint64_t meta = j.is_value ? uint64_t{j.tokens} * H : H * D;
+      float q = nm::RoundNearestEven(
+          nm::ClampQ(PXK_DIV(ToF<kDt>(j.raw[u]), Divisor<kDt>(Ld16(p, s))), -127.0f, 127.0f));
+      p[2 * meta + u] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      return;
+    }
+    case kInt4:
+    case kInt2: {
+      const uint32_t per_byte = 8 / j.bits;
+      const float qmax = static_cast<float>((1u << j.bits) - 1);
+      uint32_t byte = 0;
+      for (uint32_t k = 0; k < per_byte; ++k) {
+        uint64_t i = u * per_byte + k;
+        if (i >= j.elements) break;
+        uint64_t m = !j.is_value ? (i / (H * D)) / j.group_len * (H * D) + i % (H * D)
+                                 : (i / D) * j.num_groups + (i % D) / j.group_len;
+        float minf = ToF<kDt>(Ld16(p + 2 * j.meta_count, m));
+        float div = Divisor<kDt>(Ld16(p, m));
+        float q = nm::RoundNearestEven(
+            nm::ClampQ(PXK_DIV(PXK_SUB(ToF<kDt>(j.raw[i]), minf), div), 0.0f, qmax));
+        byte |= static_cast<uint32_t>(q) << (k * j.bits);
+      }
+      p[4 * j.meta_count + u] = static_cast<uint8_t>(byte);
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+template <uint8_t kDt>
+__global__ void EncodeGroupsKernel(const SegmentJob* jobs) {
+  const SegmentJob j = jobs[blockIdx.x];
+  for (uint64_t g = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; g < j.groups;
+       g += uint64_t{gridDim.y} * blockDim.x) {
+    EncodeGroup<kDt>(j, g);
+  }
+}
+
+template <uint8_t kDt>
+__global__ void EncodeUnitsKernel(const SegmentJob* jobs) {
+  const SegmentJob j = jobs[blockIdx.x];
+  for (uint64_t u = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; u < j.units;
+       u += uint64_t{gridDim.y} * blockDim.x) {
+    EncodeUnit<kDt>(j, u);
+  }
+}
+
+}  // namespace proxima::codec::cuda
+
+#endif  // PROXIMA_KERNELS_CODEC_KERNELS_CUH_

@@ -1,0 +1,28 @@
+// Container constants and a test/fuzz hook. Internal to kernels/; the format is docs/format.md.
+#ifndef PROXIMA_KERNELS_INTERNAL_CONTAINER_H_
+#define PROXIMA_KERNELS_INTERNAL_CONTAINER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace proxima::codec::internal {
+
+inline constexpr char kBlockMagic[8] = {'P', 'X', 'S', 'T', 'A', 'R', 'K', 'V'};
+inline constexpr uint16_t kFormatVersion = 1;
+inline constexpr size_t kHeaderBytes = 48;
+inline constexpr size_t kSegmentEntryBytes = 16;
+inline constexpr size_t kHeaderCrcOffset = 40;
+inline constexpr size_t kPayloadCrcOffset = 44;
+inline constexpr uint32_t kMaxDim = 1024;
+inline constexpr uint32_t kMaxTokens = 65536;
+inline constexpr size_t kMaxRawBytes = size_t{1} << 30;
+
+// Recomputes both CRC fields of `block` in place when it is long enough to hold the header and
+// the segment table its header claims (otherwise leaves it alone). Lets the fuzzer reach the
+// payload decoders past the CRC check; never used on the production path.
+void ResealBlockForFuzzing(std::span<std::byte> block);
+
+}  // namespace proxima::codec::internal
+
+#endif  // PROXIMA_KERNELS_INTERNAL_CONTAINER_H_

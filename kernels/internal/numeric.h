@@ -1,0 +1,175 @@
+// Scalar arithmetic of the STAR-KV format (docs/format.md section 2), shared verbatim by the CPU
+// reference and the CUDA kernels so that both round exactly alike: dtype <-> float conversions,
+// e4m3 conversions, clamping and rounding. Every function is pure and thread-safe.
+//
+// Rules that keep backends bit-identical: one IEEE rounding per operation (no FMA contraction:
+// the CPU build uses -ffp-contract=off, CUDA code uses the explicit __f*_rn intrinsics through
+// the PXK_MUL/PXK_ADD/PXK_DIV macros), round-to-nearest-even everywhere, no flush-to-zero.
+#ifndef PROXIMA_KERNELS_INTERNAL_NUMERIC_H_
+#define PROXIMA_KERNELS_INTERNAL_NUMERIC_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define PXK_HD __host__ __device__ __forceinline__
+#else
+#define PXK_HD inline
+#endif
+
+namespace proxima::codec::numeric {
+
+#if defined(__CUDA_ARCH__)
+#define PXK_MUL(a, b) __fmul_rn((a), (b))
+#define PXK_ADD(a, b) __fadd_rn((a), (b))
+#define PXK_SUB(a, b) __fsub_rn((a), (b))
+#define PXK_DIV(a, b) __fdiv_rn((a), (b))
+#else
+#define PXK_MUL(a, b) ((a) * (b))
+#define PXK_ADD(a, b) ((a) + (b))
+#define PXK_SUB(a, b) ((a) - (b))
+#define PXK_DIV(a, b) ((a) / (b))
+#endif
+
+// dtype codes as stored in the header (values of proxima::codec::DType).
+inline constexpr uint8_t kDtypeFp16 = 1;
+inline constexpr uint8_t kDtypeBf16 = 2;
+
+PXK_HD uint32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+PXK_HD float BitsFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+PXK_HD float Bf16ToFloat(uint16_t v) { return BitsFloat(static_cast<uint32_t>(v) << 16); }
+
+PXK_HD uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+PXK_HD float Fp16ToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  if (exp == 0x1F) {  // Inf, or NaN made quiet as F16C vcvtph2ps does
+    return BitsFloat(sign | 0x7F800000u | (man << 13) | (man != 0 ? 0x400000u : 0u));
+  }
+  if (exp != 0) return BitsFloat(sign | ((exp + 112u) << 23) | (man << 13));
+  // Subnormal: man * 2^-24, exact in float.
+  float mag = PXK_MUL(static_cast<float>(man), 5.9604644775390625e-8f);
+  return sign ? -mag : mag;
+}
+
+// Matches F16C vcvtps2ph with round-to-nearest-even (imm 0), including NaN payloads.
+PXK_HD uint16_t FloatToFp16(float f) {
+  uint32_t u = FloatBits(f);
+  uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u)
+    return static_cast<uint16_t>(sign | 0x7C00u | 0x0200u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 65520: Inf
+  if (a >= 0x38800000u) {                                              // normal half (>= 2^-14)
+    uint32_t r = a + 0x0FFFu + ((a >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
+  }
+  if (a < 0x33000000u) return sign;  // below half of the smallest subnormal (2^-25): zero
+  // Subnormal half: shift the 24-bit significand right so the result is in units of 2^-24.
+  uint32_t exp = a >> 23;  // 102..112
+  uint32_t man = (a & 0x7FFFFFu) | 0x800000u;
+  uint32_t shift = 126u - exp;  // 14..24
+  uint32_t q = man >> shift;
+  uint32_t rem = man & ((1u << shift) - 1u);
+  uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+
+PXK_HD float DtypeToFloat(uint8_t dtype, uint16_t v) {
+  return dtype == kDtypeBf16 ? Bf16ToFloat(v) : Fp16ToFloat(v);
+}
+PXK_HD uint16_t FloatToDtype(uint8_t dtype, float f) {
+  return dtype == kDtypeBf16 ? FloatToBf16(f) : FloatToFp16(f);
+}
+
+PXK_HD bool IsFiniteFloat(float f) { return (FloatBits(f) & 0x7F800000u) != 0x7F800000u; }
+
+PXK_HD uint16_t DtypeMaxFinite(uint8_t dtype) { return dtype == kDtypeBf16 ? 0x7F7F : 0x7BFF; }
+
+// Rounds a non-negative float to the dtype, never below x (one ulp up when rounding went down).
+// Non-finite or overflowing results become the dtype's largest finite value.
+PXK_HD uint16_t RoundUpDtype(uint8_t dtype, float x) {
+  if (!IsFiniteFloat(x)) return DtypeMaxFinite(dtype);
+  if (x <= 0.0f) return 0;
+  uint16_t v = FloatToDtype(dtype, x);
+  if ((v & 0x7FFFu) >= (dtype == kDtypeBf16 ? 0x7F80u : 0x7C00u)) return DtypeMaxFinite(dtype);
+  if (DtypeToFloat(dtype, v) < x) {
+    ++v;  // positive values: the next bit pattern is the next representable value
+    if ((v & 0x7FFFu) >= (dtype == kDtypeBf16 ? 0x7F80u : 0x7C00u)) return DtypeMaxFinite(dtype);
+  }
+  return v;
+}
+
+PXK_HD float RoundNearestEven(float x) {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+
+// NaN -> 0, then clamp to [lo, hi].
+PXK_HD float ClampQ(float v, float lo, float hi) {
+  if (!(v == v)) v = 0.0f;
+  if (v < lo) v = lo;
+  if (v > hi) v = hi;
+  return v;
+}
+
+// e4m3fn code -> float. 0x7F/0xFF decode as +-480 (docs/format.md: fp8).
+PXK_HD float E4m3ToFloat(uint8_t c) {
+  uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  uint32_t exp = (c >> 3) & 0xFu;
+  uint32_t man = c & 0x7u;
+  if (exp == 0) {
+    float mag = PXK_MUL(static_cast<float>(man), 0.001953125f);  // man * 2^-9
+    return BitsFloat(FloatBits(mag) | sign);
+  }
+  return BitsFloat(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// float (already clamped to [-448, 448], not NaN) -> e4m3fn, round to nearest even.
+PXK_HD uint8_t FloatToE4m3(float y) {
+  uint32_t u = FloatBits(y);
+  uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a < 0x3C800000u) {  // below 2^-6: subnormal grid of 2^-9 (codes 0..8; 8 is 2^-6)
+    float r = RoundNearestEven(PXK_MUL(BitsFloat(a), 512.0f));
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(r));
+  }
+  uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+  uint32_t exp = (r >> 23) - 120u;
+  uint32_t man = (r >> 20) & 0x7u;
+  return static_cast<uint8_t>(sign | (exp << 3) | man);
+}
+
+}  // namespace proxima::codec::numeric
+
+#endif  // PROXIMA_KERNELS_INTERNAL_NUMERIC_H_

@@ -1,0 +1,495 @@
+// Scalar reference for the fixed-size codecs (fp8, int8, int4/int2, star). The arithmetic here
+// is the definition in docs/format.md section 3; the SIMD and CUDA paths copy it operation by
+// operation.
+#include "kernels/internal/segment_codecs.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/internal/numeric.h"
+
+namespace proxima::codec::internal {
+namespace {
+
+using numeric::ClampQ;
+using numeric::DtypeToFloat;
+using numeric::FloatToDtype;
+using numeric::IsFiniteFloat;
+using numeric::RoundNearestEven;
+using numeric::RoundUpDtype;
+
+size_t CeilDiv(size_t a, size_t b) { return (a + b - 1) / b; }
+
+absl::Status CheckFiniteDtype(const SegmentShape& shape, const std::byte* p, size_t count,
+                              const char* what) {
+  for (size_t i = 0; i < count; ++i) {
+    if (!IsFiniteFloat(DtypeToFloat(shape.dtype, Load16(p, i)))) {
+      return absl::InvalidArgumentError(absl::StrCat("non-finite ", what, " at index ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Writes `bits`-wide values LSB-first into a zeroed buffer.
+void PutBits(std::byte* buf, size_t index, uint32_t bits, uint32_t value) {
+  size_t pos = index * bits;
+  for (uint32_t b = 0; b < bits; ++b, ++pos) {
+    if ((value >> b) & 1u) buf[pos / 8] |= std::byte{static_cast<uint8_t>(1u << (pos % 8))};
+  }
+}
+uint32_t GetBits(const std::byte* buf, size_t index, uint32_t bits) {
+  size_t pos = index * bits;
+  uint32_t v = 0;
+  for (uint32_t b = 0; b < bits; ++b, ++pos) {
+    v |= ((static_cast<uint32_t>(buf[pos / 8]) >> (pos % 8)) & 1u) << b;
+  }
+  return v;
+}
+
+}  // namespace
+
+Int8Row Int8RowScale(uint8_t dtype, float amax) {
+  uint16_t scale = RoundUpDtype(dtype, amax / 127.0f);
+  float f = DtypeToFloat(dtype, scale);
+  return {scale, f == 0.0f ? 1.0f : f};
+}
+namespace {
+int8_t QuantizeInt8(float x, float divisor) {
+  return static_cast<int8_t>(RoundNearestEven(ClampQ(x / divisor, -127.0f, 127.0f)));
+}
+}  // namespace
+
+IntNLayout IntNLayoutFor(const SegmentShape& shape, uint32_t bits) {
+  IntNLayout l;
+  l.bits = bits;
+  if (!shape.is_value) {
+    l.group_len = std::min(shape.group, shape.tokens);
+    l.num_groups = static_cast<uint32_t>(CeilDiv(shape.tokens, l.group_len));
+    l.meta_count = size_t{l.num_groups} * shape.heads * shape.dim;
+  } else {
+    l.group_len = std::min(shape.group, shape.dim);
+    l.num_groups = static_cast<uint32_t>(CeilDiv(shape.dim, l.group_len));
+    l.meta_count = size_t{shape.tokens} * shape.heads * l.num_groups;
+  }
+  l.packed_bytes = CeilDiv(shape.Elements() * bits, 8);
+  return l;
+}
+
+StarLayout StarLayoutFor(const SegmentShape& shape) {
+  StarLayout l;
+  uint32_t c = 1;
+  while (c * 2 <= shape.tokens / 16 && c * 2 <= 16) c *= 2;
+  l.centroids = c;
+  l.index_bits = 0;
+  while ((1u << l.index_bits) < c) ++l.index_bits;
+  l.important = std::max<uint32_t>(1, shape.tokens / 32);
+  const size_t t = shape.tokens, d = shape.dim, m = l.important;
+  l.per_head_bytes = 2 * c + c * d + 2 * m + 2 * m + m * d + CeilDiv(t * l.index_bits, 8) + 2 * t +
+                     CeilDiv(t * d, 8);
+  return l;
+}
+
+size_t FixedPayloadBytes(CodecId codec, const SegmentShape& shape) {
+  const size_t n = shape.Elements();
+  switch (codec) {
+    case CodecId::kRaw:
+      return 2 * n;
+    case CodecId::kFp8:
+      return 4 * size_t{shape.heads} + n;
+    case CodecId::kInt8:
+      return 2 * (shape.is_value ? size_t{shape.tokens} * shape.heads
+                                 : size_t{shape.heads} * shape.dim) +
+             n;
+    case CodecId::kInt4:
+    case CodecId::kInt2: {
+      IntNLayout l = IntNLayoutFor(shape, codec == CodecId::kInt4 ? 4 : 2);
+      return 4 * l.meta_count + l.packed_bytes;
+    }
+    case CodecId::kStar:
+      return StarLayoutFor(shape).per_head_bytes * shape.heads;
+    case CodecId::kLossless:
+      return 0;
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- validation
+
+absl::Status ValidateFp8(const SegmentShape& shape, const std::byte* payload) {
+  for (uint32_t h = 0; h < shape.heads; ++h) {
+    if (!IsFiniteFloat(LoadF32(payload, h))) {
+      return absl::InvalidArgumentError(absl::StrCat("fp8: non-finite scale for head ", h));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateInt8(const SegmentShape& shape, const std::byte* payload) {
+  size_t count =
+      shape.is_value ? size_t{shape.tokens} * shape.heads : size_t{shape.heads} * shape.dim;
+  return CheckFiniteDtype(shape, payload, count, "int8 scale");
+}
+
+absl::Status ValidateIntN(const SegmentShape& shape, uint32_t bits, const std::byte* payload) {
+  IntNLayout l = IntNLayoutFor(shape, bits);
+  if (absl::Status s = CheckFiniteDtype(shape, payload, 2 * l.meta_count, "int4/int2 scale or min");
+      !s.ok()) {
+    return s;
+  }
+  size_t used_bits = shape.Elements() * bits % 8;
+  if (used_bits != 0) {
+    uint8_t last = static_cast<uint8_t>(payload[4 * l.meta_count + l.packed_bytes - 1]);
+    if ((last >> used_bits) != 0) {
+      return absl::InvalidArgumentError("int4/int2: nonzero padding bits");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateStar(const SegmentShape& shape, const std::byte* payload) {
+  StarLayout l = StarLayoutFor(shape);
+  const size_t c = l.centroids, d = shape.dim, m = l.important, t = shape.tokens;
+  for (uint32_t h = 0; h < shape.heads; ++h) {
+    const std::byte* p = payload + h * l.per_head_bytes;
+    if (absl::Status s = CheckFiniteDtype(shape, p, c, "star centroid scale"); !s.ok()) return s;
+    p += 2 * c + c * d;
+    for (size_t i = 0; i < m; ++i) {
+      if (Load16(p, i) >= t) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("star: important token index ", Load16(p, i), " >= ", t));
+      }
+    }
+    p += 2 * m;
+    if (absl::Status s = CheckFiniteDtype(shape, p, m, "star important scale"); !s.ok()) return s;
+    p += 2 * m + m * d + CeilDiv(t * l.index_bits, 8);
+    if (absl::Status s = CheckFiniteDtype(shape, p, t, "star residual scale"); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- fp8
+
+void EncodeFp8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t H = shape.heads, D = shape.dim;
+  std::byte* codes = payload + 4 * size_t{H};
+  std::vector<float> amax(H, 0.0f);
+  for (uint32_t t = 0; t < shape.tokens; ++t) {
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t d = 0; d < D; ++d) {
+        float a = std::fabs(DtypeToFloat(shape.dtype, Load16(in, (size_t{t} * H + h) * D + d)));
+        if (IsFiniteFloat(a) && a > amax[h]) amax[h] = a;
+      }
+    }
+  }
+  std::vector<float> divisor(H);
+  for (uint32_t h = 0; h < H; ++h) {
+    float scale = amax[h] / 448.0f;
+    StoreF32(payload, h, scale);
+    divisor[h] = scale == 0.0f ? 1.0f : scale;
+  }
+  for (size_t i = 0; i < shape.Elements(); ++i) {
+    uint32_t h = static_cast<uint32_t>((i / D) % H);
+    float y = ClampQ(DtypeToFloat(shape.dtype, Load16(in, i)) / divisor[h], -448.0f, 448.0f);
+    codes[i] = std::byte{numeric::FloatToE4m3(y)};
+  }
+}
+
+void DecodeFp8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t H = shape.heads, D = shape.dim;
+  const std::byte* codes = payload + 4 * size_t{H};
+  for (size_t i = 0; i < shape.Elements(); ++i) {
+    float scale = LoadF32(payload, (i / D) % H);
+    float x = numeric::E4m3ToFloat(static_cast<uint8_t>(codes[i])) * scale;
+    Store16(out, i, FloatToDtype(shape.dtype, x));
+  }
+}
+
+// ---------------------------------------------------------------- int8
+
+void EncodeInt8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  auto x_at = [&](size_t i) { return DtypeToFloat(shape.dtype, Load16(in, i)); };
+  auto finite_abs = [](float x) {
+    float a = std::fabs(x);
+    return IsFiniteFloat(a) ? a : 0.0f;
+  };
+  if (!shape.is_value) {  // K: one scale per channel (h, d) over tokens
+    std::byte* q = payload + 2 * size_t{H} * D;
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t d = 0; d < D; ++d) {
+        float amax = 0.0f;
+        for (uint32_t t = 0; t < T; ++t) {
+          amax = std::max(amax, finite_abs(x_at((size_t{t} * H + h) * D + d)));
+        }
+        Int8Row row = Int8RowScale(shape.dtype, amax);
+        Store16(payload, size_t{h} * D + d, row.scale);
+        for (uint32_t t = 0; t < T; ++t) {
+          size_t i = (size_t{t} * H + h) * D + d;
+          q[i] = std::byte(static_cast<uint8_t>(QuantizeInt8(x_at(i), row.divisor)));
+        }
+      }
+    }
+  } else {  // V: one scale per token (t, h) over channels
+    std::byte* q = payload + 2 * size_t{T} * H;
+    for (size_t row_index = 0; row_index < size_t{T} * H; ++row_index) {
+      size_t base = row_index * D;
+      float amax = 0.0f;
+      for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, finite_abs(x_at(base + d)));
+      Int8Row row = Int8RowScale(shape.dtype, amax);
+      Store16(payload, row_index, row.scale);
+      for (uint32_t d = 0; d < D; ++d) {
+        q[base + d] = std::byte(static_cast<uint8_t>(QuantizeInt8(x_at(base + d), row.divisor)));
+      }
+    }
+  }
+}
+
+void DecodeInt8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const std::byte* q = payload + 2 * (shape.is_value ? size_t{T} * H : size_t{H} * D);
+  for (size_t i = 0; i < shape.Elements(); ++i) {
+    size_t s = shape.is_value ? i / D : i % (size_t{H} * D);
+    float scale = DtypeToFloat(shape.dtype, Load16(payload, s));
+    float x = static_cast<float>(static_cast<int8_t>(q[i])) * scale;
+    Store16(out, i, FloatToDtype(shape.dtype, x));
+  }
+}
+
+// ---------------------------------------------------------------- int4 / int2
+
+IntNGroup IntNGroupParams(uint8_t dtype, float mn, float mx, float qmax) {
+  IntNGroup g;
+  // Adding +0 turns a -0 extreme into +0, so the result does not depend on the order in which
+  // the SIMD and scalar paths visit equal zeros.
+  mn = mn + 0.0f;
+  mx = mx + 0.0f;
+  g.min = FloatToDtype(dtype, mn);
+  g.scale = RoundUpDtype(dtype, (mx - mn) / qmax);
+  g.min_f = DtypeToFloat(dtype, g.min);
+  float s = DtypeToFloat(dtype, g.scale);
+  g.divisor = s == 0.0f ? 1.0f : s;
+  return g;
+}
+
+void EncodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                      std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const IntNLayout l = IntNLayoutFor(shape, bits);
+  const float qmax = static_cast<float>((1u << bits) - 1);
+  std::byte* scales = payload;
+  std::byte* mins = payload + 2 * l.meta_count;
+  std::byte* packed = payload + 4 * l.meta_count;
+  std::memset(packed, 0, l.packed_bytes);
+  auto x_at = [&](size_t i) { return DtypeToFloat(shape.dtype, Load16(in, i)); };
+  // Visits one group: elements base + k*stride, k < len.
+  auto do_group = [&](size_t meta_index, size_t base, size_t stride, uint32_t len) {
+    float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+    for (uint32_t k = 0; k < len; ++k) {
+      float x = x_at(base + k * stride);
+      if (!IsFiniteFloat(x)) continue;
+      mn = std::min(mn, x);
+      mx = std::max(mx, x);
+    }
+    if (mn > mx) mn = mx = 0.0f;
+    IntNGroup g = IntNGroupParams(shape.dtype, mn, mx, qmax);
+    Store16(scales, meta_index, g.scale);
+    Store16(mins, meta_index, g.min);
+    for (uint32_t k = 0; k < len; ++k) {
+      size_t i = base + k * stride;
+      float q = RoundNearestEven(ClampQ((x_at(i) - g.min_f) / g.divisor, 0.0f, qmax));
+      PutBits(packed, i, bits, static_cast<uint32_t>(q));
+    }
+  };
+  if (!shape.is_value) {
+    for (uint32_t j = 0; j < l.num_groups; ++j) {
+      uint32_t t0 = j * l.group_len;
+      uint32_t len = std::min(l.group_len, T - t0);
+      for (size_t c = 0; c < size_t{H} * D; ++c) {
+        do_group(size_t{j} * H * D + c, size_t{t0} * H * D + c, size_t{H} * D, len);
+      }
+    }
+  } else {
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      for (uint32_t j = 0; j < l.num_groups; ++j) {
+        uint32_t d0 = j * l.group_len;
+        uint32_t len = std::min(l.group_len, D - d0);
+        do_group(row * l.num_groups + j, row * D + d0, 1, len);
+      }
+    }
+  }
+}
+
+void DecodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                      std::byte* out) {
+  const uint32_t H = shape.heads, D = shape.dim;
+  const IntNLayout l = IntNLayoutFor(shape, bits);
+  const std::byte* scales = payload;
+  const std::byte* mins = payload + 2 * l.meta_count;
+  const std::byte* packed = payload + 4 * l.meta_count;
+  const size_t hd = size_t{H} * D;
+  for (size_t i = 0; i < shape.Elements(); ++i) {
+    size_t m;
+    if (!shape.is_value) {
+      m = (i / hd) / l.group_len * hd + i % hd;
+    } else {
+      m = (i / D) * l.num_groups + (i % D) / l.group_len;
+    }
+    float scale = DtypeToFloat(shape.dtype, Load16(scales, m));
+    float mn = DtypeToFloat(shape.dtype, Load16(mins, m));
+    float q = static_cast<float>(GetBits(packed, i, bits));
+    float x = q * scale + mn;
+    Store16(out, i, FloatToDtype(shape.dtype, x));
+  }
+}
+
+// ---------------------------------------------------------------- star
+
+void EncodeStar(const SegmentShape& shape, const std::byte* in,
+                const std::vector<std::vector<uint32_t>>& important, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const StarLayout l = StarLayoutFor(shape);
+  const uint32_t C = l.centroids, M = l.important;
+  std::memset(payload, 0, l.per_head_bytes * H);
+  std::vector<float> x(size_t{T} * D);
+  std::vector<float> cent(size_t{C} * D), cdeq(size_t{C} * D), sums(size_t{C} * D);
+  std::vector<uint32_t> counts(C), assign(T);
+  std::vector<uint8_t> is_imp(T);
+  std::vector<uint32_t> members;
+  auto nearest = [&](const float* v, const std::vector<float>& cs) {
+    uint32_t best = 0;
+    float best_d = std::numeric_limits<float>::infinity();
+    for (uint32_t k = 0; k < C; ++k) {
+      float dist = 0.0f;
+      for (uint32_t d = 0; d < D; ++d) {
+        float e = v[d] - cs[size_t{k} * D + d];
+        dist += e * e;
+      }
+      if (dist < best_d) best_d = dist, best = k;
+    }
+    return best;
+  };
+  for (uint32_t h = 0; h < H; ++h) {
+    std::byte* p = payload + h * l.per_head_bytes;
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t d = 0; d < D; ++d) {
+        float v = DtypeToFloat(shape.dtype, Load16(in, (size_t{t} * H + h) * D + d));
+        x[size_t{t} * D + d] = IsFiniteFloat(v) ? v : 0.0f;
+      }
+    }
+    std::fill(is_imp.begin(), is_imp.end(), 0);
+    for (uint32_t i = 0; i < M; ++i) is_imp[important[h][i]] = 1;
+    members.clear();
+    for (uint32_t t = 0; t < T; ++t) {
+      if (!is_imp[t]) members.push_back(t);
+    }
+    if (members.empty()) {
+      for (uint32_t t = 0; t < T; ++t) members.push_back(t);
+    }
+    const size_t n = members.size();
+    for (uint32_t k = 0; k < C; ++k) {
+      const float* src = &x[size_t{members[k * n / C]} * D];
+      std::copy(src, src + D, &cent[size_t{k} * D]);
+    }
+    for (int iter = 0; iter < 4; ++iter) {
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      std::fill(counts.begin(), counts.end(), 0);
+      for (uint32_t t : members) {
+        uint32_t k = nearest(&x[size_t{t} * D], cent);
+        ++counts[k];
+        for (uint32_t d = 0; d < D; ++d) sums[size_t{k} * D + d] += x[size_t{t} * D + d];
+      }
+      for (uint32_t k = 0; k < C; ++k) {
+        if (counts[k] == 0) continue;  // an empty cluster keeps its centroid
+        for (uint32_t d = 0; d < D; ++d) {
+          cent[size_t{k} * D + d] = sums[size_t{k} * D + d] / static_cast<float>(counts[k]);
+        }
+      }
+    }
+    // Centroids at int8, one scale per centroid.
+    std::byte* cscale = p;
+    std::byte* cq = p + 2 * size_t{C};
+    for (uint32_t k = 0; k < C; ++k) {
+      float amax = 0.0f;
+      for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(cent[size_t{k} * D + d]));
+      Int8Row row = Int8RowScale(shape.dtype, amax);
+      Store16(cscale, k, row.scale);
+      float s = DtypeToFloat(shape.dtype, row.scale);
+      for (uint32_t d = 0; d < D; ++d) {
+        int8_t q = QuantizeInt8(cent[size_t{k} * D + d], row.divisor);
+        cq[size_t{k} * D + d] = std::byte(static_cast<uint8_t>(q));
+        cdeq[size_t{k} * D + d] = static_cast<float>(q) * s;
+      }
+    }
+    // Important tokens at int8, one scale per token.
+    std::byte* imp_idx = cq + size_t{C} * D;
+    std::byte* iscale = imp_idx + 2 * size_t{M};
+    std::byte* iq = iscale + 2 * size_t{M};
+    for (uint32_t i = 0; i < M; ++i) {
+      uint32_t t = important[h][i];
+      Store16(imp_idx, i, static_cast<uint16_t>(t));
+      float amax = 0.0f;
+      for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[size_t{t} * D + d]));
+      Int8Row row = Int8RowScale(shape.dtype, amax);
+      Store16(iscale, i, row.scale);
+      for (uint32_t d = 0; d < D; ++d) {
+        iq[size_t{i} * D + d] =
+            std::byte(static_cast<uint8_t>(QuantizeInt8(x[size_t{t} * D + d], row.divisor)));
+      }
+    }
+    // Index, residual magnitude and residual signs of every other token.
+    std::byte* idx = iq + size_t{M} * D;
+    std::byte* rscale = idx + CeilDiv(size_t{T} * l.index_bits, 8);
+    std::byte* rsign = rscale + 2 * size_t{T};
+    for (uint32_t t = 0; t < T; ++t) {
+      if (is_imp[t]) continue;
+      const float* v = &x[size_t{t} * D];
+      uint32_t k = nearest(v, cdeq);
+      PutBits(idx, t, l.index_bits, k);
+      float sum_abs = 0.0f;
+      for (uint32_t d = 0; d < D; ++d) {
+        float r = v[d] - cdeq[size_t{k} * D + d];
+        sum_abs += std::fabs(r);
+        if (r >= 0.0f) PutBits(rsign, size_t{t} * D + d, 1, 1);
+      }
+      Store16(rscale, t, RoundUpDtype(shape.dtype, sum_abs / static_cast<float>(D)));
+    }
+  }
+}
+
+void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const StarLayout l = StarLayoutFor(shape);
+  const uint32_t C = l.centroids, M = l.important;
+  for (uint32_t h = 0; h < H; ++h) {
+    const std::byte* cscale = payload + h * l.per_head_bytes;
+    const std::byte* cq = cscale + 2 * size_t{C};
+    const std::byte* imp_idx = cq + size_t{C} * D;
+    const std::byte* iscale = imp_idx + 2 * size_t{M};
+    const std::byte* iq = iscale + 2 * size_t{M};
+    const std::byte* idx = iq + size_t{M} * D;
+    const std::byte* rscale = idx + CeilDiv(size_t{T} * l.index_bits, 8);
+    const std::byte* rsign = rscale + 2 * size_t{T};
+    for (uint32_t t = 0; t < T; ++t) {
+      uint32_t k = GetBits(idx, t, l.index_bits);
+      float cs = DtypeToFloat(shape.dtype, Load16(cscale, k));
+      float rs = DtypeToFloat(shape.dtype, Load16(rscale, t));
+      for (uint32_t d = 0; d < D; ++d) {
+        float c = static_cast<float>(static_cast<int8_t>(cq[size_t{k} * D + d])) * cs;
+        float r = GetBits(rsign, size_t{t} * D + d, 1) ? rs : -rs;
+        Store16(out, (size_t{t} * H + h) * D + d, FloatToDtype(shape.dtype, c + r));
+      }
+    }
+    for (uint32_t i = 0; i < M; ++i) {
+      uint32_t t = Load16(imp_idx, i);
+      float s = DtypeToFloat(shape.dtype, Load16(iscale, i));
+      for (uint32_t d = 0; d < D; ++d) {
+        float x = static_cast<float>(static_cast<int8_t>(iq[size_t{i} * D + d])) * s;
+        Store16(out, (size_t{t} * H + h) * D + d, FloatToDtype(shape.dtype, x));
+      }
+    }
+  }
+}
+
+}  // namespace proxima::codec::internal

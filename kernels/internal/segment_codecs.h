@@ -1,0 +1,125 @@
+// Per-segment codecs: one (layer, K|V) matrix [token][head][dim] of dtype values to and from its
+// payload (docs/format.md section 3). The scalar functions here are the reference that defines
+// the arithmetic; kernels/internal/simd_avx2.cc and the CUDA kernels reproduce them bit for bit.
+// Callers (kernels/codec.cc) validate sizes before calling; decoders still validate every
+// metadata value they read. Thread-safety: pure functions.
+#ifndef PROXIMA_KERNELS_INTERNAL_SEGMENT_CODECS_H_
+#define PROXIMA_KERNELS_INTERNAL_SEGMENT_CODECS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/codec.h"
+
+namespace proxima::codec::internal {
+
+struct SegmentShape {
+  uint32_t tokens = 0;
+  uint32_t heads = 0;
+  uint32_t dim = 0;
+  uint8_t dtype = 2;      // numeric::kDtypeFp16 / kDtypeBf16
+  bool is_value = false;  // V segment (odd index); K otherwise
+  uint32_t group = 0;     // int4/int2 group size (32/64/128), else 0
+  size_t Elements() const { return size_t{tokens} * heads * dim; }
+};
+
+// int4/int2 group geometry of one segment (docs/format.md: int4/int2).
+struct IntNLayout {
+  uint32_t bits = 4;
+  uint32_t group_len = 0;   // g = min(G, T) for K, min(G, D) for V
+  uint32_t num_groups = 0;  // NG
+  size_t meta_count = 0;    // scales (and as many minimums)
+  size_t packed_bytes = 0;
+};
+IntNLayout IntNLayoutFor(const SegmentShape& shape, uint32_t bits);
+
+struct StarLayout {
+  uint32_t centroids = 1;  // C, a power of two
+  uint32_t index_bits = 0;
+  uint32_t important = 1;  // M
+  size_t per_head_bytes = 0;
+};
+StarLayout StarLayoutFor(const SegmentShape& shape);
+
+// Scale of one symmetric int8 row (int8 codec, star centroids and important tokens) from the
+// largest finite |x|: the stored dtype scale, and the divisor the encoder uses (1 for scale 0).
+struct Int8Row {
+  uint16_t scale;
+  float divisor;
+};
+Int8Row Int8RowScale(uint8_t dtype, float amax);
+
+// Parameters of one int4/int2 group from its finite min and max (both 0 when it has none).
+struct IntNGroup {
+  uint16_t scale;
+  uint16_t min;
+  float min_f;    // float(min)
+  float divisor;  // float(scale), or 1 when scale is 0
+};
+IntNGroup IntNGroupParams(uint8_t dtype, float mn, float mx, float qmax);
+
+// Payload size of a fixed-size codec (every codec but lossless).
+size_t FixedPayloadBytes(CodecId codec, const SegmentShape& shape);
+
+// Unaligned little-endian access; payloads sit at arbitrary offsets.
+inline uint16_t Load16(const std::byte* p, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, p + 2 * i, 2);
+  return v;
+}
+inline void Store16(std::byte* p, size_t i, uint16_t v) { std::memcpy(p + 2 * i, &v, 2); }
+inline float LoadF32(const std::byte* p, size_t i) {
+  float v;
+  std::memcpy(&v, p + 4 * i, 4);
+  return v;
+}
+inline void StoreF32(std::byte* p, size_t i, float v) { std::memcpy(p + 4 * i, &v, 4); }
+
+// ---- Metadata validation shared by every decoder path (scalar, AVX2, CUDA host wrapper).
+// `payload` has exactly FixedPayloadBytes() bytes.
+absl::Status ValidateFp8(const SegmentShape& shape, const std::byte* payload);
+absl::Status ValidateInt8(const SegmentShape& shape, const std::byte* payload);
+absl::Status ValidateIntN(const SegmentShape& shape, uint32_t bits, const std::byte* payload);
+absl::Status ValidateStar(const SegmentShape& shape, const std::byte* payload);
+
+// ---- Scalar reference. `in`/`out` segments: Elements() dtype values, [token][head][dim].
+// Encoders write exactly FixedPayloadBytes() bytes; decoders assume validated metadata.
+void EncodeFp8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeFp8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void EncodeInt8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeInt8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void EncodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                      std::byte* payload);
+void DecodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                      std::byte* out);
+
+// star: `important[h]` lists the StarLayout::important token indices of head h (the caller
+// ranks tokens by importance or key norm).
+void EncodeStar(const SegmentShape& shape, const std::byte* in,
+                const std::vector<std::vector<uint32_t>>& important, std::byte* payload);
+void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+
+// lossless: variable size; the encoder appends to `payload`.
+void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload);
+absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
+                            std::byte* out);
+
+// ---- AVX2 + F16C fast path (kernels/internal/simd_avx2.cc). Only call when CpuHasAvx2().
+bool CpuHasAvx2();
+void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeFp8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeInt8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                    std::byte* payload);
+void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                    std::byte* out);
+
+}  // namespace proxima::codec::internal
+
+#endif  // PROXIMA_KERNELS_INTERNAL_SEGMENT_CODECS_H_

@@ -1,0 +1,405 @@
+// AVX2 + F16C fast path for fp8, int8 and int4/int2 (compiled with -mavx2 -mf16c, called only
+// after CpuHasAvx2() said yes at run time). Every lane performs the scalar reference's
+// operations in the same order (no FMA: this file is built with -ffp-contract=off), and the
+// per-group scale arithmetic calls the scalar helpers, so the bytes are identical to the scalar
+// path. Segments whose head_dim is not a multiple of 8 take the scalar path wholesale.
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "kernels/internal/numeric.h"
+#include "kernels/internal/segment_codecs.h"
+
+namespace proxima::codec::internal {
+
+bool CpuHasAvx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    // F16C from CPUID leaf 1 (ECX bit 29): not every compiler's __builtin_cpu_supports knows it.
+    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    return __builtin_cpu_supports("avx2") && f16c;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+namespace {
+
+// Loads 8 dtype values (any alignment) as floats.
+inline __m256 Load8(uint8_t dtype, const std::byte* p, size_t i) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
+  if (dtype == numeric::kDtypeBf16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_cvtph_ps(h);
+}
+
+// Stores 8 floats as dtype values, rounding exactly like numeric::FloatToDtype.
+inline void Store8(uint8_t dtype, std::byte* p, size_t i, __m256 v) {
+  __m128i out;
+  if (dtype == numeric::kDtypeBf16) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+    r = _mm256_blendv_epi8(r, q, is_nan);
+    __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..3 r0..3 | r4..7 r4..7
+    out = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+  } else {
+    out = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i), out);
+}
+
+// Low byte of each 32-bit lane, in lane order, as 8 bytes.
+inline uint64_t LowBytes(__m256i v) {
+  const __m256i pick =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  __m256i b = _mm256_shuffle_epi8(v, pick);
+  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm256_castsi256_si128(b)));
+}
+
+inline __m256 FiniteAbs(__m256 v) {
+  __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+  __m256 finite =
+      _mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_LT_OQ);
+  return _mm256_and_ps(a, finite);
+}
+
+// numeric::ClampQ then round to nearest even, as int32 lanes.
+inline __m256i ClampRound(__m256 v, __m256 lo, __m256 hi) {
+  v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));  // NaN -> 0
+  v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+inline float HorizontalMax(__m256 v) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  float m = f[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, f[i]);
+  return m;
+}
+
+inline __m256 E4m3ToFloat8(__m256i c) {
+  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  __m256i exp = _mm256_and_si256(_mm256_srli_epi32(c, 3), _mm256_set1_epi32(0xF));
+  __m256i man = _mm256_and_si256(c, _mm256_set1_epi32(7));
+  __m256i normal = _mm256_or_si256(
+      sign, _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23),
+                            _mm256_slli_epi32(man, 20)));
+  __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(man), _mm256_set1_ps(0.001953125f));
+  __m256i subi = _mm256_or_si256(_mm256_castps_si256(sub), sign);
+  __m256i is_sub = _mm256_cmpeq_epi32(exp, _mm256_setzero_si256());
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subi, is_sub));
+}
+
+inline __m256i FloatToE4m3x8(__m256 y) {
+  __m256i u = _mm256_castps_si256(y);
+  __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  __m256 sub_f = _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(512.0f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256i sub = _mm256_cvtps_epi32(sub_f);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF)), lsb);
+  __m256i exp = _mm256_sub_epi32(_mm256_srli_epi32(r, 23), _mm256_set1_epi32(120));
+  __m256i man = _mm256_and_si256(_mm256_srli_epi32(r, 20), _mm256_set1_epi32(7));
+  __m256i normal = _mm256_or_si256(_mm256_slli_epi32(exp, 3), man);
+  __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a);
+  return _mm256_or_si256(sign, _mm256_blendv_epi8(normal, sub, is_sub));
+}
+
+// Packs 8 lanes of `bits`-bit values into bits bytes (8 * bits / 8), LSB first.
+inline uint32_t PackLanes(__m256i q, uint32_t bits) {
+  const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  __m256i s = _mm256_sllv_epi32(q, shifts);
+  __m128i x = _mm_or_si128(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0xB1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+}
+
+inline __m256 UnpackLanes(const std::byte* packed, size_t i, uint32_t bits) {
+  uint32_t word = 0;
+  std::memcpy(&word, packed + i * bits / 8, bits);  // 8 lanes * bits / 8 bytes
+  const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                               _mm256_set1_epi32((1 << bits) - 1));
+  return _mm256_cvtepi32_ps(q);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- fp8
+
+void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  if (D % 8 != 0) return EncodeFp8Scalar(shape, in, payload);
+  std::vector<float> divisor(H);
+  for (uint32_t h = 0; h < H; ++h) {
+    __m256 m = _mm256_setzero_ps();
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t d = 0; d < D; d += 8) {
+        m = _mm256_max_ps(m, FiniteAbs(Load8(shape.dtype, in, (size_t{t} * H + h) * D + d)));
+      }
+    }
+    float scale = HorizontalMax(m) / 448.0f;
+    StoreF32(payload, h, scale);
+    divisor[h] = scale == 0.0f ? 1.0f : scale;
+  }
+  std::byte* codes = payload + 4 * size_t{H};
+  const __m256 lo = _mm256_set1_ps(-448.0f), hi = _mm256_set1_ps(448.0f);
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    const __m256 div = _mm256_set1_ps(divisor[row % H]);
+    for (uint32_t d = 0; d < D; d += 8) {
+      __m256 y = _mm256_div_ps(Load8(shape.dtype, in, row * D + d), div);
+      y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
+      y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
+      uint64_t b = LowBytes(FloatToE4m3x8(y));
+      std::memcpy(codes + row * D + d, &b, 8);
+    }
+  }
+}
+
+void DecodeFp8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  if (D % 8 != 0) return DecodeFp8Scalar(shape, payload, out);
+  const std::byte* codes = payload + 4 * size_t{H};
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    const __m256 scale = _mm256_set1_ps(LoadF32(payload, row % H));
+    for (uint32_t d = 0; d < D; d += 8) {
+      __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + row * D + d));
+      __m256 x = _mm256_mul_ps(E4m3ToFloat8(_mm256_cvtepu8_epi32(c8)), scale);
+      Store8(shape.dtype, out, row * D + d, x);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int8
+
+void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  if (D % 8 != 0) return EncodeInt8Scalar(shape, in, payload);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  if (!shape.is_value) {
+    std::byte* q = payload + 2 * size_t{H} * D;
+    alignas(32) float amax[8], divisor[8];
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t d = 0; d < D; d += 8) {
+        __m256 m = _mm256_setzero_ps();
+        for (uint32_t t = 0; t < T; ++t) {
+          m = _mm256_max_ps(m, FiniteAbs(Load8(shape.dtype, in, (size_t{t} * H + h) * D + d)));
+        }
+        _mm256_store_ps(amax, m);
+        for (int k = 0; k < 8; ++k) {
+          Int8Row row = Int8RowScale(shape.dtype, amax[k]);
+          Store16(payload, size_t{h} * D + d + k, row.scale);
+          divisor[k] = row.divisor;
+        }
+        const __m256 div = _mm256_load_ps(divisor);
+        for (uint32_t t = 0; t < T; ++t) {
+          size_t i = (size_t{t} * H + h) * D + d;
+          uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8(shape.dtype, in, i), div), lo, hi));
+          std::memcpy(q + i, &b, 8);
+        }
+      }
+    }
+  } else {
+    std::byte* q = payload + 2 * size_t{T} * H;
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      __m256 m = _mm256_setzero_ps();
+      for (uint32_t d = 0; d < D; d += 8) {
+        m = _mm256_max_ps(m, FiniteAbs(Load8(shape.dtype, in, row * D + d)));
+      }
+      Int8Row r = Int8RowScale(shape.dtype, HorizontalMax(m));
+      Store16(payload, row, r.scale);
+      const __m256 div = _mm256_set1_ps(r.divisor);
+      for (uint32_t d = 0; d < D; d += 8) {
+        size_t i = row * D + d;
+        uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8(shape.dtype, in, i), div), lo, hi));
+        std::memcpy(q + i, &b, 8);
+      }
+    }
+  }
+}
+
+void DecodeInt8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  if (D % 8 != 0) return DecodeInt8Scalar(shape, payload, out);
+  const std::byte* q = payload + 2 * (shape.is_value ? size_t{T} * H : size_t{H} * D);
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    const uint32_t h = static_cast<uint32_t>(row % H);
+    __m256 vscale = _mm256_setzero_ps();
+    if (shape.is_value) {
+      vscale = _mm256_set1_ps(numeric::DtypeToFloat(shape.dtype, Load16(payload, row)));
+    }
+    for (uint32_t d = 0; d < D; d += 8) {
+      size_t i = row * D + d;
+      __m256 scale = shape.is_value ? vscale : Load8(shape.dtype, payload, size_t{h} * D + d);
+      __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+      __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), scale);
+      Store8(shape.dtype, out, i, x);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int4 / int2
+
+void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                    std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  if (D % 8 != 0) return EncodeIntNScalar(shape, bits, in, payload);
+  const IntNLayout l = IntNLayoutFor(shape, bits);
+  const float qmax_f = static_cast<float>((1u << bits) - 1);
+  const __m256 zero = _mm256_setzero_ps(), qmax = _mm256_set1_ps(qmax_f);
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  std::byte* scales = payload;
+  std::byte* mins = payload + 2 * l.meta_count;
+  std::byte* packed = payload + 4 * l.meta_count;
+  if (l.packed_bytes > 0) packed[l.packed_bytes - 1] = std::byte{0};
+  auto quantize8 = [&](size_t i, __m256 min_f, __m256 div) {
+    __m256 v = _mm256_div_ps(_mm256_sub_ps(Load8(shape.dtype, in, i), min_f), div);
+    uint32_t word = PackLanes(ClampRound(v, zero, qmax), bits);
+    std::memcpy(packed + i * bits / 8, &word, bits);
+  };
+  // Running min/max over finite lanes, argument order matching std::min(mn, x)/std::max(mx, x).
+  auto accumulate = [&](__m256 x, __m256& mn, __m256& mx) {
+    __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), inf, _CMP_LT_OQ);
+    mn = _mm256_min_ps(_mm256_blendv_ps(inf, x, finite), mn);
+    mx = _mm256_max_ps(_mm256_blendv_ps(ninf, x, finite), mx);
+  };
+  if (!shape.is_value) {
+    alignas(32) float mnv[8], mxv[8], minf[8], divv[8];
+    for (uint32_t j = 0; j < l.num_groups; ++j) {
+      const uint32_t t0 = j * l.group_len, len = std::min(l.group_len, T - t0);
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t d = 0; d < D; d += 8) {
+          __m256 mn = inf, mx = ninf;
+          for (uint32_t t = t0; t < t0 + len; ++t) {
+            accumulate(Load8(shape.dtype, in, (size_t{t} * H + h) * D + d), mn, mx);
+          }
+          _mm256_store_ps(mnv, mn);
+          _mm256_store_ps(mxv, mx);
+          for (int k = 0; k < 8; ++k) {
+            float a = mnv[k], b = mxv[k];
+            if (a > b) a = b = 0.0f;
+            IntNGroup g = IntNGroupParams(shape.dtype, a, b, qmax_f);
+            size_t m = (size_t{j} * H + h) * D + d + k;
+            Store16(scales, m, g.scale);
+            Store16(mins, m, g.min);
+            minf[k] = g.min_f;
+            divv[k] = g.divisor;
+          }
+          const __m256 mf = _mm256_load_ps(minf), dv = _mm256_load_ps(divv);
+          for (uint32_t t = t0; t < t0 + len; ++t) quantize8((size_t{t} * H + h) * D + d, mf, dv);
+        }
+      }
+    }
+  } else {
+    const uint32_t g_len = l.group_len;  // a multiple of 8: min(G, D), both multiples of 8
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      for (uint32_t j = 0; j < l.num_groups; ++j) {
+        const uint32_t d0 = j * g_len, len = std::min(g_len, D - d0);
+        __m256 mn = inf, mx = ninf;
+        for (uint32_t d = d0; d < d0 + len; d += 8) {
+          accumulate(Load8(shape.dtype, in, row * D + d), mn, mx);
+        }
+        alignas(32) float mnv[8], mxv[8];
+        _mm256_store_ps(mnv, mn);
+        _mm256_store_ps(mxv, mx);
+        float a = mnv[0], b = mxv[0];
+        for (int k = 1; k < 8; ++k) {
+          a = std::min(a, mnv[k]);
+          b = std::max(b, mxv[k]);
+        }
+        if (a > b) a = b = 0.0f;
+        IntNGroup g = IntNGroupParams(shape.dtype, a, b, qmax_f);
+        Store16(scales, row * l.num_groups + j, g.scale);
+        Store16(mins, row * l.num_groups + j, g.min);
+        const __m256 mf = _mm256_set1_ps(g.min_f), dv = _mm256_set1_ps(g.divisor);
+        for (uint32_t d = d0; d < d0 + len; d += 8) quantize8(row * D + d, mf, dv);
+      }
+    }
+  }
+}
+
+void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                    std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  if (D % 8 != 0) return DecodeIntNScalar(shape, bits, payload, out);
+  const IntNLayout l = IntNLayoutFor(shape, bits);
+  const std::byte* scales = payload;
+  const std::byte* mins = payload + 2 * l.meta_count;
+  const std::byte* packed = payload + 4 * l.meta_count;
+  const uint8_t dt = shape.dtype;
+  if (!shape.is_value) {
+    for (uint32_t t = 0; t < T; ++t) {
+      const size_t mbase = size_t{t / l.group_len} * H * D;
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t d = 0; d < D; d += 8) {
+          size_t i = (size_t{t} * H + h) * D + d;
+          size_t m = mbase + size_t{h} * D + d;
+          __m256 x =
+              _mm256_add_ps(_mm256_mul_ps(UnpackLanes(packed, i, bits), Load8(dt, scales, m)),
+                            Load8(dt, mins, m));
+          Store8(dt, out, i, x);
+        }
+      }
+    }
+  } else {
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      for (uint32_t j = 0; j < l.num_groups; ++j) {
+        const uint32_t d0 = j * l.group_len, len = std::min(l.group_len, D - d0);
+        const size_t m = row * l.num_groups + j;
+        const __m256 scale = _mm256_set1_ps(numeric::DtypeToFloat(dt, Load16(scales, m)));
+        const __m256 mn = _mm256_set1_ps(numeric::DtypeToFloat(dt, Load16(mins, m)));
+        for (uint32_t d = d0; d < d0 + len; d += 8) {
+          size_t i = row * D + d;
+          Store8(dt, out, i, _mm256_add_ps(_mm256_mul_ps(UnpackLanes(packed, i, bits), scale), mn));
+        }
+      }
+    }
+  }
+}
+
+#else  // built without AVX2: CpuHasAvx2() may still say yes, so forward to scalar.
+
+void EncodeFp8Avx2(const SegmentShape& s, const std::byte* in, std::byte* p) {
+  EncodeFp8Scalar(s, in, p);
+}
+void DecodeFp8Avx2(const SegmentShape& s, const std::byte* p, std::byte* out) {
+  DecodeFp8Scalar(s, p, out);
+}
+void EncodeInt8Avx2(const SegmentShape& s, const std::byte* in, std::byte* p) {
+  EncodeInt8Scalar(s, in, p);
+}
+void DecodeInt8Avx2(const SegmentShape& s, const std::byte* p, std::byte* out) {
+  DecodeInt8Scalar(s, p, out);
+}
+void EncodeIntNAvx2(const SegmentShape& s, uint32_t bits, const std::byte* in, std::byte* p) {
+  EncodeIntNScalar(s, bits, in, p);
+}
+void DecodeIntNAvx2(const SegmentShape& s, uint32_t bits, const std::byte* p, std::byte* out) {
+  DecodeIntNScalar(s, bits, p, out);
+}
+
+#endif
+
+}  // namespace proxima::codec::internal
