@@ -53,8 +53,12 @@ std::vector<py::ssize_t> ShapeOf(const BlockArray& a) {
   return std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim());
 }
 
+// Byte size from the element count: Debian's pybind11 2.10 reads the dtype's item size with the
+// numpy 1 struct layout, so array::nbytes()/itemsize() return 0 under numpy 2.
+size_t ByteSize(const BlockArray& a) { return static_cast<size_t>(a.size()) * sizeof(uint16_t); }
+
 std::span<const std::byte> BytesOf(const BlockArray& a) {
-  return {reinterpret_cast<const std::byte*>(a.data()), static_cast<size_t>(a.nbytes())};
+  return {reinterpret_cast<const std::byte*>(a.data()), ByteSize(a)};
 }
 
 // Encodes one bf16 block with a plan in ParseCodecPlan's text form; returns the encoded bytes.
@@ -83,7 +87,7 @@ BlockArray Decode(const py::bytes& encoded, const std::vector<py::ssize_t>& shap
     status = DecodeBlock(std::span<const std::byte>(
                              reinterpret_cast<const std::byte*>(view.data()), view.size()),
                          std::span<std::byte>(reinterpret_cast<std::byte*>(out.mutable_data()),
-                                              static_cast<size_t>(out.nbytes())));
+                                              ByteSize(out)));
   }
   ThrowIfError(status);
   return out;
