@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ev.add_argument("--suffix", type=int, default=256)
     ev.add_argument("--windows", type=int, default=4, help="max prose windows per prefix length")
     ev.add_argument("--generated", type=int, default=4, help="greedy continuations (prefix 512)")
-    ev.add_argument("--tokens-per-block", type=int, default=256)
+    ev.add_argument("--tokens-per-block", type=int, default=64)
     ev.add_argument("--plans", nargs="*", default=None, help="plan names (default: all)")
     ev.add_argument("--table", default=None, help="write the markdown table here")
     ev.add_argument("--backend", default="kernels", choices=["kernels", "raw"],
