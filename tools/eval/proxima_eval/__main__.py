@@ -1,4 +1,4 @@
-"""Command line: python3 -m proxima_eval {export,eval,generate} (run from tools/eval, or with
+"""Command line: python3 -m proxima_eval {export,eval,generate,table,reference} (run from tools/eval, or with
 tools/eval on PYTHONPATH)."""
 
 from __future__ import annotations
@@ -38,9 +38,23 @@ def main(argv=None) -> int:
     ge.add_argument("--length", type=int, default=768)
     ge.add_argument("--count", type=int, default=4)
     ge.add_argument("out")
+    tb = sub.add_parser("table", help="markdown table from eval JSON lines (stdin)")
+    tb.add_argument("--doc", default=None,
+                    help="replace the table between the TABLE markers of this file")
+    tb.add_argument("--note", default="", help="line written above the table")
     rf = sub.add_parser("reference", help="record llama.cpp logits for the forward-pass test")
     rf.add_argument("out")
     args = ap.parse_args(argv)
+    if args.cmd == "table":  # needs no model
+        from . import harness
+        rows = [json.loads(l) for l in sys.stdin if l.strip().startswith("{")]
+        rows = [r for r in rows if "plan" in r]
+        text = (args.note + "\n\n" if args.note else "") + harness.format_table(rows)
+        if args.doc:
+            harness.replace_table(args.doc, text)
+        else:
+            sys.stdout.write(text)
+        return 0
     if args.cmd == "reference":  # needs only llama-cpp-python, not our model
         from . import reference
         reference.write_reference(args.model, args.out)

@@ -208,6 +208,20 @@ def format_table(rows: List[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+BEGIN_TABLE = "<!-- BEGIN TABLE -->"
+END_TABLE = "<!-- END TABLE -->"
+
+
+def replace_table(doc_path: str, text: str) -> None:
+    """Replaces what lies between the TABLE markers of a markdown file."""
+    with open(doc_path) as f:
+        doc = f.read()
+    i = doc.index(BEGIN_TABLE) + len(BEGIN_TABLE)
+    j = doc.index(END_TABLE)
+    with open(doc_path, "w") as f:
+        f.write(doc[:i] + "\n" + text + doc[j:])
+
+
 def main(model, tok, args) -> int:
     try:
         backend = load_backend(args.backend)
