@@ -5,36 +5,30 @@
 # module proxima_codec_py built by CMake (tools/eval/CMakeLists.txt) in $BUILD_DIR.
 #
 #   BUILD_DIR=build scripts/bench-quality.sh                 # full run (all plans, 512 and 2048)
-#   scripts/bench-quality.sh --prefix 512 --windows 1 --plans int8   # quick look
-# Extra arguments go to `python3 -m proxima_eval eval` (see --help there).
-# The table is written only by a run with the default plans and prefix lengths, so that
-# docs/quality.md never mixes numbers from different runs.
+#   scripts/bench-quality.sh --prefix 512 --windows 1 --plans int8   # quick look, no table
+# Extra arguments go to `python3 -m proxima_eval eval` (see --help there). The table is written
+# only by a run with the default arguments, so docs/quality.md never mixes runs. The JSON lines
+# are also kept in $RESULTS (default: a temporary file); `python3 -m proxima_eval table` turns
+# them into the table again.
+# A full run is about an hour on 2 busy cores (OMP/OpenBLAS threads default to 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD_DIR="${BUILD_DIR:-build}"
-MOD_DIR="$(dirname "$(find "$BUILD_DIR" -name 'proxima_codec_py*.so' -print -quit 2>/dev/null)" 2>/dev/null || true)"
-export PYTHONPATH="tools/eval${MOD_DIR:+:$MOD_DIR}${PYTHONPATH:+:$PYTHONPATH}"
+SO="$(find "$BUILD_DIR" -name 'proxima_codec_py*.so' -print -quit 2>/dev/null || true)"
+export PYTHONPATH="tools/eval${SO:+:$(dirname "$SO")}${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-2}"
 
-TABLE="$(mktemp)"
-trap 'rm -f "$TABLE"' EXIT
-ARGS=("$@")
-python3 -m proxima_eval eval --backend "${BACKEND:-kernels}" --table "$TABLE" "${ARGS[@]}"
+REV="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+DIRTY="$(git status --porcelain --untracked-files=no 2>/dev/null | head -c1)"
+STARTED="$(date -u '+%Y-%m-%d %H:%M UTC')"
+RESULTS="${RESULTS:-$(mktemp)}"
 
-if [ "${#ARGS[@]}" -eq 0 ] && [ "${BACKEND:-kernels}" = kernels ]; then
-  python3 - "$TABLE" docs/quality.md <<'PYEOF'
-import datetime, subprocess, sys
-table, doc = sys.argv[1], sys.argv[2]
-rows = open(table).read()
-rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                     text=True).stdout.strip()
-stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-body = (f"Measured {stamp} at commit {rev} with `scripts/bench-quality.sh`.\n\n" + rows)
-text = open(doc).read()
-a, b = "<!-- BEGIN TABLE -->", "<!-- END TABLE -->"
-i, j = text.index(a) + len(a), text.index(b)
-open(doc, "w").write(text[:i] + "\n" + body + text[j:])
-print(f"bench-quality: table written to {doc}", file=sys.stderr)
-PYEOF
+python3 -m proxima_eval eval --backend "${BACKEND:-kernels}" "$@" | tee "$RESULTS"
+
+if [ "$#" -eq 0 ] && [ "${BACKEND:-kernels}" = kernels ]; then
+  python3 -m proxima_eval table --doc docs/quality.md \
+    --note "Measured by \`scripts/bench-quality.sh\` (default arguments), started $STARTED at commit $REV${DIRTY:+ (with uncommitted changes)}." \
+    < "$RESULTS"
+  echo "bench-quality: table written to docs/quality.md" >&2
 fi
