@@ -86,7 +86,8 @@ class GGUFModel:
 
     def __init__(self, path: str):
         self.path = path
-        r = gguf.GGUFReader(path)
+        # Kept: the file is memory-mapped, and parsing its ~150k tokenizer fields costs seconds.
+        self.reader = r = gguf.GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch != "llama":
             raise ValueError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
