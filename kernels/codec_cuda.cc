@@ -74,6 +74,12 @@ SegmentJob MakeJob(CodecId codec, const SegmentShape& sh, uint8_t* payload, uint
       j.index_bits = l.index_bits;
       j.important = l.important;
       j.star_head_bytes = l.per_head_bytes;
+      j.groups = sh.heads;  // encode: one thread per head
+      j.units = 0;
+      // Scratch per head (encode): centroids, dequantized centroids, sums ([C][D] each),
+      // scores [T], counts [C], important list [M], important flags [T] bytes.
+      j.star_scratch_floats = 3 * uint64_t{l.centroids} * sh.dim + sh.tokens + l.centroids +
+                              l.important + (sh.tokens + 3) / 4;
       break;
     }
     default:
@@ -184,7 +190,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     uint64_t payload = 0;
     for (uint32_t s = 0; s < num_segments; ++s) {
       const CodecId codec = plan.CodecFor(s / 2, first == 1);
-      if (codec == CodecId::kLossless || codec == CodecId::kStar) {
+      if (codec == CodecId::kLossless) {
         return absl::UnimplementedError(absl::StrCat("GPU encode of ",
                                                      std::string(CodecName(codec)),
                                                      " is not implemented; use EncodeBlocks"));
@@ -233,15 +239,33 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
       uint64_t bytes;
       std::memcpy(&bytes, e + 8, 8);
       const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
-      batch.Add(MakeJob(
+      SegmentJob job = MakeJob(
           codec, Shape(geometry, s, grouped ? plan.group_size : 0),
           static_cast<uint8_t*>(dev_out) + off,
-          reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw)));
+          reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw));
+      job.layer_k = reinterpret_cast<const uint16_t*>(jobs[b].raw_device + (s & ~1u) * seg_raw);
+      job.importance = jobs[b].importance_device;
+      batch.Add(job);
       off += bytes;
     }
   }
+  // star scratch, one slice per (job, head).
+  uint64_t scratch_floats = 0;
+  for (const SegmentJob& j : batch.jobs) scratch_floats += j.star_scratch_floats * j.heads;
+  void* scratch = nullptr;
   absl::Status status;
-  absl::StatusOr<SegmentJob*> dev_jobs = UploadJobs(batch.jobs, stream);
+  if (scratch_floats > 0) {
+    status = CudaStatus(cudaMallocAsync(&scratch, scratch_floats * sizeof(float), stream),
+                        "cudaMallocAsync(star scratch)");
+    uint64_t off = 0;
+    for (SegmentJob& j : batch.jobs) {
+      if (j.star_scratch_floats == 0) continue;
+      j.star_scratch = static_cast<float*>(scratch) + off;
+      off += j.star_scratch_floats * j.heads;
+    }
+  }
+  absl::StatusOr<SegmentJob*> dev_jobs =
+      status.ok() ? UploadJobs(batch.jobs, stream) : absl::StatusOr<SegmentJob*>(status);
   if (!dev_jobs.ok()) {
     status = dev_jobs.status();
   } else {
@@ -264,6 +288,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     }
   }
   cudaFreeAsync(dev_out, stream);
+  if (scratch != nullptr) cudaFreeAsync(scratch, stream);
   absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   if (!status.ok()) return status;
   PROXIMA_RETURN_IF_ERROR(sync);

@@ -3,8 +3,9 @@
 // scalar reference (kernels/internal/numeric.h is shared), so decoding gives bytes identical to
 // DecodeBlock(), and encoding fp8/int8/int4/int2/raw gives bytes identical to EncodeBlock().
 //
-// Not on the GPU (kUnimplemented, use the CPU entry points): `lossless` encode and decode, and
-// `star` encode. `star` decode runs on the GPU.
+// Not on the GPU (kUnimplemented, use the CPU entry points): `lossless` encode and decode.
+// `star` encodes on the GPU with one thread per (segment, head) running the CPU algorithm; its
+// bytes may differ from the CPU encoder's (docs/format.md allows it), its decode is bit-exact.
 //
 // Hostile input stays on the host side of the check: headers, sizes, CRCs and every metadata
 // value are validated from a host copy of each block before any kernel reads the device copy.
@@ -41,11 +42,13 @@ struct CudaEncodeJob {
   const std::byte* raw_device = nullptr;  // RawBytes() bytes of device memory, canonical layout
   bool is_first_block = false;
   std::string* out = nullptr;  // receives the encoded block (host memory)
+  // `star` only: tokens_per_block importance values in device memory, or null for key norms.
+  const float* importance_device = nullptr;
 };
 
 // Encodes every block with the same geometry and plan on `stream`, copies the results back and
 // synchronises the stream (the payload CRC is computed on the host). kUnimplemented when the
-// plan selects `lossless` or `star` for any segment.
+// plan selects `lossless` for any segment.
 absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
                               std::span<const CudaEncodeJob> jobs, CUstream_st* stream);
 

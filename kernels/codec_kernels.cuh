@@ -3,6 +3,7 @@
 // kernels/internal/numeric.h so the results match the CPU reference bit for bit. Payloads sit
 // at arbitrary byte offsets, so every multi-byte payload field is read and written bytewise.
 // Every pointer here comes from a SegmentJob whose sizes the host validated.
+// Thread-safety: each GPU thread writes only its own elements, groups or head slices.
 #ifndef PROXIMA_KERNELS_CODEC_KERNELS_CUH_
 #define PROXIMA_KERNELS_CODEC_KERNELS_CUH_
 
@@ -127,6 +128,149 @@ __device__ __forceinline__ float FiniteAbs(float x) {
   return nm::IsFiniteFloat(a) ? a : 0.0f;
 }
 
+// star encode of head `h` by one thread, a direct port of the CPU encoder (EncodeStar and the
+// importance ranking in codec.cc). docs/format.md allows backends to differ here; the GPU test
+// bounds the error instead of comparing bytes.
+template <uint8_t kDt>
+__device__ void EncodeStarHead(const SegmentJob& j, uint64_t h) {
+  const uint64_t T = j.tokens, H = j.heads, D = j.dim, C = j.centroids, M = j.important;
+  uint8_t* p = j.payload + h * j.star_head_bytes;
+  for (uint64_t b = 0; b < j.star_head_bytes; ++b) p[b] = 0;
+  float* cent = j.star_scratch + h * j.star_scratch_floats;   // [C][D]
+  float* cdeq = cent + C * D;                                 // [C][D]
+  float* sums = cdeq + C * D;                                 // [C][D]
+  float* score = sums + C * D;                                // [T]
+  uint32_t* counts = reinterpret_cast<uint32_t*>(score + T);  // [C]
+  uint32_t* imp = counts + C;                                 // [M]
+  uint8_t* is_imp = reinterpret_cast<uint8_t*>(imp + M);      // [T]
+  auto x_at = [&](uint64_t t, uint64_t d) {
+    float v = ToF<kDt>(j.raw[(t * H + h) * D + d]);
+    return nm::IsFiniteFloat(v) ? v : 0.0f;
+  };
+  // Importance: worker's vector, else the key norm of this head; top M, ties to lower index.
+  for (uint64_t t = 0; t < T; ++t) {
+    float sc;
+    if (j.importance != nullptr) {
+      sc = j.importance[t];
+    } else {
+      sc = 0.0f;
+      for (uint64_t d = 0; d < D; ++d) {
+        float k = ToF<kDt>(j.layer_k[(t * H + h) * D + d]);
+        if (nm::IsFiniteFloat(k)) sc = PXK_ADD(sc, PXK_MUL(k, k));
+      }
+    }
+    score[t] = sc == sc ? sc : -__int_as_float(0x7F800000);
+    is_imp[t] = 0;
+  }
+  for (uint64_t m = 0; m < M; ++m) {
+    int64_t best = -1;
+    for (uint64_t t = 0; t < T; ++t) {
+      if (!is_imp[t] && (best < 0 || score[t] > score[best])) best = static_cast<int64_t>(t);
+    }
+    imp[m] = static_cast<uint32_t>(best);
+    is_imp[best] = 1;
+  }
+  uint64_t n = 0;
+  for (uint64_t t = 0; t < T; ++t) n += !is_imp[t];
+  const bool all = n == 0;
+  if (all) n = T;
+  auto member = [&](uint64_t idx) {  // idx-th clustered token
+    for (uint64_t t = 0; t < T; ++t) {
+      if (all || !is_imp[t]) {
+        if (idx == 0) return t;
+        --idx;
+      }
+    }
+    return uint64_t{0};
+  };
+  auto nearest = [&](uint64_t t, const float* cs) {
+    uint32_t best = 0;
+    float best_d = __int_as_float(0x7F800000);
+    for (uint64_t k = 0; k < C; ++k) {
+      float dist = 0.0f;
+      for (uint64_t d = 0; d < D; ++d) {
+        float e = PXK_SUB(x_at(t, d), cs[k * D + d]);
+        dist = PXK_ADD(dist, PXK_MUL(e, e));
+      }
+      if (dist < best_d) best_d = dist, best = static_cast<uint32_t>(k);
+    }
+    return best;
+  };
+  for (uint64_t k = 0; k < C; ++k) {
+    uint64_t t = member(k * n / C);
+    for (uint64_t d = 0; d < D; ++d) cent[k * D + d] = x_at(t, d);
+  }
+  for (int iter = 0; iter < 4; ++iter) {
+    for (uint64_t i = 0; i < C * D; ++i) sums[i] = 0.0f;
+    for (uint64_t k = 0; k < C; ++k) counts[k] = 0;
+    for (uint64_t t = 0; t < T; ++t) {
+      if (!all && is_imp[t]) continue;
+      uint32_t k = nearest(t, cent);
+      ++counts[k];
+      for (uint64_t d = 0; d < D; ++d) sums[k * D + d] = PXK_ADD(sums[k * D + d], x_at(t, d));
+    }
+    for (uint64_t k = 0; k < C; ++k) {
+      if (counts[k] == 0) continue;
+      for (uint64_t d = 0; d < D; ++d) {
+        cent[k * D + d] = PXK_DIV(sums[k * D + d], static_cast<float>(counts[k]));
+      }
+    }
+  }
+  uint8_t* cscale = p;
+  uint8_t* cq = p + 2 * C;
+  for (uint64_t k = 0; k < C; ++k) {
+    float amax = 0.0f;
+    for (uint64_t d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(cent[k * D + d]));
+    uint16_t scale = nm::RoundUpDtype(kDt, PXK_DIV(amax, 127.0f));
+    float s = ToF<kDt>(scale);
+    float div = s == 0.0f ? 1.0f : s;
+    St16(cscale, k, scale);
+    for (uint64_t d = 0; d < D; ++d) {
+      float q = nm::RoundNearestEven(nm::ClampQ(PXK_DIV(cent[k * D + d], div), -127.0f, 127.0f));
+      cq[k * D + d] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      cdeq[k * D + d] = PXK_MUL(q, s);
+    }
+  }
+  uint8_t* imp_idx = cq + C * D;
+  uint8_t* iscale = imp_idx + 2 * M;
+  uint8_t* iq = iscale + 2 * M;
+  for (uint64_t m = 0; m < M; ++m) {
+    const uint64_t t = imp[m];
+    St16(imp_idx, m, static_cast<uint16_t>(t));
+    float amax = 0.0f;
+    for (uint64_t d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(x_at(t, d)));
+    uint16_t scale = nm::RoundUpDtype(kDt, PXK_DIV(amax, 127.0f));
+    float s = ToF<kDt>(scale);
+    float div = s == 0.0f ? 1.0f : s;
+    St16(iscale, m, scale);
+    for (uint64_t d = 0; d < D; ++d) {
+      float q = nm::RoundNearestEven(nm::ClampQ(PXK_DIV(x_at(t, d), div), -127.0f, 127.0f));
+      iq[m * D + d] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    }
+  }
+  uint8_t* idx = iq + M * D;
+  uint8_t* rscale = idx + (T * j.index_bits + 7) / 8;
+  uint8_t* rsign = rscale + 2 * T;
+  for (uint64_t t = 0; t < T; ++t) {
+    if (is_imp[t]) continue;
+    const uint32_t k = nearest(t, cdeq);
+    for (uint32_t b = 0; b < j.index_bits; ++b) {
+      const uint64_t pos = t * j.index_bits + b;
+      if ((k >> b) & 1u) idx[pos / 8] |= static_cast<uint8_t>(1u << (pos % 8));
+    }
+    float sum_abs = 0.0f;
+    for (uint64_t d = 0; d < D; ++d) {
+      float r = PXK_SUB(x_at(t, d), cdeq[k * D + d]);
+      sum_abs = PXK_ADD(sum_abs, fabsf(r));
+      if (r >= 0.0f) {
+        const uint64_t pos = t * D + d;
+        rsign[pos / 8] |= static_cast<uint8_t>(1u << (pos % 8));
+      }
+    }
+    St16(rscale, t, nm::RoundUpDtype(kDt, PXK_DIV(sum_abs, static_cast<float>(D))));
+  }
+}
+
 // Statistics of group `g`, visited in the scalar reference's order, written as metadata.
 template <uint8_t kDt>
 __device__ void EncodeGroup(const SegmentJob& j, uint64_t g) {
@@ -186,6 +330,9 @@ __device__ void EncodeGroup(const SegmentJob& j, uint64_t g) {
       St16(p + 2 * j.meta_count, g, nm::FloatToDtype(kDt, mn));
       return;
     }
+    case kStar:
+      EncodeStarHead<kDt>(j, g);
+      return;
     default:
       return;
   }

@@ -93,13 +93,16 @@ class ExactRoundTripTest : public ::testing::TestWithParam<std::tuple<CodecId, D
 
 TEST_P(ExactRoundTripTest, IsBitExactForEveryBitPattern) {
   auto [codec, dtype] = GetParam();
-  BlockGeometry g = Geo(3, 2, 64, 16, dtype);
   CodecPlan plan;
   plan.default_codec = codec;
-  for (Pattern p : {Pattern::kKvLike, Pattern::kRandomBits, Pattern::kAdversarial}) {
-    std::vector<std::byte> raw = MakeBlock(g, p, 7);
-    std::string enc = Encode(g, plan, raw);
-    EXPECT_EQ(Decode(enc, g.RawBytes()), raw);
+  // The odd geometry leaves tails after every 4- and 8-element fast path.
+  for (BlockGeometry g :
+       {Geo(3, 2, 64, 16, dtype), Geo(2, 1, 5, 3, dtype), Geo(1, 3, 7, 37, dtype)}) {
+    for (Pattern p : {Pattern::kKvLike, Pattern::kRandomBits, Pattern::kAdversarial}) {
+      std::vector<std::byte> raw = MakeBlock(g, p, 7);
+      std::string enc = Encode(g, plan, raw);
+      EXPECT_EQ(Decode(enc, g.RawBytes()), raw) << g.head_dim;
+    }
   }
 }
 

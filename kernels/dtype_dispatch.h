@@ -1,6 +1,7 @@
 // The one place that turns a run-time dtype code into a compile-time constant for templated
 // kernels and loops. The switch ends in an error default so a new dtype cannot fall through
 // silently: `on_error` (a statement, e.g. `return cudaErrorInvalidValue;`) runs instead.
+// Used by the CUDA launchers and the AVX2 path. Thread-safety: a macro, no state.
 //
 //   PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
 //     MyKernel<kDt><<<grid, block, 0, stream>>>(...);

@@ -21,7 +21,8 @@ TEST(FuzzCorpusTest, EveryCorpusInputDecodesOrFailsCleanly) {
     ss << f.rdbuf();
     const std::string data = ss.str();
     ++files;
-    decoded += fuzz::RunCodecDecodeInput(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+    decoded +=
+        fuzz::RunCodecDecodeInput(reinterpret_cast<const uint8_t*>(data.data()), data.size());
   }
   EXPECT_GE(files, 32);
   EXPECT_GE(decoded, 32);  // at least the seeds: valid blocks of every codec

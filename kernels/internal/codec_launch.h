@@ -1,6 +1,7 @@
 // Launchers of the STAR-KV CUDA kernels (kernels/codec_kernels.cu), for the host wrapper.
 // `jobs` is a device array of `num_jobs` SegmentJob, all of one dtype; one launch covers them
 // all. They enqueue on `stream` and return the launch error; they never synchronise.
+// Thread-safety: callable from any host thread (the CUDA runtime serialises per stream).
 #ifndef PROXIMA_KERNELS_INTERNAL_CODEC_LAUNCH_H_
 #define PROXIMA_KERNELS_INTERNAL_CODEC_LAUNCH_H_
 

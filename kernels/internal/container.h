@@ -1,4 +1,5 @@
 // Container constants and a test/fuzz hook. Internal to kernels/; the format is docs/format.md.
+// Thread-safety: constants and a pure function on caller-owned memory.
 #ifndef PROXIMA_KERNELS_INTERNAL_CONTAINER_H_
 #define PROXIMA_KERNELS_INTERNAL_CONTAINER_H_
 

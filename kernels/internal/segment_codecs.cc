@@ -48,14 +48,6 @@ uint32_t GetBits(const std::byte* buf, size_t index, uint32_t bits) {
   return v;
 }
 
-}  // namespace
-
-Int8Row Int8RowScale(uint8_t dtype, float amax) {
-  uint16_t scale = RoundUpDtype(dtype, amax / 127.0f);
-  float f = DtypeToFloat(dtype, scale);
-  return {scale, f == 0.0f ? 1.0f : f};
-}
-namespace {
 int8_t QuantizeInt8(float x, float divisor) {
   return static_cast<int8_t>(RoundNearestEven(ClampQ(x / divisor, -127.0f, 127.0f)));
 }
@@ -258,20 +250,6 @@ void DecodeInt8Scalar(const SegmentShape& shape, const std::byte* payload, std::
 }
 
 // ---------------------------------------------------------------- int4 / int2
-
-IntNGroup IntNGroupParams(uint8_t dtype, float mn, float mx, float qmax) {
-  IntNGroup g;
-  // Adding +0 turns a -0 extreme into +0, so the result does not depend on the order in which
-  // the SIMD and scalar paths visit equal zeros.
-  mn = mn + 0.0f;
-  mx = mx + 0.0f;
-  g.min = FloatToDtype(dtype, mn);
-  g.scale = RoundUpDtype(dtype, (mx - mn) / qmax);
-  g.min_f = DtypeToFloat(dtype, g.min);
-  float s = DtypeToFloat(dtype, g.scale);
-  g.divisor = s == 0.0f ? 1.0f : s;
-  return g;
-}
 
 void EncodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* in,
                       std::byte* payload) {

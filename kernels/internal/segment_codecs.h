@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/codec.h"
+#include "kernels/internal/numeric.h"
 
 namespace proxima::codec::internal {
 
@@ -52,7 +53,12 @@ struct Int8Row {
   uint16_t scale;
   float divisor;
 };
-Int8Row Int8RowScale(uint8_t dtype, float amax);
+// Inline so the AVX2 path's per-group scalar step is inlined too (same arithmetic either way).
+inline Int8Row Int8RowScale(uint8_t dtype, float amax) {
+  uint16_t scale = numeric::RoundUpDtype(dtype, amax / 127.0f);
+  float f = numeric::DtypeToFloat(dtype, scale);
+  return {scale, f == 0.0f ? 1.0f : f};
+}
 
 // Parameters of one int4/int2 group from its finite min and max (both 0 when it has none).
 struct IntNGroup {
@@ -61,7 +67,19 @@ struct IntNGroup {
   float min_f;    // float(min)
   float divisor;  // float(scale), or 1 when scale is 0
 };
-IntNGroup IntNGroupParams(uint8_t dtype, float mn, float mx, float qmax);
+inline IntNGroup IntNGroupParams(uint8_t dtype, float mn, float mx, float qmax) {
+  IntNGroup g;
+  // Adding +0 turns a -0 extreme into +0, so the result does not depend on the order in which
+  // the SIMD and scalar paths visit equal zeros.
+  mn = mn + 0.0f;
+  mx = mx + 0.0f;
+  g.min = numeric::FloatToDtype(dtype, mn);
+  g.scale = numeric::RoundUpDtype(dtype, (mx - mn) / qmax);
+  g.min_f = numeric::DtypeToFloat(dtype, g.min);
+  float s = numeric::DtypeToFloat(dtype, g.scale);
+  g.divisor = s == 0.0f ? 1.0f : s;
+  return g;
+}
 
 // Payload size of a fixed-size codec (every codec but lossless).
 size_t FixedPayloadBytes(CodecId codec, const SegmentShape& shape);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/dtype_dispatch.h"
 #include "kernels/internal/numeric.h"
 #include "kernels/internal/segment_codecs.h"
 
@@ -34,18 +35,20 @@ bool CpuHasAvx2() {
 namespace {
 
 // Loads 8 dtype values (any alignment) as floats.
-inline __m256 Load8(uint8_t dtype, const std::byte* p, size_t i) {
+template <uint8_t kDt>
+inline __m256 Load8(const std::byte* p, size_t i) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i));
-  if (dtype == numeric::kDtypeBf16) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   return _mm256_cvtph_ps(h);
 }
 
 // Stores 8 floats as dtype values, rounding exactly like numeric::FloatToDtype.
-inline void Store8(uint8_t dtype, std::byte* p, size_t i, __m256 v) {
+template <uint8_t kDt>
+inline void Store8(std::byte* p, size_t i, __m256 v) {
   __m128i out;
-  if (dtype == numeric::kDtypeBf16) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
     __m256i u = _mm256_castps_si256(v);
     __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
     __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
@@ -124,7 +127,8 @@ inline __m256i FloatToE4m3x8(__m256 y) {
 }
 
 // Packs 8 lanes of `bits`-bit values into bits bytes (8 * bits / 8), LSB first.
-inline uint32_t PackLanes(__m256i q, uint32_t bits) {
+template <uint32_t bits>
+inline uint32_t PackLanes(__m256i q) {
   const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
                                    : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
   __m256i s = _mm256_sllv_epi32(q, shifts);
@@ -134,7 +138,8 @@ inline uint32_t PackLanes(__m256i q, uint32_t bits) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
 }
 
-inline __m256 UnpackLanes(const std::byte* packed, size_t i, uint32_t bits) {
+template <uint32_t bits>
+inline __m256 UnpackLanes(const std::byte* packed, size_t i) {
   uint32_t word = 0;
   std::memcpy(&word, packed + i * bits / 8, bits);  // 8 lanes * bits / 8 bytes
   const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
@@ -144,22 +149,26 @@ inline __m256 UnpackLanes(const std::byte* packed, size_t i, uint32_t bits) {
   return _mm256_cvtepi32_ps(q);
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------- fp8
 
-void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+template <uint8_t kDt>
+void EncodeFp8Impl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return EncodeFp8Scalar(shape, in, payload);
+  // One sequential pass for every head's max |x| (8 lanes per head), so cold input streams from
+  // memory once instead of once per head.
+  std::vector<float> lanes(8 * size_t{H}, 0.0f);
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    float* acc = &lanes[8 * (row % H)];
+    __m256 m = _mm256_loadu_ps(acc);
+    for (uint32_t d = 0; d < D; d += 8) {
+      m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, row * D + d)));
+    }
+    _mm256_storeu_ps(acc, m);
+  }
   std::vector<float> divisor(H);
   for (uint32_t h = 0; h < H; ++h) {
-    __m256 m = _mm256_setzero_ps();
-    for (uint32_t t = 0; t < T; ++t) {
-      for (uint32_t d = 0; d < D; d += 8) {
-        m = _mm256_max_ps(m, FiniteAbs(Load8(shape.dtype, in, (size_t{t} * H + h) * D + d)));
-      }
-    }
-    float scale = HorizontalMax(m) / 448.0f;
+    float scale = HorizontalMax(_mm256_loadu_ps(&lanes[8 * size_t{h}])) / 448.0f;
     StoreF32(payload, h, scale);
     divisor[h] = scale == 0.0f ? 1.0f : scale;
   }
@@ -168,7 +177,7 @@ void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* pa
   for (size_t row = 0; row < size_t{T} * H; ++row) {
     const __m256 div = _mm256_set1_ps(divisor[row % H]);
     for (uint32_t d = 0; d < D; d += 8) {
-      __m256 y = _mm256_div_ps(Load8(shape.dtype, in, row * D + d), div);
+      __m256 y = _mm256_div_ps(Load8<kDt>(in, row * D + d), div);
       y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
       y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
       uint64_t b = LowBytes(FloatToE4m3x8(y));
@@ -177,7 +186,8 @@ void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* pa
   }
 }
 
-void DecodeFp8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+template <uint8_t kDt>
+void DecodeFp8Impl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return DecodeFp8Scalar(shape, payload, out);
   const std::byte* codes = payload + 4 * size_t{H};
@@ -186,14 +196,15 @@ void DecodeFp8Avx2(const SegmentShape& shape, const std::byte* payload, std::byt
     for (uint32_t d = 0; d < D; d += 8) {
       __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + row * D + d));
       __m256 x = _mm256_mul_ps(E4m3ToFloat8(_mm256_cvtepu8_epi32(c8)), scale);
-      Store8(shape.dtype, out, row * D + d, x);
+      Store8<kDt>(out, row * D + d, x);
     }
   }
 }
 
 // ---------------------------------------------------------------- int8
 
-void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+template <uint8_t kDt>
+void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return EncodeInt8Scalar(shape, in, payload);
   const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
@@ -204,7 +215,7 @@ void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* p
       for (uint32_t d = 0; d < D; d += 8) {
         __m256 m = _mm256_setzero_ps();
         for (uint32_t t = 0; t < T; ++t) {
-          m = _mm256_max_ps(m, FiniteAbs(Load8(shape.dtype, in, (size_t{t} * H + h) * D + d)));
+          m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, (size_t{t} * H + h) * D + d)));
         }
         _mm256_store_ps(amax, m);
         for (int k = 0; k < 8; ++k) {
@@ -215,7 +226,7 @@ void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* p
         const __m256 div = _mm256_load_ps(divisor);
         for (uint32_t t = 0; t < T; ++t) {
           size_t i = (size_t{t} * H + h) * D + d;
-          uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8(shape.dtype, in, i), div), lo, hi));
+          uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
           std::memcpy(q + i, &b, 8);
         }
       }
@@ -225,21 +236,22 @@ void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* p
     for (size_t row = 0; row < size_t{T} * H; ++row) {
       __m256 m = _mm256_setzero_ps();
       for (uint32_t d = 0; d < D; d += 8) {
-        m = _mm256_max_ps(m, FiniteAbs(Load8(shape.dtype, in, row * D + d)));
+        m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, row * D + d)));
       }
       Int8Row r = Int8RowScale(shape.dtype, HorizontalMax(m));
       Store16(payload, row, r.scale);
       const __m256 div = _mm256_set1_ps(r.divisor);
       for (uint32_t d = 0; d < D; d += 8) {
         size_t i = row * D + d;
-        uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8(shape.dtype, in, i), div), lo, hi));
+        uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
         std::memcpy(q + i, &b, 8);
       }
     }
   }
 }
 
-void DecodeInt8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+template <uint8_t kDt>
+void DecodeInt8Impl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return DecodeInt8Scalar(shape, payload, out);
   const std::byte* q = payload + 2 * (shape.is_value ? size_t{T} * H : size_t{H} * D);
@@ -251,18 +263,18 @@ void DecodeInt8Avx2(const SegmentShape& shape, const std::byte* payload, std::by
     }
     for (uint32_t d = 0; d < D; d += 8) {
       size_t i = row * D + d;
-      __m256 scale = shape.is_value ? vscale : Load8(shape.dtype, payload, size_t{h} * D + d);
+      __m256 scale = shape.is_value ? vscale : Load8<kDt>(payload, size_t{h} * D + d);
       __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
       __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), scale);
-      Store8(shape.dtype, out, i, x);
+      Store8<kDt>(out, i, x);
     }
   }
 }
 
 // ---------------------------------------------------------------- int4 / int2
 
-void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* in,
-                    std::byte* payload) {
+template <uint8_t kDt, uint32_t bits>
+void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return EncodeIntNScalar(shape, bits, in, payload);
   const IntNLayout l = IntNLayoutFor(shape, bits);
@@ -275,8 +287,8 @@ void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* i
   std::byte* packed = payload + 4 * l.meta_count;
   if (l.packed_bytes > 0) packed[l.packed_bytes - 1] = std::byte{0};
   auto quantize8 = [&](size_t i, __m256 min_f, __m256 div) {
-    __m256 v = _mm256_div_ps(_mm256_sub_ps(Load8(shape.dtype, in, i), min_f), div);
-    uint32_t word = PackLanes(ClampRound(v, zero, qmax), bits);
+    __m256 v = _mm256_div_ps(_mm256_sub_ps(Load8<kDt>(in, i), min_f), div);
+    uint32_t word = PackLanes<bits>(ClampRound(v, zero, qmax));
     std::memcpy(packed + i * bits / 8, &word, bits);
   };
   // Running min/max over finite lanes, argument order matching std::min(mn, x)/std::max(mx, x).
@@ -293,7 +305,7 @@ void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* i
         for (uint32_t d = 0; d < D; d += 8) {
           __m256 mn = inf, mx = ninf;
           for (uint32_t t = t0; t < t0 + len; ++t) {
-            accumulate(Load8(shape.dtype, in, (size_t{t} * H + h) * D + d), mn, mx);
+            accumulate(Load8<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
           }
           _mm256_store_ps(mnv, mn);
           _mm256_store_ps(mxv, mx);
@@ -319,7 +331,7 @@ void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* i
         const uint32_t d0 = j * g_len, len = std::min(g_len, D - d0);
         __m256 mn = inf, mx = ninf;
         for (uint32_t d = d0; d < d0 + len; d += 8) {
-          accumulate(Load8(shape.dtype, in, row * D + d), mn, mx);
+          accumulate(Load8<kDt>(in, row * D + d), mn, mx);
         }
         alignas(32) float mnv[8], mxv[8];
         _mm256_store_ps(mnv, mn);
@@ -340,15 +352,15 @@ void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* i
   }
 }
 
-void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
-                    std::byte* out) {
+template <uint8_t kDt, uint32_t bits>
+void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return DecodeIntNScalar(shape, bits, payload, out);
   const IntNLayout l = IntNLayoutFor(shape, bits);
   const std::byte* scales = payload;
   const std::byte* mins = payload + 2 * l.meta_count;
   const std::byte* packed = payload + 4 * l.meta_count;
-  const uint8_t dt = shape.dtype;
+  constexpr uint8_t dt = kDt;
   if (!shape.is_value) {
     for (uint32_t t = 0; t < T; ++t) {
       const size_t mbase = size_t{t / l.group_len} * H * D;
@@ -357,9 +369,9 @@ void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* p
           size_t i = (size_t{t} * H + h) * D + d;
           size_t m = mbase + size_t{h} * D + d;
           __m256 x =
-              _mm256_add_ps(_mm256_mul_ps(UnpackLanes(packed, i, bits), Load8(dt, scales, m)),
-                            Load8(dt, mins, m));
-          Store8(dt, out, i, x);
+              _mm256_add_ps(_mm256_mul_ps(UnpackLanes<bits>(packed, i), Load8<kDt>(scales, m)),
+                            Load8<kDt>(mins, m));
+          Store8<kDt>(out, i, x);
         }
       }
     }
@@ -372,11 +384,53 @@ void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* p
         const __m256 mn = _mm256_set1_ps(numeric::DtypeToFloat(dt, Load16(mins, m)));
         for (uint32_t d = d0; d < d0 + len; d += 8) {
           size_t i = row * D + d;
-          Store8(dt, out, i, _mm256_add_ps(_mm256_mul_ps(UnpackLanes(packed, i, bits), scale), mn));
+          Store8<kDt>(out, i,
+                      _mm256_add_ps(_mm256_mul_ps(UnpackLanes<bits>(packed, i), scale), mn));
         }
       }
     }
   }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- entry points (dtype dispatch)
+
+void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeFp8Scalar(shape, in, payload),
+                         EncodeFp8Impl<kDt>(shape, in, payload));
+}
+void DecodeFp8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeFp8Scalar(shape, payload, out),
+                         DecodeFp8Impl<kDt>(shape, payload, out));
+}
+void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeInt8Scalar(shape, in, payload),
+                         EncodeInt8Impl<kDt>(shape, in, payload));
+}
+void DecodeInt8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeInt8Scalar(shape, payload, out),
+                         DecodeInt8Impl<kDt>(shape, payload, out));
+}
+void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                    std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeIntNScalar(shape, bits, in, payload), {
+    if (bits == 4) {
+      EncodeIntNImpl<kDt, 4>(shape, in, payload);
+    } else {
+      EncodeIntNImpl<kDt, 2>(shape, in, payload);
+    }
+  });
+}
+void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                    std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeIntNScalar(shape, bits, payload, out), {
+    if (bits == 4) {
+      DecodeIntNImpl<kDt, 4>(shape, payload, out);
+    } else {
+      DecodeIntNImpl<kDt, 2>(shape, payload, out);
+    }
+  });
 }
 
 #else  // built without AVX2: CpuHasAvx2() may still say yes, so forward to scalar.

@@ -1,5 +1,6 @@
 // Synthetic KV blocks for tests, the fuzz seed generator and the benchmark's no-file mode. Not
-// real model data: never report error figures measured on these as real.
+// real model data: never report error figures measured on these as real. Thread-safety: pure
+// (each call seeds its own generator).
 #ifndef PROXIMA_KERNELS_INTERNAL_TEST_BLOCKS_H_
 #define PROXIMA_KERNELS_INTERNAL_TEST_BLOCKS_H_
 

@@ -4,7 +4,7 @@
 // Input: one mode byte, then a candidate block. Odd mode: the CRC fields are recomputed first,
 // so mutations reach the segment decoders instead of stopping at the checksum. The decoder
 // must return an error or decode; when the scalar and the auto-selected (SIMD) paths both
-// decode, their outputs must be identical.
+// decode, their outputs must be identical. Thread-safety: pure.
 #ifndef PROXIMA_TESTS_FUZZ_CODEC_DECODE_FUZZ_BODY_H_
 #define PROXIMA_TESTS_FUZZ_CODEC_DECODE_FUZZ_BODY_H_
 

@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
       std::string enc;
       if (!plan.ok() || !EncodeBlock(g, *plan, n % 3 == 0, raw, {}, &enc).ok()) return 1;
       for (char mode : {'\x00', '\x01'}) {
-        std::ofstream f(dir + "/seed_" + std::to_string(n) + "_" + std::to_string(mode), std::ios::binary);
+        std::ofstream f(dir + "/seed_" + std::to_string(n) + "_" + std::to_string(mode),
+                        std::ios::binary);
         f.put(mode);
         f << enc;
       }
