@@ -2,10 +2,11 @@
 # Runs a named benchmark from a fresh Release build and prints its JSON lines.
 #   scripts/bench.sh put_get     proximad inline gRPC vs Redis, 256 KiB and 2 MiB blocks, 4 clients
 #   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
+#   scripts/bench.sh quality     perplexity/KL/top-1 per codec plan on SmolLM2 (tools/eval; long)
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality)}
 shift
 ./scripts/install-deps.sh >/dev/null
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -13,6 +14,8 @@ shift
 echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p') ($(nproc) CPUs)" >&2
 case "$NAME" in
   put_get) exec ./build-bench/bench/put_get_bench "$@" ;;
-  codec) exec ./scripts/bench-codec.sh "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec)" >&2; exit 2 ;;
+  codec) exec ./scripts/bench-codec.sh \
+           --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --working_set_mb=64 "$@" ;;
+  quality) exec ./scripts/bench-quality.sh "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality)" >&2; exit 2 ;;
 esac

