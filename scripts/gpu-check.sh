@@ -5,7 +5,8 @@
 #   scripts/gpu-check.sh prepare   # here: Release build with CUDA into build-gpu/, plus the shared
 #                                  # libraries the GPU binaries need, copied into build-gpu/lib
 #   scripts/gpu-check.sh run       # there: runs the GPU tests (ctest label `gpu`, gtest binaries
-#                                  # run directly) and writes logs and JUnit XML to $OUT
+#                                  # run directly) and the GPU codec benchmark; writes logs, JUnit
+#                                  # XML and JSON lines to $OUT
 #
 # With the device tool: run `prepare` here, then run with carry=["build-gpu"] and the command
 # `scripts/gpu-check.sh run`. Without a GPU the tests skip (each prints why), so `run` also works
@@ -14,8 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:?usage: scripts/gpu-check.sh prepare|run}
 DIR=build-gpu
-# The binaries that hold GPU tests (ctest label `gpu`).
+# The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
 GPU_TESTS=(kernels/kernels_codec_cuda_test)
+GPU_BENCH=(bench/codec_gpu_bench)
 
 case "$MODE" in
   prepare)
@@ -23,11 +25,11 @@ case "$MODE" in
     ./scripts/build.sh "$DIR" -DCMAKE_BUILD_TYPE=Release -DPROXIMA_WITH_CUDA=ON \
       -DPROXIMA_BUILD_BENCH=ON -DPROXIMA_BUILD_TESTS=ON
     mkdir -p "$DIR/lib"
-    for t in "${GPU_TESTS[@]}"; do
+    for t in "${GPU_TESTS[@]}" "${GPU_BENCH[@]}"; do
       ldd "$DIR/$t" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux)[.-]' |
         while read -r lib; do cp -Lu "$lib" "$DIR/lib/"; done
     done
-    du -sh "$DIR/lib" "${GPU_TESTS[@]/#/$DIR/}"
+    du -sh "$DIR/lib" "${GPU_TESTS[@]/#/$DIR/}" "${GPU_BENCH[@]/#/$DIR/}"
     ;;
   run)
     OUT=${OUT:-$PWD/gpu-check-out}
@@ -39,6 +41,8 @@ case "$MODE" in
       name=$(basename "$t")
       "$DIR/$t" --gtest_output="xml:$OUT/$name.xml" 2>&1 | tee "$OUT/$name.log" || status=1
     done
+    # Kernels vs the device's own D2D copy bandwidth, on real KV, batches of 256 MiB.
+    "$DIR/bench/codec_gpu_bench" --batch_mb=256 2>&1 | tee "$OUT/codec_gpu_bench.jsonl" || status=1
     exit $status
     ;;
   *) echo "unknown mode '$MODE' (prepare | run)" >&2; exit 2 ;;

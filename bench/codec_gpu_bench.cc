@@ -1,0 +1,165 @@
+// codec_gpu_bench: STAR-KV CUDA decode and encode throughput over a batch of real KV blocks, as a
+// ratio to the same device's device-to-device copy bandwidth measured in the same run.
+//
+//   codec_gpu_bench --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv \
+//                   [--batch_mb=256] [--tokens_per_block=64] [--codecs=fp8;int8;int4;int2]
+//
+// JSON lines out: {"bench":"codec_gpu","metric":"decode_throughput","codec":"int4","value":..,
+// "unit":"GB/s","baseline":"cudaMemcpy D2D","baseline_value":..,"ratio":..}. Throughput counts
+// raw (decoded) bytes. Decode is timed with CUDA events around DecodeBlocksCuda alone (host-side
+// validation included, since a caller pays it too); encode is timed wall-clock, because
+// EncodeBlocksCuda copies results back and computes the payload CRC on the host. Without a GPU
+// it prints one line saying so and exits 0. Run by scripts/gpu-check.sh.
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "kernels/codec.h"
+#include "kernels/codec_cuda.h"
+#include "kernels/device.h"
+#include "kernels/kv_file.h"
+
+namespace {
+
+using proxima::codec::BlockGeometry;
+
+bool Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return true;
+  std::fprintf(stderr, "codec_gpu_bench: %s: %s\n", what, cudaGetErrorString(err));
+  return false;
+}
+
+std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
+  }
+  return fallback;
+}
+
+void Print(const char* metric, const std::string& codec, double value, double baseline) {
+  std::printf(
+      "{\"bench\":\"codec_gpu\",\"metric\":\"%s\",\"codec\":\"%s\",\"value\":%.2f,\"unit\":"
+      "\"GB/s\",\"baseline\":\"cudaMemcpy D2D\",\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+      metric, codec.c_str(), value, baseline, value / baseline);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string why;
+  if (proxima::gpu::VisibleDevices(&why).empty()) {
+    std::printf("{\"bench\":\"codec_gpu\",\"skipped\":\"%s\"}\n", why.c_str());
+    return 0;
+  }
+  const std::string kv_path =
+      Arg(argc, argv, "kv_file", "tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv");
+  const uint32_t tokens = std::stoul(Arg(argc, argv, "tokens_per_block", "64"));
+  const size_t batch_bytes = std::stoull(Arg(argc, argv, "batch_mb", "256")) << 20;
+  auto kv = proxima::codec::ReadKvFile(kv_path);
+  if (!kv.ok()) {
+    std::fprintf(stderr, "codec_gpu_bench: %s\n", kv.status().ToString().c_str());
+    return 1;
+  }
+  const BlockGeometry geometry = kv->BlockShape(tokens);
+  const size_t raw_bytes = geometry.RawBytes();
+  const size_t distinct = kv->num_tokens / tokens;
+  const size_t blocks = std::max<size_t>(1, batch_bytes / raw_bytes);
+  std::vector<std::vector<std::byte>> raw(distinct, std::vector<std::byte>(raw_bytes));
+  for (size_t b = 0; b < distinct; ++b) {
+    if (!kv->ExtractBlock(static_cast<uint32_t>(b * tokens), tokens, raw[b]).ok()) return 1;
+  }
+  // Device buffers: raw input blocks, decoded output, and a copy target for the baseline.
+  std::byte *d_raw = nullptr, *d_out = nullptr;
+  if (!Check(cudaMalloc(reinterpret_cast<void**>(&d_raw), blocks * raw_bytes), "cudaMalloc") ||
+      !Check(cudaMalloc(reinterpret_cast<void**>(&d_out), blocks * raw_bytes), "cudaMalloc")) {
+    return 1;
+  }
+  for (size_t b = 0; b < blocks; ++b) {
+    cudaMemcpy(d_raw + b * raw_bytes, raw[b % distinct].data(), raw_bytes, cudaMemcpyHostToDevice);
+  }
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  auto time_ms = [&](auto&& enqueue) {
+    enqueue();  // warm-up
+    cudaDeviceSynchronize();
+    cudaEventRecord(start);
+    const int reps = 5;
+    for (int i = 0; i < reps; ++i) enqueue();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    return ms / reps;
+  };
+  const double total = static_cast<double>(blocks) * raw_bytes;
+  const double copy_ms = time_ms([&] {
+    cudaMemcpyAsync(d_out, d_raw, blocks * raw_bytes, cudaMemcpyDeviceToDevice);
+  });
+  // A D2D copy reads and writes every byte, like a decode reads (less) and writes every byte.
+  const double copy_gbps = total / (copy_ms * 1e-3) / 1e9;
+
+  for (absl::string_view name : absl::StrSplit(Arg(argc, argv, "codecs", "fp8;int8;int4;int2"), ';')) {
+    auto plan = proxima::codec::ParseCodecPlan(std::string(name));
+    if (!plan.ok()) {
+      std::fprintf(stderr, "codec_gpu_bench: %s\n", plan.status().ToString().c_str());
+      return 1;
+    }
+    // Encode on the GPU (wall clock: results come back to the host).
+    std::vector<std::string> encoded(blocks);
+    std::vector<proxima::codec::CudaEncodeJob> ejobs(blocks);
+    for (size_t b = 0; b < blocks; ++b) {
+      ejobs[b] = {d_raw + b * raw_bytes, b == 0, &encoded[b], nullptr};
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    absl::Status es = proxima::codec::EncodeBlocksCuda(geometry, *plan, ejobs, nullptr);
+    double enc_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!es.ok()) {
+      std::fprintf(stderr, "codec_gpu_bench: encode %s: %s\n", std::string(name).c_str(),
+                   es.ToString().c_str());
+      return 1;
+    }
+    Print("encode_throughput", std::string(name), total / enc_s / 1e9, copy_gbps);
+    // Decode on the GPU from device copies of the encoded blocks.
+    size_t enc_total = 0;
+    for (const auto& e : encoded) enc_total += e.size();
+    std::byte* d_enc = nullptr;
+    if (!Check(cudaMalloc(reinterpret_cast<void**>(&d_enc), enc_total), "cudaMalloc")) return 1;
+    std::vector<proxima::codec::CudaDecodeJob> djobs(blocks);
+    size_t off = 0;
+    for (size_t b = 0; b < blocks; ++b) {
+      cudaMemcpy(d_enc + off, encoded[b].data(), encoded[b].size(), cudaMemcpyHostToDevice);
+      djobs[b] = {std::as_bytes(std::span(encoded[b].data(), encoded[b].size())), d_enc + off,
+                  d_out + b * raw_bytes};
+      off += encoded[b].size();
+    }
+    absl::Status ds;
+    const double dec_ms = time_ms([&] { ds = proxima::codec::DecodeBlocksCuda(djobs, nullptr); });
+    if (!ds.ok()) {
+      std::fprintf(stderr, "codec_gpu_bench: decode: %s\n", ds.ToString().c_str());
+      return 1;
+    }
+    Print("decode_throughput", std::string(name), total / (dec_ms * 1e-3) / 1e9, copy_gbps);
+    // The decoded bytes must equal the CPU decoder's (docs/format.md: decode is bit-identical).
+    std::vector<std::byte> gpu(raw_bytes), cpu(raw_bytes);
+    cudaMemcpy(gpu.data(), d_out, raw_bytes, cudaMemcpyDeviceToHost);
+    if (!proxima::codec::DecodeBlock(std::as_bytes(std::span(encoded[0].data(), encoded[0].size())),
+                                     cpu).ok() ||
+        std::memcmp(gpu.data(), cpu.data(), raw_bytes) != 0) {
+      std::fprintf(stderr, "codec_gpu_bench: GPU decode of %s differs from the CPU's\n",
+                   std::string(name).c_str());
+      return 1;
+    }
+    cudaFree(d_enc);
+  }
+  cudaFree(d_raw);
+  cudaFree(d_out);
+  return 0;
+}
