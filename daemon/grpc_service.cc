@@ -70,7 +70,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
                                                  grpc::ByteBuffer* response) {
   return Handle(kPut, c, [core = core_, request, response]() -> absl::Status {
     wire::PutRequestReader reader;
-    PROXIMA_RETURN_IF_ERROR(reader.Parse(*request));
+    PROXIMA_RETURN_IF_ERROR(reader.Parse(*request, core->max_batch_blocks()));
     v1::PutResponse resp;
     PROXIMA_RETURN_IF_ERROR(core->Put(reader, &resp));
     bool own_buffer = false;

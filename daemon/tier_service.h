@@ -70,6 +70,7 @@ class TierService {
   absl::Status Stats(const v1::StatsRequest& request, v1::StatsResponse* response);
 
   BlockStore& store() { return *store_; }
+  uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
 
  private:
   struct Namespace {

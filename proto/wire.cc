@@ -331,7 +331,7 @@ grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t pr
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer) {
+absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer, size_t max_blocks) {
   slices_.clear();
   blocks_.clear();
   namespace_name_.clear();
@@ -350,6 +350,10 @@ absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer) {
     } else if (tag == kProfileTag) {
       if (!r.ReadFixed64(&profile_id_)) return BadPut("truncated profile_id", r.position());
     } else if (tag == kBlocksTag) {
+      if (blocks_.size() == max_blocks) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "Put has more than ", max_blocks, " blocks; the limit is ", max_blocks, " per call"));
+      }
       if (!r.ReadVarint(&len)) return BadPut("truncated block length", r.position());
       const uint64_t end = r.position() + len;
       Block block;

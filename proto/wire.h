@@ -74,8 +74,10 @@ class PutRequestReader {
     size_t offset = 0;
   };
 
-  // Parses the message structure. INVALID_ARGUMENT when it is not a well-formed PutRequest.
-  absl::Status Parse(const grpc::ByteBuffer& buffer);
+  // Parses the message structure. INVALID_ARGUMENT when it is not a well-formed PutRequest;
+  // RESOURCE_EXHAUSTED as soon as it holds more than `max_blocks` blocks (a hostile message of
+  // millions of tiny blocks is refused before it costs memory).
+  absl::Status Parse(const grpc::ByteBuffer& buffer, size_t max_blocks);
 
   const std::string& namespace_name() const { return namespace_name_; }
   uint64_t profile_id() const { return profile_id_; }

@@ -133,7 +133,7 @@ TEST(WireTest, PutRequestEncodingInteroperatesWithProtobuf) {
   // And the reader parses what protobuf writes, in protobuf's field order.
   parsed.mutable_blocks(1)->clear_crc32c();
   PutRequestReader reader;
-  ASSERT_OK(reader.Parse(FromString(parsed.SerializeAsString())));
+  ASSERT_OK(reader.Parse(FromString(parsed.SerializeAsString()), 2));
   EXPECT_EQ(reader.namespace_name(), "tenant");
   EXPECT_EQ(reader.profile_id(), 0x1122334455667788ull);
   ASSERT_EQ(reader.blocks().size(), 2u);
@@ -151,9 +151,12 @@ TEST(WireTest, PutRequestReaderRejectsEveryTruncation) {
   std::vector<std::span<const std::byte>> blocks = {a};
   std::string full = Flatten(EncodePutRequest("ns", 7, keys, blocks));
   PutRequestReader reader;
-  ASSERT_OK(reader.Parse(FromString(full)));
+  ASSERT_OK(reader.Parse(FromString(full), 8));
+  EXPECT_THAT(reader.Parse(FromString(full), 0),
+              proxima::testing::StatusIs(absl::StatusCode::kResourceExhausted,
+                                         ::testing::HasSubstr("limit is 0")));
   for (size_t cut = 1; cut < full.size(); ++cut) {
-    absl::Status s = reader.Parse(FromString(full.substr(0, cut)));
+    absl::Status s = reader.Parse(FromString(full.substr(0, cut)), 8);
     // A cut right after a complete field parses (as a request with fewer fields); any other
     // cut is an error. Either way nothing reads past the end.
     if (s.ok()) {
@@ -166,7 +169,7 @@ TEST(WireTest, PutRequestReaderRejectsEveryTruncation) {
   for (int i = 0; i < 2000; ++i) {
     std::string bad = full;
     bad[rng() % bad.size()] ^= static_cast<char>(1 + rng() % 255);
-    if (reader.Parse(FromString(bad)).ok()) {
+    if (reader.Parse(FromString(bad), 8).ok()) {
       for (size_t b = 0; b < reader.blocks().size(); ++b) {
         std::vector<std::byte> dst(reader.blocks()[b].data_size);
         reader.CopyData(b, dst);  // stays within the message
