@@ -65,6 +65,48 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
   });
 }
 
+namespace {
+
+// Fills a GetRequest, LookupRequest or DeleteRequest from its bounded wire parse.
+template <typename Req>
+absl::Status ParseKeyed(const grpc::ByteBuffer& buffer, size_t max_keys, const char* method,
+                        Req* out) {
+  wire::KeyedRequest keyed;
+  PROXIMA_RETURN_IF_ERROR(wire::ParseKeyedRequest(buffer, max_keys, method, &keyed));
+  out->set_namespace_name(std::move(keyed.namespace_name));
+  out->set_profile_id(keyed.profile_id);
+  for (std::string& k : keyed.keys) out->add_keys(std::move(k));
+  return absl::OkStatus();
+}
+
+template <typename Resp>
+absl::Status SerializeTo(const Resp& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<Resp>::Serialize(message, out, &own_buffer).ok()) {
+    return absl::InternalError("cannot serialize the response");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleKeyed(
+    Method method, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response, size_t max_keys,
+    absl::Status (TierService::*call)(const Req&, Resp*)) {
+  TierService* core = core_;
+  const char* name = kMethodNames[method];
+  return Handle(method, context,
+                [core, call, request, response, max_keys, name]() -> absl::Status {
+                  Req req;
+                  PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, max_keys, name, &req));
+                  Resp resp;
+                  PROXIMA_RETURN_IF_ERROR((core->*call)(req, &resp));
+                  return SerializeTo(resp, response);
+                });
+}
+
 grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
@@ -73,11 +115,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
     PROXIMA_RETURN_IF_ERROR(reader.Parse(*request, core->max_batch_blocks()));
     v1::PutResponse resp;
     PROXIMA_RETURN_IF_ERROR(core->Put(reader, &resp));
-    bool own_buffer = false;
-    if (!grpc::SerializationTraits<v1::PutResponse>::Serialize(resp, response, &own_buffer).ok()) {
-      return absl::InternalError("cannot serialize PutResponse");
-    }
-    return absl::OkStatus();
+    return SerializeTo(resp, response);
   });
 }
 
@@ -86,10 +124,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
                                                  grpc::ByteBuffer* response) {
   return Handle(kGet, c, [core = core_, request, response]() -> absl::Status {
     v1::GetRequest req;
-    grpc::ByteBuffer copy(*request);  // shares the slices; Deserialize consumes its argument
-    if (!grpc::SerializationTraits<v1::GetRequest>::Deserialize(&copy, &req).ok()) {
-      return absl::InvalidArgumentError("GetRequest does not parse as proxima.v1.GetRequest");
-    }
+    PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, core->max_batch_blocks(), "Get", &req));
     std::vector<std::optional<BlockStore::ReadBlock>> blocks;
     PROXIMA_RETURN_IF_ERROR(core->GetBlocks(req, &blocks));
     wire::GetResponseWriter writer;
@@ -116,14 +151,16 @@ grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
   return HandleProto(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,
-                                                    const v1::LookupRequest* req,
-                                                    v1::LookupResponse* resp) {
-  return HandleProto(kLookup, c, req, resp, &TierService::Lookup);
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return HandleKeyed<v1::LookupRequest, v1::LookupResponse>(
+      kLookup, c, req, resp, core_->max_lookup_keys(), &TierService::Lookup);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Delete(grpc::CallbackServerContext* c,
-                                                    const v1::DeleteRequest* req,
-                                                    v1::DeleteResponse* resp) {
-  return HandleProto(kDelete, c, req, resp, &TierService::Delete);
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return HandleKeyed<v1::DeleteRequest, v1::DeleteResponse>(
+      kDelete, c, req, resp, core_->max_batch_blocks(), &TierService::Delete);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Stats(grpc::CallbackServerContext* c,
                                                    const v1::StatsRequest* req,

@@ -15,13 +15,14 @@
 
 namespace proxima::daemon {
 
-// Every method on the callback API; Put and Get are "raw": they read the request and write the
+// Every method on the callback API. Put and Get are "raw": they read the request and write the
 // response in wire format themselves, so block bytes move between the network buffers and tier
-// memory without protobuf copies (see proto/wire.h).
+// memory without protobuf copies (see proto/wire.h). Lookup and Delete are raw too, so that their
+// key lists are bounded while parsing, not after protobuf has allocated them.
 using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
     v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithRawCallbackMethod_Put<
-        v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithCallbackMethod_Lookup<
-            v1::KVTier::WithCallbackMethod_Delete<
+        v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithRawCallbackMethod_Lookup<
+            v1::KVTier::WithRawCallbackMethod_Delete<
                 v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
 
 class KvTierGrpcService final : public KvTierCallbackBase {
@@ -47,11 +48,11 @@ class KvTierGrpcService final : public KvTierCallbackBase {
                                 const grpc::ByteBuffer* request,
                                 grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Lookup(grpc::CallbackServerContext* context,
-                                   const v1::LookupRequest* request,
-                                   v1::LookupResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* context,
-                                   const v1::DeleteRequest* request,
-                                   v1::DeleteResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
                                   const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
@@ -65,6 +66,12 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   template <typename Call>
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
                                    Call&& call);
+  // A keyed call (Lookup, Delete) in raw form: bounded parse into Req, core call, serialized Resp.
+  template <typename Req, typename Resp>
+  grpc::ServerUnaryReactor* HandleKeyed(Method method, grpc::CallbackServerContext* context,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response, size_t max_keys,
+                                        absl::Status (TierService::*call)(const Req&, Resp*));
   template <typename Req, typename Resp>
   grpc::ServerUnaryReactor* HandleProto(Method method, grpc::CallbackServerContext* context,
                                         const Req* request, Resp* response,

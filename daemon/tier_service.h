@@ -71,6 +71,7 @@ class TierService {
 
   BlockStore& store() { return *store_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
+  uint32_t max_lookup_keys() const { return config_.server.max_lookup_keys; }
 
  private:
   struct Namespace {

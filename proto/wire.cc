@@ -392,6 +392,46 @@ absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer, size_t max_
   return absl::OkStatus();
 }
 
+absl::Status ParseKeyedRequest(const grpc::ByteBuffer& buffer, size_t max_keys,
+                               const char* method, KeyedRequest* out) {
+  std::vector<grpc::Slice> slices;
+  if (buffer.Valid() && !buffer.Dump(&slices).ok()) {
+    return absl::InternalError("cannot read request buffer");
+  }
+  auto bad = [method](const char* what, uint64_t position) {
+    return absl::InvalidArgumentError(absl::StrCat(method, " request is malformed: ", what,
+                                                   " at byte ", position));
+  };
+  KeyedRequest req;
+  SliceReader r(slices);
+  while (!r.done()) {
+    uint64_t tag, len;
+    if (!r.ReadVarint(&tag)) return bad("truncated tag", r.position());
+    if (tag == kNamespaceTag) {
+      if (!r.ReadVarint(&len) || len > kMaxKeyBytes || !r.ReadString(len, &req.namespace_name)) {
+        return bad("bad namespace_name", r.position());
+      }
+    } else if (tag == kProfileTag) {
+      if (!r.ReadFixed64(&req.profile_id)) return bad("truncated profile_id", r.position());
+    } else if (tag == kBlocksTag) {  // field 3, length-delimited: keys
+      if (req.keys.size() == max_keys) {
+        return absl::ResourceExhaustedError(absl::StrCat(method, " has more than ", max_keys,
+                                                         " keys; the limit is ", max_keys,
+                                                         " per call"));
+      }
+      std::string key;
+      if (!r.ReadVarint(&len) || len > kMaxKeyBytes || !r.ReadString(len, &key)) {
+        return bad("bad key", r.position());
+      }
+      req.keys.push_back(std::move(key));
+    } else if (!SkipField(r, tag)) {
+      return bad("bad field", r.position());
+    }
+  }
+  *out = std::move(req);
+  return absl::OkStatus();
+}
+
 uint32_t PutRequestReader::DataCrc32c(size_t i) const {
   const Block& b = blocks_[i];
   SliceReader r(slices_, b.slice, b.offset);

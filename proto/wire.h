@@ -95,6 +95,20 @@ class PutRequestReader {
   std::vector<Block> blocks_;
 };
 
+// A parsed GetRequest, LookupRequest or DeleteRequest (the three share one layout:
+// namespace_name = 1, profile_id = 2, repeated bytes keys = 3).
+struct KeyedRequest {
+  std::string namespace_name;
+  uint64_t profile_id = 0;
+  std::vector<std::string> keys;
+};
+
+// Parses a keyed request. INVALID_ARGUMENT when malformed (or a key is over 1 KiB);
+// RESOURCE_EXHAUSTED as soon as it holds more than `max_keys` keys, so that a hostile message of
+// millions of empty keys is refused before protobuf would have allocated them all.
+absl::Status ParseKeyedRequest(const grpc::ByteBuffer& buffer, size_t max_keys,
+                               const char* method, KeyedRequest* out);
+
 }  // namespace proxima::wire
 
 #endif  // PROXIMA_PROTO_WIRE_H_

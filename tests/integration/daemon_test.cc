@@ -296,6 +296,28 @@ TEST_F(BadInputTest, EmptyAndOversizedBatches) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 100")));
 }
 
+TEST_F(BadInputTest, MillionsOfEmptyKeysAreRefusedWhileParsing) {
+  // 1.5 million empty keys in a 3 MB message: refused at the 101st key, before any allocation
+  // proportional to the count.
+  v1::LookupRequest lookup;
+  lookup.set_namespace_name("default");
+  lookup.set_profile_id(profile_.id);
+  for (int i = 0; i < 1500000; ++i) lookup.add_keys("");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::LookupResponse resp;
+  EXPECT_THAT(client::FromGrpc(stub_->Lookup(&ctx, lookup, &resp)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 100")));
+  v1::DeleteRequest del;
+  del.set_namespace_name("default");
+  del.set_profile_id(profile_.id);
+  for (int i = 0; i < 1500000; ++i) del.add_keys("");
+  grpc::ClientContext ctx2;
+  v1::DeleteResponse del_resp;
+  EXPECT_THAT(client::FromGrpc(stub_->Delete(&ctx2, del, &del_resp)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 8")));
+}
+
 TEST_F(BadInputTest, MalformedKey) {
   v1::PutRequest r = GoodPut(3);
   r.mutable_blocks(2)->set_key(std::string(33, 'x'));
