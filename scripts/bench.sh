@@ -9,6 +9,11 @@ cd "$(dirname "$0")/.."
 NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality)}
 shift
 ./scripts/install-deps.sh >/dev/null
+case "$NAME" in
+  put_get) export PROXIMA_TARGETS="proximad put_get_bench" ;;
+  codec) export PROXIMA_TARGETS="codec_bench" ;;
+  *) export PROXIMA_TARGETS="" ;;
+esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
   -DPROXIMA_BUILD_BENCH=ON >/dev/null
 echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p') ($(nproc) CPUs)" >&2
