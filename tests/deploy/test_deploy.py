@@ -272,6 +272,10 @@ def test_ports_probes_and_grace_agree_with_config():
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == ports["grpc"]
         assert c["readinessProbe"]["grpc"]["service"] == "proxima.v1.KVTier"
+        # Health turns NOT_SERVING for every service at the drain: liveness must outlast it.
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] > \
+            cfg["server"]["shutdown_grace_seconds"]
         # The socket directory is the hostPath shared with workers.
         sock_dir = os.path.dirname(cfg["server"]["unix_socket"])
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
