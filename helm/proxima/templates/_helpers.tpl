@@ -1,0 +1,31 @@
+{{/* Names and labels. Kept inside the subset tests/deploy/helm_render.py supports. */}}
+{{- define "proxima.fullname" -}}
+{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "proxima.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "proxima.labels" -}}
+{{ include "proxima.selectorLabels" . }}
+app.kubernetes.io/component: kv-tier
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{- define "proxima.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* Refuse values for features proximad does not implement yet. */}}
+{{- define "proxima.checkReserved" -}}
+{{- if .Values.reserved.gpuTier.enabled }}{{ fail "reserved.gpuTier: the GPU tier is not implemented in proximad yet" }}{{ end }}
+{{- if .Values.reserved.compression.enabled }}{{ fail "reserved.compression: compression policy is not implemented in proximad yet" }}{{ end }}
+{{- if .Values.reserved.tls.enabled }}{{ fail "reserved.tls: TLS is not implemented in proximad yet" }}{{ end }}
+{{- if .Values.reserved.auth.enabled }}{{ fail "reserved.auth: bearer tokens are not implemented in proximad yet" }}{{ end }}
+{{- if .Values.reserved.discovery.enabled }}{{ fail "reserved.discovery: peer discovery is not implemented in proximad yet" }}{{ end }}
+{{- if .Values.reserved.ucx.enabled }}{{ fail "reserved.ucx: the UCX data plane is not implemented in proximad yet" }}{{ end }}
+{{- end }}
