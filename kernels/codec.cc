@@ -46,17 +46,6 @@ void StoreLe(std::byte* p, T v) {
 
 bool IsGroupedCodec(CodecId c) { return c == CodecId::kInt4 || c == CodecId::kInt2; }
 
-SegmentShape ShapeFor(const BlockGeometry& g, uint32_t segment, uint32_t group) {
-  SegmentShape s;
-  s.tokens = g.tokens_per_block;
-  s.heads = g.num_kv_heads;
-  s.dim = g.head_dim;
-  s.dtype = static_cast<uint8_t>(g.dtype);
-  s.is_value = (segment & 1u) != 0;
-  s.group = group;
-  return s;
-}
-
 absl::Status CheckPath(CpuPath path) {
   switch (path) {
     case CpuPath::kAuto:
@@ -254,7 +243,7 @@ absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, bool
     }
     seg.offset = offset;
     offset += seg.bytes;
-    const SegmentShape shape = ShapeFor(g, s, seg.group_size);
+    const SegmentShape shape = internal::SegmentShapeFor(g, s, seg.group_size);
     if (seg.codec == CodecId::kLossless) {
       if (seg.bytes < 1 + shape.Elements()) {  // at least the mode byte and verbatim plane B
         return absl::InvalidArgumentError(absl::StrCat("segment ", s, ": lossless too short"));
@@ -493,17 +482,17 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
   size_t estimate = table_end;
   for (uint32_t s = 0; s < num_segments; ++s) {
     const CodecId codec = plan.CodecFor(s / 2, is_first_block);
-    estimate +=
-        codec == CodecId::kLossless
-            ? seg_raw + 1024
-            : internal::FixedPayloadBytes(
-                  codec, ShapeFor(geometry, s, IsGroupedCodec(codec) ? plan.group_size : 0));
+    estimate += codec == CodecId::kLossless
+                    ? seg_raw + 1024
+                    : internal::FixedPayloadBytes(
+                          codec, internal::SegmentShapeFor(
+                                     geometry, s, IsGroupedCodec(codec) ? plan.group_size : 0));
   }
   block.reserve(estimate);
   for (uint32_t s = 0; s < num_segments; ++s) {
     const CodecId codec = plan.CodecFor(s / 2, is_first_block);
     const uint32_t group = IsGroupedCodec(codec) ? plan.group_size : 0;
-    const SegmentShape shape = ShapeFor(geometry, s, group);
+    const SegmentShape shape = internal::SegmentShapeFor(geometry, s, group);
     const std::byte* in = raw.data() + s * seg_raw;
     const std::byte* layer_k = raw.data() + (s & ~1u) * seg_raw;
     const size_t before = block.size();
@@ -553,7 +542,7 @@ absl::Status DecodeBlockWithPath(CpuPath path, std::span<const std::byte> encode
   for (uint32_t s = 0; s < info.segments.size(); ++s) {
     const SegmentInfo& seg = info.segments[s];
     PROXIMA_RETURN_IF_ERROR(
-        DecodeSegment(path, seg.codec, ShapeFor(info.geometry, s, seg.group_size),
+        DecodeSegment(path, seg.codec, internal::SegmentShapeFor(info.geometry, s, seg.group_size),
                       encoded.subspan(seg.offset, seg.bytes), raw_out.data() + s * seg_raw));
   }
   return absl::OkStatus();

@@ -28,17 +28,6 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
 }
 
-SegmentShape Shape(const BlockGeometry& g, uint32_t s, uint32_t group) {
-  SegmentShape sh;
-  sh.tokens = g.tokens_per_block;
-  sh.heads = g.num_kv_heads;
-  sh.dim = g.head_dim;
-  sh.dtype = static_cast<uint8_t>(g.dtype);
-  sh.is_value = (s & 1u) != 0;
-  sh.group = group;
-  return sh;
-}
-
 SegmentJob MakeJob(CodecId codec, const SegmentShape& sh, uint8_t* payload, uint16_t* raw) {
   SegmentJob j;
   j.payload = payload;
@@ -126,7 +115,7 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
     const size_t seg_raw = info.geometry.SegmentElements() * 2;
     for (uint32_t s = 0; s < info.segments.size(); ++s) {
       const SegmentInfo& seg = info.segments[s];
-      const SegmentShape sh = Shape(info.geometry, s, seg.group_size);
+      const SegmentShape sh = internal::SegmentShapeFor(info.geometry, s, seg.group_size);
       const std::byte* host = job.encoded_host.data() + seg.offset;
       switch (seg.codec) {
         case CodecId::kLossless:
@@ -196,8 +185,8 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
                                                      " is not implemented; use EncodeBlocks"));
       }
       const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
-      const uint64_t bytes =
-          internal::FixedPayloadBytes(codec, Shape(geometry, s, grouped ? plan.group_size : 0));
+      const uint64_t bytes = internal::FixedPayloadBytes(
+          codec, internal::SegmentShapeFor(geometry, s, grouped ? plan.group_size : 0));
       char* e = h.data() + internal::kHeaderBytes + internal::kSegmentEntryBytes * s;
       e[0] = static_cast<char>(codec);
       e[1] = static_cast<char>(grouped ? std::countr_zero(plan.group_size) : 0);
@@ -240,7 +229,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
       std::memcpy(&bytes, e + 8, 8);
       const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
       SegmentJob job = MakeJob(
-          codec, Shape(geometry, s, grouped ? plan.group_size : 0),
+          codec, internal::SegmentShapeFor(geometry, s, grouped ? plan.group_size : 0),
           static_cast<uint8_t*>(dev_out) + off,
           reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw));
       job.layer_k = reinterpret_cast<const uint16_t*>(jobs[b].raw_device + (s & ~1u) * seg_raw);

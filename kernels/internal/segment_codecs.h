@@ -29,6 +29,19 @@ struct SegmentShape {
   size_t Elements() const { return size_t{tokens} * heads * dim; }
 };
 
+// Shape of segment `segment` (layer * 2 + {0: K, 1: V}) of a block of geometry `g`, with the
+// int4/int2 group size `group` (0 for other codecs).
+inline SegmentShape SegmentShapeFor(const BlockGeometry& g, uint32_t segment, uint32_t group) {
+  SegmentShape s;
+  s.tokens = g.tokens_per_block;
+  s.heads = g.num_kv_heads;
+  s.dim = g.head_dim;
+  s.dtype = static_cast<uint8_t>(g.dtype);
+  s.is_value = (segment & 1u) != 0;
+  s.group = group;
+  return s;
+}
+
 // int4/int2 group geometry of one segment (docs/format.md: int4/int2).
 struct IntNLayout {
   uint32_t bits = 4;
