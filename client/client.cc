@@ -226,10 +226,14 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
       const wire::GetResult& r = results[i - begin];
       if (!r.found) continue;
       if (!r.intact) {
-        crc_failures_.fetch_add(1);
-        PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
-                                 "treated as a miss"
-                              << log::Kv("target", options_.target) << log::Kv("index", i);
+        // Logged at the 1st, 2nd, 4th, 8th, ... failure: a burst of bad blocks must not flood
+        // the worker's log.
+        const uint64_t n = crc_failures_.fetch_add(1) + 1;
+        if ((n & (n - 1)) == 0) {
+          PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
+                                   "treated as a miss"
+                                << log::Kv("target", options_.target) << log::Kv("failures", n);
+        }
         continue;
       }
       found[i] = true;
