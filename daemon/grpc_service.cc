@@ -4,6 +4,7 @@
 
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire.h"
 
@@ -13,10 +14,67 @@ namespace {
 constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
                                         "Lookup",        "Delete",          "Stats"};
 
+// Finishes one call; when gRPC is done with it (response sent, or the call cancelled) gives the
+// bytes it held back to its peer's account and deletes itself (the callback API's contract).
+class AccountedReactor final : public grpc::ServerUnaryReactor {
+ public:
+  AccountedReactor(InflightLedger* ledger, std::string peer, uint64_t bytes)
+      : ledger_(ledger), peer_(std::move(peer)), bytes_(bytes) {}
+  void OnDone() override {
+    ledger_->Release(peer_, bytes_);
+    delete this;
+  }
+
+ private:
+  InflightLedger* const ledger_;
+  const std::string peer_;
+  const uint64_t bytes_;
+};
+
+absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
+  const auto& md = context.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return {};
+  return absl::string_view(it->second.data(), it->second.size());
+}
+
 }  // namespace
 
-KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry)
-    : core_(core), registry_(registry) {
+absl::Status InflightLedger::Charge(const std::string& peer, uint64_t bytes,
+                                    absl::string_view what) {
+  proxima::MutexLock lock(&mu_);
+  uint64_t& held = held_[peer];
+  if (held + bytes > limit_) {
+    const uint64_t before = held;
+    if (held == 0) held_.erase(peer);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "client ", peer, " would hold ", before + bytes, " bytes in proximad (", before,
+        " in calls still running, ", bytes, " for this call's ", what,
+        "); the limit is server.max_inflight_bytes_per_client = ", limit_,
+        "; send smaller batches or wait for running calls"));
+  }
+  held += bytes;
+  return absl::OkStatus();
+}
+
+void InflightLedger::Release(const std::string& peer, uint64_t bytes) {
+  if (bytes == 0) return;
+  proxima::MutexLock lock(&mu_);
+  auto it = held_.find(peer);
+  if (it == held_.end()) return;
+  it->second -= std::min(it->second, bytes);
+  if (it->second == 0) held_.erase(it);
+}
+
+uint64_t InflightLedger::held(const std::string& peer) const {
+  proxima::MutexLock lock(&mu_);
+  auto it = held_.find(peer);
+  return it == held_.end() ? 0 : it->second;
+}
+
+KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
+                                     uint64_t max_inflight_bytes_per_client)
+    : core_(core), inflight_(max_inflight_bytes_per_client), registry_(registry) {
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
@@ -27,12 +85,32 @@ KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* regis
 template <typename Call>
 grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
                                                     grpc::CallbackServerContext* context,
-                                                    Call&& call) {
+                                                    uint64_t request_bytes,
+                                                    grpc::ByteBuffer* response, Call&& call) {
   auto start = std::chrono::steady_clock::now();
   in_flight_.fetch_add(1);
-  absl::Status status = draining_.load()
-                            ? absl::UnavailableError("proximad is shutting down; retry elsewhere")
-                            : call();
+  const std::string peer = context->peer();
+  uint64_t held = 0;  // bytes charged to the peer, released when gRPC is done with the call
+  // Explicit captures (GCC 12's UBSan misreads an implicit `this` capture in these handlers).
+  absl::Status status = [this, context, response, request_bytes, &peer, &held,
+                         &call]() -> absl::Status {
+    if (draining_.load()) return absl::UnavailableError("proximad is shutting down; retry elsewhere");
+    PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
+    PROXIMA_RETURN_IF_ERROR(inflight_.Charge(peer, request_bytes, "request"));
+    held = request_bytes;
+    PROXIMA_RETURN_IF_ERROR(call(caller));
+    if (response != nullptr) {
+      // The response stays in memory (or pins tier memory) until sent: it counts too.
+      const uint64_t response_bytes = response->Length();
+      absl::Status charged = inflight_.Charge(peer, response_bytes, "response");
+      if (!charged.ok()) {
+        response->Clear();  // drops the pins of a Get's blocks now
+        return charged;
+      }
+      held += response_bytes;
+    }
+    return absl::OkStatus();
+  }();
   in_flight_.fetch_sub(1);
   latency_[method]->Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -47,7 +125,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
     requests_[method][code].store(counter, std::memory_order_release);
   }
   counter->Increment();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = new AccountedReactor(&inflight_, peer, held);
   reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
   return reactor;
 }
@@ -55,11 +133,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
 template <typename Req, typename Resp>
 grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
     Method method, grpc::CallbackServerContext* context, const Req* request, Resp* response,
-    absl::Status (TierService::*call)(const Req&, Resp*)) {
+    absl::Status (TierService::*call)(const Caller&, const Req&, Resp*)) {
   // Explicit captures: GCC 12's UBSan misreads `this` through an implicit [&] capture here.
   TierService* core = core_;
-  return Handle(method, context, [core, call, request, response] {
-    absl::Status status = (core->*call)(*request, response);
+  return Handle(method, context, request->ByteSizeLong(), nullptr,
+                [core, call, request, response](const Caller& caller) {
+    absl::Status status = (core->*call)(caller, *request, response);
     if (!status.ok()) response->Clear();  // a failed call returns no partial results
     return status;
   });
@@ -94,15 +173,16 @@ template <typename Req, typename Resp>
 grpc::ServerUnaryReactor* KvTierGrpcService::HandleKeyed(
     Method method, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response, size_t max_keys,
-    absl::Status (TierService::*call)(const Req&, Resp*)) {
+    absl::Status (TierService::*call)(const Caller&, const Req&, Resp*)) {
   TierService* core = core_;
   const char* name = kMethodNames[method];
-  return Handle(method, context,
-                [core, call, request, response, max_keys, name]() -> absl::Status {
+  return Handle(method, context, request->Length(), response,
+                [core, call, request, response, max_keys, name](const Caller& caller)
+                    -> absl::Status {
                   Req req;
                   PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, max_keys, name, &req));
                   Resp resp;
-                  PROXIMA_RETURN_IF_ERROR((core->*call)(req, &resp));
+                  PROXIMA_RETURN_IF_ERROR((core->*call)(caller, req, &resp));
                   return SerializeTo(resp, response);
                 });
 }
@@ -110,11 +190,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleKeyed(
 grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
-  return Handle(kPut, c, [core = core_, request, response]() -> absl::Status {
+  return Handle(kPut, c, request->Length(), response,
+                [core = core_, request, response](const Caller& caller) -> absl::Status {
     wire::PutRequestReader reader;
     PROXIMA_RETURN_IF_ERROR(reader.Parse(*request, core->max_batch_blocks()));
     v1::PutResponse resp;
-    PROXIMA_RETURN_IF_ERROR(core->Put(reader, &resp));
+    PROXIMA_RETURN_IF_ERROR(core->Put(caller, reader, &resp));
     return SerializeTo(resp, response);
   });
 }
@@ -122,11 +203,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
 grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
-  return Handle(kGet, c, [core = core_, request, response]() -> absl::Status {
+  return Handle(kGet, c, request->Length(), response,
+                [core = core_, request, response](const Caller& caller) -> absl::Status {
     v1::GetRequest req;
     PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, core->max_batch_blocks(), "Get", &req));
     std::vector<std::optional<BlockStore::ReadBlock>> blocks;
-    PROXIMA_RETURN_IF_ERROR(core->GetBlocks(req, &blocks));
+    PROXIMA_RETURN_IF_ERROR(core->GetBlocks(caller, req, &blocks));
     wire::GetResponseWriter writer;
     for (auto& b : blocks) {
       if (b) {
