@@ -169,57 +169,72 @@ absl::Status SerializeTo(const Resp& message, grpc::ByteBuffer* out) {
 
 }  // namespace
 
-template <typename Req, typename Resp>
-grpc::ServerUnaryReactor* KvTierGrpcService::HandleKeyed(
+absl::Status ServePut(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response) {
+  wire::PutRequestReader reader;
+  PROXIMA_RETURN_IF_ERROR(reader.Parse(request, core.max_batch_blocks()));
+  v1::PutResponse resp;
+  PROXIMA_RETURN_IF_ERROR(core.Put(caller, reader, &resp));
+  return SerializeTo(resp, response);
+}
+
+absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response) {
+  v1::GetRequest req;
+  PROXIMA_RETURN_IF_ERROR(ParseKeyed(request, core.max_batch_blocks(), "Get", &req));
+  std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+  PROXIMA_RETURN_IF_ERROR(core.GetBlocks(caller, req, &blocks));
+  wire::GetResponseWriter writer;
+  for (auto& b : blocks) {
+    if (b) {
+      writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
+    } else {
+      writer.AddMiss();
+    }
+  }
+  *response = writer.Finish();
+  return absl::OkStatus();
+}
+
+absl::Status ServeLookup(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+  v1::LookupRequest req;
+  PROXIMA_RETURN_IF_ERROR(ParseKeyed(request, core.max_lookup_keys(), "Lookup", &req));
+  v1::LookupResponse resp;
+  PROXIMA_RETURN_IF_ERROR(core.Lookup(caller, req, &resp));
+  return SerializeTo(resp, response);
+}
+
+absl::Status ServeDelete(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+  v1::DeleteRequest req;
+  PROXIMA_RETURN_IF_ERROR(ParseKeyed(request, core.max_batch_blocks(), "Delete", &req));
+  v1::DeleteResponse resp;
+  PROXIMA_RETURN_IF_ERROR(core.Delete(caller, req, &resp));
+  return SerializeTo(resp, response);
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleRaw(
     Method method, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response, size_t max_keys,
-    absl::Status (TierService::*call)(const Caller&, const Req&, Resp*)) {
-  TierService* core = core_;
-  const char* name = kMethodNames[method];
+    grpc::ByteBuffer* response,
+    absl::Status (*serve)(TierService&, const Caller&, const grpc::ByteBuffer&,
+                          grpc::ByteBuffer*)) {
   return Handle(method, context, request->Length(), response,
-                [core, call, request, response, max_keys, name](const Caller& caller)
-                    -> absl::Status {
-                  Req req;
-                  PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, max_keys, name, &req));
-                  Resp resp;
-                  PROXIMA_RETURN_IF_ERROR((core->*call)(caller, req, &resp));
-                  return SerializeTo(resp, response);
+                [core = core_, serve, request, response](const Caller& caller) {
+                  return serve(*core, caller, *request, response);
                 });
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
-  return Handle(kPut, c, request->Length(), response,
-                [core = core_, request, response](const Caller& caller) -> absl::Status {
-    wire::PutRequestReader reader;
-    PROXIMA_RETURN_IF_ERROR(reader.Parse(*request, core->max_batch_blocks()));
-    v1::PutResponse resp;
-    PROXIMA_RETURN_IF_ERROR(core->Put(caller, reader, &resp));
-    return SerializeTo(resp, response);
-  });
+  return HandleRaw(kPut, c, request, response, &ServePut);
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
-  return Handle(kGet, c, request->Length(), response,
-                [core = core_, request, response](const Caller& caller) -> absl::Status {
-    v1::GetRequest req;
-    PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, core->max_batch_blocks(), "Get", &req));
-    std::vector<std::optional<BlockStore::ReadBlock>> blocks;
-    PROXIMA_RETURN_IF_ERROR(core->GetBlocks(caller, req, &blocks));
-    wire::GetResponseWriter writer;
-    for (auto& b : blocks) {
-      if (b) {
-        writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
-      } else {
-        writer.AddMiss();
-      }
-    }
-    *response = writer.Finish();
-    return absl::OkStatus();
-  });
+  return HandleRaw(kGet, c, request, response, &ServeGet);
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
@@ -235,14 +250,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,
                                                     const grpc::ByteBuffer* req,
                                                     grpc::ByteBuffer* resp) {
-  return HandleKeyed<v1::LookupRequest, v1::LookupResponse>(
-      kLookup, c, req, resp, core_->max_lookup_keys(), &TierService::Lookup);
+  return HandleRaw(kLookup, c, req, resp, &ServeLookup);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Delete(grpc::CallbackServerContext* c,
                                                     const grpc::ByteBuffer* req,
                                                     grpc::ByteBuffer* resp) {
-  return HandleKeyed<v1::DeleteRequest, v1::DeleteResponse>(
-      kDelete, c, req, resp, core_->max_batch_blocks(), &TierService::Delete);
+  return HandleRaw(kDelete, c, req, resp, &ServeDelete);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Stats(grpc::CallbackServerContext* c,
                                                    const v1::StatsRequest* req,

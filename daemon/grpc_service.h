@@ -31,6 +31,18 @@ using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
             v1::KVTier::WithRawCallbackMethod_Delete<
                 v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
 
+// The bodies of the raw KVTier methods, transport aside: decode `request` (proto3 wire format,
+// bounded while parsing), run it on `core` as `caller`, encode the response into `response`.
+// The gRPC handlers below call them; so does the request fuzzer (tests/fuzz/).
+absl::Status ServePut(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response);
+absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response);
+absl::Status ServeLookup(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+absl::Status ServeDelete(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+
 // Bytes that calls of each peer (one client connection: "ipv4:10.0.0.5:41234") hold in the
 // daemon right now: their request, and their response until gRPC has sent it. A peer over
 // `limit` is refused with RESOURCE_EXHAUSTED, so one client cannot pin all of the daemon's
@@ -94,13 +106,13 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
                                    uint64_t request_bytes, grpc::ByteBuffer* response,
                                    Call&& call);
-  // A keyed call (Lookup, Delete) in raw form: bounded parse into Req, core call, serialized Resp.
-  template <typename Req, typename Resp>
-  grpc::ServerUnaryReactor* HandleKeyed(Method method, grpc::CallbackServerContext* context,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response, size_t max_keys,
-                                        absl::Status (TierService::*call)(const Caller&,
-                                                                          const Req&, Resp*));
+  // A raw call (Put, Get, Lookup, Delete): `serve` is one of the Serve* functions above.
+  grpc::ServerUnaryReactor* HandleRaw(Method method, grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response,
+                                      absl::Status (*serve)(TierService&, const Caller&,
+                                                            const grpc::ByteBuffer&,
+                                                            grpc::ByteBuffer*));
   template <typename Req, typename Resp>
   grpc::ServerUnaryReactor* HandleProto(Method method, grpc::CallbackServerContext* context,
                                         const Req* request, Resp* response,
