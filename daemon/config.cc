@@ -29,6 +29,7 @@ server:
   max_profiles_per_namespace: 64   # model profiles one namespace may register
   shutdown_grace_seconds: 10       # on SIGTERM, time in-flight calls get to finish
   max_inflight_bytes_per_client: 256MiB  # request + response bytes one peer may hold at once
+  max_connections: 1024            # client connections with calls running at once
   tls:                             # TLS for server.listen (PEM files; "" = plaintext TCP)
     cert_file: ""                  # server certificate chain
     key_file: ""                   # its private key
@@ -333,7 +334,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
       server, "server",
       {"listen", "unix_socket", "unix_socket_mode", "metrics_listen", "max_message_bytes",
        "max_batch_blocks", "max_lookup_keys", "max_profiles_per_namespace",
-       "shutdown_grace_seconds", "max_inflight_bytes_per_client", "tls"}));
+       "shutdown_grace_seconds", "max_inflight_bytes_per_client", "max_connections", "tls"}));
   if (server && server.IsMap()) {
     ServerConfig& s = c.server;
     PROXIMA_RETURN_IF_ERROR(r.String(server["listen"], "server.listen", &s.listen));
@@ -381,6 +382,10 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
     PROXIMA_RETURN_IF_ERROR(r.Size(server["max_inflight_bytes_per_client"],
                                    "server.max_inflight_bytes_per_client", 64 << 10, 1ull << 40,
                                    &s.max_inflight_bytes_per_client));
+    v = s.max_connections;
+    PROXIMA_RETURN_IF_ERROR(
+        r.Uint(server["max_connections"], "server.max_connections", 1, 1 << 20, &v));
+    s.max_connections = static_cast<uint32_t>(v);
     PROXIMA_RETURN_IF_ERROR(ParseTls(r, server["tls"], &s.tls));
   }
   if (c.server.listen.empty() && c.server.unix_socket.empty()) {
@@ -484,6 +489,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "shutdown_grace_seconds" << YAML::Value << c.server.shutdown_grace_seconds;
   e << YAML::Key << "max_inflight_bytes_per_client" << YAML::Value
     << c.server.max_inflight_bytes_per_client;
+  e << YAML::Key << "max_connections" << YAML::Value << c.server.max_connections;
   e << YAML::Key << "tls" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "cert_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.cert_file;
   e << YAML::Key << "key_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.key_file;

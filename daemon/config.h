@@ -42,6 +42,7 @@ struct ServerConfig {
   TlsConfig tls;
   uint64_t max_inflight_bytes_per_client = 256ull << 20;  // request + response bytes one peer
                                                            // may hold in the daemon at once
+  uint32_t max_connections = 1024;  // client connections with calls running at once
 };
 
 struct HostTierConfig {

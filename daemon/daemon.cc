@@ -87,7 +87,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   d->config_ = config;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
   d->service_ = std::make_unique<KvTierGrpcService>(
-      d->core_.get(), &d->registry_, config.server.max_inflight_bytes_per_client);
+      d->core_.get(), &d->registry_, config.server.max_inflight_bytes_per_client,
+      config.server.max_connections);
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tcp_credentials,
                            TcpCredentials(config.server.tls));
 

@@ -14,14 +14,15 @@ namespace {
 constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
                                         "Lookup",        "Delete",          "Stats"};
 
-// Finishes one call; when gRPC is done with it (response sent, or the call cancelled) gives the
-// bytes it held back to its peer's account and deletes itself (the callback API's contract).
+// Finishes one call; when gRPC is done with it (response sent, or the call cancelled) ends the
+// call in its peer's account (if it was admitted) and deletes itself (the callback API's
+// contract).
 class AccountedReactor final : public grpc::ServerUnaryReactor {
  public:
   AccountedReactor(InflightLedger* ledger, std::string peer, uint64_t bytes)
       : ledger_(ledger), peer_(std::move(peer)), bytes_(bytes) {}
   void OnDone() override {
-    ledger_->Release(peer_, bytes_);
+    if (ledger_ != nullptr) ledger_->End(peer_, bytes_);
     delete this;
   }
 
@@ -40,41 +41,68 @@ absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
 
 }  // namespace
 
-absl::Status InflightLedger::Charge(const std::string& peer, uint64_t bytes,
-                                    absl::string_view what) {
+absl::Status InflightLedger::OverBytes(const std::string& peer, uint64_t held, uint64_t more,
+                                       absl::string_view what) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "client ", peer, " would hold ", held + more, " bytes in proximad (", held,
+      " in calls still running, ", more, " for this call's ", what,
+      "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
+      "; send smaller batches or wait for running calls"));
+}
+
+absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_bytes) {
   proxima::MutexLock lock(&mu_);
-  uint64_t& held = held_[peer];
-  if (held + bytes > limit_) {
-    const uint64_t before = held;
-    if (held == 0) held_.erase(peer);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "client ", peer, " would hold ", before + bytes, " bytes in proximad (", before,
-        " in calls still running, ", bytes, " for this call's ", what,
-        "); the limit is server.max_inflight_bytes_per_client = ", limit_,
-        "; send smaller batches or wait for running calls"));
+  auto it = accounts_.find(peer);
+  if (it == accounts_.end()) {
+    if (accounts_.size() >= max_peers_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "client ", peer, " refused: ", accounts_.size(),
+          " connections already have calls running; the limit is server.max_connections = ",
+          max_peers_, "; retry shortly"));
+    }
+    if (request_bytes > max_bytes_) return OverBytes(peer, 0, request_bytes, "request");
+    it = accounts_.emplace(peer, Account()).first;
+  } else if (it->second.bytes + request_bytes > max_bytes_) {
+    return OverBytes(peer, it->second.bytes, request_bytes, "request");
   }
-  held += bytes;
+  it->second.bytes += request_bytes;
+  ++it->second.calls;
   return absl::OkStatus();
 }
 
-void InflightLedger::Release(const std::string& peer, uint64_t bytes) {
-  if (bytes == 0) return;
+absl::Status InflightLedger::AddResponse(const std::string& peer, uint64_t response_bytes) {
   proxima::MutexLock lock(&mu_);
-  auto it = held_.find(peer);
-  if (it == held_.end()) return;
-  it->second -= std::min(it->second, bytes);
-  if (it->second == 0) held_.erase(it);
+  Account& a = accounts_[peer];  // exists: Begin() admitted a call of this peer
+  if (a.bytes + response_bytes > max_bytes_) {
+    return OverBytes(peer, a.bytes, response_bytes, "response");
+  }
+  a.bytes += response_bytes;
+  return absl::OkStatus();
 }
 
-uint64_t InflightLedger::held(const std::string& peer) const {
+void InflightLedger::End(const std::string& peer, uint64_t bytes) {
   proxima::MutexLock lock(&mu_);
-  auto it = held_.find(peer);
-  return it == held_.end() ? 0 : it->second;
+  auto it = accounts_.find(peer);
+  if (it == accounts_.end()) return;
+  it->second.bytes -= std::min(it->second.bytes, bytes);
+  if (--it->second.calls == 0) accounts_.erase(it);
+}
+
+uint64_t InflightLedger::held_bytes(const std::string& peer) const {
+  proxima::MutexLock lock(&mu_);
+  auto it = accounts_.find(peer);
+  return it == accounts_.end() ? 0 : it->second.bytes;
+}
+
+size_t InflightLedger::active_peers() const {
+  proxima::MutexLock lock(&mu_);
+  return accounts_.size();
 }
 
 KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
-                                     uint64_t max_inflight_bytes_per_client)
-    : core_(core), inflight_(max_inflight_bytes_per_client), registry_(registry) {
+                                     uint64_t max_inflight_bytes_per_client,
+                                     uint32_t max_connections)
+    : core_(core), inflight_(max_inflight_bytes_per_client, max_connections), registry_(registry) {
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
@@ -90,19 +118,21 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
   auto start = std::chrono::steady_clock::now();
   in_flight_.fetch_add(1);
   const std::string peer = context->peer();
-  uint64_t held = 0;  // bytes charged to the peer, released when gRPC is done with the call
+  bool admitted = false;  // counted in the peer's account; ended when gRPC is done with the call
+  uint64_t held = 0;      // bytes charged to the peer
   // Explicit captures (GCC 12's UBSan misreads an implicit `this` capture in these handlers).
-  absl::Status status = [this, context, response, request_bytes, &peer, &held,
+  absl::Status status = [this, context, response, request_bytes, &peer, &admitted, &held,
                          &call]() -> absl::Status {
     if (draining_.load()) return absl::UnavailableError("proximad is shutting down; retry elsewhere");
     PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
-    PROXIMA_RETURN_IF_ERROR(inflight_.Charge(peer, request_bytes, "request"));
+    PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));
+    admitted = true;
     held = request_bytes;
     PROXIMA_RETURN_IF_ERROR(call(caller));
     if (response != nullptr) {
       // The response stays in memory (or pins tier memory) until sent: it counts too.
       const uint64_t response_bytes = response->Length();
-      absl::Status charged = inflight_.Charge(peer, response_bytes, "response");
+      absl::Status charged = inflight_.AddResponse(peer, response_bytes);
       if (!charged.ok()) {
         response->Clear();  // drops the pins of a Get's blocks now
         return charged;
@@ -125,7 +155,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
     requests_[method][code].store(counter, std::memory_order_release);
   }
   counter->Increment();
-  auto* reactor = new AccountedReactor(&inflight_, peer, held);
+  auto* reactor = new AccountedReactor(admitted ? &inflight_ : nullptr, peer, held);
   reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
   return reactor;
 }
@@ -167,12 +197,19 @@ absl::Status SerializeTo(const Resp& message, grpc::ByteBuffer* out) {
   return absl::OkStatus();
 }
 
+// A request refused while parsing for holding too many items: name the config key of the limit.
+absl::Status NameLimit(absl::Status status, absl::string_view key) {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return status;
+  return absl::ResourceExhaustedError(absl::StrCat(status.message(), " (", key, ")"));
+}
+
 }  // namespace
 
 absl::Status ServePut(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
                       grpc::ByteBuffer* response) {
   wire::PutRequestReader reader;
-  PROXIMA_RETURN_IF_ERROR(reader.Parse(request, core.max_batch_blocks()));
+  PROXIMA_RETURN_IF_ERROR(
+      NameLimit(reader.Parse(request, core.max_batch_blocks()), "server.max_batch_blocks"));
   v1::PutResponse resp;
   PROXIMA_RETURN_IF_ERROR(core.Put(caller, reader, &resp));
   return SerializeTo(resp, response);
@@ -181,7 +218,8 @@ absl::Status ServePut(TierService& core, const Caller& caller, const grpc::ByteB
 absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
                       grpc::ByteBuffer* response) {
   v1::GetRequest req;
-  PROXIMA_RETURN_IF_ERROR(ParseKeyed(request, core.max_batch_blocks(), "Get", &req));
+  PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_batch_blocks(), "Get", &req),
+                                    "server.max_batch_blocks"));
   std::vector<std::optional<BlockStore::ReadBlock>> blocks;
   PROXIMA_RETURN_IF_ERROR(core.GetBlocks(caller, req, &blocks));
   wire::GetResponseWriter writer;
@@ -199,7 +237,8 @@ absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteB
 absl::Status ServeLookup(TierService& core, const Caller& caller,
                          const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
   v1::LookupRequest req;
-  PROXIMA_RETURN_IF_ERROR(ParseKeyed(request, core.max_lookup_keys(), "Lookup", &req));
+  PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_lookup_keys(), "Lookup", &req),
+                                    "server.max_lookup_keys"));
   v1::LookupResponse resp;
   PROXIMA_RETURN_IF_ERROR(core.Lookup(caller, req, &resp));
   return SerializeTo(resp, response);
@@ -208,7 +247,8 @@ absl::Status ServeLookup(TierService& core, const Caller& caller,
 absl::Status ServeDelete(TierService& core, const Caller& caller,
                          const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
   v1::DeleteRequest req;
-  PROXIMA_RETURN_IF_ERROR(ParseKeyed(request, core.max_batch_blocks(), "Delete", &req));
+  PROXIMA_RETURN_IF_ERROR(NameLimit(
+      ParseKeyed(request, core.max_batch_blocks(), "Delete", &req), "server.max_batch_blocks"));
   v1::DeleteResponse resp;
   PROXIMA_RETURN_IF_ERROR(core.Delete(caller, req, &resp));
   return SerializeTo(resp, response);

@@ -43,30 +43,44 @@ absl::Status ServeLookup(TierService& core, const Caller& caller,
 absl::Status ServeDelete(TierService& core, const Caller& caller,
                          const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
 
-// Bytes that calls of each peer (one client connection: "ipv4:10.0.0.5:41234") hold in the
-// daemon right now: their request, and their response until gRPC has sent it. A peer over
-// `limit` is refused with RESOURCE_EXHAUSTED, so one client cannot pin all of the daemon's
-// memory in requests and unsent responses. Thread-safe.
+// What the calls of each peer (one client connection: "ipv4:10.0.0.5:41234") hold in the daemon
+// right now: how many are running, and their bytes (each request, and each response until gRPC
+// has sent it). A call is refused with RESOURCE_EXHAUSTED, naming the limit, when its peer would
+// go over `max_bytes_per_peer`, or when it would make one peer more than `max_peers` have calls
+// running at once. So one client cannot pin all of the daemon's memory in requests and unsent
+// responses, and a flood of connections cannot all be served at once. Thread-safe.
 class InflightLedger {
  public:
-  explicit InflightLedger(uint64_t limit) : limit_(limit) {}
-  // Adds `bytes` to `peer`'s account, or RESOURCE_EXHAUSTED (naming the limit) and no change
-  // when that would take it over the limit. `what` says what the bytes are, for the error.
-  absl::Status Charge(const std::string& peer, uint64_t bytes, absl::string_view what);
-  void Release(const std::string& peer, uint64_t bytes);
-  uint64_t held(const std::string& peer) const;
+  InflightLedger(uint64_t max_bytes_per_peer, uint32_t max_peers)
+      : max_bytes_(max_bytes_per_peer), max_peers_(max_peers) {}
+  // Starts a call of `peer` holding `request_bytes`; on error nothing is counted.
+  absl::Status Begin(const std::string& peer, uint64_t request_bytes);
+  // Adds a running call's response bytes; on error nothing is added.
+  absl::Status AddResponse(const std::string& peer, uint64_t response_bytes);
+  // Ends a call that Begin() admitted, releasing the `bytes` it was charged in total.
+  void End(const std::string& peer, uint64_t bytes);
+  uint64_t held_bytes(const std::string& peer) const;
+  size_t active_peers() const;
 
  private:
-  const uint64_t limit_;
+  struct Account {
+    uint64_t bytes = 0;
+    uint32_t calls = 0;
+  };
+  absl::Status OverBytes(const std::string& peer, uint64_t held, uint64_t more,
+                         absl::string_view what) const;
+
+  const uint64_t max_bytes_;
+  const uint32_t max_peers_;
   mutable proxima::Mutex mu_;
-  absl::flat_hash_map<std::string, uint64_t> held_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Account> accounts_ ABSL_GUARDED_BY(mu_);
 };
 
 class KvTierGrpcService final : public KvTierCallbackBase {
  public:
   // `core` and `registry` must outlive the service.
   KvTierGrpcService(TierService* core, metrics::Registry* registry,
-                    uint64_t max_inflight_bytes_per_client);
+                    uint64_t max_inflight_bytes_per_client, uint32_t max_connections);
 
   // From now on every call is answered UNAVAILABLE ("draining"); calls already running finish.
   void StartDraining() { draining_.store(true); }

@@ -273,9 +273,10 @@ absl::Status TierService::ResolveKeys(const Caller& caller, Need need, const std
   PROXIMA_ASSIGN_OR_RETURN(*profile, FindProfile(ns, profile_id));
   if (keys.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no keys"));
   if (static_cast<uint32_t>(keys.size()) > max_keys) {
-    return absl::ResourceExhaustedError(absl::StrCat(method, " has ", keys.size(),
-                                                     " keys; the limit is ", max_keys,
-                                                     " per call"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(method, " has ", keys.size(), " keys; the limit is ", max_keys,
+                     " per call (", method == "Lookup" ? "server.max_lookup_keys"
+                                                      : "server.max_batch_blocks", ")"));
   }
   ids->resize(keys.size());
   for (int i = 0; i < keys.size(); ++i) {
@@ -379,7 +380,8 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   if (blocks.size() > config_.server.max_batch_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("Put has ", blocks.size(),
                                                      " blocks; the limit is ",
-                                                     config_.server.max_batch_blocks, " per call"));
+                                                     config_.server.max_batch_blocks,
+                                                     " per call (server.max_batch_blocks)"));
   }
   // Validate everything before storing anything: a rejected request changes nothing (and
   // evicts nothing to make room for itself).
