@@ -7,12 +7,14 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
 #include "common/log.h"
@@ -157,6 +159,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
       PROXIMA_LOG(kInfo) << "GPU visible" << log::Kv("ordinal", g.ordinal)
                          << log::Kv("name", g.name) << log::Kv("bytes", g.total_bytes);
     }
+  }
+  const bool tokens = std::any_of(config.namespaces.begin(), config.namespaces.end(),
+                                  [](const NamespaceConfig& n) { return !n.tokens.empty(); });
+  const bool loopback = absl::StartsWith(config.server.listen, "127.") ||
+                        absl::StartsWith(config.server.listen, "localhost:") ||
+                        absl::StartsWith(config.server.listen, "[::1]:");
+  if (tokens && !config.server.listen.empty() && !config.server.tls.enabled() && !loopback) {
+    PROXIMA_LOG(kWarning) << "bearer tokens are configured but server.listen is plaintext TCP: "
+                             "tokens and blocks cross the network unencrypted; set server.tls"
+                          << log::Kv("listen", config.server.listen);
   }
   PROXIMA_LOG(kInfo) << "proximad serving" << log::Kv("version", PROXIMA_VERSION)
                      << log::Kv("tcp_port", d->tcp_port_)

@@ -4,6 +4,7 @@
 
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire.h"
@@ -125,11 +126,16 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
                          &call]() -> absl::Status {
     if (draining_.load()) return absl::UnavailableError("proximad is shutting down; retry elsewhere");
     PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
-    PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));
-    admitted = true;
-    held = request_bytes;
+    // gRPC names every Unix-socket client "unix:", so they cannot be told apart: same-node
+    // processes, admitted by the socket's file mode, are not limited per client.
+    const bool accounted = !absl::StartsWith(peer, "unix:");
+    if (accounted) {
+      PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));
+      admitted = true;
+      held = request_bytes;
+    }
     PROXIMA_RETURN_IF_ERROR(call(caller));
-    if (response != nullptr) {
+    if (accounted && response != nullptr) {
       // The response stays in memory (or pins tier memory) until sent: it counts too.
       const uint64_t response_bytes = response->Length();
       absl::Status charged = inflight_.AddResponse(peer, response_bytes);
