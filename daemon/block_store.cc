@@ -130,7 +130,7 @@ PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, u
   return Commit(id, *std::move(pending), crc32c);
 }
 
-std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
+std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id, CrcCheck check) {
   Shard& shard = ShardFor(id);
   BlockRef block;
   {
@@ -140,6 +140,11 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
     shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
     it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
     block = it->second.block;  // pin
+  }
+  if (check == CrcCheck::kByCaller) {
+    std::span<const std::byte> bytes = block->bytes();
+    uint32_t stored = block->crc32c;
+    return ReadBlock{std::move(block), bytes, stored};
   }
   uint32_t crc = Crc32c(block->bytes());
   if (crc == block->crc32c) {

@@ -103,9 +103,16 @@ class BlockStore {
     uint32_t crc32c = 0;
   };
 
-  // Pins the block and checks its bytes against their CRC32C. nullopt when absent, or when the
-  // check fails (the block is then dropped from the index and counted in crc_failures()).
-  std::optional<ReadBlock> Read(const BlockId& id);
+  // Who checks a block's bytes against its CRC32C on a read.
+  enum class CrcCheck {
+    kHere,       // Read() checks; a block that fails is dropped, counted and reported absent
+    kByCaller,   // the caller checks `bytes` against `crc32c` (the stored one) end to end, and
+                 // reads again with kHere when its check fails, so the block is dropped then
+  };
+
+  // Pins the block. nullopt when absent, or (kHere) when its CRC32C check fails: the block is
+  // then dropped from the index and counted in crc_failures().
+  std::optional<ReadBlock> Read(const BlockId& id, CrcCheck check = CrcCheck::kHere);
 
   bool Contains(const BlockId& id) const;
   // Marks the block recently used; false when absent.

@@ -104,6 +104,26 @@ TEST_F(BlockStoreTest, CorruptBlockIsDroppedAndCountedNeverReturned) {
   EXPECT_EQ(store->used_bytes(), 0u);  // its extent was freed
 }
 
+TEST_F(BlockStoreTest, ACallerThatChecksGetsTheStoredBytesAndCrcUntouched) {
+  auto store = MakeStore(1 << 20);
+  std::string a = Payload(9, 4096);
+  ASSERT_EQ(Put(*store, Id(9), a), PutOutcome::kStored);
+  ASSERT_TRUE(store->CorruptForTesting(Id(9), 7));
+  // kByCaller hands over the bytes as stored with the CRC32C they were stored with, so the
+  // caller's own check fails...
+  std::optional<BlockStore::ReadBlock> r = store->Read(Id(9), BlockStore::CrcCheck::kByCaller);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->crc32c, Crc32c(B(a)));
+  EXPECT_NE(Crc32c(r->bytes), r->crc32c);
+  EXPECT_EQ(store->crc_failures(), 0u);
+  EXPECT_TRUE(store->Contains(Id(9)));
+  r.reset();
+  // ...and its second read, checked here, drops the block.
+  EXPECT_FALSE(store->Read(Id(9), BlockStore::CrcCheck::kHere).has_value());
+  EXPECT_EQ(store->crc_failures(), 1u);
+  EXPECT_FALSE(store->Contains(Id(9)));
+}
+
 TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
   auto store = MakeStore(64 << 10);
   std::string a = Payload(1, 32 << 10);
