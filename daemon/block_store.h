@@ -150,7 +150,12 @@ class BlockStore {
   // returns the removed block so the caller drops it outside the lock.
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
-  // Evicts the globally least recently used block. False when the index is empty.
+  // The least recently used block among the last few of `shard`'s LRU list that no reader
+  // pins, and its stamp; nullopt when there is none.
+  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint64_t* stamp) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Evicts the globally least recently used block that no reader pins. False when there is
+  // none (the index is empty, or every block near the LRU tails is being read).
   bool EvictOne();
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
 

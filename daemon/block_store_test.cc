@@ -141,6 +141,27 @@ TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
   EXPECT_EQ(store->used_bytes(), 32u << 10);
 }
 
+TEST_F(BlockStoreTest, WhenEveryBlockIsPinnedAPutIsRefusedAndNothingIsLost) {
+  auto store = MakeStore(64 << 10);
+  std::string a = Payload(1, 32 << 10), b = Payload(2, 32 << 10);
+  ASSERT_EQ(Put(*store, Id(1), a), PutOutcome::kStored);
+  ASSERT_EQ(Put(*store, Id(2), b), PutOutcome::kStored);
+  std::optional<BlockStore::ReadBlock> pin_a = store->Read(Id(1));
+  std::optional<BlockStore::ReadBlock> pin_b = store->Read(Id(2));
+  ASSERT_TRUE(pin_a && pin_b);
+  // Nothing can give way: refused, not over capacity, and both stored blocks are untouched.
+  EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kNoSpace);
+  EXPECT_LE(store->used_bytes(), 64u << 10);
+  std::string out;
+  ASSERT_TRUE(ReadInto(*store, Id(1), &out));
+  EXPECT_EQ(out, a);
+  ASSERT_TRUE(ReadInto(*store, Id(2), &out));
+  EXPECT_EQ(out, b);
+  // Once a reader lets go, the put gets its room.
+  pin_a.reset();
+  EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kStored);
+}
+
 TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
   const size_t kBlock = 16 << 10;
   auto store = MakeStore(64 * kBlock, 4);

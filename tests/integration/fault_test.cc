@@ -120,6 +120,21 @@ TEST(FaultTest, SigkillMidBatchesFailsFastThenServesAgainWithoutWrongBytes) {
   stop.store(true);
   for (auto& t : threads) t.join();
 
+  uint64_t ok = 0, failed = 0, wrong = 0, after = 0;
+  std::chrono::milliseconds slowest{0};
+  for (const TrafficLog& log : logs) {
+    ok += log.ok_calls;
+    failed += log.failed_calls;
+    wrong += log.wrong_bytes;
+    after += log.ok_after_restart;
+    slowest = std::max(slowest, log.slowest_failure);
+  }
+  std::printf("sigkill: %d clients, %llu calls ok (%llu after the restart), %llu failed, slowest "
+              "failure %lld ms (deadline %lld ms), %llu wrong blocks\n",
+              kThreads, static_cast<unsigned long long>(ok), static_cast<unsigned long long>(after),
+              static_cast<unsigned long long>(failed), static_cast<long long>(slowest.count()),
+              static_cast<long long>(absl::ToInt64Milliseconds(kCallTimeout)),
+              static_cast<unsigned long long>(wrong));
   for (int t = 0; t < kThreads; ++t) {
     SCOPED_TRACE(absl::StrCat("client thread ", t));
     const TrafficLog& log = logs[t];
