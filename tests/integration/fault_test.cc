@@ -38,6 +38,14 @@ using ::proxima::testing::TestModel;
 using Clock = std::chrono::steady_clock;
 
 constexpr absl::Duration kCallTimeout = absl::Seconds(3);
+// Under AddressSanitizer the daemon's RSS says nothing about its memory use: freed memory sits
+// in ASan's quarantine (256 MiB) and every byte has shadow memory. The RSS bounds are checked
+// in the normal build only.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssIsMeaningful = false;
+#else
+constexpr bool kRssIsMeaningful = true;
+#endif
 // How long past its deadline a failed call may take to return (scheduling on a loaded machine).
 constexpr auto kDeadlineSlack = std::chrono::seconds(2);
 
@@ -281,8 +289,10 @@ TEST(FaultTest, FloodOfPutsBeyondCapacityStaysInMemoryAndKeepsServing) {
               static_cast<unsigned long long>(read_failures));
   EXPECT_GT(put_bytes, 2 * kCapacity) << "the flood did not exceed capacity: nothing was tested";
   EXPECT_EQ(put_errors.load(), 0u) << (unexpected.empty() ? "" : unexpected.front());
-  EXPECT_LE(max_rss, kCapacity + kOverhead);
-  EXPECT_LE(max_rss, max_rss_first_half + (64ull << 20)) << "memory grew during the flood";
+  if (kRssIsMeaningful) {
+    EXPECT_LE(max_rss, kCapacity + kOverhead);
+    EXPECT_LE(max_rss, max_rss_first_half + (64ull << 20)) << "memory grew during the flood";
+  }
   EXPECT_GT(reads, 0u);
   EXPECT_EQ(read_failures, 0u);
   EXPECT_EQ(wrong_bytes, 0u);
