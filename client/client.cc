@@ -233,6 +233,29 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   return outcomes;
 }
 
+absl::Status Client::GetOnce(const Profile& profile, std::span<const BlockKey> keys,
+                             std::span<const std::span<std::byte>> out, bool client_verifies,
+                             std::vector<wire::GetResult>* results) {
+  v1::GetRequest request;
+  request.set_namespace_name(options_.namespace_name);
+  request.set_profile_id(profile.id);
+  request.set_client_verifies_crc32c(client_verifies);
+  for (const BlockKey& key : keys) request.add_keys(KeyString(key));
+  grpc::ByteBuffer request_buffer;
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<v1::GetRequest>::Serialize(request, &request_buffer, &own_buffer)
+           .ok()) {
+    return absl::InternalError("cannot serialize GetRequest");
+  }
+  return CallWithProfile(profile, [&]() -> absl::Status {
+    grpc::ByteBuffer response;
+    PROXIMA_RETURN_IF_ERROR(CallRaw("/proxima.v1.KVTier/Get", request_buffer, &response));
+    // Block bytes go from the received slices straight into the caller's buffers, checked
+    // against their CRC32C on the way.
+    return wire::ParseGetResponse(response, out, results);
+  });
+}
+
 absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
                                               std::span<const BlockKey> keys,
                                               std::span<const std::span<std::byte>> out) {
@@ -242,39 +265,46 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
   std::vector<bool> found(keys.size(), false);
   const size_t per_call = BlocksPerCall(profile.block_bytes);
   for (size_t begin = 0; begin < keys.size(); begin += per_call) {
-    size_t end = std::min(keys.size(), begin + per_call);
-    v1::GetRequest request;
-    request.set_namespace_name(options_.namespace_name);
-    request.set_profile_id(profile.id);
-    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
-    grpc::ByteBuffer request_buffer;
-    bool own_buffer = false;
-    if (!grpc::SerializationTraits<v1::GetRequest>::Serialize(request, &request_buffer, &own_buffer)
-             .ok()) {
-      return absl::InternalError("cannot serialize GetRequest");
-    }
+    const size_t end = std::min(keys.size(), begin + per_call);
+    // This client checks every block's CRC32C as it copies it out, so the daemon need not read
+    // the block once more before sending it (GetRequest.client_verifies_crc32c).
     std::vector<wire::GetResult> results;
-    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
-      grpc::ByteBuffer response;
-      PROXIMA_RETURN_IF_ERROR(CallRaw("/proxima.v1.KVTier/Get", request_buffer, &response));
-      // Block bytes go from the received slices straight into the caller's buffers.
-      return wire::ParseGetResponse(response, out.subspan(begin, end - begin), &results);
-    }));
+    PROXIMA_RETURN_IF_ERROR(GetOnce(profile, keys.subspan(begin, end - begin),
+                                    out.subspan(begin, end - begin), /*client_verifies=*/true,
+                                    &results));
+    std::vector<BlockKey> failed_keys;
+    std::vector<std::span<std::byte>> failed_out;
+    std::vector<size_t> failed_index;
     for (size_t i = begin; i < end; ++i) {
       const wire::GetResult& r = results[i - begin];
       if (!r.found) continue;
-      if (!r.intact) {
-        // Logged at the 1st, 2nd, 4th, 8th, ... failure: a burst of bad blocks must not flood
-        // the worker's log.
-        const uint64_t n = crc_failures_.fetch_add(1) + 1;
-        if ((n & (n - 1)) == 0) {
-          PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
-                                   "treated as a miss"
-                                << log::Kv("target", options_.target) << log::Kv("failures", n);
-        }
+      if (r.intact) {
+        found[i] = true;
         continue;
       }
-      found[i] = true;
+      failed_keys.push_back(keys[i]);
+      failed_out.push_back(out[i]);
+      failed_index.push_back(i);
+    }
+    if (failed_keys.empty()) continue;
+    // Ask again with the daemon checking: a block corrupt in the daemon's memory is dropped and
+    // counted there (and misses here); one damaged in transit arrives intact this time.
+    PROXIMA_RETURN_IF_ERROR(GetOnce(profile, failed_keys, failed_out, /*client_verifies=*/false,
+                                    &results));
+    for (size_t j = 0; j < failed_keys.size(); ++j) {
+      if (results[j].found && results[j].intact) {
+        found[failed_index[j]] = true;
+        continue;
+      }
+      if (!results[j].found) continue;  // the daemon found it corrupt and dropped it
+      // Damaged twice on its way here: logged at the 1st, 2nd, 4th, 8th, ... failure, so that
+      // a burst of bad blocks does not flood the worker's log.
+      const uint64_t n = crc_failures_.fetch_add(1) + 1;
+      if ((n & (n - 1)) == 0) {
+        PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check twice; "
+                                 "treated as a miss"
+                              << log::Kv("target", options_.target) << log::Kv("failures", n);
+      }
     }
   }
   return found;

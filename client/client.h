@@ -33,6 +33,10 @@
 #include "absl/time/time.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
+namespace proxima::wire {
+struct GetResult;
+}  // namespace proxima::wire
+
 namespace proxima::client {
 
 inline constexpr size_t kKeyBytes = 32;
@@ -101,7 +105,9 @@ class Client {
 
   const ServerInfo& server_info() const { return server_info_; }
   const ClientOptions& options() const { return options_; }
-  // Blocks received whose CRC32C did not match (reported to the caller as not found).
+  // Blocks that failed their size or CRC32C check here twice, once as sent unchecked and once
+  // as checked by the daemon (reported to the caller as not found): damage in transit. Blocks
+  // corrupt in the daemon's memory are counted by the daemon (StatsResponse.crc_failures).
   uint64_t crc_failures() const { return crc_failures_.load(); }
 
  private:
@@ -115,6 +121,10 @@ class Client {
   // One unary call with serialized messages (Put and Get encode their block bytes themselves).
   absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
                        grpc::ByteBuffer* response);
+  // One Get call for keys.size() <= BlocksPerCall() blocks; fills `results` (one per key).
+  absl::Status GetOnce(const Profile& profile, std::span<const BlockKey> keys,
+                       std::span<const std::span<std::byte>> out, bool client_verifies,
+                       std::vector<wire::GetResult>* results);
   // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
   size_t BlocksPerCall(uint64_t block_bytes) const;
 

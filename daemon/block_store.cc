@@ -61,36 +61,57 @@ BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
   return block;
 }
 
+namespace {
+// How far from an LRU list's tail eviction looks for a block no reader pins. Evicting a pinned
+// block frees nothing until its reader is done, so it would only lose the block.
+constexpr int kEvictionScan = 8;
+}  // namespace
+
+std::optional<BlockId> BlockStore::UnpinnedTail(const Shard& shard, uint64_t* stamp) const {
+  int scanned = 0;
+  for (auto it = shard.lru.rbegin(); it != shard.lru.rend() && scanned < kEvictionScan;
+       ++it, ++scanned) {
+    const Shard::Entry& entry = shard.map.find(*it)->second;
+    // The index holds one reference; readers take theirs under the shard lock held here.
+    if (entry.block.use_count() == 1) {
+      *stamp = entry.stamp;
+      return *it;
+    }
+  }
+  return std::nullopt;
+}
+
 bool BlockStore::EvictOne() {
-  // Find the shard whose LRU tail is oldest. Stamps can move between this scan and the lock
-  // below; evicting a slightly-less-old block then is harmless.
+  // Find the shard whose oldest unpinned block is oldest. Stamps can move between this scan and
+  // the lock below; evicting a slightly-less-old block then is harmless.
   Shard* victim = nullptr;
   uint64_t oldest = std::numeric_limits<uint64_t>::max();
   for (auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
-    if (shard->lru.empty()) continue;
-    uint64_t stamp = shard->map.find(shard->lru.back())->second.stamp;
-    if (stamp < oldest) {
+    uint64_t stamp = 0;
+    if (UnpinnedTail(*shard, &stamp) && stamp < oldest) {
       oldest = stamp;
       victim = shard.get();
     }
   }
-  if (victim == nullptr) return false;
+  if (victim == nullptr) return false;  // empty, or everything near the tails is being read
   BlockRef evicted;
   {
     proxima::MutexLock lock(&victim->mu);
-    if (victim->lru.empty()) return true;  // raced with a delete; the caller retries
-    BlockId id = victim->lru.back();
-    evicted = Unlink(*victim, id, nullptr);
+    uint64_t stamp = 0;
+    std::optional<BlockId> id = UnpinnedTail(*victim, &stamp);
+    if (!id) return true;  // raced with a delete or a reader; the caller retries
+    evicted = Unlink(*victim, *id, nullptr);
   }
   evictions_.fetch_add(1, std::memory_order_relaxed);
-  return true;  // `evicted` frees its extent here, unless a reader still pins it
+  return true;  // `evicted` frees its extent here
 }
 
 std::optional<Extent> BlockStore::AllocateEvicting(uint64_t bytes) {
   while (true) {
     if (std::optional<Extent> e = tier_->Allocate(bytes)) return e;
-    if (!EvictOne()) return tier_->Allocate(bytes);  // index empty; pinned bytes may have gone
+    // Nothing evictable; a reader may have released bytes meanwhile.
+    if (!EvictOne()) return tier_->Allocate(bytes);
   }
 }
 
@@ -130,7 +151,7 @@ PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, u
   return Commit(id, *std::move(pending), crc32c);
 }
 
-std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
+std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id, CrcCheck check) {
   Shard& shard = ShardFor(id);
   BlockRef block;
   {
@@ -140,6 +161,11 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
     shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
     it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
     block = it->second.block;  // pin
+  }
+  if (check == CrcCheck::kByCaller) {
+    std::span<const std::byte> bytes = block->bytes();
+    uint32_t stored = block->crc32c;
+    return ReadBlock{std::move(block), bytes, stored};
   }
   uint32_t crc = Crc32c(block->bytes());
   if (crc == block->crc32c) {

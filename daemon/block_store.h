@@ -106,9 +106,16 @@ class BlockStore {
     uint32_t crc32c = 0;
   };
 
-  // Pins the block and checks its bytes against their CRC32C. nullopt when absent, or when the
-  // check fails (the block is then dropped from the index and counted in crc_failures()).
-  std::optional<ReadBlock> Read(const BlockId& id);
+  // Who checks a block's bytes against its CRC32C on a read.
+  enum class CrcCheck {
+    kHere,       // Read() checks; a block that fails is dropped, counted and reported absent
+    kByCaller,   // the caller checks `bytes` against `crc32c` (the stored one) end to end, and
+                 // reads again with kHere when its check fails, so the block is dropped then
+  };
+
+  // Pins the block. nullopt when absent, or (kHere) when its CRC32C check fails: the block is
+  // then dropped from the index and counted in crc_failures().
+  std::optional<ReadBlock> Read(const BlockId& id, CrcCheck check = CrcCheck::kHere);
 
   bool Contains(const BlockId& id) const;
   // Marks the block recently used; false when absent.
@@ -146,7 +153,12 @@ class BlockStore {
   // returns the removed block so the caller drops it outside the lock.
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
-  // Evicts the globally least recently used block. False when the index is empty.
+  // The least recently used block among the last few of `shard`'s LRU list that no reader
+  // pins, and its stamp; nullopt when there is none.
+  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint64_t* stamp) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Evicts the globally least recently used block that no reader pins. False when there is
+  // none (the index is empty, or every block near the LRU tails is being read).
   bool EvictOne();
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
 

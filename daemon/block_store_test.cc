@@ -104,6 +104,26 @@ TEST_F(BlockStoreTest, CorruptBlockIsDroppedAndCountedNeverReturned) {
   EXPECT_EQ(store->used_bytes(), 0u);  // its extent was freed
 }
 
+TEST_F(BlockStoreTest, ACallerThatChecksGetsTheStoredBytesAndCrcUntouched) {
+  auto store = MakeStore(1 << 20);
+  std::string a = Payload(9, 4096);
+  ASSERT_EQ(Put(*store, Id(9), a), PutOutcome::kStored);
+  ASSERT_TRUE(store->CorruptForTesting(Id(9), 7));
+  // kByCaller hands over the bytes as stored with the CRC32C they were stored with, so the
+  // caller's own check fails...
+  std::optional<BlockStore::ReadBlock> r = store->Read(Id(9), BlockStore::CrcCheck::kByCaller);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->crc32c, Crc32c(B(a)));
+  EXPECT_NE(Crc32c(r->bytes), r->crc32c);
+  EXPECT_EQ(store->crc_failures(), 0u);
+  EXPECT_TRUE(store->Contains(Id(9)));
+  r.reset();
+  // ...and its second read, checked here, drops the block.
+  EXPECT_FALSE(store->Read(Id(9), BlockStore::CrcCheck::kHere).has_value());
+  EXPECT_EQ(store->crc_failures(), 1u);
+  EXPECT_FALSE(store->Contains(Id(9)));
+}
+
 TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
   auto store = MakeStore(64 << 10);
   std::string a = Payload(1, 32 << 10);
@@ -119,6 +139,27 @@ TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
             a);
   pinned.reset();
   EXPECT_EQ(store->used_bytes(), 32u << 10);
+}
+
+TEST_F(BlockStoreTest, WhenEveryBlockIsPinnedAPutIsRefusedAndNothingIsLost) {
+  auto store = MakeStore(64 << 10);
+  std::string a = Payload(1, 32 << 10), b = Payload(2, 32 << 10);
+  ASSERT_EQ(Put(*store, Id(1), a), PutOutcome::kStored);
+  ASSERT_EQ(Put(*store, Id(2), b), PutOutcome::kStored);
+  std::optional<BlockStore::ReadBlock> pin_a = store->Read(Id(1));
+  std::optional<BlockStore::ReadBlock> pin_b = store->Read(Id(2));
+  ASSERT_TRUE(pin_a && pin_b);
+  // Nothing can give way: refused, not over capacity, and both stored blocks are untouched.
+  EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kNoSpace);
+  EXPECT_LE(store->used_bytes(), 64u << 10);
+  std::string out;
+  ASSERT_TRUE(ReadInto(*store, Id(1), &out));
+  EXPECT_EQ(out, a);
+  ASSERT_TRUE(ReadInto(*store, Id(2), &out));
+  EXPECT_EQ(out, b);
+  // Once a reader lets go, the put gets its room.
+  pin_a.reset();
+  EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kStored);
 }
 
 TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {

@@ -39,6 +39,9 @@ class Daemon {
   // up to server.shutdown_grace_seconds to finish, then cancels the rest and stops.
   void Shutdown();
 
+  // The core the gRPC service calls (for in-process tests, e.g. of corruption in tier memory).
+  TierService& core() { return *core_; }
+
  private:
   Daemon() = default;
 

@@ -1,6 +1,7 @@
 #include "daemon/grpc_service.h"
 
 #include <chrono>
+#include <type_traits>
 
 #include <grpcpp/support/proto_buffer_reader.h>
 
@@ -191,6 +192,9 @@ absl::Status ParseKeyed(const grpc::ByteBuffer& buffer, size_t max_keys, const c
   out->set_namespace_name(std::move(keyed.namespace_name));
   out->set_profile_id(keyed.profile_id);
   for (std::string& k : keyed.keys) out->add_keys(std::move(k));
+  if constexpr (std::is_same_v<Req, v1::GetRequest>) {
+    out->set_client_verifies_crc32c(keyed.client_verifies_crc32c);
+  }
   return absl::OkStatus();
 }
 

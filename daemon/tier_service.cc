@@ -462,8 +462,11 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
   uint64_t out_bytes = 0;
   blocks->clear();
   blocks->reserve(ids.size());
+  const BlockStore::CrcCheck check = request.client_verifies_crc32c()
+                                         ? BlockStore::CrcCheck::kByCaller
+                                         : BlockStore::CrcCheck::kHere;
   for (const BlockId& id : ids) {
-    blocks->push_back(store_->Read(id));
+    blocks->push_back(store_->Read(id, check));
     if (blocks->back()) {
       ++hits;
       out_bytes += blocks->back()->bytes.size();

@@ -282,6 +282,7 @@ namespace {
 constexpr uint8_t kNamespaceTag = (1 << 3) | 2;  // string namespace_name = 1
 constexpr uint8_t kProfileTag = (2 << 3) | 1;    // fixed64 profile_id = 2
 constexpr uint8_t kBlocksTag = (3 << 3) | 2;     // repeated PutBlock blocks = 3
+constexpr uint8_t kClientVerifiesTag = (8 << 3) | 0;  // GetRequest: bool client_verifies_crc32c = 8
 constexpr uint8_t kKeyTag = (1 << 3) | 2;        // bytes key = 1
 constexpr uint8_t kBlockDataTag = (2 << 3) | 2;  // bytes data = 2
 constexpr uint8_t kBlockCrcTag = (3 << 3) | 5;   // optional fixed32 crc32c = 3
@@ -424,6 +425,10 @@ absl::Status ParseKeyedRequest(const grpc::ByteBuffer& buffer, size_t max_keys,
         return bad("bad key", r.position());
       }
       req.keys.push_back(std::move(key));
+    } else if (tag == kClientVerifiesTag) {
+      uint64_t value;
+      if (!r.ReadVarint(&value)) return bad("truncated client_verifies_crc32c", r.position());
+      req.client_verifies_crc32c = value != 0;
     } else if (!SkipField(r, tag)) {
       return bad("bad field", r.position());
     }

@@ -96,11 +96,13 @@ class PutRequestReader {
 };
 
 // A parsed GetRequest, LookupRequest or DeleteRequest (the three share one layout:
-// namespace_name = 1, profile_id = 2, repeated bytes keys = 3).
+// namespace_name = 1, profile_id = 2, repeated bytes keys = 3; GetRequest adds
+// client_verifies_crc32c = 8).
 struct KeyedRequest {
   std::string namespace_name;
   uint64_t profile_id = 0;
   std::vector<std::string> keys;
+  bool client_verifies_crc32c = false;
 };
 
 // Parses a keyed request. INVALID_ARGUMENT when malformed (or a key is over 1 KiB);

@@ -145,6 +145,33 @@ TEST(WireTest, PutRequestEncodingInteroperatesWithProtobuf) {
   EXPECT_EQ(copy, a);
 }
 
+TEST(WireTest, KeyedRequestParserReadsWhatProtobufWrites) {
+  v1::GetRequest get;
+  get.set_namespace_name("tenant");
+  get.set_profile_id(42);
+  get.add_keys(std::string(32, 'a'));
+  get.add_keys(std::string(32, 'b'));
+  for (bool verifies : {false, true}) {
+    get.set_client_verifies_crc32c(verifies);
+    KeyedRequest parsed;
+    ASSERT_OK(ParseKeyedRequest(FromString(get.SerializeAsString()), 2, "Get", &parsed));
+    EXPECT_EQ(parsed.namespace_name, "tenant");
+    EXPECT_EQ(parsed.profile_id, 42u);
+    EXPECT_EQ(parsed.keys, std::vector<std::string>({std::string(32, 'a'), std::string(32, 'b')}));
+    EXPECT_EQ(parsed.client_verifies_crc32c, verifies);
+  }
+  KeyedRequest parsed;
+  EXPECT_THAT(ParseKeyedRequest(FromString(get.SerializeAsString()), 1, "Get", &parsed),
+              proxima::testing::StatusIs(absl::StatusCode::kResourceExhausted,
+                                         ::testing::HasSubstr("limit is 1")));
+  // A truncated flag (tag without its value) is malformed, not silently false.
+  std::string truncated = get.SerializeAsString();
+  truncated.push_back(static_cast<char>(8 << 3));
+  EXPECT_THAT(ParseKeyedRequest(FromString(truncated), 2, "Get", &parsed),
+              proxima::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                         ::testing::HasSubstr("client_verifies_crc32c")));
+}
+
 TEST(WireTest, PutRequestReaderRejectsEveryTruncation) {
   auto a = RandomBytes(200, 10);
   std::vector<std::array<uint8_t, 32>> keys(1);

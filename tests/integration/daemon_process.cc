@@ -17,7 +17,9 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 extern char** environ;
 
@@ -196,6 +198,22 @@ absl::StatusOr<std::string> DaemonProcess::ScrapeMetrics() const {
     return absl::InternalError("bad metrics response: " + out.substr(0, 200));
   }
   return out.substr(body + 4);
+}
+
+absl::StatusOr<uint64_t> DaemonProcess::ResidentBytes() const {
+  const std::string path = absl::StrCat("/proc/", pid_, "/status");
+  std::ifstream status(path);
+  std::string line;
+  while (std::getline(status, line)) {
+    uint64_t kib = 0;
+    if (line.rfind("VmRSS:", 0) == 0 &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(
+                             absl::StripSuffix(absl::string_view(line).substr(6), "kB")),
+                         &kib)) {
+      return kib * 1024;
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("no VmRSS line in ", path, " (daemon not running?)"));
 }
 
 }  // namespace proxima::testing

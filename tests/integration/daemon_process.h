@@ -55,6 +55,8 @@ class DaemonProcess {
   std::string Log() const;
   // GET /metrics from the daemon's metrics endpoint.
   absl::StatusOr<std::string> ScrapeMetrics() const;
+  // The daemon's resident set size in bytes (VmRSS of /proc/PID/status).
+  absl::StatusOr<uint64_t> ResidentBytes() const;
 
  private:
   DaemonProcess() = default;

@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/test_blocks.h"
 
 namespace proxima {
 namespace {
@@ -31,73 +32,12 @@ using ::proxima::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-// 4 layers x 16 tokens x 8 heads x 128 dim x bf16 x (K, V) = 256 KiB blocks.
-v1::ModelProfile TestModel(uint32_t tokens = 16, std::string fingerprint = "it-model") {
-  v1::ModelProfile p;
-  p.set_num_layers(4);
-  p.set_num_kv_heads(8);
-  p.set_head_dim(128);
-  p.set_tokens_per_block(tokens);
-  p.set_dtype(v1::DTYPE_BF16);
-  p.set_fingerprint(fingerprint);
-  return p;
-}
-
-std::unique_ptr<Client> MustConnect(const std::string& target, const std::string& ns = "default") {
-  ClientOptions options;
-  options.target = target;
-  options.namespace_name = ns;
-  options.call_timeout = absl::Seconds(20);
-  auto c = Client::Connect(options);
-  EXPECT_OK(c.status());
-  return c.ok() ? *std::move(c) : nullptr;
-}
-
-struct Blocks {
-  std::vector<BlockKey> keys;
-  std::vector<std::vector<std::byte>> data;
-  std::vector<std::span<const std::byte>> spans() const {
-    return {data.begin(), data.end()};
-  }
-};
-
-Blocks MakeBlocks(uint64_t seed, size_t first, size_t count, uint64_t block_bytes) {
-  Blocks b;
-  b.keys = client::TestKeyChain(seed, first, count);
-  for (size_t i = 0; i < count; ++i) {
-    b.data.emplace_back(block_bytes);
-    client::FillTestBlock(seed, first + i, b.data.back());
-  }
-  return b;
-}
-
-// Gets blocks [first, first+count) of chain `seed`; returns how many came back, and fails the
-// test if any came back wrong.
-size_t GetAndCheck(Client& c, const Profile& p, uint64_t seed, size_t first, size_t count) {
-  std::vector<BlockKey> keys = client::TestKeyChain(seed, first, count);
-  std::vector<std::vector<std::byte>> out(count, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
-  auto found = c.Get(p, keys, spans);
-  EXPECT_OK(found.status());
-  if (!found.ok()) return 0;
-  size_t hits = 0;
-  for (size_t i = 0; i < count; ++i) {
-    if (!(*found)[i]) continue;
-    ++hits;
-    EXPECT_TRUE(client::IsTestBlock(seed, first + i, out[i])) << "block " << first + i;
-  }
-  return hits;
-}
-
-double MetricValue(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = 0;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return -1;
-}
+using ::proxima::testing::Blocks;
+using ::proxima::testing::GetAndCheck;
+using ::proxima::testing::MakeBlocks;
+using ::proxima::testing::MetricValue;
+using ::proxima::testing::MustConnect;
+using ::proxima::testing::TestModel;
 
 TEST(DaemonIntegrationTest, RoundTripsAreByteExactOverTcpAndUnixSocket) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
