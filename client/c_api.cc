@@ -67,12 +67,35 @@ const char* proxima_last_error(void) { return g_last_error.c_str(); }
 proxima_status proxima_connect(const char* target, const char* namespace_name,
                                int64_t connect_timeout_ms, int64_t call_timeout_ms,
                                proxima_client** client_out) {
-  PROXIMA_C_REQUIRE(target != nullptr && client_out != nullptr, "target and client_out are required");
-  proxima::client::ClientOptions options;
+  proxima_connect_options options = {};
+  options.size = sizeof(options);
   options.target = target;
-  if (namespace_name != nullptr) options.namespace_name = namespace_name;
-  if (connect_timeout_ms > 0) options.connect_timeout = absl::Milliseconds(connect_timeout_ms);
-  if (call_timeout_ms > 0) options.call_timeout = absl::Milliseconds(call_timeout_ms);
+  options.namespace_name = namespace_name;
+  options.connect_timeout_ms = connect_timeout_ms;
+  options.call_timeout_ms = call_timeout_ms;
+  return proxima_connect_with(&options, client_out);
+}
+
+proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_client** client_out) {
+  PROXIMA_C_REQUIRE(o != nullptr && o->target != nullptr && client_out != nullptr,
+                    "options, options->target and client_out are required");
+  PROXIMA_C_REQUIRE(o->size >= sizeof(proxima_connect_options),
+                    "options->size is " + std::to_string(o->size) + "; expected sizeof(" +
+                        "proxima_connect_options) = " +
+                        std::to_string(sizeof(proxima_connect_options)));
+  auto str = [](const char* s) { return s == nullptr ? std::string() : std::string(s); };
+  proxima::client::ClientOptions options;
+  options.target = o->target;
+  if (o->namespace_name != nullptr) options.namespace_name = o->namespace_name;
+  options.token = str(o->token);
+  options.tls_ca_file = str(o->tls_ca_file);
+  options.tls_cert_file = str(o->tls_cert_file);
+  options.tls_key_file = str(o->tls_key_file);
+  options.tls_server_name = str(o->tls_server_name);
+  if (o->connect_timeout_ms > 0) {
+    options.connect_timeout = absl::Milliseconds(o->connect_timeout_ms);
+  }
+  if (o->call_timeout_ms > 0) options.call_timeout = absl::Milliseconds(o->call_timeout_ms);
   auto client = proxima::client::Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
   auto* handle = new proxima_client();

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -47,6 +48,34 @@ std::string KeyString(const BlockKey& k) {
 
 }  // namespace
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ClientOptions& o) {
+  if (o.tls_ca_file.empty() && o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  if (o.tls_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_cert_file/tls_key_file are set but tls_ca_file is not; expected the CA that "
+        "signed the daemon's certificate");
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "a client certificate needs both tls_cert_file and tls_key_file; one is empty");
+  }
+  grpc::SslCredentialsOptions ssl;
+  PROXIMA_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                           ReadPemFile("tls_ca_file", o.tls_ca_file, PemKind::kCertificates));
+  if (!o.tls_cert_file.empty()) {
+    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPemFile("tls_cert_file", o.tls_cert_file,
+                                                             PemKind::kCertificates));
+    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                             ReadPemFile("tls_key_file", o.tls_key_file, PemKind::kPrivateKey));
+    PROXIMA_RETURN_IF_ERROR(CheckKeyMatchesCertificate("tls_cert_file", "tls_key_file",
+                                                       ssl.pem_cert_chain, ssl.pem_private_key));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   if (status.error_code() == grpc::StatusCode::CANCELLED) {
@@ -69,12 +98,20 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // fewer, bigger writes than gRPC's defaults (16 KiB frames).
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  auto channel =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                           ChannelCredentialsFor(options));
+  auto channel = grpc::CreateCustomChannel(options.target, credentials, args);
   if (!channel->WaitForConnected(Deadline(options.connect_timeout))) {
-    return absl::UnavailableError(absl::StrCat("cannot reach proximad at '", options.target,
-                                               "' within ",
-                                               absl::FormatDuration(options.connect_timeout)));
+    const bool tls = !options.tls_ca_file.empty();
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach proximad at '", options.target, "' within ",
+        absl::FormatDuration(options.connect_timeout),
+        tls ? " over TLS (daemon down, plaintext-only, or it rejected our certificate / we "
+              "rejected its certificate)"
+            : " over plaintext (daemon down, or it expects TLS: set tls_ca_file)"));
   }
   std::unique_ptr<Client> client(new Client(options, std::move(channel)));
   grpc::ClientContext context;
@@ -101,6 +138,7 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
 
 void Client::PrepareContext(grpc::ClientContext* context) const {
   context->set_deadline(Deadline(options_.call_timeout));
+  if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
 size_t Client::BlocksPerCall(uint64_t block_bytes) const {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -47,6 +48,15 @@ struct ClientOptions {
   std::string namespace_name = "default";
   absl::Duration connect_timeout = absl::Seconds(5);  // Connect() gives up after this
   absl::Duration call_timeout = absl::Seconds(30);    // deadline of every call
+  // Bearer token of the namespace, sent as `authorization: Bearer <token>` metadata on every
+  // call; "" for an open namespace. Never logged. Send tokens over TLS or a Unix socket only.
+  std::string token;
+  // TLS to a daemon with server.tls set: tls_ca_file (PEM) verifies the daemon's certificate;
+  // tls_cert_file + tls_key_file add a client certificate (mTLS). All "" = plaintext.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;  // name to check in the daemon's certificate, if not the target's
 };
 
 // A registered model profile: pass it to every block call.
@@ -127,6 +137,11 @@ class Client {
   proxima::Mutex mu_;
   absl::flat_hash_map<uint64_t, v1::ModelProfile> profiles_ ABSL_GUARDED_BY(mu_);
 };
+
+// Channel credentials for `options`' TLS settings (plaintext when none is set). PEM files are
+// read and checked here: a wrong path or a bad file is an error naming the option and the file.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ClientOptions& options);
 
 // Converts between gRPC and Abseil statuses (the codes are the same).
 absl::Status FromGrpc(const grpc::Status& status);

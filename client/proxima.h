@@ -66,6 +66,25 @@ PROXIMA_EXPORT proxima_status proxima_connect(const char* target, const char* na
                                int64_t connect_timeout_ms, int64_t call_timeout_ms,
                                proxima_client** client_out);
 
+/* Options of proxima_connect_with(). Zero-initialize, set `size` to sizeof(proxima_connect_options)
+ * (so later versions can add fields), then set what you need; NULL strings mean "not set". */
+typedef struct {
+  size_t size;                /* sizeof(proxima_connect_options) */
+  const char* target;         /* required: "unix:/run/proxima/proximad.sock" or "host:port" */
+  const char* namespace_name; /* NULL: "default" */
+  const char* token;          /* bearer token of the namespace; NULL for an open namespace */
+  const char* tls_ca_file;    /* PEM CA that signed the daemon's certificate: enables TLS */
+  const char* tls_cert_file;  /* PEM client certificate (mTLS), with tls_key_file */
+  const char* tls_key_file;
+  const char* tls_server_name; /* name to verify in the daemon's certificate, if not target's */
+  int64_t connect_timeout_ms; /* 0: 5 s */
+  int64_t call_timeout_ms;    /* 0: 30 s */
+} proxima_connect_options;
+
+/* Connects with TLS and/or a bearer token (see proxima_connect_options). */
+PROXIMA_EXPORT proxima_status proxima_connect_with(const proxima_connect_options* options,
+                                                   proxima_client** client_out);
+
 /* Closes the connection and frees `client` (NULL is allowed). */
 PROXIMA_EXPORT void proxima_close(proxima_client* client);
 

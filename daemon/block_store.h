@@ -40,11 +40,14 @@ struct BlockId {
   uint32_t namespace_index = 0;  // position in the daemon's namespace list
   uint64_t profile_id = 0;
   BlockKey key{};
+  // Which scope of the namespace owns the block: 0 shared by the whole namespace, or one per
+  // token scope of a namespace with private_prefixes (tier_service.h).
+  uint32_t partition = 0;
 
   friend bool operator==(const BlockId&, const BlockId&) = default;
   template <typename H>
   friend H AbslHashValue(H h, const BlockId& id) {
-    return H::combine(std::move(h), id.namespace_index, id.profile_id,
+    return H::combine(std::move(h), id.namespace_index, id.partition, id.profile_id,
                       std::string_view(reinterpret_cast<const char*>(id.key.data()), kKeyBytes));
   }
 };

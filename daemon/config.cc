@@ -28,6 +28,12 @@ server:
   max_lookup_keys: 16384           # most keys per Lookup
   max_profiles_per_namespace: 64   # model profiles one namespace may register
   shutdown_grace_seconds: 10       # on SIGTERM, time in-flight calls get to finish
+  max_inflight_bytes_per_client: 256MiB  # request + response bytes one peer may hold at once
+  max_connections: 1024            # client connections with calls running at once
+  tls:                             # TLS for server.listen (PEM files; "" = plaintext TCP)
+    cert_file: ""                  # server certificate chain
+    key_file: ""                   # its private key
+    client_ca_file: ""             # set: mTLS, clients need a certificate signed by this CA
 tiers:
   host:
     capacity_bytes: 1GiB           # hard limit on stored block bytes in host memory
@@ -35,6 +41,10 @@ index:
   shards: 64                       # block index shards, a power of two in [1, 4096]
 namespaces:                        # tenants; a call naming another namespace gets NOT_FOUND
   - name: default
+    # tokens:                      # bearer tokens; none = an open namespace (docs/security.md)
+    #   - {name: worker, file: /etc/proxima/tokens/default, access: read_write}
+    #   - {name: reader, env: PROXIMA_TOKEN_READER, access: read_only}
+    # private_prefixes: false      # true: a token sees only blocks stored with its own scope
 log:
   level: info                      # debug | info | warning | error
 )";
@@ -116,6 +126,15 @@ class Reader {
     return absl::OkStatus();
   }
 
+  absl::Status Bool(const YAML::Node& node, absl::string_view key, bool* out) {
+    if (!node) return absl::OkStatus();
+    if (node.IsScalar() && (node.Scalar() == "true" || node.Scalar() == "false")) {
+      *out = node.Scalar() == "true";
+      return absl::OkStatus();
+    }
+    return Error(key, Dump(node), "true or false");
+  }
+
   static std::string Join(absl::string_view path, absl::string_view key) {
     return path.empty() ? std::string(key) : absl::StrCat(path, ".", key);
   }
@@ -175,6 +194,74 @@ absl::Status ApplyOverride(YAML::Node root, const std::string& override_text) {
     chain.push_back(next);
   }
   chain.back()[parts.back()] = value;
+  return absl::OkStatus();
+}
+
+absl::Status ParseTls(Reader& r, const YAML::Node& node, TlsConfig* tls) {
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(node, "server.tls", {"cert_file", "key_file", "client_ca_file"}));
+  if (!node || !node.IsMap()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(r.String(node["cert_file"], "server.tls.cert_file", &tls->cert_file));
+  PROXIMA_RETURN_IF_ERROR(r.String(node["key_file"], "server.tls.key_file", &tls->key_file));
+  PROXIMA_RETURN_IF_ERROR(
+      r.String(node["client_ca_file"], "server.tls.client_ca_file", &tls->client_ca_file));
+  if (tls->cert_file.empty() != tls->key_file.empty()) {
+    return tls->cert_file.empty()
+               ? r.Error("server.tls.cert_file", "",
+                         "a certificate file, since server.tls.key_file is set")
+               : r.Error("server.tls.key_file", "",
+                         "a private key file, since server.tls.cert_file is set");
+  }
+  if (!tls->client_ca_file.empty() && tls->cert_file.empty()) {
+    return r.Error("server.tls.cert_file", "",
+                   "a certificate file, since server.tls.client_ca_file (mTLS) is set");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTokens(Reader& r, const YAML::Node& node, const std::string& ns_path,
+                         std::vector<TokenConfig>* tokens) {
+  if (!node || node.IsNull()) return absl::OkStatus();
+  const std::string key = ns_path + ".tokens";
+  if (!node.IsSequence()) {
+    return r.Error(key, Reader::Dump(node), "a list such as [{name: worker, file: /path}]");
+  }
+  absl::flat_hash_set<std::string> names;
+  for (size_t i = 0; i < node.size(); ++i) {
+    const std::string path = absl::StrCat(key, "[", i, "]");
+    const YAML::Node t = node[i];
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(t, path, {"name", "file", "env", "access", "scope"}));
+    if (!t.IsMap()) return r.Error(path, Reader::Dump(t), "a mapping {name, file | env, access}");
+    TokenConfig token;
+    PROXIMA_RETURN_IF_ERROR(r.String(t["name"], path + ".name", &token.name));
+    if (!ValidNamespaceName(token.name)) {
+      return r.Error(path + ".name", token.name, "a token name of 1-64 characters [A-Za-z0-9_.-]");
+    }
+    if (!names.insert(token.name).second) {
+      return r.Error(path + ".name", token.name, "a name not used by an earlier token");
+    }
+    PROXIMA_RETURN_IF_ERROR(r.String(t["file"], path + ".file", &token.file));
+    PROXIMA_RETURN_IF_ERROR(r.String(t["env"], path + ".env", &token.env));
+    if (token.file.empty() == token.env.empty()) {
+      return r.Error(path, Reader::Dump(t),
+                     "exactly one of 'file' (a path) or 'env' (a variable name); tokens are "
+                     "never written in the config itself");
+    }
+    std::string access = "read_write";
+    PROXIMA_RETURN_IF_ERROR(r.String(t["access"], path + ".access", &access));
+    if (access == "read_write") {
+      token.access = TokenAccess::kReadWrite;
+    } else if (access == "read_only") {
+      token.access = TokenAccess::kReadOnly;
+    } else {
+      return r.Error(path + ".access", access, "read_write or read_only");
+    }
+    PROXIMA_RETURN_IF_ERROR(r.String(t["scope"], path + ".scope", &token.scope));
+    if (!token.scope.empty() && !ValidNamespaceName(token.scope)) {
+      return r.Error(path + ".scope", token.scope, "a scope of 1-64 characters [A-Za-z0-9_.-]");
+    }
+    tokens->push_back(std::move(token));
+  }
   return absl::OkStatus();
 }
 
@@ -247,7 +334,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
       server, "server",
       {"listen", "unix_socket", "unix_socket_mode", "metrics_listen", "max_message_bytes",
        "max_batch_blocks", "max_lookup_keys", "max_profiles_per_namespace",
-       "shutdown_grace_seconds"}));
+       "shutdown_grace_seconds", "max_inflight_bytes_per_client", "max_connections", "tls"}));
   if (server && server.IsMap()) {
     ServerConfig& s = c.server;
     PROXIMA_RETURN_IF_ERROR(r.String(server["listen"], "server.listen", &s.listen));
@@ -292,6 +379,14 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
     PROXIMA_RETURN_IF_ERROR(r.Double(server["shutdown_grace_seconds"],
                                      "server.shutdown_grace_seconds", 0, 3600,
                                      &s.shutdown_grace_seconds));
+    PROXIMA_RETURN_IF_ERROR(r.Size(server["max_inflight_bytes_per_client"],
+                                   "server.max_inflight_bytes_per_client", 64 << 10, 1ull << 40,
+                                   &s.max_inflight_bytes_per_client));
+    v = s.max_connections;
+    PROXIMA_RETURN_IF_ERROR(
+        r.Uint(server["max_connections"], "server.max_connections", 1, 1 << 20, &v));
+    s.max_connections = static_cast<uint32_t>(v);
+    PROXIMA_RETURN_IF_ERROR(ParseTls(r, server["tls"], &s.tls));
   }
   if (c.server.listen.empty() && c.server.unix_socket.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -329,7 +424,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
     absl::flat_hash_set<std::string> seen;
     for (size_t i = 0; i < ns.size(); ++i) {
       std::string path = absl::StrCat("namespaces[", i, "]");
-      PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ns[i], path, {"name"}));
+      PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ns[i], path, {"name", "tokens", "private_prefixes"}));
       NamespaceConfig n;
       std::string name_key = path + ".name";
       if (!ns[i].IsMap() || !ns[i]["name"]) {
@@ -341,6 +436,14 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
       }
       if (!seen.insert(n.name).second) {
         return r.Error(name_key, n.name, "a name not used by an earlier namespace");
+      }
+      PROXIMA_RETURN_IF_ERROR(ParseTokens(r, ns[i]["tokens"], path, &n.tokens));
+      PROXIMA_RETURN_IF_ERROR(
+          r.Bool(ns[i]["private_prefixes"], path + ".private_prefixes", &n.private_prefixes));
+      if (n.private_prefixes && n.tokens.empty()) {
+        return r.Error(path + ".private_prefixes", "true",
+                       "false, or tokens to tell the callers apart (private_prefixes scopes "
+                       "blocks by token)");
       }
       c.namespaces.push_back(std::move(n));
     }
@@ -384,6 +487,15 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "max_profiles_per_namespace" << YAML::Value
     << c.server.max_profiles_per_namespace;
   e << YAML::Key << "shutdown_grace_seconds" << YAML::Value << c.server.shutdown_grace_seconds;
+  e << YAML::Key << "max_inflight_bytes_per_client" << YAML::Value
+    << c.server.max_inflight_bytes_per_client;
+  e << YAML::Key << "max_connections" << YAML::Value << c.server.max_connections;
+  e << YAML::Key << "tls" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "cert_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.cert_file;
+  e << YAML::Key << "key_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.key_file;
+  e << YAML::Key << "client_ca_file" << YAML::Value << YAML::DoubleQuoted
+    << c.server.tls.client_ca_file;
+  e << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host"
     << YAML::Value << YAML::BeginMap << YAML::Key << "capacity_bytes" << YAML::Value
@@ -392,7 +504,23 @@ std::string ConfigToYaml(const DaemonConfig& c) {
     << YAML::Value << c.index_shards << YAML::EndMap;
   e << YAML::Key << "namespaces" << YAML::Value << YAML::BeginSeq;
   for (const NamespaceConfig& n : c.namespaces) {
-    e << YAML::BeginMap << YAML::Key << "name" << YAML::Value << n.name << YAML::EndMap;
+    e << YAML::BeginMap << YAML::Key << "name" << YAML::Value << n.name;
+    if (!n.tokens.empty()) {
+      e << YAML::Key << "tokens" << YAML::Value << YAML::BeginSeq;
+      for (const TokenConfig& t : n.tokens) {
+        e << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value << t.name;
+        // The path or variable name only: the token itself is never printed.
+        if (!t.file.empty()) e << YAML::Key << "file" << YAML::Value << t.file;
+        if (!t.env.empty()) e << YAML::Key << "env" << YAML::Value << t.env;
+        e << YAML::Key << "access" << YAML::Value
+          << (t.access == TokenAccess::kReadOnly ? "read_only" : "read_write");
+        if (!t.scope.empty()) e << YAML::Key << "scope" << YAML::Value << t.scope;
+        e << YAML::EndMap;
+      }
+      e << YAML::EndSeq;
+    }
+    if (n.private_prefixes) e << YAML::Key << "private_prefixes" << YAML::Value << true;
+    e << YAML::EndMap;
   }
   e << YAML::EndSeq;
   e << YAML::Key << "log" << YAML::Value << YAML::BeginMap << YAML::Key << "level"

@@ -20,6 +20,15 @@
 
 namespace proxima::daemon {
 
+// TLS for gRPC over TCP (the Unix socket is protected by its file mode instead). Files are PEM;
+// they are read and checked when the daemon starts (daemon/security.h), not while parsing.
+struct TlsConfig {
+  std::string cert_file;       // server certificate chain; "" = plaintext TCP
+  std::string key_file;        // its private key (unencrypted PEM)
+  std::string client_ca_file;  // CA bundle; set = mTLS: clients must present a cert it signed
+  bool enabled() const { return !cert_file.empty(); }
+};
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50051";  // host:port for gRPC over TCP; "" disables; port 0 picks
   std::string unix_socket = "/run/proxima/proximad.sock";  // gRPC over a Unix socket; "" disables
@@ -30,14 +39,35 @@ struct ServerConfig {
   uint32_t max_lookup_keys = 16384;                // most keys per Lookup
   uint32_t max_profiles_per_namespace = 64;        // registered model profiles per namespace
   double shutdown_grace_seconds = 10;              // SIGTERM: time in-flight calls get to finish
+  TlsConfig tls;
+  uint64_t max_inflight_bytes_per_client = 256ull << 20;  // request + response bytes one peer
+                                                           // may hold in the daemon at once
+  uint32_t max_connections = 1024;  // client connections with calls running at once
 };
 
 struct HostTierConfig {
   uint64_t capacity_bytes = 1ull << 30;  // hard limit on bytes of stored blocks
 };
 
+enum class TokenAccess { kReadWrite, kReadOnly };
+
+// One bearer token of a namespace. The token itself is never in the config: it is read from a
+// file or an environment variable when the daemon starts.
+struct TokenConfig {
+  std::string name;   // who holds it, for logs and errors: [A-Za-z0-9_.-]{1,64}, unique per ns
+  std::string file;   // path of a file holding the token (exactly one of file, env)
+  std::string env;    // name of an environment variable holding the token
+  TokenAccess access = TokenAccess::kReadWrite;  // read_only: Lookup/Get/Stats, no Put/Delete
+  std::string scope;  // with private_prefixes: tokens of one scope share blocks ("" = name)
+};
+
 struct NamespaceConfig {
   std::string name;  // [A-Za-z0-9_.-]{1,64}
+  // Calls must present one of these tokens; none configured = an open namespace.
+  std::vector<TokenConfig> tokens;
+  // Blocks are visible only to tokens of the scope that stored them, so one token holder cannot
+  // learn from a hit (a fast prefill) that another sent the same prefix. Needs tokens.
+  bool private_prefixes = false;
 };
 
 struct DaemonConfig {

@@ -78,6 +78,30 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"server: {listen: ''}\n", {}},  // valid: the Unix socket remains
       {"server: {listen: '', unix_socket: ''}", {"both empty"}},
       {"server: {listen: [\n", {"not valid YAML", "line"}},
+      {"server: {tls: {cert_file: /c.pem}}", {"server.tls.key_file", "cert_file is set"}},
+      {"server: {tls: {key_file: /k.pem}}", {"server.tls.cert_file", "key_file is set"}},
+      {"server: {tls: {client_ca_file: /ca.pem}}", {"server.tls.cert_file", "mTLS"}},
+      {"server: {tls: {crt: /c.pem}}", {"server.tls.crt", "unknown", "cert_file"}},
+      {"server: {max_inflight_bytes_per_client: 1KiB}",
+       {"server.max_inflight_bytes_per_client", "1KiB"}},
+      {"server: {max_connections: 0}", {"server.max_connections", "'0'"}},
+      {"namespaces: [{name: a, tokens: [{name: w}]}]",
+       {"namespaces[0].tokens[0]", "exactly one of 'file'", "never written in the config"}},
+      {"namespaces: [{name: a, tokens: [{name: w, file: /t, env: T}]}]",
+       {"namespaces[0].tokens[0]", "exactly one"}},
+      {"namespaces: [{name: a, tokens: [{name: w, file: /t, access: admin}]}]",
+       {"namespaces[0].tokens[0].access", "admin", "read_write or read_only"}},
+      {"namespaces: [{name: a, tokens: [{name: w, file: /t}, {name: w, env: T}]}]",
+       {"namespaces[0].tokens[1].name", "'w'", "earlier token"}},
+      {"namespaces: [{name: a, tokens: [{name: w, file: /t, secret: x}]}]",
+       {"namespaces[0].tokens[0].secret", "unknown"}},
+      {"namespaces: [{name: a, private_prefixes: true}]",
+       {"namespaces[0].private_prefixes", "tokens"}},
+      {"namespaces: [{name: a, private_prefixes: yes-please, tokens: [{name: w, file: /t}]}]",
+       {"namespaces[0].private_prefixes", "yes-please", "true or false"}},
+      {"namespaces: [{name: a, private_prefixes: true, tokens: [{name: w, file: /t, "
+       "access: read_only, scope: s}]}]\n",
+       {}},  // valid
   };
   for (const Case& c : cases) {
     absl::StatusOr<DaemonConfig> r = ParseConfig(c.yaml, "test.yaml", {});
@@ -92,6 +116,27 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       EXPECT_THAT(r.status().message(), HasSubstr(m)) << c.yaml;
     }
   }
+}
+
+TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("server: {tls: {cert_file: /etc/p/tls.crt, key_file: /etc/p/tls.key, "
+                  "client_ca_file: /etc/p/ca.crt}, max_connections: 7}\n"
+                  "namespaces: [{name: a, private_prefixes: true, tokens: ["
+                  "{name: w, file: /etc/p/a.token}, {name: r, env: A_RO, access: read_only, "
+                  "scope: w}]}]\n",
+                  "test.yaml", {}));
+  EXPECT_EQ(c.server.tls.client_ca_file, "/etc/p/ca.crt");
+  EXPECT_EQ(c.server.max_connections, 7u);
+  ASSERT_EQ(c.namespaces[0].tokens.size(), 2u);
+  EXPECT_EQ(c.namespaces[0].tokens[1].access, TokenAccess::kReadOnly);
+  EXPECT_EQ(c.namespaces[0].tokens[1].scope, "w");
+  EXPECT_TRUE(c.namespaces[0].private_prefixes);
+  const std::string yaml = ConfigToYaml(c);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(yaml, "printed", {}));
+  EXPECT_EQ(ConfigToYaml(again), yaml);
+  EXPECT_EQ(again.namespaces[0].tokens[0].file, "/etc/p/a.token");
 }
 
 TEST(ConfigTest, ByteSizes) {

@@ -7,13 +7,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
@@ -55,13 +58,41 @@ absl::Status PrepareUnixSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
+// Credentials of the TCP listener: TLS (mTLS with a client CA) when server.tls is set, else
+// plaintext. Every file is read and checked now, so a bad one stops the start with an error that
+// names the key and the path.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const TlsConfig& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  PROXIMA_ASSIGN_OR_RETURN(
+      std::string cert, ReadPemFile("server.tls.cert_file", tls.cert_file, PemKind::kCertificates));
+  PROXIMA_ASSIGN_OR_RETURN(
+      std::string key, ReadPemFile("server.tls.key_file", tls.key_file, PemKind::kPrivateKey));
+  PROXIMA_RETURN_IF_ERROR(
+      CheckKeyMatchesCertificate("server.tls.cert_file", "server.tls.key_file", cert, key));
+  grpc::SslServerCredentialsOptions options;
+  if (!tls.client_ca_file.empty()) {
+    PROXIMA_ASSIGN_OR_RETURN(options.pem_root_certs,
+                             ReadPemFile("server.tls.client_ca_file", tls.client_ca_file,
+                                         PemKind::kCertificates));
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  } else {
+    options.client_certificate_request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
+  }
+  options.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
+  return grpc::SslServerCredentials(options);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
   std::unique_ptr<Daemon> d(new Daemon());
   d->config_ = config;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
-  d->service_ = std::make_unique<KvTierGrpcService>(d->core_.get(), &d->registry_);
+  d->service_ = std::make_unique<KvTierGrpcService>(
+      d->core_.get(), &d->registry_, config.server.max_inflight_bytes_per_client,
+      config.server.max_connections);
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tcp_credentials,
+                           TcpCredentials(config.server.tls));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -73,8 +104,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.server.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.server.max_message_bytes));
   if (!config.server.listen.empty()) {
-    builder.AddListeningPort(config.server.listen, grpc::InsecureServerCredentials(),
-                             &d->tcp_port_);
+    builder.AddListeningPort(config.server.listen, tcp_credentials, &d->tcp_port_);
   }
   if (!config.server.unix_socket.empty()) {
     PROXIMA_RETURN_IF_ERROR(PrepareUnixSocket(config.server.unix_socket));
@@ -82,7 +112,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                              grpc::InsecureServerCredentials());
   }
   builder.RegisterService(d->service_.get());
+  // The socket file is created by bind() inside BuildAndStart: a umask for just that moment makes
+  // it born with server.unix_socket_mode, with no window in which others could connect (the
+  // chmod below then only clears what umask cannot express, e.g. setgid bits).
+  const mode_t old_umask = umask(0777 & ~config.server.unix_socket_mode);
   d->server_ = builder.BuildAndStart();
+  umask(old_umask);
   if (d->server_ == nullptr || (!config.server.listen.empty() && d->tcp_port_ == 0)) {
     return absl::UnavailableError(absl::StrCat(
         "cannot start the gRPC server on server.listen '", config.server.listen,
@@ -125,10 +160,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                          << log::Kv("name", g.name) << log::Kv("bytes", g.total_bytes);
     }
   }
+  const bool tokens = std::any_of(config.namespaces.begin(), config.namespaces.end(),
+                                  [](const NamespaceConfig& n) { return !n.tokens.empty(); });
+  const bool loopback = absl::StartsWith(config.server.listen, "127.") ||
+                        absl::StartsWith(config.server.listen, "localhost:") ||
+                        absl::StartsWith(config.server.listen, "[::1]:");
+  if (tokens && !config.server.listen.empty() && !config.server.tls.enabled() && !loopback) {
+    PROXIMA_LOG(kWarning) << "bearer tokens are configured but server.listen is plaintext TCP: "
+                             "tokens and blocks cross the network unencrypted; set server.tls"
+                          << log::Kv("listen", config.server.listen);
+  }
   PROXIMA_LOG(kInfo) << "proximad serving" << log::Kv("version", PROXIMA_VERSION)
                      << log::Kv("tcp_port", d->tcp_port_)
                      << log::Kv("unix_socket", config.server.unix_socket)
                      << log::Kv("metrics_port", d->metrics_port())
+                     << log::Kv("tls", !config.server.tls.enabled()         ? "off"
+                                       : config.server.tls.client_ca_file.empty() ? "tls"
+                                                                                  : "mtls")
                      << log::Kv("host_capacity_bytes", config.host_tier.capacity_bytes)
                      << log::Kv("namespaces", config.namespaces.size());
   return d;

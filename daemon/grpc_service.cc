@@ -5,6 +5,8 @@
 
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire.h"
 
@@ -14,10 +16,95 @@ namespace {
 constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
                                         "Lookup",        "Delete",          "Stats"};
 
+// Finishes one call; when gRPC is done with it (response sent, or the call cancelled) ends the
+// call in its peer's account (if it was admitted) and deletes itself (the callback API's
+// contract).
+class AccountedReactor final : public grpc::ServerUnaryReactor {
+ public:
+  AccountedReactor(InflightLedger* ledger, std::string peer, uint64_t bytes)
+      : ledger_(ledger), peer_(std::move(peer)), bytes_(bytes) {}
+  void OnDone() override {
+    if (ledger_ != nullptr) ledger_->End(peer_, bytes_);
+    delete this;
+  }
+
+ private:
+  InflightLedger* const ledger_;
+  const std::string peer_;
+  const uint64_t bytes_;
+};
+
+absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
+  const auto& md = context.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return {};
+  return absl::string_view(it->second.data(), it->second.size());
+}
+
 }  // namespace
 
-KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry)
-    : core_(core), registry_(registry) {
+absl::Status InflightLedger::OverBytes(const std::string& peer, uint64_t held, uint64_t more,
+                                       absl::string_view what) const {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "client ", peer, " would hold ", held + more, " bytes in proximad (", held,
+      " in calls still running, ", more, " for this call's ", what,
+      "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
+      "; send smaller batches or wait for running calls"));
+}
+
+absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_bytes) {
+  proxima::MutexLock lock(&mu_);
+  auto it = accounts_.find(peer);
+  if (it == accounts_.end()) {
+    if (accounts_.size() >= max_peers_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "client ", peer, " refused: ", accounts_.size(),
+          " connections already have calls running; the limit is server.max_connections = ",
+          max_peers_, "; retry shortly"));
+    }
+    if (request_bytes > max_bytes_) return OverBytes(peer, 0, request_bytes, "request");
+    it = accounts_.emplace(peer, Account()).first;
+  } else if (it->second.bytes + request_bytes > max_bytes_) {
+    return OverBytes(peer, it->second.bytes, request_bytes, "request");
+  }
+  it->second.bytes += request_bytes;
+  ++it->second.calls;
+  return absl::OkStatus();
+}
+
+absl::Status InflightLedger::AddResponse(const std::string& peer, uint64_t response_bytes) {
+  proxima::MutexLock lock(&mu_);
+  Account& a = accounts_[peer];  // exists: Begin() admitted a call of this peer
+  if (a.bytes + response_bytes > max_bytes_) {
+    return OverBytes(peer, a.bytes, response_bytes, "response");
+  }
+  a.bytes += response_bytes;
+  return absl::OkStatus();
+}
+
+void InflightLedger::End(const std::string& peer, uint64_t bytes) {
+  proxima::MutexLock lock(&mu_);
+  auto it = accounts_.find(peer);
+  if (it == accounts_.end()) return;
+  it->second.bytes -= std::min(it->second.bytes, bytes);
+  if (--it->second.calls == 0) accounts_.erase(it);
+}
+
+uint64_t InflightLedger::held_bytes(const std::string& peer) const {
+  proxima::MutexLock lock(&mu_);
+  auto it = accounts_.find(peer);
+  return it == accounts_.end() ? 0 : it->second.bytes;
+}
+
+size_t InflightLedger::active_peers() const {
+  proxima::MutexLock lock(&mu_);
+  return accounts_.size();
+}
+
+KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
+                                     uint64_t max_inflight_bytes_per_client,
+                                     uint32_t max_connections)
+    : core_(core), inflight_(max_inflight_bytes_per_client, max_connections), registry_(registry) {
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
@@ -28,12 +115,39 @@ KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* regis
 template <typename Call>
 grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
                                                     grpc::CallbackServerContext* context,
-                                                    Call&& call) {
+                                                    uint64_t request_bytes,
+                                                    grpc::ByteBuffer* response, Call&& call) {
   auto start = std::chrono::steady_clock::now();
   in_flight_.fetch_add(1);
-  absl::Status status = draining_.load()
-                            ? absl::UnavailableError("proximad is shutting down; retry elsewhere")
-                            : call();
+  const std::string peer = context->peer();
+  bool admitted = false;  // counted in the peer's account; ended when gRPC is done with the call
+  uint64_t held = 0;      // bytes charged to the peer
+  // Explicit captures (GCC 12's UBSan misreads an implicit `this` capture in these handlers).
+  absl::Status status = [this, context, response, request_bytes, &peer, &admitted, &held,
+                         &call]() -> absl::Status {
+    if (draining_.load()) return absl::UnavailableError("proximad is shutting down; retry elsewhere");
+    PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
+    // gRPC names every Unix-socket client "unix:", so they cannot be told apart: same-node
+    // processes, admitted by the socket's file mode, are not limited per client.
+    const bool accounted = !absl::StartsWith(peer, "unix:");
+    if (accounted) {
+      PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));
+      admitted = true;
+      held = request_bytes;
+    }
+    PROXIMA_RETURN_IF_ERROR(call(caller));
+    if (accounted && response != nullptr) {
+      // The response stays in memory (or pins tier memory) until sent: it counts too.
+      const uint64_t response_bytes = response->Length();
+      absl::Status charged = inflight_.AddResponse(peer, response_bytes);
+      if (!charged.ok()) {
+        response->Clear();  // drops the pins of a Get's blocks now
+        return charged;
+      }
+      held += response_bytes;
+    }
+    return absl::OkStatus();
+  }();
   in_flight_.fetch_sub(1);
   latency_[method]->Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -48,7 +162,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
     requests_[method][code].store(counter, std::memory_order_release);
   }
   counter->Increment();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = new AccountedReactor(admitted ? &inflight_ : nullptr, peer, held);
   reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
   return reactor;
 }
@@ -56,11 +170,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
 template <typename Req, typename Resp>
 grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
     Method method, grpc::CallbackServerContext* context, const Req* request, Resp* response,
-    absl::Status (TierService::*call)(const Req&, Resp*)) {
+    absl::Status (TierService::*call)(const Caller&, const Req&, Resp*)) {
   // Explicit captures: GCC 12's UBSan misreads `this` through an implicit [&] capture here.
   TierService* core = core_;
-  return Handle(method, context, [core, call, request, response] {
-    absl::Status status = (core->*call)(*request, response);
+  return Handle(method, context, request->ByteSizeLong(), nullptr,
+                [core, call, request, response](const Caller& caller) {
+    absl::Status status = (core->*call)(caller, *request, response);
     if (!status.ok()) response->Clear();  // a failed call returns no partial results
     return status;
   });
@@ -92,56 +207,84 @@ absl::Status SerializeTo(const Resp& message, grpc::ByteBuffer* out) {
   return absl::OkStatus();
 }
 
+// A request refused while parsing for holding too many items: name the config key of the limit.
+absl::Status NameLimit(absl::Status status, absl::string_view key) {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return status;
+  return absl::ResourceExhaustedError(absl::StrCat(status.message(), " (", key, ")"));
+}
+
 }  // namespace
 
-template <typename Req, typename Resp>
-grpc::ServerUnaryReactor* KvTierGrpcService::HandleKeyed(
+absl::Status ServePut(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response) {
+  wire::PutRequestReader reader;
+  PROXIMA_RETURN_IF_ERROR(
+      NameLimit(reader.Parse(request, core.max_batch_blocks()), "server.max_batch_blocks"));
+  v1::PutResponse resp;
+  PROXIMA_RETURN_IF_ERROR(core.Put(caller, reader, &resp));
+  return SerializeTo(resp, response);
+}
+
+absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response) {
+  v1::GetRequest req;
+  PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_batch_blocks(), "Get", &req),
+                                    "server.max_batch_blocks"));
+  std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+  PROXIMA_RETURN_IF_ERROR(core.GetBlocks(caller, req, &blocks));
+  wire::GetResponseWriter writer;
+  for (auto& b : blocks) {
+    if (b) {
+      writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
+    } else {
+      writer.AddMiss();
+    }
+  }
+  *response = writer.Finish();
+  return absl::OkStatus();
+}
+
+absl::Status ServeLookup(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+  v1::LookupRequest req;
+  PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_lookup_keys(), "Lookup", &req),
+                                    "server.max_lookup_keys"));
+  v1::LookupResponse resp;
+  PROXIMA_RETURN_IF_ERROR(core.Lookup(caller, req, &resp));
+  return SerializeTo(resp, response);
+}
+
+absl::Status ServeDelete(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+  v1::DeleteRequest req;
+  PROXIMA_RETURN_IF_ERROR(NameLimit(
+      ParseKeyed(request, core.max_batch_blocks(), "Delete", &req), "server.max_batch_blocks"));
+  v1::DeleteResponse resp;
+  PROXIMA_RETURN_IF_ERROR(core.Delete(caller, req, &resp));
+  return SerializeTo(resp, response);
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleRaw(
     Method method, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response, size_t max_keys,
-    absl::Status (TierService::*call)(const Req&, Resp*)) {
-  TierService* core = core_;
-  const char* name = kMethodNames[method];
-  return Handle(method, context,
-                [core, call, request, response, max_keys, name]() -> absl::Status {
-                  Req req;
-                  PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, max_keys, name, &req));
-                  Resp resp;
-                  PROXIMA_RETURN_IF_ERROR((core->*call)(req, &resp));
-                  return SerializeTo(resp, response);
+    grpc::ByteBuffer* response,
+    absl::Status (*serve)(TierService&, const Caller&, const grpc::ByteBuffer&,
+                          grpc::ByteBuffer*)) {
+  return Handle(method, context, request->Length(), response,
+                [core = core_, serve, request, response](const Caller& caller) {
+                  return serve(*core, caller, *request, response);
                 });
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::Put(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
-  return Handle(kPut, c, [core = core_, request, response]() -> absl::Status {
-    wire::PutRequestReader reader;
-    PROXIMA_RETURN_IF_ERROR(reader.Parse(*request, core->max_batch_blocks()));
-    v1::PutResponse resp;
-    PROXIMA_RETURN_IF_ERROR(core->Put(reader, &resp));
-    return SerializeTo(resp, response);
-  });
+  return HandleRaw(kPut, c, request, response, &ServePut);
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
-  return Handle(kGet, c, [core = core_, request, response]() -> absl::Status {
-    v1::GetRequest req;
-    PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, core->max_batch_blocks(), "Get", &req));
-    std::vector<std::optional<BlockStore::ReadBlock>> blocks;
-    PROXIMA_RETURN_IF_ERROR(core->GetBlocks(req, &blocks));
-    wire::GetResponseWriter writer;
-    for (auto& b : blocks) {
-      if (b) {
-        writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
-      } else {
-        writer.AddMiss();
-      }
-    }
-    *response = writer.Finish();
-    return absl::OkStatus();
-  });
+  return HandleRaw(kGet, c, request, response, &ServeGet);
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
@@ -157,14 +300,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,
                                                     const grpc::ByteBuffer* req,
                                                     grpc::ByteBuffer* resp) {
-  return HandleKeyed<v1::LookupRequest, v1::LookupResponse>(
-      kLookup, c, req, resp, core_->max_lookup_keys(), &TierService::Lookup);
+  return HandleRaw(kLookup, c, req, resp, &ServeLookup);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Delete(grpc::CallbackServerContext* c,
                                                     const grpc::ByteBuffer* req,
                                                     grpc::ByteBuffer* resp) {
-  return HandleKeyed<v1::DeleteRequest, v1::DeleteResponse>(
-      kDelete, c, req, resp, core_->max_batch_blocks(), &TierService::Delete);
+  return HandleRaw(kDelete, c, req, resp, &ServeDelete);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Stats(grpc::CallbackServerContext* c,
                                                    const v1::StatsRequest* req,

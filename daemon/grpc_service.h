@@ -1,6 +1,8 @@
 // KvTierGrpcService: the gRPC face of proximad (proxima.v1.KVTier, callback API). Each handler is
-// thin: it calls TierService, records the call's latency and status code, and converts the
-// absl::Status to a grpc::Status at the edge (the codes map one to one).
+// thin: it authenticates the call's bearer token (TierService::Authenticate), charges the bytes
+// it holds to its peer's in-flight account, calls TierService, records the call's latency and
+// status code, and converts the absl::Status to a grpc::Status at the edge (the codes map one to
+// one).
 //
 // Thread-safe: gRPC calls handlers concurrently.
 #ifndef PROXIMA_DAEMON_GRPC_SERVICE_H_
@@ -8,6 +10,10 @@
 
 #include <array>
 #include <atomic>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "common/mutex.h"
 
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
@@ -25,10 +31,56 @@ using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
             v1::KVTier::WithRawCallbackMethod_Delete<
                 v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
 
+// The bodies of the raw KVTier methods, transport aside: decode `request` (proto3 wire format,
+// bounded while parsing), run it on `core` as `caller`, encode the response into `response`.
+// The gRPC handlers below call them; so does the request fuzzer (tests/fuzz/).
+absl::Status ServePut(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response);
+absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                      grpc::ByteBuffer* response);
+absl::Status ServeLookup(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+absl::Status ServeDelete(TierService& core, const Caller& caller,
+                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+
+// What the calls of each peer (one client connection: "ipv4:10.0.0.5:41234") hold in the daemon
+// right now: how many are running, and their bytes (each request, and each response until gRPC
+// has sent it). A call is refused with RESOURCE_EXHAUSTED, naming the limit, when its peer would
+// go over `max_bytes_per_peer`, or when it would make one peer more than `max_peers` have calls
+// running at once. So one client cannot pin all of the daemon's memory in requests and unsent
+// responses, and a flood of connections cannot all be served at once. Thread-safe.
+class InflightLedger {
+ public:
+  InflightLedger(uint64_t max_bytes_per_peer, uint32_t max_peers)
+      : max_bytes_(max_bytes_per_peer), max_peers_(max_peers) {}
+  // Starts a call of `peer` holding `request_bytes`; on error nothing is counted.
+  absl::Status Begin(const std::string& peer, uint64_t request_bytes);
+  // Adds a running call's response bytes; on error nothing is added.
+  absl::Status AddResponse(const std::string& peer, uint64_t response_bytes);
+  // Ends a call that Begin() admitted, releasing the `bytes` it was charged in total.
+  void End(const std::string& peer, uint64_t bytes);
+  uint64_t held_bytes(const std::string& peer) const;
+  size_t active_peers() const;
+
+ private:
+  struct Account {
+    uint64_t bytes = 0;
+    uint32_t calls = 0;
+  };
+  absl::Status OverBytes(const std::string& peer, uint64_t held, uint64_t more,
+                         absl::string_view what) const;
+
+  const uint64_t max_bytes_;
+  const uint32_t max_peers_;
+  mutable proxima::Mutex mu_;
+  absl::flat_hash_map<std::string, Account> accounts_ ABSL_GUARDED_BY(mu_);
+};
+
 class KvTierGrpcService final : public KvTierCallbackBase {
  public:
   // `core` and `registry` must outlive the service.
-  KvTierGrpcService(TierService* core, metrics::Registry* registry);
+  KvTierGrpcService(TierService* core, metrics::Registry* registry,
+                    uint64_t max_inflight_bytes_per_client, uint32_t max_connections);
 
   // From now on every call is answered UNAVAILABLE ("draining"); calls already running finish.
   void StartDraining() { draining_.store(true); }
@@ -61,23 +113,28 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   enum Method { kGetServerInfo, kRegisterProfile, kPut, kGet, kLookup, kDelete, kStats, kMethods };
   static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
 
-  // Runs `call` (returning absl::Status) unless draining, records latency and status code,
-  // and finishes the call.
+  // Authenticates the call and runs `call(caller)` (returning absl::Status) unless draining or
+  // the peer is over its in-flight bytes, records latency and status code, and finishes the
+  // call. `request_bytes` is the request's size; `response` (raw calls) its response buffer.
   template <typename Call>
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
+                                   uint64_t request_bytes, grpc::ByteBuffer* response,
                                    Call&& call);
-  // A keyed call (Lookup, Delete) in raw form: bounded parse into Req, core call, serialized Resp.
-  template <typename Req, typename Resp>
-  grpc::ServerUnaryReactor* HandleKeyed(Method method, grpc::CallbackServerContext* context,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response, size_t max_keys,
-                                        absl::Status (TierService::*call)(const Req&, Resp*));
+  // A raw call (Put, Get, Lookup, Delete): `serve` is one of the Serve* functions above.
+  grpc::ServerUnaryReactor* HandleRaw(Method method, grpc::CallbackServerContext* context,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response,
+                                      absl::Status (*serve)(TierService&, const Caller&,
+                                                            const grpc::ByteBuffer&,
+                                                            grpc::ByteBuffer*));
   template <typename Req, typename Resp>
   grpc::ServerUnaryReactor* HandleProto(Method method, grpc::CallbackServerContext* context,
                                         const Req* request, Resp* response,
-                                        absl::Status (TierService::*call)(const Req&, Resp*));
+                                        absl::Status (TierService::*call)(const Caller&,
+                                                                          const Req&, Resp*));
 
   TierService* const core_;
+  InflightLedger inflight_;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
   metrics::Registry* const registry_;

@@ -4,6 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
+#include "common/credentials.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -82,7 +84,105 @@ absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonCon
                                                                  metrics::Registry* registry) {
   PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier,
                            HostTier::Create(config.host_tier.capacity_bytes));
-  return std::unique_ptr<TierService>(new TierService(config, std::move(tier), registry));
+  std::unique_ptr<TierService> service(new TierService(config, std::move(tier), registry));
+  PROXIMA_RETURN_IF_ERROR(service->LoadTokens(config));
+  return service;
+}
+
+absl::Status TierService::LoadTokens(const DaemonConfig& config) {
+  std::vector<std::string> where;  // config key of each token, for duplicate errors
+  for (size_t n = 0; n < config.namespaces.size(); ++n) {
+    const NamespaceConfig& ns = config.namespaces[n];
+    namespaces_[n]->open = ns.tokens.empty();
+    any_protected_ |= !ns.tokens.empty();
+    absl::flat_hash_map<std::string, uint32_t> partitions;  // scope -> partition (1, 2, ...)
+    for (size_t i = 0; i < ns.tokens.size(); ++i) {
+      const TokenConfig& t = ns.tokens[i];
+      const std::string key = absl::StrCat("namespaces[", n, "].tokens[", i, "]");
+      absl::StatusOr<std::string> secret =
+          t.file.empty() ? ReadTokenEnv(key + ".env", t.env) : ReadTokenFile(key + ".file", t.file);
+      if (!secret.ok()) return secret.status();
+      for (size_t j = 0; j < tokens_.size(); ++j) {
+        if (tokens_[j].secret == *secret) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              key, " holds the same token as ", where[j],
+              "; every token must be distinct (a token names exactly one namespace and access)"));
+        }
+      }
+      Token token{*std::move(secret), Caller{}};
+      token.caller.namespace_index = static_cast<int>(n);
+      token.caller.access = t.access;
+      token.caller.token_name = t.name;
+      if (ns.private_prefixes) {
+        const std::string& scope = t.scope.empty() ? t.name : t.scope;
+        auto [it, inserted] =
+            partitions.emplace(scope, static_cast<uint32_t>(partitions.size() + 1));
+        token.caller.partition = it->second;
+      }
+      tokens_.push_back(std::move(token));
+      where.push_back(key);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Caller> TierService::Authenticate(absl::string_view authorization) const {
+  if (authorization.empty()) return Caller::Anonymous();
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (authorization.size() <= kBearer.size() ||
+      !absl::EqualsIgnoreCase(authorization.substr(0, kBearer.size()), kBearer)) {
+    return absl::UnauthenticatedError(
+        "the 'authorization' metadata is not of the form 'Bearer <token>'");
+  }
+  const absl::string_view presented = authorization.substr(kBearer.size());
+  // Compare against every token without stopping at a match: the time taken says nothing about
+  // which token (or how much of one) was right.
+  int match = -1;
+  for (size_t i = 0; i < tokens_.size(); ++i) {
+    const bool equal = ConstantTimeEquals(presented, tokens_[i].secret);
+    match = equal ? static_cast<int>(i) : match;
+  }
+  if (match < 0) {
+    return absl::UnauthenticatedError(
+        "the bearer token is not valid on this daemon (revoked, mistyped, or for another "
+        "daemon)");
+  }
+  return tokens_[match].caller;
+}
+
+absl::StatusOr<TierService::Scope> TierService::Authorize(const Caller& caller,
+                                                          const std::string& name, Need need,
+                                                          absl::string_view method) const {
+  if (name.empty()) return absl::InvalidArgumentError("namespace_name is empty");
+  if (caller.namespace_index >= 0) {
+    const Namespace& own = *namespaces_[caller.namespace_index];
+    // The same answer whether `name` exists or not: a token holder learns nothing about other
+    // namespaces.
+    if (own.name != name) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("token '", caller.token_name, "' is not valid for namespace '",
+                       name.substr(0, 64), "'; it grants namespace '", own.name, "' only"));
+    }
+    if (need == Need::kWrite && caller.access == TokenAccess::kReadOnly) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "token '", caller.token_name, "' of namespace '", own.name, "' is read_only; ", method,
+          " needs a read_write token"));
+    }
+    return Scope{static_cast<uint32_t>(caller.namespace_index), caller.partition};
+  }
+  absl::StatusOr<uint32_t> ns = FindNamespace(name);
+  if (!ns.ok() && any_protected_) {
+    // Without a token, an unknown namespace and a protected one look alike.
+    return absl::UnauthenticatedError(absl::StrCat(
+        "namespace '", name.substr(0, 64),
+        "' needs a bearer token ('authorization: Bearer <token>' metadata)"));
+  }
+  if (!ns.ok()) return ns.status();
+  if (!namespaces_[*ns]->open) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "namespace '", name, "' needs a bearer token ('authorization: Bearer <token>' metadata)"));
+  }
+  return Scope{*ns, 0};
 }
 
 TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
@@ -163,18 +263,20 @@ absl::StatusOr<RegisteredProfile> TierService::FindProfile(uint32_t ns, uint64_t
   return it->second;
 }
 
-absl::Status TierService::ResolveKeys(const std::string& method,
+absl::Status TierService::ResolveKeys(const Caller& caller, Need need, const std::string& method,
                                       const std::string& namespace_name, uint64_t profile_id,
                                       const google::protobuf::RepeatedPtrField<std::string>& keys,
                                       uint32_t max_keys, RegisteredProfile* profile,
                                       std::vector<BlockId>* ids) {
-  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(namespace_name));
+  PROXIMA_ASSIGN_OR_RETURN(Scope scope, Authorize(caller, namespace_name, need, method));
+  const uint32_t ns = scope.namespace_index;
   PROXIMA_ASSIGN_OR_RETURN(*profile, FindProfile(ns, profile_id));
   if (keys.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no keys"));
   if (static_cast<uint32_t>(keys.size()) > max_keys) {
-    return absl::ResourceExhaustedError(absl::StrCat(method, " has ", keys.size(),
-                                                     " keys; the limit is ", max_keys,
-                                                     " per call"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(method, " has ", keys.size(), " keys; the limit is ", max_keys,
+                     " per call (", method == "Lookup" ? "server.max_lookup_keys"
+                                                      : "server.max_batch_blocks", ")"));
   }
   ids->resize(keys.size());
   for (int i = 0; i < keys.size(); ++i) {
@@ -185,13 +287,14 @@ absl::Status TierService::ResolveKeys(const std::string& method,
     }
     BlockId& id = (*ids)[i];
     id.namespace_index = ns;
+    id.partition = scope.partition;
     id.profile_id = profile_id;
     std::memcpy(id.key.data(), keys[i].data(), kKeyBytes);
   }
   return absl::OkStatus();
 }
 
-absl::Status TierService::GetServerInfo(const v1::GetServerInfoRequest&,
+absl::Status TierService::GetServerInfo(const Caller&, const v1::GetServerInfoRequest&,
                                         v1::GetServerInfoResponse* response) {
   response->set_version(PROXIMA_VERSION);
   response->set_max_message_bytes(config_.server.max_message_bytes);
@@ -201,9 +304,13 @@ absl::Status TierService::GetServerInfo(const v1::GetServerInfoRequest&,
   return absl::OkStatus();
 }
 
-absl::Status TierService::RegisterProfile(const v1::RegisterProfileRequest& request,
+absl::Status TierService::RegisterProfile(const Caller& caller,
+                                          const v1::RegisterProfileRequest& request,
                                           v1::RegisterProfileResponse* response) {
-  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(request.namespace_name()));
+  // Reading needs a profile id too, so read-only tokens may register (it is idempotent).
+  PROXIMA_ASSIGN_OR_RETURN(
+      Scope scope, Authorize(caller, request.namespace_name(), Need::kRead, "RegisterProfile"));
+  const uint32_t ns = scope.namespace_index;
   PROXIMA_ASSIGN_OR_RETURN(uint64_t block_bytes, ProfileBlockBytes(request.profile()));
   const uint64_t max_block = config_.server.max_message_bytes - kMessageOverhead;
   if (block_bytes > max_block || block_bytes > store_->capacity_bytes()) {
@@ -235,7 +342,8 @@ absl::Status TierService::RegisterProfile(const v1::RegisterProfileRequest& requ
   return absl::OkStatus();
 }
 
-absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* response) {
+absl::Status TierService::Put(const Caller& caller, const v1::PutRequest& request,
+                              v1::PutResponse* response) {
   std::vector<PutSource> sources;
   sources.reserve(request.blocks_size());
   for (const v1::PutBlock& b : request.blocks()) {
@@ -245,10 +353,11 @@ absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* re
         [data] { return Crc32c(AsBytes(*data)); },
         [data](std::span<std::byte> dst) { std::memcpy(dst.data(), data->data(), dst.size()); }});
   }
-  return PutBlocks(request.namespace_name(), request.profile_id(), sources, response);
+  return PutBlocks(caller, request.namespace_name(), request.profile_id(), sources, response);
 }
 
-absl::Status TierService::Put(const wire::PutRequestReader& request, v1::PutResponse* response) {
+absl::Status TierService::Put(const Caller& caller, const wire::PutRequestReader& request,
+                              v1::PutResponse* response) {
   std::vector<PutSource> sources;
   sources.reserve(request.blocks().size());
   for (size_t i = 0; i < request.blocks().size(); ++i) {
@@ -258,19 +367,21 @@ absl::Status TierService::Put(const wire::PutRequestReader& request, v1::PutResp
         [&request, i] { return request.DataCrc32c(i); },
         [&request, i](std::span<std::byte> dst) { request.CopyData(i, dst); }});
   }
-  return PutBlocks(request.namespace_name(), request.profile_id(), sources, response);
+  return PutBlocks(caller, request.namespace_name(), request.profile_id(), sources, response);
 }
 
-absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t profile_id,
-                                    std::span<const PutSource> blocks,
+absl::Status TierService::PutBlocks(const Caller& caller, const std::string& namespace_name,
+                                    uint64_t profile_id, std::span<const PutSource> blocks,
                                     v1::PutResponse* response) {
-  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(namespace_name));
+  PROXIMA_ASSIGN_OR_RETURN(Scope scope, Authorize(caller, namespace_name, Need::kWrite, "Put"));
+  const uint32_t ns = scope.namespace_index;
   PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile profile, FindProfile(ns, profile_id));
   if (blocks.empty()) return absl::InvalidArgumentError("Put has no blocks");
   if (blocks.size() > config_.server.max_batch_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat("Put has ", blocks.size(),
                                                      " blocks; the limit is ",
-                                                     config_.server.max_batch_blocks, " per call"));
+                                                     config_.server.max_batch_blocks,
+                                                     " per call (server.max_batch_blocks)"));
   }
   // Validate everything before storing anything: a rejected request changes nothing (and
   // evicts nothing to make room for itself).
@@ -300,7 +411,7 @@ absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t 
   Namespace& n = *namespaces_[ns];
   uint64_t stored = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    BlockId id{ns, profile_id, {}};
+    BlockId id{ns, profile_id, {}, scope.partition};
     std::memcpy(id.key.data(), blocks[i].key->data(), kKeyBytes);
     PutOutcome outcome = PutOutcome::kAlreadyPresent;
     if (!store_->Touch(id)) {
@@ -330,11 +441,11 @@ absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t 
   return absl::OkStatus();
 }
 
-absl::Status TierService::GetBlocks(const v1::GetRequest& request,
+absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& request,
                                     std::vector<std::optional<BlockStore::ReadBlock>>* blocks) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
-  PROXIMA_RETURN_IF_ERROR(ResolveKeys("Get", request.namespace_name(), request.profile_id(),
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Get", request.namespace_name(), request.profile_id(),
                                       request.keys(), config_.server.max_batch_blocks, &profile,
                                       &ids));
   uint64_t need = kMessageOverhead + ids.size() * (profile.block_bytes + kPerBlockOverhead);
@@ -367,9 +478,10 @@ absl::Status TierService::GetBlocks(const v1::GetRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* response) {
+absl::Status TierService::Get(const Caller& caller, const v1::GetRequest& request,
+                              v1::GetResponse* response) {
   std::vector<std::optional<BlockStore::ReadBlock>> blocks;
-  PROXIMA_RETURN_IF_ERROR(GetBlocks(request, &blocks));
+  PROXIMA_RETURN_IF_ERROR(GetBlocks(caller, request, &blocks));
   for (const auto& b : blocks) {
     v1::GetResult* r = response->add_results();
     if (!b) continue;
@@ -380,10 +492,11 @@ absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* re
   return absl::OkStatus();
 }
 
-absl::Status TierService::Lookup(const v1::LookupRequest& request, v1::LookupResponse* response) {
+absl::Status TierService::Lookup(const Caller& caller, const v1::LookupRequest& request,
+                                 v1::LookupResponse* response) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
-  PROXIMA_RETURN_IF_ERROR(ResolveKeys("Lookup", request.namespace_name(), request.profile_id(),
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Lookup", request.namespace_name(), request.profile_id(),
                                       request.keys(), config_.server.max_lookup_keys, &profile,
                                       &ids));
   uint32_t present = 0;
@@ -395,10 +508,11 @@ absl::Status TierService::Lookup(const v1::LookupRequest& request, v1::LookupRes
   return absl::OkStatus();
 }
 
-absl::Status TierService::Delete(const v1::DeleteRequest& request, v1::DeleteResponse* response) {
+absl::Status TierService::Delete(const Caller& caller, const v1::DeleteRequest& request,
+                                 v1::DeleteResponse* response) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
-  PROXIMA_RETURN_IF_ERROR(ResolveKeys("Delete", request.namespace_name(), request.profile_id(),
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kWrite, "Delete", request.namespace_name(), request.profile_id(),
                                       request.keys(), config_.server.max_batch_blocks, &profile,
                                       &ids));
   uint32_t deleted = 0;
@@ -407,18 +521,25 @@ absl::Status TierService::Delete(const v1::DeleteRequest& request, v1::DeleteRes
   return absl::OkStatus();
 }
 
-absl::Status TierService::Stats(const v1::StatsRequest&, v1::StatsResponse* response) {
+absl::Status TierService::Stats(const Caller& caller, const v1::StatsRequest&,
+                                v1::StatsResponse* response) {
   response->set_version(PROXIMA_VERSION);
   response->set_uptime_seconds(
       static_cast<uint64_t>(absl::ToInt64Seconds(absl::Now() - start_time_)));
-  v1::TierStats* host = response->add_tiers();
-  host->set_name("host");
-  host->set_capacity_bytes(store_->capacity_bytes());
-  host->set_used_bytes(store_->used_bytes());
-  host->set_blocks(store_->blocks());
-  host->set_evictions(store_->evictions());
+  if (!any_protected_) {  // one trust domain: the whole daemon's figures
+    v1::TierStats* host = response->add_tiers();
+    host->set_name("host");
+    host->set_capacity_bytes(store_->capacity_bytes());
+    host->set_used_bytes(store_->used_bytes());
+    host->set_blocks(store_->blocks());
+    host->set_evictions(store_->evictions());
+    response->set_crc_failures(store_->crc_failures());
+  }
   for (size_t i = 0; i < namespaces_.size(); ++i) {
     const Namespace& n = *namespaces_[i];
+    const bool visible =
+        caller.namespace_index >= 0 ? static_cast<size_t>(caller.namespace_index) == i : n.open;
+    if (!visible) continue;
     v1::NamespaceStats* s = response->add_namespaces();
     s->set_name(n.name);
     s->set_blocks(counters_[i].blocks.load());
@@ -429,7 +550,6 @@ absl::Status TierService::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
     s->set_lookup_hits(n.lookup_hits->value());
     s->set_lookup_misses(n.lookup_misses->value());
   }
-  response->set_crc_failures(store_->crc_failures());
   return absl::OkStatus();
 }
 

@@ -5,7 +5,14 @@
 //
 // Every error is an absl::Status whose code carries the gRPC meaning and whose message names the
 // offending field and value: INVALID_ARGUMENT (malformed), NOT_FOUND (unknown namespace or
-// profile), RESOURCE_EXHAUSTED (over a configured limit). A rejected request changes nothing.
+// profile), RESOURCE_EXHAUSTED (over a configured limit), UNAUTHENTICATED (no valid token for a
+// namespace that needs one), PERMISSION_DENIED (a token of another namespace, or a read-only
+// token asked to write). A rejected request changes nothing.
+//
+// Tenant isolation: every call runs as a Caller, established once per call by Authenticate()
+// from its bearer token. A token belongs to one namespace; every namespace check goes through
+// Authorize(), so no call can name, read, count or delete another namespace's blocks, and an
+// error never says whether a block exists outside the caller's namespace.
 //
 // Thread-safe: every method may be called concurrently.
 #ifndef PROXIMA_DAEMON_TIER_SERVICE_H_
@@ -44,30 +51,57 @@ absl::StatusOr<uint64_t> ProfileBlockBytes(const v1::ModelProfile& profile);
 // daemon and across restarts.
 uint64_t ProfileId(const v1::ModelProfile& profile);
 
+// Who is calling, as Authenticate() established it from the call's bearer token.
+struct Caller {
+  int namespace_index = -1;  // the token's namespace; -1: no token was presented
+  TokenAccess access = TokenAccess::kReadWrite;
+  uint32_t partition = 0;      // BlockId::partition of the token's scope
+  std::string token_name;      // config name of the token, for errors and logs (never the token)
+
+  // A call that presented no token: it may use open namespaces (those without tokens) only.
+  static Caller Anonymous() { return Caller(); }
+};
+
 class TierService {
  public:
   // `registry` receives the daemon's metrics and must outlive the service.
+  // Reads every namespace's tokens (files, environment variables): errors name the config key
+  // and the file or variable, never a token.
   static absl::StatusOr<std::unique_ptr<TierService>> Create(const DaemonConfig& config,
                                                              metrics::Registry* registry);
   ~TierService();
 
-  absl::Status GetServerInfo(const v1::GetServerInfoRequest& request,
+  // Maps the value of a call's `authorization` metadata ("Bearer <token>", or "" when absent) to
+  // its Caller. Every configured token is compared, in constant time, whatever matches first.
+  // UNAUTHENTICATED for a malformed header or a token this daemon does not know.
+  absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const;
+
+  absl::Status GetServerInfo(const Caller& caller, const v1::GetServerInfoRequest& request,
                              v1::GetServerInfoResponse* response);
-  absl::Status RegisterProfile(const v1::RegisterProfileRequest& request,
+  absl::Status RegisterProfile(const Caller& caller, const v1::RegisterProfileRequest& request,
                                v1::RegisterProfileResponse* response);
-  absl::Status Put(const v1::PutRequest& request, v1::PutResponse* response);
+  absl::Status Put(const Caller& caller, const v1::PutRequest& request,
+                   v1::PutResponse* response);
   // Put from a request still in its received buffers: block bytes are copied once, from the
   // network buffers into tier memory.
-  absl::Status Put(const wire::PutRequestReader& request, v1::PutResponse* response);
+  absl::Status Put(const Caller& caller, const wire::PutRequestReader& request,
+                   v1::PutResponse* response);
   // Get, without copying: `blocks` receives one entry per key (nullopt for a miss), each pinned
   // until the caller drops it. The gRPC layer sends the bytes straight from tier memory.
-  absl::Status GetBlocks(const v1::GetRequest& request,
+  absl::Status GetBlocks(const Caller& caller, const v1::GetRequest& request,
                          std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
   // Get into a GetResponse message (a copy of each block; for in-process callers).
-  absl::Status Get(const v1::GetRequest& request, v1::GetResponse* response);
-  absl::Status Lookup(const v1::LookupRequest& request, v1::LookupResponse* response);
-  absl::Status Delete(const v1::DeleteRequest& request, v1::DeleteResponse* response);
-  absl::Status Stats(const v1::StatsRequest& request, v1::StatsResponse* response);
+  absl::Status Get(const Caller& caller, const v1::GetRequest& request,
+                   v1::GetResponse* response);
+  absl::Status Lookup(const Caller& caller, const v1::LookupRequest& request,
+                      v1::LookupResponse* response);
+  absl::Status Delete(const Caller& caller, const v1::DeleteRequest& request,
+                      v1::DeleteResponse* response);
+  // The namespaces the caller may see (its token's, or the open ones without a token). Tier-wide
+  // figures (usage, blocks, evictions, CRC failures) count every tenant's blocks, so they are
+  // reported only when the daemon has no token-protected namespace.
+  absl::Status Stats(const Caller& caller, const v1::StatsRequest& request,
+                     v1::StatsResponse* response);
 
   BlockStore& store() { return *store_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
@@ -76,6 +110,7 @@ class TierService {
  private:
   struct Namespace {
     std::string name;
+    bool open = true;  // no tokens configured: any caller may use it
     metrics::Counter* puts = nullptr;
     metrics::Counter* get_hits = nullptr;
     metrics::Counter* get_misses = nullptr;
@@ -97,14 +132,31 @@ class TierService {
     std::function<uint32_t()> data_crc32c;                // CRC32C of the data, read in place
     std::function<void(std::span<std::byte>)> copy_data;  // copies the data out
   };
-  absl::Status PutBlocks(const std::string& namespace_name, uint64_t profile_id,
+  absl::Status PutBlocks(const Caller& caller, const std::string& namespace_name,
+                         uint64_t profile_id,
                          std::span<const PutSource> blocks, v1::PutResponse* response);
 
+  // One configured token and who presenting it makes you.
+  struct Token {
+    std::string secret;
+    Caller caller;
+  };
+  // The namespace and partition a call may act on, or why not.
+  struct Scope {
+    uint32_t namespace_index = 0;
+    uint32_t partition = 0;
+  };
+  enum class Need { kRead, kWrite };
+  // The only gate between a call and a namespace: checks that `caller` may use `name` for
+  // `need` (`method` names the call in errors).
+  absl::StatusOr<Scope> Authorize(const Caller& caller, const std::string& name, Need need,
+                                  absl::string_view method) const;
+  absl::Status LoadTokens(const DaemonConfig& config);
   absl::StatusOr<uint32_t> FindNamespace(const std::string& name) const;
   absl::StatusOr<RegisteredProfile> FindProfile(uint32_t ns, uint64_t profile_id);
   // Validates namespace, profile and keys of a keyed request; fills `ids`.
-  absl::Status ResolveKeys(const std::string& method, const std::string& namespace_name,
-                           uint64_t profile_id,
+  absl::Status ResolveKeys(const Caller& caller, Need need, const std::string& method,
+                           const std::string& namespace_name, uint64_t profile_id,
                            const google::protobuf::RepeatedPtrField<std::string>& keys,
                            uint32_t max_keys, RegisteredProfile* profile,
                            std::vector<BlockId>* ids);
@@ -112,6 +164,8 @@ class TierService {
   const DaemonConfig config_;
   const absl::Time start_time_;
   std::vector<std::unique_ptr<Namespace>> namespaces_;
+  std::vector<Token> tokens_;
+  bool any_protected_ = false;  // some namespace needs a token
   std::unique_ptr<NamespaceCounters[]> counters_;
   std::unique_ptr<BlockStore> store_;
   metrics::Counter* bytes_in_ = nullptr;

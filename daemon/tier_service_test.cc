@@ -1,5 +1,6 @@
 #include "daemon/tier_service.h"
 
+#include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -37,7 +38,7 @@ class TierServiceTest : public ::testing::Test {
     req.set_namespace_name("a");
     *req.mutable_profile() = SmallProfile();
     v1::RegisterProfileResponse resp;
-    ASSERT_OK(service_->RegisterProfile(req, &resp));
+    ASSERT_OK(service_->RegisterProfile(Caller::Anonymous(), req, &resp));
     profile_id_ = resp.profile_id();
     block_bytes_ = resp.block_bytes();
   }
@@ -78,37 +79,37 @@ TEST_F(TierServiceTest, ProfileIdIsStableAndBlockBytesFollowGeometry) {
 
 TEST_F(TierServiceTest, BadRequestsAreRejectedWithPreciseErrorsAndChangeNothing) {
   v1::PutResponse put_resp;
-  ASSERT_OK(service_->Put(PutOf(2, 'x'), &put_resp));
+  ASSERT_OK(service_->Put(Caller::Anonymous(), PutOf(2, 'x'), &put_resp));
 
   v1::PutRequest wrong_ns = PutOf(1, 'y');
   wrong_ns.set_namespace_name("zzz");
-  EXPECT_THAT(service_->Put(wrong_ns, &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), wrong_ns, &put_resp),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("namespace 'zzz'")));
   v1::PutRequest other_ns = PutOf(1, 'y');
   other_ns.set_namespace_name("b");  // profile registered only in "a"
-  EXPECT_THAT(service_->Put(other_ns, &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), other_ns, &put_resp),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("namespace 'b'")));
   v1::PutRequest wrong_profile = PutOf(1, 'y');
   wrong_profile.set_profile_id(12345);
-  EXPECT_THAT(service_->Put(wrong_profile, &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), wrong_profile, &put_resp),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("0x0000000000003039")));
-  EXPECT_THAT(service_->Put(PutOf(0, 'y'), &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), PutOf(0, 'y'), &put_resp),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no blocks")));
-  EXPECT_THAT(service_->Put(PutOf(5, 'y'), &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), PutOf(5, 'y'), &put_resp),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 4")));
   v1::PutRequest short_key = PutOf(3, 'y');
   short_key.mutable_blocks(2)->set_key("short");
-  EXPECT_THAT(service_->Put(short_key, &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), short_key, &put_resp),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("blocks[2].key is 5 bytes"), HasSubstr("32"))));
   v1::PutRequest wrong_size = PutOf(2, 'y');
   wrong_size.mutable_blocks(1)->set_data("tiny");
-  EXPECT_THAT(service_->Put(wrong_size, &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), wrong_size, &put_resp),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("blocks[1].data is 4 bytes"), HasSubstr("needs 512 bytes"))));
   v1::PutRequest bad_crc = PutOf(1, 'y');
   bad_crc.mutable_blocks(0)->set_crc32c(1);
-  EXPECT_THAT(service_->Put(bad_crc, &put_resp),
+  EXPECT_THAT(service_->Put(Caller::Anonymous(), bad_crc, &put_resp),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("crc32c")));
 
   // Nothing above changed the two blocks stored first.
@@ -119,7 +120,7 @@ TEST_F(TierServiceTest, BadRequestsAreRejectedWithPreciseErrorsAndChangeNothing)
   get.add_keys(std::string(32, 'B'));
   get.add_keys(std::string(32, 'C'));
   v1::GetResponse got;
-  ASSERT_OK(service_->Get(get, &got));
+  ASSERT_OK(service_->Get(Caller::Anonymous(), get, &got));
   ASSERT_EQ(got.results_size(), 3);
   EXPECT_EQ(got.results(0).data(), std::string(block_bytes_, 'x'));
   EXPECT_EQ(got.results(1).data(), std::string(block_bytes_, 'x'));
@@ -137,32 +138,216 @@ TEST_F(TierServiceTest, GetThatCannotFitOneMessageIsRefusedUpFront) {
   *reg.mutable_profile() = SmallProfile();
   reg.mutable_profile()->set_tokens_per_block(256);  // 64 KiB blocks
   v1::RegisterProfileResponse reg_resp;
-  ASSERT_OK(service->RegisterProfile(reg, &reg_resp));
+  ASSERT_OK(service->RegisterProfile(Caller::Anonymous(), reg, &reg_resp));
   v1::GetRequest get;
   get.set_namespace_name("default");
   get.set_profile_id(reg_resp.profile_id());
   for (int i = 0; i < 40; ++i) get.add_keys(std::string(32, static_cast<char>(i)));
   v1::GetResponse resp;
-  EXPECT_THAT(service->Get(get, &resp),
+  EXPECT_THAT(service->Get(Caller::Anonymous(), get, &resp),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("at most 31 blocks")));
 }
 
 TEST_F(TierServiceTest, LookupCountsTheLeadingPresentKeys) {
   v1::PutResponse put_resp;
-  ASSERT_OK(service_->Put(PutOf(3, 'x'), &put_resp));  // keys A, B, C
+  ASSERT_OK(service_->Put(Caller::Anonymous(), PutOf(3, 'x'), &put_resp));  // keys A, B, C
   auto lookup = [&](std::string chain) {
     v1::LookupRequest req;
     req.set_namespace_name("a");
     req.set_profile_id(profile_id_);
     for (char c : chain) req.add_keys(std::string(32, c));
     v1::LookupResponse resp;
-    EXPECT_OK(service_->Lookup(req, &resp));
+    EXPECT_OK(service_->Lookup(Caller::Anonymous(), req, &resp));
     return resp.num_prefix_present();
   };
   EXPECT_EQ(lookup("ABC"), 3u);
   EXPECT_EQ(lookup("ABCD"), 3u);
   EXPECT_EQ(lookup("AXC"), 1u);  // a gap ends the prefix even though C is present
   EXPECT_EQ(lookup("X"), 0u);
+}
+
+// Tokens, read-only access and private prefixes, on the core the gRPC layer calls.
+class TierServiceAuthTest : public ::testing::Test {
+ protected:
+  static constexpr char kWriterA[] = "writer-a-token-0123456789";
+  static constexpr char kReaderA[] = "reader-a-token-0123456789";
+  static constexpr char kWriterB[] = "writer-b-token-0123456789";
+  static constexpr char kAliceP[] = "alice-p-token-0123456789";
+  static constexpr char kBobP[] = "bob-p-token-01234567890";
+  static constexpr char kAliceReaderP[] = "alice-reader-p-token-0123";
+
+  void SetUp() override {
+    setenv("PXT_WA", kWriterA, 1);
+    setenv("PXT_RA", kReaderA, 1);
+    setenv("PXT_WB", kWriterB, 1);
+    setenv("PXT_AP", kAliceP, 1);
+    setenv("PXT_BP", kBobP, 1);
+    setenv("PXT_ARP", kAliceReaderP, 1);
+    DaemonConfig config;
+    config.host_tier.capacity_bytes = 1 << 20;
+    config.namespaces = {
+        {"a",
+         {{"writer", "", "PXT_WA", TokenAccess::kReadWrite, ""},
+          {"reader", "", "PXT_RA", TokenAccess::kReadOnly, ""}}},
+        {"b", {{"writer", "", "PXT_WB", TokenAccess::kReadWrite, ""}}},
+        {"p",
+         {{"alice", "", "PXT_AP", TokenAccess::kReadWrite, ""},
+          {"bob", "", "PXT_BP", TokenAccess::kReadWrite, ""},
+          {"alice-reader", "", "PXT_ARP", TokenAccess::kReadOnly, "alice"}},
+         /*private_prefixes=*/true},
+        {"open"}};
+    ASSERT_OK_AND_ASSIGN(service_, TierService::Create(config, &registry_));
+  }
+
+  Caller As(const std::string& token) {
+    absl::StatusOr<Caller> c = service_->Authenticate("Bearer " + token);
+    EXPECT_OK(c.status());
+    return c.ok() ? *c : Caller::Anonymous();
+  }
+  uint64_t Register(const Caller& caller, const std::string& ns) {
+    v1::RegisterProfileRequest req;
+    req.set_namespace_name(ns);
+    *req.mutable_profile() = SmallProfile();
+    v1::RegisterProfileResponse resp;
+    EXPECT_OK(service_->RegisterProfile(caller, req, &resp));
+    block_bytes_ = resp.block_bytes();
+    return resp.profile_id();
+  }
+  absl::Status Put(const Caller& caller, const std::string& ns, uint64_t profile, char key) {
+    v1::PutRequest req;
+    req.set_namespace_name(ns);
+    req.set_profile_id(profile);
+    v1::PutBlock* b = req.add_blocks();
+    b->set_key(std::string(32, key));
+    b->set_data(std::string(block_bytes_, key));
+    v1::PutResponse resp;
+    return service_->Put(caller, req, &resp);
+  }
+  absl::StatusOr<uint32_t> Lookup(const Caller& caller, const std::string& ns, uint64_t profile,
+                                  char key) {
+    v1::LookupRequest req;
+    req.set_namespace_name(ns);
+    req.set_profile_id(profile);
+    req.add_keys(std::string(32, key));
+    v1::LookupResponse resp;
+    PROXIMA_RETURN_IF_ERROR(service_->Lookup(caller, req, &resp));
+    return resp.num_prefix_present();
+  }
+
+  metrics::Registry registry_;
+  std::unique_ptr<TierService> service_;
+  uint64_t block_bytes_ = 0;
+};
+
+TEST_F(TierServiceAuthTest, BadTokensAreUnauthenticated) {
+  EXPECT_THAT(service_->Authenticate("Bearer not-a-configured-token-xyz"),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("not valid")));
+  EXPECT_THAT(service_->Authenticate(std::string("Basic ") + kWriterA),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("Bearer <token>")));
+  // A prefix or an extension of a real token is no token.
+  EXPECT_THAT(service_->Authenticate(std::string("Bearer ") + kWriterA + "x"),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("not valid")));
+  EXPECT_THAT(service_->Authenticate(std::string("Bearer writer-a-token")),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("not valid")));
+  ASSERT_OK_AND_ASSIGN(Caller anonymous, service_->Authenticate(""));
+  EXPECT_EQ(anonymous.namespace_index, -1);
+  // Without a token: protected and unknown namespaces answer alike; open ones work.
+  v1::RegisterProfileRequest req;
+  *req.mutable_profile() = SmallProfile();
+  v1::RegisterProfileResponse resp;
+  for (const char* ns : {"a", "no-such-namespace"}) {
+    req.set_namespace_name(ns);
+    EXPECT_THAT(service_->RegisterProfile(anonymous, req, &resp),
+                StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("needs a bearer token")));
+  }
+  req.set_namespace_name("open");
+  EXPECT_OK(service_->RegisterProfile(anonymous, req, &resp));
+}
+
+TEST_F(TierServiceAuthTest, TokensActOnlyInTheirNamespace) {
+  const Caller writer_a = As(kWriterA), writer_b = As(kWriterB);
+  const uint64_t profile = Register(writer_a, "a");
+  ASSERT_OK(Put(writer_a, "a", profile, 'K'));
+  EXPECT_THAT(Lookup(writer_a, "a", profile, 'K'), ::proxima::testing::IsOkAndHolds(1u));
+  // B's token on A's namespace, and on a namespace that does not exist: the same refusal.
+  for (const char* ns : {"a", "zz"}) {
+    EXPECT_THAT(Lookup(writer_b, ns, profile, 'K'),
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         AllOf(HasSubstr("not valid for namespace"), HasSubstr("'b' only"))));
+  }
+  // In its own namespace B does not see A's block, even with A's profile registered there.
+  EXPECT_EQ(Register(writer_b, "b"), profile);
+  EXPECT_THAT(Lookup(writer_b, "b", profile, 'K'), ::proxima::testing::IsOkAndHolds(0u));
+  v1::StatsResponse stats;
+  ASSERT_OK(service_->Stats(writer_b, v1::StatsRequest(), &stats));
+  ASSERT_EQ(stats.namespaces_size(), 1);
+  EXPECT_EQ(stats.namespaces(0).name(), "b");
+  EXPECT_EQ(stats.namespaces(0).blocks(), 0u);
+  EXPECT_EQ(stats.tiers_size(), 0);  // tier totals would count A's block
+}
+
+TEST_F(TierServiceAuthTest, ReadOnlyTokensReadButNeverWrite) {
+  const Caller writer = As(kWriterA), reader = As(kReaderA);
+  const uint64_t profile = Register(reader, "a");  // registering is part of reading
+  ASSERT_OK(Put(writer, "a", profile, 'K'));
+  EXPECT_THAT(Lookup(reader, "a", profile, 'K'), ::proxima::testing::IsOkAndHolds(1u));
+  v1::GetRequest get;
+  get.set_namespace_name("a");
+  get.set_profile_id(profile);
+  get.add_keys(std::string(32, 'K'));
+  v1::GetResponse got;
+  ASSERT_OK(service_->Get(reader, get, &got));
+  EXPECT_TRUE(got.results(0).found());
+  EXPECT_THAT(Put(reader, "a", profile, 'L'),
+              StatusIs(absl::StatusCode::kPermissionDenied,
+                       AllOf(HasSubstr("'reader'"), HasSubstr("read_only"), HasSubstr("Put"))));
+  v1::DeleteRequest del;
+  del.set_namespace_name("a");
+  del.set_profile_id(profile);
+  del.add_keys(std::string(32, 'K'));
+  v1::DeleteResponse deleted;
+  EXPECT_THAT(service_->Delete(reader, del, &deleted),
+              StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("Delete")));
+  EXPECT_THAT(Lookup(reader, "a", profile, 'K'), ::proxima::testing::IsOkAndHolds(1u));
+}
+
+TEST_F(TierServiceAuthTest, PrivatePrefixesSeparateTokenScopes) {
+  const Caller alice = As(kAliceP), bob = As(kBobP), alice_reader = As(kAliceReaderP);
+  const uint64_t profile = Register(alice, "p");
+  ASSERT_OK(Put(alice, "p", profile, 'S'));
+  // Bob cannot tell that Alice sent this prefix: a miss, and his own put of it is a new block.
+  EXPECT_THAT(Lookup(bob, "p", profile, 'S'), ::proxima::testing::IsOkAndHolds(0u));
+  ASSERT_OK(Put(bob, "p", profile, 'S'));
+  EXPECT_THAT(Lookup(bob, "p", profile, 'S'), ::proxima::testing::IsOkAndHolds(1u));
+  // A read-only token in Alice's scope reads Alice's blocks.
+  EXPECT_THAT(Lookup(alice_reader, "p", profile, 'S'), ::proxima::testing::IsOkAndHolds(1u));
+  v1::DeleteRequest del;
+  del.set_namespace_name("p");
+  del.set_profile_id(profile);
+  del.add_keys(std::string(32, 'S'));
+  v1::DeleteResponse deleted;
+  ASSERT_OK(service_->Delete(bob, del, &deleted));
+  EXPECT_EQ(deleted.num_deleted(), 1u);
+  EXPECT_THAT(Lookup(alice, "p", profile, 'S'), ::proxima::testing::IsOkAndHolds(1u));
+}
+
+TEST(TierServiceAuthConfigTest, TokenErrorsNameTheKeyNotTheToken) {
+  metrics::Registry registry;
+  DaemonConfig config;
+  config.namespaces = {{"a", {{"w", "/nonexistent/token", "", TokenAccess::kReadWrite, ""}}}};
+  EXPECT_THAT(TierService::Create(config, &registry),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("namespaces[0].tokens[0].file"),
+                             HasSubstr("/nonexistent/token"))));
+  setenv("PXT_DUP", "duplicated-token-0123456789", 1);
+  config.namespaces = {{"a", {{"w", "", "PXT_DUP", TokenAccess::kReadWrite, ""}}},
+                       {"b", {{"w", "", "PXT_DUP", TokenAccess::kReadOnly, ""}}}};
+  metrics::Registry registry2;
+  EXPECT_THAT(TierService::Create(config, &registry2),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("namespaces[1].tokens[0]"),
+                             HasSubstr("namespaces[0].tokens[0]"),
+                             ::testing::Not(HasSubstr("duplicated-token")))));
 }
 
 }  // namespace

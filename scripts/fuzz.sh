@@ -4,13 +4,15 @@
 # fuzzer finds a crash, a sanitizer report or a leak; the reproducer lands in the build dir.
 #
 #   scripts/fuzz.sh codec_decode 30
+#   scripts/fuzz.sh request 30        # KVTier requests handled in process by the daemon's code
+#   scripts/fuzz.sh config_parse 30   # proximad's YAML config and --set overrides
 #
 # Env: PROXIMA_FUZZ_BUILD_DIR (default build-fuzz/ in the repo), CXX_FUZZ (default clang++).
 # The build compiles only the sources the target needs (no CMake configure), incrementally.
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
-  echo "usage: $0 TARGET SECONDS   (targets: codec_decode)" >&2
+  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, request, config_parse)" >&2
   exit 2
 fi
 target=$1
@@ -26,23 +28,49 @@ case "$target" in
     harness=tests/fuzz/codec_decode_fuzzer.cc
     libs="absl_status absl_statusor absl_strings absl_str_format"
     ;;
+  config_parse)
+    sources=(daemon/config.cc)
+    harness=tests/fuzz/config_parse_fuzzer.cc
+    libs="yaml-cpp absl_status absl_statusor absl_strings absl_str_format absl_raw_hash_set absl_hash"
+    ;;
+  request)
+    sources=(common/crc32c.cc common/log.cc common/credentials.cc proto/wire.cc
+             daemon/config.cc daemon/metrics.cc daemon/host_tier.cc daemon/block_store.cc
+             daemon/tier_service.cc daemon/grpc_service.cc
+             gen/proxima/v1/kvtier.pb.cc gen/proxima/v1/kvtier.grpc.pb.cc)
+    harness=tests/fuzz/request_fuzzer.cc
+    libs="grpc++ protobuf yaml-cpp openssl absl_status absl_statusor absl_strings absl_str_format
+          absl_raw_hash_set absl_hash absl_time absl_synchronization"
+    ;;
   *)
-    echo "unknown fuzz target '$target' (known: codec_decode)" >&2
+    echo "unknown fuzz target '$target' (known: codec_decode, request, config_parse)" >&2
     exit 2
     ;;
 esac
 
+# Generated protobuf/gRPC code, for the targets that handle API messages.
+gen=$out/gen
+if [[ $target == request && ( ! -f $gen/proxima/v1/kvtier.pb.cc ||
+      $root/proto/proxima/v1/kvtier.proto -nt $gen/proxima/v1/kvtier.pb.cc ) ]]; then
+  mkdir -p "$gen"
+  protoc --proto_path="$root/proto" --cpp_out="$gen" --grpc_out="$gen" \
+    --plugin=protoc-gen-grpc="$(command -v grpc_cpp_plugin)" "$root/proto/proxima/v1/kvtier.proto"
+fi
+
 mkdir -p "$out/obj" "$out/corpus-$target"
-flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -I"$root"
+flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -I"$root" -I"$gen"
+       -DPROXIMA_VERSION='"fuzz"'
        -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined)
 
 compile() {  # src -> obj, only when the source or a header is newer
   local src=$1 obj=$2
   local extra=()
   [[ $src == *simd_avx2.cc ]] && extra=(-mavx2 -mf16c)
-  if [[ ! -f $obj || -n $(find "$root/kernels" "$root/common" "$root/tests/fuzz" -newer "$obj" \
-        -name '*.h' -print -quit) || $root/$src -nt $obj ]]; then
-    "$cxx" "${flags[@]}" "${extra[@]}" -c "$root/$src" -o "$obj"
+  local path=$root/$src
+  [[ $src == gen/* ]] && path=$out/$src && extra+=(-w)
+  if [[ ! -f $obj || -n $(find "$root/kernels" "$root/common" "$root/tests/fuzz" "$root/daemon" \
+        "$root/proto" -newer "$obj" -name '*.h' -print -quit) || $path -nt $obj ]]; then
+    "$cxx" "${flags[@]}" "${extra[@]}" -c "$path" -o "$obj"
   fi
 }
 

@@ -9,6 +9,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc protobuf-compiler libprotobuf-dev
+  libssl-dev openssl
   libabsl-dev libucx-dev ucx-utils libjemalloc-dev libyaml-cpp-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   redis-server redis-tools libhiredis-dev

@@ -12,4 +12,7 @@ python3 -m pip install --disable-pip-version-check --root-user-action=ignore -q 
 ./scripts/build.sh build
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
 ./scripts/fuzz.sh codec_decode 30
+# Bounded fuzzing of KVTier request handling (in process) and of config parsing.
+./scripts/fuzz.sh request 20
+./scripts/fuzz.sh config_parse 15
 ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300

@@ -231,7 +231,7 @@ def test_chart_renders_valid_manifests():
     assert container["image"].endswith(":1.2.3")
 
 
-@pytest.mark.parametrize("feature", ["gpuTier", "compression", "tls", "auth", "discovery", "ucx"])
+@pytest.mark.parametrize("feature", ["gpuTier", "compression", "discovery", "ucx"])
 def test_chart_refuses_reserved_features(feature):
     # Values for features proximad lacks must not look like working config.
     with pytest.raises(helm_render.RenderError, match="not implemented"):
@@ -240,6 +240,38 @@ def test_chart_refuses_reserved_features(feature):
     rendered = find(docs, "ConfigMap")["data"]["proxima.yaml"]
     for word in ("compression", "tls", "token", "discovery", "ucx", "gpu"):
         assert word not in rendered.lower()
+
+
+def test_chart_mounts_tls_and_token_secrets(binaries, tmp_path):
+    sets = ["tls.secretName=proxima-tls", "tokens.secretName=proxima-tokens",
+            "config.server.tls={cert_file: /etc/proxima-tls/tls.crt, "
+            "key_file: /etc/proxima-tls/tls.key, client_ca_file: /etc/proxima-tls/ca.crt}",
+            "config.namespaces=[{name: default, tokens: [{name: worker, "
+            "file: /etc/proxima-tokens/default-worker}, {name: dashboard, "
+            "file: /etc/proxima-tokens/default-ro, access: read_only}]}]"]
+    docs, _ = chart_docs(sets=sets)
+    for d in docs:
+        validate(d)
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "proxima-tls"
+    assert volumes["tokens"]["secret"]["secretName"] == "proxima-tokens"
+    assert pod["securityContext"]["fsGroup"] == 10001
+    container = pod["containers"][0]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["tls"]["mountPath"] == "/etc/proxima-tls" and mounts["tls"]["readOnly"]
+    assert mounts["tokens"]["mountPath"] == "/etc/proxima-tokens"
+    # The kubelet's gRPC probe cannot speak TLS: the probes ask over the Unix socket.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["/usr/local/bin/proximactl", "health"]
+        assert "--target=unix:/run/proxima/proximad.sock" in command
+    # proximad accepts the rendered config (file contents are checked at start, not here).
+    check_config_accepted(find(docs, "ConfigMap")["data"]["proxima.yaml"], tmp_path)
+    # Without the secrets nothing is mounted and the gRPC probes stay.
+    pod = find(chart_docs()[0], "DaemonSet")["spec"]["template"]["spec"]
+    assert not {"tls", "tokens"} & {v["name"] for v in pod["volumes"]}
+    assert "grpc" in pod["containers"][0]["readinessProbe"]
 
 
 def test_renderer_rejects_what_it_does_not_support(tmp_path):

@@ -1,5 +1,7 @@
 /* Exercises libproxima's C ABI from C (not C++), linked against the shared library. Prints
- * "c abi ok" and exits 0 on success; otherwise names the failing step. Usage: c_abi_test TARGET */
+ * "c abi ok" and exits 0 on success; otherwise names the failing step.
+ * Usage: c_abi_test TARGET [NAMESPACE TOKEN]   (with a token: proxima_connect_with, and a wrong
+ * token must be refused with UNAUTHENTICATED first) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,10 +17,24 @@
   } while (0)
 
 int main(int argc, char** argv) {
-  if (argc != 2) return 2;
+  if (argc != 2 && argc != 4) return 2;
   CHECK(proxima_abi_version() == PROXIMA_ABI_VERSION, "abi version");
   proxima_client* c = NULL;
-  CHECK(proxima_connect(argv[1], "default", 5000, 10000, &c) == PROXIMA_OK, "connect");
+  if (argc == 2) {
+    CHECK(proxima_connect(argv[1], "default", 5000, 10000, &c) == PROXIMA_OK, "connect");
+  } else {
+    proxima_connect_options o;
+    memset(&o, 0, sizeof(o));
+    o.size = sizeof(o);
+    o.target = argv[1];
+    o.namespace_name = argv[2];
+    o.token = "this-token-is-not-configured-anywhere";
+    o.connect_timeout_ms = 5000;
+    CHECK(proxima_connect_with(&o, &c) == 16 /* UNAUTHENTICATED */, "wrong token refused");
+    CHECK(strstr(proxima_last_error(), "bearer token") != NULL, "wrong token message");
+    o.token = argv[3];
+    CHECK(proxima_connect_with(&o, &c) == PROXIMA_OK, "connect with token");
+  }
   proxima_model_profile profile = {2, 2, 64, 16, PROXIMA_DTYPE_FP16, "c-abi-model"};
   uint64_t id = 0, block_bytes = 0;
   CHECK(proxima_register_profile(c, &profile, &id, &block_bytes) == PROXIMA_OK, "register");
@@ -45,7 +61,9 @@ int main(int argc, char** argv) {
   CHECK(memcmp(out[0], blocks[0], block_bytes) == 0 && memcmp(out[1], blocks[1], block_bytes) == 0,
         "bytes");
   char* json = NULL;
-  CHECK(proxima_stats_json(c, &json) == PROXIMA_OK && strstr(json, "\"host\"") != NULL, "stats");
+  char quoted_ns[80];
+  snprintf(quoted_ns, sizeof(quoted_ns), "\"%s\"", argc == 4 ? argv[2] : "default");
+  CHECK(proxima_stats_json(c, &json) == PROXIMA_OK && strstr(json, quoted_ns) != NULL, "stats");
   proxima_free_string(json);
   size_t deleted = 0;
   CHECK(proxima_delete(c, id, N, keys, &deleted) == PROXIMA_OK && deleted == 2, "delete");

@@ -225,7 +225,9 @@ TEST_F(BadInputTest, EmptyAndOversizedBatches) {
                                         HasSubstr("no blocks")));
   v1::PutRequest big = GoodPut(9);  // over max_batch_blocks = 8; shrunk to stay under 4 MiB
   for (auto& b : *big.mutable_blocks()) b.mutable_data()->resize(profile_.block_bytes / 4);
-  EXPECT_THAT(Put(big), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 8")));
+  EXPECT_THAT(Put(big), StatusIs(absl::StatusCode::kResourceExhausted,
+                                 AllOf(HasSubstr("limit is 8"),
+                                       HasSubstr("server.max_batch_blocks"))));
   v1::LookupRequest lookup;
   lookup.set_namespace_name("default");
   lookup.set_profile_id(profile_.id);
@@ -233,7 +235,8 @@ TEST_F(BadInputTest, EmptyAndOversizedBatches) {
   grpc::ClientContext ctx;
   v1::LookupResponse resp;
   EXPECT_THAT(client::FromGrpc(stub_->Lookup(&ctx, lookup, &resp)),
-              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 100")));
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("limit is 100"), HasSubstr("server.max_lookup_keys"))));
 }
 
 TEST_F(BadInputTest, MillionsOfEmptyKeysAreRefusedWhileParsing) {

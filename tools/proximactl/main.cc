@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -30,11 +31,21 @@
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "client/test_pattern.h"
+#include "common/credentials.h"
+#include "common/status_macros.h"
 #include "common/log.h"
 
 ABSL_FLAG(std::string, target, "unix:/run/proxima/proximad.sock",
           "proximad address: unix:/path or host:port");
 ABSL_FLAG(std::string, ns, "default", "namespace (tenant) to act in");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the namespace's bearer token (else $PROXIMA_TOKEN; none for an open "
+          "namespace). Not a flag value: command lines are visible to every local user");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA that signed proximad's certificate: enables TLS");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for mTLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to verify in proximad's certificate, when not the host of --target");
 ABSL_FLAG(double, timeout, 10, "seconds: connect timeout and per-call deadline");
 ABSL_FLAG(bool, json, false, "print one JSON object instead of text");
 ABSL_FLAG(std::string, service, "proxima.v1.KVTier",
@@ -150,12 +161,27 @@ int Fail(const std::string& what, const absl::Status& status) {
   return 1;
 }
 
-absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
+absl::StatusOr<proxima::client::ClientOptions> OptionsFromFlags() {
   proxima::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.namespace_name = absl::GetFlag(FLAGS_ns);
   options.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout));
   options.call_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout));
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    PROXIMA_ASSIGN_OR_RETURN(options.token,
+                             proxima::ReadTokenFile("--token_file", absl::GetFlag(FLAGS_token_file)));
+  } else if (const char* env = std::getenv("PROXIMA_TOKEN"); env != nullptr && *env != '\0') {
+    PROXIMA_ASSIGN_OR_RETURN(options.token, proxima::ReadTokenEnv("$PROXIMA_TOKEN", "PROXIMA_TOKEN"));
+  }
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectFromFlags() {
+  PROXIMA_ASSIGN_OR_RETURN(proxima::client::ClientOptions options, OptionsFromFlags());
   return Client::Connect(options);
 }
 
@@ -222,8 +248,13 @@ int CmdInfo() {
 }
 
 int CmdHealth() {
-  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target),
-                                     grpc::InsecureChannelCredentials());
+  absl::StatusOr<proxima::client::ClientOptions> options = OptionsFromFlags();
+  if (!options.ok()) return Fail("health", options.status());
+  auto credentials = proxima::client::ChannelCredentialsFor(*options);
+  if (!credentials.ok()) return Fail("health", credentials.status());
+  grpc::ChannelArguments args;
+  if (!options->tls_server_name.empty()) args.SetSslTargetNameOverride(options->tls_server_name);
+  auto channel = grpc::CreateCustomChannel(options->target, *credentials, args);
   auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout))));

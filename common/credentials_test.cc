@@ -1,0 +1,92 @@
+#include "common/credentials.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace proxima {
+namespace {
+
+using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class CredentialsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/proxima-cred-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string Write(const std::string& name, const std::string& text) {
+    std::string path = dir_ + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  }
+  std::string dir_;
+};
+
+TEST_F(CredentialsTest, TokenFileIsTrimmedAndItsValueNeverInErrors) {
+  std::string path = Write("tok", "  s3cr3t-token-0123456789\n");
+  EXPECT_THAT(ReadTokenFile("k.file", path), ::proxima::testing::IsOkAndHolds(
+                                                 std::string("s3cr3t-token-0123456789")));
+  std::string short_path = Write("short", "abc-secret\n");
+  absl::StatusOr<std::string> bad = ReadTokenFile("k.file", short_path);
+  EXPECT_THAT(bad, StatusIs(absl::StatusCode::kInvalidArgument,
+                            AllOf(HasSubstr("k.file"), HasSubstr(short_path), HasSubstr("16"),
+                                  Not(HasSubstr("abc-secret")))));
+  std::string spaced = Write("spaced", "a token with spaces inside it\n");
+  EXPECT_THAT(ReadTokenFile("k.file", spaced),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("printable ASCII"), Not(HasSubstr("spaces inside")))));
+  EXPECT_THAT(ReadTokenFile("k.file", dir_ + "/missing"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing")));
+}
+
+TEST_F(CredentialsTest, TokenFromEnvironment) {
+  setenv("PROXIMA_TEST_TOKEN_X", "env-token-abcdefghijkl", 1);
+  EXPECT_THAT(ReadTokenEnv("k.env", "PROXIMA_TEST_TOKEN_X"),
+              ::proxima::testing::IsOkAndHolds(std::string("env-token-abcdefghijkl")));
+  unsetenv("PROXIMA_TEST_TOKEN_X");
+  EXPECT_THAT(ReadTokenEnv("k.env", "PROXIMA_TEST_TOKEN_X"),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr("k.env"), HasSubstr("PROXIMA_TEST_TOKEN_X"))));
+}
+
+TEST_F(CredentialsTest, PemFilesAreParsedNotJustNamed) {
+  std::string junk = Write("junk.pem", "-----BEGIN CERTIFICATE-----\nnot base64!\n"
+                                       "-----END CERTIFICATE-----\n");
+  EXPECT_THAT(ReadPemFile("server.tls.cert_file", junk, PemKind::kCertificates),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("server.tls.cert_file"), HasSubstr(junk),
+                             HasSubstr("BEGIN CERTIFICATE"))));
+  EXPECT_THAT(ReadPemFile("server.tls.key_file", Write("empty", ""), PemKind::kPrivateKey),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty")));
+  EXPECT_THAT(ReadPemFile("server.tls.key_file", dir_ + "/nope.key", PemKind::kPrivateKey),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("nope.key")));
+  if (geteuid() != 0) {  // root reads any file
+    std::string locked = Write("locked.pem", "x");
+    chmod(locked.c_str(), 0);
+    EXPECT_THAT(ReadPemFile("server.tls.key_file", locked, PemKind::kPrivateKey),
+                StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("locked.pem")));
+  }
+}
+
+TEST(ConstantTimeEqualsTest, ComparesWholeValues) {
+  EXPECT_TRUE(ConstantTimeEquals("abcdefgh", "abcdefgh"));
+  EXPECT_FALSE(ConstantTimeEquals("abcdefgX", "abcdefgh"));
+  EXPECT_FALSE(ConstantTimeEquals("abcdefg", "abcdefgh"));
+  EXPECT_FALSE(ConstantTimeEquals("abcdefghi", "abcdefgh"));
+  EXPECT_FALSE(ConstantTimeEquals("", "abcdefgh"));
+  EXPECT_FALSE(ConstantTimeEquals(std::string("abcdefgh\0", 9), "abcdefgh"));
+}
+
+}  // namespace
+}  // namespace proxima

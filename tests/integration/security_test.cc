@@ -1,0 +1,402 @@
+// Security against the real proximad: TLS and mTLS with certificates made at test time (openssl
+// CLI), bearer tokens and read-only tokens, every call tried across namespaces, the Unix
+// socket's file mode, and the per-client in-flight byte limit.
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/client.h"
+#include "client/test_pattern.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace proxima {
+namespace {
+
+using ::proxima::client::BlockKey;
+using ::proxima::client::Client;
+using ::proxima::client::ClientOptions;
+using ::proxima::client::Profile;
+using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::RunCommand;
+using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+v1::ModelProfile SmallModel() {  // 2 x 16 x 2 x 64 x fp16 x (K, V) = 16 KiB blocks
+  v1::ModelProfile p;
+  p.set_num_layers(2);
+  p.set_num_kv_heads(2);
+  p.set_head_dim(64);
+  p.set_tokens_per_block(16);
+  p.set_dtype(v1::DTYPE_FP16);
+  p.set_fingerprint("security-test");
+  return p;
+}
+
+// A scratch directory with two CAs and certificates, made by the openssl CLI.
+class Pki {
+ public:
+  Pki() {
+    char tmpl[] = "/tmp/proxima-pki-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    ok_ = MakeCa("ca") && MakeCa("other-ca") &&
+          MakeCert("server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost") &&
+          MakeCert("client", "ca", "extendedKeyUsage=clientAuth") &&
+          MakeCert("rogue-client", "other-ca", "extendedKeyUsage=clientAuth");
+  }
+  ~Pki() { std::filesystem::remove_all(dir_); }
+  bool ok() const { return ok_; }
+  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string Write(const std::string& name, const std::string& text) const {
+    std::ofstream(Path(name)) << text;
+    return Path(name);
+  }
+
+ private:
+  bool Run(std::vector<std::string> argv) {
+    argv.insert(argv.begin(), "/usr/bin/openssl");
+    testing::CommandResult r = RunCommand(argv, absl::Seconds(30));
+    if (r.exit_code != 0) ADD_FAILURE() << absl::StrJoin(argv, " ") << ": " << r.err;
+    return r.exit_code == 0;
+  }
+  bool MakeCa(const std::string& name) {
+    return Run({"req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                "-nodes", "-keyout", Path(name + ".key"), "-out", Path(name + ".crt"), "-days",
+                "2", "-subj", "/CN=proxima test " + name});
+  }
+  bool MakeCert(const std::string& name, const std::string& ca, const std::string& ext) {
+    std::string ext_file = Write(name + ".ext", ext + "\n");
+    return Run({"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                "-keyout", Path(name + ".key"), "-out", Path(name + ".csr"), "-subj",
+                "/CN=" + name}) &&
+           Run({"x509", "-req", "-in", Path(name + ".csr"), "-CA", Path(ca + ".crt"), "-CAkey",
+                Path(ca + ".key"), "-CAcreateserial", "-out", Path(name + ".crt"), "-days", "2",
+                "-extfile", ext_file});
+  }
+
+  std::string dir_;
+  bool ok_ = false;
+};
+
+absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options) {
+  options.connect_timeout = absl::Seconds(3);
+  options.call_timeout = absl::Seconds(10);
+  return Client::Connect(options);
+}
+
+// Stores and reads back `n` test blocks; checks every byte.
+void RoundTrip(Client& c, uint64_t seed, size_t n) {
+  ASSERT_OK_AND_ASSIGN(Profile p, c.RegisterProfile(SmallModel()));
+  std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, n);
+  std::vector<std::vector<std::byte>> data(n, std::vector<std::byte>(p.block_bytes));
+  for (size_t i = 0; i < n; ++i) client::FillTestBlock(seed, i, data[i]);
+  std::vector<std::span<const std::byte>> in(data.begin(), data.end());
+  ASSERT_OK(c.Put(p, keys, in).status());
+  std::vector<std::vector<std::byte>> out(n, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c.Get(p, keys, spans));
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_TRUE(found[i]);
+    EXPECT_TRUE(client::IsTestBlock(seed, i, out[i])) << i;
+  }
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(pki_.ok()); }
+  std::vector<std::string> TlsSets(bool mtls) {
+    std::vector<std::string> sets = {"server.tls.cert_file=" + pki_.Path("server.crt"),
+                                     "server.tls.key_file=" + pki_.Path("server.key")};
+    if (mtls) sets.push_back("server.tls.client_ca_file=" + pki_.Path("ca.crt"));
+    return sets;
+  }
+  Pki pki_;
+};
+
+TEST_F(TlsTest, RoundTripOverTls) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start(TlsSets(false)));
+  ASSERT_OK_AND_ASSIGN(auto c, Connect({.target = daemon->tcp_target(),
+                                        .tls_ca_file = pki_.Path("ca.crt")}));
+  RoundTrip(*c, 1, 6);
+  // The Unix socket stays plaintext (protected by its file mode).
+  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
+  RoundTrip(*local, 2, 2);
+}
+
+TEST_F(TlsTest, MutualTlsAcceptsOnlyCertificatesOfItsCa) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start(TlsSets(true)));
+  ASSERT_OK_AND_ASSIGN(auto c, Connect({.target = daemon->tcp_target(),
+                                        .tls_ca_file = pki_.Path("ca.crt"),
+                                        .tls_cert_file = pki_.Path("client.crt"),
+                                        .tls_key_file = pki_.Path("client.key")}));
+  RoundTrip(*c, 3, 4);
+
+  struct Case {
+    const char* what;
+    ClientOptions options;
+  };
+  const std::vector<Case> refused = {
+      {"no client certificate",
+       {.target = daemon->tcp_target(), .tls_ca_file = pki_.Path("ca.crt")}},
+      {"a client certificate from another CA",
+       {.target = daemon->tcp_target(),
+        .tls_ca_file = pki_.Path("ca.crt"),
+        .tls_cert_file = pki_.Path("rogue-client.crt"),
+        .tls_key_file = pki_.Path("rogue-client.key")}},
+      {"a plaintext client", {.target = daemon->tcp_target()}},
+      {"a client that does not trust the server's CA",
+       {.target = daemon->tcp_target(),
+        .tls_ca_file = pki_.Path("other-ca.crt"),
+        .tls_cert_file = pki_.Path("client.crt"),
+        .tls_key_file = pki_.Path("client.key")}},
+  };
+  for (const Case& k : refused) {
+    SCOPED_TRACE(k.what);
+    absl::Time start = absl::Now();
+    EXPECT_THAT(Connect(k.options),
+                StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot reach proximad")));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(8));  // the connect timeout, not a hang
+  }
+  // The daemon is unharmed.
+  RoundTrip(*c, 4, 2);
+}
+
+TEST_F(TlsTest, BadTlsFilesStopTheStartWithTheKeyAndPath) {
+  std::string junk = pki_.Write("junk.pem", "-----BEGIN CERTIFICATE-----\nAAAA\n"
+                                            "-----END CERTIFICATE-----\n");
+  struct Case {
+    std::vector<std::string> sets;
+    std::vector<std::string> expect;
+  };
+  const std::vector<Case> cases = {
+      {{"server.tls.cert_file=" + pki_.Path("missing.crt"),
+        "server.tls.key_file=" + pki_.Path("server.key")},
+       {"server.tls.cert_file", "missing.crt", "No such file"}},
+      {{"server.tls.cert_file=" + junk, "server.tls.key_file=" + pki_.Path("server.key")},
+       {"server.tls.cert_file", "junk.pem", "no valid PEM certificate"}},
+      {{"server.tls.cert_file=" + pki_.Path("server.crt"),
+        "server.tls.key_file=" + pki_.Path("client.key")},
+       {"server.tls.key_file", "not the private key"}},
+      {{"server.tls.cert_file=" + pki_.Path("server.crt"),
+        "server.tls.key_file=" + pki_.Path("server.key"),
+        "server.tls.client_ca_file=" + pki_.Path("server.key")},
+       {"server.tls.client_ca_file", "server.key", "certificate"}},
+      {{"server.tls.cert_file=" + pki_.Path("server.crt")},
+       {"server.tls.key_file", "since server.tls.cert_file is set"}},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.sets[0]);
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(k.sets);
+    ASSERT_FALSE(d.ok());
+    for (const std::string& e : k.expect) EXPECT_THAT(d.status().message(), HasSubstr(e));
+  }
+}
+
+// Namespaces a (a read-write and a read-only token) and b (a read-write token), token files in
+// the daemon's directory.
+class TokenTest : public ::testing::Test {
+ protected:
+  static constexpr char kA[] = "tok-a-rw-7f3c9d1e2b4a6f80";
+  static constexpr char kAReadOnly[] = "tok-a-ro-0e9d8c7b6a5f4e3d";
+  static constexpr char kB[] = "tok-b-rw-1a2b3c4d5e6f7a8b";
+
+  void SetUp() override {
+    ASSERT_TRUE(pki_.ok());
+    std::string a = pki_.Write("a.token", std::string(kA) + "\n");
+    std::string a_ro = pki_.Write("a-ro.token", std::string(kAReadOnly) + "\n");
+    std::string b = pki_.Write("b.token", std::string(kB) + "\n");
+    ASSERT_OK_AND_ASSIGN(
+        daemon_, DaemonProcess::Start({absl::StrCat(
+                     "namespaces=[{name: a, tokens: [{name: worker, file: ", a,
+                     "}, {name: dashboard, file: ", a_ro, ", access: read_only}]}, ",
+                     "{name: b, tokens: [{name: worker, file: ", b, "}]}]")}));
+  }
+  absl::StatusOr<std::unique_ptr<Client>> As(const std::string& ns, const std::string& token) {
+    return Connect({.target = daemon_->unix_target(), .namespace_name = ns, .token = token});
+  }
+
+  Pki pki_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(TokenTest, EveryCallAcrossNamespacesIsRefusedAndRevealsNothing) {
+  ASSERT_OK_AND_ASSIGN(auto a, As("a", kA));
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(SmallModel()));
+  std::vector<BlockKey> keys = client::TestKeyChain(7, 0, 4);
+  std::vector<std::vector<std::byte>> data(4, std::vector<std::byte>(p.block_bytes));
+  for (size_t i = 0; i < 4; ++i) client::FillTestBlock(7, i, data[i]);
+  std::vector<std::span<const std::byte>> in(data.begin(), data.end());
+  ASSERT_OK(a->Put(p, keys, in).status());
+  std::vector<std::vector<std::byte>> out(4, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
+
+  // B's token naming namespace a, and naming a namespace that does not exist: every call gets
+  // the same PERMISSION_DENIED, which names neither blocks nor a's existence.
+  for (const char* ns : {"a", "no-such-ns"}) {
+    SCOPED_TRACE(ns);
+    ASSERT_OK_AND_ASSIGN(auto intruder, As(ns, kB));
+    auto denied = StatusIs(absl::StatusCode::kPermissionDenied,
+                           AllOf(HasSubstr("token 'worker' is not valid for namespace"),
+                                 HasSubstr("grants namespace 'b' only")));
+    EXPECT_THAT(intruder->RegisterProfile(SmallModel()), denied);
+    EXPECT_THAT(intruder->Put(p, keys, in), denied);
+    EXPECT_THAT(intruder->Get(p, keys, spans), denied);
+    EXPECT_THAT(intruder->Lookup(p, keys), denied);
+    EXPECT_THAT(intruder->Delete(p, keys), denied);
+  }
+  // In its own namespace, B does not see a's blocks under the same profile and keys.
+  ASSERT_OK_AND_ASSIGN(auto b, As("b", kB));
+  ASSERT_OK_AND_ASSIGN(Profile pb, b->RegisterProfile(SmallModel()));
+  EXPECT_EQ(pb.id, p.id);
+  EXPECT_THAT(b->Lookup(pb, keys), ::proxima::testing::IsOkAndHolds(0u));
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, b->Get(pb, keys, spans));
+  EXPECT_THAT(found, ::testing::Each(false));
+  EXPECT_THAT(b->Delete(pb, keys), ::proxima::testing::IsOkAndHolds(0u));
+  // Stats: b sees b only, and no tier totals (they would count a's blocks).
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, b->Stats());
+  ASSERT_EQ(stats.namespaces_size(), 1);
+  EXPECT_EQ(stats.namespaces(0).name(), "b");
+  EXPECT_EQ(stats.namespaces(0).blocks(), 0u);
+  EXPECT_EQ(stats.tiers_size(), 0);
+  EXPECT_THAT(stats.DebugString(), Not(HasSubstr("\"a\"")));
+  // Nothing of a's was lost.
+  EXPECT_THAT(a->Lookup(p, keys), ::proxima::testing::IsOkAndHolds(4u));
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse a_stats, a->Stats());
+  ASSERT_EQ(a_stats.namespaces_size(), 1);
+  EXPECT_EQ(a_stats.namespaces(0).blocks(), 4u);
+}
+
+TEST_F(TokenTest, MissingAndWrongTokensAreUnauthenticated) {
+  // Connect() calls GetServerInfo, which needs no namespace; a wrong token fails it already.
+  EXPECT_THAT(As("a", "tok-a-rw-00000000000000000"),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("not valid")));
+  ASSERT_OK_AND_ASSIGN(auto anonymous, As("a", ""));
+  EXPECT_THAT(anonymous->RegisterProfile(SmallModel()),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("needs a bearer token")));
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, anonymous->Stats());
+  EXPECT_EQ(stats.namespaces_size(), 0);
+  EXPECT_EQ(stats.tiers_size(), 0);
+  // The daemon's log never holds a token.
+  std::string log = daemon_->Log();
+  for (const char* t : {kA, kAReadOnly, kB}) EXPECT_THAT(log, Not(HasSubstr(t)));
+}
+
+TEST_F(TokenTest, ReadOnlyTokenReadsButCannotWrite) {
+  ASSERT_OK_AND_ASSIGN(auto writer, As("a", kA));
+  ASSERT_OK_AND_ASSIGN(auto reader, As("a", kAReadOnly));
+  ASSERT_OK_AND_ASSIGN(Profile p, reader->RegisterProfile(SmallModel()));
+  std::vector<BlockKey> keys = client::TestKeyChain(9, 0, 2);
+  std::vector<std::vector<std::byte>> data(2, std::vector<std::byte>(p.block_bytes));
+  for (size_t i = 0; i < 2; ++i) client::FillTestBlock(9, i, data[i]);
+  std::vector<std::span<const std::byte>> in(data.begin(), data.end());
+  ASSERT_OK(writer->Put(p, keys, in).status());
+  EXPECT_THAT(reader->Lookup(p, keys), ::proxima::testing::IsOkAndHolds(2u));
+  std::vector<std::vector<std::byte>> out(2, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, reader->Get(p, keys, spans));
+  EXPECT_THAT(found, ::testing::Each(true));
+  EXPECT_TRUE(client::IsTestBlock(9, 1, out[1]));
+  ASSERT_OK(reader->Stats().status());
+  auto read_only = StatusIs(absl::StatusCode::kPermissionDenied,
+                            AllOf(HasSubstr("'dashboard'"), HasSubstr("read_only")));
+  EXPECT_THAT(reader->Put(p, keys, in), read_only);
+  EXPECT_THAT(reader->Delete(p, keys), read_only);
+  EXPECT_THAT(writer->Lookup(p, keys), ::proxima::testing::IsOkAndHolds(2u));
+}
+
+TEST_F(TokenTest, CAbiAndProximactlPassTokens) {
+  testing::CommandResult r = RunCommand({C_ABI_TEST_PATH, daemon_->unix_target(), "b", kB});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("c abi ok"));
+
+  const std::string token_file = pki_.Write("ctl.token", std::string(kA) + "\n");
+  r = RunCommand({testing::ProximactlPath(), "put", "--target=" + daemon_->unix_target(),
+                  "--ns=a", "--token_file=" + token_file, "--count=3", "--layers=2",
+                  "--kv_heads=2", "--head_dim=64", "--dtype=fp16"});
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  r = RunCommand({testing::ProximactlPath(), "put", "--target=" + daemon_->unix_target(),
+                  "--ns=a", "--count=3"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("UNAUTHENTICATED"), HasSubstr("bearer token")));
+}
+
+TEST(UnixSocketTest, SocketHasTheConfiguredModeAndOthersCannotConnect) {
+  // 0666 is the control: there, another user does get in, so a refusal under 0600 and 0660 is
+  // the socket's mode at work and not something else.
+  for (const char* mode : {"0600", "0660", "0666"}) {
+    SCOPED_TRACE(mode);
+    ASSERT_OK_AND_ASSIGN(auto daemon,
+                         DaemonProcess::Start({std::string("server.unix_socket_mode=") + mode}));
+    struct stat st;
+    ASSERT_EQ(stat(daemon->socket_path().c_str(), &st), 0);
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+    EXPECT_EQ(st.st_mode & 07777, std::stoul(mode, nullptr, 8));
+    if (geteuid() != 0) continue;  // checking another user's view needs root to become one
+    // The daemon's directory is 0700: open it, so that only the socket's own mode decides.
+    ASSERT_EQ(chmod(daemon->dir().c_str(), 0755), 0);
+    // A child that drops to user and group nobody (not the socket's owner or group).
+    pid_t pid = fork();
+    if (pid == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+      int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::strncpy(addr.sun_path, daemon->socket_path().c_str(), sizeof(addr.sun_path) - 1);
+      int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      _exit(rc == 0 ? 0 : (errno == EACCES ? 1 : 2));
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    // Exit 1: refused with EACCES; exit 0: connected.
+    EXPECT_EQ(WEXITSTATUS(status), std::string(mode) == "0666" ? 0 : 1);
+  }
+}
+
+TEST(LimitsTest, InflightBytesPerClientAreCappedWithAClearError) {
+  ASSERT_OK_AND_ASSIGN(auto daemon,
+                       DaemonProcess::Start({"server.max_inflight_bytes_per_client=64KiB"}));
+  ASSERT_OK_AND_ASSIGN(auto c, Connect({.target = daemon->tcp_target()}));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(SmallModel()));  // 16 KiB blocks
+  // One-block calls fit, even when the daemon has not yet released the previous call (it does
+  // so once gRPC has finished sending, a moment after the client has the response).
+  RoundTrip(*c, 11, 1);
+  // A 5-block Put (80 KiB) is over the limit by itself.
+  std::vector<BlockKey> keys = client::TestKeyChain(12, 0, 5);
+  std::vector<std::vector<std::byte>> data(5, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<const std::byte>> in(data.begin(), data.end());
+  EXPECT_THAT(c->Put(p, keys, in),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("server.max_inflight_bytes_per_client = 65536"),
+                             HasSubstr("request"))));
+  EXPECT_THAT(c->Lookup(p, keys), ::proxima::testing::IsOkAndHolds(0u));  // nothing stored
+  // A Get whose response would be 5 blocks (80 KiB): its request is small, its response not.
+  std::vector<BlockKey> get_keys(5, client::TestKeyChain(11, 0, 1)[0]);
+  std::vector<std::vector<std::byte>> out(5, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
+  EXPECT_THAT(c->Get(p, get_keys, spans),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("server.max_inflight_bytes_per_client"),
+                             HasSubstr("response"))));
+  // Refused calls release what they held: small calls keep working.
+  RoundTrip(*c, 13, 1);
+  // Unix-socket clients (all named "unix:" by gRPC) are not limited per client.
+  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
+  RoundTrip(*local, 14, 5);
+}
+
+}  // namespace
+}  // namespace proxima
