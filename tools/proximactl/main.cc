@@ -281,6 +281,11 @@ int CmdStats() {
                 100.0 * t.used_bytes() / std::max<uint64_t>(1, t.capacity_bytes()),
                 static_cast<unsigned long long>(t.blocks()),
                 static_cast<unsigned long long>(t.evictions()));
+    for (const auto& l : t.levels()) {
+      std::printf("  level %-3u %14llu bytes %10llu blocks%s\n", l.level(),
+                  static_cast<unsigned long long>(l.bytes()),
+                  static_cast<unsigned long long>(l.blocks()), l.level() == 0 ? " (raw)" : "");
+    }
   }
   std::printf("%-12s %8s %14s %8s %9s %9s %11s %11s\n", "namespace", "blocks", "bytes", "puts",
               "get_hits", "get_miss", "lookup_hits", "lookup_miss");
