@@ -70,7 +70,8 @@ Result Run(const proxima::codec::KvTensor& kv, uint64_t capacity, uint32_t block
   const uint32_t distinct = kv.num_tokens - kTokens + 1;
   std::vector<std::string> data(distinct, std::string(profile.block_bytes(), '\0'));
   for (uint32_t t = 0; t < distinct; ++t) {
-    (void)kv.ExtractBlock(t, kTokens, std::as_writable_bytes(std::span(data[t].data(), data[t].size())));
+    (void)kv.ExtractBlock(t, kTokens,
+                          std::as_writable_bytes(std::span(data[t].data(), data[t].size())));
   }
   auto key = [](uint32_t n) {
     std::string k(32, '\0');

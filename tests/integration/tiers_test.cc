@@ -155,8 +155,8 @@ TEST_F(TiersTest, ProximactlGetsInEveryFormat) {
   CommandResult put = RunCommand({ProximactlPath(), "put", target, "--count=4", "--json"});
   ASSERT_EQ(put.exit_code, 0) << put.err;
   for (const char* format : {"raw", "stored", "decompress"}) {
-    CommandResult get = RunCommand(
-        {ProximactlPath(), "get", target, "--count=4", "--json", std::string("--format=") + format});
+    CommandResult get = RunCommand({ProximactlPath(), "get", target, "--count=4", "--json",
+                                    std::string("--format=") + format});
     EXPECT_EQ(get.exit_code, 0) << format << ": " << get.out << get.err;
     EXPECT_THAT(get.out, HasSubstr("\"hits\":4")) << format;
     EXPECT_THAT(get.out, HasSubstr(std::string("\"format\":\"") + format + "\"")) << format;
