@@ -276,7 +276,7 @@ TEST_F(TiererTest, QualityGuardStepsBackWhenTheBudgetIsExceeded) {
   EXPECT_EQ(tierer_->step_backs(0), 1u);
 }
 
-// Puts, reads and the background tierer at once: capacity is never exceeded, every read
+// Puts, reads, deletes and the background tierer at once: capacity is never exceeded, every read
 // returns a block that checks out. Bounded loops; also run under ThreadSanitizer
 // (scripts/sanitize.sh thread runs the unit tests).
 TEST_F(TiererTest, ConcurrentPutsReadsAndRecompressionStayUnderCapacity) {
@@ -300,6 +300,8 @@ TEST_F(TiererTest, ConcurrentPutsReadsAndRecompressionStayUnderCapacity) {
           if (Crc32c(r->bytes) != r->crc32c) bad_read = true;
           if (r->level > 0 && !codec::InspectBlock(r->bytes).ok()) bad_read = true;
         }
+        // Deletes race the worker's swaps of the same blocks.
+        if (i % 10 == 9) store_->Delete(Id(static_cast<uint32_t>(t * 1000 + rng() % (i + 1))));
       }
     });
   }
