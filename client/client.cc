@@ -164,6 +164,11 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   std::vector<size_t> sizes;
   for (const auto& b : blocks) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
+  if (!options.importance.empty() && options.importance.size() != keys.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
+                                                   options.importance.size(),
+                                                   " importance hints"));
+  }
   if (!options.positions.empty() && options.positions.size() != keys.size()) {
     return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
                                                    options.positions.size(), " positions"));
@@ -179,7 +184,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
         blocks.subspan(begin, end - begin),
         options.positions.empty() ? options.positions
                                   : options.positions.subspan(begin, end - begin),
-        options.high_priority);
+        options.high_priority,
+        options.importance.empty() ? options.importance
+                                   : options.importance.subspan(begin, end - begin));
     v1::PutResponse response;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
       grpc::ByteBuffer reply;

@@ -61,6 +61,9 @@ struct PutOptions {
   std::span<const int64_t> positions;
   // Held at a safer level of the namespace's compression hierarchy.
   bool high_priority = false;
+  // Empty, or one per block: the worker's importance hint (> 0: keep longer, see
+  // PutBlock.importance).
+  std::span<const float> importance;
 };
 
 // A block as the daemon stores it (Client::GetStored).

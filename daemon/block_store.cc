@@ -90,6 +90,12 @@ bool BlockStore::EvictOne() {
     proxima::MutexLock lock(&victim->mu);
     if (victim->lru.empty()) return true;  // raced with a delete; the caller retries
     BlockId id = victim->lru.back();
+    Shard::Entry& e = victim->map.find(id)->second;
+    if (e.attributes.second_chance) {  // an important block: passed over once
+      e.attributes.second_chance = false;
+      MarkUsed(*victim, e);
+      return true;
+    }
     evicted = Unlink(*victim, id, nullptr);
   }
   evictions_.fetch_add(1, std::memory_order_relaxed);
@@ -148,6 +154,12 @@ std::optional<BlockStore::Candidate> BlockStore::ColdestCompressible(
         if (e.busy) {
           ++skipped;
           ++it;
+          continue;
+        }
+        if (e.attributes.second_chance) {  // an important block: once more to the front
+          e.attributes.second_chance = false;
+          MarkUsed(*shard, e);
+          it = list.rbegin();
           continue;
         }
         if (e.stamp < oldest) {

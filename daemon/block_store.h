@@ -72,6 +72,7 @@ inline constexpr int kMaxLevels = 8;
 struct BlockAttributes {
   uint8_t max_level = 0;        // deepest hierarchy level it may be encoded to; 0 = stays raw
   bool is_first_block = false;  // the first block of its sequence (attention sinks)
+  bool second_chance = false;   // the worker's importance hint: passed over once when coldest
 };
 
 struct StoredBlock;

@@ -301,7 +301,7 @@ absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* re
     const std::string* data = &b.data();
     sources.push_back(PutSource{
         &b.key(), data->size(), b.has_crc32c(), b.crc32c(),
-        b.has_position() ? static_cast<int64_t>(b.position()) : -1,
+        b.has_position() ? static_cast<int64_t>(b.position()) : -1, b.importance(),
         [data] { return Crc32c(AsBytes(*data)); },
         [data](std::span<std::byte> dst) { std::memcpy(dst.data(), data->data(), dst.size()); }});
   }
@@ -316,7 +316,7 @@ absl::Status TierService::Put(const wire::PutRequestReader& request, v1::PutResp
     const wire::PutRequestReader::Block& b = request.blocks()[i];
     sources.push_back(PutSource{
         &b.key, b.data_size, b.has_crc32c, b.crc32c,
-        b.has_position ? static_cast<int64_t>(b.position) : -1,
+        b.has_position ? static_cast<int64_t>(b.position) : -1, b.importance,
         [&request, i] { return request.DataCrc32c(i); },
         [&request, i](std::span<std::byte> dst) { request.CopyData(i, dst); }});
   }
@@ -376,7 +376,7 @@ absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t 
         outcome = store_->Commit(
             id, *std::move(pending), crcs[i],
             tierer_->AttributesFor(ns, profile.profile.tokens_per_block(), codec_ok,
-                                   blocks[i].position, high_priority));
+                                   blocks[i].position, high_priority, blocks[i].importance));
       }
     }
     switch (outcome) {

@@ -101,6 +101,7 @@ class TierService {
     bool has_crc32c;
     uint32_t crc32c;
     int64_t position;  // PutBlock.position, -1 when unset
+    float importance;  // PutBlock.importance
     std::function<uint32_t()> data_crc32c;                // CRC32C of the data, read in place
     std::function<void(std::span<std::byte>)> copy_data;  // copies the data out
   };

@@ -118,9 +118,11 @@ void Tierer::RelievePressure() {
 }
 
 BlockAttributes Tierer::AttributesFor(uint32_t ns, uint32_t tokens_per_block, bool codec_ok,
-                                      int64_t position, bool high_priority) const {
+                                      int64_t position, bool high_priority,
+                                      float importance) const {
   BlockAttributes a;
   a.is_first_block = position == 0;
+  a.second_chance = importance > 0;
   const CompressionConfig& p = namespaces_[ns]->policy;
   if (!codec_ok || p.plans.empty()) return a;
   if (position >= 0 &&
@@ -151,8 +153,9 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes) {
   while (true) {
     if (std::optional<BlockStore::PendingBlock> p = store_->TryReserve(bytes)) return p;
     if (CompressOne(AllCaps())) continue;
-    if (store_->EvictOne()) {
-      evictions_for_put_->Increment();
+    const uint64_t evicted_before = store_->evictions();
+    if (store_->EvictOne()) {  // may pass over an important block instead of evicting it
+      evictions_for_put_->Increment(store_->evictions() - evicted_before);
       continue;
     }
     return store_->TryReserve(bytes);  // index empty; pinned bytes may have gone meanwhile

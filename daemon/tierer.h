@@ -60,8 +60,10 @@ class Tierer {
 
   // Attributes of a new block of namespace `ns`: how deep it may be encoded. `position` is the
   // block's index in its sequence (-1 unknown), `high_priority` holds it at a safer level.
+  // `importance` > 0 (the worker's hint) gives the block one pass-over when it is coldest.
   BlockAttributes AttributesFor(uint32_t ns, uint32_t tokens_per_block, bool codec_ok,
-                                int64_t position, bool high_priority) const;
+                                int64_t position, bool high_priority,
+                                float importance = 0) const;
 
   // Tier memory for a put of `bytes`: allocates, and when the tier is full compresses or evicts
   // the coldest blocks until it fits. nullopt when nothing can give way.

@@ -97,13 +97,13 @@ class TiererTest : public ::testing::Test {
   }
 
   // What TierService does for one block: reserve through the tierer, copy, commit.
-  PutOutcome Put(uint32_t n, uint32_t ns = 0, bool high_priority = false) {
+  PutOutcome Put(uint32_t n, uint32_t ns = 0, bool high_priority = false, float importance = 0) {
     const std::string data = blocks_->Block(n);
     std::optional<BlockStore::PendingBlock> p = tierer_->Reserve(data.size());
     if (!p) return PutOutcome::kNoSpace;
     std::memcpy(p->bytes().data(), data.data(), data.size());
     return store_->Commit(Id(n, ns), *std::move(p), Crc32c(B(data)),
-                          tierer_->AttributesFor(ns, kTokens, true, n, high_priority));
+                          tierer_->AttributesFor(ns, kTokens, true, n, high_priority, importance));
   }
 
   // Raw block size of SmolLM2-135M's first `layers` layers: 2 * L * 16 tokens * 3 heads * 64 * 2.
@@ -166,6 +166,29 @@ TEST_F(TiererTest, WithoutCompressionTheLeastRecentlyUsedIsEvicted) {
   std::optional<BlockStore::ReadBlock> r = store_->Read(Id(5));
   ASSERT_TRUE(r);
   EXPECT_EQ(RawOf(*r, blocks_->geometry()), blocks_->Block(5));  // byte-exact
+}
+
+TEST_F(TiererTest, AnImportantBlockIsPassedOverOnceWhenColdest) {
+  Make(4 * RawBytes() + 4096, {});
+  ASSERT_EQ(Put(0, 0, false, /*importance=*/1.0f), PutOutcome::kStored);
+  for (uint32_t n = 1; n < 4; ++n) ASSERT_EQ(Put(n), PutOutcome::kStored);
+  ASSERT_EQ(Put(4), PutOutcome::kStored);  // evicts 1: block 0 gets its second chance
+  EXPECT_TRUE(store_->Contains(Id(0)));
+  EXPECT_FALSE(store_->Contains(Id(1)));
+  ASSERT_EQ(Put(5), PutOutcome::kStored);
+  ASSERT_EQ(Put(6), PutOutcome::kStored);
+  ASSERT_EQ(Put(7), PutOutcome::kStored);  // once only: now 0 is the coldest and goes
+  EXPECT_FALSE(store_->Contains(Id(0)));
+  EXPECT_EQ(store_->evictions(), 4u);
+
+  // The same for compression: the important block is compressed after a colder plain one.
+  Make(64 * RawBytes(), {"int8"});
+  ASSERT_EQ(Put(10, 0, false, 1.0f), PutOutcome::kStored);
+  ASSERT_EQ(Put(11), PutOutcome::kStored);
+  std::vector<uint8_t> caps = {1, 0};
+  ASSERT_TRUE(tierer_->CompressOne(caps));
+  EXPECT_EQ(store_->Read(Id(10))->level, 0);
+  EXPECT_EQ(store_->Read(Id(11))->level, 1);
 }
 
 TEST_F(TiererTest, BackgroundPassKeepsTheTierUnderItsThreshold) {

@@ -292,6 +292,7 @@ constexpr uint8_t kKeyTag = (1 << 3) | 2;        // bytes key = 1
 constexpr uint8_t kBlockDataTag = (2 << 3) | 2;  // bytes data = 2
 constexpr uint8_t kBlockCrcTag = (3 << 3) | 5;   // optional fixed32 crc32c = 3
 constexpr uint8_t kPositionTag = (4 << 3) | 0;   // optional uint32 position = 4
+constexpr uint8_t kImportanceTag = (5 << 3) | 5; // float importance = 5
 constexpr uint8_t kPriorityTag = (4 << 3) | 0;   // PutRequest: Priority priority = 4
 constexpr uint8_t kFormatTag = (4 << 3) | 0;     // GetRequest: BlockFormat format = 4
 
@@ -310,7 +311,8 @@ absl::Status BadPut(const char* what, uint64_t position) {
 grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t profile_id,
                                   std::span<const std::array<uint8_t, 32>> keys,
                                   std::span<const std::span<const std::byte>> blocks,
-                                  std::span<const int64_t> positions, bool high_priority) {
+                                  std::span<const int64_t> positions, bool high_priority,
+                                  std::span<const float> importance) {
   std::vector<grpc::Slice> slices;
   std::string head;
   if (high_priority) {
@@ -326,8 +328,9 @@ grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t pr
     const uint64_t data = blocks[b].size();
     const bool has_position = b < positions.size() && positions[b] >= 0;
     const uint64_t position = has_position ? static_cast<uint64_t>(positions[b]) : 0;
+    const float hint = b < importance.size() ? importance[b] : 0.0f;
     const uint64_t inner = 2 + 32 + 1 + VarintSize(data) + data + 5 +
-                           (has_position ? 1 + VarintSize(position) : 0);
+                           (has_position ? 1 + VarintSize(position) : 0) + (hint != 0 ? 5 : 0);
     head.push_back(static_cast<char>(kBlocksTag));
     PutVarint(&head, inner);
     head.push_back(static_cast<char>(kKeyTag));
@@ -346,6 +349,12 @@ grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t pr
     if (has_position) {
       head.push_back(static_cast<char>(kPositionTag));
       PutVarint(&head, position);
+    }
+    if (hint != 0) {
+      uint32_t bits;
+      std::memcpy(&bits, &hint, sizeof(bits));
+      head.push_back(static_cast<char>(kImportanceTag));
+      for (int i = 0; i < 4; ++i) head.push_back(static_cast<char>(bits >> (8 * i)));
     }
   }
   slices.emplace_back(head.data(), head.size());
@@ -409,6 +418,10 @@ absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer, size_t max_
           if (!r.ReadVarint(&v)) return BadPut("truncated position", r.position());
           block.position = static_cast<uint32_t>(v);
           block.has_position = true;
+        } else if (t == kImportanceTag) {
+          uint32_t bits;
+          if (!r.ReadFixed32(&bits)) return BadPut("truncated importance", r.position());
+          std::memcpy(&block.importance, &bits, sizeof(bits));
         } else if (!SkipField(r, t)) {
           return BadPut("bad block field", r.position());
         }

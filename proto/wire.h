@@ -59,13 +59,14 @@ absl::Status ParseGetResponse(const grpc::ByteBuffer& buffer,
 // Serializes a proxima.v1.PutRequest. Each block's bytes are copied once, into slices the
 // buffer owns, with their CRC32C computed on the way and sent as PutBlock.crc32c.
 // REQUIRES: keys.size() == blocks.size().
-// `positions`: empty, or one per block (PutBlock.position; negative = unset). `high_priority`
-// sets PutRequest.priority = PRIORITY_HIGH.
+// `positions`: empty, or one per block (PutBlock.position; negative = unset). `importance`:
+// empty, or one per block (PutBlock.importance). `high_priority` sets PutRequest.priority.
 grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t profile_id,
                                   std::span<const std::array<uint8_t, 32>> keys,
                                   std::span<const std::span<const std::byte>> blocks,
                                   std::span<const int64_t> positions = {},
-                                  bool high_priority = false);
+                                  bool high_priority = false,
+                                  std::span<const float> importance = {});
 
 // A parsed proxima.v1.PutRequest whose block bytes still sit in the received slices.
 class PutRequestReader {
@@ -77,6 +78,7 @@ class PutRequestReader {
     uint32_t crc32c = 0;
     bool has_position = false;
     uint32_t position = 0;
+    float importance = 0;
     size_t slice = 0;  // where the data starts
     size_t offset = 0;
   };

@@ -203,9 +203,12 @@ TEST(WireTest, TierFieldsInteroperateWithProtobuf) {
   std::vector<std::array<uint8_t, 32>> keys(3);
   std::vector<std::span<const std::byte>> blocks = {a, b, a};
   std::vector<int64_t> positions = {0, -1, 300};
+  std::vector<float> importance = {0.0f, 2.5f, 0.0f};
   v1::PutRequest put;
-  ASSERT_TRUE(put.ParseFromString(
-      Flatten(EncodePutRequest("t", 1, keys, blocks, positions, /*high_priority=*/true))));
+  ASSERT_TRUE(put.ParseFromString(Flatten(
+      EncodePutRequest("t", 1, keys, blocks, positions, /*high_priority=*/true, importance))));
+  EXPECT_EQ(put.blocks(1).importance(), 2.5f);
+  EXPECT_EQ(put.blocks(0).importance(), 0.0f);
   EXPECT_EQ(put.priority(), v1::PRIORITY_HIGH);
   EXPECT_TRUE(put.blocks(0).has_position());
   EXPECT_EQ(put.blocks(0).position(), 0u);
@@ -218,6 +221,8 @@ TEST(WireTest, TierFieldsInteroperateWithProtobuf) {
   EXPECT_TRUE(reader.blocks()[0].has_position);
   EXPECT_FALSE(reader.blocks()[1].has_position);
   EXPECT_EQ(reader.blocks()[2].position, 300u);
+  EXPECT_EQ(reader.blocks()[1].importance, 2.5f);
+  EXPECT_EQ(reader.blocks()[2].importance, 0.0f);
 
   // GetRequest.format through the keyed parser.
   v1::GetRequest get;
