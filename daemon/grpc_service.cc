@@ -14,7 +14,20 @@ namespace proxima::daemon {
 namespace {
 
 constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
-                                        "Lookup",        "Delete",          "Stats"};
+                                        "Lookup",        "Delete",          "Stats", "Decompress"};
+
+// Sends pinned (or freshly decoded) blocks without copying them.
+grpc::ByteBuffer WriteBlocks(std::vector<std::optional<BlockStore::ReadBlock>>& blocks) {
+  wire::GetResponseWriter writer;
+  for (auto& b : blocks) {
+    if (b) {
+      writer.AddHit(b->bytes, b->crc32c, std::move(b->pin), b->level);
+    } else {
+      writer.AddMiss();
+    }
+  }
+  return writer.Finish();
+}
 
 // Finishes one call; when gRPC is done with it (response sent, or the call cancelled) ends the
 // call in its peer's account (if it was admitted) and deletes itself (the callback API's
@@ -194,6 +207,7 @@ absl::Status ParseKeyed(const grpc::ByteBuffer& buffer, size_t max_keys, const c
   for (std::string& k : keyed.keys) out->add_keys(std::move(k));
   if constexpr (std::is_same_v<Req, v1::GetRequest>) {
     out->set_client_verifies_crc32c(keyed.client_verifies_crc32c);
+    out->set_format(static_cast<v1::BlockFormat>(keyed.format));
   }
   return absl::OkStatus();
 }
@@ -230,17 +244,25 @@ absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteB
   v1::GetRequest req;
   PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_batch_blocks(), "Get", &req),
                                     "server.max_batch_blocks"));
+  if (req.format() != v1::BLOCK_FORMAT_RAW && req.format() != v1::BLOCK_FORMAT_STORED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Get format is ", static_cast<int>(req.format()),
+        "; expected BLOCK_FORMAT_RAW (0) or BLOCK_FORMAT_STORED (1)"));
+  }
   std::vector<std::optional<BlockStore::ReadBlock>> blocks;
   PROXIMA_RETURN_IF_ERROR(core.GetBlocks(caller, req, &blocks));
-  wire::GetResponseWriter writer;
-  for (auto& b : blocks) {
-    if (b) {
-      writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
-    } else {
-      writer.AddMiss();
-    }
-  }
-  *response = writer.Finish();
+  *response = WriteBlocks(blocks);
+  return absl::OkStatus();
+}
+
+absl::Status ServeDecompress(TierService& core, const Caller& caller,
+                             const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+  v1::DecompressRequest req;
+  PROXIMA_RETURN_IF_ERROR(NameLimit(
+      ParseKeyed(request, core.max_batch_blocks(), "Decompress", &req), "server.max_batch_blocks"));
+  std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+  PROXIMA_RETURN_IF_ERROR(core.DecompressBlocks(caller, req, &blocks));
+  *response = WriteBlocks(blocks);
   return absl::OkStatus();
 }
 
@@ -285,6 +307,12 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
                                                  const grpc::ByteBuffer* request,
                                                  grpc::ByteBuffer* response) {
   return HandleRaw(kGet, c, request, response, &ServeGet);
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::Decompress(grpc::CallbackServerContext* c,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return HandleRaw(kDecompress, c, request, response, &ServeDecompress);
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,

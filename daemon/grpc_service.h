@@ -29,7 +29,8 @@ using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
     v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithRawCallbackMethod_Put<
         v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithRawCallbackMethod_Lookup<
             v1::KVTier::WithRawCallbackMethod_Delete<
-                v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
+                v1::KVTier::WithCallbackMethod_Stats<
+                    v1::KVTier::WithRawCallbackMethod_Decompress<v1::KVTier::Service>>>>>>>>;
 
 // The bodies of the raw KVTier methods, transport aside: decode `request` (proto3 wire format,
 // bounded while parsing), run it on `core` as `caller`, encode the response into `response`.
@@ -42,6 +43,8 @@ absl::Status ServeLookup(TierService& core, const Caller& caller,
                          const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
 absl::Status ServeDelete(TierService& core, const Caller& caller,
                          const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
+absl::Status ServeDecompress(TierService& core, const Caller& caller,
+                             const grpc::ByteBuffer& request, grpc::ByteBuffer* response);
 
 // What the calls of each peer (one client connection: "ipv4:10.0.0.5:41234") hold in the daemon
 // right now: how many are running, and their bytes (each request, and each response until gRPC
@@ -108,9 +111,22 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
                                   const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
+  grpc::ServerUnaryReactor* Decompress(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
-  enum Method { kGetServerInfo, kRegisterProfile, kPut, kGet, kLookup, kDelete, kStats, kMethods };
+  enum Method {
+    kGetServerInfo,
+    kRegisterProfile,
+    kPut,
+    kGet,
+    kLookup,
+    kDelete,
+    kStats,
+    kDecompress,
+    kMethods
+  };
   static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
 
   // Authenticates the call and runs `call(caller)` (returning absl::Status) unless draining or
@@ -120,7 +136,8 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
                                    uint64_t request_bytes, grpc::ByteBuffer* response,
                                    Call&& call);
-  // A raw call (Put, Get, Lookup, Delete): `serve` is one of the Serve* functions above.
+  // A raw call (Put, Get, Lookup, Delete, Decompress): `serve` is one of the Serve* functions
+  // above.
   grpc::ServerUnaryReactor* HandleRaw(Method method, grpc::CallbackServerContext* context,
                                       const grpc::ByteBuffer* request,
                                       grpc::ByteBuffer* response,

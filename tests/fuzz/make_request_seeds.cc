@@ -93,6 +93,11 @@ int main(int argc, char** argv) {
       del.set_profile_id(id);
       del.add_keys(std::string(32, 'b'));
       Write(5, caller, del);
+      proxima::v1::DecompressRequest decompress;
+      decompress.set_namespace_name(name);
+      decompress.set_profile_id(id);
+      decompress.add_keys(std::string(32, 'a'));
+      Write(7, caller, decompress);
     }
     Write(0, caller, proxima::v1::GetServerInfoRequest());
     Write(6, caller, proxima::v1::StatsRequest());

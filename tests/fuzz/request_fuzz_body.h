@@ -3,9 +3,9 @@
 //
 // Input: one byte choosing the method, one byte choosing the caller, then the request message
 // in proto3 wire format. The message is handled in process exactly as proximad's gRPC layer
-// handles it (daemon/grpc_service.h: the Serve* functions for Put, Get, Lookup and Delete; the
-// parsed message into TierService for the others), by one TierService that lives across inputs
-// and so accumulates blocks. Checked besides "no crash, no sanitizer report":
+// handles it (daemon/grpc_service.h: the Serve* functions for Put, Get, Lookup, Delete and
+// Decompress; the parsed message into TierService for the others), by one TierService that lives
+// across inputs and so accumulates blocks. Checked besides "no crash, no sanitizer report":
 //  - tenant isolation: a call that succeeds acted in a namespace its caller may use (anonymous
 //    callers only in the open namespace, token holders only in their own), and a read-only
 //    token never succeeds in writing;
@@ -31,7 +31,7 @@ namespace proxima::daemon::fuzz {
 
 enum RequestMethod : uint8_t {
   kFuzzGetServerInfo, kFuzzRegisterProfile, kFuzzPut, kFuzzGet, kFuzzLookup, kFuzzDelete,
-  kFuzzStats, kFuzzMethods
+  kFuzzStats, kFuzzDecompress, kFuzzMethods
 };
 
 // Callers: 0 anonymous, 1 read-write token of "t", 2 read-only token of "t", 3 token of "p"
@@ -73,7 +73,8 @@ inline std::string NamespaceOf(RequestMethod method, const grpc::ByteBuffer& req
     wire::PutRequestReader reader;
     return reader.Parse(request, 1 << 20).ok() ? reader.namespace_name() : "";
   }
-  if (method == kFuzzGet || method == kFuzzLookup || method == kFuzzDelete) {
+  if (method == kFuzzGet || method == kFuzzLookup || method == kFuzzDelete ||
+      method == kFuzzDecompress) {
     wire::KeyedRequest keyed;
     return wire::ParseKeyedRequest(request, 1 << 20, "fuzz", &keyed).ok() ? keyed.namespace_name
                                                                           : "";
@@ -114,6 +115,9 @@ inline bool RunRequestInput(const uint8_t* data, size_t size) {
       break;
     case kFuzzDelete:
       status = ServeDelete(core, *caller, request, &response);
+      break;
+    case kFuzzDecompress:
+      status = ServeDecompress(core, *caller, request, &response);
       break;
     case kFuzzGetServerInfo: {
       v1::GetServerInfoRequest req;

@@ -23,7 +23,6 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* Refuse values for features proximad does not implement yet. */}}
 {{- define "proxima.checkReserved" -}}
 {{- if .Values.reserved.gpuTier.enabled }}{{ fail "reserved.gpuTier: the GPU tier is not implemented in proximad yet" }}{{ end }}
-{{- if .Values.reserved.compression.enabled }}{{ fail "reserved.compression: compression policy is not implemented in proximad yet" }}{{ end }}
 {{- if .Values.reserved.discovery.enabled }}{{ fail "reserved.discovery: peer discovery is not implemented in proximad yet" }}{{ end }}
 {{- if .Values.reserved.ucx.enabled }}{{ fail "reserved.ucx: the UCX data plane is not implemented in proximad yet" }}{{ end }}
 {{- end }}
