@@ -4,7 +4,7 @@
 # compression hierarchy at B, then tests the claim "the best hierarchy within the quality budget
 # gets a hit ratio at B >= raw storage's hit ratio at 4B" from the measured numbers.
 #
-#   scripts/bench-replay.sh [--quick] [--budgets=250,500,1000] [--sample_one_in=16]
+#   scripts/bench-replay.sh [--quick] [--budgets=125,250,500] [--sample_one_in=32]
 #                           [--max_requests=0] [--tokens_per_block=16]
 #
 # Each run starts its own proximad (build-bench/daemon/proximad, port 0, --port_file) with
@@ -20,8 +20,8 @@ build=${PROXIMA_BENCH_BUILD_DIR:-$root/build-bench}
 trace=${PROXIMA_TRACE:-$root/../shared/data/mooncake_conversation_trace.jsonl}
 kv=$root/tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv
 
-budgets=250,500,1000
-sample=16
+budgets=125,250,500
+sample=32
 max_requests=0
 tpb=16
 for arg in "$@"; do
