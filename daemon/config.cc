@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <optional>
 #include <fstream>
 #include <sstream>
 
@@ -31,10 +32,27 @@ server:
 tiers:
   host:
     capacity_bytes: 1GiB           # hard limit on stored block bytes in host memory
+  gpu:
+    capacity_bytes_per_device: 0   # device pool per visible GPU; 0 disables the GPU tier
+tierer:
+  temperature_policy: lru          # lru | s3fifo: how the coldest block is chosen
+  threads: 1                       # encoder threads of the background tierer
+  interval_seconds: 0.01           # how often the tierer checks tier pressure when idle
 index:
   shards: 64                       # block index shards, a power of two in [1, 4096]
 namespaces:                        # tenants; a call naming another namespace gets NOT_FOUND
   - name: default
+    compression:                   # what the tierer does with this namespace's cold blocks
+      enabled: false               # off: blocks stay raw and the coldest are evicted
+      strategy: hybrid             # none | quantize | star | hybrid (derives `levels`)
+      levels: []                   # explicit hierarchy of codec plans, safest first
+      per_layer: ""                # layer ranges prepended to derived levels, e.g. layers[0:2]=int8
+      first_block: int8            # codec floor for a sequence's first block ("" = none)
+      quantization: {k_bits: 8, v_bits: 8, per_channel: true, group_size: 64}
+      star_kv: {cluster_size: 16, hierarchy_levels: 2}
+      trigger: {memory_pressure_threshold: 0.8, min_seq_len_to_compress: 0}
+      quality: {max_attention_error: 0.05, sample_one_in: 16}
+      priority: {high_max_level: 1} # deepest level a high-priority put's blocks go to
 log:
   level: info                      # debug | info | warning | error
 )";
@@ -116,6 +134,8 @@ class Reader {
     return absl::OkStatus();
   }
 
+  const std::string& source() const { return source_; }
+
   static std::string Join(absl::string_view path, absl::string_view key) {
     return path.empty() ? std::string(key) : absl::StrCat(path, ".", key);
   }
@@ -176,6 +196,165 @@ absl::Status ApplyOverride(YAML::Node root, const std::string& override_text) {
   }
   chain.back()[parts.back()] = value;
   return absl::OkStatus();
+}
+
+
+absl::Status Bool(Reader& r, const YAML::Node& node, absl::string_view key, bool* out) {
+  if (!node) return absl::OkStatus();
+  std::string v = node.IsScalar() ? node.Scalar() : Reader::Dump(node);
+  if (v == "true") {
+    *out = true;
+  } else if (v == "false") {
+    *out = false;
+  } else {
+    return r.Error(key, v, "true or false");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Uint32(Reader& r, const YAML::Node& node, absl::string_view key, uint32_t min,
+                    uint32_t max, uint32_t* out) {
+  uint64_t v = *out;
+  PROXIMA_RETURN_IF_ERROR(r.Uint(node, key, min, max, &v));
+  *out = static_cast<uint32_t>(v);
+  return absl::OkStatus();
+}
+
+absl::Status ParseGpuTier(Reader& r, const YAML::Node& gpu, GpuTierConfig* out) {
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(gpu, "tiers.gpu", {"capacity_bytes_per_device"}));
+  if (!gpu || !gpu.IsMap()) return absl::OkStatus();
+  const YAML::Node n = gpu["capacity_bytes_per_device"];
+  if (n && n.IsScalar() && n.Scalar() == "0") {
+    out->capacity_bytes_per_device = 0;
+    return absl::OkStatus();
+  }
+  return r.Size(n, "tiers.gpu.capacity_bytes_per_device", 1 << 20, 1ull << 50,
+                &out->capacity_bytes_per_device);
+}
+
+absl::Status ParseTierer(Reader& r, const YAML::Node& t, TiererConfig* out) {
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(t, "tierer", {"temperature_policy", "threads", "interval_seconds"}));
+  if (!t || !t.IsMap()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(
+      r.String(t["temperature_policy"], "tierer.temperature_policy", &out->temperature_policy));
+  if (out->temperature_policy != "lru" && out->temperature_policy != "s3fifo") {
+    return r.Error("tierer.temperature_policy", out->temperature_policy, "one of lru, s3fifo");
+  }
+  PROXIMA_RETURN_IF_ERROR(Uint32(r, t["threads"], "tierer.threads", 1, 64, &out->threads));
+  return r.Double(t["interval_seconds"], "tierer.interval_seconds", 0.001, 10,
+                  &out->interval_seconds);
+}
+
+absl::Status ParseCompression(Reader& r, const YAML::Node& node, const std::string& path,
+                              CompressionConfig* c) {
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+      node, path,
+      {"enabled", "strategy", "levels", "per_layer", "first_block", "quantization",
+       "sparsification", "star_kv", "trigger", "quality", "priority"}));
+  auto key = [&](absl::string_view k) { return absl::StrCat(path, ".", k); };
+  if (node && node.IsMap()) {
+    PROXIMA_RETURN_IF_ERROR(Bool(r, node["enabled"], key("enabled"), &c->enabled));
+    PROXIMA_RETURN_IF_ERROR(r.String(node["strategy"], key("strategy"), &c->strategy));
+    if (const YAML::Node levels = node["levels"]) {
+      if (!levels.IsSequence()) {
+        return r.Error(key("levels"), Reader::Dump(levels),
+                       "a list of codec plans such as [int8, \"layers[0:2]=int8,default=int4\"]");
+      }
+      c->levels.clear();
+      for (size_t i = 0; i < levels.size(); ++i) {
+        std::string item;
+        PROXIMA_RETURN_IF_ERROR(
+            r.String(levels[i], absl::StrCat(path, ".levels[", i, "]"), &item));
+        c->levels.push_back(std::move(item));
+      }
+    }
+    PROXIMA_RETURN_IF_ERROR(r.String(node["per_layer"], key("per_layer"), &c->per_layer));
+    PROXIMA_RETURN_IF_ERROR(r.String(node["first_block"], key("first_block"), &c->first_block));
+
+    const YAML::Node q = node["quantization"];
+    const std::string qp = key("quantization");
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(q, qp, {"k_bits", "v_bits", "per_channel", "group_size"}));
+    if (q && q.IsMap()) {
+      for (auto [name, field] : {std::pair{"k_bits", &c->k_bits}, std::pair{"v_bits", &c->v_bits}}) {
+        PROXIMA_RETURN_IF_ERROR(Uint32(r, q[name], absl::StrCat(qp, ".", name), 2, 8, field));
+        if (*field != 8 && *field != 4 && *field != 2) {
+          return r.Error(absl::StrCat(qp, ".", name), absl::StrCat(*field), "8, 4 or 2");
+        }
+      }
+      if (c->k_bits != c->v_bits) {
+        return r.Error(qp + ".v_bits", absl::StrCat(c->v_bits),
+                       absl::StrCat("the same as k_bits (", c->k_bits,
+                                    "): a codec level applies to K and V of a layer alike"));
+      }
+      bool per_channel = true;
+      PROXIMA_RETURN_IF_ERROR(Bool(r, q["per_channel"], qp + ".per_channel", &per_channel));
+      if (!per_channel) {
+        return r.Error(qp + ".per_channel", "false",
+                       "true (the codecs quantize K per channel; there is no per-token K mode)");
+      }
+      PROXIMA_RETURN_IF_ERROR(Uint32(r, q["group_size"], qp + ".group_size", 32, 128,
+                                     &c->group_size));
+      if (c->group_size != 32 && c->group_size != 64 && c->group_size != 128) {
+        return r.Error(qp + ".group_size", absl::StrCat(c->group_size), "32, 64 or 128");
+      }
+    }
+
+    const YAML::Node sp = node["sparsification"];
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(sp, key("sparsification"),
+                                        {"keep_ratio", "importance_metric"}));
+    if (sp && sp.IsMap() && sp.size() > 0) {
+      return r.Error(key("sparsification"), Reader::Dump(sp),
+                     "no value: token dropping is not implemented by the codec; the `star` codec "
+                     "keeps every token (clustered), use strategy star or hybrid");
+    }
+
+    const YAML::Node star = node["star_kv"];
+    const std::string sk = key("star_kv");
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(star, sk, {"cluster_size", "hierarchy_levels"}));
+    if (star && star.IsMap()) {
+      uint32_t cluster = 16;
+      PROXIMA_RETURN_IF_ERROR(Uint32(r, star["cluster_size"], sk + ".cluster_size", 1, 1 << 20,
+                                     &cluster));
+      if (cluster != 16) {
+        return r.Error(sk + ".cluster_size", absl::StrCat(cluster),
+                       "16 (the star format fixes about 16 tokens per centroid, docs/format.md)");
+      }
+      PROXIMA_RETURN_IF_ERROR(Uint32(r, star["hierarchy_levels"], sk + ".hierarchy_levels", 1, 3,
+                                     &c->hierarchy_levels));
+    }
+
+    const YAML::Node trig = node["trigger"];
+    const std::string tp = key("trigger");
+    PROXIMA_RETURN_IF_ERROR(
+        r.CheckKeys(trig, tp, {"memory_pressure_threshold", "min_seq_len_to_compress"}));
+    if (trig && trig.IsMap()) {
+      PROXIMA_RETURN_IF_ERROR(r.Double(trig["memory_pressure_threshold"],
+                                       tp + ".memory_pressure_threshold", 0.05, 1.0,
+                                       &c->memory_pressure_threshold));
+      PROXIMA_RETURN_IF_ERROR(r.Uint(trig["min_seq_len_to_compress"],
+                                     tp + ".min_seq_len_to_compress", 0, 1u << 30,
+                                     &c->min_seq_len_to_compress));
+    }
+
+    const YAML::Node qual = node["quality"];
+    const std::string qlp = key("quality");
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(qual, qlp, {"max_attention_error", "sample_one_in"}));
+    if (qual && qual.IsMap()) {
+      PROXIMA_RETURN_IF_ERROR(r.Double(qual["max_attention_error"], qlp + ".max_attention_error",
+                                       0, 10, &c->max_attention_error));
+      PROXIMA_RETURN_IF_ERROR(Uint32(r, qual["sample_one_in"], qlp + ".sample_one_in", 1,
+                                     1000000, &c->sample_one_in));
+    }
+
+    const YAML::Node prio = node["priority"];
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(prio, key("priority"), {"high_max_level"}));
+    if (prio && prio.IsMap()) {
+      PROXIMA_RETURN_IF_ERROR(Uint32(r, prio["high_max_level"], key("priority.high_max_level"), 0,
+                                     16, &c->high_priority_max_level));
+    }
+  }
+  return ResolveCompressionLevels(r.source(), path, c);
 }
 
 }  // namespace
@@ -240,7 +419,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
 
   Reader r{std::string(source)};
   DaemonConfig c;
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(root, "", {"server", "tiers", "index", "namespaces", "log"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(root, "", {"server", "tiers", "tierer", "index", "namespaces", "log"}));
 
   const YAML::Node server = root["server"];
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
@@ -299,7 +478,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
   }
 
   const YAML::Node tiers = root["tiers"];
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(tiers, "tiers", {"host"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(tiers, "tiers", {"host", "gpu"}));
   if (tiers && tiers.IsMap()) {
     const YAML::Node host = tiers["host"];
     PROXIMA_RETURN_IF_ERROR(r.CheckKeys(host, "tiers.host", {"capacity_bytes"}));
@@ -307,7 +486,9 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
       PROXIMA_RETURN_IF_ERROR(r.Size(host["capacity_bytes"], "tiers.host.capacity_bytes", 1 << 20,
                                      1ull << 50, &c.host_tier.capacity_bytes));
     }
+    PROXIMA_RETURN_IF_ERROR(ParseGpuTier(r, tiers["gpu"], &c.gpu_tier));
   }
+  PROXIMA_RETURN_IF_ERROR(ParseTierer(r, root["tierer"], &c.tierer));
 
   const YAML::Node index = root["index"];
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(index, "index", {"shards"}));
@@ -329,7 +510,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
     absl::flat_hash_set<std::string> seen;
     for (size_t i = 0; i < ns.size(); ++i) {
       std::string path = absl::StrCat("namespaces[", i, "]");
-      PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ns[i], path, {"name"}));
+      PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ns[i], path, {"name", "compression"}));
       NamespaceConfig n;
       std::string name_key = path + ".name";
       if (!ns[i].IsMap() || !ns[i]["name"]) {
@@ -342,7 +523,14 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
       if (!seen.insert(n.name).second) {
         return r.Error(name_key, n.name, "a name not used by an earlier namespace");
       }
+      PROXIMA_RETURN_IF_ERROR(
+          ParseCompression(r, ns[i]["compression"], path + ".compression", &n.compression));
       c.namespaces.push_back(std::move(n));
+    }
+  } else {
+    for (NamespaceConfig& n : c.namespaces) {
+      PROXIMA_RETURN_IF_ERROR(ResolveCompressionLevels(source, "namespaces[0].compression",
+                                                       &n.compression));
     }
   }
 
@@ -356,6 +544,106 @@ absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::stri
     }
   }
   return c;
+}
+
+
+absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_view path,
+                                      CompressionConfig* c) {
+  auto error = [&](absl::string_view key, absl::string_view value, absl::string_view expected) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": config key '", path, ".", key,
+                                                   "' has value '", value, "'; expected ",
+                                                   expected));
+  };
+  c->plans.clear();
+  if (c->strategy != "none" && c->strategy != "quantize" && c->strategy != "star" &&
+      c->strategy != "hybrid") {
+    if (c->strategy == "sparse") {
+      return error("strategy", c->strategy,
+                   "one of none, quantize, star, hybrid (`sparse` token dropping is not "
+                   "implemented by the codec; `star` clusters tokens instead)");
+    }
+    return error("strategy", c->strategy, "one of none, quantize, star, hybrid");
+  }
+  std::optional<codec::CodecId> sink;
+  if (!c->first_block.empty()) {
+    absl::StatusOr<codec::CodecId> id = codec::ParseCodecName(c->first_block);
+    if (!id.ok()) {
+      return error("first_block", c->first_block,
+                   "a codec name: raw, lossless, fp8, int8, int4, int2 or star, or \"\"");
+    }
+    sink = *id;
+  }
+  std::vector<codec::CodecPlan::LayerRange> per_layer;
+  if (!c->per_layer.empty()) {
+    absl::StatusOr<codec::CodecPlan> p = codec::ParseCodecPlan(c->per_layer);
+    if (!p.ok() || p->layer_ranges.empty() ||
+        c->per_layer.find("default") != std::string::npos ||
+        c->per_layer.find("sink") != std::string::npos) {
+      return error("per_layer", c->per_layer,
+                   absl::StrCat("layer ranges only, such as layers[0:2]=int8,layers[2:4]=fp8",
+                                p.ok() ? "" : absl::StrCat(" (", p.status().message(), ")")));
+    }
+    per_layer = p->layer_ranges;
+  }
+
+  std::vector<codec::CodecPlan> plans;
+  if (!c->levels.empty()) {
+    for (size_t i = 0; i < c->levels.size(); ++i) {
+      absl::StatusOr<codec::CodecPlan> p = codec::ParseCodecPlan(c->levels[i]);
+      if (!p.ok()) {
+        return error(absl::StrCat("levels[", i, "]"), c->levels[i],
+                     absl::StrCat("a codec plan such as int8 or "
+                                  "\"layers[0:4]=int8,default=int4,sink=int8\" with codecs raw, "
+                                  "lossless, fp8, int8, int4, int2, star (",
+                                  p.status().message(), ")"));
+      }
+      plans.push_back(*std::move(p));
+    }
+  } else if (c->strategy != "none") {
+    // Derived ladders, safest first; the deepest level is the one evicted from.
+    using codec::CodecId;
+    std::vector<CodecId> ladder;
+    if (c->strategy == "quantize") {
+      if (c->k_bits >= 8) ladder.push_back(CodecId::kInt8);
+      if (c->k_bits >= 4) ladder.push_back(CodecId::kInt4);
+      ladder.push_back(CodecId::kInt2);
+      if (ladder.size() > c->hierarchy_levels) ladder.resize(c->hierarchy_levels);
+    } else {
+      ladder = {CodecId::kInt8, CodecId::kInt4, CodecId::kStar};
+      if (c->strategy == "star") {
+        ladder.erase(ladder.begin(), ladder.end() - c->hierarchy_levels);
+      } else {
+        ladder.resize(c->hierarchy_levels);
+      }
+    }
+    for (CodecId id : ladder) {
+      codec::CodecPlan p;
+      p.default_codec = id;
+      p.layer_ranges = per_layer;
+      p.sink_codec = sink;
+      p.group_size = c->group_size;
+      plans.push_back(std::move(p));
+    }
+  }
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const std::string key = c->levels.empty() ? std::string("strategy") : absl::StrCat("levels[", i, "]");
+    const std::string value = c->levels.empty() ? c->strategy : c->levels[i];
+    if (plans[i].default_codec == codec::CodecId::kRaw) {
+      return error(key, value, "a level that encodes (raw is what a block is before level 1)");
+    }
+    if (i > 0 && codec::Fidelity(plans[i].default_codec) >
+                     codec::Fidelity(plans[i - 1].default_codec)) {
+      return error(key, value,
+                   absl::StrCat("a default codec no more faithful than the level before (",
+                                std::string(codec::CodecName(plans[i - 1].default_codec)),
+                                "): levels go from safest to most compact"));
+    }
+    if (i > 0 && plans[i].ToString() == plans[i - 1].ToString()) {
+      return error(key, value, "a level different from the one before");
+    }
+  }
+  if (c->enabled) c->plans = std::move(plans);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path,
@@ -387,12 +675,45 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::EndMap;
   e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host"
     << YAML::Value << YAML::BeginMap << YAML::Key << "capacity_bytes" << YAML::Value
-    << c.host_tier.capacity_bytes << YAML::EndMap << YAML::EndMap;
+    << c.host_tier.capacity_bytes << YAML::EndMap;
+  e << YAML::Key << "gpu" << YAML::Value << YAML::BeginMap << YAML::Key
+    << "capacity_bytes_per_device" << YAML::Value << c.gpu_tier.capacity_bytes_per_device
+    << YAML::EndMap << YAML::EndMap;
+  e << YAML::Key << "tierer" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "temperature_policy" << YAML::Value << c.tierer.temperature_policy;
+  e << YAML::Key << "threads" << YAML::Value << c.tierer.threads;
+  e << YAML::Key << "interval_seconds" << YAML::Value << c.tierer.interval_seconds;
+  e << YAML::EndMap;
   e << YAML::Key << "index" << YAML::Value << YAML::BeginMap << YAML::Key << "shards"
     << YAML::Value << c.index_shards << YAML::EndMap;
   e << YAML::Key << "namespaces" << YAML::Value << YAML::BeginSeq;
   for (const NamespaceConfig& n : c.namespaces) {
-    e << YAML::BeginMap << YAML::Key << "name" << YAML::Value << n.name << YAML::EndMap;
+    const CompressionConfig& z = n.compression;
+    e << YAML::BeginMap << YAML::Key << "name" << YAML::Value << n.name;
+    e << YAML::Key << "compression" << YAML::Value << YAML::BeginMap;
+    e << YAML::Key << "enabled" << YAML::Value << z.enabled;
+    e << YAML::Key << "strategy" << YAML::Value << z.strategy;
+    e << YAML::Key << "levels" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+    for (const std::string& l : z.levels) e << YAML::DoubleQuoted << l;
+    e << YAML::EndSeq;
+    e << YAML::Key << "per_layer" << YAML::Value << YAML::DoubleQuoted << z.per_layer;
+    e << YAML::Key << "first_block" << YAML::Value << YAML::DoubleQuoted << z.first_block;
+    e << YAML::Key << "quantization" << YAML::Value << YAML::Flow << YAML::BeginMap
+      << YAML::Key << "k_bits" << YAML::Value << z.k_bits << YAML::Key << "v_bits"
+      << YAML::Value << z.v_bits << YAML::Key << "per_channel" << YAML::Value << true
+      << YAML::Key << "group_size" << YAML::Value << z.group_size << YAML::EndMap;
+    e << YAML::Key << "star_kv" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key
+      << "cluster_size" << YAML::Value << 16 << YAML::Key << "hierarchy_levels" << YAML::Value
+      << z.hierarchy_levels << YAML::EndMap;
+    e << YAML::Key << "trigger" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key
+      << "memory_pressure_threshold" << YAML::Value << z.memory_pressure_threshold << YAML::Key
+      << "min_seq_len_to_compress" << YAML::Value << z.min_seq_len_to_compress << YAML::EndMap;
+    e << YAML::Key << "quality" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key
+      << "max_attention_error" << YAML::Value << z.max_attention_error << YAML::Key
+      << "sample_one_in" << YAML::Value << z.sample_one_in << YAML::EndMap;
+    e << YAML::Key << "priority" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key
+      << "high_max_level" << YAML::Value << z.high_priority_max_level << YAML::EndMap;
+    e << YAML::EndMap << YAML::EndMap;
   }
   e << YAML::EndSeq;
   e << YAML::Key << "log" << YAML::Value << YAML::BeginMap << YAML::Key << "level"

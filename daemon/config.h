@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/codec.h"
 
 namespace proxima::daemon {
 
@@ -36,13 +37,52 @@ struct HostTierConfig {
   uint64_t capacity_bytes = 1ull << 30;  // hard limit on bytes of stored blocks
 };
 
+// A namespace's compression policy (docs/configuration.md, "Compression per namespace"). The
+// keys keep DESIGN.md section 4's shape; `levels` is the hierarchy the tierer walks down, as
+// codec plan strings (kernels/codec.h ParseCodecPlan), safest first. When `levels` is not given
+// it is derived from `strategy`, `quantization`, `star_kv`, `per_layer` and `first_block`.
+struct CompressionConfig {
+  bool enabled = false;                // off: blocks stay raw, the coldest are evicted
+  std::string strategy = "hybrid";     // none | quantize | star | hybrid
+  std::vector<std::string> levels;     // explicit hierarchy (plan strings); empty: derived
+  std::string per_layer;               // "layers[0:2]=int8,...": prepended to derived levels
+  std::string first_block = "int8";    // codec floor for a sequence's first block ("" = none)
+  uint32_t k_bits = 8;                 // quantization.k_bits: 8, 4 or 2
+  uint32_t v_bits = 8;                 // quantization.v_bits: must equal k_bits
+  uint32_t group_size = 64;            // quantization.group_size: 32, 64 or 128 (int4/int2)
+  uint32_t hierarchy_levels = 2;       // star_kv.hierarchy_levels: derived levels, 1..3
+  double memory_pressure_threshold = 0.8;  // trigger: compress when tier use / capacity exceeds
+  uint64_t min_seq_len_to_compress = 0;    // trigger: tokens a sequence needs up to a block
+  double max_attention_error = 0.05;   // quality.max_attention_error: budget (relative L2)
+  uint32_t sample_one_in = 16;         // quality.sample_one_in: encodings measured, 1 in N
+  uint32_t high_priority_max_level = 1;  // priority.high_max_level: deepest level, high puts
+
+  // The resolved hierarchy, `levels` parsed (or derived), safest first. Empty when disabled.
+  std::vector<codec::CodecPlan> plans;
+};
+
 struct NamespaceConfig {
   std::string name;  // [A-Za-z0-9_.-]{1,64}
+  CompressionConfig compression;
+};
+
+// The tierer: the background worker that keeps tiers under their pressure thresholds.
+struct TiererConfig {
+  std::string temperature_policy = "lru";  // lru | s3fifo: which block is coldest
+  uint32_t threads = 1;                    // encoder threads of the background worker
+  double interval_seconds = 0.01;          // how often it checks the pressure when idle
+};
+
+// The GPU tier: one device-memory pool per visible GPU; absent without a GPU.
+struct GpuTierConfig {
+  uint64_t capacity_bytes_per_device = 0;  // 0 disables the GPU tier
 };
 
 struct DaemonConfig {
   ServerConfig server;
   HostTierConfig host_tier;
+  GpuTierConfig gpu_tier;
+  TiererConfig tierer;
   uint32_t index_shards = 64;  // block index shards (power of two); more shards, less contention
   std::vector<NamespaceConfig> namespaces = {{"default"}};
   std::string log_level = "info";  // debug | info | warning | error
@@ -64,6 +104,11 @@ absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path,
 // Parses a byte size: a plain integer, or a number with a unit B, KiB, MiB, GiB, TiB (powers of
 // 1024) or KB, MB, GB, TB (powers of 1000). Fractions are allowed with a unit ("1.5GiB").
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
+
+// Resolves a namespace's compression policy: validates it and fills `compression->plans`.
+// `path` names it in errors (e.g. "namespaces[0].compression"). ParseConfig calls it.
+absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_view path,
+                                      CompressionConfig* compression);
 
 // Renders `config` back as YAML (what the daemon runs with; proximad --print_config).
 std::string ConfigToYaml(const DaemonConfig& config);

@@ -110,5 +110,111 @@ TEST(ConfigTest, MissingFileIsNotFound) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/proxima.yaml")));
 }
 
+TEST(CompressionConfigTest, DefaultsAreOffWithTheDocumentedThreshold) {
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c, ParseConfig(DefaultConfigYaml(), "<default>", {}));
+  const CompressionConfig& z = c.namespaces[0].compression;
+  EXPECT_FALSE(z.enabled);
+  EXPECT_TRUE(z.plans.empty());
+  EXPECT_DOUBLE_EQ(z.memory_pressure_threshold, 0.8);
+  EXPECT_EQ(c.tierer.temperature_policy, "lru");
+  EXPECT_EQ(c.gpu_tier.capacity_bytes_per_device, 0u);
+}
+
+TEST(CompressionConfigTest, ExplicitLevelsAreParsedSafestFirst) {
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("namespaces:\n"
+                  "  - name: a\n"
+                  "    compression:\n"
+                  "      enabled: true\n"
+                  "      levels: [int8, 'layers[0:4]=int8,default=int4,sink=int8']\n"
+                  "      trigger: {memory_pressure_threshold: 0.7, min_seq_len_to_compress: 64}\n"
+                  "  - name: b\n",
+                  "t.yaml", {}));
+  const CompressionConfig& a = c.namespaces[0].compression;
+  ASSERT_EQ(a.plans.size(), 2u);
+  EXPECT_EQ(a.plans[0].default_codec, codec::CodecId::kInt8);
+  EXPECT_EQ(a.plans[1].default_codec, codec::CodecId::kInt4);
+  EXPECT_EQ(a.plans[1].CodecFor(2, false), codec::CodecId::kInt8);
+  EXPECT_EQ(a.plans[1].CodecFor(9, true), codec::CodecId::kInt8);  // sink floor
+  EXPECT_DOUBLE_EQ(a.memory_pressure_threshold, 0.7);
+  EXPECT_EQ(a.min_seq_len_to_compress, 64u);
+  EXPECT_TRUE(c.namespaces[1].compression.plans.empty());  // not enabled
+
+  // What the daemon prints parses back to the same hierarchy.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
+  ASSERT_EQ(again.namespaces[0].compression.plans.size(), 2u);
+  EXPECT_EQ(again.namespaces[0].compression.plans[1].ToString(), a.plans[1].ToString());
+}
+
+TEST(CompressionConfigTest, StrategiesDeriveLadders) {
+  auto plans = [](const std::string& compression) {
+    absl::StatusOr<DaemonConfig> c = ParseConfig(
+        "namespaces: [{name: a, compression: {enabled: true, " + compression + "}}]", "t", {});
+    EXPECT_OK(c.status()) << compression;
+    std::vector<std::string> out;
+    if (c.ok()) {
+      for (const auto& p : c->namespaces[0].compression.plans) out.push_back(p.ToString());
+    }
+    return out;
+  };
+  EXPECT_THAT(plans("strategy: hybrid, first_block: ''"),
+              ::testing::ElementsAre("default=int8,group=64", "default=int4,group=64"));
+  EXPECT_THAT(plans("strategy: quantize, first_block: '', star_kv: {hierarchy_levels: 3}"),
+              ::testing::ElementsAre("default=int8,group=64", "default=int4,group=64", "default=int2,group=64"));
+  EXPECT_THAT(plans("strategy: star, first_block: '', quantization: {group_size: 32}"),
+              ::testing::ElementsAre("default=int4,group=32", "default=star,group=32"));
+  std::vector<std::string> layered =
+      plans("strategy: hybrid, per_layer: 'layers[0:2]=int8', first_block: fp8");
+  ASSERT_EQ(layered.size(), 2u);
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan second, codec::ParseCodecPlan(layered[1]));
+  EXPECT_EQ(second.CodecFor(1, false), codec::CodecId::kInt8);
+  EXPECT_EQ(second.CodecFor(5, false), codec::CodecId::kInt4);
+  EXPECT_EQ(second.sink_codec, codec::CodecId::kFp8);
+  EXPECT_TRUE(plans("strategy: none").empty());
+}
+
+TEST(CompressionConfigTest, BadPoliciesNameKeyValueAndAllowed) {
+  struct Case {
+    const char* compression;
+    std::vector<std::string> must_mention;
+  };
+  const Case cases[] = {
+      {"levels: [int8, zstd]", {"namespaces[0].compression.levels[1]", "zstd", "int4"}},
+      {"levels: [int4, int8]", {"levels[1]", "int8", "safest"}},
+      {"levels: [raw]", {"levels[0]", "raw"}},
+      {"levels: [int8, int8]", {"levels[1]", "different"}},
+      {"levels: int8", {"compression.levels", "list of codec plans"}},
+      {"strategy: zip", {"compression.strategy", "zip", "none, quantize, star, hybrid"}},
+      {"strategy: sparse", {"compression.strategy", "sparse", "not implemented"}},
+      {"sparsification: {keep_ratio: 0.6}", {"compression.sparsification", "keep_ratio"}},
+      {"trigger: {memory_pressure_threshold: 1.5}",
+       {"trigger.memory_pressure_threshold", "1.5", "[0.05, 1]"}},
+      {"trigger: {pressure: 0.5}", {"compression.trigger.pressure", "unknown"}},
+      {"quantization: {k_bits: 8, v_bits: 4}", {"quantization.v_bits", "'4'", "k_bits"}},
+      {"quantization: {k_bits: 3}", {"quantization.k_bits", "8, 4 or 2"}},
+      {"star_kv: {cluster_size: 8}", {"star_kv.cluster_size", "'8'", "16"}},
+      {"first_block: int3", {"compression.first_block", "int3", "codec name"}},
+      {"per_layer: 'default=int8'", {"compression.per_layer", "layer ranges only"}},
+      {"enabled: maybe", {"compression.enabled", "maybe", "true or false"}},
+  };
+  for (const Case& c : cases) {
+    // Validated even when disabled: a typo is found at start, not when someone turns it on.
+    std::string yaml = std::string("namespaces: [{name: a, compression: {") + c.compression + "}}]";
+    absl::StatusOr<DaemonConfig> r = ParseConfig(yaml, "test.yaml", {});
+    ASSERT_FALSE(r.ok()) << yaml;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << yaml;
+    for (const std::string& m : c.must_mention) {
+      EXPECT_THAT(r.status().message(), HasSubstr(m)) << yaml;
+    }
+  }
+  EXPECT_THAT(ParseConfig("tierer: {temperature_policy: arc}", "t", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tierer.temperature_policy"), HasSubstr("lru, s3fifo"))));
+  EXPECT_THAT(ParseConfig("tiers: {gpu: {capacity_bytes_per_device: 1KiB}}", "t", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("tiers.gpu.capacity_bytes_per_device")));
+}
+
 }  // namespace
 }  // namespace proxima::daemon
