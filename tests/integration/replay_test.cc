@@ -5,13 +5,13 @@
 // tier's 64-byte alignment), so a host tier of C * block_bytes holds exactly C blocks; proximad
 // evicts the least recently used block; Lookup does not touch a block, Get touches each block
 // it returns in order, and Put touches a present block or inserts a new one, in chain order.
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
 #include <fstream>
 #include <list>
 #include <string>
 #include <vector>
-
-#include <google/protobuf/struct.pb.h>
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -50,7 +50,7 @@ ModelResult ReplayLru(const std::vector<replay::TraceRequest>& requests, size_t 
     while (h < ids.size() && where.contains(ids[h])) ++h;  // Lookup
     r.hits += h;
     for (size_t i = 0; i < h; ++i) touch(ids[i]);  // Get
-    for (size_t i = h; i < ids.size(); ++i) {       // Put
+    for (size_t i = h; i < ids.size(); ++i) {      // Put
       if (where.contains(ids[i])) {
         touch(ids[i]);
         ++r.puts_already_present;
@@ -136,8 +136,8 @@ TEST(ReplayTest, DifferentBytesAreCaught) {
   auto run = [&](const std::string& kv_file, const std::string& bound) {
     return RunCommand({PROXIMA_REPLAY_PATH, "--target=" + (*daemon)->tcp_target(),
                        std::string("--trace=") + PROXIMA_TRACE_PATH, "--kv_file=" + kv_file,
-                       absl::StrCat("--tokens_per_block=", kTokensPerBlock),
-                       "--sample_one_in=16", "--max_requests=20", "--max_rel_l2=" + bound},
+                       absl::StrCat("--tokens_per_block=", kTokensPerBlock), "--sample_one_in=16",
+                       "--max_requests=20", "--max_rel_l2=" + bound},
                       absl::Seconds(30));
   };
   testing::CommandResult first = run(PROXIMA_KV_PATH, "0");

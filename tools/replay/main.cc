@@ -12,12 +12,12 @@
 // not waited for: a cache's hit ratio depends on the order of requests, not their spacing).
 // Exit status: 0 when every block that came back was right, 3 when some were wrong (counted in
 // "bad"), 1 on any other error.
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+#include <grpc/grpc.h>
+
 #include <cstdio>
 #include <string>
-
-#include <google/protobuf/struct.pb.h>
-#include <grpc/grpc.h>
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -49,7 +49,9 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
-void Set(Struct& s, const std::string& key, double v) { (*s.mutable_fields())[key].set_number_value(v); }
+void Set(Struct& s, const std::string& key, double v) {
+  (*s.mutable_fields())[key].set_number_value(v);
+}
 void SetString(Struct& s, const std::string& key, const std::string& v) {
   (*s.mutable_fields())[key].set_string_value(v);
 }
@@ -60,9 +62,9 @@ absl::StatusOr<int> Run() {
   trace_options.max_requests = absl::GetFlag(FLAGS_max_requests);
   PROXIMA_ASSIGN_OR_RETURN(proxima::replay::Trace trace,
                            proxima::replay::ReadTrace(absl::GetFlag(FLAGS_trace), trace_options));
-  PROXIMA_ASSIGN_OR_RETURN(auto source,
-                           proxima::replay::BlockSource::Create(
-                               absl::GetFlag(FLAGS_kv_file), absl::GetFlag(FLAGS_tokens_per_block)));
+  PROXIMA_ASSIGN_OR_RETURN(
+      auto source, proxima::replay::BlockSource::Create(absl::GetFlag(FLAGS_kv_file),
+                                                        absl::GetFlag(FLAGS_tokens_per_block)));
 
   proxima::client::ClientOptions client_options;
   client_options.target = absl::GetFlag(FLAGS_target);
@@ -75,9 +77,9 @@ absl::StatusOr<int> Run() {
 
   proxima::replay::ReplayOptions options;
   options.max_rel_l2 = absl::GetFlag(FLAGS_max_rel_l2);
-  PROXIMA_ASSIGN_OR_RETURN(proxima::replay::ReplayCounts c,
-                           proxima::replay::RunReplay(*client, profile, *source, trace.requests,
-                                                      options));
+  PROXIMA_ASSIGN_OR_RETURN(
+      proxima::replay::ReplayCounts c,
+      proxima::replay::RunReplay(*client, profile, *source, trace.requests, options));
   PROXIMA_ASSIGN_OR_RETURN(proxima::v1::StatsResponse stats, client->Stats());
 
   proxima::replay::ReuseFacts reuse = proxima::replay::MeasureReuse(trace.requests);
@@ -123,7 +125,8 @@ absl::StatusOr<int> Run() {
   Set(out, "evictions", static_cast<double>(evictions));
   Set(out, "blocks_held", static_cast<double>(held));
   Set(out, "blocks_held_per_gib",
-      capacity == 0 ? 0 : static_cast<double>(held) / (static_cast<double>(capacity) / (1ull << 30)));
+      capacity == 0 ? 0
+                    : static_cast<double>(held) / (static_cast<double>(capacity) / (1ull << 30)));
   Set(out, "crc_failures_client", static_cast<double>(client->crc_failures()));
   Set(out, "crc_failures_daemon", static_cast<double>(stats.crc_failures()));
 

@@ -32,13 +32,12 @@ BlockSource::BlockSource(codec::KvTensor kv, uint32_t tokens_per_block)
       geometry_(kv_.BlockShape(tokens_per_block)) {}
 
 absl::StatusOr<std::unique_ptr<BlockSource>> BlockSource::Create(const std::string& kv_file,
-                                                                uint32_t tokens_per_block) {
+                                                                 uint32_t tokens_per_block) {
   PROXIMA_ASSIGN_OR_RETURN(codec::KvTensor kv, codec::ReadKvFile(kv_file));
   if (tokens_per_block == 0 || kv.num_tokens < 2ull * tokens_per_block) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens_per_block is ", tokens_per_block, "; the KV file '", kv_file,
-                     "' holds ", kv.num_tokens, " tokens, expected 1 <= tokens_per_block <= ",
-                     kv.num_tokens / 2));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokens_per_block is ", tokens_per_block, "; the KV file '", kv_file, "' holds ",
+        kv.num_tokens, " tokens, expected 1 <= tokens_per_block <= ", kv.num_tokens / 2));
   }
   PROXIMA_RETURN_IF_ERROR(kv.BlockShape(tokens_per_block).Validate());
   return std::unique_ptr<BlockSource>(new BlockSource(std::move(kv), tokens_per_block));
@@ -83,9 +82,9 @@ absl::StatusOr<ReplayCounts> RunReplay(client::Client& client, const client::Pro
   }
   ReplayCounts counts;
   std::vector<client::BlockKey> chain;
-  std::vector<std::byte> got;       // blocks returned by Get, back to back
+  std::vector<std::byte> got;  // blocks returned by Get, back to back
   std::vector<std::byte> expected(block_bytes);
-  std::vector<std::byte> to_put;    // blocks to Put, back to back
+  std::vector<std::byte> to_put;  // blocks to Put, back to back
   const auto start = std::chrono::steady_clock::now();
 
   for (const TraceRequest& request : requests) {
@@ -105,7 +104,8 @@ absl::StatusOr<ReplayCounts> RunReplay(client::Client& client, const client::Pro
       got.resize(present * block_bytes);
       std::vector<std::span<std::byte>> out;
       out.reserve(present);
-      for (size_t i = 0; i < present; ++i) out.emplace_back(got.data() + i * block_bytes, block_bytes);
+      for (size_t i = 0; i < present; ++i)
+        out.emplace_back(got.data() + i * block_bytes, block_bytes);
       PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found,
                                client.Get(profile, std::span(chain).first(present), out));
       for (; hits < present && found[hits]; ++hits) {
@@ -145,14 +145,19 @@ absl::StatusOr<ReplayCounts> RunReplay(client::Client& client, const client::Pro
         PROXIMA_RETURN_IF_ERROR(source.Fill(request.hash_ids[hits + i], hits + i, slot));
         blocks.push_back(slot);
       }
-      PROXIMA_ASSIGN_OR_RETURN(
-          std::vector<client::PutOutcome> outcomes,
-          client.Put(profile, std::span(chain).subspan(hits), blocks));
+      PROXIMA_ASSIGN_OR_RETURN(std::vector<client::PutOutcome> outcomes,
+                               client.Put(profile, std::span(chain).subspan(hits), blocks));
       for (client::PutOutcome o : outcomes) {
         switch (o) {
-          case client::PutOutcome::kStored: ++counts.puts_stored; break;
-          case client::PutOutcome::kAlreadyPresent: ++counts.puts_already_present; break;
-          case client::PutOutcome::kNoSpace: ++counts.puts_no_space; break;
+          case client::PutOutcome::kStored:
+            ++counts.puts_stored;
+            break;
+          case client::PutOutcome::kAlreadyPresent:
+            ++counts.puts_already_present;
+            break;
+          case client::PutOutcome::kNoSpace:
+            ++counts.puts_no_space;
+            break;
         }
       }
       counts.bytes_put += misses * block_bytes;

@@ -30,7 +30,7 @@ class BlockSource {
  public:
   // Reads the dump. kInvalidArgument when it holds fewer than 2 * tokens_per_block tokens.
   static absl::StatusOr<std::unique_ptr<BlockSource>> Create(const std::string& kv_file,
-                                                            uint32_t tokens_per_block);
+                                                             uint32_t tokens_per_block);
 
   // The profile to register: the dump's geometry at `tokens_per_block` tokens per block.
   v1::ModelProfile Profile() const;

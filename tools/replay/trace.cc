@@ -1,10 +1,10 @@
 #include "tools/replay/trace.h"
 
-#include <cmath>
-#include <fstream>
-
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <fstream>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"

@@ -44,7 +44,7 @@ struct TraceOptions {
 
 struct Trace {
   std::vector<TraceRequest> requests;
-  size_t lines_read = 0;  // requests in the file before sampling
+  size_t lines_read = 0;  // lines read (reading stops once max_requests are kept)
 };
 
 // Parses one trace line. kInvalidArgument naming the field, its value and what was expected.

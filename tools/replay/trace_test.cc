@@ -29,31 +29,33 @@ TEST(ParseTraceLine, ReadsEveryField) {
 }
 
 TEST(ParseTraceLine, BadInputNamesTheFieldAndValue) {
-  EXPECT_THAT(ParseTraceLine("{not json"), StatusIs(absl::StatusCode::kInvalidArgument,
-                                                    HasSubstr("not a JSON object")));
+  EXPECT_THAT(ParseTraceLine("{not json"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a JSON object")));
   EXPECT_THAT(ParseTraceLine(R"({"timestamp": 0, "input_length": 1, "output_length": 1})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'hash_ids' is missing")));
   EXPECT_THAT(
       ParseTraceLine(R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": []})"),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a non-empty list")));
-  EXPECT_THAT(ParseTraceLine(
-                  R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [3, -1]})"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("'hash_ids[1]' has value -1; expected a non-negative integer")));
+  EXPECT_THAT(
+      ParseTraceLine(
+          R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [3, -1]})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("'hash_ids[1]' has value -1; expected a non-negative integer")));
   EXPECT_THAT(ParseTraceLine(
                   R"({"timestamp": 0.5, "input_length": 1, "output_length": 1, "hash_ids": [3]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'timestamp' has value 0.5")));
-  EXPECT_THAT(ParseTraceLine(
-                  R"({"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": [3]})"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("'input_length' is not a number")));
+  EXPECT_THAT(
+      ParseTraceLine(
+          R"({"timestamp": 0, "input_length": "x", "output_length": 1, "hash_ids": [3]})"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'input_length' is not a number")));
 }
 
 TEST(ReadTrace, ErrorsNameTheFileAndLine) {
   std::string path = ::testing::TempDir() + "/bad_trace.jsonl";
   {
     std::ofstream out(path);
-    out << R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]})" << "\n";
+    out << R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]})"
+        << "\n";
     out << R"({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0, "a"]})"
         << "\n";
   }
@@ -100,7 +102,8 @@ TEST(ReadTrace, SamplingKeepsWholePrefixFamilies) {
   auto first = ReadTrace(PROXIMA_TRACE_PATH, {.sample_one_in = 16, .max_requests = 10});
   ASSERT_TRUE(first.ok());
   ASSERT_EQ(first->requests.size(), 10u);
-  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(first->requests[i].hash_ids, sampled->requests[i].hash_ids);
+  for (size_t i = 0; i < 10; ++i)
+    EXPECT_EQ(first->requests[i].hash_ids, sampled->requests[i].hash_ids);
 }
 
 TEST(BlockSource, PayloadsAreRealKvSlicesChosenByTheId) {
@@ -108,7 +111,7 @@ TEST(BlockSource, PayloadsAreRealKvSlicesChosenByTheId) {
   ASSERT_TRUE(source.ok()) << source.status();
   const BlockSource& s = **source;
   EXPECT_EQ(s.block_bytes(), 2u * 30 * 16 * 3 * 64 * 2);  // SmolLM2-135M, 16 tokens, bf16
-  EXPECT_EQ(s.FirstToken(12345, 0), 0u);                 // the sink block
+  EXPECT_EQ(s.FirstToken(12345, 0), 0u);                  // the sink block
   std::vector<uint32_t> starts;
   for (uint64_t id = 1; id < 200; ++id) {
     uint32_t t0 = s.FirstToken(id, 3);
