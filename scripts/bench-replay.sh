@@ -84,7 +84,9 @@ run() {
     --tokens_per_block="$tpb" --sample_one_in="$sample" --max_requests="$max_requests" \
     --max_rel_l2="$bound" --label="$label" > "$dir/out.json" || rc=$?
   kill -TERM "$daemon_pid"; wait "$daemon_pid" || true; daemon_pid=
-  if [[ $rc -ne 0 ]]; then
+  # 3: the run finished but some blocks came back wrong; it is recorded, and the sanity checks
+  # below fail the benchmark after every run has been reported.
+  if [[ $rc -ne 0 && $rc -ne 3 ]]; then
     echo "bench-replay.sh: run $label failed (exit $rc); daemon log:" >&2
     tail -n 20 "$dir/proximad.log" >&2
     exit 1
