@@ -1,7 +1,10 @@
 #include "daemon/block_store.h"
 
 #include <cstring>
+#include <algorithm>
+#include <iterator>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "common/crc32c.h"
@@ -20,7 +23,8 @@ struct StoredBlock {
   HostTier* const tier;
   const Extent extent;
   const uint64_t size;  // bytes of block data (extent.size is rounded up)
-  uint32_t crc32c = 0;  // set once by Commit(), before the block becomes visible
+  uint32_t crc32c = 0;  // set once by Commit()/Replace(), before the block becomes visible
+  uint8_t level = 0;    // likewise: hierarchy level of the bytes (0 = raw)
 };
 
 std::span<std::byte> BlockStore::PendingBlock::bytes() const { return block_->bytes(); }
@@ -29,7 +33,9 @@ BlockStore::BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
                        std::span<NamespaceCounters> counters)
     : tier_(std::move(tier)), counters_(counters) {
   shards_.reserve(num_shards);
-  for (uint32_t i = 0; i < num_shards; ++i) shards_.push_back(std::make_unique<Shard>());
+  for (uint32_t i = 0; i < num_shards; ++i) {
+    shards_.push_back(std::make_unique<Shard>(counters.size()));
+  }
 }
 
 BlockStore::~BlockStore() {
@@ -38,6 +44,7 @@ BlockStore::~BlockStore() {
     proxima::MutexLock lock(&shard->mu);
     shard->map.clear();
     shard->lru.clear();
+    for (auto& list : shard->compressible) list.clear();
   }
 }
 
@@ -53,7 +60,9 @@ BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
   if (expected != nullptr && it->second.block.get() != expected) return nullptr;
   BlockRef block = std::move(it->second.block);
   shard.lru.erase(it->second.lru);
+  if (it->second.in_compressible) shard.compressible[id.namespace_index].erase(it->second.cold);
   shard.map.erase(it);
+  CountLevel(block->level, -1, -static_cast<int64_t>(block->size));
   blocks_.fetch_sub(1, std::memory_order_relaxed);
   NamespaceCounters& c = counters_[id.namespace_index];
   c.blocks.fetch_sub(1, std::memory_order_relaxed);
@@ -94,27 +103,205 @@ std::optional<Extent> BlockStore::AllocateEvicting(uint64_t bytes) {
   }
 }
 
+void BlockStore::CountLevel(uint8_t level, int64_t blocks, int64_t bytes) {
+  level_blocks_[level].fetch_add(static_cast<uint64_t>(blocks), std::memory_order_relaxed);
+  level_bytes_[level].fetch_add(static_cast<uint64_t>(bytes), std::memory_order_relaxed);
+}
+
+void BlockStore::MarkUsed(Shard& shard, Shard::Entry& entry) {
+  shard.lru.splice(shard.lru.begin(), shard.lru, entry.lru);
+  if (entry.in_compressible) {
+    auto& list = shard.compressible[entry.cold->namespace_index];
+    list.splice(list.begin(), list, entry.cold);
+  }
+  entry.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+}
+
+std::optional<BlockStore::PendingBlock> BlockStore::TryReserve(uint64_t bytes,
+                                                               HostTier::Placement placement) {
+  std::optional<Extent> extent = tier_->Allocate(bytes, placement);
+  if (!extent) return std::nullopt;
+  return PendingBlock(std::make_shared<StoredBlock>(tier_.get(), *extent, bytes));
+}
+
+std::optional<BlockStore::Candidate> BlockStore::ColdestCompressible(
+    std::span<const uint8_t> level_caps) {
+  // Scan the tails; the few busy entries at a tail (being encoded by another thread) are
+  // stepped over. Blocks whose namespace cap has dropped to their level leave the list.
+  constexpr int kMaxSkipped = 8;
+  Shard* best_shard = nullptr;
+  BlockId best_id;
+  uint64_t oldest = std::numeric_limits<uint64_t>::max();
+  for (auto& shard : shards_) {
+    proxima::MutexLock lock(&shard->mu);
+    for (size_t ns = 0; ns < shard->compressible.size() && ns < level_caps.size(); ++ns) {
+      if (level_caps[ns] == 0) continue;
+      auto& list = shard->compressible[ns];
+      int skipped = 0;
+      for (auto it = list.rbegin(); it != list.rend() && skipped < kMaxSkipped;) {
+        Shard::Entry& e = shard->map.find(*it)->second;
+        if (e.block->level >= level_caps[ns]) {  // capped by the quality guard
+          e.in_compressible = false;
+          it = std::make_reverse_iterator(list.erase(std::next(it).base()));
+          continue;
+        }
+        if (e.busy) {
+          ++skipped;
+          ++it;
+          continue;
+        }
+        if (e.stamp < oldest) {
+          oldest = e.stamp;
+          best_shard = shard.get();
+          best_id = *it;
+        }
+        break;
+      }
+    }
+  }
+  if (best_shard == nullptr) return std::nullopt;
+  proxima::MutexLock lock(&best_shard->mu);
+  auto it = best_shard->map.find(best_id);
+  if (it == best_shard->map.end() || it->second.busy || !it->second.in_compressible) {
+    return std::nullopt;  // raced; the caller asks again
+  }
+  Shard::Entry& e = it->second;
+  e.busy = true;
+  const StoredBlock& b = *e.block;
+  return Candidate{best_id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
+}
+
+bool BlockStore::Replace(const Candidate& candidate, PendingBlock encoded, uint32_t crc32c,
+                         uint8_t level) {
+  BlockRef block = std::move(encoded.block_);
+  block->crc32c = crc32c;
+  block->level = level;
+  BlockRef old;
+  Shard& shard = ShardFor(candidate.id);
+  {
+    proxima::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(candidate.id);
+    if (it == shard.map.end() || it->second.block.get() != candidate.block.pin.get()) {
+      return false;  // deleted, or evicted and put again; `block` is freed after the lock
+    }
+    Shard::Entry& e = it->second;
+    e.busy = false;
+    old = std::exchange(e.block, std::move(block));
+    if (e.in_compressible && level >= e.attributes.max_level) {
+      shard.compressible[candidate.id.namespace_index].erase(e.cold);
+      e.in_compressible = false;
+    }
+    NamespaceCounters& c = counters_[candidate.id.namespace_index];
+    c.bytes.fetch_add(e.block->size - old->size, std::memory_order_relaxed);
+    CountLevel(old->level, -1, -static_cast<int64_t>(old->size));
+    CountLevel(level, 1, static_cast<int64_t>(e.block->size));
+  }
+  return true;  // `old` is freed here, unless a reader still pins it
+}
+
+BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
+                                               std::span<const std::byte> encoded,
+                                               uint8_t level) {
+  Shard& shard = ShardFor(candidate.id);
+  BlockRef evicted;  // dropped after the lock
+  proxima::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(candidate.id);
+  if (it == shard.map.end() || it->second.block.get() != candidate.block.pin.get()) {
+    return InPlace::kGone;
+  }
+  Shard::Entry& e = it->second;
+  // Pins are taken only under this lock, so the count cannot grow while it is held: two means
+  // the index and this candidate.
+  if (e.block.use_count() > 2) {
+    e.busy = false;
+    return InPlace::kPinned;
+  }
+  const uint64_t old_size = e.block->size;
+  const uint8_t old_level = e.block->level;
+  candidate.block = {};
+  e.block.reset();  // frees the old extent (shard lock -> tier lock, the allowed order)
+  CountLevel(old_level, -1, -static_cast<int64_t>(old_size));
+  NamespaceCounters& c = counters_[candidate.id.namespace_index];
+  std::optional<Extent> extent = tier_->Allocate(encoded.size(), HostTier::Placement::kHigh);
+  if (!extent) {
+    // Another thread took the freed room: the block is gone, as if evicted.
+    shard.lru.erase(e.lru);
+    if (e.in_compressible) shard.compressible[candidate.id.namespace_index].erase(e.cold);
+    shard.map.erase(it);
+    blocks_.fetch_sub(1, std::memory_order_relaxed);
+    c.blocks.fetch_sub(1, std::memory_order_relaxed);
+    c.bytes.fetch_sub(old_size, std::memory_order_relaxed);
+    evictions_.fetch_add(1, std::memory_order_relaxed);
+    return InPlace::kEvicted;
+  }
+  auto block = std::make_shared<StoredBlock>(tier_.get(), *extent, encoded.size());
+  std::memcpy(block->bytes().data(), encoded.data(), encoded.size());
+  block->crc32c = Crc32c(block->bytes());
+  block->level = level;
+  e.block = std::move(block);
+  e.busy = false;
+  if (e.in_compressible && level >= e.attributes.max_level) {
+    shard.compressible[candidate.id.namespace_index].erase(e.cold);
+    e.in_compressible = false;
+  }
+  c.bytes.fetch_add(encoded.size() - old_size, std::memory_order_relaxed);
+  CountLevel(level, 1, static_cast<int64_t>(encoded.size()));
+  return InPlace::kReplaced;
+}
+
+void BlockStore::Release(const Candidate& candidate) {
+  Shard& shard = ShardFor(candidate.id);
+  proxima::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(candidate.id);
+  if (it != shard.map.end() && it->second.block.get() == candidate.block.pin.get()) {
+    it->second.busy = false;
+  }
+}
+
+bool BlockStore::EvictCandidate(const Candidate& candidate) {
+  Shard& shard = ShardFor(candidate.id);
+  BlockRef evicted;
+  {
+    proxima::MutexLock lock(&shard.mu);
+    evicted = Unlink(shard, candidate.id, static_cast<const StoredBlock*>(candidate.block.pin.get()));
+  }
+  if (evicted == nullptr) return false;
+  evictions_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 std::optional<BlockStore::PendingBlock> BlockStore::Reserve(uint64_t bytes) {
   std::optional<Extent> extent = AllocateEvicting(bytes);
   if (!extent) return std::nullopt;
   return PendingBlock(std::make_shared<StoredBlock>(tier_.get(), *extent, bytes));
 }
 
-PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t crc32c) {
+PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t crc32c,
+                              BlockAttributes attributes) {
   BlockRef block = std::move(pending.block_);
   block->crc32c = crc32c;
+  attributes.max_level = std::min<uint8_t>(attributes.max_level, kMaxLevels - 1);
   Shard& shard = ShardFor(id);
   proxima::MutexLock lock(&shard.mu);
   auto [it, inserted] = shard.map.try_emplace(id);
   if (!inserted) {
-    shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
-    it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    MarkUsed(shard, it->second);
     return PutOutcome::kAlreadyPresent;  // `block` is freed after the lock is released
   }
   const uint64_t size = block->size;
+  CountLevel(0, 1, static_cast<int64_t>(size));
   shard.lru.push_front(id);
-  it->second = Shard::Entry{std::move(block), shard.lru.begin(),
-                            clock_.fetch_add(1, std::memory_order_relaxed)};
+  Shard::Entry& e = it->second;
+  e.block = std::move(block);
+  e.lru = shard.lru.begin();
+  e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+  e.attributes = attributes;
+  if (attributes.max_level > 0) {
+    auto& list = shard.compressible[id.namespace_index];
+    list.push_front(id);
+    e.cold = list.begin();
+    e.in_compressible = true;
+  }
   blocks_.fetch_add(1, std::memory_order_relaxed);
   NamespaceCounters& c = counters_[id.namespace_index];
   c.blocks.fetch_add(1, std::memory_order_relaxed);
@@ -137,14 +324,14 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id) {
     proxima::MutexLock lock(&shard.mu);
     auto it = shard.map.find(id);
     if (it == shard.map.end()) return std::nullopt;
-    shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
-    it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    MarkUsed(shard, it->second);
     block = it->second.block;  // pin
   }
   uint32_t crc = Crc32c(block->bytes());
   if (crc == block->crc32c) {
     std::span<const std::byte> bytes = block->bytes();
-    return ReadBlock{std::move(block), bytes, crc};
+    const uint8_t level = block->level;
+    return ReadBlock{std::move(block), bytes, crc, level};
   }
   crc_failures_.fetch_add(1, std::memory_order_relaxed);
   PROXIMA_LOG(kError) << "stored block failed its CRC32C check; dropped"
@@ -166,8 +353,7 @@ bool BlockStore::Touch(const BlockId& id) {
   proxima::MutexLock lock(&shard.mu);
   auto it = shard.map.find(id);
   if (it == shard.map.end()) return false;
-  shard.lru.splice(shard.lru.begin(), shard.lru, it->second.lru);
-  it->second.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+  MarkUsed(shard, it->second);
   return true;
 }
 

@@ -10,6 +10,14 @@
 // readers never see a partial block. Every read re-checks the CRC32C; a block that fails is
 // dropped, counted, and reported as a miss.
 //
+// Encodings: every block has a hierarchy level (0 = raw, as put; k = the k-th level of its
+// namespace's compression hierarchy) and a deepest level it may reach (BlockAttributes). Blocks
+// that can still go deeper are also kept in a per-namespace list in recency order, so the tierer
+// (daemon/tierer.h) finds the coldest compressible block in O(shards x namespaces). Replace()
+// swaps a block's stored bytes for an encoded version atomically under the shard lock: readers
+// that pinned the old bytes keep them until they unpin, and new readers see only the complete
+// new version. The store itself never encodes; it only holds bytes and their level.
+//
 // Thread-safe. Lock order: a shard mutex may be held while HostTier's (internal) mutex is
 // taken; never the reverse, and never two shard mutexes at once.
 #ifndef PROXIMA_DAEMON_BLOCK_STORE_H_
@@ -57,6 +65,15 @@ struct NamespaceCounters {
 
 enum class PutOutcome { kStored, kAlreadyPresent, kNoSpace };
 
+// Hierarchy levels a block can be at: 0 (raw) .. kMaxLevels - 1.
+inline constexpr int kMaxLevels = 8;
+
+// What the tierer may do with a block, fixed when it is put.
+struct BlockAttributes {
+  uint8_t max_level = 0;        // deepest hierarchy level it may be encoded to; 0 = stays raw
+  bool is_first_block = false;  // the first block of its sequence (attention sinks)
+};
+
 struct StoredBlock;
 
 class BlockStore {
@@ -90,7 +107,13 @@ class BlockStore {
   // Makes a written block visible under `id`. `crc32c` is the CRC32C of its bytes. When `id`
   // is already stored, the stored block is kept (keys name content), marked recently used, and
   // `block` is freed.
-  PutOutcome Commit(const BlockId& id, PendingBlock block, uint32_t crc32c);
+  PutOutcome Commit(const BlockId& id, PendingBlock block, uint32_t crc32c,
+                    BlockAttributes attributes = {});
+
+  // Like Reserve(), but never evicts: nullopt when no free extent is large enough now.
+  // `placement`: kHigh for encoded blocks (see HostTier::Placement).
+  std::optional<PendingBlock> TryReserve(uint64_t bytes,
+                                         HostTier::Placement placement = HostTier::Placement::kLow);
 
   // Reserve + copy + Commit.
   PutOutcome Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c);
@@ -101,7 +124,44 @@ class BlockStore {
     std::shared_ptr<const void> pin;
     std::span<const std::byte> bytes;
     uint32_t crc32c = 0;
+    uint8_t level = 0;  // 0: `bytes` is the raw block; else a STAR-KV container at that level
   };
+
+  // The coldest block that may still be encoded deeper, pinned and marked busy (no other
+  // Candidate is handed out for it until Replace() or Release()). Only namespaces with
+  // `level_caps[ns] > 0` are considered; a block is compressible when its level is below both
+  // its own max_level and level_caps[ns]. nullopt when there is none.
+  struct Candidate {
+    BlockId id;
+    ReadBlock block;
+    BlockAttributes attributes;
+  };
+  std::optional<Candidate> ColdestCompressible(std::span<const uint8_t> level_caps);
+
+  // Swaps the candidate's bytes for `encoded` (written, with CRC32C `crc32c`) at `level`,
+  // keeping its recency. False (and `encoded` freed) when the block changed or went meanwhile.
+  // Clears the busy mark either way.
+  bool Replace(const Candidate& candidate, PendingBlock encoded, uint32_t crc32c, uint8_t level);
+  // For a full tier, where the encoded copy cannot be allocated beside the old bytes: when no
+  // reader pins the candidate, frees its old bytes and stores `encoded` in their place, all
+  // under the shard lock (no reader sees the block in between). Takes the candidate's pin.
+  enum class InPlace { kReplaced, kGone, kPinned, kEvicted };
+  InPlace ReplaceInPlace(Candidate candidate, std::span<const std::byte> encoded, uint8_t level);
+  // Clears the busy mark of a candidate that is not replaced.
+  void Release(const Candidate& candidate);
+  // Evicts the candidate's block (when it still holds the same bytes); true when it did.
+  bool EvictCandidate(const Candidate& candidate);
+
+  // Evicts the globally least recently used block. False when the index is empty.
+  bool EvictOne();
+
+  // Blocks and stored bytes at each hierarchy level (0 = raw).
+  uint64_t level_blocks(int level) const {
+    return level_blocks_[level].load(std::memory_order_relaxed);
+  }
+  uint64_t level_bytes(int level) const {
+    return level_bytes_[level].load(std::memory_order_relaxed);
+  }
 
   // Pins the block and checks its bytes against their CRC32C. nullopt when absent, or when the
   // check fails (the block is then dropped from the index and counted in crc_failures()).
@@ -127,13 +187,20 @@ class BlockStore {
  private:
   using BlockRef = std::shared_ptr<StoredBlock>;
   struct Shard {
+    explicit Shard(size_t num_namespaces) : compressible(num_namespaces) {}
     mutable proxima::Mutex mu;
     // LRU order: front is most recent. Each entry's `lru` iterator points into this list.
     std::list<BlockId> lru ABSL_GUARDED_BY(mu);
+    // Per namespace: the blocks whose level is below their max_level, in the same order.
+    std::vector<std::list<BlockId>> compressible ABSL_GUARDED_BY(mu);
     struct Entry {
       BlockRef block;
       std::list<BlockId>::iterator lru;
       uint64_t stamp;  // logical time of the last access
+      BlockAttributes attributes;
+      bool in_compressible = false;  // `cold` is valid
+      std::list<BlockId>::iterator cold;
+      bool busy = false;  // handed out as a Candidate
     };
     absl::flat_hash_map<BlockId, Entry> map ABSL_GUARDED_BY(mu);
   };
@@ -143,9 +210,10 @@ class BlockStore {
   // returns the removed block so the caller drops it outside the lock.
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
-  // Evicts the globally least recently used block. False when the index is empty.
-  bool EvictOne();
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
+  // Moves an entry to the front of its lists with a new stamp.
+  void MarkUsed(Shard& shard, Shard::Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  void CountLevel(uint8_t level, int64_t blocks, int64_t bytes);
 
   std::unique_ptr<HostTier> tier_;
   std::span<NamespaceCounters> counters_;
@@ -154,6 +222,8 @@ class BlockStore {
   std::atomic<uint64_t> blocks_{0};
   std::atomic<uint64_t> evictions_{0};
   std::atomic<uint64_t> crc_failures_{0};
+  std::array<std::atomic<uint64_t>, kMaxLevels> level_blocks_{};
+  std::array<std::atomic<uint64_t>, kMaxLevels> level_bytes_{};
 };
 
 }  // namespace proxima::daemon

@@ -1,9 +1,11 @@
 #include "daemon/grpc_service.h"
 
 #include <chrono>
+#include <type_traits>
 
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "proto/wire.h"
 
@@ -11,7 +13,20 @@ namespace proxima::daemon {
 namespace {
 
 constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
-                                        "Lookup",        "Delete",          "Stats"};
+                                        "Lookup",        "Delete",          "Stats", "Decompress"};
+
+// Sends pinned (or freshly decoded) blocks without copying them.
+grpc::ByteBuffer WriteBlocks(std::vector<std::optional<BlockStore::ReadBlock>>& blocks) {
+  wire::GetResponseWriter writer;
+  for (auto& b : blocks) {
+    if (b) {
+      writer.AddHit(b->bytes, b->crc32c, std::move(b->pin), b->level);
+    } else {
+      writer.AddMiss();
+    }
+  }
+  return writer.Finish();
+}
 
 }  // namespace
 
@@ -76,6 +91,9 @@ absl::Status ParseKeyed(const grpc::ByteBuffer& buffer, size_t max_keys, const c
   out->set_namespace_name(std::move(keyed.namespace_name));
   out->set_profile_id(keyed.profile_id);
   for (std::string& k : keyed.keys) out->add_keys(std::move(k));
+  if constexpr (std::is_same_v<Req, v1::GetRequest>) {
+    out->set_format(static_cast<v1::BlockFormat>(keyed.format));
+  }
   return absl::OkStatus();
 }
 
@@ -125,17 +143,28 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
   return Handle(kGet, c, [core = core_, request, response]() -> absl::Status {
     v1::GetRequest req;
     PROXIMA_RETURN_IF_ERROR(ParseKeyed(*request, core->max_batch_blocks(), "Get", &req));
+    if (req.format() != v1::BLOCK_FORMAT_RAW && req.format() != v1::BLOCK_FORMAT_STORED) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Get format is ", static_cast<int>(req.format()),
+          "; expected BLOCK_FORMAT_RAW (0) or BLOCK_FORMAT_STORED (1)"));
+    }
     std::vector<std::optional<BlockStore::ReadBlock>> blocks;
     PROXIMA_RETURN_IF_ERROR(core->GetBlocks(req, &blocks));
-    wire::GetResponseWriter writer;
-    for (auto& b : blocks) {
-      if (b) {
-        writer.AddHit(b->bytes, b->crc32c, std::move(b->pin));
-      } else {
-        writer.AddMiss();
-      }
-    }
-    *response = writer.Finish();
+    *response = WriteBlocks(blocks);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::Decompress(grpc::CallbackServerContext* c,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return Handle(kDecompress, c, [core = core_, request, response]() -> absl::Status {
+    v1::DecompressRequest req;
+    PROXIMA_RETURN_IF_ERROR(
+        ParseKeyed(*request, core->max_batch_blocks(), "Decompress", &req));
+    std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+    PROXIMA_RETURN_IF_ERROR(core->DecompressBlocks(req, &blocks));
+    *response = WriteBlocks(blocks);
     return absl::OkStatus();
   });
 }

@@ -23,7 +23,8 @@ using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
     v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithRawCallbackMethod_Put<
         v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithRawCallbackMethod_Lookup<
             v1::KVTier::WithRawCallbackMethod_Delete<
-                v1::KVTier::WithCallbackMethod_Stats<v1::KVTier::Service>>>>>>>;
+                v1::KVTier::WithCallbackMethod_Stats<
+                    v1::KVTier::WithRawCallbackMethod_Decompress<v1::KVTier::Service>>>>>>>>;
 
 class KvTierGrpcService final : public KvTierCallbackBase {
  public:
@@ -56,9 +57,22 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
                                   const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
+  grpc::ServerUnaryReactor* Decompress(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
-  enum Method { kGetServerInfo, kRegisterProfile, kPut, kGet, kLookup, kDelete, kStats, kMethods };
+  enum Method {
+    kGetServerInfo,
+    kRegisterProfile,
+    kPut,
+    kGet,
+    kLookup,
+    kDelete,
+    kStats,
+    kDecompress,
+    kMethods
+  };
   static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
 
   // Runs `call` (returning absl::Status) unless draining, records latency and status code,

@@ -33,9 +33,29 @@ HostTier::HostTier(std::byte* base, uint64_t capacity) : base_(base), capacity_(
 
 HostTier::~HostTier() { munmap(base_, capacity_); }
 
-std::optional<Extent> HostTier::Allocate(uint64_t bytes) {
+std::optional<Extent> HostTier::Allocate(uint64_t bytes, Placement placement) {
   uint64_t size = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   proxima::MutexLock lock(&mu_);
+  if (placement == Placement::kHigh) {
+    // The highest region that fits, scanned from the top (bounded; best fit beyond that).
+    constexpr int kMaxScan = 256;
+    int scanned = 0;
+    for (auto r = free_by_offset_.rbegin(); r != free_by_offset_.rend() && scanned < kMaxScan;
+         ++r, ++scanned) {
+      if (r->second < size) continue;
+      const uint64_t offset = r->first;
+      const uint64_t region_size = r->second;
+      free_by_size_.erase({region_size, offset});
+      if (region_size > size) {
+        r->second = region_size - size;  // the low part stays free
+        free_by_size_.emplace(region_size - size, offset);
+      } else {
+        free_by_offset_.erase(offset);
+      }
+      used_ += size;
+      return Extent{offset + region_size - size, size};
+    }
+  }
   auto it = free_by_size_.lower_bound({size, 0});  // best fit: smallest region that fits
   if (it == free_by_size_.end()) return std::nullopt;
   auto [region_size, offset] = *it;

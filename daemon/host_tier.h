@@ -42,9 +42,15 @@ class HostTier {
   HostTier(const HostTier&) = delete;
   HostTier& operator=(const HostTier&) = delete;
 
+  // Where an extent goes. Raw blocks (all of one size per profile) take the best fit, from the
+  // low end; encoded blocks (smaller, of varying sizes) take the highest free region that fits,
+  // from its top. Keeping the two apart leaves room for raw blocks in one piece instead of
+  // scattering small encoded extents through it.
+  enum class Placement { kLow, kHigh };
+
   // Returns an extent of at least `bytes` bytes, or nullopt when no free region is large enough.
   // REQUIRES: bytes > 0.
-  std::optional<Extent> Allocate(uint64_t bytes);
+  std::optional<Extent> Allocate(uint64_t bytes, Placement placement = Placement::kLow);
 
   // Returns `extent` to the free space. REQUIRES: `extent` came from Allocate() and is live.
   void Free(const Extent& extent);

@@ -1,5 +1,7 @@
 #include "daemon/tier_service.h"
 
+#include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -82,7 +84,9 @@ absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonCon
                                                                  metrics::Registry* registry) {
   PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier,
                            HostTier::Create(config.host_tier.capacity_bytes));
-  return std::unique_ptr<TierService>(new TierService(config, std::move(tier), registry));
+  std::unique_ptr<TierService> service(new TierService(config, std::move(tier), registry));
+  service->tierer_->Start();
+  return service;
 }
 
 TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
@@ -126,6 +130,29 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
   registry->AddCounterFunction("proxima_tier_evictions_total",
                      "Blocks evicted from the tier to make room (monotonic)", host,
                      [s] { return static_cast<double>(s->evictions()); });
+  size_t deepest = 0;  // series only for levels some namespace can reach
+  for (const NamespaceConfig& n : config.namespaces) {
+    deepest = std::max(deepest, n.compression.plans.size());
+  }
+  for (int level = 0; level < kMaxLevels && static_cast<size_t>(level) <= deepest; ++level) {
+    metrics::Labels labels = {{"tier", "host"}, {"level", absl::StrCat(level)}};
+    registry->AddGauge("proxima_tier_level_blocks",
+                       "Blocks resident in the tier by hierarchy level (0 = raw)", labels,
+                       [s, level] { return static_cast<double>(s->level_blocks(level)); });
+    registry->AddGauge("proxima_tier_level_bytes",
+                       "Bytes of blocks resident in the tier by hierarchy level (0 = raw)", labels,
+                       [s, level] { return static_cast<double>(s->level_bytes(level)); });
+  }
+  tierer_ = std::make_unique<Tierer>(
+      s, config,
+      [this](uint32_t ns, uint64_t profile_id) { return GeometryOf(ns, profile_id); }, registry);
+  decodes_ = registry->AddCounter("proxima_get_decodes_total",
+                                  "Encoded blocks decoded by the daemon for Get or Decompress");
+  decode_microseconds_ = registry->AddCounter(
+      "proxima_get_decode_microseconds_total", "Time spent decoding blocks for Get or Decompress");
+  decode_failures_ = registry->AddCounter(
+      "proxima_get_decode_failures_total",
+      "Stored encoded blocks that failed to decode (served as misses)");
   registry->AddCounterFunction("proxima_crc_failures_total",
                      "Stored blocks that failed their CRC32C check on read (dropped; monotonic)",
                      {}, [s] { return static_cast<double>(s->crc_failures()); });
@@ -140,7 +167,31 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                                     {{"transport", "grpc_inline"}, {"direction", "out"}});
 }
 
-TierService::~TierService() = default;
+TierService::~TierService() {
+  if (tierer_) tierer_->Stop();  // before the store and the profiles it reads go
+}
+
+std::optional<codec::BlockGeometry> TierService::GeometryOf(uint32_t ns, uint64_t profile_id) {
+  absl::StatusOr<RegisteredProfile> p = FindProfile(ns, profile_id);
+  if (!p.ok()) return std::nullopt;
+  codec::BlockGeometry g;
+  g.num_layers = p->profile.num_layers();
+  g.num_kv_heads = p->profile.num_kv_heads();
+  g.head_dim = p->profile.head_dim();
+  g.tokens_per_block = p->profile.tokens_per_block();
+  switch (p->profile.dtype()) {
+    case v1::DTYPE_FP16:
+      g.dtype = codec::DType::kFp16;
+      break;
+    case v1::DTYPE_BF16:
+      g.dtype = codec::DType::kBf16;
+      break;
+    default:
+      return std::nullopt;  // fp8 blocks stay raw: the codec takes 16-bit inputs
+  }
+  if (!g.Validate().ok()) return std::nullopt;
+  return g;
+}
 
 absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) const {
   if (name.empty()) return absl::InvalidArgumentError("namespace_name is empty");
@@ -242,10 +293,12 @@ absl::Status TierService::Put(const v1::PutRequest& request, v1::PutResponse* re
     const std::string* data = &b.data();
     sources.push_back(PutSource{
         &b.key(), data->size(), b.has_crc32c(), b.crc32c(),
+        b.has_position() ? static_cast<int64_t>(b.position()) : -1,
         [data] { return Crc32c(AsBytes(*data)); },
         [data](std::span<std::byte> dst) { std::memcpy(dst.data(), data->data(), dst.size()); }});
   }
-  return PutBlocks(request.namespace_name(), request.profile_id(), sources, response);
+  return PutBlocks(request.namespace_name(), request.profile_id(), sources,
+                   request.priority() == v1::PRIORITY_HIGH, response);
 }
 
 absl::Status TierService::Put(const wire::PutRequestReader& request, v1::PutResponse* response) {
@@ -255,14 +308,16 @@ absl::Status TierService::Put(const wire::PutRequestReader& request, v1::PutResp
     const wire::PutRequestReader::Block& b = request.blocks()[i];
     sources.push_back(PutSource{
         &b.key, b.data_size, b.has_crc32c, b.crc32c,
+        b.has_position ? static_cast<int64_t>(b.position) : -1,
         [&request, i] { return request.DataCrc32c(i); },
         [&request, i](std::span<std::byte> dst) { request.CopyData(i, dst); }});
   }
-  return PutBlocks(request.namespace_name(), request.profile_id(), sources, response);
+  return PutBlocks(request.namespace_name(), request.profile_id(), sources,
+                   request.priority() == v1::PRIORITY_HIGH, response);
 }
 
 absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t profile_id,
-                                    std::span<const PutSource> blocks,
+                                    std::span<const PutSource> blocks, bool high_priority,
                                     v1::PutResponse* response) {
   PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, FindNamespace(namespace_name));
   PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile profile, FindProfile(ns, profile_id));
@@ -298,18 +353,22 @@ absl::Status TierService::PutBlocks(const std::string& namespace_name, uint64_t 
     }
   }
   Namespace& n = *namespaces_[ns];
+  const bool codec_ok = GeometryOf(ns, profile_id).has_value();
   uint64_t stored = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     BlockId id{ns, profile_id, {}};
     std::memcpy(id.key.data(), blocks[i].key->data(), kKeyBytes);
     PutOutcome outcome = PutOutcome::kAlreadyPresent;
     if (!store_->Touch(id)) {
-      std::optional<BlockStore::PendingBlock> pending = store_->Reserve(profile.block_bytes);
+      std::optional<BlockStore::PendingBlock> pending = tierer_->Reserve(profile.block_bytes);
       if (!pending) {
         outcome = PutOutcome::kNoSpace;
       } else {
         blocks[i].copy_data(pending->bytes());
-        outcome = store_->Commit(id, *std::move(pending), crcs[i]);
+        outcome = store_->Commit(
+            id, *std::move(pending), crcs[i],
+            tierer_->AttributesFor(ns, profile.profile.tokens_per_block(), codec_ok,
+                                   blocks[i].position, high_priority));
       }
     }
     switch (outcome) {
@@ -351,8 +410,33 @@ absl::Status TierService::GetBlocks(const v1::GetRequest& request,
   uint64_t out_bytes = 0;
   blocks->clear();
   blocks->reserve(ids.size());
+  const bool want_raw = request.format() != v1::BLOCK_FORMAT_STORED;
   for (const BlockId& id : ids) {
-    blocks->push_back(store_->Read(id));
+    std::optional<BlockStore::ReadBlock> b = store_->Read(id);
+    if (b && want_raw && b->level > 0) {
+      // Decode into a buffer the entry owns; the stored bytes' pin is dropped after.
+      auto start = std::chrono::steady_clock::now();
+      auto raw = std::make_shared<std::string>(profile.block_bytes, '\0');
+      std::span<std::byte> out = std::as_writable_bytes(std::span<char>(raw->data(), raw->size()));
+      absl::Status status = codec::DecodeBlock(b->bytes, out);
+      if (status.ok()) {
+        b = BlockStore::ReadBlock{raw, out, Crc32c(out), 0};
+        decodes_->Increment();
+        decode_microseconds_->Increment(static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::microseconds>(
+                std::chrono::steady_clock::now() - start)
+                .count()));
+      } else {
+        decode_failures_->Increment();
+        PROXIMA_LOG(kError) << "stored encoded block failed to decode; served as a miss"
+                            << log::Kv("namespace", namespaces_[id.namespace_index]->name)
+                            << log::Kv("profile_id", ProfileName(id.profile_id))
+                            << log::Kv("level", int(b->level))
+                            << log::Kv("error", status.ToString());
+        b.reset();
+      }
+    }
+    blocks->push_back(std::move(b));
     if (blocks->back()) {
       ++hits;
       out_bytes += blocks->back()->bytes.size();
@@ -373,8 +457,20 @@ absl::Status TierService::Get(const v1::GetRequest& request, v1::GetResponse* re
     r->set_found(true);
     r->set_data(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
     r->set_crc32c(b->crc32c);
+    r->set_level(b->level);
   }
   return absl::OkStatus();
+}
+
+absl::Status TierService::DecompressBlocks(
+    const v1::DecompressRequest& request,
+    std::vector<std::optional<BlockStore::ReadBlock>>* blocks) {
+  v1::GetRequest get;
+  get.set_namespace_name(request.namespace_name());
+  get.set_profile_id(request.profile_id());
+  *get.mutable_keys() = request.keys();
+  get.set_format(v1::BLOCK_FORMAT_RAW);
+  return GetBlocks(get, blocks);
 }
 
 absl::Status TierService::Lookup(const v1::LookupRequest& request, v1::LookupResponse* response) {
@@ -414,6 +510,13 @@ absl::Status TierService::Stats(const v1::StatsRequest&, v1::StatsResponse* resp
   host->set_used_bytes(store_->used_bytes());
   host->set_blocks(store_->blocks());
   host->set_evictions(store_->evictions());
+  for (int level = 0; level < kMaxLevels; ++level) {
+    if (level > 0 && store_->level_blocks(level) == 0) continue;
+    v1::LevelStats* l = host->add_levels();
+    l->set_level(level);
+    l->set_blocks(store_->level_blocks(level));
+    l->set_bytes(store_->level_bytes(level));
+  }
   for (size_t i = 0; i < namespaces_.size(); ++i) {
     const Namespace& n = *namespaces_[i];
     v1::NamespaceStats* s = response->add_namespaces();

@@ -25,6 +25,7 @@
 #include "daemon/block_store.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
+#include "daemon/tierer.h"
 #include "proto/wire.h"
 #include "proxima/v1/kvtier.pb.h"
 
@@ -60,9 +61,13 @@ class TierService {
   // network buffers into tier memory.
   absl::Status Put(const wire::PutRequestReader& request, v1::PutResponse* response);
   // Get, without copying: `blocks` receives one entry per key (nullopt for a miss), each pinned
-  // until the caller drops it. The gRPC layer sends the bytes straight from tier memory.
+  // until the caller drops it. The gRPC layer sends the bytes straight from tier memory. With
+  // BLOCK_FORMAT_RAW, encoded blocks are decoded into buffers the entries own (level 0).
   absl::Status GetBlocks(const v1::GetRequest& request,
                          std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
+  // Decompress: GetBlocks with BLOCK_FORMAT_RAW.
+  absl::Status DecompressBlocks(const v1::DecompressRequest& request,
+                                std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
   // Get into a GetResponse message (a copy of each block; for in-process callers).
   absl::Status Get(const v1::GetRequest& request, v1::GetResponse* response);
   absl::Status Lookup(const v1::LookupRequest& request, v1::LookupResponse* response);
@@ -70,6 +75,7 @@ class TierService {
   absl::Status Stats(const v1::StatsRequest& request, v1::StatsResponse* response);
 
   BlockStore& store() { return *store_; }
+  Tierer& tierer() { return *tierer_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
   uint32_t max_lookup_keys() const { return config_.server.max_lookup_keys; }
 
@@ -94,11 +100,15 @@ class TierService {
     uint64_t data_size;
     bool has_crc32c;
     uint32_t crc32c;
+    int64_t position;  // PutBlock.position, -1 when unset
     std::function<uint32_t()> data_crc32c;                // CRC32C of the data, read in place
     std::function<void(std::span<std::byte>)> copy_data;  // copies the data out
   };
   absl::Status PutBlocks(const std::string& namespace_name, uint64_t profile_id,
-                         std::span<const PutSource> blocks, v1::PutResponse* response);
+                         std::span<const PutSource> blocks, bool high_priority,
+                         v1::PutResponse* response);
+  // The codec geometry of a registered profile; nullopt when unknown or not encodable (fp8).
+  std::optional<codec::BlockGeometry> GeometryOf(uint32_t ns, uint64_t profile_id);
 
   absl::StatusOr<uint32_t> FindNamespace(const std::string& name) const;
   absl::StatusOr<RegisteredProfile> FindProfile(uint32_t ns, uint64_t profile_id);
@@ -114,6 +124,10 @@ class TierService {
   std::vector<std::unique_ptr<Namespace>> namespaces_;
   std::unique_ptr<NamespaceCounters[]> counters_;
   std::unique_ptr<BlockStore> store_;
+  std::unique_ptr<Tierer> tierer_;  // after store_: stopped and destroyed before it
+  metrics::Counter* decodes_ = nullptr;
+  metrics::Counter* decode_microseconds_ = nullptr;
+  metrics::Counter* decode_failures_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
 };

@@ -13,6 +13,7 @@ constexpr uint8_t kResultsTag = (1 << 3) | 2;  // repeated GetResult results = 1
 constexpr uint8_t kFoundTag = (1 << 3) | 0;    // bool found = 1
 constexpr uint8_t kDataTag = (2 << 3) | 2;     // bytes data = 2
 constexpr uint8_t kCrcTag = (3 << 3) | 5;      // fixed32 crc32c = 3
+constexpr uint8_t kLevelTag = (4 << 3) | 0;    // uint32 level = 4
 
 void PutVarint(std::string* out, uint64_t v) {
   while (v >= 0x80) {
@@ -188,8 +189,9 @@ void GetResponseWriter::AddMiss() {
 }
 
 void GetResponseWriter::AddHit(std::span<const std::byte> data, uint32_t crc32c,
-                               std::shared_ptr<const void> keep_alive) {
-  const uint64_t inner = 2 + 1 + VarintSize(data.size()) + data.size() + 5;
+                               std::shared_ptr<const void> keep_alive, uint32_t level) {
+  const uint64_t inner = 2 + 1 + VarintSize(data.size()) + data.size() + 5 +
+                         (level > 0 ? 1 + VarintSize(level) : 0);
   pending_.push_back(static_cast<char>(kResultsTag));
   PutVarint(&pending_, inner);
   pending_.push_back(static_cast<char>(kFoundTag));
@@ -202,6 +204,10 @@ void GetResponseWriter::AddHit(std::span<const std::byte> data, uint32_t crc32c,
                        new std::shared_ptr<const void>(std::move(keep_alive)));
   pending_.push_back(static_cast<char>(kCrcTag));
   for (int i = 0; i < 4; ++i) pending_.push_back(static_cast<char>(crc32c >> (8 * i)));
+  if (level > 0) {
+    pending_.push_back(static_cast<char>(kLevelTag));
+    PutVarint(&pending_, level);
+  }
 }
 
 grpc::ByteBuffer GetResponseWriter::Finish() {
@@ -285,6 +291,9 @@ constexpr uint8_t kBlocksTag = (3 << 3) | 2;     // repeated PutBlock blocks = 3
 constexpr uint8_t kKeyTag = (1 << 3) | 2;        // bytes key = 1
 constexpr uint8_t kBlockDataTag = (2 << 3) | 2;  // bytes data = 2
 constexpr uint8_t kBlockCrcTag = (3 << 3) | 5;   // optional fixed32 crc32c = 3
+constexpr uint8_t kPositionTag = (4 << 3) | 0;   // optional uint32 position = 4
+constexpr uint8_t kPriorityTag = (4 << 3) | 0;   // PutRequest: Priority priority = 4
+constexpr uint8_t kFormatTag = (4 << 3) | 0;     // GetRequest: BlockFormat format = 4
 
 // PutRequest fields are small (keys, names) except the block data; the key of a block is
 // bounded here so a hostile message cannot make the parser allocate much.
@@ -300,9 +309,14 @@ absl::Status BadPut(const char* what, uint64_t position) {
 
 grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t profile_id,
                                   std::span<const std::array<uint8_t, 32>> keys,
-                                  std::span<const std::span<const std::byte>> blocks) {
+                                  std::span<const std::span<const std::byte>> blocks,
+                                  std::span<const int64_t> positions, bool high_priority) {
   std::vector<grpc::Slice> slices;
   std::string head;
+  if (high_priority) {
+    head.push_back(static_cast<char>(kPriorityTag));
+    head.push_back(1);
+  }
   head.push_back(static_cast<char>(kNamespaceTag));
   PutVarint(&head, namespace_name.size());
   head += namespace_name;
@@ -310,7 +324,10 @@ grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t pr
   for (int i = 0; i < 8; ++i) head.push_back(static_cast<char>(profile_id >> (8 * i)));
   for (size_t b = 0; b < blocks.size(); ++b) {
     const uint64_t data = blocks[b].size();
-    const uint64_t inner = 2 + 32 + 1 + VarintSize(data) + data + 5;
+    const bool has_position = b < positions.size() && positions[b] >= 0;
+    const uint64_t position = has_position ? static_cast<uint64_t>(positions[b]) : 0;
+    const uint64_t inner = 2 + 32 + 1 + VarintSize(data) + data + 5 +
+                           (has_position ? 1 + VarintSize(position) : 0);
     head.push_back(static_cast<char>(kBlocksTag));
     PutVarint(&head, inner);
     head.push_back(static_cast<char>(kKeyTag));
@@ -326,6 +343,10 @@ grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t pr
     slices.emplace_back(owned, grpc::Slice::STEAL_REF);
     head.push_back(static_cast<char>(kBlockCrcTag));
     for (int i = 0; i < 4; ++i) head.push_back(static_cast<char>(crc >> (8 * i)));
+    if (has_position) {
+      head.push_back(static_cast<char>(kPositionTag));
+      PutVarint(&head, position);
+    }
   }
   slices.emplace_back(head.data(), head.size());
   return grpc::ByteBuffer(slices.data(), slices.size());
@@ -336,6 +357,7 @@ absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer, size_t max_
   blocks_.clear();
   namespace_name_.clear();
   profile_id_ = 0;
+  priority_ = 0;
   if (buffer.Valid() && !buffer.Dump(&slices_).ok()) {
     return absl::InternalError("cannot read PutRequest buffer");
   }
@@ -349,6 +371,10 @@ absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer, size_t max_
       }
     } else if (tag == kProfileTag) {
       if (!r.ReadFixed64(&profile_id_)) return BadPut("truncated profile_id", r.position());
+    } else if (tag == kPriorityTag) {
+      uint64_t v;
+      if (!r.ReadVarint(&v)) return BadPut("truncated priority", r.position());
+      priority_ = static_cast<uint32_t>(v);
     } else if (tag == kBlocksTag) {
       if (blocks_.size() == max_blocks) {
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -378,6 +404,11 @@ absl::Status PutRequestReader::Parse(const grpc::ByteBuffer& buffer, size_t max_
         } else if (t == kBlockCrcTag) {
           if (!r.ReadFixed32(&block.crc32c)) return BadPut("truncated crc32c", r.position());
           block.has_crc32c = true;
+        } else if (t == kPositionTag) {
+          uint64_t v;
+          if (!r.ReadVarint(&v)) return BadPut("truncated position", r.position());
+          block.position = static_cast<uint32_t>(v);
+          block.has_position = true;
         } else if (!SkipField(r, t)) {
           return BadPut("bad block field", r.position());
         }
@@ -413,6 +444,10 @@ absl::Status ParseKeyedRequest(const grpc::ByteBuffer& buffer, size_t max_keys,
       }
     } else if (tag == kProfileTag) {
       if (!r.ReadFixed64(&req.profile_id)) return bad("truncated profile_id", r.position());
+    } else if (tag == kFormatTag) {
+      uint64_t v;
+      if (!r.ReadVarint(&v)) return bad("truncated format", r.position());
+      req.format = static_cast<uint32_t>(v);
     } else if (tag == kBlocksTag) {  // field 3, length-delimited: keys
       if (req.keys.size() == max_keys) {
         return absl::ResourceExhaustedError(absl::StrCat(method, " has more than ", max_keys,

@@ -33,8 +33,9 @@ class GetResponseWriter {
   void AddMiss();
   // A found block. `data` stays referenced (not copied) until gRPC has sent it; `keep_alive`
   // owns whatever keeps `data` valid (a pin on the stored block) and is released then.
+  // `level` > 0 marks stored bytes encoded at that hierarchy level (GetResult.level).
   void AddHit(std::span<const std::byte> data, uint32_t crc32c,
-              std::shared_ptr<const void> keep_alive);
+              std::shared_ptr<const void> keep_alive, uint32_t level = 0);
   grpc::ByteBuffer Finish();
 
  private:
@@ -58,9 +59,13 @@ absl::Status ParseGetResponse(const grpc::ByteBuffer& buffer,
 // Serializes a proxima.v1.PutRequest. Each block's bytes are copied once, into slices the
 // buffer owns, with their CRC32C computed on the way and sent as PutBlock.crc32c.
 // REQUIRES: keys.size() == blocks.size().
+// `positions`: empty, or one per block (PutBlock.position; negative = unset). `high_priority`
+// sets PutRequest.priority = PRIORITY_HIGH.
 grpc::ByteBuffer EncodePutRequest(const std::string& namespace_name, uint64_t profile_id,
                                   std::span<const std::array<uint8_t, 32>> keys,
-                                  std::span<const std::span<const std::byte>> blocks);
+                                  std::span<const std::span<const std::byte>> blocks,
+                                  std::span<const int64_t> positions = {},
+                                  bool high_priority = false);
 
 // A parsed proxima.v1.PutRequest whose block bytes still sit in the received slices.
 class PutRequestReader {
@@ -70,6 +75,8 @@ class PutRequestReader {
     uint64_t data_size = 0;
     bool has_crc32c = false;
     uint32_t crc32c = 0;
+    bool has_position = false;
+    uint32_t position = 0;
     size_t slice = 0;  // where the data starts
     size_t offset = 0;
   };
@@ -81,6 +88,7 @@ class PutRequestReader {
 
   const std::string& namespace_name() const { return namespace_name_; }
   uint64_t profile_id() const { return profile_id_; }
+  uint32_t priority() const { return priority_; }  // PutRequest.priority (v1::Priority)
   const std::vector<Block>& blocks() const { return blocks_; }
 
   // CRC32C of block i's data, read in place.
@@ -92,15 +100,18 @@ class PutRequestReader {
   std::vector<grpc::Slice> slices_;
   std::string namespace_name_;
   uint64_t profile_id_ = 0;
+  uint32_t priority_ = 0;
   std::vector<Block> blocks_;
 };
 
-// A parsed GetRequest, LookupRequest or DeleteRequest (the three share one layout:
-// namespace_name = 1, profile_id = 2, repeated bytes keys = 3).
+// A parsed GetRequest, LookupRequest, DeleteRequest or DecompressRequest (they share one
+// layout: namespace_name = 1, profile_id = 2, repeated bytes keys = 3; GetRequest adds
+// format = 4).
 struct KeyedRequest {
   std::string namespace_name;
   uint64_t profile_id = 0;
   std::vector<std::string> keys;
+  uint32_t format = 0;  // GetRequest.format (v1::BlockFormat); 0 elsewhere
 };
 
 // Parses a keyed request. INVALID_ARGUMENT when malformed (or a key is over 1 KiB);

@@ -1,0 +1,280 @@
+#include "daemon/tierer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/log.h"
+
+namespace proxima::daemon {
+namespace {
+
+// Samples a level needs before the guard acts on its aggregate error: one unlucky block must
+// not step a namespace back.
+constexpr uint64_t kMinQualitySamples = 3;
+
+std::span<const std::byte> AsBytes(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+}  // namespace
+
+Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geometry,
+               metrics::Registry* registry)
+    : store_(store), geometry_(std::move(geometry)), config_(config.tierer) {
+  quality_.resize(config.namespaces.size());
+  for (size_t i = 0; i < config.namespaces.size(); ++i) {
+    auto ns = std::make_unique<NamespaceState>();
+    ns->name = config.namespaces[i].name;
+    ns->policy = config.namespaces[i].compression;
+    const uint8_t cap = static_cast<uint8_t>(
+        std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
+    caps_.push_back(std::make_unique<std::atomic<uint8_t>>(cap));
+    NamespaceState* state = ns.get();
+    metrics::Labels labels = {{"namespace", ns->name}};
+    registry->AddCounterFunction("proxima_quality_step_backs_total",
+                                 "Times the quality guard lowered the namespace's deepest level",
+                                 labels, [state] { return double(state->step_backs.load()); });
+    std::atomic<uint8_t>* cap_ptr = caps_.back().get();
+    registry->AddGauge("proxima_compression_level_cap",
+                       "Deepest hierarchy level new encodings of the namespace may reach", labels,
+                       [cap_ptr] { return double(cap_ptr->load()); });
+    for (size_t level = 1; level <= ns->policy.plans.size() && level < kMaxLevels; ++level) {
+      const uint32_t n = static_cast<uint32_t>(i);
+      const int l = static_cast<int>(level);
+      registry->AddGauge(
+          "proxima_quality_attention_error",
+          "Relative L2 error of attention outputs over the sampled encodings (NaN: none yet)",
+          {{"namespace", ns->name}, {"level", absl::StrCat(level)}}, [this, n, l] {
+            std::optional<double> e = sampled_attention_error(n, l);
+            return e ? *e : std::numeric_limits<double>::quiet_NaN();
+          });
+    }
+    namespaces_.push_back(std::move(ns));
+  }
+  for (int level = 1; level < kMaxLevels; ++level) {
+    encoded_blocks_[level] = registry->AddCounter(
+        "proxima_tierer_encodes_total", "Blocks the tierer encoded, by target hierarchy level",
+        {{"level", absl::StrCat(level)}});
+  }
+  encode_bytes_in_ = registry->AddCounter("proxima_tierer_encode_bytes_total",
+                                          "Bytes the tierer encoded, before and after",
+                                          {{"side", "in"}});
+  encode_bytes_out_ = registry->AddCounter("proxima_tierer_encode_bytes_total",
+                                           "Bytes the tierer encoded, before and after",
+                                           {{"side", "out"}});
+  encode_seconds_ = registry->AddCounter("proxima_tierer_encode_microseconds_total",
+                                         "Time the tierer spent decoding and encoding blocks");
+  evictions_for_put_ = registry->AddCounter(
+      "proxima_tierer_put_evictions_total",
+      "Blocks evicted on the put path because nothing could be compressed");
+}
+
+Tierer::~Tierer() { Stop(); }
+
+void Tierer::Start() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    stop_ = false;
+  }
+  bool any = false;
+  for (const auto& ns : namespaces_) any |= !ns->policy.plans.empty();
+  if (!any) return;  // nothing to compress: no worker needed
+  worker_ = std::thread([this] { Run(); });
+}
+
+void Tierer::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void Tierer::Run() {
+  const auto interval = std::chrono::duration<double>(config_.interval_seconds);
+  while (true) {
+    RelievePressure();
+    std::unique_lock<std::mutex> lock(stop_mu_);
+    if (stop_cv_.wait_for(lock, interval, [this] { return stop_; })) return;
+  }
+}
+
+void Tierer::RelievePressure() {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(stop_mu_);
+      if (stop_) return;
+    }
+    const double pressure =
+        static_cast<double>(store_->used_bytes()) / static_cast<double>(store_->capacity_bytes());
+    std::vector<uint8_t> caps = CapsUnderPressure(pressure);
+    if (std::all_of(caps.begin(), caps.end(), [](uint8_t c) { return c == 0; })) return;
+    if (!CompressOne(caps)) return;
+  }
+}
+
+BlockAttributes Tierer::AttributesFor(uint32_t ns, uint32_t tokens_per_block, bool codec_ok,
+                                      int64_t position, bool high_priority) const {
+  BlockAttributes a;
+  a.is_first_block = position == 0;
+  const CompressionConfig& p = namespaces_[ns]->policy;
+  if (!codec_ok || p.plans.empty()) return a;
+  if (position >= 0 &&
+      static_cast<uint64_t>(position + 1) * tokens_per_block < p.min_seq_len_to_compress) {
+    return a;
+  }
+  size_t max = std::min<size_t>(p.plans.size(), kMaxLevels - 1);
+  if (high_priority) max = std::min<size_t>(max, p.high_priority_max_level);
+  a.max_level = static_cast<uint8_t>(max);
+  return a;
+}
+
+std::vector<uint8_t> Tierer::AllCaps() const {
+  std::vector<uint8_t> caps(caps_.size());
+  for (size_t i = 0; i < caps_.size(); ++i) caps[i] = caps_[i]->load(std::memory_order_relaxed);
+  return caps;
+}
+
+std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure) const {
+  std::vector<uint8_t> caps = AllCaps();
+  for (size_t i = 0; i < caps.size(); ++i) {
+    if (pressure <= namespaces_[i]->policy.memory_pressure_threshold) caps[i] = 0;
+  }
+  return caps;
+}
+
+std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes) {
+  while (true) {
+    if (std::optional<BlockStore::PendingBlock> p = store_->TryReserve(bytes)) return p;
+    if (CompressOne(AllCaps())) continue;
+    if (store_->EvictOne()) {
+      evictions_for_put_->Increment();
+      continue;
+    }
+    return store_->TryReserve(bytes);  // index empty; pinned bytes may have gone meanwhile
+  }
+}
+
+bool Tierer::CompressOne(std::span<const uint8_t> caps) {
+  std::optional<BlockStore::Candidate> c = store_->ColdestCompressible(caps);
+  if (!c) return false;
+  const uint32_t ns = c->id.namespace_index;
+  NamespaceState& state = *namespaces_[ns];
+  const uint8_t from = c->block.level;
+  const uint8_t to = from + 1;
+  std::optional<codec::BlockGeometry> geometry = geometry_(ns, c->id.profile_id);
+  auto start = std::chrono::steady_clock::now();
+  // The source: the raw block, or the previous level decoded.
+  std::string decoded;
+  std::span<const std::byte> source = c->block.bytes;
+  absl::Status status;
+  if (!geometry) {
+    status = absl::FailedPreconditionError("profile no longer known");
+  } else if (from > 0) {
+    decoded.resize(geometry->RawBytes());
+    status = codec::DecodeBlock(c->block.bytes,
+                                std::as_writable_bytes(std::span<char>(decoded.data(),
+                                                                       decoded.size())));
+    source = AsBytes(decoded);
+  }
+  std::string encoded;
+  if (status.ok()) {
+    status = codec::EncodeBlock(*geometry, state.policy.plans[to - 1], c->attributes.is_first_block,
+                                source, {}, &encoded);
+  }
+  if (status.ok() && encoded.size() >= geometry->RawBytes()) {
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "encoded block of ", encoded.size(), " bytes is no smaller than the raw ",
+        geometry->RawBytes(), " bytes"));
+  }
+  if (!status.ok()) {
+    // A block the codec refuses cannot shrink; it leaves the way it came in, by eviction.
+    encode_failures_.fetch_add(1, std::memory_order_relaxed);
+    PROXIMA_LOG(kWarning) << "tierer: cannot encode block; evicting it"
+                          << log::Kv("namespace", state.name) << log::Kv("level", int(to))
+                          << log::Kv("error", status.ToString());
+    store_->EvictCandidate(*c);
+    return true;
+  }
+  // Quality guard: measure one encoding in N against its source.
+  if (state.encodings.fetch_add(1, std::memory_order_relaxed) % state.policy.sample_one_in == 0) {
+    std::string check(source.size(), '\0');
+    std::span<std::byte> out = std::as_writable_bytes(std::span<char>(check.data(), check.size()));
+    if (codec::DecodeBlock(AsBytes(encoded), out).ok()) {
+      absl::StatusOr<codec::ErrorSums> sums = codec::MeasureBlockError(*geometry, source, out);
+      if (sums.ok()) RecordQuality(ns, to, *sums);
+    }
+  }
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  encode_seconds_->Increment(static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(elapsed).count()));
+  encodes_.fetch_add(1, std::memory_order_relaxed);
+  encoded_blocks_[to]->Increment();
+  encode_bytes_in_->Increment(source.size());
+  encode_bytes_out_->Increment(encoded.size());
+
+  std::optional<BlockStore::PendingBlock> pending = store_->TryReserve(encoded.size(), HostTier::Placement::kHigh);
+  if (!pending) {
+    // The tier is full: swap in place (the old bytes make the room), unless a reader pins them.
+    switch (store_->ReplaceInPlace(*std::move(c), AsBytes(encoded), to)) {
+      case BlockStore::InPlace::kReplaced:
+      case BlockStore::InPlace::kGone:
+      case BlockStore::InPlace::kEvicted:
+        return true;
+      case BlockStore::InPlace::kPinned:
+        return false;  // nothing freed now; the caller evicts instead
+    }
+  }
+  std::memcpy(pending->bytes().data(), encoded.data(), encoded.size());
+  const uint32_t crc = Crc32c(pending->bytes());
+  if (!store_->Replace(*c, *std::move(pending), crc, to)) {
+    store_->Release(*c);
+  }
+  return true;
+}
+
+void Tierer::RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums) {
+  NamespaceState& state = *namespaces_[ns];
+  double error = 0;
+  {
+    proxima::MutexLock lock(&mu_);
+    Quality& q = quality_[ns][level];
+    q.sums.Add(sums);
+    ++q.samples;
+    if (q.samples < kMinQualitySamples) return;
+    error = codec::Finish(q.sums).attn_rel_l2;
+  }
+  if (error <= state.policy.max_attention_error) return;
+  // Lower the cap below `level`, once (a concurrent sample may have done it already).
+  uint8_t cap = caps_[ns]->load(std::memory_order_relaxed);
+  while (cap >= level) {
+    if (caps_[ns]->compare_exchange_weak(cap, level - 1, std::memory_order_relaxed)) {
+      state.step_backs.fetch_add(1, std::memory_order_relaxed);
+      PROXIMA_LOG(kWarning) << "quality guard: namespace over its error budget; new encodings "
+                               "step back a level"
+                            << log::Kv("namespace", state.name) << log::Kv("level", int(level))
+                            << log::Kv("plan", state.policy.plans[level - 1].ToString())
+                            << log::Kv("attention_error", error)
+                            << log::Kv("budget", state.policy.max_attention_error)
+                            << log::Kv("new_deepest_level", int(level - 1));
+      break;
+    }
+  }
+}
+
+std::optional<double> Tierer::sampled_attention_error(uint32_t ns, int level) const {
+  proxima::MutexLock lock(&mu_);
+  const Quality& q = quality_[ns][level];
+  if (q.samples == 0) return std::nullopt;
+  return codec::Finish(q.sums).attn_rel_l2;
+}
+
+uint64_t Tierer::step_backs(uint32_t ns) const {
+  return namespaces_[ns]->step_backs.load(std::memory_order_relaxed);
+}
+
+}  // namespace proxima::daemon

@@ -1,0 +1,135 @@
+// Tierer: the policy half of the host tier. BlockStore holds bytes; the Tierer decides what to do
+// when memory runs short. It keeps the tier under each namespace's pressure threshold by taking
+// the coldest blocks that may still go deeper in their namespace's compression hierarchy,
+// encoding them at the next level (CPU codec, kernels/codec.h) and swapping the stored bytes in
+// place (BlockStore::Replace: readers holding a pin keep the old bytes). A put that finds no room
+// makes it synchronously the same way, and evicts the least recently used block once nothing
+// can be compressed any more, so a put fails only when every block is pinned by a reader.
+//
+// Quality guard: one encoding in `sample_one_in` per namespace is decoded again and its error
+// measured against the bytes it was encoded from (kernels/error_metrics.h). The errors are
+// aggregated per (namespace, level); when a level's attention-output error exceeds the
+// namespace's budget, the namespace's deepest level drops below it: new encodings stop one
+// level earlier (logged and counted), and blocks already there stay until evicted.
+//
+// Thread-safe. The background worker runs between Start() and Stop() (or destruction); Reserve()
+// may be called from any thread. Lock order: `mu_` is never held while calling the store.
+#ifndef PROXIMA_DAEMON_TIERER_H_
+#define PROXIMA_DAEMON_TIERER_H_
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "common/mutex.h"
+#include "daemon/block_store.h"
+#include "daemon/config.h"
+#include "daemon/metrics.h"
+#include "kernels/codec.h"
+#include "kernels/error_metrics.h"
+
+namespace proxima::daemon {
+
+class Tierer {
+ public:
+  // The codec geometry of (namespace, profile id), or nullopt when its blocks cannot be encoded
+  // (an unknown profile, or a dtype the codec does not take).
+  using GeometryLookup =
+      std::function<std::optional<codec::BlockGeometry>(uint32_t ns, uint64_t profile_id)>;
+
+  // `store`, `registry` outlive the Tierer. `config.namespaces[i]` is namespace index i.
+  Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geometry,
+         metrics::Registry* registry);
+  ~Tierer();
+
+  Tierer(const Tierer&) = delete;
+  Tierer& operator=(const Tierer&) = delete;
+
+  // Starts / stops the background worker. Stop() waits for it.
+  void Start();
+  void Stop();
+
+  // Attributes of a new block of namespace `ns`: how deep it may be encoded. `position` is the
+  // block's index in its sequence (-1 unknown), `high_priority` holds it at a safer level.
+  BlockAttributes AttributesFor(uint32_t ns, uint32_t tokens_per_block, bool codec_ok,
+                                int64_t position, bool high_priority) const;
+
+  // Tier memory for a put of `bytes`: allocates, and when the tier is full compresses or evicts
+  // the coldest blocks until it fits. nullopt when nothing can give way.
+  std::optional<BlockStore::PendingBlock> Reserve(uint64_t bytes);
+
+  // One compression step over namespaces whose cap is above 0 in `caps` (see
+  // BlockStore::ColdestCompressible). True when a block moved a level down (or, when it could
+  // not be re-stored, was evicted). For tests and the background worker.
+  bool CompressOne(std::span<const uint8_t> caps);
+  // Runs background passes until the tier is under every namespace's threshold or nothing can
+  // be compressed (what the worker does each wake-up). For tests.
+  void RelievePressure();
+
+  // The deepest level new encodings of namespace `ns` may reach now (the quality guard lowers
+  // it; 0 = none).
+  uint8_t level_cap(uint32_t ns) const { return caps_[ns]->load(std::memory_order_relaxed); }
+  // Aggregated attention-output error of the sampled encodings of (ns, level), or nullopt when
+  // none was sampled.
+  std::optional<double> sampled_attention_error(uint32_t ns, int level) const;
+  uint64_t step_backs(uint32_t ns) const;
+  uint64_t encodes() const { return encodes_.load(std::memory_order_relaxed); }
+  uint64_t encode_failures() const { return encode_failures_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Quality {
+    codec::ErrorSums sums;
+    uint64_t samples = 0;
+  };
+  struct NamespaceState {
+    std::string name;
+    CompressionConfig policy;
+    std::atomic<uint64_t> encodings{0};  // counts toward sampling
+    std::atomic<uint64_t> step_backs{0};
+  };
+
+  // Full caps: every namespace at its quality-guard cap (the put path may compress any).
+  std::vector<uint8_t> AllCaps() const;
+  // Caps for namespaces over their pressure threshold at `pressure`, else 0.
+  std::vector<uint8_t> CapsUnderPressure(double pressure) const;
+  void RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums);
+  void Run();
+
+  BlockStore* const store_;
+  const GeometryLookup geometry_;
+  const TiererConfig config_;
+  std::vector<std::unique_ptr<NamespaceState>> namespaces_;
+  std::vector<std::unique_ptr<std::atomic<uint8_t>>> caps_;
+
+  mutable proxima::Mutex mu_;
+  std::vector<std::array<Quality, kMaxLevels>> quality_ ABSL_GUARDED_BY(mu_);
+
+  // Metrics.
+  std::atomic<uint64_t> encodes_{0};
+  std::atomic<uint64_t> encode_failures_{0};
+  std::array<metrics::Counter*, kMaxLevels> encoded_blocks_{};  // by target level
+  metrics::Counter* encode_bytes_in_ = nullptr;
+  metrics::Counter* encode_bytes_out_ = nullptr;
+  metrics::Counter* encode_seconds_ = nullptr;
+  metrics::Counter* evictions_for_put_ = nullptr;
+
+  // Background worker. std::mutex + condition_variable only for the stop signal and its timed
+  // wait (proxima::Mutex has no condition variable).
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace proxima::daemon
+
+#endif  // PROXIMA_DAEMON_TIERER_H_
