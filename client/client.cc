@@ -160,10 +160,14 @@ absl::StatusOr<Profile> Client::RegisterProfile(const v1::ModelProfile& profile)
 
 absl::StatusOr<std::vector<PutOutcome>> Client::Put(
     const Profile& profile, std::span<const BlockKey> keys,
-    std::span<const std::span<const std::byte>> blocks) {
+    std::span<const std::span<const std::byte>> blocks, const PutOptions& options) {
   std::vector<size_t> sizes;
   for (const auto& b : blocks) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
+  if (!options.positions.empty() && options.positions.size() != keys.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
+                                                   options.positions.size(), " positions"));
+  }
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
   const size_t per_call = BlocksPerCall(profile.block_bytes);
@@ -172,7 +176,10 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
     // Block bytes are copied once, into the request's own slices, with their CRC32C.
     grpc::ByteBuffer request = wire::EncodePutRequest(
         options_.namespace_name, profile.id, keys.subspan(begin, end - begin),
-        blocks.subspan(begin, end - begin));
+        blocks.subspan(begin, end - begin),
+        options.positions.empty() ? options.positions
+                                  : options.positions.subspan(begin, end - begin),
+        options.high_priority);
     v1::PutResponse response;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
       grpc::ByteBuffer reply;
@@ -195,9 +202,79 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   return outcomes;
 }
 
+void Client::CountCrcFailure() {
+  // Logged at the 1st, 2nd, 4th, 8th, ... failure: a burst of bad blocks must not flood the
+  // worker's log.
+  const uint64_t n = crc_failures_.fetch_add(1) + 1;
+  if ((n & (n - 1)) == 0) {
+    PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
+                             "treated as a miss"
+                          << log::Kv("target", options_.target) << log::Kv("failures", n);
+  }
+}
+
 absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
                                               std::span<const BlockKey> keys,
                                               std::span<const std::span<std::byte>> out) {
+  return GetInto("/proxima.v1.KVTier/Get", profile, keys, out);
+}
+
+absl::StatusOr<std::vector<bool>> Client::Decompress(const Profile& profile,
+                                                     std::span<const BlockKey> keys,
+                                                     std::span<const std::span<std::byte>> out) {
+  return GetInto("/proxima.v1.KVTier/Decompress", profile, keys, out);
+}
+
+absl::StatusOr<std::vector<std::optional<StoredBlock>>> Client::GetStored(
+    const Profile& profile, std::span<const BlockKey> keys) {
+  std::vector<std::optional<StoredBlock>> blocks(keys.size());
+  const size_t per_call = BlocksPerCall(profile.block_bytes);
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::GetRequest request;
+    request.set_namespace_name(options_.namespace_name);
+    request.set_profile_id(profile.id);
+    request.set_format(v1::BLOCK_FORMAT_STORED);
+    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
+    grpc::ByteBuffer request_buffer;
+    bool own_buffer = false;
+    if (!grpc::SerializationTraits<v1::GetRequest>::Serialize(request, &request_buffer, &own_buffer)
+             .ok()) {
+      return absl::InternalError("cannot serialize GetRequest");
+    }
+    // Encoded sizes are not known in advance, so this path parses with the generated class
+    // (one copy per block; the stored encoding is the smaller of the two).
+    v1::GetResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
+      grpc::ByteBuffer reply;
+      PROXIMA_RETURN_IF_ERROR(CallRaw("/proxima.v1.KVTier/Get", request_buffer, &reply));
+      if (!grpc::SerializationTraits<v1::GetResponse>::Deserialize(&reply, &response).ok()) {
+        return absl::InternalError("malformed GetResponse from proximad");
+      }
+      return absl::OkStatus();
+    }));
+    if (response.results_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
+                                              " results for ", end - begin, " keys"));
+    }
+    for (size_t i = begin; i < end; ++i) {
+      v1::GetResult* r = response.mutable_results(static_cast<int>(i - begin));
+      if (!r->found()) continue;
+      const std::string& data = r->data();
+      const bool size_ok = r->level() > 0 || data.size() == profile.block_bytes;
+      if (!size_ok || Crc32c(std::as_bytes(std::span(data.data(), data.size()))) != r->crc32c()) {
+        CountCrcFailure();
+        continue;
+      }
+      blocks[i] = StoredBlock{r->level(), std::move(*r->mutable_data())};
+    }
+  }
+  return blocks;
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Profile& profile,
+                                                  std::span<const BlockKey> keys,
+                                                  std::span<const std::span<std::byte>> out) {
   std::vector<size_t> sizes;
   for (const auto& b : out) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Get", keys.size(), out.size(), profile, sizes));
@@ -218,7 +295,7 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
     std::vector<wire::GetResult> results;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
       grpc::ByteBuffer response;
-      PROXIMA_RETURN_IF_ERROR(CallRaw("/proxima.v1.KVTier/Get", request_buffer, &response));
+      PROXIMA_RETURN_IF_ERROR(CallRaw(method, request_buffer, &response));
       // Block bytes go from the received slices straight into the caller's buffers.
       return wire::ParseGetResponse(response, out.subspan(begin, end - begin), &results);
     }));
@@ -226,14 +303,7 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
       const wire::GetResult& r = results[i - begin];
       if (!r.found) continue;
       if (!r.intact) {
-        // Logged at the 1st, 2nd, 4th, 8th, ... failure: a burst of bad blocks must not flood
-        // the worker's log.
-        const uint64_t n = crc_failures_.fetch_add(1) + 1;
-        if ((n & (n - 1)) == 0) {
-          PROXIMA_LOG(kWarning) << "block from proximad failed its size or CRC32C check; "
-                                   "treated as a miss"
-                                << log::Kv("target", options_.target) << log::Kv("failures", n);
-        }
+        CountCrcFailure();
         continue;
       }
       found[i] = true;

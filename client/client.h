@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -53,6 +54,21 @@ struct Profile {
 
 enum class PutOutcome { kStored, kAlreadyPresent, kNoSpace };
 
+// Per-put hints for the daemon's tierer.
+struct PutOptions {
+  // Empty, or one per block: the block's index in its sequence (0 = the first block, which holds
+  // the attention sinks); negative = unknown.
+  std::span<const int64_t> positions;
+  // Held at a safer level of the namespace's compression hierarchy.
+  bool high_priority = false;
+};
+
+// A block as the daemon stores it (Client::GetStored).
+struct StoredBlock {
+  uint32_t level = 0;  // 0: `bytes` is the raw block; k > 0: a STAR-KV container (level k)
+  std::string bytes;   // decode with codec::DecodeBlock (kernels/codec.h) or the CUDA batch
+};
+
 struct ServerInfo {
   std::string version;
   uint64_t max_message_bytes = 0;
@@ -74,12 +90,24 @@ class Client {
   // them fails, the error is returned and earlier calls' blocks stay stored.
   absl::StatusOr<std::vector<PutOutcome>> Put(const Profile& profile,
                                               std::span<const BlockKey> keys,
-                                              std::span<const std::span<const std::byte>> blocks);
+                                              std::span<const std::span<const std::byte>> blocks,
+                                              const PutOptions& options = {});
 
   // Reads keys[i] into out[i] (each profile.block_bytes long). found[i] tells whether block i
   // was present and intact; when it is false, out[i]'s contents are unspecified.
+  // Blocks the daemon stores encoded come back decoded by the daemon (raw bytes; lossy levels
+  // give bytes close to, not equal to, what was put).
   absl::StatusOr<std::vector<bool>> Get(const Profile& profile, std::span<const BlockKey> keys,
                                         std::span<const std::span<std::byte>> out);
+  // Like Get, but through the Decompress call (with UCX, the daemon decodes straight into the
+  // caller's buffer).
+  absl::StatusOr<std::vector<bool>> Decompress(const Profile& profile,
+                                               std::span<const BlockKey> keys,
+                                               std::span<const std::span<std::byte>> out);
+  // The stored bytes as they are (fewer bytes to move; the caller decodes): one entry per key,
+  // nullopt for a miss or a block that failed its CRC32C.
+  absl::StatusOr<std::vector<std::optional<StoredBlock>>> GetStored(
+      const Profile& profile, std::span<const BlockKey> keys);
 
   // Number of leading keys of `chain` that are stored.
   absl::StatusOr<size_t> Lookup(const Profile& profile, std::span<const BlockKey> chain);
@@ -105,6 +133,11 @@ class Client {
   // One unary call with serialized messages (Put and Get encode their block bytes themselves).
   absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
                        grpc::ByteBuffer* response);
+  // Get and Decompress: raw blocks into `out` through `method`.
+  absl::StatusOr<std::vector<bool>> GetInto(const char* method, const Profile& profile,
+                                            std::span<const BlockKey> keys,
+                                            std::span<const std::span<std::byte>> out);
+  void CountCrcFailure();
   // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
   size_t BlocksPerCall(uint64_t block_bytes) const;
 

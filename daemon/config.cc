@@ -35,7 +35,7 @@ tiers:
   gpu:
     capacity_bytes_per_device: 0   # device pool per visible GPU; 0 disables the GPU tier
 tierer:
-  temperature_policy: lru          # lru | s3fifo: how the coldest block is chosen
+  temperature_policy: lru          # how the coldest block is chosen (lru only, for now)
   threads: 1                       # encoder threads of the background tierer
   interval_seconds: 0.01           # how often the tierer checks tier pressure when idle
 index:
@@ -238,8 +238,9 @@ absl::Status ParseTierer(Reader& r, const YAML::Node& t, TiererConfig* out) {
   if (!t || !t.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(
       r.String(t["temperature_policy"], "tierer.temperature_policy", &out->temperature_policy));
-  if (out->temperature_policy != "lru" && out->temperature_policy != "s3fifo") {
-    return r.Error("tierer.temperature_policy", out->temperature_policy, "one of lru, s3fifo");
+  if (out->temperature_policy != "lru") {
+    return r.Error("tierer.temperature_policy", out->temperature_policy,
+                   "lru (the only policy implemented; see docs/decisions.md)");
   }
   PROXIMA_RETURN_IF_ERROR(Uint32(r, t["threads"], "tierer.threads", 1, 64, &out->threads));
   return r.Double(t["interval_seconds"], "tierer.interval_seconds", 0.001, 10,

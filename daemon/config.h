@@ -68,7 +68,7 @@ struct NamespaceConfig {
 
 // The tierer: the background worker that keeps tiers under their pressure thresholds.
 struct TiererConfig {
-  std::string temperature_policy = "lru";  // lru | s3fifo: which block is coldest
+  std::string temperature_policy = "lru";  // which block is coldest: lru (the only one so far)
   uint32_t threads = 1;                    // encoder threads of the background worker
   double interval_seconds = 0.01;          // how often it checks the pressure when idle
 };

@@ -84,6 +84,14 @@ absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonCon
                                                                  metrics::Registry* registry) {
   PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier,
                            HostTier::Create(config.host_tier.capacity_bytes));
+  if (config.gpu_tier.capacity_bytes_per_device > 0) {
+    // The device pool is not built yet (docs/decisions.md); Daemon::Start logs whether GPUs
+    // are visible at all. Say plainly that the configured tier is not there.
+    PROXIMA_LOG(kWarning) << "GPU tier not implemented in this version; running with the host "
+                             "tier alone"
+                          << log::Kv("tiers.gpu.capacity_bytes_per_device",
+                                     config.gpu_tier.capacity_bytes_per_device);
+  }
   std::unique_ptr<TierService> service(new TierService(config, std::move(tier), registry));
   service->tierer_->Start();
   return service;

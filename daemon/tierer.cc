@@ -29,8 +29,8 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geo
     auto ns = std::make_unique<NamespaceState>();
     ns->name = config.namespaces[i].name;
     ns->policy = config.namespaces[i].compression;
-    const uint8_t cap = static_cast<uint8_t>(
-        std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
+    const uint8_t cap =
+        static_cast<uint8_t>(std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
     caps_.push_back(std::make_unique<std::atomic<uint8_t>>(cap));
     NamespaceState* state = ns.get();
     metrics::Labels labels = {{"namespace", ns->name}};
@@ -59,17 +59,17 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geo
         "proxima_tierer_encodes_total", "Blocks the tierer encoded, by target hierarchy level",
         {{"level", absl::StrCat(level)}});
   }
-  encode_bytes_in_ = registry->AddCounter("proxima_tierer_encode_bytes_total",
-                                          "Bytes the tierer encoded, before and after",
-                                          {{"side", "in"}});
-  encode_bytes_out_ = registry->AddCounter("proxima_tierer_encode_bytes_total",
-                                           "Bytes the tierer encoded, before and after",
-                                           {{"side", "out"}});
+  encode_bytes_in_ =
+      registry->AddCounter("proxima_tierer_encode_bytes_total",
+                           "Bytes the tierer encoded, before and after", {{"side", "in"}});
+  encode_bytes_out_ =
+      registry->AddCounter("proxima_tierer_encode_bytes_total",
+                           "Bytes the tierer encoded, before and after", {{"side", "out"}});
   encode_seconds_ = registry->AddCounter("proxima_tierer_encode_microseconds_total",
                                          "Time the tierer spent decoding and encoding blocks");
-  evictions_for_put_ = registry->AddCounter(
-      "proxima_tierer_put_evictions_total",
-      "Blocks evicted on the put path because nothing could be compressed");
+  evictions_for_put_ =
+      registry->AddCounter("proxima_tierer_put_evictions_total",
+                           "Blocks evicted on the put path because nothing could be compressed");
 }
 
 Tierer::~Tierer() { Stop(); }
@@ -176,9 +176,8 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps) {
     status = absl::FailedPreconditionError("profile no longer known");
   } else if (from > 0) {
     decoded.resize(geometry->RawBytes());
-    status = codec::DecodeBlock(c->block.bytes,
-                                std::as_writable_bytes(std::span<char>(decoded.data(),
-                                                                       decoded.size())));
+    status = codec::DecodeBlock(
+        c->block.bytes, std::as_writable_bytes(std::span<char>(decoded.data(), decoded.size())));
     source = AsBytes(decoded);
   }
   std::string encoded;
@@ -187,9 +186,9 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps) {
                                 source, {}, &encoded);
   }
   if (status.ok() && encoded.size() >= geometry->RawBytes()) {
-    status = absl::FailedPreconditionError(absl::StrCat(
-        "encoded block of ", encoded.size(), " bytes is no smaller than the raw ",
-        geometry->RawBytes(), " bytes"));
+    status = absl::FailedPreconditionError(absl::StrCat("encoded block of ", encoded.size(),
+                                                        " bytes is no smaller than the raw ",
+                                                        geometry->RawBytes(), " bytes"));
   }
   if (!status.ok()) {
     // A block the codec refuses cannot shrink; it leaves the way it came in, by eviction.
@@ -217,7 +216,8 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps) {
   encode_bytes_in_->Increment(source.size());
   encode_bytes_out_->Increment(encoded.size());
 
-  std::optional<BlockStore::PendingBlock> pending = store_->TryReserve(encoded.size(), HostTier::Placement::kHigh);
+  std::optional<BlockStore::PendingBlock> pending =
+      store_->TryReserve(encoded.size(), HostTier::Placement::kHigh);
   if (!pending) {
     // The tier is full: swap in place (the old bytes make the room), unless a reader pins them.
     switch (store_->ReplaceInPlace(*std::move(c), AsBytes(encoded), to)) {

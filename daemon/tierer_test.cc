@@ -58,7 +58,8 @@ std::span<const std::byte> B(const std::string& s) {
 
 // The raw bytes a read returns: decoded when the block is encoded.
 std::string RawOf(const BlockStore::ReadBlock& r, const codec::BlockGeometry& g) {
-  if (r.level == 0) return std::string(reinterpret_cast<const char*>(r.bytes.data()), r.bytes.size());
+  if (r.level == 0)
+    return std::string(reinterpret_cast<const char*>(r.bytes.data()), r.bytes.size());
   std::string raw(g.RawBytes(), '\0');
   EXPECT_OK(codec::DecodeBlock(r.bytes, std::as_writable_bytes(std::span(raw.data(), raw.size()))));
   return raw;
@@ -106,7 +107,9 @@ class TiererTest : public ::testing::Test {
   }
 
   // Raw block size of SmolLM2-135M's first `layers` layers: 2 * L * 16 tokens * 3 heads * 64 * 2.
-  static constexpr uint64_t RawBytes(uint32_t layers = 4) { return 2ull * layers * 16 * 3 * 64 * 2; }
+  static constexpr uint64_t RawBytes(uint32_t layers = 4) {
+    return 2ull * layers * 16 * 3 * 64 * 2;
+  }
 
   DaemonConfig config_;
   NamespaceCounters counters_[2];
@@ -138,8 +141,9 @@ TEST_F(TiererTest, FullTierCompressesColdBlocksBeforeEvictingAny) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
     ASSERT_TRUE(r) << n;
     std::string raw = RawOf(*r, blocks_->geometry());
-    ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums, codec::MeasureBlockError(
-                                                    blocks_->geometry(), B(blocks_->Block(n)), B(raw)));
+    ASSERT_OK_AND_ASSIGN(
+        codec::ErrorSums sums,
+        codec::MeasureBlockError(blocks_->geometry(), B(blocks_->Block(n)), B(raw)));
     EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.2) << "block " << n << " level " << int(r->level);
   }
   // Keep going without the background pass: puts make room themselves, and once every block
@@ -223,15 +227,15 @@ TEST_F(TiererTest, HighPriorityAndShortSequencesStayAtSaferLevels) {
   EXPECT_EQ(tierer_->AttributesFor(0, kTokens, true, 5, false).max_level, 2);
   EXPECT_EQ(tierer_->AttributesFor(0, kTokens, true, 5, true).max_level, 1);
   EXPECT_EQ(tierer_->AttributesFor(0, kTokens, false, 5, false).max_level, 0);  // fp8 profile
-  EXPECT_EQ(tierer_->AttributesFor(1, kTokens, true, 5, false).max_level, 0);  // "b": off
+  EXPECT_EQ(tierer_->AttributesFor(1, kTokens, true, 5, false).max_level, 0);   // "b": off
   EXPECT_TRUE(tierer_->AttributesFor(0, kTokens, true, 0, false).is_first_block);
 
   config_.namespaces[0].compression.min_seq_len_to_compress = 64;
-  Tierer gated(store_.get(), config_,
-               [](uint32_t, uint64_t) { return std::optional<codec::BlockGeometry>(); },
-               &registry_);
-  EXPECT_EQ(gated.AttributesFor(0, kTokens, true, 2, false).max_level, 0);  // 48 tokens
-  EXPECT_EQ(gated.AttributesFor(0, kTokens, true, 3, false).max_level, 2);  // 64 tokens
+  Tierer gated(
+      store_.get(), config_,
+      [](uint32_t, uint64_t) { return std::optional<codec::BlockGeometry>(); }, &registry_);
+  EXPECT_EQ(gated.AttributesFor(0, kTokens, true, 2, false).max_level, 0);   // 48 tokens
+  EXPECT_EQ(gated.AttributesFor(0, kTokens, true, 3, false).max_level, 2);   // 64 tokens
   EXPECT_EQ(gated.AttributesFor(0, kTokens, true, -1, false).max_level, 2);  // unknown
 
   // A high-priority block stops at level 1 while the others go to level 2.

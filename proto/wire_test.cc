@@ -178,5 +178,57 @@ TEST(WireTest, PutRequestReaderRejectsEveryTruncation) {
   }
 }
 
+TEST(WireTest, TierFieldsInteroperateWithProtobuf) {
+  // GetResult.level: written by the writer for encoded blocks, omitted (0) for raw ones.
+  auto a = RandomBytes(300, 10), b = RandomBytes(200, 11);
+  GetResponseWriter w;
+  w.AddHit(a, Crc32c(a), nullptr, /*level=*/2);
+  w.AddHit(b, Crc32c(b), nullptr);
+  v1::GetResponse got;
+  ASSERT_TRUE(got.ParseFromString(Flatten(w.Finish())));
+  ASSERT_EQ(got.results_size(), 2);
+  EXPECT_EQ(got.results(0).level(), 2u);
+  EXPECT_EQ(got.results(0).data().size(), a.size());
+  EXPECT_EQ(got.results(0).crc32c(), Crc32c(a));
+  EXPECT_EQ(got.results(1).level(), 0u);
+  // The client's raw parser skips the level field and still checks the CRC.
+  std::vector<std::byte> out0(a.size()), out1(b.size());
+  std::vector<std::span<std::byte>> outs = {out0, out1};
+  std::vector<GetResult> results;
+  ASSERT_OK(ParseGetResponse(FromString(got.SerializeAsString()), outs, &results));
+  EXPECT_TRUE(results[0].intact);
+  EXPECT_EQ(out0, a);
+
+  // PutBlock.position and PutRequest.priority, both ways.
+  std::vector<std::array<uint8_t, 32>> keys(3);
+  std::vector<std::span<const std::byte>> blocks = {a, b, a};
+  std::vector<int64_t> positions = {0, -1, 300};
+  v1::PutRequest put;
+  ASSERT_TRUE(put.ParseFromString(
+      Flatten(EncodePutRequest("t", 1, keys, blocks, positions, /*high_priority=*/true))));
+  EXPECT_EQ(put.priority(), v1::PRIORITY_HIGH);
+  EXPECT_TRUE(put.blocks(0).has_position());
+  EXPECT_EQ(put.blocks(0).position(), 0u);
+  EXPECT_FALSE(put.blocks(1).has_position());
+  EXPECT_EQ(put.blocks(2).position(), 300u);
+  EXPECT_EQ(put.blocks(2).crc32c(), Crc32c(a));
+  PutRequestReader reader;
+  ASSERT_OK(reader.Parse(FromString(put.SerializeAsString()), 3));
+  EXPECT_EQ(reader.priority(), static_cast<uint32_t>(v1::PRIORITY_HIGH));
+  EXPECT_TRUE(reader.blocks()[0].has_position);
+  EXPECT_FALSE(reader.blocks()[1].has_position);
+  EXPECT_EQ(reader.blocks()[2].position, 300u);
+
+  // GetRequest.format through the keyed parser.
+  v1::GetRequest get;
+  get.set_namespace_name("t");
+  get.add_keys(std::string(32, 'k'));
+  get.set_format(v1::BLOCK_FORMAT_STORED);
+  KeyedRequest keyed;
+  ASSERT_OK(ParseKeyedRequest(FromString(get.SerializeAsString()), 4, "Get", &keyed));
+  EXPECT_EQ(keyed.format, static_cast<uint32_t>(v1::BLOCK_FORMAT_STORED));
+  EXPECT_EQ(keyed.keys.size(), 1u);
+}
+
 }  // namespace
 }  // namespace proxima::wire

@@ -4,16 +4,18 @@
 #   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
 #   scripts/bench.sh quality     perplexity/KL/top-1 per codec plan on SmolLM2 (tools/eval; long)
 #   scripts/bench.sh replay      Mooncake trace replay: hit ratio per memory budget, raw vs compressed
+#   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | replay)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | replay | tierer)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
   put_get) export PROXIMA_TARGETS="proximad put_get_bench" ;;
   codec) export PROXIMA_TARGETS="codec_bench" ;;
   replay) export PROXIMA_TARGETS="proximad proxima_replay" ;;
+  tierer) export PROXIMA_TARGETS="tierer_bench" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -25,5 +27,7 @@ case "$NAME" in
            --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --working_set_mb=64 "$@" ;;
   quality) exec ./scripts/bench-quality.sh "$@" ;;
   replay) exec ./scripts/bench-replay.sh "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, replay)" >&2; exit 2 ;;
+  tierer) exec ./build-bench/bench/tierer_bench \
+            --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, replay, tierer)" >&2; exit 2 ;;
 esac

@@ -231,15 +231,25 @@ def test_chart_renders_valid_manifests():
     assert container["image"].endswith(":1.2.3")
 
 
-@pytest.mark.parametrize("feature", ["gpuTier", "compression", "tls", "auth", "discovery", "ucx"])
+@pytest.mark.parametrize("feature", ["gpuTier", "tls", "auth", "discovery", "ucx"])
 def test_chart_refuses_reserved_features(feature):
     # Values for features proximad lacks must not look like working config.
     with pytest.raises(helm_render.RenderError, match="not implemented"):
         chart_docs(sets=["reserved.%s.enabled=true" % feature])
     docs, _ = chart_docs()
     rendered = find(docs, "ConfigMap")["data"]["proxima.yaml"]
-    for word in ("compression", "tls", "token", "discovery", "ucx", "gpu"):
+    for word in ("tls", "token", "discovery", "ucx", "gpu"):
         assert word not in rendered.lower()
+
+
+def test_chart_renders_the_compression_policy():
+    # Compression is real now: the chart's default namespace carries a policy proximad accepts
+    # (the config itself is checked against the real proximad by the tests above).
+    docs, _ = chart_docs()
+    cfg = yaml.safe_load(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    policy = cfg["namespaces"][0]["compression"]
+    assert policy["enabled"] is True
+    assert policy["levels"] == ["int8", "layers[0:2]=int8,default=int4,sink=int8"]
 
 
 def test_renderer_rejects_what_it_does_not_support(tmp_path):

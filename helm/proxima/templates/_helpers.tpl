@@ -23,7 +23,6 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* Refuse values for features proximad does not implement yet. */}}
 {{- define "proxima.checkReserved" -}}
 {{- if .Values.reserved.gpuTier.enabled }}{{ fail "reserved.gpuTier: the GPU tier is not implemented in proximad yet" }}{{ end }}
-{{- if .Values.reserved.compression.enabled }}{{ fail "reserved.compression: compression policy is not implemented in proximad yet" }}{{ end }}
 {{- if .Values.reserved.tls.enabled }}{{ fail "reserved.tls: TLS is not implemented in proximad yet" }}{{ end }}
 {{- if .Values.reserved.auth.enabled }}{{ fail "reserved.auth: bearer tokens are not implemented in proximad yet" }}{{ end }}
 {{- if .Values.reserved.discovery.enabled }}{{ fail "reserved.discovery: peer discovery is not implemented in proximad yet" }}{{ end }}
