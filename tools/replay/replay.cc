@@ -139,14 +139,18 @@ absl::StatusOr<ReplayCounts> RunReplay(client::Client& client, const client::Pro
       const size_t misses = n - hits;
       to_put.resize(misses * block_bytes);
       std::vector<std::span<const std::byte>> blocks;
+      std::vector<int64_t> positions;  // so the daemon knows the sink block (position 0)
       blocks.reserve(misses);
+      positions.reserve(misses);
       for (size_t i = 0; i < misses; ++i) {
         std::span<std::byte> slot(to_put.data() + i * block_bytes, block_bytes);
         PROXIMA_RETURN_IF_ERROR(source.Fill(request.hash_ids[hits + i], hits + i, slot));
         blocks.push_back(slot);
+        positions.push_back(static_cast<int64_t>(hits + i));
       }
-      PROXIMA_ASSIGN_OR_RETURN(std::vector<client::PutOutcome> outcomes,
-                               client.Put(profile, std::span(chain).subspan(hits), blocks));
+      PROXIMA_ASSIGN_OR_RETURN(
+          std::vector<client::PutOutcome> outcomes,
+          client.Put(profile, std::span(chain).subspan(hits), blocks, {.positions = positions}));
       for (client::PutOutcome o : outcomes) {
         switch (o) {
           case client::PutOutcome::kStored:
