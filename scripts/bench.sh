@@ -4,17 +4,19 @@
 #   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
 #   scripts/bench.sh quality     perplexity/KL/top-1 per codec plan on SmolLM2 (tools/eval; long)
 #   scripts/bench.sh security    TLS + mTLS + bearer token vs plaintext without token (proximactl load)
+#   scripts/bench.sh replay      Mooncake trace replay: hit ratio per memory budget, raw vs compressed
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | tierer)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | tierer)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
   put_get) export PROXIMA_TARGETS="proximad put_get_bench" ;;
   codec) export PROXIMA_TARGETS="codec_bench" ;;
   security) export PROXIMA_TARGETS="proximad proximactl" ;;
+  replay) export PROXIMA_TARGETS="proximad proxima_replay" ;;
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
@@ -28,7 +30,9 @@ case "$NAME" in
   quality) exec ./scripts/bench-quality.sh "$@" ;;
   security) exec python3 bench/security_bench.py --proximad=build-bench/daemon/proximad \
               --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
+  replay) exec ./scripts/bench-replay.sh "$@" ;;
   tierer) exec ./build-bench/bench/tierer_bench \
             --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, tierer)" >&2; exit 2 ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, tierer)" >&2
+     exit 2 ;;
 esac
