@@ -65,7 +65,8 @@ Result Run(const proxima::codec::KvTensor& kv, uint64_t capacity, uint32_t block
   p->set_tokens_per_block(kTokens);
   p->set_dtype(proxima::v1::DTYPE_BF16);
   proxima::v1::RegisterProfileResponse profile;
-  if (!(*service)->RegisterProfile(reg, &profile).ok()) std::exit(2);
+  const proxima::daemon::Caller anonymous = proxima::daemon::Caller::Anonymous();
+  if (!(*service)->RegisterProfile(anonymous, reg, &profile).ok()) std::exit(2);
 
   const uint32_t distinct = kv.num_tokens - kTokens + 1;
   std::vector<std::string> data(distinct, std::string(profile.block_bytes(), '\0'));
@@ -88,7 +89,7 @@ Result Run(const proxima::codec::KvTensor& kv, uint64_t capacity, uint32_t block
     b->set_data(data[(n * 7) % distinct]);
     b->set_position(n % 64);
     proxima::v1::PutResponse out;
-    if (!(*service)->Put(put, &out).ok()) std::exit(3);
+    if (!(*service)->Put(anonymous, put, &out).ok()) std::exit(3);
   }
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

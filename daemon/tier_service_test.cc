@@ -1,9 +1,13 @@
 #include "daemon/tier_service.h"
 
+#include <cstring>
+
+#include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/kv_file.h"
 
 namespace proxima::daemon {
 namespace {
@@ -348,6 +352,90 @@ TEST(TierServiceAuthConfigTest, TokenErrorsNameTheKeyNotTheToken) {
                        AllOf(HasSubstr("namespaces[1].tokens[0]"),
                              HasSubstr("namespaces[0].tokens[0]"),
                              ::testing::Not(HasSubstr("duplicated-token")))));
+}
+
+
+// A block the tierer encoded, read back raw by a client that checks CRC32C itself
+// (client_verifies_crc32c): the client sees only the decoded bytes and their fresh CRC32C, so
+// the daemon must still check the stored container before decoding it. A corrupt container is
+// dropped, counted and reported as a miss, not decoded into wrong bytes.
+TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenTheClientVerifies) {
+  absl::StatusOr<codec::KvTensor> kv = codec::ReadKvFile(PROXIMA_TEST_KV_FILE);
+  ASSERT_OK(kv.status());
+  constexpr uint32_t kTokens = 16;
+  const codec::BlockGeometry shape = kv->BlockShape(kTokens);
+  metrics::Registry registry;
+  DaemonConfig config;
+  config.host_tier.capacity_bytes = 16 << 20;  // far below the tierer's pressure threshold
+  config.namespaces = {{"z"}};
+  config.namespaces[0].compression.enabled = true;
+  config.namespaces[0].compression.levels = {"int8"};
+  ASSERT_OK(ResolveCompressionLevels("test", "namespaces[0].compression",
+                                     &config.namespaces[0].compression));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> service,
+                       TierService::Create(config, &registry));
+  const Caller anonymous = Caller::Anonymous();
+  v1::RegisterProfileRequest reg;
+  reg.set_namespace_name("z");
+  v1::ModelProfile* profile = reg.mutable_profile();
+  profile->set_num_layers(kv->num_layers);
+  profile->set_num_kv_heads(kv->num_kv_heads);
+  profile->set_head_dim(kv->head_dim);
+  profile->set_tokens_per_block(kTokens);
+  profile->set_dtype(v1::DTYPE_BF16);
+  v1::RegisterProfileResponse registered;
+  ASSERT_OK(service->RegisterProfile(anonymous, reg, &registered));
+  ASSERT_EQ(registered.block_bytes(), shape.RawBytes());
+
+  v1::PutRequest put;
+  put.set_namespace_name("z");
+  put.set_profile_id(registered.profile_id());
+  for (uint32_t b = 0; b < 2; ++b) {
+    v1::PutBlock* block = put.add_blocks();
+    block->set_key(std::string(32, static_cast<char>('k' + b)));
+    std::string data(shape.RawBytes(), '\0');
+    ASSERT_OK(kv->ExtractBlock(b * kTokens, kTokens,
+                               std::as_writable_bytes(std::span(data.data(), data.size()))));
+    block->set_data(std::move(data));
+    block->set_position(b);
+  }
+  v1::PutResponse put_response;
+  ASSERT_OK(service->Put(anonymous, put, &put_response));
+  const uint8_t caps[] = {1};
+  ASSERT_TRUE(service->tierer().CompressOne(caps));
+  ASSERT_TRUE(service->tierer().CompressOne(caps));
+  ASSERT_EQ(service->store().level_blocks(1), 2u);
+
+  v1::GetRequest get;
+  get.set_namespace_name("z");
+  get.set_profile_id(registered.profile_id());
+  get.add_keys(std::string(32, 'k'));
+  get.add_keys(std::string(32, 'l'));
+  get.set_format(v1::BLOCK_FORMAT_RAW);
+  get.set_client_verifies_crc32c(true);
+  // Intact: both decoded, each with the CRC32C of the bytes sent.
+  std::vector<std::optional<BlockStore::ReadBlock>> blocks;
+  ASSERT_OK(service->GetBlocks(anonymous, get, &blocks));
+  ASSERT_EQ(blocks.size(), 2u);
+  for (const auto& b : blocks) {
+    ASSERT_TRUE(b.has_value());
+    EXPECT_EQ(b->level, 0);
+    EXPECT_EQ(b->bytes.size(), shape.RawBytes());
+    EXPECT_EQ(b->crc32c, Crc32c(b->bytes));
+  }
+  blocks.clear();
+
+  // Corrupt the stored container of the first block.
+  BlockId id{0, registered.profile_id(), {}};
+  std::memset(id.key.data(), 'k', id.key.size());
+  ASSERT_TRUE(service->store().CorruptForTesting(id, 100));
+  ASSERT_OK(service->GetBlocks(anonymous, get, &blocks));
+  ASSERT_EQ(blocks.size(), 2u);
+  EXPECT_FALSE(blocks[0].has_value());  // a miss, not wrong bytes
+  ASSERT_TRUE(blocks[1].has_value());   // the other block is untouched
+  EXPECT_EQ(blocks[1]->crc32c, Crc32c(blocks[1]->bytes));
+  EXPECT_EQ(service->store().crc_failures(), 1u);
+  EXPECT_FALSE(service->store().Contains(id));
 }
 
 }  // namespace

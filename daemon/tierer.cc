@@ -165,6 +165,13 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes) {
 bool Tierer::CompressOne(std::span<const uint8_t> caps) {
   std::optional<BlockStore::Candidate> c = store_->ColdestCompressible(caps);
   if (!c) return false;
+  if (Crc32c(c->block.bytes) != c->block.crc32c) {
+    // Corrupt in tier memory: encoding it would give wrong bytes a valid CRC32C. A checked read
+    // drops it and counts it, as a Get would.
+    store_->Release(*c);
+    store_->Read(c->id, BlockStore::CrcCheck::kHere);
+    return true;
+  }
   const uint32_t ns = c->id.namespace_index;
   NamespaceState& state = *namespaces_[ns];
   const uint8_t from = c->block.level;

@@ -136,6 +136,7 @@ TEST_F(TiererTest, FullTierCompressesColdBlocksBeforeEvictingAny) {
   std::optional<BlockStore::ReadBlock> oldest = store_->Read(Id(0));
   ASSERT_TRUE(oldest);
   EXPECT_EQ(oldest->level, 2);
+  oldest.reset();  // a block a reader pins is never evicted; this one must be able to go below
   // Every block decodes close to what was put (int4's attention error on SmolLM2 is ~0.11).
   for (uint32_t n = 0; n < 24; ++n) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
@@ -189,6 +190,51 @@ TEST_F(TiererTest, AnImportantBlockIsPassedOverOnceWhenColdest) {
   ASSERT_TRUE(tierer_->CompressOne(caps));
   EXPECT_EQ(store_->Read(Id(10))->level, 0);
   EXPECT_EQ(store_->Read(Id(11))->level, 1);
+}
+
+// Main's eviction rule holds through the tierer: a block a reader pins is neither evicted nor
+// swapped in place, so when every block is pinned a put is refused and nothing is lost; with
+// compression on, the tierer's attempt to encode a pinned block gives way too.
+TEST_F(TiererTest, WhenEveryBlockIsPinnedAPutIsRefusedAndNothingIsLost) {
+  for (const std::vector<std::string>& levels :
+       {std::vector<std::string>{}, std::vector<std::string>{"int8"}}) {
+    SCOPED_TRACE(levels.empty() ? "raw" : "int8");
+    Make(4 * RawBytes() + 4096, levels);
+    for (uint32_t n = 0; n < 4; ++n) ASSERT_EQ(Put(n), PutOutcome::kStored);
+    std::vector<std::optional<BlockStore::ReadBlock>> pins;
+    for (uint32_t n = 0; n < 4; ++n) pins.push_back(store_->Read(Id(n)));
+    for (const auto& pin : pins) ASSERT_TRUE(pin);
+    EXPECT_EQ(Put(4), PutOutcome::kNoSpace);
+    EXPECT_EQ(store_->evictions(), 0u);
+    EXPECT_LE(store_->used_bytes(), 4 * RawBytes() + 4096);
+    for (uint32_t n = 0; n < 4; ++n) {
+      std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->level, 0);
+      EXPECT_EQ(RawOf(*r, blocks_->geometry()), blocks_->Block(n));  // byte-exact
+    }
+    // Once the readers let go, the put gets its room.
+    pins.clear();
+    EXPECT_EQ(Put(4), PutOutcome::kStored);
+  }
+}
+
+// A block corrupted in tier memory is not encoded (that would give wrong bytes a valid CRC32C):
+// the tierer drops and counts it, as a checked read does.
+TEST_F(TiererTest, ACorruptBlockIsDroppedNotEncoded) {
+  Make(64 * RawBytes(), {"int8"});
+  ASSERT_EQ(Put(0), PutOutcome::kStored);
+  ASSERT_EQ(Put(1), PutOutcome::kStored);
+  ASSERT_TRUE(store_->CorruptForTesting(Id(0), 1000));
+  std::vector<uint8_t> caps = {1, 0};
+  ASSERT_TRUE(tierer_->CompressOne(caps));  // block 0, the coldest
+  EXPECT_FALSE(store_->Contains(Id(0)));
+  EXPECT_EQ(store_->crc_failures(), 1u);
+  EXPECT_EQ(store_->level_blocks(1), 0u);
+  ASSERT_TRUE(tierer_->CompressOne(caps));  // block 1 is intact and encoded
+  std::optional<BlockStore::ReadBlock> r = store_->Read(Id(1));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->level, 1);
 }
 
 TEST_F(TiererTest, BackgroundPassKeepsTheTierUnderItsThreshold) {

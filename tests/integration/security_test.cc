@@ -254,6 +254,8 @@ TEST_F(TokenTest, EveryCallAcrossNamespacesIsRefusedAndRevealsNothing) {
     EXPECT_THAT(intruder->RegisterProfile(SmallModel()), denied);
     EXPECT_THAT(intruder->Put(p, keys, in), denied);
     EXPECT_THAT(intruder->Get(p, keys, spans), denied);
+    EXPECT_THAT(intruder->GetStored(p, keys), denied);
+    EXPECT_THAT(intruder->Decompress(p, keys, spans), denied);
     EXPECT_THAT(intruder->Lookup(p, keys), denied);
     EXPECT_THAT(intruder->Delete(p, keys), denied);
   }
@@ -263,6 +265,8 @@ TEST_F(TokenTest, EveryCallAcrossNamespacesIsRefusedAndRevealsNothing) {
   EXPECT_EQ(pb.id, p.id);
   EXPECT_THAT(b->Lookup(pb, keys), ::proxima::testing::IsOkAndHolds(0u));
   ASSERT_OK_AND_ASSIGN(std::vector<bool> found, b->Get(pb, keys, spans));
+  EXPECT_THAT(found, ::testing::Each(false));
+  ASSERT_OK_AND_ASSIGN(found, b->Decompress(pb, keys, spans));
   EXPECT_THAT(found, ::testing::Each(false));
   EXPECT_THAT(b->Delete(pb, keys), ::proxima::testing::IsOkAndHolds(0u));
   // Stats: b sees b only, and no tier totals (they would count a's blocks).
@@ -307,6 +311,11 @@ TEST_F(TokenTest, ReadOnlyTokenReadsButCannotWrite) {
   std::vector<std::vector<std::byte>> out(2, std::vector<std::byte>(p.block_bytes));
   std::vector<std::span<std::byte>> spans(out.begin(), out.end());
   ASSERT_OK_AND_ASSIGN(std::vector<bool> found, reader->Get(p, keys, spans));
+  EXPECT_THAT(found, ::testing::Each(true));
+  EXPECT_TRUE(client::IsTestBlock(9, 1, out[1]));
+  // Decompress is a read: a read-only token may call it.
+  std::fill(out[1].begin(), out[1].end(), std::byte{0});
+  ASSERT_OK_AND_ASSIGN(found, reader->Decompress(p, keys, spans));
   EXPECT_THAT(found, ::testing::Each(true));
   EXPECT_TRUE(client::IsTestBlock(9, 1, out[1]));
   ASSERT_OK(reader->Stats().status());
