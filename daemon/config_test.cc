@@ -131,6 +131,16 @@ TEST(ConfigTest, TextThatIsNotUtf8IsRefusedWithItsPosition) {
                 .status());
 }
 
+TEST(ConfigTest, ComplexKeysAreAnErrorNotACrash) {
+  // Found by the config_parse fuzzer: a YAML complex key ("? ...") made yaml-cpp throw from
+  // the key walk, and proximad died of an uncaught exception.
+  EXPECT_THAT(ParseConfig("namespaces:\n?  - name: default\n", "f.yaml", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("f.yaml")));
+  EXPECT_THAT(ParseConfig("tiers:\n  host:\n?   capacity_bytes: 1GiB\n", "f.yaml", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("f.yaml"), HasSubstr("expected a plain name"))));
+}
+
 TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
