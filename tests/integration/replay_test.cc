@@ -1,23 +1,26 @@
 // proxima_replay against a real proximad: the hit counts the tool reports for raw storage must
-// equal those of an exact LRU model of the daemon's host tier, replaying the same trace.
+// equal those of an exact model of the daemon's host tier and temperature policy (LRU and
+// segmented LRU), replaying the same trace.
 //
-// Why the model is exact: with raw storage every block has the same size (a multiple of the
-// tier's 64-byte alignment), so a host tier of C * block_bytes holds exactly C blocks; proximad
-// evicts the least recently used block; Lookup does not touch a block, Get touches each block
-// it returns in order, and Put touches a present block or inserts a new one, in chain order.
+// The model is replay::Simulate (tools/replay/policy_sim.h), the same code that compares
+// temperature policies offline (docs/decisions.md). Why it is exact: with raw storage every block
+// has the same size (a multiple of the tier's 64-byte alignment), so a host tier of
+// C * block_bytes holds exactly C blocks (and the protected segment exactly share * C); Lookup
+// does not touch a block, Get touches each block it returns in order, and Put touches a present
+// block or inserts a new one, in chain order.
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
 #include <fstream>
-#include <list>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/kv_file.h"
 #include "tests/integration/daemon_process.h"
+#include "tools/replay/policy_sim.h"
 #include "tools/replay/trace.h"
 
 namespace proxima {
@@ -32,66 +35,33 @@ constexpr size_t kRequests = 300;
 constexpr uint32_t kTokensPerBlock = 2;
 constexpr uint64_t kBlockBytes = 2ull * 30 * kTokensPerBlock * 3 * 64 * 2;  // SmolLM2-135M bf16
 
-struct ModelResult {
-  uint64_t refs = 0, hits = 0, puts_stored = 0, puts_already_present = 0, evictions = 0;
-  uint64_t held = 0;
-};
-
-// LRU cache of `capacity` blocks driven the way proxima_replay drives proximad.
-ModelResult ReplayLru(const std::vector<replay::TraceRequest>& requests, size_t capacity) {
-  ModelResult r;
-  std::list<uint64_t> lru;  // front = most recent
-  absl::flat_hash_map<uint64_t, std::list<uint64_t>::iterator> where;
-  auto touch = [&lru, &where](uint64_t id) { lru.splice(lru.begin(), lru, where[id]); };
-  for (const auto& request : requests) {
-    const auto& ids = request.hash_ids;
-    r.refs += ids.size();
-    size_t h = 0;
-    while (h < ids.size() && where.contains(ids[h])) ++h;  // Lookup
-    r.hits += h;
-    for (size_t i = 0; i < h; ++i) touch(ids[i]);  // Get
-    for (size_t i = h; i < ids.size(); ++i) {      // Put
-      if (where.contains(ids[i])) {
-        touch(ids[i]);
-        ++r.puts_already_present;
-        continue;
-      }
-      if (lru.size() == capacity) {
-        where.erase(lru.back());
-        lru.pop_back();
-        ++r.evictions;
-      }
-      lru.push_front(ids[i]);
-      where[ids[i]] = lru.begin();
-      ++r.puts_stored;
-    }
-  }
-  r.held = lru.size();
-  return r;
-}
-
 double Field(const google::protobuf::Struct& s, const std::string& key) {
   auto it = s.fields().find(key);
   EXPECT_NE(it, s.fields().end()) << "no field " << key;
   return it == s.fields().end() ? -1 : it->second.number_value();
 }
 
-class ReplayTest : public ::testing::TestWithParam<size_t> {};
+class ReplayTest : public ::testing::TestWithParam<std::tuple<std::string, size_t>> {};
 
-TEST_P(ReplayTest, RawHitCountsEqualAnExactLruModel) {
-  const size_t capacity_blocks = GetParam();
+TEST_P(ReplayTest, RawHitCountsEqualAnExactModelOfTheTemperaturePolicy) {
+  const std::string policy = std::get<0>(GetParam());
+  const size_t capacity_blocks = std::get<1>(GetParam());
   auto trace = replay::ReadTrace(PROXIMA_TRACE_PATH,
                                  {.sample_one_in = kSampleOneIn, .max_requests = kRequests});
   ASSERT_TRUE(trace.ok()) << trace.status();
   ASSERT_EQ(trace->requests.size(), kRequests);
-  ModelResult model = ReplayLru(trace->requests, capacity_blocks);
+  auto cache = replay::MakeCachePolicy(policy, capacity_blocks);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const replay::SimulatedCounts model = replay::Simulate(trace->requests, **cache);
   // The capacities are chosen so that the model evicts and still hits: a test that exercises
   // both paths, not one where every count is trivially 0 or maximal.
   ASSERT_GT(model.evictions, 0u);
   ASSERT_GT(model.hits, 0u);
 
   auto daemon = DaemonProcess::Start(
-      {absl::StrCat("tiers.host.capacity_bytes=", capacity_blocks * kBlockBytes)});
+      {absl::StrCat("tiers.host.capacity_bytes=", capacity_blocks * kBlockBytes),
+       "tierer.temperature_policy=" + policy,
+       absl::StrCat("tierer.protected_share=", replay::kDefaultProtectedShare)});
   ASSERT_TRUE(daemon.ok()) << daemon.status();
   testing::CommandResult run = RunCommand(
       {PROXIMA_REPLAY_PATH, "--target=" + (*daemon)->tcp_target(),
@@ -106,10 +76,10 @@ TEST_P(ReplayTest, RawHitCountsEqualAnExactLruModel) {
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(run.out, &out).ok()) << run.out;
   EXPECT_EQ(Field(out, "block_bytes"), kBlockBytes);
   EXPECT_EQ(Field(out, "requests"), kRequests);
-  EXPECT_EQ(Field(out, "block_refs"), model.refs);
+  EXPECT_EQ(Field(out, "block_refs"), model.block_refs);
   EXPECT_EQ(Field(out, "hits"), model.hits);
   EXPECT_EQ(Field(out, "lookup_hits"), model.hits);
-  EXPECT_DOUBLE_EQ(Field(out, "hit_ratio"), static_cast<double>(model.hits) / model.refs);
+  EXPECT_DOUBLE_EQ(Field(out, "hit_ratio"), static_cast<double>(model.hits) / model.block_refs);
   EXPECT_EQ(Field(out, "prefill_tokens_saved"), model.hits * 512);
   EXPECT_EQ(Field(out, "puts_stored"), model.puts_stored);
   EXPECT_EQ(Field(out, "puts_already_present"), model.puts_already_present);
@@ -124,7 +94,13 @@ TEST_P(ReplayTest, RawHitCountsEqualAnExactLruModel) {
 }
 
 // 150 blocks: well below the sample's working set (heavy eviction); 1200: most reuse fits.
-INSTANTIATE_TEST_SUITE_P(Capacities, ReplayTest, ::testing::Values(150, 1200));
+INSTANTIATE_TEST_SUITE_P(PoliciesAndCapacities, ReplayTest,
+                         ::testing::Combine(::testing::Values("lru", "slru"),
+                                            ::testing::Values(150, 1200)),
+                         [](const auto& info) {
+                           return absl::StrCat(std::get<0>(info.param), "_",
+                                               std::get<1>(info.param));
+                         });
 
 // A block that comes back different must be caught: replaying again with payloads cut from a
 // copy of the KV whose every element has its lowest mantissa bit flipped (a ~0.4% change) makes

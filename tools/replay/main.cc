@@ -21,10 +21,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "tools/replay/policy_sim.h"
 #include "tools/replay/replay.h"
 #include "tools/replay/trace.h"
 
@@ -43,6 +46,12 @@ ABSL_FLAG(double, max_rel_l2, 0,
           "lossy block may have");
 ABSL_FLAG(std::string, label, "", "free text copied into the JSON line (\"run\")");
 ABSL_FLAG(double, timeout, 60, "seconds: connect timeout and per-call deadline");
+ABSL_FLAG(std::string, simulate, "",
+          "instead of replaying through proximad: simulate these temperature policies "
+          "(comma-separated: lru, fifo, s3fifo, arc; policy_sim.h) offline at --capacities and "
+          "print one JSON line per policy, touch order and capacity");
+ABSL_FLAG(std::string, capacities, "125,250,500,1000,2000",
+          "with --simulate: cache sizes in blocks, comma-separated");
 
 namespace {
 
@@ -56,12 +65,78 @@ void SetString(Struct& s, const std::string& key, const std::string& v) {
   (*s.mutable_fields())[key].set_string_value(v);
 }
 
+absl::Status PrintJson(const Struct& out) {
+  std::string json;
+  auto printed = google::protobuf::util::MessageToJsonString(out, &json);
+  if (!printed.ok()) return absl::InternalError(std::string(printed.message()));
+  std::printf("%s\n", json.c_str());
+  std::fflush(stdout);
+  return absl::OkStatus();
+}
+
+// --simulate: the trace's requests through offline caches of each policy and size.
+absl::Status Simulate(const proxima::replay::Trace& trace, uint32_t sample_one_in) {
+  std::vector<size_t> capacities;
+  const std::vector<std::string> sizes = absl::StrSplit(absl::GetFlag(FLAGS_capacities), ',');
+  for (const std::string& c : sizes) {
+    size_t n = 0;
+    if (!absl::SimpleAtoi(c, &n) || n == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--capacities: \"", c, "\" is not a positive number of blocks"));
+    }
+    capacities.push_back(n);
+  }
+  const proxima::replay::ReuseFacts reuse = proxima::replay::MeasureReuse(trace.requests);
+  // The baseline of every line: LRU in chain order at the same size, what proximad does today.
+  std::vector<double> lru_hit_ratio;
+  for (size_t capacity : capacities) {
+    PROXIMA_ASSIGN_OR_RETURN(auto lru, proxima::replay::MakeCachePolicy("lru", capacity));
+    lru_hit_ratio.push_back(proxima::replay::Simulate(trace.requests, *lru).hit_ratio());
+  }
+  const std::vector<std::string> policies = absl::StrSplit(absl::GetFlag(FLAGS_simulate), ',');
+  for (const std::string& policy : policies) {
+    for (auto order :
+         {proxima::replay::TouchOrder::kChainOrder, proxima::replay::TouchOrder::kChainHeadLast}) {
+      for (size_t k = 0; k < capacities.size(); ++k) {
+        const size_t capacity = capacities[k];
+        PROXIMA_ASSIGN_OR_RETURN(auto cache, proxima::replay::MakeCachePolicy(policy, capacity));
+        const proxima::replay::SimulatedCounts c =
+            proxima::replay::Simulate(trace.requests, *cache, order);
+        Struct out;
+        SetString(out, "bench", "replay_policy");
+        SetString(out, "policy", policy);
+        SetString(
+            out, "touch_order",
+            order == proxima::replay::TouchOrder::kChainOrder ? "chain_order" : "chain_head_last");
+        Set(out, "sample_one_in", sample_one_in);
+        Set(out, "capacity_blocks", static_cast<double>(capacity));
+        Set(out, "requests", static_cast<double>(c.requests));
+        Set(out, "block_refs", static_cast<double>(c.block_refs));
+        Set(out, "infinite_cache_hit_ratio", reuse.infinite_cache_hit_ratio);
+        Set(out, "hits", static_cast<double>(c.hits));
+        Set(out, "hit_ratio", c.hit_ratio());
+        SetString(out, "baseline", "lru chain_order");
+        Set(out, "baseline_hit_ratio", lru_hit_ratio[k]);
+        Set(out, "ratio", lru_hit_ratio[k] == 0 ? 0 : c.hit_ratio() / lru_hit_ratio[k]);
+        Set(out, "puts_stored", static_cast<double>(c.puts_stored));
+        Set(out, "evictions", static_cast<double>(c.evictions));
+        PROXIMA_RETURN_IF_ERROR(PrintJson(out));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> Run() {
   proxima::replay::TraceOptions trace_options;
   trace_options.sample_one_in = absl::GetFlag(FLAGS_sample_one_in);
   trace_options.max_requests = absl::GetFlag(FLAGS_max_requests);
   PROXIMA_ASSIGN_OR_RETURN(proxima::replay::Trace trace,
                            proxima::replay::ReadTrace(absl::GetFlag(FLAGS_trace), trace_options));
+  if (!absl::GetFlag(FLAGS_simulate).empty()) {
+    PROXIMA_RETURN_IF_ERROR(Simulate(trace, trace_options.sample_one_in));
+    return 0;
+  }
   PROXIMA_ASSIGN_OR_RETURN(
       auto source, proxima::replay::BlockSource::Create(absl::GetFlag(FLAGS_kv_file),
                                                         absl::GetFlag(FLAGS_tokens_per_block)));
@@ -130,11 +205,7 @@ absl::StatusOr<int> Run() {
   Set(out, "crc_failures_client", static_cast<double>(client->crc_failures()));
   Set(out, "crc_failures_daemon", static_cast<double>(stats.crc_failures()));
 
-  std::string json;
-  auto printed = google::protobuf::util::MessageToJsonString(out, &json);
-  if (!printed.ok()) return absl::InternalError(std::string(printed.message()));
-  std::printf("%s\n", json.c_str());
-  std::fflush(stdout);
+  PROXIMA_RETURN_IF_ERROR(PrintJson(out));
   return c.bad == 0 ? 0 : 3;
 }
 
