@@ -30,8 +30,11 @@ struct StoredBlock {
 std::span<std::byte> BlockStore::PendingBlock::bytes() const { return block_->bytes(); }
 
 BlockStore::BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
-                       std::span<NamespaceCounters> counters)
-    : tier_(std::move(tier)), counters_(counters) {
+                       std::span<NamespaceCounters> counters, double protected_share)
+    : tier_(std::move(tier)),
+      counters_(counters),
+      protected_max_bytes_(static_cast<uint64_t>(
+          std::llround(static_cast<double>(tier_->capacity_bytes()) * protected_share))) {
   shards_.reserve(num_shards);
   for (uint32_t i = 0; i < num_shards; ++i) {
     shards_.push_back(std::make_unique<Shard>(counters.size()));
@@ -43,7 +46,7 @@ BlockStore::~BlockStore() {
   for (auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
     shard->map.clear();
-    shard->lru.clear();
+    for (auto& list : shard->lru) list.clear();
     for (auto& list : shard->compressible) list.clear();
   }
 }
@@ -58,8 +61,8 @@ BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
   auto it = shard.map.find(id);
   if (it == shard.map.end()) return nullptr;
   if (expected != nullptr && it->second.block.get() != expected) return nullptr;
+  UnlinkFromSegment(shard, it->second, it->second.block->size);
   BlockRef block = std::move(it->second.block);
-  shard.lru.erase(it->second.lru);
   if (it->second.in_compressible) shard.compressible[id.namespace_index].erase(it->second.cold);
   shard.map.erase(it);
   CountLevel(block->level, -1, -static_cast<int64_t>(block->size));
@@ -76,10 +79,21 @@ namespace {
 constexpr int kEvictionScan = 8;
 }  // namespace
 
-std::optional<BlockId> BlockStore::UnpinnedTail(const Shard& shard, uint64_t* stamp) const {
+void BlockStore::UnlinkFromSegment(Shard& shard, Shard::Entry& entry, uint64_t size) {
+  shard.lru[entry.segment].erase(entry.lru);
+  if (entry.segment == kProtected) protected_bytes_.fetch_sub(size, std::memory_order_relaxed);
+}
+
+void BlockStore::Resized(const Shard::Entry& entry, uint64_t old_size) {
+  if (entry.segment != kProtected) return;
+  protected_bytes_.fetch_add(entry.block->size - old_size, std::memory_order_relaxed);
+}
+
+std::optional<BlockId> BlockStore::UnpinnedTail(const Shard& shard, uint8_t segment,
+                                                uint64_t* stamp) const {
   int scanned = 0;
-  for (auto it = shard.lru.rbegin(); it != shard.lru.rend() && scanned < kEvictionScan;
-       ++it, ++scanned) {
+  const std::list<BlockId>& list = shard.lru[segment];
+  for (auto it = list.rbegin(); it != list.rend() && scanned < kEvictionScan; ++it, ++scanned) {
     const Shard::Entry& entry = shard.map.find(*it)->second;
     // The index holds one reference; readers take theirs under the shard lock held here.
     if (entry.block.use_count() == 1) {
@@ -90,7 +104,9 @@ std::optional<BlockId> BlockStore::UnpinnedTail(const Shard& shard, uint64_t* st
   return std::nullopt;
 }
 
-bool BlockStore::EvictOne() {
+bool BlockStore::EvictOne() { return EvictOneFrom(kProbation) || EvictOneFrom(kProtected); }
+
+bool BlockStore::EvictOneFrom(uint8_t segment) {
   // Find the shard whose oldest unpinned block is oldest. Stamps can move between this scan and
   // the lock below; evicting a slightly-less-old block then is harmless.
   Shard* victim = nullptr;
@@ -98,7 +114,7 @@ bool BlockStore::EvictOne() {
   for (auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
     uint64_t stamp = 0;
-    if (UnpinnedTail(*shard, &stamp) && stamp < oldest) {
+    if (UnpinnedTail(*shard, segment, &stamp) && stamp < oldest) {
       oldest = stamp;
       victim = shard.get();
     }
@@ -108,12 +124,12 @@ bool BlockStore::EvictOne() {
   {
     proxima::MutexLock lock(&victim->mu);
     uint64_t stamp = 0;
-    std::optional<BlockId> id = UnpinnedTail(*victim, &stamp);
+    std::optional<BlockId> id = UnpinnedTail(*victim, segment, &stamp);
     if (!id) return true;  // raced with a delete or a reader; the caller retries
     Shard::Entry& e = victim->map.find(*id)->second;
     if (e.attributes.second_chance) {  // an important block: passed over once
       e.attributes.second_chance = false;
-      MarkUsed(*victim, e);
+      (void)MarkUsed(*victim, e, /*reused=*/false);
       return true;
     }
     evicted = Unlink(*victim, *id, nullptr);
@@ -135,13 +151,55 @@ void BlockStore::CountLevel(uint8_t level, int64_t blocks, int64_t bytes) {
   level_bytes_[level].fetch_add(static_cast<uint64_t>(bytes), std::memory_order_relaxed);
 }
 
-void BlockStore::MarkUsed(Shard& shard, Shard::Entry& entry) {
-  shard.lru.splice(shard.lru.begin(), shard.lru, entry.lru);
+bool BlockStore::MarkUsed(Shard& shard, Shard::Entry& entry, bool reused) {
+  bool over = false;
+  if (reused && entry.segment == kProbation && protected_max_bytes_ > 0) {
+    auto& from = shard.lru[kProbation];
+    auto& to = shard.lru[kProtected];
+    to.splice(to.begin(), from, entry.lru);
+    entry.segment = kProtected;
+    over = protected_bytes_.fetch_add(entry.block->size, std::memory_order_relaxed) +
+               entry.block->size >
+           protected_max_bytes_;
+  } else {
+    auto& list = shard.lru[entry.segment];
+    list.splice(list.begin(), list, entry.lru);
+  }
   if (entry.in_compressible) {
     auto& list = shard.compressible[entry.cold->namespace_index];
     list.splice(list.begin(), list, entry.cold);
   }
   entry.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+  return over;
+}
+
+void BlockStore::DemoteOverflow() {
+  while (protected_bytes_.load(std::memory_order_relaxed) > protected_max_bytes_) {
+    // The shard whose least recent protected block is oldest; stamps may move before the lock
+    // below, and demoting a slightly-less-old block then is harmless.
+    Shard* victim = nullptr;
+    uint64_t oldest = std::numeric_limits<uint64_t>::max();
+    for (auto& shard : shards_) {
+      proxima::MutexLock lock(&shard->mu);
+      const auto& list = shard->lru[kProtected];
+      if (list.empty()) continue;
+      const uint64_t stamp = shard->map.find(list.back())->second.stamp;
+      if (stamp < oldest) {
+        oldest = stamp;
+        victim = shard.get();
+      }
+    }
+    if (victim == nullptr) return;  // emptied meanwhile
+    proxima::MutexLock lock(&victim->mu);
+    auto& from = victim->lru[kProtected];
+    if (from.empty()) continue;
+    Shard::Entry& e = victim->map.find(from.back())->second;
+    auto& to = victim->lru[kProbation];
+    to.splice(to.begin(), from, e.lru);
+    e.segment = kProbation;
+    e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    protected_bytes_.fetch_sub(e.block->size, std::memory_order_relaxed);
+  }
 }
 
 std::optional<BlockStore::PendingBlock> BlockStore::TryReserve(uint64_t bytes,
@@ -179,7 +237,7 @@ std::optional<BlockStore::Candidate> BlockStore::ColdestCompressible(
         }
         if (e.attributes.second_chance) {  // an important block: once more to the front
           e.attributes.second_chance = false;
-          MarkUsed(*shard, e);
+          (void)MarkUsed(*shard, e, /*reused=*/false);
           it = list.rbegin();
           continue;
         }
@@ -220,6 +278,7 @@ bool BlockStore::Replace(const Candidate& candidate, PendingBlock encoded, uint3
     Shard::Entry& e = it->second;
     e.busy = false;
     old = std::exchange(e.block, std::move(block));
+    Resized(e, old->size);
     if (e.in_compressible && level >= e.attributes.max_level) {
       shard.compressible[candidate.id.namespace_index].erase(e.cold);
       e.in_compressible = false;
@@ -258,7 +317,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
   std::optional<Extent> extent = tier_->Allocate(encoded.size(), HostTier::Placement::kHigh);
   if (!extent) {
     // Another thread took the freed room: the block is gone, as if evicted.
-    shard.lru.erase(e.lru);
+    UnlinkFromSegment(shard, e, old_size);
     if (e.in_compressible) shard.compressible[candidate.id.namespace_index].erase(e.cold);
     shard.map.erase(it);
     blocks_.fetch_sub(1, std::memory_order_relaxed);
@@ -272,6 +331,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
   block->crc32c = Crc32c(block->bytes());
   block->level = level;
   e.block = std::move(block);
+  Resized(e, old_size);
   e.busy = false;
   if (e.in_compressible && level >= e.attributes.max_level) {
     shard.compressible[candidate.id.namespace_index].erase(e.cold);
@@ -326,31 +386,35 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
   block->crc32c = crc32c;
   attributes.max_level = std::min<uint8_t>(attributes.max_level, kMaxLevels - 1);
   Shard& shard = ShardFor(id);
-  proxima::MutexLock lock(&shard.mu);
-  auto [it, inserted] = shard.map.try_emplace(id);
-  if (!inserted) {
-    MarkUsed(shard, it->second);
-    return PutOutcome::kAlreadyPresent;  // `block` is freed after the lock is released
+  bool demote = false;
+  {
+    proxima::MutexLock lock(&shard.mu);
+    auto [it, inserted] = shard.map.try_emplace(id);
+    if (inserted) {
+      const uint64_t size = block->size;
+      CountLevel(0, 1, static_cast<int64_t>(size));
+      shard.lru[kProbation].push_front(id);
+      Shard::Entry& e = it->second;
+      e.block = std::move(block);
+      e.lru = shard.lru[kProbation].begin();
+      e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+      e.attributes = attributes;
+      if (attributes.max_level > 0) {
+        auto& list = shard.compressible[id.namespace_index];
+        list.push_front(id);
+        e.cold = list.begin();
+        e.in_compressible = true;
+      }
+      blocks_.fetch_add(1, std::memory_order_relaxed);
+      NamespaceCounters& c = counters_[id.namespace_index];
+      c.blocks.fetch_add(1, std::memory_order_relaxed);
+      c.bytes.fetch_add(size, std::memory_order_relaxed);
+      return PutOutcome::kStored;
+    }
+    demote = MarkUsed(shard, it->second, /*reused=*/true);
   }
-  const uint64_t size = block->size;
-  CountLevel(0, 1, static_cast<int64_t>(size));
-  shard.lru.push_front(id);
-  Shard::Entry& e = it->second;
-  e.block = std::move(block);
-  e.lru = shard.lru.begin();
-  e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
-  e.attributes = attributes;
-  if (attributes.max_level > 0) {
-    auto& list = shard.compressible[id.namespace_index];
-    list.push_front(id);
-    e.cold = list.begin();
-    e.in_compressible = true;
-  }
-  blocks_.fetch_add(1, std::memory_order_relaxed);
-  NamespaceCounters& c = counters_[id.namespace_index];
-  c.blocks.fetch_add(1, std::memory_order_relaxed);
-  c.bytes.fetch_add(size, std::memory_order_relaxed);
-  return PutOutcome::kStored;
+  if (demote) DemoteOverflow();
+  return PutOutcome::kAlreadyPresent;  // `block` is freed on return, outside the lock
 }
 
 PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c) {
@@ -364,13 +428,15 @@ PutOutcome BlockStore::Put(const BlockId& id, std::span<const std::byte> data, u
 std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id, CrcCheck check) {
   Shard& shard = ShardFor(id);
   BlockRef block;
+  bool demote = false;
   {
     proxima::MutexLock lock(&shard.mu);
     auto it = shard.map.find(id);
     if (it == shard.map.end()) return std::nullopt;
-    MarkUsed(shard, it->second);
+    demote = MarkUsed(shard, it->second, /*reused=*/true);
     block = it->second.block;  // pin
   }
+  if (demote) DemoteOverflow();
   if (check == CrcCheck::kByCaller) {
     std::span<const std::byte> bytes = block->bytes();
     const uint32_t stored = block->crc32c;
@@ -400,10 +466,14 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id, CrcChec
 
 bool BlockStore::Touch(const BlockId& id) {
   Shard& shard = ShardFor(id);
-  proxima::MutexLock lock(&shard.mu);
-  auto it = shard.map.find(id);
-  if (it == shard.map.end()) return false;
-  MarkUsed(shard, it->second);
+  bool demote = false;
+  {
+    proxima::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(id);
+    if (it == shard.map.end()) return false;
+    demote = MarkUsed(shard, it->second, /*reused=*/true);
+  }
+  if (demote) DemoteOverflow();
   return true;
 }
 

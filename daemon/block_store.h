@@ -1,10 +1,18 @@
 // BlockStore: the daemon's block index over its host tier. Maps (namespace, profile, key) to
-// checksummed bytes in the HostTier, evicts least-recently-used blocks to make room, and pins
+// checksummed bytes in the HostTier, evicts the coldest blocks to make room, and pins
 // blocks while they are read so that eviction or deletion never frees bytes under a reader.
 //
-// Index: `num_shards` hash-map shards, each with its own mutex and LRU list, so unrelated keys
-// never contend. Global LRU order comes from one logical clock: every access stamps the block,
-// and eviction takes the tail of the shard whose tail is oldest.
+// Index: `num_shards` hash-map shards, each with its own mutex and recency lists, so unrelated
+// keys never contend. Global recency order comes from one logical clock: every access stamps the
+// block, and eviction takes the tail of the shard whose tail is oldest.
+//
+// Temperature: segmented LRU. A block enters the probation segment; used again (a Get, or a Put
+// of a key already stored) it moves to the protected segment, which holds at most
+// `protected_share` of the tier's bytes: when it overflows, its least recent blocks go back to
+// the front of probation. Eviction takes probation's least recent block, and the protected
+// segment's only when probation has nothing to give. A prefix read once is then evicted before
+// a prefix read twice, however recent the single read. With protected_share = 0 nothing is ever
+// protected and the store is a plain LRU. docs/decisions.md has the trace replay that chose it.
 //
 // Visibility: a block enters the index only after its bytes are written and its CRC32C computed;
 // readers never see a partial block. Every read re-checks the CRC32C; a block that fails is
@@ -82,9 +90,11 @@ struct StoredBlock;
 
 class BlockStore {
  public:
-  // `counters[i]` tracks namespace i; it must outlive the store.
+  // `counters[i]` tracks namespace i; it must outlive the store. `protected_share`: the share of
+  // the tier's capacity that the protected segment may hold (segmented LRU, below); 0 makes the
+  // store a plain LRU.
   BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
-             std::span<NamespaceCounters> counters);
+             std::span<NamespaceCounters> counters, double protected_share = 0);
   ~BlockStore();
 
   BlockStore(const BlockStore&) = delete;
@@ -164,9 +174,9 @@ class BlockStore {
   // true when it did. When a reader pins it, clears the busy mark and returns false.
   bool EvictCandidate(const Candidate& candidate);
 
-  // Evicts the globally least recently used block that no reader pins (or passes over an
-  // important block once). False when there is none (the index is empty, or every block near
-  // the LRU tails is being read).
+  // Evicts the globally least recently used probation block that no reader pins (a protected
+  // one when probation has none), or passes over an important block once. False when there is
+  // none (the index is empty, or every block near the tails is being read).
   bool EvictOne();
 
   // Blocks and stored bytes at each hierarchy level (0 = raw).
@@ -192,6 +202,9 @@ class BlockStore {
   uint64_t used_bytes() const { return tier_->used_bytes(); }
   uint64_t blocks() const { return blocks_.load(std::memory_order_relaxed); }
   uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
+  // Bytes of blocks in the protected segment (segmented LRU) and its limit.
+  uint64_t protected_bytes() const { return protected_bytes_.load(std::memory_order_relaxed); }
+  uint64_t protected_max_bytes() const { return protected_max_bytes_; }
   uint64_t crc_failures() const { return crc_failures_.load(std::memory_order_relaxed); }
 
   // For tests of corruption handling: flips one bit of a stored block's bytes in place.
@@ -200,11 +213,14 @@ class BlockStore {
 
  private:
   using BlockRef = std::shared_ptr<StoredBlock>;
+  static constexpr uint8_t kProbation = 0;
+  static constexpr uint8_t kProtected = 1;
   struct Shard {
     explicit Shard(size_t num_namespaces) : compressible(num_namespaces) {}
     mutable proxima::Mutex mu;
-    // LRU order: front is most recent. Each entry's `lru` iterator points into this list.
-    std::list<BlockId> lru ABSL_GUARDED_BY(mu);
+    // Recency order of each segment, front most recent: probation ([0]) and protected ([1]).
+    // Each entry's `lru` iterator points into the list of its segment.
+    std::array<std::list<BlockId>, 2> lru ABSL_GUARDED_BY(mu);
     // Per namespace: the blocks whose level is below their max_level, in the same order.
     std::vector<std::list<BlockId>> compressible ABSL_GUARDED_BY(mu);
     struct Entry {
@@ -215,6 +231,7 @@ class BlockStore {
       bool in_compressible = false;  // `cold` is valid
       std::list<BlockId>::iterator cold;
       bool busy = false;  // handed out as a Candidate
+      uint8_t segment = kProbation;
     };
     absl::flat_hash_map<BlockId, Entry> map ABSL_GUARDED_BY(mu);
   };
@@ -224,18 +241,35 @@ class BlockStore {
   // returns the removed block so the caller drops it outside the lock.
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
-  // The least recently used block among the last few of `shard`'s LRU list that no reader
-  // pins, and its stamp; nullopt when there is none.
-  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint64_t* stamp) const
+  // The least recently used block among the last few of `shard`'s `segment` list that no
+  // reader pins, and its stamp; nullopt when there is none.
+  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint8_t segment, uint64_t* stamp) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
+  bool EvictOneFrom(uint8_t segment);
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
-  // Moves an entry to the front of its lists with a new stamp.
-  void MarkUsed(Shard& shard, Shard::Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Moves an entry to the front of its lists with a new stamp. `reused`: a use that promotes a
+  // probation block to the protected segment (a read or a repeated put, not a pass-over).
+  // Returns true when the protected segment is now over its share: the caller then calls
+  // DemoteOverflow() after releasing the shard lock.
+  [[nodiscard]] bool MarkUsed(Shard& shard, Shard::Entry& entry, bool reused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Moves the protected segment's least recent blocks to the front of probation until the
+  // segment is within its share. Takes shard locks one at a time.
+  void DemoteOverflow();
+  // Takes an entry out of its segment's list and the protected byte count.
+  // `size`: the bytes the entry counted at (its block may already be gone).
+  void UnlinkFromSegment(Shard& shard, Shard::Entry& entry, uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // A stored block's size changed from `old_size` (an encoding swap).
+  void Resized(const Shard::Entry& entry, uint64_t old_size);
   void CountLevel(uint8_t level, int64_t blocks, int64_t bytes);
 
   std::unique_ptr<HostTier> tier_;
   std::span<NamespaceCounters> counters_;
   std::vector<std::unique_ptr<Shard>> shards_;
+  const uint64_t protected_max_bytes_;
+  std::atomic<uint64_t> protected_bytes_{0};
   std::atomic<uint64_t> clock_{0};
   std::atomic<uint64_t> blocks_{0};
   std::atomic<uint64_t> evictions_{0};

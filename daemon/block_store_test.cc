@@ -38,10 +38,12 @@ bool ReadInto(BlockStore& store, const BlockId& id, std::string* out) {
 
 class BlockStoreTest : public ::testing::Test {
  protected:
-  std::unique_ptr<BlockStore> MakeStore(uint64_t capacity, uint32_t shards = 8) {
+  std::unique_ptr<BlockStore> MakeStore(uint64_t capacity, uint32_t shards = 8,
+                                        double protected_share = 0) {
     auto tier = HostTier::Create(capacity);
     EXPECT_OK(tier.status());
-    return std::make_unique<BlockStore>(*std::move(tier), shards, std::span(counters_));
+    return std::make_unique<BlockStore>(*std::move(tier), shards, std::span(counters_),
+                                        protected_share);
   }
   PutOutcome Put(BlockStore& s, const BlockId& id, const std::string& data) {
     return s.Put(id, B(data), Crc32c(B(data)));
@@ -90,6 +92,59 @@ TEST_F(BlockStoreTest, EvictsLeastRecentlyUsedAndNeverExceedsCapacity) {
     ASSERT_TRUE(ReadInto(*store, Id(i), &out));
     EXPECT_EQ(out, Payload(i, kBlock));
   }
+}
+
+// Segmented LRU: a block read once more is protected from a stream of new puts that would push
+// it out of a plain LRU.
+TEST_F(BlockStoreTest, SegmentedLruKeepsABlockUsedTwiceThroughAStreamOfNewBlocks) {
+  const size_t kBlock = 64 << 10;
+  for (double share : {0.0, 0.2}) {
+    auto store = MakeStore(10 * kBlock, 8, share);
+    for (uint32_t i = 0; i < 10; ++i)
+      ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+    std::string out;
+    ASSERT_TRUE(ReadInto(*store, Id(0), &out));
+    for (uint32_t i = 100; i < 130; ++i) {
+      ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+      ASSERT_LE(store->used_bytes(), store->capacity_bytes());
+    }
+    EXPECT_EQ(store->Contains(Id(0)), share > 0) << "protected_share " << share;
+    EXPECT_EQ(store->blocks(), 10u);
+    EXPECT_EQ(store->evictions(), 30u);
+    if (share > 0) {
+      ASSERT_TRUE(ReadInto(*store, Id(0), &out));
+      EXPECT_EQ(out, Payload(0, kBlock));
+    }
+  }
+}
+
+// The protected segment holds at most its share of the tier; its least recent block goes back to
+// the front of probation, and is evicted only after the probation blocks older than it.
+TEST_F(BlockStoreTest, ProtectedSegmentStaysWithinItsShareAndDemotesItsOldest) {
+  const size_t kBlock = 64 << 10;
+  auto store = MakeStore(10 * kBlock, 8, 0.2);  // protected: at most 2 blocks
+  EXPECT_EQ(store->protected_max_bytes(), 2 * kBlock);
+  for (uint32_t i = 0; i < 10; ++i)
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  std::string out;
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(ReadInto(*store, Id(i), &out));
+  EXPECT_EQ(store->protected_bytes(), 2 * kBlock);  // 0 was demoted when 2 came in
+  // Probation, oldest first: 3..9, then 0. Seven puts evict 3..9; the eighth evicts 0.
+  for (uint32_t i = 100; i < 107; ++i)
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  EXPECT_TRUE(store->Contains(Id(0)));
+  for (uint32_t i = 3; i < 10; ++i) EXPECT_FALSE(store->Contains(Id(i))) << i;
+  ASSERT_EQ(Put(*store, Id(107), Payload(107, kBlock)), PutOutcome::kStored);
+  EXPECT_FALSE(store->Contains(Id(0)));
+  EXPECT_TRUE(store->Contains(Id(1)));
+  EXPECT_TRUE(store->Contains(Id(2)));
+  // A put of a stored key counts as a use, as a read does; deleting a protected block gives its
+  // bytes back to the segment.
+  EXPECT_EQ(Put(*store, Id(100), Payload(100, kBlock)), PutOutcome::kAlreadyPresent);
+  EXPECT_EQ(store->protected_bytes(), 2 * kBlock);
+  EXPECT_TRUE(store->Delete(Id(100)));
+  EXPECT_TRUE(store->Delete(Id(2)));
+  EXPECT_EQ(store->protected_bytes(), 0u);
 }
 
 TEST_F(BlockStoreTest, CorruptBlockIsDroppedAndCountedNeverReturned) {
@@ -162,9 +217,13 @@ TEST_F(BlockStoreTest, WhenEveryBlockIsPinnedAPutIsRefusedAndNothingIsLost) {
   EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kStored);
 }
 
-TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
+class ConcurrentBlockStoreTest : public BlockStoreTest,
+                                 public ::testing::WithParamInterface<double> {};
+
+// Plain LRU and segmented LRU (promotions and demotions racing puts, reads and deletes).
+TEST_P(ConcurrentBlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
   const size_t kBlock = 16 << 10;
-  auto store = MakeStore(64 * kBlock, 4);
+  auto store = MakeStore(64 * kBlock, 4, /*protected_share=*/GetParam());
   std::atomic<bool> wrong{false};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
@@ -193,7 +252,14 @@ TEST_F(BlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
   EXPECT_FALSE(wrong.load());
   EXPECT_EQ(store->used_bytes(), store->blocks() * kBlock);  // nothing leaked
   EXPECT_EQ(counters_[0].blocks.load(), store->blocks());
+  EXPECT_LE(store->protected_bytes(), store->protected_max_bytes());
+  // Every protected byte belongs to a resident block: deleting them all leaves none.
+  for (uint32_t k = 0; k < 200; ++k) store->Delete(Id(k));
+  EXPECT_EQ(store->protected_bytes(), 0u);
+  EXPECT_EQ(store->used_bytes(), 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(ProtectedShares, ConcurrentBlockStoreTest, ::testing::Values(0.0, 0.25));
 
 }  // namespace
 }  // namespace proxima::daemon

@@ -20,7 +20,8 @@
 namespace proxima::daemon {
 namespace {
 
-constexpr absl::string_view kDefaultYaml = R"(# proximad configuration. Every key is optional; these are the defaults.
+constexpr absl::string_view kDefaultYaml =
+    R"(# proximad configuration. Every key is optional; these are the defaults.
 server:
   listen: "127.0.0.1:50051"        # gRPC over TCP, host:port ("" disables, port 0 picks one)
   unix_socket: "/run/proxima/proximad.sock"  # gRPC over a Unix socket ("" disables)
@@ -43,7 +44,8 @@ tiers:
   gpu:
     capacity_bytes_per_device: 0   # device pool per visible GPU; 0 disables the GPU tier
 tierer:
-  temperature_policy: lru          # how the coldest block is chosen (lru only, for now)
+  temperature_policy: slru         # which block is coldest: slru (segmented LRU) or lru
+  protected_share: 0.2             # slru: share of the tier that blocks used twice may hold
   threads: 1                       # encoder threads of the background tierer
   interval_seconds: 0.01           # how often the tierer checks tier pressure when idle
 index:
@@ -314,15 +316,17 @@ absl::Status ParseGpuTier(Reader& r, const YAML::Node& gpu, GpuTierConfig* out) 
 }
 
 absl::Status ParseTierer(Reader& r, const YAML::Node& t, TiererConfig* out) {
-  PROXIMA_RETURN_IF_ERROR(
-      r.CheckKeys(t, "tierer", {"temperature_policy", "threads", "interval_seconds"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+      t, "tierer", {"temperature_policy", "protected_share", "threads", "interval_seconds"}));
   if (!t || !t.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(
       r.String(t["temperature_policy"], "tierer.temperature_policy", &out->temperature_policy));
-  if (out->temperature_policy != "lru") {
+  if (out->temperature_policy != "slru" && out->temperature_policy != "lru") {
     return r.Error("tierer.temperature_policy", out->temperature_policy,
-                   "lru (the only policy implemented; see docs/decisions.md)");
+                   "slru or lru (docs/decisions.md compares them on the Mooncake trace)");
   }
+  PROXIMA_RETURN_IF_ERROR(
+      r.Double(t["protected_share"], "tierer.protected_share", 0.01, 0.9, &out->protected_share));
   PROXIMA_RETURN_IF_ERROR(Uint32(r, t["threads"], "tierer.threads", 1, 64, &out->threads));
   return r.Double(t["interval_seconds"], "tierer.interval_seconds", 0.001, 10,
                   &out->interval_seconds);
@@ -863,6 +867,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
     << YAML::EndMap << YAML::EndMap;
   e << YAML::Key << "tierer" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "temperature_policy" << YAML::Value << c.tierer.temperature_policy;
+  e << YAML::Key << "protected_share" << YAML::Value << c.tierer.protected_share;
   e << YAML::Key << "threads" << YAML::Value << c.tierer.threads;
   e << YAML::Key << "interval_seconds" << YAML::Value << c.tierer.interval_seconds;
   e << YAML::EndMap;

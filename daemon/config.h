@@ -98,9 +98,11 @@ struct NamespaceConfig {
 
 // The tierer: the background worker that keeps tiers under their pressure thresholds.
 struct TiererConfig {
-  std::string temperature_policy = "lru";  // which block is coldest: lru (the only one so far)
-  uint32_t threads = 1;                    // encoder threads of the background worker
-  double interval_seconds = 0.01;          // how often it checks the pressure when idle
+  // Which block is coldest: "slru" (segmented LRU, block_store.h) or "lru".
+  std::string temperature_policy = "slru";
+  double protected_share = 0.2;    // slru: share of a tier's bytes the protected segment holds
+  uint32_t threads = 1;            // encoder threads of the background worker
+  double interval_seconds = 0.01;  // how often it checks the pressure when idle
 };
 
 // The GPU tier: one device-memory pool per visible GPU; absent without a GPU.

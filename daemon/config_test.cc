@@ -184,7 +184,8 @@ TEST(CompressionConfigTest, DefaultsAreOffWithTheDocumentedThreshold) {
   EXPECT_FALSE(z.enabled);
   EXPECT_TRUE(z.plans.empty());
   EXPECT_DOUBLE_EQ(z.memory_pressure_threshold, 0.8);
-  EXPECT_EQ(c.tierer.temperature_policy, "lru");
+  EXPECT_EQ(c.tierer.temperature_policy, "slru");
+  EXPECT_DOUBLE_EQ(c.tierer.protected_share, 0.2);
   EXPECT_EQ(c.gpu_tier.capacity_bytes_per_device, 0u);
 }
 
@@ -279,7 +280,10 @@ TEST(CompressionConfigTest, BadPoliciesNameKeyValueAndAllowed) {
   EXPECT_THAT(ParseConfig("tierer: {temperature_policy: arc}", "t", {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("tierer.temperature_policy"), HasSubstr("arc"),
-                             HasSubstr("lru"))));
+                             HasSubstr("slru or lru"))));
+  EXPECT_THAT(ParseConfig("tierer: {protected_share: 0.95}", "t", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tierer.protected_share"), HasSubstr("0.95"))));
   EXPECT_THAT(ParseConfig("tiers: {gpu: {capacity_bytes_per_device: 1KiB}}", "t", {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("tiers.gpu.capacity_bytes_per_device")));

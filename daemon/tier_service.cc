@@ -224,7 +224,8 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
   }
   store_ = std::make_unique<BlockStore>(
       std::move(tier), config.index_shards,
-      std::span<NamespaceCounters>(counters_.get(), config.namespaces.size()));
+      std::span<NamespaceCounters>(counters_.get(), config.namespaces.size()),
+      config.tierer.temperature_policy == "slru" ? config.tierer.protected_share : 0.0);
   BlockStore* s = store_.get();
   metrics::Labels host = {{"tier", "host"}};
   registry->AddGauge("proxima_tier_capacity_bytes", "Hard capacity of the tier", host,
@@ -234,6 +235,10 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                      host, [s] { return static_cast<double>(s->used_bytes()); });
   registry->AddGauge("proxima_tier_blocks", "Blocks resident in the tier", host,
                      [s] { return static_cast<double>(s->blocks()); });
+  registry->AddGauge("proxima_tier_protected_bytes",
+                     "Bytes of blocks in the protected (used at least twice) segment of the "
+                     "segmented LRU; at most tierer.protected_share of the capacity",
+                     host, [s] { return static_cast<double>(s->protected_bytes()); });
   registry->AddCounterFunction("proxima_tier_evictions_total",
                      "Blocks evicted from the tier to make room (monotonic)", host,
                      [s] { return static_cast<double>(s->evictions()); });

@@ -14,6 +14,11 @@
 # smoke test; the ctest ReplayTest checks the same replay against an exact LRU model).
 # PROXIMA_REPLAY_RAW_ONLY=1 skips the hierarchies.
 #
+# Every daemon runs with tierer.temperature_policy=lru: the 1-in-N family sample stands for the
+# whole trace at N times the memory only for a stack algorithm such as LRU (the SHARDS argument,
+# tools/replay/trace.h); segmented LRU, the daemon's default, is compared on the whole trace by
+# scripts/bench.sh policy instead (docs/benchmarks.md).
+#
 # Env: PROXIMA_BENCH_BUILD_DIR (default build-bench/), PROXIMA_TRACE (the trace file).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -79,7 +84,8 @@ run() {
   mkdir -p "$dir"
   "$build/daemon/proximad" --set "server.unix_socket=$dir/sock" --set server.listen=127.0.0.1:0 \
     --set server.metrics_listen=127.0.0.1:0 \
-    --set "tiers.host.capacity_bytes=$((budget * mult * block_bytes))" "$@" \
+    --set "tiers.host.capacity_bytes=$((budget * mult * block_bytes))" \
+    --set tierer.temperature_policy=lru "$@" \
     --port_file="$dir/ports.json" 2> "$dir/proximad.log" &
   daemon_pid=$!
   for _ in $(seq 300); do [[ -s $dir/ports.json ]] && break; sleep 0.1; done
