@@ -21,22 +21,27 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 out=${PROXIMA_FUZZ_BUILD_DIR:-$root/build-fuzz}
 cxx=${CXX_FUZZ:-clang++}
 
+# The codec's CPU sources (kernels/CMakeLists.txt, PROXIMA_CODEC_CPU_SOURCES, minus the KV dump
+# reader): the decoder fuzzed directly, and linked by the daemon code (config names codecs, the
+# tierer encodes, Get decodes).
+codec=(common/crc32c.cc kernels/codec.cc kernels/error_metrics.cc kernels/internal/segment_codecs.cc
+       kernels/internal/lossless.cc kernels/internal/simd_avx2.cc)
+
 case "$target" in
   codec_decode)
-    sources=(common/crc32c.cc kernels/codec.cc kernels/internal/segment_codecs.cc
-             kernels/internal/lossless.cc kernels/internal/simd_avx2.cc)
+    sources=("${codec[@]}")
     harness=tests/fuzz/codec_decode_fuzzer.cc
     libs="absl_status absl_statusor absl_strings absl_str_format"
     ;;
   config_parse)
-    sources=(daemon/config.cc)
+    sources=(daemon/config.cc "${codec[@]}")
     harness=tests/fuzz/config_parse_fuzzer.cc
     libs="yaml-cpp absl_status absl_statusor absl_strings absl_str_format absl_raw_hash_set absl_hash"
     ;;
   request)
-    sources=(common/crc32c.cc common/log.cc common/credentials.cc proto/wire.cc
+    sources=("${codec[@]}" common/log.cc common/credentials.cc proto/wire.cc
              daemon/config.cc daemon/metrics.cc daemon/host_tier.cc daemon/block_store.cc
-             daemon/tier_service.cc daemon/grpc_service.cc
+             daemon/tier_service.cc daemon/tierer.cc daemon/grpc_service.cc
              gen/proxima/v1/kvtier.pb.cc gen/proxima/v1/kvtier.grpc.pb.cc)
     harness=tests/fuzz/request_fuzzer.cc
     libs="grpc++ protobuf yaml-cpp openssl absl_status absl_statusor absl_strings absl_str_format
