@@ -81,6 +81,21 @@ class Daemon:
     def signal(self, sig):
         self.proc.send_signal(sig)
 
+    def stop(self):
+        """SIGSTOP, returning once every thread of the daemon is stopped."""
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks = f"/proc/{self.proc.pid}/task"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = []
+            for tid in os.listdir(tasks):
+                with open(f"{tasks}/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            if all(s in ("T", "t") for s in states):
+                return
+            time.sleep(0.005)
+        raise TimeoutError(f"proximad {self.proc.pid} did not stop within 10 s")
+
     def kill(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
