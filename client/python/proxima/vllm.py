@@ -158,6 +158,8 @@ class ProximaConnector(KVConnectorBase_V1):
         self._layers: List[torch.Tensor] = []  # logical [kv][block][token][head][dim] views
         self._staging: Optional[torch.Tensor] = None
         self._load_errors: set = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.link.connected(wait=True)  # the worker connects once its caches are known
 
     def _keys(self, state: _RequestState, upto: int) -> List[bytes]:
         hashes = state.request.block_hashes
@@ -237,12 +239,8 @@ class ProximaConnector(KVConnectorBase_V1):
     # ---------------- worker side
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
-        hint = None
-        try:
-            from vllm.v1.attention.backends.utils import get_kv_cache_layout
-            hint = get_kv_cache_layout()
-        except Exception:  # older or newer vLLM without it: the shape alone decides
-            hint = None
+        # "NHD" or "HND", as the engine core resolved it, when this vLLM says.
+        hint = getattr(self._kv_cache_config, "kv_cache_layout", None)
         s = self.spec
         self._layers = [logical_view(t, s.tokens_per_block, s.num_kv_heads, s.head_dim, hint)
                         for t in kv_caches.values()]
