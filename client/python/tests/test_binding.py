@@ -165,6 +165,9 @@ def test_gil_released_and_unavailable_when_daemon_stops():
     try:
         c = proxima.Client(d.target, call_timeout=1.5)
         profile = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", "gil-test")
+        patient = proxima.Client(d.target, call_timeout=30)
+        assert patient.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", "gil-test").id == \
+            profile.id
         d.stop()  # the daemon answers nothing until SIGCONT
         errors, ticks = [], 0
 
@@ -183,7 +186,8 @@ def test_gil_released_and_unavailable_when_daemon_stops():
         assert ticks > 1000
         assert len(errors) == 1 and isinstance(errors[0], proxima.Unavailable), errors
         assert "DEADLINE_EXCEEDED" in str(errors[0])
-        h = c.lookup_async(profile, keys_for("gil", 4))
+        # An asynchronous call waits out the stop (a client with a long deadline).
+        h = patient.lookup_async(profile, keys_for("gil", 4))
         with pytest.raises(TimeoutError):
             h.wait(timeout=0.1)
         d.signal(signal.SIGCONT)
