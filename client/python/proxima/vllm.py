@@ -139,7 +139,8 @@ class _RequestState:
     keys: List[bytes] = field(default_factory=list)  # of request.block_hashes, as computed
     block_ids: List[int] = field(default_factory=list)
     first_unsaved: int = 0  # blocks before this are in proximad or were computed elsewhere
-    load: Optional[Tuple[int, int]] = None  # (first block, count) to load from proximad
+    first_hit: int = 0  # first block past the local prefix-cache hit, as last matched
+    load: Optional[Tuple[int, int]] = None  # (first block, count) to load, once allocated
 
 
 class ProximaConnector(KVConnectorBase_V1):
@@ -181,16 +182,18 @@ class ProximaConnector(KVConnectorBase_V1):
             return 0, False
         hits = self.link.lookup(self._keys(state, claimable)[local:])
         state.first_unsaved = max(state.first_unsaved, local + hits)
-        state.load = (local, hits) if hits else None
+        state.first_hit = local
         return hits * self.block_size, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        # Called once the request got its blocks (all of them, the local hits first); a load is
+        # planned only here, so a request that matched but was not scheduled loads nothing.
         state = self._requests.get(request.request_id)
         if state is None:
             return
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        if num_external_tokens == 0:
-            state.load = None
+        count = num_external_tokens // self.block_size
+        state.load = (state.first_hit, count) if count else None
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = ProximaConnectorMetadata()

@@ -207,3 +207,21 @@ def test_blocks_are_canonical_across_layouts(daemon, model_config):
     for a, b in ((3, 30), (4, 31)):
         assert torch.equal(block_of(dst, "HND", b).view(torch.int16),
                            block_of(src, "NHD", a).view(torch.int16))
+
+
+def test_a_match_not_scheduled_plans_no_load(daemon, model_config):
+    """get_num_new_matched_tokens without an allocation (no room this step): no load is sent;
+    once allocated, the load goes to the blocks vLLM gave."""
+    tokens = list(range(500, 509))
+    s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER)
+    w = connector(model_config, daemon.target, KVConnectorRole.WORKER)
+    w.register_kv_caches(kv_caches("NHD", seed=7))
+    r1 = request("sched-1", tokens)
+    s.get_num_new_matched_tokens(r1, 0)
+    s.update_state_after_alloc(r1, blocks([1, 2, 3]), 0)
+    run_worker_step(w, schedule_new(s, r1, [1, 2, 3]))
+    r2 = request("sched-2", tokens)
+    assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
+    assert s.build_connector_meta(SchedulerOutput.make_empty()).loads == []
+    s.update_state_after_alloc(r2, blocks([7, 8, 9]), 8)
+    assert [t.block_ids for t in schedule_new(s, r2, [7, 8, 9], num_computed=8).loads] == [[7, 8]]
