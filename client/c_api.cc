@@ -1,5 +1,4 @@
 // The C ABI (proxima.h) over proxima::client::Client.
-#include <google/protobuf/util/json_util.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -195,12 +194,9 @@ proxima_status proxima_stats_json(proxima_client* c, char** json_out) {
   PROXIMA_C_REQUIRE(c != nullptr && json_out != nullptr, "client and json_out are required");
   auto stats = c->client->Stats();
   if (!stats.ok()) return Fail(stats.status());
-  std::string json;
-  google::protobuf::util::JsonPrintOptions options;
-  options.always_print_primitive_fields = true;
-  options.preserve_proto_field_names = true;
-  auto st = google::protobuf::util::MessageToJsonString(*stats, &json, options);
-  if (!st.ok()) return Fail(absl::StatusCode::kInternal, "stats to JSON: " + st.ToString());
+  auto json_or = proxima::client::StatsToJson(*stats);
+  if (!json_or.ok()) return Fail(json_or.status());
+  const std::string& json = *json_or;
   char* out = static_cast<char*>(std::malloc(json.size() + 1));
   if (out == nullptr) return Fail(absl::StatusCode::kResourceExhausted, "out of memory");
   std::memcpy(out, json.c_str(), json.size() + 1);

@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <google/protobuf/util/json_util.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
@@ -443,6 +444,16 @@ absl::StatusOr<v1::StatsResponse> Client::Stats() {
   v1::StatsResponse response;
   PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->Stats(&context, v1::StatsRequest(), &response)));
   return response;
+}
+
+absl::StatusOr<std::string> StatsToJson(const v1::StatsResponse& stats) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  auto status = google::protobuf::util::MessageToJsonString(stats, &json, options);
+  if (!status.ok()) return absl::InternalError("stats to JSON: " + status.ToString());
+  return json;
 }
 
 }  // namespace proxima::client

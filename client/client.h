@@ -181,6 +181,10 @@ class Client {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
     const ClientOptions& options);
 
+// The daemon's stats as a JSON object (proto field names, zero fields included): what the C ABI's
+// proxima_stats_json() and the Python binding return.
+absl::StatusOr<std::string> StatsToJson(const v1::StatsResponse& stats);
+
 // Converts between gRPC and Abseil statuses (the codes are the same).
 absl::Status FromGrpc(const grpc::Status& status);
 

@@ -8,6 +8,9 @@
 #                                  # run directly) and the GPU codec benchmark; writes logs, JUnit
 #                                  # XML and JSON lines to $OUT
 #
+#   scripts/gpu-check.sh vllm-e2e MODEL_DIR   # on a GPU host that reaches PyPI: vLLM end to end
+#                                  # with the proxima connector (client/python/examples/vllm_e2e.py)
+#
 # With the device tool: run `prepare` here, then run with carry=["build-gpu"] and the command
 # `scripts/gpu-check.sh run`. Without a GPU the tests skip (each prints why), so `run` also works
 # here as a dry run.
@@ -45,5 +48,24 @@ case "$MODE" in
     "$DIR/bench/codec_gpu_bench" --batch_mb=256 2>&1 | tee "$OUT/codec_gpu_bench.jsonl" || status=1
     exit $status
     ;;
-  *) echo "unknown mode '$MODE' (prepare | run)" >&2; exit 2 ;;
+  vllm-e2e)
+    # vLLM on a GPU with the proxima connector, the same prompts in two fresh engines: the second
+    # must load prefix KV from proximad and produce the same greedy text. Not run on the device
+    # tool's machine: vLLM and torch (GBs) cannot be carried there, and it reaches no registry.
+    MODEL_DIR=${2:?usage: scripts/gpu-check.sh vllm-e2e MODEL_DIR}
+    VENV=${VENV:-.venv-engines}
+    [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q "vllm==0.33.0"
+    PROXIMA_TARGETS="proximad _proxima proxima_codec_py" ./scripts/build.sh build
+    PROXIMA_BUILD_DIR=build "$VENV/bin/python" -m pip install -q ./client/python
+    SOCK=$(mktemp -d)/proximad.sock
+    build/daemon/proximad --set=server.unix_socket="$SOCK" --set=server.listen= \
+      --set=server.metrics_listen= --set=tiers.host.capacity_bytes=8GiB &
+    DAEMON=$!
+    trap 'kill $DAEMON' EXIT
+    for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
+    PYTHONHASHSEED=0 "$VENV/bin/python" client/python/examples/vllm_e2e.py \
+      --model "$MODEL_DIR" --target "unix:$SOCK"
+    ;;
+  *) echo "unknown mode '$MODE' (prepare | run | vllm-e2e)" >&2; exit 2 ;;
 esac

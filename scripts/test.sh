@@ -10,6 +10,11 @@ cd "$(dirname "$0")/.."
 python3 -m pip install --disable-pip-version-check --root-user-action=ignore -q \
   pytest pyyaml kubernetes-validate
 ./scripts/build.sh build
+# The Python package, built as users install it, from the modules of the build above (its tests
+# run in ctest: python_pytest; those needing vLLM/SGLang run in scripts/python-engines.sh).
+PROXIMA_BUILD_DIR=build python3 -m pip install --disable-pip-version-check \
+  --root-user-action=ignore -q ./client/python
+(cd / && python3 -c "import proxima, proxima.codec; print('proxima package:', proxima.__file__)")
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
 ./scripts/fuzz.sh codec_decode 30
 # Bounded fuzzing of KVTier request handling (in process) and of config parsing.

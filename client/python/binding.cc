@@ -1,0 +1,545 @@
+// proxima._proxima: the Python binding of libproxima (client/client.h), torch-free.
+//
+// Memory is named by plain integers: a block is a scatter/gather list of (address, length)
+// pieces whose lengths add up to the profile's block size, so one block may span many buffers
+// (one piece per layer, or a K and a V piece). Every piece must lie inside a buffer registered
+// with register_buffer(): an address outside every registered buffer is a ValueError naming it,
+// never a wild read or write. Single-piece blocks are sent and received in place; multi-piece
+// blocks go through one staging copy per block.
+//
+// Every call releases the GIL while it talks to the daemon. The *_async variants run on the
+// client's worker threads and return a Handle (poll() / wait()); the buffers they name must stay
+// registered and alive until the handle completes.
+//
+// Errors: a non-OK absl::Status becomes ValueError (INVALID_ARGUMENT), proxima.Unavailable
+// (UNAVAILABLE, DEADLINE_EXCEEDED: no daemon, or it did not answer in time) or proxima.Error
+// (anything else), with the status' message, which names the key, value and expectation.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "common/status_macros.h"
+
+namespace py = pybind11;
+
+namespace proxima::client {
+namespace {
+
+PyObject* g_error = nullptr;        // proxima.Error (RuntimeError)
+PyObject* g_unavailable = nullptr;  // proxima.Unavailable (proxima.Error, ConnectionError)
+
+[[noreturn]] void Throw(const absl::Status& status) {
+  const std::string what(status.ToString());
+  if (status.code() == absl::StatusCode::kInvalidArgument) throw py::value_error(what);
+  PyObject* type = (status.code() == absl::StatusCode::kUnavailable ||
+                    status.code() == absl::StatusCode::kDeadlineExceeded)
+                       ? g_unavailable
+                       : g_error;
+  PyErr_SetString(type, what.c_str());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T ValueOrThrow(absl::StatusOr<T> value) {
+  if (!value.ok()) Throw(value.status());
+  return *std::move(value);
+}
+
+struct Piece {
+  uintptr_t address = 0;
+  size_t length = 0;
+};
+using Block = std::vector<Piece>;
+
+// The (address, length) ranges the caller promised are valid memory, by start address.
+class BufferRegistry {
+ public:
+  void Add(uintptr_t address, size_t length) {
+    if (address == 0 || length == 0) {
+      throw py::value_error(absl::StrCat("register_buffer(", address, ", ", length,
+                                         "): expected a non-null address and a length > 0"));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto next = buffers_.lower_bound(address);
+    const bool overlaps_next = next != buffers_.end() && next->first < address + length;
+    const bool overlaps_prev = next != buffers_.begin() && [&] {
+      auto prev = std::prev(next);
+      return prev->first + prev->second > address;
+    }();
+    if (overlaps_next || overlaps_prev) {
+      throw py::value_error(absl::StrCat("register_buffer(", address, ", ", length,
+                                         "): overlaps a buffer already registered"));
+    }
+    buffers_[address] = length;
+  }
+  bool Remove(uintptr_t address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return buffers_.erase(address) > 0;
+  }
+  // ValueError unless [address, address + length) lies inside one registered buffer.
+  void Check(const Piece& piece, size_t block, size_t index) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = buffers_.upper_bound(piece.address);
+    if (it != buffers_.begin()) {
+      --it;
+      if (piece.address >= it->first && piece.length <= it->second &&
+          piece.address - it->first <= it->second - piece.length) {
+        return;
+      }
+    }
+    throw py::value_error(absl::StrCat("block ", block, " piece ", index, " (address ",
+                                       piece.address, ", length ", piece.length,
+                                       "): expected it inside a registered buffer"));
+  }
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return buffers_.size();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uintptr_t, size_t> buffers_;
+};
+
+std::vector<BlockKey> ParseKeys(const std::vector<py::bytes>& keys) {
+  std::vector<BlockKey> out(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::string_view key = keys[i];
+    if (key.size() != kKeyBytes) {
+      throw py::value_error(
+          absl::StrCat("key ", i, " is ", key.size(), " bytes; expected ", kKeyBytes));
+    }
+    std::memcpy(out[i].data(), key.data(), kKeyBytes);
+  }
+  return out;
+}
+
+// Blocks as lists of (address, length) pairs, each checked against the registry and summing to
+// the profile's block size.
+std::vector<Block> ParseBlocks(const std::vector<std::vector<std::pair<uintptr_t, size_t>>>& in,
+                               size_t num_keys, const Profile& profile,
+                               const BufferRegistry& registry) {
+  if (in.size() != num_keys) {
+    throw py::value_error(
+        absl::StrCat(in.size(), " blocks for ", num_keys, " keys; expected one block per key"));
+  }
+  std::vector<Block> out(in.size());
+  for (size_t b = 0; b < in.size(); ++b) {
+    size_t total = 0;
+    for (size_t p = 0; p < in[b].size(); ++p) {
+      Piece piece{in[b][p].first, in[b][p].second};
+      registry.Check(piece, b, p);
+      total += piece.length;
+      out[b].push_back(piece);
+    }
+    if (total != profile.block_bytes) {
+      throw py::value_error(absl::StrCat("block ", b, " spans ", total,
+                                         " bytes; expected the profile's block size ",
+                                         profile.block_bytes));
+    }
+  }
+  return out;
+}
+
+// The results of the calls, kept as C++ values until the caller (holding the GIL) collects them.
+using Result = std::variant<std::vector<PutOutcome>, std::vector<bool>, size_t>;
+
+absl::StatusOr<Result> DoPut(Client& client, const Profile& profile,
+                             const std::vector<BlockKey>& keys, const std::vector<Block>& blocks) {
+  std::vector<std::string> staged(blocks.size());
+  std::vector<std::span<const std::byte>> spans(blocks.size());
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    if (blocks[b].size() == 1) {
+      spans[b] = {reinterpret_cast<const std::byte*>(blocks[b][0].address), blocks[b][0].length};
+      continue;
+    }
+    staged[b].reserve(profile.block_bytes);
+    for (const Piece& p : blocks[b]) {
+      staged[b].append(reinterpret_cast<const char*>(p.address), p.length);
+    }
+    spans[b] = std::as_bytes(std::span<const char>(staged[b]));
+  }
+  PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client.Put(profile, keys, spans));
+  return Result(std::move(outcomes));
+}
+
+absl::StatusOr<Result> DoGet(Client& client, const Profile& profile,
+                             const std::vector<BlockKey>& keys, const std::vector<Block>& blocks) {
+  std::vector<std::string> staged(blocks.size());
+  std::vector<std::span<std::byte>> spans(blocks.size());
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    if (blocks[b].size() == 1) {
+      spans[b] = {reinterpret_cast<std::byte*>(blocks[b][0].address), blocks[b][0].length};
+      continue;
+    }
+    staged[b].resize(profile.block_bytes);
+    spans[b] = std::as_writable_bytes(std::span<char>(staged[b]));
+  }
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found, client.Get(profile, keys, spans));
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    if (blocks[b].size() == 1 || !found[b]) continue;
+    size_t offset = 0;
+    for (const Piece& p : blocks[b]) {
+      std::memcpy(reinterpret_cast<void*>(p.address), staged[b].data() + offset, p.length);
+      offset += p.length;
+    }
+  }
+  return Result(std::move(found));
+}
+
+absl::StatusOr<Result> DoLookup(Client& client, const Profile& profile,
+                                const std::vector<BlockKey>& keys) {
+  PROXIMA_ASSIGN_OR_RETURN(size_t n, client.Lookup(profile, keys));
+  return Result(n);
+}
+
+// Presence of every key, through Lookup: each call answers how many keys from `start` are
+// present, so a batch costs one call per missing key plus one.
+absl::StatusOr<Result> DoExists(Client& client, const Profile& profile,
+                                const std::vector<BlockKey>& keys) {
+  std::vector<bool> present(keys.size(), false);
+  size_t start = 0;
+  while (start < keys.size()) {
+    PROXIMA_ASSIGN_OR_RETURN(
+        size_t n, client.Lookup(profile, std::span<const BlockKey>(keys).subspan(start)));
+    for (size_t i = start; i < start + n; ++i) present[i] = true;
+    start += n + 1;  // keys[start + n] is missing
+  }
+  return Result(std::move(present));
+}
+
+absl::StatusOr<Result> DoDelete(Client& client, const Profile& profile,
+                                const std::vector<BlockKey>& keys) {
+  PROXIMA_ASSIGN_OR_RETURN(size_t n, client.Delete(profile, keys));
+  return Result(n);
+}
+
+py::object ToPython(const Result& result) {
+  if (const auto* outcomes = std::get_if<std::vector<PutOutcome>>(&result)) {
+    py::list out;
+    for (PutOutcome o : *outcomes) {
+      out.append(o == PutOutcome::kStored           ? "stored"
+                 : o == PutOutcome::kAlreadyPresent ? "already_present"
+                                                    : "no_space");
+    }
+    return out;
+  }
+  if (const auto* flags = std::get_if<std::vector<bool>>(&result)) return py::cast(*flags);
+  return py::int_(std::get<size_t>(result));
+}
+
+// One asynchronous call: completed once by a worker, read by poll()/wait().
+class Operation {
+ public:
+  void Complete(absl::StatusOr<Result> result) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      result_ = std::move(result);
+    }
+    cv_.notify_all();
+  }
+  bool done() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return result_.has_value();
+  }
+  // Waits (GIL released) up to `timeout` seconds (forever when None); returns the call's value
+  // or raises its error; TimeoutError when it has not completed in time.
+  py::object Wait(std::optional<double> timeout) {
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(mu_);
+      auto ready = [&] { return result_.has_value(); };
+      if (timeout.has_value()) {
+        cv_.wait_for(lock, std::chrono::duration<double>(*timeout), ready);
+      } else {
+        cv_.wait(lock, ready);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!result_.has_value()) {
+      PyErr_SetString(PyExc_TimeoutError, "proxima operation still running after the timeout");
+      throw py::error_already_set();
+    }
+    if (!result_->ok()) Throw(result_->status());
+    return ToPython(**result_);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<absl::StatusOr<Result>> result_;
+};
+
+// A fixed set of threads running queued calls in order of submission.
+class Workers {
+ public:
+  explicit Workers(size_t n) {
+    for (size_t i = 0; i < n; ++i) threads_.emplace_back([this] { Run(); });
+  }
+  ~Workers() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  void Submit(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything queued has run
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+using PieceLists = std::vector<std::vector<std::pair<uintptr_t, size_t>>>;
+
+class PyClient {
+ public:
+  PyClient(ClientOptions options, size_t async_threads) {
+    absl::StatusOr<std::unique_ptr<Client>> client;
+    {
+      py::gil_scoped_release release;
+      client = Client::Connect(options);
+    }
+    client_ = std::shared_ptr<Client>(ValueOrThrow(std::move(client)).release());
+    if (async_threads == 0) throw py::value_error("async_threads is 0; expected at least 1");
+    workers_ = std::make_unique<Workers>(async_threads);
+  }
+  ~PyClient() {
+    py::gil_scoped_release release;  // queued calls finish without needing the GIL
+    workers_.reset();
+  }
+
+  Profile RegisterProfile(uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_dim,
+                          uint32_t tokens_per_block, const std::string& dtype,
+                          const std::string& fingerprint) {
+    v1::ModelProfile model;
+    model.set_num_layers(num_layers);
+    model.set_num_kv_heads(num_kv_heads);
+    model.set_head_dim(head_dim);
+    model.set_tokens_per_block(tokens_per_block);
+    if (dtype == "fp16" || dtype == "float16") {
+      model.set_dtype(v1::DTYPE_FP16);
+    } else if (dtype == "bf16" || dtype == "bfloat16") {
+      model.set_dtype(v1::DTYPE_BF16);
+    } else if (dtype == "fp8_e4m3" || dtype == "float8_e4m3fn") {
+      model.set_dtype(v1::DTYPE_FP8_E4M3);
+    } else {
+      throw py::value_error("dtype '" + dtype +
+                            "': expected fp16, bf16 or fp8_e4m3 (or the torch names float16, "
+                            "bfloat16, float8_e4m3fn)");
+    }
+    model.set_fingerprint(fingerprint);
+    absl::StatusOr<Profile> profile;
+    {
+      py::gil_scoped_release release;
+      profile = client_->RegisterProfile(model);
+    }
+    return ValueOrThrow(std::move(profile));
+  }
+
+  void RegisterBuffer(uintptr_t address, size_t length) { registry_.Add(address, length); }
+  bool UnregisterBuffer(uintptr_t address) { return registry_.Remove(address); }
+
+  py::object Put(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks) {
+    return RunNow(Prepare(p, keys, blocks, &DoPut));
+  }
+  py::object Get(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks) {
+    return RunNow(Prepare(p, keys, blocks, &DoGet));
+  }
+  py::object Lookup(const Profile& p, const std::vector<py::bytes>& keys) {
+    return RunNow(Prepare(p, keys, &DoLookup));
+  }
+  py::object Exists(const Profile& p, const std::vector<py::bytes>& keys) {
+    return RunNow(Prepare(p, keys, &DoExists));
+  }
+  py::object Delete(const Profile& p, const std::vector<py::bytes>& keys) {
+    return RunNow(Prepare(p, keys, &DoDelete));
+  }
+  std::shared_ptr<Operation> PutAsync(const Profile& p, const std::vector<py::bytes>& keys,
+                                      const PieceLists& blocks) {
+    return Start(Prepare(p, keys, blocks, &DoPut));
+  }
+  std::shared_ptr<Operation> GetAsync(const Profile& p, const std::vector<py::bytes>& keys,
+                                      const PieceLists& blocks) {
+    return Start(Prepare(p, keys, blocks, &DoGet));
+  }
+  std::shared_ptr<Operation> LookupAsync(const Profile& p, const std::vector<py::bytes>& keys) {
+    return Start(Prepare(p, keys, &DoLookup));
+  }
+  std::shared_ptr<Operation> ExistsAsync(const Profile& p, const std::vector<py::bytes>& keys) {
+    return Start(Prepare(p, keys, &DoExists));
+  }
+
+  std::string StatsJson() {
+    absl::StatusOr<std::string> json;
+    {
+      py::gil_scoped_release release;
+      absl::StatusOr<v1::StatsResponse> stats = client_->Stats();
+      json = stats.ok() ? StatsToJson(*stats) : absl::StatusOr<std::string>(stats.status());
+    }
+    return ValueOrThrow(std::move(json));
+  }
+
+  py::dict ServerInfoDict() const {
+    const ServerInfo& info = client_->server_info();
+    py::dict d;
+    d["version"] = info.version;
+    d["max_message_bytes"] = info.max_message_bytes;
+    d["max_batch_blocks"] = info.max_batch_blocks;
+    d["max_lookup_keys"] = info.max_lookup_keys;
+    return d;
+  }
+  uint64_t crc_failures() const { return client_->crc_failures(); }
+  size_t registered_buffers() const { return registry_.size(); }
+
+ private:
+  using Call = std::function<absl::StatusOr<Result>()>;
+
+  // Decodes the arguments (GIL held) into a call that needs no Python objects.
+  Call Prepare(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks,
+               absl::StatusOr<Result> (*fn)(Client&, const Profile&, const std::vector<BlockKey>&,
+                                            const std::vector<Block>&)) {
+    std::vector<BlockKey> k = ParseKeys(keys);
+    std::vector<Block> b = ParseBlocks(blocks, k.size(), p, registry_);
+    return [client = client_, p, k = std::move(k), b = std::move(b), fn] {
+      return fn(*client, p, k, b);
+    };
+  }
+  Call Prepare(const Profile& p, const std::vector<py::bytes>& keys,
+               absl::StatusOr<Result> (*fn)(Client&, const Profile&,
+                                            const std::vector<BlockKey>&)) {
+    return [client = client_, p, k = ParseKeys(keys), fn] { return fn(*client, p, k); };
+  }
+  py::object RunNow(const Call& call) {
+    absl::StatusOr<Result> result;
+    {
+      py::gil_scoped_release release;
+      result = call();
+    }
+    return ToPython(ValueOrThrow(std::move(result)));
+  }
+  std::shared_ptr<Operation> Start(Call call) {
+    auto op = std::make_shared<Operation>();
+    workers_->Submit([op, call = std::move(call)] { op->Complete(call()); });
+    return op;
+  }
+
+  std::shared_ptr<Client> client_;
+  BufferRegistry registry_;
+  std::unique_ptr<Workers> workers_;
+};
+
+}  // namespace
+}  // namespace proxima::client
+
+PYBIND11_MODULE(_proxima, m) {
+  using namespace proxima::client;
+  m.doc() = "libproxima for Python: plain-integer addresses, GIL released during calls";
+  m.attr("KEY_BYTES") = kKeyBytes;
+
+  static py::exception<void> error_type(m, "Error", PyExc_RuntimeError);
+  g_error = error_type.ptr();
+  PyObject* bases = PyTuple_Pack(2, g_error, PyExc_ConnectionError);
+  g_unavailable = PyErr_NewException("proxima._proxima.Unavailable", bases, nullptr);
+  Py_DECREF(bases);
+  m.attr("Unavailable") = py::handle(g_unavailable);
+
+  py::class_<Profile>(m, "Profile")
+      .def_readonly("id", &Profile::id)
+      .def_readonly("block_bytes", &Profile::block_bytes)
+      .def("__repr__", [](const Profile& p) {
+        return absl::StrCat("Profile(id=", p.id, ", block_bytes=", p.block_bytes, ")");
+      });
+
+  py::class_<Operation, std::shared_ptr<Operation>>(m, "Handle")
+      .def("poll", &Operation::done, "True once the call has completed (never blocks)")
+      .def("wait", &Operation::Wait, py::arg("timeout") = py::none(),
+           "Waits for the call (GIL released) and returns its value or raises its error");
+
+  py::class_<PyClient>(m, "Client")
+      .def(py::init([](const std::string& target, const std::string& namespace_name,
+                       const std::string& token, const std::string& tls_ca,
+                       const std::string& tls_cert, const std::string& tls_key,
+                       const std::string& tls_server_name, double connect_timeout,
+                       double call_timeout, size_t async_threads) {
+             ClientOptions o;
+             o.target = target;
+             o.namespace_name = namespace_name;
+             o.token = token;
+             o.tls_ca_file = tls_ca;
+             o.tls_cert_file = tls_cert;
+             o.tls_key_file = tls_key;
+             o.tls_server_name = tls_server_name;
+             o.connect_timeout = absl::Seconds(connect_timeout);
+             o.call_timeout = absl::Seconds(call_timeout);
+             return std::make_unique<PyClient>(std::move(o), async_threads);
+           }),
+           py::arg("target") = "unix:/run/proxima/proximad.sock", py::arg("namespace") = "default",
+           py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
+           py::arg("tls_key") = "", py::arg("tls_server_name") = "",
+           py::arg("connect_timeout") = 5.0, py::arg("call_timeout") = 30.0,
+           py::arg("async_threads") = 2)
+      .def("register_profile", &PyClient::RegisterProfile, py::arg("num_layers"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("tokens_per_block"),
+           py::arg("dtype"), py::arg("fingerprint") = "")
+      .def("register_buffer", &PyClient::RegisterBuffer, py::arg("address"), py::arg("length"))
+      .def("unregister_buffer", &PyClient::UnregisterBuffer, py::arg("address"))
+      .def("put", &PyClient::Put, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
+      .def("get", &PyClient::Get, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
+      .def("lookup", &PyClient::Lookup, py::arg("profile"), py::arg("keys"))
+      .def("exists", &PyClient::Exists, py::arg("profile"), py::arg("keys"))
+      .def("delete", &PyClient::Delete, py::arg("profile"), py::arg("keys"))
+      .def("put_async", &PyClient::PutAsync, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
+      .def("get_async", &PyClient::GetAsync, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
+      .def("lookup_async", &PyClient::LookupAsync, py::arg("profile"), py::arg("keys"))
+      .def("exists_async", &PyClient::ExistsAsync, py::arg("profile"), py::arg("keys"))
+      .def("stats_json", &PyClient::StatsJson)
+      .def_property_readonly("server_info", &PyClient::ServerInfoDict)
+      .def_property_readonly("crc_failures", &PyClient::crc_failures)
+      .def_property_readonly("registered_buffers", &PyClient::registered_buffers);
+}

@@ -1,0 +1,219 @@
+"""What the engine integrations (proxima.vllm, proxima.sglang) share: a connection to proximad
+that never takes the engine down with it.
+
+A Link connects lazily, registers its profile and buffers, and turns every failure of the daemon
+(down, restarting, too slow) into the answer that makes the engine recompute: a lookup finds
+nothing, a load reports its blocks missing, a save is dropped. Failures are counted and logged
+once when they start and once when the daemon is back, never per call. Bad input (a ValueError)
+is a bug in the caller and is raised.
+"""
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import proxima
+
+Blocks = Sequence[Sequence[Tuple[int, int]]]
+
+logger = logging.getLogger("proxima")
+
+
+@dataclass
+class LinkOptions:
+    """Where and how to reach proximad. Every field may come from an engine's extra config
+    (same names) or from the PROXIMA_* environment variables."""
+    target: str = "unix:/run/proxima/proximad.sock"
+    namespace: str = "default"
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    connect_timeout: float = 2.0
+    call_timeout: float = 5.0
+    retry_seconds: float = 2.0  # after a failure, wait this long before connecting again
+
+    @classmethod
+    def from_config(cls, extra: Optional[dict]) -> "LinkOptions":
+        extra = dict(extra or {})
+        o = cls()
+        for name in o.__dataclass_fields__:
+            env = os.environ.get("PROXIMA_" + name.upper())
+            value = extra.get(name, env)
+            if value is not None:
+                setattr(o, name, type(getattr(o, name))(value))
+        token_file = extra.get("token_file", os.environ.get("PROXIMA_TOKEN_FILE"))
+        if token_file and not o.token:
+            with open(token_file) as f:
+                o.token = f.read().strip()
+        return o
+
+
+@dataclass
+class ProfileSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tokens_per_block: int
+    dtype: str
+    fingerprint: str
+
+
+@dataclass
+class LinkCounters:
+    lookups_failed: int = 0      # lookups answered 0 because the daemon failed
+    blocks_load_failed: int = 0  # blocks a load reported missing because the daemon failed
+    blocks_save_dropped: int = 0  # blocks a save dropped because the daemon failed
+    blocks_saved: int = 0
+    blocks_loaded: int = 0
+    hit_blocks: int = 0          # blocks found by lookups
+
+
+class Link:
+    def __init__(self, options: LinkOptions, spec: ProfileSpec):
+        self.options = options
+        self.spec = spec
+        self.counters = LinkCounters()
+        self._client: Optional[proxima.Client] = None
+        self._profile: Optional[proxima.Profile] = None
+        self._buffers: Dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._next_try = 0.0
+        self._down = False  # a failure was logged and the daemon has not answered since
+        self._connecting = False
+
+    @property
+    def profile(self) -> Optional[proxima.Profile]:
+        return self._profile
+
+    def register_buffer(self, address: int, length: int) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.register_buffer(address, length)  # ValueError on an overlap
+            self._buffers[address] = length
+
+    def unregister_buffer(self, address: int) -> None:
+        with self._lock:
+            self._buffers.pop(address, None)
+            if self._client is not None:
+                self._client.unregister_buffer(address)
+
+    def connected(self, wait: bool = False) -> bool:
+        """True when a client is connected. Otherwise starts a connection attempt (at most one
+        per retry_seconds) on a background thread, so no engine call waits on a dead daemon,
+        and returns False; with wait=True the attempt runs here (start-up)."""
+        with self._lock:
+            if self._client is not None:
+                return True
+            now = time.monotonic()
+            if self._connecting or now < self._next_try:
+                return False
+            self._next_try = now + self.options.retry_seconds
+            self._connecting = True
+        if wait:
+            self._connect()
+            return self._client is not None
+        threading.Thread(target=self._connect, name="proxima-connect", daemon=True).start()
+        return False
+
+    def _connect(self) -> None:
+        o, s = self.options, self.spec
+        try:
+            client = proxima.Client(o.target, namespace=o.namespace, token=o.token,
+                                    tls_ca=o.tls_ca, tls_cert=o.tls_cert, tls_key=o.tls_key,
+                                    connect_timeout=o.connect_timeout,
+                                    call_timeout=o.call_timeout)
+            profile = client.register_profile(s.num_layers, s.num_kv_heads, s.head_dim,
+                                              s.tokens_per_block, s.dtype, s.fingerprint)
+        except proxima.Error as e:
+            with self._lock:
+                self._connecting = False
+                self._failed(e)
+            return
+        with self._lock:
+            for address, length in self._buffers.items():
+                with contextlib.suppress(ValueError):  # inside another: covered by it
+                    client.register_buffer(address, length)
+            self._client, self._profile, self._connecting = client, profile, False
+            self._recovered()
+
+    def _failed(self, error: Exception) -> None:
+        if not self._down:
+            self._down = True
+            logger.warning("proxima: proximad at %s failed (%s); lookups miss, loads fail and "
+                           "saves are dropped until it answers again (logged once)",
+                           self.options.target, error)
+
+    def _recovered(self) -> None:
+        if self._down:
+            self._down = False
+            logger.warning("proxima: proximad at %s answers again; while it was down: %s",
+                           self.options.target, self.counters)
+
+    def _call(self, fn, *args):
+        """fn(client, profile, *args); None when the daemon failed (logged once). When it is
+        unreachable the client is dropped: the next calls reconnect in the background (a fresh
+        channel, not gRPC's reconnect backoff of up to two minutes)."""
+        if not self.connected():
+            return None
+        client, profile = self._client, self._profile
+        try:
+            result = fn(client, profile, *args)
+        except proxima.Unavailable as e:
+            with self._lock:
+                self._failed(e)
+                if self._client is client:
+                    self._client = None
+                    self._next_try = time.monotonic() + self.options.retry_seconds
+            return None
+        except proxima.Error as e:
+            with self._lock:
+                self._failed(e)
+            return None
+        if self._down:
+            with self._lock:
+                self._recovered()
+        return result
+
+    def lookup(self, keys: List[bytes]) -> int:
+        if not keys:
+            return 0
+        n = self._call(proxima.Client.lookup, keys)
+        if n is None:
+            self.counters.lookups_failed += 1
+            return 0
+        self.counters.hit_blocks += n
+        return n
+
+    def exists(self, keys: List[bytes]) -> List[bool]:
+        found = self._call(proxima.Client.exists, keys)
+        if found is None:
+            self.counters.lookups_failed += 1
+            return [False] * len(keys)
+        return found
+
+    def get(self, keys: List[bytes], blocks: Blocks) -> List[bool]:
+        if not keys:
+            return []
+        found = self._call(proxima.Client.get, keys, blocks)
+        if found is None:
+            self.counters.blocks_load_failed += len(keys)
+            return [False] * len(keys)
+        self.counters.blocks_loaded += sum(found)
+        return found
+
+    def put(self, keys: List[bytes], blocks: Blocks) -> List[bool]:
+        """Per block: stored now or already present (False: dropped)."""
+        if not keys:
+            return []
+        outcomes = self._call(proxima.Client.put, keys, blocks)
+        if outcomes is None:
+            self.counters.blocks_save_dropped += len(keys)
+            return [False] * len(keys)
+        ok = [o != "no_space" for o in outcomes]
+        self.counters.blocks_saved += sum(ok)
+        self.counters.blocks_save_dropped += len(ok) - sum(ok)
+        return ok

@@ -1,0 +1,310 @@
+"""A vLLM KV connector over proximad: prompt-prefix KV blocks saved once, loaded by any later
+request (on any worker, after any restart) that shares the prefix.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "ProximaConnector",
+        "kv_role": "kv_both", "kv_connector_module_path": "proxima.vllm",
+        "kv_connector_extra_config": {"target": "unix:/run/proxima/proximad.sock",
+                                      "namespace": "default"}}'
+
+Keys: vLLM's own block hashes (request.block_hashes, which chain the hashes of the blocks before
+them), scoped by namespace, model, revision, KV dtype and tensor/pipeline rank (proxima.keys).
+Workers and restarts agree only when vLLM's hashes do: set PYTHONHASHSEED to the same value on
+every process and use a deterministic --prefix-caching-hash-algo (sha256 or sha256_cbor), see
+docs/python.md.
+
+Scheduler side: get_num_new_matched_tokens asks proximad once (one Lookup of the blocks past the
+local prefix-cache hit) and claims the blocks found; update_state_after_alloc records where they
+go; build_connector_meta lists, per step, the blocks to load and the newly full blocks to save.
+Worker side: register_kv_caches reads each layer's KV tensor layout from its shape and strides
+(the dimension order is matched against vLLM's known layouts, never assumed), start_load_kv gets
+the blocks and scatters them into the paged tensors before the forward pass, wait_for_save
+gathers the newly full blocks into Proxima's canonical block layout [layer][k|v][token][head][dim]
+and puts them. Loads and saves are synchronous; gather/scatter is done by torch on the tensors'
+own device (a CPU staging buffer is the one the daemon reads and writes).
+
+A dead daemon never stops the engine: the lookup finds nothing, a load reports its blocks
+through get_block_ids_with_load_errors() so vLLM recomputes them, saves are dropped; all counted
+(get_kv_connector_stats-like counters on .link.counters) and logged once.
+"""
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from .engine import Link, LinkOptions, ProfileSpec
+from .keys import block_key, scope_bytes
+
+logger = logging.getLogger("proxima")
+
+# Dimension roles of a paged KV tensor and the orders vLLM's attention backends use.
+ROLES = ("kv", "block", "token", "head", "dim")
+KNOWN_LAYOUTS = (
+    ("kv", "block", "token", "head", "dim"),  # FlashAttention, Triton (NHD)
+    ("block", "kv", "token", "head", "dim"),  # FlashInfer (NHD), blocks outermost
+    ("kv", "block", "head", "token", "dim"),  # HND, CPU attention
+    ("block", "kv", "head", "token", "dim"),  # FlashInfer (HND)
+)
+STAGING_BLOCKS = 32  # blocks per put/get call through the staging buffer
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def kv_cache_dtype(vllm_config) -> torch.dtype:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype in ("auto", None):
+        return vllm_config.model_config.dtype
+    if str(cache_dtype).startswith("fp8"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"proxima.vllm: kv cache dtype '{cache_dtype}': expected auto or fp8")
+
+
+def parallel_ranks(vllm_config) -> Tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size) of this worker (rank 0 on the scheduler)."""
+    p = vllm_config.parallel_config
+    tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
+    rank = int(getattr(p, "rank", 0) or 0)
+    return rank % tp, tp, (rank // tp) % pp, pp
+
+
+def profile_spec(vllm_config, ranks) -> ProfileSpec:
+    m = vllm_config.model_config
+    p = vllm_config.parallel_config
+    tp_rank, tp, pp_rank, pp = ranks
+    fingerprint = f"{m.model}@{m.revision or ''} tp={tp}/{tp_rank} pp={pp}/{pp_rank}"
+    return ProfileSpec(num_layers=m.get_num_layers(p), num_kv_heads=m.get_num_kv_heads(p),
+                       head_dim=m.get_head_size(),
+                       tokens_per_block=vllm_config.cache_config.block_size,
+                       dtype=_dtype_name(kv_cache_dtype(vllm_config)),
+                       fingerprint=fingerprint[:256])
+
+
+def key_scope(options: LinkOptions, vllm_config, ranks) -> bytes:
+    m = vllm_config.model_config
+    return scope_bytes("vllm", options.namespace, m.model, m.revision or "",
+                       _dtype_name(kv_cache_dtype(vllm_config)), *ranks)
+
+
+def logical_view(t: torch.Tensor, block_size: int, num_heads: int, head_dim: int,
+                 hint: Optional[str] = None) -> torch.Tensor:
+    """`t` viewed as [kv][block][token][head][dim] (a permutation: same memory, its strides).
+
+    The order of t's dimensions is found by matching its shape against KNOWN_LAYOUTS; when more
+    than one fits (equal sizes), `hint` ("NHD": token before head, "HND": head before token)
+    decides, and a layout still ambiguous is an error naming the shape.
+    """
+    fits = []
+    for layout in KNOWN_LAYOUTS:
+        if t.dim() != 5:
+            break
+        num_blocks = t.shape[layout.index("block")]
+        sizes = {"kv": 2, "block": num_blocks, "token": block_size, "head": num_heads,
+                 "dim": head_dim}
+        if tuple(t.shape) == tuple(sizes[r] for r in layout):
+            fits.append(layout)
+    if len(fits) > 1 and hint in ("NHD", "HND"):
+        first = "token" if hint == "NHD" else "head"
+        fits = [f for f in fits if f.index(first) < f.index("head" if first == "token" else
+                                                                  "token")]
+    if len({tuple(f.index(r) for r in ROLES) for f in fits}) != 1:
+        raise ValueError(
+            f"proxima.vllm: KV tensor of shape {tuple(t.shape)}: expected one of the layouts "
+            f"{[','.join(l) for l in KNOWN_LAYOUTS]} with block_size={block_size}, "
+            f"num_kv_heads={num_heads}, head_dim={head_dim}; matched {len(fits)} (MLA caches "
+            "are not supported)")
+    return t.permute(*[fits[0].index(r) for r in ROLES])
+
+
+@dataclass
+class _Transfer:
+    block_ids: List[int]
+    keys: List[bytes]
+
+
+@dataclass
+class ProximaConnectorMetadata(KVConnectorMetadata):
+    loads: List[_Transfer] = field(default_factory=list)
+    saves: List[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    keys: List[bytes] = field(default_factory=list)  # of request.block_hashes, as computed
+    block_ids: List[int] = field(default_factory=list)
+    first_unsaved: int = 0  # blocks before this are in proximad or were computed elsewhere
+    first_hit: int = 0  # first block past the local prefix-cache hit, as last matched
+    load: Optional[Tuple[int, int]] = None  # (first block, count) to load, once allocated
+
+
+class ProximaConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+        self.options = LinkOptions.from_config(extra)
+        self.block_size = vllm_config.cache_config.block_size
+        self.ranks = parallel_ranks(vllm_config)
+        self.spec = profile_spec(vllm_config, self.ranks)
+        self.scope = key_scope(self.options, vllm_config, self.ranks)
+        self.link = Link(self.options, self.spec)
+        # Scheduler side.
+        self._requests: Dict[str, _RequestState] = {}
+        # Worker side.
+        self._layers: List[torch.Tensor] = []  # logical [kv][block][token][head][dim] views
+        self._staging: Optional[torch.Tensor] = None
+        self._load_errors: set = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self.link.connected(wait=True)  # the worker connects once its caches are known
+
+    def _keys(self, state: _RequestState, upto: int) -> List[bytes]:
+        hashes = state.request.block_hashes
+        while len(state.keys) < min(upto, len(hashes)):
+            state.keys.append(block_key(self.scope, hashes[len(state.keys)]))
+        return state.keys[:upto]
+
+    # ---------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        state = self._requests.get(request.request_id)
+        if state is None or state.request is not request:
+            state = self._requests[request.request_id] = _RequestState(request)
+        local = num_computed_tokens // self.block_size
+        # Never the whole prompt: vLLM computes at least its last token.
+        claimable = (request.num_tokens - 1) // self.block_size
+        state.first_unsaved = max(state.first_unsaved, local)
+        if claimable <= local:
+            return 0, False
+        hits = self.link.lookup(self._keys(state, claimable)[local:])
+        state.first_unsaved = max(state.first_unsaved, local + hits)
+        state.first_hit = local
+        return hits * self.block_size, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        # Called once the request got its blocks (all of them, the local hits first); a load is
+        # planned only here, so a request that matched but was not scheduled loads nothing.
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        count = num_external_tokens // self.block_size
+        state.load = (state.first_hit, count) if count else None
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = ProximaConnectorMetadata()
+        computed_after: Dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            computed_after[new.req_id] = (new.num_computed_tokens +
+                                          scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in resumed:
+                    state.block_ids = list(new_ids[0])
+                else:
+                    state.block_ids += list(new_ids[0])
+            computed_after[req_id] = (cached.num_computed_tokens[i] +
+                                      scheduler_output.num_scheduled_tokens[req_id])
+        for req_id, state in self._requests.items():
+            if state.load is not None:
+                first, count = state.load
+                keys = self._keys(state, first + count)[first:]
+                meta.loads.append(_Transfer(state.block_ids[first:first + count], keys))
+                state.load = None
+            if req_id not in computed_after:
+                continue
+            full = min(computed_after[req_id] // self.block_size,
+                       len(state.request.block_hashes), len(state.block_ids))
+            if full > state.first_unsaved:
+                keys = self._keys(state, full)[state.first_unsaved:]
+                meta.saves.append(_Transfer(state.block_ids[state.first_unsaved:full], keys))
+                state.first_unsaved = full
+        return meta
+
+    def request_finished(self, request, block_ids: List[int]):
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    # ---------------- worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]):
+        # "NHD" or "HND", as the engine core resolved it, when this vLLM says.
+        hint = getattr(self._kv_cache_config, "kv_cache_layout", None)
+        s = self.spec
+        self._layers = [logical_view(t, s.tokens_per_block, s.num_kv_heads, s.head_dim, hint)
+                        for t in kv_caches.values()]
+        if len(self._layers) != s.num_layers:
+            raise ValueError(f"proxima.vllm: {len(self._layers)} KV tensors; expected one per "
+                             f"layer, {s.num_layers}")
+        first = self._layers[0]
+        self._staging = torch.empty((STAGING_BLOCKS, s.num_layers, 2, s.tokens_per_block,
+                                     s.num_kv_heads, s.head_dim), dtype=first.dtype,
+                                    device="cpu", pin_memory=first.is_cuda)
+        self.link.register_buffer(self._staging.data_ptr(),
+                                  self._staging.numel() * self._staging.element_size())
+        self.link.connected(wait=True)
+
+    def _staged_blocks(self, n: int) -> List[List[Tuple[int, int]]]:
+        block_bytes = self._staging[0].numel() * self._staging.element_size()
+        base = self._staging.data_ptr()
+        return [[(base + i * block_bytes, block_bytes)] for i in range(n)]
+
+    def _chunks(self, transfers: Sequence[_Transfer]):
+        ids = [b for t in transfers for b in t.block_ids]
+        keys = [k for t in transfers for k in t.keys]
+        for i in range(0, len(ids), STAGING_BLOCKS):
+            yield ids[i:i + STAGING_BLOCKS], keys[i:i + STAGING_BLOCKS]
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, ProximaConnectorMetadata) or not meta.loads:
+            return
+        for ids, keys in self._chunks(meta.loads):
+            found = self.link.get(keys, self._staged_blocks(len(ids)))
+            ok = [b for b, f in zip(ids, found) if f]
+            self._load_errors.update(b for b, f in zip(ids, found) if not f)
+            if not ok:
+                continue
+            rows = torch.tensor([i for i, f in enumerate(found) if f])
+            for layer, view in enumerate(self._layers):
+                index = torch.tensor(ok, device=view.device)
+                src = self._staging[rows, layer].to(view.device)  # [n][kv][token][head][dim]
+                view[:, index] = src.transpose(0, 1)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv has loaded every layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs) -> None:
+        return  # saved whole blocks, all layers at once, in wait_for_save
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, ProximaConnectorMetadata) or not meta.saves:
+            return
+        for ids, keys in self._chunks(meta.saves):
+            for layer, view in enumerate(self._layers):
+                index = torch.tensor(ids, device=view.device)
+                self._staging[:len(ids), layer].copy_(view[:, index].transpose(0, 1))
+            self.link.put(keys, self._staged_blocks(len(ids)))
+
+    def get_block_ids_with_load_errors(self) -> set:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_finished(self, finished_req_ids):
+        return None, None

@@ -1,0 +1,105 @@
+"""proxima.engine.Link, what the vLLM connector and the SGLang backend stand on: a dead or
+killed daemon turns into misses, failed loads and dropped saves, counted and logged once; the
+link comes back by itself; multi-piece pages round-trip byte-exact."""
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from conftest import Daemon
+from proxima.engine import Link, LinkOptions, ProfileSpec
+from proxima.keys import chain_keys, scope_bytes
+
+SPEC = ProfileSpec(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="fp16",
+                   fingerprint="engine-test")
+PIECE = SPEC.tokens_per_block * SPEC.num_kv_heads * SPEC.head_dim * 2  # one layer's K or V
+BLOCK = 2 * SPEC.num_layers * PIECE
+
+
+def layer_first_pool(pages, seed):
+    """A host pool laid out [kv][layer][page][bytes]: a page is 2 * layers pieces."""
+    return np.random.default_rng(seed).integers(0, 256, (2, SPEC.num_layers, pages, PIECE),
+                                                dtype=np.uint8)
+
+
+def page_pieces(pool, page):
+    base, (kv_stride, layer_stride, page_stride, _) = pool.ctypes.data, pool.strides
+    return [(base + kv * kv_stride + layer * layer_stride + page * page_stride, PIECE)
+            for layer in range(SPEC.num_layers) for kv in range(2)]
+
+
+def options(target, **kw):
+    return LinkOptions(target=target, connect_timeout=0.5, call_timeout=2.0, **kw)
+
+
+def test_pages_of_many_pieces_round_trip(daemon):
+    link = Link(options(daemon.target), SPEC)
+    assert link.connected(wait=True)
+    src, dst = layer_first_pool(5, 1), np.zeros((2, SPEC.num_layers, 5, PIECE), np.uint8)
+    for a in (src, dst):
+        link.register_buffer(a.ctypes.data, a.nbytes)
+    keys = chain_keys(scope_bytes("engine", "pages"), ["p0", "p1", "p2", "p3", "p4"])
+    assert link.put(keys[:4], [page_pieces(src, p) for p in range(4)]) == [True] * 4
+    assert link.lookup(keys) == 4
+    assert link.get(keys, [page_pieces(dst, p) for p in range(5)]) == [True] * 4 + [False]
+    assert np.array_equal(src[:, :, :4], dst[:, :, :4]) and not dst[:, :, 4].any()
+    assert link.counters.blocks_saved == 4 and link.counters.blocks_loaded == 4
+    assert link.profile.block_bytes == BLOCK
+
+
+def test_dead_daemon_misses_fails_drops_and_logs_once(caplog, tmp_path):
+    link = Link(options(f"unix:{tmp_path}/none.sock", retry_seconds=0), SPEC)
+    assert not link.connected(wait=True)
+    pool = layer_first_pool(2, 2)
+    link.register_buffer(pool.ctypes.data, pool.nbytes)
+    keys = chain_keys(b"dead", ["a", "b"])
+    with caplog.at_level(logging.WARNING, logger="proxima"):
+        for _ in range(5):
+            assert link.lookup(keys) == 0
+            assert link.get(keys, [page_pieces(pool, p) for p in range(2)]) == [False, False]
+            assert link.put(keys, [page_pieces(pool, p) for p in range(2)]) == [False, False]
+    c = link.counters
+    assert (c.lookups_failed, c.blocks_load_failed, c.blocks_save_dropped) == (5, 10, 10)
+    warnings = [r for r in caplog.records if r.name == "proxima"]
+    assert len(warnings) == 1 and "logged once" in warnings[0].getMessage()
+
+
+def test_link_survives_a_killed_daemon_and_comes_back(caplog):
+    d = Daemon()
+    try:
+        link = Link(options(d.target, retry_seconds=0), SPEC)
+        assert link.connected(wait=True)
+        pool = layer_first_pool(3, 3)
+        link.register_buffer(pool.ctypes.data, pool.nbytes)
+        keys = chain_keys(b"restart", ["a", "b", "c"])
+        pages = [page_pieces(pool, p) for p in range(3)]
+        assert link.put(keys[:1], pages[:1]) == [True]
+        d.kill()
+        with caplog.at_level(logging.WARNING, logger="proxima"):
+            assert link.lookup(keys) == 0
+            assert link.put(keys[1:], pages[1:]) == [False, False]
+            assert link.get(keys, pages) == [False] * 3
+            d.start()  # a fresh daemon on the same socket, empty
+            deadline = time.monotonic() + 10  # the link reconnects in the background
+            while link.put(keys, pages) != [True] * 3:
+                assert time.monotonic() < deadline, "the link did not come back within 10 s"
+                time.sleep(0.02)
+            assert link.lookup(keys) == 3
+        messages = [r.getMessage() for r in caplog.records if r.name == "proxima"]
+        assert len(messages) == 2, messages
+        assert "logged once" in messages[0] and "answers again" in messages[1]
+        assert link.counters.blocks_save_dropped >= 2
+    finally:
+        d.kill()
+
+
+def test_options_from_config_and_environment(monkeypatch, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-123\n")
+    monkeypatch.setenv("PROXIMA_TARGET", "unix:/env.sock")
+    monkeypatch.setenv("PROXIMA_CALL_TIMEOUT", "7.5")
+    o = LinkOptions.from_config({"namespace": "team", "token_file": str(token)})
+    assert (o.target, o.namespace, o.token, o.call_timeout) == ("unix:/env.sock", "team",
+                                                               "tok-123", 7.5)
+    assert LinkOptions.from_config({"target": "127.0.0.1:1"}).target == "127.0.0.1:1"

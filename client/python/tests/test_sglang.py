@@ -1,0 +1,104 @@
+"""proxima.sglang against real SGLang (installed by scripts/python-engines.sh; skipped, with the
+reason, where sglang is absent): the backend made by SGLang's own StorageBackendFactory through
+`--hicache-storage-backend dynamic`, a real MHA host pool on the CPU in both layouts, driven with
+the calls SGLang's cache controller makes, checked byte for byte."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is installed by scripts/python-engines.sh")
+pytest.importorskip("sglang", reason="sglang is installed by scripts/python-engines.sh")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
+
+
+def host_pool(layout):
+    device = MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
+                              head_dim=DIM, layer_num=LAYERS, device="cpu",
+                              enable_memory_saver=False, enable_alt_stream=False)
+    pool = MHATokenToKVPoolHost(device._mha_buffer_info(), host_to_device_ratio=2.0,
+                                host_size=0, page_size=PAGE, layout=layout, pin_memory=False,
+                                device="cpu", device_capacity_tokens=64, start_layer=0,
+                                end_layer=LAYERS)
+    torch.manual_seed(0)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
+    return pool
+
+
+def backend(target, pool, tp_rank=0, model="test/model"):
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name=model,
+        extra_config={"backend_name": "proxima", "module_path": "proxima.sglang",
+                      "class_name": "ProximaHiCacheStorage", "target": target,
+                      "connect_timeout": 1.0, "call_timeout": 2.0})
+    b = StorageBackendFactory.create_backend("dynamic", config, pool)
+    b.register_mem_pool_host(pool)  # what the cache controller does next
+    return b
+
+
+def page_bytes(pool, page):
+    """One page's bytes in the order its zero-copy pieces list them."""
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page * PAGE, (page + 1) * PAGE))
+    base = pool.kv_buffer.data_ptr()
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    return b"".join(flat[p - base:p - base + s].numpy().tobytes() for p, s in zip(ptrs, sizes))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_zero_copy_v1_round_trip(daemon, layout):
+    src, dst = host_pool(layout), host_pool(layout)
+    dst.kv_buffer.zero_()
+    b_src, b_dst = backend(daemon.target, src), backend(daemon.target, dst)
+    keys = [f"{layout}-page-{i}" for i in range(5)]
+    assert b_src.batch_exists(keys) == 0
+    assert b_src.batch_set_v1(keys[:4], torch.arange(4 * PAGE, 8 * PAGE)) == [True] * 4
+    assert b_dst.batch_exists(keys) == 4
+    # Pages 4..8 of src land in pages 10..14 of dst; the fifth key is missing.
+    assert b_dst.batch_get_v1(keys, torch.arange(10 * PAGE, 15 * PAGE)) == [True] * 4 + [False]
+    for i in range(4):
+        assert page_bytes(dst, 10 + i) == page_bytes(src, 4 + i)
+    assert page_bytes(dst, 14) == bytes(len(page_bytes(dst, 14)))
+    assert b_dst.get_stats()["blocks_loaded"] == 4
+
+
+def test_generic_interface_as_the_cache_controller_calls_it(daemon):
+    src, dst = host_pool("layer_first"), host_pool("layer_first")
+    b_src, b_dst = backend(daemon.target, src), backend(daemon.target, dst)
+    keys = ["generic-0", "generic-1"]
+    data = [src.get_data_page(i * PAGE) for i in (2, 3)]  # _generic_page_set
+    assert b_src.batch_set(keys, data) is True
+    assert b_src.exists("generic-1") and not b_src.exists("generic-2")
+    dummies = [dst.get_dummy_flat_data_page() for _ in keys]  # _generic_page_get
+    got = b_dst.batch_get(keys + ["generic-2"], dummies + [dst.get_dummy_flat_data_page()])
+    assert got[2] is None
+    for page, want in zip(got[:2], data):
+        assert torch.equal(page.view(torch.uint8), want.view(torch.uint8))
+    one = b_dst.get("generic-0", dst.get_dummy_flat_data_page())
+    assert torch.equal(one.view(torch.uint8), data[0].view(torch.uint8))
+
+
+def test_ranks_and_models_do_not_share_pages(daemon):
+    pool = host_pool("page_first")
+    b0 = backend(daemon.target, pool, tp_rank=0)
+    b1 = backend(daemon.target, pool, tp_rank=1)
+    other = backend(daemon.target, pool, model="other/model")
+    assert b0.batch_set_v1(["shared-0"], torch.arange(0, PAGE)) == [True]
+    assert b0.batch_exists(["shared-0"]) == 1
+    assert b1.batch_exists(["shared-0"]) == 0 and other.batch_exists(["shared-0"]) == 0
+
+
+def test_dead_daemon_does_not_stop_the_server(tmp_path):
+    pool = host_pool("layer_first")
+    b = backend(f"unix:{tmp_path}/none.sock", pool)
+    keys = ["dead-0", "dead-1"]
+    assert b.batch_exists(keys) == 0
+    assert b.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [False, False]
+    assert b.batch_get_v1(keys, torch.arange(0, 2 * PAGE)) == [False, False]
+    assert b.batch_set(keys, [pool.get_data_page(0), pool.get_data_page(PAGE)]) is False
+    stats = b.get_stats()
+    assert stats["blocks_save_dropped"] == 4 and stats["blocks_load_failed"] == 2

