@@ -200,6 +200,7 @@ class BlockStore {
 
   uint64_t capacity_bytes() const { return tier_->capacity_bytes(); }
   uint64_t used_bytes() const { return tier_->used_bytes(); }
+  bool pinned_for_gpu() const { return tier_->pinned_for_gpu(); }
   uint64_t blocks() const { return blocks_.load(std::memory_order_relaxed); }
   uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
   // Bytes of blocks in the protected segment (segmented LRU) and its limit.

@@ -41,6 +41,7 @@ server:
 tiers:
   host:
     capacity_bytes: 1GiB           # hard limit on stored block bytes in host memory
+    pin_for_gpu: auto              # page-lock the arena for GPU copies: auto (if a GPU), on, off
   gpu:
     capacity_bytes_per_device: 0   # device pool per visible GPU; 0 disables the GPU tier
 tierer:
@@ -531,6 +532,18 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
                                                 absl::string_view source,
                                                 absl::Span<const std::string> overrides);
 
+std::string PinForGpuName(PinForGpu mode) {
+  switch (mode) {
+    case PinForGpu::kAuto:
+      return "auto";
+    case PinForGpu::kOn:
+      return "on";
+    case PinForGpu::kOff:
+      return "off";
+  }
+  return "auto";
+}
+
 absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::string_view source,
                                          absl::Span<const std::string> overrides) {
   // yaml-cpp reports some shapes only by throwing (a conversion the walker did not expect):
@@ -646,10 +659,21 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(tiers, "tiers", {"host", "gpu"}));
   if (tiers && tiers.IsMap()) {
     const YAML::Node host = tiers["host"];
-    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(host, "tiers.host", {"capacity_bytes"}));
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(host, "tiers.host", {"capacity_bytes", "pin_for_gpu"}));
     if (host && host.IsMap()) {
       PROXIMA_RETURN_IF_ERROR(r.Size(host["capacity_bytes"], "tiers.host.capacity_bytes", 1 << 20,
                                      1ull << 50, &c.host_tier.capacity_bytes));
+      std::string pin = PinForGpuName(c.host_tier.pin_for_gpu);
+      PROXIMA_RETURN_IF_ERROR(r.String(host["pin_for_gpu"], "tiers.host.pin_for_gpu", &pin));
+      if (pin == "auto") {
+        c.host_tier.pin_for_gpu = PinForGpu::kAuto;
+      } else if (pin == "on") {
+        c.host_tier.pin_for_gpu = PinForGpu::kOn;
+      } else if (pin == "off") {
+        c.host_tier.pin_for_gpu = PinForGpu::kOff;
+      } else {
+        return r.Error("tiers.host.pin_for_gpu", pin, "auto, on or off");
+      }
     }
     PROXIMA_RETURN_IF_ERROR(ParseGpuTier(r, tiers["gpu"], &c.gpu_tier));
   }
@@ -859,9 +883,10 @@ std::string ConfigToYaml(const DaemonConfig& c) {
     << c.server.tls.client_ca_file;
   e << YAML::EndMap;
   e << YAML::EndMap;
-  e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host"
-    << YAML::Value << YAML::BeginMap << YAML::Key << "capacity_bytes" << YAML::Value
-    << c.host_tier.capacity_bytes << YAML::EndMap;
+  e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host" << YAML::Value
+    << YAML::BeginMap << YAML::Key << "capacity_bytes" << YAML::Value << c.host_tier.capacity_bytes
+    << YAML::Key << "pin_for_gpu" << YAML::Value << PinForGpuName(c.host_tier.pin_for_gpu)
+    << YAML::EndMap;
   e << YAML::Key << "gpu" << YAML::Value << YAML::BeginMap << YAML::Key
     << "capacity_bytes_per_device" << YAML::Value << c.gpu_tier.capacity_bytes_per_device
     << YAML::EndMap << YAML::EndMap;

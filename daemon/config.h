@@ -46,8 +46,16 @@ struct ServerConfig {
   uint32_t max_connections = 1024;  // client connections with calls running at once
 };
 
+// Whether the host tier's arena is page-locked and registered with CUDA at start.
+enum class PinForGpu {
+  kAuto,  // when a GPU is visible; otherwise logged and left unpinned
+  kOn,    // always; a daemon that cannot pin does not start
+  kOff,   // never
+};
+
 struct HostTierConfig {
   uint64_t capacity_bytes = 1ull << 30;  // hard limit on bytes of stored blocks
+  PinForGpu pin_for_gpu = PinForGpu::kAuto;
 };
 
 enum class TokenAccess { kReadWrite, kReadOnly };
@@ -119,6 +127,9 @@ struct DaemonConfig {
   std::vector<NamespaceConfig> namespaces = {{"default"}};
   std::string log_level = "info";  // debug | info | warning | error
 };
+
+// "auto", "on" or "off", as the config spells it.
+std::string PinForGpuName(PinForGpu mode);
 
 // The documented default configuration, as YAML. Loading it gives DaemonConfig{}.
 absl::string_view DefaultConfigYaml();

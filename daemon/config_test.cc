@@ -19,6 +19,7 @@ TEST(ConfigTest, DefaultYamlEqualsBuiltInDefaults) {
   EXPECT_EQ(c.server.unix_socket_mode, d.server.unix_socket_mode);
   EXPECT_EQ(c.server.max_message_bytes, d.server.max_message_bytes);
   EXPECT_EQ(c.host_tier.capacity_bytes, d.host_tier.capacity_bytes);
+  EXPECT_EQ(c.host_tier.pin_for_gpu, PinForGpu::kAuto);
   EXPECT_EQ(c.index_shards, d.index_shards);
   ASSERT_EQ(c.namespaces.size(), 1u);
   EXPECT_EQ(c.namespaces[0].name, "default");
@@ -28,11 +29,16 @@ TEST(ConfigTest, DefaultYamlEqualsBuiltInDefaults) {
 
 TEST(ConfigTest, RenderedConfigParsesBackToTheSame) {
   ASSERT_OK_AND_ASSIGN(DaemonConfig c,
-                       ParseConfig("tiers: {host: {capacity_bytes: 3GiB}}\n"
+                       ParseConfig("tiers: {host: {capacity_bytes: 3GiB, pin_for_gpu: off}}\n"
                                    "namespaces: [{name: a}, {name: b.c-d_e}]\n",
                                    "x", {}));
   ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
   EXPECT_EQ(again.host_tier.capacity_bytes, 3ull << 30);
+  EXPECT_EQ(again.host_tier.pin_for_gpu, PinForGpu::kOff);
+  EXPECT_THAT(ParseConfig("tiers: {host: {pin_for_gpu: always}}", "t", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tiers.host.pin_for_gpu"), HasSubstr("always"),
+                             HasSubstr("auto, on or off"))));
   ASSERT_EQ(again.namespaces.size(), 2u);
   EXPECT_EQ(again.namespaces[1].name, "b.c-d_e");
   EXPECT_EQ(again.server.unix_socket_mode, 0660u);

@@ -6,6 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/device.h"
 
 namespace proxima::daemon {
 
@@ -31,7 +33,17 @@ HostTier::HostTier(std::byte* base, uint64_t capacity) : base_(base), capacity_(
   free_by_size_.emplace(capacity, 0);
 }
 
-HostTier::~HostTier() { munmap(base_, capacity_); }
+HostTier::~HostTier() {
+  if (pinned_) gpu::UnpinHostMemory(base_);
+  munmap(base_, capacity_);
+}
+
+absl::Status HostTier::PinForGpu() {
+  if (pinned_) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(gpu::PinHostMemory(base_, capacity_));
+  pinned_ = true;
+  return absl::OkStatus();
+}
 
 std::optional<Extent> HostTier::Allocate(uint64_t bytes, Placement placement) {
   uint64_t size = (bytes + kAlignment - 1) / kAlignment * kAlignment;

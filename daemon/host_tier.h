@@ -62,6 +62,11 @@ class HostTier {
 
   uint64_t capacity_bytes() const { return capacity_; }
   uint64_t used_bytes() const;
+
+  // Pins the whole arena for GPU transfers (gpu::PinHostMemory; commits every page now). Call
+  // once, before the tier is shared. Unpinned again when the tier is destroyed.
+  absl::Status PinForGpu();
+  bool pinned_for_gpu() const { return pinned_; }
   // Largest single extent Allocate() could return now (shows fragmentation).
   uint64_t largest_free_bytes() const;
 
@@ -70,6 +75,7 @@ class HostTier {
 
   std::byte* const base_;
   const uint64_t capacity_;
+  bool pinned_ = false;
 
   mutable proxima::Mutex mu_;
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;

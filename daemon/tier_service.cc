@@ -86,6 +86,20 @@ absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonCon
                                                                  metrics::Registry* registry) {
   PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier,
                            HostTier::Create(config.host_tier.capacity_bytes));
+  if (config.host_tier.pin_for_gpu != PinForGpu::kOff) {
+    absl::Status pinned = tier->PinForGpu();
+    if (pinned.ok()) {
+      PROXIMA_LOG(kInfo) << "host tier pinned for GPU transfers"
+                         << log::Kv("bytes", tier->capacity_bytes());
+    } else if (config.host_tier.pin_for_gpu == PinForGpu::kOn) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("tiers.host.pin_for_gpu is on but the host tier (", tier->capacity_bytes(),
+                       " bytes) cannot be pinned: ", pinned.message(), "; set it to auto or off"));
+    } else {
+      PROXIMA_LOG(kInfo) << "host tier not pinned for GPU transfers"
+                         << log::Kv("reason", pinned.message());
+    }
+  }
   if (config.gpu_tier.capacity_bytes_per_device > 0) {
     // The device pool is not built yet (docs/decisions.md); Daemon::Start logs whether GPUs
     // are visible at all. Say plainly that the configured tier is not there.
@@ -235,6 +249,9 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                      host, [s] { return static_cast<double>(s->used_bytes()); });
   registry->AddGauge("proxima_tier_blocks", "Blocks resident in the tier", host,
                      [s] { return static_cast<double>(s->blocks()); });
+  registry->AddGauge("proxima_tier_pinned_for_gpu",
+                     "1 when the tier's memory is page-locked and registered with CUDA", host,
+                     [pinned = s->pinned_for_gpu()] { return pinned ? 1.0 : 0.0; });
   registry->AddGauge("proxima_tier_protected_bytes",
                      "Bytes of blocks in the protected (used at least twice) segment of the "
                      "segmented LRU; at most tierer.protected_share of the capacity",

@@ -7,6 +7,7 @@
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "kernels/kv_file.h"
 
 namespace proxima::daemon {
@@ -333,6 +334,33 @@ TEST_F(TierServiceAuthTest, PrivatePrefixesSeparateTokenScopes) {
   ASSERT_OK(service_->Delete(bob, del, &deleted));
   EXPECT_EQ(deleted.num_deleted(), 1u);
   EXPECT_THAT(Lookup(alice, "p", profile, 'S'), ::proxima::testing::IsOkAndHolds(1u));
+}
+
+// tiers.host.pin_for_gpu: auto pins exactly when a GPU is visible and otherwise starts unpinned;
+// on refuses to start when it cannot pin, saying why; off never pins. Whichever machine runs it,
+// one of the two branches of each check is real (scripts/gpu-check.sh runs it on a GPU).
+TEST(TierServicePinTest, HostTierIsPinnedForGpuTransfersWhenAGpuIsVisible) {
+  std::string why_none;
+  const bool gpu = !gpu::VisibleDevices(&why_none).empty();
+  DaemonConfig config;
+  config.host_tier.capacity_bytes = 64 << 20;
+  for (PinForGpu mode : {PinForGpu::kAuto, PinForGpu::kOn, PinForGpu::kOff}) {
+    config.host_tier.pin_for_gpu = mode;
+    metrics::Registry registry;
+    absl::StatusOr<std::unique_ptr<TierService>> s = TierService::Create(config, &registry);
+    if (mode == PinForGpu::kOn && !gpu) {
+      EXPECT_THAT(s,
+                  StatusIs(absl::StatusCode::kFailedPrecondition,
+                           AllOf(HasSubstr("tiers.host.pin_for_gpu is on"), HasSubstr(why_none))));
+      continue;
+    }
+    ASSERT_OK(s.status()) << PinForGpuName(mode);
+    const bool expect_pinned = gpu && mode != PinForGpu::kOff;
+    EXPECT_THAT(registry.RenderText(),
+                HasSubstr(absl::StrCat("proxima_tier_pinned_for_gpu{tier=\"host\"} ",
+                                       expect_pinned ? 1 : 0)))
+        << PinForGpuName(mode);
+  }
 }
 
 TEST(TierServiceAuthConfigTest, TokenErrorsNameTheKeyNotTheToken) {

@@ -4,8 +4,11 @@
 #ifndef PROXIMA_KERNELS_DEVICE_H_
 #define PROXIMA_KERNELS_DEVICE_H_
 
+#include <cstddef>
 #include <string>
 #include <vector>
+
+#include "absl/status/status.h"
 
 namespace proxima::gpu {
 
@@ -23,6 +26,16 @@ bool BuiltWithCuda();
 // reason when the list is empty, e.g. "built without CUDA" or "cudaGetDeviceCount: no CUDA-capable
 // device is detected".
 std::vector<DeviceInfo> VisibleDevices(std::string* why_none = nullptr);
+
+// Page-locks host memory [data, data + bytes) and registers it with the CUDA driver
+// (cudaHostRegister, portable to every device), so that copies between it and device memory run
+// at full DMA speed with no staging copy. Every page of the range is committed and locked.
+// FailedPrecondition naming the reason when the binary has no CUDA or no device is visible;
+// ResourceExhausted/Internal with the driver's message when registration fails. The memory
+// stays usable either way.
+absl::Status PinHostMemory(void* data, size_t bytes);
+// Undoes PinHostMemory. REQUIRES: `data` was pinned by it and is still mapped.
+void UnpinHostMemory(void* data);
 
 }  // namespace proxima::gpu
 

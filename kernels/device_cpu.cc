@@ -10,4 +10,10 @@ std::vector<DeviceInfo> VisibleDevices(std::string* why_none) {
   return {};
 }
 
+absl::Status PinHostMemory(void*, size_t) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+
+void UnpinHostMemory(void*) {}
+
 }  // namespace proxima::gpu

@@ -2,6 +2,7 @@
 // runs on machines without the toolkit; it loads the driver at run time if there is one).
 #include <cuda_runtime_api.h>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/device.h"
 
 namespace proxima::gpu {
@@ -26,6 +27,24 @@ std::vector<DeviceInfo> VisibleDevices(std::string* why_none) {
   }
   if (devices.empty() && why_none != nullptr) *why_none = "no CUDA device visible";
   return devices;
+}
+
+absl::Status PinHostMemory(void* data, size_t bytes) {
+  std::string why_none;
+  if (VisibleDevices(&why_none).empty()) return absl::FailedPreconditionError(why_none);
+  cudaError_t err = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it, as above
+    const std::string message =
+        absl::StrCat("cudaHostRegister of ", bytes, " bytes: ", cudaGetErrorString(err));
+    return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(message)
+                                            : absl::InternalError(message);
+  }
+  return absl::OkStatus();
+}
+
+void UnpinHostMemory(void* data) {
+  if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
 }
 
 }  // namespace proxima::gpu

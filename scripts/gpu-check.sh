@@ -19,7 +19,9 @@ cd "$(dirname "$0")/.."
 MODE=${1:?usage: scripts/gpu-check.sh prepare|run}
 DIR=build-gpu
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
-GPU_TESTS=(kernels/kernels_codec_cuda_test)
+GPU_TESTS=(kernels/kernels_codec_cuda_test daemon/daemon_test)
+# gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
+declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
 GPU_BENCH=(bench/codec_gpu_bench)
 
 case "$MODE" in
@@ -42,7 +44,8 @@ case "$MODE" in
     status=0
     for t in "${GPU_TESTS[@]}"; do
       name=$(basename "$t")
-      "$DIR/$t" --gtest_output="xml:$OUT/$name.xml" 2>&1 | tee "$OUT/$name.log" || status=1
+      "$DIR/$t" --gtest_filter="${GPU_FILTER[$t]:-*}" --gtest_output="xml:$OUT/$name.xml" 2>&1 |
+        tee "$OUT/$name.log" || status=1
     done
     # Kernels vs the device's own D2D copy bandwidth, on real KV, batches of 256 MiB.
     "$DIR/bench/codec_gpu_bench" --batch_mb=256 2>&1 | tee "$OUT/codec_gpu_bench.jsonl" || status=1

@@ -1,13 +1,13 @@
 // Writes the seed corpus of the request fuzz target: valid requests of every method, for every
 // caller of the harness (tests/fuzz/request_fuzz_body.h), in each namespace. Rerun when the API
 // changes:
-//   g++ -std=c++20 -I. -Ibuild/proto/gen tests/fuzz/make_request_seeds.cc \
-//     build/proto/libproxima_proto.a $(pkg-config --libs protobuf grpc++) \
-//     -o /tmp/make_request_seeds && /tmp/make_request_seeds tests/fuzz/corpus/request
+//   ninja -C build make_request_seeds && build/tests/fuzz/make_request_seeds
+//   tests/fuzz/corpus/request
 #include <cstdio>
 #include <fstream>
 #include <string>
 
+#include "daemon/tier_service.h"
 #include "proxima/v1/kvtier.pb.h"
 
 namespace {
@@ -21,24 +21,6 @@ proxima::v1::ModelProfile SmallProfile() {  // 512-byte blocks: 2 x 4 x 2 x 8 x 
   p.set_dtype(proxima::v1::DTYPE_BF16);
   p.set_fingerprint("fuzz-model");
   return p;
-}
-
-// The daemon's profile id of SmallProfile() (FNV-1a, daemon/tier_service.cc ProfileId).
-uint64_t SmallProfileId() {
-  uint64_t h = 0xcbf29ce484222325ull;
-  auto mix = [&h](const void* data, size_t n) {
-    const auto* b = static_cast<const uint8_t*>(data);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
-  };
-  const proxima::v1::ModelProfile p = SmallProfile();
-  for (uint32_t v : {p.num_layers(), p.num_kv_heads(), p.head_dim(), p.tokens_per_block(),
-                     static_cast<uint32_t>(p.dtype())}) {
-    uint8_t le[4] = {static_cast<uint8_t>(v), static_cast<uint8_t>(v >> 8),
-                     static_cast<uint8_t>(v >> 16), static_cast<uint8_t>(v >> 24)};
-    mix(le, 4);
-  }
-  mix(p.fingerprint().data(), p.fingerprint().size());
-  return h == 0 ? 1 : h;
 }
 
 int n = 0;
@@ -59,7 +41,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   dir = argv[1];
-  const uint64_t id = SmallProfileId();
+  const uint64_t id = proxima::daemon::ProfileId(SmallProfile());
   // Callers as in request_fuzz_body.h: 0 anonymous, 1 t read-write, 2 t read-only, 3 p.
   for (int caller = 0; caller < 4; ++caller) {
     const std::string ns = caller == 0 ? "open" : caller == 3 ? "p" : "t";
