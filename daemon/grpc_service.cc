@@ -10,13 +10,16 @@
 namespace proxima::daemon {
 namespace {
 
-constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
-                                        "Lookup",        "Delete",          "Stats"};
+constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",
+                                        "Get",           "Lookup",          "Delete",
+                                        "Stats",         "ConnectUcx",      "DisconnectUcx",
+                                        "PutUcx",        "GetUcx"};
 
 }  // namespace
 
-KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry)
-    : core_(core), registry_(registry) {
+KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
+                                     UcxTransport* ucx)
+    : core_(core), ucx_(ucx), registry_(registry) {
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
@@ -143,7 +146,61 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
                                                            const v1::GetServerInfoRequest* req,
                                                            v1::GetServerInfoResponse* resp) {
-  return HandleProto(kGetServerInfo, c, req, resp, &TierService::GetServerInfo);
+  TierService* core = core_;
+  const bool ucx = ucx_ != nullptr;
+  return Handle(kGetServerInfo, c, [core, req, resp, ucx]() -> absl::Status {
+    PROXIMA_RETURN_IF_ERROR(core->GetServerInfo(*req, resp));
+    resp->set_ucx_enabled(ucx);
+    return absl::OkStatus();
+  });
+}
+
+template <typename Resp, typename Call>
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
+                                                       grpc::CallbackServerContext* context,
+                                                       Resp* response, Call&& call) {
+  UcxTransport* ucx = ucx_;
+  const absl::Time deadline = context->deadline() == std::chrono::system_clock::time_point::max()
+                                  ? absl::Now() + absl::Seconds(60)
+                                  : absl::FromChrono(context->deadline());
+  return Handle(method, context, [ucx, response, deadline, &call]() -> absl::Status {
+    if (ucx == nullptr) {
+      return absl::FailedPreconditionError(
+          "this proximad runs without the UCX data plane (ucx.enabled: false); use Put/Get");
+    }
+    absl::Status status = call(ucx, deadline);
+    if (!status.ok()) response->Clear();  // a failed call returns no partial results
+    return status;
+  });
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::ConnectUcx(grpc::CallbackServerContext* c,
+                                                        const v1::ConnectUcxRequest* req,
+                                                        v1::ConnectUcxResponse* resp) {
+  return HandleUcx(kConnectUcx, c, resp, [req, resp](UcxTransport* ucx, absl::Time deadline) {
+    return ucx->Connect(*req, resp, deadline);
+  });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::DisconnectUcx(grpc::CallbackServerContext* c,
+                                                           const v1::DisconnectUcxRequest* req,
+                                                           v1::DisconnectUcxResponse* resp) {
+  return HandleUcx(kDisconnectUcx, c, resp, [req, resp](UcxTransport* ucx, absl::Time) {
+    return ucx->Disconnect(*req, resp);
+  });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::PutUcx(grpc::CallbackServerContext* c,
+                                                    const v1::PutUcxRequest* req,
+                                                    v1::PutResponse* resp) {
+  return HandleUcx(kPutUcx, c, resp, [req, resp](UcxTransport* ucx, absl::Time deadline) {
+    return ucx->Put(*req, resp, deadline);
+  });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::GetUcx(grpc::CallbackServerContext* c,
+                                                    const v1::GetUcxRequest* req,
+                                                    v1::GetUcxResponse* resp) {
+  return HandleUcx(kGetUcx, c, resp, [req, resp](UcxTransport* ucx, absl::Time deadline) {
+    return ucx->Get(*req, resp, deadline);
+  });
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
     grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,

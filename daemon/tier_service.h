@@ -61,13 +61,35 @@ class TierService {
   absl::Status Put(const wire::PutRequestReader& request, v1::PutResponse* response);
   // Get, without copying: `blocks` receives one entry per key (nullopt for a miss), each pinned
   // until the caller drops it. The gRPC layer sends the bytes straight from tier memory.
+  // `inline_response`: the bytes go back in the gRPC response, which must fit
+  // server.max_message_bytes (and they are counted as inline transfer bytes).
   absl::Status GetBlocks(const v1::GetRequest& request,
-                         std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
+                         std::vector<std::optional<BlockStore::ReadBlock>>* blocks,
+                         bool inline_response = true);
   // Get into a GetResponse message (a copy of each block; for in-process callers).
   absl::Status Get(const v1::GetRequest& request, v1::GetResponse* response);
   absl::Status Lookup(const v1::LookupRequest& request, v1::LookupResponse* response);
   absl::Status Delete(const v1::DeleteRequest& request, v1::DeleteResponse* response);
   absl::Status Stats(const v1::StatsRequest& request, v1::StatsResponse* response);
+
+  // The namespace index and registered profile a call names (NOT_FOUND / INVALID_ARGUMENT as
+  // for every other call).
+  absl::StatusOr<std::pair<uint32_t, RegisteredProfile>> ResolveProfile(
+      const std::string& namespace_name, uint64_t profile_id);
+
+  // Fills destinations with the bytes of the blocks to store: dst[j] receives the block whose
+  // index is blocks[j]. Returns once nothing writes into dst anymore, or with an error (then
+  // `owner`, which owns dst, may be kept until writes stop).
+  using PullFn = std::function<absl::Status(std::span<const size_t> blocks,
+                                            std::span<const std::span<std::byte>> dst,
+                                            std::shared_ptr<const void> owner)>;
+  // Put whose bytes are pulled by the caller (UCX data plane): reserves tier memory for every
+  // key not yet stored, lets `pull` fill it, checks each block against crcs[i], and only then
+  // commits. A failed pull or CRC check stores nothing. REQUIRES: keys.size() == crcs.size(),
+  // 1 .. max_batch_blocks keys.
+  absl::Status PutPulled(uint32_t ns, uint64_t profile_id, const RegisteredProfile& profile,
+                         std::span<const BlockKey> keys, std::span<const uint32_t> crcs,
+                         const PullFn& pull, v1::PutResponse* response);
 
   BlockStore& store() { return *store_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
