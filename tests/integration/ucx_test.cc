@@ -1,0 +1,456 @@
+// Integration tests of the UCX data plane: the real proximad, real UCX between two processes on
+// loopback, over TCP (UCX_TLS=tcp) and over shared memory (UCX_TLS=posix,self). Driven through
+// libproxima, raw gRPC stubs with this process's own ucx::Worker, and proximactl.
+#include <dirent.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/test_pattern.h"
+#include "common/crc32c.h"
+#include "common/status_macros.h"
+#include "common/testing/status_matchers.h"
+#include "common/ucx.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace proxima {
+namespace {
+
+using ::proxima::client::BlockKey;
+using ::proxima::client::Client;
+using ::proxima::client::ClientOptions;
+using ::proxima::client::Profile;
+using ::proxima::client::PutOutcome;
+using ::proxima::client::Transport;
+using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::StatusIs;
+using ::testing::HasSubstr;
+
+// 4 layers x 16 tokens x 8 heads x 128 dim x bf16 x (K, V) = 256 KiB blocks; 64 KiB per layer.
+v1::ModelProfile TestModel(uint32_t tokens = 16) {
+  v1::ModelProfile p;
+  p.set_num_layers(4);
+  p.set_num_kv_heads(8);
+  p.set_head_dim(128);
+  p.set_tokens_per_block(tokens);
+  p.set_dtype(v1::DTYPE_BF16);
+  p.set_fingerprint("ucx-it-model");
+  return p;
+}
+
+double MetricValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+double Metric(const DaemonProcess& d, const std::string& series) {
+  absl::StatusOr<std::string> m = d.ScrapeMetrics();
+  return m.ok() ? MetricValue(*m, series) : -2;
+}
+
+// Waits (bounded) until `series` reads `value`; returns the last value read.
+double WaitForMetric(const DaemonProcess& d, const std::string& series, double value,
+                     absl::Duration timeout = absl::Seconds(10)) {
+  absl::Time end = absl::Now() + timeout;
+  double v = Metric(d, series);
+  while (v != value && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(20));
+    v = Metric(d, series);
+  }
+  return v;
+}
+
+int OpenFds(pid_t pid) {
+  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/fd").c_str());
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (readdir(dir) != nullptr) ++n;
+  closedir(dir);
+  return n;
+}
+
+class UcxIntegrationTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    // Both processes pick their transports from the environment.
+    setenv("UCX_TLS", GetParam(), 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB",
+                                   "server.max_batch_blocks=8"});
+    ASSERT_OK(d.status());
+    daemon_ = *std::move(d);
+  }
+  void TearDown() override { unsetenv("UCX_TLS"); }
+
+  std::unique_ptr<Client> Connect(Transport transport) {
+    ClientOptions options;
+    options.target = daemon_->tcp_target();
+    options.transport = transport;
+    options.call_timeout = absl::Seconds(20);
+    auto c = Client::Connect(options);
+    EXPECT_OK(c.status());
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline) {
+  auto c = Connect(Transport::kAuto);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->transport(), Transport::kUcx) << c->transport_detail();
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
+
+  // 20 blocks in one registered buffer: 3 calls of at most 8 blocks.
+  constexpr size_t kBlocks = 20;
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  std::vector<BlockKey> keys = client::TestKeyChain(1, 0, kBlocks);
+  std::vector<std::span<const std::byte>> in;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(1, i, b);
+    in.push_back(b);
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  ASSERT_OK_AND_ASSIGN(outcomes, c->Put(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kAlreadyPresent));
+
+  std::fill(cache.begin(), cache.end(), std::byte{0});
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = 0; i < kBlocks; ++i) out.emplace_back(cache.data() + i * p.block_bytes, p.block_bytes);
+  std::vector<BlockKey> with_miss = keys;
+  with_miss[7] = client::TestKeyChain(99, 0, 1)[0];
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, with_miss, out));
+  for (size_t i = 0; i < kBlocks; ++i) {
+    EXPECT_EQ(found[i], i != 7) << i;
+    if (i != 7) EXPECT_TRUE(client::IsTestBlock(1, i, out[i])) << i;
+  }
+
+  // Blocks stored over UCX read back inline, and the other way round.
+  auto inline_client = Connect(Transport::kInline);
+  ASSERT_NE(inline_client, nullptr);
+  EXPECT_EQ(inline_client->transport(), Transport::kInline);
+  std::vector<std::byte> one(p.block_bytes);
+  std::vector<std::span<std::byte>> one_out = {one};
+  ASSERT_OK_AND_ASSIGN(found, inline_client->Get(p, std::span(keys).subspan(13, 1), one_out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(1, 13, one));
+  std::vector<BlockKey> other = client::TestKeyChain(2, 0, 1);
+  client::FillTestBlock(2, 0, one);
+  std::vector<std::span<const std::byte>> one_in = {one};
+  ASSERT_OK(inline_client->Put(p, other, one_in).status());
+  std::vector<std::byte> back(p.block_bytes);  // not registered: registered for the call
+  std::vector<std::span<std::byte>> back_out = {back};
+  ASSERT_OK_AND_ASSIGN(found, c->Get(p, other, back_out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(2, 0, back));
+
+  ASSERT_OK_AND_ASSIGN(std::string m, daemon_->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            kBlocks * p.block_bytes);
+  EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"out\"}"),
+            (kBlocks - 1 + 1) * p.block_bytes);
+  EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"PutUcx\",code=\"OK\"}"), 6);
+
+  // Closing the client closes its session and endpoint; the arena stays registered.
+  region = client::MemoryRegion();
+  c.reset();
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);
+}
+
+TEST_P(UcxIntegrationTest, ScatterGatherBlocksSpanManyBuffers) {
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  // vLLM-like layout: one buffer per layer, each holding that layer's slice of every block.
+  // Layer slices are uneven on purpose (K and V of a layer split at an odd offset).
+  constexpr size_t kBlocks = 6;
+  const size_t layer_bytes = p.block_bytes / 4;
+  std::vector<std::vector<std::byte>> layers(4, std::vector<std::byte>(kBlocks * layer_bytes));
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r0, c->RegisterMemory(layers[0].data(), layers[0].size()));
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r1, c->RegisterMemory(layers[1].data(), layers[1].size()));
+  // layers[2] and [3] are not registered: registered for each call.
+  std::vector<BlockKey> keys = client::TestKeyChain(7, 0, kBlocks);
+  std::vector<std::vector<std::byte>> expected(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<client::ConstSegments> in(kBlocks);
+  for (size_t b = 0; b < kBlocks; ++b) {
+    client::FillTestBlock(7, b, expected[b]);
+    for (size_t l = 0; l < 4; ++l) {
+      std::byte* slice = layers[l].data() + b * layer_bytes;
+      std::memcpy(slice, expected[b].data() + l * layer_bytes, layer_bytes);
+      in[b].push_back({slice, 1000});
+      in[b].push_back({slice + 1000, layer_bytes - 1000});
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(auto outcomes, c->PutScattered(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  // Contiguous reads give the gathered bytes...
+  std::vector<std::vector<std::byte>> whole(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> whole_out(whole.begin(), whole.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, whole_out));
+  for (size_t b = 0; b < kBlocks; ++b) EXPECT_TRUE(found[b] && whole[b] == expected[b]) << b;
+  // ...and scattered reads land each slice in its layer buffer.
+  for (auto& l : layers) std::fill(l.begin(), l.end(), std::byte{0});
+  std::vector<client::Segments> out(kBlocks);
+  for (size_t b = 0; b < kBlocks; ++b) {
+    for (size_t l = 0; l < 4; ++l) out[b].push_back({layers[l].data() + b * layer_bytes, layer_bytes});
+  }
+  ASSERT_OK_AND_ASSIGN(found, c->GetScattered(p, keys, out));
+  for (size_t b = 0; b < kBlocks; ++b) {
+    ASSERT_TRUE(found[b]);
+    for (size_t l = 0; l < 4; ++l) {
+      EXPECT_EQ(0, std::memcmp(layers[l].data() + b * layer_bytes,
+                               expected[b].data() + l * layer_bytes, layer_bytes))
+          << "block " << b << " layer " << l;
+    }
+  }
+  // Segments that do not add up to a block are refused before anything moves.
+  std::vector<client::Segments> short_out(1);
+  short_out[0].push_back({layers[0].data(), layer_bytes});
+  EXPECT_THAT(c->GetScattered(p, std::span(keys).first(1), short_out).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("add up to")));
+}
+
+// Raw protocol: this process's own worker and a generated stub, to send what libproxima never
+// would.
+class RawUcxTest : public UcxIntegrationTest {
+ protected:
+  void SetUp() override {
+    UcxIntegrationTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto w = ucx::Worker::Create("raw-test");
+    ASSERT_OK(w.status());
+    worker_ = *std::move(w);
+    stub_ = v1::KVTier::NewStub(
+        grpc::CreateChannel(daemon_->tcp_target(), grpc::InsecureChannelCredentials()));
+    v1::RegisterProfileRequest rp;
+    rp.set_namespace_name("default");
+    *rp.mutable_profile() = TestModel();
+    v1::RegisterProfileResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->RegisterProfile(&ctx, rp, &resp).ok());
+    profile_id_ = resp.profile_id();
+    block_bytes_ = resp.block_bytes();
+  }
+  void TearDown() override {
+    reg_.reset();
+    worker_.reset();
+    UcxIntegrationTest::TearDown();
+  }
+
+  absl::StatusOr<uint64_t> OpenSession(const std::string& address) {
+    v1::ConnectUcxRequest req;
+    req.set_worker_address(address);
+    v1::ConnectUcxResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    PROXIMA_RETURN_IF_ERROR(client::FromGrpc(stub_->ConnectUcx(&ctx, req, &resp)));
+    return resp.session_id();
+  }
+  absl::Status CloseSession(uint64_t id) {
+    v1::DisconnectUcxRequest req;
+    req.set_session_id(id);
+    v1::DisconnectUcxResponse resp;
+    grpc::ClientContext ctx;
+    return client::FromGrpc(stub_->DisconnectUcx(&ctx, req, &resp));
+  }
+
+  // A PutUcx of one block from `src_` (registered), with one segment.
+  v1::PutUcxRequest OneBlockPut(uint64_t session, const BlockKey& key) {
+    v1::PutUcxRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.set_session_id(session);
+    v1::UcxRegion* r = req.add_regions();
+    r->set_rkey(reg_->packed_rkey());
+    r->set_address(reinterpret_cast<uint64_t>(src_.data()));
+    r->set_length(src_.size());
+    v1::UcxBlock* b = req.add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::UcxSegment* s = b->add_segments();
+    s->set_region(0);
+    s->set_address(reinterpret_cast<uint64_t>(src_.data()));
+    s->set_length(block_bytes_);
+    b->set_crc32c(Crc32c(std::span(src_).first(block_bytes_)));
+    return req;
+  }
+  absl::Status Put(const v1::PutUcxRequest& req) {
+    v1::PutResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    return client::FromGrpc(stub_->PutUcx(&ctx, req, &resp));
+  }
+  uint32_t Present(const BlockKey& key) {
+    v1::LookupRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.add_keys(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::LookupResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub_->Lookup(&ctx, req, &resp).ok());
+    return resp.num_prefix_present();
+  }
+  void RegisterSource(size_t blocks) {
+    src_.resize(blocks * block_bytes_);
+    for (size_t i = 0; i < blocks; ++i) {
+      client::FillTestBlock(3, i, std::span(src_).subspan(i * block_bytes_, block_bytes_));
+    }
+    auto r = worker_->Register(src_.data(), src_.size());
+    ASSERT_OK(r.status());
+    reg_ = *std::move(r);
+  }
+
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<v1::KVTier::Stub> stub_;
+  uint64_t profile_id_ = 0;
+  uint64_t block_bytes_ = 0;
+  std::vector<std::byte> src_;
+  std::shared_ptr<ucx::Registration> reg_;
+};
+
+TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
+  RegisterSource(1);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  const BlockKey key = client::TestKeyChain(3, 0, 1)[0];
+
+  v1::PutUcxRequest req = OneBlockPut(session, key);
+  req.mutable_regions(0)->set_rkey(std::string(40, '\xa5'));
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("rkeys[0] does not unpack")));
+  req = OneBlockPut(session, key);
+  req.mutable_regions(0)->set_rkey(reg_->packed_rkey().substr(0, reg_->packed_rkey().size() - 1));
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("rkeys[0] does not unpack")));
+
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->mutable_segments(0)->set_length(block_bytes_ - 64);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("segments add up to")));
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->mutable_segments(0)->set_address(
+      reinterpret_cast<uint64_t>(src_.data()) + 64);  // runs past the end of the region
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("expected a non-empty range inside regions[0]")));
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->mutable_segments(0)->set_region(3);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(".region is 3")));
+
+  // The bytes pulled do not match the CRC32C the client declared (changed mid-transfer).
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->set_crc32c(req.blocks(0).crc32c() ^ 1);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("nothing was stored")));
+
+  req = OneBlockPut(session ^ 0x5a5a, key);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kNotFound, HasSubstr("UCX session")));
+
+  EXPECT_THAT(OpenSession("").status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker_address")));
+  EXPECT_EQ(Present(key), 0u);  // none of the above stored anything
+
+  // The daemon is fine: the well-formed request stores the block, byte-exact.
+  ASSERT_OK(Put(OneBlockPut(session, key)));
+  EXPECT_EQ(Present(key), 1u);
+  auto c = Connect(Transport::kInline);
+  std::vector<std::byte> back(block_bytes_);
+  std::vector<std::span<std::byte>> out = {back};
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(Profile{profile_id_, block_bytes_}, std::span(&key, 1), out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(3, 0, back));
+  EXPECT_OK(CloseSession(session));
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+}
+
+TEST_P(RawUcxTest, BufferRewrittenDuringTheTransferIsNeverVisibleHalfWritten) {
+  // A client that deregisters and reuses its buffer while the daemon pulls it: the daemon
+  // either pulled the old bytes completely (stored, byte-exact) or refuses the request.
+  constexpr size_t kBlocks = 8;
+  RegisterSource(kBlocks);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  std::vector<BlockKey> keys = client::TestKeyChain(3, 0, kBlocks);
+  v1::PutUcxRequest req = OneBlockPut(session, keys[0]);
+  for (size_t i = 1; i < kBlocks; ++i) {
+    v1::UcxBlock* b = req.add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(keys[i].data()), 32));
+    v1::UcxSegment* s = b->add_segments();
+    s->set_address(reinterpret_cast<uint64_t>(src_.data()) + i * block_bytes_);
+    s->set_length(block_bytes_);
+    b->set_crc32c(Crc32c(std::span(src_).subspan(i * block_bytes_, block_bytes_)));
+  }
+  std::atomic<bool> started{false};
+  std::thread scribbler([&] {
+    while (!started.load()) std::this_thread::yield();
+    for (size_t i = 0; i < src_.size(); i += 4096) src_[i] = std::byte{0xee};
+  });
+  started = true;
+  absl::Status s = Put(req);
+  scribbler.join();
+  size_t present = 0;
+  for (const BlockKey& k : keys) present += Present(k);
+  if (s.ok()) {
+    auto c = Connect(Transport::kInline);
+    std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(block_bytes_));
+    std::vector<std::span<std::byte>> out(back.begin(), back.end());
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(Profile{profile_id_, block_bytes_}, keys, out));
+    for (size_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(found[i] && client::IsTestBlock(3, i, back[i]));
+  } else {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
+    EXPECT_EQ(present, 0u);
+  }
+}
+
+TEST_P(UcxIntegrationTest, DroppingARegionMidTransferWaitsForTheTransfer) {
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel(64)));  // 1 MiB blocks
+  constexpr size_t kBlocks = 32;
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  std::vector<BlockKey> keys = client::TestKeyChain(11, 0, kBlocks);
+  std::vector<std::span<const std::byte>> in;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(11, i, b);
+    in.push_back(b);
+  }
+  auto region = std::make_unique<client::MemoryRegion>();
+  ASSERT_OK_AND_ASSIGN(*region, c->RegisterMemory(cache.data(), cache.size()));
+  absl::StatusOr<std::vector<PutOutcome>> outcomes;
+  std::thread putter([&] { outcomes = c->Put(p, keys, in); });
+  absl::SleepFor(absl::Milliseconds(2));
+  region.reset();  // the caller deregisters while the daemon may be pulling
+  putter.join();
+  ASSERT_OK(outcomes.status());
+  std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> out(back.begin(), back.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+  for (size_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(found[i] && client::IsTestBlock(11, i, back[i]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxIntegrationTest, ::testing::Values("tcp", "posix,self"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "tcp" ? "tcp" : "shm";
+                         });
+INSTANTIATE_TEST_SUITE_P(Transports, RawUcxTest, ::testing::Values("tcp", "posix,self"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "tcp" ? "tcp" : "shm";
+                         });
+
+}  // namespace
+}  // namespace proxima
