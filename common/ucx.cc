@@ -402,6 +402,15 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
                                                    remote_address.size(),
                                                    " bytes; expected 1..", kMaxWorkerAddressBytes));
   }
+  // UCX parses the address without a length and asserts on an unknown version (aborting the
+  // process): the header byte (format version and flags) must be what this same UCX build
+  // writes, and the rest is read from a zero-padded copy.
+  if (remote_address.size() < 9 || remote_address[0] != address_[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX worker address of ", remote_address.size(),
+        " bytes has an unknown header; expected an address packed by UCX ", UCP_API_MAJOR, ".",
+        UCP_API_MINOR, " (ucp_worker_query)"));
+  }
   auto state = std::make_shared<Endpoint::State>();
   state->worker = this;
   state->id = next_endpoint_id_.fetch_add(1);

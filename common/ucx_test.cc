@@ -100,8 +100,18 @@ TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {
 TEST_P(UcxTest, MalformedWorkerAddressIsRefused) {
   EXPECT_THAT(a_->Connect("", absl::Now() + absl::Seconds(5)).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
-  absl::Status s = a_->Connect(std::string(64, '\x11'), absl::Now() + absl::Seconds(5)).status();
-  EXPECT_FALSE(s.ok());
+  for (std::string bad : {std::string(64, '\x11'), std::string(3, '\xff'), std::string(100, 0)}) {
+    EXPECT_THAT(a_->Connect(bad, absl::Now() + absl::Seconds(5)).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown header")));
+  }
+  if (std::string(GetParam()) == "tcp") {
+    // A cut-short real address: refused by UCX. (Over shared memory UCX 1.13 asserts on some
+    // of these while creating the endpoint, which aborts the process: a known limitation.)
+    const std::string real = b_->address();
+    for (std::string bad : {real.substr(0, 12), real.substr(0, real.size() / 2)}) {
+      EXPECT_FALSE(a_->Connect(bad, absl::Now() + absl::Seconds(5)).ok());
+    }
+  }
   EXPECT_EQ(a_->live_endpoints(), 0);
 }
 

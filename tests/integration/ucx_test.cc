@@ -363,7 +363,12 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
   req = OneBlockPut(session ^ 0x5a5a, key);
   EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kNotFound, HasSubstr("UCX session")));
 
-  EXPECT_THAT(OpenSession("").status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker_address")));
+  EXPECT_THAT(OpenSession("").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker_address")));
+  for (std::string garbage : {std::string(64, '\x11'), std::string(3, '\xff')}) {
+    EXPECT_THAT(OpenSession(garbage).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown header")));
+  }
   EXPECT_EQ(Present(key), 0u);  // none of the above stored anything
 
   // The daemon is fine: the well-formed request stores the block, byte-exact.
@@ -441,6 +446,97 @@ TEST_P(UcxIntegrationTest, DroppingARegionMidTransferWaitsForTheTransfer) {
   std::vector<std::span<std::byte>> out(back.begin(), back.end());
   ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
   for (size_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(found[i] && client::IsTestBlock(11, i, back[i]));
+}
+
+TEST_P(RawUcxTest, ConnectDisconnectCyclesLeakNothing) {
+  // 10,000 sessions (endpoints) opened and closed: the daemon's own metrics and its open file
+  // descriptors return to where they were.
+  const int cycles = 10000;
+  ASSERT_OK_AND_ASSIGN(uint64_t first, OpenSession(worker_->address()));
+  ASSERT_OK(CloseSession(first));
+  ASSERT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  const int fds_before = OpenFds(daemon_->pid());
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < cycles; ++i) {
+    absl::StatusOr<uint64_t> session = OpenSession(worker_->address());
+    ASSERT_OK(session.status()) << "cycle " << i;
+    ASSERT_OK(CloseSession(*session));
+  }
+  const absl::Duration took = absl::Now() - start;
+  std::fprintf(stderr, "%d connect/disconnect cycles over %s in %s\n", cycles, GetParam(),
+               absl::FormatDuration(took).c_str());
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);  // the arena, nothing else
+  // A few descriptors may still be closing (TCP teardown); none per cycle.
+  EXPECT_LE(OpenFds(daemon_->pid()), fds_before + 8);
+  EXPECT_GT(OpenFds(daemon_->pid()), 0);
+}
+
+TEST_P(UcxIntegrationTest, ClientKilledMidTransferLeavesNoPartialBlockAndNoSession) {
+  if (std::string(GetParam()) != "tcp") {
+    GTEST_SKIP() << "UCX 1.13's shared-memory transports have no peer failure detection; a "
+                    "killed shared-memory client is caught by its next transfer or deadline";
+  }
+  // proximactl load over UCX with 4 MiB blocks, killed (SIGKILL) while it moves bytes.
+  for (int round = 0; round < 2; ++round) {
+    testing::CommandResult r = testing::RunCommand(
+        {"/usr/bin/timeout", "-s", "KILL", "1.5", testing::ProximactlPath(), "load",
+         "--target=" + daemon_->tcp_target(), "--transport=ucx", "--clients=2", "--duration=30",
+         "--tokens_per_block=256", "--batch=8", "--working_set=16", "--get_fraction=0.5"},
+        absl::Seconds(30));
+    EXPECT_EQ(r.exit_code, -1) << r.out << r.err;  // killed, not finished
+  }
+  // The daemon notices the dead peers and drops their sessions and endpoints.
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"), 0);
+  // Every block that is visible is complete and intact (proximactl load's chains: seeds 1000+c).
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile([] {
+    v1::ModelProfile m = TestModel(256);
+    m.set_fingerprint("proximactl-test");
+    return m;
+  }()));
+  size_t visible = 0;
+  for (uint64_t seed : {1000, 1001}) {
+    std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, 16);
+    std::vector<std::vector<std::byte>> back(16, std::vector<std::byte>(p.block_bytes));
+    std::vector<std::span<std::byte>> out(back.begin(), back.end());
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+    for (size_t i = 0; i < 16; ++i) {
+      if (!found[i]) continue;
+      ++visible;
+      EXPECT_TRUE(client::IsTestBlock(seed, i, back[i])) << seed << "/" << i;
+    }
+  }
+  EXPECT_GT(visible, 0u);
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+  EXPECT_EQ(stats.crc_failures(), 0u);
+}
+
+TEST(UcxDisabledTest, AutoFallsBackToInlineAndForcedUcxFails) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"ucx.enabled=false"}));
+  ClientOptions options;
+  options.target = daemon->tcp_target();
+  ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(options));
+  EXPECT_EQ(c->transport(), Transport::kInline);
+  EXPECT_THAT(c->transport_detail(), HasSubstr("proximad has UCX disabled"));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  std::vector<std::byte> block(p.block_bytes);
+  client::FillTestBlock(4, 0, block);
+  std::vector<std::span<const std::byte>> in = {block};
+  std::vector<BlockKey> keys = client::TestKeyChain(4, 0, 1);
+  ASSERT_OK(c->Put(p, keys, in).status());
+  options.transport = Transport::kUcx;
+  EXPECT_THAT(Client::Connect(options).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("transport ucx requested, but: proximad has UCX disabled")));
+  testing::CommandResult info = testing::RunCommand(
+      {testing::ProximactlPath(), "info", "--target=" + daemon->tcp_target(), "--json"});
+  EXPECT_THAT(info.out, HasSubstr("\"transport\":\"inline\""));
+  EXPECT_EQ(Metric(*daemon, "proxima_ucx_sessions"), -1);  // no UCX series at all
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxIntegrationTest, ::testing::Values("tcp", "posix,self"),
