@@ -20,6 +20,8 @@ constexpr size_t kMaxWorkerAddressBytes = 64 * 1024;
 constexpr absl::Duration kAbortGrace = absl::Seconds(5);
 // How long ~Worker progresses outstanding closes before giving up on them.
 constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
+// How long the progress thread keeps polling after its last event before it sleeps.
+constexpr absl::Duration kSpinAfterActivity = absl::Microseconds(200);
 
 std::vector<char> Padded(const std::string& blob) {
   std::vector<char> buf(blob.size() + kPeerBlobPadding, 0);
@@ -242,6 +244,7 @@ bool Worker::RunAndWait(std::function<void()> task, absl::Time deadline) {
 
 void Worker::ProgressLoop() {
   absl::Time stop_deadline = absl::InfiniteFuture();
+  absl::Time last_activity = absl::Now();
   for (;;) {
     std::deque<std::function<void()>> batch;
     bool stop = false;
@@ -257,7 +260,13 @@ void Worker::ProgressLoop() {
       ucp_worker_progress(worker_);
       continue;
     }
-    if (ucp_worker_progress(worker_) != 0 || !batch.empty()) continue;
+    if (ucp_worker_progress(worker_) != 0 || !batch.empty()) {
+      last_activity = absl::Now();
+      continue;
+    }
+    // Keep polling briefly after activity: a transfer is a burst of fragments, and sleeping in
+    // the kernel between them (arm + wait) costs a wake-up each. Idle workers sleep.
+    if (absl::Now() - last_activity < kSpinAfterActivity) continue;
     ucs_status_t s = ucp_worker_arm(worker_);
     if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
     {

@@ -3,15 +3,17 @@
 #   scripts/bench.sh put_get     proximad inline gRPC vs Redis, 256 KiB and 2 MiB blocks, 4 clients
 #   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
 #   scripts/bench.sh quality     perplexity/KL/top-1 per codec plan on SmolLM2 (tools/eval; long)
+#   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC and Redis; tcp and shm
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | transfer)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
   put_get) export PROXIMA_TARGETS="proximad put_get_bench" ;;
   codec) export PROXIMA_TARGETS="codec_bench" ;;
+  transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -22,5 +24,6 @@ case "$NAME" in
   codec) exec ./scripts/bench-codec.sh \
            --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --working_set_mb=64 "$@" ;;
   quality) exec ./scripts/bench-quality.sh "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality)" >&2; exit 2 ;;
+  transfer) exec ./build-bench/bench/transfer_bench "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, transfer)" >&2; exit 2 ;;
 esac
