@@ -139,7 +139,6 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   proxima::log::SetMinLevel(proxima::log::Level::kWarning);
   signal(SIGPIPE, SIG_IGN);
-  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   char tmpl[] = "/tmp/proxima-transfer-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   const int redis_port = proxima::bench::FreePort();
