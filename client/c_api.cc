@@ -67,8 +67,32 @@ const char* proxima_last_error(void) { return g_last_error.c_str(); }
 proxima_status proxima_connect(const char* target, const char* namespace_name,
                                int64_t connect_timeout_ms, int64_t call_timeout_ms,
                                proxima_client** client_out) {
+  return proxima_connect_with_transport(target, namespace_name, connect_timeout_ms,
+                                        call_timeout_ms, PROXIMA_TRANSPORT_AUTO, client_out);
+}
+
+proxima_status proxima_connect_with_transport(const char* target, const char* namespace_name,
+                                              int64_t connect_timeout_ms,
+                                              int64_t call_timeout_ms,
+                                              proxima_transport transport,
+                                              proxima_client** client_out) {
   PROXIMA_C_REQUIRE(target != nullptr && client_out != nullptr, "target and client_out are required");
   proxima::client::ClientOptions options;
+  switch (transport) {
+    case PROXIMA_TRANSPORT_AUTO:
+      options.transport = proxima::client::Transport::kAuto;
+      break;
+    case PROXIMA_TRANSPORT_UCX:
+      options.transport = proxima::client::Transport::kUcx;
+      break;
+    case PROXIMA_TRANSPORT_INLINE:
+      options.transport = proxima::client::Transport::kInline;
+      break;
+    default:
+      return Fail(absl::StatusCode::kInvalidArgument,
+                  "transport " + std::to_string(static_cast<int>(transport)) +
+                      " is unknown; expected PROXIMA_TRANSPORT_AUTO, _UCX or _INLINE");
+  }
   options.target = target;
   if (namespace_name != nullptr) options.namespace_name = namespace_name;
   if (connect_timeout_ms > 0) options.connect_timeout = absl::Milliseconds(connect_timeout_ms);
@@ -82,6 +106,31 @@ proxima_status proxima_connect(const char* target, const char* namespace_name,
 }
 
 void proxima_close(proxima_client* client) { delete client; }
+
+struct proxima_memory_region {
+  proxima::client::MemoryRegion region;
+};
+
+proxima_status proxima_transport_in_use(proxima_client* c, proxima_transport* transport_out) {
+  PROXIMA_C_REQUIRE(c != nullptr && transport_out != nullptr,
+                    "client and transport_out are required");
+  *transport_out = c->client->transport() == proxima::client::Transport::kUcx
+                       ? PROXIMA_TRANSPORT_UCX
+                       : PROXIMA_TRANSPORT_INLINE;
+  return PROXIMA_OK;
+}
+
+proxima_status proxima_register_memory(proxima_client* c, void* data, size_t size,
+                                       proxima_memory_region** region_out) {
+  PROXIMA_C_REQUIRE(c != nullptr && data != nullptr && size > 0 && region_out != nullptr,
+                    "client, data, size > 0 and region_out are required");
+  auto region = c->client->RegisterMemory(data, size);
+  if (!region.ok()) return Fail(region.status());
+  *region_out = new proxima_memory_region{*std::move(region)};
+  return PROXIMA_OK;
+}
+
+void proxima_deregister_memory(proxima_memory_region* region) { delete region; }
 
 proxima_status proxima_register_profile(proxima_client* c, const proxima_model_profile* p,
                                         uint64_t* profile_id_out, uint64_t* block_bytes_out) {

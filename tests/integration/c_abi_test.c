@@ -19,6 +19,20 @@ int main(int argc, char** argv) {
   CHECK(proxima_abi_version() == PROXIMA_ABI_VERSION, "abi version");
   proxima_client* c = NULL;
   CHECK(proxima_connect(argv[1], "default", 5000, 10000, &c) == PROXIMA_OK, "connect");
+  proxima_transport transport = PROXIMA_TRANSPORT_AUTO;
+  CHECK(proxima_transport_in_use(c, &transport) == PROXIMA_OK && transport == PROXIMA_TRANSPORT_UCX,
+        "auto picks UCX against a local proximad");
+  proxima_client* inline_client = NULL;
+  CHECK(proxima_connect_with_transport(argv[1], "default", 5000, 10000, PROXIMA_TRANSPORT_INLINE,
+                                       &inline_client) == PROXIMA_OK,
+        "connect inline");
+  CHECK(proxima_transport_in_use(inline_client, &transport) == PROXIMA_OK &&
+            transport == PROXIMA_TRANSPORT_INLINE,
+        "forced inline");
+  proxima_close(inline_client);
+  CHECK(proxima_connect_with_transport(argv[1], "default", 5000, 10000, (proxima_transport)7,
+                                       &inline_client) == 3,
+        "unknown transport is INVALID_ARGUMENT");
   proxima_model_profile profile = {2, 2, 64, 16, PROXIMA_DTYPE_FP16, "c-abi-model"};
   uint64_t id = 0, block_bytes = 0;
   CHECK(proxima_register_profile(c, &profile, &id, &block_bytes) == PROXIMA_OK, "register");
@@ -33,6 +47,11 @@ int main(int argc, char** argv) {
     blocks[i] = malloc(block_bytes);
     out[i] = malloc(block_bytes);
     for (uint64_t j = 0; j < block_bytes; ++j) blocks[i][j] = (unsigned char)(j * 7 + i);
+  }
+  proxima_memory_region* regions[N];
+  for (int i = 0; i < N; ++i) {
+    CHECK(proxima_register_memory(c, blocks[i], block_bytes, &regions[i]) == PROXIMA_OK,
+          "register memory");
   }
   int32_t outcomes[N];
   CHECK(proxima_put(c, id, 2, keys, (const void* const*)blocks, outcomes) == PROXIMA_OK, "put");
@@ -59,6 +78,7 @@ int main(int argc, char** argv) {
   proxima_client* dead = NULL;
   CHECK(proxima_connect("127.0.0.1:1", "default", 300, 300, &dead) == 14 && dead == NULL,
         "dead daemon is UNAVAILABLE");
+  for (int i = 0; i < N; ++i) proxima_deregister_memory(regions[i]);
   for (int i = 0; i < N; ++i) {
     free(blocks[i]);
     free(out[i]);
