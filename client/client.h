@@ -108,6 +108,7 @@ class Client {
   // Registers [data, data + size) for UCX once (e.g. a worker's whole KV cache), so that later
   // Put/Get of blocks inside it move with no registration cost. Over inline, a no-op handle.
   // Buffers that are not inside a registered region are registered for the duration of a call.
+  // REQUIRES: every MemoryRegion is dropped before the Client.
   absl::StatusOr<MemoryRegion> RegisterMemory(void* data, size_t size);
 
   // Registers `profile` in the client's namespace (idempotent; the id is stable).

@@ -150,7 +150,7 @@ class Worker {
   int64_t live_registrations() const { return live_registrations_.load(); }
   // Endpoints that failed because their peer did (since start).
   uint64_t peer_failures() const { return peer_failures_.load(); }
-  // The transports UCX would use for a worker like this one (from its context), e.g. "tcp".
+  // The name given to Create() (shows in UCX's logs).
   const std::string& name() const { return name_; }
 
  private:
