@@ -132,8 +132,7 @@ v1::ModelProfile BenchModel(uint64_t block_bytes) {
   return model;
 }
 
-Result RunProxima(const std::string& target, const LoadShape& shape,
-                  client::Transport transport) {
+Result RunProxima(const std::string& target, const LoadShape& shape, client::Transport transport) {
   const int clients = shape.clients, batch = shape.batch, rounds = shape.rounds;
   const uint64_t block_bytes = shape.block_bytes;
   const size_t blocks_per_client = shape.blocks_per_client;

@@ -40,8 +40,7 @@ struct Result {
 // Redis on 127.0.0.1:port: SET/GET pipelined `batch` deep.
 Result RunRedis(int port, const LoadShape& shape);
 // proximad at `target` with `transport`. Over UCX each client registers its buffers once.
-Result RunProxima(const std::string& target, const LoadShape& shape,
-                  client::Transport transport);
+Result RunProxima(const std::string& target, const LoadShape& shape, client::Transport transport);
 // Per-metric median over repeated runs; errors add up.
 Result Median(std::vector<Result> runs);
 // A profile whose raw block is exactly block_bytes (a multiple of 64 KiB).

@@ -93,8 +93,7 @@ double PerftestGbps(const std::string& dir, const std::string& test, uint64_t si
 }
 
 void PrintThroughput(const char* metric, const std::string& transport, uint64_t block_bytes,
-                     int clients, double value, double perftest, double inline_gbps,
-                     double redis) {
+                     int clients, double value, double perftest, double inline_gbps, double redis) {
   std::printf(
       "{\"bench\":\"transfer\",\"metric\":\"%s\",\"transport\":\"%s\",\"block_bytes\":%llu,"
       "\"clients\":%d,\"value\":%.3f,\"unit\":\"GB/s\",\"baselines\":{\"ucx_perftest\":%.3f,"
@@ -123,8 +122,8 @@ std::pair<double, double> GetLatency(const std::string& target, Transport transp
   for (int i = 0; i < absl::GetFlag(FLAGS_latency_gets); ++i) {
     auto t0 = std::chrono::steady_clock::now();
     auto found = (*c)->Get(*profile, key, out);
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                     .count());
+    us.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     if (!found.ok() || !(*found)[0] || !proxima::client::IsTestBlock(424242, 0, block)) {
       return {-1, -1};
     }
@@ -169,17 +168,17 @@ int main(int argc, char** argv) {
     const std::string target = absl::StrCat("127.0.0.1:", port);
     {
       auto probe = proxima::client::Client::Connect({.target = target});
-      std::fprintf(stderr, "# UCX_TLS=%s: client transport %s\n", tls.c_str(),
-                   probe.ok() ? (*probe)->transport_detail().c_str()
-                              : probe.status().ToString().c_str());
+      std::fprintf(
+          stderr, "# UCX_TLS=%s: client transport %s\n", tls.c_str(),
+          probe.ok() ? (*probe)->transport_detail().c_str() : probe.status().ToString().c_str());
     }
     for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
       const uint64_t block_bytes = std::stoull(std::string(s));
       const double perf_get = PerftestGbps(dir, "ucp_get", block_bytes);
       const double perf_put = PerftestGbps(dir, "ucp_put_bw", block_bytes);
       for (int clients : client_counts) {
-        const size_t blocks =
-            std::max<size_t>(1, static_cast<size_t>(per_client / static_cast<int64_t>(block_bytes)));
+        const size_t blocks = std::max<size_t>(
+            1, static_cast<size_t>(per_client / static_cast<int64_t>(block_bytes)));
         const LoadShape shape{clients, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_rounds),
                               block_bytes, blocks};
         std::vector<Result> ucx_runs, inline_runs, redis_runs;

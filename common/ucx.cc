@@ -114,7 +114,7 @@ struct Worker::TransferState {
   std::shared_ptr<Endpoint::State> endpoint;
   std::vector<ucp_rkey_h> rkeys;
   std::shared_ptr<const void> keep_alive;
-  int pending = 0;  // progress thread only
+  int pending = 0;      // progress thread only
   absl::Status result;  // written before `done` is notified
   proxima::Notification done;
 };
@@ -344,8 +344,8 @@ void Worker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
   {
     proxima::MutexLock lock(&state->mu);
     if (state->failure.empty()) {
-      state->failure = absl::StrCat("UCX peer of endpoint ", state->id,
-                                    " failed: ", ucs_status_string(status));
+      state->failure =
+          absl::StrCat("UCX peer of endpoint ", state->id, " failed: ", ucs_status_string(status));
     }
   }
   w->peer_failures_.fetch_add(1);
@@ -407,18 +407,17 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
                                                           absl::Time deadline,
                                                           std::function<void()> on_failure) {
   if (remote_address.empty() || remote_address.size() > kMaxWorkerAddressBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("UCX worker address is ",
-                                                   remote_address.size(),
+    return absl::InvalidArgumentError(absl::StrCat("UCX worker address is ", remote_address.size(),
                                                    " bytes; expected 1..", kMaxWorkerAddressBytes));
   }
   // UCX parses the address without a length and asserts on an unknown version (aborting the
   // process): the header byte (format version and flags) must be what this same UCX build
   // writes, and the rest is read from a zero-padded copy.
   if (remote_address.size() < 9 || remote_address[0] != address_[0]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "UCX worker address of ", remote_address.size(),
-        " bytes has an unknown header; expected an address packed by UCX ", UCP_API_MAJOR, ".",
-        UCP_API_MINOR, " (ucp_worker_query)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX worker address of ", remote_address.size(),
+                     " bytes has an unknown header; expected an address packed by UCX ",
+                     UCP_API_MAJOR, ".", UCP_API_MINOR, " (ucp_worker_query)"));
   }
   auto state = std::make_shared<Endpoint::State>();
   state->worker = this;
@@ -504,14 +503,13 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   for (size_t i = 0; i < packed_rkeys.size(); ++i) {
     if (packed_rkeys[i].empty() || packed_rkeys[i].size() > kMaxPackedRkeyBytes) {
       return absl::InvalidArgumentError(absl::StrCat("rkey ", i, " is ", packed_rkeys[i].size(),
-                                                     " bytes; expected 1..",
-                                                     kMaxPackedRkeyBytes));
+                                                     " bytes; expected 1..", kMaxPackedRkeyBytes));
     }
   }
   for (size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].rkey >= packed_rkeys.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("operation ", i, " names rkey ", ops[i].rkey,
-                                                     " of ", packed_rkeys.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("operation ", i, " names rkey ", ops[i].rkey, " of ", packed_rkeys.size()));
     }
   }
   auto st = std::make_shared<TransferState>();
@@ -535,8 +533,8 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       ucp_rkey_h rkey = nullptr;
       ucs_status_t s = ucp_ep_rkey_unpack(ep, rkeys[i].data(), &rkey);
       if (s != UCS_OK) {
-        st->result = absl::InvalidArgumentError(absl::StrCat(
-            "rkeys[", i, "] does not unpack: ", ucs_status_string(s)));
+        st->result = absl::InvalidArgumentError(
+            absl::StrCat("rkeys[", i, "] does not unpack: ", ucs_status_string(s)));
         break;
       }
       st->rkeys.push_back(rkey);
@@ -589,9 +587,9 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
                              "buffers stay allocated until it completes"
                           << log::Kv("endpoint", endpoint.id());
   }
-  return absl::UnavailableError(absl::StrCat(
-      "UCX transfer on endpoint ", endpoint.id(),
-      " did not finish before the call's deadline; the endpoint is closed"));
+  return absl::UnavailableError(
+      absl::StrCat("UCX transfer on endpoint ", endpoint.id(),
+                   " did not finish before the call's deadline; the endpoint is closed"));
 }
 
 }  // namespace proxima::ucx

@@ -107,7 +107,7 @@ struct Op {
   std::byte* local = nullptr;
   size_t length = 0;
   uint64_t remote_address = 0;
-  uint32_t rkey = 0;                       // index into Transfer()'s packed_rkeys
+  uint32_t rkey = 0;                         // index into Transfer()'s packed_rkeys
   const Registration* local_memh = nullptr;  // registration covering `local`, if any (faster)
 };
 
@@ -184,7 +184,7 @@ class Worker {
   // Progress-thread only.
   std::vector<std::shared_ptr<TransferState>> in_flight_;
   std::vector<std::shared_ptr<Endpoint::State>> endpoints_;
-  int closing_ = 0;  // ep close requests not yet completed
+  int closing_ = 0;                         // ep close requests not yet completed
   bool peer_handling_unsupported_ = false;  // the transports in use cannot detect failed peers
   // Endpoints without peer error handling whose peer stopped answering (see Endpoint::State).
   std::vector<std::shared_ptr<Endpoint::State>> abandoned_;

@@ -78,16 +78,18 @@ TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {
   for (std::string garbage : {std::string(1, '\xff'), std::string(40, '\xa5'), std::string(9, 0)}) {
     std::vector<Op> ops = {{Op::kGet, buf.data(), buf.size(), base, 0, nullptr}};
     std::vector<std::string> rkeys = {garbage};
-    EXPECT_THAT(a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(10)),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
+    EXPECT_THAT(
+        a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(10)),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
   }
   // A real key with a corrupted memory-domain size, and one cut short.
   std::string real = (*reg)->packed_rkey();
   for (std::string bad : {real.substr(0, real.size() / 2), real + std::string(64, 'x')}) {
     std::vector<Op> ops = {{Op::kGet, buf.data(), buf.size(), base, 0, nullptr}};
     std::vector<std::string> rkeys = {bad};
-    EXPECT_THAT(a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(10)),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
+    EXPECT_THAT(
+        a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(10)),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
   }
   std::vector<std::string> none = {""};
   std::vector<Op> ops = {{Op::kGet, buf.data(), buf.size(), base, 0, nullptr}};
@@ -125,8 +127,8 @@ TEST_P(UcxTest, PeerThatDisappearsFailsTheEndpoint) {
   ASSERT_OK(ep.status());
   reg->reset();
   b_.reset();  // the peer's worker is gone
-  std::vector<Op> ops = {
-      {Op::kGet, local.data(), local.size(), reinterpret_cast<uint64_t>(remote.data()), 0, nullptr}};
+  std::vector<Op> ops = {{Op::kGet, local.data(), local.size(),
+                          reinterpret_cast<uint64_t>(remote.data()), 0, nullptr}};
   std::vector<std::string> rkeys = {rkey};
   absl::Status s = a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(3));
   // Either the peer failure is seen (UNAVAILABLE) or the deadline closes the endpoint
@@ -150,7 +152,8 @@ TEST_P(UcxTest, ConnectDisconnectCyclesLeaveNothingBehind) {
   EXPECT_EQ(a_->live_registrations(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UcxTest, ::testing::Values("tcp", "posix,self", "sysv,self", "sysv,cma,self"),
+INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
+                         ::testing::Values("tcp", "posix,self", "sysv,self", "sysv,cma,self"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            std::string n = info.param;
                            for (char& c : n) {

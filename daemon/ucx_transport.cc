@@ -34,27 +34,23 @@ absl::Status PlanBlocks(const char* method,
                         std::vector<std::string>* rkeys) {
   if (blocks.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no blocks"));
   if (static_cast<uint32_t>(blocks.size()) > max_blocks) {
-    return absl::ResourceExhaustedError(absl::StrCat(method, " has ", blocks.size(),
-                                                     " blocks; the limit is ", max_blocks,
-                                                     " per call"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        method, " has ", blocks.size(), " blocks; the limit is ", max_blocks, " per call"));
   }
   if (regions.empty() || regions.size() > UcxTransport::kMaxRegions) {
-    return absl::InvalidArgumentError(absl::StrCat(method, " has ", regions.size(),
-                                                   " regions; expected 1..",
-                                                   UcxTransport::kMaxRegions));
+    return absl::InvalidArgumentError(absl::StrCat(
+        method, " has ", regions.size(), " regions; expected 1..", UcxTransport::kMaxRegions));
   }
   for (int r = 0; r < regions.size(); ++r) {
     const v1::UcxRegion& region = regions[r];
     if (region.length() == 0 || region.address() + region.length() < region.address()) {
-      return absl::InvalidArgumentError(absl::StrCat(method, " regions[", r, "] has address ",
-                                                     region.address(), " and length ",
-                                                     region.length(),
-                                                     "; expected a non-empty range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, " regions[", r, "] has address ", region.address(), " and length ",
+                       region.length(), "; expected a non-empty range"));
     }
     if (region.rkey().empty() || region.rkey().size() > ucx::kMaxPackedRkeyBytes) {
       return absl::InvalidArgumentError(absl::StrCat(method, " regions[", r, "].rkey is ",
-                                                     region.rkey().size(),
-                                                     " bytes; expected 1..",
+                                                     region.rkey().size(), " bytes; expected 1..",
                                                      ucx::kMaxPackedRkeyBytes));
     }
     rkeys->push_back(region.rkey());
@@ -63,43 +59,40 @@ absl::Status PlanBlocks(const char* method,
   for (int b = 0; b < blocks.size(); ++b) {
     const v1::UcxBlock& block = blocks[b];
     if (block.key().size() != kKeyBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(method, " blocks[", b, "].key is ",
-                                                     block.key().size(),
-                                                     " bytes; keys are exactly ", kKeyBytes,
-                                                     " bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, " blocks[", b, "].key is ", block.key().size(),
+                       " bytes; keys are exactly ", kKeyBytes, " bytes"));
     }
     if (block.segments().empty() || block.segments_size() > UcxTransport::kMaxSegmentsPerBlock) {
-      return absl::InvalidArgumentError(absl::StrCat(method, " blocks[", b, "] has ",
-                                                     block.segments_size(),
-                                                     " segments; expected 1..",
-                                                     UcxTransport::kMaxSegmentsPerBlock));
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, " blocks[", b, "] has ", block.segments_size(),
+                       " segments; expected 1..", UcxTransport::kMaxSegmentsPerBlock));
     }
     uint64_t total = 0;
     for (int s = 0; s < block.segments_size(); ++s) {
       const v1::UcxSegment& seg = block.segments(s);
       if (seg.region() >= static_cast<uint32_t>(regions.size())) {
-        return absl::InvalidArgumentError(absl::StrCat(method, " blocks[", b, "].segments[", s,
-                                                       "].region is ", seg.region(),
-                                                       "; the request has ", regions.size(),
-                                                       " regions"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(method, " blocks[", b, "].segments[", s, "].region is ", seg.region(),
+                         "; the request has ", regions.size(), " regions"));
       }
       const v1::UcxRegion& region = regions[seg.region()];
       const uint64_t end = seg.address() + seg.length();
       if (seg.length() == 0 || end < seg.address() || seg.address() < region.address() ||
           end > region.address() + region.length()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            method, " blocks[", b, "].segments[", s, "] is [", seg.address(), ", +",
-            seg.length(), "); expected a non-empty range inside regions[", seg.region(), "] [",
-            region.address(), ", +", region.length(), ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(method, " blocks[", b, "].segments[", s, "] is [", seg.address(), ", +",
+                         seg.length(), "); expected a non-empty range inside regions[",
+                         seg.region(), "] [", region.address(), ", +", region.length(), ")"));
       }
       total += seg.length();
       if (total > block_bytes) break;
       (*segments)[b].push_back(Segment{seg.region(), seg.address(), seg.length()});
     }
     if (total != block_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          method, " blocks[", b, "] segments add up to ", total,
-          " bytes; the profile's blocks are ", block_bytes, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat(method, " blocks[", b, "] segments add up to ",
+                                                     total, " bytes; the profile's blocks are ",
+                                                     block_bytes, " bytes"));
     }
   }
   return absl::OkStatus();
@@ -181,8 +174,8 @@ absl::Status UcxTransport::Connect(const v1::ConnectUcxRequest& request,
     proxima::MutexLock lock(&mu_);
     if (sessions_.size() >= config_.max_sessions) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "proximad has ", sessions_.size(), " UCX sessions open; the limit is ucx.max_sessions = ",
-          config_.max_sessions));
+          "proximad has ", sessions_.size(),
+          " UCX sessions open; the limit is ucx.max_sessions = ", config_.max_sessions));
     }
     while (id == 0 || sessions_.contains(id)) id = session_ids_();
   }
@@ -237,16 +230,16 @@ absl::Status UcxTransport::Put(const v1::PutUcxRequest& request, v1::PutResponse
     for (size_t j = 0; j < blocks.size(); ++j) {
       size_t offset = 0;
       for (const Segment& s : segments[blocks[j]]) {
-        ops.push_back(ucx::Op{ucx::Op::kGet, dst[j].data() + offset, s.length, s.address,
-                              s.region, arena_.get()});
+        ops.push_back(ucx::Op{ucx::Op::kGet, dst[j].data() + offset, s.length, s.address, s.region,
+                              arena_.get()});
         offset += s.length;
       }
       pulled += dst[j].size();
     }
     return worker_->Transfer(*ep, rkeys, std::move(ops), std::move(owner), transfer_deadline);
   };
-  absl::Status status = core_->PutPulled(ns, request.profile_id(), profile, keys, crcs, pull,
-                                         response);
+  absl::Status status =
+      core_->PutPulled(ns, request.profile_id(), profile, keys, crcs, pull, response);
   if (absl::IsUnavailable(status)) DropSession(request.session_id());
   if (status.ok()) bytes_in_->Increment(pulled);
   return status;

@@ -1,6 +1,8 @@
 // Integration tests of the UCX data plane: the real proximad, real UCX between two processes on
 // loopback, over TCP (UCX_TLS=tcp) and over shared memory (UCX_TLS=posix,self). Driven through
 // libproxima, raw gRPC stubs with this process's own ucx::Worker, and proximactl.
+#include "common/ucx.h"
+
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -19,7 +21,6 @@
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
-#include "common/ucx.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
@@ -91,8 +92,8 @@ class UcxIntegrationTest : public ::testing::TestWithParam<const char*> {
     // Both processes pick their transports from the environment.
     setenv("UCX_TLS", GetParam(), 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-    auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB",
-                                   "server.max_batch_blocks=8"});
+    auto d =
+        DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB", "server.max_batch_blocks=8"});
     ASSERT_OK(d.status());
     daemon_ = *std::move(d);
   }
@@ -136,7 +137,8 @@ TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline)
 
   std::fill(cache.begin(), cache.end(), std::byte{0});
   std::vector<std::span<std::byte>> out;
-  for (size_t i = 0; i < kBlocks; ++i) out.emplace_back(cache.data() + i * p.block_bytes, p.block_bytes);
+  for (size_t i = 0; i < kBlocks; ++i)
+    out.emplace_back(cache.data() + i * p.block_bytes, p.block_bytes);
   std::vector<BlockKey> with_miss = keys;
   with_miss[7] = client::TestKeyChain(99, 0, 1)[0];
   ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, with_miss, out));
@@ -186,8 +188,10 @@ TEST_P(UcxIntegrationTest, ScatterGatherBlocksSpanManyBuffers) {
   constexpr size_t kBlocks = 6;
   const size_t layer_bytes = p.block_bytes / 4;
   std::vector<std::vector<std::byte>> layers(4, std::vector<std::byte>(kBlocks * layer_bytes));
-  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r0, c->RegisterMemory(layers[0].data(), layers[0].size()));
-  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r1, c->RegisterMemory(layers[1].data(), layers[1].size()));
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r0,
+                       c->RegisterMemory(layers[0].data(), layers[0].size()));
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r1,
+                       c->RegisterMemory(layers[1].data(), layers[1].size()));
   // layers[2] and [3] are not registered: registered for each call.
   std::vector<BlockKey> keys = client::TestKeyChain(7, 0, kBlocks);
   std::vector<std::vector<std::byte>> expected(kBlocks, std::vector<std::byte>(p.block_bytes));
@@ -212,7 +216,8 @@ TEST_P(UcxIntegrationTest, ScatterGatherBlocksSpanManyBuffers) {
   for (auto& l : layers) std::fill(l.begin(), l.end(), std::byte{0});
   std::vector<client::Segments> out(kBlocks);
   for (size_t b = 0; b < kBlocks; ++b) {
-    for (size_t l = 0; l < 4; ++l) out[b].push_back({layers[l].data() + b * layer_bytes, layer_bytes});
+    for (size_t l = 0; l < 4; ++l)
+      out[b].push_back({layers[l].data() + b * layer_bytes, layer_bytes});
   }
   ASSERT_OK_AND_ASSIGN(found, c->GetScattered(p, keys, out));
   for (size_t b = 0; b < kBlocks; ++b) {
@@ -334,20 +339,20 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
 
   v1::PutUcxRequest req = OneBlockPut(session, key);
   req.mutable_regions(0)->set_rkey(std::string(40, '\xa5'));
-  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("rkeys[0] does not unpack")));
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
   req = OneBlockPut(session, key);
   req.mutable_regions(0)->set_rkey(reg_->packed_rkey().substr(0, reg_->packed_rkey().size() - 1));
-  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("rkeys[0] does not unpack")));
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
 
   req = OneBlockPut(session, key);
   req.mutable_blocks(0)->mutable_segments(0)->set_length(block_bytes_ - 64);
-  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("segments add up to")));
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("segments add up to")));
   req = OneBlockPut(session, key);
-  req.mutable_blocks(0)->mutable_segments(0)->set_address(
-      reinterpret_cast<uint64_t>(src_.data()) + 64);  // runs past the end of the region
+  req.mutable_blocks(0)->mutable_segments(0)->set_address(reinterpret_cast<uint64_t>(src_.data()) +
+                                                          64);  // runs past the end of the region
   EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
                                  HasSubstr("expected a non-empty range inside regions[0]")));
   req = OneBlockPut(session, key);
@@ -357,8 +362,8 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
   // The bytes pulled do not match the CRC32C the client declared (changed mid-transfer).
   req = OneBlockPut(session, key);
   req.mutable_blocks(0)->set_crc32c(req.blocks(0).crc32c() ^ 1);
-  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("nothing was stored")));
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
 
   req = OneBlockPut(session ^ 0x5a5a, key);
   EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kNotFound, HasSubstr("UCX session")));
@@ -377,7 +382,8 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
   auto c = Connect(Transport::kInline);
   std::vector<std::byte> back(block_bytes_);
   std::vector<std::span<std::byte>> out = {back};
-  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(Profile{profile_id_, block_bytes_}, std::span(&key, 1), out));
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                       c->Get(Profile{profile_id_, block_bytes_}, std::span(&key, 1), out));
   EXPECT_TRUE(found[0] && client::IsTestBlock(3, 0, back));
   EXPECT_OK(CloseSession(session));
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
@@ -413,8 +419,10 @@ TEST_P(RawUcxTest, BufferRewrittenDuringTheTransferIsNeverVisibleHalfWritten) {
     auto c = Connect(Transport::kInline);
     std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(block_bytes_));
     std::vector<std::span<std::byte>> out(back.begin(), back.end());
-    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(Profile{profile_id_, block_bytes_}, keys, out));
-    for (size_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(found[i] && client::IsTestBlock(3, i, back[i]));
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                         c->Get(Profile{profile_id_, block_bytes_}, keys, out));
+    for (size_t i = 0; i < kBlocks; ++i)
+      EXPECT_TRUE(found[i] && client::IsTestBlock(3, i, back[i]));
   } else {
     EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
     EXPECT_EQ(present, 0u);
@@ -492,7 +500,8 @@ TEST_P(UcxIntegrationTest, ClientKilledMidTransferLeavesNoPartialBlockAndNoSessi
   // The daemon notices the dead peers and drops their sessions and endpoints.
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
-  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"), 0);
+  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            0);
   // Every block that is visible is complete and intact (proximactl load's chains: seeds 1000+c).
   auto c = Connect(Transport::kUcx);
   ASSERT_NE(c, nullptr);
