@@ -7,11 +7,14 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
 #include "common/credentials.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/mutex.h"
+#include "common/ucx.h"
 #include "proto/wire.h"
 
 namespace proxima::client {
@@ -76,6 +79,26 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
   return grpc::SslCredentials(ssl);
 }
 
+const char* TransportName(Transport t) {
+  switch (t) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kUcx:
+      return "ucx";
+    case Transport::kInline:
+      return "inline";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "ucx") return Transport::kUcx;
+  if (name == "inline") return Transport::kInline;
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport '", name, "' is unknown; expected auto, ucx or inline"));
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   if (status.error_code() == grpc::StatusCode::CANCELLED) {
@@ -120,14 +143,279 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   PROXIMA_RETURN_IF_ERROR(
       FromGrpc(client->stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
   client->server_info_ = ServerInfo{info.version(), info.max_message_bytes(),
-                                    info.max_batch_blocks(), info.max_lookup_keys()};
+                                    info.max_batch_blocks(), info.max_lookup_keys(),
+                                    info.ucx_enabled()};
   if (info.key_bytes() != kKeyBytes || info.max_batch_blocks() == 0 ||
       info.max_lookup_keys() == 0 || info.max_message_bytes() <= kMessageOverhead) {
     return absl::FailedPreconditionError(
         absl::StrCat("proximad at '", options.target, "' reports limits this client cannot use: ",
                      info.ShortDebugString()));
   }
+  client->transport_detail_ = "inline: chosen by the caller";
+  if (options.transport != Transport::kInline) {
+    absl::Status ucx = client->server_info_.ucx_enabled
+                           ? client->StartUcx()
+                           : absl::FailedPreconditionError("proximad has UCX disabled");
+    if (!ucx.ok()) {
+      if (options.transport == Transport::kUcx) {
+        return absl::Status(ucx.code(), absl::StrCat("transport ucx requested, but: ",
+                                                     ucx.message()));
+      }
+      client->ucx_worker_.reset();
+      client->transport_detail_ = absl::StrCat("inline: ", ucx.message());
+      PROXIMA_LOG(kInfo) << "UCX data plane not available; moving blocks inline"
+                         << log::Kv("target", options.target) << log::Kv("reason", ucx.message());
+    }
+  }
   return client;
+}
+
+absl::Status Client::StartUcx() {
+  PROXIMA_ASSIGN_OR_RETURN(ucx_worker_, ucx::Worker::Create("libproxima"));
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession());
+  transport_ = Transport::kUcx;
+  transport_detail_ = absl::StrFormat("ucx: session %016x", ucx_session_.load());
+  return absl::OkStatus();
+}
+
+template <typename Call>
+absl::Status Client::CallWithSession(Call&& call) {
+  absl::Status status = call();
+  if (status.code() != absl::StatusCode::kNotFound ||
+      !absl::StrContains(status.message(), "UCX session")) {
+    return status;
+  }
+  PROXIMA_LOG(kInfo) << "proximad forgot this client's UCX session (restart?); opening a new one"
+                     << log::Kv("target", options_.target);
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession());
+  return call();
+}
+
+absl::Status Client::OpenUcxSession() {
+  v1::ConnectUcxRequest request;
+  request.set_worker_address(ucx_worker_->address());
+  v1::ConnectUcxResponse response;
+  grpc::ClientContext context;
+  PrepareContext(&context, std::min(options_.call_timeout, options_.connect_timeout));
+  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
+  ucx_session_.store(response.session_id());
+  return absl::OkStatus();
+}
+
+Client::~Client() {
+  if (ucx_session_.load() != 0) {
+    v1::DisconnectUcxRequest request;
+    request.set_session_id(ucx_session_.load());
+    v1::DisconnectUcxResponse response;
+    grpc::ClientContext context;
+    PrepareContext(&context, absl::Seconds(2));  // the session is the token's: present it
+    stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
+  }
+}
+
+absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
+  if (transport_ != Transport::kUcx) return MemoryRegion();
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r,
+                           ucx_worker_->Register(data, size));
+  proxima::MutexLock lock(&regions_mu_);
+  regions_.erase(std::remove_if(regions_.begin(), regions_.end(),
+                                [](const auto& w) { return w.expired(); }),
+                 regions_.end());
+  regions_.push_back(r);
+  return MemoryRegion(std::move(r));
+}
+
+std::shared_ptr<ucx::Registration> Client::FindRegistration(const void* p, size_t n) {
+  proxima::MutexLock lock(&regions_mu_);
+  for (const auto& w : regions_) {
+    std::shared_ptr<ucx::Registration> r = w.lock();
+    if (r && r->Contains(p, n)) return r;
+  }
+  return nullptr;
+}
+
+template <typename Seg, typename Req>
+absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<const Seg> blocks,
+                                     size_t begin, size_t end, bool with_crc, Req* request,
+                                     std::vector<std::shared_ptr<ucx::Registration>>* held) {
+  request->set_namespace_name(options_.namespace_name);
+  absl::flat_hash_map<const ucx::Registration*, uint32_t> region_index;
+  for (size_t i = begin; i < end; ++i) {
+    v1::UcxBlock* block = request->add_blocks();
+    block->set_key(KeyString(keys[i]));
+    uint32_t crc = 0;
+    for (const auto& seg : blocks[i]) {
+      std::shared_ptr<ucx::Registration> r = FindRegistration(seg.data(), seg.size());
+      if (r == nullptr) {
+        // Not inside a registered region: register it for this call.
+        PROXIMA_ASSIGN_OR_RETURN(
+            r, ucx_worker_->Register(const_cast<std::byte*>(seg.data()), seg.size()));
+      }
+      auto [it, inserted] = region_index.try_emplace(r.get(), request->regions_size());
+      if (inserted) {
+        v1::UcxRegion* region = request->add_regions();
+        region->set_rkey(r->packed_rkey());
+        region->set_address(reinterpret_cast<uint64_t>(r->address()));
+        region->set_length(r->length());
+        held->push_back(r);
+      }
+      v1::UcxSegment* s = block->add_segments();
+      s->set_region(it->second);
+      s->set_address(reinterpret_cast<uint64_t>(seg.data()));
+      s->set_length(seg.size());
+      if (with_crc) crc = Crc32cExtend(crc, seg);
+    }
+    if (with_crc) block->set_crc32c(crc);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
+                                                       std::span<const BlockKey> keys,
+                                                       std::span<const ConstSegments> blocks) {
+  std::vector<PutOutcome> outcomes;
+  outcomes.reserve(keys.size());
+  const size_t per_call = server_info_.max_batch_blocks;
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::PutUcxRequest request;
+    request.set_profile_id(profile.id);
+    std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
+    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, &request, &held));
+    v1::PutResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithSession([&] {
+      return CallWithProfile(profile, [&] {
+        grpc::ClientContext context;
+        PrepareContext(&context);
+        request.set_session_id(ucx_session_.load());
+        response.Clear();
+        return FromGrpc(stub_->PutUcx(&context, request, &response));
+      });
+    }));
+    if (response.outcomes_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
+                                              " outcomes for ", end - begin, " blocks"));
+    }
+    for (int o : response.outcomes()) {
+      outcomes.push_back(o == v1::PUT_OUTCOME_STORED           ? PutOutcome::kStored
+                         : o == v1::PUT_OUTCOME_ALREADY_PRESENT ? PutOutcome::kAlreadyPresent
+                                                                 : PutOutcome::kNoSpace);
+    }
+  }
+  return outcomes;
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
+                                                 std::span<const BlockKey> keys,
+                                                 std::span<const Segments> out) {
+  std::vector<bool> found(keys.size(), false);
+  const size_t per_call = server_info_.max_batch_blocks;
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::GetUcxRequest request;
+    request.set_profile_id(profile.id);
+    std::vector<std::shared_ptr<ucx::Registration>> held;
+    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
+    v1::GetUcxResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithSession([&] {
+      return CallWithProfile(profile, [&] {
+        grpc::ClientContext context;
+        PrepareContext(&context);
+        request.set_session_id(ucx_session_.load());
+        response.Clear();
+        return FromGrpc(stub_->GetUcx(&context, request, &response));
+      });
+    }));
+    if (response.results_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
+                                              " results for ", end - begin, " blocks"));
+    }
+    for (size_t i = begin; i < end; ++i) {
+      const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
+      if (!r.found()) continue;
+      uint32_t crc = 0;
+      for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
+      if (crc != r.crc32c()) {
+        const uint64_t n = crc_failures_.fetch_add(1) + 1;
+        if ((n & (n - 1)) == 0) {
+          PROXIMA_LOG(kWarning) << "block written by proximad over UCX failed its CRC32C check; "
+                                   "treated as a miss"
+                                << log::Kv("target", options_.target) << log::Kv("failures", n);
+        }
+        continue;
+      }
+      found[i] = true;
+    }
+  }
+  return found;
+}
+
+namespace {
+
+absl::Status CheckSegmentSizes(const char* what, size_t keys, size_t blocks,
+                               const Profile& profile, auto segments_of) {
+  if (keys != blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", keys, " keys but ", blocks, " blocks"));
+  }
+  for (size_t i = 0; i < blocks; ++i) {
+    uint64_t total = 0;
+    for (const auto& seg : segments_of(i)) {
+      if (seg.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": block ", i, " has an empty segment"));
+      }
+      total += seg.size();
+    }
+    if (total != profile.block_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": block ", i, "'s segments add up to ",
+                                                     total, " bytes; the profile's blocks are ",
+                                                     profile.block_bytes, " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(
+    const Profile& profile, std::span<const BlockKey> keys,
+    std::span<const ConstSegments> blocks) {
+  PROXIMA_RETURN_IF_ERROR(CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
+                                            [&](size_t i) -> const ConstSegments& {
+                                              return blocks[i];
+                                            }));
+  if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks);
+  // Inline: gather each block into one buffer.
+  std::vector<std::vector<std::byte>> gathered(blocks.size());
+  std::vector<std::span<const std::byte>> spans;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    gathered[i].reserve(profile.block_bytes);
+    for (const auto& seg : blocks[i]) gathered[i].insert(gathered[i].end(), seg.begin(), seg.end());
+    spans.push_back(gathered[i]);
+  }
+  return Put(profile, keys, spans);
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetScattered(const Profile& profile,
+                                                       std::span<const BlockKey> keys,
+                                                       std::span<const Segments> out) {
+  PROXIMA_RETURN_IF_ERROR(CheckSegmentSizes("GetScattered", keys.size(), out.size(), profile,
+                                            [&](size_t i) -> const Segments& { return out[i]; }));
+  if (transport_ == Transport::kUcx) return GetUcx(profile, keys, out);
+  std::vector<std::vector<std::byte>> contiguous(out.size(),
+                                                 std::vector<std::byte>(profile.block_bytes));
+  std::vector<std::span<std::byte>> spans(contiguous.begin(), contiguous.end());
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found, Get(profile, keys, spans));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!found[i]) continue;
+    size_t offset = 0;
+    for (const auto& seg : out[i]) {
+      std::memcpy(seg.data(), contiguous[i].data() + offset, seg.size());
+      offset += seg.size();
+    }
+  }
+  return found;
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -137,7 +425,11 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
       generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
 void Client::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(Deadline(options_.call_timeout));
+  PrepareContext(context, options_.call_timeout);
+}
+
+void Client::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
+  context->set_deadline(Deadline(timeout));
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
@@ -202,6 +494,11 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   std::vector<size_t> sizes;
   for (const auto& b : blocks) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
+  if (transport_ == Transport::kUcx) {
+    std::vector<ConstSegments> segments;
+    for (const auto& b : blocks) segments.push_back({b});
+    return PutUcx(profile, keys, segments);
+  }
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
   const size_t per_call = BlocksPerCall(profile.block_bytes);
@@ -262,6 +559,11 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
   std::vector<size_t> sizes;
   for (const auto& b : out) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Get", keys.size(), out.size(), profile, sizes));
+  if (transport_ == Transport::kUcx) {
+    std::vector<Segments> segments;
+    for (const auto& b : out) segments.push_back({b});
+    return GetUcx(profile, keys, segments);
+  }
   std::vector<bool> found(keys.size(), false);
   const size_t per_call = BlocksPerCall(profile.block_bytes);
   for (size_t begin = 0; begin < keys.size(); begin += per_call) {

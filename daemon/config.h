@@ -70,12 +70,18 @@ struct NamespaceConfig {
   bool private_prefixes = false;
 };
 
+struct UcxConfig {
+  bool enabled = true;          // serve the UCX data plane
+  uint32_t max_sessions = 1024;  // UCX sessions (endpoints to clients) open at once
+};
+
 struct DaemonConfig {
   ServerConfig server;
   HostTierConfig host_tier;
   uint32_t index_shards = 64;  // block index shards (power of two); more shards, less contention
   std::vector<NamespaceConfig> namespaces = {{"default"}};
   std::string log_level = "info";  // debug | info | warning | error
+  UcxConfig ucx;
 };
 
 // The documented default configuration, as YAML. Loading it gives DaemonConfig{}.

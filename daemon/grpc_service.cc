@@ -13,8 +13,10 @@
 namespace proxima::daemon {
 namespace {
 
-constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
-                                        "Lookup",        "Delete",          "Stats"};
+constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",
+                                        "Get",           "Lookup",          "Delete",
+                                        "Stats",         "ConnectUcx",      "DisconnectUcx",
+                                        "PutUcx",        "GetUcx"};
 
 // Finishes one call; when gRPC is done with it (response sent, or the call cancelled) ends the
 // call in its peer's account (if it was admitted) and deletes itself (the callback API's
@@ -103,8 +105,11 @@ size_t InflightLedger::active_peers() const {
 
 KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
                                      uint64_t max_inflight_bytes_per_client,
-                                     uint32_t max_connections)
-    : core_(core), inflight_(max_inflight_bytes_per_client, max_connections), registry_(registry) {
+                                     uint32_t max_connections, UcxTransport* ucx)
+    : core_(core),
+      inflight_(max_inflight_bytes_per_client, max_connections),
+      ucx_(ucx),
+      registry_(registry) {
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
@@ -290,7 +295,74 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Get(grpc::CallbackServerContext* c,
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
                                                            const v1::GetServerInfoRequest* req,
                                                            v1::GetServerInfoResponse* resp) {
-  return HandleProto(kGetServerInfo, c, req, resp, &TierService::GetServerInfo);
+  TierService* core = core_;
+  const bool ucx = ucx_ != nullptr;
+  return Handle(kGetServerInfo, c, req->ByteSizeLong(), nullptr,
+                [core, req, resp, ucx](const Caller& caller) -> absl::Status {
+                  absl::Status status = core->GetServerInfo(caller, *req, resp);
+                  if (!status.ok()) {
+                    resp->Clear();
+                    return status;
+                  }
+                  resp->set_ucx_enabled(ucx);
+                  return absl::OkStatus();
+                });
+}
+
+template <typename Req, typename Resp, typename Call>
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
+                                                       grpc::CallbackServerContext* context,
+                                                       const Req* request, Resp* response,
+                                                       Call&& call) {
+  UcxTransport* ucx = ucx_;
+  const absl::Time deadline = context->deadline() == std::chrono::system_clock::time_point::max()
+                                  ? absl::Now() + absl::Seconds(60)
+                                  : absl::FromChrono(context->deadline());
+  // Handle() authenticates the call first: the data plane is no way around the bearer tokens.
+  return Handle(method, context, request->ByteSizeLong(), nullptr,
+                [ucx, response, deadline, &call](const Caller& caller) -> absl::Status {
+                  if (ucx == nullptr) {
+                    return absl::FailedPreconditionError(
+                        "this proximad runs without the UCX data plane (ucx.enabled: false); "
+                        "use Put/Get");
+                  }
+                  absl::Status status = call(ucx, caller, deadline);
+                  if (!status.ok()) response->Clear();  // a failed call returns no partial results
+                  return status;
+                });
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::ConnectUcx(grpc::CallbackServerContext* c,
+                                                        const v1::ConnectUcxRequest* req,
+                                                        v1::ConnectUcxResponse* resp) {
+  return HandleUcx(kConnectUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time deadline) {
+                     return ucx->Connect(caller, *req, resp, deadline);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::DisconnectUcx(grpc::CallbackServerContext* c,
+                                                           const v1::DisconnectUcxRequest* req,
+                                                           v1::DisconnectUcxResponse* resp) {
+  return HandleUcx(kDisconnectUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time) {
+                     return ucx->Disconnect(caller, *req, resp);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::PutUcx(grpc::CallbackServerContext* c,
+                                                    const v1::PutUcxRequest* req,
+                                                    v1::PutResponse* resp) {
+  return HandleUcx(kPutUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time deadline) {
+                     return ucx->Put(caller, *req, resp, deadline);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::GetUcx(grpc::CallbackServerContext* c,
+                                                    const v1::GetUcxRequest* req,
+                                                    v1::GetUcxResponse* resp) {
+  return HandleUcx(kGetUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time deadline) {
+                     return ucx->Get(caller, *req, resp, deadline);
+                   });
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
     grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,

@@ -4,16 +4,18 @@
 #   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
 #   scripts/bench.sh quality     perplexity/KL/top-1 per codec plan on SmolLM2 (tools/eval; long)
 #   scripts/bench.sh security    TLS + mTLS + bearer token vs plaintext without token (proximactl load)
+#   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC and Redis; tcp and shm
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | transfer)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
   put_get) export PROXIMA_TARGETS="proximad put_get_bench" ;;
   codec) export PROXIMA_TARGETS="codec_bench" ;;
   security) export PROXIMA_TARGETS="proximad proximactl" ;;
+  transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -26,5 +28,6 @@ case "$NAME" in
   quality) exec ./scripts/bench-quality.sh "$@" ;;
   security) exec python3 bench/security_bench.py --proximad=build-bench/daemon/proximad \
               --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security)" >&2; exit 2 ;;
+  transfer) exec ./build-bench/bench/transfer_bench "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, transfer)" >&2; exit 2 ;;
 esac
