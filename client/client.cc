@@ -6,14 +6,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/match.h"
-#include "common/credentials.h"
 #include "common/crc32c.h"
+#include "common/credentials.h"
 #include "common/log.h"
-#include "common/status_macros.h"
 #include "common/mutex.h"
+#include "common/status_macros.h"
 #include "common/ucx.h"
 #include "proto/wire.h"
 
@@ -69,8 +69,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
   PROXIMA_ASSIGN_OR_RETURN(ssl.pem_root_certs,
                            ReadPemFile("tls_ca_file", o.tls_ca_file, PemKind::kCertificates));
   if (!o.tls_cert_file.empty()) {
-    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPemFile("tls_cert_file", o.tls_cert_file,
-                                                             PemKind::kCertificates));
+    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                             ReadPemFile("tls_cert_file", o.tls_cert_file, PemKind::kCertificates));
     PROXIMA_ASSIGN_OR_RETURN(ssl.pem_private_key,
                              ReadPemFile("tls_key_file", o.tls_key_file, PemKind::kPrivateKey));
     PROXIMA_RETURN_IF_ERROR(CheckKeyMatchesCertificate("tls_cert_file", "tls_key_file",
@@ -142,14 +142,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   v1::GetServerInfoResponse info;
   PROXIMA_RETURN_IF_ERROR(
       FromGrpc(client->stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
-  client->server_info_ = ServerInfo{info.version(), info.max_message_bytes(),
-                                    info.max_batch_blocks(), info.max_lookup_keys(),
-                                    info.ucx_enabled()};
+  client->server_info_ =
+      ServerInfo{info.version(), info.max_message_bytes(), info.max_batch_blocks(),
+                 info.max_lookup_keys(), info.ucx_enabled()};
   if (info.key_bytes() != kKeyBytes || info.max_batch_blocks() == 0 ||
       info.max_lookup_keys() == 0 || info.max_message_bytes() <= kMessageOverhead) {
     return absl::FailedPreconditionError(
-        absl::StrCat("proximad at '", options.target, "' reports limits this client cannot use: ",
-                     info.ShortDebugString()));
+        absl::StrCat("proximad at '", options.target,
+                     "' reports limits this client cannot use: ", info.ShortDebugString()));
   }
   client->transport_detail_ = "inline: chosen by the caller";
   if (options.transport != Transport::kInline) {
@@ -158,8 +158,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
                            : absl::FailedPreconditionError("proximad has UCX disabled");
     if (!ucx.ok()) {
       if (options.transport == Transport::kUcx) {
-        return absl::Status(ucx.code(), absl::StrCat("transport ucx requested, but: ",
-                                                     ucx.message()));
+        return absl::Status(ucx.code(),
+                            absl::StrCat("transport ucx requested, but: ", ucx.message()));
       }
       client->ucx_worker_.reset();
       client->transport_detail_ = absl::StrCat("inline: ", ucx.message());
@@ -172,7 +172,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
 absl::Status Client::StartUcx() {
   PROXIMA_ASSIGN_OR_RETURN(ucx_worker_, ucx::Worker::Create("libproxima"));
-  PROXIMA_RETURN_IF_ERROR(OpenUcxSession());
+  PROXIMA_RETURN_IF_ERROR(
+      OpenUcxSession(absl::Now() + std::min(options_.call_timeout, options_.connect_timeout)));
   transport_ = Transport::kUcx;
   transport_detail_ = absl::StrFormat("ucx: session %016x", ucx_session_.load());
   return absl::OkStatus();
@@ -180,25 +181,50 @@ absl::Status Client::StartUcx() {
 
 template <typename Call>
 absl::Status Client::CallWithSession(Call&& call) {
-  absl::Status status = call();
+  // One deadline for the whole call: re-establishing the session and the call itself.
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  if (ucx_session_stale_.load()) PROXIMA_RETURN_IF_ERROR(ReopenUcxSession(deadline));
+  absl::Status status = call(deadline);
+  if (absl::IsUnavailable(status)) {
+    // The daemon or the path to it failed (killed, restarted, network): this call fails, and the
+    // next one re-establishes the connection and the session before it runs.
+    ucx_session_stale_.store(true);
+    return status;
+  }
   if (status.code() != absl::StatusCode::kNotFound ||
       !absl::StrContains(status.message(), "UCX session")) {
     return status;
   }
   PROXIMA_LOG(kInfo) << "proximad forgot this client's UCX session (restart?); opening a new one"
                      << log::Kv("target", options_.target);
-  PROXIMA_RETURN_IF_ERROR(OpenUcxSession());
-  return call();
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
+  return call(deadline);
 }
 
-absl::Status Client::OpenUcxSession() {
+absl::Status Client::ReopenUcxSession(absl::Time deadline) {
+  // A failed call leaves the channel in TRANSIENT_FAILURE, and the unary calls of the UCX path
+  // fail fast there without polling the channel, so nothing would drive gRPC's reconnection
+  // (its backoff included) forward: wait for it here, within this call's deadline.
+  if (!channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
+    return absl::UnavailableError(absl::StrCat(
+        "proximad at '", options_.target, "' is not reachable again within the call's deadline (",
+        absl::FormatDuration(options_.call_timeout), "); the UCX session is re-opened once it is"));
+  }
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
+  PROXIMA_LOG(kInfo) << "UCX session re-established after a failure"
+                     << log::Kv("target", options_.target);
+  return absl::OkStatus();
+}
+
+absl::Status Client::OpenUcxSession(absl::Time deadline) {
   v1::ConnectUcxRequest request;
   request.set_worker_address(ucx_worker_->address());
   v1::ConnectUcxResponse response;
   grpc::ClientContext context;
-  PrepareContext(&context, std::min(options_.call_timeout, options_.connect_timeout));
+  PrepareContext(&context, deadline - absl::Now());
   PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
   ucx_session_.store(response.session_id());
+  ucx_session_stale_.store(false);
   return absl::OkStatus();
 }
 
@@ -208,19 +234,18 @@ Client::~Client() {
     request.set_session_id(ucx_session_.load());
     v1::DisconnectUcxResponse response;
     grpc::ClientContext context;
-    PrepareContext(&context, absl::Seconds(2));  // the session is the token's: present it
+    PrepareContext(&context, absl::Seconds(2));          // the session is the token's: present it
     stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
   }
 }
 
 absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
   if (transport_ != Transport::kUcx) return MemoryRegion();
-  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r,
-                           ucx_worker_->Register(data, size));
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r, ucx_worker_->Register(data, size));
   proxima::MutexLock lock(&regions_mu_);
-  regions_.erase(std::remove_if(regions_.begin(), regions_.end(),
-                                [](const auto& w) { return w.expired(); }),
-                 regions_.end());
+  regions_.erase(
+      std::remove_if(regions_.begin(), regions_.end(), [](const auto& w) { return w.expired(); }),
+      regions_.end());
   regions_.push_back(r);
   return MemoryRegion(std::move(r));
 }
@@ -283,10 +308,10 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
     std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
     PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, &request, &held));
     v1::PutResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithSession([&] {
+    PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
       return CallWithProfile(profile, [&] {
         grpc::ClientContext context;
-        PrepareContext(&context);
+        PrepareContext(&context, deadline - absl::Now());
         request.set_session_id(ucx_session_.load());
         response.Clear();
         return FromGrpc(stub_->PutUcx(&context, request, &response));
@@ -297,9 +322,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
                                               " outcomes for ", end - begin, " blocks"));
     }
     for (int o : response.outcomes()) {
-      outcomes.push_back(o == v1::PUT_OUTCOME_STORED           ? PutOutcome::kStored
+      outcomes.push_back(o == v1::PUT_OUTCOME_STORED            ? PutOutcome::kStored
                          : o == v1::PUT_OUTCOME_ALREADY_PRESENT ? PutOutcome::kAlreadyPresent
-                                                                 : PutOutcome::kNoSpace);
+                                                                : PutOutcome::kNoSpace);
     }
   }
   return outcomes;
@@ -317,10 +342,10 @@ absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
     std::vector<std::shared_ptr<ucx::Registration>> held;
     PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
     v1::GetUcxResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithSession([&] {
+    PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
       return CallWithProfile(profile, [&] {
         grpc::ClientContext context;
-        PrepareContext(&context);
+        PrepareContext(&context, deadline - absl::Now());
         request.set_session_id(ucx_session_.load());
         response.Clear();
         return FromGrpc(stub_->GetUcx(&context, request, &response));
@@ -352,8 +377,8 @@ absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
 
 namespace {
 
-absl::Status CheckSegmentSizes(const char* what, size_t keys, size_t blocks,
-                               const Profile& profile, auto segments_of) {
+absl::Status CheckSegmentSizes(const char* what, size_t keys, size_t blocks, const Profile& profile,
+                               auto segments_of) {
   if (keys != blocks) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": ", keys, " keys but ", blocks, " blocks"));
@@ -379,12 +404,10 @@ absl::Status CheckSegmentSizes(const char* what, size_t keys, size_t blocks,
 }  // namespace
 
 absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(
-    const Profile& profile, std::span<const BlockKey> keys,
-    std::span<const ConstSegments> blocks) {
-  PROXIMA_RETURN_IF_ERROR(CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
-                                            [&](size_t i) -> const ConstSegments& {
-                                              return blocks[i];
-                                            }));
+    const Profile& profile, std::span<const BlockKey> keys, std::span<const ConstSegments> blocks) {
+  PROXIMA_RETURN_IF_ERROR(
+      CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
+                        [&](size_t i) -> const ConstSegments& { return blocks[i]; }));
   if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks);
   // Inline: gather each block into one buffer.
   std::vector<std::vector<std::byte>> gathered(blocks.size());
@@ -505,9 +528,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   for (size_t begin = 0; begin < keys.size(); begin += per_call) {
     size_t end = std::min(keys.size(), begin + per_call);
     // Block bytes are copied once, into the request's own slices, with their CRC32C.
-    grpc::ByteBuffer request = wire::EncodePutRequest(
-        options_.namespace_name, profile.id, keys.subspan(begin, end - begin),
-        blocks.subspan(begin, end - begin));
+    grpc::ByteBuffer request = wire::EncodePutRequest(options_.namespace_name, profile.id,
+                                                      keys.subspan(begin, end - begin),
+                                                      blocks.subspan(begin, end - begin));
     v1::PutResponse response;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&]() -> absl::Status {
       grpc::ByteBuffer reply;
@@ -522,9 +545,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
                                               " outcomes for ", end - begin, " blocks"));
     }
     for (int o : response.outcomes()) {
-      outcomes.push_back(o == v1::PUT_OUTCOME_STORED           ? PutOutcome::kStored
+      outcomes.push_back(o == v1::PUT_OUTCOME_STORED            ? PutOutcome::kStored
                          : o == v1::PUT_OUTCOME_ALREADY_PRESENT ? PutOutcome::kAlreadyPresent
-                                                                 : PutOutcome::kNoSpace);
+                                                                : PutOutcome::kNoSpace);
     }
   }
   return outcomes;
@@ -591,8 +614,8 @@ absl::StatusOr<std::vector<bool>> Client::Get(const Profile& profile,
     if (failed_keys.empty()) continue;
     // Ask again with the daemon checking: a block corrupt in the daemon's memory is dropped and
     // counted there (and misses here); one damaged in transit arrives intact this time.
-    PROXIMA_RETURN_IF_ERROR(GetOnce(profile, failed_keys, failed_out, /*client_verifies=*/false,
-                                    &results));
+    PROXIMA_RETURN_IF_ERROR(
+        GetOnce(profile, failed_keys, failed_out, /*client_verifies=*/false, &results));
     for (size_t j = 0; j < failed_keys.size(); ++j) {
       if (results[j].found && results[j].intact) {
         found[failed_index[j]] = true;

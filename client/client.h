@@ -5,14 +5,17 @@
 // call, checks the CRC32C of every block it receives, and re-registers a model profile by itself
 // when a restarted daemon no longer knows it.
 //
-//   PROXIMA_ASSIGN_OR_RETURN(auto client, Client::Connect({.target = "unix:/run/proxima/proximad.sock"}));
-//   PROXIMA_ASSIGN_OR_RETURN(Profile profile, client->RegisterProfile(model));
-//   PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client->Put(profile, keys, blocks));
-//   PROXIMA_ASSIGN_OR_RETURN(size_t cached, client->Lookup(profile, chain));
+//   PROXIMA_ASSIGN_OR_RETURN(auto client, Client::Connect({.target =
+//   "unix:/run/proxima/proximad.sock"})); PROXIMA_ASSIGN_OR_RETURN(Profile profile,
+//   client->RegisterProfile(model)); PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client->Put(profile,
+//   keys, blocks)); PROXIMA_ASSIGN_OR_RETURN(size_t cached, client->Lookup(profile, chain));
 //
 // Thread-safe: one Client may be used from many threads at once.
 #ifndef PROXIMA_CLIENT_CLIENT_H_
 #define PROXIMA_CLIENT_CLIENT_H_
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
 
 #include <array>
 #include <atomic>
@@ -23,14 +26,11 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/security/credentials.h>
-
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "common/mutex.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
 namespace proxima::ucx {
@@ -186,8 +186,13 @@ class Client {
   // Starts the UCX worker and opens a session with the daemon.
   absl::Status StartUcx();
   // Opens a new session on the existing worker (the daemon restarted and forgot the old one).
-  absl::Status OpenUcxSession();
-  // Runs a UCX call; when the daemon no longer knows the session, opens a new one and retries.
+  absl::Status OpenUcxSession(absl::Time deadline);
+  // After a call failed UNAVAILABLE: waits for the daemon to be reachable again (gRPC's
+  // reconnection backoff) and opens a new session, all before `deadline`.
+  absl::Status ReopenUcxSession(absl::Time deadline);
+  // Runs a UCX call, `call(deadline)`, within one call_timeout. A call that fails UNAVAILABLE
+  // marks the session stale and the next call re-establishes it first; when the daemon no
+  // longer knows the session (NOT_FOUND), a new one is opened and the call retried once.
   template <typename Call>
   absl::Status CallWithSession(Call&& call);
   // Fills request regions and blocks for keys[begin, end) over UCX; `held` keeps every
@@ -217,6 +222,7 @@ class Client {
   // UCX data plane (transport_ == kUcx). The worker outlives every registration.
   std::unique_ptr<ucx::Worker> ucx_worker_;
   std::atomic<uint64_t> ucx_session_{0};
+  std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
   proxima::Mutex regions_mu_;
   std::vector<std::weak_ptr<ucx::Registration>> regions_ ABSL_GUARDED_BY(regions_mu_);
 };

@@ -533,6 +533,65 @@ TEST_P(UcxIntegrationTest, ClientKilledMidTransferLeavesNoPartialBlockAndNoSessi
   EXPECT_EQ(stats.crc_failures(), 0u);
 }
 
+TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadline) {
+  // A client on UCX whose daemon is SIGKILLed: its next call fails UNAVAILABLE within the call's
+  // deadline, and once proximad is back (same port) the call after re-establishes the gRPC
+  // connection and the UCX session by itself, inside one deadline, still on UCX.
+  constexpr absl::Duration kCallTimeout = absl::Seconds(3);
+  ClientOptions options;
+  options.target = daemon_->tcp_target();
+  options.transport = Transport::kUcx;
+  options.call_timeout = kCallTimeout;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr size_t kBlocks = 8;
+  std::vector<std::byte> cache(3 * kBlocks * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  // Batch `round` of the test: blocks [round * kBlocks, +kBlocks) of the chain of seed 21.
+  auto put = [&](size_t round) {
+    std::vector<std::span<const std::byte>> in;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      std::span<std::byte> b(cache.data() + (round * kBlocks + i) * p.block_bytes, p.block_bytes);
+      client::FillTestBlock(21, round * kBlocks + i, b);
+      in.push_back(b);
+    }
+    return c->Put(p, client::TestKeyChain(21, round * kBlocks, kBlocks), in).status();
+  };
+  ASSERT_OK(put(0));
+
+  daemon_->Signal(SIGKILL);
+  ASSERT_EQ(daemon_->WaitExit(absl::Seconds(10)), -1);
+  absl::Time start = absl::Now();
+  EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_LE(absl::Now() - start, kCallTimeout + absl::Seconds(2));
+  start = absl::Now();
+  EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable,
+                               ::testing::_));  // still down: no hang either
+  EXPECT_LE(absl::Now() - start, kCallTimeout + absl::Seconds(2));
+
+  ASSERT_OK(daemon_->Restart());
+  start = absl::Now();
+  ASSERT_OK(put(2));
+  EXPECT_LE(absl::Now() - start, kCallTimeout);
+  EXPECT_EQ(c->transport(), Transport::kUcx);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
+  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            0);
+  std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> out(back.begin(), back.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                       c->Get(p, client::TestKeyChain(21, 2 * kBlocks, kBlocks), out));
+  for (size_t i = 0; i < kBlocks; ++i) {
+    EXPECT_TRUE(found[i] && client::IsTestBlock(21, 2 * kBlocks + i, back[i])) << i;
+  }
+  // The restarted daemon holds only its arena's registration; the client's session closes with it.
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);
+  region = client::MemoryRegion();  // REQUIRES of Client: regions go first
+  c.reset();
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+}
+
 TEST(UcxDisabledTest, AutoFallsBackToInlineAndForcedUcxFails) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"ucx.enabled=false"}));
   ClientOptions options;
