@@ -1,9 +1,11 @@
 #include "daemon/grpc_service.h"
 
-#include <chrono>
-#include <type_traits>
-
 #include <grpcpp/support/proto_buffer_reader.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <type_traits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -13,10 +15,9 @@
 namespace proxima::daemon {
 namespace {
 
-constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",
-                                        "Get",           "Lookup",          "Delete",
-                                        "Stats",         "ConnectUcx",      "DisconnectUcx",
-                                        "PutUcx",        "GetUcx"};
+constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",   "Get",
+                                        "Lookup",        "Delete",          "Stats", "ConnectUcx",
+                                        "DisconnectUcx", "PutUcx",          "GetUcx"};
 
 // Finishes one call; when gRPC is done with it (response sent, or the call cancelled) ends the
 // call in its peer's account (if it was admitted) and deletes itself (the callback API's
@@ -47,11 +48,11 @@ absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
 
 absl::Status InflightLedger::OverBytes(const std::string& peer, uint64_t held, uint64_t more,
                                        absl::string_view what) const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "client ", peer, " would hold ", held + more, " bytes in proximad (", held,
-      " in calls still running, ", more, " for this call's ", what,
-      "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
-      "; send smaller batches or wait for running calls"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("client ", peer, " would hold ", held + more, " bytes in proximad (", held,
+                   " in calls still running, ", more, " for this call's ", what,
+                   "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
+                   "; send smaller batches or wait for running calls"));
 }
 
 absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_bytes) {
@@ -130,7 +131,8 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
   // Explicit captures (GCC 12's UBSan misreads an implicit `this` capture in these handlers).
   absl::Status status = [this, context, response, request_bytes, &peer, &admitted, &held,
                          &call]() -> absl::Status {
-    if (draining_.load()) return absl::UnavailableError("proximad is shutting down; retry elsewhere");
+    if (draining_.load())
+      return absl::UnavailableError("proximad is shutting down; retry elsewhere");
     PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
     // gRPC names every Unix-socket client "unix:", so they cannot be told apart: same-node
     // processes, admitted by the socket's file mode, are not limited per client.
@@ -180,10 +182,10 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
   TierService* core = core_;
   return Handle(method, context, request->ByteSizeLong(), nullptr,
                 [core, call, request, response](const Caller& caller) {
-    absl::Status status = (core->*call)(caller, *request, response);
-    if (!status.ok()) response->Clear();  // a failed call returns no partial results
-    return status;
-  });
+                  absl::Status status = (core->*call)(caller, *request, response);
+                  if (!status.ok()) response->Clear();  // a failed call returns no partial results
+                  return status;
+                });
 }
 
 namespace {
@@ -249,8 +251,8 @@ absl::Status ServeGet(TierService& core, const Caller& caller, const grpc::ByteB
   return absl::OkStatus();
 }
 
-absl::Status ServeLookup(TierService& core, const Caller& caller,
-                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+absl::Status ServeLookup(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response) {
   v1::LookupRequest req;
   PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_lookup_keys(), "Lookup", &req),
                                     "server.max_lookup_keys"));
@@ -259,11 +261,11 @@ absl::Status ServeLookup(TierService& core, const Caller& caller,
   return SerializeTo(resp, response);
 }
 
-absl::Status ServeDelete(TierService& core, const Caller& caller,
-                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+absl::Status ServeDelete(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response) {
   v1::DeleteRequest req;
-  PROXIMA_RETURN_IF_ERROR(NameLimit(
-      ParseKeyed(request, core.max_batch_blocks(), "Delete", &req), "server.max_batch_blocks"));
+  PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_batch_blocks(), "Delete", &req),
+                                    "server.max_batch_blocks"));
   v1::DeleteResponse resp;
   PROXIMA_RETURN_IF_ERROR(core.Delete(caller, req, &resp));
   return SerializeTo(resp, response);
@@ -319,7 +321,19 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
                                   ? absl::Now() + absl::Seconds(60)
                                   : absl::FromChrono(context->deadline());
   // Handle() authenticates the call first: the data plane is no way around the bearer tokens.
-  return Handle(method, context, request->ByteSizeLong(), nullptr,
+  // The block bytes a PutUcx or GetUcx moves are charged to the client's in-flight bytes like
+  // an inline call's message: tier memory reserved for them (put) or pinned under the transfer
+  // (get) until the call ends.
+  uint64_t charged = request->ByteSizeLong();
+  if constexpr (std::is_same_v<Req, v1::PutUcxRequest> || std::is_same_v<Req, v1::GetUcxRequest>) {
+    for (const v1::UcxBlock& block : request->blocks()) {
+      for (const v1::UcxSegment& segment : block.segments()) {
+        // Saturating: a declared length near 2^64 is refused as too large, not wrapped around.
+        charged += std::min(segment.length(), std::numeric_limits<uint64_t>::max() - charged);
+      }
+    }
+  }
+  return Handle(method, context, charged, nullptr,
                 [ucx, response, deadline, &call](const Caller& caller) -> absl::Status {
                   if (ucx == nullptr) {
                     return absl::FailedPreconditionError(
@@ -364,9 +378,9 @@ grpc::ServerUnaryReactor* KvTierGrpcService::GetUcx(grpc::CallbackServerContext*
                      return ucx->Get(caller, *req, resp, deadline);
                    });
 }
-grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
-    grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,
-    v1::RegisterProfileResponse* resp) {
+grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(grpc::CallbackServerContext* c,
+                                                             const v1::RegisterProfileRequest* req,
+                                                             v1::RegisterProfileResponse* resp) {
   return HandleProto(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,

@@ -592,6 +592,46 @@ TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadli
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
 }
 
+TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
+  // server.max_inflight_bytes_per_client bounds what one client holds in the daemon over UCX
+  // too: a PutUcx or GetUcx is charged the block bytes it moves, like an inline call's message.
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  ASSERT_OK_AND_ASSIGN(
+      auto daemon,
+      DaemonProcess::Start({"tiers.host.capacity_bytes=64MiB", "server.max_batch_blocks=8",
+                            "server.max_inflight_bytes_per_client=1MiB"}));
+  ClientOptions options;
+  options.target = daemon->tcp_target();  // accounted per client (Unix-socket peers are not)
+  options.transport = Transport::kUcx;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));  // 256 KiB blocks
+  constexpr size_t kBlocks = 8;                                      // 2 MiB in one call
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  std::vector<std::span<const std::byte>> in;
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(31, i, b);
+    in.push_back(b);
+    out.push_back(b);
+  }
+  std::vector<BlockKey> keys = client::TestKeyChain(31, 0, kBlocks);
+  EXPECT_THAT(c->Put(p, keys, in).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("server.max_inflight_bytes_per_client = 1048576")));
+  EXPECT_EQ(Metric(*daemon, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"), 0);
+  // Three blocks (768 KiB) fit: stored, and read back within the limit; eight do not.
+  ASSERT_OK(c->Put(p, std::span(keys).first(3), std::span(in).first(3)).status());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                       c->Get(p, std::span(keys).first(3), std::span(out).first(3)));
+  EXPECT_THAT(found, ::testing::Each(true));
+  EXPECT_THAT(c->Get(p, keys, out).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("server.max_inflight_bytes_per_client")));
+  unsetenv("UCX_TLS");
+}
+
 TEST(UcxDisabledTest, AutoFallsBackToInlineAndForcedUcxFails) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"ucx.enabled=false"}));
   ClientOptions options;
