@@ -163,8 +163,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
       }
       client->ucx_worker_.reset();
       client->transport_detail_ = absl::StrCat("inline: ", ucx.message());
-      PROXIMA_LOG(kInfo) << "UCX data plane not available; moving blocks inline"
-                         << log::Kv("target", options.target) << log::Kv("reason", ucx.message());
+      // Once per process: a worker with a client per GPU (or a load generator) would repeat it.
+      static std::atomic<bool> logged{false};
+      if (!logged.exchange(true)) {
+        PROXIMA_LOG(kInfo) << "UCX data plane not available; moving blocks inline"
+                           << log::Kv("target", options.target) << log::Kv("reason", ucx.message());
+      }
     }
   }
   return client;
