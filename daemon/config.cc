@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -69,7 +71,13 @@ class Reader {
     if (!node || node.IsNull()) return absl::OkStatus();
     if (!node.IsMap()) return Error(path, Dump(node), "a mapping of keys to values");
     for (const auto& item : node) {
-      std::string key = item.first.as<std::string>();
+      if (!item.first.IsScalar()) {  // a complex key ("? [a, b]"), or null ("? " alone)
+        return absl::InvalidArgumentError(absl::StrCat(
+            source_, ": a key under '", path.empty() ? "<top level>" : std::string(path),
+            "' is ", Dump(item.first), "; expected a plain name, one of: ",
+            absl::StrJoin(allowed, ", ")));
+      }
+      std::string key = item.first.Scalar();
       bool known = false;
       for (absl::string_view a : allowed) known |= (a == key);
       if (!known) {
@@ -331,8 +339,79 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   return bad();
 }
 
+namespace {
+
+// Offset of the first byte of `text` that is not part of a well-formed UTF-8 sequence (overlong
+// forms, surrogates and code points past U+10FFFF included), or nullopt when it is all valid.
+std::optional<size_t> FirstInvalidUtf8(absl::string_view text) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    size_t len = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return i;
+    }
+    if (i + len > n) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    static constexpr uint32_t kMinForLength[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMinForLength[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += len;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
+                                                absl::string_view source,
+                                                absl::Span<const std::string> overrides);
+
 absl::StatusOr<DaemonConfig> ParseConfig(absl::string_view yaml_text, absl::string_view source,
                                          absl::Span<const std::string> overrides) {
+  // yaml-cpp reports some shapes only by throwing (a conversion the walker did not expect):
+  // whatever slips past the checks becomes an error naming the place, never a crash.
+  try {
+    return ParseConfigOrThrow(yaml_text, source, overrides);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": config not understood at line ",
+                                                   e.mark.line + 1, ", column ",
+                                                   e.mark.column + 1, ": ", e.msg));
+  }
+}
+
+absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
+                                                absl::string_view source,
+                                                absl::Span<const std::string> overrides) {
+  // YAML text is UTF-8 by definition; a byte that is not would not survive being written back
+  // out (ConfigToYaml), so it is refused here with its position.
+  if (std::optional<size_t> bad = FirstInvalidUtf8(yaml_text)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": not valid UTF-8 at byte ", *bad, " (a YAML config must be UTF-8 text)"));
+  }
+  for (const std::string& o : overrides) {
+    if (std::optional<size_t> bad = FirstInvalidUtf8(o)) {
+      return absl::InvalidArgumentError(absl::StrCat("--set '", absl::CHexEscape(o),
+                                                     "': not valid UTF-8 at byte ", *bad));
+    }
+  }
   YAML::Node root;
   try {
     root = YAML::Load(std::string(yaml_text));

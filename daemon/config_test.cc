@@ -118,6 +118,29 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
   }
 }
 
+TEST(ConfigTest, TextThatIsNotUtf8IsRefusedWithItsPosition) {
+  // Found by the config_parse fuzzer: a Latin-1 byte inside a path was accepted, then written
+  // back out by ConfigToYaml as something that did not parse back to the same config.
+  EXPECT_THAT(ParseConfig("server:\n  unix_socket: \"/run/a\xb7" "b.sock\"\n", "f.yaml", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("f.yaml"), HasSubstr("not valid UTF-8 at byte 30"))));
+  EXPECT_THAT(ParseConfig("", "f.yaml", {"server.unix_socket=/run/\xc0\xafx"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not valid UTF-8 at byte 24")));
+  // Real UTF-8 (here in a namespace-free spot: a path) is fine.
+  EXPECT_OK(ParseConfig("server:\n  unix_socket: \"/run/pr\xc3\xb6xima.sock\"\n", "f.yaml", {})
+                .status());
+}
+
+TEST(ConfigTest, ComplexKeysAreAnErrorNotACrash) {
+  // Found by the config_parse fuzzer: a YAML complex key ("? ...") made yaml-cpp throw from
+  // the key walk, and proximad died of an uncaught exception.
+  EXPECT_THAT(ParseConfig("namespaces:\n?  - name: default\n", "f.yaml", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("f.yaml")));
+  EXPECT_THAT(ParseConfig("tiers:\n  host:\n?   capacity_bytes: 1GiB\n", "f.yaml", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("f.yaml"), HasSubstr("expected a plain name"))));
+}
+
 TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
