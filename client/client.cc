@@ -161,6 +161,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
         return absl::Status(ucx.code(),
                             absl::StrCat("transport ucx requested, but: ", ucx.message()));
       }
+      client->ucx_probe_.reset();  // registrations go before their worker
       client->ucx_worker_.reset();
       client->transport_detail_ = absl::StrCat("inline: ", ucx.message());
       // Once per process: a worker with a client per GPU (or a load generator) would repeat it.
@@ -176,6 +177,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
 absl::Status Client::StartUcx() {
   PROXIMA_ASSIGN_OR_RETURN(ucx_worker_, ucx::Worker::Create("libproxima"));
+  // The probe the daemon reads in every ConnectUcx: bytes that differ from offset to offset, so
+  // a transfer that moved nothing or the wrong range fails its CRC32C.
+  for (size_t i = 0; i < ucx_probe_bytes_.size(); ++i) {
+    ucx_probe_bytes_[i] = static_cast<std::byte>(i * 37 + 11);
+  }
+  PROXIMA_ASSIGN_OR_RETURN(ucx_probe_,
+                           ucx_worker_->Register(ucx_probe_bytes_.data(), ucx_probe_bytes_.size()));
   PROXIMA_RETURN_IF_ERROR(
       OpenUcxSession(absl::Now() + std::min(options_.call_timeout, options_.connect_timeout)));
   transport_ = Transport::kUcx;
@@ -223,6 +231,11 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
 absl::Status Client::OpenUcxSession(absl::Time deadline) {
   v1::ConnectUcxRequest request;
   request.set_worker_address(ucx_worker_->address());
+  v1::UcxRegion* probe = request.mutable_probe();
+  probe->set_rkey(ucx_probe_->packed_rkey());
+  probe->set_address(reinterpret_cast<uint64_t>(ucx_probe_bytes_.data()));
+  probe->set_length(ucx_probe_bytes_.size());
+  request.set_probe_crc32c(Crc32c(ucx_probe_bytes_));
   v1::ConnectUcxResponse response;
   grpc::ClientContext context;
   PrepareContext(&context, deadline - absl::Now());

@@ -46,8 +46,9 @@ namespace proxima::client {
 inline constexpr size_t kKeyBytes = 32;
 using BlockKey = std::array<uint8_t, kKeyBytes>;
 
-// How block bytes move. kAuto: UCX when the daemon serves it and can reach this process's UCX
-// worker, inline otherwise. kUcx: UCX or Connect() fails. kInline: always in the gRPC messages.
+// How block bytes move. kAuto: UCX when the daemon serves it and, in ConnectUcx, reads a probe
+// buffer of this process over UCX (so bytes really move end to end), inline otherwise. kUcx: UCX or
+// Connect() fails. kInline: always in the gRPC messages.
 enum class Transport { kAuto, kUcx, kInline };
 
 // "auto", "ucx", "inline" and back.
@@ -221,6 +222,10 @@ class Client {
   std::string transport_detail_;
   // UCX data plane (transport_ == kUcx). The worker outlives every registration.
   std::unique_ptr<ucx::Worker> ucx_worker_;
+  // Read by the daemon in every ConnectUcx (end-to-end check); declared after the worker so
+  // that it is deregistered first.
+  std::array<std::byte, 64> ucx_probe_bytes_{};
+  std::shared_ptr<ucx::Registration> ucx_probe_;
   std::atomic<uint64_t> ucx_session_{0};
   std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
   proxima::Mutex regions_mu_;

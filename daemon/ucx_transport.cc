@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 
@@ -206,7 +207,40 @@ absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxReq
     DropSession(id);
     return (*ep)->health();
   }
+  if (request.has_probe()) {
+    absl::Status probe = Probe(**ep, request, TransferDeadline(deadline));
+    if (!probe.ok()) {
+      DropSession(id);
+      return probe;
+    }
+  }
   response->set_session_id(id);
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Probe(ucx::Endpoint& endpoint, const v1::ConnectUcxRequest& request,
+                                 absl::Time deadline) {
+  const v1::UcxRegion& probe = request.probe();
+  if (probe.length() == 0 || probe.length() > kMaxProbeBytes ||
+      probe.address() + probe.length() < probe.address()) {
+    return absl::InvalidArgumentError(absl::StrCat("ConnectUcx probe.length is ", probe.length(),
+                                                   "; expected 1..", kMaxProbeBytes));
+  }
+  auto bytes = std::make_shared<std::vector<std::byte>>(probe.length());
+  std::vector<ucx::Op> ops = {
+      ucx::Op{ucx::Op::kGet, bytes->data(), bytes->size(), probe.address(), 0, nullptr}};
+  std::vector<std::string> rkeys = {probe.rkey()};
+  absl::Status moved = worker_->Transfer(endpoint, rkeys, std::move(ops), bytes, deadline);
+  if (!moved.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ConnectUcx probe: proximad cannot read the client's memory over UCX (",
+                     moved.message(), "); the two sides' UCX_TLS must offer the same transports"));
+  }
+  if (Crc32c(*bytes) != request.probe_crc32c()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ConnectUcx probe: the ", bytes->size(), " bytes read over UCX have CRC32C ",
+                     Crc32c(*bytes), "; the client sent ", request.probe_crc32c()));
+  }
   return absl::OkStatus();
 }
 

@@ -45,6 +45,8 @@ class UcxTransport {
   // Most regions and segments per request: bounds the work a request can ask for.
   static constexpr int kMaxRegions = 256;
   static constexpr int kMaxSegmentsPerBlock = 4096;
+  // Largest ConnectUcx probe buffer.
+  static constexpr uint64_t kMaxProbeBytes = 4096;
 
   // Starts the worker and registers the arena of `core`'s host tier. `core` and `registry` must
   // outlive the transport.
@@ -80,6 +82,10 @@ class UcxTransport {
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> FindSession(const Caller& caller,
                                                              uint64_t session_id);
   void DropSession(uint64_t session_id);
+  // Reads the request's probe buffer over `endpoint` and checks its CRC32C: FAILED_PRECONDITION
+  // when bytes do not move between the two sides (e.g. memory domains the other side lacks).
+  absl::Status Probe(ucx::Endpoint& endpoint, const v1::ConnectUcxRequest& request,
+                     absl::Time deadline);
 
   const UcxConfig config_;
   TierService* const core_;

@@ -632,6 +632,39 @@ TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
   unsetenv("UCX_TLS");
 }
 
+TEST(UcxProbeTest, AutoPicksUcxOnlyWhenBytesMoveEndToEnd) {
+  // The daemon's UCX offers tcp only; this client's offers tcp and cma. The endpoint connects
+  // (both have tcp) but the client's rkeys name cma's memory domain, which the daemon cannot
+  // unpack: every PutUcx would fail. ConnectUcx's probe read catches it, so `auto` moves blocks
+  // inline and a forced `ucx` fails at Connect, naming the cause.
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  setenv("UCX_TLS", "tcp", 1);
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  setenv("UCX_TLS", "tcp,cma", 1);
+  ClientOptions options;
+  options.target = daemon->tcp_target();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  EXPECT_EQ(c->transport(), Transport::kInline);
+  EXPECT_THAT(c->transport_detail(), HasSubstr("probe"));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  std::vector<std::byte> block(p.block_bytes);
+  client::FillTestBlock(41, 0, block);
+  std::vector<BlockKey> keys = client::TestKeyChain(41, 0, 1);
+  std::vector<std::span<const std::byte>> in = {block};
+  ASSERT_OK(c->Put(p, keys, in).status());
+  EXPECT_EQ(WaitForMetric(*daemon, "proxima_ucx_sessions", 0), 0);  // the probed one is gone
+
+  options.transport = Transport::kUcx;
+  EXPECT_THAT(Client::Connect(options).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("ConnectUcx probe")));
+  // With the same transports on both sides, `auto` is UCX.
+  setenv("UCX_TLS", "tcp", 1);
+  options.transport = Transport::kAuto;
+  ASSERT_OK_AND_ASSIGN(c, Client::Connect(options));
+  EXPECT_EQ(c->transport(), Transport::kUcx) << c->transport_detail();
+  unsetenv("UCX_TLS");
+}
+
 TEST(UcxDisabledTest, AutoFallsBackToInlineAndForcedUcxFails) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"ucx.enabled=false"}));
   ClientOptions options;
