@@ -1,5 +1,6 @@
 // UcxTransport: proximad's UCX data plane (DESIGN.md section 3). The control plane stays gRPC:
-// a client opens a session (ConnectUcx, its worker address), then PutUcx / GetUcx name its
+// a client opens a session (ConnectUcx, its worker address and a probe buffer the daemon reads
+// before it answers, so a session exists only where bytes move), then PutUcx / GetUcx name its
 // registered buffers (packed rkeys, addresses, scatter/gather lists) and the daemon moves the
 // bytes with one-sided operations on its own ucx::Worker:
 //
