@@ -214,6 +214,9 @@ absl::Status Client::CallWithSession(Call&& call) {
 }
 
 absl::Status Client::ReopenUcxSession(absl::Time deadline) {
+  // One thread re-establishes the session; the others find it fresh when they get the lock.
+  proxima::MutexLock lock(&ucx_reopen_mu_);
+  if (!ucx_session_stale_.load()) return absl::OkStatus();
   // A failed call leaves the channel in TRANSIENT_FAILURE, and the unary calls of the UCX path
   // fail fast there without polling the channel, so nothing would drive gRPC's reconnection
   // (its backoff included) forward: wait for it here, within this call's deadline.
@@ -222,6 +225,9 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
         "proximad at '", options_.target, "' is not reachable again within the call's deadline (",
         absl::FormatDuration(options_.call_timeout), "); the UCX session is re-opened once it is"));
   }
+  // A daemon that did not restart may still hold the old session (the failure was on the path):
+  // close it, best effort (closing a session the daemon no longer knows is not an error).
+  CloseUcxSession(ucx_session_.load(), deadline - absl::Now());
   PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
   PROXIMA_LOG(kInfo) << "UCX session re-established after a failure"
                      << log::Kv("target", options_.target);
@@ -245,16 +251,17 @@ absl::Status Client::OpenUcxSession(absl::Time deadline) {
   return absl::OkStatus();
 }
 
-Client::~Client() {
-  if (ucx_session_.load() != 0) {
-    v1::DisconnectUcxRequest request;
-    request.set_session_id(ucx_session_.load());
-    v1::DisconnectUcxResponse response;
-    grpc::ClientContext context;
-    PrepareContext(&context, absl::Seconds(2));          // the session is the token's: present it
-    stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
-  }
+void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
+  if (session_id == 0) return;
+  v1::DisconnectUcxRequest request;
+  request.set_session_id(session_id);
+  v1::DisconnectUcxResponse response;
+  grpc::ClientContext context;
+  PrepareContext(&context, timeout);                   // the session is the token's: present it
+  stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
 }
+
+Client::~Client() { CloseUcxSession(ucx_session_.load(), absl::Seconds(2)); }
 
 absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
   if (transport_ != Transport::kUcx) return MemoryRegion();

@@ -190,7 +190,9 @@ class Client {
   absl::Status OpenUcxSession(absl::Time deadline);
   // After a call failed UNAVAILABLE: waits for the daemon to be reachable again (gRPC's
   // reconnection backoff) and opens a new session, all before `deadline`.
-  absl::Status ReopenUcxSession(absl::Time deadline);
+  absl::Status ReopenUcxSession(absl::Time deadline) ABSL_LOCKS_EXCLUDED(ucx_reopen_mu_);
+  // Asks the daemon to close `session_id` (0: none), best effort.
+  void CloseUcxSession(uint64_t session_id, absl::Duration timeout);
   // Runs a UCX call, `call(deadline)`, within one call_timeout. A call that fails UNAVAILABLE
   // marks the session stale and the next call re-establishes it first; when the daemon no
   // longer knows the session (NOT_FOUND), a new one is opened and the call retried once.
@@ -227,6 +229,7 @@ class Client {
   std::array<std::byte, 64> ucx_probe_bytes_{};
   std::shared_ptr<ucx::Registration> ucx_probe_;
   std::atomic<uint64_t> ucx_session_{0};
+  proxima::Mutex ucx_reopen_mu_;  // held by the one thread re-establishing the session
   std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
   proxima::Mutex regions_mu_;
   std::vector<std::weak_ptr<ucx::Registration>> regions_ ABSL_GUARDED_BY(regions_mu_);
