@@ -1,5 +1,6 @@
 // The C ABI (proxima.h) over proxima::client::Client.
 
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -78,10 +79,15 @@ proxima_status proxima_connect(const char* target, const char* namespace_name,
 proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_client** client_out) {
   PROXIMA_C_REQUIRE(o != nullptr && o->target != nullptr && client_out != nullptr,
                     "options, options->target and client_out are required");
-  PROXIMA_C_REQUIRE(o->size >= sizeof(proxima_connect_options),
+  // The struct only grows: a caller built against the first version (without `transport`) passes
+  // a smaller size, and the fields it does not have read as zero (their defaults).
+  constexpr size_t kFirstVersionSize = offsetof(proxima_connect_options, transport);
+  PROXIMA_C_REQUIRE(o->size >= kFirstVersionSize,
                     "options->size is " + std::to_string(o->size) + "; expected sizeof(" +
                         "proxima_connect_options) = " +
                         std::to_string(sizeof(proxima_connect_options)));
+  const proxima_transport transport =
+      o->size >= sizeof(proxima_connect_options) ? o->transport : PROXIMA_TRANSPORT_AUTO;
   auto str = [](const char* s) { return s == nullptr ? std::string() : std::string(s); };
   proxima::client::ClientOptions options;
   options.target = o->target;
@@ -91,6 +97,21 @@ proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_cl
   options.tls_cert_file = str(o->tls_cert_file);
   options.tls_key_file = str(o->tls_key_file);
   options.tls_server_name = str(o->tls_server_name);
+  switch (transport) {
+    case PROXIMA_TRANSPORT_AUTO:
+      options.transport = proxima::client::Transport::kAuto;
+      break;
+    case PROXIMA_TRANSPORT_UCX:
+      options.transport = proxima::client::Transport::kUcx;
+      break;
+    case PROXIMA_TRANSPORT_INLINE:
+      options.transport = proxima::client::Transport::kInline;
+      break;
+    default:
+      return Fail(absl::StatusCode::kInvalidArgument,
+                  "options->transport is " + std::to_string(static_cast<int>(transport)) +
+                      "; expected PROXIMA_TRANSPORT_AUTO (0), _UCX (1) or _INLINE (2)");
+  }
   if (o->connect_timeout_ms > 0) {
     options.connect_timeout = absl::Milliseconds(o->connect_timeout_ms);
   }
@@ -104,6 +125,31 @@ proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_cl
 }
 
 void proxima_close(proxima_client* client) { delete client; }
+
+struct proxima_memory_region {
+  proxima::client::MemoryRegion region;
+};
+
+proxima_status proxima_transport_in_use(proxima_client* c, proxima_transport* transport_out) {
+  PROXIMA_C_REQUIRE(c != nullptr && transport_out != nullptr,
+                    "client and transport_out are required");
+  *transport_out = c->client->transport() == proxima::client::Transport::kUcx
+                       ? PROXIMA_TRANSPORT_UCX
+                       : PROXIMA_TRANSPORT_INLINE;
+  return PROXIMA_OK;
+}
+
+proxima_status proxima_register_memory(proxima_client* c, void* data, size_t size,
+                                       proxima_memory_region** region_out) {
+  PROXIMA_C_REQUIRE(c != nullptr && data != nullptr && size > 0 && region_out != nullptr,
+                    "client, data, size > 0 and region_out are required");
+  auto region = c->client->RegisterMemory(data, size);
+  if (!region.ok()) return Fail(region.status());
+  *region_out = new proxima_memory_region{*std::move(region)};
+  return PROXIMA_OK;
+}
+
+void proxima_deregister_memory(proxima_memory_region* region) { delete region; }
 
 proxima_status proxima_register_profile(proxima_client* c, const proxima_model_profile* p,
                                         uint64_t* profile_id_out, uint64_t* block_bytes_out) {

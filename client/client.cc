@@ -7,12 +7,15 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/credentials.h"
+#include "absl/strings/str_format.h"
 #include "common/crc32c.h"
+#include "common/credentials.h"
 #include "common/log.h"
-#include "common/status_macros.h"
 #include "common/mutex.h"
+#include "common/status_macros.h"
+#include "common/ucx.h"
 #include "proto/wire.h"
 
 namespace proxima::client {
@@ -67,14 +70,34 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
   PROXIMA_ASSIGN_OR_RETURN(ssl.pem_root_certs,
                            ReadPemFile("tls_ca_file", o.tls_ca_file, PemKind::kCertificates));
   if (!o.tls_cert_file.empty()) {
-    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPemFile("tls_cert_file", o.tls_cert_file,
-                                                             PemKind::kCertificates));
+    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                             ReadPemFile("tls_cert_file", o.tls_cert_file, PemKind::kCertificates));
     PROXIMA_ASSIGN_OR_RETURN(ssl.pem_private_key,
                              ReadPemFile("tls_key_file", o.tls_key_file, PemKind::kPrivateKey));
     PROXIMA_RETURN_IF_ERROR(CheckKeyMatchesCertificate("tls_cert_file", "tls_key_file",
                                                        ssl.pem_cert_chain, ssl.pem_private_key));
   }
   return grpc::SslCredentials(ssl);
+}
+
+const char* TransportName(Transport t) {
+  switch (t) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kUcx:
+      return "ucx";
+    case Transport::kInline:
+      return "inline";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  if (name == "auto") return Transport::kAuto;
+  if (name == "ucx") return Transport::kUcx;
+  if (name == "inline") return Transport::kInline;
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport '", name, "' is unknown; expected auto, ucx or inline"));
 }
 
 absl::Status FromGrpc(const grpc::Status& status) {
@@ -120,15 +143,327 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   v1::GetServerInfoResponse info;
   PROXIMA_RETURN_IF_ERROR(
       FromGrpc(client->stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
-  client->server_info_ = ServerInfo{info.version(), info.max_message_bytes(),
-                                    info.max_batch_blocks(), info.max_lookup_keys()};
+  client->server_info_ =
+      ServerInfo{info.version(), info.max_message_bytes(), info.max_batch_blocks(),
+                 info.max_lookup_keys(), info.ucx_enabled()};
   if (info.key_bytes() != kKeyBytes || info.max_batch_blocks() == 0 ||
       info.max_lookup_keys() == 0 || info.max_message_bytes() <= kMessageOverhead) {
     return absl::FailedPreconditionError(
-        absl::StrCat("proximad at '", options.target, "' reports limits this client cannot use: ",
-                     info.ShortDebugString()));
+        absl::StrCat("proximad at '", options.target,
+                     "' reports limits this client cannot use: ", info.ShortDebugString()));
+  }
+  client->transport_detail_ = "inline: chosen by the caller";
+  if (options.transport != Transport::kInline) {
+    absl::Status ucx = client->server_info_.ucx_enabled
+                           ? client->StartUcx()
+                           : absl::FailedPreconditionError("proximad has UCX disabled");
+    if (!ucx.ok()) {
+      if (options.transport == Transport::kUcx) {
+        return absl::Status(ucx.code(),
+                            absl::StrCat("transport ucx requested, but: ", ucx.message()));
+      }
+      client->ucx_probe_.reset();  // registrations go before their worker
+      client->ucx_worker_.reset();
+      client->transport_detail_ = absl::StrCat("inline: ", ucx.message());
+      // Once per process: a worker with a client per GPU (or a load generator) would repeat it.
+      static std::atomic<bool> logged{false};
+      if (!logged.exchange(true)) {
+        PROXIMA_LOG(kInfo) << "UCX data plane not available; moving blocks inline"
+                           << log::Kv("target", options.target) << log::Kv("reason", ucx.message());
+      }
+    }
   }
   return client;
+}
+
+absl::Status Client::StartUcx() {
+  PROXIMA_ASSIGN_OR_RETURN(ucx_worker_, ucx::Worker::Create("libproxima"));
+  // The probe the daemon reads in every ConnectUcx: bytes that differ from offset to offset, so
+  // a transfer that moved nothing or the wrong range fails its CRC32C.
+  for (size_t i = 0; i < ucx_probe_bytes_.size(); ++i) {
+    ucx_probe_bytes_[i] = static_cast<std::byte>(i * 37 + 11);
+  }
+  PROXIMA_ASSIGN_OR_RETURN(ucx_probe_,
+                           ucx_worker_->Register(ucx_probe_bytes_.data(), ucx_probe_bytes_.size()));
+  PROXIMA_RETURN_IF_ERROR(
+      OpenUcxSession(absl::Now() + std::min(options_.call_timeout, options_.connect_timeout)));
+  transport_ = Transport::kUcx;
+  transport_detail_ = absl::StrFormat("ucx: session %016x", ucx_session_.load());
+  return absl::OkStatus();
+}
+
+template <typename Call>
+absl::Status Client::CallWithSession(Call&& call) {
+  // One deadline for the whole call: re-establishing the session and the call itself.
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  if (ucx_session_stale_.load()) PROXIMA_RETURN_IF_ERROR(ReopenUcxSession(deadline));
+  absl::Status status = call(deadline);
+  if (absl::IsUnavailable(status)) {
+    // The daemon or the path to it failed (killed, restarted, network): this call fails, and the
+    // next one re-establishes the connection and the session before it runs.
+    ucx_session_stale_.store(true);
+    return status;
+  }
+  if (status.code() != absl::StatusCode::kNotFound ||
+      !absl::StrContains(status.message(), "UCX session")) {
+    return status;
+  }
+  PROXIMA_LOG(kInfo) << "proximad forgot this client's UCX session (restart?); opening a new one"
+                     << log::Kv("target", options_.target);
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
+  return call(deadline);
+}
+
+absl::Status Client::ReopenUcxSession(absl::Time deadline) {
+  // One thread re-establishes the session; the others find it fresh when they get the lock.
+  proxima::MutexLock lock(&ucx_reopen_mu_);
+  if (!ucx_session_stale_.load()) return absl::OkStatus();
+  // A failed call leaves the channel in TRANSIENT_FAILURE, and the unary calls of the UCX path
+  // fail fast there without polling the channel, so nothing would drive gRPC's reconnection
+  // (its backoff included) forward: wait for it here, within this call's deadline.
+  if (!channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
+    return absl::UnavailableError(absl::StrCat(
+        "proximad at '", options_.target, "' is not reachable again within the call's deadline (",
+        absl::FormatDuration(options_.call_timeout), "); the UCX session is re-opened once it is"));
+  }
+  // A daemon that did not restart may still hold the old session (the failure was on the path):
+  // close it, best effort (closing a session the daemon no longer knows is not an error).
+  CloseUcxSession(ucx_session_.load(), deadline - absl::Now());
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
+  PROXIMA_LOG(kInfo) << "UCX session re-established after a failure"
+                     << log::Kv("target", options_.target);
+  return absl::OkStatus();
+}
+
+absl::Status Client::OpenUcxSession(absl::Time deadline) {
+  v1::ConnectUcxRequest request;
+  request.set_worker_address(ucx_worker_->address());
+  v1::UcxRegion* probe = request.mutable_probe();
+  probe->set_rkey(ucx_probe_->packed_rkey());
+  probe->set_address(reinterpret_cast<uint64_t>(ucx_probe_bytes_.data()));
+  probe->set_length(ucx_probe_bytes_.size());
+  request.set_probe_crc32c(Crc32c(ucx_probe_bytes_));
+  v1::ConnectUcxResponse response;
+  grpc::ClientContext context;
+  PrepareContext(&context, deadline - absl::Now());
+  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
+  ucx_session_.store(response.session_id());
+  ucx_session_stale_.store(false);
+  return absl::OkStatus();
+}
+
+void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
+  if (session_id == 0) return;
+  v1::DisconnectUcxRequest request;
+  request.set_session_id(session_id);
+  v1::DisconnectUcxResponse response;
+  grpc::ClientContext context;
+  PrepareContext(&context, timeout);                   // the session is the token's: present it
+  stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
+}
+
+Client::~Client() { CloseUcxSession(ucx_session_.load(), absl::Seconds(2)); }
+
+absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
+  if (transport_ != Transport::kUcx) return MemoryRegion();
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r, ucx_worker_->Register(data, size));
+  proxima::MutexLock lock(&regions_mu_);
+  regions_.erase(
+      std::remove_if(regions_.begin(), regions_.end(), [](const auto& w) { return w.expired(); }),
+      regions_.end());
+  regions_.push_back(r);
+  return MemoryRegion(std::move(r));
+}
+
+std::shared_ptr<ucx::Registration> Client::FindRegistration(const void* p, size_t n) {
+  proxima::MutexLock lock(&regions_mu_);
+  for (const auto& w : regions_) {
+    std::shared_ptr<ucx::Registration> r = w.lock();
+    if (r && r->Contains(p, n)) return r;
+  }
+  return nullptr;
+}
+
+template <typename Seg, typename Req>
+absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<const Seg> blocks,
+                                     size_t begin, size_t end, bool with_crc, Req* request,
+                                     std::vector<std::shared_ptr<ucx::Registration>>* held) {
+  request->set_namespace_name(options_.namespace_name);
+  absl::flat_hash_map<const ucx::Registration*, uint32_t> region_index;
+  for (size_t i = begin; i < end; ++i) {
+    v1::UcxBlock* block = request->add_blocks();
+    block->set_key(KeyString(keys[i]));
+    uint32_t crc = 0;
+    for (const auto& seg : blocks[i]) {
+      std::shared_ptr<ucx::Registration> r = FindRegistration(seg.data(), seg.size());
+      if (r == nullptr) {
+        // Not inside a registered region: register it for this call.
+        PROXIMA_ASSIGN_OR_RETURN(
+            r, ucx_worker_->Register(const_cast<std::byte*>(seg.data()), seg.size()));
+      }
+      auto [it, inserted] = region_index.try_emplace(r.get(), request->regions_size());
+      if (inserted) {
+        v1::UcxRegion* region = request->add_regions();
+        region->set_rkey(r->packed_rkey());
+        region->set_address(reinterpret_cast<uint64_t>(r->address()));
+        region->set_length(r->length());
+        held->push_back(r);
+      }
+      v1::UcxSegment* s = block->add_segments();
+      s->set_region(it->second);
+      s->set_address(reinterpret_cast<uint64_t>(seg.data()));
+      s->set_length(seg.size());
+      if (with_crc) crc = Crc32cExtend(crc, seg);
+    }
+    if (with_crc) block->set_crc32c(crc);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
+                                                       std::span<const BlockKey> keys,
+                                                       std::span<const ConstSegments> blocks) {
+  std::vector<PutOutcome> outcomes;
+  outcomes.reserve(keys.size());
+  const size_t per_call = server_info_.max_batch_blocks;
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::PutUcxRequest request;
+    request.set_profile_id(profile.id);
+    std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
+    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, &request, &held));
+    v1::PutResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
+      return CallWithProfile(profile, [&] {
+        grpc::ClientContext context;
+        PrepareContext(&context, deadline - absl::Now());
+        request.set_session_id(ucx_session_.load());
+        response.Clear();
+        return FromGrpc(stub_->PutUcx(&context, request, &response));
+      });
+    }));
+    if (response.outcomes_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
+                                              " outcomes for ", end - begin, " blocks"));
+    }
+    for (int o : response.outcomes()) {
+      outcomes.push_back(o == v1::PUT_OUTCOME_STORED            ? PutOutcome::kStored
+                         : o == v1::PUT_OUTCOME_ALREADY_PRESENT ? PutOutcome::kAlreadyPresent
+                                                                : PutOutcome::kNoSpace);
+    }
+  }
+  return outcomes;
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
+                                                 std::span<const BlockKey> keys,
+                                                 std::span<const Segments> out) {
+  std::vector<bool> found(keys.size(), false);
+  const size_t per_call = server_info_.max_batch_blocks;
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    size_t end = std::min(keys.size(), begin + per_call);
+    v1::GetUcxRequest request;
+    request.set_profile_id(profile.id);
+    std::vector<std::shared_ptr<ucx::Registration>> held;
+    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
+    v1::GetUcxResponse response;
+    PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
+      return CallWithProfile(profile, [&] {
+        grpc::ClientContext context;
+        PrepareContext(&context, deadline - absl::Now());
+        request.set_session_id(ucx_session_.load());
+        response.Clear();
+        return FromGrpc(stub_->GetUcx(&context, request, &response));
+      });
+    }));
+    if (response.results_size() != static_cast<int>(end - begin)) {
+      return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
+                                              " results for ", end - begin, " blocks"));
+    }
+    for (size_t i = begin; i < end; ++i) {
+      const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
+      if (!r.found()) continue;
+      uint32_t crc = 0;
+      for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
+      if (crc != r.crc32c()) {
+        const uint64_t n = crc_failures_.fetch_add(1) + 1;
+        if ((n & (n - 1)) == 0) {
+          PROXIMA_LOG(kWarning) << "block written by proximad over UCX failed its CRC32C check; "
+                                   "treated as a miss"
+                                << log::Kv("target", options_.target) << log::Kv("failures", n);
+        }
+        continue;
+      }
+      found[i] = true;
+    }
+  }
+  return found;
+}
+
+namespace {
+
+absl::Status CheckSegmentSizes(const char* what, size_t keys, size_t blocks, const Profile& profile,
+                               auto segments_of) {
+  if (keys != blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", keys, " keys but ", blocks, " blocks"));
+  }
+  for (size_t i = 0; i < blocks; ++i) {
+    uint64_t total = 0;
+    for (const auto& seg : segments_of(i)) {
+      if (seg.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": block ", i, " has an empty segment"));
+      }
+      total += seg.size();
+    }
+    if (total != profile.block_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": block ", i, "'s segments add up to ",
+                                                     total, " bytes; the profile's blocks are ",
+                                                     profile.block_bytes, " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(
+    const Profile& profile, std::span<const BlockKey> keys, std::span<const ConstSegments> blocks) {
+  PROXIMA_RETURN_IF_ERROR(
+      CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
+                        [&](size_t i) -> const ConstSegments& { return blocks[i]; }));
+  if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks);
+  // Inline: gather each block into one buffer.
+  std::vector<std::vector<std::byte>> gathered(blocks.size());
+  std::vector<std::span<const std::byte>> spans;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    gathered[i].reserve(profile.block_bytes);
+    for (const auto& seg : blocks[i]) gathered[i].insert(gathered[i].end(), seg.begin(), seg.end());
+    spans.push_back(gathered[i]);
+  }
+  return Put(profile, keys, spans);
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetScattered(const Profile& profile,
+                                                       std::span<const BlockKey> keys,
+                                                       std::span<const Segments> out) {
+  PROXIMA_RETURN_IF_ERROR(CheckSegmentSizes("GetScattered", keys.size(), out.size(), profile,
+                                            [&](size_t i) -> const Segments& { return out[i]; }));
+  if (transport_ == Transport::kUcx) return GetUcx(profile, keys, out);
+  std::vector<std::vector<std::byte>> contiguous(out.size(),
+                                                 std::vector<std::byte>(profile.block_bytes));
+  std::vector<std::span<std::byte>> spans(contiguous.begin(), contiguous.end());
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found, Get(profile, keys, spans));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!found[i]) continue;
+    size_t offset = 0;
+    for (const auto& seg : out[i]) {
+      std::memcpy(seg.data(), contiguous[i].data() + offset, seg.size());
+      offset += seg.size();
+    }
+  }
+  return found;
 }
 
 Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -138,7 +473,11 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
       generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
 void Client::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(Deadline(options_.call_timeout));
+  PrepareContext(context, options_.call_timeout);
+}
+
+void Client::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
+  context->set_deadline(Deadline(timeout));
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
@@ -212,6 +551,14 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
     return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
                                                    options.positions.size(), " positions"));
   }
+  // PutUcxRequest carries no chain positions, priority or importance hints: a Put that has any
+  // goes inline, so the daemon's tierer gets them.
+  const bool plain = options.positions.empty() && options.importance.empty() && !options.high_priority;
+  if (transport_ == Transport::kUcx && plain) {
+    std::vector<ConstSegments> segments;
+    for (const auto& b : blocks) segments.push_back({b});
+    return PutUcx(profile, keys, segments);
+  }
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
   const size_t per_call = BlocksPerCall(profile.block_bytes);
@@ -240,9 +587,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
                                               " outcomes for ", end - begin, " blocks"));
     }
     for (int o : response.outcomes()) {
-      outcomes.push_back(o == v1::PUT_OUTCOME_STORED           ? PutOutcome::kStored
+      outcomes.push_back(o == v1::PUT_OUTCOME_STORED            ? PutOutcome::kStored
                          : o == v1::PUT_OUTCOME_ALREADY_PRESENT ? PutOutcome::kAlreadyPresent
-                                                                 : PutOutcome::kNoSpace);
+                                                                : PutOutcome::kNoSpace);
     }
   }
   return outcomes;
@@ -350,6 +697,11 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
   std::vector<size_t> sizes;
   for (const auto& b : out) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Get", keys.size(), out.size(), profile, sizes));
+  if (transport_ == Transport::kUcx) {
+    std::vector<Segments> segments;
+    for (const auto& b : out) segments.push_back({b});
+    return GetUcx(profile, keys, segments);
+  }
   std::vector<bool> found(keys.size(), false);
   const size_t per_call = BlocksPerCall(profile.block_bytes);
   for (size_t begin = 0; begin < keys.size(); begin += per_call) {

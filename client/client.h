@@ -5,14 +5,17 @@
 // call, checks the CRC32C of every block it receives, and re-registers a model profile by itself
 // when a restarted daemon no longer knows it.
 //
-//   PROXIMA_ASSIGN_OR_RETURN(auto client, Client::Connect({.target = "unix:/run/proxima/proximad.sock"}));
-//   PROXIMA_ASSIGN_OR_RETURN(Profile profile, client->RegisterProfile(model));
-//   PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client->Put(profile, keys, blocks));
-//   PROXIMA_ASSIGN_OR_RETURN(size_t cached, client->Lookup(profile, chain));
+//   PROXIMA_ASSIGN_OR_RETURN(auto client, Client::Connect({.target =
+//   "unix:/run/proxima/proximad.sock"})); PROXIMA_ASSIGN_OR_RETURN(Profile profile,
+//   client->RegisterProfile(model)); PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client->Put(profile,
+//   keys, blocks)); PROXIMA_ASSIGN_OR_RETURN(size_t cached, client->Lookup(profile, chain));
 //
 // Thread-safe: one Client may be used from many threads at once.
 #ifndef PROXIMA_CLIENT_CLIENT_H_
 #define PROXIMA_CLIENT_CLIENT_H_
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
 
 #include <array>
 #include <atomic>
@@ -24,16 +27,17 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/security/credentials.h>
-
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "common/mutex.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
+namespace proxima::ucx {
+class Registration;
+class Worker;
+}  // namespace proxima::ucx
 namespace proxima::wire {
 struct GetResult;
 }  // namespace proxima::wire
@@ -42,6 +46,28 @@ namespace proxima::client {
 
 inline constexpr size_t kKeyBytes = 32;
 using BlockKey = std::array<uint8_t, kKeyBytes>;
+
+// How block bytes move. kAuto: UCX when the daemon serves it and, in ConnectUcx, reads a probe
+// buffer of this process over UCX (so bytes really move end to end), inline otherwise. kUcx: UCX or
+// Connect() fails. kInline: always in the gRPC messages.
+enum class Transport { kAuto, kUcx, kInline };
+
+// "auto", "ucx", "inline" and back.
+const char* TransportName(Transport t);
+absl::StatusOr<Transport> ParseTransport(const std::string& name);
+
+// A caller buffer registered for the UCX data plane (see Client::RegisterMemory). Dropping the
+// handle deregisters the buffer; a transfer in flight keeps its registration until it ends.
+class MemoryRegion {
+ public:
+  MemoryRegion() = default;
+  bool registered() const { return registration_ != nullptr; }
+
+ private:
+  friend class Client;
+  explicit MemoryRegion(std::shared_ptr<ucx::Registration> r) : registration_(std::move(r)) {}
+  std::shared_ptr<ucx::Registration> registration_;
+};
 
 struct ClientOptions {
   // gRPC target: "unix:/run/proxima/proximad.sock", "127.0.0.1:50051", "dns:///host:50051".
@@ -58,6 +84,7 @@ struct ClientOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_server_name;  // name to check in the daemon's certificate, if not the target's
+  Transport transport = Transport::kAuto;
 };
 
 // A registered model profile: pass it to every block call.
@@ -91,13 +118,31 @@ struct ServerInfo {
   uint64_t max_message_bytes = 0;
   uint32_t max_batch_blocks = 0;
   uint32_t max_lookup_keys = 0;
+  bool ucx_enabled = false;  // the daemon serves the UCX data plane
 };
+
+// A block as a scatter/gather list: its bytes are the segments' bytes in order (e.g. one segment
+// per layer). The segment sizes add up to the profile's block size.
+using ConstSegments = std::vector<std::span<const std::byte>>;
+using Segments = std::vector<std::span<std::byte>>;
 
 class Client {
  public:
   // Connects and fetches the daemon's limits. UNAVAILABLE when the daemon cannot be reached
   // within connect_timeout.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();  // closes the UCX session (if any)
+
+  // The transport in use: kUcx or kInline (never kAuto), and why (e.g. "inline: proximad has
+  // UCX disabled").
+  Transport transport() const { return transport_; }
+  const std::string& transport_detail() const { return transport_detail_; }
+
+  // Registers [data, data + size) for UCX once (e.g. a worker's whole KV cache), so that later
+  // Put/Get of blocks inside it move with no registration cost. Over inline, a no-op handle.
+  // Buffers that are not inside a registered region are registered for the duration of a call.
+  // REQUIRES: every MemoryRegion is dropped before the Client.
+  absl::StatusOr<MemoryRegion> RegisterMemory(void* data, size_t size);
 
   // Registers `profile` in the client's namespace (idempotent; the id is stable).
   absl::StatusOr<Profile> RegisterProfile(const v1::ModelProfile& profile);
@@ -126,6 +171,16 @@ class Client {
   absl::StatusOr<std::vector<std::optional<StoredBlock>>> GetStored(
       const Profile& profile, std::span<const BlockKey> keys);
 
+  // Put and Get of blocks given as scatter/gather lists (see Segments). Over inline, blocks are
+  // gathered into (scattered from) a contiguous buffer; over UCX the daemon reads (writes) the
+  // segments directly.
+  absl::StatusOr<std::vector<PutOutcome>> PutScattered(const Profile& profile,
+                                                       std::span<const BlockKey> keys,
+                                                       std::span<const ConstSegments> blocks);
+  absl::StatusOr<std::vector<bool>> GetScattered(const Profile& profile,
+                                                 std::span<const BlockKey> keys,
+                                                 std::span<const Segments> out);
+
   // Number of leading keys of `chain` that are stored.
   absl::StatusOr<size_t> Lookup(const Profile& profile, std::span<const BlockKey> chain);
 
@@ -148,7 +203,9 @@ class Client {
   // registered by this client, registers it again and retries once (the daemon restarted).
   template <typename Call>
   absl::Status CallWithProfile(const Profile& profile, Call&& call);
+  // Sets the call's deadline (call_timeout, or `timeout`) and its bearer token, if any.
   void PrepareContext(grpc::ClientContext* context) const;
+  void PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const;
   // One unary call with serialized messages (Put and Get encode their block bytes themselves).
   absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
                        grpc::ByteBuffer* response);
@@ -165,6 +222,32 @@ class Client {
   void CountCrcFailure();
   // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
   size_t BlocksPerCall(uint64_t block_bytes) const;
+  // Starts the UCX worker and opens a session with the daemon.
+  absl::Status StartUcx();
+  // Opens a new session on the existing worker (the daemon restarted and forgot the old one).
+  absl::Status OpenUcxSession(absl::Time deadline);
+  // After a call failed UNAVAILABLE: waits for the daemon to be reachable again (gRPC's
+  // reconnection backoff) and opens a new session, all before `deadline`.
+  absl::Status ReopenUcxSession(absl::Time deadline) ABSL_LOCKS_EXCLUDED(ucx_reopen_mu_);
+  // Asks the daemon to close `session_id` (0: none), best effort.
+  void CloseUcxSession(uint64_t session_id, absl::Duration timeout);
+  // Runs a UCX call, `call(deadline)`, within one call_timeout. A call that fails UNAVAILABLE
+  // marks the session stale and the next call re-establishes it first; when the daemon no
+  // longer knows the session (NOT_FOUND), a new one is opened and the call retried once.
+  template <typename Call>
+  absl::Status CallWithSession(Call&& call);
+  // Fills request regions and blocks for keys[begin, end) over UCX; `held` keeps every
+  // registration used alive for the call.
+  template <typename Seg, typename Req>
+  absl::Status BuildUcxRequest(std::span<const BlockKey> keys, std::span<const Seg> blocks,
+                               size_t begin, size_t end, bool with_crc, Req* request,
+                               std::vector<std::shared_ptr<ucx::Registration>>* held);
+  std::shared_ptr<ucx::Registration> FindRegistration(const void* p, size_t n);
+  absl::StatusOr<std::vector<PutOutcome>> PutUcx(const Profile& profile,
+                                                 std::span<const BlockKey> keys,
+                                                 std::span<const ConstSegments> blocks);
+  absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
+                                           std::span<const Segments> out);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -174,6 +257,20 @@ class Client {
   std::atomic<uint64_t> crc_failures_{0};
   proxima::Mutex mu_;
   absl::flat_hash_map<uint64_t, v1::ModelProfile> profiles_ ABSL_GUARDED_BY(mu_);
+
+  Transport transport_ = Transport::kInline;
+  std::string transport_detail_;
+  // UCX data plane (transport_ == kUcx). The worker outlives every registration.
+  std::unique_ptr<ucx::Worker> ucx_worker_;
+  // Read by the daemon in every ConnectUcx (end-to-end check); declared after the worker so
+  // that it is deregistered first.
+  std::array<std::byte, 64> ucx_probe_bytes_{};
+  std::shared_ptr<ucx::Registration> ucx_probe_;
+  std::atomic<uint64_t> ucx_session_{0};
+  proxima::Mutex ucx_reopen_mu_;  // held by the one thread re-establishing the session
+  std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
+  proxima::Mutex regions_mu_;
+  std::vector<std::weak_ptr<ucx::Registration>> regions_ ABSL_GUARDED_BY(regions_mu_);
 };
 
 // Channel credentials for `options`' TLS settings (plaintext when none is set). PEM files are

@@ -32,6 +32,15 @@ extern "C" {
 
 typedef int proxima_status;
 typedef struct proxima_client proxima_client;
+typedef struct proxima_memory_region proxima_memory_region;
+
+/* How block bytes move (see client/client.h). AUTO: UCX when the daemon serves it and can reach
+ * this process, inline otherwise. */
+typedef enum {
+  PROXIMA_TRANSPORT_AUTO = 0,
+  PROXIMA_TRANSPORT_UCX = 1,
+  PROXIMA_TRANSPORT_INLINE = 2
+} proxima_transport;
 
 typedef enum {
   PROXIMA_DTYPE_FP16 = 1,
@@ -79,11 +88,26 @@ typedef struct {
   const char* tls_server_name; /* name to verify in the daemon's certificate, if not target's */
   int64_t connect_timeout_ms; /* 0: 5 s */
   int64_t call_timeout_ms;    /* 0: 30 s */
+  proxima_transport transport; /* 0 (PROXIMA_TRANSPORT_AUTO): UCX when usable, else inline;
+                                  PROXIMA_TRANSPORT_UCX fails (FAILED_PRECONDITION or
+                                  UNAVAILABLE) when UCX cannot be used */
 } proxima_connect_options;
 
-/* Connects with TLS and/or a bearer token (see proxima_connect_options). */
+/* Connects with TLS, a bearer token and/or a transport choice (see proxima_connect_options). */
 PROXIMA_EXPORT proxima_status proxima_connect_with(const proxima_connect_options* options,
                                                    proxima_client** client_out);
+
+/* The transport in use (PROXIMA_TRANSPORT_UCX or PROXIMA_TRANSPORT_INLINE). */
+PROXIMA_EXPORT proxima_status proxima_transport_in_use(proxima_client* client,
+                                                       proxima_transport* transport_out);
+
+/* Registers [data, data + size) for UCX once (e.g. a whole KV cache); blocks inside it then move
+ * without registration cost. A no-op handle over inline. Deregister before proxima_close. */
+PROXIMA_EXPORT proxima_status proxima_register_memory(proxima_client* client, void* data,
+                                                      size_t size,
+                                                      proxima_memory_region** region_out);
+/* Deregisters (NULL is allowed); a transfer in flight keeps the registration until it ends. */
+PROXIMA_EXPORT void proxima_deregister_memory(proxima_memory_region* region);
 
 /* Closes the connection and frees `client` (NULL is allowed). */
 PROXIMA_EXPORT void proxima_close(proxima_client* client);

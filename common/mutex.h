@@ -54,6 +54,11 @@ class Notification {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return notified_; });
   }
+  // Waits until notified or `deadline`; returns whether notified.
+  bool WaitForNotificationUntil(std::chrono::system_clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_until(lock, deadline, [this] { return notified_; });
+  }
   bool HasBeenNotified() {
     std::lock_guard<std::mutex> lock(mu_);
     return notified_;

@@ -198,6 +198,8 @@ class BlockStore {
   // Removes the block; returns whether it was present. A reader holding it finishes first.
   bool Delete(const BlockId& id);
 
+  // The tier's whole arena: every block's bytes lie in it (registered once with UCX).
+  std::span<std::byte> arena() const { return tier_->arena(); }
   uint64_t capacity_bytes() const { return tier_->capacity_bytes(); }
   uint64_t used_bytes() const { return tier_->used_bytes(); }
   bool pinned_for_gpu() const { return tier_->pinned_for_gpu(); }

@@ -70,6 +70,9 @@ namespaces:                        # tenants; a call naming another namespace ge
       priority: {high_max_level: 1} # deepest level a high-priority put's blocks go to
 log:
   level: info                      # debug | info | warning | error
+ucx:
+  enabled: true                    # serve the UCX data plane (ConnectUcx, PutUcx, GetUcx)
+  max_sessions: 1024               # UCX sessions (client endpoints) open at once
 )";
 
 // Walks a YAML tree and produces errors that name the full dotted key.
@@ -444,6 +447,26 @@ absl::Status ParseCompression(Reader& r, const YAML::Node& node, const std::stri
   return ResolveCompressionLevels(r.source(), path, c);
 }
 
+// The `ucx` section (UCX data plane).
+absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ucx, "ucx", {"enabled", "max_sessions"}));
+  if (!ucx || !ucx.IsMap()) return absl::OkStatus();
+  if (const YAML::Node enabled = ucx["enabled"]) {
+    const std::string text = enabled.IsScalar() ? enabled.Scalar() : Reader::Dump(enabled);
+    if (text == "true") {
+      out->enabled = true;
+    } else if (text == "false") {
+      out->enabled = false;
+    } else {
+      return r.Error("ucx.enabled", text, "true or false");
+    }
+  }
+  uint64_t v = out->max_sessions;
+  PROXIMA_RETURN_IF_ERROR(r.Uint(ucx["max_sessions"], "ucx.max_sessions", 1, 65536, &v));
+  out->max_sessions = static_cast<uint32_t>(v);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view DefaultConfigYaml() { return kDefaultYaml; }
@@ -589,7 +612,8 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
 
   Reader r{std::string(source)};
   DaemonConfig c;
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(root, "", {"server", "tiers", "tierer", "index", "namespaces", "log"}));
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(root, "", {"server", "tiers", "tierer", "index", "namespaces", "log", "ucx"}));
 
   const YAML::Node server = root["server"];
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
@@ -741,6 +765,7 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
       return r.Error("log.level", c.log_level, "one of debug, info, warning, error");
     }
   }
+  PROXIMA_RETURN_IF_ERROR(ParseUcxConfig(r, root["ucx"], &c.ucx));
   return c;
 }
 
@@ -945,6 +970,9 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::EndSeq;
   e << YAML::Key << "log" << YAML::Value << YAML::BeginMap << YAML::Key << "level"
     << YAML::Value << c.log_level << YAML::EndMap;
+  e << YAML::Key << "ucx" << YAML::Value << YAML::BeginMap << YAML::Key << "enabled"
+    << YAML::Value << c.ucx.enabled << YAML::Key << "max_sessions" << YAML::Value
+    << c.ucx.max_sessions << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }

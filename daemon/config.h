@@ -118,6 +118,11 @@ struct GpuTierConfig {
   uint64_t capacity_bytes_per_device = 0;  // 0 disables the GPU tier
 };
 
+struct UcxConfig {
+  bool enabled = true;          // serve the UCX data plane
+  uint32_t max_sessions = 1024;  // UCX sessions (endpoints to clients) open at once
+};
+
 struct DaemonConfig {
   ServerConfig server;
   HostTierConfig host_tier;
@@ -126,6 +131,7 @@ struct DaemonConfig {
   uint32_t index_shards = 64;  // block index shards (power of two); more shards, less contention
   std::vector<NamespaceConfig> namespaces = {{"default"}};
   std::string log_level = "info";  // debug | info | warning | error
+  UcxConfig ucx;
 };
 
 // "auto", "on" or "off", as the config spells it.

@@ -297,3 +297,29 @@ TEST(CompressionConfigTest, BadPoliciesNameKeyValueAndAllowed) {
 
 }  // namespace
 }  // namespace proxima::daemon
+
+namespace proxima::daemon {
+namespace {
+
+TEST(ConfigTest, UcxSection) {
+  ASSERT_OK_AND_ASSIGN(DaemonConfig d, ParseConfig("", "<empty>", {}));
+  EXPECT_TRUE(d.ucx.enabled);
+  EXPECT_EQ(d.ucx.max_sessions, 1024u);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c,
+                       ParseConfig("ucx: {enabled: false, max_sessions: 8}\n", "x", {}));
+  EXPECT_FALSE(c.ucx.enabled);
+  EXPECT_EQ(c.ucx.max_sessions, 8u);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
+  EXPECT_FALSE(again.ucx.enabled);
+  EXPECT_EQ(again.ucx.max_sessions, 8u);
+  EXPECT_THAT(ParseConfig("", "x", {"ucx.enabled=yes please"}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'ucx.enabled'"), HasSubstr("true or false"))));
+  EXPECT_THAT(ParseConfig("", "x", {"ucx.max_sessions=0"}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'ucx.max_sessions'")));
+  EXPECT_THAT(ParseConfig("", "x", {"ucx.transport=rdma"}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ucx.transport")));
+}
+
+}  // namespace
+}  // namespace proxima::daemon

@@ -88,9 +88,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   std::unique_ptr<Daemon> d(new Daemon());
   d->config_ = config;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
+  if (config.ucx.enabled) {
+    PROXIMA_ASSIGN_OR_RETURN(d->ucx_,
+                             UcxTransport::Create(config.ucx, d->core_.get(), &d->registry_));
+  }
   d->service_ = std::make_unique<KvTierGrpcService>(
       d->core_.get(), &d->registry_, config.server.max_inflight_bytes_per_client,
-      config.server.max_connections);
+      config.server.max_connections, d->ucx_.get());
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tcp_credentials,
                            TcpCredentials(config.server.tls));
 

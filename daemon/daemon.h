@@ -16,6 +16,7 @@
 #include "daemon/metrics.h"
 #include "daemon/metrics_http.h"
 #include "daemon/tier_service.h"
+#include "daemon/ucx_transport.h"
 
 namespace grpc {
 class Server;
@@ -48,6 +49,7 @@ class Daemon {
   DaemonConfig config_;
   metrics::Registry registry_;
   std::unique_ptr<TierService> core_;
+  std::unique_ptr<UcxTransport> ucx_;  // null with ucx.enabled: false; outlived by core_
   std::unique_ptr<KvTierGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;

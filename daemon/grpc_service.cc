@@ -1,9 +1,11 @@
 #include "daemon/grpc_service.h"
 
-#include <chrono>
-#include <type_traits>
-
 #include <grpcpp/support/proto_buffer_reader.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <type_traits>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -13,8 +15,10 @@
 namespace proxima::daemon {
 namespace {
 
-constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",  "Get",
-                                        "Lookup",        "Delete",          "Stats", "Decompress"};
+constexpr const char* kMethodNames[] = {"GetServerInfo", "RegisterProfile", "Put",
+                                        "Get",           "Lookup",          "Delete",
+                                        "Stats",         "Decompress",      "ConnectUcx",
+                                        "DisconnectUcx", "PutUcx",          "GetUcx"};
 
 // Sends pinned (or freshly decoded) blocks without copying them.
 grpc::ByteBuffer WriteBlocks(std::vector<std::optional<BlockStore::ReadBlock>>& blocks) {
@@ -58,11 +62,11 @@ absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
 
 absl::Status InflightLedger::OverBytes(const std::string& peer, uint64_t held, uint64_t more,
                                        absl::string_view what) const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "client ", peer, " would hold ", held + more, " bytes in proximad (", held,
-      " in calls still running, ", more, " for this call's ", what,
-      "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
-      "; send smaller batches or wait for running calls"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("client ", peer, " would hold ", held + more, " bytes in proximad (", held,
+                   " in calls still running, ", more, " for this call's ", what,
+                   "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
+                   "; send smaller batches or wait for running calls"));
 }
 
 absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_bytes) {
@@ -116,8 +120,11 @@ size_t InflightLedger::active_peers() const {
 
 KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
                                      uint64_t max_inflight_bytes_per_client,
-                                     uint32_t max_connections)
-    : core_(core), inflight_(max_inflight_bytes_per_client, max_connections), registry_(registry) {
+                                     uint32_t max_connections, UcxTransport* ucx)
+    : core_(core),
+      inflight_(max_inflight_bytes_per_client, max_connections),
+      ucx_(ucx),
+      registry_(registry) {
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
@@ -138,7 +145,8 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
   // Explicit captures (GCC 12's UBSan misreads an implicit `this` capture in these handlers).
   absl::Status status = [this, context, response, request_bytes, &peer, &admitted, &held,
                          &call]() -> absl::Status {
-    if (draining_.load()) return absl::UnavailableError("proximad is shutting down; retry elsewhere");
+    if (draining_.load())
+      return absl::UnavailableError("proximad is shutting down; retry elsewhere");
     PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
     // gRPC names every Unix-socket client "unix:", so they cannot be told apart: same-node
     // processes, admitted by the socket's file mode, are not limited per client.
@@ -188,10 +196,10 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleProto(
   TierService* core = core_;
   return Handle(method, context, request->ByteSizeLong(), nullptr,
                 [core, call, request, response](const Caller& caller) {
-    absl::Status status = (core->*call)(caller, *request, response);
-    if (!status.ok()) response->Clear();  // a failed call returns no partial results
-    return status;
-  });
+                  absl::Status status = (core->*call)(caller, *request, response);
+                  if (!status.ok()) response->Clear();  // a failed call returns no partial results
+                  return status;
+                });
 }
 
 namespace {
@@ -266,8 +274,8 @@ absl::Status ServeDecompress(TierService& core, const Caller& caller,
   return absl::OkStatus();
 }
 
-absl::Status ServeLookup(TierService& core, const Caller& caller,
-                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+absl::Status ServeLookup(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response) {
   v1::LookupRequest req;
   PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_lookup_keys(), "Lookup", &req),
                                     "server.max_lookup_keys"));
@@ -276,11 +284,11 @@ absl::Status ServeLookup(TierService& core, const Caller& caller,
   return SerializeTo(resp, response);
 }
 
-absl::Status ServeDelete(TierService& core, const Caller& caller,
-                         const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+absl::Status ServeDelete(TierService& core, const Caller& caller, const grpc::ByteBuffer& request,
+                         grpc::ByteBuffer* response) {
   v1::DeleteRequest req;
-  PROXIMA_RETURN_IF_ERROR(NameLimit(
-      ParseKeyed(request, core.max_batch_blocks(), "Delete", &req), "server.max_batch_blocks"));
+  PROXIMA_RETURN_IF_ERROR(NameLimit(ParseKeyed(request, core.max_batch_blocks(), "Delete", &req),
+                                    "server.max_batch_blocks"));
   v1::DeleteResponse resp;
   PROXIMA_RETURN_IF_ERROR(core.Delete(caller, req, &resp));
   return SerializeTo(resp, response);
@@ -318,11 +326,90 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Decompress(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerContext* c,
                                                            const v1::GetServerInfoRequest* req,
                                                            v1::GetServerInfoResponse* resp) {
-  return HandleProto(kGetServerInfo, c, req, resp, &TierService::GetServerInfo);
+  TierService* core = core_;
+  const bool ucx = ucx_ != nullptr;
+  return Handle(kGetServerInfo, c, req->ByteSizeLong(), nullptr,
+                [core, req, resp, ucx](const Caller& caller) -> absl::Status {
+                  absl::Status status = core->GetServerInfo(caller, *req, resp);
+                  if (!status.ok()) {
+                    resp->Clear();
+                    return status;
+                  }
+                  resp->set_ucx_enabled(ucx);
+                  return absl::OkStatus();
+                });
 }
-grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(
-    grpc::CallbackServerContext* c, const v1::RegisterProfileRequest* req,
-    v1::RegisterProfileResponse* resp) {
+
+template <typename Req, typename Resp, typename Call>
+grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
+                                                       grpc::CallbackServerContext* context,
+                                                       const Req* request, Resp* response,
+                                                       Call&& call) {
+  UcxTransport* ucx = ucx_;
+  const absl::Time deadline = context->deadline() == std::chrono::system_clock::time_point::max()
+                                  ? absl::Now() + absl::Seconds(60)
+                                  : absl::FromChrono(context->deadline());
+  // Handle() authenticates the call first: the data plane is no way around the bearer tokens.
+  // The block bytes a PutUcx or GetUcx moves are charged to the client's in-flight bytes like
+  // an inline call's message: tier memory reserved for them (put) or pinned under the transfer
+  // (get) until the call ends.
+  uint64_t charged = request->ByteSizeLong();
+  if constexpr (std::is_same_v<Req, v1::PutUcxRequest> || std::is_same_v<Req, v1::GetUcxRequest>) {
+    for (const v1::UcxBlock& block : request->blocks()) {
+      for (const v1::UcxSegment& segment : block.segments()) {
+        // Saturating: a declared length near 2^64 is refused as too large, not wrapped around.
+        charged += std::min(segment.length(), std::numeric_limits<uint64_t>::max() - charged);
+      }
+    }
+  }
+  return Handle(method, context, charged, nullptr,
+                [ucx, response, deadline, &call](const Caller& caller) -> absl::Status {
+                  if (ucx == nullptr) {
+                    return absl::FailedPreconditionError(
+                        "this proximad runs without the UCX data plane (ucx.enabled: false); "
+                        "use Put/Get");
+                  }
+                  absl::Status status = call(ucx, caller, deadline);
+                  if (!status.ok()) response->Clear();  // a failed call returns no partial results
+                  return status;
+                });
+}
+
+grpc::ServerUnaryReactor* KvTierGrpcService::ConnectUcx(grpc::CallbackServerContext* c,
+                                                        const v1::ConnectUcxRequest* req,
+                                                        v1::ConnectUcxResponse* resp) {
+  return HandleUcx(kConnectUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time deadline) {
+                     return ucx->Connect(caller, *req, resp, deadline);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::DisconnectUcx(grpc::CallbackServerContext* c,
+                                                           const v1::DisconnectUcxRequest* req,
+                                                           v1::DisconnectUcxResponse* resp) {
+  return HandleUcx(kDisconnectUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time) {
+                     return ucx->Disconnect(caller, *req, resp);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::PutUcx(grpc::CallbackServerContext* c,
+                                                    const v1::PutUcxRequest* req,
+                                                    v1::PutResponse* resp) {
+  return HandleUcx(kPutUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time deadline) {
+                     return ucx->Put(caller, *req, resp, deadline);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::GetUcx(grpc::CallbackServerContext* c,
+                                                    const v1::GetUcxRequest* req,
+                                                    v1::GetUcxResponse* resp) {
+  return HandleUcx(kGetUcx, c, req, resp,
+                   [req, resp](UcxTransport* ucx, const Caller& caller, absl::Time deadline) {
+                     return ucx->Get(caller, *req, resp, deadline);
+                   });
+}
+grpc::ServerUnaryReactor* KvTierGrpcService::RegisterProfile(grpc::CallbackServerContext* c,
+                                                             const v1::RegisterProfileRequest* req,
+                                                             v1::RegisterProfileResponse* resp) {
   return HandleProto(kRegisterProfile, c, req, resp, &TierService::RegisterProfile);
 }
 grpc::ServerUnaryReactor* KvTierGrpcService::Lookup(grpc::CallbackServerContext* c,

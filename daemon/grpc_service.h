@@ -17,6 +17,7 @@
 
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
+#include "daemon/ucx_transport.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
 namespace proxima::daemon {
@@ -25,12 +26,16 @@ namespace proxima::daemon {
 // response in wire format themselves, so block bytes move between the network buffers and tier
 // memory without protobuf copies (see proto/wire.h). Lookup and Delete are raw too, so that their
 // key lists are bounded while parsing, not after protobuf has allocated them.
+// The UCX data-plane calls carry no block bytes and use the generated messages.
 using KvTierCallbackBase = v1::KVTier::WithCallbackMethod_GetServerInfo<
     v1::KVTier::WithCallbackMethod_RegisterProfile<v1::KVTier::WithRawCallbackMethod_Put<
         v1::KVTier::WithRawCallbackMethod_Get<v1::KVTier::WithRawCallbackMethod_Lookup<
-            v1::KVTier::WithRawCallbackMethod_Delete<
-                v1::KVTier::WithCallbackMethod_Stats<
-                    v1::KVTier::WithRawCallbackMethod_Decompress<v1::KVTier::Service>>>>>>>>;
+            v1::KVTier::WithRawCallbackMethod_Delete<v1::KVTier::WithCallbackMethod_Stats<
+                v1::KVTier::WithRawCallbackMethod_Decompress<
+                    v1::KVTier::WithCallbackMethod_ConnectUcx<
+                        v1::KVTier::WithCallbackMethod_DisconnectUcx<
+                            v1::KVTier::WithCallbackMethod_PutUcx<v1::KVTier::WithCallbackMethod_GetUcx<
+                                v1::KVTier::Service>>>>>>>>>>>>;
 
 // The bodies of the raw KVTier methods, transport aside: decode `request` (proto3 wire format,
 // bounded while parsing), run it on `core` as `caller`, encode the response into `response`.
@@ -81,9 +86,11 @@ class InflightLedger {
 
 class KvTierGrpcService final : public KvTierCallbackBase {
  public:
-  // `core` and `registry` must outlive the service.
+  // `core`, `registry` and `ucx` (null when the daemon runs without UCX) must outlive the
+  // service.
   KvTierGrpcService(TierService* core, metrics::Registry* registry,
-                    uint64_t max_inflight_bytes_per_client, uint32_t max_connections);
+                    uint64_t max_inflight_bytes_per_client, uint32_t max_connections,
+                    UcxTransport* ucx = nullptr);
 
   // From now on every call is answered UNAVAILABLE ("draining"); calls already running finish.
   void StartDraining() { draining_.store(true); }
@@ -114,6 +121,18 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   grpc::ServerUnaryReactor* Decompress(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ConnectUcx(grpc::CallbackServerContext* context,
+                                       const v1::ConnectUcxRequest* request,
+                                       v1::ConnectUcxResponse* response) override;
+  grpc::ServerUnaryReactor* DisconnectUcx(grpc::CallbackServerContext* context,
+                                          const v1::DisconnectUcxRequest* request,
+                                          v1::DisconnectUcxResponse* response) override;
+  grpc::ServerUnaryReactor* PutUcx(grpc::CallbackServerContext* context,
+                                   const v1::PutUcxRequest* request,
+                                   v1::PutResponse* response) override;
+  grpc::ServerUnaryReactor* GetUcx(grpc::CallbackServerContext* context,
+                                   const v1::GetUcxRequest* request,
+                                   v1::GetUcxResponse* response) override;
 
  private:
   enum Method {
@@ -125,8 +144,17 @@ class KvTierGrpcService final : public KvTierCallbackBase {
     kDelete,
     kStats,
     kDecompress,
+    kConnectUcx,
+    kDisconnectUcx,
+    kPutUcx,
+    kGetUcx,
     kMethods
   };
+  // A UCX data-plane call, authenticated like every other call: FAILED_PRECONDITION without
+  // UCX; `call(transport, caller, deadline)`.
+  template <typename Req, typename Resp, typename Call>
+  grpc::ServerUnaryReactor* HandleUcx(Method method, grpc::CallbackServerContext* context,
+                                      const Req* request, Resp* response, Call&& call);
   static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
 
   // Authenticates the call and runs `call(caller)` (returning absl::Status) unless draining or
@@ -152,6 +180,7 @@ class KvTierGrpcService final : public KvTierCallbackBase {
 
   TierService* const core_;
   InflightLedger inflight_;
+  UcxTransport* const ucx_;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
   metrics::Registry* const registry_;

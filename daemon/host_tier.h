@@ -60,6 +60,9 @@ class HostTier {
     return {base_ + extent.offset, static_cast<size_t>(extent.size)};
   }
 
+  // The whole arena (for registering it once with UCX).
+  std::span<std::byte> arena() const { return {base_, static_cast<size_t>(capacity_)}; }
+
   uint64_t capacity_bytes() const { return capacity_; }
   uint64_t used_bytes() const;
 

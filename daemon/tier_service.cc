@@ -15,6 +15,22 @@
 namespace proxima::daemon {
 namespace {
 
+// Adds `o` to a PutResponse; returns 1 when the block was stored (for the puts counter).
+uint64_t AppendOutcome(PutOutcome o, v1::PutResponse* response) {
+  switch (o) {
+    case PutOutcome::kStored:
+      response->add_outcomes(v1::PUT_OUTCOME_STORED);
+      return 1;
+    case PutOutcome::kAlreadyPresent:
+      response->add_outcomes(v1::PUT_OUTCOME_ALREADY_PRESENT);
+      return 0;
+    case PutOutcome::kNoSpace:
+      response->add_outcomes(v1::PUT_OUTCOME_NO_SPACE);
+      return 0;
+  }
+  return 0;
+}
+
 // Bytes a response message needs beyond its block data: per-result framing and headroom.
 constexpr uint64_t kPerBlockOverhead = 64;
 constexpr uint64_t kMessageOverhead = 4096;
@@ -512,18 +528,7 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
                                    blocks[i].position, high_priority, blocks[i].importance));
       }
     }
-    switch (outcome) {
-      case PutOutcome::kStored:
-        response->add_outcomes(v1::PUT_OUTCOME_STORED);
-        ++stored;
-        break;
-      case PutOutcome::kAlreadyPresent:
-        response->add_outcomes(v1::PUT_OUTCOME_ALREADY_PRESENT);
-        break;
-      case PutOutcome::kNoSpace:
-        response->add_outcomes(v1::PUT_OUTCOME_NO_SPACE);
-        break;
-    }
+    stored += AppendOutcome(outcome, response);
   }
   n.puts->Increment(stored);
   bytes_in_->Increment(static_cast<uint64_t>(blocks.size()) * profile.block_bytes);
@@ -531,14 +536,15 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
 }
 
 absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& request,
-                                    std::vector<std::optional<BlockStore::ReadBlock>>* blocks) {
+                                    std::vector<std::optional<BlockStore::ReadBlock>>* blocks,
+                                    bool inline_response) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
   PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Get", request.namespace_name(), request.profile_id(),
                                       request.keys(), config_.server.max_batch_blocks, &profile,
                                       &ids));
   uint64_t need = kMessageOverhead + ids.size() * (profile.block_bytes + kPerBlockOverhead);
-  if (need > config_.server.max_message_bytes) {
+  if (inline_response && need > config_.server.max_message_bytes) {
     uint64_t fit = (config_.server.max_message_bytes - kMessageOverhead) /
                    (profile.block_bytes + kPerBlockOverhead);
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -594,7 +600,7 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
   }
   n.get_hits->Increment(hits);
   n.get_misses->Increment(ids.size() - hits);
-  bytes_out_->Increment(out_bytes);
+  if (inline_response) bytes_out_->Increment(out_bytes);
   return absl::OkStatus();
 }
 
@@ -615,13 +621,80 @@ absl::Status TierService::Get(const Caller& caller, const v1::GetRequest& reques
 
 absl::Status TierService::DecompressBlocks(
     const Caller& caller, const v1::DecompressRequest& request,
-    std::vector<std::optional<BlockStore::ReadBlock>>* blocks) {
+    std::vector<std::optional<BlockStore::ReadBlock>>* blocks, bool inline_response) {
   v1::GetRequest get;
   get.set_namespace_name(request.namespace_name());
   get.set_profile_id(request.profile_id());
   *get.mutable_keys() = request.keys();
   get.set_format(v1::BLOCK_FORMAT_RAW);
-  return GetBlocks(caller, get, blocks);  // the same authorization as Get (Need::kRead)
+  // The same authorization as Get (Need::kRead).
+  return GetBlocks(caller, get, blocks, inline_response);
+}
+
+absl::StatusOr<TierService::ResolvedProfile> TierService::ResolveProfile(
+    const Caller& caller, const std::string& namespace_name, uint64_t profile_id, Need need,
+    absl::string_view method) {
+  PROXIMA_ASSIGN_OR_RETURN(Scope scope, Authorize(caller, namespace_name, need, method));
+  ResolvedProfile resolved;
+  resolved.namespace_index = scope.namespace_index;
+  resolved.partition = scope.partition;
+  resolved.profile_id = profile_id;
+  PROXIMA_ASSIGN_OR_RETURN(resolved.profile, FindProfile(scope.namespace_index, profile_id));
+  return resolved;
+}
+
+absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<const BlockKey> keys,
+                                    std::span<const uint32_t> crcs, const PullFn& pull,
+                                    v1::PutResponse* response) {
+  const uint32_t ns = target.namespace_index;
+  const RegisteredProfile& profile = target.profile;
+  auto id_of = [&target](const BlockKey& key) {
+    return BlockId{target.namespace_index, target.profile_id, key, target.partition};
+  };
+  std::vector<PutOutcome> outcomes(keys.size(), PutOutcome::kAlreadyPresent);
+  auto pending = std::make_shared<std::vector<BlockStore::PendingBlock>>();
+  std::vector<size_t> to_pull;
+  std::vector<std::span<std::byte>> dst;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (store_->Touch(id_of(keys[i]))) continue;
+    // As an inline Put: the tierer makes room by compressing before it evicts.
+    std::optional<BlockStore::PendingBlock> p = tierer_->Reserve(profile.block_bytes);
+    if (!p) {
+      outcomes[i] = PutOutcome::kNoSpace;
+      continue;
+    }
+    dst.push_back(p->bytes().subspan(0, profile.block_bytes));
+    pending->push_back(*std::move(p));
+    to_pull.push_back(i);
+  }
+  if (!to_pull.empty()) {
+    PROXIMA_RETURN_IF_ERROR(pull(to_pull, dst, pending));
+  }
+  // Every block is checked before any becomes visible: a request with one bad block stores none.
+  std::vector<uint32_t> got(to_pull.size());
+  for (size_t j = 0; j < to_pull.size(); ++j) {
+    got[j] = Crc32c(dst[j]);
+    if (got[j] != crcs[to_pull[j]]) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "blocks[%d].crc32c is 0x%08x but the bytes pulled from the client have CRC32C 0x%08x "
+          "(buffer changed or deregistered during the transfer?); nothing was stored",
+          to_pull[j], crcs[to_pull[j]], got[j]));
+    }
+  }
+  // PutUcxRequest carries no chain positions, priority or importance: the defaults of a PutBlock
+  // without them.
+  const BlockAttributes attributes =
+      tierer_->AttributesFor(ns, profile.profile.tokens_per_block(),
+                             GeometryOf(ns, target.profile_id).has_value(), /*position=*/-1,
+                             /*high_priority=*/false, /*importance=*/0);
+  for (size_t j = 0; j < to_pull.size(); ++j) {
+    outcomes[to_pull[j]] =
+        store_->Commit(id_of(keys[to_pull[j]]), std::move((*pending)[j]), got[j], attributes);
+  }
+  uint64_t stored = 0;
+  for (PutOutcome o : outcomes) stored += AppendOutcome(o, response);
+  namespaces_[ns]->puts->Increment(stored);
+  return absl::OkStatus();
 }
 
 absl::Status TierService::Lookup(const Caller& caller, const v1::LookupRequest& request,

@@ -92,11 +92,15 @@ class TierService {
   // BLOCK_FORMAT_RAW, encoded blocks are decoded into buffers the entries own (level 0), after
   // the daemon checked their stored bytes against their CRC32C (even with
   // client_verifies_crc32c: the client only sees the decoded bytes).
+  // `inline_response`: the bytes go back in the gRPC response, which must fit
+  // server.max_message_bytes (and they are counted as inline transfer bytes).
   absl::Status GetBlocks(const Caller& caller, const v1::GetRequest& request,
-                         std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
+                         std::vector<std::optional<BlockStore::ReadBlock>>* blocks,
+                         bool inline_response = true);
   // Decompress: GetBlocks with BLOCK_FORMAT_RAW.
   absl::Status DecompressBlocks(const Caller& caller, const v1::DecompressRequest& request,
-                                std::vector<std::optional<BlockStore::ReadBlock>>* blocks);
+                                std::vector<std::optional<BlockStore::ReadBlock>>* blocks,
+                                bool inline_response = true);
   // Get into a GetResponse message (a copy of each block; for in-process callers).
   absl::Status Get(const Caller& caller, const v1::GetRequest& request,
                    v1::GetResponse* response);
@@ -109,6 +113,39 @@ class TierService {
   // reported only when the daemon has no token-protected namespace.
   absl::Status Stats(const Caller& caller, const v1::StatsRequest& request,
                      v1::StatsResponse* response);
+
+  // What a call may do to a namespace: read (Get, Lookup, ...) or write (Put, Delete).
+  enum class Need { kRead, kWrite };
+  // Where a call's blocks live once Authorize() has let `caller` in: its namespace, its token's
+  // partition, and the registered profile it names.
+  struct ResolvedProfile {
+    uint32_t namespace_index = 0;
+    uint32_t partition = 0;
+    uint64_t profile_id = 0;
+    RegisteredProfile profile;
+  };
+  // Authorizes `caller` for `need` on the namespace a call names (`method` names the call in
+  // errors) and finds its registered profile: UNAUTHENTICATED / PERMISSION_DENIED / NOT_FOUND /
+  // INVALID_ARGUMENT as for every other call.
+  absl::StatusOr<ResolvedProfile> ResolveProfile(const Caller& caller,
+                                                 const std::string& namespace_name,
+                                                 uint64_t profile_id, Need need,
+                                                 absl::string_view method);
+
+  // Fills destinations with the bytes of the blocks to store: dst[j] receives the block whose
+  // index is blocks[j]. Returns once nothing writes into dst anymore, or with an error (then
+  // `owner`, which owns dst, may be kept until writes stop).
+  using PullFn = std::function<absl::Status(std::span<const size_t> blocks,
+                                            std::span<const std::span<std::byte>> dst,
+                                            std::shared_ptr<const void> owner)>;
+  // Put whose bytes are pulled by the caller (UCX data plane): reserves tier memory for every
+  // key not yet stored, lets `pull` fill it, checks each block against crcs[i], and only then
+  // commits. A failed pull or CRC check stores nothing. REQUIRES: keys.size() == crcs.size(),
+  // 1 .. max_batch_blocks keys.
+  // `target` comes from ResolveProfile(..., Need::kWrite, ...).
+  absl::Status PutPulled(const ResolvedProfile& target, std::span<const BlockKey> keys,
+                         std::span<const uint32_t> crcs, const PullFn& pull,
+                         v1::PutResponse* response);
 
   BlockStore& store() { return *store_; }
   Tierer& tierer() { return *tierer_; }
@@ -158,7 +195,6 @@ class TierService {
     uint32_t namespace_index = 0;
     uint32_t partition = 0;
   };
-  enum class Need { kRead, kWrite };
   // The only gate between a call and a namespace: checks that `caller` may use `name` for
   // `need` (`method` names the call in errors).
   absl::StatusOr<Scope> Authorize(const Caller& caller, const std::string& name, Need need,

@@ -7,10 +7,11 @@
 #   scripts/bench.sh replay      Mooncake trace replay: hit ratio per memory budget, raw vs compressed
 #   scripts/bench.sh policy      temperature policies (LRU, FIFO, S3-FIFO, ARC) simulated on the trace
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
+#   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC and Redis; tcp and shm
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -20,6 +21,7 @@ case "$NAME" in
   replay) export PROXIMA_TARGETS="proximad proxima_replay" ;;
   policy) export PROXIMA_TARGETS="proxima_replay" ;;
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
+  transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -40,6 +42,7 @@ case "$NAME" in
             --simulate=lru,fifo,s3fifo,arc,slru,slru:0.1,slru:0.3,slru:0.5 --capacities=2000,4000,8000,16000,32000,64000 "$@" ;;
   tierer) exec ./build-bench/bench/tierer_bench \
             --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer)" >&2
+  transfer) exec ./build-bench/bench/transfer_bench "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer)" >&2
      exit 2 ;;
 esac

@@ -1,7 +1,8 @@
 /* Exercises libproxima's C ABI from C (not C++), linked against the shared library. Prints
  * "c abi ok" and exits 0 on success; otherwise names the failing step.
  * Usage: c_abi_test TARGET [NAMESPACE TOKEN]   (with a token: proxima_connect_with, and a wrong
- * token must be refused with UNAUTHENTICATED first) */
+ * token must be refused with UNAUTHENTICATED first). Either way the transport choice of
+ * proxima_connect_options is checked: AUTO picks UCX, INLINE and UCX are honoured, 7 is refused. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,21 +21,45 @@ int main(int argc, char** argv) {
   if (argc != 2 && argc != 4) return 2;
   CHECK(proxima_abi_version() == PROXIMA_ABI_VERSION, "abi version");
   proxima_client* c = NULL;
+  proxima_connect_options o;
+  memset(&o, 0, sizeof(o));
+  o.size = sizeof(o);
+  o.target = argv[1];
+  o.connect_timeout_ms = 5000;
   if (argc == 2) {
     CHECK(proxima_connect(argv[1], "default", 5000, 10000, &c) == PROXIMA_OK, "connect");
   } else {
-    proxima_connect_options o;
-    memset(&o, 0, sizeof(o));
-    o.size = sizeof(o);
-    o.target = argv[1];
     o.namespace_name = argv[2];
     o.token = "this-token-is-not-configured-anywhere";
-    o.connect_timeout_ms = 5000;
     CHECK(proxima_connect_with(&o, &c) == 16 /* UNAUTHENTICATED */, "wrong token refused");
     CHECK(strstr(proxima_last_error(), "bearer token") != NULL, "wrong token message");
     o.token = argv[3];
     CHECK(proxima_connect_with(&o, &c) == PROXIMA_OK, "connect with token");
   }
+  /* Transport 0 (AUTO) picks UCX against a local proximad: with a token, the blocks below then
+   * move over the authenticated UCX data plane. */
+  proxima_transport transport = PROXIMA_TRANSPORT_INLINE;
+  CHECK(proxima_transport_in_use(c, &transport) == PROXIMA_OK && transport == PROXIMA_TRANSPORT_UCX,
+        "auto picks UCX against a local proximad");
+  proxima_client* other = NULL;
+  o.transport = PROXIMA_TRANSPORT_INLINE;
+  CHECK(proxima_connect_with(&o, &other) == PROXIMA_OK, "connect inline");
+  CHECK(proxima_transport_in_use(other, &transport) == PROXIMA_OK &&
+            transport == PROXIMA_TRANSPORT_INLINE,
+        "forced inline");
+  proxima_close(other);
+  other = NULL;
+  o.transport = PROXIMA_TRANSPORT_UCX;
+  CHECK(proxima_connect_with(&o, &other) == PROXIMA_OK, "connect ucx");
+  CHECK(proxima_transport_in_use(other, &transport) == PROXIMA_OK &&
+            transport == PROXIMA_TRANSPORT_UCX,
+        "forced ucx");
+  proxima_close(other);
+  other = NULL;
+  o.transport = (proxima_transport)7;
+  CHECK(proxima_connect_with(&o, &other) == 3 && other == NULL,
+        "unknown transport is INVALID_ARGUMENT");
+  CHECK(strstr(proxima_last_error(), "transport") != NULL, "message names the transport");
   proxima_model_profile profile = {2, 2, 64, 16, PROXIMA_DTYPE_FP16, "c-abi-model"};
   uint64_t id = 0, block_bytes = 0;
   CHECK(proxima_register_profile(c, &profile, &id, &block_bytes) == PROXIMA_OK, "register");
@@ -49,6 +74,11 @@ int main(int argc, char** argv) {
     blocks[i] = malloc(block_bytes);
     out[i] = malloc(block_bytes);
     for (uint64_t j = 0; j < block_bytes; ++j) blocks[i][j] = (unsigned char)(j * 7 + i);
+  }
+  proxima_memory_region* regions[N];
+  for (int i = 0; i < N; ++i) {
+    CHECK(proxima_register_memory(c, blocks[i], block_bytes, &regions[i]) == PROXIMA_OK,
+          "register memory");
   }
   int32_t outcomes[N];
   CHECK(proxima_put(c, id, 2, keys, (const void* const*)blocks, outcomes) == PROXIMA_OK, "put");
@@ -77,6 +107,7 @@ int main(int argc, char** argv) {
   proxima_client* dead = NULL;
   CHECK(proxima_connect("127.0.0.1:1", "default", 300, 300, &dead) == 14 && dead == NULL,
         "dead daemon is UNAVAILABLE");
+  for (int i = 0; i < N; ++i) proxima_deregister_memory(regions[i]);
   for (int i = 0; i < N; ++i) {
     free(blocks[i]);
     free(out[i]);

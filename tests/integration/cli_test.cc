@@ -110,7 +110,12 @@ TEST(ProximactlTest, CommandsWorkAndSpeakJson) {
   CommandResult stats = RunCommand({ProximactlPath(), "stats", t, "--json"});
   EXPECT_THAT(stats.out, AllOf(HasSubstr("\"name\":\"host\""), HasSubstr("\"puts\":\"6\"")));
   CommandResult info = RunCommand({ProximactlPath(), "info", t});
-  EXPECT_THAT(info.out, HasSubstr("transport: grpc-inline"));
+  EXPECT_THAT(info.out, HasSubstr("transport: ucx (ucx: session "));
+  CommandResult inline_info = RunCommand({ProximactlPath(), "info", t, "--transport=inline"});
+  EXPECT_THAT(inline_info.out, HasSubstr("transport: inline (inline: chosen by the caller)"));
+  CommandResult bad_transport = RunCommand({ProximactlPath(), "info", t, "--transport=rdma"});
+  EXPECT_NE(bad_transport.exit_code, 0);
+  EXPECT_THAT(bad_transport.err, HasSubstr("transport 'rdma' is unknown"));
   CommandResult load = RunCommand(
       {ProximactlPath(), "load", t, "--duration=1", "--clients=2", "--json"});
   EXPECT_EQ(load.exit_code, 0) << load.out << load.err;

@@ -16,8 +16,8 @@
 #include <sstream>
 #include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
@@ -38,9 +38,9 @@ int JsonInt(const std::string& json, const std::string& key) {
   size_t pos = json.find("\"" + key + "\":");
   if (pos == std::string::npos) return 0;
   int v = 0;
-  (void)absl::SimpleAtoi(json.substr(pos + key.size() + 3, json.find_first_of(",}", pos) -
-                                                               (pos + key.size() + 3)),
-                         &v);
+  (void)absl::SimpleAtoi(
+      json.substr(pos + key.size() + 3, json.find_first_of(",}", pos) - (pos + key.size() + 3)),
+      &v);
   return v;
 }
 
@@ -53,6 +53,7 @@ pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
                                    0644);
   posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_APPEND,
                                    0644);
+  posix_spawn_file_actions_addclosefrom_np(&actions, 3);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -105,11 +106,10 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(std::vector<
   char tmpl[] = "/tmp/proxima-it-XXXXXX";
   d->dir_ = mkdtemp(tmpl);
   d->socket_path_ = d->dir_ + "/proximad.sock";
-  std::vector<std::string> all = {"server.listen=127.0.0.1:0",
-                                  "server.unix_socket=" + d->socket_path_,
-                                  "server.metrics_listen=127.0.0.1:0",
-                                  "tiers.host.capacity_bytes=64MiB",
-                                  "server.shutdown_grace_seconds=5"};
+  std::vector<std::string> all = {
+      "server.listen=127.0.0.1:0", "server.unix_socket=" + d->socket_path_,
+      "server.metrics_listen=127.0.0.1:0", "tiers.host.capacity_bytes=64MiB",
+      "server.shutdown_grace_seconds=5"};
   all.insert(all.end(), sets.begin(), sets.end());
   d->sets_ = all;
   absl::Status s = d->Launch(all);
@@ -207,9 +207,9 @@ absl::StatusOr<uint64_t> DaemonProcess::ResidentBytes() const {
   while (std::getline(status, line)) {
     uint64_t kib = 0;
     if (line.rfind("VmRSS:", 0) == 0 &&
-        absl::SimpleAtoi(absl::StripAsciiWhitespace(
-                             absl::StripSuffix(absl::string_view(line).substr(6), "kB")),
-                         &kib)) {
+        absl::SimpleAtoi(
+            absl::StripAsciiWhitespace(absl::StripSuffix(absl::string_view(line).substr(6), "kB")),
+            &kib)) {
       return kib * 1024;
     }
   }

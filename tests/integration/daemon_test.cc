@@ -341,7 +341,11 @@ TEST(DaemonIntegrationTest, SigtermDrainsInFlightCallsAndRefusesNewOnes) {
 
 TEST(DaemonIntegrationTest, MetricsEndpointExportsTheDocumentedSeries) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
-  auto c = MustConnect(daemon->tcp_target());
+  // The inline path's series (tests/integration/ucx_test.cc checks the UCX ones).
+  ClientOptions options;
+  options.target = daemon->tcp_target();
+  options.transport = client::Transport::kInline;
+  ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(options));
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
   Blocks b = MakeBlocks(5, 0, 3, p.block_bytes);
   ASSERT_OK(c->Put(p, b.keys, b.spans()).status());

@@ -50,6 +50,8 @@ ABSL_FLAG(std::string, tls_server_name, "",
           "name to verify in proximad's certificate, when not the host of --target");
 ABSL_FLAG(double, timeout, 10, "seconds: connect timeout and per-call deadline");
 ABSL_FLAG(bool, json, false, "print one JSON object instead of text");
+ABSL_FLAG(std::string, transport, "auto",
+          "how block bytes move: auto (UCX when both sides can reach each other), ucx, inline");
 ABSL_FLAG(std::string, service, "proxima.v1.KVTier",
           "health: the service to ask about (\"\" for the whole server)");
 ABSL_FLAG(uint32_t, layers, 4, "test profile: num_layers");
@@ -75,6 +77,7 @@ namespace {
 using proxima::client::BlockKey;
 using proxima::client::Client;
 using proxima::client::Profile;
+using proxima::client::TransportName;
 
 struct Command {
   const char* name;
@@ -106,12 +109,15 @@ void PrintUsage(const Command* only) {
     for (const Command& c : kCommands) std::printf("  %-8s %s\n", c.name, c.summary);
     std::printf(
         "\ncommon flags: --target=unix:/run/proxima/proximad.sock|host:port --ns=default "
-        "--timeout=10 --json\n'proximactl COMMAND --help' shows a command's flags.\n");
+        "--timeout=10 --json --transport=auto|ucx|inline\n"
+        "'proximactl COMMAND --help' shows a command's flags.\n");
     return;
   }
   std::printf("proximactl %s: %s\n\nflags:\n", only->name, only->summary);
   std::vector<std::string> names = absl::StrSplit(only->flags, ' ', absl::SkipEmpty());
-  for (const char* common : {"target", "ns", "timeout", "json"}) names.push_back(common);
+  for (const char* common : {"target", "ns", "timeout", "json", "transport"}) {
+    names.push_back(common);
+  }
   for (const std::string& n : names) {
     absl::CommandLineFlag* f = absl::FindCommandLineFlag(n);
     if (f == nullptr) continue;
@@ -183,6 +189,11 @@ absl::StatusOr<proxima::client::ClientOptions> OptionsFromFlags() {
   } else if (const char* env = std::getenv("PROXIMA_TOKEN"); env != nullptr && *env != '\0') {
     PROXIMA_ASSIGN_OR_RETURN(options.token, proxima::ReadTokenEnv("$PROXIMA_TOKEN", "PROXIMA_TOKEN"));
   }
+  auto transport = proxima::client::ParseTransport(absl::GetFlag(FLAGS_transport));
+  if (!transport.ok()) {
+    return absl::InvalidArgumentError("--" + std::string(transport.status().message()));
+  }
+  options.transport = *transport;
   return options;
 }
 
@@ -236,17 +247,18 @@ int CmdInfo() {
                             .Add("ok", true)
                             .Add("target", absl::GetFlag(FLAGS_target))
                             .Add("version", info.version)
-                            .Add("transport", "grpc-inline")
+                            .Add("transport", TransportName((*client)->transport()))
+                            .Add("transport_detail", (*client)->transport_detail())
                             .Add("max_message_bytes", info.max_message_bytes)
                             .Add("max_batch_blocks", static_cast<uint64_t>(info.max_batch_blocks))
                             .Add("max_lookup_keys", static_cast<uint64_t>(info.max_lookup_keys))
                             .str()
                             .c_str());
   } else {
-    std::printf("proximad %s at %s\n  transport: grpc-inline (block bytes travel in the gRPC "
-                "messages)\n  limits: %llu bytes per message, %u blocks per call, %u keys per "
-                "lookup\n",
+    std::printf("proximad %s at %s\n  transport: %s (%s)\n  limits: %llu bytes per message, "
+                "%u blocks per call, %u keys per lookup\n",
                 info.version.c_str(), absl::GetFlag(FLAGS_target).c_str(),
+                TransportName((*client)->transport()), (*client)->transport_detail().c_str(),
                 static_cast<unsigned long long>(info.max_message_bytes), info.max_batch_blocks,
                 info.max_lookup_keys);
   }
@@ -498,6 +510,7 @@ int CmdLoad() {
   std::atomic<bool> failed_connect{false};
   proxima::Mutex first_error_mu;
   std::string first_error;
+  std::string transport_name;  // of the first client (all use the same flags)
   // Every client warms up, then all start together: `start` is set once all are ready.
   std::atomic<uint32_t> ready{0};
   std::atomic<bool> go{false};
@@ -524,6 +537,16 @@ int CmdLoad() {
       const uint64_t seed = 1000 + c;
       std::vector<BlockKey> keys = proxima::client::TestKeyChain(seed, 0, working_set);
       std::vector<std::vector<std::byte>> blocks(batch, std::vector<std::byte>(profile->block_bytes));
+      // Registered once for UCX (a no-op inline), as a worker registers its KV cache.
+      std::vector<proxima::client::MemoryRegion> regions;
+      for (auto& b : blocks) {
+        auto r = (*client)->RegisterMemory(b.data(), b.size());
+        if (r.ok()) regions.push_back(*std::move(r));
+      }
+      {
+        proxima::MutexLock lock(&first_error_mu);
+        if (transport_name.empty()) transport_name = TransportName((*client)->transport());
+      }
       std::mt19937_64 rng(seed);
       LoadStats& st = stats[c];
       // Warm-up: store the working set once, so that gets measure hits, not an empty cache.
@@ -623,6 +646,7 @@ int CmdLoad() {
                             .Add("ok", all.errors == 0 && all.wrong == 0)
                             .Add("seconds", secs)
                             .Add("clients", static_cast<uint64_t>(clients))
+                            .Add("transport", transport_name)
                             .Add("calls", all.calls)
                             .Add("calls_per_second", all.calls / secs)
                             .Add("megabytes_per_second", all.bytes / secs / 1e6)
@@ -636,9 +660,10 @@ int CmdLoad() {
                             .str()
                             .c_str());
   } else {
-    std::printf("load: %u clients for %.1fs: %llu calls (%.0f/s), %.1f MB/s, gets %llu hits / "
+    std::printf("load: %u clients over %s for %.1fs: %llu calls (%.0f/s), %.1f MB/s, gets %llu hits / "
                 "%llu misses, latency p50 %.2f ms p99 %.2f ms, %llu errors, %llu wrong blocks\n",
-                clients, secs, static_cast<unsigned long long>(all.calls), all.calls / secs,
+                clients, transport_name.c_str(), secs, static_cast<unsigned long long>(all.calls),
+                all.calls / secs,
                 all.bytes / secs / 1e6, static_cast<unsigned long long>(all.hits),
                 static_cast<unsigned long long>(all.misses), pct(0.5) * 1e3, pct(0.99) * 1e3,
                 static_cast<unsigned long long>(all.errors),

@@ -1,0 +1,221 @@
+// transfer_bench: the UCX data plane's put/get throughput, against UCX's own ucx_perftest at the
+// same sizes and transports, against proximad's inline gRPC path and against Redis, all measured
+// in one run (bench_util.h holds the client loops shared with put_get_bench).
+//
+// For each transport (UCX_TLS value, e.g. "tcp" and "posix,self"), a proximad is started with
+// that UCX_TLS, and ucx_perftest is run between two processes with the same UCX_TLS: its
+// `ucp_get` bandwidth is the baseline of Put (the daemon pulls with gets), `ucp_put_bw` of Get
+// (the daemon writes with puts). Then for each block size and client count: UCX put/get,
+// inline put/get (same daemon, gRPC over TCP) and Redis. Last, the p50/p99 latency of a single
+// 2 MiB Get over UCX and inline. One JSON object per line:
+//   {"bench":"transfer","metric":"get_throughput","transport":"tcp","block_bytes":2097152,
+//    "clients":1,"value":1.1,"unit":"GB/s","baselines":{"ucx_perftest":1.3,"inline":0.5,
+//    "redis":0.7},"ratio_perftest":0.85,"ratio_inline":2.2,"ratio_redis":1.6}
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
+#include "client/client.h"
+#include "client/test_pattern.h"
+#include "common/log.h"
+
+ABSL_FLAG(std::string, transports, "tcp,posix+self",
+          "UCX_TLS values to measure, comma-separated ('+' stands for ',' inside one value)");
+ABSL_FLAG(std::string, sizes, "262144,2097152,16777216", "block sizes in bytes");
+ABSL_FLAG(std::string, clients, "1,4", "client counts");
+ABSL_FLAG(int64_t, bytes_per_client, 64ll << 20, "bytes each client stores per size");
+ABSL_FLAG(int, batch, 4, "blocks per call (Redis: commands per pipeline)");
+ABSL_FLAG(int, rounds, 2, "times each client reads its whole set back");
+ABSL_FLAG(int, repeats, 1, "measurements of each system (median reported)");
+ABSL_FLAG(int, latency_gets, 200, "single 2 MiB gets timed for the latency percentiles");
+ABSL_FLAG(std::string, proximad, PROXIMAD_PATH, "proximad binary");
+ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "redis-server binary");
+ABSL_FLAG(std::string, ucx_perftest, "/usr/bin/ucx_perftest", "ucx_perftest binary");
+
+namespace {
+
+using proxima::bench::LoadShape;
+using proxima::bench::Result;
+using proxima::client::Transport;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// ucx_perftest bandwidth in GB/s (1e9 bytes/s) of `test` at `size` bytes, or -1. Its "Final:"
+// row holds: iterations, p50 latency, average latency, overall latency, average bandwidth,
+// overall bandwidth (MB/s, 2^20 bytes), message rates.
+double PerftestGbps(const std::string& dir, const std::string& test, uint64_t size) {
+  const int port = proxima::bench::FreePort();
+  const std::string server_log = dir + "/perftest-server.log";
+  const std::string client_log = dir + "/perftest-client.log";
+  pid_t server = proxima::bench::Spawn(
+      {absl::GetFlag(FLAGS_ucx_perftest), "-p", std::to_string(port)}, server_log);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int64_t iters = std::max<int64_t>(20, (1ll << 30) / static_cast<int64_t>(size));
+  pid_t client = proxima::bench::Spawn(
+      {absl::GetFlag(FLAGS_ucx_perftest), "127.0.0.1", "-p", std::to_string(port), "-t", test, "-s",
+       std::to_string(size), "-n", std::to_string(iters), "-w", std::to_string(iters / 10)},
+      client_log);
+  int status = 0;
+  waitpid(client, &status, 0);
+  kill(server, SIGTERM);
+  waitpid(server, nullptr, 0);
+  for (absl::string_view line : absl::StrSplit(ReadFile(client_log), '\n')) {
+    if (!absl::StartsWith(line, "Final:")) continue;
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    double mbps = 0;
+    if (f.size() >= 7 && absl::SimpleAtod(f[6], &mbps)) return mbps * (1 << 20) / 1e9;
+  }
+  std::fprintf(stderr, "ucx_perftest %s -s %llu gave no result:\n%s\n", test.c_str(),
+               static_cast<unsigned long long>(size), ReadFile(client_log).c_str());
+  return -1;
+}
+
+void PrintThroughput(const char* metric, const std::string& transport, uint64_t block_bytes,
+                     int clients, double value, double perftest, double inline_gbps, double redis) {
+  std::printf(
+      "{\"bench\":\"transfer\",\"metric\":\"%s\",\"transport\":\"%s\",\"block_bytes\":%llu,"
+      "\"clients\":%d,\"value\":%.3f,\"unit\":\"GB/s\",\"baselines\":{\"ucx_perftest\":%.3f,"
+      "\"inline\":%.3f,\"redis\":%.3f},\"ratio_perftest\":%.3f,\"ratio_inline\":%.3f,"
+      "\"ratio_redis\":%.3f}\n",
+      metric, transport.c_str(), static_cast<unsigned long long>(block_bytes), clients, value,
+      perftest, inline_gbps, redis, value / perftest, value / inline_gbps, value / redis);
+  std::fflush(stdout);
+}
+
+// p50 and p99 of single-block 2 MiB Gets, in microseconds.
+std::pair<double, double> GetLatency(const std::string& target, Transport transport) {
+  constexpr uint64_t kBytes = 2 << 20;
+  auto c = proxima::client::Client::Connect({.target = target, .transport = transport});
+  if (!c.ok()) return {-1, -1};
+  auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
+  if (!profile.ok()) return {-1, -1};
+  std::vector<std::byte> block(kBytes);
+  auto region = (*c)->RegisterMemory(block.data(), block.size());
+  std::vector<proxima::client::BlockKey> key = proxima::client::TestKeyChain(424242, 0, 1);
+  proxima::client::FillTestBlock(424242, 0, block);
+  std::vector<std::span<const std::byte>> in = {block};
+  (void)(*c)->Put(*profile, key, in);
+  std::vector<std::span<std::byte>> out = {block};
+  std::vector<double> us;
+  for (int i = 0; i < absl::GetFlag(FLAGS_latency_gets); ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto found = (*c)->Get(*profile, key, out);
+    us.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    if (!found.ok() || !(*found)[0] || !proxima::client::IsTestBlock(424242, 0, block)) {
+      return {-1, -1};
+    }
+  }
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  proxima::log::SetMinLevel(proxima::log::Level::kWarning);
+  signal(SIGPIPE, SIG_IGN);
+  char tmpl[] = "/tmp/proxima-transfer-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const int redis_port = proxima::bench::FreePort();
+  pid_t redis = proxima::bench::Spawn(
+      {absl::GetFlag(FLAGS_redis_server), "--port", std::to_string(redis_port), "--bind",
+       "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir},
+      dir + "/redis.log");
+  const int64_t per_client = absl::GetFlag(FLAGS_bytes_per_client);
+  std::vector<int> client_counts;
+  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_clients), ',')) {
+    client_counts.push_back(std::stoi(std::string(c)));
+  }
+  const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
+  int exit_code = 0;
+  for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',')) {
+    std::string tls(t);
+    std::replace(tls.begin(), tls.end(), '+', ',');
+    const std::string name = tls == "tcp" ? "tcp" : "shm:" + tls;
+    setenv("UCX_TLS", tls.c_str(), 1);  // for proximad, ucx_perftest and this process's clients
+    const int port = proxima::bench::FreePort();
+    const uint64_t capacity = static_cast<uint64_t>(per_client) * max_clients * 2;
+    pid_t daemon = proxima::bench::Spawn(
+        {absl::GetFlag(FLAGS_proximad), "--set=server.listen=127.0.0.1:" + std::to_string(port),
+         "--set=server.unix_socket=", "--set=server.metrics_listen=",
+         "--set=tiers.host.capacity_bytes=" + std::to_string(capacity)},
+        dir + "/proximad.log");
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const std::string target = absl::StrCat("127.0.0.1:", port);
+    {
+      auto probe = proxima::client::Client::Connect({.target = target});
+      std::fprintf(
+          stderr, "# UCX_TLS=%s: client transport %s\n", tls.c_str(),
+          probe.ok() ? (*probe)->transport_detail().c_str() : probe.status().ToString().c_str());
+    }
+    for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
+      const uint64_t block_bytes = std::stoull(std::string(s));
+      const double perf_get = PerftestGbps(dir, "ucp_get", block_bytes);
+      const double perf_put = PerftestGbps(dir, "ucp_put_bw", block_bytes);
+      for (int clients : client_counts) {
+        const size_t blocks = std::max<size_t>(
+            1, static_cast<size_t>(per_client / static_cast<int64_t>(block_bytes)));
+        const LoadShape shape{clients, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_rounds),
+                              block_bytes, blocks};
+        std::vector<Result> ucx_runs, inline_runs, redis_runs;
+        for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
+          redis_runs.push_back(proxima::bench::RunRedis(redis_port, shape));
+          ucx_runs.push_back(proxima::bench::RunProxima(target, shape, Transport::kUcx));
+          inline_runs.push_back(proxima::bench::RunProxima(target, shape, Transport::kInline));
+        }
+        Result ucx = proxima::bench::Median(ucx_runs);
+        Result inl = proxima::bench::Median(inline_runs);
+        Result red = proxima::bench::Median(redis_runs);
+        PrintThroughput("put_throughput", name, block_bytes, clients, ucx.put_gbps, perf_get,
+                        inl.put_gbps, red.put_gbps);
+        PrintThroughput("get_throughput", name, block_bytes, clients, ucx.get_gbps, perf_put,
+                        inl.get_gbps, red.get_gbps);
+        if (ucx.errors + inl.errors + red.errors > 0) {
+          std::fprintf(stderr, "errors: ucx %llu, inline %llu, redis %llu\n",
+                       static_cast<unsigned long long>(ucx.errors),
+                       static_cast<unsigned long long>(inl.errors),
+                       static_cast<unsigned long long>(red.errors));
+          exit_code = 1;
+        }
+      }
+    }
+    auto [p50, p99] = GetLatency(target, Transport::kUcx);
+    auto [ip50, ip99] = GetLatency(target, Transport::kInline);
+    std::printf(
+        "{\"bench\":\"transfer\",\"metric\":\"get_latency_2mib\",\"transport\":\"%s\","
+        "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"inline\",\"baseline_p50_us\":%.1f,"
+        "\"baseline_p99_us\":%.1f,\"ratio_p50\":%.3f}\n",
+        name.c_str(), p50, p99, ip50, ip99, p50 / ip50);
+    std::fflush(stdout);
+    kill(daemon, SIGTERM);
+    waitpid(daemon, nullptr, 0);
+  }
+  kill(redis, SIGTERM);
+  waitpid(redis, nullptr, 0);
+  std::filesystem::remove_all(dir);
+  return exit_code;
+}

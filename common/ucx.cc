@@ -1,0 +1,595 @@
+#include "common/ucx.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace proxima::ucx {
+namespace {
+
+// A packed address or rkey from a peer is parsed by UCX without a length: it is copied into a
+// buffer this much larger than itself, zero-filled, so that a truncated or hostile one is read
+// as zeros rather than past the end of our memory.
+constexpr size_t kPeerBlobPadding = 4096;
+constexpr size_t kMaxWorkerAddressBytes = 64 * 1024;
+// After a deadline forces an endpoint closed, how long its operations get to complete.
+constexpr absl::Duration kAbortGrace = absl::Seconds(5);
+// How long ~Worker progresses outstanding closes before giving up on them.
+constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
+// How long the progress thread keeps polling after its last event before it sleeps.
+constexpr absl::Duration kSpinAfterActivity = absl::Microseconds(200);
+
+std::vector<char> Padded(const std::string& blob) {
+  std::vector<char> buf(blob.size() + kPeerBlobPadding, 0);
+  std::memcpy(buf.data(), blob.data(), blob.size());
+  return buf;
+}
+
+// Checks the framing of a packed rkey before UCX parses it (ucp_ep_rkey_unpack has no length
+// and asserts on some malformed keys, which would abort the process). UCX 1.13 packs:
+//   uint64 md_map | uint8 memory type | per set bit of md_map: uint8 size, `size` bytes
+// optionally followed by a few bytes of system-device information. Only memory domains that this
+// context packs too, with the same key size (`own_sizes`, -1 where absent), are accepted: a peer
+// with the same UCX build and transports packs the same ones.
+absl::Status CheckPackedRkey(const std::string& k, const std::array<int, 64>& own_sizes,
+                             size_t index) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rkeys[", index, "] does not unpack: ", why, " (", k.size(), " bytes)"));
+  };
+  if (k.size() < 9) return bad("shorter than its header");
+  uint64_t md_map = 0;
+  std::memcpy(&md_map, k.data(), sizeof(md_map));
+  if (md_map == 0) return bad("names no memory domain");
+  size_t p = 9;
+  for (int bit = 0; bit < 64; ++bit) {
+    if ((md_map & (uint64_t{1} << bit)) == 0) continue;
+    if (own_sizes[bit] < 0) {
+      return bad(absl::StrCat("names memory domain ", bit,
+                              ", which this side's UCX does not have (other UCX_TLS?)"));
+    }
+    if (p >= k.size()) return bad("truncated");
+    const int size = static_cast<uint8_t>(k[p]);
+    if (size != own_sizes[bit]) {
+      return bad(absl::StrCat("memory domain ", bit, " key is ", size, " bytes; expected ",
+                              own_sizes[bit]));
+    }
+    p += 1 + size;
+    if (p > k.size()) return bad("truncated");
+  }
+  if (k.size() - p > 16) return bad("has trailing bytes");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status FromUcs(ucs_status_t status, const std::string& what) {
+  if (status == UCS_OK) return absl::OkStatus();
+  std::string message = absl::StrCat(what, ": ", ucs_status_string(status));
+  switch (status) {
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_TIMED_OUT:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR:
+    case UCS_ERR_SHMEM_SEGMENT:  // the peer's shared memory is gone: the peer is
+      return absl::UnavailableError(message);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return absl::InvalidArgumentError(message);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return absl::ResourceExhaustedError(message);
+    case UCS_ERR_UNSUPPORTED:
+      return absl::FailedPreconditionError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+// Shared by an Endpoint handle, the progress thread and UCX's error callback.
+struct Endpoint::State {
+  Worker* worker = nullptr;
+  uint64_t id = 0;
+  ucp_ep_h ep = nullptr;  // progress thread only; null once closed
+  std::function<void()> on_failure;
+  // Whether UCX reports the peer's failure (peer error handling). Without it the endpoint cannot
+  // be closed by force: a transfer stuck on a dead peer is abandoned, its buffers held.
+  bool detects_peer_failure = true;
+  mutable proxima::Mutex mu;
+  std::string failure ABSL_GUARDED_BY(mu);  // empty while usable
+};
+
+// One Transfer(): counted operations, completed on the progress thread.
+struct Worker::TransferState {
+  Worker* worker = nullptr;
+  std::shared_ptr<Endpoint::State> endpoint;
+  std::vector<ucp_rkey_h> rkeys;
+  std::shared_ptr<const void> keep_alive;
+  int pending = 0;      // progress thread only
+  absl::Status result;  // written before `done` is notified
+  proxima::Notification done;
+};
+
+Registration::~Registration() {
+  Worker* w = worker_;
+  ucp_mem_h memh = memh_;
+  auto unmap = [w, memh] {
+    ucs_status_t s = ucp_mem_unmap(w->context_, memh);
+    if (s != UCS_OK) {
+      PROXIMA_LOG(kWarning) << "ucp_mem_unmap failed" << log::Kv("status", ucs_status_string(s));
+    }
+    w->live_registrations_.fetch_sub(1);
+  };
+  if (std::this_thread::get_id() == w->thread_.get_id()) {
+    unmap();
+  } else if (!w->RunAndWait(unmap, absl::Now() + kAbortGrace)) {
+    PROXIMA_LOG(kWarning) << "memory deregistration is late; it will finish in the background";
+  }
+}
+
+bool Registration::Contains(const void* p, size_t n) const {
+  auto begin = reinterpret_cast<uintptr_t>(address_);
+  auto q = reinterpret_cast<uintptr_t>(p);
+  return q >= begin && n <= length_ && q - begin <= length_ - n;
+}
+
+Endpoint::~Endpoint() {
+  Worker* w = worker_;
+  std::shared_ptr<State> state = std::move(state_);
+  if (std::this_thread::get_id() == w->thread_.get_id()) {
+    w->CloseOnWorker(state, /*force=*/false);
+  } else {
+    w->Post([w, state] { w->CloseOnWorker(state, /*force=*/false); });
+  }
+}
+
+absl::Status Endpoint::health() const {
+  proxima::MutexLock lock(&state_->mu);
+  if (state_->failure.empty()) return absl::OkStatus();
+  return absl::UnavailableError(state_->failure);
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name) {
+  std::unique_ptr<Worker> w(new Worker(name));
+  ucp_config_t* config = nullptr;
+  PROXIMA_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.name = w->name_.c_str();
+  ucs_status_t s = ucp_init(&params, config, &w->context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    w->context_ = nullptr;
+    return FromUcs(s, "ucp_init (check UCX_TLS)");
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  s = ucp_worker_create(w->context_, &wp, &w->worker_);
+  if (s != UCS_OK) {
+    w->worker_ = nullptr;
+    return FromUcs(s, "ucp_worker_create");
+  }
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+  s = ucp_worker_query(w->worker_, &attr);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_query");
+  w->address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+  ucp_worker_release_address(w->worker_, attr.address);
+  Worker* raw = w.get();
+  w->thread_ = std::thread([raw] { raw->ProgressLoop(); });
+  // A probe registration tells which memory domains this context packs rkeys for.
+  {
+    std::vector<std::byte> buf(4096);
+    PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<Registration> probe,
+                             w->Register(buf.data(), buf.size()));
+    const std::string& k = probe->packed_rkey();
+    w->own_md_sizes_.fill(-1);
+    uint64_t md_map = 0;
+    if (k.size() >= 9) std::memcpy(&md_map, k.data(), sizeof(md_map));
+    size_t p = 9;
+    for (int bit = 0; bit < 64 && p < k.size(); ++bit) {
+      if ((md_map & (uint64_t{1} << bit)) == 0) continue;
+      w->own_md_sizes_[bit] = static_cast<uint8_t>(k[p]);
+      p += 1 + static_cast<uint8_t>(k[p]);
+    }
+  }
+  return w;
+}
+
+Worker::~Worker() {
+  if (thread_.joinable()) {
+    Post([this] {
+      // Copy: closing erases from endpoints_.
+      std::vector<std::shared_ptr<Endpoint::State>> all = endpoints_;
+      for (auto& e : all) CloseOnWorker(e, /*force=*/e->detects_peer_failure);
+    });
+    {
+      proxima::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    ucp_worker_signal(worker_);
+    thread_.join();
+  }
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+void Worker::Post(std::function<void()> task) {
+  {
+    proxima::MutexLock lock(&mu_);
+    tasks_.push_back(std::move(task));
+  }
+  ucp_worker_signal(worker_);
+}
+
+bool Worker::RunAndWait(std::function<void()> task, absl::Time deadline) {
+  auto done = std::make_shared<proxima::Notification>();
+  Post([task = std::move(task), done] {
+    task();
+    done->Notify();
+  });
+  return done->WaitForNotificationUntil(absl::ToChronoTime(deadline));
+}
+
+void Worker::ProgressLoop() {
+  absl::Time stop_deadline = absl::InfiniteFuture();
+  absl::Time last_activity = absl::Now();
+  for (;;) {
+    std::deque<std::function<void()>> batch;
+    bool stop = false;
+    {
+      proxima::MutexLock lock(&mu_);
+      batch.swap(tasks_);
+      stop = stop_;
+    }
+    for (auto& task : batch) task();
+    if (stop) {
+      if (stop_deadline == absl::InfiniteFuture()) stop_deadline = absl::Now() + kShutdownGrace;
+      if ((closing_ == 0 && in_flight_.empty()) || absl::Now() > stop_deadline) break;
+      ucp_worker_progress(worker_);
+      continue;
+    }
+    if (ucp_worker_progress(worker_) != 0 || !batch.empty()) {
+      last_activity = absl::Now();
+      continue;
+    }
+    // Keep polling briefly after activity: a transfer is a burst of fragments, and sleeping in
+    // the kernel between them (arm + wait) costs a wake-up each. Idle workers sleep.
+    if (absl::Now() - last_activity < kSpinAfterActivity) continue;
+    ucs_status_t s = ucp_worker_arm(worker_);
+    if (s == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress again
+    {
+      proxima::MutexLock lock(&mu_);
+      if (!tasks_.empty() || stop_) continue;
+    }
+    if (s == UCS_OK) {
+      ucp_worker_wait(worker_);  // woken by network events or ucp_worker_signal()
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  if (!in_flight_.empty() || closing_ != 0) {
+    PROXIMA_LOG(kWarning) << "UCX worker stopping with work outstanding"
+                          << log::Kv("transfers", in_flight_.size())
+                          << log::Kv("closing_endpoints", closing_);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Registration>> Worker::Register(void* address, size_t length) {
+  if (address == nullptr || length == 0) {
+    return absl::InvalidArgumentError("cannot register an empty buffer");
+  }
+  struct Result {
+    ucs_status_t status = UCS_OK;
+    const char* what = "";
+    ucp_mem_h memh = nullptr;
+    std::string rkey;
+  };
+  auto r = std::make_shared<Result>();
+  ucp_context_h ctx = context_;
+  std::atomic<int64_t>* live = &live_registrations_;
+  bool finished = RunAndWait(
+      [r, ctx, address, length, live] {
+        ucp_mem_map_params_t mp{};
+        mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        mp.address = address;
+        mp.length = length;
+        r->status = ucp_mem_map(ctx, &mp, &r->memh);
+        if (r->status != UCS_OK) {
+          r->what = "ucp_mem_map";
+          return;
+        }
+        void* buf = nullptr;
+        size_t size = 0;
+        r->status = ucp_rkey_pack(ctx, r->memh, &buf, &size);
+        if (r->status != UCS_OK) {
+          r->what = "ucp_rkey_pack";
+          ucp_mem_unmap(ctx, r->memh);
+          return;
+        }
+        r->rkey.assign(static_cast<const char*>(buf), size);
+        ucp_rkey_buffer_release(buf);
+
+        live->fetch_add(1);
+      },
+      absl::Now() + kAbortGrace);
+  if (!finished) return absl::DeadlineExceededError("UCX worker did not register memory in time");
+  if (r->status != UCS_OK) {
+    return FromUcs(r->status, absl::StrCat(r->what, " of ", length, " bytes"));
+  }
+  if (r->rkey.size() > kMaxPackedRkeyBytes) {
+    // Our own peers would refuse it; better to say so here.
+    std::shared_ptr<Registration> drop(
+        new Registration(this, r->memh, address, length, std::move(r->rkey)));
+    return absl::FailedPreconditionError("packed rkey is larger than kMaxPackedRkeyBytes");
+  }
+  return std::shared_ptr<Registration>(
+      new Registration(this, r->memh, address, length, std::move(r->rkey)));
+}
+
+void Worker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* state = static_cast<Endpoint::State*>(arg);
+  Worker* w = state->worker;
+  {
+    proxima::MutexLock lock(&state->mu);
+    if (state->failure.empty()) {
+      state->failure =
+          absl::StrCat("UCX peer of endpoint ", state->id, " failed: ", ucs_status_string(status));
+    }
+  }
+  w->peer_failures_.fetch_add(1);
+  PROXIMA_LOG(kInfo) << "UCX peer failed; closing its endpoint" << log::Kv("endpoint", state->id)
+                     << log::Kv("status", ucs_status_string(status));
+  for (auto& e : w->endpoints_) {
+    if (e.get() == state) {
+      std::shared_ptr<Endpoint::State> keep = e;  // CloseOnWorker erases it from endpoints_
+      w->CloseOnWorker(keep, /*force=*/true);
+      if (keep->on_failure) keep->on_failure();
+      break;
+    }
+  }
+}
+
+void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool force) {
+  {
+    proxima::MutexLock lock(&state->mu);
+    if (state->failure.empty()) state->failure = absl::StrCat("endpoint ", state->id, " closed");
+  }
+  endpoints_.erase(std::remove(endpoints_.begin(), endpoints_.end(), state), endpoints_.end());
+  if (state->ep == nullptr) return;
+  if (force && !state->detects_peer_failure) {
+    // Forcing needs peer error handling. Leave the endpoint (and what is in flight on it) to
+    // ucp_worker_destroy; it stays counted in live_endpoints().
+    abandoned_.push_back(state);
+    return;
+  }
+  ucp_ep_h ep = state->ep;
+  state->ep = nullptr;
+  // The close request keeps the state (the error callback's argument) alive until it completes.
+  struct CloseContext {
+    Worker* worker;
+    std::shared_ptr<Endpoint::State> state;
+  };
+  auto* ctx = new CloseContext{this, state};
+  ucp_request_param_t param{};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  param.cb.send = [](void* request, ucs_status_t, void* user_data) {
+    auto* c = static_cast<CloseContext*>(user_data);
+    --c->worker->closing_;
+    c->worker->live_endpoints_.fetch_sub(1);
+    ucp_request_free(request);
+    delete c;
+  };
+  param.user_data = ctx;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &param);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    live_endpoints_.fetch_sub(1);
+    delete ctx;
+  } else {
+    ++closing_;
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& remote_address,
+                                                          absl::Time deadline,
+                                                          std::function<void()> on_failure) {
+  if (remote_address.empty() || remote_address.size() > kMaxWorkerAddressBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX worker address is ", remote_address.size(),
+                                                   " bytes; expected 1..", kMaxWorkerAddressBytes));
+  }
+  // UCX parses the address without a length and asserts on an unknown version (aborting the
+  // process): the header byte (format version and flags) must be what this same UCX build
+  // writes, and the rest is read from a zero-padded copy.
+  if (remote_address.size() < 9 || remote_address[0] != address_[0]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX worker address of ", remote_address.size(),
+                     " bytes has an unknown header; expected an address packed by UCX ",
+                     UCP_API_MAJOR, ".", UCP_API_MINOR, " (ucp_worker_query)"));
+  }
+  auto state = std::make_shared<Endpoint::State>();
+  state->worker = this;
+  state->id = next_endpoint_id_.fetch_add(1);
+  state->on_failure = std::move(on_failure);
+  auto status = std::make_shared<ucs_status_t>(UCS_OK);
+  auto address = std::make_shared<std::vector<char>>(Padded(remote_address));
+  bool finished = RunAndWait(
+      [this, state, status, address] {
+        ucp_ep_params_t p{};
+        p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        p.address = reinterpret_cast<const ucp_address_t*>(address->data());
+        p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        p.err_handler.cb = &Worker::OnEndpointError;
+        p.err_handler.arg = state.get();
+        *status = peer_handling_unsupported_ ? UCS_ERR_UNREACHABLE
+                                             : ucp_ep_create(worker_, &p, &state->ep);
+        if (*status == UCS_ERR_UNREACHABLE) {
+          peer_handling_unsupported_ = true;  // don't ask again (UCX logs an error each time)
+          // UCX 1.13's shared-memory transports cannot detect a failed peer; without peer
+          // error handling they connect, and transfer deadlines bound what a dead peer costs.
+          p.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+          p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+          *status = ucp_ep_create(worker_, &p, &state->ep);
+          state->detects_peer_failure = false;
+        }
+        if (*status != UCS_OK) {
+          state->ep = nullptr;
+          return;
+        }
+        live_endpoints_.fetch_add(1);
+        endpoints_.push_back(state);
+      },
+      deadline);
+  if (!finished) return absl::UnavailableError("UCX worker did not create the endpoint in time");
+  if (*status != UCS_OK) {
+    absl::Status s = FromUcs(*status, "cannot create a UCX endpoint to the peer's worker address");
+    if (*status == UCS_ERR_UNREACHABLE) return s;
+    return absl::InvalidArgumentError(s.message());
+  }
+  std::shared_ptr<Endpoint> endpoint(new Endpoint(this, state->id, state));
+  // An empty transfer is a flush: it completes once the wire-up with the peer is done.
+  PROXIMA_RETURN_IF_ERROR(Transfer(*endpoint, {}, {}, nullptr, deadline));
+  return endpoint;
+}
+
+void Worker::OnOpDone(void* request, ucs_status_t status, void* user_data) {
+  auto* st = static_cast<TransferState*>(user_data);
+  ucp_request_free(request);
+  st->worker->FinishOp(st, status);
+}
+
+void Worker::FinishOp(TransferState* st, ucs_status_t status) {
+  if (status != UCS_OK && st->result.ok()) {
+    st->result = FromUcs(status, absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
+  }
+  if (--st->pending > 0) return;
+  if (absl::IsUnavailable(st->result)) {
+    // The peer is gone or unreachable: later transfers on this endpoint fail fast.
+    proxima::MutexLock lock(&st->endpoint->mu);
+    if (st->endpoint->failure.empty()) st->endpoint->failure = std::string(st->result.message());
+  }
+  for (ucp_rkey_h k : st->rkeys) ucp_rkey_destroy(k);
+  st->rkeys.clear();
+  st->keep_alive.reset();
+  // Erasing may drop the last reference to `st`; notify through a local reference.
+  std::shared_ptr<TransferState> self;
+  for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
+    if (it->get() == st) {
+      self = std::move(*it);
+      in_flight_.erase(it);
+      break;
+    }
+  }
+  st->done.Notify();
+}
+
+absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
+                              std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
+                              absl::Time deadline) {
+  PROXIMA_RETURN_IF_ERROR(endpoint.health());
+  for (size_t i = 0; i < packed_rkeys.size(); ++i) {
+    if (packed_rkeys[i].empty() || packed_rkeys[i].size() > kMaxPackedRkeyBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("rkey ", i, " is ", packed_rkeys[i].size(),
+                                                     " bytes; expected 1..", kMaxPackedRkeyBytes));
+    }
+  }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].rkey >= packed_rkeys.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("operation ", i, " names rkey ", ops[i].rkey, " of ", packed_rkeys.size()));
+    }
+  }
+  auto st = std::make_shared<TransferState>();
+  st->worker = this;
+  st->endpoint = endpoint.state_;
+  st->keep_alive = std::move(keep_alive);
+  std::vector<std::vector<char>> rkeys;
+  for (size_t i = 0; i < packed_rkeys.size(); ++i) {
+    PROXIMA_RETURN_IF_ERROR(CheckPackedRkey(packed_rkeys[i], own_md_sizes_, i));
+    rkeys.push_back(Padded(packed_rkeys[i]));
+  }
+  Post([this, st, rkeys = std::move(rkeys), ops = std::move(ops)] {
+    ucp_ep_h ep = st->endpoint->ep;
+    st->pending = 1;  // released at the end of this task
+    in_flight_.push_back(st);
+    if (ep == nullptr) {
+      proxima::MutexLock lock(&st->endpoint->mu);
+      st->result = absl::UnavailableError(st->endpoint->failure);
+    }
+    for (size_t i = 0; st->result.ok() && i < rkeys.size(); ++i) {
+      ucp_rkey_h rkey = nullptr;
+      ucs_status_t s = ucp_ep_rkey_unpack(ep, rkeys[i].data(), &rkey);
+      if (s != UCS_OK) {
+        st->result = absl::InvalidArgumentError(
+            absl::StrCat("rkeys[", i, "] does not unpack: ", ucs_status_string(s)));
+        break;
+      }
+      st->rkeys.push_back(rkey);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = &Worker::OnOpDone;
+    param.user_data = st.get();
+    auto track = [this, &st](ucs_status_ptr_t r) {
+      if (r == nullptr) return;
+      if (UCS_PTR_IS_ERR(r)) {
+        if (st->result.ok()) {
+          st->result = FromUcs(UCS_PTR_STATUS(r),
+                               absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
+        }
+        return;
+      }
+      ++st->pending;
+    };
+    for (size_t i = 0; st->result.ok() && i < ops.size(); ++i) {
+      const Op& op = ops[i];
+      ucp_request_param_t p = param;
+      if (op.local_memh != nullptr) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = op.local_memh->memh();
+      }
+      track(op.kind == Op::kGet
+                ? ucp_get_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey], &p)
+                : ucp_put_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey], &p));
+    }
+    // The flush completes after every operation above has completed at the peer too.
+    if (st->result.ok()) track(ucp_ep_flush_nbx(ep, &param));
+    FinishOp(st.get(), UCS_OK);
+  });
+  if (st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) return st->result;
+  // Past the deadline: close the endpoint by force, which completes what is in flight.
+  std::shared_ptr<Endpoint::State> ep = endpoint.state_;
+  Post([this, ep] {
+    {
+      proxima::MutexLock lock(&ep->mu);
+      if (ep->failure.empty()) {
+        ep->failure = absl::StrCat("endpoint ", ep->id,
+                                   " closed: a transfer did not finish before its deadline");
+      }
+    }
+    CloseOnWorker(ep, /*force=*/true);
+  });
+  if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
+    PROXIMA_LOG(kWarning) << "UCX transfer still outstanding after its endpoint was closed; its "
+                             "buffers stay allocated until it completes"
+                          << log::Kv("endpoint", endpoint.id());
+  }
+  return absl::UnavailableError(
+      absl::StrCat("UCX transfer on endpoint ", endpoint.id(),
+                   " did not finish before the call's deadline; the endpoint is closed"));
+}
+
+}  // namespace proxima::ucx

@@ -1,0 +1,203 @@
+// ucx::Worker: Proxima's one way of using UCX (the data plane of DESIGN.md section 3), shared by
+// proximad and libproxima.
+//
+// A Worker owns one ucp_context and one ucp_worker, driven by one progress thread: every UCX call
+// that touches the worker (endpoint creation, rkey unpacking, one-sided puts and gets, closing)
+// runs on that thread. Other threads hand it work and wait for the answer with a deadline, as
+// UCX's own examples do with one worker per progress thread.
+//
+//  - Register() maps a buffer with ucp_mem_map and packs its remote key (rkey), so a peer can
+//    read or write it with one-sided operations. The registration lives as long as its handle:
+//    a transfer using it holds a reference, so dropping the handle mid-transfer defers the unmap
+//    until the transfer is over.
+//  - Connect() opens an endpoint to a peer's worker address, with peer error handling: when the
+//    peer dies the endpoint fails, its in-flight operations complete with an error, and the
+//    endpoint's failure callback runs (on the progress thread).
+//  - Transfer() runs a batch of one-sided gets (remote -> local) and puts (local -> remote)
+//    against packed rkeys, then flushes, so that on success every byte has landed on both sides.
+//    Past its deadline the endpoint is closed by force, which completes what is still in flight;
+//    the local buffers (held by `keep_alive`) are released only once UCX no longer touches them.
+//
+// Thread-safe: every public method may be called from any thread except the progress thread.
+#ifndef PROXIMA_COMMON_UCX_H_
+#define PROXIMA_COMMON_UCX_H_
+
+#include <ucp/api/ucp.h>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/mutex.h"
+
+namespace proxima::ucx {
+
+class Worker;
+
+// Converts a UCX status to an absl::Status with `what` in front of UCX's description. Failures
+// of the peer or the path to it are UNAVAILABLE (retryable elsewhere).
+absl::Status FromUcs(ucs_status_t status, const std::string& what);
+
+// The largest packed rkey Proxima accepts from a peer. UCX's rkey_unpack takes no length, so
+// packed keys are copied into a zero-padded buffer of this size plus headroom before unpacking.
+inline constexpr size_t kMaxPackedRkeyBytes = 1024;
+
+// A buffer registered with a Worker's context. Move-only through its shared_ptr handle.
+class Registration {
+ public:
+  ~Registration();
+  Registration(const Registration&) = delete;
+  Registration& operator=(const Registration&) = delete;
+
+  void* address() const { return address_; }
+  size_t length() const { return length_; }
+  // The packed remote key a peer needs to access this buffer.
+  const std::string& packed_rkey() const { return rkey_; }
+  // Whether [p, p + n) lies inside the buffer.
+  bool Contains(const void* p, size_t n) const;
+  ucp_mem_h memh() const { return memh_; }
+
+ private:
+  friend class Worker;
+  Registration(Worker* worker, ucp_mem_h memh, void* address, size_t length, std::string rkey)
+      : worker_(worker), memh_(memh), address_(address), length_(length), rkey_(std::move(rkey)) {}
+  Worker* const worker_;
+  ucp_mem_h const memh_;
+  void* const address_;
+  const size_t length_;
+  const std::string rkey_;
+};
+
+// A connection to a peer's worker. Closed when the last handle is dropped.
+class Endpoint {
+ public:
+  ~Endpoint();
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  // OK while usable; UNAVAILABLE naming the cause once the peer failed or the endpoint was closed.
+  absl::Status health() const;
+  uint64_t id() const { return id_; }
+
+ private:
+  friend class Worker;
+  struct State;
+  Endpoint(Worker* worker, uint64_t id, std::shared_ptr<State> state)
+      : worker_(worker), id_(id), state_(std::move(state)) {}
+  Worker* const worker_;
+  const uint64_t id_;
+  std::shared_ptr<State> state_;
+};
+
+// One one-sided operation of a Transfer.
+struct Op {
+  enum Kind { kGet, kPut } kind = kGet;  // kGet: remote -> local; kPut: local -> remote
+  std::byte* local = nullptr;
+  size_t length = 0;
+  uint64_t remote_address = 0;
+  uint32_t rkey = 0;                         // index into Transfer()'s packed_rkeys
+  const Registration* local_memh = nullptr;  // registration covering `local`, if any (faster)
+};
+
+class Worker {
+ public:
+  // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
+  // shows in UCX's logs. Transports follow UCX's environment (UCX_TLS, ...).
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name);
+  // Closes every endpoint, waits (bounded) for in-flight work, and releases the worker and the
+  // context. REQUIRES: every Registration and Endpoint handle has been dropped.
+  ~Worker();
+
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // This worker's address, to hand to a peer (over gRPC) so it can Connect() here.
+  const std::string& address() const { return address_; }
+
+  // Registers [address, address + length) for remote access.
+  absl::StatusOr<std::shared_ptr<Registration>> Register(void* address, size_t length);
+
+  // Opens an endpoint to the worker at `remote_address` and checks that the peer answers (a
+  // flush) before `deadline`. `on_failure` (may be empty) runs on the progress thread when the
+  // peer fails later; it must not block. INVALID_ARGUMENT when the address is malformed,
+  // UNAVAILABLE when the peer cannot be reached.
+  absl::StatusOr<std::shared_ptr<Endpoint>> Connect(const std::string& remote_address,
+                                                    absl::Time deadline,
+                                                    std::function<void()> on_failure = {});
+
+  // Runs `ops` on `endpoint` and flushes. `keep_alive` owns the local buffers; it is released
+  // when UCX no longer accesses them (which can be after this returns when the deadline passed).
+  // INVALID_ARGUMENT when a packed rkey does not unpack, UNAVAILABLE when the peer failed or the
+  // deadline passed (the endpoint is then closed).
+  absl::Status Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
+                        std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
+                        absl::Time deadline);
+
+  // Live endpoints (opened and not yet fully closed) and registrations: leak checks and metrics.
+  int64_t live_endpoints() const { return live_endpoints_.load(); }
+  int64_t live_registrations() const { return live_registrations_.load(); }
+  // Endpoints that failed because their peer did (since start).
+  uint64_t peer_failures() const { return peer_failures_.load(); }
+  // The name given to Create() (shows in UCX's logs).
+  const std::string& name() const { return name_; }
+
+ private:
+  friend class Registration;
+  friend class Endpoint;
+  struct TransferState;
+
+  explicit Worker(std::string name) : name_(std::move(name)) {}
+  void ProgressLoop();
+  // Queues `task` for the progress thread and wakes it.
+  void Post(std::function<void()> task);
+  // Runs `task` on the progress thread and waits for it, at most until `deadline`. False when
+  // the deadline passed first (the task still runs later).
+  bool RunAndWait(std::function<void()> task, absl::Time deadline);
+  // Progress-thread side of closing an endpoint.
+  void CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool force);
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void OnOpDone(void* request, ucs_status_t status, void* user_data);
+  void FinishOp(TransferState* state, ucs_status_t status);
+
+  const std::string name_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  std::thread thread_;
+
+  proxima::Mutex mu_;
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Progress-thread only.
+  std::vector<std::shared_ptr<TransferState>> in_flight_;
+  std::vector<std::shared_ptr<Endpoint::State>> endpoints_;
+  int closing_ = 0;                         // ep close requests not yet completed
+  bool peer_handling_unsupported_ = false;  // the transports in use cannot detect failed peers
+  // Endpoints without peer error handling whose peer stopped answering (see Endpoint::State).
+  std::vector<std::shared_ptr<Endpoint::State>> abandoned_;
+
+  std::atomic<uint64_t> next_endpoint_id_{1};
+  std::atomic<int64_t> live_endpoints_{0};
+  std::atomic<int64_t> live_registrations_{0};
+  std::atomic<uint64_t> peer_failures_{0};
+  // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned
+  // from a probe registration in Create(), read-only afterwards).
+  std::array<int, 64> own_md_sizes_{};
+};
+
+}  // namespace proxima::ucx
+
+#endif  // PROXIMA_COMMON_UCX_H_

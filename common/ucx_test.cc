@@ -1,0 +1,166 @@
+// ucx::Worker between two workers of this process over real UCX transports (loopback TCP and
+// shared memory), parameterized by UCX_TLS.
+#include "common/ucx.h"
+
+#include <stdlib.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace proxima::ucx {
+namespace {
+
+using ::proxima::testing::StatusIs;
+using ::testing::HasSubstr;
+
+class UcxTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", GetParam(), 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    auto a = Worker::Create("ucx-test-a");
+    ASSERT_OK(a.status());
+    auto b = Worker::Create("ucx-test-b");
+    ASSERT_OK(b.status());
+    a_ = *std::move(a);
+    b_ = *std::move(b);
+  }
+  void TearDown() override { unsetenv("UCX_TLS"); }
+
+  static std::vector<std::byte> Pattern(size_t n, uint8_t seed) {
+    std::vector<std::byte> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = std::byte(static_cast<uint8_t>(i * 131 + seed));
+    return v;
+  }
+
+  std::unique_ptr<Worker> a_, b_;
+};
+
+TEST_P(UcxTest, GetAndPutAreByteExact) {
+  constexpr size_t kBytes = 3 << 20;
+  std::vector<std::byte> remote = Pattern(kBytes, 7);
+  std::vector<std::byte> local(kBytes);
+  auto reg = b_->Register(remote.data(), remote.size());
+  ASSERT_OK(reg.status());
+  auto local_reg = a_->Register(local.data(), local.size());
+  ASSERT_OK(local_reg.status());
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  EXPECT_EQ(a_->live_endpoints(), 1);
+
+  // Two gets covering the buffer in uneven pieces (a scatter list).
+  const uint64_t base = reinterpret_cast<uint64_t>(remote.data());
+  std::vector<Op> gets = {
+      {Op::kGet, local.data(), 1000, base, 0, local_reg->get()},
+      {Op::kGet, local.data() + 1000, kBytes - 1000, base + 1000, 0, local_reg->get()}};
+  std::vector<std::string> rkeys = {(*reg)->packed_rkey()};
+  ASSERT_OK(a_->Transfer(**ep, rkeys, gets, nullptr, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(local, remote);
+
+  std::vector<std::byte> fresh = Pattern(kBytes, 99);
+  std::vector<Op> puts = {{Op::kPut, fresh.data(), kBytes, base, 0, nullptr}};
+  ASSERT_OK(a_->Transfer(**ep, rkeys, puts, nullptr, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(remote, fresh);  // the flush made the puts visible at the peer
+}
+
+TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {
+  std::vector<std::byte> remote = Pattern(4096, 1);
+  std::vector<std::byte> buf(4096);
+  auto reg = b_->Register(remote.data(), remote.size());
+  ASSERT_OK(reg.status());
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const uint64_t base = reinterpret_cast<uint64_t>(remote.data());
+  for (std::string garbage : {std::string(1, '\xff'), std::string(40, '\xa5'), std::string(9, 0)}) {
+    std::vector<Op> ops = {{Op::kGet, buf.data(), buf.size(), base, 0, nullptr}};
+    std::vector<std::string> rkeys = {garbage};
+    EXPECT_THAT(
+        a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(10)),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
+  }
+  // A real key with a corrupted memory-domain size, and one cut short.
+  std::string real = (*reg)->packed_rkey();
+  for (std::string bad : {real.substr(0, real.size() / 2), real + std::string(64, 'x')}) {
+    std::vector<Op> ops = {{Op::kGet, buf.data(), buf.size(), base, 0, nullptr}};
+    std::vector<std::string> rkeys = {bad};
+    EXPECT_THAT(
+        a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(10)),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
+  }
+  std::vector<std::string> none = {""};
+  std::vector<Op> ops = {{Op::kGet, buf.data(), buf.size(), base, 0, nullptr}};
+  EXPECT_THAT(a_->Transfer(**ep, none, ops, nullptr, absl::Now() + absl::Seconds(10)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkey 0 is 0 bytes")));
+  // The endpoint is still usable afterwards.
+  EXPECT_OK((*ep)->health());
+}
+
+TEST_P(UcxTest, MalformedWorkerAddressIsRefused) {
+  EXPECT_THAT(a_->Connect("", absl::Now() + absl::Seconds(5)).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
+  for (std::string bad : {std::string(64, '\x11'), std::string(3, '\xff'), std::string(100, 0)}) {
+    EXPECT_THAT(a_->Connect(bad, absl::Now() + absl::Seconds(5)).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown header")));
+  }
+  if (std::string(GetParam()) == "tcp") {
+    // A cut-short real address: refused by UCX. (Over shared memory UCX 1.13 asserts on some
+    // of these while creating the endpoint, which aborts the process: a known limitation.)
+    const std::string real = b_->address();
+    for (std::string bad : {real.substr(0, 12), real.substr(0, real.size() / 2)}) {
+      EXPECT_FALSE(a_->Connect(bad, absl::Now() + absl::Seconds(5)).ok());
+    }
+  }
+  EXPECT_EQ(a_->live_endpoints(), 0);
+}
+
+TEST_P(UcxTest, PeerThatDisappearsFailsTheEndpoint) {
+  std::vector<std::byte> remote = Pattern(1 << 20, 3);
+  std::vector<std::byte> local(remote.size());
+  auto reg = b_->Register(remote.data(), remote.size());
+  ASSERT_OK(reg.status());
+  std::string rkey = (*reg)->packed_rkey();
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  reg->reset();
+  b_.reset();  // the peer's worker is gone
+  std::vector<Op> ops = {{Op::kGet, local.data(), local.size(),
+                          reinterpret_cast<uint64_t>(remote.data()), 0, nullptr}};
+  std::vector<std::string> rkeys = {rkey};
+  absl::Status s = a_->Transfer(**ep, rkeys, ops, nullptr, absl::Now() + absl::Seconds(3));
+  // Either the peer failure is seen (UNAVAILABLE) or the deadline closes the endpoint
+  // (UNAVAILABLE too); never a hang or a success.
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_THAT((*ep)->health(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  ep->reset();
+}
+
+TEST_P(UcxTest, ConnectDisconnectCyclesLeaveNothingBehind) {
+  for (int i = 0; i < 200; ++i) {
+    auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+    ASSERT_OK(ep.status());
+  }
+  for (int i = 0; i < 200 && a_->live_endpoints() != 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(a_->live_endpoints(), 0);
+  for (int i = 0; i < 100; ++i) {
+    std::vector<std::byte> buf(64 << 10);
+    ASSERT_OK(a_->Register(buf.data(), buf.size()).status());
+  }
+  EXPECT_EQ(a_->live_registrations(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
+                         ::testing::Values("tcp", "posix,self", "sysv,self", "sysv,cma,self"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           std::string n = info.param;
+                           for (char& c : n) {
+                             if (c == ',') c = '_';
+                           }
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace proxima::ucx

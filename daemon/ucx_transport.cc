@@ -1,0 +1,352 @@
+#include "daemon/ucx_transport.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace proxima::daemon {
+namespace {
+
+// Transfers stop this much before the call's deadline (at most), so the answer still arrives.
+constexpr absl::Duration kAnswerMargin = absl::Milliseconds(500);
+
+absl::Time TransferDeadline(absl::Time call_deadline) {
+  absl::Duration left = call_deadline - absl::Now();
+  return call_deadline - std::min(kAnswerMargin, left / 10);
+}
+
+struct Segment {
+  uint32_t region;
+  uint64_t address;
+  uint64_t length;
+};
+
+// Checks a request's regions and each block's scatter/gather list against `block_bytes`; fills
+// `segments` (one list per block) and `rkeys`.
+absl::Status PlanBlocks(const char* method,
+                        const google::protobuf::RepeatedPtrField<v1::UcxRegion>& regions,
+                        const google::protobuf::RepeatedPtrField<v1::UcxBlock>& blocks,
+                        uint32_t max_blocks, uint64_t block_bytes,
+                        std::vector<std::vector<Segment>>* segments,
+                        std::vector<std::string>* rkeys) {
+  if (blocks.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no blocks"));
+  if (static_cast<uint32_t>(blocks.size()) > max_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        method, " has ", blocks.size(), " blocks; the limit is ", max_blocks, " per call"));
+  }
+  if (regions.empty() || regions.size() > UcxTransport::kMaxRegions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        method, " has ", regions.size(), " regions; expected 1..", UcxTransport::kMaxRegions));
+  }
+  for (int r = 0; r < regions.size(); ++r) {
+    const v1::UcxRegion& region = regions[r];
+    if (region.length() == 0 || region.address() + region.length() < region.address()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, " regions[", r, "] has address ", region.address(), " and length ",
+                       region.length(), "; expected a non-empty range"));
+    }
+    if (region.rkey().empty() || region.rkey().size() > ucx::kMaxPackedRkeyBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(method, " regions[", r, "].rkey is ",
+                                                     region.rkey().size(), " bytes; expected 1..",
+                                                     ucx::kMaxPackedRkeyBytes));
+    }
+    rkeys->push_back(region.rkey());
+  }
+  segments->resize(blocks.size());
+  for (int b = 0; b < blocks.size(); ++b) {
+    const v1::UcxBlock& block = blocks[b];
+    if (block.key().size() != kKeyBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, " blocks[", b, "].key is ", block.key().size(),
+                       " bytes; keys are exactly ", kKeyBytes, " bytes"));
+    }
+    if (block.segments().empty() || block.segments_size() > UcxTransport::kMaxSegmentsPerBlock) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, " blocks[", b, "] has ", block.segments_size(),
+                       " segments; expected 1..", UcxTransport::kMaxSegmentsPerBlock));
+    }
+    uint64_t total = 0;
+    for (int s = 0; s < block.segments_size(); ++s) {
+      const v1::UcxSegment& seg = block.segments(s);
+      if (seg.region() >= static_cast<uint32_t>(regions.size())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(method, " blocks[", b, "].segments[", s, "].region is ", seg.region(),
+                         "; the request has ", regions.size(), " regions"));
+      }
+      const v1::UcxRegion& region = regions[seg.region()];
+      const uint64_t end = seg.address() + seg.length();
+      if (seg.length() == 0 || end < seg.address() || seg.address() < region.address() ||
+          end > region.address() + region.length()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(method, " blocks[", b, "].segments[", s, "] is [", seg.address(), ", +",
+                         seg.length(), "); expected a non-empty range inside regions[",
+                         seg.region(), "] [", region.address(), ", +", region.length(), ")"));
+      }
+      total += seg.length();
+      if (total > block_bytes) break;
+      (*segments)[b].push_back(Segment{seg.region(), seg.address(), seg.length()});
+    }
+    if (total != block_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(method, " blocks[", b, "] segments add up to ",
+                                                     total, " bytes; the profile's blocks are ",
+                                                     block_bytes, " bytes"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConfig& config,
+                                                                   TierService* core,
+                                                                   metrics::Registry* registry) {
+  std::unique_ptr<UcxTransport> t(new UcxTransport(config, core));
+  PROXIMA_ASSIGN_OR_RETURN(t->worker_, ucx::Worker::Create("proximad"));
+  std::span<std::byte> arena = core->store().arena();
+  PROXIMA_ASSIGN_OR_RETURN(t->arena_, t->worker_->Register(arena.data(), arena.size()));
+  t->session_ids_.seed(std::random_device{}());
+  UcxTransport* raw = t.get();
+  const ucx::Worker* w = t->worker_.get();
+  registry->AddGauge("proxima_ucx_sessions", "UCX sessions (client endpoints) open", {},
+                     [raw] { return static_cast<double>(raw->sessions()); });
+  registry->AddGauge("proxima_ucx_endpoints", "UCX endpoints alive in the daemon's worker", {},
+                     [w] { return static_cast<double>(w->live_endpoints()); });
+  registry->AddGauge("proxima_ucx_registrations",
+                     "UCX memory registrations alive in the daemon (the host tier arena: 1)", {},
+                     [w] { return static_cast<double>(w->live_registrations()); });
+  registry->AddCounterFunction("proxima_ucx_peer_failures_total",
+                               "UCX endpoints that failed because their peer did (monotonic)", {},
+                               [w] { return static_cast<double>(w->peer_failures()); });
+  t->bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                      "Block bytes moved, by transport and direction",
+                                      {{"transport", "ucx"}, {"direction", "in"}});
+  t->bytes_out_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                       "Block bytes moved, by transport and direction",
+                                       {{"transport", "ucx"}, {"direction", "out"}});
+  PROXIMA_LOG(kInfo) << "UCX data plane ready" << log::Kv("arena_bytes", arena.size())
+                     << log::Kv("max_sessions", config.max_sessions);
+  return t;
+}
+
+UcxTransport::~UcxTransport() {
+  absl::flat_hash_map<uint64_t, Session> sessions;
+  {
+    proxima::MutexLock lock(&mu_);
+    sessions.swap(sessions_);
+  }
+  sessions.clear();
+  arena_.reset();
+  worker_.reset();
+}
+
+int64_t UcxTransport::sessions() const {
+  proxima::MutexLock lock(&mu_);
+  return static_cast<int64_t>(sessions_.size());
+}
+
+void UcxTransport::DropSession(uint64_t session_id) {
+  std::shared_ptr<ucx::Endpoint> dropped;  // released outside the lock
+  proxima::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return;
+  dropped = std::move(it->second.endpoint);
+  sessions_.erase(it);
+}
+
+absl::StatusOr<std::shared_ptr<ucx::Endpoint>> UcxTransport::FindSession(const Caller& caller,
+                                                                         uint64_t session_id) {
+  proxima::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("UCX session ", session_id,
+                                            " is not open (closed, or its client failed); "
+                                            "call ConnectUcx again"));
+  }
+  const Session& session = it->second;
+  if (session.owner_namespace != caller.namespace_index ||
+      session.owner_token != caller.token_name) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "UCX session ", session_id,
+        " was opened by another caller; a session is used only with the bearer token that "
+        "opened it (call ConnectUcx with ",
+        caller.token_name.empty() ? std::string("no token")
+                                  : absl::StrCat("token '", caller.token_name, "'"),
+        ")"));
+  }
+  return session.endpoint;
+}
+
+absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxRequest& request,
+                                   v1::ConnectUcxResponse* response, absl::Time deadline) {
+  uint64_t id = 0;
+  {
+    proxima::MutexLock lock(&mu_);
+    if (sessions_.size() >= config_.max_sessions) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "proximad has ", sessions_.size(),
+          " UCX sessions open; the limit is ucx.max_sessions = ", config_.max_sessions));
+    }
+    while (id == 0 || sessions_.contains(id)) id = session_ids_();
+  }
+  UcxTransport* self = this;
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = worker_->Connect(
+      request.worker_address(), TransferDeadline(deadline), [self, id] { self->DropSession(id); });
+  if (!ep.ok()) {
+    return absl::Status(ep.status().code(),
+                        absl::StrCat("ConnectUcx worker_address: ", ep.status().message()));
+  }
+  {
+    proxima::MutexLock lock(&mu_);
+    sessions_[id] = Session{*ep, caller.namespace_index, caller.token_name};
+  }
+  if (!(*ep)->health().ok()) {
+    DropSession(id);
+    return (*ep)->health();
+  }
+  if (request.has_probe()) {
+    absl::Status probe = Probe(**ep, request, TransferDeadline(deadline));
+    if (!probe.ok()) {
+      DropSession(id);
+      return probe;
+    }
+  }
+  response->set_session_id(id);
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Probe(ucx::Endpoint& endpoint, const v1::ConnectUcxRequest& request,
+                                 absl::Time deadline) {
+  const v1::UcxRegion& probe = request.probe();
+  if (probe.length() == 0 || probe.length() > kMaxProbeBytes ||
+      probe.address() + probe.length() < probe.address()) {
+    return absl::InvalidArgumentError(absl::StrCat("ConnectUcx probe.length is ", probe.length(),
+                                                   "; expected 1..", kMaxProbeBytes));
+  }
+  auto bytes = std::make_shared<std::vector<std::byte>>(probe.length());
+  std::vector<ucx::Op> ops = {
+      ucx::Op{ucx::Op::kGet, bytes->data(), bytes->size(), probe.address(), 0, nullptr}};
+  std::vector<std::string> rkeys = {probe.rkey()};
+  absl::Status moved = worker_->Transfer(endpoint, rkeys, std::move(ops), bytes, deadline);
+  if (!moved.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ConnectUcx probe: proximad cannot read the client's memory over UCX (",
+                     moved.message(), "); the two sides' UCX_TLS must offer the same transports"));
+  }
+  if (Crc32c(*bytes) != request.probe_crc32c()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ConnectUcx probe: the ", bytes->size(), " bytes read over UCX have CRC32C ",
+                     Crc32c(*bytes), "; the client sent ", request.probe_crc32c()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Disconnect(const Caller& caller, const v1::DisconnectUcxRequest& request,
+                                      v1::DisconnectUcxResponse*) {
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> session =
+      FindSession(caller, request.session_id());
+  if (absl::IsNotFound(session.status())) return absl::OkStatus();  // already closed: idempotent
+  PROXIMA_RETURN_IF_ERROR(session.status());                        // another caller's: left open
+  session->reset();
+  DropSession(request.session_id());
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& request,
+                               v1::PutResponse* response, absl::Time deadline) {
+  PROXIMA_ASSIGN_OR_RETURN(
+      TierService::ResolvedProfile target,
+      core_->ResolveProfile(caller, request.namespace_name(), request.profile_id(),
+                            TierService::Need::kWrite, "PutUcx"));
+  const RegisteredProfile& profile = target.profile;
+  std::vector<std::vector<Segment>> segments;
+  std::vector<std::string> rkeys;
+  PROXIMA_RETURN_IF_ERROR(PlanBlocks("PutUcx", request.regions(), request.blocks(),
+                                     core_->max_batch_blocks(), profile.block_bytes, &segments,
+                                     &rkeys));
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep,
+                           FindSession(caller, request.session_id()));
+  std::vector<BlockKey> keys(request.blocks_size());
+  std::vector<uint32_t> crcs(request.blocks_size());
+  for (int b = 0; b < request.blocks_size(); ++b) {
+    std::memcpy(keys[b].data(), request.blocks(b).key().data(), kKeyBytes);
+    crcs[b] = request.blocks(b).crc32c();
+  }
+  const absl::Time transfer_deadline = TransferDeadline(deadline);
+  uint64_t pulled = 0;
+  auto pull = [this, &segments, &pulled, &ep, &rkeys, transfer_deadline](
+                  std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
+                  std::shared_ptr<const void> owner) -> absl::Status {
+    std::vector<ucx::Op> ops;
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      size_t offset = 0;
+      for (const Segment& s : segments[blocks[j]]) {
+        ops.push_back(ucx::Op{ucx::Op::kGet, dst[j].data() + offset, s.length, s.address, s.region,
+                              arena_.get()});
+        offset += s.length;
+      }
+      pulled += dst[j].size();
+    }
+    return worker_->Transfer(*ep, rkeys, std::move(ops), std::move(owner), transfer_deadline);
+  };
+  absl::Status status = core_->PutPulled(target, keys, crcs, pull, response);
+  if (absl::IsUnavailable(status)) DropSession(request.session_id());
+  if (status.ok()) bytes_in_->Increment(pulled);
+  return status;
+}
+
+absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& request,
+                               v1::GetUcxResponse* response, absl::Time deadline) {
+  PROXIMA_ASSIGN_OR_RETURN(
+      TierService::ResolvedProfile target,
+      core_->ResolveProfile(caller, request.namespace_name(), request.profile_id(),
+                            TierService::Need::kRead, "GetUcx"));
+  const RegisteredProfile& profile = target.profile;
+  std::vector<std::vector<Segment>> segments;
+  std::vector<std::string> rkeys;
+  PROXIMA_RETURN_IF_ERROR(PlanBlocks("GetUcx", request.regions(), request.blocks(),
+                                     core_->max_batch_blocks(), profile.block_bytes, &segments,
+                                     &rkeys));
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep,
+                           FindSession(caller, request.session_id()));
+  v1::GetRequest get;
+  get.set_namespace_name(request.namespace_name());
+  get.set_profile_id(request.profile_id());
+  for (const v1::UcxBlock& b : request.blocks()) get.add_keys(b.key());
+  // Pinned until the puts are done: eviction cannot free the bytes under the transfer.
+  auto blocks = std::make_shared<std::vector<std::optional<BlockStore::ReadBlock>>>();
+  PROXIMA_RETURN_IF_ERROR(core_->GetBlocks(caller, get, blocks.get(), /*inline_response=*/false));
+  std::vector<ucx::Op> ops;
+  uint64_t pushed = 0;
+  for (size_t b = 0; b < blocks->size(); ++b) {
+    const auto& block = (*blocks)[b];
+    if (!block) continue;
+    size_t offset = 0;
+    for (const Segment& s : segments[b]) {
+      // The tier's bytes are only read; UCX's API takes a non-const pointer for both directions.
+      ops.push_back(ucx::Op{ucx::Op::kPut, const_cast<std::byte*>(block->bytes.data()) + offset,
+                            s.length, s.address, s.region, arena_.get()});
+      offset += s.length;
+    }
+    pushed += block->bytes.size();
+  }
+  if (!ops.empty()) {
+    absl::Status status =
+        worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline));
+    if (absl::IsUnavailable(status)) DropSession(request.session_id());
+    PROXIMA_RETURN_IF_ERROR(status);
+  }
+  for (const auto& block : *blocks) {
+    v1::GetUcxResult* r = response->add_results();
+    if (!block) continue;
+    r->set_found(true);
+    r->set_crc32c(block->crc32c);
+  }
+  bytes_out_->Increment(pushed);
+  return absl::OkStatus();
+}
+
+}  // namespace proxima::daemon

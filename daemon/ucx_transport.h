@@ -1,0 +1,105 @@
+// UcxTransport: proximad's UCX data plane (DESIGN.md section 3). The control plane stays gRPC:
+// a client opens a session (ConnectUcx, its worker address and a probe buffer the daemon reads
+// before it answers, so a session exists only where bytes move), then PutUcx / GetUcx name its
+// registered buffers (packed rkeys, addresses, scatter/gather lists) and the daemon moves the
+// bytes with one-sided operations on its own ucx::Worker:
+//
+//  - put: tier memory is reserved for each new block, the bytes are pulled with UCX gets, every
+//    block's size and CRC32C are checked, and only then are the blocks committed (visible);
+//  - get: each found block (pinned) is written into the client's segments with UCX puts, the
+//    endpoint is flushed, and only then does the call answer.
+//
+// Every call is authenticated by the gRPC layer and runs as its Caller: PutUcx and GetUcx pass
+// through TierService's Authorize() like Put and Get (namespace, read-only tokens, private
+// prefixes), and a session belongs to the caller that opened it (same namespace and token): any
+// other caller presenting its id is refused (PERMISSION_DENIED) and cannot close it.
+//
+// The host tier's arena is registered once, at start. Sessions end on DisconnectUcx, when the
+// client's worker fails (peer error handling, where the transports support it), or when a
+// transfer misses the call's deadline; the daemon's metrics count live sessions, endpoints and
+// registrations.
+//
+// Thread-safe. Never calls into the worker while holding its own mutex.
+#ifndef PROXIMA_DAEMON_UCX_TRANSPORT_H_
+#define PROXIMA_DAEMON_UCX_TRANSPORT_H_
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/mutex.h"
+#include "common/ucx.h"
+#include "daemon/config.h"
+#include "daemon/metrics.h"
+#include "daemon/tier_service.h"
+#include "proxima/v1/kvtier.pb.h"
+
+namespace proxima::daemon {
+
+class UcxTransport {
+ public:
+  // Most regions and segments per request: bounds the work a request can ask for.
+  static constexpr int kMaxRegions = 256;
+  static constexpr int kMaxSegmentsPerBlock = 4096;
+  // Largest ConnectUcx probe buffer.
+  static constexpr uint64_t kMaxProbeBytes = 4096;
+
+  // Starts the worker and registers the arena of `core`'s host tier. `core` and `registry` must
+  // outlive the transport.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(const UcxConfig& config,
+                                                              TierService* core,
+                                                              metrics::Registry* registry);
+  ~UcxTransport();
+
+  // `deadline`: the call's; transfers stop short of it so the answer still arrives in time.
+  absl::Status Connect(const Caller& caller, const v1::ConnectUcxRequest& request,
+                       v1::ConnectUcxResponse* response, absl::Time deadline);
+  absl::Status Disconnect(const Caller& caller, const v1::DisconnectUcxRequest& request,
+                          v1::DisconnectUcxResponse* response);
+  absl::Status Put(const Caller& caller, const v1::PutUcxRequest& request,
+                   v1::PutResponse* response, absl::Time deadline);
+  absl::Status Get(const Caller& caller, const v1::GetUcxRequest& request,
+                   v1::GetUcxResponse* response, absl::Time deadline);
+
+  int64_t sessions() const;
+  const ucx::Worker& worker() const { return *worker_; }
+
+ private:
+  UcxTransport(const UcxConfig& config, TierService* core) : config_(config), core_(core) {}
+  // An open session and who opened it: the namespace and name of the token it presented
+  // (-1 and "" for a call without a token).
+  struct Session {
+    std::shared_ptr<ucx::Endpoint> endpoint;
+    int owner_namespace = -1;
+    std::string owner_token;
+  };
+  // The endpoint of `caller`'s session `session_id`: NOT_FOUND when no such session is open,
+  // PERMISSION_DENIED when another caller opened it.
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> FindSession(const Caller& caller,
+                                                             uint64_t session_id);
+  void DropSession(uint64_t session_id);
+  // Reads the request's probe buffer over `endpoint` and checks its CRC32C: FAILED_PRECONDITION
+  // when bytes do not move between the two sides (e.g. memory domains the other side lacks).
+  absl::Status Probe(ucx::Endpoint& endpoint, const v1::ConnectUcxRequest& request,
+                     absl::Time deadline);
+
+  const UcxConfig config_;
+  TierService* const core_;
+  std::unique_ptr<ucx::Worker> worker_;
+  std::shared_ptr<ucx::Registration> arena_;
+  metrics::Counter* bytes_in_ = nullptr;
+  metrics::Counter* bytes_out_ = nullptr;
+
+  mutable proxima::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  std::mt19937_64 session_ids_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace proxima::daemon
+
+#endif  // PROXIMA_DAEMON_UCX_TRANSPORT_H_

@@ -1,0 +1,920 @@
+// Integration tests of the UCX data plane: the real proximad, real UCX between two processes on
+// loopback, over TCP (UCX_TLS=tcp) and over shared memory (UCX_TLS=posix,self). Driven through
+// libproxima, raw gRPC stubs with this process's own ucx::Worker, and proximactl. UcxAuthTest:
+// the UCX calls under bearer tokens (authentication, read-only tokens, session ownership,
+// private prefixes).
+#include "common/ucx.h"
+
+#include <dirent.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "client/test_pattern.h"
+#include "common/crc32c.h"
+#include "common/status_macros.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+
+namespace proxima {
+namespace {
+
+using ::proxima::client::BlockKey;
+using ::proxima::client::Client;
+using ::proxima::client::ClientOptions;
+using ::proxima::client::Profile;
+using ::proxima::client::PutOutcome;
+using ::proxima::client::Transport;
+using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// 4 layers x 16 tokens x 8 heads x 128 dim x bf16 x (K, V) = 256 KiB blocks; 64 KiB per layer.
+v1::ModelProfile TestModel(uint32_t tokens = 16) {
+  v1::ModelProfile p;
+  p.set_num_layers(4);
+  p.set_num_kv_heads(8);
+  p.set_head_dim(128);
+  p.set_tokens_per_block(tokens);
+  p.set_dtype(v1::DTYPE_BF16);
+  p.set_fingerprint("ucx-it-model");
+  return p;
+}
+
+double MetricValue(const std::string& text, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = 0;
+      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+    }
+  }
+  return -1;
+}
+
+double Metric(const DaemonProcess& d, const std::string& series) {
+  absl::StatusOr<std::string> m = d.ScrapeMetrics();
+  return m.ok() ? MetricValue(*m, series) : -2;
+}
+
+// Waits (bounded) until `series` reads `value`; returns the last value read.
+double WaitForMetric(const DaemonProcess& d, const std::string& series, double value,
+                     absl::Duration timeout = absl::Seconds(10)) {
+  absl::Time end = absl::Now() + timeout;
+  double v = Metric(d, series);
+  while (v != value && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(20));
+    v = Metric(d, series);
+  }
+  return v;
+}
+
+int OpenFds(pid_t pid) {
+  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/fd").c_str());
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (readdir(dir) != nullptr) ++n;
+  closedir(dir);
+  return n;
+}
+
+class UcxIntegrationTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    // Both processes pick their transports from the environment.
+    setenv("UCX_TLS", GetParam(), 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    auto d =
+        DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB", "server.max_batch_blocks=8"});
+    ASSERT_OK(d.status());
+    daemon_ = *std::move(d);
+  }
+  void TearDown() override { unsetenv("UCX_TLS"); }
+
+  std::unique_ptr<Client> Connect(Transport transport) {
+    ClientOptions options;
+    options.target = daemon_->tcp_target();
+    options.transport = transport;
+    options.call_timeout = absl::Seconds(20);
+    auto c = Client::Connect(options);
+    EXPECT_OK(c.status());
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline) {
+  auto c = Connect(Transport::kAuto);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->transport(), Transport::kUcx) << c->transport_detail();
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
+
+  // 20 blocks in one registered buffer: 3 calls of at most 8 blocks.
+  constexpr size_t kBlocks = 20;
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  std::vector<BlockKey> keys = client::TestKeyChain(1, 0, kBlocks);
+  std::vector<std::span<const std::byte>> in;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(1, i, b);
+    in.push_back(b);
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  ASSERT_OK_AND_ASSIGN(outcomes, c->Put(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kAlreadyPresent));
+
+  std::fill(cache.begin(), cache.end(), std::byte{0});
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = 0; i < kBlocks; ++i)
+    out.emplace_back(cache.data() + i * p.block_bytes, p.block_bytes);
+  std::vector<BlockKey> with_miss = keys;
+  with_miss[7] = client::TestKeyChain(99, 0, 1)[0];
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, with_miss, out));
+  for (size_t i = 0; i < kBlocks; ++i) {
+    EXPECT_EQ(found[i], i != 7) << i;
+    if (i != 7) EXPECT_TRUE(client::IsTestBlock(1, i, out[i])) << i;
+  }
+
+  // Blocks stored over UCX read back inline, and the other way round.
+  auto inline_client = Connect(Transport::kInline);
+  ASSERT_NE(inline_client, nullptr);
+  EXPECT_EQ(inline_client->transport(), Transport::kInline);
+  std::vector<std::byte> one(p.block_bytes);
+  std::vector<std::span<std::byte>> one_out = {one};
+  ASSERT_OK_AND_ASSIGN(found, inline_client->Get(p, std::span(keys).subspan(13, 1), one_out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(1, 13, one));
+  std::vector<BlockKey> other = client::TestKeyChain(2, 0, 1);
+  client::FillTestBlock(2, 0, one);
+  std::vector<std::span<const std::byte>> one_in = {one};
+  ASSERT_OK(inline_client->Put(p, other, one_in).status());
+  std::vector<std::byte> back(p.block_bytes);  // not registered: registered for the call
+  std::vector<std::span<std::byte>> back_out = {back};
+  ASSERT_OK_AND_ASSIGN(found, c->Get(p, other, back_out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(2, 0, back));
+
+  ASSERT_OK_AND_ASSIGN(std::string m, daemon_->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            kBlocks * p.block_bytes);
+  EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"out\"}"),
+            (kBlocks - 1 + 1) * p.block_bytes);
+  EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"PutUcx\",code=\"OK\"}"), 6);
+
+  // Closing the client closes its session and endpoint; the arena stays registered.
+  region = client::MemoryRegion();
+  c.reset();
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);
+}
+
+TEST_P(UcxIntegrationTest, ScatterGatherBlocksSpanManyBuffers) {
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  // vLLM-like layout: one buffer per layer, each holding that layer's slice of every block.
+  // Layer slices are uneven on purpose (K and V of a layer split at an odd offset).
+  constexpr size_t kBlocks = 6;
+  const size_t layer_bytes = p.block_bytes / 4;
+  std::vector<std::vector<std::byte>> layers(4, std::vector<std::byte>(kBlocks * layer_bytes));
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r0,
+                       c->RegisterMemory(layers[0].data(), layers[0].size()));
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion r1,
+                       c->RegisterMemory(layers[1].data(), layers[1].size()));
+  // layers[2] and [3] are not registered: registered for each call.
+  std::vector<BlockKey> keys = client::TestKeyChain(7, 0, kBlocks);
+  std::vector<std::vector<std::byte>> expected(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<client::ConstSegments> in(kBlocks);
+  for (size_t b = 0; b < kBlocks; ++b) {
+    client::FillTestBlock(7, b, expected[b]);
+    for (size_t l = 0; l < 4; ++l) {
+      std::byte* slice = layers[l].data() + b * layer_bytes;
+      std::memcpy(slice, expected[b].data() + l * layer_bytes, layer_bytes);
+      in[b].push_back({slice, 1000});
+      in[b].push_back({slice + 1000, layer_bytes - 1000});
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(auto outcomes, c->PutScattered(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  // Contiguous reads give the gathered bytes...
+  std::vector<std::vector<std::byte>> whole(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> whole_out(whole.begin(), whole.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, whole_out));
+  for (size_t b = 0; b < kBlocks; ++b) EXPECT_TRUE(found[b] && whole[b] == expected[b]) << b;
+  // ...and scattered reads land each slice in its layer buffer.
+  for (auto& l : layers) std::fill(l.begin(), l.end(), std::byte{0});
+  std::vector<client::Segments> out(kBlocks);
+  for (size_t b = 0; b < kBlocks; ++b) {
+    for (size_t l = 0; l < 4; ++l)
+      out[b].push_back({layers[l].data() + b * layer_bytes, layer_bytes});
+  }
+  ASSERT_OK_AND_ASSIGN(found, c->GetScattered(p, keys, out));
+  for (size_t b = 0; b < kBlocks; ++b) {
+    ASSERT_TRUE(found[b]);
+    for (size_t l = 0; l < 4; ++l) {
+      EXPECT_EQ(0, std::memcmp(layers[l].data() + b * layer_bytes,
+                               expected[b].data() + l * layer_bytes, layer_bytes))
+          << "block " << b << " layer " << l;
+    }
+  }
+  // Segments that do not add up to a block are refused before anything moves.
+  std::vector<client::Segments> short_out(1);
+  short_out[0].push_back({layers[0].data(), layer_bytes});
+  EXPECT_THAT(c->GetScattered(p, std::span(keys).first(1), short_out).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("add up to")));
+}
+
+// Raw protocol: this process's own worker and a generated stub, to send what libproxima never
+// would.
+class RawUcxTest : public UcxIntegrationTest {
+ protected:
+  void SetUp() override {
+    UcxIntegrationTest::SetUp();
+    if (HasFatalFailure()) return;
+    auto w = ucx::Worker::Create("raw-test");
+    ASSERT_OK(w.status());
+    worker_ = *std::move(w);
+    stub_ = v1::KVTier::NewStub(
+        grpc::CreateChannel(daemon_->tcp_target(), grpc::InsecureChannelCredentials()));
+    v1::RegisterProfileRequest rp;
+    rp.set_namespace_name("default");
+    *rp.mutable_profile() = TestModel();
+    v1::RegisterProfileResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->RegisterProfile(&ctx, rp, &resp).ok());
+    profile_id_ = resp.profile_id();
+    block_bytes_ = resp.block_bytes();
+  }
+  void TearDown() override {
+    reg_.reset();
+    worker_.reset();
+    UcxIntegrationTest::TearDown();
+  }
+
+  absl::StatusOr<uint64_t> OpenSession(const std::string& address) {
+    v1::ConnectUcxRequest req;
+    req.set_worker_address(address);
+    v1::ConnectUcxResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    PROXIMA_RETURN_IF_ERROR(client::FromGrpc(stub_->ConnectUcx(&ctx, req, &resp)));
+    return resp.session_id();
+  }
+  absl::Status CloseSession(uint64_t id) {
+    v1::DisconnectUcxRequest req;
+    req.set_session_id(id);
+    v1::DisconnectUcxResponse resp;
+    grpc::ClientContext ctx;
+    return client::FromGrpc(stub_->DisconnectUcx(&ctx, req, &resp));
+  }
+
+  // A PutUcx of one block from `src_` (registered), with one segment.
+  v1::PutUcxRequest OneBlockPut(uint64_t session, const BlockKey& key) {
+    v1::PutUcxRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.set_session_id(session);
+    v1::UcxRegion* r = req.add_regions();
+    r->set_rkey(reg_->packed_rkey());
+    r->set_address(reinterpret_cast<uint64_t>(src_.data()));
+    r->set_length(src_.size());
+    v1::UcxBlock* b = req.add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::UcxSegment* s = b->add_segments();
+    s->set_region(0);
+    s->set_address(reinterpret_cast<uint64_t>(src_.data()));
+    s->set_length(block_bytes_);
+    b->set_crc32c(Crc32c(std::span(src_).first(block_bytes_)));
+    return req;
+  }
+  absl::Status Put(const v1::PutUcxRequest& req) {
+    v1::PutResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    return client::FromGrpc(stub_->PutUcx(&ctx, req, &resp));
+  }
+  uint32_t Present(const BlockKey& key) {
+    v1::LookupRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.add_keys(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::LookupResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub_->Lookup(&ctx, req, &resp).ok());
+    return resp.num_prefix_present();
+  }
+  void RegisterSource(size_t blocks) {
+    src_.resize(blocks * block_bytes_);
+    for (size_t i = 0; i < blocks; ++i) {
+      client::FillTestBlock(3, i, std::span(src_).subspan(i * block_bytes_, block_bytes_));
+    }
+    auto r = worker_->Register(src_.data(), src_.size());
+    ASSERT_OK(r.status());
+    reg_ = *std::move(r);
+  }
+
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<v1::KVTier::Stub> stub_;
+  uint64_t profile_id_ = 0;
+  uint64_t block_bytes_ = 0;
+  std::vector<std::byte> src_;
+  std::shared_ptr<ucx::Registration> reg_;
+};
+
+TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
+  RegisterSource(1);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  const BlockKey key = client::TestKeyChain(3, 0, 1)[0];
+
+  v1::PutUcxRequest req = OneBlockPut(session, key);
+  req.mutable_regions(0)->set_rkey(std::string(40, '\xa5'));
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
+  req = OneBlockPut(session, key);
+  req.mutable_regions(0)->set_rkey(reg_->packed_rkey().substr(0, reg_->packed_rkey().size() - 1));
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rkeys[0] does not unpack")));
+
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->mutable_segments(0)->set_length(block_bytes_ - 64);
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("segments add up to")));
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->mutable_segments(0)->set_address(reinterpret_cast<uint64_t>(src_.data()) +
+                                                          64);  // runs past the end of the region
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("expected a non-empty range inside regions[0]")));
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->mutable_segments(0)->set_region(3);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(".region is 3")));
+
+  // The bytes pulled do not match the CRC32C the client declared (changed mid-transfer).
+  req = OneBlockPut(session, key);
+  req.mutable_blocks(0)->set_crc32c(req.blocks(0).crc32c() ^ 1);
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
+
+  req = OneBlockPut(session ^ 0x5a5a, key);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kNotFound, HasSubstr("UCX session")));
+
+  EXPECT_THAT(OpenSession("").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("worker_address")));
+  for (std::string garbage : {std::string(64, '\x11'), std::string(3, '\xff')}) {
+    EXPECT_THAT(OpenSession(garbage).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown header")));
+  }
+  EXPECT_EQ(Present(key), 0u);  // none of the above stored anything
+
+  // The daemon is fine: the well-formed request stores the block, byte-exact.
+  ASSERT_OK(Put(OneBlockPut(session, key)));
+  EXPECT_EQ(Present(key), 1u);
+  auto c = Connect(Transport::kInline);
+  std::vector<std::byte> back(block_bytes_);
+  std::vector<std::span<std::byte>> out = {back};
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                       c->Get(Profile{profile_id_, block_bytes_}, std::span(&key, 1), out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(3, 0, back));
+  EXPECT_OK(CloseSession(session));
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+}
+
+TEST_P(RawUcxTest, BufferRewrittenDuringTheTransferIsNeverVisibleHalfWritten) {
+  // A client that deregisters and reuses its buffer while the daemon pulls it: the daemon
+  // either pulled the old bytes completely (stored, byte-exact) or refuses the request.
+  constexpr size_t kBlocks = 8;
+  RegisterSource(kBlocks);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  std::vector<BlockKey> keys = client::TestKeyChain(3, 0, kBlocks);
+  v1::PutUcxRequest req = OneBlockPut(session, keys[0]);
+  for (size_t i = 1; i < kBlocks; ++i) {
+    v1::UcxBlock* b = req.add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(keys[i].data()), 32));
+    v1::UcxSegment* s = b->add_segments();
+    s->set_address(reinterpret_cast<uint64_t>(src_.data()) + i * block_bytes_);
+    s->set_length(block_bytes_);
+    b->set_crc32c(Crc32c(std::span(src_).subspan(i * block_bytes_, block_bytes_)));
+  }
+  std::atomic<bool> started{false};
+  std::thread scribbler([&] {
+    while (!started.load()) std::this_thread::yield();
+    for (size_t i = 0; i < src_.size(); i += 4096) src_[i] = std::byte{0xee};
+  });
+  started = true;
+  absl::Status s = Put(req);
+  scribbler.join();
+  size_t present = 0;
+  for (const BlockKey& k : keys) present += Present(k);
+  if (s.ok()) {
+    auto c = Connect(Transport::kInline);
+    std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(block_bytes_));
+    std::vector<std::span<std::byte>> out(back.begin(), back.end());
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                         c->Get(Profile{profile_id_, block_bytes_}, keys, out));
+    for (size_t i = 0; i < kBlocks; ++i)
+      EXPECT_TRUE(found[i] && client::IsTestBlock(3, i, back[i]));
+  } else {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
+    EXPECT_EQ(present, 0u);
+  }
+}
+
+TEST_P(UcxIntegrationTest, DroppingARegionMidTransferWaitsForTheTransfer) {
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel(64)));  // 1 MiB blocks
+  constexpr size_t kBlocks = 32;
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  std::vector<BlockKey> keys = client::TestKeyChain(11, 0, kBlocks);
+  std::vector<std::span<const std::byte>> in;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(11, i, b);
+    in.push_back(b);
+  }
+  auto region = std::make_unique<client::MemoryRegion>();
+  ASSERT_OK_AND_ASSIGN(*region, c->RegisterMemory(cache.data(), cache.size()));
+  absl::StatusOr<std::vector<PutOutcome>> outcomes;
+  std::thread putter([&] { outcomes = c->Put(p, keys, in); });
+  absl::SleepFor(absl::Milliseconds(2));
+  region.reset();  // the caller deregisters while the daemon may be pulling
+  putter.join();
+  ASSERT_OK(outcomes.status());
+  std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> out(back.begin(), back.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+  for (size_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(found[i] && client::IsTestBlock(11, i, back[i]));
+}
+
+TEST_P(RawUcxTest, ConnectDisconnectCyclesLeakNothing) {
+  // Sessions (endpoints) opened and closed again and again: the daemon's own metrics and its
+  // open file descriptors return to where they were. 10,000 cycles over shared memory; over tcp
+  // every cycle is a new TCP connection (10,000 took 28 s alone and 104 s under the full suite's
+  // load), so 2,000 there keep the test well under a minute.
+  const int cycles = std::string(GetParam()) == "tcp" ? 2000 : 10000;
+  ASSERT_OK_AND_ASSIGN(uint64_t first, OpenSession(worker_->address()));
+  ASSERT_OK(CloseSession(first));
+  ASSERT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  const int fds_before = OpenFds(daemon_->pid());
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < cycles; ++i) {
+    absl::StatusOr<uint64_t> session = OpenSession(worker_->address());
+    ASSERT_OK(session.status()) << "cycle " << i;
+    ASSERT_OK(CloseSession(*session));
+  }
+  const absl::Duration took = absl::Now() - start;
+  std::fprintf(stderr, "%d connect/disconnect cycles over %s in %s\n", cycles, GetParam(),
+               absl::FormatDuration(took).c_str());
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);  // the arena, nothing else
+  // A few descriptors may still be closing (TCP teardown); none per cycle.
+  EXPECT_LE(OpenFds(daemon_->pid()), fds_before + 8);
+  EXPECT_GT(OpenFds(daemon_->pid()), 0);
+}
+
+TEST_P(UcxIntegrationTest, ClientKilledMidTransferLeavesNoPartialBlockAndNoSession) {
+  if (std::string(GetParam()) != "tcp") {
+    GTEST_SKIP() << "UCX 1.13's shared-memory transports have no peer failure detection; a "
+                    "killed shared-memory client is caught by its next transfer or deadline";
+  }
+  // proximactl load over UCX with 4 MiB blocks, killed (SIGKILL) while it moves bytes.
+  for (int round = 0; round < 2; ++round) {
+    testing::CommandResult r = testing::RunCommand(
+        {"/usr/bin/timeout", "-s", "KILL", "1.5", testing::ProximactlPath(), "load",
+         "--target=" + daemon_->tcp_target(), "--transport=ucx", "--clients=2", "--duration=30",
+         "--tokens_per_block=256", "--batch=8", "--working_set=16", "--get_fraction=0.5"},
+        absl::Seconds(30));
+    EXPECT_EQ(r.exit_code, -1) << r.out << r.err;  // killed, not finished
+  }
+  // The daemon notices the dead peers and drops their sessions and endpoints.
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            0);
+  // Every block that is visible is complete and intact (proximactl load's chains: seeds 1000+c).
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile([] {
+    v1::ModelProfile m = TestModel(256);
+    m.set_fingerprint("proximactl-test");
+    return m;
+  }()));
+  size_t visible = 0;
+  for (uint64_t seed : {1000, 1001}) {
+    std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, 16);
+    std::vector<std::vector<std::byte>> back(16, std::vector<std::byte>(p.block_bytes));
+    std::vector<std::span<std::byte>> out(back.begin(), back.end());
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+    for (size_t i = 0; i < 16; ++i) {
+      if (!found[i]) continue;
+      ++visible;
+      EXPECT_TRUE(client::IsTestBlock(seed, i, back[i])) << seed << "/" << i;
+    }
+  }
+  EXPECT_GT(visible, 0u);
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+  EXPECT_EQ(stats.crc_failures(), 0u);
+}
+
+TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadline) {
+  // A client on UCX whose daemon is SIGKILLed: its next call fails UNAVAILABLE within the call's
+  // deadline, and once proximad is back (same port) the call after re-establishes the gRPC
+  // connection and the UCX session by itself, inside one deadline, still on UCX.
+  constexpr absl::Duration kCallTimeout = absl::Seconds(3);
+  ClientOptions options;
+  options.target = daemon_->tcp_target();
+  options.transport = Transport::kUcx;
+  options.call_timeout = kCallTimeout;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr size_t kBlocks = 8;
+  std::vector<std::byte> cache(3 * kBlocks * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  // Batch `round` of the test: blocks [round * kBlocks, +kBlocks) of the chain of seed 21.
+  auto put = [&](size_t round) {
+    std::vector<std::span<const std::byte>> in;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      std::span<std::byte> b(cache.data() + (round * kBlocks + i) * p.block_bytes, p.block_bytes);
+      client::FillTestBlock(21, round * kBlocks + i, b);
+      in.push_back(b);
+    }
+    return c->Put(p, client::TestKeyChain(21, round * kBlocks, kBlocks), in).status();
+  };
+  ASSERT_OK(put(0));
+
+  daemon_->Signal(SIGKILL);
+  ASSERT_EQ(daemon_->WaitExit(absl::Seconds(10)), -1);
+  absl::Time start = absl::Now();
+  EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_LE(absl::Now() - start, kCallTimeout + absl::Seconds(2));
+  start = absl::Now();
+  EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable,
+                               ::testing::_));  // still down: no hang either
+  EXPECT_LE(absl::Now() - start, kCallTimeout + absl::Seconds(2));
+
+  ASSERT_OK(daemon_->Restart());
+  start = absl::Now();
+  ASSERT_OK(put(2));
+  EXPECT_LE(absl::Now() - start, kCallTimeout);
+  EXPECT_EQ(c->transport(), Transport::kUcx);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
+  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            0);
+  std::vector<std::vector<std::byte>> back(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> out(back.begin(), back.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                       c->Get(p, client::TestKeyChain(21, 2 * kBlocks, kBlocks), out));
+  for (size_t i = 0; i < kBlocks; ++i) {
+    EXPECT_TRUE(found[i] && client::IsTestBlock(21, 2 * kBlocks + i, back[i])) << i;
+  }
+  // The restarted daemon holds only its arena's registration; the client's session closes with it.
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);
+  region = client::MemoryRegion();  // REQUIRES of Client: regions go first
+  c.reset();
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+}
+
+TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
+  // server.max_inflight_bytes_per_client bounds what one client holds in the daemon over UCX
+  // too: a PutUcx or GetUcx is charged the block bytes it moves, like an inline call's message.
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  ASSERT_OK_AND_ASSIGN(
+      auto daemon,
+      DaemonProcess::Start({"tiers.host.capacity_bytes=64MiB", "server.max_batch_blocks=8",
+                            "server.max_inflight_bytes_per_client=1MiB"}));
+  ClientOptions options;
+  options.target = daemon->tcp_target();  // accounted per client (Unix-socket peers are not)
+  options.transport = Transport::kUcx;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));  // 256 KiB blocks
+  constexpr size_t kBlocks = 8;                                      // 2 MiB in one call
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  std::vector<std::span<const std::byte>> in;
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(31, i, b);
+    in.push_back(b);
+    out.push_back(b);
+  }
+  std::vector<BlockKey> keys = client::TestKeyChain(31, 0, kBlocks);
+  EXPECT_THAT(c->Put(p, keys, in).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("server.max_inflight_bytes_per_client = 1048576")));
+  EXPECT_EQ(Metric(*daemon, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"), 0);
+  // Three blocks (768 KiB) fit: stored, and read back within the limit; eight do not.
+  ASSERT_OK(c->Put(p, std::span(keys).first(3), std::span(in).first(3)).status());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
+                       c->Get(p, std::span(keys).first(3), std::span(out).first(3)));
+  EXPECT_THAT(found, ::testing::Each(true));
+  EXPECT_THAT(c->Get(p, keys, out).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("server.max_inflight_bytes_per_client")));
+  unsetenv("UCX_TLS");
+}
+
+TEST(UcxProbeTest, AutoPicksUcxOnlyWhenBytesMoveEndToEnd) {
+  // The daemon's UCX offers tcp only; this client's offers tcp and cma. The endpoint connects
+  // (both have tcp) but the client's rkeys name cma's memory domain, which the daemon cannot
+  // unpack: every PutUcx would fail. ConnectUcx's probe read catches it, so `auto` moves blocks
+  // inline and a forced `ucx` fails at Connect, naming the cause.
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  setenv("UCX_TLS", "tcp", 1);
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  setenv("UCX_TLS", "tcp,cma", 1);
+  ClientOptions options;
+  options.target = daemon->tcp_target();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  EXPECT_EQ(c->transport(), Transport::kInline);
+  EXPECT_THAT(c->transport_detail(), HasSubstr("probe"));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  std::vector<std::byte> block(p.block_bytes);
+  client::FillTestBlock(41, 0, block);
+  std::vector<BlockKey> keys = client::TestKeyChain(41, 0, 1);
+  std::vector<std::span<const std::byte>> in = {block};
+  ASSERT_OK(c->Put(p, keys, in).status());
+  EXPECT_EQ(WaitForMetric(*daemon, "proxima_ucx_sessions", 0), 0);  // the probed one is gone
+
+  options.transport = Transport::kUcx;
+  EXPECT_THAT(Client::Connect(options).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("ConnectUcx probe")));
+  // With the same transports on both sides, `auto` is UCX.
+  setenv("UCX_TLS", "tcp", 1);
+  options.transport = Transport::kAuto;
+  ASSERT_OK_AND_ASSIGN(c, Client::Connect(options));
+  EXPECT_EQ(c->transport(), Transport::kUcx) << c->transport_detail();
+  unsetenv("UCX_TLS");
+}
+
+TEST(UcxDisabledTest, AutoFallsBackToInlineAndForcedUcxFails) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"ucx.enabled=false"}));
+  ClientOptions options;
+  options.target = daemon->tcp_target();
+  ASSERT_OK_AND_ASSIGN(auto c, Client::Connect(options));
+  EXPECT_EQ(c->transport(), Transport::kInline);
+  EXPECT_THAT(c->transport_detail(), HasSubstr("proximad has UCX disabled"));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  std::vector<std::byte> block(p.block_bytes);
+  client::FillTestBlock(4, 0, block);
+  std::vector<std::span<const std::byte>> in = {block};
+  std::vector<BlockKey> keys = client::TestKeyChain(4, 0, 1);
+  ASSERT_OK(c->Put(p, keys, in).status());
+  options.transport = Transport::kUcx;
+  EXPECT_THAT(Client::Connect(options).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("transport ucx requested, but: proximad has UCX disabled")));
+  testing::CommandResult info = testing::RunCommand(
+      {testing::ProximactlPath(), "info", "--target=" + daemon->tcp_target(), "--json"});
+  EXPECT_THAT(info.out, HasSubstr("\"transport\":\"inline\""));
+  EXPECT_EQ(Metric(*daemon, "proxima_ucx_sessions"), -1);  // no UCX series at all
+}
+
+// The UCX calls under bearer tokens (docs/security.md, "UCX data plane"): raw stubs with this
+// process's own worker, so that a test can present any token with any session id. Namespaces:
+// a (worker: read-write, dashboard: read-only), b (worker), c (private_prefixes; alice, bob).
+class UcxAuthTest : public ::testing::Test {
+ protected:
+  static constexpr char kA[] = "ucx-a-rw-5b0e1f2a3c4d5e6f";
+  static constexpr char kAReadOnly[] = "ucx-a-ro-9a8b7c6d5e4f3a2b";
+  static constexpr char kB[] = "ucx-b-rw-0f1e2d3c4b5a6978";
+  static constexpr char kAlice[] = "ucx-c-alice-1122334455667788";
+  static constexpr char kBob[] = "ucx-c-bob-8877665544332211";
+
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    char tmpl[] = "/tmp/proxima-ucx-auth-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    auto file = [this](const char* name, const char* token) {
+      const std::string path = dir_ + "/" + name;
+      std::ofstream(path) << token << "\n";
+      return path;
+    };
+    ASSERT_OK_AND_ASSIGN(
+        daemon_,
+        DaemonProcess::Start({absl::StrCat(
+            "namespaces=[{name: a, tokens: [{name: worker, file: ", file("a", kA),
+            "}, {name: dashboard, file: ", file("a-ro", kAReadOnly), ", access: read_only}]}, ",
+            "{name: b, tokens: [{name: worker, file: ", file("b", kB), "}]}, ",
+            "{name: c, private_prefixes: true, tokens: [{name: alice, file: ",
+            file("alice", kAlice), "}, {name: bob, file: ", file("bob", kBob), "}]}]")}));
+    ASSERT_OK_AND_ASSIGN(worker_, ucx::Worker::Create("auth-test"));
+    stub_ = v1::KVTier::NewStub(
+        grpc::CreateChannel(daemon_->unix_target(), grpc::InsecureChannelCredentials()));
+    ASSERT_OK_AND_ASSIGN(profile_a_, RegisterProfile(kA, "a"));
+    ASSERT_OK_AND_ASSIGN(profile_b_, RegisterProfile(kB, "b"));
+    // Block 0: the source of puts (a test pattern); block 1: the destination of gets.
+    buf_.resize(2 * block_bytes_);
+    client::FillTestBlock(5, 0, std::span(buf_).first(block_bytes_));
+    ASSERT_OK_AND_ASSIGN(reg_, worker_->Register(buf_.data(), buf_.size()));
+  }
+  void TearDown() override {
+    reg_.reset();
+    worker_.reset();
+    daemon_.reset();
+    std::filesystem::remove_all(dir_);
+    unsetenv("UCX_TLS");
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context(const std::string& token) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+    return ctx;
+  }
+  absl::StatusOr<uint64_t> RegisterProfile(const std::string& token, const std::string& ns) {
+    v1::RegisterProfileRequest req;
+    req.set_namespace_name(ns);
+    *req.mutable_profile() = TestModel(4);
+    v1::RegisterProfileResponse resp;
+    PROXIMA_RETURN_IF_ERROR(
+        client::FromGrpc(stub_->RegisterProfile(Context(token).get(), req, &resp)));
+    block_bytes_ = resp.block_bytes();
+    return resp.profile_id();
+  }
+  absl::StatusOr<uint64_t> Open(const std::string& token) {
+    v1::ConnectUcxRequest req;
+    req.set_worker_address(worker_->address());
+    v1::ConnectUcxResponse resp;
+    PROXIMA_RETURN_IF_ERROR(client::FromGrpc(stub_->ConnectUcx(Context(token).get(), req, &resp)));
+    return resp.session_id();
+  }
+  absl::Status Close(const std::string& token, uint64_t session) {
+    v1::DisconnectUcxRequest req;
+    req.set_session_id(session);
+    v1::DisconnectUcxResponse resp;
+    return client::FromGrpc(stub_->DisconnectUcx(Context(token).get(), req, &resp));
+  }
+  // Fills the regions and the one block of a PutUcx / GetUcx naming buf_'s block `index`.
+  template <typename Req>
+  void Describe(Req* req, const std::string& ns, uint64_t profile, uint64_t session,
+                const BlockKey& key, size_t index) {
+    req->set_namespace_name(ns);
+    req->set_profile_id(profile);
+    req->set_session_id(session);
+    v1::UcxRegion* r = req->add_regions();
+    r->set_rkey(reg_->packed_rkey());
+    r->set_address(reinterpret_cast<uint64_t>(buf_.data()));
+    r->set_length(buf_.size());
+    v1::UcxBlock* b = req->add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::UcxSegment* s = b->add_segments();
+    s->set_region(0);
+    s->set_address(reinterpret_cast<uint64_t>(buf_.data() + index * block_bytes_));
+    s->set_length(block_bytes_);
+    b->set_crc32c(Crc32c(std::span(buf_).subspan(index * block_bytes_, block_bytes_)));
+  }
+  absl::Status PutUcx(const std::string& token, const std::string& ns, uint64_t profile,
+                      uint64_t session, const BlockKey& key) {
+    v1::PutUcxRequest req;
+    Describe(&req, ns, profile, session, key, 0);
+    v1::PutResponse resp;
+    return client::FromGrpc(stub_->PutUcx(Context(token).get(), req, &resp));
+  }
+  // Gets `key` into block 1 of buf_ (zeroed first); true when found.
+  absl::StatusOr<bool> GetUcx(const std::string& token, const std::string& ns, uint64_t profile,
+                              uint64_t session, const BlockKey& key) {
+    std::fill(buf_.begin() + block_bytes_, buf_.end(), std::byte{0});
+    v1::GetUcxRequest req;
+    Describe(&req, ns, profile, session, key, 1);
+    v1::GetUcxResponse resp;
+    PROXIMA_RETURN_IF_ERROR(client::FromGrpc(stub_->GetUcx(Context(token).get(), req, &resp)));
+    if (resp.results_size() != 1) return absl::InternalError("GetUcx: not one result");
+    return resp.results(0).found();
+  }
+  uint32_t Present(const std::string& token, const std::string& ns, uint64_t profile,
+                   const BlockKey& key) {
+    v1::LookupRequest req;
+    req.set_namespace_name(ns);
+    req.set_profile_id(profile);
+    req.add_keys(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::LookupResponse resp;
+    EXPECT_OK(client::FromGrpc(stub_->Lookup(Context(token).get(), req, &resp)));
+    return resp.num_prefix_present();
+  }
+  bool GotSourceBlock() const {
+    return client::IsTestBlock(5, 0, std::span(buf_).subspan(block_bytes_, block_bytes_));
+  }
+
+  std::string dir_;
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<v1::KVTier::Stub> stub_;
+  uint64_t profile_a_ = 0;
+  uint64_t profile_b_ = 0;
+  uint64_t block_bytes_ = 0;
+  std::vector<std::byte> buf_;
+  std::shared_ptr<ucx::Registration> reg_;
+};
+
+TEST_F(UcxAuthTest, WrongOrMissingTokenIsUnauthenticatedOnEveryUcxCall) {
+  const std::string wrong = "ucx-not-a-configured-token-0000";
+  const BlockKey key = client::TestKeyChain(21, 0, 1)[0];
+  auto unauthenticated = StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("not valid"));
+  EXPECT_THAT(Open(wrong), unauthenticated);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, Open(kA));
+  EXPECT_THAT(PutUcx(wrong, "a", profile_a_, session, key), unauthenticated);
+  EXPECT_THAT(GetUcx(wrong, "a", profile_a_, session, key), unauthenticated);
+  EXPECT_THAT(Close(wrong, session), unauthenticated);
+  // No token at all, naming the protected namespace.
+  ASSERT_OK_AND_ASSIGN(uint64_t anonymous, Open(""));
+  EXPECT_THAT(PutUcx("", "a", profile_a_, anonymous, key),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("needs a bearer token")));
+  EXPECT_THAT(GetUcx("", "a", profile_a_, anonymous, key),
+              StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("needs a bearer token")));
+  EXPECT_EQ(Present(kA, "a", profile_a_, key), 0u);  // nothing was stored
+  // The control: the same calls with the right token move the bytes, and the session survived
+  // the refused Close.
+  ASSERT_OK(PutUcx(kA, "a", profile_a_, session, key));
+  EXPECT_EQ(Present(kA, "a", profile_a_, key), 1u);
+  ASSERT_OK_AND_ASSIGN(bool found, GetUcx(kA, "a", profile_a_, session, key));
+  EXPECT_TRUE(found);
+  EXPECT_TRUE(GotSourceBlock());
+  ASSERT_OK(Close(kA, session));
+  EXPECT_THAT(PutUcx(kA, "a", profile_a_, session, key),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("is not open")));
+}
+
+TEST_F(UcxAuthTest, ReadOnlyTokenGetsOverUcxButPutUcxIsPermissionDenied) {
+  const std::vector<BlockKey> keys = client::TestKeyChain(22, 0, 2);
+  ASSERT_OK_AND_ASSIGN(uint64_t writer, Open(kA));
+  ASSERT_OK_AND_ASSIGN(uint64_t reader, Open(kAReadOnly));
+  ASSERT_OK(PutUcx(kA, "a", profile_a_, writer, keys[0]));
+  EXPECT_THAT(
+      PutUcx(kAReadOnly, "a", profile_a_, reader, keys[1]),
+      StatusIs(absl::StatusCode::kPermissionDenied,
+               AllOf(HasSubstr("'dashboard'"), HasSubstr("read_only"), HasSubstr("PutUcx"))));
+  EXPECT_EQ(Present(kA, "a", profile_a_, keys[1]), 0u);
+  ASSERT_OK_AND_ASSIGN(bool found, GetUcx(kAReadOnly, "a", profile_a_, reader, keys[0]));
+  EXPECT_TRUE(found);
+  EXPECT_TRUE(GotSourceBlock());
+}
+
+TEST_F(UcxAuthTest, SessionOfAnotherCallerIsRefusedAndStaysOpen) {
+  const BlockKey key = client::TestKeyChain(23, 0, 1)[0];
+  ASSERT_OK_AND_ASSIGN(uint64_t session_a, Open(kA));
+  ASSERT_OK(PutUcx(kA, "a", profile_a_, session_a, key));
+  // B, in its own namespace, presents a's session id: every use is refused, nothing moves.
+  auto foreign =
+      StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("was opened by another caller"));
+  EXPECT_THAT(PutUcx(kB, "b", profile_b_, session_a, key), foreign);
+  EXPECT_THAT(GetUcx(kB, "b", profile_b_, session_a, key), foreign);
+  EXPECT_THAT(Close(kB, session_a), foreign);
+  EXPECT_EQ(Present(kB, "b", profile_b_, key), 0u);
+  // Another token of the same namespace is another caller too.
+  EXPECT_THAT(GetUcx(kAReadOnly, "a", profile_a_, session_a, key), foreign);
+  // So is a call without a token.
+  EXPECT_THAT(Close("", session_a), foreign);
+  // The session is still a's.
+  ASSERT_OK_AND_ASSIGN(bool found, GetUcx(kA, "a", profile_a_, session_a, key));
+  EXPECT_TRUE(found);
+  EXPECT_TRUE(GotSourceBlock());
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
+}
+
+TEST_F(UcxAuthTest, PrivatePrefixesHoldOverUcx) {
+  ASSERT_OK_AND_ASSIGN(uint64_t profile_c, RegisterProfile(kAlice, "c"));
+  const BlockKey key = client::TestKeyChain(24, 0, 1)[0];
+  ASSERT_OK_AND_ASSIGN(uint64_t alice, Open(kAlice));
+  ASSERT_OK_AND_ASSIGN(uint64_t bob, Open(kBob));
+  ASSERT_OK(PutUcx(kAlice, "c", profile_c, alice, key));
+  EXPECT_EQ(Present(kAlice, "c", profile_c, key), 1u);
+  EXPECT_EQ(Present(kBob, "c", profile_c, key), 0u);
+  ASSERT_OK_AND_ASSIGN(bool found, GetUcx(kBob, "c", profile_c, bob, key));
+  EXPECT_FALSE(found);
+  ASSERT_OK_AND_ASSIGN(found, GetUcx(kAlice, "c", profile_c, alice, key));
+  EXPECT_TRUE(found);
+  EXPECT_TRUE(GotSourceBlock());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxIntegrationTest, ::testing::Values("tcp", "posix,self"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "tcp" ? "tcp" : "shm";
+                         });
+INSTANTIATE_TEST_SUITE_P(Transports, RawUcxTest, ::testing::Values("tcp", "posix,self"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "tcp" ? "tcp" : "shm";
+                         });
+
+}  // namespace
+}  // namespace proxima
