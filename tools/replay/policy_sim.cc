@@ -42,11 +42,15 @@ class IdQueue {
   absl::flat_hash_map<uint64_t, std::list<uint64_t>::iterator> where_;
 };
 
-class Lru : public CachePolicy {
+// LRU (a use moves the id to the front) or FIFO (a use changes nothing): the tail is evicted.
+class RecencyQueue : public CachePolicy {
  public:
-  explicit Lru(size_t capacity) : capacity_(capacity) {}
+  RecencyQueue(size_t capacity, bool move_on_use)
+      : capacity_(capacity), move_on_use_(move_on_use) {}
   bool Contains(uint64_t id) const override { return queue_.Contains(id); }
-  void Touch(uint64_t id) override { queue_.MoveToFront(id); }
+  void Touch(uint64_t id) override {
+    if (move_on_use_) queue_.MoveToFront(id);
+  }
   void Insert(uint64_t id) override {
     if (queue_.size() == capacity_) {
       queue_.PopBack();
@@ -58,25 +62,7 @@ class Lru : public CachePolicy {
 
  private:
   const size_t capacity_;
-  IdQueue queue_;
-};
-
-class Fifo : public CachePolicy {
- public:
-  explicit Fifo(size_t capacity) : capacity_(capacity) {}
-  bool Contains(uint64_t id) const override { return queue_.Contains(id); }
-  void Touch(uint64_t) override {}
-  void Insert(uint64_t id) override {
-    if (queue_.size() == capacity_) {
-      queue_.PopBack();
-      ++evictions_;
-    }
-    queue_.PushFront(id);
-  }
-  size_t size() const override { return queue_.size(); }
-
- private:
-  const size_t capacity_;
+  const bool move_on_use_;
   IdQueue queue_;
 };
 
@@ -266,8 +252,8 @@ absl::StatusOr<std::unique_ptr<CachePolicy>> MakeCachePolicy(std::string_view po
                                                              size_t capacity) {
   absl::string_view name(policy.data(), policy.size());
   if (capacity == 0) return absl::InvalidArgumentError("cache capacity must be at least 1 block");
-  if (name == "lru") return std::make_unique<Lru>(capacity);
-  if (name == "fifo") return std::make_unique<Fifo>(capacity);
+  if (name == "lru") return std::make_unique<RecencyQueue>(capacity, /*move_on_use=*/true);
+  if (name == "fifo") return std::make_unique<RecencyQueue>(capacity, /*move_on_use=*/false);
   if (name == "s3fifo") return std::make_unique<S3Fifo>(capacity);
   if (name == "arc") return std::make_unique<Arc>(capacity);
   if (name == "slru") return std::make_unique<Slru>(capacity, kDefaultProtectedShare);
