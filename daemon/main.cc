@@ -33,7 +33,8 @@ constexpr char kUsage[] =
     "  proximad [--config=FILE] [--set=dotted.key=value ...] [--port_file=FILE]\n\n"
     "--set overrides one config key (value in YAML syntax) and may be repeated, e.g.\n"
     "  --set=tiers.host.capacity_bytes=8GiB --set=server.listen=0.0.0.0:50051\n"
-    "SIGTERM or SIGINT drains in-flight calls and exits 0.";
+    "SIGTERM or SIGINT drains in-flight calls and exits 0. SIGHUP re-reads the token files and "
+    "variables (token rotation).";
 
 // absl's vector flags keep only the last occurrence; --set is meant to repeat, so it is taken
 // out of argv here before absl parses the rest.
@@ -98,11 +99,13 @@ int main(int argc, char** argv) {
   proxima::log::ParseLevel(config->log_level, &level);  // validated with the config
   proxima::log::SetMinLevel(level);
 
-  // Block the shutdown signals in every thread (gRPC's included); main waits for them below.
+  // Block the signals proximad handles in every thread (gRPC's included); main waits for them
+  // below: SIGTERM and SIGINT shut down, SIGHUP re-reads the token files.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -119,7 +122,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+    // Token rotation: errors are logged by ReloadTokens, and the old tokens stay in force.
+    (void)(*daemon)->core().ReloadTokens();
+  }
   PROXIMA_LOG(kInfo) << "received signal, shutting down" << proxima::log::Kv("signal", sig);
   (*daemon)->Shutdown();
   return 0;

@@ -131,11 +131,35 @@ absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonCon
 }
 
 absl::Status TierService::LoadTokens(const DaemonConfig& config) {
+  for (size_t n = 0; n < config.namespaces.size(); ++n) {
+    namespaces_[n]->open = config.namespaces[n].tokens.empty();
+    any_protected_ |= !config.namespaces[n].tokens.empty();
+  }
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<Token> tokens, ReadTokens(config));
+  tokens_.store(std::make_shared<const std::vector<Token>>(std::move(tokens)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> TierService::ReloadTokens() {
+  absl::StatusOr<std::vector<Token>> tokens = ReadTokens(config_);
+  if (!tokens.ok()) {
+    PROXIMA_LOG(kError) << "token reload failed; the previous tokens stay in force"
+                        << log::Kv("error", tokens.status().message());
+    return tokens.status();
+  }
+  const size_t n = tokens->size();
+  tokens_.store(std::make_shared<const std::vector<Token>>(*std::move(tokens)));
+  token_reloads_->Increment();
+  PROXIMA_LOG(kInfo) << "tokens reloaded" << log::Kv("tokens", n);
+  return n;
+}
+
+absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
+    const DaemonConfig& config) const {
+  std::vector<Token> tokens;
   std::vector<std::string> where;  // config key of each token, for duplicate errors
   for (size_t n = 0; n < config.namespaces.size(); ++n) {
     const NamespaceConfig& ns = config.namespaces[n];
-    namespaces_[n]->open = ns.tokens.empty();
-    any_protected_ |= !ns.tokens.empty();
     absl::flat_hash_map<std::string, uint32_t> partitions;  // scope -> partition (1, 2, ...)
     for (size_t i = 0; i < ns.tokens.size(); ++i) {
       const TokenConfig& t = ns.tokens[i];
@@ -143,8 +167,8 @@ absl::Status TierService::LoadTokens(const DaemonConfig& config) {
       absl::StatusOr<std::string> secret =
           t.file.empty() ? ReadTokenEnv(key + ".env", t.env) : ReadTokenFile(key + ".file", t.file);
       if (!secret.ok()) return secret.status();
-      for (size_t j = 0; j < tokens_.size(); ++j) {
-        if (tokens_[j].secret == *secret) {
+      for (size_t j = 0; j < tokens.size(); ++j) {
+        if (tokens[j].secret == *secret) {
           return absl::InvalidArgumentError(absl::StrCat(
               key, " holds the same token as ", where[j],
               "; every token must be distinct (a token names exactly one namespace and access)"));
@@ -160,11 +184,11 @@ absl::Status TierService::LoadTokens(const DaemonConfig& config) {
             partitions.emplace(scope, static_cast<uint32_t>(partitions.size() + 1));
         token.caller.partition = it->second;
       }
-      tokens_.push_back(std::move(token));
+      tokens.push_back(std::move(token));
       where.push_back(key);
     }
   }
-  return absl::OkStatus();
+  return tokens;
 }
 
 absl::StatusOr<Caller> TierService::Authenticate(absl::string_view authorization) const {
@@ -178,9 +202,10 @@ absl::StatusOr<Caller> TierService::Authenticate(absl::string_view authorization
   const absl::string_view presented = authorization.substr(kBearer.size());
   // Compare against every token without stopping at a match: the time taken says nothing about
   // which token (or how much of one) was right.
+  const std::shared_ptr<const std::vector<Token>> tokens = tokens_.load();
   int match = -1;
-  for (size_t i = 0; i < tokens_.size(); ++i) {
-    const bool equal = ConstantTimeEquals(presented, tokens_[i].secret);
+  for (size_t i = 0; i < tokens->size(); ++i) {
+    const bool equal = ConstantTimeEquals(presented, (*tokens)[i].secret);
     match = equal ? static_cast<int>(i) : match;
   }
   if (match < 0) {
@@ -188,7 +213,7 @@ absl::StatusOr<Caller> TierService::Authenticate(absl::string_view authorization
         "the bearer token is not valid on this daemon (revoked, mistyped, or for another "
         "daemon)");
   }
-  return tokens_[match].caller;
+  return (*tokens)[match].caller;
 }
 
 absl::StatusOr<TierService::Scope> TierService::Authorize(const Caller& caller,
@@ -229,6 +254,11 @@ absl::StatusOr<TierService::Scope> TierService::Authorize(const Caller& caller,
 TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
                          metrics::Registry* registry)
     : config_(config), start_time_(absl::Now()) {
+  token_reloads_ = registry->AddCounter(
+      "proxima_token_reloads_total",
+      "Successful re-reads of the token files and variables (SIGHUP); a failed one keeps the "
+      "previous tokens and is logged",
+      {});
   counters_ = std::make_unique<NamespaceCounters[]>(config.namespaces.size());
   for (size_t i = 0; i < config.namespaces.size(); ++i) {
     auto ns = std::make_unique<Namespace>();

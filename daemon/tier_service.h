@@ -18,6 +18,7 @@
 #ifndef PROXIMA_DAEMON_TIER_SERVICE_H_
 #define PROXIMA_DAEMON_TIER_SERVICE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,8 +28,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "common/mutex.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "daemon/block_store.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
@@ -76,6 +77,14 @@ class TierService {
   // its Caller. Every configured token is compared, in constant time, whatever matches first.
   // UNAUTHENTICATED for a malformed header or a token this daemon does not know.
   absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const;
+
+  // Re-reads every configured token from its file or environment variable (token rotation,
+  // proximad's SIGHUP) and puts the new set in force for every later call; calls in flight keep
+  // the caller they were authenticated as. Which namespaces need a token, and each token's
+  // namespace, access and scope, stay as configured. On any error (a file gone, empty, two
+  // tokens equal) the previous tokens stay in force and the error names the config key. Returns
+  // how many tokens are in force.
+  absl::StatusOr<size_t> ReloadTokens();
 
   absl::Status GetServerInfo(const Caller& caller, const v1::GetServerInfoRequest& request,
                              v1::GetServerInfoResponse* response);
@@ -199,7 +208,10 @@ class TierService {
   // `need` (`method` names the call in errors).
   absl::StatusOr<Scope> Authorize(const Caller& caller, const std::string& name, Need need,
                                   absl::string_view method) const;
+  // At start: which namespaces need a token, and their tokens.
   absl::Status LoadTokens(const DaemonConfig& config);
+  // Reads every configured token from its file or variable; errors name the config key.
+  absl::StatusOr<std::vector<Token>> ReadTokens(const DaemonConfig& config) const;
   absl::StatusOr<uint32_t> FindNamespace(const std::string& name) const;
   absl::StatusOr<RegisteredProfile> FindProfile(uint32_t ns, uint64_t profile_id);
   // Validates namespace, profile and keys of a keyed request; fills `ids`.
@@ -212,7 +224,9 @@ class TierService {
   const DaemonConfig config_;
   const absl::Time start_time_;
   std::vector<std::unique_ptr<Namespace>> namespaces_;
-  std::vector<Token> tokens_;
+  // Replaced whole by ReloadTokens(); every call reads the current table.
+  std::atomic<std::shared_ptr<const std::vector<Token>>> tokens_;
+  metrics::Counter* token_reloads_ = nullptr;
   bool any_protected_ = false;  // some namespace needs a token
   std::unique_ptr<NamespaceCounters[]> counters_;
   std::unique_ptr<BlockStore> store_;

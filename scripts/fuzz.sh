@@ -39,13 +39,16 @@ case "$target" in
     libs="yaml-cpp absl_status absl_statusor absl_strings absl_str_format absl_raw_hash_set absl_hash"
     ;;
   request)
-    sources=("${codec[@]}" common/log.cc common/credentials.cc proto/wire.cc
+    # The daemon's sources (daemon/CMakeLists.txt) without the server wiring, with the CPU-only
+    # device code (this build has no CUDA) and the UCX worker the UCX calls link.
+    sources=("${codec[@]}" kernels/device_cpu.cc common/log.cc common/credentials.cc
+             common/ucx.cc proto/wire.cc
              daemon/config.cc daemon/metrics.cc daemon/host_tier.cc daemon/block_store.cc
-             daemon/tier_service.cc daemon/tierer.cc daemon/grpc_service.cc
+             daemon/tier_service.cc daemon/tierer.cc daemon/grpc_service.cc daemon/ucx_transport.cc
              gen/proxima/v1/kvtier.pb.cc gen/proxima/v1/kvtier.grpc.pb.cc)
     harness=tests/fuzz/request_fuzzer.cc
-    libs="grpc++ protobuf yaml-cpp openssl absl_status absl_statusor absl_strings absl_str_format
-          absl_raw_hash_set absl_hash absl_time absl_synchronization"
+    libs="grpc++ protobuf yaml-cpp openssl ucx absl_status absl_statusor absl_strings
+          absl_str_format absl_raw_hash_set absl_hash absl_time absl_synchronization"
     ;;
   *)
     echo "unknown fuzz target '$target' (known: codec_decode, request, config_parse)" >&2
