@@ -86,8 +86,13 @@ proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_cl
                     "options->size is " + std::to_string(o->size) + "; expected sizeof(" +
                         "proxima_connect_options) = " +
                         std::to_string(sizeof(proxima_connect_options)));
-  const proxima_transport transport =
-      o->size >= sizeof(proxima_connect_options) ? o->transport : PROXIMA_TRANSPORT_AUTO;
+  // Read as the integer a C caller may have stored there: a value outside the enum must reach the
+  // error below, and loading it as the enum type would be undefined behaviour.
+  int transport = PROXIMA_TRANSPORT_AUTO;
+  if (o->size >= sizeof(proxima_connect_options)) {
+    static_assert(sizeof(o->transport) == sizeof(int));
+    std::memcpy(&transport, &o->transport, sizeof(transport));
+  }
   auto str = [](const char* s) { return s == nullptr ? std::string() : std::string(s); };
   proxima::client::ClientOptions options;
   options.target = o->target;
@@ -109,7 +114,7 @@ proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_cl
       break;
     default:
       return Fail(absl::StatusCode::kInvalidArgument,
-                  "options->transport is " + std::to_string(static_cast<int>(transport)) +
+                  "options->transport is " + std::to_string(transport) +
                       "; expected PROXIMA_TRANSPORT_AUTO (0), _UCX (1) or _INLINE (2)");
   }
   if (o->connect_timeout_ms > 0) {

@@ -136,7 +136,8 @@ template <typename Call>
 grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
                                                     grpc::CallbackServerContext* context,
                                                     uint64_t request_bytes,
-                                                    grpc::ByteBuffer* response, Call&& call) {
+                                                    grpc::ByteBuffer* response, Call&& call,
+                                                    bool held_until_sent) {
   auto start = std::chrono::steady_clock::now();
   in_flight_.fetch_add(1);
   const std::string peer = context->peer();
@@ -183,6 +184,10 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
     requests_[method][code].store(counter, std::memory_order_release);
   }
   counter->Increment();
+  if (admitted && !held_until_sent) {
+    inflight_.End(peer, held);
+    admitted = false;
+  }
   auto* reactor = new AccountedReactor(admitted ? &inflight_ : nullptr, peer, held);
   reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
   return reactor;
@@ -362,17 +367,19 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
       }
     }
   }
-  return Handle(method, context, charged, nullptr,
-                [ucx, response, deadline, &call](const Caller& caller) -> absl::Status {
-                  if (ucx == nullptr) {
-                    return absl::FailedPreconditionError(
-                        "this proximad runs without the UCX data plane (ucx.enabled: false); "
-                        "use Put/Get");
-                  }
-                  absl::Status status = call(ucx, caller, deadline);
-                  if (!status.ok()) response->Clear();  // a failed call returns no partial results
-                  return status;
-                });
+  return Handle(
+      method, context, charged, nullptr,
+      [ucx, response, deadline, &call](const Caller& caller) -> absl::Status {
+        if (ucx == nullptr) {
+          return absl::FailedPreconditionError(
+              "this proximad runs without the UCX data plane (ucx.enabled: false); "
+              "use Put/Get");
+        }
+        absl::Status status = call(ucx, caller, deadline);
+        if (!status.ok()) response->Clear();  // a failed call returns no partial results
+        return status;
+      },
+      /*held_until_sent=*/false);
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::ConnectUcx(grpc::CallbackServerContext* c,

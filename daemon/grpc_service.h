@@ -161,9 +161,13 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   // the peer is over its in-flight bytes, records latency and status code, and finishes the
   // call. `request_bytes` is the request's size; `response` (raw calls) its response buffer.
   template <typename Call>
+  // `held_until_sent`: the charged bytes stay in the client's account until gRPC has sent the
+  // response (an inline response holds or pins them until then); false for calls whose charged
+  // bytes are done with when `call` returns (UCX transfers), so that the client's next call,
+  // which may start as soon as it has the answer, never finds them still charged.
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
-                                   uint64_t request_bytes, grpc::ByteBuffer* response,
-                                   Call&& call);
+                                   uint64_t request_bytes, grpc::ByteBuffer* response, Call&& call,
+                                   bool held_until_sent = true);
   // A raw call (Put, Get, Lookup, Delete, Decompress): `serve` is one of the Serve* functions
   // above.
   grpc::ServerUnaryReactor* HandleRaw(Method method, grpc::CallbackServerContext* context,
