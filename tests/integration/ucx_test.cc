@@ -29,6 +29,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/test_blocks.h"
 
 namespace proxima {
 namespace {
@@ -46,25 +47,10 @@ using ::testing::HasSubstr;
 
 // 4 layers x 16 tokens x 8 heads x 128 dim x bf16 x (K, V) = 256 KiB blocks; 64 KiB per layer.
 v1::ModelProfile TestModel(uint32_t tokens = 16) {
-  v1::ModelProfile p;
-  p.set_num_layers(4);
-  p.set_num_kv_heads(8);
-  p.set_head_dim(128);
-  p.set_tokens_per_block(tokens);
-  p.set_dtype(v1::DTYPE_BF16);
-  p.set_fingerprint("ucx-it-model");
-  return p;
+  return ::proxima::testing::TestModel(tokens, "ucx-it-model");
 }
 
-double MetricValue(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = 0;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return -1;
-}
+using ::proxima::testing::MetricValue;
 
 double Metric(const DaemonProcess& d, const std::string& series) {
   absl::StatusOr<std::string> m = d.ScrapeMetrics();
