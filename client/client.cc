@@ -492,14 +492,22 @@ absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request
                              grpc::ByteBuffer* response) {
   grpc::ClientContext context;
   PrepareContext(&context);
-  proxima::Notification done;
+  // The calling thread drives its own completion queue, as gRPC's synchronous stubs do: the
+  // response is read from the socket on this thread, where its bytes are copied out next, instead
+  // of on a gRPC callback thread that would then have to wake this one.
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      generic_stub_->PrepareUnaryCall(&context, method, request, &cq);
+  call->StartCall();
   grpc::Status status;
-  generic_stub_->UnaryCall(&context, method, grpc::StubOptions(), &request, response,
-                           [&](grpc::Status s) {
-                             status = std::move(s);
-                             done.Notify();
-                           });
-  done.WaitForNotification();  // the call's deadline bounds this wait
+  call->Finish(response, &status, this);
+  void* tag = nullptr;
+  bool ok = false;
+  const bool got = cq.Next(&tag, &ok);  // the call's deadline bounds this wait
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!got) return absl::InternalError("gRPC completion queue shut down during a call");
   return FromGrpc(status);
 }
 
