@@ -10,6 +10,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -57,9 +60,36 @@ double RunClients(int clients, const std::function<void(int)>& fn) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+double ProcessCpuSeconds(pid_t pid) {
+  // /proc/PID/stat: fields 14 and 15 are utime and stime in clock ticks; field 2 (comm) is in
+  // parentheses and may hold spaces, so count fields after its closing parenthesis.
+  std::ifstream in(pid > 0 ? absl::StrCat("/proc/", pid, "/stat") : std::string("/proc/self/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  size_t close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(close + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) stime = std::stoull(field);
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+PhaseTime RunClientsTimed(int clients, pid_t server, const std::function<void(int)>& fn) {
+  auto server_cpu = [server] { return server > 0 ? ProcessCpuSeconds(server) : 0.0; };
+  const double self0 = ProcessCpuSeconds(0), server0 = server_cpu();
+  PhaseTime t;
+  t.wall_s = RunClients(clients, fn);
+  t.server_cpu_s = server_cpu() - server0;
+  t.cpu_s = ProcessCpuSeconds(0) - self0 + t.server_cpu_s;
+  return t;
+}
+
 std::string RedisKey(int client, size_t i) { return absl::StrCat("c", client, ":", i); }
 
-Result RunRedis(int port, const LoadShape& shape) {
+Result RunRedis(int port, pid_t server, const LoadShape& shape) {
   const int clients = shape.clients, batch = shape.batch, rounds = shape.rounds;
   const uint64_t block_bytes = shape.block_bytes;
   const size_t blocks_per_client = shape.blocks_per_client;
@@ -71,7 +101,7 @@ Result RunRedis(int port, const LoadShape& shape) {
     if (r) freeReplyObject(r);
     redisFree(c);
   }
-  double put_s = RunClients(clients, [&](int id) {
+  const PhaseTime put = RunClientsTimed(clients, server, [&](int id) {
     redisContext* c = connect();
     std::vector<char> block(block_bytes);
     for (size_t b = 0; b < blocks_per_client; b += batch) {
@@ -89,7 +119,7 @@ Result RunRedis(int port, const LoadShape& shape) {
     }
     redisFree(c);
   });
-  double get_s = RunClients(clients, [&](int id) {
+  const PhaseTime get = RunClientsTimed(clients, server, [&](int id) {
     redisContext* c = connect();
     for (int round = 0; round < rounds; ++round) {
       for (size_t b = 0; b < blocks_per_client; b += batch) {
@@ -117,7 +147,9 @@ Result RunRedis(int port, const LoadShape& shape) {
     redisFree(c);
   });
   double total = static_cast<double>(clients) * blocks_per_client * block_bytes;
-  return {total / put_s / 1e9, total * rounds / get_s / 1e9, errors.load()};
+  return {total / put.wall_s / 1e9,        total * rounds / get.wall_s / 1e9,
+          put.cpu_s / (total / 1e9),       get.cpu_s / (total * rounds / 1e9),
+          get.server_cpu_s / (total * rounds / 1e9), errors.load()};
 }
 
 v1::ModelProfile BenchModel(uint64_t block_bytes) {
@@ -132,7 +164,8 @@ v1::ModelProfile BenchModel(uint64_t block_bytes) {
   return model;
 }
 
-Result RunProxima(const std::string& target, const LoadShape& shape, client::Transport transport) {
+Result RunProxima(const std::string& target, pid_t server, const LoadShape& shape,
+                  client::Transport transport) {
   const int clients = shape.clients, batch = shape.batch, rounds = shape.rounds;
   const uint64_t block_bytes = shape.block_bytes;
   const size_t blocks_per_client = shape.blocks_per_client;
@@ -159,7 +192,7 @@ Result RunProxima(const std::string& target, const LoadShape& shape, client::Tra
       if (r.ok()) regions[c].push_back(*std::move(r));
     }
   }
-  double put_s = RunClients(clients, [&](int id) {
+  const PhaseTime put = RunClientsTimed(clients, server, [&](int id) {
     std::vector<std::vector<std::byte>>& data = buffers[id];
     std::vector<BlockKey> keys = proxima::client::TestKeyChain(id, 0, blocks_per_client);
     for (size_t b = 0; b < blocks_per_client; b += batch) {
@@ -173,7 +206,7 @@ Result RunProxima(const std::string& target, const LoadShape& shape, client::Tra
       if (!r.ok()) ++errors;
     }
   });
-  double get_s = RunClients(clients, [&](int id) {
+  const PhaseTime get = RunClientsTimed(clients, server, [&](int id) {
     std::vector<std::vector<std::byte>>& data = buffers[id];
     std::vector<BlockKey> keys = proxima::client::TestKeyChain(id, 0, blocks_per_client);
     for (int round = 0; round < rounds; ++round) {
@@ -193,7 +226,9 @@ Result RunProxima(const std::string& target, const LoadShape& shape, client::Tra
   });
   double total = static_cast<double>(clients) * blocks_per_client * block_bytes;
   regions.clear();  // before the clients
-  return {total / put_s / 1e9, total * rounds / get_s / 1e9, errors.load()};
+  return {total / put.wall_s / 1e9,        total * rounds / get.wall_s / 1e9,
+          put.cpu_s / (total / 1e9),       get.cpu_s / (total * rounds / 1e9),
+          get.server_cpu_s / (total * rounds / 1e9), errors.load()};
 }
 
 // Per-metric median over repeated runs; errors add up.
@@ -207,6 +242,9 @@ Result Median(std::vector<Result> runs) {
   };
   m.put_gbps = median(&Result::put_gbps);
   m.get_gbps = median(&Result::get_gbps);
+  m.put_cpu_s_per_gb = median(&Result::put_cpu_s_per_gb);
+  m.get_cpu_s_per_gb = median(&Result::get_cpu_s_per_gb);
+  m.get_server_cpu_s_per_gb = median(&Result::get_server_cpu_s_per_gb);
   for (const Result& r : runs) m.errors += r.errors;
   return m;
 }

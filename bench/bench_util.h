@@ -22,6 +22,22 @@ pid_t Spawn(const std::vector<std::string>& argv, const std::string& log);
 // Runs `fn(client_index)` on every client thread at once; returns the wall seconds.
 double RunClients(int clients, const std::function<void(int)>& fn);
 
+// Wall seconds of a phase, and the CPU seconds (user + system) that this process and the server
+// process spent in it: the cost of moving the bytes, which a loaded machine changes far less
+// than it changes wall time.
+struct PhaseTime {
+  double wall_s = 0;
+  double cpu_s = 0;         // this process (the clients) + the server
+  double server_cpu_s = 0;  // the server alone
+};
+
+// RunClients, also counting this process's and `server`'s CPU time (`server` <= 0: this process
+// only).
+PhaseTime RunClientsTimed(int clients, pid_t server, const std::function<void(int)>& fn);
+
+// CPU seconds (user + system, all threads) that process `pid` has used; 0 if it cannot be read.
+double ProcessCpuSeconds(pid_t pid);
+
 // What every client does: store `blocks_per_client` blocks of `block_bytes` in calls of
 // `batch`, then read them all back `rounds` times.
 struct LoadShape {
@@ -34,13 +50,18 @@ struct LoadShape {
 
 struct Result {
   double put_gbps = 0, get_gbps = 0;  // aggregate over clients, 1e9 bytes per second
+  // Client and server CPU seconds per 1e9 block bytes moved.
+  double put_cpu_s_per_gb = 0, get_cpu_s_per_gb = 0;
+  double get_server_cpu_s_per_gb = 0;  // the server's share of get_cpu_s_per_gb
   uint64_t errors = 0;                // failed calls and blocks that came back wrong
 };
 
-// Redis on 127.0.0.1:port: SET/GET pipelined `batch` deep.
-Result RunRedis(int port, const LoadShape& shape);
-// proximad at `target` with `transport`. Over UCX each client registers its buffers once.
-Result RunProxima(const std::string& target, const LoadShape& shape, client::Transport transport);
+// Redis on 127.0.0.1:port (process `server`): SET/GET pipelined `batch` deep.
+Result RunRedis(int port, pid_t server, const LoadShape& shape);
+// proximad at `target` (process `server`) with `transport`. Over UCX each client registers its
+// buffers once.
+Result RunProxima(const std::string& target, pid_t server, const LoadShape& shape,
+                  client::Transport transport);
 // Per-metric median over repeated runs; errors add up.
 Result Median(std::vector<Result> runs);
 // A profile whose raw block is exactly block_bytes (a multiple of 64 KiB).

@@ -43,14 +43,17 @@ using proxima::bench::LoadShape;
 using proxima::bench::Median;
 using proxima::bench::Result;
 
+// `cpu` and `baseline_cpu`: client + server CPU seconds per GB moved (lower is better); they show
+// what each side costs when the machine's load makes wall-clock throughput noisy.
 void Print(const char* metric, uint64_t block_bytes, const std::string& transport, double value,
-           double baseline) {
+           double baseline, double cpu, double baseline_cpu) {
   std::printf(
       "{\"bench\":\"put_get\",\"metric\":\"%s\",\"block_bytes\":%llu,\"clients\":%d,"
       "\"transport\":\"%s\",\"value\":%.3f,\"unit\":\"GB/s\",\"baseline\":\"redis\","
-      "\"baseline_value\":%.3f,\"ratio\":%.3f}\n",
+      "\"baseline_value\":%.3f,\"ratio\":%.3f,\"cpu_s_per_gb\":%.3f,"
+      "\"baseline_cpu_s_per_gb\":%.3f}\n",
       metric, static_cast<unsigned long long>(block_bytes), absl::GetFlag(FLAGS_clients),
-      transport.c_str(), value, baseline, value / baseline);
+      transport.c_str(), value, baseline, value / baseline, cpu, baseline_cpu);
   std::fflush(stdout);
 }
 
@@ -86,17 +89,24 @@ int main(int argc, char** argv) {
     // The inline gRPC path (transfer_bench measures the UCX data plane).
     const auto kInline = proxima::client::Transport::kInline;
     for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
-      redis_runs.push_back(proxima::bench::RunRedis(redis_port, shape));
+      redis_runs.push_back(proxima::bench::RunRedis(redis_port, redis, shape));
       tcp_runs.push_back(proxima::bench::RunProxima(absl::StrCat("127.0.0.1:", proxima_port),
-                                                    shape, kInline));
+                                                    daemon, shape, kInline));
       uds_runs.push_back(
-          proxima::bench::RunProxima("unix:" + dir + "/proximad.sock", shape, kInline));
+          proxima::bench::RunProxima("unix:" + dir + "/proximad.sock", daemon, shape, kInline));
     }
     Result redis_r = Median(redis_runs), tcp = Median(tcp_runs), uds = Median(uds_runs);
-    Print("put_throughput", block_bytes, "tcp", tcp.put_gbps, redis_r.put_gbps);
-    Print("get_throughput", block_bytes, "tcp", tcp.get_gbps, redis_r.get_gbps);
-    Print("put_throughput", block_bytes, "unix", uds.put_gbps, redis_r.put_gbps);
-    Print("get_throughput", block_bytes, "unix", uds.get_gbps, redis_r.get_gbps);
+    Print("put_throughput", block_bytes, "tcp", tcp.put_gbps, redis_r.put_gbps,
+          tcp.put_cpu_s_per_gb, redis_r.put_cpu_s_per_gb);
+    Print("get_throughput", block_bytes, "tcp", tcp.get_gbps, redis_r.get_gbps,
+          tcp.get_cpu_s_per_gb, redis_r.get_cpu_s_per_gb);
+    std::fprintf(stderr, "get server cpu s/GB: proximad tcp %.3f unix %.3f, redis %.3f\n",
+                 tcp.get_server_cpu_s_per_gb, uds.get_server_cpu_s_per_gb,
+                 redis_r.get_server_cpu_s_per_gb);
+    Print("put_throughput", block_bytes, "unix", uds.put_gbps, redis_r.put_gbps,
+          uds.put_cpu_s_per_gb, redis_r.put_cpu_s_per_gb);
+    Print("get_throughput", block_bytes, "unix", uds.get_gbps, redis_r.get_gbps,
+          uds.get_cpu_s_per_gb, redis_r.get_cpu_s_per_gb);
     if (redis_r.errors + tcp.errors + uds.errors > 0) {
       std::fprintf(stderr, "errors: redis %llu, proxima tcp %llu, unix %llu\n",
                    static_cast<unsigned long long>(redis_r.errors),

@@ -183,9 +183,9 @@ int main(int argc, char** argv) {
                               block_bytes, blocks};
         std::vector<Result> ucx_runs, inline_runs, redis_runs;
         for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
-          redis_runs.push_back(proxima::bench::RunRedis(redis_port, shape));
-          ucx_runs.push_back(proxima::bench::RunProxima(target, shape, Transport::kUcx));
-          inline_runs.push_back(proxima::bench::RunProxima(target, shape, Transport::kInline));
+          redis_runs.push_back(proxima::bench::RunRedis(redis_port, redis, shape));
+          ucx_runs.push_back(proxima::bench::RunProxima(target, daemon, shape, Transport::kUcx));
+          inline_runs.push_back(proxima::bench::RunProxima(target, daemon, shape, Transport::kInline));
         }
         Result ucx = proxima::bench::Median(ucx_runs);
         Result inl = proxima::bench::Median(inline_runs);
