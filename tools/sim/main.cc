@@ -23,6 +23,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "kernels/codec.h"
 #include "tools/replay/trace.h"
@@ -103,7 +105,7 @@ bool Wants(const std::vector<std::string>& list, const std::string& name) {
 }
 
 void PrintBalance(size_t n, const std::string& weights, const sim::Balance& b, uint64_t keys,
-                  double block_bytes, double ideal_cv) {
+                  double block_bytes, double ideal_cv, double home_ns_per_key) {
   JsonLine()
       .Str("bench", "placement_sim")
       .Str("metric", "balance")
@@ -116,6 +118,7 @@ void PrintBalance(size_t n, const std::string& weights, const sim::Balance& b, u
       .Num("min_over_mean", b.min_over_mean)
       .Num("cv", b.cv)
       .Num("ideal_random_cv", ideal_cv)
+      .Num("home_node_ns_per_key", home_ns_per_key)
       .Print();
 }
 
@@ -144,13 +147,17 @@ absl::Status Balance(size_t n, const std::vector<uint64_t>& hashes, double block
     const auto nodes = sim::MakeNodes(n, equal ? 1.0 : heavy_weight);
     std::vector<double> bytes(n, 0), weight(n);
     for (size_t i = 0; i < n; ++i) weight[i] = nodes[i].weight;
-    for (uint32_t home : sim::Homes(nodes, hashes)) bytes[home] += block_bytes;
+    const absl::Time start = absl::Now();
+    const std::vector<uint32_t> homes = sim::Homes(nodes, hashes);
+    // Wall time of one HomeNode (O(N): a score per node) on this machine, for docs/cluster.md.
+    const double ns_per_key = absl::ToDoubleNanoseconds(absl::Now() - start) / hashes.size();
+    for (uint32_t home : homes) bytes[home] += block_bytes;
     PROXIMA_ASSIGN_OR_RETURN(sim::Balance b, sim::MeasureBalance(bytes, weight));
     // Keys thrown independently at nodes (multinomial): the spread a perfect hash would give.
     const double keys = static_cast<double>(hashes.size());
     const double ideal_cv = equal ? std::sqrt((n - 1.0) / keys) : NAN;
     PrintBalance(n, equal ? "equal" : absl::StrCat("1:", heavy_weight), b, hashes.size(),
-                 block_bytes, ideal_cv);
+                 block_bytes, ideal_cv, ns_per_key);
   }
   return absl::OkStatus();
 }
