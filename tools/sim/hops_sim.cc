@@ -14,8 +14,8 @@ constexpr uint32_t kNowhere = UINT32_MAX;
 struct Block {
   uint64_t placement_hash = 0;
   uint32_t home = 0;
-  uint32_t holder = kNowhere;  // kNowhere: not stored
-  bool guest = false;          // spilled in from the node that produced it
+  uint32_t holder = kNowhere;              // kNowhere: not stored
+  bool guest = false;                      // spilled in from the node that produced it
   std::list<uint64_t>::iterator position;  // in holders[holder], valid while stored
 };
 
@@ -140,9 +140,8 @@ absl::StatusOr<HopsResult> SimulateHops(std::span<const daemon::PlacementNode> n
   if (nodes.empty()) return absl::InvalidArgumentError("no nodes; expected at least one");
   for (size_t i = 0; i < nodes.size(); ++i) {
     if (!(nodes[i].weight > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat("node ", i, " (", nodes[i].id,
-                                                     ") has weight ", nodes[i].weight,
-                                                     "; expected > 0"));
+      return absl::InvalidArgumentError(absl::StrCat("node ", i, " (", nodes[i].id, ") has weight ",
+                                                     nodes[i].weight, "; expected > 0"));
     }
   }
   HopsResult result;

@@ -54,8 +54,7 @@ std::string_view RoutingName(Routing routing);
 absl::StatusOr<Routing> ParseRouting(std::string_view name);
 
 // The worker node (< nodes) of request number `index`, `request`.
-size_t WorkerNode(const replay::TraceRequest& request, size_t index, size_t nodes,
-                  Routing routing);
+size_t WorkerNode(const replay::TraceRequest& request, size_t index, size_t nodes, Routing routing);
 
 struct HopsOptions {
   Routing routing = Routing::kRoundRobin;

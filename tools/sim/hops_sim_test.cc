@@ -120,9 +120,8 @@ TEST(SimulateHops, EvictsTheLeastRecentlyUsed) {
   HopsOptions options;
   options.capacity_blocks = 2;
   // 1 and 2 stored; 1 read again; 3 evicts 2 (not 1); 1 hits; 2 misses (evicting 3).
-  auto r = SimulateHops(nodes, {Request({1, 2}), Request({1}), Request({3}), Request({1}),
-                                Request({2})},
-                        options);
+  auto r = SimulateHops(
+      nodes, {Request({1, 2}), Request({1}), Request({3}), Request({1}), Request({2})}, options);
   ASSERT_THAT(r.status(), IsOk());
   EXPECT_EQ(r->hits, 2u);
   EXPECT_EQ(r->misses, 4u);

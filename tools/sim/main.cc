@@ -41,13 +41,15 @@ ABSL_FLAG(std::string, ns, "default", "namespace the blocks are placed in");
 ABSL_FLAG(uint32_t, num_layers, 32, "model profile: layers (default Llama-3.1-8B)");
 ABSL_FLAG(uint32_t, num_kv_heads, 8, "model profile: KV heads");
 ABSL_FLAG(uint32_t, head_dim, 128, "model profile: head dimension (bf16/fp16: 2 bytes a value)");
-ABSL_FLAG(double, heavy_weight, 2.0,
-          "unequal weights: odd-numbered nodes get this weight, even ones 1 (half big, half small)");
+ABSL_FLAG(
+    double, heavy_weight, 2.0,
+    "unequal weights: odd-numbered nodes get this weight, even ones 1 (half big, half small)");
 ABSL_FLAG(double, capacity_factor, 0.5,
           "with pressure: each node holds this fraction of its mean share of the trace's distinct "
           "blocks (0.5: the cluster holds half of them); ignored when --node_capacity_gib > 0");
-ABSL_FLAG(double, node_capacity_gib, 0, "with pressure: each node's capacity in GiB (0: use "
-                                        "--capacity_factor)");
+ABSL_FLAG(double, node_capacity_gib, 0,
+          "with pressure: each node's capacity in GiB (0: use "
+          "--capacity_factor)");
 ABSL_FLAG(uint32_t, spill_candidates, 3,
           "a cold block spills to the first of its key's top K rendezvous nodes with room");
 ABSL_FLAG(std::string, routing, "round_robin,prefix_family",
@@ -194,8 +196,8 @@ absl::Status Hops(size_t n, const proxima::replay::Trace& trace, uint64_t distin
   const auto nodes = sim::MakeNodes(n);
   size_t capacity = 0;
   if (absl::GetFlag(FLAGS_node_capacity_gib) > 0) {
-    capacity = static_cast<size_t>(absl::GetFlag(FLAGS_node_capacity_gib) * (1u << 30) /
-                                   block_bytes);
+    capacity =
+        static_cast<size_t>(absl::GetFlag(FLAGS_node_capacity_gib) * (1u << 30) / block_bytes);
   } else if (absl::GetFlag(FLAGS_capacity_factor) > 0) {
     capacity = static_cast<size_t>(
         std::ceil(absl::GetFlag(FLAGS_capacity_factor) * static_cast<double>(distinct) / n));
@@ -211,7 +213,8 @@ absl::Status Hops(size_t n, const proxima::replay::Trace& trace, uint64_t distin
       options.capacity_blocks = cap;
       options.spill_candidates = absl::GetFlag(FLAGS_spill_candidates);
       options.name_space = absl::GetFlag(FLAGS_ns);
-      PROXIMA_ASSIGN_OR_RETURN(sim::HopsResult r, sim::SimulateHops(nodes, trace.requests, options));
+      PROXIMA_ASSIGN_OR_RETURN(sim::HopsResult r,
+                               sim::SimulateHops(nodes, trace.requests, options));
       const double hits = r.hits == 0 ? 1 : static_cast<double>(r.hits);
       const double misses = r.misses == 0 ? 1 : static_cast<double>(r.misses);
       JsonLine()
@@ -252,12 +255,10 @@ absl::StatusOr<int> Run() {
           absl::StrCat("--metrics: '", m, "' is unknown; expected balance, moved or hops"));
     }
   }
-  proxima::codec::BlockGeometry geometry{absl::GetFlag(FLAGS_num_layers),
-                                         absl::GetFlag(FLAGS_num_kv_heads),
-                                         absl::GetFlag(FLAGS_head_dim),
-                                         static_cast<uint32_t>(
-                                             proxima::replay::kTraceTokensPerBlock),
-                                         proxima::codec::DType::kBf16};
+  proxima::codec::BlockGeometry geometry{
+      absl::GetFlag(FLAGS_num_layers), absl::GetFlag(FLAGS_num_kv_heads),
+      absl::GetFlag(FLAGS_head_dim), static_cast<uint32_t>(proxima::replay::kTraceTokensPerBlock),
+      proxima::codec::DType::kBf16};
   PROXIMA_RETURN_IF_ERROR(geometry.Validate());
   const double block_bytes = static_cast<double>(geometry.RawBytes());
   if (!(absl::GetFlag(FLAGS_heavy_weight) > 0)) {
