@@ -143,8 +143,8 @@ void PrintMoved(size_t n, const char* event, const sim::Moved& m, double ideal,
       .Print();
 }
 
-absl::Status Balance(size_t n, const std::vector<uint64_t>& hashes, double block_bytes,
-                     double heavy_weight) {
+absl::Status RunBalance(size_t n, const std::vector<uint64_t>& hashes, double block_bytes,
+                        double heavy_weight) {
   for (bool equal : {true, false}) {
     const auto nodes = sim::MakeNodes(n, equal ? 1.0 : heavy_weight);
     std::vector<double> bytes(n, 0), weight(n);
@@ -165,7 +165,7 @@ absl::Status Balance(size_t n, const std::vector<uint64_t>& hashes, double block
 }
 
 // Returns whether every moved fraction was within --check_moved_z (true when not checking).
-bool Moved(size_t n, const std::vector<uint64_t>& hashes) {
+bool RunMoved(size_t n, const std::vector<uint64_t>& hashes) {
   const auto nodes = sim::MakeNodes(n);
   const size_t leaving = n - 1;  // the newest node leaves
   const double z = absl::GetFlag(FLAGS_check_moved_z);
@@ -191,8 +191,8 @@ bool Moved(size_t n, const std::vector<uint64_t>& hashes) {
   return ok;
 }
 
-absl::Status Hops(size_t n, const proxima::replay::Trace& trace, uint64_t distinct,
-                  double block_bytes) {
+absl::Status RunHops(size_t n, const proxima::replay::Trace& trace, uint64_t distinct,
+                     double block_bytes) {
   const auto nodes = sim::MakeNodes(n);
   size_t capacity = 0;
   if (absl::GetFlag(FLAGS_node_capacity_gib) > 0) {
@@ -287,10 +287,11 @@ absl::StatusOr<int> Run() {
   bool moved_ok = true;
   for (size_t n : sizes) {
     if (Wants(metrics, "balance")) {
-      PROXIMA_RETURN_IF_ERROR(Balance(n, hashes, block_bytes, absl::GetFlag(FLAGS_heavy_weight)));
+      PROXIMA_RETURN_IF_ERROR(
+          RunBalance(n, hashes, block_bytes, absl::GetFlag(FLAGS_heavy_weight)));
     }
-    if (Wants(metrics, "moved") && !Moved(n, hashes)) moved_ok = false;
-    if (Wants(metrics, "hops")) PROXIMA_RETURN_IF_ERROR(Hops(n, trace, ids.size(), block_bytes));
+    if (Wants(metrics, "moved") && !RunMoved(n, hashes)) moved_ok = false;
+    if (Wants(metrics, "hops")) PROXIMA_RETURN_IF_ERROR(RunHops(n, trace, ids.size(), block_bytes));
   }
   return moved_ok ? 0 : 3;
 }
