@@ -8,10 +8,11 @@
 #   scripts/bench.sh policy      temperature policies (LRU, FIFO, S3-FIFO, ARC) simulated on the trace
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
 #   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC and Redis; tcp and shm
+#   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer | sim)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -22,6 +23,7 @@ case "$NAME" in
   policy) export PROXIMA_TARGETS="proxima_replay" ;;
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
   transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
+  sim) export PROXIMA_TARGETS="proxima_placement_sim" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -43,6 +45,9 @@ case "$NAME" in
   tierer) exec ./build-bench/bench/tierer_bench \
             --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv "$@" ;;
   transfer) exec ./build-bench/bench/transfer_bench "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer)" >&2
+  # The whole trace (182,790 distinct blocks) at 10, 30, 100, 300 and 1,000 nodes.
+  sim) exec ./build-bench/tools/sim/proxima_placement_sim \
+         --trace=../shared/data/mooncake_conversation_trace.jsonl "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer, sim)" >&2
      exit 2 ;;
 esac
