@@ -11,6 +11,8 @@ import pytest
 from proxima_eval import corpus
 from proxima_eval.tokenizer import GGUFTokenizer, SentencePieceBPE
 
+import tiny_gguf
+
 SP = "\u2581"
 
 
@@ -108,55 +110,13 @@ def test_matches_sentencepiece_id_for_id(trained_sp):
         assert tok.decode(tok.encode(text)) == sp.decode(sp.encode(text))
 
 
-def _tiny_llama_gguf(path, sp):
-    gguf = pytest.importorskip("gguf")
-    pieces, scores, kinds = _from_sp(sp)
-    rng = np.random.default_rng(0)
-    hidden, heads, kv_heads, head_dim, ffn, layers = 32, 4, 2, 8, 64, 2
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(layers)
-    w.add_context_length(256)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(pieces)
-    w.add_token_scores(scores)
-    w.add_token_types(kinds)
-    w.add_bos_token_id(sp.bos_id())
-    w.add_eos_token_id(sp.eos_id())
-    w.add_add_bos_token(True)
-
-    def t(name, *shape):
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
-
-    t("token_embd.weight", len(pieces), hidden)
-    t("output_norm.weight", hidden)
-    for b in range(layers):
-        t(f"blk.{b}.attn_norm.weight", hidden)
-        t(f"blk.{b}.attn_q.weight", heads * head_dim, hidden)
-        t(f"blk.{b}.attn_k.weight", kv_heads * head_dim, hidden)
-        t(f"blk.{b}.attn_v.weight", kv_heads * head_dim, hidden)
-        t(f"blk.{b}.attn_output.weight", hidden, heads * head_dim)
-        t(f"blk.{b}.ffn_norm.weight", hidden)
-        t(f"blk.{b}.ffn_gate.weight", ffn, hidden)
-        t(f"blk.{b}.ffn_up.weight", ffn, hidden)
-        t(f"blk.{b}.ffn_down.weight", hidden, ffn)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_llama2_style_gguf_loads_tokenizes_and_runs(trained_sp, tmp_path):
     from proxima_eval.gguf_model import GGUFModel
     from proxima_eval.llama import LlamaModel
     sp, held_out = trained_sp
     path = tmp_path / "tiny-spm.gguf"
-    _tiny_llama_gguf(path, sp)
+    pieces, scores, kinds = _from_sp(sp)
+    tiny_gguf.write_tiny_llama(path, pieces, scores, kinds, sp.bos_id(), sp.eos_id())
     gm = GGUFModel(str(path))
     assert gm.tokenizer_model == "llama"
     tok = GGUFTokenizer(gm)
