@@ -8,10 +8,11 @@
 #   scripts/bench.sh policy      temperature policies (LRU, FIFO, S3-FIFO, ARC) simulated on the trace
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
 #   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC and Redis; tcp and shm
+#   scripts/bench.sh cluster     2 MiB get served one hop away (daemon to daemon) vs served locally
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer | cluster)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -22,6 +23,7 @@ case "$NAME" in
   policy) export PROXIMA_TARGETS="proxima_replay" ;;
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
   transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
+  cluster) export PROXIMA_TARGETS="proximad proximactl" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -43,6 +45,8 @@ case "$NAME" in
   tierer) exec ./build-bench/bench/tierer_bench \
             --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv "$@" ;;
   transfer) exec ./build-bench/bench/transfer_bench "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer)" >&2
+  cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
+             --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer, cluster)" >&2
      exit 2 ;;
 esac

@@ -78,6 +78,13 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
                            c.peer_token_file.empty()
                                ? ReadTokenEnv("cluster.peer_token.env", c.peer_token_env)
                                : ReadTokenFile("cluster.peer_token.file", c.peer_token_file));
+  // A tenant holding the peer token could read every namespace through proxima.v1.Peer.
+  absl::StatusOr<Caller> as_tenant = core->Authenticate("Bearer " + cluster->token_);
+  if (as_tenant.ok() && as_tenant->namespace_index >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster.peer_token holds the same token as namespace token '", as_tenant->token_name,
+        "'; the peer token must be a secret of the daemons alone"));
+  }
   PROXIMA_ASSIGN_OR_RETURN(cluster->membership_,
                            Membership::Create(MembershipOptions::FromConfig(config), registry));
   Cluster* self = cluster.get();

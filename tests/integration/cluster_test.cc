@@ -212,6 +212,20 @@ TEST_F(ClusterTest, PeerCallsNeedThePeerToken) {
   EXPECT_EQ(Metric(0, "proxima_cluster_peer_calls_unauthenticated_total"), 2);
 }
 
+TEST_F(ClusterTest, APeerTokenThatIsAlsoATenantTokenIsRefusedAtStart) {
+  char tmpl[] = "/tmp/proxima-cluster-XXXXXX";
+  dir_ = mkdtemp(tmpl);
+  token_file_ = dir_ + "/token";
+  std::ofstream(token_file_) << kPeerToken << "\n";
+  const std::string self = absl::StrCat("127.0.0.1:", FreePort());
+  auto d = DaemonProcess::Start(
+      {"server.listen=" + self, "cluster.enabled=true", "cluster.advertise=" + self,
+       "cluster.peers=[" + self + "]", "cluster.peer_token={file: " + token_file_ + "}",
+       "namespaces=[{name: default, tokens: [{name: worker, file: " + token_file_ + "}]}]"});
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(d.status().message(), ::testing::HasSubstr("namespace token 'worker'"));
+}
+
 TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(3));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
