@@ -321,5 +321,156 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
   }
 }
 
+// Network namespaces (iproute2), one per daemon, joined by veth pairs to a bridge in a hub
+// namespace: daemons that reach each other only over their veth links, on their own addresses.
+// Created and removed by the test; all traffic stays in them.
+class NetnsTopology {
+ public:
+  // Empty `error` on success; otherwise why namespaces cannot be made here.
+  NetnsTopology(int nodes, std::string* error) {
+    const std::string tag = std::to_string(getpid() % 100000);
+    hub_ = "pxt" + tag + "hub";
+    if (!Ip({"netns", "add", hub_}, error)) return;
+    made_.push_back(hub_);
+    if (!Ip({"-n", hub_, "link", "add", "br0", "type", "bridge"}, error) ||
+        !Ip({"-n", hub_, "link", "set", "br0", "up"}, error)) {
+      return;
+    }
+    for (int i = 0; i < nodes; ++i) {
+      const std::string ns = "pxt" + tag + "n" + std::to_string(i);
+      const std::string node_end = "pxn" + std::to_string(i) + "x" + tag;  // <= 15 characters
+      const std::string hub_end = "pxh" + std::to_string(i) + "x" + tag;
+      const std::string addr = Address(i);
+      if (!Ip({"netns", "add", ns}, error)) return;
+      made_.push_back(ns);
+      if (!Ip({"link", "add", node_end, "type", "veth", "peer", "name", hub_end}, error) ||
+          !Ip({"link", "set", node_end, "netns", ns}, error) ||
+          !Ip({"link", "set", hub_end, "netns", hub_}, error) ||
+          !Ip({"-n", hub_, "link", "set", hub_end, "master", "br0", "up"}, error) ||
+          !Ip({"-n", ns, "addr", "add", addr + "/24", "dev", node_end}, error) ||
+          !Ip({"-n", ns, "link", "set", node_end, "up"}, error) ||
+          !Ip({"-n", ns, "link", "set", "lo", "up"}, error)) {
+        return;
+      }
+      namespaces_.push_back(ns);
+    }
+  }
+  ~NetnsTopology() {
+    std::string ignored;
+    for (auto it = made_.rbegin(); it != made_.rend(); ++it) Ip({"netns", "del", *it}, &ignored);
+  }
+  static std::string Address(int i) { return "10.213.77." + std::to_string(i + 1); }
+  std::vector<std::string> Launcher(int i) const {
+    return {kIp, "netns", "exec", namespaces_[i]};
+  }
+
+ private:
+  static constexpr char kIp[] = "/usr/sbin/ip";
+  static bool Ip(std::vector<std::string> args, std::string* error) {
+    args.insert(args.begin(), kIp);
+    testing::CommandResult r = testing::RunCommand(args, absl::Seconds(20));
+    if (r.exit_code == 0) return true;
+    *error = absl::StrCat(absl::StrJoin(args, " "), " failed (exit ", r.exit_code, "): ", r.err);
+    return false;
+  }
+  std::string hub_;
+  std::vector<std::string> made_;        // every namespace created, for the destructor
+  std::vector<std::string> namespaces_;  // the nodes'
+};
+
+TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveALostNode) {
+  if (access("/usr/sbin/ip", X_OK) != 0) GTEST_SKIP() << "iproute2 (/usr/sbin/ip) not installed";
+  constexpr int kNodes = 3;
+  std::string error;
+  NetnsTopology net(kNodes, &error);
+  if (!error.empty()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root or CAP_NET_ADMIN and "
+                    "veth/bridge support): "
+                 << error;
+  }
+  char tmpl[] = "/tmp/proxima-netns-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string token = dir + "/peer-token";
+  std::ofstream(token) << kPeerToken << "\n";
+  std::vector<std::string> peers;
+  for (int i = 0; i < kNodes; ++i) peers.push_back(NetnsTopology::Address(i) + ":50051");
+  std::vector<std::unique_ptr<DaemonProcess>> daemons;
+  for (int i = 0; i < kNodes; ++i) {
+    auto d = DaemonProcess::Start(
+        {"server.listen=" + peers[i], "ucx.enabled=false", "cluster.enabled=true",
+         "cluster.advertise=" + peers[i],
+         absl::StrCat("cluster.peers=[", absl::StrJoin(peers, ", "), "]"),
+         "cluster.peer_token={file: " + token + "}", "cluster.health_interval=100ms",
+         "cluster.health_timeout=100ms", "cluster.failures_before_down=2",
+         absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(kPeerDeadline), "ms")},
+        net.Launcher(i));
+    ASSERT_OK(d.status());
+    daemons.push_back(*std::move(d));
+  }
+  // Workers reach their daemon over its Unix socket (file-system paths cross network
+  // namespaces); the daemons reach each other only over the veth links.
+  auto wait_lookup = [](Client& c, const Profile& p, uint64_t seed, size_t want,
+                        absl::Duration timeout = absl::Seconds(15)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    size_t got = 0;
+    while (absl::Now() < deadline) {
+      absl::StatusOr<size_t> n = c.Lookup(p, client::TestKeyChain(seed, 0, 12));
+      got = n.ok() ? *n : 0;
+      if (got == want) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return got;
+  };
+  auto a = MustConnect(daemons[0]->unix_target());
+  auto b = MustConnect(daemons[1]->unix_target());
+  auto c = MustConnect(daemons[2]->unix_target());
+  ASSERT_TRUE(a && b && c);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  Blocks blocks = MakeBlocks(21, 0, 12, p.block_bytes);
+  // Until the daemons see each other, puts stay local and are recorded nowhere else: retry.
+  const absl::Time joined = absl::Now() + absl::Seconds(15);
+  do {
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+  } while (wait_lookup(*b, p, 21, 12, absl::Milliseconds(500)) != 12 && absl::Now() < joined);
+  EXPECT_EQ(wait_lookup(*b, p, 21, 12), 12u);
+  EXPECT_EQ(wait_lookup(*c, p, 21, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*b, p, 21, 0, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*c, p, 21, 0, 12), 12u);
+
+  daemons[0]->Signal(SIGKILL);
+  // The others keep answering, within the deadline, and A's blocks become misses.
+  absl::Duration slowest;
+  const absl::Time gone = absl::Now() + absl::Seconds(15);
+  size_t still = 12;
+  while (still > 0 && absl::Now() < gone) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<size_t> n = b->Lookup(p, client::TestKeyChain(21, 0, 12));
+    const size_t got = GetAndCheck(*c, p, 21, 0, 12);
+    slowest = std::max(slowest, absl::Now() - start);
+    ASSERT_OK(n.status());
+    still = std::max(*n, got);
+  }
+  EXPECT_EQ(still, 0u);
+  EXPECT_LT(slowest, 2 * kPeerDeadline + absl::Milliseconds(500));
+
+  // A comes back in its namespace, rejoins, and its new blocks are read from B and C.
+  ASSERT_OK(daemons[0]->Restart());
+  a = MustConnect(daemons[0]->unix_target());
+  ASSERT_OK(a->RegisterProfile(TestModel()).status());
+  Blocks fresh = MakeBlocks(22, 0, 12, p.block_bytes);
+  const absl::Time rejoined = absl::Now() + absl::Seconds(15);
+  do {
+    ASSERT_OK(a->Put(p, fresh.keys, fresh.spans()).status());
+  } while (wait_lookup(*b, p, 22, 12, absl::Milliseconds(500)) != 12 &&
+           absl::Now() < rejoined);
+  EXPECT_EQ(wait_lookup(*c, p, 22, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*b, p, 22, 0, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*c, p, 22, 0, 12), 12u);
+  daemons.clear();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace proxima
