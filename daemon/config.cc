@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/match.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 
 namespace proxima::daemon {
@@ -73,6 +75,19 @@ log:
 ucx:
   enabled: true                    # serve the UCX data plane (ConnectUcx, PutUcx, GetUcx)
   max_sessions: 1024               # UCX sessions (client endpoints) open at once
+cluster:                           # daemons of many nodes sharing their tiers (docs/cluster.md)
+  enabled: false                   # off: this daemon serves from its own tiers only
+  advertise: ""                    # host:port peers reach this daemon at; its unique node id
+  peers: []                        # static peers, host:port (may include advertise)
+  dns_name: ""                     # headless Service: every A/AAAA record is a peer
+  dns_port: 50051                  # gRPC port of the peers found through dns_name
+  dns_refresh: 10s                 # how often dns_name is resolved again
+  health_interval: 1s              # how often each peer is health-checked (gRPC health)
+  health_timeout: 500ms            # deadline of one health check
+  failures_before_down: 3          # consecutive failed checks before a peer leaves the live set
+  peer_deadline: 2s                # budget of the remote part of any call (every peer call)
+  peer_token: {}                   # {file: PATH} or {env: VAR}: the token daemons present
+                                   # to each other; required when enabled (docs/security.md)
 )";
 
 // Walks a YAML tree and produces errors that name the full dotted key.
@@ -467,6 +482,126 @@ absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
   return absl::OkStatus();
 }
 
+// A duration: "500ms", "2s", "1.5s", "1m" (absl::ParseDuration units) or a plain number of
+// seconds, in [min, max] seconds.
+absl::Status Duration(Reader& r, const YAML::Node& node, absl::string_view key, double min,
+                      double max, double* out) {
+  if (!node) return absl::OkStatus();
+  const std::string text = node.IsScalar() ? node.Scalar() : Reader::Dump(node);
+  double seconds = -1;
+  absl::Duration d;
+  if (!node.IsScalar()) {
+    seconds = -1;
+  } else if (absl::SimpleAtod(text, &seconds)) {
+    // a plain number of seconds
+  } else if (absl::ParseDuration(text, &d)) {
+    seconds = absl::ToDoubleSeconds(d);
+  } else {
+    seconds = -1;
+  }
+  if (!(seconds >= min && seconds <= max)) {
+    return r.Error(key, text,
+                   absl::StrCat("a duration such as 500ms, 2s or 1m, in [", min, "s, ", max,
+                                "s]"));
+  }
+  *out = seconds;
+  return absl::OkStatus();
+}
+
+// The `cluster` section.
+absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tls,
+                          ClusterConfig* out) {
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+      node, "cluster",
+      {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh", "health_interval",
+       "health_timeout", "failures_before_down", "peer_deadline", "peer_token"}));
+  if (!node || !node.IsMap()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(r.Bool(node["enabled"], "cluster.enabled", &out->enabled));
+  PROXIMA_RETURN_IF_ERROR(r.String(node["advertise"], "cluster.advertise", &out->advertise));
+  if (!out->advertise.empty() &&
+      (!ValidHostPort(out->advertise) || absl::EndsWith(out->advertise, ":0"))) {
+    return r.Error("cluster.advertise", out->advertise,
+                   "host:port with a fixed port, such as 10.0.0.7:50051, or \"\"");
+  }
+  if (const YAML::Node peers = node["peers"]) {
+    if (!peers.IsSequence() && !peers.IsNull()) {
+      return r.Error("cluster.peers", Reader::Dump(peers),
+                     "a list of host:port such as [\"10.0.0.7:50051\", \"10.0.0.8:50051\"]");
+    }
+    out->peers.clear();
+    absl::flat_hash_set<std::string> seen;
+    for (size_t i = 0; peers.IsSequence() && i < peers.size(); ++i) {
+      const std::string key = absl::StrCat("cluster.peers[", i, "]");
+      std::string peer;
+      PROXIMA_RETURN_IF_ERROR(r.String(peers[i], key, &peer));
+      if (!ValidHostPort(peer) || absl::EndsWith(peer, ":0")) {
+        return r.Error(key, peer, "host:port with a fixed port, such as 10.0.0.7:50051");
+      }
+      if (!seen.insert(peer).second) {
+        return r.Error(key, peer, "an address not listed earlier in cluster.peers");
+      }
+      out->peers.push_back(std::move(peer));
+    }
+  }
+  PROXIMA_RETURN_IF_ERROR(r.String(node["dns_name"], "cluster.dns_name", &out->dns_name));
+  if (out->dns_name.find_first_of(" :/") != std::string::npos) {
+    return r.Error("cluster.dns_name", out->dns_name,
+                   "a DNS name such as proxima.proxima-system.svc.cluster.local (no port: "
+                   "cluster.dns_port), or \"\"");
+  }
+  PROXIMA_RETURN_IF_ERROR(Uint32(r, node["dns_port"], "cluster.dns_port", 1, 65535,
+                                 &out->dns_port));
+  PROXIMA_RETURN_IF_ERROR(Duration(r, node["dns_refresh"], "cluster.dns_refresh", 1, 3600,
+                                   &out->dns_refresh_seconds));
+  PROXIMA_RETURN_IF_ERROR(Duration(r, node["health_interval"], "cluster.health_interval", 0.01,
+                                   600, &out->health_interval_seconds));
+  PROXIMA_RETURN_IF_ERROR(Duration(r, node["health_timeout"], "cluster.health_timeout", 0.001,
+                                   60, &out->health_timeout_seconds));
+  if (out->health_timeout_seconds > out->health_interval_seconds) {
+    return r.Error("cluster.health_timeout", absl::StrCat(out->health_timeout_seconds, "s"),
+                   absl::StrCat("a duration no longer than cluster.health_interval (",
+                                out->health_interval_seconds, "s)"));
+  }
+  PROXIMA_RETURN_IF_ERROR(Uint32(r, node["failures_before_down"], "cluster.failures_before_down",
+                                 1, 100, &out->failures_before_down));
+  PROXIMA_RETURN_IF_ERROR(Duration(r, node["peer_deadline"], "cluster.peer_deadline", 0.01, 60,
+                                   &out->peer_deadline_seconds));
+  if (const YAML::Node token = node["peer_token"]) {
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(token, "cluster.peer_token", {"file", "env"}));
+    if (token.IsMap()) {
+      PROXIMA_RETURN_IF_ERROR(
+          r.String(token["file"], "cluster.peer_token.file", &out->peer_token_file));
+      PROXIMA_RETURN_IF_ERROR(
+          r.String(token["env"], "cluster.peer_token.env", &out->peer_token_env));
+      if (!out->peer_token_file.empty() && !out->peer_token_env.empty()) {
+        return r.Error("cluster.peer_token", Reader::Dump(token),
+                       "exactly one of 'file' (a path) or 'env' (a variable name)");
+      }
+    }
+  }
+  if (!out->enabled) return absl::OkStatus();
+  if (out->advertise.empty()) {
+    return r.Error("cluster.advertise", "",
+                   "host:port that the other daemons reach this one at (its node id), since "
+                   "cluster.enabled is true");
+  }
+  if (out->peers.empty() && out->dns_name.empty()) {
+    return r.Error("cluster.peers", "[]",
+                   "at least one peer (or cluster.dns_name), since cluster.enabled is true");
+  }
+  if (out->peer_token_file.empty() && out->peer_token_env.empty()) {
+    return r.Error("cluster.peer_token", "{}",
+                   "{file: PATH} or {env: VARIABLE}, since cluster.enabled is true: peers "
+                   "read every tenant's blocks, so they must authenticate");
+  }
+  if (tls.enabled()) {
+    return r.Error("cluster.enabled", "true",
+                   "false while server.tls is set: daemon-to-daemon calls are plaintext gRPC in "
+                   "this version (docs/cluster.md)");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view DefaultConfigYaml() { return kDefaultYaml; }
@@ -613,7 +748,8 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
   Reader r{std::string(source)};
   DaemonConfig c;
   PROXIMA_RETURN_IF_ERROR(
-      r.CheckKeys(root, "", {"server", "tiers", "tierer", "index", "namespaces", "log", "ucx"}));
+      r.CheckKeys(root, "",
+                  {"server", "tiers", "tierer", "index", "namespaces", "log", "ucx", "cluster"}));
 
   const YAML::Node server = root["server"];
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
@@ -766,6 +902,7 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
     }
   }
   PROXIMA_RETURN_IF_ERROR(ParseUcxConfig(r, root["ucx"], &c.ucx));
+  PROXIMA_RETURN_IF_ERROR(ParseCluster(r, root["cluster"], c.server.tls, &c.cluster));
   return c;
 }
 
@@ -973,6 +1110,27 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "ucx" << YAML::Value << YAML::BeginMap << YAML::Key << "enabled"
     << YAML::Value << c.ucx.enabled << YAML::Key << "max_sessions" << YAML::Value
     << c.ucx.max_sessions << YAML::EndMap;
+  const ClusterConfig& k = c.cluster;
+  auto seconds = [](double s) { return absl::StrCat(s, "s"); };
+  e << YAML::Key << "cluster" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "enabled" << YAML::Value << k.enabled;
+  e << YAML::Key << "advertise" << YAML::Value << YAML::DoubleQuoted << k.advertise;
+  e << YAML::Key << "peers" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+  for (const std::string& p : k.peers) e << YAML::DoubleQuoted << p;
+  e << YAML::EndSeq;
+  e << YAML::Key << "dns_name" << YAML::Value << YAML::DoubleQuoted << k.dns_name;
+  e << YAML::Key << "dns_port" << YAML::Value << k.dns_port;
+  e << YAML::Key << "dns_refresh" << YAML::Value << seconds(k.dns_refresh_seconds);
+  e << YAML::Key << "health_interval" << YAML::Value << seconds(k.health_interval_seconds);
+  e << YAML::Key << "health_timeout" << YAML::Value << seconds(k.health_timeout_seconds);
+  e << YAML::Key << "failures_before_down" << YAML::Value << k.failures_before_down;
+  e << YAML::Key << "peer_deadline" << YAML::Value << seconds(k.peer_deadline_seconds);
+  // The path or variable name only: the token itself is never printed.
+  e << YAML::Key << "peer_token" << YAML::Value << YAML::Flow << YAML::BeginMap;
+  if (!k.peer_token_file.empty()) e << YAML::Key << "file" << YAML::Value << k.peer_token_file;
+  if (!k.peer_token_env.empty()) e << YAML::Key << "env" << YAML::Value << k.peer_token_env;
+  e << YAML::EndMap;
+  e << YAML::EndMap;
   e << YAML::EndMap;
   return std::string(e.c_str()) + "\n";
 }

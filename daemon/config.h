@@ -123,6 +123,27 @@ struct UcxConfig {
   uint32_t max_sessions = 1024;  // UCX sessions (endpoints to clients) open at once
 };
 
+// The cluster: daemons on many nodes sharing their tiers (docs/cluster.md). Off by default; with
+// it off nothing of it runs and every call is served from the local tiers alone.
+struct ClusterConfig {
+  bool enabled = false;
+  // host:port peers use to reach this daemon's gRPC server; its node id for placement, so it
+  // must be unique in the cluster and spelled as the other daemons' peers lists (or DNS) spell it.
+  std::string advertise;
+  std::vector<std::string> peers;  // static host:port list; may include this daemon's advertise
+  std::string dns_name;            // headless Service name: every A/AAAA record is a peer
+  uint32_t dns_port = 50051;       // port of the peers found through dns_name
+  double dns_refresh_seconds = 10;      // how often dns_name is resolved again
+  double health_interval_seconds = 1;   // how often every peer is health-checked
+  double health_timeout_seconds = 0.5;  // deadline of one health check
+  uint32_t failures_before_down = 3;    // consecutive failed checks before a peer leaves
+  double peer_deadline_seconds = 2;     // budget of a call's remote work (every peer call)
+  // The bearer token daemons present to each other: read from a file or an environment
+  // variable (exactly one), never written in the config. Required when enabled.
+  std::string peer_token_file;
+  std::string peer_token_env;
+};
+
 struct DaemonConfig {
   ServerConfig server;
   HostTierConfig host_tier;
@@ -132,6 +153,7 @@ struct DaemonConfig {
   std::vector<NamespaceConfig> namespaces = {{"default"}};
   std::string log_level = "info";  // debug | info | warning | error
   UcxConfig ucx;
+  ClusterConfig cluster;
 };
 
 // "auto", "on" or "off", as the config spells it.

@@ -323,3 +323,102 @@ TEST(ConfigTest, UcxSection) {
 
 }  // namespace
 }  // namespace proxima::daemon
+
+namespace proxima::daemon {
+namespace {
+
+using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
+  ASSERT_OK_AND_ASSIGN(DaemonConfig d, ParseConfig(DefaultConfigYaml(), "<default>", {}));
+  EXPECT_FALSE(d.cluster.enabled);
+  EXPECT_EQ(d.cluster.health_interval_seconds, 1);
+  EXPECT_EQ(d.cluster.health_timeout_seconds, 0.5);
+  EXPECT_EQ(d.cluster.failures_before_down, 3u);
+  EXPECT_EQ(d.cluster.peer_deadline_seconds, 2);
+  EXPECT_EQ(d.cluster.dns_refresh_seconds, 10);
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("cluster:\n"
+                  "  enabled: true\n"
+                  "  advertise: 10.0.0.7:50051\n"
+                  "  peers: [10.0.0.7:50051, 10.0.0.8:50051]\n"
+                  "  dns_name: proxima.proxima-system.svc.cluster.local\n"
+                  "  dns_port: 50052\n"
+                  "  dns_refresh: 30s\n"
+                  "  health_interval: 250ms\n"
+                  "  health_timeout: 0.1\n"
+                  "  failures_before_down: 5\n"
+                  "  peer_deadline: 1.5s\n"
+                  "  peer_token: {file: /etc/proxima/peer-token}\n",
+                  "c", {}));
+  EXPECT_TRUE(c.cluster.enabled);
+  EXPECT_EQ(c.cluster.advertise, "10.0.0.7:50051");
+  EXPECT_EQ(c.cluster.peers.size(), 2u);
+  EXPECT_EQ(c.cluster.dns_port, 50052u);
+  EXPECT_EQ(c.cluster.dns_refresh_seconds, 30);
+  EXPECT_EQ(c.cluster.health_interval_seconds, 0.25);
+  EXPECT_EQ(c.cluster.health_timeout_seconds, 0.1);
+  EXPECT_EQ(c.cluster.failures_before_down, 5u);
+  EXPECT_EQ(c.cluster.peer_deadline_seconds, 1.5);
+  EXPECT_EQ(c.cluster.peer_token_file, "/etc/proxima/peer-token");
+  // Rendered back (the token's path only), it parses to the same.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
+  EXPECT_EQ(again.cluster.peers, c.cluster.peers);
+  EXPECT_EQ(again.cluster.health_interval_seconds, 0.25);
+  EXPECT_EQ(again.cluster.peer_deadline_seconds, 1.5);
+  EXPECT_EQ(again.cluster.peer_token_file, c.cluster.peer_token_file);
+  // --set works on the section like on any other.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig s,
+                       ParseConfig("", "s",
+                                   {"cluster.enabled=true", "cluster.advertise=127.0.0.1:7001",
+                                    "cluster.peers=[127.0.0.1:7002]",
+                                    "cluster.peer_token={env: PEER_TOKEN}"}));
+  EXPECT_EQ(s.cluster.peer_token_env, "PEER_TOKEN");
+}
+
+TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
+  const std::string on = "cluster: {enabled: true, advertise: 127.0.0.1:7001, "
+                         "peers: [127.0.0.1:7002], peer_token: {file: /t}, ";
+  struct Case {
+    std::string yaml;
+    std::vector<std::string> want;
+  };
+  const std::vector<Case> cases = {
+      {"cluster: {enabled: yes}", {"cluster.enabled", "yes", "true or false"}},
+      {"cluster: {advertise: nohost}", {"cluster.advertise", "nohost", "host:port"}},
+      {"cluster: {advertise: 127.0.0.1:0}", {"cluster.advertise", "fixed port"}},
+      {"cluster: {peers: [a:1, a:1]}", {"cluster.peers[1]", "a:1", "not listed earlier"}},
+      {"cluster: {peers: [x]}", {"cluster.peers[0]", "'x'", "host:port"}},
+      {"cluster: {health_interval: soon}", {"cluster.health_interval", "soon", "500ms"}},
+      {"cluster: {health_interval: 1s, health_timeout: 2s}",
+       {"cluster.health_timeout", "no longer than cluster.health_interval"}},
+      {"cluster: {failures_before_down: 0}", {"cluster.failures_before_down", "[1, 100]"}},
+      {"cluster: {peer_deadline: 2h}", {"cluster.peer_deadline", "2h"}},
+      {"cluster: {dns_name: 'svc:50051'}", {"cluster.dns_name", "cluster.dns_port"}},
+      {"cluster: {peer_token: {file: /a, env: B}}", {"cluster.peer_token", "exactly one"}},
+      {"cluster: {peer_token: {secret: x}}", {"cluster.peer_token.secret", "file, env"}},
+      {"cluster: {enabled: true, peers: [a:1], peer_token: {file: /t}}",
+       {"cluster.advertise", "since cluster.enabled is true"}},
+      {"cluster: {enabled: true, advertise: a:1, peer_token: {file: /t}}",
+       {"cluster.peers", "at least one peer"}},
+      {"cluster: {enabled: true, advertise: a:1, peers: [b:1]}",
+       {"cluster.peer_token", "must authenticate"}},
+      {on + "}\nserver: {tls: {cert_file: /c, key_file: /k}}",
+       {"cluster.enabled", "server.tls", "plaintext"}},
+      {"cluster: {gossip: true}", {"cluster.gossip", "unknown", "advertise"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.yaml);
+    absl::StatusOr<DaemonConfig> got = ParseConfig(c.yaml, "t", {});
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+    for (const std::string& w : c.want) EXPECT_THAT(got.status().message(), HasSubstr(w));
+  }
+  EXPECT_OK(ParseConfig(on + "}", "ok", {}).status());
+}
+
+}  // namespace
+}  // namespace proxima::daemon

@@ -116,6 +116,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                              grpc::InsecureServerCredentials());
   }
   builder.RegisterService(d->service_.get());
+  if (config.cluster.enabled) {
+    PROXIMA_ASSIGN_OR_RETURN(d->cluster_,
+                             cluster::Cluster::Create(config, d->core_.get(), &d->registry_));
+    builder.RegisterService(d->cluster_->service());
+  }
   // The socket file is created by bind() inside BuildAndStart: a umask for just that moment makes
   // it born with server.unix_socket_mode, with no window in which others could connect (the
   // chmod below then only clears what umask cannot express, e.g. setgid bits).
@@ -138,10 +143,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
+  if (d->cluster_) {
+    d->core_->SetRemote(d->cluster_.get());
+    d->cluster_->Start();
+  }
 
   if (!config.server.metrics_listen.empty()) {
     auto metrics = metrics::MetricsHttpServer::Start(config.server.metrics_listen, &d->registry_);
     if (!metrics.ok()) {
+      d->core_->SetRemote(nullptr);
+      if (d->cluster_) d->cluster_->Stop();
       d->server_->Shutdown();
       return metrics.status();
     }
@@ -182,7 +193,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                                        : config.server.tls.client_ca_file.empty() ? "tls"
                                                                                   : "mtls")
                      << log::Kv("host_capacity_bytes", config.host_tier.capacity_bytes)
-                     << log::Kv("namespaces", config.namespaces.size());
+                     << log::Kv("namespaces", config.namespaces.size())
+                     << log::Kv("cluster", config.cluster.enabled ? config.cluster.advertise
+                                                                  : std::string("off"));
   return d;
 }
 
@@ -206,6 +219,10 @@ void Daemon::Shutdown() {
   }
   server_->Shutdown(deadline);
   server_->Wait();
+  if (cluster_) {  // no call runs anymore: the core may let go of the cluster
+    core_->SetRemote(nullptr);
+    cluster_->Stop();
+  }
   if (metrics_) metrics_->Stop();
   if (!config_.server.unix_socket.empty()) unlink(config_.server.unix_socket.c_str());
   PROXIMA_LOG(kInfo) << "shutdown complete";

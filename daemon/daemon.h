@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/mutex.h"
+#include "daemon/cluster/cluster.h"
 #include "daemon/config.h"
 #include "daemon/grpc_service.h"
 #include "daemon/metrics.h"
@@ -42,6 +43,8 @@ class Daemon {
 
   // The core the gRPC service calls (for in-process tests, e.g. of corruption in tier memory).
   TierService& core() { return *core_; }
+  // The cluster part, or null when cluster.enabled is false.
+  cluster::Cluster* cluster() { return cluster_.get(); }
 
  private:
   Daemon() = default;
@@ -50,6 +53,7 @@ class Daemon {
   metrics::Registry registry_;
   std::unique_ptr<TierService> core_;
   std::unique_ptr<UcxTransport> ucx_;  // null with ucx.enabled: false; outlived by core_
+  std::unique_ptr<cluster::Cluster> cluster_;  // null with cluster.enabled: false
   std::unique_ptr<KvTierGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;

@@ -542,6 +542,7 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   Namespace& n = *namespaces_[ns];
   const bool codec_ok = GeometryOf(ns, profile_id).has_value();
   uint64_t stored = 0;
+  std::vector<BlockKey> held;  // keys the local tiers hold now, for the cluster's records
   for (size_t i = 0; i < blocks.size(); ++i) {
     BlockId id{ns, profile_id, {}, scope.partition};
     std::memcpy(id.key.data(), blocks[i].key->data(), kKeyBytes);
@@ -558,11 +559,20 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
                                    blocks[i].position, high_priority, blocks[i].importance));
       }
     }
+    if (outcome != PutOutcome::kNoSpace) held.push_back(id.key);
     stored += AppendOutcome(outcome, response);
   }
   n.puts->Increment(stored);
+  TellRemote(ns, scope.partition, profile_id, held);
   bytes_in_->Increment(static_cast<uint64_t>(blocks.size()) * profile.block_bytes);
   return absl::OkStatus();
+}
+
+void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
+                             std::span<const BlockKey> keys) {
+  RemoteBlocks* remote = remote_.load();
+  if (remote == nullptr || keys.empty()) return;
+  remote->Stored({ns, namespaces_[ns]->name, partition, profile_id, keys});
 }
 
 absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& request,
@@ -591,9 +601,37 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
   const BlockStore::CrcCheck check = request.client_verifies_crc32c()
                                          ? BlockStore::CrcCheck::kByCaller
                                          : BlockStore::CrcCheck::kHere;
-  for (const BlockId& id : ids) {
-    std::optional<BlockStore::ReadBlock> b = store_->Read(id, check);
-    if (b && want_raw && b->level > 0 && check == BlockStore::CrcCheck::kByCaller) {
+  std::vector<std::optional<BlockStore::ReadBlock>> found(ids.size());
+  std::vector<bool> from_peer(ids.size(), false);  // already checked against its CRC32C
+  std::vector<size_t> missed;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    found[i] = store_->Read(ids[i], check);
+    if (!found[i]) missed.push_back(i);
+  }
+  RemoteBlocks* remote = remote_.load();
+  if (remote != nullptr && !missed.empty()) {
+    // Local misses, from the nodes that hold them. Their bytes were checked against their
+    // CRC32C on arrival; the entry owns them.
+    std::vector<BlockKey> keys;
+    keys.reserve(missed.size());
+    for (size_t i : missed) keys.push_back(ids[i].key);
+    std::vector<std::optional<RemoteBlock>> fetched =
+        remote->Fetch({ids[0].namespace_index, namespaces_[ids[0].namespace_index]->name,
+                       ids[0].partition, ids[0].profile_id, keys, profile.block_bytes});
+    for (size_t j = 0; j < missed.size() && j < fetched.size(); ++j) {
+      if (!fetched[j]) continue;
+      std::shared_ptr<const std::string> data = fetched[j]->data;
+      found[missed[j]] = BlockStore::ReadBlock{
+          data, std::as_bytes(std::span<const char>(data->data(), data->size())),
+          fetched[j]->crc32c, fetched[j]->level};
+      from_peer[missed[j]] = true;
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const BlockId& id = ids[i];
+    std::optional<BlockStore::ReadBlock> b = std::move(found[i]);
+    if (b && want_raw && b->level > 0 && check == BlockStore::CrcCheck::kByCaller &&
+        !from_peer[i]) {
       // The client checks only the decoded bytes it receives, so the stored container is
       // checked here before it is decoded: read again with the daemon's check (a block that
       // fails is dropped, counted and reported as a miss).
@@ -722,8 +760,13 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
         store_->Commit(id_of(keys[to_pull[j]]), std::move((*pending)[j]), got[j], attributes);
   }
   uint64_t stored = 0;
-  for (PutOutcome o : outcomes) stored += AppendOutcome(o, response);
+  std::vector<BlockKey> held;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    stored += AppendOutcome(outcomes[i], response);
+    if (outcomes[i] != PutOutcome::kNoSpace) held.push_back(keys[i]);
+  }
   namespaces_[ns]->puts->Increment(stored);
+  TellRemote(ns, target.partition, target.profile_id, held);
   return absl::OkStatus();
 }
 
@@ -736,6 +779,16 @@ absl::Status TierService::Lookup(const Caller& caller, const v1::LookupRequest& 
                                       &ids));
   uint32_t present = 0;
   while (present < ids.size() && store_->Contains(ids[present])) ++present;
+  RemoteBlocks* remote = remote_.load();
+  if (remote != nullptr && present < ids.size()) {
+    // The rest of the chain, from the keys' home nodes (one hop, batched per home).
+    std::vector<BlockKey> rest;
+    rest.reserve(ids.size() - present);
+    for (size_t i = present; i < ids.size(); ++i) rest.push_back(ids[i].key);
+    present += static_cast<uint32_t>(
+        remote->LookupChain({ids[0].namespace_index, namespaces_[ids[0].namespace_index]->name,
+                             ids[0].partition, ids[0].profile_id, rest, profile.block_bytes}));
+  }
   Namespace& n = *namespaces_[ids[0].namespace_index];
   n.lookup_hits->Increment(present);
   if (present < ids.size()) n.lookup_misses->Increment();
@@ -751,8 +804,18 @@ absl::Status TierService::Delete(const Caller& caller, const v1::DeleteRequest& 
                                       request.keys(), config_.server.max_batch_blocks, &profile,
                                       &ids));
   uint32_t deleted = 0;
-  for (const BlockId& id : ids) deleted += store_->Delete(id) ? 1 : 0;
+  std::vector<BlockKey> gone;
+  for (const BlockId& id : ids) {
+    if (!store_->Delete(id)) continue;
+    ++deleted;
+    gone.push_back(id.key);
+  }
   response->set_num_deleted(deleted);
+  RemoteBlocks* remote = remote_.load();
+  if (remote != nullptr && !gone.empty()) {
+    remote->Removed({ids[0].namespace_index, namespaces_[ids[0].namespace_index]->name,
+                     ids[0].partition, ids[0].profile_id, gone});
+  }
   return absl::OkStatus();
 }
 

@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "common/mutex.h"
 #include "daemon/block_store.h"
+#include "daemon/cluster/remote_blocks.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
 #include "daemon/tierer.h"
@@ -156,6 +157,19 @@ class TierService {
                          std::span<const uint32_t> crcs, const PullFn& pull,
                          v1::PutResponse* response);
 
+  // With the cluster on: Lookup and Get continue a local miss at the other nodes (one hop to the
+  // key's home, then the holder), and puts tell the keys' homes where they are. Null (the
+  // default) serves from the local tiers alone. `remote` must stay valid until SetRemote(nullptr)
+  // returns and no call is running (Daemon sets it before serving and clears it after draining).
+  void SetRemote(RemoteBlocks* remote) { remote_.store(remote); }
+
+  // The index of the namespace configured as `name` (the cluster names namespaces by name
+  // between daemons), or NOT_FOUND. No authorization: for peers that act for a caller another
+  // daemon has authorized.
+  absl::StatusOr<uint32_t> NamespaceIndex(const std::string& name) const {
+    return FindNamespace(name);
+  }
+
   BlockStore& store() { return *store_; }
   Tierer& tierer() { return *tierer_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
@@ -191,6 +205,9 @@ class TierService {
   absl::Status PutBlocks(const Caller& caller, const std::string& namespace_name,
                          uint64_t profile_id, std::span<const PutSource> blocks,
                          bool high_priority, v1::PutResponse* response);
+  // Tells the cluster (if on) that the local tiers hold `keys` of namespace `ns`.
+  void TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
+                  std::span<const BlockKey> keys);
   // The codec geometry of a registered profile; nullopt when unknown or not encodable (fp8).
   std::optional<codec::BlockGeometry> GeometryOf(uint32_t ns, uint64_t profile_id);
 
@@ -236,6 +253,7 @@ class TierService {
   metrics::Counter* decode_failures_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
+  std::atomic<RemoteBlocks*> remote_{nullptr};
 };
 
 }  // namespace proxima::daemon

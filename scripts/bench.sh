@@ -9,10 +9,11 @@
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
 #   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC and Redis; tcp and shm
 #   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
+#   scripts/bench.sh cluster     2 MiB get served one hop away (daemon to daemon) vs served locally
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer | sim)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer | sim | cluster)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -24,6 +25,7 @@ case "$NAME" in
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
   transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
   sim) export PROXIMA_TARGETS="proxima_placement_sim" ;;
+  cluster) export PROXIMA_TARGETS="proximad proximactl" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -48,6 +50,8 @@ case "$NAME" in
   # The whole trace (182,790 distinct blocks) at 10, 30, 100, 300 and 1,000 nodes.
   sim) exec ./build-bench/tools/sim/proxima_placement_sim \
          --trace=../shared/data/mooncake_conversation_trace.jsonl "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer, sim)" >&2
+  cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
+             --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer, sim, cluster)" >&2
      exit 2 ;;
 esac

@@ -36,7 +36,8 @@ case "$target" in
   config_parse)
     sources=(daemon/config.cc "${codec[@]}")
     harness=tests/fuzz/config_parse_fuzzer.cc
-    libs="yaml-cpp absl_status absl_statusor absl_strings absl_str_format absl_raw_hash_set absl_hash"
+    libs="yaml-cpp absl_status absl_statusor absl_strings absl_str_format absl_raw_hash_set absl_hash
+          absl_time"
     ;;
   request)
     # The daemon's sources (daemon/CMakeLists.txt) without the server wiring, with the CPU-only

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -102,7 +103,13 @@ CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration de
 }
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(std::vector<std::string> sets) {
+  return Start(std::move(sets), {});
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
+    std::vector<std::string> sets, std::vector<std::string> launcher) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
+  d->launcher_ = std::move(launcher);
   char tmpl[] = "/tmp/proxima-it-XXXXXX";
   d->dir_ = mkdtemp(tmpl);
   d->socket_path_ = d->dir_ + "/proximad.sock";
@@ -120,7 +127,9 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(std::vector<
 absl::Status DaemonProcess::Launch(const std::vector<std::string>& sets) {
   std::string port_file = dir_ + "/port.json";
   std::filesystem::remove(port_file);
-  std::vector<std::string> argv = {ProximadPath(), "--port_file=" + port_file};
+  std::vector<std::string> argv = launcher_;
+  argv.push_back(ProximadPath());
+  argv.push_back("--port_file=" + port_file);
   for (const std::string& s : sets) argv.push_back("--set=" + s);
   ++launches_;
   pid_ = Spawn(argv, dir_ + "/stdout.log", dir_ + "/stderr.log");
@@ -170,7 +179,14 @@ absl::Status DaemonProcess::Restart() {
     pid_ = -1;
   }
   std::vector<std::string> sets = sets_;
-  sets.push_back("server.listen=127.0.0.1:" + std::to_string(tcp_port_));
+  // The same host as configured (the last server.listen wins), on the port it had.
+  std::string host = "127.0.0.1";
+  for (const std::string& s : sets_) {
+    if (absl::StartsWith(s, "server.listen=") && s.rfind(':') > s.find('=')) {
+      host = s.substr(s.find('=') + 1, s.rfind(':') - s.find('=') - 1);
+    }
+  }
+  sets.push_back("server.listen=" + host + ":" + std::to_string(tcp_port_));
   return Launch(sets);
 }
 

@@ -34,6 +34,10 @@ class DaemonProcess {
   // Starts proximad with `sets` as --set overrides on top of a test baseline (port 0, a Unix
   // socket in the temp dir, metrics on port 0, 64 MiB host tier). Waits until it serves.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(std::vector<std::string> sets = {});
+  // The same, with proximad run through `launcher` (e.g. {"ip", "netns", "exec", "ns1"}: the
+  // launcher must exec proximad in its place, so that signals reach the daemon itself).
+  static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(std::vector<std::string> sets,
+                                                              std::vector<std::string> launcher);
   ~DaemonProcess();
 
   std::string tcp_target() const { return "127.0.0.1:" + std::to_string(tcp_port_); }
@@ -49,7 +53,7 @@ class DaemonProcess {
   // Waits for the daemon to exit; returns its exit code, or -1 if killed by a signal or if it
   // did not exit in time.
   int WaitExit(absl::Duration timeout);
-  // Kills the daemon (if running) and starts it again on the same TCP port and socket.
+  // Kills the daemon (if running) and starts it again on the same TCP address and socket.
   absl::Status Restart();
   // Everything the daemon wrote to stderr so far.
   std::string Log() const;
@@ -65,6 +69,7 @@ class DaemonProcess {
   std::string dir_;
   std::string socket_path_;
   std::vector<std::string> sets_;
+  std::vector<std::string> launcher_;
   pid_t pid_ = -1;
   int tcp_port_ = 0;
   int metrics_port_ = 0;

@@ -1,0 +1,409 @@
+#include "daemon/cluster/cluster.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/credentials.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+#include "daemon/placement.h"
+#include "proxima/v1/peer.grpc.pb.h"
+
+namespace proxima::daemon::cluster {
+namespace {
+
+// Location records a home keeps at most (about 80 bytes each).
+constexpr size_t kMaxRecords = 4u << 20;
+// Keys waiting in the record sender's queue at most; past it new records are dropped (counted):
+// a lost record is a miss, and a put never waits for peers.
+constexpr size_t kMaxQueuedKeys = 1u << 20;
+
+void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
+  out->set_namespace_name(blocks.namespace_name);
+  out->set_partition(blocks.partition);
+  out->set_profile_id(blocks.profile_id);
+  for (size_t i : which) {
+    out->add_keys(reinterpret_cast<const char*>(blocks.keys[i].data()), kKeyBytes);
+  }
+}
+
+BlockId IdOf(const RemoteBlockSet& blocks, size_t i) {
+  return BlockId{blocks.namespace_index, blocks.profile_id, blocks.keys[i], blocks.partition};
+}
+
+// One unary peer call, run in parallel with others by RunAll().
+template <typename Req, typename Resp>
+struct PeerCall {
+  std::string peer;
+  std::vector<size_t> which;  // indices into the caller's keys
+  std::unique_ptr<v1::Peer::Stub> stub;
+  grpc::ClientContext context;
+  Req request;
+  Resp response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> reader;
+};
+
+// Starts every call (`prepare(call, cq)` returns its PrepareAsync* reader) on a completion queue
+// that this thread drives itself, and returns once all have finished; each call carries a
+// deadline, so that is bounded. Not gRPC's callback API: its completions run on gRPC's own
+// threads, which the blocked request handlers of this very daemon may all be holding.
+template <typename Call, typename Prepare>
+void RunAll(std::vector<std::unique_ptr<Call>>& calls, Prepare prepare) {
+  if (calls.empty()) return;
+  grpc::CompletionQueue cq;
+  for (auto& call : calls) {
+    call->reader = prepare(call.get(), &cq);
+    call->reader->StartCall();
+    call->reader->Finish(&call->response, &call->status, call.get());
+  }
+  void* tag = nullptr;
+  bool ok = false;
+  for (size_t done = 0; done < calls.size() && cq.Next(&tag, &ok); ++done) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& config,
+                                                         TierService* core,
+                                                         metrics::Registry* registry) {
+  const ClusterConfig& c = config.cluster;
+  std::unique_ptr<Cluster> cluster(new Cluster(config, core, registry));
+  PROXIMA_ASSIGN_OR_RETURN(cluster->token_,
+                           c.peer_token_file.empty()
+                               ? ReadTokenEnv("cluster.peer_token.env", c.peer_token_env)
+                               : ReadTokenFile("cluster.peer_token.file", c.peer_token_file));
+  // A tenant holding the peer token could read every namespace through proxima.v1.Peer.
+  absl::StatusOr<Caller> as_tenant = core->Authenticate("Bearer " + cluster->token_);
+  if (as_tenant.ok() && as_tenant->namespace_index >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster.peer_token holds the same token as namespace token '", as_tenant->token_name,
+        "'; the peer token must be a secret of the daemons alone"));
+  }
+  PROXIMA_ASSIGN_OR_RETURN(cluster->membership_,
+                           Membership::Create(MembershipOptions::FromConfig(config), registry));
+  Cluster* self = cluster.get();
+  cluster->membership_->OnChange([self](const std::string& peer, bool live) {
+    if (live) return;
+    const size_t dropped = self->records_.DropHolder(peer);
+    self->records_dropped_->Increment(dropped);
+    PROXIMA_LOG(kInfo) << "location records of a lost peer dropped" << log::Kv("peer", peer)
+                       << log::Kv("records", dropped);
+  });
+  cluster->service_ = std::make_unique<PeerService>(core, &cluster->records_, c.advertise,
+                                                    cluster->token_,
+                                                    config.server.max_message_bytes, registry);
+  return cluster;
+}
+
+Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registry* registry)
+    : config_(config),
+      self_(config.cluster.advertise),
+      peer_deadline_(absl::Seconds(config.cluster.peer_deadline_seconds)),
+      core_(core),
+      records_(kMaxRecords) {
+  remote_lookup_hits_ = registry->AddCounter(
+      "proxima_cluster_remote_lookup_hits_total",
+      "Keys a Lookup found on other nodes (after its local prefix)");
+  remote_get_hits_ = registry->AddCounter("proxima_cluster_remote_get_hits_total",
+                                          "Blocks a Get read from other nodes");
+  remote_get_misses_ = registry->AddCounter(
+      "proxima_cluster_remote_get_misses_total",
+      "Local Get misses that no other node served either (no record, holder down, late, or "
+      "evicted there)");
+  crc_failures_ = registry->AddCounter(
+      "proxima_cluster_fetch_crc_failures_total",
+      "Blocks fetched from a peer whose bytes failed their CRC32C or size check (dropped)");
+  peer_call_failures_ = registry->AddCounter(
+      "proxima_cluster_peer_call_failures_total",
+      "Peer calls that failed or missed their deadline (each answered as misses)");
+  records_sent_ = registry->AddCounter("proxima_cluster_location_records_sent_total",
+                                       "Location records sent to home nodes after local puts");
+  records_dropped_ = registry->AddCounter(
+      "proxima_cluster_location_records_dropped_total",
+      "Location records dropped: holder left the live set, a fetch missed, or a queue or the "
+      "table was full");
+  bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                   "Block bytes moved, by transport and direction",
+                                   {{"transport", "peer_grpc"}, {"direction", "in"}});
+  LocationTable* records = &records_;
+  registry->AddGauge("proxima_cluster_location_records",
+                     "Location records this node keeps as home", {},
+                     [records] { return static_cast<double>(records->size()); });
+}
+
+Cluster::~Cluster() { Stop(); }
+
+void Cluster::Start() {
+  membership_->Start();
+  sender_ = std::thread([this] { RunSender(); });
+}
+
+void Cluster::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (sender_.joinable()) sender_.join();
+  if (membership_) membership_->Stop();
+}
+
+void Cluster::AddAuth(grpc::ClientContext* context, absl::Time deadline) const {
+  context->AddMetadata("authorization", "Bearer " + token_);
+  context->set_deadline(absl::ToChronoTime(deadline));
+}
+
+void Cluster::Stored(const RemoteBlockSet& blocks) { TellHomes(blocks, /*forget=*/false); }
+
+void Cluster::Removed(const RemoteBlockSet& blocks) { TellHomes(blocks, /*forget=*/true); }
+
+void Cluster::TellHomes(const RemoteBlockSet& blocks, bool forget) {
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  if (live->nodes.size() < 2) return;  // alone: this node is every key's home
+  absl::flat_hash_map<size_t, std::vector<BlockKey>> per_home;
+  for (const BlockKey& key : blocks.keys) {
+    const size_t home = HomeNode(live->nodes, PlacementHash(blocks.namespace_name, key));
+    if (home == live->self || home >= live->nodes.size()) continue;  // its own store answers
+    per_home[home].push_back(key);
+  }
+  for (const auto& [home, keys] : per_home) {
+    Enqueue(Batch{live->id(home), blocks.namespace_name, blocks.partition, blocks.profile_id,
+                  forget, self_},
+            keys);
+  }
+}
+
+void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    if (stopping_) return;
+    if (queued_keys_ + keys.size() > kMaxQueuedKeys) {
+      records_dropped_->Increment(keys.size());
+      return;
+    }
+    std::vector<BlockKey>& q = queue_[BatchKey{batch.home, batch.namespace_name, batch.partition,
+                                               batch.profile_id, batch.forget, batch.holder}];
+    q.insert(q.end(), keys.begin(), keys.end());
+    queued_keys_ += keys.size();
+  }
+  queue_cv_.notify_one();
+}
+
+void Cluster::RunSender() {
+  while (true) {
+    absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      batches.swap(queue_);
+      queued_keys_ = 0;
+    }
+    SendAll(std::move(batches));
+  }
+}
+
+void Cluster::SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches) {
+  using Call = PeerCall<v1::RecordLocationsRequest, v1::RecordLocationsResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  const size_t max_keys = core_->max_lookup_keys();
+  const absl::Time deadline = absl::Now() + peer_deadline_;
+  for (auto& [key, keys] : batches) {
+    const auto& [home, ns, partition, profile_id, forget, holder] = key;
+    for (size_t first = 0; first < keys.size(); first += max_keys) {
+      auto call = std::make_unique<Call>();
+      call->peer = home;
+      call->request.set_holder(holder);
+      call->request.set_forget(forget);
+      v1::PeerBlockSet* set = call->request.mutable_blocks();
+      set->set_namespace_name(ns);
+      set->set_partition(partition);
+      set->set_profile_id(profile_id);
+      for (size_t i = first; i < std::min(keys.size(), first + max_keys); ++i) {
+        set->add_keys(reinterpret_cast<const char*>(keys[i].data()), kKeyBytes);
+      }
+      calls.push_back(std::move(call));
+    }
+  }
+  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
+    AddAuth(&call->context, deadline);
+    return call->stub->PrepareAsyncRecordLocations(&call->context, call->request, cq);
+  });
+  for (const auto& call : calls) {
+    if (call->status.ok()) {
+      if (!call->request.forget()) records_sent_->Increment(call->request.blocks().keys_size());
+    } else {
+      peer_call_failures_->Increment();
+      PROXIMA_LOG(kDebug) << "location records not delivered" << log::Kv("home", call->peer)
+                          << log::Kv("error", call->status.error_message());
+    }
+  }
+}
+
+std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const LiveSet& live,
+                                         absl::Time deadline) {
+  std::vector<std::string> holders(blocks.keys.size());
+  absl::flat_hash_map<size_t, std::vector<size_t>> per_home;  // home node -> key indices
+  std::vector<size_t> at_self;
+  for (size_t i = 0; i < blocks.keys.size(); ++i) {
+    const size_t home =
+        HomeNode(live.nodes, PlacementHash(blocks.namespace_name, blocks.keys[i]));
+    if (home >= live.nodes.size()) continue;
+    if (home == live.self) {
+      at_self.push_back(i);
+    } else {
+      per_home[home].push_back(i);
+    }
+  }
+  if (!at_self.empty()) {
+    std::vector<BlockId> ids;
+    for (size_t i : at_self) ids.push_back(IdOf(blocks, i));
+    std::vector<std::string> found = records_.Find(ids);
+    for (size_t j = 0; j < at_self.size(); ++j) holders[at_self[j]] = std::move(found[j]);
+  }
+  using Call = PeerCall<v1::LookupLocationsRequest, v1::LookupLocationsResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  for (auto& [home, which] : per_home) {
+    auto call = std::make_unique<Call>();
+    call->peer = live.id(home);
+    call->which = std::move(which);
+    FillSet(blocks, call->which, call->request.mutable_blocks());
+    calls.push_back(std::move(call));
+  }
+  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
+    AddAuth(&call->context, deadline);
+    return call->stub->PrepareAsyncLookupLocations(&call->context, call->request, cq);
+  });
+  for (const auto& call : calls) {
+    if (!call->status.ok() ||
+        call->response.holders_size() != static_cast<int>(call->which.size())) {
+      peer_call_failures_->Increment();
+      continue;  // its keys stay misses
+    }
+    for (size_t j = 0; j < call->which.size(); ++j) holders[call->which[j]] = call->response.holders(j);
+  }
+  for (std::string& h : holders) {
+    if (!h.empty() && !live.Contains(h)) h.clear();  // a holder that is down holds nothing
+  }
+  return holders;
+}
+
+size_t Cluster::LookupChain(const RemoteBlockSet& blocks) {
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  if (live->nodes.size() < 2 || blocks.keys.empty()) return 0;
+  const absl::Time deadline = absl::Now() + peer_deadline_;
+  std::vector<std::string> holders = Locate(blocks, *live, deadline);
+  size_t present = 0;
+  while (present < holders.size() && !holders[present].empty() &&
+         (holders[present] != self_ ||
+          core_->store().Contains(IdOf(blocks, present)))) {
+    ++present;
+  }
+  remote_lookup_hits_->Increment(present);
+  return present;
+}
+
+std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blocks) {
+  std::vector<std::optional<RemoteBlock>> out(blocks.keys.size());
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  if (live->nodes.size() < 2 || blocks.keys.empty()) return out;
+  const absl::Time deadline = absl::Now() + peer_deadline_;
+  std::vector<std::string> holders = Locate(blocks, *live, deadline);
+
+  absl::flat_hash_map<std::string, std::vector<size_t>> per_holder;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!holders[i].empty() && holders[i] != self_) per_holder[holders[i]].push_back(i);
+  }
+  using Call = PeerCall<v1::FetchBlocksRequest, v1::FetchBlocksResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  // Requests sized so that each answer fits server.max_message_bytes (stored bytes are at most
+  // the raw size, plus a container header).
+  const uint64_t per_block = blocks.block_bytes + 4096;
+  const size_t per_call = std::max<size_t>(
+      1, std::min<uint64_t>(core_->max_batch_blocks(),
+                            (config_.server.max_message_bytes - 4096) / per_block));
+  for (auto& [holder, which] : per_holder) {
+    for (size_t first = 0; first < which.size(); first += per_call) {
+      auto call = std::make_unique<Call>();
+      call->peer = holder;
+      call->which.assign(which.begin() + first,
+                         which.begin() + std::min(which.size(), first + per_call));
+      FillSet(blocks, call->which, call->request.mutable_blocks());
+      calls.push_back(std::move(call));
+    }
+  }
+  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
+    AddAuth(&call->context, deadline);
+    return call->stub->PrepareAsyncFetchBlocks(&call->context, call->request, cq);
+  });
+  uint64_t hits = 0;
+  uint64_t bytes = 0;
+  for (const auto& call : calls) {
+    if (!call->status.ok() ||
+        call->response.blocks_size() != static_cast<int>(call->which.size())) {
+      peer_call_failures_->Increment();
+      continue;
+    }
+    std::vector<BlockKey> missed;
+    for (size_t j = 0; j < call->which.size(); ++j) {
+      v1::FetchedBlock* b = call->response.mutable_blocks(static_cast<int>(j));
+      const size_t i = call->which[j];
+      if (!b->found()) {
+        missed.push_back(blocks.keys[i]);
+        continue;
+      }
+      const std::string& data = b->data();
+      const bool size_ok = b->level() < static_cast<uint32_t>(kMaxLevels) &&
+                           (b->level() > 0 ? data.size() <= per_block
+                                           : data.size() == blocks.block_bytes);
+      if (!size_ok ||
+          Crc32c(std::as_bytes(std::span<const char>(data.data(), data.size()))) != b->crc32c()) {
+        crc_failures_->Increment();
+        PROXIMA_LOG(kError) << "block fetched from a peer failed its CRC32C or size check; "
+                               "served as a miss"
+                            << log::Kv("peer", call->peer) << log::Kv("level", b->level())
+                            << log::Kv("bytes", data.size());
+        continue;
+      }
+      bytes += data.size();
+      out[i] = RemoteBlock{std::make_shared<const std::string>(std::move(*b->mutable_data())),
+                           b->crc32c(), static_cast<uint8_t>(b->level())};
+      ++hits;
+    }
+    if (!missed.empty()) {
+      // The holder no longer has them (evicted, deleted): drop the records at their homes.
+      absl::flat_hash_map<size_t, std::vector<BlockKey>> per_home;
+      for (const BlockKey& key : missed) {
+        per_home[HomeNode(live->nodes, PlacementHash(blocks.namespace_name, key))].push_back(key);
+      }
+      for (const auto& [home, keys] : per_home) {
+        if (home == live->self) {
+          std::vector<BlockId> ids;
+          for (const BlockKey& k : keys) {
+            ids.push_back(BlockId{blocks.namespace_index, blocks.profile_id, k, blocks.partition});
+          }
+          records_dropped_->Increment(records_.Forget(ids, call->peer));
+        } else if (home < live->nodes.size()) {
+          Enqueue(Batch{live->id(home), blocks.namespace_name, blocks.partition,
+                        blocks.profile_id, true, call->peer},
+                  keys);
+        }
+      }
+    }
+  }
+  remote_get_hits_->Increment(hits);
+  remote_get_misses_->Increment(blocks.keys.size() - hits);
+  bytes_in_->Increment(bytes);
+  return out;
+}
+
+}  // namespace proxima::daemon::cluster

@@ -1,0 +1,121 @@
+// Cluster: this daemon's part in a cluster of proximad peers (docs/cluster.md, DESIGN.md
+// section 6). It implements RemoteBlocks for the core, serves proxima.v1.Peer to the other
+// daemons (PeerService), and keeps the live set (Membership).
+//
+//   put      the block lands in the local tiers; afterwards its home node (rendezvous hashing
+//            of (namespace, key) over the live set, daemon/placement.h) is told, in the
+//            background and batched per home, that this node holds it.
+//   lookup   the local prefix first; then the rest of the chain from the keys' homes, one
+//            LookupLocations call per home, in parallel (one hop).
+//   get      local first; then holders from the homes, then FetchBlocks from each holder, in
+//            parallel; the bytes are checked against their CRC32C on arrival.
+//
+// The remote part of any call shares one budget, cluster.peer_deadline: every peer call carries
+// the call's absolute deadline. A peer that is down, slow, or answers wrongly is a miss. Records
+// naming a node that leaves the live set are dropped, and so is a record whose fetch missed.
+//
+// Block bytes travel over gRPC between daemons in this version (UCX between daemons is next).
+//
+// Thread-safe. Threads: Membership's, and one record sender.
+#ifndef PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
+#define PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/cluster/location_table.h"
+#include "daemon/cluster/membership.h"
+#include "daemon/cluster/peer_service.h"
+#include "daemon/cluster/remote_blocks.h"
+#include "daemon/config.h"
+#include "daemon/metrics.h"
+#include "daemon/tier_service.h"
+
+namespace proxima::daemon::cluster {
+
+class Cluster final : public RemoteBlocks {
+ public:
+  // Reads the peer token (cluster.peer_token), builds the membership and the peer service.
+  // `core` and `registry` must outlive the cluster. Nothing runs until Start().
+  static absl::StatusOr<std::unique_ptr<Cluster>> Create(const DaemonConfig& config,
+                                                         TierService* core,
+                                                         metrics::Registry* registry);
+  ~Cluster() override;  // Stop()s
+
+  // The gRPC service to register on the daemon's server.
+  PeerService* service() { return service_.get(); }
+  Membership& membership() { return *membership_; }
+  LocationTable& records() { return records_; }
+
+  // Starts membership (health checks, DNS) and the record sender.
+  void Start();
+  // Stops the threads. Calls still running finish within their deadline.
+  void Stop();
+
+  void Stored(const RemoteBlockSet& blocks) override;
+  void Removed(const RemoteBlockSet& blocks) override;
+  size_t LookupChain(const RemoteBlockSet& blocks) override;
+  std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override;
+
+ private:
+  // Records (or forgets) for one home, one namespace/partition/profile.
+  struct Batch {
+    std::string home;
+    std::string namespace_name;
+    uint32_t partition = 0;
+    uint64_t profile_id = 0;
+    bool forget = false;
+    std::string holder;  // forget: the holder whose records to drop
+  };
+  using BatchKey = std::tuple<std::string, std::string, uint32_t, uint64_t, bool, std::string>;
+
+  Cluster(const DaemonConfig& config, TierService* core, metrics::Registry* registry);
+  // Queues records (or, with `forget`, their removal) of this node holding `blocks` for the
+  // keys' homes.
+  void TellHomes(const RemoteBlockSet& blocks, bool forget);
+  // The holder of each key ("" = none known or not live), asking the keys' homes by `deadline`.
+  std::vector<std::string> Locate(const RemoteBlockSet& blocks, const LiveSet& live,
+                                  absl::Time deadline);
+  void Enqueue(const Batch& batch, std::span<const BlockKey> keys);
+  void RunSender();
+  void SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches);
+  void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
+
+  const DaemonConfig config_;
+  const std::string self_;
+  const absl::Duration peer_deadline_;
+  TierService* const core_;
+  std::string token_;
+  LocationTable records_;
+  std::unique_ptr<Membership> membership_;
+  std::unique_ptr<PeerService> service_;
+
+  metrics::Counter* remote_lookup_hits_ = nullptr;
+  metrics::Counter* remote_get_hits_ = nullptr;
+  metrics::Counter* remote_get_misses_ = nullptr;
+  metrics::Counter* crc_failures_ = nullptr;
+  metrics::Counter* peer_call_failures_ = nullptr;
+  metrics::Counter* records_sent_ = nullptr;
+  metrics::Counter* records_dropped_ = nullptr;
+  metrics::Counter* bytes_in_ = nullptr;
+
+  // The record sender's queue: keys per batch, waiting to be sent.
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  absl::flat_hash_map<BatchKey, std::vector<BlockKey>> queue_;  // guarded by queue_mu_
+  size_t queued_keys_ = 0;                                       // guarded by queue_mu_
+  bool stopping_ = false;                                        // guarded by queue_mu_
+  std::thread sender_;
+};
+
+}  // namespace proxima::daemon::cluster
+
+#endif  // PROXIMA_DAEMON_CLUSTER_CLUSTER_H_

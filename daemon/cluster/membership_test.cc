@@ -1,0 +1,209 @@
+#include "daemon/cluster/membership.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proxima/v1/kvtier.grpc.pb.h"
+
+namespace proxima::daemon::cluster {
+namespace {
+
+using ::testing::Contains;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Pair;
+
+// A real gRPC server on loopback serving only the standard health service, as proximad does.
+class HealthServer {
+ public:
+  explicit HealthServer(int port = 0) {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
+                             &port_);
+    // gRPC will not start a server without a service of its own; every method is UNIMPLEMENTED.
+    builder.RegisterService(&unimplemented_);
+    server_ = builder.BuildAndStart();
+    if (server_ != nullptr) SetServing(true);
+  }
+  ~HealthServer() { Stop(); }
+  bool ok() const { return server_ != nullptr && port_ > 0; }
+  int port() const { return port_; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  void SetServing(bool serving) {
+    server_->GetHealthCheckService()->SetServingStatus("proxima.v1.KVTier", serving);
+  }
+  void Stop() {
+    if (server_ == nullptr) return;
+    server_->Shutdown(std::chrono::system_clock::now());
+    server_->Wait();
+    server_.reset();
+  }
+
+ private:
+  int port_ = 0;
+  v1::KVTier::CallbackService unimplemented_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+std::vector<std::string> LiveIds(const Membership& m) {
+  std::vector<std::string> ids;
+  for (const PlacementNode& n : m.Live()->nodes) ids.push_back(n.id);
+  return ids;
+}
+
+double Metric(const metrics::Registry& registry, const std::string& series) {
+  const std::string text = registry.RenderText();
+  size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
+MembershipOptions Options(std::vector<std::string> peers, uint32_t failures = 3) {
+  MembershipOptions o;
+  o.self = "127.0.0.1:1";  // this test's node id; never dialled
+  o.static_peers = std::move(peers);
+  o.health_timeout = absl::Milliseconds(300);
+  o.failures_before_down = failures;
+  return o;
+}
+
+TEST(MembershipTest, PeersJoinLeaveAfterNFailuresAndRejoin) {
+  HealthServer a, b;
+  ASSERT_TRUE(a.ok() && b.ok());
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(
+                                   Options({"127.0.0.1:1", a.address(), b.address()}), &registry));
+  std::vector<std::pair<std::string, bool>> changes;
+  m->OnChange([&changes](const std::string& peer, bool live) { changes.emplace_back(peer, live); });
+  // Self is always live; peers join only once they have answered.
+  EXPECT_THAT(LiveIds(*m), ElementsAre("127.0.0.1:1"));
+  EXPECT_EQ(m->KnownPeers().size(), 2u);  // self is not a peer of itself
+  m->CheckOnce();
+  EXPECT_EQ(m->Live()->nodes.size(), 3u);
+  EXPECT_TRUE(m->Live()->Contains(b.address()));
+  EXPECT_EQ(Metric(registry, "proxima_cluster_live_nodes"), 3);
+  const int b_port = b.port();
+  b.Stop();
+  m->CheckOnce();
+  m->CheckOnce();
+  EXPECT_TRUE(m->Live()->Contains(b.address())) << "left before failures_before_down";
+  m->CheckOnce();
+  EXPECT_FALSE(m->Live()->Contains(b.address()));
+  EXPECT_TRUE(m->Live()->Contains(a.address()));
+  EXPECT_EQ(Metric(registry, "proxima_cluster_live_nodes"), 2);
+  EXPECT_EQ(Metric(registry, "proxima_cluster_health_check_failures_total"), 3);
+  EXPECT_EQ(Metric(registry, "proxima_cluster_peer_transitions_total{to=\"down\"}"), 1);
+  // The same address serves again: the peer rejoins on its first success.
+  HealthServer b2(b_port);
+  ASSERT_TRUE(b2.ok());
+  // Within the channel's reconnect backoff (at most health_interval), a round or a few.
+  const absl::Time deadline = absl::Now() + absl::Seconds(3);
+  do {
+    m->CheckOnce();
+  } while (!m->Live()->Contains(b2.address()) && absl::Now() < deadline &&
+           (absl::SleepFor(absl::Milliseconds(20)), true));
+  EXPECT_TRUE(m->Live()->Contains(b2.address()));
+  EXPECT_EQ(Metric(registry, "proxima_cluster_live_nodes"), 3);
+  EXPECT_THAT(changes, Contains(Pair(b2.address(), false)));
+  EXPECT_EQ(changes.back(), std::make_pair(b2.address(), true));
+}
+
+TEST(MembershipTest, NotServingIsAFailure) {
+  HealthServer a;
+  ASSERT_TRUE(a.ok());
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(Options({a.address()}, 1), &registry));
+  m->CheckOnce();
+  EXPECT_TRUE(m->Live()->Contains(a.address()));
+  a.SetServing(false);  // a draining proximad answers NOT_SERVING
+  m->CheckOnce();
+  EXPECT_FALSE(m->Live()->Contains(a.address()));
+}
+
+TEST(MembershipTest, APeerThatNeverAnswersCostsOneTimeoutPerRound) {
+  // A listening socket that never speaks HTTP/2: connections are accepted by the kernel, and
+  // every health check must end at its deadline.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string silent = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  HealthServer a;
+  ASSERT_TRUE(a.ok());
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(Options({silent, a.address()}), &registry));
+  for (int round = 0; round < 2; ++round) {
+    const absl::Time start = absl::Now();
+    m->CheckOnce();
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_LT(took, absl::Milliseconds(300 + 400)) << "round " << round;
+  }
+  EXPECT_FALSE(m->Live()->Contains(silent));
+  EXPECT_TRUE(m->Live()->Contains(a.address()));
+  close(fd);
+}
+
+TEST(MembershipTest, DnsRecordsArePeersAndTheBackgroundThreadsCheckThem) {
+  HealthServer a;
+  ASSERT_TRUE(a.ok());
+  ASSERT_OK_AND_ASSIGN(std::vector<std::string> records, ResolvePeers("localhost", a.port()));
+  EXPECT_THAT(records, Contains(a.address()));
+  EXPECT_THAT(ResolvePeers("no-such-name.invalid", 1),
+              ::proxima::testing::StatusIs(absl::StatusCode::kUnavailable,
+                                           HasSubstr("no-such-name.invalid")));
+  metrics::Registry registry;
+  MembershipOptions o = Options({});
+  o.dns_name = "localhost";
+  o.dns_port = static_cast<uint32_t>(a.port());
+  o.health_interval = absl::Milliseconds(50);
+  o.health_timeout = absl::Milliseconds(40);
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(o, &registry));
+  EXPECT_THAT(m->KnownPeers(), IsEmpty());
+  m->Start();
+  EXPECT_THAT(m->KnownPeers(), Contains(a.address()));
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!m->Live()->Contains(a.address()) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(m->Live()->Contains(a.address()));
+  m->Stop();
+}
+
+TEST(LiveSetTest, NodesAreSortedSoEveryDaemonRanksThemAlike) {
+  HealthServer a, b;
+  ASSERT_TRUE(a.ok() && b.ok());
+  metrics::Registry r1, r2;
+  MembershipOptions o1 = Options({b.address(), a.address()});
+  MembershipOptions o2 = Options({a.address(), b.address()});
+  o2.self = "127.0.0.1:1";
+  ASSERT_OK_AND_ASSIGN(auto m1, Membership::Create(o1, &r1));
+  ASSERT_OK_AND_ASSIGN(auto m2, Membership::Create(o2, &r2));
+  m1->CheckOnce();
+  m2->CheckOnce();
+  EXPECT_EQ(LiveIds(*m1), LiveIds(*m2));
+  std::vector<std::string> ids = LiveIds(*m1);
+  EXPECT_TRUE(std::is_sorted(ids.begin(), ids.end()));
+  EXPECT_EQ(m1->Live()->id(m1->Live()->self), "127.0.0.1:1");
+}
+
+}  // namespace
+}  // namespace proxima::daemon::cluster

@@ -1,0 +1,147 @@
+#include "daemon/cluster/peer_service.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/credentials.h"
+#include "common/status_macros.h"
+
+namespace proxima::daemon::cluster {
+namespace {
+
+// Room a FetchBlocksResponse needs beyond its blocks' bytes.
+constexpr uint64_t kMessageOverhead = 4096;
+constexpr uint64_t kPerBlockOverhead = 64;
+
+}  // namespace
+
+absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
+                                                     const v1::PeerBlockSet& set,
+                                                     size_t max_keys) {
+  PROXIMA_ASSIGN_OR_RETURN(uint32_t ns, core.NamespaceIndex(set.namespace_name()));
+  if (static_cast<size_t>(set.keys_size()) > max_keys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer call has ", set.keys_size(), " keys; at most ", max_keys));
+  }
+  std::vector<BlockId> ids(set.keys_size());
+  for (int i = 0; i < set.keys_size(); ++i) {
+    if (set.keys(i).size() != kKeyBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("peer call keys[", i, "] is ",
+                                                     set.keys(i).size(), " bytes; keys are ",
+                                                     kKeyBytes));
+    }
+    ids[i].namespace_index = ns;
+    ids[i].partition = set.partition();
+    ids[i].profile_id = set.profile_id();
+    std::memcpy(ids[i].key.data(), set.keys(i).data(), kKeyBytes);
+  }
+  return ids;
+}
+
+PeerService::PeerService(TierService* core, LocationTable* records, std::string self,
+                         std::string token, uint64_t max_message_bytes,
+                         metrics::Registry* registry)
+    : core_(core),
+      records_(records),
+      self_(std::move(self)),
+      token_(std::move(token)),
+      max_message_bytes_(max_message_bytes) {
+  unauthenticated_ = registry->AddCounter(
+      "proxima_cluster_peer_calls_unauthenticated_total",
+      "Peer calls refused for a missing or wrong cluster.peer_token");
+  served_bytes_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                       "Block bytes moved, by transport and direction",
+                                       {{"transport", "peer_grpc"}, {"direction", "out"}});
+}
+
+absl::Status PeerService::Authenticate(const grpc::ServerContext& context) const {
+  const auto& md = context.client_metadata();
+  auto it = md.find("authorization");
+  const std::string presented =
+      it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  if (!ConstantTimeEquals(presented, "Bearer " + token_)) {
+    unauthenticated_->Increment();
+    return absl::UnauthenticatedError(
+        "proxima.v1.Peer needs the cluster's peer token (cluster.peer_token)");
+  }
+  return absl::OkStatus();
+}
+
+template <typename Req, typename Resp>
+grpc::Status PeerService::Handle(grpc::ServerContext* context, const Req* request,
+                                 Resp* response,
+                                 absl::Status (PeerService::*serve)(const Req&, Resp*)) {
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) status = (this->*serve)(*request, response);
+  if (!status.ok()) response->Clear();
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status PeerService::ServeRecord(const v1::RecordLocationsRequest& request,
+                                      v1::RecordLocationsResponse* response) {
+  if (request.holder().empty()) return absl::InvalidArgumentError("holder is empty");
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                           ResolveBlockSet(*core_, request.blocks(), core_->max_lookup_keys()));
+  if (request.forget()) {
+    response->set_changed(static_cast<uint32_t>(records_->Forget(ids, request.holder())));
+  } else {
+    records_->Record(ids, request.holder());
+    response->set_changed(static_cast<uint32_t>(ids.size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PeerService::ServeLookup(const v1::LookupLocationsRequest& request,
+                                      v1::LookupLocationsResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                           ResolveBlockSet(*core_, request.blocks(), core_->max_lookup_keys()));
+  std::vector<std::string> holders = records_->Find(ids);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    // This node's own tiers first: the block may be here whatever the records say.
+    response->add_holders(core_->store().Contains(ids[i]) ? self_ : holders[i]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
+                                     v1::FetchBlocksResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                           ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
+  uint64_t bytes = kMessageOverhead;
+  uint64_t sent = 0;
+  for (const BlockId& id : ids) {
+    v1::FetchedBlock* out = response->add_blocks();
+    // Checked against its CRC32C here (a block that fails is dropped and not sent), and again
+    // by the receiver.
+    std::optional<BlockStore::ReadBlock> b = core_->store().Read(id, BlockStore::CrcCheck::kHere);
+    if (!b || bytes + b->bytes.size() + kPerBlockOverhead > max_message_bytes_) continue;
+    bytes += b->bytes.size() + kPerBlockOverhead;
+    out->set_found(true);
+    out->set_data(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
+    out->set_crc32c(b->crc32c);
+    out->set_level(b->level);
+    sent += b->bytes.size();
+  }
+  served_bytes_->Increment(sent);
+  return absl::OkStatus();
+}
+
+grpc::Status PeerService::RecordLocations(grpc::ServerContext* context,
+                                                       const v1::RecordLocationsRequest* request,
+                                                       v1::RecordLocationsResponse* response) {
+  return Handle(context, request, response, &PeerService::ServeRecord);
+}
+
+grpc::Status PeerService::LookupLocations(grpc::ServerContext* context,
+                                                       const v1::LookupLocationsRequest* request,
+                                                       v1::LookupLocationsResponse* response) {
+  return Handle(context, request, response, &PeerService::ServeLookup);
+}
+
+grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
+                                                   const v1::FetchBlocksRequest* request,
+                                                   v1::FetchBlocksResponse* response) {
+  return Handle(context, request, response, &PeerService::ServeFetch);
+}
+
+}  // namespace proxima::daemon::cluster

@@ -1,0 +1,71 @@
+// PeerService: this daemon's side of proxima.v1.Peer (proto/proxima/v1/peer.proto), what the
+// other daemons of the cluster call. Every call must carry the cluster's peer token; the callers
+// have authenticated and authorized their own workers already, so the service acts on any
+// namespace (by name) and partition it is asked about, and nothing else.
+//
+// A synchronous gRPC service on purpose: the worker-facing handlers (callback API) block while
+// they wait for peers, and may hold every callback thread of the daemon; peer calls are served
+// by the sync server's own threads, so two daemons waiting on each other always make progress.
+//
+// Thread-safe: gRPC calls the handlers concurrently.
+#ifndef PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_
+#define PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/cluster/location_table.h"
+#include "daemon/metrics.h"
+#include "daemon/tier_service.h"
+#include "proxima/v1/peer.grpc.pb.h"
+
+namespace proxima::daemon::cluster {
+
+// The BlockIds a PeerBlockSet names on this daemon. INVALID_ARGUMENT for a malformed key or more
+// than `max_keys` keys; NOT_FOUND for a namespace this daemon does not have.
+absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
+                                                     const v1::PeerBlockSet& set,
+                                                     size_t max_keys);
+
+class PeerService final : public v1::Peer::Service {
+ public:
+  // `core`, `records` and `registry` must outlive the service. `self` is this daemon's node id.
+  PeerService(TierService* core, LocationTable* records, std::string self, std::string token,
+              uint64_t max_message_bytes, metrics::Registry* registry);
+
+  grpc::Status RecordLocations(grpc::ServerContext* context,
+                               const v1::RecordLocationsRequest* request,
+                               v1::RecordLocationsResponse* response) override;
+  grpc::Status LookupLocations(grpc::ServerContext* context,
+                               const v1::LookupLocationsRequest* request,
+                               v1::LookupLocationsResponse* response) override;
+  grpc::Status FetchBlocks(grpc::ServerContext* context, const v1::FetchBlocksRequest* request,
+                           v1::FetchBlocksResponse* response) override;
+
+  // The bodies, transport aside (the handlers authenticate, then call these).
+  absl::Status ServeRecord(const v1::RecordLocationsRequest& request,
+                           v1::RecordLocationsResponse* response);
+  absl::Status ServeLookup(const v1::LookupLocationsRequest& request,
+                           v1::LookupLocationsResponse* response);
+  absl::Status ServeFetch(const v1::FetchBlocksRequest& request,
+                          v1::FetchBlocksResponse* response);
+
+ private:
+  absl::Status Authenticate(const grpc::ServerContext& context) const;
+  template <typename Req, typename Resp>
+  grpc::Status Handle(grpc::ServerContext* context, const Req* request, Resp* response,
+                      absl::Status (PeerService::*serve)(const Req&, Resp*));
+
+  TierService* const core_;
+  LocationTable* const records_;
+  const std::string self_;
+  const std::string token_;
+  const uint64_t max_message_bytes_;
+  metrics::Counter* unauthenticated_ = nullptr;
+  metrics::Counter* served_bytes_ = nullptr;
+};
+
+}  // namespace proxima::daemon::cluster
+
+#endif  // PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_

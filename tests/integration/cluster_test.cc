@@ -1,0 +1,476 @@
+// Cluster integration tests: three real proximad processes on loopback, each with its own ports,
+// joined by static peer lists (cluster.peers), driven through libproxima as workers would.
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/client.h"
+#include "client/test_pattern.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proxima/v1/peer.grpc.pb.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/test_blocks.h"
+
+namespace proxima {
+namespace {
+
+using ::proxima::client::Client;
+using ::proxima::client::Profile;
+using ::proxima::client::PutOutcome;
+using ::proxima::testing::Blocks;
+using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::GetAndCheck;
+using ::proxima::testing::IsOkAndHolds;
+using ::proxima::testing::MakeBlocks;
+using ::proxima::testing::MetricValue;
+using ::proxima::testing::MustConnect;
+using ::proxima::testing::TestModel;
+
+constexpr char kPeerToken[] = "cluster-test-peer-token-0123456789";
+// cluster.peer_deadline of these tests: the most any call may spend on peers.
+constexpr absl::Duration kPeerDeadline = absl::Milliseconds(1000);
+
+// A TCP port that was free a moment ago (the daemons need their ports before they start, to list
+// each other as peers).
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  // Starts `n` daemons that list each other (and themselves) as peers.
+  void StartCluster(int n, std::vector<std::string> extra = {}) {
+    char tmpl[] = "/tmp/proxima-cluster-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    token_file_ = dir_ + "/peer-token";
+    std::ofstream(token_file_) << kPeerToken << "\n";
+    std::vector<std::string> peers;
+    for (int i = 0; i < n; ++i) {
+      ports_.push_back(FreePort());
+      peers.push_back(absl::StrCat("127.0.0.1:", ports_.back()));
+    }
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::string> sets = {
+          absl::StrCat("server.listen=", peers[i]),
+          "ucx.enabled=false",
+          "cluster.enabled=true",
+          absl::StrCat("cluster.advertise=", peers[i]),
+          absl::StrCat("cluster.peers=[", absl::StrJoin(peers, ", "), "]"),
+          absl::StrCat("cluster.peer_token={file: ", token_file_, "}"),
+          "cluster.health_interval=100ms",
+          "cluster.health_timeout=100ms",
+          "cluster.failures_before_down=2",
+          absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(kPeerDeadline), "ms")};
+      sets.insert(sets.end(), extra.begin(), extra.end());
+      auto d = DaemonProcess::Start(sets);
+      ASSERT_OK(d.status());
+      daemons_.push_back(*std::move(d));
+    }
+  }
+  void TearDown() override {
+    daemons_.clear();
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  double Metric(int node, const std::string& series) {
+    absl::StatusOr<std::string> text = daemons_[node]->ScrapeMetrics();
+    return text.ok() ? MetricValue(*text, series) : -1;
+  }
+  // Waits until `node` sees `live` nodes in its live set.
+  bool WaitLive(int node, int live, absl::Duration timeout = absl::Seconds(15)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      if (Metric(node, "proxima_cluster_live_nodes") == live) return true;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+  // Waits until a Lookup of chain `seed` [0, count) from `c` finds `want` blocks (location
+  // records travel in the background after a put).
+  size_t WaitLookup(Client& c, const Profile& p, uint64_t seed, size_t count, size_t want) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    size_t got = 0;
+    while (absl::Now() < deadline) {
+      absl::StatusOr<size_t> n = c.Lookup(p, client::TestKeyChain(seed, 0, count));
+      got = n.ok() ? *n : 0;
+      if (got == want) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return got;
+  }
+
+  std::string dir_;
+  std::string token_file_;
+  std::vector<int> ports_;
+  std::vector<std::unique_ptr<DaemonProcess>> daemons_;
+};
+
+TEST_F(ClusterTest, PutOnOneNodeIsFoundAndReadByteExactFromTheOthers) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(3));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  auto b = MustConnect(daemons_[1]->tcp_target());
+  auto c = MustConnect(daemons_[2]->unix_target());
+  ASSERT_TRUE(a && b && c);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  constexpr size_t kBlocks = 24;
+  Blocks blocks = MakeBlocks(1, 0, kBlocks, p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(auto outcomes, a->Put(p, blocks.keys, blocks.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+
+  EXPECT_EQ(WaitLookup(*b, p, 1, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(WaitLookup(*c, p, 1, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*b, p, 1, 0, kBlocks), kBlocks);  // byte-exact, checked block by block
+  EXPECT_EQ(GetAndCheck(*c, p, 1, 0, kBlocks), kBlocks);
+  EXPECT_EQ(Metric(1, "proxima_cluster_remote_get_hits_total"), kBlocks);
+  EXPECT_EQ(Metric(1, "proxima_cluster_fetch_crc_failures_total"), 0);
+  EXPECT_GE(Metric(0, "proxima_transfer_bytes_total{transport=\"peer_grpc\",direction=\"out\"}"),
+            2.0 * kBlocks * p.block_bytes);
+  // B and C only read: their own tiers hold nothing.
+  ASSERT_OK_AND_ASSIGN(auto stats, b->Stats());
+  EXPECT_EQ(stats.tiers(0).blocks(), 0u);
+
+  // A chain whose first half is on A and second half on B is found whole from C.
+  Blocks first = MakeBlocks(2, 0, 8, p.block_bytes);
+  Blocks second = MakeBlocks(2, 8, 8, p.block_bytes);
+  ASSERT_OK(a->Put(p, first.keys, first.spans()).status());
+  ASSERT_OK(b->Put(p, second.keys, second.spans()).status());
+  EXPECT_EQ(WaitLookup(*c, p, 2, 16, 16), 16u);
+  EXPECT_EQ(GetAndCheck(*c, p, 2, 0, 16), 16u);
+  // A gap stops the chain, wherever the blocks are.
+  ASSERT_OK_AND_ASSIGN(size_t deleted, a->Delete(p, std::span(first.keys).subspan(3, 1)));
+  EXPECT_EQ(deleted, 1u);
+  EXPECT_EQ(WaitLookup(*c, p, 2, 16, 3), 3u);  // the home forgets the record in the background
+  EXPECT_EQ(GetAndCheck(*c, p, 2, 3, 1), 0u);  // a miss, not an error
+
+  // Another model's profile sees none of it, here as on a single daemon.
+  ASSERT_OK_AND_ASSIGN(Profile other, b->RegisterProfile(TestModel(16, "another-model")));
+  EXPECT_THAT(b->Lookup(other, client::TestKeyChain(1, 0, kBlocks)), IsOkAndHolds(0u));
+}
+
+TEST_F(ClusterTest, NamespacesStayApartAcrossNodes) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"namespaces=[{name: a}, {name: b}]"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
+  auto put_a = MustConnect(daemons_[0]->tcp_target(), "a");
+  auto get_a = MustConnect(daemons_[1]->tcp_target(), "a");
+  auto get_b = MustConnect(daemons_[1]->tcp_target(), "b");
+  ASSERT_OK_AND_ASSIGN(Profile p, put_a->RegisterProfile(TestModel()));
+  ASSERT_OK(get_a->RegisterProfile(TestModel()).status());
+  ASSERT_OK(get_b->RegisterProfile(TestModel()).status());
+  Blocks blocks = MakeBlocks(5, 0, 12, p.block_bytes);
+  ASSERT_OK(put_a->Put(p, blocks.keys, blocks.spans()).status());
+  EXPECT_EQ(WaitLookup(*get_a, p, 5, 12, 12), 12u);
+  EXPECT_THAT(get_b->Lookup(p, client::TestKeyChain(5, 0, 12)), IsOkAndHolds(0u));
+  EXPECT_EQ(GetAndCheck(*get_b, p, 5, 0, 12), 0u);
+}
+
+TEST_F(ClusterTest, PeerCallsNeedThePeerToken) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(1));
+  auto channel = grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Peer::NewStub(channel);
+  v1::FetchBlocksRequest request;
+  request.mutable_blocks()->set_namespace_name("default");
+  request.mutable_blocks()->add_keys(std::string(32, 'k'));
+  for (const std::string& token : {std::string(), std::string("Bearer wrong-token-of-same-len")}) {
+    grpc::ClientContext context;
+    if (!token.empty()) context.AddMetadata("authorization", token);
+    v1::FetchBlocksResponse response;
+    grpc::Status s = stub->FetchBlocks(&context, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << token;
+    EXPECT_EQ(response.blocks_size(), 0);
+  }
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
+  v1::FetchBlocksResponse response;
+  ASSERT_TRUE(stub->FetchBlocks(&context, request, &response).ok());
+  ASSERT_EQ(response.blocks_size(), 1);
+  EXPECT_FALSE(response.blocks(0).found());
+  // A worker-facing bearer token is not a peer token, and the tenant's API is unchanged.
+  EXPECT_EQ(Metric(0, "proxima_cluster_peer_calls_unauthenticated_total"), 2);
+}
+
+TEST_F(ClusterTest, APeerTokenThatIsAlsoATenantTokenIsRefusedAtStart) {
+  char tmpl[] = "/tmp/proxima-cluster-XXXXXX";
+  dir_ = mkdtemp(tmpl);
+  token_file_ = dir_ + "/token";
+  std::ofstream(token_file_) << kPeerToken << "\n";
+  const std::string self = absl::StrCat("127.0.0.1:", FreePort());
+  auto d = DaemonProcess::Start(
+      {"server.listen=" + self, "cluster.enabled=true", "cluster.advertise=" + self,
+       "cluster.peers=[" + self + "]", "cluster.peer_token={file: " + token_file_ + "}",
+       "namespaces=[{name: default, tokens: [{name: worker, file: " + token_file_ + "}]}]"});
+  ASSERT_FALSE(d.ok());
+  EXPECT_THAT(d.status().message(), ::testing::HasSubstr("namespace token 'worker'"));
+}
+
+TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(3));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
+  constexpr size_t kBlocks = 16;
+  constexpr uint64_t kOnA = 10, kOnB = 11, kAfterRestart = 12;
+  {
+    auto a = MustConnect(daemons_[0]->tcp_target());
+    auto b = MustConnect(daemons_[1]->tcp_target());
+    ASSERT_TRUE(a && b);
+    ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+    ASSERT_OK(b->RegisterProfile(TestModel()).status());
+    Blocks on_a = MakeBlocks(kOnA, 0, kBlocks, p.block_bytes);
+    Blocks on_b = MakeBlocks(kOnB, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(a->Put(p, on_a.keys, on_a.spans()).status());
+    ASSERT_OK(b->Put(p, on_b.keys, on_b.spans()).status());
+  }
+  // Readers on B and C: lookups and gets of both chains, without pause, each call timed.
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> slowest_us{0};
+  std::atomic<int> calls{0}, errors{0};
+  std::vector<std::thread> readers;
+  for (int node : {1, 2}) {
+    for (int t = 0; t < 2; ++t) {
+      readers.emplace_back([&, node] {
+        auto c = MustConnect(daemons_[node]->tcp_target());
+        if (c == nullptr) return void(++errors);
+        auto p = c->RegisterProfile(TestModel());
+        if (!p.ok()) return void(++errors);
+        while (!stop.load()) {
+          for (uint64_t seed : {kOnA, kOnB}) {
+            const absl::Time start = absl::Now();
+            absl::StatusOr<size_t> n = c->Lookup(*p, client::TestKeyChain(seed, 0, kBlocks));
+            GetAndCheck(*c, *p, seed, 0, kBlocks);  // fails the test on any wrong byte
+            const int64_t us = absl::ToInt64Microseconds(absl::Now() - start);
+            if (!n.ok()) ++errors;
+            ++calls;
+            int64_t prev = slowest_us.load();
+            while (us > prev && !slowest_us.compare_exchange_weak(prev, us)) {
+            }
+          }
+        }
+      });
+    }
+  }
+  {
+    auto c = MustConnect(daemons_[2]->tcp_target());
+    ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+    EXPECT_EQ(WaitLookup(*c, p, kOnA, kBlocks, kBlocks), kBlocks);
+    EXPECT_EQ(WaitLookup(*c, p, kOnB, kBlocks, kBlocks), kBlocks);
+  }
+  absl::SleepFor(absl::Milliseconds(500));
+  const int calls_before_kill = calls.load();
+  daemons_[0]->Signal(SIGKILL);  // the holder of chain kOnA dies mid-traffic
+  EXPECT_TRUE(WaitLive(1, 2));
+  EXPECT_TRUE(WaitLive(2, 2));
+  absl::SleepFor(absl::Milliseconds(1500));  // traffic goes on without A
+  stop.store(true);
+  for (auto& t : readers) t.join();
+  std::cout << "readers: " << calls.load() << " lookup+get rounds (" << calls_before_kill
+            << " before the kill), slowest " << slowest_us.load() / 1000 << " ms\n";
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_GT(calls.load(), calls_before_kill + 4) << "the readers stalled after the kill";
+  // Lookup + Get of one chain: each call spends at most the peer deadline on peers.
+  EXPECT_LT(absl::Microseconds(slowest_us.load()), 2 * kPeerDeadline + absl::Milliseconds(500));
+  for (int node : {1, 2}) {
+    SCOPED_TRACE(node);
+    auto c = MustConnect(daemons_[node]->tcp_target());
+    ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+    EXPECT_THAT(c->Lookup(p, client::TestKeyChain(kOnA, 0, kBlocks)), IsOkAndHolds(0u));
+    EXPECT_EQ(GetAndCheck(*c, p, kOnA, 0, kBlocks), 0u);
+    // B's blocks are unaffected. Their records that lived on A are gone with it, so only the
+    // keys whose home is B or C are still found from C; from B itself, all of them.
+    if (node == 1) {
+      EXPECT_THAT(c->Lookup(p, client::TestKeyChain(kOnB, 0, kBlocks)), IsOkAndHolds(kBlocks));
+      EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks);
+    }
+    EXPECT_EQ(Metric(node, "proxima_cluster_fetch_crc_failures_total"), 0);
+  }
+  // A restarts (same port, empty tiers): it rejoins, and serves new puts to the others.
+  ASSERT_OK(daemons_[0]->Restart());
+  EXPECT_TRUE(WaitLive(0, 3));
+  EXPECT_TRUE(WaitLive(1, 3));
+  EXPECT_TRUE(WaitLive(2, 3));
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  Blocks fresh = MakeBlocks(kAfterRestart, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(a->Put(p, fresh.keys, fresh.spans()).status());
+  for (int node : {1, 2}) {
+    auto c = MustConnect(daemons_[node]->tcp_target());
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    EXPECT_EQ(WaitLookup(*c, p, kAfterRestart, kBlocks, kBlocks), kBlocks) << node;
+    EXPECT_EQ(GetAndCheck(*c, p, kAfterRestart, 0, kBlocks), kBlocks) << node;
+  }
+}
+
+// Network namespaces (iproute2), one per daemon, joined by veth pairs to a bridge in a hub
+// namespace: daemons that reach each other only over their veth links, on their own addresses.
+// Created and removed by the test; all traffic stays in them.
+class NetnsTopology {
+ public:
+  // Empty `error` on success; otherwise why namespaces cannot be made here.
+  NetnsTopology(int nodes, std::string* error) {
+    const std::string tag = std::to_string(getpid() % 100000);
+    hub_ = "pxt" + tag + "hub";
+    if (!Ip({"netns", "add", hub_}, error)) return;
+    made_.push_back(hub_);
+    if (!Ip({"-n", hub_, "link", "add", "br0", "type", "bridge"}, error) ||
+        !Ip({"-n", hub_, "link", "set", "br0", "up"}, error)) {
+      return;
+    }
+    for (int i = 0; i < nodes; ++i) {
+      const std::string ns = "pxt" + tag + "n" + std::to_string(i);
+      const std::string node_end = "pxn" + std::to_string(i) + "x" + tag;  // <= 15 characters
+      const std::string hub_end = "pxh" + std::to_string(i) + "x" + tag;
+      const std::string addr = Address(i);
+      if (!Ip({"netns", "add", ns}, error)) return;
+      made_.push_back(ns);
+      if (!Ip({"link", "add", node_end, "type", "veth", "peer", "name", hub_end}, error) ||
+          !Ip({"link", "set", node_end, "netns", ns}, error) ||
+          !Ip({"link", "set", hub_end, "netns", hub_}, error) ||
+          !Ip({"-n", hub_, "link", "set", hub_end, "master", "br0", "up"}, error) ||
+          !Ip({"-n", ns, "addr", "add", addr + "/24", "dev", node_end}, error) ||
+          !Ip({"-n", ns, "link", "set", node_end, "up"}, error) ||
+          !Ip({"-n", ns, "link", "set", "lo", "up"}, error)) {
+        return;
+      }
+      namespaces_.push_back(ns);
+    }
+  }
+  ~NetnsTopology() {
+    std::string ignored;
+    for (auto it = made_.rbegin(); it != made_.rend(); ++it) Ip({"netns", "del", *it}, &ignored);
+  }
+  static std::string Address(int i) { return "10.213.77." + std::to_string(i + 1); }
+  std::vector<std::string> Launcher(int i) const {
+    return {kIp, "netns", "exec", namespaces_[i]};
+  }
+
+ private:
+  static constexpr char kIp[] = "/usr/sbin/ip";
+  static bool Ip(std::vector<std::string> args, std::string* error) {
+    args.insert(args.begin(), kIp);
+    testing::CommandResult r = testing::RunCommand(args, absl::Seconds(20));
+    if (r.exit_code == 0) return true;
+    *error = absl::StrCat(absl::StrJoin(args, " "), " failed (exit ", r.exit_code, "): ", r.err);
+    return false;
+  }
+  std::string hub_;
+  std::vector<std::string> made_;        // every namespace created, for the destructor
+  std::vector<std::string> namespaces_;  // the nodes'
+};
+
+TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveALostNode) {
+  if (access("/usr/sbin/ip", X_OK) != 0) GTEST_SKIP() << "iproute2 (/usr/sbin/ip) not installed";
+  constexpr int kNodes = 3;
+  std::string error;
+  NetnsTopology net(kNodes, &error);
+  if (!error.empty()) {
+    GTEST_SKIP() << "cannot create network namespaces here (needs root or CAP_NET_ADMIN and "
+                    "veth/bridge support): "
+                 << error;
+  }
+  char tmpl[] = "/tmp/proxima-netns-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string token = dir + "/peer-token";
+  std::ofstream(token) << kPeerToken << "\n";
+  std::vector<std::string> peers;
+  for (int i = 0; i < kNodes; ++i) peers.push_back(NetnsTopology::Address(i) + ":50051");
+  std::vector<std::unique_ptr<DaemonProcess>> daemons;
+  for (int i = 0; i < kNodes; ++i) {
+    auto d = DaemonProcess::Start(
+        {"server.listen=" + peers[i], "ucx.enabled=false", "cluster.enabled=true",
+         "cluster.advertise=" + peers[i],
+         absl::StrCat("cluster.peers=[", absl::StrJoin(peers, ", "), "]"),
+         "cluster.peer_token={file: " + token + "}", "cluster.health_interval=100ms",
+         "cluster.health_timeout=100ms", "cluster.failures_before_down=2",
+         absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(kPeerDeadline), "ms")},
+        net.Launcher(i));
+    ASSERT_OK(d.status());
+    daemons.push_back(*std::move(d));
+  }
+  // Workers reach their daemon over its Unix socket (file-system paths cross network
+  // namespaces); the daemons reach each other only over the veth links.
+  auto wait_lookup = [](Client& c, const Profile& p, uint64_t seed, size_t want,
+                        absl::Duration timeout = absl::Seconds(15)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    size_t got = 0;
+    while (absl::Now() < deadline) {
+      absl::StatusOr<size_t> n = c.Lookup(p, client::TestKeyChain(seed, 0, 12));
+      got = n.ok() ? *n : 0;
+      if (got == want) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return got;
+  };
+  auto a = MustConnect(daemons[0]->unix_target());
+  auto b = MustConnect(daemons[1]->unix_target());
+  auto c = MustConnect(daemons[2]->unix_target());
+  ASSERT_TRUE(a && b && c);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  Blocks blocks = MakeBlocks(21, 0, 12, p.block_bytes);
+  // Until the daemons see each other, puts stay local and are recorded nowhere else: retry.
+  const absl::Time joined = absl::Now() + absl::Seconds(15);
+  do {
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+  } while (wait_lookup(*b, p, 21, 12, absl::Milliseconds(500)) != 12 && absl::Now() < joined);
+  EXPECT_EQ(wait_lookup(*b, p, 21, 12), 12u);
+  EXPECT_EQ(wait_lookup(*c, p, 21, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*b, p, 21, 0, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*c, p, 21, 0, 12), 12u);
+
+  daemons[0]->Signal(SIGKILL);
+  // The others keep answering, within the deadline, and A's blocks become misses.
+  absl::Duration slowest;
+  const absl::Time gone = absl::Now() + absl::Seconds(15);
+  size_t still = 12;
+  while (still > 0 && absl::Now() < gone) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<size_t> n = b->Lookup(p, client::TestKeyChain(21, 0, 12));
+    const size_t got = GetAndCheck(*c, p, 21, 0, 12);
+    slowest = std::max(slowest, absl::Now() - start);
+    ASSERT_OK(n.status());
+    still = std::max(*n, got);
+  }
+  EXPECT_EQ(still, 0u);
+  EXPECT_LT(slowest, 2 * kPeerDeadline + absl::Milliseconds(500));
+
+  // A comes back in its namespace, rejoins, and its new blocks are read from B and C.
+  ASSERT_OK(daemons[0]->Restart());
+  a = MustConnect(daemons[0]->unix_target());
+  ASSERT_OK(a->RegisterProfile(TestModel()).status());
+  Blocks fresh = MakeBlocks(22, 0, 12, p.block_bytes);
+  const absl::Time rejoined = absl::Now() + absl::Seconds(15);
+  do {
+    ASSERT_OK(a->Put(p, fresh.keys, fresh.spans()).status());
+  } while (wait_lookup(*b, p, 22, 12, absl::Milliseconds(500)) != 12 &&
+           absl::Now() < rejoined);
+  EXPECT_EQ(wait_lookup(*c, p, 22, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*b, p, 22, 0, 12), 12u);
+  EXPECT_EQ(GetAndCheck(*c, p, 22, 0, 12), 12u);
+  daemons.clear();
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace proxima
