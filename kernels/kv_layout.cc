@@ -84,12 +84,26 @@ void CopySegment(const PagedLayout& l, uint64_t run, std::byte* paged, std::byte
     }
     return;
   }
-  for (uint64_t t = 0; t < T; ++t) {  // general strides: element by element
-    for (uint64_t h = 0; h < H; ++h) {
-      std::byte* p = paged + t * st + h * sh;
-      std::byte* c = canonical + (t * H + h) * D * es;
-      for (uint64_t d = 0; d < D; ++d) copy(p + d * sd, c + d * es, es);
+  // General strides: element by element, with a fixed-size copy the compiler inlines.
+  auto elements = [&]<size_t kEs>() {
+    for (uint64_t t = 0; t < T; ++t) {
+      for (uint64_t h = 0; h < H; ++h) {
+        std::byte* p = paged + t * st + h * sh;
+        std::byte* c = canonical + (t * H + h) * D * kEs;
+        for (uint64_t d = 0; d < D; ++d) copy(p + d * sd, c + d * kEs, kEs);
+      }
     }
+  };
+  switch (es) {
+    case 1:
+      elements.template operator()<1>();
+      break;
+    case 2:
+      elements.template operator()<2>();
+      break;
+    default:
+      elements.template operator()<4>();  // Validate() allows 1, 2 or 4
+      break;
   }
 }
 
