@@ -64,10 +64,10 @@ int Run(const Options& o) {
     int64_t dim_stride = 1;
   };
   const Case cases[] = {
-      {"nhd_kv_first", {kKv, kBlock, kToken, kHead, kDim}},      // FlashAttention
-      {"nhd_block_first", {kBlock, kKv, kToken, kHead, kDim}},   // FlashInfer NHD
-      {"hnd_kv_first", {kKv, kBlock, kHead, kToken, kDim}},      // HND, CPU attention
-      {"hnd_block_first", {kBlock, kKv, kHead, kToken, kDim}},   // FlashInfer HND
+      {"nhd_kv_first", {kKv, kBlock, kToken, kHead, kDim}},     // FlashAttention
+      {"nhd_block_first", {kBlock, kKv, kToken, kHead, kDim}},  // FlashInfer NHD
+      {"hnd_kv_first", {kKv, kBlock, kHead, kToken, kDim}},     // HND, CPU attention
+      {"hnd_block_first", {kBlock, kKv, kHead, kToken, kDim}},  // FlashInfer HND
       {"nhd_separate_kv", {kKv, kBlock, kToken, kHead, kDim}, true},
       {"strided_dim", {kKv, kBlock, kToken, kHead, kDim}, false, 2},  // general path
   };
@@ -98,15 +98,16 @@ int Run(const Options& o) {
     absl::Status st;
     double memcpy_gbps = 0, gather_gbps = 0, scatter_gbps = 0;
     for (int round = 0; round < o.rounds; ++round) {
-      memcpy_gbps = std::max(memcpy_gbps, gb / TimePerCall(o.min_time_s, true, [&] {
-        std::memcpy(copy.data(), canonical.data(), canonical.size());
-      }));
+      memcpy_gbps =
+          std::max(memcpy_gbps, gb / TimePerCall(o.min_time_s, true, [&] {
+                                  std::memcpy(copy.data(), canonical.data(), canonical.size());
+                                }));
       gather_gbps = std::max(gather_gbps, gb / TimePerCall(o.min_time_s, true, [&] {
-        st.Update(GatherBlocks(kv.layout, ids, dst));
-      }));
+                                            st.Update(GatherBlocks(kv.layout, ids, dst));
+                                          }));
       scatter_gbps = std::max(scatter_gbps, gb / TimePerCall(o.min_time_s, true, [&] {
-        st.Update(ScatterBlocks(kv.layout, ids, src));
-      }));
+                                              st.Update(ScatterBlocks(kv.layout, ids, src));
+                                            }));
     }
     if (!st.ok()) {
       std::fprintf(stderr, "%s: %s\n", c.name, st.ToString().c_str());

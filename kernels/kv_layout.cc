@@ -47,8 +47,8 @@ absl::Status CheckNoOverlap(std::vector<Axis> axes) {
   for (const Axis& a : axes) {
     if (static_cast<u128>(a.stride) <= reach || a.stride == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "kv layout: stride ", a.stride, " of axis '", a.name, "' (size ", a.size,
-          ") overlaps ", previous ? absl::StrCat("axis '", previous->name, "'") : "itself",
+          "kv layout: stride ", a.stride, " of axis '", a.name, "' (size ", a.size, ") overlaps ",
+          previous ? absl::StrCat("axis '", previous->name, "'") : "itself",
           ": positions would share elements; expected a stride > ", static_cast<uint64_t>(reach)));
     }
     reach += static_cast<u128>(a.stride) * (a.size - 1);
@@ -159,8 +159,8 @@ absl::Status PagedLayout::Validate() const {
                                                            {"dim", strides.dim}};
   for (const auto& [name, value] : strides_named) {
     if (value < 0 || static_cast<u128>(value) > kMaxBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("kv layout: stride of axis '", name, "' ",
-                                                     value, ": expected 0 to 2^62"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv layout: stride of axis '", name, "' ", value, ": expected 0 to 2^62"));
     }
   }
   std::vector<Axis> axes = {{"block", strides.block, num_blocks},
@@ -179,28 +179,28 @@ absl::Status PagedLayout::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat("kv layout: layer ", i, ": null data"));
     }
     if (separate != (t.v_data != nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv layout: layer ", i, ": v_data ", AddressString(t.v_data),
-          ": every layer must have separate K and V tensors or none"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv layout: layer ", i, ": v_data ", AddressString(t.v_data),
+                       ": every layer must have separate K and V tensors or none"));
     }
     if (t.size_bytes != 0 && extent > t.size_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv layout: layer ", i, ": strides reach ", static_cast<uint64_t>(extent),
-          " bytes from data, past its size_bytes ", t.size_bytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv layout: layer ", i, ": strides reach ", static_cast<uint64_t>(extent),
+                       " bytes from data, past its size_bytes ", t.size_bytes));
     }
     if (separate) {
       if (t.v_size_bytes != 0 && extent > t.v_size_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "kv layout: layer ", i, ": strides reach ", static_cast<uint64_t>(extent),
-            " bytes from v_data, past its v_size_bytes ", t.v_size_bytes));
+        return absl::InvalidArgumentError(
+            absl::StrCat("kv layout: layer ", i, ": strides reach ", static_cast<uint64_t>(extent),
+                         " bytes from v_data, past its v_size_bytes ", t.v_size_bytes));
       }
       const uintptr_t k = reinterpret_cast<uintptr_t>(t.data);
       const uintptr_t v = reinterpret_cast<uintptr_t>(t.v_data);
       if ((k <= v && v - k < extent) || (v < k && k - v < extent)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "kv layout: layer ", i, ": K at ", AddressString(t.data), " and V at ",
-            AddressString(t.v_data), " overlap (each spans ", static_cast<uint64_t>(extent),
-            " bytes)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("kv layout: layer ", i, ": K at ", AddressString(t.data), " and V at ",
+                         AddressString(t.v_data), " overlap (each spans ",
+                         static_cast<uint64_t>(extent), " bytes)"));
       }
     }
   }
@@ -213,9 +213,8 @@ absl::Status ValidateCall(const PagedLayout& layout, std::span<const uint64_t> b
                           std::span<const std::byte* const> blocks, bool scatter) {
   PROXIMA_RETURN_IF_ERROR(layout.Validate());
   if (blocks.size() != block_ids.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("kv layout: ", block_ids.size(),
-                                                   " block ids but ", blocks.size(),
-                                                   " block pointers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv layout: ", block_ids.size(), " block ids but ", blocks.size(), " block pointers"));
   }
   for (size_t i = 0; i < block_ids.size(); ++i) {
     if (block_ids[i] >= layout.num_blocks) {
@@ -260,8 +259,8 @@ std::byte* SegmentBase(const PagedLayout& l, size_t layer, int kv, uint64_t bloc
 
 absl::Status GatherBlocks(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                           std::span<std::byte* const> dst_blocks) {
-  std::span<const std::byte* const> blocks(
-      const_cast<const std::byte* const*>(dst_blocks.data()), dst_blocks.size());
+  std::span<const std::byte* const> blocks(const_cast<const std::byte* const*>(dst_blocks.data()),
+                                           dst_blocks.size());
   PROXIMA_RETURN_IF_ERROR(internal::ValidateCall(layout, block_ids, blocks, false));
   CopyBlocks<false>(layout, block_ids, blocks);
   return absl::OkStatus();

@@ -89,8 +89,7 @@ absl::Status ScatterBlocks(const PagedLayout& layout, std::span<const uint64_t> 
 absl::Status GatherBlocksCuda(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                               std::span<std::byte* const> dst_blocks, CUstream_st* stream);
 absl::Status ScatterBlocksCuda(const PagedLayout& layout, std::span<const uint64_t> block_ids,
-                               std::span<const std::byte* const> src_blocks,
-                               CUstream_st* stream);
+                               std::span<const std::byte* const> src_blocks, CUstream_st* stream);
 
 // Whether the *Cuda entry points were built: gpu::BuiltWithCuda() (kernels/device.h).
 

@@ -19,8 +19,7 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
 }
 
 absl::Status CopyCuda(const PagedLayout& l, std::span<const uint64_t> ids,
-                      std::span<const std::byte* const> blocks, bool scatter,
-                      cudaStream_t stream) {
+                      std::span<const std::byte* const> blocks, bool scatter, cudaStream_t stream) {
   PROXIMA_RETURN_IF_ERROR(internal::ValidateCall(l, ids, blocks, scatter));
   if (ids.empty()) return absl::OkStatus();
   const uint64_t es = l.element_size;
@@ -77,14 +76,13 @@ absl::Status CopyCuda(const PagedLayout& l, std::span<const uint64_t> ids,
 
 absl::Status GatherBlocksCuda(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                               std::span<std::byte* const> dst_blocks, CUstream_st* stream) {
-  std::span<const std::byte* const> blocks(
-      const_cast<const std::byte* const*>(dst_blocks.data()), dst_blocks.size());
+  std::span<const std::byte* const> blocks(const_cast<const std::byte* const*>(dst_blocks.data()),
+                                           dst_blocks.size());
   return CopyCuda(layout, block_ids, blocks, false, stream);
 }
 
 absl::Status ScatterBlocksCuda(const PagedLayout& layout, std::span<const uint64_t> block_ids,
-                               std::span<const std::byte* const> src_blocks,
-                               CUstream_st* stream) {
+                               std::span<const std::byte* const> src_blocks, CUstream_st* stream) {
   return CopyCuda(layout, block_ids, src_blocks, true, stream);
 }
 

@@ -9,7 +9,7 @@ namespace proxima::kv_layout::cuda {
 namespace {
 
 constexpr uint32_t kThreads = 256;
-constexpr uint64_t kMaxGridX = 65535;     // segments per launch row (the kernel loops past it)
+constexpr uint64_t kMaxGridX = 65535;      // segments per launch row (the kernel loops past it)
 constexpr uint64_t kMaxBlocksPerSeg = 64;  // grid.y: a segment is at most a few MiB
 
 template <typename Unit, bool kScatter>

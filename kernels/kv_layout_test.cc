@@ -177,13 +177,12 @@ class KvLayoutBadInputTest : public ::testing::Test {
 TEST_F(KvLayoutBadInputTest, ElementSize) {
   PagedLayout l = kv_.layout;
   l.element_size = 3;
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("element_size 3")));
+  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element_size 3")));
 }
 
 TEST_F(KvLayoutBadInputTest, ZeroDimensions) {
-  for (auto field : {&PagedLayout::num_kv_heads, &PagedLayout::head_dim,
-                     &PagedLayout::tokens_per_block}) {
+  for (auto field :
+       {&PagedLayout::num_kv_heads, &PagedLayout::head_dim, &PagedLayout::tokens_per_block}) {
     PagedLayout l = kv_.layout;
     l.*field = 0;
     EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(" 0:")));
@@ -199,44 +198,43 @@ TEST_F(KvLayoutBadInputTest, ZeroDimensions) {
 TEST_F(KvLayoutBadInputTest, NegativeStride) {
   PagedLayout l = kv_.layout;
   l.strides.token = -16;
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("axis 'token' -16")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("axis 'token' -16")));
 }
 
 TEST_F(KvLayoutBadInputTest, OverlappingStrides) {
   PagedLayout l = kv_.layout;  // dense NHD: dim 1, head 8, token 16, block 64, kv 384
   l.strides.head = 4;          // heads 4 elements apart but rows are 8 long
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("stride 4 of axis 'head'")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stride 4 of axis 'head'")));
   l = kv_.layout;
   l.strides.block = 0;  // every block on the same memory
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("stride 0 of axis 'block'")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("stride 0 of axis 'block'")));
   l = kv_.layout;
   l.strides.kv = l.strides.block;  // V of block 0 is K of block 1
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("axis 'kv'")));
+  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("axis 'kv'")));
 }
 
 TEST_F(KvLayoutBadInputTest, ExtentPastTheTensorSize) {
   PagedLayout l = kv_.layout;
   l.layers[1].size_bytes -= 1;
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("layer 1: strides reach")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 1: strides reach")));
   Spec s;
   s.order = {kBlock, kKv, kToken, kHead, kDim};
   PagedKv block_first(s);
   l = block_first.layout;
   l.num_blocks += 1;  // one block more than the tensors hold
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("layer 0: strides reach")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 0: strides reach")));
   s = Spec{};
   s.separate_kv = true;
   PagedKv sep(s);
   l = sep.layout;
   l.layers[0].v_size_bytes = 100;
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("past its v_size_bytes 100")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("past its v_size_bytes 100")));
 }
 
 TEST_F(KvLayoutBadInputTest, SeparateKAndVThatOverlapOrMix) {
@@ -249,15 +247,15 @@ TEST_F(KvLayoutBadInputTest, SeparateKAndVThatOverlapOrMix) {
   EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("overlap")));
   l = sep.layout;
   l.layers[1].v_data = nullptr;
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("layer 1: v_data 0x0")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 1: v_data 0x0")));
 }
 
 TEST_F(KvLayoutBadInputTest, NullPointers) {
   PagedLayout l = kv_.layout;
   l.layers[1].data = nullptr;
-  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
-                                  HasSubstr("layer 1: null data")));
+  EXPECT_THAT(Gather(l),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 1: null data")));
   std::vector<std::byte> out(kv_.layout.BlockBytes());
   std::vector<std::byte*> dst = {out.data(), nullptr};
   std::vector<uint64_t> ids = {0, 3};
@@ -275,9 +273,9 @@ TEST_F(KvLayoutBadInputTest, BlockIdsOutOfRangeOrMismatched) {
   std::vector<std::byte> out(kv_.layout.BlockBytes());
   std::vector<std::byte*> dst = {out.data()};
   std::vector<uint64_t> ids = {0, 1};
-  EXPECT_THAT(GatherBlocks(kv_.layout, ids, dst),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("2 block ids but 1 block pointers")));
+  EXPECT_THAT(
+      GatherBlocks(kv_.layout, ids, dst),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 block ids but 1 block pointers")));
 }
 
 TEST_F(KvLayoutBadInputTest, ScatterOfOneBlockTwice) {
@@ -286,8 +284,7 @@ TEST_F(KvLayoutBadInputTest, ScatterOfOneBlockTwice) {
   std::vector<uint64_t> ids = {4, 4};
   const std::vector<std::vector<std::byte>> before = kv_.buffers;
   EXPECT_THAT(ScatterBlocks(kv_.layout, ids, Const(Pointers(src, 2, bb))),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("block id 4 appears twice")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block id 4 appears twice")));
   EXPECT_EQ(kv_.buffers, before);  // nothing written
 }
 

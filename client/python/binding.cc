@@ -498,8 +498,8 @@ class PyKvLayout {
     const auto& [kv, block, token, head, dim] = strides;
     layout_.strides = {kv, block, token, head, dim};
     for (const auto& [k, v, k_size, v_size] : layers) {
-      layout_.layers.push_back({reinterpret_cast<std::byte*>(k), reinterpret_cast<std::byte*>(v),
-                                k_size, v_size});
+      layout_.layers.push_back(
+          {reinterpret_cast<std::byte*>(k), reinterpret_cast<std::byte*>(v), k_size, v_size});
     }
     if (absl::Status st = layout_.Validate(); !st.ok()) Throw(st);
   }

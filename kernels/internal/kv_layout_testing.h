@@ -36,8 +36,8 @@ struct Spec {
     for (int a : order) names.push_back(kAxisNames[a]);
     return absl::StrCat("es=", element_size, " L=", layers, " H=", heads, " D=", head_dim,
                         " T=", tokens, " blocks=", num_blocks, " separate=", separate_kv,
-                        " order=", absl::StrJoin(names, ","), " pad=",
-                        absl::StrJoin(padding, ","), " dim_stride=", dim_stride);
+                        " order=", absl::StrJoin(names, ","), " pad=", absl::StrJoin(padding, ","),
+                        " dim_stride=", dim_stride);
   }
 };
 
