@@ -54,7 +54,12 @@ absl::Status CopyCuda(const PagedLayout& l, std::span<const uint64_t> ids,
     shape.units_per_row = row_bytes / unit;
     shape.unit_stride = static_cast<int64_t>(unit);
   } else {
-    // Strided dim: element by element (element addresses are aligned when the tensor's are).
+    // Strided dim: element by element, each element one aligned load and store.
+    if (alignment % es != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv layout: an address is not a multiple of element_size ", es,
+                       " (the CUDA path loads whole elements when the dim axis is strided)"));
+    }
     shape.unit_bytes = static_cast<uint32_t>(es);
     shape.units_per_row = l.head_dim;
     shape.unit_stride = l.strides.dim * static_cast<int64_t>(es);

@@ -297,6 +297,18 @@ TEST_F(KvLayoutBadInputTest, CudaPathValidatesTheSameOrSaysWhyNot) {
   absl::Status s = GatherBlocksCuda(l, ids, dst, nullptr);
 #if PROXIMA_WITH_CUDA
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("element_size 3")));
+  // Checked on the host before any CUDA call, so it runs without a device too.
+  Spec strided;
+  strided.dim_stride = 2;
+  PagedKv kv(strided);
+  l = kv.layout;
+  for (PagedTensor& t : l.layers) {
+    t.data += 1;
+    t.size_bytes = 0;
+  }
+  EXPECT_THAT(
+      GatherBlocksCuda(l, ids, dst, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a multiple of element_size 2")));
 #else
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("without CUDA")));
 #endif
