@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -271,6 +272,40 @@ absl::Status ScatterBlocks(const PagedLayout& layout, std::span<const uint64_t> 
   PROXIMA_RETURN_IF_ERROR(internal::ValidateCall(layout, block_ids, src_blocks, true));
   CopyBlocks<true>(layout, block_ids, src_blocks);
   return absl::OkStatus();
+}
+
+namespace {
+
+// Pointers to the blocks of a back-to-back buffer, after checking its size.
+absl::StatusOr<std::vector<std::byte*>> BlocksOf(const PagedLayout& layout, size_t n,
+                                                 const std::byte* data, size_t size) {
+  PROXIMA_RETURN_IF_ERROR(layout.Validate());  // BlockBytes() is meaningful
+  const size_t bb = layout.BlockBytes();
+  if (n > 0 && (data == nullptr || size / bb < n)) {
+    return absl::InvalidArgumentError(absl::StrCat("kv layout: block buffer of ", size,
+                                                   " bytes at ", AddressString(data), " for ", n,
+                                                   " blocks of ", bb, " bytes"));
+  }
+  std::vector<std::byte*> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = const_cast<std::byte*>(data) + i * bb;
+  return out;
+}
+
+}  // namespace
+
+absl::Status GatherBlocksToBuffer(const PagedLayout& layout, std::span<const uint64_t> block_ids,
+                                  std::span<std::byte> dst) {
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<std::byte*> blocks,
+                           BlocksOf(layout, block_ids.size(), dst.data(), dst.size()));
+  return GatherBlocks(layout, block_ids, blocks);
+}
+
+absl::Status ScatterBlocksFromBuffer(const PagedLayout& layout, std::span<const uint64_t> block_ids,
+                                     std::span<const std::byte> src) {
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<std::byte*> blocks,
+                           BlocksOf(layout, block_ids.size(), src.data(), src.size()));
+  return ScatterBlocks(layout, block_ids,
+                       std::vector<const std::byte*>(blocks.begin(), blocks.end()));
 }
 
 }  // namespace proxima::kv_layout

@@ -82,6 +82,13 @@ absl::Status GatherBlocks(const PagedLayout& layout, std::span<const uint64_t> b
 absl::Status ScatterBlocks(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                            std::span<const std::byte* const> src_blocks);
 
+// The same with the canonical blocks back to back in one buffer: block i at i * BlockBytes().
+// kInvalidArgument when the buffer is smaller than block_ids.size() * BlockBytes().
+absl::Status GatherBlocksToBuffer(const PagedLayout& layout, std::span<const uint64_t> block_ids,
+                                  std::span<std::byte> dst);
+absl::Status ScatterBlocksFromBuffer(const PagedLayout& layout, std::span<const uint64_t> block_ids,
+                                     std::span<const std::byte> src);
+
 // The same on the GPU: `data`/`v_data` and the block pointers are device-accessible addresses
 // (device memory, or page-locked host memory under unified addressing). Validation is done on
 // the host; the copy is enqueued on `stream` (nullptr = legacy default stream) and the call

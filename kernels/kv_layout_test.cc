@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -144,6 +145,25 @@ TEST(KvLayoutTest, GatherThenScatterRoundTripsByteExact) {
   }
 }
 
+TEST(KvLayoutTest, OneBufferOfBlocksEqualsAPointerPerBlock) {
+  std::mt19937_64 rng(4);
+  for (const Spec& spec : NamedSpecs()) {
+    SCOPED_TRACE(spec.ToString());
+    PagedKv kv(spec);
+    const size_t bb = kv.layout.BlockBytes();
+    const std::vector<uint64_t> ids = RandomIds(rng, spec.num_blocks, 3);
+    std::vector<std::byte> one(ids.size() * bb), each(ids.size() * bb);
+    ASSERT_OK(GatherBlocksToBuffer(kv.layout, ids, std::span<std::byte>(one)));
+    ASSERT_OK(GatherBlocks(kv.layout, ids, Pointers(each, ids.size(), bb)));
+    ASSERT_EQ(one, each);
+    for (std::byte& b : one) b = static_cast<std::byte>(rng());
+    PagedKv reference(spec);
+    ASSERT_OK(ScatterBlocksFromBuffer(kv.layout, ids, std::span<const std::byte>(one)));
+    ASSERT_OK(ScatterBlocks(reference.layout, ids, Const(Pointers(one, ids.size(), bb))));
+    ASSERT_EQ(kv.buffers, reference.buffers);
+  }
+}
+
 TEST(KvLayoutTest, EmptyBatchIsANoOp) {
   PagedKv kv(Spec{});
   EXPECT_OK(GatherBlocks(kv.layout, {}, {}));
@@ -276,6 +296,19 @@ TEST_F(KvLayoutBadInputTest, BlockIdsOutOfRangeOrMismatched) {
   EXPECT_THAT(
       GatherBlocks(kv_.layout, ids, dst),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 block ids but 1 block pointers")));
+}
+
+TEST_F(KvLayoutBadInputTest, BlockBufferTooSmallOrNull) {
+  const size_t bb = kv_.layout.BlockBytes();
+  std::vector<std::byte> buf(2 * bb - 1);
+  std::vector<uint64_t> ids = {0, 1};
+  EXPECT_THAT(GatherBlocksToBuffer(kv_.layout, ids, std::span<std::byte>(buf)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("block buffer of ", 2 * bb - 1, " bytes"))));
+  EXPECT_THAT(ScatterBlocksFromBuffer(kv_.layout, ids, std::span<const std::byte>(buf)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("for 2 blocks")));
+  EXPECT_THAT(GatherBlocksToBuffer(kv_.layout, ids, std::span<std::byte>()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at 0x0")));
 }
 
 TEST_F(KvLayoutBadInputTest, ScatterOfOneBlockTwice) {
