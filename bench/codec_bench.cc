@@ -10,16 +10,14 @@
 // thread CPU time (memcpy too), multi-thread throughput in wall time. Without --kv_file the blocks
 // are synthetic and no error figures are printed (synthetic error numbers say nothing about real
 // KV).
-#include <time.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bench/timing.h"
 #include "kernels/codec.h"
 #include "kernels/error_metrics.h"
 #include "kernels/internal/test_blocks.h"
@@ -50,32 +48,7 @@ bool Flag(const char* arg, const char* name, std::string* value) {
   return true;
 }
 
-// Single-thread results use this thread's CPU time, so that time spent descheduled on a shared
-// machine does not count; multi-thread results use wall time (CPU time would hide poor scaling).
-double ThreadCpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-double WallSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Runs fn() repeatedly for at least min_time_s; returns seconds per call.
-template <typename Fn>
-double TimePerCall(double min_time_s, bool cpu_time, Fn fn) {
-  auto now = cpu_time ? ThreadCpuSeconds : WallSeconds;
-  fn();  // warm up
-  int iters = 0;
-  const double start = now();
-  double elapsed = 0;
-  do {
-    fn();
-    ++iters;
-    elapsed = now() - start;
-  } while (elapsed < min_time_s);
-  return elapsed / iters;
-}
+using bench::TimePerCall;
 
 std::string JsonEscape(const std::string& s) {
   std::string out;

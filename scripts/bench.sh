@@ -2,6 +2,7 @@
 # Runs a named benchmark from a fresh Release build and prints its JSON lines.
 #   scripts/bench.sh put_get     proximad inline gRPC vs Redis, 256 KiB and 2 MiB blocks, 4 clients
 #   scripts/bench.sh codec       STAR-KV encode/decode vs memcpy, ratios, error on real KV
+#   scripts/bench.sh kv_layout   paged-KV gather/scatter (vLLM layouts, CPU path) vs memcpy
 #   scripts/bench.sh quality     perplexity/KL/top-1 per codec plan on SmolLM2 (tools/eval; long)
 #   scripts/bench.sh security    TLS + mTLS + bearer token vs plaintext without token (proximactl load)
 #   scripts/bench.sh replay      Mooncake trace replay: hit ratio per memory budget, raw vs compressed
@@ -13,12 +14,13 @@
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | quality | security | replay | policy | tierer | transfer | sim | cluster)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | transfer | sim | cluster)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
   put_get) export PROXIMA_TARGETS="proximad put_get_bench" ;;
   codec) export PROXIMA_TARGETS="codec_bench" ;;
+  kv_layout) export PROXIMA_TARGETS="kv_layout_bench" ;;
   security) export PROXIMA_TARGETS="proximad proximactl" ;;
   replay) export PROXIMA_TARGETS="proximad proxima_replay" ;;
   policy) export PROXIMA_TARGETS="proxima_replay" ;;
@@ -35,6 +37,7 @@ case "$NAME" in
   put_get) exec ./build-bench/bench/put_get_bench "$@" ;;
   codec) exec ./scripts/bench-codec.sh \
            --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --working_set_mb=64 "$@" ;;
+  kv_layout) exec ./build-bench/bench/kv_layout_bench "$@" ;;
   quality) exec ./scripts/bench-quality.sh "$@" ;;
   security) exec python3 bench/security_bench.py --proximad=build-bench/daemon/proximad \
               --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
@@ -52,6 +55,6 @@ case "$NAME" in
          --trace=../shared/data/mooncake_conversation_trace.jsonl "$@" ;;
   cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
              --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, quality, security, replay, policy, tierer, transfer, sim, cluster)" >&2
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, transfer, sim, cluster)" >&2
      exit 2 ;;
 esac

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 MODE=${1:?usage: scripts/gpu-check.sh prepare|run}
 DIR=build-gpu
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
-GPU_TESTS=(kernels/kernels_codec_cuda_test daemon/daemon_test)
+GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test daemon/daemon_test)
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
 GPU_BENCH=(bench/codec_gpu_bench)

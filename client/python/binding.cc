@@ -14,6 +14,10 @@
 // Errors: a non-OK absl::Status becomes ValueError (INVALID_ARGUMENT), proxima.Unavailable
 // (UNAVAILABLE, DEADLINE_EXCEEDED: no daemon, or it did not answer in time) or proxima.Error
 // (anything else), with the status' message, which names the key, value and expectation.
+//
+// KvLayout (kernels/kv_layout.h): the paged KV tensors of an engine, described by addresses and
+// element strides, and gather/scatter of whole blocks between them and canonical blocks
+// [layer][k|v][token][head][dim], on the CPU or (device=True) with the CUDA kernel.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -31,6 +35,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -41,6 +46,8 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
+#include "kernels/kv_layout.h"
 
 namespace py = pybind11;
 
@@ -474,6 +481,79 @@ class PyClient {
   std::unique_ptr<Workers> workers_;
 };
 
+// proxima.KvLayout: validated once at construction; gather/scatter release the GIL.
+class PyKvLayout {
+ public:
+  using LayerTuple = std::tuple<uintptr_t, uintptr_t, size_t, size_t>;
+  PyKvLayout(const std::vector<LayerTuple>& layers,
+             const std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>& strides,
+             uint64_t num_blocks, uint32_t num_kv_heads, uint32_t head_dim,
+             uint32_t tokens_per_block, uint32_t element_size, bool device)
+      : device_(device) {
+    layout_.element_size = element_size;
+    layout_.num_kv_heads = num_kv_heads;
+    layout_.head_dim = head_dim;
+    layout_.tokens_per_block = tokens_per_block;
+    layout_.num_blocks = num_blocks;
+    const auto& [kv, block, token, head, dim] = strides;
+    layout_.strides = {kv, block, token, head, dim};
+    for (const auto& [k, v, k_size, v_size] : layers) {
+      layout_.layers.push_back(
+          {reinterpret_cast<std::byte*>(k), reinterpret_cast<std::byte*>(v), k_size, v_size});
+    }
+    if (absl::Status st = layout_.Validate(); !st.ok()) Throw(st);
+  }
+
+  size_t block_bytes() const { return layout_.BlockBytes(); }
+  bool device() const { return device_; }
+
+  void Gather(const std::vector<uint64_t>& ids, const py::object& blocks, uintptr_t stream) {
+    std::vector<std::byte*> ptrs = Pointers(blocks, ids.size());
+    absl::Status st;
+    {
+      py::gil_scoped_release release;
+      st = device_ ? kv_layout::GatherBlocksCuda(layout_, ids, ptrs,
+                                                 reinterpret_cast<CUstream_st*>(stream))
+                   : kv_layout::GatherBlocks(layout_, ids, ptrs);
+    }
+    if (!st.ok()) Throw(st);
+  }
+
+  void Scatter(const std::vector<uint64_t>& ids, const py::object& blocks, uintptr_t stream) {
+    std::vector<std::byte*> p = Pointers(blocks, ids.size());
+    std::vector<const std::byte*> ptrs(p.begin(), p.end());
+    absl::Status st;
+    {
+      py::gil_scoped_release release;
+      st = device_ ? kv_layout::ScatterBlocksCuda(layout_, ids, ptrs,
+                                                  reinterpret_cast<CUstream_st*>(stream))
+                   : kv_layout::ScatterBlocks(layout_, ids, ptrs);
+    }
+    if (!st.ok()) Throw(st);
+  }
+
+ private:
+  // `blocks`: one address per block, or one int: blocks back to back from that address.
+  std::vector<std::byte*> Pointers(const py::object& blocks, size_t n) const {
+    std::vector<std::byte*> out;
+    if (py::isinstance<py::int_>(blocks)) {
+      const uintptr_t base = blocks.cast<uintptr_t>();
+      if (base == 0) throw py::value_error("kv layout: block buffer address 0 is null");
+      for (size_t i = 0; i < n; ++i) {
+        out.push_back(reinterpret_cast<std::byte*>(base + i * layout_.BlockBytes()));
+      }
+      return out;
+    }
+    for (uintptr_t a : blocks.cast<std::vector<uintptr_t>>()) {
+      out.push_back(reinterpret_cast<std::byte*>(a));
+    }
+    return out;  // the count is checked against the ids by the call
+  }
+
+  kv_layout::PagedLayout layout_;
+  bool device_;
+};
+
 }  // namespace
 }  // namespace proxima::client
 
@@ -542,4 +622,27 @@ PYBIND11_MODULE(_proxima, m) {
       .def_property_readonly("server_info", &PyClient::ServerInfoDict)
       .def_property_readonly("crc_failures", &PyClient::crc_failures)
       .def_property_readonly("registered_buffers", &PyClient::registered_buffers);
+
+  m.attr("KV_LAYOUT_CUDA") = proxima::gpu::BuiltWithCuda();
+  py::class_<PyKvLayout>(m, "KvLayout",
+                         "Paged KV tensors (addresses and element strides) and gather/scatter "
+                         "of canonical blocks [layer][k|v][token][head][dim]")
+      .def(py::init<const std::vector<PyKvLayout::LayerTuple>&,
+                    const std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>&, uint64_t,
+                    uint32_t, uint32_t, uint32_t, uint32_t, bool>(),
+           py::arg("layers"), py::arg("strides"), py::arg("num_blocks"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("tokens_per_block"), py::arg("element_size"),
+           py::arg("device") = false,
+           "layers: per layer (k_address, v_address or 0, k_size_bytes or 0, v_size_bytes or 0); "
+           "strides: element strides of the (kv, block, token, head, dim) axes; device: the "
+           "addresses are CUDA device memory and the CUDA kernel copies")
+      .def_property_readonly("block_bytes", &PyKvLayout::block_bytes)
+      .def_property_readonly("device", &PyKvLayout::device)
+      .def("gather", &PyKvLayout::Gather, py::arg("block_ids"), py::arg("blocks"),
+           py::arg("stream") = 0,
+           "Copies paged block block_ids[i] of every layer into canonical block i: blocks is a "
+           "list of addresses or one address (blocks back to back). device=True: enqueued on "
+           "`stream` (a cudaStream_t as int, 0 = default stream), not synchronised")
+      .def("scatter", &PyKvLayout::Scatter, py::arg("block_ids"), py::arg("blocks"),
+           py::arg("stream") = 0, "The reverse of gather; block ids must be distinct");
 }

@@ -12,6 +12,14 @@ The binding (`proxima._proxima`, over libproxima) takes plain integers, never te
     c.lookup(profile, chain)                     # -> number of leading keys present
     h = c.get_async(profile, keys, blocks); h.poll(); h.wait(timeout=1.0)
 
+Paged KV caches (vLLM's tensors) to canonical blocks and back, by addresses and element strides:
+
+    kv = proxima.KvLayout(layers=[(k_addr, 0, size_bytes, 0), ...],   # (K, V or 0, sizes)
+                          strides=(s_kv, s_block, s_token, s_head, s_dim), num_blocks=...,
+                          num_kv_heads=8, head_dim=128, tokens_per_block=16, element_size=2)
+    kv.gather(block_ids, dst_address)   # blocks back to back, or a list of addresses
+    kv.scatter(block_ids, src_addresses)
+
 Engines: `proxima.vllm` (a vLLM KV connector) and `proxima.sglang` (a HiCache storage backend).
 The STAR-KV codec is `proxima.codec` (the module tools/eval uses, built from the same source).
 """
@@ -22,12 +30,12 @@ import os as _os
 # of it), named by the test harness; an installed package carries them beside this file.
 __path__ += [d for d in _os.environ.get("PROXIMA_EXTENSION_DIRS", "").split(_os.pathsep) if d]
 
-from ._proxima import KEY_BYTES, Error, Handle, Profile, Unavailable
+from ._proxima import KEY_BYTES, KV_LAYOUT_CUDA, Error, Handle, KvLayout, Profile, Unavailable
 from ._proxima import Client as _Client
 from .keys import block_key, chain_keys
 
-__all__ = ["Client", "Error", "Handle", "KEY_BYTES", "Profile", "Unavailable", "block_key",
-           "chain_keys"]
+__all__ = ["Client", "Error", "Handle", "KEY_BYTES", "KV_LAYOUT_CUDA", "KvLayout", "Profile",
+           "Unavailable", "block_key", "chain_keys"]
 
 
 class Client(_Client):

@@ -19,8 +19,12 @@ Worker side: register_kv_caches reads each layer's KV tensor layout from its sha
 (the dimension order is matched against vLLM's known layouts, never assumed), start_load_kv gets
 the blocks and scatters them into the paged tensors before the forward pass, wait_for_save
 gathers the newly full blocks into Proxima's canonical block layout [layer][k|v][token][head][dim]
-and puts them. Loads and saves are synchronous; gather/scatter is done by torch on the tensors'
-own device (a CPU staging buffer is the one the daemon reads and writes).
+and puts them. Loads and saves are synchronous. Gather/scatter is proxima.KvLayout
+(kernels/kv_layout.h), built from each layer's data pointer and the strides of its logical view:
+on CPU tensors the C++ path copies straight between the paged tensors and the staging buffer the
+daemon reads and writes; on CUDA tensors the CUDA kernel copies into a device staging buffer that
+moves to the pinned host one in one copy (when the module was built with CUDA; otherwise torch
+does the gather/scatter, logged once).
 
 A dead daemon never stops the engine: the lookup finds nothing, a load reports its blocks
 through get_block_ids_with_load_errors() so vLLM recomputes them, saves are dropped; all counted
@@ -36,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
 
+from ._proxima import KV_LAYOUT_CUDA, KvLayout
 from .engine import Link, LinkOptions, ProfileSpec
 from .keys import block_key, scope_bytes
 
@@ -121,6 +126,30 @@ def logical_view(t: torch.Tensor, block_size: int, num_heads: int, head_dim: int
     return t.permute(*[fits[0].index(r) for r in ROLES])
 
 
+def kv_layout(views: Sequence[torch.Tensor], block_size: int, num_heads: int,
+              head_dim: int) -> Optional[KvLayout]:
+    """The KvLayout of the logical [kv][block][token][head][dim] views of every layer (their data
+    pointers and strides as vLLM made them), or None when the C++ path cannot take them: layers
+    with different strides or block counts, or CUDA tensors in a module built without CUDA."""
+    first = views[0]
+    if any(v.stride() != first.stride() or v.shape != first.shape or v.device != first.device or
+           v.dtype != first.dtype for v in views):
+        logger.warning("proxima.vllm: KV tensors of the layers differ in shape, strides, device "
+                       "or dtype; gather/scatter falls back to torch")
+        return None
+    if first.is_cuda and not KV_LAYOUT_CUDA:
+        logger.warning("proxima.vllm: proxima._proxima was built without CUDA; gather/scatter of "
+                       "CUDA KV tensors falls back to torch")
+        return None
+    layers = []
+    for v in views:
+        size = v.untyped_storage().nbytes() - v.storage_offset() * v.element_size()
+        layers.append((v.data_ptr(), 0, size, 0))
+    return KvLayout(layers=layers, strides=tuple(first.stride()), num_blocks=first.shape[1],
+                    num_kv_heads=num_heads, head_dim=head_dim, tokens_per_block=block_size,
+                    element_size=first.element_size(), device=first.is_cuda)
+
+
 @dataclass
 class _Transfer:
     block_ids: List[int]
@@ -158,6 +187,8 @@ class ProximaConnector(KVConnectorBase_V1):
         # Worker side.
         self._layers: List[torch.Tensor] = []  # logical [kv][block][token][head][dim] views
         self._staging: Optional[torch.Tensor] = None
+        self._kv_layout: Optional[KvLayout] = None  # None: torch does the gather/scatter
+        self._device_staging: Optional[torch.Tensor] = None  # CUDA KV: the kernel's side
         self._load_errors: set = set()
         if role == KVConnectorRole.SCHEDULER:
             self.link.connected(wait=True)  # the worker connects once its caches are known
@@ -256,6 +287,9 @@ class ProximaConnector(KVConnectorBase_V1):
                                     device="cpu", pin_memory=first.is_cuda)
         self.link.register_buffer(self._staging.data_ptr(),
                                   self._staging.numel() * self._staging.element_size())
+        self._kv_layout = kv_layout(self._layers, s.tokens_per_block, s.num_kv_heads, s.head_dim)
+        if self._kv_layout is not None and self._kv_layout.device:
+            self._device_staging = torch.empty_like(self._staging, device=first.device)
         self.link.connected(wait=True)
 
     def _staged_blocks(self, n: int) -> List[List[Tuple[int, int]]]:
@@ -279,11 +313,7 @@ class ProximaConnector(KVConnectorBase_V1):
             self._load_errors.update(b for b, f in zip(ids, found) if not f)
             if not ok:
                 continue
-            rows = torch.tensor([i for i, f in enumerate(found) if f])
-            for layer, view in enumerate(self._layers):
-                index = torch.tensor(ok, device=view.device)
-                src = self._staging[rows, layer].to(view.device)  # [n][kv][token][head][dim]
-                view[:, index] = src.transpose(0, 1)
+            self._scatter(ok, [i for i, f in enumerate(found) if f], len(ids))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv has loaded every layer
@@ -297,10 +327,40 @@ class ProximaConnector(KVConnectorBase_V1):
         if not isinstance(meta, ProximaConnectorMetadata) or not meta.saves:
             return
         for ids, keys in self._chunks(meta.saves):
+            self._gather(ids)
+            self.link.put(keys, self._staged_blocks(len(ids)))
+
+    def _gather(self, ids: List[int]) -> None:
+        """Paged blocks `ids` of every layer into staging rows 0..len(ids)-1."""
+        n = len(ids)
+        if self._kv_layout is None:
             for layer, view in enumerate(self._layers):
                 index = torch.tensor(ids, device=view.device)
-                self._staging[:len(ids), layer].copy_(view[:, index].transpose(0, 1))
-            self.link.put(keys, self._staged_blocks(len(ids)))
+                self._staging[:n, layer].copy_(view[:, index].transpose(0, 1))
+        elif self._device_staging is None:
+            self._kv_layout.gather(ids, self._staging.data_ptr())
+        else:
+            stream = torch.cuda.current_stream(self._device_staging.device)
+            self._kv_layout.gather(ids, self._device_staging.data_ptr(), stream.cuda_stream)
+            self._staging[:n].copy_(self._device_staging[:n])  # waits for the kernel
+
+    def _scatter(self, ids: List[int], rows: List[int], staged: int) -> None:
+        """Staging rows `rows` into paged blocks `ids` of every layer."""
+        if self._kv_layout is None:
+            index_rows = torch.tensor(rows)
+            for layer, view in enumerate(self._layers):
+                index = torch.tensor(ids, device=view.device)
+                src = self._staging[index_rows, layer].to(view.device)  # [n][kv][token][head][dim]
+                view[:, index] = src.transpose(0, 1)
+            return
+        bb = self._kv_layout.block_bytes
+        if self._device_staging is None:
+            self._kv_layout.scatter(ids, [self._staging.data_ptr() + r * bb for r in rows])
+            return
+        dev = self._device_staging
+        dev[:staged].copy_(self._staging[:staged])
+        stream = torch.cuda.current_stream(dev.device).cuda_stream  # ordered after the copy
+        self._kv_layout.scatter(ids, [dev.data_ptr() + r * bb for r in rows], stream)
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()

@@ -186,9 +186,16 @@ def test_dead_daemon_misses_reports_failed_loads_drops_saves(daemon, model_confi
     assert w.link.counters.blocks_load_failed == 3
 
 
-def test_blocks_are_canonical_across_layouts(daemon, model_config):
-    """Saved from FlashAttention's NHD tensors, loaded into HND tensors: the same K/V values."""
-    tokens = list(range(400, 409))  # 2 full blocks
+@pytest.mark.parametrize("save_path,load_path", [("kv_layout", "kv_layout"),
+                                                  ("torch", "kv_layout"),
+                                                  ("kv_layout", "torch")])
+def test_blocks_are_canonical_across_layouts(daemon, model_config, save_path, load_path):
+    """Saved from FlashAttention's NHD tensors, loaded into HND tensors: the same K/V values,
+    whether proxima.KvLayout (the C++ path, used for CPU tensors) or torch (the fallback) does
+    the gather and the scatter."""
+    case = f"{save_path}-{load_path}"
+    first = 400 + 20 * ["kv_layout-kv_layout", "torch-kv_layout", "kv_layout-torch"].index(case)
+    tokens = list(range(first, first + 9))  # 2 full blocks
     s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, "NHD")
     w_nhd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "NHD")
     w_hnd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "HND")
@@ -196,11 +203,15 @@ def test_blocks_are_canonical_across_layouts(daemon, model_config):
     dst = {k: torch.zeros_like(v) for k, v in kv_caches("HND", seed=6).items()}
     w_nhd.register_kv_caches(src)
     w_hnd.register_kv_caches(dst)
-    r1 = request("canon-1", tokens)
-    s.get_num_new_matched_tokens(r1, 0)
+    for w, path in ((w_nhd, save_path), (w_hnd, load_path)):
+        assert w._kv_layout is not None and not w._kv_layout.device  # CPU tensors: C++ path
+        if path == "torch":
+            w._kv_layout = None
+    r1 = request(f"canon-1-{case}", tokens)
+    assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
     s.update_state_after_alloc(r1, blocks([3, 4, 5]), 0)
     assert run_worker_step(w_nhd, schedule_new(s, r1, [3, 4, 5])) == set()
-    r2 = request("canon-2", tokens)
+    r2 = request(f"canon-2-{case}", tokens)
     assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
     s.update_state_after_alloc(r2, blocks([30, 31, 32]), 8)
     assert run_worker_step(w_hnd, schedule_new(s, r2, [30, 31, 32], num_computed=8)) == set()
