@@ -6,7 +6,7 @@
 //   puts_per_s / baseline_puts_per_s     put throughput with encoding on the put path
 //   recent_hit_ratio                     of the last --recent blocks put, how many are still held
 //
-//   tierer_bench --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv \
+//   tierer_bench --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv
 //       --capacity_mb=64 --blocks=600 --levels='int8|int8;layers[0:2]=int8,default=int4,sink=int8'
 #include <chrono>
 #include <cstdio>

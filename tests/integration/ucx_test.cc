@@ -136,7 +136,9 @@ TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline)
   ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, with_miss, out));
   for (size_t i = 0; i < kBlocks; ++i) {
     EXPECT_EQ(found[i], i != 7) << i;
-    if (i != 7) EXPECT_TRUE(client::IsTestBlock(1, i, out[i])) << i;
+    if (i != 7) {
+      EXPECT_TRUE(client::IsTestBlock(1, i, out[i])) << i;
+    }
   }
 
   // Blocks stored over UCX read back inline, and the other way round.
