@@ -450,6 +450,20 @@ def exported(tmp_path_factory):
         text = d.metrics_text()
     finally:
         d.stop()
+    # The cluster's series exist only with the cluster on: the same config as a one-node
+    # cluster whose only peer never answers (no other daemon is needed to register them).
+    token = os.path.join(tmp, "peer.token")
+    with open(token, "w") as f:
+        f.write("deploy-test-peer-token-0123456789abcdef\n")
+    os.chmod(token, 0o600)
+    ctmp = str(tmp_path_factory.mktemp("metrics-cluster"))
+    c = Daemon(ctmp, path, extra_args=(
+        "--set=cluster.enabled=true", "--set=cluster.advertise=127.0.0.1:9",
+        "--set=cluster.peers=[127.0.0.1:9]", "--set=cluster.peer_token={file: %s}" % token))
+    try:
+        text += c.metrics_text()
+    finally:
+        c.stop()
     return scrape_names(text)
 
 
