@@ -28,6 +28,7 @@ server:
   listen: "127.0.0.1:50051"        # gRPC over TCP, host:port ("" disables, port 0 picks one)
   unix_socket: "/run/proxima/proximad.sock"  # gRPC over a Unix socket ("" disables)
   unix_socket_mode: "0660"         # file mode of the socket, octal
+  unix_socket_send_buffer: 4MiB    # send buffer of each Unix-socket connection (0: kernel default)
   metrics_listen: "127.0.0.1:9464" # Prometheus text endpoint, GET /metrics ("" disables)
   max_message_bytes: 64MiB         # largest gRPC request or response
   max_batch_blocks: 256            # most blocks per Put, Get or Delete
@@ -754,7 +755,8 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
   const YAML::Node server = root["server"];
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
       server, "server",
-      {"listen", "unix_socket", "unix_socket_mode", "metrics_listen", "max_message_bytes",
+      {"listen", "unix_socket", "unix_socket_mode", "unix_socket_send_buffer", "metrics_listen",
+       "max_message_bytes",
        "max_batch_blocks", "max_lookup_keys", "max_profiles_per_namespace",
        "shutdown_grace_seconds", "max_inflight_bytes_per_client", "max_connections", "tls"}));
   if (server && server.IsMap()) {
@@ -778,6 +780,9 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
       }
       s.unix_socket_mode = m;
     }
+    PROXIMA_RETURN_IF_ERROR(r.Size(server["unix_socket_send_buffer"],
+                                   "server.unix_socket_send_buffer", 0, 1ull << 30,
+                                   &s.unix_socket_send_buffer));
     PROXIMA_RETURN_IF_ERROR(
         r.String(server["metrics_listen"], "server.metrics_listen", &s.metrics_listen));
     if (!s.metrics_listen.empty() && !ValidHostPort(s.metrics_listen)) {
@@ -1027,6 +1032,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   char mode[8];
   std::snprintf(mode, sizeof(mode), "0%o", c.server.unix_socket_mode);
   e << YAML::Key << "unix_socket_mode" << YAML::Value << YAML::DoubleQuoted << mode;
+  e << YAML::Key << "unix_socket_send_buffer" << YAML::Value
+    << c.server.unix_socket_send_buffer;
   e << YAML::Key << "metrics_listen" << YAML::Value << YAML::DoubleQuoted
     << c.server.metrics_listen;
   e << YAML::Key << "max_message_bytes" << YAML::Value << c.server.max_message_bytes;

@@ -34,6 +34,8 @@ struct ServerConfig {
   std::string listen = "127.0.0.1:50051";  // host:port for gRPC over TCP; "" disables; port 0 picks
   std::string unix_socket = "/run/proxima/proximad.sock";  // gRPC over a Unix socket; "" disables
   uint32_t unix_socket_mode = 0660;                // file mode of the socket (octal in YAML: 0660)
+  uint64_t unix_socket_send_buffer = 4ull << 20;  // SO_SNDBUF of each Unix-socket connection;
+                                                  // 0 = the kernel's default
   std::string metrics_listen = "127.0.0.1:9464";  // host:port of the Prometheus endpoint; "" off
   uint64_t max_message_bytes = 64ull << 20;       // largest gRPC request or response message
   uint32_t max_batch_blocks = 256;                 // most blocks per Put / Get / Delete

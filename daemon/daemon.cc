@@ -26,38 +26,6 @@ namespace {
 
 constexpr char kServiceName[] = "proxima.v1.KVTier";
 
-// Prepares `path` for bind(): creates its directory, and removes a stale socket left by a daemon
-// that died, but refuses to take over a socket that a live server still answers on.
-absl::Status PrepareUnixSocket(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "server.unix_socket '", path, "': cannot create directory '", dir.string(), "': ",
-        ec.message()));
-  }
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();  // nothing there
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("server.unix_socket '", path, "' exists and is not a socket"));
-  }
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  if (fd >= 0) close(fd);
-  if (live) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "server.unix_socket '", path, "' is in use by a running server; stop it or pick "
-        "another path"));
-  }
-  unlink(path.c_str());
-  return absl::OkStatus();
-}
-
 // Credentials of the TCP listener: TLS (mTLS with a client CA) when server.tls is set, else
 // plaintext. Every file is read and checked now, so a bad one stops the start with an error that
 // names the key and the path.
@@ -111,9 +79,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     builder.AddListeningPort(config.server.listen, tcp_credentials, &d->tcp_port_);
   }
   if (!config.server.unix_socket.empty()) {
-    PROXIMA_RETURN_IF_ERROR(PrepareUnixSocket(config.server.unix_socket));
-    builder.AddListeningPort("unix:" + config.server.unix_socket,
-                             grpc::InsecureServerCredentials());
+    // Bound and listening now (so a socket in use stops the start here); connections are
+    // accepted once the server runs.
+    PROXIMA_ASSIGN_OR_RETURN(
+        d->unix_listener_,
+        UnixListener::Create({config.server.unix_socket, config.server.unix_socket_mode,
+                              config.server.unix_socket_send_buffer}));
   }
   builder.RegisterService(d->service_.get());
   if (config.cluster.enabled) {
@@ -121,25 +92,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                              cluster::Cluster::Create(config, d->core_.get(), &d->registry_));
     builder.RegisterService(d->cluster_->service());
   }
-  // The socket file is created by bind() inside BuildAndStart: a umask for just that moment makes
-  // it born with server.unix_socket_mode, with no window in which others could connect (the
-  // chmod below then only clears what umask cannot express, e.g. setgid bits).
-  const mode_t old_umask = umask(0777 & ~config.server.unix_socket_mode);
   d->server_ = builder.BuildAndStart();
-  umask(old_umask);
   if (d->server_ == nullptr || (!config.server.listen.empty() && d->tcp_port_ == 0)) {
     return absl::UnavailableError(absl::StrCat(
         "cannot start the gRPC server on server.listen '", config.server.listen,
-        "' / server.unix_socket '", config.server.unix_socket,
         "' (address in use, or not an address of this host?)"));
   }
-  if (!config.server.unix_socket.empty() &&
-      chmod(config.server.unix_socket.c_str(), config.server.unix_socket_mode) != 0) {
-    d->server_->Shutdown();
-    return absl::FailedPreconditionError(absl::StrCat("chmod of server.unix_socket '",
-                                                      config.server.unix_socket,
-                                                      "': ", std::strerror(errno)));
-  }
+  if (d->unix_listener_) d->unix_listener_->Start(d->server_.get());
   grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, true);
   health->SetServingStatus(true);
@@ -217,6 +176,9 @@ void Daemon::Shutdown() {
   while (service_->in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  // New Unix-socket connections were still accepted during the drain (and answered
+  // UNAVAILABLE, as over TCP); from here on they are refused.
+  if (unix_listener_) unix_listener_->Stop();
   server_->Shutdown(deadline);
   server_->Wait();
   if (cluster_) {  // no call runs anymore: the core may let go of the cluster
@@ -224,7 +186,7 @@ void Daemon::Shutdown() {
     cluster_->Stop();
   }
   if (metrics_) metrics_->Stop();
-  if (!config_.server.unix_socket.empty()) unlink(config_.server.unix_socket.c_str());
+  unix_listener_.reset();  // removes the socket file
   PROXIMA_LOG(kInfo) << "shutdown complete";
 }
 

@@ -17,6 +17,7 @@
 #include "daemon/metrics.h"
 #include "daemon/metrics_http.h"
 #include "daemon/tier_service.h"
+#include "daemon/unix_listener.h"
 #include "daemon/ucx_transport.h"
 
 namespace grpc {
@@ -56,6 +57,8 @@ class Daemon {
   std::unique_ptr<cluster::Cluster> cluster_;  // null with cluster.enabled: false
   std::unique_ptr<KvTierGrpcService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<UnixListener> unix_listener_;  // null without server.unix_socket; hands
+                                                 // connections to server_, so destroyed first
   std::unique_ptr<metrics::MetricsHttpServer> metrics_;
   int tcp_port_ = 0;
   proxima::Mutex shutdown_mu_;

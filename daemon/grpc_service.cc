@@ -149,8 +149,9 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
     if (draining_.load())
       return absl::UnavailableError("proximad is shutting down; retry elsewhere");
     PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
-    // gRPC names every Unix-socket client "unix:", so they cannot be told apart: same-node
-    // processes, admitted by the socket's file mode, are not limited per client.
+    // Every connection is a client of its own: TCP peers by address, Unix-socket connections
+    // as "fd:N" (UnixListener hands them to gRPC one by one). A "unix:" peer would be one
+    // gRPC listened for itself, which names every client alike: those are not limited.
     const bool accounted = !absl::StartsWith(peer, "unix:");
     if (accounted) {
       PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));

@@ -447,9 +447,17 @@ TEST(LimitsTest, InflightBytesPerClientAreCappedWithAClearError) {
                              HasSubstr("response"))));
   // Refused calls release what they held: small calls keep working.
   RoundTrip(*c, 13, 1);
-  // Unix-socket clients (all named "unix:" by gRPC) are not limited per client.
+  // Unix-socket connections are limited the same way, each on an account of its own (the
+  // daemon accepts them itself, so gRPC names each one "fd:N" instead of all "unix:").
   ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
-  RoundTrip(*local, 14, 5);
+  std::vector<BlockKey> local_keys = client::TestKeyChain(14, 0, 5);
+  EXPECT_THAT(local->Put(p, local_keys, in),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("client fd:"),
+                             HasSubstr("server.max_inflight_bytes_per_client = 65536"))));
+  RoundTrip(*local, 15, 1);
+  ASSERT_OK_AND_ASSIGN(auto local2, Connect({.target = daemon->unix_target()}));
+  RoundTrip(*local2, 16, 1);
 }
 
 }  // namespace
