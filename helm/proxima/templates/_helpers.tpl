@@ -20,9 +20,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
-{{/* Refuse values for features proximad does not implement yet. */}}
+{{/* Refuse values for features proximad, or this chart, does not implement yet. */}}
 {{- define "proxima.checkReserved" -}}
 {{- if .Values.reserved.gpuTier.enabled }}{{ fail "reserved.gpuTier: the GPU tier is not implemented in proximad yet" }}{{ end }}
-{{- if .Values.reserved.discovery.enabled }}{{ fail "reserved.discovery: peer discovery is not implemented in proximad yet" }}{{ end }}
-{{- if .Values.reserved.ucx.enabled }}{{ fail "reserved.ucx: the UCX data plane is not implemented in proximad yet" }}{{ end }}
+{{- if .Values.reserved.discovery.enabled }}{{ fail "reserved.discovery: peer discovery is not implemented in this chart yet (proximad has it: cluster.* in docs/configuration.md)" }}{{ end }}
+{{- if .Values.reserved.ucx.enabled }}{{ fail "reserved.ucx: the UCX data plane is not implemented in this chart yet (proximad has it: ucx.* in docs/configuration.md; it needs hostNetwork)" }}{{ end }}
 {{- end }}
