@@ -231,7 +231,7 @@ def test_chart_renders_valid_manifests():
     assert container["image"].endswith(":1.2.3")
 
 
-@pytest.mark.parametrize("feature", ["gpuTier", "discovery", "ucx"])
+@pytest.mark.parametrize("feature", ["gpuTier", "ucx"])
 def test_chart_refuses_reserved_features(feature):
     # Values for features proximad lacks must not look like working config.
     with pytest.raises(helm_render.RenderError, match="not implemented"):
@@ -240,6 +240,48 @@ def test_chart_refuses_reserved_features(feature):
     rendered = find(docs, "ConfigMap")["data"]["proxima.yaml"]
     for word in ("tls", "token", "discovery", "ucx", "gpu"):
         assert word not in rendered.lower()
+
+
+def test_chart_wires_cluster_mode(binaries, tmp_path):
+    sets = ["cluster.enabled=true", "cluster.peerTokenSecret=proxima-peer"]
+    docs, _ = chart_docs(sets=sets)
+    for d in docs:
+        validate(d)
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    args = container["args"]
+    assert "--set=cluster.advertise=$(POD_IP):50051" in args
+    service = find(docs, "Service")
+    assert service["spec"]["clusterIP"] == "None"
+    dns = "%s.%s.svc.cluster.local" % (service["metadata"]["name"],
+                                       service["metadata"]["namespace"])
+    assert "--set=cluster.dns_name=" + dns in args
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["peer-token"]["secret"]["secretName"] == "proxima-peer"
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["peer-token"]["mountPath"] == "/etc/proxima-peer"
+    # proximad accepts the rendered config with the rendered arguments, as the kubelet would
+    # run them (POD_IP expanded, the Secret's file in place).
+    token = tmp_path / "token"
+    token.write_text("peer-token-for-the-chart-test-0123456789\n")
+    token.chmod(0o600)
+    config = tmp_path / "proxima.yaml"
+    config.write_text(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    run_args = [a.replace("$(POD_IP)", "127.0.0.1")
+                 .replace("/etc/proxima-peer/token", str(token))
+                 .replace("/etc/proxima/proxima.yaml", str(config)) for a in args]
+    check_config_accepted(config.read_text(), tmp_path, args=run_args)
+    # Without a peer-token Secret, or together with TLS, the chart refuses to render.
+    with pytest.raises(helm_render.RenderError, match="peerTokenSecret"):
+        chart_docs(sets=["cluster.enabled=true"])
+    with pytest.raises(helm_render.RenderError, match="TLS to its peers"):
+        chart_docs(sets=sets + ["tls.secretName=proxima-tls"])
+    # Off by default: no cluster arguments, no peer-token volume.
+    pod = find(chart_docs()[0], "DaemonSet")["spec"]["template"]["spec"]
+    assert not any("cluster" in a for a in pod["containers"][0]["args"])
+    assert "peer-token" not in {v["name"] for v in pod["volumes"]}
 
 
 def test_chart_mounts_tls_and_token_secrets(binaries, tmp_path):
