@@ -11,6 +11,7 @@
 #include "kernels/codec.h"
 #include "kernels/device.h"
 #include "kernels/error_metrics.h"
+#include "kernels/internal/gpu_testing.h"
 #include "kernels/internal/test_blocks.h"
 
 #if PROXIMA_WITH_CUDA
@@ -23,15 +24,6 @@ namespace {
 using internal::MakeBlock;
 using internal::Pattern;
 using ::proxima::testing::StatusIs;
-
-#define SKIP_WITHOUT_GPU()                                                \
-  do {                                                                    \
-    std::string why;                                                      \
-    if (gpu::VisibleDevices(&why).empty()) {                              \
-      std::printf("skipped: no CUDA device visible (%s)\n", why.c_str()); \
-      GTEST_SKIP() << why;                                                \
-    }                                                                     \
-  } while (0)
 
 #if PROXIMA_WITH_CUDA
 // Device buffer owned for the length of a test.
@@ -49,7 +41,7 @@ const char* kGpuPlans[] = {
     "int2,group=64", "star",          "layers[0:1]=int8,default=int4,sink=fp8"};
 
 TEST(CodecCudaTest, DecodeMatchesCpuBitForBit) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (BlockGeometry g :
          {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 2, 24, 100, dtype}}) {
@@ -89,7 +81,7 @@ TEST(CodecCudaTest, DecodeMatchesCpuBitForBit) {
 }
 
 TEST(CodecCudaTest, EncodeMatchesCpuBitForBit) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (BlockGeometry g :
          {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 2, 24, 100, dtype}}) {
@@ -120,7 +112,7 @@ TEST(CodecCudaTest, EncodeMatchesCpuBitForBit) {
 }
 
 TEST(CodecCudaTest, LosslessEncodeSaysUnimplemented) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
   BlockGeometry g{1, 1, 64, 16, DType::kBf16};
   DeviceBuffer dev(g.RawBytes());
   std::string out;
@@ -133,7 +125,7 @@ TEST(CodecCudaTest, LosslessEncodeSaysUnimplemented) {
 // star may encode differently on the GPU; its size is fixed and its error must stay close to the
 // CPU encoder's.
 TEST(CodecCudaTest, StarEncodeStaysWithinTheCpuErrorBound) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     BlockGeometry g{2, 3, 64, 64, dtype};
     ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("star"));

@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
+#include "kernels/internal/gpu_testing.h"
 #include "kernels/internal/kv_layout_testing.h"
 #include "kernels/kv_layout.h"
 
@@ -23,15 +24,6 @@ namespace {
 using ::proxima::testing::StatusIs;
 using testing::PagedKv;
 using testing::Spec;
-
-#define SKIP_WITHOUT_GPU()                                                \
-  do {                                                                    \
-    std::string why;                                                      \
-    if (gpu::VisibleDevices(&why).empty()) {                              \
-      std::printf("skipped: no CUDA device visible (%s)\n", why.c_str()); \
-      GTEST_SKIP() << why;                                                \
-    }                                                                     \
-  } while (0)
 
 #if PROXIMA_WITH_CUDA
 // Device copy of host bytes, owned for the length of a test.
@@ -91,7 +83,7 @@ std::vector<Spec> Specs() {
 #endif
 
 TEST(KvLayoutCudaTest, GatherMatchesCpu) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
 #if PROXIMA_WITH_CUDA
   std::mt19937_64 rng(12);
   for (const Spec& spec : Specs()) {
@@ -116,7 +108,7 @@ TEST(KvLayoutCudaTest, GatherMatchesCpu) {
 }
 
 TEST(KvLayoutCudaTest, ScatterMatchesCpuEveryByte) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
 #if PROXIMA_WITH_CUDA
   std::mt19937_64 rng(13);
   for (const Spec& spec : Specs()) {
@@ -144,7 +136,7 @@ TEST(KvLayoutCudaTest, ScatterMatchesCpuEveryByte) {
 }
 
 TEST(KvLayoutCudaTest, BadInputIsRejectedOnTheHost) {
-  SKIP_WITHOUT_GPU();
+  PROXIMA_SKIP_WITHOUT_GPU();
   PagedKv kv(Spec{});
   std::vector<std::byte> out(kv.layout.BlockBytes());
   std::vector<std::byte*> dst = {out.data()};
