@@ -2,11 +2,14 @@
 # GPU checks, in two halves (the GPU machine has no package registry, so everything it runs is
 # built here and carried there):
 #
-#   scripts/gpu-check.sh prepare   # here: Release build with CUDA into build-gpu/, plus the shared
-#                                  # libraries the GPU binaries need, copied into build-gpu/lib
-#   scripts/gpu-check.sh run       # there: runs the GPU tests (ctest label `gpu`, gtest binaries
-#                                  # run directly) and the GPU codec benchmark; writes logs, JUnit
-#                                  # XML and JSON lines to $OUT
+#   scripts/gpu-check.sh prepare   # here: a CUDA build (Release into build-gpu-src/, or the
+#                                  # existing build named by FROM=DIR), then a bundle in build-gpu/:
+#                                  # the GPU test and benchmark binaries, stripped, and the shared
+#                                  # libraries they need (build-gpu/lib)
+#   scripts/gpu-check.sh run       # there: runs the GPU tests (gtest binaries, `gpu` ctest label),
+#                                  # the GPU benchmarks, compute-sanitizer over the kernel tests and
+#                                  # a proximad start that must find the GPU; a summary on stdout,
+#                                  # every log, JUnit XML and JSON line in $OUT/gpu-check.tgz
 #
 #   scripts/gpu-check.sh vllm-e2e MODEL_DIR   # on a GPU host that reaches PyPI: vLLM end to end
 #                                  # with the proxima connector (client/python/examples/vllm_e2e.py)
@@ -16,39 +19,84 @@
 # here as a dry run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODE=${1:?usage: scripts/gpu-check.sh prepare|run}
+MODE=${1:?usage: scripts/gpu-check.sh prepare|run|vllm-e2e}
 DIR=build-gpu
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
 GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test daemon/daemon_test)
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
-GPU_BENCH=(bench/codec_gpu_bench)
+GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench)
+OTHER=(daemon/proximad)
 
 case "$MODE" in
   prepare)
-    ./scripts/install-deps.sh
-    ./scripts/build.sh "$DIR" -DCMAKE_BUILD_TYPE=Release -DPROXIMA_WITH_CUDA=ON \
-      -DPROXIMA_BUILD_BENCH=ON -DPROXIMA_BUILD_TESTS=ON
-    mkdir -p "$DIR/lib"
-    for t in "${GPU_TESTS[@]}" "${GPU_BENCH[@]}"; do
-      ldd "$DIR/$t" | awk '/=> \// {print $3}' | grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux)[.-]' |
+    SRC=${FROM:-build-gpu-src}
+    if [ -z "${FROM:-}" ]; then
+      ./scripts/install-deps.sh
+      ./scripts/build.sh "$SRC" -DCMAKE_BUILD_TYPE=Release -DPROXIMA_WITH_CUDA=ON \
+        -DPROXIMA_BUILD_BENCH=ON -DPROXIMA_BUILD_TESTS=ON
+    else
+      PROXIMA_TARGETS="${GPU_TESTS[*]##*/} ${GPU_BENCH[*]##*/} proximad" ./scripts/build.sh "$SRC"
+    fi
+    compgen -G "$SRC/CMakeFiles/*/CMakeCUDACompiler.cmake" >/dev/null ||
+      { echo "gpu-check: $SRC was configured without CUDA" >&2; exit 1; }
+    rm -rf "$DIR" && mkdir -p "$DIR/lib"
+    for t in "${GPU_TESTS[@]}" "${GPU_BENCH[@]}" "${OTHER[@]}"; do
+      mkdir -p "$DIR/$(dirname "$t")"
+      objcopy --strip-debug "$SRC/$t" "$DIR/$t"
+      ldd "$SRC/$t" | awk '/=> \// {print $3}' |
+        grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s|ld-linux)[.-]' |
         while read -r lib; do cp -Lu "$lib" "$DIR/lib/"; done
     done
-    du -sh "$DIR/lib" "${GPU_TESTS[@]/#/$DIR/}" "${GPU_BENCH[@]/#/$DIR/}"
+    du -sh "$DIR"
     ;;
   run)
     OUT=${OUT:-$PWD/gpu-check-out}
+    LOGS=$(mktemp -d)
     mkdir -p "$OUT"
+    trap 'tar czf "$OUT/gpu-check.tgz" -C "$LOGS" . ; rm -rf "$LOGS"' EXIT
     export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    { nvidia-smi || echo "nvidia-smi not available"; } > "$OUT/device.txt" 2>&1
+    { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true; } > "$LOGS/device.txt" 2>&1
+    head -15 "$LOGS/device.txt"
     status=0
+    step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, log in $LOGS/NAME.log
+      local name=$1 limit=$2; shift 2
+      local t0=$SECONDS rc=0
+      timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
+      echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+      grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|ERROR SUMMARY|"metric"|"skipped"|error|Error' \
+        "$LOGS/$name.log" | head -40 || true
+      [ "$rc" = 0 ] || status=1
+    }
     for t in "${GPU_TESTS[@]}"; do
       name=$(basename "$t")
-      "$DIR/$t" --gtest_filter="${GPU_FILTER[$t]:-*}" --gtest_output="xml:$OUT/$name.xml" 2>&1 |
-        tee "$OUT/$name.log" || status=1
+      step "$name" 240 "$DIR/$t" --gtest_filter="${GPU_FILTER[$t]:-*}" \
+        --gtest_output="xml:$LOGS/$name.xml"
     done
     # Kernels vs the device's own D2D copy bandwidth, on real KV, batches of 256 MiB.
-    "$DIR/bench/codec_gpu_bench" --batch_mb=256 2>&1 | tee "$OUT/codec_gpu_bench.jsonl" || status=1
+    step codec_gpu_bench 180 "$DIR/bench/codec_gpu_bench" --batch_mb=256 \
+      --codecs="fp8;int8;int4;int2;star"
+    step kv_layout_gpu_bench 120 "$DIR/bench/kv_layout_bench" --device=cuda --num_blocks=256 \
+      --batch=64
+    # Out-of-bounds accesses and races in the kernels (Firecracker machines run compute-sanitizer).
+    if command -v compute-sanitizer >/dev/null; then
+      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test; do
+        step "memcheck-$(basename "$t")" 150 compute-sanitizer --tool memcheck \
+          --error-exitcode 3 "$DIR/$t"
+      done
+      step racecheck-kernels_kv_layout_cuda_test 120 compute-sanitizer --tool racecheck \
+        --error-exitcode 3 "$DIR/kernels/kernels_kv_layout_cuda_test"
+    fi
+    # proximad on its default config must report the GPU it found, then drain on SIGTERM.
+    probe() {
+      "$DIR/daemon/proximad" --set=server.listen=127.0.0.1:0 --set=server.metrics_listen= &
+      local pid=$!
+      sleep 3
+      kill -TERM "$pid"
+      wait "$pid"
+    }
+    step proximad-start 30 bash -c "$(declare -f probe); DIR=$DIR; probe"
+    grep -iE 'gpu|cuda' "$LOGS/proximad-start.log" | head -5 || true
     exit $status
     ;;
   vllm-e2e)
