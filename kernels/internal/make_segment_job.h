@@ -1,0 +1,75 @@
+// Builds the SegmentJob of one segment for the CUDA kernels from its validated shape (used by the
+// host wrapper kernels/codec_cuda.cc, and by the CPU tests of kernels/internal/vec_codec.h).
+// Thread-safety: a pure function.
+#ifndef PROXIMA_KERNELS_INTERNAL_MAKE_SEGMENT_JOB_H_
+#define PROXIMA_KERNELS_INTERNAL_MAKE_SEGMENT_JOB_H_
+
+#include <cstdint>
+
+#include "kernels/codec.h"
+#include "kernels/internal/segment_codecs.h"
+#include "kernels/internal/segment_job.h"
+
+namespace proxima::codec::internal {
+
+// `payload`: the segment's payload; `raw`: its raw [tokens][heads][dim] values. Sets `vec` when
+// the 8-element fast path applies (the encoder further requires the codec to have one).
+inline SegmentJob MakeSegmentJob(CodecId codec, const SegmentShape& sh, uint8_t* payload,
+                                 uint16_t* raw) {
+  SegmentJob j;
+  j.payload = payload;
+  j.raw = raw;
+  j.elements = sh.Elements();
+  j.tokens = sh.tokens;
+  j.heads = sh.heads;
+  j.dim = sh.dim;
+  j.codec = static_cast<uint8_t>(codec);
+  j.is_value = sh.is_value ? 1 : 0;
+  j.units = j.elements;
+  switch (codec) {
+    case CodecId::kFp8:
+      j.groups = sh.heads;
+      break;
+    case CodecId::kInt8:
+      j.groups = sh.is_value ? uint64_t{sh.tokens} * sh.heads : uint64_t{sh.heads} * sh.dim;
+      break;
+    case CodecId::kInt4:
+    case CodecId::kInt2: {
+      j.bits = codec == CodecId::kInt4 ? 4 : 2;
+      internal::IntNLayout l = internal::IntNLayoutFor(sh, j.bits);
+      j.group_len = l.group_len;
+      j.num_groups = l.num_groups;
+      j.meta_count = l.meta_count;
+      j.groups = l.meta_count;
+      j.units = l.packed_bytes;
+      break;
+    }
+    case CodecId::kStar: {
+      internal::StarLayout l = internal::StarLayoutFor(sh);
+      j.centroids = l.centroids;
+      j.index_bits = l.index_bits;
+      j.important = l.important;
+      j.star_head_bytes = l.per_head_bytes;
+      j.groups = sh.heads;  // encode: one thread per head
+      j.units = 0;
+      // Scratch per head (encode): centroids, dequantized centroids, sums ([C][D] each),
+      // scores [T], counts [C], important list [M], important flags [T] bytes.
+      j.star_scratch_floats = 3 * uint64_t{l.centroids} * sh.dim + sh.tokens + l.centroids +
+                              l.important + (sh.tokens + 3) / 4;
+      break;
+    }
+    default:
+      break;
+  }
+  // The 8-element fast path: dim a multiple of 8, 16-byte aligned raw rows, 32-bit indices.
+  j.vec = sh.dim % 8 == 0 && reinterpret_cast<uintptr_t>(raw) % 16 == 0 &&
+                  j.elements < (uint64_t{1} << 31)
+              ? 1
+              : 0;
+  return j;
+}
+
+
+}  // namespace proxima::codec::internal
+
+#endif  // PROXIMA_KERNELS_INTERNAL_MAKE_SEGMENT_JOB_H_
