@@ -1,16 +1,16 @@
 // codec_gpu_bench: STAR-KV CUDA decode and encode throughput over a batch of real KV blocks, as a
 // ratio to the same device's device-to-device copy bandwidth measured in the same run.
 //
-//   codec_gpu_bench --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv \
+//   codec_gpu_bench [--kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv]
 //                   [--batch_mb=256] [--tokens_per_block=64] [--codecs=fp8;int8;int4;int2]
 //
 // JSON lines out: {"bench":"codec_gpu","metric":"decode_throughput","codec":"int4","value":..,
 // "unit":"GB/s","baseline":"cudaMemcpy D2D","baseline_value":..,"ratio":..}. Throughput counts
-// raw (decoded) bytes. Decode is timed with CUDA events around DecodeBlocksCuda alone (host-side
-// validation included, since a caller pays it too); encode is timed wall-clock, because
-// EncodeBlocksCuda copies results back and computes the payload CRC on the host (after one warm-up
-// call, the median of three). Without a GPU
-// it prints one line saying so and exits 0. Run by scripts/gpu-check.sh.
+// raw (decoded) bytes. Each call is timed through its CudaCallTiming (kernels/codec_cuda.h):
+// `*_kernel_throughput` is the kernels alone (CUDA events around the launches), `*_throughput`
+// the whole call (host-side validation and CRC checks for decode; for encode also the copy back
+// and the payload CRCs, which run on the host), each the median of five calls after a warm-up.
+// Without a GPU it prints one line saying so and exits 0. Run by scripts/gpu-check.sh.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_split.h"
@@ -120,22 +121,32 @@ int main(int argc, char** argv) {
     for (size_t b = 0; b < blocks; ++b) {
       ejobs[b] = {d_raw + b * raw_bytes, b == 0, &encoded[b], nullptr};
     }
-    // One warm-up encode (module load, allocations), then the median of three timed ones.
-    std::vector<double> enc_times;
-    for (int rep = 0; rep < 4; ++rep) {
-      auto t0 = std::chrono::steady_clock::now();
-      absl::Status es = proxima::codec::EncodeBlocksCuda(geometry, *plan, ejobs, nullptr);
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // One warm-up call (module load, allocations), then the median of five timed ones.
+    auto median_of_five = [](auto&& call) -> std::pair<double, double> {
+      std::vector<double> whole, kernels;
+      for (int rep = 0; rep < 6; ++rep) {
+        proxima::codec::CudaCallTiming t;
+        if (!call(&t)) return {-1, -1};
+        if (rep == 0) continue;
+        whole.push_back(t.host_ms + t.kernel_ms);
+        kernels.push_back(t.kernel_ms);
+      }
+      std::sort(whole.begin(), whole.end());
+      std::sort(kernels.begin(), kernels.end());
+      return {whole[whole.size() / 2], kernels[kernels.size() / 2]};
+    };
+    const auto [enc_ms, enc_kernel_ms] = median_of_five([&](proxima::codec::CudaCallTiming* t) {
+      absl::Status es = proxima::codec::EncodeBlocksCuda(geometry, *plan, ejobs, nullptr, t);
       if (!es.ok()) {
         std::fprintf(stderr, "codec_gpu_bench: encode %s: %s\n", std::string(name).c_str(),
                      es.ToString().c_str());
-        return 1;
       }
-      if (rep > 0) enc_times.push_back(s);
-    }
-    std::sort(enc_times.begin(), enc_times.end());
-    const double enc_s = enc_times[enc_times.size() / 2];
-    Print("encode_throughput", std::string(name), total / enc_s / 1e9, copy_gbps);
+      return es.ok();
+    });
+    if (enc_ms < 0) return 1;
+    Print("encode_throughput", std::string(name), total / (enc_ms * 1e-3) / 1e9, copy_gbps);
+    Print("encode_kernel_throughput", std::string(name), total / (enc_kernel_ms * 1e-3) / 1e9,
+          copy_gbps);
     // Decode on the GPU from device copies of the encoded blocks.
     size_t enc_total = 0;
     for (const auto& e : encoded) enc_total += e.size();
@@ -149,13 +160,15 @@ int main(int argc, char** argv) {
                   d_out + b * raw_bytes};
       off += encoded[b].size();
     }
-    absl::Status ds;
-    const double dec_ms = time_ms([&] { ds = proxima::codec::DecodeBlocksCuda(djobs, nullptr); });
-    if (!ds.ok()) {
-      std::fprintf(stderr, "codec_gpu_bench: decode: %s\n", ds.ToString().c_str());
-      return 1;
-    }
+    const auto [dec_ms, dec_kernel_ms] = median_of_five([&](proxima::codec::CudaCallTiming* t) {
+      absl::Status ds = proxima::codec::DecodeBlocksCuda(djobs, nullptr, t);
+      if (!ds.ok()) std::fprintf(stderr, "codec_gpu_bench: decode: %s\n", ds.ToString().c_str());
+      return ds.ok();
+    });
+    if (dec_ms < 0) return 1;
     Print("decode_throughput", std::string(name), total / (dec_ms * 1e-3) / 1e9, copy_gbps);
+    Print("decode_kernel_throughput", std::string(name), total / (dec_kernel_ms * 1e-3) / 1e9,
+          copy_gbps);
     // The decoded bytes must equal the CPU decoder's (docs/format.md: decode is bit-identical).
     std::vector<std::byte> gpu(raw_bytes), cpu(raw_bytes);
     cudaMemcpy(gpu.data(), d_out, raw_bytes, cudaMemcpyDeviceToHost);

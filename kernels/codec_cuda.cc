@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <bit>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -15,7 +16,9 @@
 #include "kernels/internal/codec_launch.h"
 #include "kernels/internal/container.h"
 #include "kernels/internal/segment_codecs.h"
+#include "kernels/internal/make_segment_job.h"
 #include "kernels/internal/segment_job.h"
+#include "kernels/internal/vec_codec.h"
 
 namespace proxima::codec {
 namespace {
@@ -26,55 +29,6 @@ using internal::SegmentShape;
 absl::Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
-
-SegmentJob MakeJob(CodecId codec, const SegmentShape& sh, uint8_t* payload, uint16_t* raw) {
-  SegmentJob j;
-  j.payload = payload;
-  j.raw = raw;
-  j.elements = sh.Elements();
-  j.tokens = sh.tokens;
-  j.heads = sh.heads;
-  j.dim = sh.dim;
-  j.codec = static_cast<uint8_t>(codec);
-  j.is_value = sh.is_value ? 1 : 0;
-  j.units = j.elements;
-  switch (codec) {
-    case CodecId::kFp8:
-      j.groups = sh.heads;
-      break;
-    case CodecId::kInt8:
-      j.groups = sh.is_value ? uint64_t{sh.tokens} * sh.heads : uint64_t{sh.heads} * sh.dim;
-      break;
-    case CodecId::kInt4:
-    case CodecId::kInt2: {
-      j.bits = codec == CodecId::kInt4 ? 4 : 2;
-      internal::IntNLayout l = internal::IntNLayoutFor(sh, j.bits);
-      j.group_len = l.group_len;
-      j.num_groups = l.num_groups;
-      j.meta_count = l.meta_count;
-      j.groups = l.meta_count;
-      j.units = l.packed_bytes;
-      break;
-    }
-    case CodecId::kStar: {
-      internal::StarLayout l = internal::StarLayoutFor(sh);
-      j.centroids = l.centroids;
-      j.index_bits = l.index_bits;
-      j.important = l.important;
-      j.star_head_bytes = l.per_head_bytes;
-      j.groups = sh.heads;  // encode: one thread per head
-      j.units = 0;
-      // Scratch per head (encode): centroids, dequantized centroids, sums ([C][D] each),
-      // scores [T], counts [C], important list [M], important flags [T] bytes.
-      j.star_scratch_floats = 3 * uint64_t{l.centroids} * sh.dim + sh.tokens + l.centroids +
-                              l.important + (sh.tokens + 3) / 4;
-      break;
-    }
-    default:
-      break;
-  }
-  return j;
 }
 
 // Copies `jobs` to the device (stream-ordered) and returns the device pointer.
@@ -91,21 +45,83 @@ absl::StatusOr<SegmentJob*> UploadJobs(const std::vector<SegmentJob>& jobs, cuda
   return static_cast<SegmentJob*>(dev);
 }
 
-struct Batch {
+struct DecodeBatch {
   std::vector<SegmentJob> jobs;
-  uint64_t max_elements = 0, max_groups = 0, max_units = 0;
+  uint64_t max_work = 0;
   void Add(const SegmentJob& j) {
     jobs.push_back(j);
-    max_elements = std::max(max_elements, j.elements);
-    max_groups = std::max(max_groups, j.groups);
-    max_units = std::max(max_units, j.units);
+    max_work = std::max(max_work, j.vec ? j.elements / 8 : j.elements);
   }
+};
+
+struct EncodeBatch {
+  std::vector<SegmentJob> jobs;
+  cuda::EncodeLaunch launch;
+  void Add(SegmentJob j) {
+    // The fused path takes the codecs with per-head statistics (and raw) when their statistics
+    // fit in shared memory; star and the rest go per element.
+    const uint64_t smem = 4ull * vec::StatsWords(j);
+    if (j.codec == vec::kStar || smem > cuda::kMaxFusedSmemBytes) j.vec = 0;
+    if (j.vec) {
+      launch.fused_heads = std::max(launch.fused_heads, j.heads);
+      launch.fused_smem_bytes = std::max(launch.fused_smem_bytes, static_cast<uint32_t>(smem));
+    } else {
+      launch.max_groups = std::max(launch.max_groups, j.groups);
+      launch.max_units = std::max(launch.max_units, j.units);
+    }
+    jobs.push_back(j);
+  }
+};
+
+// Times a call for CudaCallTiming: events around the kernels, and the rest of the call's wall
+// time (from construction to Finish, which waits for the kernels) as host time.
+class CallTimer {
+ public:
+  CallTimer(CudaCallTiming* timing, cudaStream_t stream)
+      : timing_(timing), stream_(stream), start_(std::chrono::steady_clock::now()) {
+    if (timing_ == nullptr) return;
+    if (cudaEventCreate(&begin_) != cudaSuccess || cudaEventCreate(&end_) != cudaSuccess) {
+      timing_ = nullptr;  // no events: the call goes on untimed
+    }
+  }
+  CallTimer(const CallTimer&) = delete;
+  CallTimer& operator=(const CallTimer&) = delete;
+  ~CallTimer() {
+    if (begin_ != nullptr) cudaEventDestroy(begin_);
+    if (end_ != nullptr) cudaEventDestroy(end_);
+  }
+  void KernelsBegin() {
+    if (timing_ != nullptr) cudaEventRecord(begin_, stream_);
+  }
+  void KernelsEnd() {
+    if (timing_ != nullptr) cudaEventRecord(end_, stream_);
+  }
+  void Finish() {
+    if (timing_ == nullptr) return;
+    float ms = 0;
+    if (cudaEventSynchronize(end_) == cudaSuccess &&
+        cudaEventElapsedTime(&ms, begin_, end_) == cudaSuccess) {
+      timing_->kernel_ms = ms;
+    }
+    const double wall_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+            .count();
+    timing_->host_ms = std::max(0.0, wall_ms - timing_->kernel_ms);
+  }
+
+ private:
+  CudaCallTiming* timing_;
+  cudaStream_t stream_;
+  cudaEvent_t begin_ = nullptr, end_ = nullptr;
+  std::chrono::steady_clock::time_point start_;
 };
 
 }  // namespace
 
-absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream) {
-  std::map<uint8_t, Batch> by_dtype;
+absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream,
+                              CudaCallTiming* timing) {
+  CallTimer timer(timing, stream);
+  std::map<uint8_t, DecodeBatch> by_dtype;
   for (size_t b = 0; b < jobs.size(); ++b) {
     const CudaDecodeJob& job = jobs[b];
     PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, InspectBlock(job.encoded_host));
@@ -137,24 +153,41 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
         case CodecId::kRaw:
           break;
       }
-      by_dtype[sh.dtype].Add(MakeJob(
+      by_dtype[sh.dtype].Add(internal::MakeSegmentJob(
           seg.codec, sh,
           const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(job.encoded_device + seg.offset)),
           reinterpret_cast<uint16_t*>(job.raw_device + s * seg_raw)));
     }
   }
+  std::vector<std::pair<uint8_t, SegmentJob*>> uploaded;
+  absl::Status status;
   for (auto& [dtype, batch] : by_dtype) {
-    PROXIMA_ASSIGN_OR_RETURN(SegmentJob * dev, UploadJobs(batch.jobs, stream));
-    cudaError_t err = cuda::LaunchDecodeSegments(dev, static_cast<uint32_t>(batch.jobs.size()),
-                                                 batch.max_elements, dtype, stream);
-    cudaFreeAsync(dev, stream);
-    PROXIMA_RETURN_IF_ERROR(CudaStatus(err, "decode kernel launch"));
+    absl::StatusOr<SegmentJob*> dev = UploadJobs(batch.jobs, stream);
+    if (!dev.ok()) {
+      status = dev.status();
+      break;
+    }
+    uploaded.emplace_back(dtype, *dev);
   }
-  return absl::OkStatus();
+  timer.KernelsBegin();
+  for (const auto& [dtype, dev] : uploaded) {
+    const DecodeBatch& batch = by_dtype[dtype];
+    if (status.ok()) {
+      status = CudaStatus(cuda::LaunchDecodeSegments(dev, static_cast<uint32_t>(batch.jobs.size()),
+                                                     batch.max_work, dtype, stream),
+                          "decode kernel launch");
+    }
+  }
+  timer.KernelsEnd();
+  for (const auto& [dtype, dev] : uploaded) cudaFreeAsync(dev, stream);
+  timer.Finish();
+  return status;
 }
 
 absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
-                              std::span<const CudaEncodeJob> jobs, CUstream_st* stream) {
+                              std::span<const CudaEncodeJob> jobs, CUstream_st* stream,
+                              CudaCallTiming* timing) {
+  CallTimer timer(timing, stream);
   PROXIMA_RETURN_IF_ERROR(geometry.Validate());
   if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
     return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
@@ -217,7 +250,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   void* dev_out = nullptr;
   PROXIMA_RETURN_IF_ERROR(
       CudaStatus(cudaMallocAsync(&dev_out, block_offset.back(), stream), "cudaMallocAsync"));
-  Batch batch;
+  EncodeBatch batch;
   for (size_t b = 0; b < jobs.size(); ++b) {
     const int first = jobs[b].is_first_block ? 1 : 0;
     uint64_t off = block_offset[b];
@@ -228,7 +261,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
       uint64_t bytes;
       std::memcpy(&bytes, e + 8, 8);
       const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
-      SegmentJob job = MakeJob(
+      SegmentJob job = internal::MakeSegmentJob(
           codec, internal::SegmentShapeFor(geometry, s, grouped ? plan.group_size : 0),
           static_cast<uint8_t*>(dev_out) + off,
           reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw));
@@ -258,10 +291,13 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   if (!dev_jobs.ok()) {
     status = dev_jobs.status();
   } else {
-    status = CudaStatus(cuda::LaunchEncodeSegments(
-                            *dev_jobs, static_cast<uint32_t>(batch.jobs.size()), batch.max_groups,
-                            batch.max_units, static_cast<uint8_t>(geometry.dtype), stream),
+    timer.KernelsBegin();
+    status = CudaStatus(cuda::LaunchEncodeSegments(*dev_jobs,
+                                                   static_cast<uint32_t>(batch.jobs.size()),
+                                                   batch.launch,
+                                                   static_cast<uint8_t>(geometry.dtype), stream),
                         "encode kernel launch");
+    timer.KernelsEnd();
     cudaFreeAsync(*dev_jobs, stream);
   }
   std::vector<std::string> results(jobs.size());
@@ -288,6 +324,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     std::memcpy(r.data() + internal::kPayloadCrcOffset, &crc, 4);
     *jobs[b].out = std::move(r);
   }
+  timer.Finish();
   return absl::OkStatus();
 }
 

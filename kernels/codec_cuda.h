@@ -6,6 +6,9 @@
 // Not on the GPU (kUnimplemented, use the CPU entry points): `lossless` encode and decode.
 // `star` encodes on the GPU with one thread per (segment, head) running the CPU algorithm; its
 // bytes may differ from the CPU encoder's (docs/format.md allows it), its decode is bit-exact.
+// Segments whose head_dim is a multiple of 8 (with 16-byte aligned raw buffers) take the fast
+// path of kernels/internal/vec_codec.h: 8 elements per thread, and encode fused per
+// (segment, head) in one kernel; others take a per-element path with the same results.
 //
 // Hostile input stays on the host side of the check: headers, sizes, CRCs and every metadata
 // value are validated from a host copy of each block before any kernel reads the device copy.
@@ -27,6 +30,15 @@ struct CUstream_st;
 
 namespace proxima::codec {
 
+// Where the time of one call went, when the caller asks (the `timing` arguments below): the
+// kernels alone, timed with CUDA events around the launches, and the rest of the call's wall time
+// (validation and CRC checks, building and uploading the segment jobs; for encode also the copy
+// back and the payload CRCs). Asking costs two events and a wait for the kernels to finish.
+struct CudaCallTiming {
+  double host_ms = 0;
+  double kernel_ms = 0;
+};
+
 struct CudaDecodeJob {
   std::span<const std::byte> encoded_host;    // the block in host memory (validated here)
   const std::byte* encoded_device = nullptr;  // the same bytes in device memory
@@ -35,8 +47,10 @@ struct CudaDecodeJob {
 
 // Validates every block on the host, then enqueues the decode of all of them on `stream`
 // (a cudaStream_t; nullptr = the legacy default stream) and returns without synchronising.
-// The device buffers must stay valid until the stream reaches this point.
-absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream);
+// The device buffers must stay valid until the stream reaches this point. With `timing`, the
+// call waits for the kernels to finish.
+absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream,
+                              CudaCallTiming* timing = nullptr);
 
 struct CudaEncodeJob {
   const std::byte* raw_device = nullptr;  // RawBytes() bytes of device memory, canonical layout
@@ -50,7 +64,8 @@ struct CudaEncodeJob {
 // synchronises the stream (the payload CRC is computed on the host). kUnimplemented when the
 // plan selects `lossless` for any segment.
 absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
-                              std::span<const CudaEncodeJob> jobs, CUstream_st* stream);
+                              std::span<const CudaEncodeJob> jobs, CUstream_st* stream,
+                              CudaCallTiming* timing = nullptr);
 
 }  // namespace proxima::codec
 

@@ -3,12 +3,12 @@
 
 namespace proxima::codec {
 
-absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob>, CUstream_st*) {
+absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob>, CUstream_st*, CudaCallTiming*) {
   return absl::FailedPreconditionError("built without CUDA");
 }
 
 absl::Status EncodeBlocksCuda(const BlockGeometry&, const CodecPlan&,
-                              std::span<const CudaEncodeJob>, CUstream_st*) {
+                              std::span<const CudaEncodeJob>, CUstream_st*, CudaCallTiming*) {
   return absl::FailedPreconditionError("built without CUDA");
 }
 

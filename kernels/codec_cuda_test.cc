@@ -1,5 +1,7 @@
 // GPU backend against the CPU reference: decoding is bit-identical for every codec the GPU
-// decodes, and GPU encoding of the quantizers is bit-identical to the CPU encoder. Label `gpu`;
+// decodes, and GPU encoding of the quantizers is bit-identical to the CPU encoder. Head dims that
+// are multiples of 8 take the fast path (8 elements per thread, fused encode), dim 20 the
+// per-element path. Label `gpu`;
 // every test skips (and says why) when no CUDA device is visible.
 #include "kernels/codec_cuda.h"
 
@@ -44,7 +46,8 @@ TEST(CodecCudaTest, DecodeMatchesCpuBitForBit) {
   PROXIMA_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (BlockGeometry g :
-         {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 2, 24, 100, dtype}}) {
+         {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 2, 24, 100, dtype},
+          BlockGeometry{2, 8, 128, 64, dtype}, BlockGeometry{2, 3, 20, 33, dtype}}) {
       for (const char* text : kGpuPlans) {
         ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
         std::vector<std::string> enc(3);
@@ -84,7 +87,8 @@ TEST(CodecCudaTest, EncodeMatchesCpuBitForBit) {
   PROXIMA_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (BlockGeometry g :
-         {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 2, 24, 100, dtype}}) {
+         {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 2, 24, 100, dtype},
+          BlockGeometry{2, 8, 128, 64, dtype}, BlockGeometry{2, 3, 20, 33, dtype}}) {
       for (const char* text : {"raw", "fp8", "int8", "int4,group=32", "int4,group=128",
                                "int2,group=64", "layers[0:1]=int8,default=int4,sink=fp8"}) {
         ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));

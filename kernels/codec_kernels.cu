@@ -21,23 +21,30 @@ dim3 Grid(uint32_t num_jobs, uint64_t max_work) {
 }  // namespace
 
 cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
-                                 uint64_t max_elements, uint8_t dtype, cudaStream_t stream) {
+                                 uint64_t max_work, uint8_t dtype, cudaStream_t stream) {
   if (num_jobs == 0) return cudaSuccess;
   PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
-    DecodeSegmentsKernel<kDt><<<Grid(num_jobs, max_elements), kThreads, 0, stream>>>(jobs);
+    DecodeSegmentsKernel<kDt><<<Grid(num_jobs, max_work), kThreads, 0, stream>>>(jobs);
   });
   return cudaGetLastError();
 }
 
 cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
-                                 uint64_t max_groups, uint64_t max_units, uint8_t dtype,
-                                 cudaStream_t stream) {
+                                 const EncodeLaunch& launch, uint8_t dtype, cudaStream_t stream) {
   if (num_jobs == 0) return cudaSuccess;
   PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
-    EncodeGroupsKernel<kDt><<<Grid(num_jobs, max_groups), kThreads, 0, stream>>>(jobs);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    EncodeUnitsKernel<kDt><<<Grid(num_jobs, max_units), kThreads, 0, stream>>>(jobs);
+    if (launch.fused_heads > 0) {
+      EncodeHeadsKernel<kDt><<<dim3(num_jobs, launch.fused_heads), kThreads,
+                               launch.fused_smem_bytes, stream>>>(jobs);
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+    if (launch.max_groups > 0 || launch.max_units > 0) {
+      EncodeGroupsKernel<kDt><<<Grid(num_jobs, launch.max_groups), kThreads, 0, stream>>>(jobs);
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      EncodeUnitsKernel<kDt><<<Grid(num_jobs, launch.max_units), kThreads, 0, stream>>>(jobs);
+    }
   });
   return cudaGetLastError();
 }

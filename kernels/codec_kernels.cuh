@@ -11,29 +11,18 @@
 
 #include "kernels/internal/numeric.h"
 #include "kernels/internal/segment_job.h"
+#include "kernels/internal/vec_codec.h"
 
 namespace proxima::codec::cuda {
 
 using internal::SegmentJob;
 namespace nm = ::proxima::codec::numeric;
 
-// Codec ids (CodecId values, docs/format.md section 1).
-constexpr uint8_t kRaw = 0, kFp8 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5, kStar = 6;
+using vec::kFp8, vec::kInt2, vec::kInt4, vec::kInt8, vec::kRaw, vec::kStar;
+using vec::FiniteAbs, vec::Ld16, vec::LdF32, vec::St16;
 
-__device__ __forceinline__ uint16_t Ld16(const uint8_t* p, uint64_t i) {
-  return static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
-}
-__device__ __forceinline__ void St16(uint8_t* p, uint64_t i, uint16_t v) {
-  p[2 * i] = static_cast<uint8_t>(v);
-  p[2 * i + 1] = static_cast<uint8_t>(v >> 8);
-}
-__device__ __forceinline__ float LdF32(const uint8_t* p, uint64_t i) {
-  const uint8_t* q = p + 4 * i;
-  return __uint_as_float(q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24));
-}
 __device__ __forceinline__ void StF32(uint8_t* p, uint64_t i, float f) {
-  uint32_t u = __float_as_uint(f);
-  for (int k = 0; k < 4; ++k) p[4 * i + k] = static_cast<uint8_t>(u >> (8 * k));
+  vec::StoreLe(p + 4 * i, nm::FloatBits(f), 4);
 }
 __device__ __forceinline__ uint32_t GetBits(const uint8_t* p, uint64_t index, uint32_t bits) {
   uint64_t pos = index * bits;
@@ -111,10 +100,23 @@ __device__ uint16_t DecodeElement(const SegmentJob& j, uint64_t i) {
   }
 }
 
-// grid.x: job, grid.y * blockDim.x: stride over the job's elements.
+// grid.x: job, grid.y * blockDim.x: stride over the job's vecs (8 elements, one 16-byte store
+// each; kernels/internal/vec_codec.h), or over its elements when the fast path does not apply.
 template <uint8_t kDt>
 __global__ void DecodeSegmentsKernel(const SegmentJob* jobs) {
-  const SegmentJob j = jobs[blockIdx.x];
+  const SegmentJob& j = jobs[blockIdx.x];
+  if (j.vec) {
+    const uint32_t vecs = static_cast<uint32_t>(j.elements / 8);
+    uint4* out = reinterpret_cast<uint4*>(j.raw);
+    for (uint32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vecs;
+         v += gridDim.y * blockDim.x) {
+      uint16_t o[8];
+      vec::DecodeVec<kDt>(j, v, o);
+      out[v] = make_uint4(o[0] | (uint32_t{o[1]} << 16), o[2] | (uint32_t{o[3]} << 16),
+                          o[4] | (uint32_t{o[5]} << 16), o[6] | (uint32_t{o[7]} << 16));
+    }
+    return;
+  }
   for (uint64_t i = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; i < j.elements;
        i += uint64_t{gridDim.y} * blockDim.x) {
     j.raw[i] = DecodeElement<kDt>(j, i);
@@ -122,11 +124,6 @@ __global__ void DecodeSegmentsKernel(const SegmentJob* jobs) {
 }
 
 // ----------------------------------------------------------------------------------- encode
-
-__device__ __forceinline__ float FiniteAbs(float x) {
-  float a = fabsf(x);
-  return nm::IsFiniteFloat(a) ? a : 0.0f;
-}
 
 // star encode of head `h` by one thread, a direct port of the CPU encoder (EncodeStar and the
 // importance ranking in codec.cc). docs/format.md allows backends to differ here; the GPU test
@@ -391,9 +388,12 @@ __device__ void EncodeUnit(const SegmentJob& j, uint64_t u) {
   }
 }
 
+// The per-element encode path (jobs the fused path does not take: star, dims not a multiple of 8,
+// unaligned rows): statistics per group, then quantisation per unit.
 template <uint8_t kDt>
 __global__ void EncodeGroupsKernel(const SegmentJob* jobs) {
   const SegmentJob j = jobs[blockIdx.x];
+  if (j.vec) return;
   for (uint64_t g = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; g < j.groups;
        g += uint64_t{gridDim.y} * blockDim.x) {
     EncodeGroup<kDt>(j, g);
@@ -403,10 +403,39 @@ __global__ void EncodeGroupsKernel(const SegmentJob* jobs) {
 template <uint8_t kDt>
 __global__ void EncodeUnitsKernel(const SegmentJob* jobs) {
   const SegmentJob j = jobs[blockIdx.x];
+  if (j.vec) return;
   for (uint64_t u = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; u < j.units;
        u += uint64_t{gridDim.y} * blockDim.x) {
     EncodeUnit<kDt>(j, u);
   }
+}
+
+
+// The fused encode path: block (job, head) computes the head's statistics in shared memory
+// (dynamic, StatsWords ints), writes the metadata, then quantises the head; its 16-byte rows are
+// read twice, the second time mostly from L1. Jobs without `vec` and heads past a job's count
+// leave at once (block-uniform, before any barrier).
+template <uint8_t kDt>
+__global__ void EncodeHeadsKernel(const SegmentJob* jobs) {
+  extern __shared__ int32_t stats[];
+  const SegmentJob& j = jobs[blockIdx.x];
+  const uint32_t h = blockIdx.y;
+  if (!j.vec || h >= j.heads) return;
+  const uint32_t words = vec::StatsWords(j), vecs = vec::HeadVecs(j);
+  for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) stats[w] = vec::InitStat(j, w);
+  __syncthreads();
+  if (words > 0) {
+    for (uint32_t u = threadIdx.x; u < vecs; u += blockDim.x) {
+      vec::AccumulateVec<kDt>(j, h, u, stats);
+    }
+    __syncthreads();
+    const uint32_t finals = vec::FinalizeCount(j);
+    for (uint32_t w = threadIdx.x; w < finals; w += blockDim.x) {
+      vec::FinalizeStat<kDt>(j, h, w, stats);
+    }
+    __syncthreads();
+  }
+  for (uint32_t u = threadIdx.x; u < vecs; u += blockDim.x) vec::QuantizeVec<kDt>(j, h, u, stats);
 }
 
 }  // namespace proxima::codec::cuda

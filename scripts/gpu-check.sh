@@ -84,8 +84,10 @@ case "$MODE" in
         step "memcheck-$(basename "$t")" 150 compute-sanitizer --tool memcheck \
           --error-exitcode 3 "$DIR/$t"
       done
-      step racecheck-kernels_kv_layout_cuda_test 120 compute-sanitizer --tool racecheck \
-        --error-exitcode 3 "$DIR/kernels/kernels_kv_layout_cuda_test"
+      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test; do
+        step "racecheck-$(basename "$t")" 150 compute-sanitizer --tool racecheck \
+          --error-exitcode 3 "$DIR/$t"
+      done
     fi
     # proximad on its default config must report the GPU it found, then drain on SIGTERM.
     probe() {

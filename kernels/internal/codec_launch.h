@@ -13,13 +13,25 @@
 
 namespace proxima::codec::cuda {
 
-// `max_elements`: the largest SegmentJob::elements in `jobs`.
+// Largest dynamic shared memory the fused encode path asks for (the default per-block limit).
+inline constexpr uint32_t kMaxFusedSmemBytes = 48 * 1024;
+
+// `max_work`: the largest per-job count of work items in `jobs`: elements / 8 for `vec` jobs,
+// elements otherwise.
 cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
-                                 uint64_t max_elements, uint8_t dtype, cudaStream_t stream);
-// Statistics pass then quantisation pass; `max_groups`/`max_units` as above.
+                                 uint64_t max_work, uint8_t dtype, cudaStream_t stream);
+
+struct EncodeLaunch {
+  // The fused path (`vec` jobs): the most heads of any such job (0: none) and the dynamic shared
+  // memory it needs, at most kMaxFusedSmemBytes (4 * the largest StatsWords).
+  uint32_t fused_heads = 0;
+  uint32_t fused_smem_bytes = 0;
+  // The per-element path (other jobs): largest groups and units of those jobs (both 0: none).
+  uint64_t max_groups = 0, max_units = 0;
+};
+// Fused kernel for `vec` jobs, then statistics and quantisation passes for the others.
 cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
-                                 uint64_t max_groups, uint64_t max_units, uint8_t dtype,
-                                 cudaStream_t stream);
+                                 const EncodeLaunch& launch, uint8_t dtype, cudaStream_t stream);
 
 }  // namespace proxima::codec::cuda
 

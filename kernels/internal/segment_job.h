@@ -30,6 +30,7 @@ struct SegmentJob {
   uint8_t codec = 0;                                      // CodecId value
   uint8_t bits = 0;                                       // 4 or 2 for int4/int2
   uint8_t is_value = 0;
+  uint8_t vec = 0;  // 1: the 8-element fast path takes this job (kernels/internal/vec_codec.h)
 };
 
 }  // namespace proxima::codec::internal
