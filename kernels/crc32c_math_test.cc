@@ -38,17 +38,51 @@ std::vector<std::byte> RandomBytes(std::mt19937_64& rng, size_t n) {
 
 uint32_t Crc(const std::byte* p, size_t n) { return Crc32c(std::span<const std::byte>(p, n)); }
 
-// The kernels' algorithm on host memory: pass 1 (every lane of every chunk), then pass 2.
+struct ShiftTables {
+  ShiftTables() {
+    for (int l = 0; l < kLevels; ++l) MakeShiftTable(Pow().p[kLaneLog2 + l], level[l]);
+    MakeShiftTable(Pow().p[kPowCount - 1], chunk[0]);
+  }
+  uint32_t level[kLevels][4][256];
+  uint32_t chunk[1][4][256];
+};
+
+const ShiftTables& S() {
+  static const ShiftTables* tables = new ShiftTables();
+  return *tables;
+}
+
+// The shuffle tree of the kernels for a whole chunk, on 32 lane values.
+uint32_t TreeCombine(uint32_t (&v)[kLanes]) {
+  for (int l = 0; l < kLevels; ++l) {
+    const uint32_t step = 1u << l;
+    for (uint32_t lane = 0; lane + step < kLanes; lane += 2 * step) {
+      v[lane] = ShiftByTable(v[lane], S().level[l]) ^ v[lane + step];
+    }
+  }
+  return v[0];
+}
+
+// The kernels' algorithm on host memory: pass 1 (every lane of every chunk; the tree for whole
+// chunks, the per-lane shifts for partial ones, as the kernel chooses), then pass 2.
 uint32_t SimulatedCrc(const std::byte* data, size_t size) {
   const uint64_t begin = reinterpret_cast<uintptr_t>(data);
   std::vector<uint32_t> chunk_raw(NumChunks(begin, size));
   for (uint64_t k = 0; k < chunk_raw.size(); ++k) {
     const ByteRange chunk = ChunkRange(begin, size, k);
     uint32_t x = 0;
-    for (uint32_t lane = 0; lane < kLanes; ++lane) x ^= LaneShare(begin, chunk, lane, T().t, Pow().p);
+    if (chunk.end - chunk.begin == kChunkBytes) {
+      uint32_t v[kLanes];
+      for (uint32_t lane = 0; lane < kLanes; ++lane) v[lane] = LaneRaw(begin, chunk, lane, T().t);
+      x = TreeCombine(v);
+    } else {
+      for (uint32_t lane = 0; lane < kLanes; ++lane) {
+        x ^= LaneShare(begin, chunk, lane, T().t, Pow().p);
+      }
+    }
     chunk_raw[k] = x;
   }
-  return CombineChunks(begin, size, chunk_raw.data(), Pow().p);
+  return CombineChunks(begin, size, chunk_raw.data(), Pow().p, S().chunk[0]);
 }
 
 TEST(Crc32cMathTest, TableZeroIsTheByteWiseCrc) {
@@ -97,6 +131,36 @@ TEST(Crc32cMathTest, ShiftBytesFeedsZeroBytes) {
       const uint32_t v = static_cast<uint32_t>(rng());
       EXPECT_EQ(ShiftBytes(v, n, Pow().p), ExtendRaw(v, zeros.data(), n, T().t)) << n;
     }
+  }
+}
+
+TEST(Crc32cMathTest, ShiftTablesMatchShiftBytes) {
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 1000; ++i) {
+    const uint32_t v = static_cast<uint32_t>(rng());
+    for (int l = 0; l < kLevels; ++l) {
+      EXPECT_EQ(ShiftByTable(v, S().level[l]), ShiftBytes(v, kLaneBytes << l, Pow().p)) << l;
+    }
+    EXPECT_EQ(ShiftByTable(v, S().chunk[0]), ShiftBytes(v, kChunkBytes, Pow().p));
+  }
+}
+
+TEST(Crc32cMathTest, TreeOfAWholeChunkEqualsTheSumOfLaneShares) {
+  std::mt19937_64 rng(8);
+  std::vector<std::byte> buf = RandomBytes(rng, 3 * kChunkBytes);
+  const uint64_t base = reinterpret_cast<uintptr_t>(buf.data());
+  const uint64_t window = (base + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
+  const ByteRange chunk{window, window + kChunkBytes};
+  for (uint64_t span_begin : {window, window - 1}) {  // the chunk starts the span, or not
+    uint32_t v[kLanes];
+    uint32_t sum = 0;
+    for (uint32_t lane = 0; lane < kLanes; ++lane) {
+      v[lane] = LaneRaw(span_begin, chunk, lane, T().t);
+      sum ^= LaneShare(span_begin, chunk, lane, T().t, Pow().p);
+    }
+    EXPECT_EQ(TreeCombine(v), sum);
+    const uint32_t init = span_begin == window ? ~0u : 0u;
+    EXPECT_EQ(sum, ExtendRaw(init, reinterpret_cast<const uint8_t*>(window), kChunkBytes, T().t));
   }
 }
 

@@ -43,7 +43,7 @@ inline constexpr uint64_t kLaneBytes = kChunkBytes / kLanes;
 inline constexpr int kTables = 16;
 // ShiftBytes handles n < 2^kPowCount, which covers every shift the kernels make (<= kChunkBytes).
 inline constexpr int kPowCount = 15;
-static_assert((uint64_t{1} << (kPowCount - 1)) >= kChunkBytes, "shift powers too short");
+static_assert((uint64_t{1} << (kPowCount - 1)) == kChunkBytes, "pow[kPowCount - 1] shifts a chunk");
 static_assert(kChunkBytes % (16 * kLanes) == 0, "lane pieces must be 16-byte aligned");
 
 // x^(8 * 2^k) mod P for k < kPowCount.
@@ -138,6 +138,37 @@ PXC_HD uint32_t ShiftBytes(uint32_t v, uint64_t n, const uint32_t* pow) {
   return v;
 }
 
+// Multiplication by one fixed power X = x^(8n) as four table lookups (one per byte of v), for the
+// shifts the kernels make over and over: t[k][b] = (b << 8k) * X mod P. Since the product is
+// linear in v, each entry is an XOR of the 32 products basis[i] = (1 << i) * X.
+PXC_HD uint32_t ShiftTableEntry(int k, uint32_t b, const uint32_t* basis) {
+  uint32_t r = 0;
+  for (int i = 0; i < 8; ++i) r ^= (0u - ((b >> i) & 1u)) & basis[8 * k + i];
+  return r;
+}
+
+PXC_HD uint32_t ShiftByTable(uint32_t v, const uint32_t (*t)[256]) {
+  return t[0][v & 0xFFu] ^ t[1][(v >> 8) & 0xFFu] ^ t[2][(v >> 16) & 0xFFu] ^ t[3][v >> 24];
+}
+
+// Host side: the table for X (the kernels build theirs in shared memory the same way).
+inline void MakeShiftTable(uint32_t x, uint32_t (*t)[256]) {
+  uint32_t basis[32];
+  for (int i = 0; i < 32; ++i) basis[i] = MulModP(1u << i, x);
+  for (int k = 0; k < 4; ++k) {
+    for (uint32_t b = 0; b < 256; ++b) t[k][b] = ShiftTableEntry(k, b, basis);
+  }
+}
+
+// A whole chunk (kChunkBytes, every lane's piece kLaneBytes long) combines its lanes' raw CRCs
+// in a tree of kLevels steps: at level l, lane L (a multiple of 2^(l+1)) takes
+// ShiftByTable(own, level l's table) ^ (lane L + 2^l's value), level l's table shifting by
+// kLaneBytes * 2^l bytes, i.e. by x^(8 * 2^(kLaneLog2 + l)) = pow[kLaneLog2 + l].
+inline constexpr int kLevels = 5;  // log2(kLanes)
+inline constexpr int kLaneLog2 = 9;  // log2(kLaneBytes)
+static_assert((uint32_t{1} << kLevels) == kLanes && (uint64_t{1} << kLaneLog2) == kLaneBytes,
+              "tree geometry");
+
 // Crc32c(A ++ B) from Crc32c(A), Crc32c(B) and |B| (REQUIRES: len_b < 2^kPowCount).
 PXC_HD uint32_t CombineCrc32c(uint32_t crc_a, uint32_t crc_b, uint64_t len_b, const uint32_t* pow) {
   return ShiftBytes(crc_a, len_b, pow) ^ crc_b;
@@ -171,6 +202,16 @@ PXC_HD ByteRange LaneRange(ByteRange chunk, uint32_t lane) {
   return b < e ? ByteRange{b, e} : ByteRange{b, b};
 }
 
+// The raw CRC of lane `lane`'s piece of `chunk`: from ~0 when the piece starts the span, else
+// from 0; 0 when the lane has no bytes.
+PXC_HD uint32_t LaneRaw(uint64_t span_begin, ByteRange chunk, uint32_t lane,
+                        const uint32_t (*tables)[256]) {
+  const ByteRange r = LaneRange(chunk, lane);
+  if (r.begin == r.end) return 0;
+  const uint32_t init = r.begin == span_begin ? ~0u : 0u;
+  return ExtendRaw(init, reinterpret_cast<const uint8_t*>(r.begin), r.end - r.begin, tables);
+}
+
 // Lane `lane`'s share of the raw CRC of the span's chunk `chunk`: its piece's raw CRC (from ~0
 // when the piece starts the span, else from 0) moved to the end of the chunk. The XOR of all
 // lanes' shares is raw(~0, chunk) for a span's first chunk and raw(0, chunk) for the others.
@@ -178,22 +219,22 @@ PXC_HD uint32_t LaneShare(uint64_t span_begin, ByteRange chunk, uint32_t lane,
                           const uint32_t (*tables)[256], const uint32_t* pow) {
   const ByteRange r = LaneRange(chunk, lane);
   if (r.begin == r.end) return 0;
-  const uint32_t init = r.begin == span_begin ? ~0u : 0u;
-  const uint32_t raw = ExtendRaw(init, reinterpret_cast<const uint8_t*>(r.begin),
-                                 r.end - r.begin, tables);
-  return ShiftBytes(raw, chunk.end - r.end, pow);
+  return ShiftBytes(LaneRaw(span_begin, chunk, lane, tables), chunk.end - r.end, pow);
 }
 
 // Crc32c of the span from its chunks' raw CRCs (chunk_raw[k] for k < NumChunks, as XORs of
-// LaneShare). 0 for an empty span.
+// LaneShare). `chunk_shift` is MakeShiftTable(pow[kPowCount - 1]), the shift by kChunkBytes that
+// every whole chunk after the first needs. 0 for an empty span.
 PXC_HD uint32_t CombineChunks(uint64_t begin, uint64_t size, const uint32_t* chunk_raw,
-                              const uint32_t* pow) {
+                              const uint32_t* pow, const uint32_t (*chunk_shift)[256]) {
   const uint64_t n = NumChunks(begin, size);
   if (n == 0) return 0;
   uint32_t acc = chunk_raw[0];
   for (uint64_t k = 1; k < n; ++k) {
     const ByteRange c = ChunkRange(begin, size, k);
-    acc = ShiftBytes(acc, c.end - c.begin, pow) ^ chunk_raw[k];
+    const uint64_t len = c.end - c.begin;
+    acc = (len == kChunkBytes ? ShiftByTable(acc, chunk_shift) : ShiftBytes(acc, len, pow)) ^
+          chunk_raw[k];
   }
   return ~acc;
 }
