@@ -12,8 +12,9 @@
 //    stream-ordered allocation and free of its scratch (cudaMallocAsync / cudaFreeAsync). It
 //    never synchronises. The spans' bytes must be ready when the stream reaches the kernels and
 //    stay valid until they finish; the host `spans` array may go away when the call returns.
-//  - Cost: reads every byte once (pass 1: one warp per 16 KiB aligned chunk); pass 2 folds each
-//    span's chunks in order on one thread, about a microsecond per 100 chunks of a span.
+//  - Cost: reads every byte once (pass 1: one warp per 16 KiB aligned chunk, slicing-by-16
+//    tables in shared memory); pass 2 folds each span's chunks in order on one warp, a few
+//    shared-memory lookups per chunk.
 //  - Thread-safety: reentrant; concurrent calls on distinct output arrays are safe.
 //  - Builds without CUDA get these functions too; they return kFailedPrecondition.
 #ifndef PROXIMA_KERNELS_CRC32C_CUDA_H_

@@ -40,10 +40,12 @@ uint32_t Crc(const std::byte* p, size_t n) { return Crc32c(std::span<const std::
 
 struct ShiftTables {
   ShiftTables() {
-    for (int l = 0; l < kLevels; ++l) MakeShiftTable(Pow().p[kLaneLog2 + l], level[l]);
+    for (int l = 0; l < kLevels; ++l) MakeShiftTable(Pow().p[kTreeLog2 + l], level[l]);
+    MakeShiftTable(Pow().p[kStripeLog2], stripe[0]);
     MakeShiftTable(Pow().p[kPowCount - 1], chunk[0]);
   }
   uint32_t level[kLevels][4][256];
+  uint32_t stripe[1][4][256];
   uint32_t chunk[1][4][256];
 };
 
@@ -63,6 +65,16 @@ uint32_t TreeCombine(uint32_t (&v)[kLanes]) {
   return v[0];
 }
 
+// What the warp computes for the whole chunk at `window` (a multiple of kChunkBytes).
+uint32_t WholeChunkRaw(uint64_t window, bool starts_span) {
+  uint32_t v[kLanes];
+  for (uint32_t lane = 0; lane < kLanes; ++lane) {
+    const uint32_t init = lane == 0 && starts_span ? ~0u : 0u;
+    v[lane] = StripeLaneRaw(window, lane, init, T().t, S().stripe[0]);
+  }
+  return TreeCombine(v);
+}
+
 // The kernels' algorithm on host memory: pass 1 (every lane of every chunk; the tree for whole
 // chunks, the per-lane shifts for partial ones, as the kernel chooses), then pass 2.
 uint32_t SimulatedCrc(const std::byte* data, size_t size) {
@@ -72,9 +84,7 @@ uint32_t SimulatedCrc(const std::byte* data, size_t size) {
     const ByteRange chunk = ChunkRange(begin, size, k);
     uint32_t x = 0;
     if (chunk.end - chunk.begin == kChunkBytes) {
-      uint32_t v[kLanes];
-      for (uint32_t lane = 0; lane < kLanes; ++lane) v[lane] = LaneRaw(begin, chunk, lane, T().t);
-      x = TreeCombine(v);
+      x = WholeChunkRaw(chunk.begin, chunk.begin == begin);
     } else {
       for (uint32_t lane = 0; lane < kLanes; ++lane) {
         x ^= LaneShare(begin, chunk, lane, T().t, Pow().p);
@@ -139,28 +149,30 @@ TEST(Crc32cMathTest, ShiftTablesMatchShiftBytes) {
   for (int i = 0; i < 1000; ++i) {
     const uint32_t v = static_cast<uint32_t>(rng());
     for (int l = 0; l < kLevels; ++l) {
-      EXPECT_EQ(ShiftByTable(v, S().level[l]), ShiftBytes(v, kLaneBytes << l, Pow().p)) << l;
+      EXPECT_EQ(ShiftByTable(v, S().level[l]), ShiftBytes(v, kSlotBytes << l, Pow().p)) << l;
     }
+    EXPECT_EQ(ShiftByTable(v, S().stripe[0]), ShiftBytes(v, kStripeBytes, Pow().p));
     EXPECT_EQ(ShiftByTable(v, S().chunk[0]), ShiftBytes(v, kChunkBytes, Pow().p));
   }
 }
 
-TEST(Crc32cMathTest, TreeOfAWholeChunkEqualsTheSumOfLaneShares) {
+TEST(Crc32cMathTest, StripesOfAWholeChunkEqualItsRawCrc) {
   std::mt19937_64 rng(8);
   std::vector<std::byte> buf = RandomBytes(rng, 3 * kChunkBytes);
   const uint64_t base = reinterpret_cast<uintptr_t>(buf.data());
   const uint64_t window = (base + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
   const ByteRange chunk{window, window + kChunkBytes};
-  for (uint64_t span_begin : {window, window - 1}) {  // the chunk starts the span, or not
-    uint32_t v[kLanes];
-    uint32_t sum = 0;
+  for (bool starts_span : {true, false}) {
+    const uint64_t span_begin = starts_span ? window : window - 1;
+    uint32_t sum = 0;  // the partial-chunk path on the same bytes
     for (uint32_t lane = 0; lane < kLanes; ++lane) {
-      v[lane] = LaneRaw(span_begin, chunk, lane, T().t);
       sum ^= LaneShare(span_begin, chunk, lane, T().t, Pow().p);
     }
-    EXPECT_EQ(TreeCombine(v), sum);
-    const uint32_t init = span_begin == window ? ~0u : 0u;
-    EXPECT_EQ(sum, ExtendRaw(init, reinterpret_cast<const uint8_t*>(window), kChunkBytes, T().t));
+    const uint32_t init = starts_span ? ~0u : 0u;
+    const uint32_t want =
+        ExtendRaw(init, reinterpret_cast<const uint8_t*>(window), kChunkBytes, T().t);
+    EXPECT_EQ(WholeChunkRaw(window, starts_span), want) << starts_span;
+    EXPECT_EQ(sum, want) << starts_span;
   }
 }
 

@@ -22,7 +22,7 @@ struct SpanDesc {
 
 // Device arrays: `spans` (num_spans), `chunk_span` (num_chunks: the span of every chunk),
 // `chunk_raw` (num_chunks scratch words). Writes the num_spans CRCs to `crcs`. Two kernels: one
-// warp per chunk, then one thread per span.
+// warp per chunk, then one warp per span.
 cudaError_t LaunchCrc32cBatch(const SpanDesc* spans, uint32_t num_spans, const uint32_t* chunk_span,
                               uint64_t num_chunks, uint32_t* chunk_raw, uint32_t* crcs,
                               const crc32c_math::ShiftPowers& powers, cudaStream_t stream);

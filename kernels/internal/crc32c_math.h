@@ -86,6 +86,19 @@ PXC_HD uint32_t Extend16(uint32_t crc, uint32_t w0, uint32_t w1, uint32_t w2, ui
          t[1][(w3 >> 16) & 0xFFu] ^ t[0][w3 >> 24];
 }
 
+// Reads 16 bytes at p (REQUIRES: p is 16-byte aligned) as four little-endian words.
+PXC_HD void Load16(const uint8_t* p, uint32_t* w) {
+#if defined(__CUDA_ARCH__)
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  w[0] = v.x;
+  w[1] = v.y;
+  w[2] = v.z;
+  w[3] = v.w;
+#else
+  std::memcpy(w, p, 16);  // little-endian hosts only, like common/crc32c.cc
+#endif
+}
+
 // raw(crc, [p, p + n)): bytes one at a time up to a 16-byte boundary, then aligned 16-byte loads
 // (never past p + n), then the remaining bytes one at a time. Reads exactly [p, p + n).
 PXC_HD uint32_t ExtendRaw(uint32_t crc, const uint8_t* p, uint64_t n, const uint32_t (*t)[256]) {
@@ -97,14 +110,9 @@ PXC_HD uint32_t ExtendRaw(uint32_t crc, const uint8_t* p, uint64_t n, const uint
 #pragma unroll 4
 #endif
   for (; n >= 16; n -= 16, p += 16) {
-#if defined(__CUDA_ARCH__)
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    crc = Extend16(crc, w.x, w.y, w.z, w.w, t);
-#else
     uint32_t w[4];
-    std::memcpy(w, p, 16);  // little-endian hosts only, like common/crc32c.cc
+    Load16(p, w);
     crc = Extend16(crc, w[0], w[1], w[2], w[3], t);
-#endif
   }
   while (n > 0) {
     crc = ExtendByte(crc, *p++, t[0]);
@@ -160,14 +168,41 @@ inline void MakeShiftTable(uint32_t x, uint32_t (*t)[256]) {
   }
 }
 
-// A whole chunk (kChunkBytes, every lane's piece kLaneBytes long) combines its lanes' raw CRCs
-// in a tree of kLevels steps: at level l, lane L (a multiple of 2^(l+1)) takes
-// ShiftByTable(own, level l's table) ^ (lane L + 2^l's value), level l's table shifting by
-// kLaneBytes * 2^l bytes, i.e. by x^(8 * 2^(kLaneLog2 + l)) = pow[kLaneLog2 + l].
-inline constexpr int kLevels = 5;  // log2(kLanes)
-inline constexpr int kLaneLog2 = 9;  // log2(kLaneBytes)
-static_assert((uint32_t{1} << kLevels) == kLanes && (uint64_t{1} << kLaneLog2) == kLaneBytes,
-              "tree geometry");
+// A whole chunk (kChunkBytes, aligned) is read in stripes so that a warp's loads are coalesced:
+// lane j takes the 16-byte slots at chunk + i * kStripeBytes + 16 * j (i < kSlots), and keeps
+// acc = ShiftByTable(acc, shift by kStripeBytes) ^ raw(0, slot): its bytes' raw CRC with the
+// other lanes' bytes counted as zeros, positioned at the end of its last slot (StripeLaneRaw).
+// The lanes then combine in a tree of kLevels steps: at level l, lane L (a multiple of
+// 2^(l+1)) takes ShiftByTable(own, level l's table) ^ (lane L + 2^l's value), level l's table
+// shifting by kSlotBytes * 2^l bytes = x^(8 * 2^(kTreeLog2 + l)) = pow[kTreeLog2 + l].
+inline constexpr uint64_t kSlotBytes = 16;
+inline constexpr uint64_t kStripeBytes = kSlotBytes * kLanes;
+inline constexpr int kStripeLog2 = 9;  // kStripeBytes = 2^9: its shift is pow[kStripeLog2]
+inline constexpr uint64_t kSlots = kChunkBytes / kStripeBytes;
+inline constexpr int kLevels = 5;    // log2(kLanes)
+inline constexpr int kTreeLog2 = 4;  // log2(kSlotBytes)
+static_assert((uint32_t{1} << kLevels) == kLanes && (uint64_t{1} << kTreeLog2) == kSlotBytes &&
+                  (uint64_t{1} << kStripeLog2) == kStripeBytes,
+              "stripe geometry");
+
+// Lane `lane`'s accumulator over its kSlots slots of the whole chunk at chunk_begin (REQUIRES:
+// a multiple of kChunkBytes), starting from `init` (~0 for lane 0 when the chunk starts its span,
+// else 0). `stripe_shift` is MakeShiftTable(pow[kStripeLog2]). Reads only the lane's slots.
+PXC_HD uint32_t StripeLaneRaw(uint64_t chunk_begin, uint32_t lane, uint32_t init,
+                              const uint32_t (*t)[256], const uint32_t (*stripe_shift)[256]) {
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(chunk_begin + lane * kSlotBytes);
+  uint32_t w[4];
+  Load16(p, w);
+  uint32_t acc = Extend16(init, w[0], w[1], w[2], w[3], t);
+#if defined(__CUDA_ARCH__)
+#pragma unroll 4
+#endif
+  for (uint64_t i = 1; i < kSlots; ++i) {
+    Load16(p + i * kStripeBytes, w);
+    acc = ShiftByTable(acc, stripe_shift) ^ Extend16(0, w[0], w[1], w[2], w[3], t);
+  }
+  return acc;
+}
 
 // Crc32c(A ++ B) from Crc32c(A), Crc32c(B) and |B| (REQUIRES: len_b < 2^kPowCount).
 PXC_HD uint32_t CombineCrc32c(uint32_t crc_a, uint32_t crc_b, uint64_t len_b, const uint32_t* pow) {
@@ -222,19 +257,29 @@ PXC_HD uint32_t LaneShare(uint64_t span_begin, ByteRange chunk, uint32_t lane,
   return ShiftBytes(LaneRaw(span_begin, chunk, lane, tables), chunk.end - r.end, pow);
 }
 
-// Crc32c of the span from its chunks' raw CRCs (chunk_raw[k] for k < NumChunks, as XORs of
-// LaneShare). `chunk_shift` is MakeShiftTable(pow[kPowCount - 1]), the shift by kChunkBytes that
-// every whole chunk after the first needs. 0 for an empty span.
+// The length of chunk k (< NumChunks) of the span.
+PXC_HD uint64_t ChunkLength(uint64_t begin, uint64_t size, uint64_t k) {
+  const ByteRange c = ChunkRange(begin, size, k);
+  return c.end - c.begin;
+}
+
+// One step of folding a span's chunks in order: acc (raw CRC up to chunk k-1) followed by chunk
+// k of length len with raw CRC `chunk`. `chunk_shift` is MakeShiftTable(pow[kPowCount - 1]),
+// the shift by kChunkBytes that every whole chunk needs.
+PXC_HD uint32_t FoldChunk(uint32_t acc, uint64_t len, uint32_t chunk, const uint32_t* pow,
+                          const uint32_t (*chunk_shift)[256]) {
+  return (len == kChunkBytes ? ShiftByTable(acc, chunk_shift) : ShiftBytes(acc, len, pow)) ^ chunk;
+}
+
+// Crc32c of the span from its chunks' raw CRCs (chunk_raw[k] for k < NumChunks: raw(~0, chunk)
+// for the first, raw(0, chunk) for the others). 0 for an empty span.
 PXC_HD uint32_t CombineChunks(uint64_t begin, uint64_t size, const uint32_t* chunk_raw,
                               const uint32_t* pow, const uint32_t (*chunk_shift)[256]) {
   const uint64_t n = NumChunks(begin, size);
   if (n == 0) return 0;
   uint32_t acc = chunk_raw[0];
   for (uint64_t k = 1; k < n; ++k) {
-    const ByteRange c = ChunkRange(begin, size, k);
-    const uint64_t len = c.end - c.begin;
-    acc = (len == kChunkBytes ? ShiftByTable(acc, chunk_shift) : ShiftBytes(acc, len, pow)) ^
-          chunk_raw[k];
+    acc = FoldChunk(acc, ChunkLength(begin, size, k), chunk_raw[k], pow, chunk_shift);
   }
   return ~acc;
 }
