@@ -22,10 +22,11 @@ cd "$(dirname "$0")/.."
 MODE=${1:?usage: scripts/gpu-check.sh prepare|run|vllm-e2e}
 DIR=build-gpu
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
-GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test daemon/daemon_test)
+GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test
+  kernels/kernels_crc32c_cuda_test daemon/daemon_test)
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
-GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench)
+GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
 OTHER=(daemon/proximad)
 
 case "$MODE" in
@@ -76,11 +77,13 @@ case "$MODE" in
     # Kernels vs the device's own D2D copy bandwidth, on real KV, batches of 256 MiB.
     step codec_gpu_bench 180 "$DIR/bench/codec_gpu_bench" --batch_mb=256 \
       --codecs="fp8;int8;int4;int2;star"
+    step crc32c_gpu_bench 60 "$DIR/bench/crc32c_gpu_bench" --batch_mb=256 --span_kb=700
     step kv_layout_gpu_bench 120 "$DIR/bench/kv_layout_bench" --device=cuda --num_blocks=256 \
       --batch=64
     # Out-of-bounds accesses and races in the kernels (Firecracker machines run compute-sanitizer).
     if command -v compute-sanitizer >/dev/null; then
-      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test; do
+      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test \
+        kernels/kernels_crc32c_cuda_test; do
         step "memcheck-$(basename "$t")" 150 compute-sanitizer --tool memcheck \
           --error-exitcode 3 "$DIR/$t"
       done
