@@ -33,8 +33,9 @@ inline constexpr uint32_t kPolyReflected = 0x82F63B78u;
 inline constexpr uint32_t kOne = 0x80000000u;
 
 // The batch is cut into chunks of kChunkBytes aligned to absolute addresses (so every chunk but a
-// span's first and last is whole and aligned), one warp per chunk; lane j of the warp takes the
-// j-th kLaneBytes of the chunk window. Chunk CRCs are then combined per span.
+// span's first and last is whole and aligned), one warp per chunk. A whole chunk is read in
+// coalesced stripes (StripeLaneRaw below); in a partial one lane j takes the j-th kLaneBytes of
+// the chunk window (LaneRange). Chunk CRCs are then combined per span (CombineChunks).
 inline constexpr uint64_t kChunkBytes = 16384;
 inline constexpr uint32_t kLanes = 32;
 inline constexpr uint64_t kLaneBytes = kChunkBytes / kLanes;
