@@ -103,13 +103,13 @@ int main(int argc, char** argv) {
     return ms / reps;
   };
   const double total = static_cast<double>(blocks) * raw_bytes;
-  const double copy_ms = time_ms([&] {
-    cudaMemcpyAsync(d_out, d_raw, blocks * raw_bytes, cudaMemcpyDeviceToDevice);
-  });
+  const double copy_ms =
+      time_ms([&] { cudaMemcpyAsync(d_out, d_raw, blocks * raw_bytes, cudaMemcpyDeviceToDevice); });
   // A D2D copy reads and writes every byte, like a decode reads (less) and writes every byte.
   const double copy_gbps = total / (copy_ms * 1e-3) / 1e9;
 
-  for (absl::string_view name : absl::StrSplit(Arg(argc, argv, "codecs", "fp8;int8;int4;int2"), ';')) {
+  for (absl::string_view name :
+       absl::StrSplit(Arg(argc, argv, "codecs", "fp8;int8;int4;int2"), ';')) {
     auto plan = proxima::codec::ParseCodecPlan(std::string(name));
     if (!plan.ok()) {
       std::fprintf(stderr, "codec_gpu_bench: %s\n", plan.status().ToString().c_str());
@@ -173,7 +173,8 @@ int main(int argc, char** argv) {
     std::vector<std::byte> gpu(raw_bytes), cpu(raw_bytes);
     cudaMemcpy(gpu.data(), d_out, raw_bytes, cudaMemcpyDeviceToHost);
     if (!proxima::codec::DecodeBlock(std::as_bytes(std::span(encoded[0].data(), encoded[0].size())),
-                                     cpu).ok() ||
+                                     cpu)
+             .ok() ||
         std::memcmp(gpu.data(), cpu.data(), raw_bytes) != 0) {
       std::fprintf(stderr, "codec_gpu_bench: GPU decode of %s differs from the CPU's\n",
                    std::string(name).c_str());

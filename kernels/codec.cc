@@ -168,8 +168,11 @@ absl::Status DecodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
   return absl::InvalidArgumentError("unknown codec");
 }
 
-// Parses and validates the header and segment table; CRCs are checked when `check_crc`.
-absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, bool check_crc) {
+enum class CrcCheck { kHeader, kHeaderAndPayload };
+
+// Parses and validates the header and segment table, the header CRC, and the payload CRC when
+// `check` says so.
+absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, CrcCheck check) {
   using internal::kHeaderBytes;
   using internal::kSegmentEntryBytes;
   if (enc.size() < kHeaderBytes) {
@@ -208,7 +211,7 @@ absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, bool
     return absl::InvalidArgumentError(
         absl::StrCat("block size ", enc.size(), " does not match its header"));
   }
-  if (check_crc) {
+  {
     uint32_t crc = Crc32c(enc.subspan(0, internal::kHeaderCrcOffset));
     crc = Crc32cExtend(crc, enc.subspan(kHeaderBytes, table_end - kHeaderBytes));
     if (crc != LoadLe<uint32_t>(p + internal::kHeaderCrcOffset)) {
@@ -257,8 +260,8 @@ absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, bool
   if (offset != enc.size()) {
     return absl::InvalidArgumentError("segment sizes do not add up to the payload size");
   }
-  if (check_crc &&
-      Crc32c(enc.subspan(table_end)) != LoadLe<uint32_t>(p + internal::kPayloadCrcOffset)) {
+  info.payload_crc = LoadLe<uint32_t>(p + internal::kPayloadCrcOffset);
+  if (check == CrcCheck::kHeaderAndPayload && Crc32c(enc.subspan(table_end)) != info.payload_crc) {
     return absl::DataLossError("block payload CRC32C mismatch");
   }
   info.raw_bytes = g.RawBytes();
@@ -526,14 +529,18 @@ absl::Status EncodeBlock(const BlockGeometry& geometry, const CodecPlan& plan, b
 }
 
 absl::StatusOr<BlockHeaderInfo> InspectBlock(std::span<const std::byte> encoded) {
-  return ParseHeader(encoded, /*check_crc=*/true);
+  return ParseHeader(encoded, CrcCheck::kHeaderAndPayload);
+}
+
+absl::StatusOr<BlockHeaderInfo> InspectBlockHeader(std::span<const std::byte> encoded) {
+  return ParseHeader(encoded, CrcCheck::kHeader);
 }
 
 absl::Status DecodeBlockWithPath(CpuPath path, std::span<const std::byte> encoded,
                                  std::span<std::byte> raw_out) {
   PROXIMA_RETURN_IF_ERROR(CheckPath(path));
   path = Resolve(path);
-  PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, ParseHeader(encoded, /*check_crc=*/true));
+  PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, ParseHeader(encoded, CrcCheck::kHeaderAndPayload));
   if (raw_out.size() != info.raw_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("output is ", raw_out.size(), " bytes, block decodes to ", info.raw_bytes));

@@ -105,10 +105,14 @@ struct BlockHeaderInfo {
   std::vector<SegmentInfo> segments;  // 2 * num_layers, order [layer][k|v]
   size_t raw_bytes = 0;
   size_t encoded_bytes = 0;
+  uint32_t payload_crc = 0;  // the payload CRC32C the header carries
 };
 
 // Validates the header, the segment table, both CRCs and every size; does not decode.
 absl::StatusOr<BlockHeaderInfo> InspectBlock(std::span<const std::byte> encoded);
+// The same except the payload CRC, for callers that check it elsewhere against payload_crc (the
+// CUDA decoder checks it on the GPU, over the device copy it decodes).
+absl::StatusOr<BlockHeaderInfo> InspectBlockHeader(std::span<const std::byte> encoded);
 
 // Decodes into `raw_out`, whose size must equal the block's RawBytes().
 absl::Status DecodeBlock(std::span<const std::byte> encoded, std::span<std::byte> raw_out);

@@ -1,5 +1,6 @@
-// Host side of the CUDA batch entry points: validates blocks on the host, builds one
-// SegmentJob per segment, and launches one kernel per dtype for the whole batch.
+// Host side of the CUDA batch entry points: validates block headers and metadata on the host,
+// builds one SegmentJob per segment, launches one kernel per dtype for the whole batch, and
+// computes the payload CRCs on the GPU (kernels/crc32c_cuda.h).
 #include "kernels/codec_cuda.h"
 
 #include <cuda_runtime_api.h>
@@ -13,10 +14,11 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
+#include "kernels/crc32c_cuda.h"
 #include "kernels/internal/codec_launch.h"
 #include "kernels/internal/container.h"
-#include "kernels/internal/segment_codecs.h"
 #include "kernels/internal/make_segment_job.h"
+#include "kernels/internal/segment_codecs.h"
 #include "kernels/internal/segment_job.h"
 #include "kernels/internal/vec_codec.h"
 
@@ -43,6 +45,25 @@ absl::StatusOr<SegmentJob*> UploadJobs(const std::vector<SegmentJob>& jobs, cuda
     return CudaStatus(err, "cudaMemcpyAsync(jobs)");
   }
   return static_cast<SegmentJob*>(dev);
+}
+
+// Enqueues the CRC32C of every span on the GPU and the copy of the results into `crcs` (host),
+// which holds them once `stream` is synchronised.
+absl::Status EnqueueCrcs(const std::vector<gpu::DeviceSpan>& spans, std::vector<uint32_t>* crcs,
+                         cudaStream_t stream) {
+  crcs->assign(spans.size(), 0);
+  if (spans.empty()) return absl::OkStatus();
+  void* dev = nullptr;
+  const size_t bytes = spans.size() * sizeof(uint32_t);
+  PROXIMA_RETURN_IF_ERROR(
+      CudaStatus(cudaMallocAsync(&dev, bytes, stream), "cudaMallocAsync(crcs)"));
+  absl::Status status = gpu::Crc32cBatchCuda(spans, static_cast<uint32_t*>(dev), stream);
+  if (status.ok()) {
+    status = CudaStatus(cudaMemcpyAsync(crcs->data(), dev, bytes, cudaMemcpyDeviceToHost, stream),
+                        "cudaMemcpyAsync(crcs)");
+  }
+  cudaFreeAsync(dev, stream);
+  return status;
 }
 
 struct DecodeBatch {
@@ -122,13 +143,18 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
                               CudaCallTiming* timing) {
   CallTimer timer(timing, stream);
   std::map<uint8_t, DecodeBatch> by_dtype;
+  std::vector<gpu::DeviceSpan> payloads(jobs.size());  // checked against `expected` on the GPU
+  std::vector<uint32_t> expected(jobs.size());
   for (size_t b = 0; b < jobs.size(); ++b) {
     const CudaDecodeJob& job = jobs[b];
-    PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, InspectBlock(job.encoded_host));
+    PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, InspectBlockHeader(job.encoded_host));
     if (job.encoded_device == nullptr || job.raw_device == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("block ", b, ": null device pointer"));
     }
     const size_t seg_raw = info.geometry.SegmentElements() * 2;
+    const size_t payload_offset = info.segments[0].offset;  // 2 * num_layers >= 2 segments
+    payloads[b] = {job.encoded_device + payload_offset, info.encoded_bytes - payload_offset};
+    expected[b] = info.payload_crc;
     for (uint32_t s = 0; s < info.segments.size(); ++s) {
       const SegmentInfo& seg = info.segments[s];
       const SegmentShape sh = internal::SegmentShapeFor(info.geometry, s, seg.group_size);
@@ -178,10 +204,23 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
                           "decode kernel launch");
     }
   }
+  std::vector<uint32_t> crcs;
+  if (status.ok()) status = EnqueueCrcs(payloads, &crcs, stream);
   timer.KernelsEnd();
   for (const auto& [dtype, dev] : uploaded) cudaFreeAsync(dev, stream);
+  const absl::Status sync =
+      CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize(decode)");
   timer.Finish();
-  return status;
+  PROXIMA_RETURN_IF_ERROR(status);
+  PROXIMA_RETURN_IF_ERROR(sync);
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    if (crcs[b] != expected[b]) {
+      return absl::DataLossError(
+          absl::StrCat("block ", b, ": payload CRC32C mismatch in its device copy (computed ",
+                       crcs[b], ", header says ", expected[b], "); its output is not valid"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
@@ -292,14 +331,22 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     status = dev_jobs.status();
   } else {
     timer.KernelsBegin();
-    status = CudaStatus(cuda::LaunchEncodeSegments(*dev_jobs,
-                                                   static_cast<uint32_t>(batch.jobs.size()),
-                                                   batch.launch,
-                                                   static_cast<uint8_t>(geometry.dtype), stream),
-                        "encode kernel launch");
-    timer.KernelsEnd();
+    status = CudaStatus(
+        cuda::LaunchEncodeSegments(*dev_jobs, static_cast<uint32_t>(batch.jobs.size()),
+                                   batch.launch, static_cast<uint8_t>(geometry.dtype), stream),
+        "encode kernel launch");
     cudaFreeAsync(*dev_jobs, stream);
   }
+  std::vector<uint32_t> crcs;
+  if (status.ok()) {
+    std::vector<gpu::DeviceSpan> payloads(jobs.size());
+    for (size_t b = 0; b < jobs.size(); ++b) {
+      payloads[b] = {static_cast<const std::byte*>(dev_out) + block_offset[b],
+                     block_offset[b + 1] - block_offset[b]};
+    }
+    status = EnqueueCrcs(payloads, &crcs, stream);
+  }
+  timer.KernelsEnd();
   std::vector<std::string> results(jobs.size());
   if (status.ok()) {
     for (size_t b = 0; b < jobs.size() && status.ok(); ++b) {
@@ -319,9 +366,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   PROXIMA_RETURN_IF_ERROR(sync);
   for (size_t b = 0; b < jobs.size(); ++b) {
     std::string& r = results[b];
-    uint32_t crc =
-        Crc32c(std::as_bytes(std::span<const char>(r.data() + table_end, r.size() - table_end)));
-    std::memcpy(r.data() + internal::kPayloadCrcOffset, &crc, 4);
+    std::memcpy(r.data() + internal::kPayloadCrcOffset, &crcs[b], 4);  // computed on the GPU
     *jobs[b].out = std::move(r);
   }
   timer.Finish();

@@ -10,8 +10,10 @@
 // path of kernels/internal/vec_codec.h: 8 elements per thread, and encode fused per
 // (segment, head) in one kernel; others take a per-element path with the same results.
 //
-// Hostile input stays on the host side of the check: headers, sizes, CRCs and every metadata
-// value are validated from a host copy of each block before any kernel reads the device copy.
+// Hostile input: headers, sizes and every metadata value are validated from a host copy of each
+// block before any kernel runs; the payload CRC32C is checked on the GPU over the device copy
+// that is decoded, and a mismatch fails the call. The kernels address memory only through the
+// validated sizes, so no device byte can make them read or write out of bounds.
 // Builds without CUDA get these functions too; they return kFailedPrecondition.
 // Thread-safety: functions are reentrant; concurrent calls on distinct buffers are safe.
 #ifndef PROXIMA_KERNELS_CODEC_CUDA_H_
@@ -30,10 +32,10 @@ struct CUstream_st;
 
 namespace proxima::codec {
 
-// Where the time of one call went, when the caller asks (the `timing` arguments below): the
-// kernels alone, timed with CUDA events around the launches, and the rest of the call's wall time
-// (validation and CRC checks, building and uploading the segment jobs; for encode also the copy
-// back and the payload CRCs). Asking costs two events and a wait for the kernels to finish.
+// Where the time of one call went, when the caller asks (the `timing` arguments below): the GPU
+// work (codec kernels and payload CRC kernels), timed with CUDA events around their launches, and
+// the rest of the call's wall time (header and metadata validation, building and uploading the
+// segment jobs; for encode also the copy back). Asking costs two events.
 struct CudaCallTiming {
   double host_ms = 0;
   double kernel_ms = 0;
@@ -45,10 +47,10 @@ struct CudaDecodeJob {
   std::byte* raw_device = nullptr;            // RawBytes() bytes of device memory
 };
 
-// Validates every block on the host, then enqueues the decode of all of them on `stream`
-// (a cudaStream_t; nullptr = the legacy default stream) and returns without synchronising.
-// The device buffers must stay valid until the stream reaches this point. With `timing`, the
-// call waits for the kernels to finish.
+// Validates every block's header and metadata on the host, decodes all of them on `stream`
+// (a cudaStream_t; nullptr = the legacy default stream) with their payload CRCs checked on the
+// GPU, and waits for the stream: kDataLoss naming the block when a device copy's CRC does not
+// match its header (the outputs are then not valid), OK when every output holds its block.
 absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream,
                               CudaCallTiming* timing = nullptr);
 
@@ -60,8 +62,8 @@ struct CudaEncodeJob {
   const float* importance_device = nullptr;
 };
 
-// Encodes every block with the same geometry and plan on `stream`, copies the results back and
-// synchronises the stream (the payload CRC is computed on the host). kUnimplemented when the
+// Encodes every block with the same geometry and plan on `stream`, computes the payload CRCs on
+// the GPU, copies the results back and synchronises the stream. kUnimplemented when the
 // plan selects `lossless` for any segment.
 absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
                               std::span<const CudaEncodeJob> jobs, CUstream_st* stream,

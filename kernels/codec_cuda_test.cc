@@ -153,20 +153,57 @@ TEST(CodecCudaTest, StarEncodeStaysWithinTheCpuErrorBound) {
 
 #endif  // PROXIMA_WITH_CUDA
 
-TEST(CodecCudaTest, CorruptBlockIsRejectedBeforeAnyKernel) {
+// A corrupt header or segment table is caught on the host, before anything reaches the GPU (the
+// device pointers here are not even device memory).
+TEST(CodecCudaTest, CorruptHeaderIsRejectedBeforeAnyKernel) {
   BlockGeometry g{1, 1, 64, 16, DType::kBf16};
   ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("int4"));
   std::string enc;
   ASSERT_OK(EncodeBlock(g, plan, false, MakeBlock(g, Pattern::kKvLike, 1), {}, &enc));
-  enc[enc.size() - 1] ^= 1;
+  enc[enc.size() - 1] ^= 1;  // the payload: left to the GPU's CRC check
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
+                       InspectBlockHeader(std::as_bytes(std::span<const char>(enc))));
+  enc[info.segments[0].offset - 1] ^= 1;  // the segment table: the header CRC catches it
   std::byte dummy[1];
   CudaDecodeJob job{std::as_bytes(std::span<const char>(enc)), dummy, dummy};
   absl::Status s = DecodeBlocksCuda(std::span(&job, 1), nullptr);
   if (!gpu::BuiltWithCuda()) {
     EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, ::testing::_));
   } else {
-    EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss, ::testing::_));  // host-side CRC check
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("header")));
   }
+}
+
+// The payload CRC is checked on the GPU over the device copy that is decoded: a device copy that
+// differs from its (valid) host copy fails the call, naming the block.
+TEST(CodecCudaTest, CorruptDeviceCopyFailsItsCrcOnTheGpu) {
+  PROXIMA_SKIP_WITHOUT_GPU();
+#if PROXIMA_WITH_CUDA
+  BlockGeometry g{2, 2, 64, 16, DType::kBf16};
+  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("int8"));
+  std::vector<std::string> enc(2);
+  std::vector<DeviceBuffer> dev_in, dev_out;
+  dev_in.reserve(2);
+  dev_out.reserve(2);
+  std::vector<CudaDecodeJob> jobs;
+  for (int b = 0; b < 2; ++b) {
+    ASSERT_OK(EncodeBlock(g, plan, false, MakeBlock(g, Pattern::kKvLike, 60 + b), {}, &enc[b]));
+    std::string device_copy = enc[b];
+    if (b == 1) device_copy[device_copy.size() / 2] ^= 0x04;
+    dev_in.emplace_back(enc[b].size());
+    dev_out.emplace_back(g.RawBytes());
+    ASSERT_EQ(
+        cudaMemcpy(dev_in[b].ptr, device_copy.data(), device_copy.size(), cudaMemcpyHostToDevice),
+        cudaSuccess);
+    jobs.push_back(
+        {std::as_bytes(std::span<const char>(enc[b])), dev_in[b].get(), dev_out[b].get()});
+  }
+  EXPECT_THAT(
+      DecodeBlocksCuda(jobs, nullptr),
+      StatusIs(absl::StatusCode::kDataLoss, ::testing::HasSubstr("block 1: payload CRC32C")));
+  jobs.pop_back();
+  EXPECT_OK(DecodeBlocksCuda(jobs, nullptr));
+#endif
 }
 
 }  // namespace

@@ -24,7 +24,9 @@ cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, uint32_t num_
                                  uint64_t max_work, uint8_t dtype, cudaStream_t stream) {
   if (num_jobs == 0) return cudaSuccess;
   PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
-    DecodeSegmentsKernel<kDt><<<Grid(num_jobs, max_work), kThreads, 0, stream>>>(jobs);
+    // Fast-path threads take kDecodeVecsPerThread vecs per round; per-element jobs loop longer.
+    const uint64_t rounds = (max_work + kDecodeVecsPerThread - 1) / kDecodeVecsPerThread;
+    DecodeSegmentsKernel<kDt><<<Grid(num_jobs, rounds), kThreads, 0, stream>>>(jobs);
   });
   return cudaGetLastError();
 }

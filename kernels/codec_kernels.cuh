@@ -18,8 +18,8 @@ namespace proxima::codec::cuda {
 using internal::SegmentJob;
 namespace nm = ::proxima::codec::numeric;
 
-using vec::kFp8, vec::kInt2, vec::kInt4, vec::kInt8, vec::kRaw, vec::kStar;
 using vec::FiniteAbs, vec::Ld16, vec::LdF32, vec::St16;
+using vec::kFp8, vec::kInt2, vec::kInt4, vec::kInt8, vec::kRaw, vec::kStar;
 
 __device__ __forceinline__ void StF32(uint8_t* p, uint64_t i, float f) {
   vec::StoreLe(p + 4 * i, nm::FloatBits(f), 4);
@@ -100,25 +100,43 @@ __device__ uint16_t DecodeElement(const SegmentJob& j, uint64_t i) {
   }
 }
 
-// grid.x: job, grid.y * blockDim.x: stride over the job's vecs (8 elements, one 16-byte store
-// each; kernels/internal/vec_codec.h), or over its elements when the fast path does not apply.
+// Vecs each thread of the fast path decodes per round: their loads are all issued before the
+// first store, so the memory system sees several independent requests per thread.
+constexpr uint32_t kDecodeVecsPerThread = 4;
+
+// grid.x: job, grid.y * blockDim.x threads over the job's vecs (8 elements, one 16-byte store
+// each; kernels/internal/vec_codec.h), kDecodeVecsPerThread per round, or over its elements when
+// the fast path does not apply. The job is copied to registers: the stores could otherwise alias
+// it and force reloads.
 template <uint8_t kDt>
 __global__ void DecodeSegmentsKernel(const SegmentJob* jobs) {
-  const SegmentJob& j = jobs[blockIdx.x];
+  const SegmentJob j = jobs[blockIdx.x];
+  const uint32_t threads = gridDim.y * blockDim.x;
   if (j.vec) {
     const uint32_t vecs = static_cast<uint32_t>(j.elements / 8);
     uint4* out = reinterpret_cast<uint4*>(j.raw);
-    for (uint32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vecs;
-         v += gridDim.y * blockDim.x) {
-      uint16_t o[8];
-      vec::DecodeVec<kDt>(j, v, o);
-      out[v] = make_uint4(o[0] | (uint32_t{o[1]} << 16), o[2] | (uint32_t{o[3]} << 16),
+    for (uint32_t base = blockIdx.y * blockDim.x + threadIdx.x; base < vecs;
+         base += threads * kDecodeVecsPerThread) {
+      uint4 w[kDecodeVecsPerThread];
+#pragma unroll
+      for (uint32_t k = 0; k < kDecodeVecsPerThread; ++k) {
+        const uint32_t v = base + k * threads;
+        if (v >= vecs) break;
+        uint16_t o[8];
+        vec::DecodeVec<kDt>(j, v, o);
+        w[k] = make_uint4(o[0] | (uint32_t{o[1]} << 16), o[2] | (uint32_t{o[3]} << 16),
                           o[4] | (uint32_t{o[5]} << 16), o[6] | (uint32_t{o[7]} << 16));
+      }
+#pragma unroll
+      for (uint32_t k = 0; k < kDecodeVecsPerThread; ++k) {
+        const uint32_t v = base + k * threads;
+        if (v >= vecs) break;
+        out[v] = w[k];
+      }
     }
     return;
   }
-  for (uint64_t i = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; i < j.elements;
-       i += uint64_t{gridDim.y} * blockDim.x) {
+  for (uint64_t i = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; i < j.elements; i += threads) {
     j.raw[i] = DecodeElement<kDt>(j, i);
   }
 }
@@ -410,7 +428,6 @@ __global__ void EncodeUnitsKernel(const SegmentJob* jobs) {
   }
 }
 
-
 // The fused encode path: block (job, head) computes the head's statistics in shared memory
 // (dynamic, StatsWords ints), writes the metadata, then quantises the head; its 16-byte rows are
 // read twice, the second time mostly from L1. Jobs without `vec` and heads past a job's count
@@ -418,7 +435,7 @@ __global__ void EncodeUnitsKernel(const SegmentJob* jobs) {
 template <uint8_t kDt>
 __global__ void EncodeHeadsKernel(const SegmentJob* jobs) {
   extern __shared__ int32_t stats[];
-  const SegmentJob& j = jobs[blockIdx.x];
+  const SegmentJob j = jobs[blockIdx.x];  // in registers: payload stores could alias it
   const uint32_t h = blockIdx.y;
   if (!j.vec || h >= j.heads) return;
   const uint32_t words = vec::StatsWords(j), vecs = vec::HeadVecs(j);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -316,6 +317,27 @@ TEST_P(HostileInputTest, TruncationAndCorruptionAreErrors) {
 INSTANTIATE_TEST_SUITE_P(Codecs, HostileInputTest,
                          ::testing::Values("raw", "lossless", "fp8", "int8", "int4", "int2",
                                            "star"));
+
+// InspectBlockHeader checks everything InspectBlock does except the payload CRC, and reports the
+// stored payload CRC so that another checker (the GPU) can compare it.
+TEST(HostileInputTest, InspectBlockHeaderLeavesOnlyThePayloadCrcToTheCaller) {
+  BlockGeometry g = Geo(2, 2, 16, 8);
+  const std::string enc = Encode(g, Plan("int4"), MakeBlock(g, Pattern::kKvLike, 5));
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo whole, InspectBlock(Bytes(enc)));
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo header, InspectBlockHeader(Bytes(enc)));
+  const size_t payload = whole.segments[0].offset;
+  EXPECT_EQ(header.payload_crc, Crc32c(Bytes(enc).subspan(payload)));
+  EXPECT_EQ(whole.payload_crc, header.payload_crc);
+  std::string bad_payload = enc;
+  bad_payload[payload + 3] ^= 0x10;
+  EXPECT_THAT(InspectBlock(Bytes(bad_payload)),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("payload")));
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo still, InspectBlockHeader(Bytes(bad_payload)));
+  EXPECT_NE(Crc32c(Bytes(bad_payload).subspan(payload)), still.payload_crc);
+  std::string bad_table = enc;
+  bad_table[internal::kHeaderBytes + 8] ^= 0x01;  // a segment size in the table
+  EXPECT_FALSE(InspectBlockHeader(Bytes(bad_table)).ok());
+}
 
 TEST(HostileInputTest, WrongVersionIsUnimplemented) {
   BlockGeometry g = Geo(1, 1, 8, 4);

@@ -56,9 +56,9 @@ TEST_P(VecCodecTest, DecodeVecMatchesTheScalarDecoder) {
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (const BlockGeometry& g : Geometries(dtype)) {
       for (Pattern pattern : {Pattern::kKvLike, Pattern::kAdversarial, Pattern::kRandomBits}) {
-        SCOPED_TRACE(::testing::Message() << GetParam() << " layers=" << g.num_layers
-                                        << " heads=" << g.num_kv_heads << " dim=" << g.head_dim
-                                        << " tokens=" << g.tokens_per_block);
+        SCOPED_TRACE(::testing::Message()
+                     << GetParam() << " layers=" << g.num_layers << " heads=" << g.num_kv_heads
+                     << " dim=" << g.head_dim << " tokens=" << g.tokens_per_block);
         const std::vector<std::byte> raw = MakeBlock(g, pattern, 7);
         std::string enc;
         ASSERT_OK(EncodeBlock(g, plan, /*is_first_block=*/true, raw, {}, &enc));
@@ -70,8 +70,7 @@ TEST_P(VecCodecTest, DecodeVecMatchesTheScalarDecoder) {
         const size_t seg_elems = g.SegmentElements();
         for (uint32_t s = 0; s < info.segments.size(); ++s) {
           const SegmentJob j = internal::MakeSegmentJob(
-              info.segments[s].codec,
-              internal::SegmentShapeFor(g, s, info.segments[s].group_size),
+              info.segments[s].codec, internal::SegmentShapeFor(g, s, info.segments[s].group_size),
               reinterpret_cast<uint8_t*>(enc.data() + info.segments[s].offset),
               got.data() + s * seg_elems);
           ASSERT_EQ(j.vec, 1) << "segment " << s;
@@ -93,8 +92,8 @@ TEST_P(VecCodecTest, FusedEncodePhasesWriteTheScalarEncodersPayload) {
     for (const BlockGeometry& g : Geometries(dtype)) {
       for (Pattern pattern : {Pattern::kKvLike, Pattern::kAdversarial, Pattern::kRandomBits}) {
         for (bool first : {true, false}) {
-          SCOPED_TRACE(::testing::Message() << GetParam() << " dim=" << g.head_dim
-                                          << " tokens=" << g.tokens_per_block << " first=" << first);
+          SCOPED_TRACE(::testing::Message() << GetParam() << " dim=" << g.head_dim << " tokens="
+                                            << g.tokens_per_block << " first=" << first);
           std::vector<std::byte> raw = MakeBlock(g, pattern, 9);
           std::string want;
           ASSERT_OK(EncodeBlock(g, plan, first, raw, {}, &want));

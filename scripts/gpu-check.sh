@@ -62,6 +62,8 @@ case "$MODE" in
     status=0
     step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, log in $LOGS/NAME.log
       local name=$1 limit=$2; shift 2
+      # GPU_CHECK_SKIP="name ..." leaves steps out (to spare device time on a rerun).
+      if [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then echo "== $name: skipped"; return; fi
       local t0=$SECONDS rc=0
       timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
       echo "== $name: rc=$rc in $((SECONDS - t0)) s"

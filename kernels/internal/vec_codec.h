@@ -235,8 +235,7 @@ PXK_HD float DivisorOf(uint16_t scale) {
 
 // Quantisers of one element, as the scalar encoder computes them.
 PXK_HD uint8_t QuantFp8(float x, float scale) {
-  return nm::FloatToE4m3(
-      nm::ClampQ(PXK_DIV(x, scale == 0.0f ? 1.0f : scale), -448.0f, 448.0f));
+  return nm::FloatToE4m3(nm::ClampQ(PXK_DIV(x, scale == 0.0f ? 1.0f : scale), -448.0f, 448.0f));
 }
 PXK_HD uint8_t QuantInt8(float x, float div) {
   const float q = nm::RoundNearestEven(nm::ClampQ(PXK_DIV(x, div), -127.0f, 127.0f));
@@ -247,7 +246,6 @@ PXK_HD uint32_t QuantIntN(float x, float minf, float div, uint32_t bits) {
   return static_cast<uint32_t>(
       nm::RoundNearestEven(nm::ClampQ(PXK_DIV(PXK_SUB(x, minf), div), 0.0f, qmax)));
 }
-
 
 // ---- encode, fused per (segment, head): one CUDA block owns head h of a segment and runs
 // InitStat over the words of `stats` (shared memory, StatsWords(j) ints), AccumulateVec over
@@ -391,8 +389,8 @@ PXK_HD void FinalizeStat(const SegmentJob& j, uint32_t h, uint32_t w, int32_t* s
     }
     case kInt4:
     case kInt2: {
-      const IntNGroup g =
-          IntNGroupFrom<kDt>(FromOrderedInt(stats[2 * w]), FromOrderedInt(stats[2 * w + 1]), j.bits);
+      const IntNGroup g = IntNGroupFrom<kDt>(FromOrderedInt(stats[2 * w]),
+                                             FromOrderedInt(stats[2 * w + 1]), j.bits);
       uint64_t m;
       if (!j.is_value) {  // w = token group * D + channel
         m = uint64_t{w / j.dim} * H * D + h * D + w % j.dim;
