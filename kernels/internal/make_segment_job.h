@@ -18,6 +18,7 @@ inline SegmentJob MakeSegmentJob(CodecId codec, const SegmentShape& sh, uint8_t*
                                  uint16_t* raw) {
   SegmentJob j;
   j.payload = payload;
+  j.payload_bytes = codec == CodecId::kLossless ? 0 : FixedPayloadBytes(codec, sh);
   j.raw = raw;
   j.elements = sh.Elements();
   j.tokens = sh.tokens;

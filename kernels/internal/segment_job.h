@@ -10,6 +10,7 @@ namespace proxima::codec::internal {
 
 struct SegmentJob {
   uint8_t* payload = nullptr;  // device: segment payload (decode input, encode output)
+  uint64_t payload_bytes = 0;  // its size (FixedPayloadBytes)
   uint16_t* raw = nullptr;     // device: [tokens][heads][dim] dtype values (decode output,
                                // encode input); 2-byte aligned
   uint64_t elements = 0;       // tokens * heads * dim

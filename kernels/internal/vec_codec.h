@@ -43,11 +43,21 @@ PXK_HD uint64_t LoadLe(const uint8_t* p, uint32_t n) {
 }
 PXK_HD void StoreLe(uint8_t* p, uint64_t v, uint32_t n) {
 #if defined(__CUDA_ARCH__)
-  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
+  // The widest stores the address allows (n is 2, 4 or 8 on the fast path; bytes otherwise).
+  const uint32_t a = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
+  if (n == 8 && (a & 7u) == 0) {
     *reinterpret_cast<uint64_t*>(p) = v;
-    return;
+  } else if (n % 4 == 0 && (a & 3u) == 0) {
+    for (uint32_t k = 0; k < n / 4; ++k) {
+      reinterpret_cast<uint32_t*>(p)[k] = static_cast<uint32_t>(v >> (32 * k));
+    }
+  } else if (n % 2 == 0 && (a & 1u) == 0) {
+    for (uint32_t k = 0; k < n / 2; ++k) {
+      reinterpret_cast<uint16_t*>(p)[k] = static_cast<uint16_t>(v >> (16 * k));
+    }
+  } else {
+    for (uint32_t k = 0; k < n; ++k) p[k] = static_cast<uint8_t>(v >> (8 * k));
   }
-  for (uint32_t k = 0; k < n; ++k) p[k] = static_cast<uint8_t>(v >> (8 * k));
 #else
   std::memcpy(p, &v, n);
 #endif
@@ -62,9 +72,25 @@ PXK_HD void St16(uint8_t* p, uint64_t i, uint16_t v) {
 PXK_HD float LdF32(const uint8_t* p, uint64_t i) {
   return nm::BitsFloat(static_cast<uint32_t>(LoadLe(p + 4 * i, 4)));
 }
-// Eight 16-bit values at p (any alignment).
-PXK_HD void Load8x16(const uint8_t* p, uint16_t out[8]) {
-  const uint64_t lo = LoadLe(p, 8), hi = LoadLe(p + 8, 8);
+// Eight bytes at p, inside a payload ending at `end`. On the device an unaligned p takes the two
+// aligned 8-byte words around it when both lie before `end` (they start at most 7 bytes before
+// p, still inside the block: the payload follows its header), instead of eight byte loads.
+PXK_HD uint64_t LoadLe8(const uint8_t* p, const uint8_t* end) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t off = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 7u);
+  if (off == 0) return *reinterpret_cast<const uint64_t*>(p);
+  if (end - p >= 16) {
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(p - off);
+    return (w[0] >> (8 * off)) | (w[1] << (64 - 8 * off));
+  }
+#else
+  (void)end;
+#endif
+  return LoadLe(p, 8);
+}
+// Eight 16-bit values at p (any alignment), inside a payload ending at `end`.
+PXK_HD void Load8x16(const uint8_t* p, const uint8_t* end, uint16_t out[8]) {
+  const uint64_t lo = LoadLe8(p, end), hi = LoadLe8(p + 8, end);
   for (int k = 0; k < 4; ++k) {
     out[k] = static_cast<uint16_t>(lo >> (16 * k));
     out[4 + k] = static_cast<uint16_t>(hi >> (16 * k));
@@ -90,15 +116,16 @@ PXK_HD VecPos Locate(const SegmentJob& j, uint32_t v) {
 template <uint8_t kDt>
 PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
   const uint8_t* p = j.payload;
+  const uint8_t* end = p + j.payload_bytes;
   const VecPos at = Locate(j, v);
   const uint32_t H = j.heads, D = j.dim, HD = H * D;
   switch (j.codec) {
     case kRaw:
-      Load8x16(p + 2 * uint64_t{at.i0}, out);
+      Load8x16(p + 2 * uint64_t{at.i0}, end, out);
       return;
     case kFp8: {
       const float scale = LdF32(p, at.h);
-      const uint64_t codes = LoadLe(p + 4 * uint64_t{H} + at.i0, 8);
+      const uint64_t codes = LoadLe8(p + 4 * uint64_t{H} + at.i0, end);
       for (int k = 0; k < 8; ++k) {
         out[k] = nm::FloatToDtype(
             kDt, PXK_MUL(nm::E4m3ToFloat(static_cast<uint8_t>(codes >> (8 * k))), scale));
@@ -107,13 +134,13 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
     }
     case kInt8: {
       const uint64_t meta = j.is_value ? uint64_t{j.tokens} * H : HD;
-      const uint64_t codes = LoadLe(p + 2 * meta + at.i0, 8);
+      const uint64_t codes = LoadLe8(p + 2 * meta + at.i0, end);
       uint16_t scales[8];
       if (j.is_value) {
         const uint16_t s = Ld16(p, at.row);
         for (int k = 0; k < 8; ++k) scales[k] = s;
       } else {
-        Load8x16(p + 2 * uint64_t{at.i0 % HD}, scales);
+        Load8x16(p + 2 * uint64_t{at.i0 % HD}, end, scales);
       }
       for (int k = 0; k < 8; ++k) {
         const float q = static_cast<float>(static_cast<int8_t>(codes >> (8 * k)));
@@ -126,8 +153,8 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
       uint16_t scales[8], mins[8];
       if (!j.is_value) {  // K: one group of tokens, eight consecutive channels
         const uint64_t m0 = uint64_t{at.t / j.group_len} * HD + at.i0 % HD;
-        Load8x16(p + 2 * m0, scales);
-        Load8x16(p + 2 * j.meta_count + 2 * m0, mins);
+        Load8x16(p + 2 * m0, end, scales);
+        Load8x16(p + 2 * j.meta_count + 2 * m0, end, mins);
       } else {  // V: one group of channels of one row
         const uint64_t m = uint64_t{at.row} * j.num_groups + at.d0 / j.group_len;
         const uint16_t s = Ld16(p, m), mn = Ld16(p + 2 * j.meta_count, m);
@@ -157,7 +184,7 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
         if (Ld16(imp_idx, m) == at.t) found = static_cast<int64_t>(m);  // the last match wins
       }
       if (found >= 0) {
-        const uint64_t codes = LoadLe(iq + found * D + at.d0, 8);
+        const uint64_t codes = LoadLe8(iq + found * D + at.d0, end);
         const float s = nm::DtypeToFloat(kDt, Ld16(iscale, found));
         for (int k = 0; k < 8; ++k) {
           const float q = static_cast<float>(static_cast<int8_t>(codes >> (8 * k)));
@@ -170,7 +197,7 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
         const uint64_t pos = uint64_t{at.t} * j.index_bits + b;
         c |= ((idx[pos / 8] >> (pos % 8)) & 1u) << b;
       }
-      const uint64_t codes = LoadLe(cq + c * D + at.d0, 8);
+      const uint64_t codes = LoadLe8(cq + c * D + at.d0, end);
       const float cs = nm::DtypeToFloat(kDt, Ld16(cscale, c));
       const float rs = nm::DtypeToFloat(kDt, Ld16(rscale, at.t));
       const uint8_t signs = rsign[(uint64_t{at.t} * D + at.d0) / 8];
