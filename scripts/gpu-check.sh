@@ -49,6 +49,28 @@ case "$MODE" in
         grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s|ld-linux)[.-]' |
         while read -r lib; do cp -Lu "$lib" "$DIR/lib/"; done
     done
+    # The Python binding for the GPU machine's interpreter (GPU_CHECK_PYTHON, a python3 of the
+    # same minor version as the one there: 3.12), so that the package's torch CUDA tests
+    # (client/python/tests/test_cuda.py) run there: binding.cc compiled as the build compiles it,
+    # against that Python's headers and pybind11 (pip-installed into it), linked like the build
+    # links it. Skipped when GPU_CHECK_PYTHON is unset.
+    if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+      "$GPU_CHECK_PYTHON" -m pip install -q "pybind11>=2.12"
+      PYINC=$("$GPU_CHECK_PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+      PBINC=$("$GPU_CHECK_PYTHON" -c 'import pybind11; print(pybind11.get_include())')
+      SUFFIX=$("$GPU_CHECK_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+      HOSTSUFFIX=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+      PROXIMA_TARGETS="_proxima" ./scripts/build.sh "$SRC"
+      compile=$(ninja -C "$SRC" -t commands "client/python/_proxima$HOSTSUFFIX" | grep 'binding.cc.o -c')
+      link=$(ninja -C "$SRC" -t commands "client/python/_proxima$HOSTSUFFIX" | tail -1)
+      obj=$PWD/$SRC/gpu-check-binding.o
+      mkdir -p "$DIR/py/proxima"
+      compile=$(echo "$compile" | sed -E "s#-isystem [^ ]*/include/python3[^ ]*#-isystem $PYINC -isystem $PBINC#; s#-MD -MT [^ ]* -MF [^ ]*##; s#-o [^ ]*binding.cc.o#-o $obj#")
+      link=$(echo "$link" | sed -E "s#^: && ##; s# && :\$##; s#client/python/CMakeFiles/_proxima.dir/binding.cc.o#$obj#; s#-o [^ ]*_proxima[^ ]*\.so#-o $PWD/$DIR/py/proxima/_proxima$SUFFIX#")
+      (cd "$SRC" && eval "$compile" && eval "$link")
+      strip --strip-debug "$DIR/py/proxima/_proxima$SUFFIX"
+      cp client/python/proxima/*.py "$DIR/py/proxima/"
+    fi
     du -sh "$DIR"
     ;;
   run)
@@ -93,6 +115,19 @@ case "$MODE" in
         step "racecheck-$(basename "$t")" 150 compute-sanitizer --tool racecheck \
           --error-exitcode 3 "$DIR/$t"
       done
+    fi
+    # The Python package with torch on the GPU (the vLLM connector's GPU half), when prepare
+    # built the binding for this machine's python3. The carried libstdc++ stays out of the way of
+    # the one torch was built against.
+    if compgen -G "$DIR/py/proxima/_proxima*.so" >/dev/null; then
+      PYLIB=$(mktemp -d)
+      for l in "$DIR"/lib/*; do
+        case "$(basename "$l")" in libstdc++*) ;; *) ln -s "$PWD/$l" "$PYLIB/" ;; esac
+      done
+      step python-cuda 120 env LD_LIBRARY_PATH="$PYLIB" PYTHONPATH="$PWD/$DIR/py" \
+        PROXIMAD="$PWD/$DIR/daemon/proximad" PROXIMA_BUILD_DIR="$PWD/$DIR/none" \
+        python3 -m pytest -q -rs -p no:cacheprovider client/python/tests/test_cuda.py
+      tail -5 "$LOGS/python-cuda.log"
     fi
     # proximad on its default config must report the GPU it found, then drain on SIGTERM.
     probe() {

@@ -1,0 +1,126 @@
+"""The GPU half of what the vLLM connector does, with real torch CUDA tensors: KvLayout(device=True)
+gathers and scatters vLLM-shaped paged KV caches (addresses and strides taken from torch, as the
+connector takes them) on the GPU, byte for byte against torch's own indexing, and a block
+gathered on the GPU goes through a real proximad (put, get) and is scattered back into another
+GPU cache unchanged. Skips (saying why) without torch, without a CUDA device, or when the module
+was built without CUDA; scripts/gpu-check.sh runs it on a machine with a GPU."""
+import os
+
+import pytest
+
+import proxima
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch"),
+    pytest.mark.skipif(not proxima.KV_LAYOUT_CUDA, reason="module built without CUDA"),
+]
+
+LAYERS, BLOCKS, TOKENS, HEADS, DIM = 4, 64, 16, 8, 128
+# Physical axis orders of vLLM's caches (outermost first) and the permutation back to the
+# logical [kv][block][token][head][dim].
+ORDERS = {
+    "flash_attn_nhd": ("kv", "block", "token", "head", "dim"),
+    "flashinfer_nhd": ("block", "kv", "token", "head", "dim"),
+    "hnd": ("kv", "block", "head", "token", "dim"),
+    "flashinfer_hnd": ("block", "kv", "head", "token", "dim"),
+}
+AXES = ("kv", "block", "token", "head", "dim")
+SIZES = {"kv": 2, "block": BLOCKS, "token": TOKENS, "head": HEADS, "dim": DIM}
+
+
+def cache(order, seed, dtype=torch.bfloat16):
+    """One layer's cache in physical `order` on the GPU, and its logical view (same memory)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    phys = torch.randn([SIZES[a] for a in order], generator=g, device="cuda").to(dtype)
+    return phys, phys.permute([order.index(a) for a in AXES])
+
+
+def layout(logicals):
+    first = logicals[0]
+    return proxima.KvLayout(
+        layers=[(lg.data_ptr(), 0, lg.untyped_storage().nbytes(), 0) for lg in logicals],
+        strides=tuple(first.stride()), num_blocks=BLOCKS, num_kv_heads=HEADS, head_dim=DIM,
+        tokens_per_block=TOKENS, element_size=first.element_size(), device=True)
+
+
+def canonical(logicals, ids):
+    """Canonical blocks by torch indexing: [n][layer][kv][token][head][dim]."""
+    return torch.stack([torch.stack([lg[:, b] for lg in logicals]) for b in ids])
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_gather_and_scatter_on_the_gpu_match_torch(order):
+    logicals = [cache(ORDERS[order], seed=l)[1] for l in range(LAYERS)]
+    kv = layout(logicals)
+    ids = [5, 0, 63, 17, 42, 8]
+    out = torch.full((len(ids),) + tuple(canonical(logicals, [0]).shape[1:]), float("nan"),
+                     dtype=torch.bfloat16, device="cuda")
+    assert kv.block_bytes == out[0].numel() * out.element_size()
+    stream = torch.cuda.current_stream()
+    kv.gather(ids, out.data_ptr(), stream.cuda_stream)
+    torch.cuda.synchronize()
+    want = canonical(logicals, ids)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+    # Scatter into an empty cache of the same layout: those blocks equal the source, every
+    # other block keeps its poison.
+    targets = [cache(ORDERS[order], seed=100 + l)[1].fill_(-7.0) for l in range(LAYERS)]
+    kv2 = layout(targets)
+    kv2.scatter(ids, out.data_ptr(), stream.cuda_stream)
+    torch.cuda.synchronize()
+    for lg, tg in zip(logicals, targets):
+        for b in range(BLOCKS):
+            if b in ids:
+                assert torch.equal(tg[:, b].view(torch.int16), lg[:, b].view(torch.int16)), b
+            else:
+                assert bool((tg[:, b] == -7.0).all()), b
+
+
+def test_separate_k_and_v_tensors_on_the_gpu():
+    ks = [cache(("block", "token", "head", "dim"), seed=l)[0] for l in range(LAYERS)]
+    vs = [cache(("block", "token", "head", "dim"), seed=50 + l)[0] for l in range(LAYERS)]
+    kv = proxima.KvLayout(
+        layers=[(k.data_ptr(), v.data_ptr(), k.untyped_storage().nbytes(),
+                 v.untyped_storage().nbytes()) for k, v in zip(ks, vs)],
+        strides=(0,) + tuple(ks[0].stride()), num_blocks=BLOCKS, num_kv_heads=HEADS,
+        head_dim=DIM, tokens_per_block=TOKENS, element_size=2, device=True)
+    ids = [3, 60]
+    out = torch.empty((len(ids), LAYERS, 2, TOKENS, HEADS, DIM), dtype=torch.bfloat16,
+                      device="cuda")
+    kv.gather(ids, out.data_ptr(), 0)
+    torch.cuda.synchronize()
+    want = torch.stack([torch.stack([torch.stack([k[b], v[b]]) for k, v in zip(ks, vs)])
+                        for b in ids])
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+def test_blocks_gathered_on_the_gpu_round_trip_through_proximad(client):
+    """The connector's save and load paths: GPU gather -> pinned host staging -> put; get ->
+    pinned staging -> device staging -> GPU scatter into another cache."""
+    logicals = [cache(ORDERS["flash_attn_nhd"], seed=l)[1] for l in range(LAYERS)]
+    kv = layout(logicals)
+    profile = client.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="cuda-test")
+    assert profile.block_bytes == kv.block_bytes
+    ids = [1, 2, 30, 31]
+    n = len(ids)
+    dev = torch.empty(n * kv.block_bytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n * kv.block_bytes, dtype=torch.uint8, pin_memory=True)
+    kv.gather(ids, dev.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    host.copy_(dev)  # waits for the kernel (same stream)
+    keys = [os.urandom(proxima.KEY_BYTES) for _ in ids]
+    pieces = [[(host.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
+    assert client.put(profile, keys, pieces) == ["stored"] * n
+
+    back = torch.zeros(n * kv.block_bytes, dtype=torch.uint8, pin_memory=True)
+    got = [[(back.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
+    assert client.get(profile, keys, got) == [True] * n
+    assert torch.equal(back, host)
+    dev2 = back.to("cuda")
+    targets = [cache(ORDERS["flash_attn_nhd"], seed=200 + l)[1].zero_() for l in range(LAYERS)]
+    layout(targets).scatter(ids, dev2.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    for lg, tg in zip(logicals, targets):
+        for b in ids:
+            assert torch.equal(tg[:, b].view(torch.int16), lg[:, b].view(torch.int16))
