@@ -79,8 +79,9 @@ def test_gather_and_scatter_on_the_gpu_match_torch(order):
 
 
 def test_separate_k_and_v_tensors_on_the_gpu():
-    ks = [cache(("block", "token", "head", "dim"), seed=l)[0] for l in range(LAYERS)]
-    vs = [cache(("block", "token", "head", "dim"), seed=50 + l)[0] for l in range(LAYERS)]
+    shape = (BLOCKS, TOKENS, HEADS, DIM)  # vLLM's per-layer K and V tensors, NHD
+    ks = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
+    vs = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(LAYERS)]
     kv = proxima.KvLayout(
         layers=[(k.data_ptr(), v.data_ptr(), k.untyped_storage().nbytes(),
                  v.untyped_storage().nbytes()) for k, v in zip(ks, vs)],
@@ -109,11 +110,13 @@ def test_blocks_gathered_on_the_gpu_round_trip_through_proximad(client):
     host = torch.empty(n * kv.block_bytes, dtype=torch.uint8, pin_memory=True)
     kv.gather(ids, dev.data_ptr(), torch.cuda.current_stream().cuda_stream)
     host.copy_(dev)  # waits for the kernel (same stream)
+    client.register_buffer(host.data_ptr(), host.numel())
     keys = [os.urandom(proxima.KEY_BYTES) for _ in ids]
     pieces = [[(host.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
     assert client.put(profile, keys, pieces) == ["stored"] * n
 
     back = torch.zeros(n * kv.block_bytes, dtype=torch.uint8, pin_memory=True)
+    client.register_buffer(back.data_ptr(), back.numel())
     got = [[(back.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
     assert client.get(profile, keys, got) == [True] * n
     assert torch.equal(back, host)
