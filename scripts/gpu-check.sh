@@ -138,7 +138,7 @@ case "$MODE" in
       wait "$pid"
     }
     step proximad-start 30 bash -c "$(declare -f probe); DIR=$DIR; probe"
-    grep -iE 'gpu|cuda' "$LOGS/proximad-start.log" | head -5 || true
+    [ -f "$LOGS/proximad-start.log" ] && { grep -iE 'gpu|cuda' "$LOGS/proximad-start.log" | head -5 || true; }
     exit $status
     ;;
   vllm-e2e)
