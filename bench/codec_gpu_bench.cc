@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "bench/gpu_bench.h"
 #include "kernels/codec.h"
 #include "kernels/codec_cuda.h"
 #include "kernels/device.h"
@@ -32,18 +33,9 @@ namespace {
 using proxima::codec::BlockGeometry;
 
 bool Check(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return true;
-  std::fprintf(stderr, "codec_gpu_bench: %s: %s\n", what, cudaGetErrorString(err));
-  return false;
+  return proxima::bench::CudaOk(err, "codec_gpu_bench", what);
 }
-
-std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
-  }
-  return fallback;
-}
+using proxima::bench::Arg;
 
 void Print(const char* metric, const std::string& codec, double value, double baseline) {
   std::printf(

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_bench.h"
 #include "common/crc32c.h"
 #include "kernels/crc32c_cuda.h"
 #include "kernels/device.h"
@@ -33,18 +34,9 @@
 namespace {
 
 bool Check(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return true;
-  std::fprintf(stderr, "crc32c_gpu_bench: %s: %s\n", what, cudaGetErrorString(err));
-  return false;
+  return proxima::bench::CudaOk(err, "crc32c_gpu_bench", what);
 }
-
-std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
-  }
-  return fallback;
-}
+using proxima::bench::Arg;
 
 }  // namespace
 
@@ -107,7 +99,8 @@ int main(int argc, char** argv) {
   };
   const double copy_ms = median_ms([&] {
     ok = Check(cudaMemcpyAsync(d_dst, d_src, batch_bytes, cudaMemcpyDeviceToDevice, stream),
-               "cudaMemcpyAsync") && ok;
+               "cudaMemcpyAsync") &&
+         ok;
   });
   const double crc_ms = median_ms([&] {
     const absl::Status s = proxima::gpu::Crc32cBatchCuda(spans, d_crcs, stream);

@@ -29,6 +29,8 @@
 
 #if PROXIMA_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "bench/gpu_bench.h"
 #endif
 
 namespace proxima::kv_layout {
@@ -109,9 +111,7 @@ std::vector<uint64_t> BlockIds(const Options& o) {
 
 #if PROXIMA_WITH_CUDA
 bool CudaOk(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return true;
-  std::fprintf(stderr, "kv_layout_bench: %s: %s\n", what, cudaGetErrorString(err));
-  return false;
+  return bench::CudaOk(err, "kv_layout_bench", what);
 }
 
 int RunCuda(const Options& o) {
@@ -151,9 +151,9 @@ int RunCuda(const Options& o) {
     bool ok = true;
     for (size_t i = 0; i < kv.buffers.size() && ok; ++i) {
       std::byte* d = alloc(kv.buffers[i].size());
-      ok = d != nullptr && CudaOk(cudaMemcpy(d, kv.buffers[i].data(), kv.buffers[i].size(),
-                                             cudaMemcpyHostToDevice),
-                                  "cudaMemcpy");
+      ok = d != nullptr &&
+           CudaOk(cudaMemcpy(d, kv.buffers[i].data(), kv.buffers[i].size(), cudaMemcpyHostToDevice),
+                  "cudaMemcpy");
       if (!ok) break;
       PagedTensor& t = layout.layers[i / per_layer];
       (i % per_layer == 0 ? t.data : t.v_data) = d;
@@ -169,7 +169,8 @@ int RunCuda(const Options& o) {
     const double gb = static_cast<double>(ids.size() * bb) / 1e9;
     const double copy_ms = time_ms(
         [&] { cudaMemcpyAsync(copy, canonical, ids.size() * bb, cudaMemcpyDeviceToDevice); });
-    const double gather_ms = time_ms([&] { st.Update(GatherBlocksCuda(layout, ids, dst, nullptr)); });
+    const double gather_ms =
+        time_ms([&] { st.Update(GatherBlocksCuda(layout, ids, dst, nullptr)); });
     const double scatter_ms =
         time_ms([&] { st.Update(ScatterBlocksCuda(layout, ids, src, nullptr)); });
     const bool launched = CudaOk(cudaDeviceSynchronize(), c.name);

@@ -71,28 +71,17 @@ __device__ uint16_t DecodeElement(const SegmentJob& j, uint64_t i) {
     }
     case kStar: {
       const uint64_t d = i % D, h = (i / D) % H, t = i / (D * H);
-      const uint64_t C = j.centroids, M = j.important, T = j.tokens;
-      const uint8_t* cscale = p + h * j.star_head_bytes;
-      const uint8_t* cq = cscale + 2 * C;
-      const uint8_t* imp_idx = cq + C * D;
-      const uint8_t* iscale = imp_idx + 2 * M;
-      const uint8_t* iq = iscale + 2 * M;
-      const uint8_t* idx = iq + M * D;
-      const uint8_t* rscale = idx + (T * j.index_bits + 7) / 8;
-      const uint8_t* rsign = rscale + 2 * T;
-      int64_t found = -1;
-      for (uint64_t m = 0; m < M; ++m) {
-        if (Ld16(imp_idx, m) == t) found = static_cast<int64_t>(m);  // the last match wins
-      }
+      const vec::StarHead sh = vec::StarHeadAt(j, h);
+      const int64_t found = vec::StarImportantSlot(j, sh, t);
       if (found >= 0) {
-        float q = static_cast<float>(static_cast<int8_t>(iq[found * D + d]));
-        return nm::FloatToDtype(kDt, PXK_MUL(q, ToF<kDt>(Ld16(iscale, found))));
+        float q = static_cast<float>(static_cast<int8_t>(sh.iq[found * D + d]));
+        return nm::FloatToDtype(kDt, PXK_MUL(q, ToF<kDt>(Ld16(sh.iscale, found))));
       }
-      uint32_t k = GetBits(idx, t, j.index_bits);
-      float c = PXK_MUL(static_cast<float>(static_cast<int8_t>(cq[k * D + d])),
-                        ToF<kDt>(Ld16(cscale, k)));
-      float rs = ToF<kDt>(Ld16(rscale, t));
-      float r = GetBits(rsign, t * D + d, 1) ? rs : -rs;
+      uint32_t k = GetBits(sh.idx, t, j.index_bits);
+      float c = PXK_MUL(static_cast<float>(static_cast<int8_t>(sh.cq[k * D + d])),
+                        ToF<kDt>(Ld16(sh.cscale, k)));
+      float rs = ToF<kDt>(Ld16(sh.rscale, t));
+      float r = GetBits(sh.rsign, t * D + d, 1) ? rs : -rs;
       return nm::FloatToDtype(kDt, PXK_ADD(c, r));
     }
     default:

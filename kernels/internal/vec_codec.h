@@ -97,6 +97,32 @@ PXK_HD void Load8x16(const uint8_t* p, const uint8_t* end, uint16_t out[8]) {
   }
 }
 
+// The fields of one head of a star segment (docs/format.md: star), and the important-token slot
+// of token t (-1: clustered), shared by both decode paths.
+struct StarHead {
+  const uint8_t *cscale, *cq, *imp_idx, *iscale, *iq, *idx, *rscale, *rsign;
+};
+PXK_HD StarHead StarHeadAt(const SegmentJob& j, uint64_t h) {
+  const uint64_t C = j.centroids, M = j.important, T = j.tokens, D = j.dim;
+  StarHead s;
+  s.cscale = j.payload + h * j.star_head_bytes;
+  s.cq = s.cscale + 2 * C;
+  s.imp_idx = s.cq + C * D;
+  s.iscale = s.imp_idx + 2 * M;
+  s.iq = s.iscale + 2 * M;
+  s.idx = s.iq + M * D;
+  s.rscale = s.idx + (T * j.index_bits + 7) / 8;
+  s.rsign = s.rscale + 2 * T;
+  return s;
+}
+PXK_HD int64_t StarImportantSlot(const SegmentJob& j, const StarHead& s, uint64_t t) {
+  int64_t found = -1;
+  for (uint64_t m = 0; m < j.important; ++m) {
+    if (Ld16(s.imp_idx, m) == t) found = static_cast<int64_t>(m);  // the last match wins
+  }
+  return found;
+}
+
 // Where vec `v` sits: element index, (token, head) row, and coordinates.
 struct VecPos {
   uint32_t i0, row, t, h, d0;
@@ -170,22 +196,11 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
       return;
     }
     case kStar: {
-      const uint64_t C = j.centroids, M = j.important, T = j.tokens;
-      const uint8_t* cscale = p + at.h * j.star_head_bytes;
-      const uint8_t* cq = cscale + 2 * C;
-      const uint8_t* imp_idx = cq + C * D;
-      const uint8_t* iscale = imp_idx + 2 * M;
-      const uint8_t* iq = iscale + 2 * M;
-      const uint8_t* idx = iq + M * D;
-      const uint8_t* rscale = idx + (T * j.index_bits + 7) / 8;
-      const uint8_t* rsign = rscale + 2 * T;
-      int64_t found = -1;
-      for (uint64_t m = 0; m < M; ++m) {
-        if (Ld16(imp_idx, m) == at.t) found = static_cast<int64_t>(m);  // the last match wins
-      }
+      const StarHead sh = StarHeadAt(j, at.h);
+      const int64_t found = StarImportantSlot(j, sh, at.t);
       if (found >= 0) {
-        const uint64_t codes = LoadLe8(iq + found * D + at.d0, end);
-        const float s = nm::DtypeToFloat(kDt, Ld16(iscale, found));
+        const uint64_t codes = LoadLe8(sh.iq + found * D + at.d0, end);
+        const float s = nm::DtypeToFloat(kDt, Ld16(sh.iscale, found));
         for (int k = 0; k < 8; ++k) {
           const float q = static_cast<float>(static_cast<int8_t>(codes >> (8 * k)));
           out[k] = nm::FloatToDtype(kDt, PXK_MUL(q, s));
@@ -195,12 +210,12 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
       uint32_t c = 0;
       for (uint32_t b = 0; b < j.index_bits; ++b) {
         const uint64_t pos = uint64_t{at.t} * j.index_bits + b;
-        c |= ((idx[pos / 8] >> (pos % 8)) & 1u) << b;
+        c |= ((sh.idx[pos / 8] >> (pos % 8)) & 1u) << b;
       }
-      const uint64_t codes = LoadLe8(cq + c * D + at.d0, end);
-      const float cs = nm::DtypeToFloat(kDt, Ld16(cscale, c));
-      const float rs = nm::DtypeToFloat(kDt, Ld16(rscale, at.t));
-      const uint8_t signs = rsign[(uint64_t{at.t} * D + at.d0) / 8];
+      const uint64_t codes = LoadLe8(sh.cq + c * D + at.d0, end);
+      const float cs = nm::DtypeToFloat(kDt, Ld16(sh.cscale, c));
+      const float rs = nm::DtypeToFloat(kDt, Ld16(sh.rscale, at.t));
+      const uint8_t signs = sh.rsign[(uint64_t{at.t} * D + at.d0) / 8];
       for (int k = 0; k < 8; ++k) {
         const float cv = PXK_MUL(static_cast<float>(static_cast<int8_t>(codes >> (8 * k))), cs);
         out[k] = nm::FloatToDtype(kDt, PXK_ADD(cv, ((signs >> k) & 1u) ? rs : -rs));
