@@ -322,7 +322,8 @@ absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<c
 
 absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
                                                        std::span<const BlockKey> keys,
-                                                       std::span<const ConstSegments> blocks) {
+                                                       std::span<const ConstSegments> blocks,
+                                                       const PutOptions& options) {
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
   const size_t per_call = server_info_.max_batch_blocks;
@@ -332,6 +333,14 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
     request.set_profile_id(profile.id);
     std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
     PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, &request, &held));
+    if (options.high_priority) request.set_priority(v1::PRIORITY_HIGH);
+    for (size_t i = begin; i < end; ++i) {
+      v1::UcxBlock* block = request.mutable_blocks(static_cast<int>(i - begin));
+      if (!options.positions.empty() && options.positions[i] >= 0) {
+        block->set_position(static_cast<uint32_t>(options.positions[i]));
+      }
+      if (!options.importance.empty()) block->set_importance(options.importance[i]);
+    }
     v1::PutResponse response;
     PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
       return CallWithProfile(profile, [&] {
@@ -433,7 +442,7 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(
   PROXIMA_RETURN_IF_ERROR(
       CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
                         [&](size_t i) -> const ConstSegments& { return blocks[i]; }));
-  if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks);
+  if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks, PutOptions{});
   // Inline: gather each block into one buffer.
   std::vector<std::vector<std::byte>> gathered(blocks.size());
   std::vector<std::span<const std::byte>> spans;
@@ -552,20 +561,16 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
   if (!options.importance.empty() && options.importance.size() != keys.size()) {
     return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
-                                                   options.importance.size(),
-                                                   " importance hints"));
+                                                   options.importance.size(), " importance hints"));
   }
   if (!options.positions.empty() && options.positions.size() != keys.size()) {
     return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
                                                    options.positions.size(), " positions"));
   }
-  // PutUcxRequest carries no chain positions, priority or importance hints: a Put that has any
-  // goes inline, so the daemon's tierer gets them.
-  const bool plain = options.positions.empty() && options.importance.empty() && !options.high_priority;
-  if (transport_ == Transport::kUcx && plain) {
+  if (transport_ == Transport::kUcx) {
     std::vector<ConstSegments> segments;
     for (const auto& b : blocks) segments.push_back({b});
-    return PutUcx(profile, keys, segments);
+    return PutUcx(profile, keys, segments, options);
   }
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
@@ -720,8 +725,7 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
     const bool client_verifies = std::strcmp(method, "/proxima.v1.KVTier/Get") == 0;
     std::vector<wire::GetResult> results;
     PROXIMA_RETURN_IF_ERROR(GetOnce(method, profile, keys.subspan(begin, end - begin),
-                                    out.subspan(begin, end - begin), client_verifies,
-                                    &results));
+                                    out.subspan(begin, end - begin), client_verifies, &results));
     std::vector<BlockKey> failed_keys;
     std::vector<std::span<std::byte>> failed_out;
     std::vector<size_t> failed_index;
@@ -751,7 +755,7 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
         continue;
       }
       if (!results[j].found) continue;  // the daemon found it corrupt and dropped it
-      CountCrcFailure();                 // damaged twice on its way here
+      CountCrcFailure();                // damaged twice on its way here
     }
   }
   return found;

@@ -245,7 +245,8 @@ class Client {
   std::shared_ptr<ucx::Registration> FindRegistration(const void* p, size_t n);
   absl::StatusOr<std::vector<PutOutcome>> PutUcx(const Profile& profile,
                                                  std::span<const BlockKey> keys,
-                                                 std::span<const ConstSegments> blocks);
+                                                 std::span<const ConstSegments> blocks,
+                                                 const PutOptions& options);
   absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
                                            std::span<const Segments> out);
 

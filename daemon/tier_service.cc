@@ -4,11 +4,11 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/match.h"
-#include "common/credentials.h"
 #include "common/crc32c.h"
+#include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 
@@ -68,8 +68,8 @@ absl::StatusOr<uint64_t> ProfileBlockBytes(const v1::ModelProfile& p) {
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          "profile.dtype is ", v1::DType_Name(p.dtype()).empty() ? std::to_string(p.dtype())
-                                                                  : v1::DType_Name(p.dtype()),
+          "profile.dtype is ",
+          v1::DType_Name(p.dtype()).empty() ? std::to_string(p.dtype()) : v1::DType_Name(p.dtype()),
           "; expected DTYPE_FP16, DTYPE_BF16 or DTYPE_FP8_E4M3"));
   }
   if (p.fingerprint().size() > kMaxFingerprintBytes) {
@@ -230,18 +230,18 @@ absl::StatusOr<TierService::Scope> TierService::Authorize(const Caller& caller,
                        name.substr(0, 64), "'; it grants namespace '", own.name, "' only"));
     }
     if (need == Need::kWrite && caller.access == TokenAccess::kReadOnly) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "token '", caller.token_name, "' of namespace '", own.name, "' is read_only; ", method,
-          " needs a read_write token"));
+      return absl::PermissionDeniedError(
+          absl::StrCat("token '", caller.token_name, "' of namespace '", own.name,
+                       "' is read_only; ", method, " needs a read_write token"));
     }
     return Scope{static_cast<uint32_t>(caller.namespace_index), caller.partition};
   }
   absl::StatusOr<uint32_t> ns = FindNamespace(name);
   if (!ns.ok() && any_protected_) {
     // Without a token, an unknown namespace and a protected one look alike.
-    return absl::UnauthenticatedError(absl::StrCat(
-        "namespace '", name.substr(0, 64),
-        "' needs a bearer token ('authorization: Bearer <token>' metadata)"));
+    return absl::UnauthenticatedError(
+        absl::StrCat("namespace '", name.substr(0, 64),
+                     "' needs a bearer token ('authorization: Bearer <token>' metadata)"));
   }
   if (!ns.ok()) return ns.status();
   if (!namespaces_[*ns]->open) {
@@ -267,19 +267,18 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
     ns->puts = registry->AddCounter("proxima_blocks_put_total",
                                     "Blocks stored by Put (new blocks only)", labels);
     ns->get_hits = registry->AddCounter("proxima_get_hits_total", "Blocks returned by Get", labels);
-    ns->get_misses =
-        registry->AddCounter("proxima_get_misses_total", "Keys asked for by Get and not found",
-                             labels);
-    ns->lookup_hits = registry->AddCounter("proxima_lookup_hits_total",
-                                           "Keys counted present by Lookup", labels);
-    ns->lookup_misses = registry->AddCounter(
-        "proxima_lookup_misses_total", "Lookup calls that stopped before the end of their chain",
-        labels);
+    ns->get_misses = registry->AddCounter("proxima_get_misses_total",
+                                          "Keys asked for by Get and not found", labels);
+    ns->lookup_hits =
+        registry->AddCounter("proxima_lookup_hits_total", "Keys counted present by Lookup", labels);
+    ns->lookup_misses =
+        registry->AddCounter("proxima_lookup_misses_total",
+                             "Lookup calls that stopped before the end of their chain", labels);
     NamespaceCounters* c = &counters_[i];
     registry->AddGauge("proxima_namespace_blocks", "Blocks stored in the namespace", labels,
                        [c] { return static_cast<double>(c->blocks.load()); });
-    registry->AddGauge("proxima_namespace_bytes", "Bytes of blocks stored in the namespace",
-                       labels, [c] { return static_cast<double>(c->bytes.load()); });
+    registry->AddGauge("proxima_namespace_bytes", "Bytes of blocks stored in the namespace", labels,
+                       [c] { return static_cast<double>(c->bytes.load()); });
     namespaces_.push_back(std::move(ns));
   }
   store_ = std::make_unique<BlockStore>(
@@ -303,8 +302,8 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                      "segmented LRU; at most tierer.protected_share of the capacity",
                      host, [s] { return static_cast<double>(s->protected_bytes()); });
   registry->AddCounterFunction("proxima_tier_evictions_total",
-                     "Blocks evicted from the tier to make room (monotonic)", host,
-                     [s] { return static_cast<double>(s->evictions()); });
+                               "Blocks evicted from the tier to make room (monotonic)", host,
+                               [s] { return static_cast<double>(s->evictions()); });
   size_t deepest = 0;  // series only for levels some namespace can reach
   for (const NamespaceConfig& n : config.namespaces) {
     deepest = std::max(deepest, n.compression.plans.size());
@@ -319,18 +318,19 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                        [s, level] { return static_cast<double>(s->level_bytes(level)); });
   }
   tierer_ = std::make_unique<Tierer>(
-      s, config,
-      [this](uint32_t ns, uint64_t profile_id) { return GeometryOf(ns, profile_id); }, registry);
+      s, config, [this](uint32_t ns, uint64_t profile_id) { return GeometryOf(ns, profile_id); },
+      registry);
   decodes_ = registry->AddCounter("proxima_get_decodes_total",
                                   "Encoded blocks decoded by the daemon for Get or Decompress");
-  decode_microseconds_ = registry->AddCounter(
-      "proxima_get_decode_microseconds_total", "Time spent decoding blocks for Get or Decompress");
-  decode_failures_ = registry->AddCounter(
-      "proxima_get_decode_failures_total",
-      "Stored encoded blocks that failed to decode (served as misses)");
-  registry->AddCounterFunction("proxima_crc_failures_total",
-                     "Stored blocks that failed their CRC32C check on read (dropped; monotonic)",
-                     {}, [s] { return static_cast<double>(s->crc_failures()); });
+  decode_microseconds_ = registry->AddCounter("proxima_get_decode_microseconds_total",
+                                              "Time spent decoding blocks for Get or Decompress");
+  decode_failures_ =
+      registry->AddCounter("proxima_get_decode_failures_total",
+                           "Stored encoded blocks that failed to decode (served as misses)");
+  registry->AddCounterFunction(
+      "proxima_crc_failures_total",
+      "Stored blocks that failed their CRC32C check on read (dropped; monotonic)", {},
+      [s] { return static_cast<double>(s->crc_failures()); });
   absl::Time start = start_time_;
   registry->AddGauge("proxima_uptime_seconds", "Seconds since proximad started", {},
                      [start] { return absl::ToDoubleSeconds(absl::Now() - start); });
@@ -399,10 +399,9 @@ absl::Status TierService::ResolveKeys(const Caller& caller, Need need, const std
   PROXIMA_ASSIGN_OR_RETURN(*profile, FindProfile(ns, profile_id));
   if (keys.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no keys"));
   if (static_cast<uint32_t>(keys.size()) > max_keys) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(method, " has ", keys.size(), " keys; the limit is ", max_keys,
-                     " per call (", method == "Lookup" ? "server.max_lookup_keys"
-                                                      : "server.max_batch_blocks", ")"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        method, " has ", keys.size(), " keys; the limit is ", max_keys, " per call (",
+        method == "Lookup" ? "server.max_lookup_keys" : "server.max_batch_blocks", ")"));
   }
   ids->resize(keys.size());
   for (int i = 0; i < keys.size(); ++i) {
@@ -451,10 +450,10 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
     proxima::MutexLock lock(&n.mu);
     if (!n.profiles.contains(id)) {
       if (n.profiles.size() >= config_.server.max_profiles_per_namespace) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "namespace '", n.name, "' already has ", n.profiles.size(),
-            " profiles; the limit is server.max_profiles_per_namespace = ",
-            config_.server.max_profiles_per_namespace));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("namespace '", n.name, "' already has ", n.profiles.size(),
+                         " profiles; the limit is server.max_profiles_per_namespace = ",
+                         config_.server.max_profiles_per_namespace));
       }
       n.profiles.emplace(id, RegisteredProfile{request.profile(), block_bytes});
       PROXIMA_LOG(kInfo) << "profile registered" << log::Kv("namespace", n.name)
@@ -490,11 +489,11 @@ absl::Status TierService::Put(const Caller& caller, const wire::PutRequestReader
   sources.reserve(request.blocks().size());
   for (size_t i = 0; i < request.blocks().size(); ++i) {
     const wire::PutRequestReader::Block& b = request.blocks()[i];
-    sources.push_back(PutSource{
-        &b.key, b.data_size, b.has_crc32c, b.crc32c,
-        b.has_position ? static_cast<int64_t>(b.position) : -1, b.importance,
-        [&request, i] { return request.DataCrc32c(i); },
-        [&request, i](std::span<std::byte> dst) { request.CopyData(i, dst); }});
+    sources.push_back(
+        PutSource{&b.key, b.data_size, b.has_crc32c, b.crc32c,
+                  b.has_position ? static_cast<int64_t>(b.position) : -1, b.importance,
+                  [&request, i] { return request.DataCrc32c(i); },
+                  [&request, i](std::span<std::byte> dst) { request.CopyData(i, dst); }});
   }
   return PutBlocks(caller, request.namespace_name(), request.profile_id(), sources,
                    request.priority() == v1::PRIORITY_HIGH, response);
@@ -502,17 +501,15 @@ absl::Status TierService::Put(const Caller& caller, const wire::PutRequestReader
 
 absl::Status TierService::PutBlocks(const Caller& caller, const std::string& namespace_name,
                                     uint64_t profile_id, std::span<const PutSource> blocks,
-                                    bool high_priority,
-                                    v1::PutResponse* response) {
+                                    bool high_priority, v1::PutResponse* response) {
   PROXIMA_ASSIGN_OR_RETURN(Scope scope, Authorize(caller, namespace_name, Need::kWrite, "Put"));
   const uint32_t ns = scope.namespace_index;
   PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile profile, FindProfile(ns, profile_id));
   if (blocks.empty()) return absl::InvalidArgumentError("Put has no blocks");
   if (blocks.size() > config_.server.max_batch_blocks) {
-    return absl::ResourceExhaustedError(absl::StrCat("Put has ", blocks.size(),
-                                                     " blocks; the limit is ",
-                                                     config_.server.max_batch_blocks,
-                                                     " per call (server.max_batch_blocks)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("Put has ", blocks.size(), " blocks; the limit is ",
+                     config_.server.max_batch_blocks, " per call (server.max_batch_blocks)"));
   }
   // Validate everything before storing anything: a rejected request changes nothing (and
   // evicts nothing to make room for itself).
@@ -520,23 +517,23 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   for (size_t i = 0; i < blocks.size(); ++i) {
     const PutSource& b = blocks[i];
     if (b.key->size() != kKeyBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("Put blocks[", i, "].key is ",
-                                                     b.key->size(), " bytes; keys are exactly ",
-                                                     kKeyBytes, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("Put blocks[", i, "].key is ", b.key->size(),
+                                                     " bytes; keys are exactly ", kKeyBytes,
+                                                     " bytes"));
     }
     if (b.data_size != profile.block_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "Put blocks[", i, "].data is ", b.data_size, " bytes; profile ",
-          ProfileName(profile_id), " needs ", profile.block_bytes, " bytes per block"));
+          "Put blocks[", i, "].data is ", b.data_size, " bytes; profile ", ProfileName(profile_id),
+          " needs ", profile.block_bytes, " bytes per block"));
     }
   }
   for (size_t i = 0; i < blocks.size(); ++i) {
     crcs[i] = blocks[i].data_crc32c();
     if (blocks[i].has_crc32c && blocks[i].crc32c != crcs[i]) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Put blocks[%d].crc32c is 0x%08x but the received data has CRC32C 0x%08x "
-          "(corrupted in transit?)",
-          i, blocks[i].crc32c, crcs[i]));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("Put blocks[%d].crc32c is 0x%08x but the received data has CRC32C 0x%08x "
+                          "(corrupted in transit?)",
+                          i, blocks[i].crc32c, crcs[i]));
     }
   }
   Namespace& n = *namespaces_[ns];
@@ -580,9 +577,9 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
                                     bool inline_response) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
-  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Get", request.namespace_name(), request.profile_id(),
-                                      request.keys(), config_.server.max_batch_blocks, &profile,
-                                      &ids));
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Get", request.namespace_name(),
+                                      request.profile_id(), request.keys(),
+                                      config_.server.max_batch_blocks, &profile, &ids));
   uint64_t need = kMessageOverhead + ids.size() * (profile.block_bytes + kPerBlockOverhead);
   if (inline_response && need > config_.server.max_message_bytes) {
     uint64_t fit = (config_.server.max_message_bytes - kMessageOverhead) /
@@ -646,10 +643,10 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
       if (status.ok()) {
         b = BlockStore::ReadBlock{raw, out, Crc32c(out), 0};
         decodes_->Increment();
-        decode_microseconds_->Increment(static_cast<uint64_t>(
-            std::chrono::duration_cast<std::chrono::microseconds>(
-                std::chrono::steady_clock::now() - start)
-                .count()));
+        decode_microseconds_->Increment(
+            static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                      std::chrono::steady_clock::now() - start)
+                                      .count()));
       } else {
         decode_failures_->Increment();
         PROXIMA_LOG(kError) << "stored encoded block failed to decode; served as a miss"
@@ -712,8 +709,8 @@ absl::StatusOr<TierService::ResolvedProfile> TierService::ResolveProfile(
 }
 
 absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<const BlockKey> keys,
-                                    std::span<const uint32_t> crcs, const PullFn& pull,
-                                    v1::PutResponse* response) {
+                                    std::span<const uint32_t> crcs, const PulledHints& hints,
+                                    const PullFn& pull, v1::PutResponse* response) {
   const uint32_t ns = target.namespace_index;
   const RegisteredProfile& profile = target.profile;
   auto id_of = [&target](const BlockKey& key) {
@@ -749,15 +746,14 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
           to_pull[j], crcs[to_pull[j]], got[j]));
     }
   }
-  // PutUcxRequest carries no chain positions, priority or importance: the defaults of a PutBlock
-  // without them.
-  const BlockAttributes attributes =
-      tierer_->AttributesFor(ns, profile.profile.tokens_per_block(),
-                             GeometryOf(ns, target.profile_id).has_value(), /*position=*/-1,
-                             /*high_priority=*/false, /*importance=*/0);
+  const bool codec_ok = GeometryOf(ns, target.profile_id).has_value();
   for (size_t j = 0; j < to_pull.size(); ++j) {
-    outcomes[to_pull[j]] =
-        store_->Commit(id_of(keys[to_pull[j]]), std::move((*pending)[j]), got[j], attributes);
+    const size_t i = to_pull[j];
+    const BlockAttributes attributes = tierer_->AttributesFor(
+        ns, profile.profile.tokens_per_block(), codec_ok,
+        hints.positions.empty() ? -1 : hints.positions[i], hints.high_priority,
+        hints.importance.empty() ? 0.0f : hints.importance[i]);
+    outcomes[i] = store_->Commit(id_of(keys[i]), std::move((*pending)[j]), got[j], attributes);
   }
   uint64_t stored = 0;
   std::vector<BlockKey> held;
@@ -774,9 +770,9 @@ absl::Status TierService::Lookup(const Caller& caller, const v1::LookupRequest& 
                                  v1::LookupResponse* response) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
-  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Lookup", request.namespace_name(), request.profile_id(),
-                                      request.keys(), config_.server.max_lookup_keys, &profile,
-                                      &ids));
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kRead, "Lookup", request.namespace_name(),
+                                      request.profile_id(), request.keys(),
+                                      config_.server.max_lookup_keys, &profile, &ids));
   uint32_t present = 0;
   while (present < ids.size() && store_->Contains(ids[present])) ++present;
   RemoteBlocks* remote = remote_.load();
@@ -800,9 +796,9 @@ absl::Status TierService::Delete(const Caller& caller, const v1::DeleteRequest& 
                                  v1::DeleteResponse* response) {
   RegisteredProfile profile;
   std::vector<BlockId> ids;
-  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kWrite, "Delete", request.namespace_name(), request.profile_id(),
-                                      request.keys(), config_.server.max_batch_blocks, &profile,
-                                      &ids));
+  PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kWrite, "Delete", request.namespace_name(),
+                                      request.profile_id(), request.keys(),
+                                      config_.server.max_batch_blocks, &profile, &ids));
   uint32_t deleted = 0;
   std::vector<BlockKey> gone;
   for (const BlockId& id : ids) {

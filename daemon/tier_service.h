@@ -58,8 +58,8 @@ uint64_t ProfileId(const v1::ModelProfile& profile);
 struct Caller {
   int namespace_index = -1;  // the token's namespace; -1: no token was presented
   TokenAccess access = TokenAccess::kReadWrite;
-  uint32_t partition = 0;      // BlockId::partition of the token's scope
-  std::string token_name;      // config name of the token, for errors and logs (never the token)
+  uint32_t partition = 0;  // BlockId::partition of the token's scope
+  std::string token_name;  // config name of the token, for errors and logs (never the token)
 
   // A call that presented no token: it may use open namespaces (those without tokens) only.
   static Caller Anonymous() { return Caller(); }
@@ -91,8 +91,7 @@ class TierService {
                              v1::GetServerInfoResponse* response);
   absl::Status RegisterProfile(const Caller& caller, const v1::RegisterProfileRequest& request,
                                v1::RegisterProfileResponse* response);
-  absl::Status Put(const Caller& caller, const v1::PutRequest& request,
-                   v1::PutResponse* response);
+  absl::Status Put(const Caller& caller, const v1::PutRequest& request, v1::PutResponse* response);
   // Put from a request still in its received buffers: block bytes are copied once, from the
   // network buffers into tier memory.
   absl::Status Put(const Caller& caller, const wire::PutRequestReader& request,
@@ -112,8 +111,7 @@ class TierService {
                                 std::vector<std::optional<BlockStore::ReadBlock>>* blocks,
                                 bool inline_response = true);
   // Get into a GetResponse message (a copy of each block; for in-process callers).
-  absl::Status Get(const Caller& caller, const v1::GetRequest& request,
-                   v1::GetResponse* response);
+  absl::Status Get(const Caller& caller, const v1::GetRequest& request, v1::GetResponse* response);
   absl::Status Lookup(const Caller& caller, const v1::LookupRequest& request,
                       v1::LookupResponse* response);
   absl::Status Delete(const Caller& caller, const v1::DeleteRequest& request,
@@ -152,10 +150,16 @@ class TierService {
   // key not yet stored, lets `pull` fill it, checks each block against crcs[i], and only then
   // commits. A failed pull or CRC check stores nothing. REQUIRES: keys.size() == crcs.size(),
   // 1 .. max_batch_blocks keys.
-  // `target` comes from ResolveProfile(..., Need::kWrite, ...).
+  // `target` comes from ResolveProfile(..., Need::kWrite, ...). `hints` carries what a PutBlock
+  // and PutRequest carry besides the bytes, with the same meaning.
+  struct PulledHints {
+    std::span<const int64_t> positions;  // empty, or one per key (negative: unknown)
+    std::span<const float> importance;   // empty, or one per key
+    bool high_priority = false;
+  };
   absl::Status PutPulled(const ResolvedProfile& target, std::span<const BlockKey> keys,
-                         std::span<const uint32_t> crcs, const PullFn& pull,
-                         v1::PutResponse* response);
+                         std::span<const uint32_t> crcs, const PulledHints& hints,
+                         const PullFn& pull, v1::PutResponse* response);
 
   // With the cluster on: Lookup and Get continue a local miss at the other nodes (one hop to the
   // key's home, then the holder), and puts tell the keys' homes where they are. Null (the
@@ -197,14 +201,14 @@ class TierService {
     uint64_t data_size;
     bool has_crc32c;
     uint32_t crc32c;
-    int64_t position;  // PutBlock.position, -1 when unset
-    float importance;  // PutBlock.importance
+    int64_t position;                                     // PutBlock.position, -1 when unset
+    float importance;                                     // PutBlock.importance
     std::function<uint32_t()> data_crc32c;                // CRC32C of the data, read in place
     std::function<void(std::span<std::byte>)> copy_data;  // copies the data out
   };
   absl::Status PutBlocks(const Caller& caller, const std::string& namespace_name,
-                         uint64_t profile_id, std::span<const PutSource> blocks,
-                         bool high_priority, v1::PutResponse* response);
+                         uint64_t profile_id, std::span<const PutSource> blocks, bool high_priority,
+                         v1::PutResponse* response);
   // Tells the cluster (if on) that the local tiers hold `keys` of namespace `ns`.
   void TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
                   std::span<const BlockKey> keys);

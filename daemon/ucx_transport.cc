@@ -271,10 +271,17 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
                            FindSession(caller, request.session_id()));
   std::vector<BlockKey> keys(request.blocks_size());
   std::vector<uint32_t> crcs(request.blocks_size());
+  std::vector<int64_t> positions(request.blocks_size());
+  std::vector<float> importance(request.blocks_size());
   for (int b = 0; b < request.blocks_size(); ++b) {
-    std::memcpy(keys[b].data(), request.blocks(b).key().data(), kKeyBytes);
-    crcs[b] = request.blocks(b).crc32c();
+    const v1::UcxBlock& block = request.blocks(b);
+    std::memcpy(keys[b].data(), block.key().data(), kKeyBytes);
+    crcs[b] = block.crc32c();
+    positions[b] = block.has_position() ? static_cast<int64_t>(block.position()) : -1;
+    importance[b] = block.importance();
   }
+  const TierService::PulledHints hints{positions, importance,
+                                       request.priority() == v1::PRIORITY_HIGH};
   const absl::Time transfer_deadline = TransferDeadline(deadline);
   uint64_t pulled = 0;
   auto pull = [this, &segments, &pulled, &ep, &rkeys, transfer_deadline](
@@ -292,7 +299,7 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
     }
     return worker_->Transfer(*ep, rkeys, std::move(ops), std::move(owner), transfer_deadline);
   };
-  absl::Status status = core_->PutPulled(target, keys, crcs, pull, response);
+  absl::Status status = core_->PutPulled(target, keys, crcs, hints, pull, response);
   if (absl::IsUnavailable(status)) DropSession(request.session_id());
   if (status.ok()) bytes_in_->Increment(pulled);
   return status;

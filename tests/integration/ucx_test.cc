@@ -28,6 +28,7 @@
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/codec.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/test_blocks.h"
 
@@ -171,6 +172,82 @@ TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline)
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);
+}
+
+// Put hints travel over UCX as they do inline: a high-priority put is held at its level (0 here:
+// raw), and a block's chain position reaches the encoder (position 0 is encoded as the first
+// block, with the attention-sink codec). The high-priority blocks are the coldest, so without
+// their priority the tierer would compress them first.
+TEST_P(UcxIntegrationTest, PutHintsTravelOverUcx) {
+  auto d = DaemonProcess::Start(
+      {"tiers.host.capacity_bytes=4MiB",
+       "namespaces=[{name: default, compression: {enabled: true, levels: [int8], "
+       "trigger: {memory_pressure_threshold: 0.7}, priority: {high_max_level: 0}}}]"});
+  ASSERT_OK(d.status());
+  ClientOptions options;
+  options.target = (*d)->tcp_target();
+  options.transport = Transport::kUcx;
+  options.call_timeout = absl::Seconds(20);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_EQ(c->transport(), Transport::kUcx) << c->transport_detail();
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr size_t kHigh = 6, kNormal = 6;  // 12 x 256 KiB = 3 MiB, over 0.7 x 4 MiB
+  std::vector<std::byte> cache((kHigh + kNormal) * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  std::vector<BlockKey> keys = client::TestKeyChain(5, 0, kHigh + kNormal);
+  std::vector<std::span<const std::byte>> blocks;
+  for (size_t i = 0; i < kHigh + kNormal; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(5, i, b);
+    blocks.push_back(b);
+  }
+  client::PutOptions high;
+  high.high_priority = true;
+  ASSERT_OK_AND_ASSIGN(
+      std::vector<PutOutcome> out,
+      c->Put(p, std::span(keys).subspan(0, kHigh), std::span(blocks).subspan(0, kHigh), high));
+  EXPECT_THAT(out, ::testing::Each(PutOutcome::kStored));
+  std::vector<int64_t> positions(kNormal);
+  std::vector<float> importance(kNormal, 0.0f);
+  for (size_t i = 0; i < kNormal; ++i) positions[i] = static_cast<int64_t>(i);
+  client::PutOptions normal;
+  normal.positions = positions;
+  normal.importance = importance;
+  ASSERT_OK_AND_ASSIGN(
+      out, c->Put(p, std::span(keys).subspan(kHigh), std::span(blocks).subspan(kHigh), normal));
+  EXPECT_THAT(out, ::testing::Each(PutOutcome::kStored));
+  ASSERT_OK_AND_ASSIGN(std::string m, (*d)->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"PutUcx\",code=\"OK\"}"), 2);
+  EXPECT_LE(MetricValue(m, "proxima_requests_total{method=\"Put\",code=\"OK\"}"), 0)
+      << "a put with hints went inline";
+
+  // The tierer compresses the coldest blocks it may until the tier is under 70%: the first
+  // normal blocks, not the (colder) high-priority ones.
+  // Waits on Stats, which reads counters only: reading the blocks would pin them under the
+  // tierer's feet.
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+    uint64_t encoded = 0;
+    for (const v1::LevelStats& l : stats.tiers(0).levels())
+      encoded += l.level() > 0 ? l.blocks() : 0;
+    if (encoded >= 2) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<std::optional<client::StoredBlock>> stored,
+                       c->GetStored(p, keys));
+  for (size_t i = 0; i < kHigh; ++i) {
+    ASSERT_TRUE(stored[i].has_value()) << i;
+    EXPECT_EQ(stored[i]->level, 0u) << "high-priority block " << i << " was compressed";
+  }
+  ASSERT_TRUE(stored[kHigh].has_value() && stored[kHigh]->level > 0)
+      << "the coldest normal block (position 0) was not compressed";
+  for (size_t i = kHigh; i < kHigh + kNormal; ++i) {
+    if (!stored[i].has_value() || stored[i]->level == 0) continue;
+    ASSERT_OK_AND_ASSIGN(codec::BlockHeaderInfo info,
+                         codec::InspectBlock(std::as_bytes(
+                             std::span(stored[i]->bytes.data(), stored[i]->bytes.size()))));
+    EXPECT_EQ(info.is_first_block, i == kHigh) << "block at position " << i - kHigh;
+  }
 }
 
 TEST_P(UcxIntegrationTest, ScatterGatherBlocksSpanManyBuffers) {
