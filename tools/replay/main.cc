@@ -146,6 +146,11 @@ absl::StatusOr<int> Run() {
   client_options.namespace_name = absl::GetFlag(FLAGS_ns);
   client_options.connect_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout));
   client_options.call_timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout));
+  // Inline puts store a request's blocks one after another, each free to evict the ones before
+  // it, which is what the policy model (--simulate, and replay_integration_test's exact model)
+  // assumes. UCX puts reserve a whole batch before committing any of it, so in a tier smaller
+  // than one request's misses they refuse the overflow instead (docs/decisions.md).
+  client_options.transport = proxima::client::Transport::kInline;
   PROXIMA_ASSIGN_OR_RETURN(auto client, proxima::client::Client::Connect(client_options));
   PROXIMA_ASSIGN_OR_RETURN(proxima::client::Profile profile,
                            client->RegisterProfile(source->Profile()));
