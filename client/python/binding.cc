@@ -173,8 +173,16 @@ std::vector<Block> ParseBlocks(const std::vector<std::vector<std::pair<uintptr_t
 // The results of the calls, kept as C++ values until the caller (holding the GIL) collects them.
 using Result = std::variant<std::vector<PutOutcome>, std::vector<bool>, size_t>;
 
+// What a put carries besides the bytes (client::PutOptions), owned by the call.
+struct PutHints {
+  std::vector<int64_t> positions;
+  std::vector<float> importance;
+  bool high_priority = false;
+};
+
 absl::StatusOr<Result> DoPut(Client& client, const Profile& profile,
-                             const std::vector<BlockKey>& keys, const std::vector<Block>& blocks) {
+                             const std::vector<BlockKey>& keys, const std::vector<Block>& blocks,
+                             const PutHints& hints) {
   std::vector<std::string> staged(blocks.size());
   std::vector<std::span<const std::byte>> spans(blocks.size());
   for (size_t b = 0; b < blocks.size(); ++b) {
@@ -188,7 +196,11 @@ absl::StatusOr<Result> DoPut(Client& client, const Profile& profile,
     }
     spans[b] = std::as_bytes(std::span<const char>(staged[b]));
   }
-  PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client.Put(profile, keys, spans));
+  client::PutOptions options;
+  options.positions = hints.positions;
+  options.importance = hints.importance;
+  options.high_priority = hints.high_priority;
+  PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client.Put(profile, keys, spans, options));
   return Result(std::move(outcomes));
 }
 
@@ -392,8 +404,11 @@ class PyClient {
   void RegisterBuffer(uintptr_t address, size_t length) { registry_.Add(address, length); }
   bool UnregisterBuffer(uintptr_t address) { return registry_.Remove(address); }
 
-  py::object Put(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks) {
-    return RunNow(Prepare(p, keys, blocks, &DoPut));
+  py::object Put(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks,
+                 std::vector<int64_t> positions, bool high_priority,
+                 std::vector<float> importance) {
+    return RunNow(
+        PreparePut(p, keys, blocks, {std::move(positions), std::move(importance), high_priority}));
   }
   py::object Get(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks) {
     return RunNow(Prepare(p, keys, blocks, &DoGet));
@@ -408,8 +423,10 @@ class PyClient {
     return RunNow(Prepare(p, keys, &DoDelete));
   }
   std::shared_ptr<Operation> PutAsync(const Profile& p, const std::vector<py::bytes>& keys,
-                                      const PieceLists& blocks) {
-    return Start(Prepare(p, keys, blocks, &DoPut));
+                                      const PieceLists& blocks, std::vector<int64_t> positions,
+                                      bool high_priority, std::vector<float> importance) {
+    return Start(
+        PreparePut(p, keys, blocks, {std::move(positions), std::move(importance), high_priority}));
   }
   std::shared_ptr<Operation> GetAsync(const Profile& p, const std::vector<py::bytes>& keys,
                                       const PieceLists& blocks) {
@@ -455,6 +472,14 @@ class PyClient {
     std::vector<Block> b = ParseBlocks(blocks, k.size(), p, registry_);
     return [client = client_, p, k = std::move(k), b = std::move(b), fn] {
       return fn(*client, p, k, b);
+    };
+  }
+  Call PreparePut(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks,
+                  PutHints hints) {
+    std::vector<BlockKey> k = ParseKeys(keys);
+    std::vector<Block> b = ParseBlocks(blocks, k.size(), p, registry_);
+    return [client = client_, p, k = std::move(k), b = std::move(b), h = std::move(hints)] {
+      return DoPut(*client, p, k, b, h);
     };
   }
   Call Prepare(const Profile& p, const std::vector<py::bytes>& keys,
@@ -609,12 +634,20 @@ PYBIND11_MODULE(_proxima, m) {
            py::arg("dtype"), py::arg("fingerprint") = "")
       .def("register_buffer", &PyClient::RegisterBuffer, py::arg("address"), py::arg("length"))
       .def("unregister_buffer", &PyClient::UnregisterBuffer, py::arg("address"))
-      .def("put", &PyClient::Put, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
+      .def("put", &PyClient::Put, py::arg("profile"), py::arg("keys"), py::arg("blocks"),
+           py::arg("positions") = std::vector<int64_t>{}, py::arg("high_priority") = false,
+           py::arg("importance") = std::vector<float>{},
+           "positions: empty or one per block, its index in the sequence (0 = the first block, "
+           "the attention sinks; negative = unknown); high_priority: held at a safer level of "
+           "the namespace's compression hierarchy; importance: empty or one hint per block "
+           "(> 0: keep longer)")
       .def("get", &PyClient::Get, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
       .def("lookup", &PyClient::Lookup, py::arg("profile"), py::arg("keys"))
       .def("exists", &PyClient::Exists, py::arg("profile"), py::arg("keys"))
       .def("delete", &PyClient::Delete, py::arg("profile"), py::arg("keys"))
-      .def("put_async", &PyClient::PutAsync, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
+      .def("put_async", &PyClient::PutAsync, py::arg("profile"), py::arg("keys"), py::arg("blocks"),
+           py::arg("positions") = std::vector<int64_t>{}, py::arg("high_priority") = false,
+           py::arg("importance") = std::vector<float>{})
       .def("get_async", &PyClient::GetAsync, py::arg("profile"), py::arg("keys"), py::arg("blocks"))
       .def("lookup_async", &PyClient::LookupAsync, py::arg("profile"), py::arg("keys"))
       .def("exists_async", &PyClient::ExistsAsync, py::arg("profile"), py::arg("keys"))

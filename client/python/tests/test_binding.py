@@ -245,3 +245,44 @@ def test_codec_is_the_eval_binding():
     block = np.arange(2 * 2 * 4 * 2 * 8, dtype=np.uint16).reshape(2, 2, 4, 2, 8)
     enc = proxima.codec.encode_block(block, "lossless", True)
     assert np.array_equal(proxima.codec.decode_block(enc, list(block.shape)), block)
+
+
+def test_put_hints_reach_the_tierer():
+    """positions / high_priority / importance reach the daemon: in a compressing namespace the
+    tierer passes over the high-priority blocks (raw, byte-exact) though they are the coldest,
+    and compresses the normal ones (lossy int8) instead."""
+    d = Daemon(sets=["tiers.host.capacity_bytes=4MiB",
+                     "namespaces=[{name: default, compression: {enabled: true, levels: [int8], "
+                     "trigger: {memory_pressure_threshold: 0.7}, priority: {high_max_level: 0}}}]"])
+    try:
+        c = proxima.Client(d.target)
+        p = c.register_profile(4, 8, 128, 16, "bf16", fingerprint="hints-test")  # 256 KiB blocks
+        blocks = np.random.default_rng(11).integers(0, 256, size=(12, p.block_bytes),
+                                                    dtype=np.uint8)
+        c.register_buffer(blocks.ctypes.data, blocks.nbytes)
+        keys = keys_for("hints", 12)
+        assert c.put(p, keys[:6], whole(blocks)[:6], high_priority=True) == ["stored"] * 6
+        with pytest.raises(ValueError, match="6 keys but 2 positions"):
+            c.put(p, keys[6:], whole(blocks)[6:], positions=[0, 1])
+        assert c.put(p, keys[6:], whole(blocks)[6:], positions=list(range(6)),
+                     importance=[0.0] * 6) == ["stored"] * 6
+        for _ in range(200):  # the tierer gets under 70% of 4 MiB by encoding two blocks
+            levels = json_levels(c)
+            if sum(n for level, n in levels.items() if level > 0) >= 2:
+                break
+            time.sleep(0.05)
+        out = np.zeros_like(blocks)
+        c.register_buffer(out.ctypes.data, out.nbytes)
+        assert c.get(p, keys, whole(out)) == [True] * 12
+        for i in range(6):
+            assert np.array_equal(out[i], blocks[i]), f"high-priority block {i} was compressed"
+        assert not np.array_equal(out[6], blocks[6]), "the coldest normal block stayed raw"
+    finally:
+        d.kill()
+
+
+def json_levels(client):
+    import json
+    stats = json.loads(client.stats_json())
+    return {int(l.get("level", 0)): int(l.get("blocks", 0))
+            for l in stats["tiers"][0].get("levels", [])}
