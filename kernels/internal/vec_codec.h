@@ -26,12 +26,10 @@ using internal::SegmentJob;
 // Codec ids (CodecId values, docs/format.md section 1).
 constexpr uint8_t kRaw = 0, kFp8 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5, kStar = 6;
 
-// Little-endian loads and stores of `n` <= 8 bytes at any address.
+// Little-endian loads and stores of `n` <= 8 bytes at any address. Loads are bytewise on the
+// device: LoadLe8 below takes the wide paths for 8-byte fields.
 PXK_HD uint64_t LoadLe(const uint8_t* p, uint32_t n) {
 #if defined(__CUDA_ARCH__)
-  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 7u) == 0) {
-    return *reinterpret_cast<const uint64_t*>(p);
-  }
   uint64_t v = 0;
   for (uint32_t k = 0; k < n; ++k) v |= static_cast<uint64_t>(p[k]) << (8 * k);
   return v;

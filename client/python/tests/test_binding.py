@@ -1,5 +1,6 @@
 """The binding against a real proximad: byte-exact round trips through scatter/gather lists,
 lookups, presence, deletes, stats, the asynchronous calls, bad input, and a stopped daemon."""
+import json
 import os
 import signal
 import threading
@@ -282,7 +283,7 @@ def test_put_hints_reach_the_tierer():
 
 
 def json_levels(client):
-    import json
+    """Blocks per compression level of the host tier, from the daemon's stats."""
     stats = json.loads(client.stats_json())
     return {int(l.get("level", 0)): int(l.get("blocks", 0))
             for l in stats["tiers"][0].get("levels", [])}
