@@ -66,12 +66,25 @@ absl::Status EnqueueCrcs(const std::vector<gpu::DeviceSpan>& spans, std::vector<
   return status;
 }
 
+// One dtype's decode jobs by kind (cuda::DecodeRun): the fast path per codec, and the
+// per-element path.
 struct DecodeBatch {
-  std::vector<SegmentJob> jobs;
-  uint64_t max_work = 0;
-  void Add(const SegmentJob& j) {
-    jobs.push_back(j);
-    max_work = std::max(max_work, j.vec ? j.elements / 8 : j.elements);
+  std::map<std::pair<uint8_t, uint8_t>, std::vector<SegmentJob>> by_kind;  // (vec, codec)
+  void Add(const SegmentJob& j) { by_kind[{j.vec, j.vec ? j.codec : uint8_t{0}}].push_back(j); }
+  // The jobs in run order, and their runs.
+  void Flatten(std::vector<SegmentJob>* jobs, std::vector<cuda::DecodeRun>* runs) const {
+    for (const auto& [kind, list] : by_kind) {
+      cuda::DecodeRun run;
+      run.first = static_cast<uint32_t>(jobs->size());
+      run.count = static_cast<uint32_t>(list.size());
+      run.vec = kind.first;
+      run.codec = kind.second;
+      for (const SegmentJob& j : list) {
+        run.max_work = std::max(run.max_work, j.vec ? j.elements / 8 : j.elements);
+        jobs->push_back(j);
+      }
+      runs->push_back(run);
+    }
   }
 };
 
@@ -101,18 +114,24 @@ class CallTimer {
   CallTimer(CudaCallTiming* timing, cudaStream_t stream)
       : timing_(timing), stream_(stream), start_(std::chrono::steady_clock::now()) {
     if (timing_ == nullptr) return;
-    if (cudaEventCreate(&begin_) != cudaSuccess || cudaEventCreate(&end_) != cudaSuccess) {
+    if (cudaEventCreate(&begin_) != cudaSuccess || cudaEventCreate(&crc_) != cudaSuccess ||
+        cudaEventCreate(&end_) != cudaSuccess) {
       timing_ = nullptr;  // no events: the call goes on untimed
     }
   }
   CallTimer(const CallTimer&) = delete;
   CallTimer& operator=(const CallTimer&) = delete;
   ~CallTimer() {
-    if (begin_ != nullptr) cudaEventDestroy(begin_);
-    if (end_ != nullptr) cudaEventDestroy(end_);
+    for (cudaEvent_t e : {begin_, crc_, end_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
   }
   void KernelsBegin() {
     if (timing_ != nullptr) cudaEventRecord(begin_, stream_);
+  }
+  // Between the codec kernels and the CRC pass.
+  void CrcBegin() {
+    if (timing_ != nullptr) cudaEventRecord(crc_, stream_);
   }
   void KernelsEnd() {
     if (timing_ != nullptr) cudaEventRecord(end_, stream_);
@@ -120,20 +139,20 @@ class CallTimer {
   void Finish() {
     if (timing_ == nullptr) return;
     float ms = 0;
-    if (cudaEventSynchronize(end_) == cudaSuccess &&
-        cudaEventElapsedTime(&ms, begin_, end_) == cudaSuccess) {
-      timing_->kernel_ms = ms;
+    if (cudaEventSynchronize(end_) == cudaSuccess) {
+      if (cudaEventElapsedTime(&ms, begin_, crc_) == cudaSuccess) timing_->kernel_ms = ms;
+      if (cudaEventElapsedTime(&ms, crc_, end_) == cudaSuccess) timing_->crc_ms = ms;
     }
     const double wall_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
             .count();
-    timing_->host_ms = std::max(0.0, wall_ms - timing_->kernel_ms);
+    timing_->host_ms = std::max(0.0, wall_ms - timing_->kernel_ms - timing_->crc_ms);
   }
 
  private:
   CudaCallTiming* timing_;
   cudaStream_t stream_;
-  cudaEvent_t begin_ = nullptr, end_ = nullptr;
+  cudaEvent_t begin_ = nullptr, crc_ = nullptr, end_ = nullptr;
   std::chrono::steady_clock::time_point start_;
 };
 
@@ -185,29 +204,38 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
           reinterpret_cast<uint16_t*>(job.raw_device + s * seg_raw)));
     }
   }
-  std::vector<std::pair<uint8_t, SegmentJob*>> uploaded;
+  struct Uploaded {
+    uint8_t dtype;
+    SegmentJob* jobs;
+    std::vector<cuda::DecodeRun> runs;
+  };
+  std::vector<Uploaded> uploaded;
   absl::Status status;
   for (auto& [dtype, batch] : by_dtype) {
-    absl::StatusOr<SegmentJob*> dev = UploadJobs(batch.jobs, stream);
+    std::vector<SegmentJob> flat;
+    std::vector<cuda::DecodeRun> runs;
+    batch.Flatten(&flat, &runs);
+    absl::StatusOr<SegmentJob*> dev = UploadJobs(flat, stream);
     if (!dev.ok()) {
       status = dev.status();
       break;
     }
-    uploaded.emplace_back(dtype, *dev);
+    uploaded.push_back({dtype, *dev, std::move(runs)});
   }
   timer.KernelsBegin();
-  for (const auto& [dtype, dev] : uploaded) {
-    const DecodeBatch& batch = by_dtype[dtype];
+  for (const Uploaded& u : uploaded) {
     if (status.ok()) {
-      status = CudaStatus(cuda::LaunchDecodeSegments(dev, static_cast<uint32_t>(batch.jobs.size()),
-                                                     batch.max_work, dtype, stream),
+      status = CudaStatus(cuda::LaunchDecodeSegments(u.jobs, u.runs.data(),
+                                                     static_cast<uint32_t>(u.runs.size()),
+                                                     u.dtype, stream),
                           "decode kernel launch");
     }
   }
+  timer.CrcBegin();
   std::vector<uint32_t> crcs;
   if (status.ok()) status = EnqueueCrcs(payloads, &crcs, stream);
   timer.KernelsEnd();
-  for (const auto& [dtype, dev] : uploaded) cudaFreeAsync(dev, stream);
+  for (const Uploaded& u : uploaded) cudaFreeAsync(u.jobs, stream);
   const absl::Status sync =
       CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize(decode)");
   timer.Finish();
@@ -337,6 +365,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
         "encode kernel launch");
     cudaFreeAsync(*dev_jobs, stream);
   }
+  timer.CrcBegin();
   std::vector<uint32_t> crcs;
   if (status.ok()) {
     std::vector<gpu::DeviceSpan> payloads(jobs.size());

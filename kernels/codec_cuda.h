@@ -32,13 +32,15 @@ struct CUstream_st;
 
 namespace proxima::codec {
 
-// Where the time of one call went, when the caller asks (the `timing` arguments below): the GPU
-// work (codec kernels and payload CRC kernels), timed with CUDA events around their launches, and
-// the rest of the call's wall time (header and metadata validation, building and uploading the
-// segment jobs; for encode also the copy back). Asking costs two events.
+// Where the time of one call went, when the caller asks (the `timing` arguments below): the codec
+// kernels and the payload CRC pass (its kernels and the upload of its span list), each timed with
+// CUDA events around their launches, and the rest of the call's wall time (header and metadata
+// validation, building and uploading the segment jobs; for encode also the copy back). Asking
+// costs three events.
 struct CudaCallTiming {
   double host_ms = 0;
   double kernel_ms = 0;
+  double crc_ms = 0;
 };
 
 struct CudaDecodeJob {

@@ -83,6 +83,30 @@ TEST(CodecCudaTest, DecodeMatchesCpuBitForBit) {
   }
 }
 
+// Codes no encoder writes (fp8 0x7F/0xFF, int8 -128, every other byte value) decode on the GPU
+// as on the CPU: the GPU's conversion shortcuts hold for every code.
+TEST(CodecCudaTest, EveryCodeByteDecodesAsOnTheCpu) {
+  PROXIMA_SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    for (const char* text : {"fp8", "int8"}) {
+      ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
+      const BlockGeometry g{2, 3, 64, 16, dtype};
+      std::string enc;
+      ASSERT_OK(EncodeBlock(g, plan, false, MakeBlock(g, Pattern::kKvLike, 3), {}, &enc));
+      internal::FillEveryCodeByte(g, enc);
+      DeviceBuffer in(enc.size()), out(g.RawBytes());
+      ASSERT_EQ(cudaMemcpy(in.ptr, enc.data(), enc.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      const CudaDecodeJob job{std::as_bytes(std::span<const char>(enc)), in.get(), out.get()};
+      ASSERT_OK(DecodeBlocksCuda(std::span(&job, 1), nullptr));
+      std::vector<std::byte> cpu(g.RawBytes()), gpu_out(g.RawBytes());
+      ASSERT_OK(DecodeBlock(std::as_bytes(std::span<const char>(enc)), cpu));
+      ASSERT_EQ(cudaMemcpy(gpu_out.data(), out.ptr, g.RawBytes(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(cpu, gpu_out) << text << " dtype " << static_cast<int>(dtype);
+    }
+  }
+}
+
 TEST(CodecCudaTest, EncodeMatchesCpuBitForBit) {
   PROXIMA_SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::kBf16, DType::kFp16}) {

@@ -8,7 +8,6 @@
 namespace proxima::codec::cuda {
 namespace {
 
-constexpr uint32_t kThreads = 256;
 // grid.y cap: enough blocks to fill a large GPU many times over, far below the 65535 limit.
 constexpr uint64_t kMaxBlocksPerJob = 4096;
 
@@ -18,17 +17,53 @@ dim3 Grid(uint32_t num_jobs, uint64_t max_work) {
   return dim3(num_jobs, static_cast<uint32_t>(y));
 }
 
+template <uint8_t kDt>
+cudaError_t LaunchDecodeRun(const internal::SegmentJob* jobs, const DecodeRun& run,
+                            cudaStream_t stream) {
+  if (run.count == 0) return cudaSuccess;
+  jobs += run.first;
+  if (!run.vec) {
+    DecodeSegmentsKernel<kDt><<<Grid(run.count, run.max_work), kThreads, 0, stream>>>(jobs);
+    return cudaGetLastError();
+  }
+  // Fast-path threads take kDecodeVecsPerThread vecs per round.
+  const dim3 grid = Grid(run.count, (run.max_work + kDecodeVecsPerThread - 1) / kDecodeVecsPerThread);
+  switch (run.codec) {
+    case vec::kRaw:
+      DecodeVecsKernel<kDt, vec::kRaw><<<grid, kThreads, 0, stream>>>(jobs);
+      break;
+    case vec::kFp8:
+      DecodeVecsKernel<kDt, vec::kFp8><<<grid, kThreads, 0, stream>>>(jobs);
+      break;
+    case vec::kInt8:
+      DecodeVecsKernel<kDt, vec::kInt8><<<grid, kThreads, 0, stream>>>(jobs);
+      break;
+    case vec::kInt4:
+      DecodeVecsKernel<kDt, vec::kInt4><<<grid, kThreads, 0, stream>>>(jobs);
+      break;
+    case vec::kInt2:
+      DecodeVecsKernel<kDt, vec::kInt2><<<grid, kThreads, 0, stream>>>(jobs);
+      break;
+    case vec::kStar:
+      DecodeVecsKernel<kDt, vec::kStar><<<grid, kThreads, 0, stream>>>(jobs);
+      break;
+    default:
+      return cudaErrorInvalidValue;  // the host builds runs only of these codecs
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
-cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
-                                 uint64_t max_work, uint8_t dtype, cudaStream_t stream) {
-  if (num_jobs == 0) return cudaSuccess;
-  PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
-    // Fast-path threads take kDecodeVecsPerThread vecs per round; per-element jobs loop longer.
-    const uint64_t rounds = (max_work + kDecodeVecsPerThread - 1) / kDecodeVecsPerThread;
-    DecodeSegmentsKernel<kDt><<<Grid(num_jobs, rounds), kThreads, 0, stream>>>(jobs);
-  });
-  return cudaGetLastError();
+cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, const DecodeRun* runs,
+                                 uint32_t num_runs, uint8_t dtype, cudaStream_t stream) {
+  for (uint32_t r = 0; r < num_runs; ++r) {
+    cudaError_t err = cudaSuccess;
+    PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue,
+                           { err = LaunchDecodeRun<kDt>(jobs, runs[r], stream); });
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,

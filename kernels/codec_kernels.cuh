@@ -89,42 +89,56 @@ __device__ uint16_t DecodeElement(const SegmentJob& j, uint64_t i) {
   }
 }
 
+// Threads per block of every decode and encode kernel.
+constexpr uint32_t kThreads = 256;
 // Vecs each thread of the fast path decodes per round: their loads are all issued before the
 // first store, so the memory system sees several independent requests per thread.
 constexpr uint32_t kDecodeVecsPerThread = 4;
 
-// grid.x: job, grid.y * blockDim.x threads over the job's vecs (8 elements, one 16-byte store
-// each; kernels/internal/vec_codec.h), kDecodeVecsPerThread per round, or over its elements when
-// the fast path does not apply. The job is copied to registers: the stores could otherwise alias
+// The fast path for the `vec` jobs of one codec: grid.x: job, grid.y * blockDim.x threads over
+// the job's vecs (8 elements, one 16-byte store each; kernels/internal/vec_codec.h),
+// kDecodeVecsPerThread per round. One instantiation per codec keeps the others' code and
+// registers out (occupancy). The job is copied to registers: the stores could otherwise alias
 // it and force reloads.
-template <uint8_t kDt>
-__global__ void DecodeSegmentsKernel(const SegmentJob* jobs) {
+// Resident blocks per multiprocessor asked of the register allocator: 6 (40 registers) where a
+// codec fits without spilling, 5 (48) for the grouped and clustered codecs (ptxas -v, sm_90).
+constexpr uint32_t DecodeMinBlocks(uint8_t codec) {
+  return codec == vec::kInt4 || codec == vec::kInt2 || codec == vec::kStar ? 5 : 6;
+}
+
+template <uint8_t kDt, uint8_t kCodec>
+__global__ void __launch_bounds__(kThreads, DecodeMinBlocks(kCodec))
+    DecodeVecsKernel(const SegmentJob* jobs) {
   const SegmentJob j = jobs[blockIdx.x];
   const uint32_t threads = gridDim.y * blockDim.x;
-  if (j.vec) {
-    const uint32_t vecs = static_cast<uint32_t>(j.elements / 8);
-    uint4* out = reinterpret_cast<uint4*>(j.raw);
-    for (uint32_t base = blockIdx.y * blockDim.x + threadIdx.x; base < vecs;
-         base += threads * kDecodeVecsPerThread) {
-      uint4 w[kDecodeVecsPerThread];
+  const uint32_t vecs = static_cast<uint32_t>(j.elements / 8);
+  uint4* out = reinterpret_cast<uint4*>(j.raw);
+  for (uint32_t base = blockIdx.y * blockDim.x + threadIdx.x; base < vecs;
+       base += threads * kDecodeVecsPerThread) {
+    uint4 w[kDecodeVecsPerThread];
 #pragma unroll
-      for (uint32_t k = 0; k < kDecodeVecsPerThread; ++k) {
-        const uint32_t v = base + k * threads;
-        if (v >= vecs) break;
-        uint16_t o[8];
-        vec::DecodeVec<kDt>(j, v, o);
-        w[k] = make_uint4(o[0] | (uint32_t{o[1]} << 16), o[2] | (uint32_t{o[3]} << 16),
-                          o[4] | (uint32_t{o[5]} << 16), o[6] | (uint32_t{o[7]} << 16));
-      }
-#pragma unroll
-      for (uint32_t k = 0; k < kDecodeVecsPerThread; ++k) {
-        const uint32_t v = base + k * threads;
-        if (v >= vecs) break;
-        out[v] = w[k];
-      }
+    for (uint32_t k = 0; k < kDecodeVecsPerThread; ++k) {
+      const uint32_t v = base + k * threads;
+      if (v >= vecs) break;
+      uint32_t o[4];
+      vec::DecodeVec<kDt, kCodec>(j, v, o);
+      w[k] = make_uint4(o[0], o[1], o[2], o[3]);
     }
-    return;
+#pragma unroll
+    for (uint32_t k = 0; k < kDecodeVecsPerThread; ++k) {
+      const uint32_t v = base + k * threads;
+      if (v >= vecs) break;
+      out[v] = w[k];
+    }
   }
+}
+
+// The per-element path, for jobs the fast path does not take (dims not a multiple of 8):
+// grid.x: job, grid.y * blockDim.x threads over its elements.
+template <uint8_t kDt>
+__global__ void __launch_bounds__(kThreads) DecodeSegmentsKernel(const SegmentJob* jobs) {
+  const SegmentJob j = jobs[blockIdx.x];
+  const uint32_t threads = gridDim.y * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; i < j.elements; i += threads) {
     j.raw[i] = DecodeElement<kDt>(j, i);
   }
@@ -422,7 +436,7 @@ __global__ void EncodeUnitsKernel(const SegmentJob* jobs) {
 // read twice, the second time mostly from L1. Jobs without `vec` and heads past a job's count
 // leave at once (block-uniform, before any barrier).
 template <uint8_t kDt>
-__global__ void EncodeHeadsKernel(const SegmentJob* jobs) {
+__global__ void __launch_bounds__(kThreads, 6) EncodeHeadsKernel(const SegmentJob* jobs) {
   extern __shared__ int32_t stats[];
   const SegmentJob j = jobs[blockIdx.x];  // in registers: payload stores could alias it
   const uint32_t h = blockIdx.y;
@@ -431,8 +445,10 @@ __global__ void EncodeHeadsKernel(const SegmentJob* jobs) {
   for (uint32_t w = threadIdx.x; w < words; w += blockDim.x) stats[w] = vec::InitStat(j, w);
   __syncthreads();
   if (words > 0) {
-    for (uint32_t u = threadIdx.x; u < vecs; u += blockDim.x) {
-      vec::AccumulateVec<kDt>(j, h, u, stats);
+    // Whole warps (vec::FoldStat reduces across all 32 lanes); lanes past `vecs` feed nothing.
+    const uint32_t lane_bits = vec::StatLaneBits(j), padded = (vecs + 31) / 32 * 32;
+    for (uint32_t u = threadIdx.x; u < padded; u += blockDim.x) {
+      vec::AccumulateVec<kDt>(j, h, u, u < vecs, lane_bits, stats);
     }
     __syncthreads();
     const uint32_t finals = vec::FinalizeCount(j);

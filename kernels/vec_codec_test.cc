@@ -31,9 +31,53 @@ std::vector<BlockGeometry> Geometries(DType dtype) {
           BlockGeometry{1, 1, 80, 20, dtype}};
 }
 
+template <uint8_t kDt, uint8_t kCodec>
+void DecodeAllAs(const SegmentJob& j, uint16_t* out) {
+  for (uint32_t v = 0; v < j.elements / 8; ++v) {
+    uint32_t w[4];
+    vec::DecodeVec<kDt, kCodec>(j, v, w);
+    std::memcpy(out + 8 * v, w, sizeof(w));  // element 2k in the low half: little-endian order
+  }
+}
+
+// As DecodeVecsKernel runs it: the instantiation for the job's codec.
 template <uint8_t kDt>
 void DecodeAll(const SegmentJob& j, uint16_t* out) {
-  for (uint32_t v = 0; v < j.elements / 8; ++v) vec::DecodeVec<kDt>(j, v, out + 8 * v);
+  switch (j.codec) {
+    case vec::kRaw:
+      return DecodeAllAs<kDt, vec::kRaw>(j, out);
+    case vec::kFp8:
+      return DecodeAllAs<kDt, vec::kFp8>(j, out);
+    case vec::kInt8:
+      return DecodeAllAs<kDt, vec::kInt8>(j, out);
+    case vec::kInt4:
+      return DecodeAllAs<kDt, vec::kInt4>(j, out);
+    case vec::kInt2:
+      return DecodeAllAs<kDt, vec::kInt2>(j, out);
+    case vec::kStar:
+      return DecodeAllAs<kDt, vec::kStar>(j, out);
+    default:
+      FAIL() << "codec " << int{j.codec} << " has no fast path";
+  }
+}
+
+// Decodes every segment of `enc` with the fast path into `got` (RawBytes() / 2 values).
+void DecodeBlockByVecs(const BlockGeometry& g, std::string& enc, std::vector<uint16_t>& got) {
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
+                       InspectBlock(std::as_bytes(std::span<const char>(enc))));
+  const size_t seg_elems = g.SegmentElements();
+  for (uint32_t s = 0; s < info.segments.size(); ++s) {
+    const SegmentJob j = internal::MakeSegmentJob(
+        info.segments[s].codec, internal::SegmentShapeFor(g, s, info.segments[s].group_size),
+        reinterpret_cast<uint8_t*>(enc.data() + info.segments[s].offset),
+        got.data() + s * seg_elems);
+    ASSERT_EQ(j.vec, 1) << "segment " << s;
+    if (g.dtype == DType::kBf16) {
+      DecodeAll<numeric::kDtypeBf16>(j, got.data() + s * seg_elems);
+    } else {
+      DecodeAll<numeric::kDtypeFp16>(j, got.data() + s * seg_elems);
+    }
+  }
 }
 
 template <uint8_t kDt>
@@ -41,7 +85,9 @@ void EncodeAll(const SegmentJob& j) {
   for (uint32_t h = 0; h < j.heads; ++h) {
     std::vector<int32_t> stats(vec::StatsWords(j) + 1);
     for (uint32_t w = 0; w < vec::StatsWords(j); ++w) stats[w] = vec::InitStat(j, w);
-    for (uint32_t u = 0; u < vec::HeadVecs(j); ++u) vec::AccumulateVec<kDt>(j, h, u, stats.data());
+    for (uint32_t u = 0; u < vec::HeadVecs(j); ++u) {
+      vec::AccumulateVec<kDt>(j, h, u, true, vec::StatLaneBits(j), stats.data());
+    }
     for (uint32_t w = 0; w < vec::FinalizeCount(j); ++w) {
       vec::FinalizeStat<kDt>(j, h, w, stats.data());
     }
@@ -64,22 +110,8 @@ TEST_P(VecCodecTest, DecodeVecMatchesTheScalarDecoder) {
         ASSERT_OK(EncodeBlock(g, plan, /*is_first_block=*/true, raw, {}, &enc));
         std::vector<std::byte> want(g.RawBytes());
         ASSERT_OK(DecodeBlock(std::as_bytes(std::span<const char>(enc)), want));
-        ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
-                             InspectBlock(std::as_bytes(std::span<const char>(enc))));
         std::vector<uint16_t> got(g.RawBytes() / 2, 0xDEAD);
-        const size_t seg_elems = g.SegmentElements();
-        for (uint32_t s = 0; s < info.segments.size(); ++s) {
-          const SegmentJob j = internal::MakeSegmentJob(
-              info.segments[s].codec, internal::SegmentShapeFor(g, s, info.segments[s].group_size),
-              reinterpret_cast<uint8_t*>(enc.data() + info.segments[s].offset),
-              got.data() + s * seg_elems);
-          ASSERT_EQ(j.vec, 1) << "segment " << s;
-          if (dtype == DType::kBf16) {
-            DecodeAll<numeric::kDtypeBf16>(j, got.data() + s * seg_elems);
-          } else {
-            DecodeAll<numeric::kDtypeFp16>(j, got.data() + s * seg_elems);
-          }
-        }
+        ASSERT_NO_FATAL_FAILURE(DecodeBlockByVecs(g, enc, got));
         ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0);
       }
     }
@@ -124,11 +156,91 @@ TEST_P(VecCodecTest, FusedEncodePhasesWriteTheScalarEncodersPayload) {
   }
 }
 
+// StatLaneBits's promise, which the GPU's warp reductions rely on: in every warp of a head's vecs,
+// lanes that differ only in those bits feed the same statistics word with every element.
+TEST_P(VecCodecTest, LanesThatStatLaneBitsGroupFeedTheSameWords) {
+  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(GetParam()));
+  std::vector<BlockGeometry> geometries = Geometries(DType::kBf16);
+  geometries.push_back(BlockGeometry{1, 2, 256, 40, DType::kBf16});  // 32 vecs per row
+  geometries.push_back(BlockGeometry{1, 2, 512, 8, DType::kBf16});   // 64 vecs per row
+  for (const BlockGeometry& g : geometries) {
+    std::string enc;
+    ASSERT_OK(EncodeBlock(g, plan, true, MakeBlock(g, Pattern::kKvLike, 1), {}, &enc));
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
+                         InspectBlock(std::as_bytes(std::span<const char>(enc))));
+    for (uint32_t s = 0; s < info.segments.size(); ++s) {
+      std::vector<uint16_t> raw(g.SegmentElements());
+      const SegmentJob j = internal::MakeSegmentJob(
+          info.segments[s].codec, internal::SegmentShapeFor(g, s, info.segments[s].group_size),
+          reinterpret_cast<uint8_t*>(enc.data() + info.segments[s].offset), raw.data());
+      if (vec::StatsWords(j) == 0) continue;
+      const uint32_t bits = vec::StatLaneBits(j), vecs = vec::HeadVecs(j);
+      for (uint32_t u = 0; u < vecs; ++u) {
+        for (uint32_t lane = 0; lane < 32; ++lane) {
+          const uint32_t peer = (u & ~31u) | lane;
+          if (peer >= vecs || ((peer ^ u) & ~bits) != 0) continue;
+          for (uint32_t k = 0; k < 8; ++k) {
+            ASSERT_EQ(vec::StatWord(j, vec::LocateInHead(j, 0, u), k),
+                      vec::StatWord(j, vec::LocateInHead(j, 0, peer), k))
+                << GetParam() << " dim=" << g.head_dim << " segment " << s << " bits " << bits
+                << " vec " << u << " lane " << lane << " element " << k;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Codes no encoder writes still decode as the scalar decoder decodes them: every byte value in
+// the code bytes of fp8 (0x7F and 0xFF are +-480) and int8 (-128) segments, with the block
+// resealed (both CRCs) so the decoder reaches them.
+TEST(VecCodecCodesTest, EveryCodeByteDecodesAsTheScalarDecoderDoes) {
+  for (const char* text : {"fp8", "int8"}) {
+    ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
+    for (DType dtype : {DType::kBf16, DType::kFp16}) {
+      SCOPED_TRACE(::testing::Message() << text << " dtype=" << static_cast<int>(dtype));
+      const BlockGeometry g{2, 3, 64, 16, dtype};
+      std::string enc;
+      ASSERT_OK(EncodeBlock(g, plan, false, MakeBlock(g, Pattern::kKvLike, 3), {}, &enc));
+      internal::FillEveryCodeByte(g, enc);
+      std::vector<std::byte> want(g.RawBytes());
+      ASSERT_OK(DecodeBlock(std::as_bytes(std::span<const char>(enc)), want));
+      std::vector<uint16_t> got(g.RawBytes() / 2, 0xDEAD);
+      ASSERT_NO_FATAL_FAILURE(DecodeBlockByVecs(g, enc, got));
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Plans, VecCodecTest,
                          ::testing::Values("raw", "fp8", "int8", "int4,group=32", "int4,group=64",
                                            "int4,group=128", "int2,group=32", "int2,group=64",
                                            "int2,group=128",
                                            "layers[0:1]=int8,default=int4,sink=fp8", "star"));
+
+// vec::Div with internal::MakeFastDiv is n / d for every 32-bit n: small, power-of-two, odd and
+// huge divisors against numerators at and around multiples of them and at the extremes.
+TEST(VecCodecDivTest, FastDivisionIsExact) {
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d <= 1100; ++d) divisors.push_back(d);
+  for (uint32_t k = 10; k < 32; ++k) {
+    for (int64_t e : {-1, 0, 1}) divisors.push_back(static_cast<uint32_t>((int64_t{1} << k) + e));
+  }
+  divisors.push_back(0xFFFFFFFFu);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (uint32_t d : divisors) {
+    const internal::FastDiv f = internal::MakeFastDiv(d);
+    std::vector<uint32_t> ns = {0, 1, d - 1, d, d + 1, 2 * d - 1, 0x7FFFFFFFu, 0x80000000u,
+                                0xFFFFFFFEu, 0xFFFFFFFFu, 0xFFFFFFFFu / d * d,
+                                0xFFFFFFFFu / d * d - 1};
+    for (int r = 0; r < 64; ++r) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      ns.push_back(static_cast<uint32_t>(x >> 32));
+      ns.push_back(static_cast<uint32_t>(x >> 45) * d);
+    }
+    for (uint32_t n : ns) ASSERT_EQ(vec::Div(n, f), n / d) << n << " / " << d;
+  }
+}
 
 // A raw row that is not 16-byte aligned, or a dim that is not a multiple of 8, leaves the job to
 // the per-element path.

@@ -11,6 +11,9 @@
 #                                  # a proximad start that must find the GPU; a summary on stdout,
 #                                  # every log, JUnit XML and JSON line in $OUT/gpu-check.tgz
 #
+#   scripts/gpu-check.sh profile   # there: Nsight Compute over the STAR-KV kernels (decode, fused
+#                                  # encode, CRC pass) per codec; text reports in $OUT/profile.tgz
+#
 #   scripts/gpu-check.sh vllm-e2e MODEL_DIR   # on a GPU host that reaches PyPI: vLLM end to end
 #                                  # with the proxima connector (client/python/examples/vllm_e2e.py)
 #
@@ -19,7 +22,7 @@
 # here as a dry run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODE=${1:?usage: scripts/gpu-check.sh prepare|run|vllm-e2e}
+MODE=${1:?usage: scripts/gpu-check.sh prepare|run|profile|vllm-e2e}
 DIR=build-gpu
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
 GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test
@@ -141,6 +144,29 @@ case "$MODE" in
     [ -f "$LOGS/proximad-start.log" ] && { grep -iE 'gpu|cuda' "$LOGS/proximad-start.log" | head -5 || true; }
     exit $status
     ;;
+  profile)
+    # Nsight Compute over one launch of each STAR-KV kernel (decode, fused encode, the CRC pass)
+    # per codec, on real KV through codec_gpu_bench: speed of light, occupancy, warp stalls and
+    # memory traffic, as text in $OUT/profile.tgz (a summary of each on stdout). PROFILE_CODECS
+    # and PROFILE_KERNELS override the codecs and the kernels.
+    OUT=${OUT:-$PWD/gpu-check-out}
+    LOGS=$(mktemp -d)
+    mkdir -p "$OUT"
+    trap 'tar czf "$OUT/profile.tgz" -C "$LOGS" . ; rm -rf "$LOGS"' EXIT
+    export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    command -v ncu >/dev/null || { echo "gpu-check: ncu not found" >&2; exit 1; }
+    SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
+    for codec in ${PROFILE_CODECS:-fp8 int8 int4}; do
+      for kernel in ${PROFILE_KERNELS:-DecodeVecsKernel EncodeHeadsKernel ChunkKernel}; do
+        log="$LOGS/ncu-$codec-$kernel.txt"
+        timeout 120 ncu --clock-control none -k "regex:$kernel" -c 1 "${SECTIONS[@]}" \
+          "$DIR/bench/codec_gpu_bench" --batch_mb=128 --codecs="$codec" > "$log" 2>&1 || true
+        echo "== $codec $kernel"
+        grep -E 'Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Issue Slots Busy|No Eligible|Active Warps Per' "$log" | head -14 || true
+      done
+    done
+    ;;
   vllm-e2e)
     # vLLM on a GPU with the proxima connector, the same prompts in two fresh engines: the second
     # must load prefix KV from proximad and produce the same greedy text. Not run on the device
@@ -160,5 +186,5 @@ case "$MODE" in
     PYTHONHASHSEED=0 "$VENV/bin/python" client/python/examples/vllm_e2e.py \
       --model "$MODEL_DIR" --target "unix:$SOCK"
     ;;
-  *) echo "unknown mode '$MODE' (prepare | run | vllm-e2e)" >&2; exit 2 ;;
+  *) echo "unknown mode '$MODE' (prepare | run | profile | vllm-e2e)" >&2; exit 2 ;;
 esac

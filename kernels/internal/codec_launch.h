@@ -16,10 +16,18 @@ namespace proxima::codec::cuda {
 // Largest dynamic shared memory the fused encode path asks for (the default per-block limit).
 inline constexpr uint32_t kMaxFusedSmemBytes = 48 * 1024;
 
-// `max_work`: the largest per-job count of work items in `jobs`: elements / 8 for `vec` jobs,
-// elements otherwise.
-cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
-                                 uint64_t max_work, uint8_t dtype, cudaStream_t stream);
+// A run of decode jobs that one launch covers: jobs[first, first + count) of the device array,
+// all `vec` jobs of `codec` (the fast path, a kernel instantiated for that codec) or all per-element
+// jobs (vec == 0, any codec). `max_work`: the largest per-job count of work items of the run:
+// elements / 8 for `vec` jobs, elements otherwise.
+struct DecodeRun {
+  uint32_t first = 0, count = 0;
+  uint8_t vec = 0, codec = 0;
+  uint64_t max_work = 0;
+};
+// One launch per run; `jobs` holds every run's jobs, all of `dtype`.
+cudaError_t LaunchDecodeSegments(const internal::SegmentJob* jobs, const DecodeRun* runs,
+                                 uint32_t num_runs, uint8_t dtype, cudaStream_t stream);
 
 struct EncodeLaunch {
   // The fused path (`vec` jobs): the most heads of any such job (0: none) and the dynamic shared

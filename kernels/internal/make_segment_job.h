@@ -62,6 +62,10 @@ inline SegmentJob MakeSegmentJob(CodecId codec, const SegmentShape& sh, uint8_t*
     default:
       break;
   }
+  j.by_dim = MakeFastDiv(sh.dim > 0 ? sh.dim : 1);
+  j.by_heads = MakeFastDiv(sh.heads > 0 ? sh.heads : 1);
+  j.by_row_vecs = MakeFastDiv(sh.dim >= 8 ? sh.dim / 8 : 1);
+  j.by_group = MakeFastDiv(j.group_len > 0 ? j.group_len : 1);
   // The 8-element fast path: dim a multiple of 8, 16-byte aligned raw rows, 32-bit indices.
   j.vec = sh.dim % 8 == 0 && reinterpret_cast<uintptr_t>(raw) % 16 == 0 &&
                   j.elements < (uint64_t{1} << 31)

@@ -8,6 +8,24 @@
 
 namespace proxima::codec::internal {
 
+// n / d for a divisor d >= 1 fixed per job, as a multiply-high, a subtraction and two shifts
+// (Granlund and Montgomery's method, exact for every 32-bit n; vec::Div applies it): the kernels
+// divide indices by dim, heads and group lengths per vec, and a 32-bit division has no instruction
+// on a GPU (about twenty).
+struct FastDiv {
+  uint32_t mul = 1;
+  uint8_t shift1 = 0, shift2 = 0;
+};
+inline FastDiv MakeFastDiv(uint32_t d) {
+  uint32_t l = 0;  // ceil(log2(d))
+  while (l < 32 && (uint64_t{1} << l) < d) ++l;
+  FastDiv f;
+  f.mul = static_cast<uint32_t>((((uint64_t{1} << l) - d) << 32) / d + 1);
+  f.shift1 = l < 1 ? static_cast<uint8_t>(l) : 1;
+  f.shift2 = l < 1 ? 0 : static_cast<uint8_t>(l - 1);
+  return f;
+}
+
 struct SegmentJob {
   uint8_t* payload = nullptr;  // device: segment payload (decode input, encode output)
   uint64_t payload_bytes = 0;  // its size (FixedPayloadBytes)
@@ -32,6 +50,8 @@ struct SegmentJob {
   uint8_t bits = 0;                                       // 4 or 2 for int4/int2
   uint8_t is_value = 0;
   uint8_t vec = 0;  // 1: the 8-element fast path takes this job (kernels/internal/vec_codec.h)
+  // Divisors of the fast path: dim, heads, dim / 8 (vecs per row), group_len (int4/int2).
+  FastDiv by_dim, by_heads, by_row_vecs, by_group;
 };
 
 }  // namespace proxima::codec::internal

@@ -7,9 +7,12 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "kernels/codec.h"
+#include "kernels/internal/container.h"
 #include "kernels/internal/numeric.h"
 
 namespace proxima::codec::internal {
@@ -75,6 +78,25 @@ inline std::vector<std::byte> MakeBlock(const BlockGeometry& g, Pattern pattern,
     }
   }
   return raw;
+}
+
+// Overwrites the code bytes of every fp8 and int8 segment of the encoded block `enc` (geometry
+// g) with every byte value in turn, codes no encoder writes included (fp8 0x7F/0xFF, int8 -128),
+// and reseals the block (both CRCs), so that a decoder reaches them. Other segments stay.
+inline void FillEveryCodeByte(const BlockGeometry& g, std::string& enc) {
+  auto info = InspectBlock(std::as_bytes(std::span<const char>(enc)));
+  if (!info.ok()) return;
+  const uint64_t T = g.tokens_per_block, H = g.num_kv_heads, D = g.head_dim;
+  for (uint32_t s = 0; s < info->segments.size(); ++s) {
+    const CodecId codec = info->segments[s].codec;
+    if (codec != CodecId::kFp8 && codec != CodecId::kInt8) continue;
+    const bool value = s % 2 == 1;
+    const uint64_t codes_at = codec == CodecId::kFp8 ? 4 * H : 2 * (value ? T * H : H * D);
+    for (uint64_t i = 0; i < T * H * D; ++i) {
+      enc[info->segments[s].offset + codes_at + i] = static_cast<char>((i * 37 + s) & 0xFF);
+    }
+  }
+  ResealBlockForFuzzing(std::as_writable_bytes(std::span<char>(enc)));
 }
 
 }  // namespace proxima::codec::internal

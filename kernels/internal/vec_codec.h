@@ -18,6 +18,12 @@
 #include "kernels/internal/numeric.h"
 #include "kernels/internal/segment_job.h"
 
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
 namespace proxima::codec::vec {
 
 namespace nm = ::proxima::codec::numeric;
@@ -121,6 +127,69 @@ PXK_HD int64_t StarImportantSlot(const SegmentJob& j, const StarHead& s, uint64_
   return found;
 }
 
+// ---- exact shortcuts of the scalar conversions, for the decoders' inner loops. Each gives the
+// scalar function's result bit for bit on the inputs named; the CPU tests run them too.
+
+// e4m3fn code -> float, as nm::E4m3ToFloat: the code's exponent and mantissa placed under a
+// float's (bits 20..26) read as a float of exponent e - 127, then scaled by 2^120 (exact: a power
+// of two, no overflow) gives 2^(e-7) * 1.m for e > 0 and, through the float subnormal, m * 2^-9
+// for e == 0; 0x7F is 480 like the reference's.
+PXK_HD float E4m3ToFloatFast(uint32_t code) {
+  const float mag = PXK_MUL(nm::BitsFloat((code & 0x7Fu) << 20), 1.329227995784916e36f);  // 2^120
+  return nm::BitsFloat(nm::FloatBits(mag) | ((code & 0x80u) << 24));
+}
+// v (< 2^23) as a float, exactly: v's bits under the exponent of 2^23, minus 2^23.
+PXK_HD float SmallUintToFloat(uint32_t v) {
+  return PXK_SUB(nm::BitsFloat(0x4B000000u | v), 8388608.0f);
+}
+// The int8 code in byte 0 of `b` as a float, exactly (biased by 128 into SmallUintToFloat).
+PXK_HD float Int8CodeToFloat(uint32_t b) {
+  return PXK_SUB(nm::BitsFloat(0x4B000000u | ((b & 0xFFu) ^ 0x80u)), 8388736.0f);
+}
+// dtype value -> float. On the device fp16 takes the conversion instruction, exact for every
+// non-NaN value (the callers' inputs are validated finite metadata or encode inputs whose NaNs
+// only ever meet FiniteAbs or ClampQ, which map every NaN alike).
+template <uint8_t kDt>
+PXK_HD float ToFloat(uint16_t v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kDt == nm::kDtypeFp16) return __half2float(__ushort_as_half(v));
+#endif
+  return nm::DtypeToFloat(kDt, v);
+}
+// Two floats as two dtype values (low half: `a`), rounded to nearest even: on the device one
+// conversion instruction, identical to FloatToDtype for every input but NaN. The decoders never
+// make a NaN: codes decode finite, and the host validated every scale and minimum finite, so a
+// product or sum is finite or infinite.
+template <uint8_t kDt>
+PXK_HD uint32_t PackPair(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (kDt == nm::kDtypeBf16) {
+    const __nv_bfloat162 r = __float22bfloat162_rn(make_float2(a, b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    const __half2 r = __float22half2_rn(make_float2(a, b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+#else
+  return nm::FloatToDtype(kDt, a) | (uint32_t{nm::FloatToDtype(kDt, b)} << 16);
+#endif
+}
+// Eight floats as a vec's four dtype pairs.
+template <uint8_t kDt>
+PXK_HD void PackVec(const float f[8], uint32_t out[4]) {
+  for (int k = 0; k < 4; ++k) out[k] = PackPair<kDt>(f[2 * k], f[2 * k + 1]);
+}
+
+// n / d for the divisor `f` was made for (internal::MakeFastDiv).
+PXK_HD uint32_t Div(uint32_t n, const internal::FastDiv& f) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t t = __umulhi(n, f.mul);
+#else
+  const uint32_t t = static_cast<uint32_t>((uint64_t{n} * f.mul) >> 32);
+#endif
+  return (t + ((n - t) >> f.shift1)) >> f.shift2;
+}
+
 // Where vec `v` sits: element index, (token, head) row, and coordinates.
 struct VecPos {
   uint32_t i0, row, t, h, d0;
@@ -128,82 +197,92 @@ struct VecPos {
 PXK_HD VecPos Locate(const SegmentJob& j, uint32_t v) {
   VecPos p;
   p.i0 = 8 * v;
-  p.row = p.i0 / j.dim;
+  p.row = Div(p.i0, j.by_dim);
   p.d0 = p.i0 - p.row * j.dim;
-  p.t = p.row / j.heads;
+  p.t = Div(p.row, j.by_heads);
   p.h = p.row - p.t * j.heads;
   return p;
 }
 
-// Decodes vec `v` of a validated segment into out[0..8) (dtype bit patterns); bit-identical to
-// the scalar decoder (DecodeElement in codec_kernels.cuh, DecodeSegment on the CPU).
-template <uint8_t kDt>
-PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
+// Decodes vec `v` of a validated segment of codec kCodec (== j.codec) into out[0..4), element
+// 2k in the low half of out[k] (dtype bit patterns); bit-identical to the scalar decoder
+// (DecodeElement in codec_kernels.cuh, DecodeSegment on the CPU). The codec is a template
+// argument so that a kernel holds one codec's code and registers only.
+template <uint8_t kDt, uint8_t kCodec>
+PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint32_t out[4]) {
   const uint8_t* p = j.payload;
   const uint8_t* end = p + j.payload_bytes;
   const VecPos at = Locate(j, v);
   const uint32_t H = j.heads, D = j.dim, HD = H * D;
-  switch (j.codec) {
-    case kRaw:
-      Load8x16(p + 2 * uint64_t{at.i0}, end, out);
+  float f[8];
+  switch (kCodec) {
+    case kRaw: {
+      const uint64_t lo = LoadLe8(p + 2 * uint64_t{at.i0}, end);
+      const uint64_t hi = LoadLe8(p + 2 * uint64_t{at.i0} + 8, end);
+      out[0] = static_cast<uint32_t>(lo), out[1] = static_cast<uint32_t>(lo >> 32);
+      out[2] = static_cast<uint32_t>(hi), out[3] = static_cast<uint32_t>(hi >> 32);
       return;
+    }
     case kFp8: {
       const float scale = LdF32(p, at.h);
       const uint64_t codes = LoadLe8(p + 4 * uint64_t{H} + at.i0, end);
       for (int k = 0; k < 8; ++k) {
-        out[k] = nm::FloatToDtype(
-            kDt, PXK_MUL(nm::E4m3ToFloat(static_cast<uint8_t>(codes >> (8 * k))), scale));
+        f[k] = PXK_MUL(E4m3ToFloatFast(static_cast<uint32_t>(codes >> (8 * k))), scale);
       }
-      return;
+      break;
     }
     case kInt8: {
       const uint64_t meta = j.is_value ? uint64_t{j.tokens} * H : HD;
       const uint64_t codes = LoadLe8(p + 2 * meta + at.i0, end);
-      uint16_t scales[8];
       if (j.is_value) {
-        const uint16_t s = Ld16(p, at.row);
-        for (int k = 0; k < 8; ++k) scales[k] = s;
+        const float s = ToFloat<kDt>(Ld16(p, at.row));
+        for (int k = 0; k < 8; ++k) {
+          f[k] = PXK_MUL(Int8CodeToFloat(static_cast<uint32_t>(codes >> (8 * k))), s);
+        }
       } else {
-        Load8x16(p + 2 * uint64_t{at.i0 % HD}, end, scales);
+        uint16_t scales[8];
+        Load8x16(p + 2 * uint64_t{at.h * D + at.d0}, end, scales);  // at.i0 % HD
+        for (int k = 0; k < 8; ++k) {
+          f[k] = PXK_MUL(Int8CodeToFloat(static_cast<uint32_t>(codes >> (8 * k))),
+                         ToFloat<kDt>(scales[k]));
+        }
       }
-      for (int k = 0; k < 8; ++k) {
-        const float q = static_cast<float>(static_cast<int8_t>(codes >> (8 * k)));
-        out[k] = nm::FloatToDtype(kDt, PXK_MUL(q, nm::DtypeToFloat(kDt, scales[k])));
-      }
-      return;
+      break;
     }
     case kInt4:
     case kInt2: {
-      uint16_t scales[8], mins[8];
+      const uint32_t bits = kCodec == kInt4 ? 4 : 2;
+      const uint64_t packed = LoadLe(p + 4 * j.meta_count + uint64_t{at.i0} * bits / 8, bits);
+      const uint32_t mask = (1u << bits) - 1u;
       if (!j.is_value) {  // K: one group of tokens, eight consecutive channels
-        const uint64_t m0 = uint64_t{at.t / j.group_len} * HD + at.i0 % HD;
+        uint16_t scales[8], mins[8];
+        const uint64_t m0 = uint64_t{Div(at.t, j.by_group)} * HD + at.h * D + at.d0;
         Load8x16(p + 2 * m0, end, scales);
         Load8x16(p + 2 * j.meta_count + 2 * m0, end, mins);
+        for (int k = 0; k < 8; ++k) {
+          const float q = SmallUintToFloat(static_cast<uint32_t>(packed >> (k * bits)) & mask);
+          f[k] = PXK_ADD(PXK_MUL(q, ToFloat<kDt>(scales[k])), ToFloat<kDt>(mins[k]));
+        }
       } else {  // V: one group of channels of one row
-        const uint64_t m = uint64_t{at.row} * j.num_groups + at.d0 / j.group_len;
-        const uint16_t s = Ld16(p, m), mn = Ld16(p + 2 * j.meta_count, m);
-        for (int k = 0; k < 8; ++k) scales[k] = s, mins[k] = mn;
+        const uint64_t m = uint64_t{at.row} * j.num_groups + Div(at.d0, j.by_group);
+        const float s = ToFloat<kDt>(Ld16(p, m)), mn = ToFloat<kDt>(Ld16(p + 2 * j.meta_count, m));
+        for (int k = 0; k < 8; ++k) {
+          const float q = SmallUintToFloat(static_cast<uint32_t>(packed >> (k * bits)) & mask);
+          f[k] = PXK_ADD(PXK_MUL(q, s), mn);
+        }
       }
-      const uint64_t bits = LoadLe(p + 4 * j.meta_count + uint64_t{at.i0} * j.bits / 8, j.bits);
-      const uint32_t mask = (1u << j.bits) - 1u;
-      for (int k = 0; k < 8; ++k) {
-        const float q = static_cast<float>((bits >> (k * j.bits)) & mask);
-        out[k] = nm::FloatToDtype(kDt, PXK_ADD(PXK_MUL(q, nm::DtypeToFloat(kDt, scales[k])),
-                                               nm::DtypeToFloat(kDt, mins[k])));
-      }
-      return;
+      break;
     }
     case kStar: {
       const StarHead sh = StarHeadAt(j, at.h);
       const int64_t found = StarImportantSlot(j, sh, at.t);
       if (found >= 0) {
         const uint64_t codes = LoadLe8(sh.iq + found * D + at.d0, end);
-        const float s = nm::DtypeToFloat(kDt, Ld16(sh.iscale, found));
+        const float s = ToFloat<kDt>(Ld16(sh.iscale, found));
         for (int k = 0; k < 8; ++k) {
-          const float q = static_cast<float>(static_cast<int8_t>(codes >> (8 * k)));
-          out[k] = nm::FloatToDtype(kDt, PXK_MUL(q, s));
+          f[k] = PXK_MUL(Int8CodeToFloat(static_cast<uint32_t>(codes >> (8 * k))), s);
         }
-        return;
+        break;
       }
       uint32_t c = 0;
       for (uint32_t b = 0; b < j.index_bits; ++b) {
@@ -211,19 +290,20 @@ PXK_HD void DecodeVec(const SegmentJob& j, uint32_t v, uint16_t out[8]) {
         c |= ((sh.idx[pos / 8] >> (pos % 8)) & 1u) << b;
       }
       const uint64_t codes = LoadLe8(sh.cq + c * D + at.d0, end);
-      const float cs = nm::DtypeToFloat(kDt, Ld16(sh.cscale, c));
-      const float rs = nm::DtypeToFloat(kDt, Ld16(sh.rscale, at.t));
+      const float cs = ToFloat<kDt>(Ld16(sh.cscale, c));
+      const float rs = ToFloat<kDt>(Ld16(sh.rscale, at.t));
       const uint8_t signs = sh.rsign[(uint64_t{at.t} * D + at.d0) / 8];
       for (int k = 0; k < 8; ++k) {
-        const float cv = PXK_MUL(static_cast<float>(static_cast<int8_t>(codes >> (8 * k))), cs);
-        out[k] = nm::FloatToDtype(kDt, PXK_ADD(cv, ((signs >> k) & 1u) ? rs : -rs));
+        const float cv = PXK_MUL(Int8CodeToFloat(static_cast<uint32_t>(codes >> (8 * k))), cs);
+        f[k] = PXK_ADD(cv, ((signs >> k) & 1u) ? rs : -rs);
       }
-      return;
+      break;
     }
     default:
-      for (int k = 0; k < 8; ++k) out[k] = 0;  // unreachable: the host rejects other codecs
+      for (int k = 0; k < 4; ++k) out[k] = 0;  // unreachable: the host rejects other codecs
       return;
   }
+  PackVec<kDt>(f, out);
 }
 
 // ---- encode: the fused per-head path. A head's statistics reduce to these quantities.
@@ -274,8 +354,17 @@ PXK_HD float DivisorOf(uint16_t scale) {
 }
 
 // Quantisers of one element, as the scalar encoder computes them.
-PXK_HD uint8_t QuantFp8(float x, float scale) {
-  return nm::FloatToE4m3(nm::ClampQ(PXK_DIV(x, scale == 0.0f ? 1.0f : scale), -448.0f, 448.0f));
+PXK_HD float Fp8Scaled(float x, float scale) {  // clamped, never NaN: what FloatToE4m3 takes
+  return nm::ClampQ(PXK_DIV(x, scale == 0.0f ? 1.0f : scale), -448.0f, 448.0f);
+}
+// Two Fp8Scaled values as e4m3 codes (low byte: `a`): on the device one conversion instruction
+// (round to nearest even, as FloatToE4m3 rounds every value in [-448, 448]).
+PXK_HD uint32_t E4m3Pair(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+#else
+  return nm::FloatToE4m3(a) | (uint32_t{nm::FloatToE4m3(b)} << 8);
+#endif
 }
 PXK_HD uint8_t QuantInt8(float x, float div) {
   const float q = nm::RoundNearestEven(nm::ClampQ(PXK_DIV(x, div), -127.0f, 127.0f));
@@ -293,22 +382,6 @@ PXK_HD uint32_t QuantIntN(float x, float minf, float div, uint32_t bits) {
 // quantisation parameters in `stats`), then QuantizeVec over the vecs again, with a barrier
 // between phases. The CPU tests run the same phases one after the other.
 
-// Atomic min/max on the device, plain on the host (where the phases run sequentially).
-PXK_HD void AtomicMaxInt(int32_t* a, int32_t v) {
-#if defined(__CUDA_ARCH__)
-  atomicMax(a, v);
-#else
-  if (v > *a) *a = v;
-#endif
-}
-PXK_HD void AtomicMinInt(int32_t* a, int32_t v) {
-#if defined(__CUDA_ARCH__)
-  atomicMin(a, v);
-#else
-  if (v < *a) *a = v;
-#endif
-}
-
 // Vecs of one head: T rows of dim/8.
 PXK_HD uint32_t HeadVecs(const SegmentJob& j) { return j.tokens * (j.dim / 8); }
 // Element index of the first element of vec `u` of head `h`, and its token and channel.
@@ -318,9 +391,8 @@ struct HeadVecPos {
 };
 PXK_HD HeadVecPos LocateInHead(const SegmentJob& j, uint32_t h, uint32_t u) {
   HeadVecPos p;
-  const uint32_t per_row = j.dim / 8;
-  p.t = u / per_row;
-  p.d0 = 8 * (u - p.t * per_row);
+  p.t = Div(u, j.by_row_vecs);
+  p.d0 = 8 * (u - p.t * (j.dim / 8));
   p.i0 = (uint64_t{p.t} * j.heads + h) * j.dim + p.d0;
   return p;
 }
@@ -356,53 +428,136 @@ PXK_HD uint32_t FinalizeCount(const SegmentJob& j) {
   return j.codec == kInt4 || j.codec == kInt2 ? StatsWords(j) / 2 : StatsWords(j);
 }
 
+// int4/int2 keep FinalizeCount(j) minimums, then as many maximums (group g: words g and
+// FinalizeCount(j) + g), so that lanes reading neighbouring groups' words hit different banks.
 PXK_HD int32_t InitStat(const SegmentJob& j, uint32_t w) {
-  if (j.codec == kInt4 || j.codec == kInt2) {  // even words: minimum, odd: maximum
-    return OrderedInt(nm::BitsFloat((w & 1u) ? 0xFF800000u : 0x7F800000u));  // -inf : +inf
+  if (j.codec == kInt4 || j.codec == kInt2) {
+    return OrderedInt(nm::BitsFloat(w >= FinalizeCount(j) ? 0xFF800000u : 0x7F800000u));
   }
   return 0;  // largest |x| so far: +0
 }
 
+// The statistics word that element k of vec `at` of a head feeds (for int4/int2 the group, whose
+// minimum is that word and maximum the word FinalizeCount(j) further).
+PXK_HD uint32_t StatWord(const SegmentJob& j, const HeadVecPos& at, uint32_t k) {
+  switch (j.codec) {
+    case kFp8:
+      return 0;
+    case kInt8:
+      return j.is_value ? at.t : at.d0 + k;
+    case kInt4:
+    case kInt2:
+      return j.is_value ? at.t * j.num_groups + Div(at.d0, j.by_group)
+                        : Div(at.t, j.by_group) * j.dim + at.d0 + k;
+    default:
+      return 0;
+  }
+}
+
+// Which lanes of a warp feed the same statistics words, as a mask of lane-index bits: for every
+// warp of a head's vecs (warps start at multiples of 32 vecs), lanes whose indices differ only in
+// these bits feed the same word with each element k (StatWord). fp8: all lanes (one word); V
+// statistics: lanes of one token row (int8) or one value group (int4/int2); K statistics: lanes of
+// one channel slot across the warp's tokens. 0 where the pattern is irregular (dim / 8 not a
+// power of two, value groups that do not tile the row, token groups that split a warp's tokens).
+PXK_HD uint32_t StatLaneBits(const SegmentJob& j) {
+  if (j.codec == kFp8) return 31;
+  const uint32_t per_row = j.dim / 8;
+  if ((per_row & (per_row - 1)) != 0) return 0;
+  const uint32_t row_bits = per_row >= 32 ? 31 : per_row - 1;  // lanes of one token row
+  const uint32_t slot_bits = 31 & ~row_bits;                    // lanes of one channel slot
+  switch (j.codec) {
+    case kInt8:
+      return j.is_value ? row_bits : slot_bits;
+    case kInt4:
+    case kInt2:
+      if (j.is_value) return j.dim % j.group_len == 0 ? (j.group_len / 8 - 1) & row_bits : 0;
+      return per_row < 32 && j.group_len % (32 / per_row) == 0 ? slot_bits : 0;
+    default:
+      return 0;
+  }
+}
+
+// Folds v into the statistics word *w (max or min). On the device every lane of the warp calls
+// it together, with the same `lane_bits` (StatLaneBits): lanes that differ only in those bits
+// feed the same word, reduce with shuffles first, and the lowest of them makes the one
+// shared-memory atomic (atomics on one word serialise: fp8's single word is hit by every vec of
+// a head). A lane that is not `valid` (past the head's vecs) brings an identity value and
+// touches nothing; the lowest lane of a group is valid whenever any lane of it is (the valid
+// lanes are a prefix of the warp). On the host, a plain update.
+template <bool kMax>
+PXK_HD void FoldStat(int32_t* w, int32_t v, bool valid, uint32_t lane_bits) {
+#if defined(__CUDA_ARCH__)
+  for (uint32_t o = 1; o < 32; o <<= 1) {
+    if (lane_bits & o) {
+      const int32_t other = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      v = kMax ? max(v, other) : min(v, other);
+    }
+  }
+  if (valid && (threadIdx.x & lane_bits) == 0) {
+    if (kMax) {
+      atomicMax(w, v);
+    } else {
+      atomicMin(w, v);
+    }
+  }
+#else
+  (void)lane_bits;
+  if (valid) *w = kMax ? (v > *w ? v : *w) : (v < *w ? v : *w);
+#endif
+}
+
+// Vec u of head h into the statistics (see FoldStat for `valid` and `lane_bits`). Non-finite
+// elements feed nothing: they bring the identity of every statistic (|x| 0, min +inf, max -inf),
+// and so does a lane that is not valid (its elements read as NaN).
 template <uint8_t kDt>
-PXK_HD void AccumulateVec(const SegmentJob& j, uint32_t h, uint32_t u, int32_t* stats) {
+PXK_HD void AccumulateVec(const SegmentJob& j, uint32_t h, uint32_t u, bool valid,
+                          uint32_t lane_bits, int32_t* stats) {
   const HeadVecPos at = LocateInHead(j, h, u);
-  uint16_t raw[8];
-  LoadRawVec(j.raw, at.i0, raw);
   float x[8];
-  for (int k = 0; k < 8; ++k) x[k] = nm::DtypeToFloat(kDt, raw[k]);
+  if (valid) {
+    uint16_t raw[8];
+    LoadRawVec(j.raw, at.i0, raw);
+    for (int k = 0; k < 8; ++k) x[k] = ToFloat<kDt>(raw[k]);
+  } else {
+    for (int k = 0; k < 8; ++k) x[k] = nm::BitsFloat(0x7FC00000u);
+  }
+  const float inf = nm::BitsFloat(0x7F800000u);
   switch (j.codec) {
     case kFp8:
     case kInt8: {
       if (j.codec == kInt8 && !j.is_value) {  // K: one scale per channel
-        for (int k = 0; k < 8; ++k) AtomicMaxInt(&stats[at.d0 + k], OrderedInt(FiniteAbs(x[k])));
+        for (uint32_t k = 0; k < 8; ++k) {
+          FoldStat<true>(&stats[StatWord(j, at, k)], OrderedInt(FiniteAbs(x[k])), valid, lane_bits);
+        }
         return;
       }
       float a = 0.0f;
       for (int k = 0; k < 8; ++k) a = fmaxf(a, FiniteAbs(x[k]));
-      AtomicMaxInt(&stats[j.codec == kFp8 ? 0 : at.t], OrderedInt(a));
+      FoldStat<true>(&stats[StatWord(j, at, 0)], OrderedInt(a), valid, lane_bits);
       return;
     }
     case kInt4:
     case kInt2: {
+      const uint32_t n = FinalizeCount(j);
       if (!j.is_value) {  // K: group of tokens, per channel
-        const uint32_t w0 = at.t / j.group_len * j.dim + at.d0;
-        for (int k = 0; k < 8; ++k) {
-          if (!nm::IsFiniteFloat(x[k])) continue;
-          AtomicMinInt(&stats[2 * (w0 + k)], OrderedInt(x[k]));
-          AtomicMaxInt(&stats[2 * (w0 + k) + 1], OrderedInt(x[k]));
+        for (uint32_t k = 0; k < 8; ++k) {
+          const bool finite = nm::IsFiniteFloat(x[k]);
+          const uint32_t w = StatWord(j, at, k);
+          FoldStat<false>(&stats[w], OrderedInt(finite ? x[k] : inf), valid, lane_bits);
+          FoldStat<true>(&stats[n + w], OrderedInt(finite ? x[k] : -inf), valid, lane_bits);
         }
         return;
       }
-      float mn = nm::BitsFloat(0x7F800000u), mx = -mn;
+      float mn = inf, mx = -inf;
       for (int k = 0; k < 8; ++k) {
         if (!nm::IsFiniteFloat(x[k])) continue;
         mn = x[k] < mn ? x[k] : mn;
         mx = mx < x[k] ? x[k] : mx;
       }
-      if (mn > mx) return;  // nothing finite here
-      const uint32_t w = at.t * j.num_groups + at.d0 / j.group_len;
-      AtomicMinInt(&stats[2 * w], OrderedInt(mn));
-      AtomicMaxInt(&stats[2 * w + 1], OrderedInt(mx));
+      const uint32_t w = StatWord(j, at, 0);
+      FoldStat<false>(&stats[w], OrderedInt(mn), valid, lane_bits);
+      FoldStat<true>(&stats[n + w], OrderedInt(mx), valid, lane_bits);
       return;
     }
     default:
@@ -429,8 +584,9 @@ PXK_HD void FinalizeStat(const SegmentJob& j, uint32_t h, uint32_t w, int32_t* s
     }
     case kInt4:
     case kInt2: {
-      const IntNGroup g = IntNGroupFrom<kDt>(FromOrderedInt(stats[2 * w]),
-                                             FromOrderedInt(stats[2 * w + 1]), j.bits);
+      const uint32_t n = FinalizeCount(j);
+      const IntNGroup g = IntNGroupFrom<kDt>(FromOrderedInt(stats[w]),
+                                             FromOrderedInt(stats[n + w]), j.bits);
       uint64_t m;
       if (!j.is_value) {  // w = token group * D + channel
         m = uint64_t{w / j.dim} * H * D + h * D + w % j.dim;
@@ -439,8 +595,8 @@ PXK_HD void FinalizeStat(const SegmentJob& j, uint32_t h, uint32_t w, int32_t* s
       }
       St16(p, m, g.scale);
       St16(p + 2 * j.meta_count, m, g.min);
-      stats[2 * w] = static_cast<int32_t>(nm::FloatBits(g.minf));
-      stats[2 * w + 1] = static_cast<int32_t>(nm::FloatBits(g.div));
+      stats[w] = static_cast<int32_t>(nm::FloatBits(g.minf));
+      stats[n + w] = static_cast<int32_t>(nm::FloatBits(g.div));
       return;
     }
     default:
@@ -469,8 +625,10 @@ PXK_HD void QuantizeVec(const SegmentJob& j, uint32_t h, uint32_t u, const int32
     case kFp8: {
       const float scale = f(stats[0]);
       uint64_t codes = 0;
-      for (int k = 0; k < 8; ++k) {
-        codes |= uint64_t{QuantFp8(nm::DtypeToFloat(kDt, raw[k]), scale)} << (8 * k);
+      for (int k = 0; k < 4; ++k) {
+        codes |= uint64_t{E4m3Pair(Fp8Scaled(ToFloat<kDt>(raw[2 * k]), scale),
+                                   Fp8Scaled(ToFloat<kDt>(raw[2 * k + 1]), scale))}
+                 << (16 * k);
       }
       StoreLe(p + 4 * uint64_t{j.heads} + at.i0, codes, 8);
       return;
@@ -478,21 +636,20 @@ PXK_HD void QuantizeVec(const SegmentJob& j, uint32_t h, uint32_t u, const int32
     case kInt8: {
       const uint64_t meta = j.is_value ? uint64_t{j.tokens} * j.heads : uint64_t{j.heads} * j.dim;
       uint64_t codes = 0;
-      for (int k = 0; k < 8; ++k) {
-        const float div = f(stats[j.is_value ? at.t : at.d0 + k]);
-        codes |= uint64_t{QuantInt8(nm::DtypeToFloat(kDt, raw[k]), div)} << (8 * k);
+      for (uint32_t k = 0; k < 8; ++k) {
+        const float div = f(stats[StatWord(j, at, k)]);
+        codes |= uint64_t{QuantInt8(ToFloat<kDt>(raw[k]), div)} << (8 * k);
       }
       StoreLe(p + 2 * meta + at.i0, codes, 8);
       return;
     }
     case kInt4:
     case kInt2: {
+      const uint32_t n = FinalizeCount(j);
       uint64_t packed = 0;
-      for (int k = 0; k < 8; ++k) {
-        const uint32_t w = j.is_value ? at.t * j.num_groups + at.d0 / j.group_len
-                                      : at.t / j.group_len * j.dim + at.d0 + k;
-        packed |= uint64_t{QuantIntN(nm::DtypeToFloat(kDt, raw[k]), f(stats[2 * w]),
-                                     f(stats[2 * w + 1]), j.bits)}
+      for (uint32_t k = 0; k < 8; ++k) {
+        const uint32_t w = StatWord(j, at, k);
+        packed |= uint64_t{QuantIntN(ToFloat<kDt>(raw[k]), f(stats[w]), f(stats[n + w]), j.bits)}
                   << (k * j.bits);
       }
       StoreLe(p + 4 * j.meta_count + at.i0 * j.bits / 8, packed, j.bits);
