@@ -16,6 +16,7 @@
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "common/ucx.h"
+#include "kernels/device.h"
 #include "proto/wire.h"
 
 namespace proxima::client {
@@ -152,6 +153,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
         absl::StrCat("proximad at '", options.target,
                      "' reports limits this client cannot use: ", info.ShortDebugString()));
   }
+  client->check_device_memory_ = options.device_memory && !gpu::VisibleDevices().empty();
   client->transport_detail_ = "inline: chosen by the caller";
   if (options.transport != Transport::kInline) {
     absl::Status ucx = client->server_info_.ucx_enabled
@@ -437,21 +439,41 @@ absl::Status CheckSegmentSizes(const char* what, size_t keys, size_t blocks, con
 
 }  // namespace
 
-absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(
-    const Profile& profile, std::span<const BlockKey> keys, std::span<const ConstSegments> blocks) {
+absl::Status Client::CheckPutOptions(size_t keys, const PutOptions& options) {
+  if (!options.importance.empty() && options.importance.size() != keys) {
+    return absl::InvalidArgumentError(absl::StrCat("Put has ", keys, " keys but ",
+                                                   options.importance.size(), " importance hints"));
+  }
+  if (!options.positions.empty() && options.positions.size() != keys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Put has ", keys, " keys but ", options.positions.size(), " positions"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(const Profile& profile,
+                                                             std::span<const BlockKey> keys,
+                                                             std::span<const ConstSegments> blocks,
+                                                             const PutOptions& options) {
   PROXIMA_RETURN_IF_ERROR(
       CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
                         [&](size_t i) -> const ConstSegments& { return blocks[i]; }));
-  if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks, PutOptions{});
-  // Inline: gather each block into one buffer.
+  PROXIMA_RETURN_IF_ERROR(CheckPutOptions(keys.size(), options));
+  if (AnyDeviceMemory(blocks)) return PutStaged(profile, keys, blocks, options);
+  if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks, options);
+  // Inline: a one-segment block goes as it is, others are gathered into one buffer each.
   std::vector<std::vector<std::byte>> gathered(blocks.size());
   std::vector<std::span<const std::byte>> spans;
   for (size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i].size() == 1) {
+      spans.push_back(blocks[i][0]);
+      continue;
+    }
     gathered[i].reserve(profile.block_bytes);
     for (const auto& seg : blocks[i]) gathered[i].insert(gathered[i].end(), seg.begin(), seg.end());
     spans.push_back(gathered[i]);
   }
-  return Put(profile, keys, spans);
+  return Put(profile, keys, spans, options);
 }
 
 absl::StatusOr<std::vector<bool>> Client::GetScattered(const Profile& profile,
@@ -459,13 +481,22 @@ absl::StatusOr<std::vector<bool>> Client::GetScattered(const Profile& profile,
                                                        std::span<const Segments> out) {
   PROXIMA_RETURN_IF_ERROR(CheckSegmentSizes("GetScattered", keys.size(), out.size(), profile,
                                             [&](size_t i) -> const Segments& { return out[i]; }));
+  if (AnyDeviceMemory(out)) return GetStaged("Get", profile, keys, out);
   if (transport_ == Transport::kUcx) return GetUcx(profile, keys, out);
-  std::vector<std::vector<std::byte>> contiguous(out.size(),
-                                                 std::vector<std::byte>(profile.block_bytes));
-  std::vector<std::span<std::byte>> spans(contiguous.begin(), contiguous.end());
+  // Inline: a one-segment block is read in place, others through a contiguous buffer each.
+  std::vector<std::vector<std::byte>> contiguous(out.size());
+  std::vector<std::span<std::byte>> spans;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i].size() == 1) {
+      spans.push_back(out[i][0]);
+      continue;
+    }
+    contiguous[i].resize(profile.block_bytes);
+    spans.push_back(contiguous[i]);
+  }
   PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found, Get(profile, keys, spans));
   for (size_t i = 0; i < out.size(); ++i) {
-    if (!found[i]) continue;
+    if (!found[i] || out[i].size() == 1) continue;
     size_t offset = 0;
     for (const auto& seg : out[i]) {
       std::memcpy(seg.data(), contiguous[i].data() + offset, seg.size());
@@ -559,18 +590,14 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   std::vector<size_t> sizes;
   for (const auto& b : blocks) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
-  if (!options.importance.empty() && options.importance.size() != keys.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
-                                                   options.importance.size(), " importance hints"));
-  }
-  if (!options.positions.empty() && options.positions.size() != keys.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("Put has ", keys.size(), " keys but ",
-                                                   options.positions.size(), " positions"));
-  }
-  if (transport_ == Transport::kUcx) {
+  PROXIMA_RETURN_IF_ERROR(CheckPutOptions(keys.size(), options));
+  if (transport_ == Transport::kUcx || check_device_memory_) {
     std::vector<ConstSegments> segments;
     for (const auto& b : blocks) segments.push_back({b});
-    return PutUcx(profile, keys, segments, options);
+    if (AnyDeviceMemory(std::span<const ConstSegments>(segments))) {
+      return PutStaged(profile, keys, segments, options);
+    }
+    if (transport_ == Transport::kUcx) return PutUcx(profile, keys, segments, options);
   }
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
@@ -710,10 +737,13 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
   std::vector<size_t> sizes;
   for (const auto& b : out) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Get", keys.size(), out.size(), profile, sizes));
-  if (transport_ == Transport::kUcx) {
+  if (transport_ == Transport::kUcx || check_device_memory_) {
     std::vector<Segments> segments;
     for (const auto& b : out) segments.push_back({b});
-    return GetUcx(profile, keys, segments);
+    if (AnyDeviceMemory(std::span<const Segments>(segments))) {
+      return GetStaged(method, profile, keys, segments);
+    }
+    if (transport_ == Transport::kUcx) return GetUcx(profile, keys, segments);
   }
   std::vector<bool> found(keys.size(), false);
   const size_t per_call = BlocksPerCall(profile.block_bytes);

@@ -34,6 +34,10 @@
 #include "common/mutex.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
+namespace proxima::gpu {
+class CopyQueue;
+class PinnedBuffer;
+}  // namespace proxima::gpu
 namespace proxima::ucx {
 class Registration;
 class Worker;
@@ -85,6 +89,13 @@ struct ClientOptions {
   std::string tls_key_file;
   std::string tls_server_name;  // name to check in the daemon's certificate, if not the target's
   Transport transport = Transport::kAuto;
+  // Block buffers in GPU memory: when true and a GPU is visible, every segment of Put/Get is
+  // checked (cudaPointerGetAttributes, which opens the process's CUDA context on that GPU as any
+  // CUDA call does), and a call with any segment in device memory moves through pinned host
+  // staging buffers (gpu_staging_bytes in all, two halves, double-buffered: the copies of one
+  // half overlap the transfer of the other). False: host memory only, no CUDA call.
+  bool device_memory = true;
+  size_t gpu_staging_bytes = size_t{64} << 20;
 };
 
 // A registered model profile: pass it to every block call.
@@ -171,12 +182,13 @@ class Client {
   absl::StatusOr<std::vector<std::optional<StoredBlock>>> GetStored(
       const Profile& profile, std::span<const BlockKey> keys);
 
-  // Put and Get of blocks given as scatter/gather lists (see Segments). Over inline, blocks are
-  // gathered into (scattered from) a contiguous buffer; over UCX the daemon reads (writes) the
-  // segments directly.
+  // Put and Get of blocks given as scatter/gather lists (see Segments). Over inline, blocks of
+  // several segments are gathered into (scattered from) a contiguous buffer; over UCX the daemon
+  // reads (writes) the segments directly.
   absl::StatusOr<std::vector<PutOutcome>> PutScattered(const Profile& profile,
                                                        std::span<const BlockKey> keys,
-                                                       std::span<const ConstSegments> blocks);
+                                                       std::span<const ConstSegments> blocks,
+                                                       const PutOptions& options = {});
   absl::StatusOr<std::vector<bool>> GetScattered(const Profile& profile,
                                                  std::span<const BlockKey> keys,
                                                  std::span<const Segments> out);
@@ -249,6 +261,26 @@ class Client {
                                                  const PutOptions& options);
   absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
                                            std::span<const Segments> out);
+  // InvalidArgument unless `options` has no hints or one per key.
+  static absl::Status CheckPutOptions(size_t keys, const PutOptions& options);
+  // Whether any segment of `blocks` lies in device memory (options_.device_memory and a GPU).
+  template <typename Seg>
+  bool AnyDeviceMemory(std::span<const Seg> blocks) const;
+  // Put and Get (or Decompress, `method`) of blocks with segments in device memory, through the
+  // pinned staging halves (client_staging.cc). One staged call at a time per client.
+  absl::StatusOr<std::vector<PutOutcome>> PutStaged(const Profile& profile,
+                                                    std::span<const BlockKey> keys,
+                                                    std::span<const ConstSegments> blocks,
+                                                    const PutOptions& options)
+      ABSL_LOCKS_EXCLUDED(staging_mu_);
+  absl::StatusOr<std::vector<bool>> GetStaged(const char* method, const Profile& profile,
+                                              std::span<const BlockKey> keys,
+                                              std::span<const Segments> out)
+      ABSL_LOCKS_EXCLUDED(staging_mu_);
+  // The staging halves (each at least `block_bytes`) and the copy queue, made on first use and
+  // registered for UCX; returns the size of one half.
+  absl::StatusOr<size_t> PrepareStaging(uint64_t block_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -272,6 +304,13 @@ class Client {
   std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
   proxima::Mutex regions_mu_;
   std::vector<std::weak_ptr<ucx::Registration>> regions_ ABSL_GUARDED_BY(regions_mu_);
+  // GPU staging (client_staging.cc). check_device_memory_: options_.device_memory and a GPU
+  // visible at Connect.
+  bool check_device_memory_ = false;
+  proxima::Mutex staging_mu_;
+  std::unique_ptr<gpu::PinnedBuffer> staging_ ABSL_GUARDED_BY(staging_mu_);
+  MemoryRegion staging_region_ ABSL_GUARDED_BY(staging_mu_);  // dropped before staging_
+  std::unique_ptr<gpu::CopyQueue> copies_ ABSL_GUARDED_BY(staging_mu_);
 };
 
 // Channel credentials for `options`' TLS settings (plaintext when none is set). PEM files are

@@ -1,14 +1,16 @@
-// GPU discovery for Proxima. Every binary is built to run with or without a GPU: when the CUDA
-// kernels were not built, or no device/driver is present at run time, VisibleGpuCount() is 0 and
-// callers take the CPU path. Thread-safe.
+// GPU discovery and host<->device copies for Proxima. Every binary is built to run with or
+// without a GPU: when the CUDA kernels were not built, or no device/driver is present at run time,
+// VisibleDevices() is empty and callers take the CPU path. The free functions are thread-safe.
 #ifndef PROXIMA_KERNELS_DEVICE_H_
 #define PROXIMA_KERNELS_DEVICE_H_
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace proxima::gpu {
 
@@ -36,6 +38,54 @@ std::vector<DeviceInfo> VisibleDevices(std::string* why_none = nullptr);
 absl::Status PinHostMemory(void* data, size_t bytes);
 // Undoes PinHostMemory. REQUIRES: `data` was pinned by it and is still mapped.
 void UnpinHostMemory(void* data);
+
+// True when `p` is memory of a CUDA device (device or managed allocations, which host code
+// cannot be trusted to read); false for host memory (pageable or pinned), without CUDA and
+// without a device.
+bool IsDeviceMemory(const void* p);
+
+// Page-locked host memory from the CUDA driver (cudaMallocHost), for copies to and from device
+// memory at full DMA speed; freed when destroyed. Not thread-safe: one owner.
+class PinnedBuffer {
+ public:
+  // FailedPrecondition without CUDA or a device, ResourceExhausted when the driver refuses.
+  static absl::StatusOr<std::unique_ptr<PinnedBuffer>> Allocate(size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  PinnedBuffer(std::byte* data, size_t size) : data_(data), size_(size) {}
+  std::byte* data_;
+  size_t size_;
+};
+
+// An in-order queue of copies between any two memories of the process (a CUDA stream of its
+// own; the runtime's unified addressing tells each pointer's kind), with `fences` numbered
+// points the host can wait for. Not thread-safe: one owner.
+class CopyQueue {
+ public:
+  // FailedPrecondition without CUDA or a device.
+  static absl::StatusOr<std::unique_ptr<CopyQueue>> Create(int fences);
+  ~CopyQueue();
+  CopyQueue(const CopyQueue&) = delete;
+  CopyQueue& operator=(const CopyQueue&) = delete;
+  // Enqueues a copy of n bytes from src to dst (device or host memory, either way).
+  absl::Status Copy(void* dst, const void* src, size_t n);
+  // Fence `f` (0 <= f < fences) is passed once every copy enqueued so far has finished.
+  absl::Status Mark(int f);
+  // Blocks until fence `f` is passed (at once if it was never marked).
+  absl::Status Wait(int f);
+  // Blocks until every copy enqueued so far has finished.
+  absl::Status Drain();
+
+ private:
+  struct Impl;
+  explicit CopyQueue(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace proxima::gpu
 

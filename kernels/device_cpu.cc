@@ -1,4 +1,4 @@
-// VisibleDevices() for builds without CUDA.
+// GPU discovery and copies for builds without CUDA: no device, every request refused.
 #include "kernels/device.h"
 
 namespace proxima::gpu {
@@ -15,5 +15,25 @@ absl::Status PinHostMemory(void*, size_t) {
 }
 
 void UnpinHostMemory(void*) {}
+
+bool IsDeviceMemory(const void*) { return false; }
+
+absl::StatusOr<std::unique_ptr<PinnedBuffer>> PinnedBuffer::Allocate(size_t) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+PinnedBuffer::~PinnedBuffer() = default;
+
+struct CopyQueue::Impl {};
+CopyQueue::CopyQueue(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CopyQueue::~CopyQueue() = default;
+absl::StatusOr<std::unique_ptr<CopyQueue>> CopyQueue::Create(int) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+absl::Status CopyQueue::Copy(void*, const void*, size_t) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+absl::Status CopyQueue::Mark(int) { return absl::FailedPreconditionError("built without CUDA"); }
+absl::Status CopyQueue::Wait(int) { return absl::FailedPreconditionError("built without CUDA"); }
+absl::Status CopyQueue::Drain() { return absl::FailedPreconditionError("built without CUDA"); }
 
 }  // namespace proxima::gpu

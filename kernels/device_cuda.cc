@@ -1,5 +1,5 @@
-// VisibleDevices() for builds with CUDA: asks the CUDA runtime (linked statically, so the binary
-// runs on machines without the toolkit; it loads the driver at run time if there is one).
+// GPU discovery and copies for builds with CUDA: asks the CUDA runtime (linked statically, so the
+// binary runs on machines without the toolkit; it loads the driver at run time if there is one).
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
@@ -45,6 +45,109 @@ absl::Status PinHostMemory(void* data, size_t bytes) {
 
 void UnpinHostMemory(void* data) {
   if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+}
+
+namespace {
+
+absl::Status CudaError(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // clear it, as above
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(err));
+  return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(message)
+                                          : absl::InternalError(message);
+}
+
+absl::Status NeedDevice() {
+  std::string why_none;
+  if (VisibleDevices(&why_none).empty()) return absl::FailedPreconditionError(why_none);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsDeviceMemory(const void* p) {
+  if (p == nullptr) return false;
+  cudaPointerAttributes attrs;
+  if (cudaPointerGetAttributes(&attrs, p) != cudaSuccess) {
+    cudaGetLastError();  // no driver or device: host memory
+    return false;
+  }
+  return attrs.type == cudaMemoryTypeDevice || attrs.type == cudaMemoryTypeManaged;
+}
+
+absl::StatusOr<std::unique_ptr<PinnedBuffer>> PinnedBuffer::Allocate(size_t bytes) {
+  if (absl::Status s = NeedDevice(); !s.ok()) return s;
+  void* p = nullptr;
+  if (absl::Status s = CudaError(cudaMallocHost(&p, bytes > 0 ? bytes : 1),
+                                 absl::StrCat("cudaMallocHost of ", bytes, " bytes").c_str());
+      !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<PinnedBuffer>(new PinnedBuffer(static_cast<std::byte*>(p), bytes));
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (cudaFreeHost(data_) != cudaSuccess) cudaGetLastError();
+}
+
+struct CopyQueue::Impl {
+  cudaStream_t stream = nullptr;
+  std::vector<cudaEvent_t> fences;
+  ~Impl() {
+    for (cudaEvent_t e : fences) cudaEventDestroy(e);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+CopyQueue::CopyQueue(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CopyQueue::~CopyQueue() {
+  if (impl_->stream != nullptr && cudaStreamSynchronize(impl_->stream) != cudaSuccess) {
+    cudaGetLastError();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CopyQueue>> CopyQueue::Create(int fences) {
+  if (absl::Status s = NeedDevice(); !s.ok()) return s;
+  auto impl = std::make_unique<Impl>();
+  if (absl::Status s = CudaError(cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking),
+                                 "cudaStreamCreate");
+      !s.ok()) {
+    return s;
+  }
+  for (int f = 0; f < fences; ++f) {
+    cudaEvent_t e = nullptr;
+    if (absl::Status s = CudaError(cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                                   "cudaEventCreate");
+        !s.ok()) {
+      return s;
+    }
+    impl->fences.push_back(e);
+  }
+  return std::unique_ptr<CopyQueue>(new CopyQueue(std::move(impl)));
+}
+
+absl::Status CopyQueue::Copy(void* dst, const void* src, size_t n) {
+  if (n == 0) return absl::OkStatus();
+  return CudaError(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, impl_->stream),
+                   "cudaMemcpyAsync");
+}
+
+absl::Status CopyQueue::Mark(int f) {
+  if (f < 0 || f >= static_cast<int>(impl_->fences.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("fence ", f, " of ", impl_->fences.size()));
+  }
+  return CudaError(cudaEventRecord(impl_->fences[f], impl_->stream), "cudaEventRecord");
+}
+
+absl::Status CopyQueue::Wait(int f) {
+  if (f < 0 || f >= static_cast<int>(impl_->fences.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("fence ", f, " of ", impl_->fences.size()));
+  }
+  return CudaError(cudaEventSynchronize(impl_->fences[f]), "cudaEventSynchronize");
+}
+
+absl::Status CopyQueue::Drain() {
+  return CudaError(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize");
 }
 
 }  // namespace proxima::gpu

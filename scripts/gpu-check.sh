@@ -26,7 +26,7 @@ MODE=${1:?usage: scripts/gpu-check.sh prepare|run|profile|vllm-e2e}
 DIR=build-gpu
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
 GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test
-  kernels/kernels_crc32c_cuda_test daemon/daemon_test)
+  kernels/kernels_crc32c_cuda_test daemon/daemon_test tests/integration/gpu_staging_test)
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
@@ -82,8 +82,11 @@ case "$MODE" in
     mkdir -p "$OUT"
     trap 'tar czf "$OUT/gpu-check.tgz" -C "$LOGS" . ; rm -rf "$LOGS"' EXIT
     export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true; } > "$LOGS/device.txt" 2>&1
-    head -15 "$LOGS/device.txt"
+    export PROXIMAD="$PWD/$DIR/daemon/proximad"  # for the tests that start the daemon
+    { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true
+      grep -m1 'model name' /proc/cpuinfo; grep -o -w 'avx512[a-z0-9_]*' /proc/cpuinfo | sort -u |
+        tr '\n' ' '; echo; } > "$LOGS/device.txt" 2>&1
+    head -15 "$LOGS/device.txt"; tail -2 "$LOGS/device.txt"
     status=0
     step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, log in $LOGS/NAME.log
       local name=$1 limit=$2; shift 2

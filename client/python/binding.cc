@@ -4,8 +4,9 @@
 // pieces whose lengths add up to the profile's block size, so one block may span many buffers
 // (one piece per layer, or a K and a V piece). Every piece must lie inside a buffer registered
 // with register_buffer(): an address outside every registered buffer is a ValueError naming it,
-// never a wild read or write. Single-piece blocks are sent and received in place; multi-piece
-// blocks go through one staging copy per block.
+// never a wild read or write. Blocks go to Client::PutScattered / GetScattered: over UCX the
+// daemon reads and writes the pieces in place, inline a multi-piece block takes one gather (or
+// scatter) copy, and pieces in GPU memory go through the client's pinned staging buffers.
 //
 // Every call releases the GIL while it talks to the daemon. The *_async variants run on the
 // client's worker threads and return a Handle (poll() / wait()); the buffers they name must stay
@@ -183,48 +184,29 @@ struct PutHints {
 absl::StatusOr<Result> DoPut(Client& client, const Profile& profile,
                              const std::vector<BlockKey>& keys, const std::vector<Block>& blocks,
                              const PutHints& hints) {
-  std::vector<std::string> staged(blocks.size());
-  std::vector<std::span<const std::byte>> spans(blocks.size());
+  std::vector<client::ConstSegments> segments(blocks.size());
   for (size_t b = 0; b < blocks.size(); ++b) {
-    if (blocks[b].size() == 1) {
-      spans[b] = {reinterpret_cast<const std::byte*>(blocks[b][0].address), blocks[b][0].length};
-      continue;
-    }
-    staged[b].reserve(profile.block_bytes);
     for (const Piece& p : blocks[b]) {
-      staged[b].append(reinterpret_cast<const char*>(p.address), p.length);
+      segments[b].emplace_back(reinterpret_cast<const std::byte*>(p.address), p.length);
     }
-    spans[b] = std::as_bytes(std::span<const char>(staged[b]));
   }
   client::PutOptions options;
   options.positions = hints.positions;
   options.importance = hints.importance;
   options.high_priority = hints.high_priority;
-  PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client.Put(profile, keys, spans, options));
+  PROXIMA_ASSIGN_OR_RETURN(auto outcomes, client.PutScattered(profile, keys, segments, options));
   return Result(std::move(outcomes));
 }
 
 absl::StatusOr<Result> DoGet(Client& client, const Profile& profile,
                              const std::vector<BlockKey>& keys, const std::vector<Block>& blocks) {
-  std::vector<std::string> staged(blocks.size());
-  std::vector<std::span<std::byte>> spans(blocks.size());
+  std::vector<client::Segments> segments(blocks.size());
   for (size_t b = 0; b < blocks.size(); ++b) {
-    if (blocks[b].size() == 1) {
-      spans[b] = {reinterpret_cast<std::byte*>(blocks[b][0].address), blocks[b][0].length};
-      continue;
-    }
-    staged[b].resize(profile.block_bytes);
-    spans[b] = std::as_writable_bytes(std::span<char>(staged[b]));
-  }
-  PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found, client.Get(profile, keys, spans));
-  for (size_t b = 0; b < blocks.size(); ++b) {
-    if (blocks[b].size() == 1 || !found[b]) continue;
-    size_t offset = 0;
     for (const Piece& p : blocks[b]) {
-      std::memcpy(reinterpret_cast<void*>(p.address), staged[b].data() + offset, p.length);
-      offset += p.length;
+      segments[b].emplace_back(reinterpret_cast<std::byte*>(p.address), p.length);
     }
   }
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<bool> found, client.GetScattered(profile, keys, segments));
   return Result(std::move(found));
 }
 

@@ -78,7 +78,11 @@ int WaitPid(pid_t pid, absl::Duration timeout) {
 
 }  // namespace
 
-std::string ProximadPath() { return PROXIMAD_PATH; }
+std::string ProximadPath() {
+  // PROXIMAD: the binary where the build tree is not (scripts/gpu-check.sh on the GPU machine).
+  const char* env = std::getenv("PROXIMAD");
+  return env != nullptr && *env != '\0' ? env : PROXIMAD_PATH;
+}
 std::string ProximactlPath() { return PROXIMACTL_PATH; }
 
 CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration deadline) {

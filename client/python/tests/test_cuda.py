@@ -127,3 +127,39 @@ def test_blocks_gathered_on_the_gpu_round_trip_through_proximad(client):
     for lg, tg in zip(logicals, targets):
         for b in ids:
             assert torch.equal(tg[:, b].view(torch.int16), lg[:, b].view(torch.int16))
+
+
+def test_blocks_in_gpu_memory_go_straight_through_the_client(client):
+    """Device pointers handed to put/get as they are: the client library stages them through its
+    own pinned buffers (double-buffered), so the caller needs no host copy of its own."""
+    logicals = [cache(ORDERS["hnd"], seed=300 + l)[1] for l in range(LAYERS)]
+    kv = layout(logicals)
+    profile = client.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16",
+                                      fingerprint="cuda-direct-test")
+    ids = list(range(0, BLOCKS, 3))
+    n = len(ids)
+    dev = torch.empty(n * kv.block_bytes, dtype=torch.uint8, device="cuda")
+    kv.gather(ids, dev.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    back = torch.full((n * kv.block_bytes,), 0xA5, dtype=torch.uint8, device="cuda")
+    client.register_buffer(dev.data_ptr(), dev.numel())
+    client.register_buffer(back.data_ptr(), back.numel())
+    keys = [os.urandom(proxima.KEY_BYTES) for _ in ids]
+    # Each block in two pieces of device memory.
+    half = kv.block_bytes // 2
+    pieces = [[(dev.data_ptr() + i * kv.block_bytes, half),
+               (dev.data_ptr() + i * kv.block_bytes + half, half)] for i in range(n)]
+    assert client.put(profile, keys, pieces) == ["stored"] * n
+
+    got = [[(back.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
+    missing = os.urandom(proxima.KEY_BYTES)
+    assert client.get(profile, keys[:-1] + [missing], got) == [True] * (n - 1) + [False]
+    last = slice((n - 1) * kv.block_bytes, n * kv.block_bytes)
+    assert torch.equal(back[:last.start], dev[:last.start])
+    assert bool((back[last] == 0xA5).all())  # the miss left its buffer alone
+    # And through host memory: the daemon holds exactly the gathered bytes.
+    host = torch.zeros(n * kv.block_bytes, dtype=torch.uint8)
+    client.register_buffer(host.data_ptr(), host.numel())
+    got_host = [[(host.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
+    assert client.get(profile, keys, got_host) == [True] * n
+    assert torch.equal(host, dev.cpu())
