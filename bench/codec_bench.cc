@@ -4,6 +4,11 @@
 //
 //   codec_bench --kv_file=smollm2.pkv [--tokens_per_block=64] [--threads=N] [--min_time_s=0.3]
 //               [--working_set_mb=64] [--codecs="int8;int4,group=64;..."]
+//               [--paths=avx512,avx2,scalar]
+//
+// Single-thread encode/decode is measured on every CPU path in --paths that this machine can run
+// (default: all of avx512, avx2 and scalar; a path it cannot run prints a "skipped_path" line),
+// each as a ratio to the same memcpy figure. Multi-thread figures use the auto-selected path.
 //
 // Output: JSON lines, one object per result: metric, value, unit, baseline, ratio, plus codec,
 // threads, path, data ("file:<name>" or "synthetic"). Single-thread throughput is measured in
@@ -39,6 +44,7 @@ struct Options {
       "raw;lossless;fp8;int8;int4,group=32;int4,group=64;int4,group=128;"
       "int2,group=32;int2,group=64;int2,group=128;star;"
       "layers[0:4]=int8,default=int4,sink=int8,group=64";
+  std::string paths = "avx512,avx2,scalar";
 };
 
 bool Flag(const char* arg, const char* name, std::string* value) {
@@ -94,6 +100,29 @@ double MemcpyGbps(const std::vector<std::vector<std::byte>>& src,
 }
 
 int Run(const Options& opt) {
+  // The single-thread paths to measure: those named in --paths that this CPU can run.
+  std::vector<CpuPath> paths;
+  for (size_t pos = 0; pos <= opt.paths.size();) {
+    size_t end = opt.paths.find(',', pos);
+    if (end == std::string::npos) end = opt.paths.size();
+    const std::string name = opt.paths.substr(pos, end - pos);
+    pos = end + 1;
+    if (name.empty()) continue;
+    absl::StatusOr<CpuPath> path = ParseCpuPath(name);
+    if (!path.ok()) {
+      std::fprintf(stderr, "codec_bench: %s\n", std::string(path.status().message()).c_str());
+      return 2;
+    }
+    if (!CpuPathAvailable(*path)) {
+      std::printf(
+          "{\"metric\":\"skipped_path\",\"value\":0,\"unit\":\"\",\"baseline\":0,\"ratio\":0,"
+          "\"codec\":\"\",\"threads\":0,\"path\":\"%s\",\"data\":\"\",\"note\":"
+          "\"this CPU (or its OS) cannot run this path\"}\n",
+          name.c_str());
+      continue;
+    }
+    paths.push_back(*path);
+  }
   const int all_threads = opt.threads > 0
                               ? opt.threads
                               : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -175,7 +204,7 @@ int Run(const Options& opt) {
     }
     Emit("compression_ratio", static_cast<double>(distinct_raw) / distinct_enc, "x", 1.0, text, 0,
          "", data);
-    for (CpuPath path : {BestCpuPath(), CpuPath::kScalar}) {
+    for (CpuPath path : paths) {
       const std::string path_name(CpuPathName(path));
       double te = TimePerCall(opt.min_time_s, true, [&] {
         for (size_t i = 0; i < blocks.size(); ++i) {
@@ -189,7 +218,6 @@ int Run(const Options& opt) {
       });
       Emit("encode_throughput", total_raw / te / 1e9, "GB/s", memcpy1, text, 1, path_name, data);
       Emit("decode_throughput", total_raw / td / 1e9, "GB/s", memcpy1, text, 1, path_name, data);
-      if (path == CpuPath::kScalar && BestCpuPath() == CpuPath::kScalar) break;
     }
     if (all_threads > 1) {
       std::vector<EncodeRequest> ereq;
@@ -247,11 +275,14 @@ int main(int argc, char** argv) {
       opt.working_set_mb = static_cast<uint32_t>(std::stoul(v));
     } else if (proxima::codec::Flag(argv[i], "--codecs", &v)) {
       opt.codecs = v;
+    } else if (proxima::codec::Flag(argv[i], "--paths", &v)) {
+      opt.paths = v;
     } else {
       std::fprintf(
           stderr,
           "usage: %s [--kv_file=PATH] [--tokens_per_block=64] [--threads=N] "
-          "[--min_time_s=0.3] [--max_blocks=64] [--working_set_mb=0] [--codecs=PLAN;PLAN;...]\n",
+          "[--min_time_s=0.3] [--max_blocks=64] [--working_set_mb=0] [--codecs=PLAN;PLAN;...] "
+          "[--paths=avx512,avx2,scalar]\n",
           argv[0]);
       return 2;
     }

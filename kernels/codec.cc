@@ -1,5 +1,5 @@
 // Container encode/decode, codec plans and the batched CPU entry points. Per-segment arithmetic
-// lives in kernels/internal/ (scalar reference, AVX2 path, lossless).
+// lives in kernels/internal/ (scalar reference, AVX2 and AVX-512 paths, lossless).
 #include "kernels/codec.h"
 
 #include <algorithm>
@@ -56,11 +56,49 @@ absl::Status CheckPath(CpuPath path) {
         return absl::FailedPreconditionError("this CPU lacks AVX2/F16C");
       }
       return absl::OkStatus();
+    case CpuPath::kAvx512:
+      if (!internal::CpuHasAvx512()) {
+        return absl::FailedPreconditionError(
+            "this CPU (or its OS) lacks AVX-512 F/BW/VL with zmm state saving");
+      }
+      return absl::OkStatus();
   }
   return absl::InvalidArgumentError("unknown CpuPath");
 }
 
 CpuPath Resolve(CpuPath path) { return path == CpuPath::kAuto ? BestCpuPath() : path; }
+
+// The per-segment kernels of a CpuPath (kAuto: the best one here).
+struct SegmentKernels {
+  void (*encode_fp8)(const SegmentShape&, const std::byte*, std::byte*);
+  void (*decode_fp8)(const SegmentShape&, const std::byte*, std::byte*);
+  void (*encode_int8)(const SegmentShape&, const std::byte*, std::byte*);
+  void (*decode_int8)(const SegmentShape&, const std::byte*, std::byte*);
+  void (*encode_intn)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
+  void (*decode_intn)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
+};
+
+const SegmentKernels& KernelsFor(CpuPath path) {
+  namespace in = internal;
+  static constexpr SegmentKernels kScalar{in::EncodeFp8Scalar,  in::DecodeFp8Scalar,
+                                          in::EncodeInt8Scalar, in::DecodeInt8Scalar,
+                                          in::EncodeIntNScalar, in::DecodeIntNScalar};
+  static constexpr SegmentKernels kAvx2{in::EncodeFp8Avx2,  in::DecodeFp8Avx2,  in::EncodeInt8Avx2,
+                                        in::DecodeInt8Avx2, in::EncodeIntNAvx2, in::DecodeIntNAvx2};
+  static constexpr SegmentKernels kAvx512{in::EncodeFp8Avx512,  in::DecodeFp8Avx512,
+                                          in::EncodeInt8Avx512, in::DecodeInt8Avx512,
+                                          in::EncodeIntNAvx512, in::DecodeIntNAvx512};
+  switch (path == CpuPath::kAuto ? BestCpuPath() : path) {
+    case CpuPath::kAvx512:
+      return kAvx512;
+    case CpuPath::kAvx2:
+      return kAvx2;
+    case CpuPath::kAuto:
+    case CpuPath::kScalar:
+      break;
+  }
+  return kScalar;
+}
 
 // Top-M tokens per head for `star`: by the worker's importance, else by the key norm of the
 // layer's K segment `k` ([token][head][dim]).
@@ -97,7 +135,7 @@ std::vector<std::vector<uint32_t>> RankImportant(const SegmentShape& shape, cons
 absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shape,
                            const std::byte* in, const std::byte* layer_k,
                            std::span<const float> importance, std::string* block) {
-  const bool avx2 = path == CpuPath::kAvx2;
+  const SegmentKernels& k = KernelsFor(path);
   if (codec == CodecId::kLossless) {
     internal::EncodeLossless(shape, in, block);
     return absl::OkStatus();
@@ -110,16 +148,15 @@ absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
       std::memcpy(p, in, block->size() - start);
       return absl::OkStatus();
     case CodecId::kFp8:
-      avx2 ? internal::EncodeFp8Avx2(shape, in, p) : internal::EncodeFp8Scalar(shape, in, p);
+      k.encode_fp8(shape, in, p);
       return absl::OkStatus();
     case CodecId::kInt8:
-      avx2 ? internal::EncodeInt8Avx2(shape, in, p) : internal::EncodeInt8Scalar(shape, in, p);
+      k.encode_int8(shape, in, p);
       return absl::OkStatus();
     case CodecId::kInt4:
     case CodecId::kInt2: {
       uint32_t bits = codec == CodecId::kInt4 ? 4 : 2;
-      avx2 ? internal::EncodeIntNAvx2(shape, bits, in, p)
-           : internal::EncodeIntNScalar(shape, bits, in, p);
+      k.encode_intn(shape, bits, in, p);
       return absl::OkStatus();
     }
     case CodecId::kStar: {
@@ -136,7 +173,7 @@ absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
 
 absl::Status DecodeSegment(CpuPath path, CodecId codec, const SegmentShape& shape,
                            std::span<const std::byte> payload, std::byte* out) {
-  const bool avx2 = path == CpuPath::kAvx2;
+  const SegmentKernels& k = KernelsFor(path);
   const std::byte* p = payload.data();
   switch (codec) {
     case CodecId::kRaw:
@@ -146,18 +183,17 @@ absl::Status DecodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
       return internal::DecodeLossless(shape, payload, out);
     case CodecId::kFp8:
       PROXIMA_RETURN_IF_ERROR(internal::ValidateFp8(shape, p));
-      avx2 ? internal::DecodeFp8Avx2(shape, p, out) : internal::DecodeFp8Scalar(shape, p, out);
+      k.decode_fp8(shape, p, out);
       return absl::OkStatus();
     case CodecId::kInt8:
       PROXIMA_RETURN_IF_ERROR(internal::ValidateInt8(shape, p));
-      avx2 ? internal::DecodeInt8Avx2(shape, p, out) : internal::DecodeInt8Scalar(shape, p, out);
+      k.decode_int8(shape, p, out);
       return absl::OkStatus();
     case CodecId::kInt4:
     case CodecId::kInt2: {
       uint32_t bits = codec == CodecId::kInt4 ? 4 : 2;
       PROXIMA_RETURN_IF_ERROR(internal::ValidateIntN(shape, bits, p));
-      avx2 ? internal::DecodeIntNAvx2(shape, bits, p, out)
-           : internal::DecodeIntNScalar(shape, bits, p, out);
+      k.decode_intn(shape, bits, p, out);
       return absl::OkStatus();
     }
     case CodecId::kStar:
@@ -446,7 +482,12 @@ absl::StatusOr<CodecPlan> ParseCodecPlan(std::string_view text_in) {
 
 // ------------------------------------------------------------------ block encode/decode
 
-CpuPath BestCpuPath() { return internal::CpuHasAvx2() ? CpuPath::kAvx2 : CpuPath::kScalar; }
+CpuPath BestCpuPath() {
+  if (internal::CpuHasAvx512()) return CpuPath::kAvx512;
+  return internal::CpuHasAvx2() ? CpuPath::kAvx2 : CpuPath::kScalar;
+}
+
+bool CpuPathAvailable(CpuPath path) { return CheckPath(path).ok(); }
 
 std::string_view CpuPathName(CpuPath path) {
   switch (path) {
@@ -456,8 +497,18 @@ std::string_view CpuPathName(CpuPath path) {
       return "scalar";
     case CpuPath::kAvx2:
       return "avx2";
+    case CpuPath::kAvx512:
+      return "avx512";
   }
   return "unknown";
+}
+
+absl::StatusOr<CpuPath> ParseCpuPath(std::string_view name) {
+  for (CpuPath p : {CpuPath::kAuto, CpuPath::kScalar, CpuPath::kAvx2, CpuPath::kAvx512}) {
+    if (CpuPathName(p) == name) return p;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown CPU path '", Absl(name), "' (known: auto, scalar, avx2, avx512)"));
 }
 
 absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, const CodecPlan& plan,

@@ -7,9 +7,10 @@
 // an error status (kInvalidArgument, kUnimplemented for an unknown version, kDataLoss for a CRC
 // mismatch), never a crash or an out-of-bounds access.
 //
-// The functions here run on the CPU (AVX2 fast path chosen at run time, scalar reference
-// otherwise; both give identical bytes). CUDA batch entry points are in kernels/codec_cuda.h.
-// Thread-safety: every function is pure; concurrent calls on distinct outputs are safe.
+// The functions here run on the CPU (AVX-512 or AVX2 fast path chosen at run time, scalar
+// reference otherwise; all give identical bytes). CUDA batch entry points are in
+// kernels/codec_cuda.h. Thread-safety: every function is pure; concurrent calls on distinct outputs
+// are safe.
 #ifndef PROXIMA_KERNELS_CODEC_H_
 #define PROXIMA_KERNELS_CODEC_H_
 
@@ -134,10 +135,15 @@ std::vector<absl::Status> EncodeBlocks(const BlockGeometry& geometry, const Code
 std::vector<absl::Status> DecodeBlocks(std::span<const DecodeRequest> requests, int num_threads);
 
 // ---- CPU implementation selection (tests and benchmarks compare the paths).
-enum class CpuPath : uint8_t { kAuto, kScalar, kAvx2 };
-// kAvx2 when the CPU has AVX2 and F16C (checked at run time), else kScalar.
+enum class CpuPath : uint8_t { kAuto, kScalar, kAvx2, kAvx512 };
+// Checked at run time: kAvx512 when the CPU has AVX-512 F, BW and VL and the OS saves the zmm
+// state, else kAvx2 when it has AVX2 and F16C, else kScalar.
 CpuPath BestCpuPath();
+// Whether this machine can run `path` (kAuto and kScalar: always).
+bool CpuPathAvailable(CpuPath path);
+// "auto", "scalar", "avx2", "avx512"; ParseCpuPath takes the same names.
 std::string_view CpuPathName(CpuPath path);
+absl::StatusOr<CpuPath> ParseCpuPath(std::string_view name);
 // The same as EncodeBlock/DecodeBlock, on a chosen path. kInvalidArgument (kFailedPrecondition
 // when the CPU lacks it) for a path this machine cannot run.
 absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, const CodecPlan& plan,

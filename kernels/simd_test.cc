@@ -1,9 +1,14 @@
-// The AVX2 path against the scalar reference (bit identity), and the shared numeric
-// conversions against hardware (F16C) and exhaustive checks.
+// Every SIMD path (AVX2, AVX-512) against the scalar reference (bit identity), the run-time CPU
+// checks, and the shared numeric conversions against hardware (F16C) and exhaustive checks.
+// A path this CPU lacks is skipped with a message naming it: on a machine without AVX-512 the
+// avx512 cases print "skipped: ... avx512" and the rest still run.
 #include <immintrin.h>
 
 #include <cstring>
+#include <ostream>
 #include <random>
+#include <string>
+#include <tuple>
 
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
@@ -14,16 +19,80 @@
 #include "kernels/internal/test_blocks.h"
 
 namespace proxima::codec {
+
+// Test names and failure messages say "avx512", not a byte dump.
+void PrintTo(CpuPath path, std::ostream* os) { *os << CpuPathName(path); }
+
 namespace {
 
 using internal::MakeBlock;
 using internal::Pattern;
 
-#define SKIP_WITHOUT_AVX2()                                                         \
-  if (BestCpuPath() != CpuPath::kAvx2) {                                            \
-    std::printf("skipped: this CPU has no AVX2/F16C, only the scalar path runs\n"); \
-    GTEST_SKIP();                                                                   \
+// The SIMD paths under test.
+constexpr CpuPath kSimdPaths[] = {CpuPath::kAvx2, CpuPath::kAvx512};
+
+#define SKIP_WITHOUT_PATH(path)                                                             \
+  if (!CpuPathAvailable(path)) {                                                            \
+    std::printf("skipped: this CPU (or its OS) cannot run the %s path\n",                   \
+                std::string(CpuPathName(path)).c_str());                                    \
+    GTEST_SKIP() << "this CPU (or its OS) cannot run the " << CpuPathName(path) << " path"; \
   }
+
+TEST(CpuPathTest, BestPathIsTheWidestAvailable) {
+  const CpuPath best = BestCpuPath();
+  std::printf("best CPU path here: %s (avx2 %s, avx512 %s)\n",
+              std::string(CpuPathName(best)).c_str(),
+              CpuPathAvailable(CpuPath::kAvx2) ? "yes" : "no",
+              CpuPathAvailable(CpuPath::kAvx512) ? "yes" : "no");
+  EXPECT_TRUE(CpuPathAvailable(best));
+  EXPECT_TRUE(CpuPathAvailable(CpuPath::kScalar));
+  if (CpuPathAvailable(CpuPath::kAvx512)) {
+    EXPECT_EQ(best, CpuPath::kAvx512);
+    EXPECT_TRUE(CpuPathAvailable(CpuPath::kAvx2));  // the AVX-512 path hands odd dims to AVX2
+  } else if (CpuPathAvailable(CpuPath::kAvx2)) {
+    EXPECT_EQ(best, CpuPath::kAvx2);
+  } else {
+    EXPECT_EQ(best, CpuPath::kScalar);
+  }
+}
+
+TEST(CpuPathTest, NamesRoundTripAndUnavailablePathsAreRefused) {
+  for (CpuPath p : {CpuPath::kAuto, CpuPath::kScalar, CpuPath::kAvx2, CpuPath::kAvx512}) {
+    ASSERT_OK_AND_ASSIGN(CpuPath parsed, ParseCpuPath(CpuPathName(p)));
+    EXPECT_EQ(parsed, p);
+  }
+  EXPECT_EQ(CpuPathName(CpuPath::kAvx512), "avx512");
+  EXPECT_FALSE(ParseCpuPath("avx-512").ok());
+  BlockGeometry g{1, 1, 16, 16, DType::kBf16};
+  std::vector<std::byte> raw(g.RawBytes());
+  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("int8"));
+  for (CpuPath p : kSimdPaths) {
+    std::string out;
+    absl::Status s = EncodeBlockWithPath(p, g, plan, false, raw, {}, &out);
+    if (CpuPathAvailable(p)) {
+      EXPECT_OK(s);
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    }
+  }
+}
+
+TEST(CpuFeaturesTest, Avx512NeedsEveryCpuidBitAndTheOsSavingZmmState) {
+  constexpr uint32_t kLeaf1 = (1u << 27) | (1u << 29);               // OSXSAVE, F16C
+  constexpr uint32_t kLeaf7 = (1u << 16) | (1u << 30) | (1u << 31);  // F, BW, VL
+  constexpr uint64_t kXcr0 = 0xE6;                                   // SSE AVX opmask zmm
+  EXPECT_TRUE(internal::Avx512Usable(kLeaf1, kLeaf7, kXcr0));
+  EXPECT_TRUE(internal::Avx512Usable(kLeaf1, kLeaf7 | (1u << 17), kXcr0 | 0x1 | (1u << 9)));
+  EXPECT_FALSE(internal::Avx512Usable(kLeaf1 & ~(1u << 27), kLeaf7, kXcr0));  // no OSXSAVE
+  EXPECT_FALSE(internal::Avx512Usable(kLeaf1 & ~(1u << 29), kLeaf7, kXcr0));  // no F16C
+  for (uint32_t bit : {16u, 30u, 31u}) {
+    EXPECT_FALSE(internal::Avx512Usable(kLeaf1, kLeaf7 & ~(1u << bit), kXcr0)) << bit;
+  }
+  for (uint32_t bit : {1u, 2u, 5u, 6u, 7u}) {  // an OS that does not save one component
+    EXPECT_FALSE(internal::Avx512Usable(kLeaf1, kLeaf7, kXcr0 & ~(uint64_t{1} << bit))) << bit;
+  }
+  EXPECT_FALSE(internal::Avx512Usable(kLeaf1, kLeaf7, 0x7));  // AVX state only (AVX2 machine)
+}
 
 TEST(NumericTest, Fp16RoundTripsEveryNonNanValue) {
   for (uint32_t h = 0; h < 0x10000; ++h) {
@@ -39,7 +108,7 @@ __attribute__((target("f16c"))) uint16_t HardwareFp16(float f) {
 __attribute__((target("f16c"))) float HardwareFp16ToFloat(uint16_t h) { return _cvtsh_ss(h); }
 
 TEST(NumericTest, FloatToFp16MatchesF16c) {
-  SKIP_WITHOUT_AVX2();
+  SKIP_WITHOUT_PATH(CpuPath::kAvx2);
   std::mt19937 rng(1);
   for (int i = 0; i < 2000000; ++i) {
     uint32_t bits = rng();
@@ -90,11 +159,17 @@ struct SimdCase {
   uint32_t heads, dim, tokens;
 };
 
-class SimdIdentityTest : public ::testing::TestWithParam<SimdCase> {};
+void PrintTo(const SimdCase& c, std::ostream* os) {
+  *os << "heads " << c.heads << " dim " << c.dim << " tokens " << c.tokens;
+}
+
+using SimdParam = std::tuple<CpuPath, SimdCase>;
+
+class SimdIdentityTest : public ::testing::TestWithParam<SimdParam> {};
 
 TEST_P(SimdIdentityTest, EncodeAndDecodeMatchScalarBitForBit) {
-  SKIP_WITHOUT_AVX2();
-  const SimdCase c = GetParam();
+  const auto [path, c] = GetParam();
+  SKIP_WITHOUT_PATH(path);
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     BlockGeometry g{2, c.heads, c.dim, c.tokens, dtype};
     for (Pattern p : {Pattern::kKvLike, Pattern::kAdversarial, Pattern::kRandomBits}) {
@@ -102,10 +177,10 @@ TEST_P(SimdIdentityTest, EncodeAndDecodeMatchScalarBitForBit) {
       for (const char* text : {"fp8", "int8", "int4,group=32", "int4,group=64", "int4,group=128",
                                "int2,group=32", "int2,group=128"}) {
         ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
-        std::string scalar, avx2;
+        std::string scalar, simd;
         ASSERT_OK(EncodeBlockWithPath(CpuPath::kScalar, g, plan, false, raw, {}, &scalar));
-        ASSERT_OK(EncodeBlockWithPath(CpuPath::kAvx2, g, plan, false, raw, {}, &avx2));
-        ASSERT_EQ(scalar, avx2) << text << " dim " << c.dim << " tokens " << c.tokens;
+        ASSERT_OK(EncodeBlockWithPath(path, g, plan, false, raw, {}, &simd));
+        ASSERT_EQ(scalar, simd) << text << " dim " << c.dim << " tokens " << c.tokens;
         // Decode the encoder's output, and the same payload with random quantized bytes (the
         // metadata stays finite so the decoder accepts it).
         for (int variant = 0; variant < 2; ++variant) {
@@ -131,7 +206,7 @@ TEST_P(SimdIdentityTest, EncodeAndDecodeMatchScalarBitForBit) {
           std::vector<std::byte> a(g.RawBytes()), b(g.RawBytes());
           auto bytes = std::as_bytes(std::span<const char>(enc));
           ASSERT_OK(DecodeBlockWithPath(CpuPath::kScalar, bytes, a));
-          ASSERT_OK(DecodeBlockWithPath(CpuPath::kAvx2, bytes, b));
+          ASSERT_OK(DecodeBlockWithPath(path, bytes, b));
           ASSERT_EQ(a, b) << text << " variant " << variant;
         }
       }
@@ -139,11 +214,70 @@ TEST_P(SimdIdentityTest, EncodeAndDecodeMatchScalarBitForBit) {
   }
 }
 
-// dim 24 is not a multiple of 8: the AVX2 entry points fall back to scalar for that segment.
-INSTANTIATE_TEST_SUITE_P(Shapes, SimdIdentityTest,
-                         ::testing::Values(SimdCase{3, 64, 16}, SimdCase{2, 128, 64},
-                                           SimdCase{1, 64, 100}, SimdCase{2, 8, 33},
-                                           SimdCase{1, 24, 16}));
+// Shapes: dims that fill whole 16-lane vectors (16, 48, 64, 80, 128), dims the AVX-512 path hands
+// to the AVX2 path (8, 24, 40: multiples of 8 only), token counts with a partial last int4/int2
+// group (33, 100), and more heads than the fp8 encoders keep in registers at once (40 > 32).
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SimdIdentityTest,
+    ::testing::Combine(::testing::ValuesIn(kSimdPaths),
+                       ::testing::Values(SimdCase{3, 64, 16}, SimdCase{2, 128, 64},
+                                         SimdCase{1, 64, 100}, SimdCase{2, 8, 33},
+                                         SimdCase{1, 24, 16}, SimdCase{2, 16, 33},
+                                         SimdCase{1, 48, 40}, SimdCase{2, 80, 32},
+                                         SimdCase{1, 40, 16}, SimdCase{40, 16, 8})),
+    [](const ::testing::TestParamInfo<SimdParam>& info) {
+      const SimdCase c = std::get<1>(info.param);  // no structured binding: macro argument
+      return std::string(CpuPathName(std::get<0>(info.param))) + "_h" + std::to_string(c.heads) +
+             "_d" + std::to_string(c.dim) + "_t" + std::to_string(c.tokens);
+    });
+
+class SimdExhaustiveTest : public ::testing::TestWithParam<CpuPath> {};
+
+// Every 16-bit input pattern (NaN payloads, Inf, subnormals, both zeros) through every encoder,
+// and every code (all fp8 and int8 bytes, all int4/int2 bit patterns) through every decoder.
+TEST_P(SimdExhaustiveTest, EveryInputValueAndEveryCodeMatchScalar) {
+  const CpuPath path = GetParam();
+  SKIP_WITHOUT_PATH(path);
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    BlockGeometry g{1, 2, 512, 64, dtype};  // one segment = 65536 elements
+    std::vector<std::byte> raw(g.RawBytes());
+    for (size_t i = 0; i < raw.size() / 2; ++i) {
+      // An odd multiplier permutes 0..65535, so each segment holds every pattern once, mixed
+      // across groups and channels.
+      const uint16_t v = static_cast<uint16_t>(i * 40503u);
+      std::memcpy(raw.data() + 2 * i, &v, 2);
+    }
+    for (const char* text : {"fp8", "int8", "int4,group=32", "int4,group=128", "int2,group=64"}) {
+      ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
+      std::string scalar, simd;
+      ASSERT_OK(EncodeBlockWithPath(CpuPath::kScalar, g, plan, false, raw, {}, &scalar));
+      ASSERT_OK(EncodeBlockWithPath(path, g, plan, false, raw, {}, &simd));
+      ASSERT_EQ(scalar, simd) << text;
+      // Replace the codes with a byte ramp (every code value, in every lane position).
+      ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
+                           InspectBlock(std::as_bytes(std::span<const char>(scalar))));
+      for (const SegmentInfo& seg : info.segments) {
+        const size_t bits = seg.codec == CodecId::kInt4 ? 4 : seg.codec == CodecId::kInt2 ? 2 : 8;
+        const size_t code_bytes = g.SegmentElements() * bits / 8;
+        for (size_t i = 0; i < code_bytes; ++i) {
+          scalar[seg.offset + seg.bytes - code_bytes + i] = static_cast<char>(i * 7 + i / 256);
+        }
+      }
+      internal::ResealBlockForFuzzing(
+          std::as_writable_bytes(std::span<char>(scalar.data(), scalar.size())));
+      auto bytes = std::as_bytes(std::span<const char>(scalar));
+      std::vector<std::byte> a(g.RawBytes()), b(g.RawBytes());
+      ASSERT_OK(DecodeBlockWithPath(CpuPath::kScalar, bytes, a));
+      ASSERT_OK(DecodeBlockWithPath(path, bytes, b));
+      ASSERT_EQ(a, b) << text;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, SimdExhaustiveTest, ::testing::ValuesIn(kSimdPaths),
+                         [](const ::testing::TestParamInfo<CpuPath>& info) {
+                           return std::string(CpuPathName(info.param));
+                         });
 
 }  // namespace
 }  // namespace proxima::codec

@@ -25,7 +25,8 @@ cxx=${CXX_FUZZ:-clang++}
 # reader): the decoder fuzzed directly, and linked by the daemon code (config names codecs, the
 # tierer encodes, Get decodes).
 codec=(common/crc32c.cc kernels/codec.cc kernels/error_metrics.cc kernels/internal/segment_codecs.cc
-       kernels/internal/lossless.cc kernels/internal/simd_avx2.cc)
+       kernels/internal/lossless.cc kernels/internal/cpu_features.cc kernels/internal/simd_avx2.cc
+       kernels/internal/simd_avx512.cc)
 
 case "$target" in
   codec_decode)
@@ -74,7 +75,9 @@ flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -I"$root" -I"
 compile() {  # src -> obj, only when the source or a header is newer
   local src=$1 obj=$2
   local extra=()
+  # The SIMD files' ISA flags, as kernels/CMakeLists.txt sets them.
   [[ $src == *simd_avx2.cc ]] && extra=(-mavx2 -mf16c)
+  [[ $src == *simd_avx512.cc ]] && extra=(-mavx512f -mavx512bw -mavx512vl -mavx2 -mf16c)
   local path=$root/$src
   [[ $src == gen/* ]] && path=$out/$src && extra+=(-w)
   if [[ ! -f $obj || -n $(find "$root/kernels" "$root/common" "$root/tests/fuzz" "$root/daemon" \

@@ -1,6 +1,7 @@
 // Per-segment codecs: one (layer, K|V) matrix [token][head][dim] of dtype values to and from its
 // payload (docs/format.md section 3). The scalar functions here are the reference that defines
-// the arithmetic; kernels/internal/simd_avx2.cc and the CUDA kernels reproduce them bit for bit.
+// the arithmetic; kernels/internal/simd_avx2.cc, simd_avx512.cc and the CUDA kernels reproduce
+// them bit for bit.
 // Callers (kernels/codec.cc) validate sizes before calling; decoders still validate every
 // metadata value they read. Thread-safety: pure functions.
 #ifndef PROXIMA_KERNELS_INTERNAL_SEGMENT_CODECS_H_
@@ -66,7 +67,6 @@ struct Int8Row {
   uint16_t scale;
   float divisor;
 };
-// Inline so the AVX2 path's per-group scalar step is inlined too (same arithmetic either way).
 inline Int8Row Int8RowScale(uint8_t dtype, float amax) {
   uint16_t scale = numeric::RoundUpDtype(dtype, amax / 127.0f);
   float f = numeric::DtypeToFloat(dtype, scale);
@@ -111,7 +111,8 @@ inline float LoadF32(const std::byte* p, size_t i) {
 }
 inline void StoreF32(std::byte* p, size_t i, float v) { std::memcpy(p + 4 * i, &v, 4); }
 
-// ---- Metadata validation shared by every decoder path (scalar, AVX2, CUDA host wrapper).
+// ---- Metadata validation shared by every decoder path (scalar, AVX2, AVX-512, CUDA host
+// wrapper).
 // `payload` has exactly FixedPayloadBytes() bytes.
 absl::Status ValidateFp8(const SegmentShape& shape, const std::byte* payload);
 absl::Status ValidateInt8(const SegmentShape& shape, const std::byte* payload);
@@ -140,8 +141,40 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
 absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
                             std::byte* out);
 
-// ---- AVX2 + F16C fast path (kernels/internal/simd_avx2.cc). Only call when CpuHasAvx2().
+// ---- Per-lane metadata steps of the SIMD paths (one call per vector of lanes, so the call costs
+// little). They live in segment_codecs.cc, compiled for the baseline ISA, and the SIMD files call
+// them instead of the inline helpers above: a SIMD file compiled with -mavx2/-mavx512* must not
+// emit link-once copies of inline functions (the linker may pick any copy, also for scalar
+// callers, and an AVX-512 copy would fault on a CPU without it). kernels_simd_isolation_test
+// checks the SIMD objects define no such symbol.
+//
+// int8: lane k is channel m0 + k (K), or the one row m0 (V, n = 1), with its largest finite |x|
+// in amax[k]; stores the dtype scales at scales[m0 + k] and writes divisors[k].
+void Int8ScalesOfLanes(uint8_t dtype, const float* amax, int n, std::byte* scales, size_t m0,
+                       float* divisors);
+// int4/int2 K: lane k is the group of channel m0 + k, with its finite minimum and maximum in
+// mn[k] and mx[k] (+Inf and -Inf when the group has no finite value); stores the scales and
+// minimums at index m0 + k, writes min_f[k] and divisors[k].
+void IntNGroupsOfLanes(uint8_t dtype, float qmax, const float* mn, const float* mx, int n,
+                       std::byte* scales, std::byte* mins, size_t m0, float* min_f,
+                       float* divisors);
+// int4/int2 V: the n lanes together are one group (index m); reduces them, stores the scale and
+// minimum at m, and returns the group's parameters.
+IntNGroup IntNGroupOfLanes(uint8_t dtype, float qmax, const float* mn, const float* mx, int n,
+                           std::byte* scales, std::byte* mins, size_t m);
+
+// ---- CPU features (kernels/internal/cpu_features.cc, compiled for the baseline ISA).
+// AVX2 + F16C usable.
 bool CpuHasAvx2();
+// AVX-512 F + BW + VL usable (and CpuHasAvx2()): the CPUID bits, and the OS saves the opmask and
+// zmm state (XCR0 read with xgetbv).
+bool CpuHasAvx512();
+// The AVX-512 decision from raw CPUID leaf 1 ECX, leaf 7 (subleaf 0) EBX and XCR0 (0 when
+// OSXSAVE is clear); CpuHasAvx512() applies it to this CPU. Exposed for tests.
+bool Avx512Usable(uint32_t leaf1_ecx, uint32_t leaf7_ebx, uint64_t xcr0);
+
+// ---- AVX2 + F16C fast path (kernels/internal/simd_avx2.cc). Only call when CpuHasAvx2().
+// Segments whose head_dim is not a multiple of 8 take the scalar path.
 void EncodeFp8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
 void DecodeFp8Avx2(const SegmentShape& shape, const std::byte* payload, std::byte* out);
 void EncodeInt8Avx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
@@ -150,6 +183,17 @@ void EncodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* i
                     std::byte* payload);
 void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
                     std::byte* out);
+
+// ---- AVX-512 (F + BW + VL) fast path, 16 lanes (kernels/internal/simd_avx512.cc). Only call
+// when CpuHasAvx512(). Segments whose head_dim is not a multiple of 16 take the AVX2 path.
+void EncodeFp8Avx512(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeFp8Avx512(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void EncodeInt8Avx512(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeInt8Avx512(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void EncodeIntNAvx512(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                      std::byte* payload);
+void DecodeIntNAvx512(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                      std::byte* out);
 
 }  // namespace proxima::codec::internal
 

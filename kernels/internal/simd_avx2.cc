@@ -1,38 +1,46 @@
 // AVX2 + F16C fast path for fp8, int8 and int4/int2 (compiled with -mavx2 -mf16c, called only
 // after CpuHasAvx2() said yes at run time). Every lane performs the scalar reference's
 // operations in the same order (no FMA: this file is built with -ffp-contract=off), and the
-// per-group scale arithmetic calls the scalar helpers, so the bytes are identical to the scalar
-// path. Segments whose head_dim is not a multiple of 8 take the scalar path wholesale.
-#include <cpuid.h>
+// per-group scale arithmetic is the shared per-lane step of segment_codecs.cc, so the bytes are
+// identical to the scalar path. Segments whose head_dim is not a multiple of 8 take the scalar
+// path wholesale.
+//
+// ISA isolation: everything but the entry points has internal linkage, and this file calls no
+// inline function of the shared headers and no std template, so it emits no link-once code that
+// the linker could hand to callers on CPUs without AVX2 (segment_codecs.h, "Per-lane metadata
+// steps"; kernels_simd_isolation_test checks the object file). CpuHasAvx2() lives in
+// cpu_features.cc, compiled for the baseline ISA.
 #include <immintrin.h>
 
-#include <algorithm>
+#include <cstdint>
 #include <cstring>
-#include <limits>
 
 #include "kernels/dtype_dispatch.h"
-#include "kernels/internal/numeric.h"
 #include "kernels/internal/segment_codecs.h"
 
 namespace proxima::codec::internal {
 
-bool CpuHasAvx2() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool has = [] {
-    __builtin_cpu_init();
-    // F16C from CPUID leaf 1 (ECX bit 29): not every compiler's __builtin_cpu_supports knows it.
-    unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
-    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
-    return __builtin_cpu_supports("avx2") && f16c;
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
-
 #if defined(__AVX2__) && defined(__F16C__)
 namespace {
+
+// Heads whose per-head fp8 maxima are accumulated in registers at once (1 KiB of stack).
+constexpr uint32_t kHeadChunk = 32;
+constexpr float kInf = __builtin_huge_valf();
+
+// Unaligned little-endian access, spelled here rather than through the header's inline Load16 &
+// co. (see the file comment).
+uint16_t Get16(const std::byte* p, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, p + 2 * i, 2);
+  return v;
+}
+float GetF32(const std::byte* p, size_t i) {
+  float v;
+  std::memcpy(&v, p + 4 * i, 4);
+  return v;
+}
+void PutF32(std::byte* p, size_t i, float v) { std::memcpy(p + 4 * i, &v, 4); }
+uint32_t MinU32(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
 // Loads 8 dtype values (any alignment) as floats.
 template <uint8_t kDt>
@@ -65,6 +73,16 @@ inline void Store8(std::byte* p, size_t i, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i), out);
 }
 
+// One dtype value as a float in every lane.
+template <uint8_t kDt>
+inline __m256 Broadcast(uint16_t v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(uint32_t{v} << 16)));
+  } else {
+    return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(v)));
+  }
+}
+
 // Low byte of each 32-bit lane, in lane order, as 8 bytes.
 inline uint64_t LowBytes(__m256i v) {
   const __m256i pick =
@@ -77,8 +95,7 @@ inline uint64_t LowBytes(__m256i v) {
 
 inline __m256 FiniteAbs(__m256 v) {
   __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
-  __m256 finite =
-      _mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_LT_OQ);
+  __m256 finite = _mm256_cmp_ps(a, _mm256_set1_ps(kInf), _CMP_LT_OQ);
   return _mm256_and_ps(a, finite);
 }
 
@@ -89,12 +106,12 @@ inline __m256i ClampRound(__m256 v, __m256 lo, __m256 hi) {
   return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Largest lane (no NaN lanes: the order of the maxima does not matter).
 inline float HorizontalMax(__m256 v) {
-  alignas(32) float f[8];
-  _mm256_store_ps(f, v);
-  float m = f[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, f[i]);
-  return m;
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
 inline __m256 E4m3ToFloat8(__m256i c) {
@@ -155,27 +172,29 @@ template <uint8_t kDt>
 void EncodeFp8Impl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   if (D % 8 != 0) return EncodeFp8Scalar(shape, in, payload);
-  // One sequential pass for every head's max |x| (8 lanes per head), so cold input streams from
-  // memory once instead of once per head.
-  std::vector<float> lanes(8 * size_t{H}, 0.0f);
-  for (size_t row = 0; row < size_t{T} * H; ++row) {
-    float* acc = &lanes[8 * (row % H)];
-    __m256 m = _mm256_loadu_ps(acc);
-    for (uint32_t d = 0; d < D; d += 8) {
-      m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, row * D + d)));
+  // Each head's max |x|, kHeadChunk heads at a time in registers: a token's rows of those heads
+  // are contiguous, so cold input streams from memory once when H <= kHeadChunk.
+  for (uint32_t h0 = 0; h0 < H; h0 += kHeadChunk) {
+    const uint32_t nh = MinU32(kHeadChunk, H - h0);
+    __m256 acc[kHeadChunk];
+    for (uint32_t k = 0; k < nh; ++k) acc[k] = _mm256_setzero_ps();
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t k = 0; k < nh; ++k) {
+        const size_t base = (size_t{t} * H + h0 + k) * D;
+        __m256 m = acc[k];
+        for (uint32_t d = 0; d < D; d += 8) {
+          m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, base + d)));
+        }
+        acc[k] = m;
+      }
     }
-    _mm256_storeu_ps(acc, m);
-  }
-  std::vector<float> divisor(H);
-  for (uint32_t h = 0; h < H; ++h) {
-    float scale = HorizontalMax(_mm256_loadu_ps(&lanes[8 * size_t{h}])) / 448.0f;
-    StoreF32(payload, h, scale);
-    divisor[h] = scale == 0.0f ? 1.0f : scale;
+    for (uint32_t k = 0; k < nh; ++k) PutF32(payload, h0 + k, HorizontalMax(acc[k]) / 448.0f);
   }
   std::byte* codes = payload + 4 * size_t{H};
   const __m256 lo = _mm256_set1_ps(-448.0f), hi = _mm256_set1_ps(448.0f);
   for (size_t row = 0; row < size_t{T} * H; ++row) {
-    const __m256 div = _mm256_set1_ps(divisor[row % H]);
+    const float scale = GetF32(payload, row % H);
+    const __m256 div = _mm256_set1_ps(scale == 0.0f ? 1.0f : scale);
     for (uint32_t d = 0; d < D; d += 8) {
       __m256 y = _mm256_div_ps(Load8<kDt>(in, row * D + d), div);
       y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
@@ -192,7 +211,7 @@ void DecodeFp8Impl(const SegmentShape& shape, const std::byte* payload, std::byt
   if (D % 8 != 0) return DecodeFp8Scalar(shape, payload, out);
   const std::byte* codes = payload + 4 * size_t{H};
   for (size_t row = 0; row < size_t{T} * H; ++row) {
-    const __m256 scale = _mm256_set1_ps(LoadF32(payload, row % H));
+    const __m256 scale = _mm256_set1_ps(GetF32(payload, row % H));
     for (uint32_t d = 0; d < D; d += 8) {
       __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + row * D + d));
       __m256 x = _mm256_mul_ps(E4m3ToFloat8(_mm256_cvtepu8_epi32(c8)), scale);
@@ -218,11 +237,7 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
           m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, (size_t{t} * H + h) * D + d)));
         }
         _mm256_store_ps(amax, m);
-        for (int k = 0; k < 8; ++k) {
-          Int8Row row = Int8RowScale(shape.dtype, amax[k]);
-          Store16(payload, size_t{h} * D + d + k, row.scale);
-          divisor[k] = row.divisor;
-        }
+        Int8ScalesOfLanes(shape.dtype, amax, 8, payload, size_t{h} * D + d, divisor);
         const __m256 div = _mm256_load_ps(divisor);
         for (uint32_t t = 0; t < T; ++t) {
           size_t i = (size_t{t} * H + h) * D + d;
@@ -238,9 +253,10 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
       for (uint32_t d = 0; d < D; d += 8) {
         m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, row * D + d)));
       }
-      Int8Row r = Int8RowScale(shape.dtype, HorizontalMax(m));
-      Store16(payload, row, r.scale);
-      const __m256 div = _mm256_set1_ps(r.divisor);
+      const float amax = HorizontalMax(m);
+      float divisor;
+      Int8ScalesOfLanes(shape.dtype, &amax, 1, payload, row, &divisor);
+      const __m256 div = _mm256_set1_ps(divisor);
       for (uint32_t d = 0; d < D; d += 8) {
         size_t i = row * D + d;
         uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
@@ -259,7 +275,7 @@ void DecodeInt8Impl(const SegmentShape& shape, const std::byte* payload, std::by
     const uint32_t h = static_cast<uint32_t>(row % H);
     __m256 vscale = _mm256_setzero_ps();
     if (shape.is_value) {
-      vscale = _mm256_set1_ps(numeric::DtypeToFloat(shape.dtype, Load16(payload, row)));
+      vscale = Broadcast<kDt>(Get16(payload, row));
     }
     for (uint32_t d = 0; d < D; d += 8) {
       size_t i = row * D + d;
@@ -280,8 +296,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
   const IntNLayout l = IntNLayoutFor(shape, bits);
   const float qmax_f = static_cast<float>((1u << bits) - 1);
   const __m256 zero = _mm256_setzero_ps(), qmax = _mm256_set1_ps(qmax_f);
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 inf = _mm256_set1_ps(kInf), ninf = _mm256_set1_ps(-kInf);
   std::byte* scales = payload;
   std::byte* mins = payload + 2 * l.meta_count;
   std::byte* packed = payload + 4 * l.meta_count;
@@ -300,7 +315,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
   if (!shape.is_value) {
     alignas(32) float mnv[8], mxv[8], minf[8], divv[8];
     for (uint32_t j = 0; j < l.num_groups; ++j) {
-      const uint32_t t0 = j * l.group_len, len = std::min(l.group_len, T - t0);
+      const uint32_t t0 = j * l.group_len, len = MinU32(l.group_len, T - t0);
       for (uint32_t h = 0; h < H; ++h) {
         for (uint32_t d = 0; d < D; d += 8) {
           __m256 mn = inf, mx = ninf;
@@ -309,16 +324,8 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
           }
           _mm256_store_ps(mnv, mn);
           _mm256_store_ps(mxv, mx);
-          for (int k = 0; k < 8; ++k) {
-            float a = mnv[k], b = mxv[k];
-            if (a > b) a = b = 0.0f;
-            IntNGroup g = IntNGroupParams(shape.dtype, a, b, qmax_f);
-            size_t m = (size_t{j} * H + h) * D + d + k;
-            Store16(scales, m, g.scale);
-            Store16(mins, m, g.min);
-            minf[k] = g.min_f;
-            divv[k] = g.divisor;
-          }
+          IntNGroupsOfLanes(shape.dtype, qmax_f, mnv, mxv, 8, scales, mins,
+                            (size_t{j} * H + h) * D + d, minf, divv);
           const __m256 mf = _mm256_load_ps(minf), dv = _mm256_load_ps(divv);
           for (uint32_t t = t0; t < t0 + len; ++t) quantize8((size_t{t} * H + h) * D + d, mf, dv);
         }
@@ -328,7 +335,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
     const uint32_t g_len = l.group_len;  // a multiple of 8: min(G, D), both multiples of 8
     for (size_t row = 0; row < size_t{T} * H; ++row) {
       for (uint32_t j = 0; j < l.num_groups; ++j) {
-        const uint32_t d0 = j * g_len, len = std::min(g_len, D - d0);
+        const uint32_t d0 = j * g_len, len = MinU32(g_len, D - d0);
         __m256 mn = inf, mx = ninf;
         for (uint32_t d = d0; d < d0 + len; d += 8) {
           accumulate(Load8<kDt>(in, row * D + d), mn, mx);
@@ -336,15 +343,8 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
         alignas(32) float mnv[8], mxv[8];
         _mm256_store_ps(mnv, mn);
         _mm256_store_ps(mxv, mx);
-        float a = mnv[0], b = mxv[0];
-        for (int k = 1; k < 8; ++k) {
-          a = std::min(a, mnv[k]);
-          b = std::max(b, mxv[k]);
-        }
-        if (a > b) a = b = 0.0f;
-        IntNGroup g = IntNGroupParams(shape.dtype, a, b, qmax_f);
-        Store16(scales, row * l.num_groups + j, g.scale);
-        Store16(mins, row * l.num_groups + j, g.min);
+        const IntNGroup g = IntNGroupOfLanes(shape.dtype, qmax_f, mnv, mxv, 8, scales, mins,
+                                             row * l.num_groups + j);
         const __m256 mf = _mm256_set1_ps(g.min_f), dv = _mm256_set1_ps(g.divisor);
         for (uint32_t d = d0; d < d0 + len; d += 8) quantize8(row * D + d, mf, dv);
       }
@@ -360,7 +360,6 @@ void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::by
   const std::byte* scales = payload;
   const std::byte* mins = payload + 2 * l.meta_count;
   const std::byte* packed = payload + 4 * l.meta_count;
-  constexpr uint8_t dt = kDt;
   if (!shape.is_value) {
     for (uint32_t t = 0; t < T; ++t) {
       const size_t mbase = size_t{t / l.group_len} * H * D;
@@ -378,10 +377,10 @@ void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::by
   } else {
     for (size_t row = 0; row < size_t{T} * H; ++row) {
       for (uint32_t j = 0; j < l.num_groups; ++j) {
-        const uint32_t d0 = j * l.group_len, len = std::min(l.group_len, D - d0);
+        const uint32_t d0 = j * l.group_len, len = MinU32(l.group_len, D - d0);
         const size_t m = row * l.num_groups + j;
-        const __m256 scale = _mm256_set1_ps(numeric::DtypeToFloat(dt, Load16(scales, m)));
-        const __m256 mn = _mm256_set1_ps(numeric::DtypeToFloat(dt, Load16(mins, m)));
+        const __m256 scale = Broadcast<kDt>(Get16(scales, m));
+        const __m256 mn = Broadcast<kDt>(Get16(mins, m));
         for (uint32_t d = d0; d < d0 + len; d += 8) {
           size_t i = row * D + d;
           Store8<kDt>(out, i,

@@ -1,0 +1,482 @@
+// AVX-512 fast path for fp8, int8 and int4/int2, 16 lanes (compiled with -mavx512f -mavx512bw
+// -mavx512vl -mf16c, called only after CpuHasAvx512() said yes at run time). Like the AVX2 path
+// (simd_avx2.cc), every lane performs the scalar reference's operations in the same order (no
+// FMA: this file is built with -ffp-contract=off) and the per-group scale arithmetic is the
+// shared per-lane step of segment_codecs.cc, so the bytes are identical to the scalar path.
+// Segments whose head_dim is not a multiple of 16 go to the AVX2 entry points wholesale.
+//
+// Lane order by construction: every narrowing is a vpmov* truncation (whole register, lane order
+// kept), int4/int2 packing combines neighbouring elements with vpmaddubsw/vpmaddwd inside one
+// 128-bit register, and the one cross-lane permute (int4 unpacking) names its source dwords
+// explicitly. No per-128-bit-lane pack (vpackus*) touches a wider register here.
+//
+// ISA isolation: everything but the entry points has internal linkage, and this file calls no
+// inline function of the shared headers and no std template, so it emits no link-once code that
+// the linker could hand to callers on CPUs without AVX-512 (segment_codecs.h, "Per-lane metadata
+// steps"; kernels_simd_isolation_test checks the object file).
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/dtype_dispatch.h"
+#include "kernels/internal/segment_codecs.h"
+
+namespace proxima::codec::internal {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+namespace {
+
+constexpr uint32_t kLanes = 16;
+// Heads whose per-head fp8 maxima are accumulated in registers at once (2 KiB of stack).
+constexpr uint32_t kHeadChunk = 32;
+constexpr float kInf = __builtin_huge_valf();
+constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// Unaligned little-endian access, spelled here rather than through the header's inline Load16 &
+// co. (see the file comment).
+uint16_t Get16(const std::byte* p, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, p + 2 * i, 2);
+  return v;
+}
+float GetF32(const std::byte* p, size_t i) {
+  float v;
+  std::memcpy(&v, p + 4 * i, 4);
+  return v;
+}
+void PutF32(std::byte* p, size_t i, float v) { std::memcpy(p + 4 * i, &v, 4); }
+uint32_t MinU32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
+// Loads 16 dtype values (any alignment) as floats (numeric::DtypeToFloat per lane).
+template <uint8_t kDt>
+inline __m512 Load16(const std::byte* p, size_t i) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i));
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// One dtype value as a float in every lane.
+template <uint8_t kDt>
+inline __m512 Broadcast(uint16_t v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(uint32_t{v} << 16)));
+  } else {
+    return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(v)));
+  }
+}
+
+// Stores 16 floats as dtype values, rounding exactly like numeric::FloatToDtype.
+template <uint8_t kDt>
+inline void Store16(std::byte* p, size_t i, __m512 v) {
+  __m256i out;
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+    // Every lane is below 2^16, so vpmovdw's truncation is exact; it keeps lane order.
+    out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, r, q));
+  } else {
+    out = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i), out);
+}
+
+// The low byte of each 32-bit lane, in lane order (vpmovdb), to p[0..15].
+inline void StoreLowBytes(std::byte* p, __m512i v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+}
+
+inline __m512 Abs(__m512 v) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
+}
+
+// |x| where finite, else +0.
+inline __m512 FiniteAbs(__m512 v) {
+  const __m512 a = Abs(v);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(kInf), _CMP_LT_OQ), a);
+}
+
+// NaN -> 0 (a -0 stays -0, as in numeric::ClampQ).
+inline __m512 NanToZero(__m512 v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+}
+
+// numeric::ClampQ then round to nearest even, as int32 lanes.
+inline __m512i ClampRound(__m512 v, __m512 lo, __m512 hi) {
+  v = _mm512_min_ps(_mm512_max_ps(NanToZero(v), lo), hi);
+  return _mm512_cvt_roundps_epi32(v, kRoundNearest);
+}
+
+// numeric::E4m3ToFloat per lane (codes in the low byte of each 32-bit lane, upper bits zero).
+inline __m512 E4m3ToFloat(__m512i c) {
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  const __m512i exp = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(0xF));
+  const __m512i man = _mm512_and_si512(c, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(
+      sign, _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(exp, _mm512_set1_epi32(120)), 23),
+                            _mm512_slli_epi32(man, 20)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(man), _mm512_set1_ps(0.001953125f));
+  const __m512i subi = _mm512_or_si512(_mm512_castps_si512(sub), sign);
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(exp, _mm512_setzero_si512());
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_sub, normal, subi));
+}
+
+// numeric::FloatToE4m3 per lane (y clamped, not NaN); the code is in the low byte of each lane.
+inline __m512i FloatToE4m3(__m512 y) {
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sub = _mm512_cvt_roundps_epi32(
+      _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f)), kRoundNearest);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF)), lsb);
+  const __m512i exp = _mm512_sub_epi32(_mm512_srli_epi32(r, 23), _mm512_set1_epi32(120));
+  const __m512i man = _mm512_and_si512(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(exp, 3), man);
+  const __mmask16 is_sub = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x3C800000), a);
+  return _mm512_or_si512(sign, _mm512_mask_blend_epi32(is_sub, normal, sub));
+}
+
+// Packs 16 lanes of `bits`-bit values (0 <= q < 2^bits) LSB first, element 0 in the lowest bits:
+// 8 bytes for int4, 4 for int2, written to p.
+template <uint32_t bits>
+inline void PackLanes(std::byte* p, __m512i q) {
+  const __m128i b = _mm512_cvtepi32_epi8(q);  // byte k = element k
+  if constexpr (bits == 4) {
+    // 16-bit lane j = b[2j] + 16 * b[2j+1] (vpmaddubsw: unsigned b times signed {1, 16}).
+    const __m128i w = _mm_maddubs_epi16(b, _mm_set1_epi16(0x1001));
+    const uint64_t out =
+        static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_cvtepi16_epi8(w)));  // word j -> byte j
+    std::memcpy(p, &out, 8);
+  } else {
+    // 16-bit lane j = b[2j] + 4 * b[2j+1]; then 32-bit lane k = w[2k] + 16 * w[2k+1].
+    const __m128i w = _mm_maddubs_epi16(b, _mm_set1_epi16(0x0401));
+    const __m128i d = _mm_madd_epi16(w, _mm_set1_epi32(0x00100001));
+    const uint32_t out =
+        static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_cvtepi32_epi8(d)));  // dword k -> byte k
+    std::memcpy(p, &out, 4);
+  }
+}
+
+// The 16 `bits`-bit values starting at element i (a multiple of 16) as floats.
+template <uint32_t bits>
+inline __m512 UnpackLanes(const std::byte* packed, size_t i) {
+  __m512i word, shifts;
+  if constexpr (bits == 4) {
+    uint64_t w;
+    std::memcpy(&w, packed + i / 2, 8);
+    // Lanes 0-7 take dword 0, lanes 8-15 dword 1, each shifted to its nibble.
+    word = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(w))));
+    shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  } else {
+    uint32_t w;
+    std::memcpy(&w, packed + i / 4, 4);
+    word = _mm512_set1_epi32(static_cast<int>(w));
+    shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  }
+  const __m512i q =
+      _mm512_and_si512(_mm512_srlv_epi32(word, shifts), _mm512_set1_epi32((1 << bits) - 1));
+  return _mm512_cvtepi32_ps(q);
+}
+
+// Running min/max over finite lanes, with the scalar reference's std::min(mn, x) and
+// std::max(mx, x) semantics (vminps/vmaxps return the second operand unless the first is
+// strictly smaller/larger).
+inline void Accumulate(__m512 x, __m512& mn, __m512& mx) {
+  const __mmask16 finite = _mm512_cmp_ps_mask(Abs(x), _mm512_set1_ps(kInf), _CMP_LT_OQ);
+  mn = _mm512_mask_min_ps(mn, finite, x, mn);
+  mx = _mm512_mask_max_ps(mx, finite, x, mx);
+}
+
+// ---------------------------------------------------------------- fp8
+
+template <uint8_t kDt>
+void EncodeFp8Impl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  // Each head's max |x|, kHeadChunk heads at a time in registers: a token's rows of those heads
+  // are contiguous, so cold input streams from memory once when H <= kHeadChunk.
+  for (uint32_t h0 = 0; h0 < H; h0 += kHeadChunk) {
+    const uint32_t nh = MinU32(kHeadChunk, H - h0);
+    __m512 acc[kHeadChunk];
+    for (uint32_t k = 0; k < nh; ++k) acc[k] = _mm512_setzero_ps();
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t k = 0; k < nh; ++k) {
+        const size_t base = (size_t{t} * H + h0 + k) * D;
+        __m512 m = acc[k];
+        for (uint32_t d = 0; d < D; d += kLanes) {
+          m = _mm512_max_ps(m, FiniteAbs(Load16<kDt>(in, base + d)));
+        }
+        acc[k] = m;
+      }
+    }
+    for (uint32_t k = 0; k < nh; ++k) {
+      PutF32(payload, h0 + k, _mm512_reduce_max_ps(acc[k]) / 448.0f);
+    }
+  }
+  std::byte* codes = payload + 4 * size_t{H};
+  const __m512 lo = _mm512_set1_ps(-448.0f), hi = _mm512_set1_ps(448.0f);
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    const float scale = GetF32(payload, row % H);
+    const __m512 div = _mm512_set1_ps(scale == 0.0f ? 1.0f : scale);
+    for (uint32_t d = 0; d < D; d += kLanes) {
+      __m512 y = _mm512_div_ps(Load16<kDt>(in, row * D + d), div);
+      y = _mm512_min_ps(_mm512_max_ps(NanToZero(y), lo), hi);
+      StoreLowBytes(codes + row * D + d, FloatToE4m3(y));
+    }
+  }
+}
+
+template <uint8_t kDt>
+void DecodeFp8Impl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const std::byte* codes = payload + 4 * size_t{H};
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    const __m512 scale = _mm512_set1_ps(GetF32(payload, row % H));
+    for (uint32_t d = 0; d < D; d += kLanes) {
+      const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + row * D + d));
+      Store16<kDt>(out, row * D + d, _mm512_mul_ps(E4m3ToFloat(_mm512_cvtepu8_epi32(c8)), scale));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int8
+
+template <uint8_t kDt>
+void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  if (!shape.is_value) {  // K: one scale per channel (h, d), 16 channels at a time
+    std::byte* q = payload + 2 * size_t{H} * D;
+    alignas(64) float amax[kLanes], divisor[kLanes];
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t d = 0; d < D; d += kLanes) {
+        __m512 m = _mm512_setzero_ps();
+        for (uint32_t t = 0; t < T; ++t) {
+          m = _mm512_max_ps(m, FiniteAbs(Load16<kDt>(in, (size_t{t} * H + h) * D + d)));
+        }
+        _mm512_store_ps(amax, m);
+        Int8ScalesOfLanes(shape.dtype, amax, kLanes, payload, size_t{h} * D + d, divisor);
+        const __m512 div = _mm512_load_ps(divisor);
+        for (uint32_t t = 0; t < T; ++t) {
+          const size_t i = (size_t{t} * H + h) * D + d;
+          StoreLowBytes(q + i, ClampRound(_mm512_div_ps(Load16<kDt>(in, i), div), lo, hi));
+        }
+      }
+    }
+  } else {  // V: one scale per row (t, h)
+    std::byte* q = payload + 2 * size_t{T} * H;
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      __m512 m = _mm512_setzero_ps();
+      for (uint32_t d = 0; d < D; d += kLanes) {
+        m = _mm512_max_ps(m, FiniteAbs(Load16<kDt>(in, row * D + d)));
+      }
+      const float amax = _mm512_reduce_max_ps(m);
+      float divisor;
+      Int8ScalesOfLanes(shape.dtype, &amax, 1, payload, row, &divisor);
+      const __m512 div = _mm512_set1_ps(divisor);
+      for (uint32_t d = 0; d < D; d += kLanes) {
+        const size_t i = row * D + d;
+        StoreLowBytes(q + i, ClampRound(_mm512_div_ps(Load16<kDt>(in, i), div), lo, hi));
+      }
+    }
+  }
+}
+
+template <uint8_t kDt>
+void DecodeInt8Impl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const std::byte* q = payload + 2 * (shape.is_value ? size_t{T} * H : size_t{H} * D);
+  for (size_t row = 0; row < size_t{T} * H; ++row) {
+    const uint32_t h = static_cast<uint32_t>(row % H);
+    const __m512 vscale =
+        shape.is_value ? Broadcast<kDt>(Get16(payload, row)) : _mm512_setzero_ps();
+    for (uint32_t d = 0; d < D; d += kLanes) {
+      const size_t i = row * D + d;
+      const __m512 scale = shape.is_value ? vscale : Load16<kDt>(payload, size_t{h} * D + d);
+      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+      Store16<kDt>(out, i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)), scale));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- int4 / int2
+
+template <uint8_t kDt, uint32_t bits>
+void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const IntNLayout l = IntNLayoutFor(shape, bits);
+  const float qmax_f = static_cast<float>((1u << bits) - 1);
+  const __m512 zero = _mm512_setzero_ps(), qmax = _mm512_set1_ps(qmax_f);
+  const __m512 inf = _mm512_set1_ps(kInf), ninf = _mm512_set1_ps(-kInf);
+  std::byte* scales = payload;
+  std::byte* mins = payload + 2 * l.meta_count;
+  std::byte* packed = payload + 4 * l.meta_count;
+  // Every element is written: 16 elements fill whole bytes, and every row holds whole vectors.
+  auto quantize16 = [&](size_t i, __m512 min_f, __m512 div) {
+    const __m512 v = _mm512_div_ps(_mm512_sub_ps(Load16<kDt>(in, i), min_f), div);
+    PackLanes<bits>(packed + i * bits / 8, ClampRound(v, zero, qmax));
+  };
+  if (!shape.is_value) {  // K: groups along tokens, 16 channels at a time
+    alignas(64) float mnv[kLanes], mxv[kLanes], minf[kLanes], divv[kLanes];
+    for (uint32_t j = 0; j < l.num_groups; ++j) {
+      const uint32_t t0 = j * l.group_len, len = MinU32(l.group_len, T - t0);
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t d = 0; d < D; d += kLanes) {
+          __m512 mn = inf, mx = ninf;
+          for (uint32_t t = t0; t < t0 + len; ++t) {
+            Accumulate(Load16<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
+          }
+          _mm512_store_ps(mnv, mn);
+          _mm512_store_ps(mxv, mx);
+          IntNGroupsOfLanes(shape.dtype, qmax_f, mnv, mxv, kLanes, scales, mins,
+                            (size_t{j} * H + h) * D + d, minf, divv);
+          const __m512 mf = _mm512_load_ps(minf), dv = _mm512_load_ps(divv);
+          for (uint32_t t = t0; t < t0 + len; ++t) quantize16((size_t{t} * H + h) * D + d, mf, dv);
+        }
+      }
+    }
+  } else {  // V: groups along channels; group_len = min(G, D) is a multiple of 16
+    alignas(64) float mnv[kLanes], mxv[kLanes];
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      for (uint32_t j = 0; j < l.num_groups; ++j) {
+        const uint32_t d0 = j * l.group_len, len = MinU32(l.group_len, D - d0);
+        __m512 mn = inf, mx = ninf;
+        for (uint32_t d = d0; d < d0 + len; d += kLanes) {
+          Accumulate(Load16<kDt>(in, row * D + d), mn, mx);
+        }
+        _mm512_store_ps(mnv, mn);
+        _mm512_store_ps(mxv, mx);
+        const IntNGroup g = IntNGroupOfLanes(shape.dtype, qmax_f, mnv, mxv, kLanes, scales, mins,
+                                             row * l.num_groups + j);
+        const __m512 mf = _mm512_set1_ps(g.min_f), dv = _mm512_set1_ps(g.divisor);
+        for (uint32_t d = d0; d < d0 + len; d += kLanes) quantize16(row * D + d, mf, dv);
+      }
+    }
+  }
+}
+
+template <uint8_t kDt, uint32_t bits>
+void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const IntNLayout l = IntNLayoutFor(shape, bits);
+  const std::byte* scales = payload;
+  const std::byte* mins = payload + 2 * l.meta_count;
+  const std::byte* packed = payload + 4 * l.meta_count;
+  if (!shape.is_value) {
+    for (uint32_t t = 0; t < T; ++t) {
+      const size_t mbase = size_t{t / l.group_len} * H * D;
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t d = 0; d < D; d += kLanes) {
+          const size_t i = (size_t{t} * H + h) * D + d;
+          const size_t m = mbase + size_t{h} * D + d;
+          const __m512 x =
+              _mm512_add_ps(_mm512_mul_ps(UnpackLanes<bits>(packed, i), Load16<kDt>(scales, m)),
+                            Load16<kDt>(mins, m));
+          Store16<kDt>(out, i, x);
+        }
+      }
+    }
+  } else {
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      for (uint32_t j = 0; j < l.num_groups; ++j) {
+        const uint32_t d0 = j * l.group_len, len = MinU32(l.group_len, D - d0);
+        const size_t m = row * l.num_groups + j;
+        const __m512 scale = Broadcast<kDt>(Get16(scales, m));
+        const __m512 mn = Broadcast<kDt>(Get16(mins, m));
+        for (uint32_t d = d0; d < d0 + len; d += kLanes) {
+          const size_t i = row * D + d;
+          Store16<kDt>(out, i,
+                       _mm512_add_ps(_mm512_mul_ps(UnpackLanes<bits>(packed, i), scale), mn));
+        }
+      }
+    }
+  }
+}
+
+// Shapes the 16-lane loops cover: whole vectors per row, and (int4/int2) per group.
+bool Fits(const SegmentShape& shape) {
+  return shape.dim % kLanes == 0 && shape.group % kLanes == 0;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- entry points (dtype dispatch)
+
+void EncodeFp8Avx512(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  if (!Fits(shape)) return EncodeFp8Avx2(shape, in, payload);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeFp8Scalar(shape, in, payload),
+                         EncodeFp8Impl<kDt>(shape, in, payload));
+}
+void DecodeFp8Avx512(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  if (!Fits(shape)) return DecodeFp8Avx2(shape, payload, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeFp8Scalar(shape, payload, out),
+                         DecodeFp8Impl<kDt>(shape, payload, out));
+}
+void EncodeInt8Avx512(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  if (!Fits(shape)) return EncodeInt8Avx2(shape, in, payload);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeInt8Scalar(shape, in, payload),
+                         EncodeInt8Impl<kDt>(shape, in, payload));
+}
+void DecodeInt8Avx512(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  if (!Fits(shape)) return DecodeInt8Avx2(shape, payload, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeInt8Scalar(shape, payload, out),
+                         DecodeInt8Impl<kDt>(shape, payload, out));
+}
+void EncodeIntNAvx512(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                      std::byte* payload) {
+  if (!Fits(shape)) return EncodeIntNAvx2(shape, bits, in, payload);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeIntNScalar(shape, bits, in, payload), {
+    if (bits == 4) {
+      EncodeIntNImpl<kDt, 4>(shape, in, payload);
+    } else {
+      EncodeIntNImpl<kDt, 2>(shape, in, payload);
+    }
+  });
+}
+void DecodeIntNAvx512(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                      std::byte* out) {
+  if (!Fits(shape)) return DecodeIntNAvx2(shape, bits, payload, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeIntNScalar(shape, bits, payload, out), {
+    if (bits == 4) {
+      DecodeIntNImpl<kDt, 4>(shape, payload, out);
+    } else {
+      DecodeIntNImpl<kDt, 2>(shape, payload, out);
+    }
+  });
+}
+
+#else  // built without AVX-512: CpuHasAvx512() may still say yes, so forward to the AVX2 path.
+
+void EncodeFp8Avx512(const SegmentShape& s, const std::byte* in, std::byte* p) {
+  EncodeFp8Avx2(s, in, p);
+}
+void DecodeFp8Avx512(const SegmentShape& s, const std::byte* p, std::byte* out) {
+  DecodeFp8Avx2(s, p, out);
+}
+void EncodeInt8Avx512(const SegmentShape& s, const std::byte* in, std::byte* p) {
+  EncodeInt8Avx2(s, in, p);
+}
+void DecodeInt8Avx512(const SegmentShape& s, const std::byte* p, std::byte* out) {
+  DecodeInt8Avx2(s, p, out);
+}
+void EncodeIntNAvx512(const SegmentShape& s, uint32_t bits, const std::byte* in, std::byte* p) {
+  EncodeIntNAvx2(s, bits, in, p);
+}
+void DecodeIntNAvx512(const SegmentShape& s, uint32_t bits, const std::byte* p, std::byte* out) {
+  DecodeIntNAvx2(s, bits, p, out);
+}
+
+#endif
+
+}  // namespace proxima::codec::internal
