@@ -4,6 +4,7 @@
 // avx512 cases print "skipped: ... avx512" and the rest still run.
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <ostream>
 #include <random>
@@ -38,6 +39,8 @@ constexpr CpuPath kSimdPaths[] = {CpuPath::kAvx2, CpuPath::kAvx512};
     GTEST_SKIP() << "this CPU (or its OS) cannot run the " << CpuPathName(path) << " path"; \
   }
 
+// The widest path the CPU runs, AVX-512 only on request (PROXIMA_CODEC_AVX512=1) until it has
+// run on an AVX-512 CPU (docs/decisions.md).
 TEST(CpuPathTest, BestPathIsTheWidestAvailable) {
   const CpuPath best = BestCpuPath();
   std::printf("best CPU path here: %s (avx2 %s, avx512 %s)\n",
@@ -46,7 +49,9 @@ TEST(CpuPathTest, BestPathIsTheWidestAvailable) {
               CpuPathAvailable(CpuPath::kAvx512) ? "yes" : "no");
   EXPECT_TRUE(CpuPathAvailable(best));
   EXPECT_TRUE(CpuPathAvailable(CpuPath::kScalar));
-  if (CpuPathAvailable(CpuPath::kAvx512)) {
+  const char* requested = std::getenv("PROXIMA_CODEC_AVX512");
+  if (CpuPathAvailable(CpuPath::kAvx512) && requested != nullptr &&
+      std::string_view(requested) == "1") {
     EXPECT_EQ(best, CpuPath::kAvx512);
     EXPECT_TRUE(CpuPathAvailable(CpuPath::kAvx2));  // the AVX-512 path hands odd dims to AVX2
   } else if (CpuPathAvailable(CpuPath::kAvx2)) {

@@ -30,7 +30,10 @@ GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
-OTHER=(daemon/proximad)
+# The GPU machine's CPU is the only AVX-512 one these checks reach (build machines: AVX2): the
+# codec's CPU paths are checked and timed there too.
+CPU_SIMD=(kernels/kernels_simd_test bench/codec_bench)
+OTHER=(daemon/proximad "${CPU_SIMD[@]}")
 
 case "$MODE" in
   prepare)
@@ -40,7 +43,8 @@ case "$MODE" in
       ./scripts/build.sh "$SRC" -DCMAKE_BUILD_TYPE=Release -DPROXIMA_WITH_CUDA=ON \
         -DPROXIMA_BUILD_BENCH=ON -DPROXIMA_BUILD_TESTS=ON
     else
-      PROXIMA_TARGETS="${GPU_TESTS[*]##*/} ${GPU_BENCH[*]##*/} proximad" ./scripts/build.sh "$SRC"
+      PROXIMA_TARGETS="${GPU_TESTS[*]##*/} ${GPU_BENCH[*]##*/} ${CPU_SIMD[*]##*/} proximad" \
+        ./scripts/build.sh "$SRC"
     fi
     compgen -G "$SRC/CMakeFiles/*/CMakeCUDACompiler.cmake" >/dev/null ||
       { echo "gpu-check: $SRC was configured without CUDA" >&2; exit 1; }
@@ -110,6 +114,13 @@ case "$MODE" in
     step crc32c_gpu_bench 60 "$DIR/bench/crc32c_gpu_bench" --batch_mb=256 --span_kb=700
     step kv_layout_gpu_bench 120 "$DIR/bench/kv_layout_bench" --device=cuda --num_blocks=256 \
       --batch=64
+    # The CPU codec paths on this machine's CPU: bit identity of every path it has (AVX-512 here
+    # when the CPU has it) and their speed against memcpy, one thread.
+    step cpu-simd-test 120 "$DIR/kernels/kernels_simd_test"
+    step cpu-codec-bench 240 "$DIR/bench/codec_bench" \
+      --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --min_time_s=0.3 \
+      --threads=1 --working_set_mb=64 --codecs="fp8;int8;int4,group=64;int2,group=64" \
+      --paths=avx512,avx2,scalar
     # Out-of-bounds accesses and races in the kernels (Firecracker machines run compute-sanitizer).
     if command -v compute-sanitizer >/dev/null; then
       for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test \
