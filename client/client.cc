@@ -120,7 +120,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // worker per GPU) then move bytes in parallel instead of sharing one TCP stream.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // Blocks are megabytes: large HTTP/2 frames and a deep flow-control window move them in
-  // fewer, bigger writes than gRPC's defaults (16 KiB frames).
+  // fewer, bigger writes than gRPC's defaults (16 KiB frames). Also measured over loopback TCP,
+  // and not set because none moved 256 KiB gets beyond run-to-run noise (docs/benchmarks.md,
+  // run 8): BDP probing off, bigger TCP read chunks, gRPC's SO_RCVLOWAT experiment.
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   if (!options.tls_server_name.empty()) {

@@ -63,6 +63,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   // Without this, gRPC sets SO_REUSEPORT and a second daemon could bind the same port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Blocks are megabytes: large HTTP/2 frames and a deep flow-control window (as in the client).
+  // The TCP listener needs no socket-buffer setting like the Unix socket's: the kernel grows its
+  // connections' send buffers to net.ipv4.tcp_wmem's maximum (4 MiB) during a get (run 8 in
+  // docs/benchmarks.md, where the knobs tried for 256 KiB gets over TCP are listed).
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.server.max_message_bytes));
