@@ -17,6 +17,7 @@
 
 #include "kernels/dtype_dispatch.h"
 #include "kernels/internal/segment_codecs.h"
+#include "kernels/internal/simd_bytes.h"
 
 namespace proxima::codec::internal {
 
@@ -27,20 +28,6 @@ namespace {
 constexpr uint32_t kHeadChunk = 32;
 constexpr float kInf = __builtin_huge_valf();
 
-// Unaligned little-endian access, spelled here rather than through the header's inline Load16 &
-// co. (see the file comment).
-uint16_t Get16(const std::byte* p, size_t i) {
-  uint16_t v;
-  std::memcpy(&v, p + 2 * i, 2);
-  return v;
-}
-float GetF32(const std::byte* p, size_t i) {
-  float v;
-  std::memcpy(&v, p + 4 * i, 4);
-  return v;
-}
-void PutF32(std::byte* p, size_t i, float v) { std::memcpy(p + 4 * i, &v, 4); }
-uint32_t MinU32(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
 // Loads 8 dtype values (any alignment) as floats.
 template <uint8_t kDt>
