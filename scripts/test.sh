@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command (and CI's): installs what Proxima needs, builds it with tests, and
-# runs the whole suite: unit tests, integration tests against the real proximad, and the
-# bounded fuzz runs. Exits non-zero if anything fails.
+# runs the whole suite: unit tests, integration tests against the real proximad, the bounded
+# fuzz runs and the unit tests of the memory- and input-handling core under ASan + UBSan.
+# Exits non-zero if anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
@@ -21,3 +22,8 @@ PROXIMA_BUILD_DIR=build python3 -m pip install --disable-pip-version-check \
 ./scripts/fuzz.sh request 20
 ./scripts/fuzz.sh config_parse 15
 ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
+# ASan + UBSan over the unit tests of common, the wire encoding, the codec and kernels, and the
+# daemon (block store, tier service, config, placement, ...), built in build-asan/ (Debug; its
+# cost in CI time: docs/reliability.md). The whole suite under ASan + UBSan, and TSan, run from
+# scripts/sanitize.sh by hand.
+./scripts/sanitize.sh address ci
