@@ -42,8 +42,8 @@ case "$KIND:$SCOPE" in
     # Only these targets are built; ctest's unit label then selects their tests (the tests of
     # binaries not built are registered as <target>_NOT_BUILT, without the label).
     export PROXIMA_TARGETS="common_test wire_test kernels_device_test kernels_codec_test
-      kernels_vec_codec_test kernels_kv_layout_test kernels_crc32c_math_test daemon_test
-      fuzz_corpus_test"
+      kernels_simd_test kernels_vec_codec_test kernels_kv_layout_test kernels_crc32c_math_test
+      daemon_test fuzz_corpus_test"
     LABEL=(-L unit) ;;
   *) echo "unknown scope '$SCOPE' for $KIND (address: all | ci; thread: all)" >&2; exit 2 ;;
 esac
