@@ -35,6 +35,16 @@ GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
 CPU_SIMD=(kernels/kernels_simd_test bench/codec_bench)
 OTHER=(daemon/proximad "${CPU_SIMD[@]}")
 
+# On the GPU machine: logs go to a fresh $LOGS, packed into $OUT/$1 when the script exits, and
+# the carried shared libraries come first.
+start_logs() {
+  OUT=${OUT:-$PWD/gpu-check-out}
+  LOGS=$(mktemp -d)
+  mkdir -p "$OUT"
+  trap "tar czf '$OUT/$1' -C '$LOGS' . ; rm -rf '$LOGS'" EXIT
+  export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
 case "$MODE" in
   prepare)
     SRC=${FROM:-build-gpu-src}
@@ -81,15 +91,12 @@ case "$MODE" in
     du -sh "$DIR"
     ;;
   run)
-    OUT=${OUT:-$PWD/gpu-check-out}
-    LOGS=$(mktemp -d)
-    mkdir -p "$OUT"
-    trap 'tar czf "$OUT/gpu-check.tgz" -C "$LOGS" . ; rm -rf "$LOGS"' EXIT
-    export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    start_logs gpu-check.tgz
     export PROXIMAD="$PWD/$DIR/daemon/proximad"  # for the tests that start the daemon
     { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true
-      grep -m1 'model name' /proc/cpuinfo; grep -o -w 'avx512[a-z0-9_]*' /proc/cpuinfo | sort -u |
-        tr '\n' ' '; echo; } > "$LOGS/device.txt" 2>&1
+      grep -m1 'model name' /proc/cpuinfo
+      { grep -o -w 'avx512[a-z0-9_]*' /proc/cpuinfo || echo "no avx512"; } | sort -u | tr '\n' ' '
+      echo; } > "$LOGS/device.txt" 2>&1
     head -15 "$LOGS/device.txt"; tail -2 "$LOGS/device.txt"
     status=0
     step() {  # step NAME SECONDS CMD...: runs CMD under a time limit, log in $LOGS/NAME.log
@@ -163,11 +170,7 @@ case "$MODE" in
     # per codec, on real KV through codec_gpu_bench: speed of light, occupancy, warp stalls and
     # memory traffic, as text in $OUT/profile.tgz (a summary of each on stdout). PROFILE_CODECS
     # and PROFILE_KERNELS override the codecs and the kernels.
-    OUT=${OUT:-$PWD/gpu-check-out}
-    LOGS=$(mktemp -d)
-    mkdir -p "$OUT"
-    trap 'tar czf "$OUT/profile.tgz" -C "$LOGS" . ; rm -rf "$LOGS"' EXIT
-    export LD_LIBRARY_PATH="$PWD/$DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    start_logs profile.tgz
     command -v ncu >/dev/null || { echo "gpu-check: ncu not found" >&2; exit 1; }
     SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats
       --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
