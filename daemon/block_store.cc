@@ -90,11 +90,12 @@ void BlockStore::Resized(const Shard::Entry& entry, uint64_t old_size) {
 }
 
 std::optional<BlockId> BlockStore::UnpinnedTail(const Shard& shard, uint8_t segment,
-                                                uint64_t* stamp) const {
+                                                uint64_t* stamp, bool for_spill) const {
   int scanned = 0;
   const std::list<BlockId>& list = shard.lru[segment];
   for (auto it = list.rbegin(); it != list.rend() && scanned < kEvictionScan; ++it, ++scanned) {
     const Shard::Entry& entry = shard.map.find(*it)->second;
+    if (for_spill && (entry.busy || entry.attributes.from_peer)) continue;
     // The index holds one reference; readers take theirs under the shard lock held here.
     if (entry.block.use_count() == 1) {
       *stamp = entry.stamp;
@@ -351,7 +352,7 @@ void BlockStore::Release(const Candidate& candidate) {
   }
 }
 
-bool BlockStore::EvictCandidate(const Candidate& candidate) {
+bool BlockStore::EvictCandidate(const Candidate& candidate, bool count) {
   Shard& shard = ShardFor(candidate.id);
   BlockRef evicted;
   {
@@ -370,8 +371,35 @@ bool BlockStore::EvictCandidate(const Candidate& candidate) {
     evicted = Unlink(shard, candidate.id, static_cast<const StoredBlock*>(candidate.block.pin.get()));
   }
   if (evicted == nullptr) return false;
-  evictions_.fetch_add(1, std::memory_order_relaxed);
+  if (count) evictions_.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+std::optional<BlockStore::Candidate> BlockStore::ColdestSpillable() {
+  for (uint8_t segment : {kProbation, kProtected}) {
+    // As EvictOneFrom: the shard whose oldest eligible block is oldest, then that block again
+    // under its lock (it may have moved meanwhile: the caller asks again).
+    Shard* best = nullptr;
+    uint64_t oldest = std::numeric_limits<uint64_t>::max();
+    for (auto& shard : shards_) {
+      proxima::MutexLock lock(&shard->mu);
+      uint64_t stamp = 0;
+      if (UnpinnedTail(*shard, segment, &stamp, /*for_spill=*/true) && stamp < oldest) {
+        oldest = stamp;
+        best = shard.get();
+      }
+    }
+    if (best == nullptr) continue;
+    proxima::MutexLock lock(&best->mu);
+    uint64_t stamp = 0;
+    std::optional<BlockId> id = UnpinnedTail(*best, segment, &stamp, /*for_spill=*/true);
+    if (!id) return std::nullopt;
+    Shard::Entry& e = best->map.find(*id)->second;
+    e.busy = true;
+    const StoredBlock& b = *e.block;
+    return Candidate{*id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
+  }
+  return std::nullopt;
 }
 
 std::optional<BlockStore::PendingBlock> BlockStore::Reserve(uint64_t bytes) {
@@ -381,9 +409,10 @@ std::optional<BlockStore::PendingBlock> BlockStore::Reserve(uint64_t bytes) {
 }
 
 PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t crc32c,
-                              BlockAttributes attributes) {
+                              BlockAttributes attributes, uint8_t level) {
   BlockRef block = std::move(pending.block_);
   block->crc32c = crc32c;
+  block->level = std::min<uint8_t>(level, kMaxLevels - 1);
   attributes.max_level = std::min<uint8_t>(attributes.max_level, kMaxLevels - 1);
   Shard& shard = ShardFor(id);
   bool demote = false;
@@ -392,14 +421,23 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
     auto [it, inserted] = shard.map.try_emplace(id);
     if (inserted) {
       const uint64_t size = block->size;
-      CountLevel(0, 1, static_cast<int64_t>(size));
-      shard.lru[kProbation].push_front(id);
+      CountLevel(block->level, 1, static_cast<int64_t>(size));
       Shard::Entry& e = it->second;
       e.block = std::move(block);
-      e.lru = shard.lru[kProbation].begin();
-      e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+      std::list<BlockId>& probation = shard.lru[kProbation];
+      if (attributes.from_peer) {
+        // A peer's coldest block, kept in room this node has to spare: the first to go when
+        // this node needs the room, unless it is read here first.
+        probation.push_back(id);
+        e.lru = std::prev(probation.end());
+        e.stamp = 0;
+      } else {
+        probation.push_front(id);
+        e.lru = probation.begin();
+        e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+      }
       e.attributes = attributes;
-      if (attributes.max_level > 0) {
+      if (attributes.max_level > e.block->level) {
         auto& list = shard.compressible[id.namespace_index];
         list.push_front(id);
         e.cold = list.begin();

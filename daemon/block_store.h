@@ -84,6 +84,8 @@ struct BlockAttributes {
   uint8_t max_level = 0;        // deepest hierarchy level it may be encoded to; 0 = stays raw
   bool is_first_block = false;  // the first block of its sequence (attention sinks)
   bool second_chance = false;   // the worker's importance hint: passed over once when coldest
+  bool from_peer = false;       // spilled here by a peer (cluster): never spilled on again, and
+                                // committed as the coldest block (the first to be evicted)
 };
 
 struct StoredBlock;
@@ -118,11 +120,12 @@ class BlockStore {
   // when nothing more can be evicted (the rest is pinned by readers).
   std::optional<PendingBlock> Reserve(uint64_t bytes);
 
-  // Makes a written block visible under `id`. `crc32c` is the CRC32C of its bytes. When `id`
+  // Makes a written block visible under `id`. `crc32c` is the CRC32C of its bytes, `level` their
+  // hierarchy level (0: the raw block; a block spilled by a peer may arrive encoded). When `id`
   // is already stored, the stored block is kept (keys name content), marked recently used, and
   // `block` is freed.
   PutOutcome Commit(const BlockId& id, PendingBlock block, uint32_t crc32c,
-                    BlockAttributes attributes = {});
+                    BlockAttributes attributes = {}, uint8_t level = 0);
 
   // Like Reserve(), but never evicts: nullopt when no free extent is large enough now.
   // `placement`: kHigh for encoded blocks (see HostTier::Placement).
@@ -172,7 +175,14 @@ class BlockStore {
   void Release(const Candidate& candidate);
   // Evicts the candidate's block (when it still holds the same bytes and no reader pins it);
   // true when it did. When a reader pins it, clears the busy mark and returns false.
-  bool EvictCandidate(const Candidate& candidate);
+  // `count`: false for a block that left for another node (a spill), not counted in evictions().
+  bool EvictCandidate(const Candidate& candidate, bool count = true);
+
+  // The least recently used block that may be spilled to a peer (not itself spilled here by
+  // one, not pinned by a reader, not busy), probation first, pinned and marked busy as
+  // ColdestCompressible's are: hand it back with EvictCandidate() or Release(). nullopt when
+  // there is none near the tails.
+  std::optional<Candidate> ColdestSpillable();
 
   // Evicts the globally least recently used probation block that no reader pins (a protected
   // one when probation has none), or passes over an important block once. False when there is
@@ -245,8 +255,10 @@ class BlockStore {
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // The least recently used block among the last few of `shard`'s `segment` list that no
-  // reader pins, and its stamp; nullopt when there is none.
-  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint8_t segment, uint64_t* stamp) const
+  // reader pins, and its stamp; nullopt when there is none. `for_spill`: only blocks that are
+  // not busy and did not come from a peer.
+  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint8_t segment, uint64_t* stamp,
+                                      bool for_spill = false) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
   bool EvictOneFrom(uint8_t segment);

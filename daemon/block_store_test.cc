@@ -179,6 +179,58 @@ TEST_F(BlockStoreTest, ACallerThatChecksGetsTheStoredBytesAndCrcUntouched) {
   EXPECT_FALSE(store->Contains(Id(9)));
 }
 
+TEST_F(BlockStoreTest, SpillCandidatesAreTheColdestOwnBlocksAndLeaveUncounted) {
+  const size_t kBlock = 4096;
+  auto store = MakeStore(64 * kBlock);
+  // A block a peer spilled here, committed at the level it arrived at: never a spill candidate.
+  const std::string spilled = Payload(100, kBlock / 2);
+  std::optional<BlockStore::PendingBlock> p = store->TryReserve(spilled.size());
+  ASSERT_TRUE(p.has_value());
+  std::memcpy(p->bytes().data(), spilled.data(), spilled.size());
+  BlockAttributes from_peer;
+  from_peer.from_peer = true;
+  EXPECT_EQ(store->Commit(Id(100), *std::move(p), Crc32c(B(spilled)), from_peer, /*level=*/2),
+            PutOutcome::kStored);
+  EXPECT_EQ(store->level_blocks(2), 1u);
+  EXPECT_EQ(store->level_bytes(2), spilled.size());
+  std::optional<BlockStore::ReadBlock> r = store->Read(Id(100));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->level, 2);
+  r.reset();
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  std::string out;
+  ASSERT_TRUE(ReadInto(*store, Id(0), &out));  // 0 is now the most recent: 1 is the coldest
+
+  std::optional<BlockStore::Candidate> first = store->ColdestSpillable();
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->id, Id(1));
+  std::optional<BlockStore::Candidate> second = store->ColdestSpillable();  // 1 is busy now
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->id, Id(2));
+  store->Release(*second);
+  second.reset();  // a candidate pins its block: held, it is no candidate again
+  EXPECT_TRUE(store->EvictCandidate(*first, /*count=*/false));
+  EXPECT_FALSE(store->Contains(Id(1)));
+  EXPECT_EQ(store->evictions(), 0u);  // it left for a peer: not an eviction
+  second = store->ColdestSpillable();
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->id, Id(2));
+  // A reader pinning it keeps it here.
+  std::optional<BlockStore::ReadBlock> pin = store->Read(Id(2));
+  EXPECT_FALSE(store->EvictCandidate(*second, /*count=*/false));
+  EXPECT_TRUE(store->Contains(Id(2)));
+  pin.reset();
+  second.reset();
+  // Blocks 0 and 2 remain (the read made 2 the most recent), then nothing: the spilled-in
+  // block 100 is never handed out.
+  std::optional<BlockStore::Candidate> c0 = store->ColdestSpillable();
+  std::optional<BlockStore::Candidate> c2 = store->ColdestSpillable();
+  ASSERT_TRUE(c0.has_value() && c2.has_value());
+  EXPECT_EQ(c0->id, Id(0));
+  EXPECT_EQ(c2->id, Id(2));
+  EXPECT_FALSE(store->ColdestSpillable().has_value());
+}
+
 TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
   auto store = MakeStore(64 << 10);
   std::string a = Payload(1, 32 << 10);

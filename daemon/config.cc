@@ -89,6 +89,11 @@ cluster:                           # daemons of many nodes sharing their tiers (
   peer_deadline: 2s                # budget of the remote part of any call (every peer call)
   peer_token: {}                   # {file: PATH} or {env: VAR}: the token daemons present
                                    # to each other; required when enabled (docs/security.md)
+  spill:                           # cold blocks move to peers with room when this node is full
+    enabled: true
+    threshold: 0.9                 # spill the coldest blocks while the host tier is fuller
+    accept_below: 0.75             # keep peers' spilled blocks only up to this fill
+    candidates: 3                  # a block goes to the first of its key's N best nodes with room
 )";
 
 // Walks a YAML tree and produces errors that name the full dotted key.
@@ -515,7 +520,7 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
       node, "cluster",
       {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh", "health_interval",
-       "health_timeout", "failures_before_down", "peer_deadline", "peer_token"}));
+       "health_timeout", "failures_before_down", "peer_deadline", "peer_token", "spill"}));
   if (!node || !node.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(r.Bool(node["enabled"], "cluster.enabled", &out->enabled));
   PROXIMA_RETURN_IF_ERROR(r.String(node["advertise"], "cluster.advertise", &out->advertise));
@@ -579,6 +584,27 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                        "exactly one of 'file' (a path) or 'env' (a variable name)");
       }
     }
+  }
+  if (const YAML::Node spill = node["spill"]) {
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
+                                        {"enabled", "threshold", "accept_below", "candidates"}));
+    if (spill.IsMap()) {
+      PROXIMA_RETURN_IF_ERROR(
+          r.Bool(spill["enabled"], "cluster.spill.enabled", &out->spill_enabled));
+      PROXIMA_RETURN_IF_ERROR(r.Double(spill["threshold"], "cluster.spill.threshold", 0.05, 1.0,
+                                       &out->spill_threshold));
+      PROXIMA_RETURN_IF_ERROR(r.Double(spill["accept_below"], "cluster.spill.accept_below", 0.0,
+                                       1.0, &out->spill_accept_below));
+      PROXIMA_RETURN_IF_ERROR(Uint32(r, spill["candidates"], "cluster.spill.candidates", 1, 64,
+                                     &out->spill_candidates));
+    }
+  }
+  if (out->spill_accept_below >= out->spill_threshold) {
+    // A node that kept blocks up to its own spill threshold would push its own blocks out to
+    // make room for its peers'.
+    return r.Error("cluster.spill.accept_below", absl::StrCat(out->spill_accept_below),
+                   absl::StrCat("a share below cluster.spill.threshold (",
+                                out->spill_threshold, ")"));
   }
   if (!out->enabled) return absl::OkStatus();
   if (out->advertise.empty()) {
@@ -1136,6 +1162,12 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "peer_token" << YAML::Value << YAML::Flow << YAML::BeginMap;
   if (!k.peer_token_file.empty()) e << YAML::Key << "file" << YAML::Value << k.peer_token_file;
   if (!k.peer_token_env.empty()) e << YAML::Key << "env" << YAML::Value << k.peer_token_env;
+  e << YAML::EndMap;
+  e << YAML::Key << "spill" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "enabled" << YAML::Value << k.spill_enabled;
+  e << YAML::Key << "threshold" << YAML::Value << k.spill_threshold;
+  e << YAML::Key << "accept_below" << YAML::Value << k.spill_accept_below;
+  e << YAML::Key << "candidates" << YAML::Value << k.spill_candidates;
   e << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::EndMap;

@@ -144,6 +144,14 @@ struct ClusterConfig {
   // variable (exactly one), never written in the config. Required when enabled.
   std::string peer_token_file;
   std::string peer_token_env;
+  // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
+  // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
+  // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`
+  // best rendezvous nodes (other than this one) that has room.
+  bool spill_enabled = true;
+  double spill_threshold = 0.9;
+  double spill_accept_below = 0.75;
+  uint32_t spill_candidates = 3;
 };
 
 struct DaemonConfig {

@@ -339,6 +339,10 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(d.cluster.failures_before_down, 3u);
   EXPECT_EQ(d.cluster.peer_deadline_seconds, 2);
   EXPECT_EQ(d.cluster.dns_refresh_seconds, 10);
+  EXPECT_TRUE(d.cluster.spill_enabled);
+  EXPECT_EQ(d.cluster.spill_threshold, 0.9);
+  EXPECT_EQ(d.cluster.spill_accept_below, 0.75);
+  EXPECT_EQ(d.cluster.spill_candidates, 3u);
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
       ParseConfig("cluster:\n"
@@ -352,7 +356,8 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                   "  health_timeout: 0.1\n"
                   "  failures_before_down: 5\n"
                   "  peer_deadline: 1.5s\n"
-                  "  peer_token: {file: /etc/proxima/peer-token}\n",
+                  "  peer_token: {file: /etc/proxima/peer-token}\n"
+                  "  spill: {enabled: false, threshold: 0.95, accept_below: 0.5, candidates: 2}\n",
                   "c", {}));
   EXPECT_TRUE(c.cluster.enabled);
   EXPECT_EQ(c.cluster.advertise, "10.0.0.7:50051");
@@ -370,6 +375,10 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(again.cluster.health_interval_seconds, 0.25);
   EXPECT_EQ(again.cluster.peer_deadline_seconds, 1.5);
   EXPECT_EQ(again.cluster.peer_token_file, c.cluster.peer_token_file);
+  EXPECT_FALSE(again.cluster.spill_enabled);
+  EXPECT_EQ(again.cluster.spill_threshold, 0.95);
+  EXPECT_EQ(again.cluster.spill_accept_below, 0.5);
+  EXPECT_EQ(again.cluster.spill_candidates, 2u);
   // --set works on the section like on any other.
   ASSERT_OK_AND_ASSIGN(DaemonConfig s,
                        ParseConfig("", "s",
@@ -409,6 +418,12 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {on + "}\nserver: {tls: {cert_file: /c, key_file: /k}}",
        {"cluster.enabled", "server.tls", "plaintext"}},
       {"cluster: {gossip: true}", {"cluster.gossip", "unknown", "advertise"}},
+      {"cluster: {spill: {threshold: 1.5}}", {"cluster.spill.threshold", "1.5", "[0.05, 1]"}},
+      {"cluster: {spill: {accept_below: 0.95}}",
+       {"cluster.spill.accept_below", "0.95", "below cluster.spill.threshold (0.9)"}},
+      {"cluster: {spill: {candidates: 0}}", {"cluster.spill.candidates", "[1, 64]"}},
+      {"cluster: {spill: {ratio: 2}}", {"cluster.spill.ratio", "unknown"}},
+      {"cluster: {spill: 3}", {"cluster.spill"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.yaml);

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/mutex.h"
+#include "common/status_macros.h"
 #include "daemon/block_store.h"
 #include "daemon/cluster/remote_blocks.h"
 #include "daemon/config.h"
@@ -172,6 +173,13 @@ class TierService {
   // daemon has authorized.
   absl::StatusOr<uint32_t> NamespaceIndex(const std::string& name) const {
     return FindNamespace(name);
+  }
+
+  // The raw block size of profile `profile_id` in namespace `ns`, or NOT_FOUND when it is not
+  // registered there. No authorization (for the cluster, like NamespaceIndex).
+  absl::StatusOr<uint64_t> RegisteredBlockBytes(uint32_t ns, uint64_t profile_id) {
+    PROXIMA_ASSIGN_OR_RETURN(RegisteredProfile p, FindProfile(ns, profile_id));
+    return p.block_bytes;
   }
 
   BlockStore& store() { return *store_; }

@@ -18,6 +18,12 @@ constexpr size_t kMaxRecords = 4u << 20;
 // Keys waiting in the record sender's queue at most; past it new records are dropped (counted):
 // a lost record is a miss, and a put never waits for peers.
 constexpr size_t kMaxQueuedKeys = 1u << 20;
+// Block bytes one spill round takes at most (copied into the StoreBlocks requests).
+constexpr uint64_t kMaxSpillRoundBytes = 64ull << 20;
+// How long a peer that answered full (or failed a StoreBlocks) is left alone.
+constexpr absl::Duration kPeerFullBackoff = absl::Seconds(1);
+// The spiller's wake-up period when no put wakes it.
+constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
 
 void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
   out->set_namespace_name(blocks.namespace_name);
@@ -95,9 +101,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
     PROXIMA_LOG(kInfo) << "location records of a lost peer dropped" << log::Kv("peer", peer)
                        << log::Kv("records", dropped);
   });
-  cluster->service_ = std::make_unique<PeerService>(core, &cluster->records_, c.advertise,
-                                                    cluster->token_,
-                                                    config.server.max_message_bytes, registry);
+  cluster->service_ = std::make_unique<PeerService>(
+      core, &cluster->records_, cluster.get(), c.advertise, cluster->token_,
+      config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry);
   return cluster;
 }
 
@@ -131,6 +137,16 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
   bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
                                    "Block bytes moved, by transport and direction",
                                    {{"transport", "peer_grpc"}, {"direction", "in"}});
+  spilled_blocks_ = registry->AddCounter("proxima_cluster_spill_sent_blocks_total",
+                                         "Cold blocks this node spilled to peers, by outcome",
+                                         {{"outcome", "moved"}});
+  spill_no_room_ = registry->AddCounter(
+      "proxima_cluster_spill_sent_blocks_total",
+      "Cold blocks this node spilled to peers, by outcome",
+      {{"outcome", "no_peer_room"}});  // no candidate peer had room (or answered)
+  spill_bytes_out_ = registry->AddCounter("proxima_cluster_spill_bytes_total",
+                                          "Block bytes spilled between daemons, by direction",
+                                          {{"direction", "out"}});
   LocationTable* records = &records_;
   registry->AddGauge("proxima_cluster_location_records",
                      "Location records this node keeps as home", {},
@@ -142,6 +158,7 @@ Cluster::~Cluster() { Stop(); }
 void Cluster::Start() {
   membership_->Start();
   sender_ = std::thread([this] { RunSender(); });
+  if (config_.cluster.spill_enabled) spiller_ = std::thread([this] { RunSpiller(); });
 }
 
 void Cluster::Stop() {
@@ -150,7 +167,9 @@ void Cluster::Stop() {
     stopping_ = true;
   }
   queue_cv_.notify_all();
+  spill_cv_.notify_all();
   if (sender_.joinable()) sender_.join();
+  if (spiller_.joinable()) spiller_.join();
   if (membership_) membership_->Stop();
 }
 
@@ -159,7 +178,10 @@ void Cluster::AddAuth(grpc::ClientContext* context, absl::Time deadline) const {
   context->set_deadline(absl::ToChronoTime(deadline));
 }
 
-void Cluster::Stored(const RemoteBlockSet& blocks) { TellHomes(blocks, /*forget=*/false); }
+void Cluster::Stored(const RemoteBlockSet& blocks) {
+  TellHomes(blocks, /*forget=*/false);
+  WakeSpillerIfFull();
+}
 
 void Cluster::Removed(const RemoteBlockSet& blocks) { TellHomes(blocks, /*forget=*/true); }
 
@@ -263,10 +285,14 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
     }
   }
   if (!at_self.empty()) {
+    // As a home answers a peer (PeerService::ServeLookup): its own tiers first, then its
+    // records. A block of a chain may be here after earlier ones have spilled elsewhere.
     std::vector<BlockId> ids;
     for (size_t i : at_self) ids.push_back(IdOf(blocks, i));
     std::vector<std::string> found = records_.Find(ids);
-    for (size_t j = 0; j < at_self.size(); ++j) holders[at_self[j]] = std::move(found[j]);
+    for (size_t j = 0; j < at_self.size(); ++j) {
+      holders[at_self[j]] = core_->store().Contains(ids[j]) ? self_ : std::move(found[j]);
+    }
   }
   using Call = PeerCall<v1::LookupLocationsRequest, v1::LookupLocationsResponse>;
   std::vector<std::unique_ptr<Call>> calls;
@@ -404,6 +430,171 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   remote_get_misses_->Increment(blocks.keys.size() - hits);
   bytes_in_->Increment(bytes);
   return out;
+}
+
+void Cluster::WakeSpillerIfFull() {
+  if (!config_.cluster.spill_enabled) return;
+  const BlockStore& store = core_->store();
+  if (static_cast<double>(store.used_bytes()) <=
+      config_.cluster.spill_threshold * static_cast<double>(store.capacity_bytes())) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    spill_wanted_ = true;
+  }
+  spill_cv_.notify_one();
+}
+
+void Cluster::RunSpiller() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      spill_cv_.wait_for(lock, kSpillPeriod, [this] { return stopping_ || spill_wanted_; });
+      if (stopping_) return;
+      spill_wanted_ = false;
+    }
+    while (SpillOnce()) {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      if (stopping_) return;
+    }
+  }
+}
+
+bool Cluster::SpillOnce() {
+  BlockStore& store = core_->store();
+  const double capacity = static_cast<double>(store.capacity_bytes());
+  const double limit = config_.cluster.spill_threshold * capacity;
+  const uint64_t used = store.used_bytes();
+  if (static_cast<double>(used) <= limit) return false;
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  if (live->nodes.size() < 2) return false;
+  const absl::Time now = absl::Now();
+  // The bytes each live peer may be sent this round: what it said it has room for; one block
+  // after a refusal once its back-off has passed; nothing during the back-off.
+  std::vector<uint64_t> budget(live->nodes.size(), 0);
+  bool any_peer = false;
+  for (size_t i = 0; i < live->nodes.size(); ++i) {
+    if (i == live->self) continue;
+    auto room = rooms_.find(live->id(i));
+    if (room == rooms_.end()) {
+      budget[i] = UINT64_MAX;
+    } else if (room->second.retry_at <= now) {
+      budget[i] = room->second.bytes > 0 ? room->second.bytes : 1;  // 1: a single block
+    }
+    any_peer |= budget[i] > 0;
+  }
+  if (!any_peer) return false;
+  // Down to a little under the threshold (1/64 of the tier), so that not every put starts a
+  // round of its own.
+  const uint64_t want = std::min<uint64_t>(
+      kMaxSpillRoundBytes, static_cast<uint64_t>(static_cast<double>(used) - limit + capacity / 64));
+  const uint64_t max_call_bytes = config_.server.max_message_bytes - 64 * 1024;
+
+  using Call = PeerCall<v1::StoreBlocksRequest, v1::StoreBlocksResponse>;
+  struct Pending {
+    std::unique_ptr<Call> call;
+    std::vector<BlockStore::Candidate> blocks;
+    uint64_t bytes = 0;
+  };
+  // (target, namespace, partition, profile) -> the call being filled for it.
+  absl::flat_hash_map<std::tuple<size_t, uint32_t, uint32_t, uint64_t>, size_t> open;
+  std::vector<Pending> pending;
+  std::vector<BlockStore::Candidate> stay;  // no peer takes them now: released at the end
+  uint64_t taken = 0;
+  while (taken < want) {
+    std::optional<BlockStore::Candidate> c = store.ColdestSpillable();
+    if (!c) break;
+    taken += c->block.bytes.size();
+    const BlockId& id = c->id;
+    const std::string& ns_name = config_.namespaces[id.namespace_index].name;
+    absl::StatusOr<uint64_t> block_bytes = core_->RegisteredBlockBytes(id.namespace_index,
+                                                                    id.profile_id);
+    size_t target = live->nodes.size();
+    if (block_bytes.ok()) {
+      for (size_t node : RankNodes(live->nodes, PlacementHash(ns_name, id.key),
+                                   config_.cluster.spill_candidates + 1)) {
+        if (node == live->self || budget[node] == 0) continue;
+        target = node;
+        // A budget of 1 (a probe after a refusal) takes one block; otherwise the bytes count.
+        budget[node] = budget[node] == 1 ? 0
+                                          : budget[node] - std::min<uint64_t>(
+                                                               budget[node], c->block.bytes.size());
+        break;
+      }
+    }
+    if (target >= live->nodes.size()) {
+      spill_no_room_->Increment();
+      stay.push_back(*std::move(c));
+      continue;
+    }
+    const auto key = std::make_tuple(target, id.namespace_index, id.partition, id.profile_id);
+    auto it = open.find(key);
+    if (it == open.end() ||
+        pending[it->second].bytes + c->block.bytes.size() > max_call_bytes ||
+        pending[it->second].blocks.size() >= core_->max_batch_blocks()) {
+      Pending p;
+      p.call = std::make_unique<Call>();
+      p.call->peer = live->id(target);
+      v1::PeerBlockSet* set = p.call->request.mutable_blocks();
+      set->set_namespace_name(ns_name);
+      set->set_partition(id.partition);
+      set->set_profile_id(id.profile_id);
+      p.call->request.set_block_bytes(*block_bytes);
+      pending.push_back(std::move(p));
+      it = open.insert_or_assign(key, pending.size() - 1).first;
+    }
+    Pending& p = pending[it->second];
+    p.call->request.mutable_blocks()->add_keys(reinterpret_cast<const char*>(id.key.data()),
+                                               kKeyBytes);
+    v1::SpilledBlock* b = p.call->request.add_data();
+    b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
+    b->set_crc32c(c->block.crc32c);
+    b->set_level(c->block.level);
+    p.bytes += c->block.bytes.size();
+    p.blocks.push_back(*std::move(c));
+  }
+  std::vector<std::unique_ptr<Call>> calls;
+  for (Pending& p : pending) calls.push_back(std::move(p.call));
+  const absl::Time deadline = now + peer_deadline_;
+  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
+    AddAuth(&call->context, deadline);
+    return call->stub->PrepareAsyncStoreBlocks(&call->context, call->request, cq);
+  });
+  bool moved = false;
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const Call& call = *calls[k];
+    std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
+    const bool answered =
+        call.status.ok() && call.response.stored_size() == static_cast<int>(blocks.size());
+    if (!answered) {
+      peer_call_failures_->Increment();
+      PROXIMA_LOG(kDebug) << "spill to a peer failed" << log::Kv("peer", call.peer)
+                          << log::Kv("error", call.status.error_message());
+    }
+    PeerRoom& room = rooms_[call.peer];
+    room.bytes = answered ? call.response.room_bytes() : 0;
+    if (!answered || call.response.full() || room.bytes == 0) {
+      room.bytes = 0;
+      room.retry_at = now + kPeerFullBackoff;
+    }
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      if (!answered || !call.response.stored(static_cast<int>(j))) {
+        spill_no_room_->Increment();
+        store.Release(blocks[j]);
+        continue;
+      }
+      // The peer holds it now and tells its home. A reader that pinned it meanwhile keeps this
+      // copy here as well (both are the same bytes).
+      store.EvictCandidate(blocks[j], /*count=*/false);
+      spilled_blocks_->Increment();
+      spill_bytes_out_->Increment(blocks[j].block.bytes.size());
+      moved = true;
+    }
+  }
+  for (const BlockStore::Candidate& c : stay) store.Release(c);
+  return moved;
 }
 
 }  // namespace proxima::daemon::cluster

@@ -9,6 +9,10 @@
 //            LookupLocations call per home, in parallel (one hop).
 //   get      local first; then holders from the homes, then FetchBlocks from each holder, in
 //            parallel; the bytes are checked against their CRC32C on arrival.
+//   spill    while the host tier is fuller than cluster.spill.threshold, a spiller thread sends
+//            its coldest blocks (StoreBlocks, batched per peer) to the first of each key's best
+//            rendezvous nodes that has room; a peer keeps them below its accept_below share,
+//            becomes their holder and tells their homes; then this node drops its copies.
 //
 // The remote part of any call shares one budget, cluster.peer_deadline: every peer call carries
 // the call's absolute deadline. A peer that is down, slow, or answers wrongly is a miss. Records
@@ -16,7 +20,7 @@
 //
 // Block bytes travel over gRPC between daemons in this version (UCX between daemons is next).
 //
-// Thread-safe. Threads: Membership's, and one record sender.
+// Thread-safe. Threads: Membership's, one record sender, and (cluster.spill.enabled) one spiller.
 #ifndef PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
 #define PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
 
@@ -88,6 +92,12 @@ class Cluster final : public RemoteBlocks {
   void RunSender();
   void SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
+  // Wakes the spiller when the host tier is over cluster.spill.threshold.
+  void WakeSpillerIfFull();
+  void RunSpiller();
+  // One spill round: up to kMaxSpillRoundBytes of the coldest blocks to peers with room. True
+  // when some block left (the caller goes on while the tier is still over the threshold).
+  bool SpillOnce();
 
   const DaemonConfig config_;
   const std::string self_;
@@ -106,6 +116,9 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* records_sent_ = nullptr;
   metrics::Counter* records_dropped_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
+  metrics::Counter* spilled_blocks_ = nullptr;
+  metrics::Counter* spill_no_room_ = nullptr;
+  metrics::Counter* spill_bytes_out_ = nullptr;
 
   // The record sender's queue: keys per batch, waiting to be sent.
   std::mutex queue_mu_;
@@ -114,6 +127,18 @@ class Cluster final : public RemoteBlocks {
   size_t queued_keys_ = 0;                                       // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
   std::thread sender_;
+
+  // The spiller: woken by puts that leave the tier over the threshold (and every 250 ms).
+  std::condition_variable spill_cv_;  // with queue_mu_
+  bool spill_wanted_ = false;         // guarded by queue_mu_
+  std::thread spiller_;
+  // What the spiller knows of a peer's room for spilled blocks. Spiller thread only.
+  struct PeerRoom {
+    uint64_t bytes = UINT64_MAX;  // what it said it would still keep (unknown: unlimited)
+    absl::Time retry_at;          // after a refusal or a failed call: left alone until then,
+                                  // then sent one block
+  };
+  absl::flat_hash_map<std::string, PeerRoom> rooms_;
 };
 
 }  // namespace proxima::daemon::cluster

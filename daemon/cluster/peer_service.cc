@@ -1,8 +1,11 @@
 #include "daemon/cluster/peer_service.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/crc32c.h"
 #include "common/credentials.h"
 #include "common/status_macros.h"
 
@@ -38,20 +41,31 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
   return ids;
 }
 
-PeerService::PeerService(TierService* core, LocationTable* records, std::string self,
-                         std::string token, uint64_t max_message_bytes,
-                         metrics::Registry* registry)
+PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
+                         std::string self, std::string token, uint64_t max_message_bytes,
+                         double accept_below, metrics::Registry* registry)
     : core_(core),
       records_(records),
+      remote_(remote),
       self_(std::move(self)),
       token_(std::move(token)),
-      max_message_bytes_(max_message_bytes) {
+      max_message_bytes_(max_message_bytes),
+      accept_below_(accept_below) {
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
   served_bytes_ = registry->AddCounter("proxima_transfer_bytes_total",
                                        "Block bytes moved, by transport and direction",
                                        {{"transport", "peer_grpc"}, {"direction", "out"}});
+  spill_kept_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
+                                     "Blocks peers spilled to this node, by outcome",
+                                     {{"outcome", "kept"}});
+  spill_refused_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
+                                        "Blocks peers spilled to this node, by outcome",
+                                        {{"outcome", "no_room"}});
+  spill_bytes_in_ = registry->AddCounter("proxima_cluster_spill_bytes_total",
+                                         "Block bytes spilled between daemons, by direction",
+                                         {{"direction", "in"}});
 }
 
 absl::Status PeerService::Authenticate(const grpc::ServerContext& context) const {
@@ -126,6 +140,83 @@ absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
+                                     v1::StoreBlocksResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                           ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
+  if (request.data_size() != static_cast<int>(ids.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("StoreBlocks has ", ids.size(), " keys but ",
+                                                   request.data_size(), " blocks of data"));
+  }
+  if (request.block_bytes() == 0 || request.block_bytes() > max_message_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("StoreBlocks block_bytes is ",
+                                                   request.block_bytes(), "; expected 1 to ",
+                                                   max_message_bytes_));
+  }
+  // Every block is checked before any is kept: a request with one bad block stores none.
+  for (int i = 0; i < request.data_size(); ++i) {
+    const v1::SpilledBlock& b = request.data(i);
+    if (b.level() >= static_cast<uint32_t>(kMaxLevels)) {
+      return absl::InvalidArgumentError(absl::StrCat("StoreBlocks data[", i, "].level is ",
+                                                     b.level(), "; levels are 0 to ",
+                                                     kMaxLevels - 1));
+    }
+    const uint64_t size = b.data().size();
+    if (b.level() == 0 ? size != request.block_bytes()
+                       : size == 0 || size > request.block_bytes() + kMessageOverhead) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StoreBlocks data[", i, "] is ", size, " bytes at level ", b.level(), "; expected ",
+          b.level() == 0 ? absl::StrCat("exactly block_bytes = ", request.block_bytes())
+                         : absl::StrCat("1 to block_bytes + ", kMessageOverhead, " = ",
+                                        request.block_bytes() + kMessageOverhead)));
+    }
+    const uint32_t crc =
+        Crc32c(std::as_bytes(std::span<const char>(b.data().data(), b.data().size())));
+    if (crc != b.crc32c()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "StoreBlocks data[%d].crc32c is 0x%08x but its bytes have CRC32C 0x%08x; nothing was "
+          "stored",
+          i, b.crc32c(), crc));
+    }
+  }
+  BlockStore& store = core_->store();
+  const double limit = accept_below_ * static_cast<double>(store.capacity_bytes());
+  std::vector<BlockKey> kept;
+  uint64_t kept_bytes = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const v1::SpilledBlock& b = request.data(static_cast<int>(i));
+    bool stored = store.Contains(ids[i]);
+    if (!stored && static_cast<double>(store.used_bytes() + b.data().size()) <= limit) {
+      // Never evicts: a spilled block is kept only in room this node has to spare.
+      if (std::optional<BlockStore::PendingBlock> p = store.TryReserve(b.data().size())) {
+        std::memcpy(p->bytes().data(), b.data().data(), b.data().size());
+        BlockAttributes attributes;
+        attributes.from_peer = true;
+        store.Commit(ids[i], *std::move(p), b.crc32c(), attributes,
+                     static_cast<uint8_t>(b.level()));
+        stored = true;
+        kept.push_back(ids[i].key);
+        kept_bytes += b.data().size();
+      }
+    }
+    if (!stored) response->set_full(true);
+    response->add_stored(stored);
+  }
+  const double room = limit - static_cast<double>(store.used_bytes());
+  response->set_room_bytes(room > 0 ? static_cast<uint64_t>(room) : 0);
+  spill_kept_->Increment(kept.size());
+  spill_refused_->Increment(ids.size() - static_cast<size_t>(std::count(
+                                             response->stored().begin(),
+                                             response->stored().end(), true)));
+  spill_bytes_in_->Increment(kept_bytes);
+  if (!kept.empty()) {
+    // This node holds them now: their homes learn it as after a local put.
+    remote_->Stored({ids[0].namespace_index, request.blocks().namespace_name(), ids[0].partition,
+                     ids[0].profile_id, kept, request.block_bytes()});
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status PeerService::RecordLocations(grpc::ServerContext* context,
                                                        const v1::RecordLocationsRequest* request,
                                                        v1::RecordLocationsResponse* response) {
@@ -142,6 +233,12 @@ grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
                                                    const v1::FetchBlocksRequest* request,
                                                    v1::FetchBlocksResponse* response) {
   return Handle(context, request, response, &PeerService::ServeFetch);
+}
+
+grpc::Status PeerService::StoreBlocks(grpc::ServerContext* context,
+                                      const v1::StoreBlocksRequest* request,
+                                      v1::StoreBlocksResponse* response) {
+  return Handle(context, request, response, &PeerService::ServeStore);
 }
 
 }  // namespace proxima::daemon::cluster

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/cluster/location_table.h"
+#include "daemon/cluster/remote_blocks.h"
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
 #include "proxima/v1/peer.grpc.pb.h"
@@ -30,9 +31,12 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
 
 class PeerService final : public v1::Peer::Service {
  public:
-  // `core`, `records` and `registry` must outlive the service. `self` is this daemon's node id.
-  PeerService(TierService* core, LocationTable* records, std::string self, std::string token,
-              uint64_t max_message_bytes, metrics::Registry* registry);
+  // `core`, `records`, `remote` and `registry` must outlive the service. `self` is this daemon's
+  // node id. Blocks peers spill here are kept while the host tier stays at or below
+  // `accept_below` of its capacity (0: never), and `remote` tells their homes (Stored).
+  PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, std::string self,
+              std::string token, uint64_t max_message_bytes, double accept_below,
+              metrics::Registry* registry);
 
   grpc::Status RecordLocations(grpc::ServerContext* context,
                                const v1::RecordLocationsRequest* request,
@@ -42,6 +46,8 @@ class PeerService final : public v1::Peer::Service {
                                v1::LookupLocationsResponse* response) override;
   grpc::Status FetchBlocks(grpc::ServerContext* context, const v1::FetchBlocksRequest* request,
                            v1::FetchBlocksResponse* response) override;
+  grpc::Status StoreBlocks(grpc::ServerContext* context, const v1::StoreBlocksRequest* request,
+                           v1::StoreBlocksResponse* response) override;
 
   // The bodies, transport aside (the handlers authenticate, then call these).
   absl::Status ServeRecord(const v1::RecordLocationsRequest& request,
@@ -50,6 +56,8 @@ class PeerService final : public v1::Peer::Service {
                            v1::LookupLocationsResponse* response);
   absl::Status ServeFetch(const v1::FetchBlocksRequest& request,
                           v1::FetchBlocksResponse* response);
+  absl::Status ServeStore(const v1::StoreBlocksRequest& request,
+                          v1::StoreBlocksResponse* response);
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;
@@ -59,11 +67,16 @@ class PeerService final : public v1::Peer::Service {
 
   TierService* const core_;
   LocationTable* const records_;
+  RemoteBlocks* const remote_;
   const std::string self_;
   const std::string token_;
   const uint64_t max_message_bytes_;
+  const double accept_below_;
   metrics::Counter* unauthenticated_ = nullptr;
   metrics::Counter* served_bytes_ = nullptr;
+  metrics::Counter* spill_kept_ = nullptr;
+  metrics::Counter* spill_refused_ = nullptr;
+  metrics::Counter* spill_bytes_in_ = nullptr;
 };
 
 }  // namespace proxima::daemon::cluster

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <thread>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
+#include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -89,6 +91,13 @@ class ClusterTest : public ::testing::Test {
     }
   }
   void TearDown() override {
+    if (HasFailure()) {
+      for (size_t i = 0; i < daemons_.size(); ++i) {
+        std::cerr << "--- daemon " << i << " log (tail) ---\n";
+        const std::string log = daemons_[i]->Log();
+        std::cerr << log.substr(log.size() > 4000 ? log.size() - 4000 : 0) << "\n";
+      }
+    }
     daemons_.clear();
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
@@ -212,6 +221,76 @@ TEST_F(ClusterTest, PeerCallsNeedThePeerToken) {
   EXPECT_EQ(Metric(0, "proxima_cluster_peer_calls_unauthenticated_total"), 2);
 }
 
+TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(1));
+  auto worker = MustConnect(daemons_[0]->tcp_target());
+  ASSERT_TRUE(worker);
+  ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
+  Blocks blocks = MakeBlocks(7, 0, 2, p.block_bytes);
+  auto stub = v1::Peer::NewStub(
+      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  // A request carrying blocks 0 and 1 of chain 7 as a peer would spill them.
+  auto request = [&] {
+    v1::StoreBlocksRequest r;
+    r.mutable_blocks()->set_namespace_name("default");
+    r.mutable_blocks()->set_profile_id(p.id);
+    r.set_block_bytes(p.block_bytes);
+    for (size_t i = 0; i < 2; ++i) {
+      r.mutable_blocks()->add_keys(std::string(blocks.keys[i].begin(), blocks.keys[i].end()));
+      v1::SpilledBlock* b = r.add_data();
+      b->set_data(std::string(reinterpret_cast<const char*>(blocks.spans()[i].data()),
+                              blocks.spans()[i].size()));
+      b->set_crc32c(Crc32c(blocks.spans()[i]));
+    }
+    return r;
+  };
+  auto send = [&](const v1::StoreBlocksRequest& r, v1::StoreBlocksResponse* response) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
+    return stub->StoreBlocks(&context, r, response);
+  };
+  struct Bad {
+    std::string what;
+    std::function<void(v1::StoreBlocksRequest&)> spoil;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {"second block's CRC", [](auto& r) { r.mutable_data(1)->set_crc32c(r.data(1).crc32c() ^ 1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "data[1].crc32c"},
+      {"a flipped byte", [](auto& r) { (*r.mutable_data(1)->mutable_data())[9] ^= 0x10; },
+       grpc::StatusCode::INVALID_ARGUMENT, "data[1].crc32c"},
+      {"a short raw block", [](auto& r) { r.mutable_data(0)->mutable_data()->resize(100); },
+       grpc::StatusCode::INVALID_ARGUMENT, "data[0] is 100 bytes at level 0"},
+      {"a level past the hierarchy", [](auto& r) { r.mutable_data(1)->set_level(9); },
+       grpc::StatusCode::INVALID_ARGUMENT, "data[1].level is 9"},
+      {"fewer blocks than keys", [](auto& r) { r.mutable_data()->RemoveLast(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "2 keys but 1 blocks"},
+      {"no block size", [](auto& r) { r.set_block_bytes(0); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "block_bytes is 0"},
+      {"a short key", [](auto& r) { r.mutable_blocks()->set_keys(0, "short"); },
+       grpc::StatusCode::INVALID_ARGUMENT, "keys[0] is 5 bytes"},
+      {"an unknown namespace", [](auto& r) { r.mutable_blocks()->set_namespace_name("nope"); },
+       grpc::StatusCode::NOT_FOUND, "nope"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    v1::StoreBlocksRequest r = request();
+    b.spoil(r);
+    v1::StoreBlocksResponse response;
+    grpc::Status s = send(r, &response);
+    EXPECT_EQ(s.error_code(), b.code) << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr(b.message));
+    EXPECT_THAT(worker->Lookup(p, blocks.keys), IsOkAndHolds(0u)) << "a block was kept";
+  }
+  v1::StoreBlocksResponse response;
+  ASSERT_TRUE(send(request(), &response).ok());
+  EXPECT_THAT(response.stored(), ::testing::ElementsAre(true, true));
+  EXPECT_FALSE(response.full());
+  EXPECT_EQ(GetAndCheck(*worker, p, 7, 0, 2), 2u);
+  EXPECT_EQ(Metric(0, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"), 2);
+}
+
 TEST_F(ClusterTest, APeerTokenThatIsAlsoATenantTokenIsRefusedAtStart) {
   char tmpl[] = "/tmp/proxima-cluster-XXXXXX";
   dir_ = mkdtemp(tmpl);
@@ -319,6 +398,77 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     EXPECT_EQ(WaitLookup(*c, p, kAfterRestart, kBlocks, kBlocks), kBlocks) << node;
     EXPECT_EQ(GetAndCheck(*c, p, kAfterRestart, 0, kBlocks), kBlocks) << node;
   }
+}
+
+TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
+  constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
+  ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"tiers.host.capacity_bytes=8MiB",
+                                           "cluster.spill={threshold: 0.9, accept_below: 0.75}"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  auto c = MustConnect(daemons_[2]->tcp_target());
+  ASSERT_TRUE(a && c);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  ASSERT_EQ(p.block_bytes, 256u << 10);
+  auto host = [](Client& client) {
+    absl::StatusOr<v1::StatsResponse> s = client.Stats();
+    return s.ok() ? s->tiers(0) : v1::TierStats();
+  };
+  // 56 blocks (14 MiB) put through A, which holds 7.2 MiB before it spills: two blocks at a
+  // time (less than the 10% between the spill threshold and a full tier), each batch once A is
+  // back under the threshold, as a worker's steady stream would find it.
+  constexpr size_t kBlocks = 56;
+  for (size_t first = 0; first < kBlocks; first += 2) {
+    Blocks blocks = MakeBlocks(1, first, 2, p.block_bytes);
+    ASSERT_OK_AND_ASSIGN(auto outcomes, a->Put(p, blocks.keys, blocks.spans()));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (host(*a).used_bytes() > 0.9 * kCapacity && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+  EXPECT_EQ(host(*a).evictions(), 0u) << "A evicted instead of spilling";
+  const double moved = Metric(0, "proxima_cluster_spill_sent_blocks_total{outcome=\"moved\"}");
+  EXPECT_GE(moved, kBlocks - 0.9 * kCapacity / p.block_bytes);
+  EXPECT_EQ(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}") +
+                Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"),
+            moved);
+  // Every block is still found and read byte-exact, from the node that spilled it and from a
+  // third one; the coldest (first) blocks now live on B and C.
+  EXPECT_EQ(WaitLookup(*a, p, 1, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(WaitLookup(*c, p, 1, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*a, p, 1, 0, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*c, p, 1, 0, kBlocks), kBlocks);
+  EXPECT_GT(Metric(0, "proxima_cluster_remote_get_hits_total"), 0);
+
+  // Past what the three nodes hold together (A 8 MiB when full, B and C 6 MiB each up to
+  // accept_below): A evicts its coldest blocks as a lone daemon would, once B and C have filled
+  // their shares and refuse more; they never go past accept_below.
+  auto b = MustConnect(daemons_[1]->tcp_target());
+  ASSERT_TRUE(b);
+  for (size_t first = 0; first < 60; first += 4) {
+    Blocks blocks = MakeBlocks(2, first, 4, p.block_bytes);
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+  }
+  const std::string no_room = "proxima_cluster_spill_sent_blocks_total{outcome=\"no_peer_room\"}";
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto peers_full = [&] {
+    return host(*b).used_bytes() > 0.75 * kCapacity - 2 * p.block_bytes &&
+           host(*c).used_bytes() > 0.75 * kCapacity - 2 * p.block_bytes;
+  };
+  while ((Metric(0, no_room) <= 0 || !peers_full()) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_GT(Metric(0, no_room), 0) << "B and C never answered full";
+  EXPECT_GT(host(*a).evictions(), 0u);
+  EXPECT_LE(host(*a).used_bytes(), kCapacity);
+  for (Client* peer : {b.get(), c.get()}) {
+    EXPECT_LE(host(*peer).used_bytes(), 0.75 * kCapacity);
+    EXPECT_GT(host(*peer).used_bytes(), 0.75 * kCapacity - 2 * p.block_bytes) << "room left unused";
+    EXPECT_EQ(host(*peer).evictions(), 0u) << "a peer evicted blocks for spilled ones";
+  }
+  EXPECT_EQ(Metric(0, "proxima_cluster_fetch_crc_failures_total"), 0);
 }
 
 // Network namespaces (iproute2), one per daemon, joined by veth pairs to a bridge in a hub
