@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """cluster_bench: a get served by the local daemon against the same get served one hop away
-(the worker's daemon fetches the blocks from the node that holds them, daemon/cluster), in one
-run on loopback TCP.
+(the worker's daemon fetches the blocks from the node that holds them, daemon/cluster), with
+the peer hop over UCX and over gRPC, in one run on loopback.
 
-Starts two proximad, A and B, from the same binary as one cluster (static peers, a peer token);
-puts --blocks test blocks of 2 MiB on A with `proximactl put`; then, interleaved --repeats
-times, `proximactl get` of all of them through A (local: the baseline) and through B (every
-block a remote hit: home lookup + FetchBlocks from A), both with the inline transport so that
-the worker side is the same. Every get checks every byte. Prints one JSON object per metric:
-  {"bench":"cluster","metric":"megabytes_per_second","value":...,"baseline":"local_get",
-   "baseline_value":...,"ratio":...}
+Starts three proximad, A, B and C, from the same binary as one cluster (static peers, a peer
+token, the UCX data plane on): B fetches from peers over UCX (cluster.transport auto: the
+holder writes the blocks into B's receive buffer), C over gRPC (cluster.transport grpc: the
+bytes come inline in the peer's answer). Puts --blocks test blocks of 2 MiB on A with
+`proximactl put`; then, interleaved --repeats times, `proximactl get` of all of them through A
+(local: the baseline), through B and through C (every block a remote hit: home lookup +
+FetchBlocks from A), all with the inline worker transport so that the worker side is the same.
+Every get checks every byte. Prints one JSON object per metric and configuration:
+  {"bench":"cluster","metric":"megabytes_per_second","config":"one_hop_remote_get_ucx",
+   "value":...,"baseline":"local_get","baseline_value":...,"ratio":...}
+and the UCX peer hop against the gRPC one ("baseline":"one_hop_remote_get_grpc").
 
 Usage: cluster_bench.py --proximad=PATH --proximactl=PATH [--blocks=N] [--repeats=N]
 """
@@ -60,27 +64,29 @@ def main():
     try:
         with open(d + "/peer.token", "w") as f:
             f.write("bench-peer-" + os.urandom(16).hex() + "\n")
-        ports = [free_port(), free_port()]
+        ports = [free_port(), free_port(), free_port()]
         peers = ["127.0.0.1:%d" % p for p in ports]
-        for name, me in zip(("a", "b"), peers):
+        for name, me, transport in zip(("a", "b", "c"), peers, ("auto", "auto", "grpc")):
             proc, _ = start(a.proximad, d, name, [
-                "server.listen=" + me, "cluster.enabled=true", "cluster.advertise=" + me,
-                "cluster.peers=[%s]" % ", ".join(peers),
-                "cluster.peer_token={file: %s/peer.token}" % d,
+                "server.listen=" + me, "ucx.enabled=true", "cluster.enabled=true",
+                "cluster.advertise=" + me, "cluster.peers=[%s]" % ", ".join(peers),
+                "cluster.peer_token={file: %s/peer.token}" % d, "cluster.transport=" + transport,
                 "cluster.health_interval=200ms", "cluster.health_timeout=200ms"])
             procs.append(proc)
         put = ctl(a.proximactl, ports[0], "put", "--seed=7", "--count=%d" % a.blocks)
         if not put["ok"] or put["stored"] != a.blocks:
             sys.exit("put failed: %s" % put)
-        deadline = time.time() + 20  # B must see A live, and A's records must reach their homes
-        while ctl(a.proximactl, ports[1], "lookup", "--seed=7",
-                  "--count=%d" % a.blocks)["prefix_present"] != a.blocks:
-            if time.time() > deadline:
-                sys.exit("B never found A's blocks")
-            time.sleep(0.1)
-        runs = {"local": [], "remote": []}
-        for _ in range(a.repeats):  # interleaved: machine noise hits both sides alike
-            for kind, port in (("local", ports[0]), ("remote", ports[1])):
+        deadline = time.time() + 20  # B and C must see A live, and A's records reach their homes
+        for port in ports[1:]:
+            while ctl(a.proximactl, port, "lookup", "--seed=7",
+                      "--count=%d" % a.blocks)["prefix_present"] != a.blocks:
+                if time.time() > deadline:
+                    sys.exit("B or C never found A's blocks")
+                time.sleep(0.1)
+        kinds = (("local", ports[0]), ("ucx", ports[1]), ("grpc", ports[2]))
+        runs = {kind: [] for kind, _ in kinds}
+        for _ in range(a.repeats):  # interleaved: machine noise hits every side alike
+            for kind, port in kinds:
                 g = ctl(a.proximactl, port, "get", "--seed=7", "--count=%d" % a.blocks)
                 if not g["ok"] or g["hits"] != a.blocks or g["wrong_bytes"] != 0:
                     sys.exit("%s get failed: %s" % (kind, g))
@@ -88,13 +94,18 @@ def main():
         mb = a.blocks * 2.0 * 1024 * 1024 / 1e6
         for metric, f in (("megabytes_per_second", lambda s: mb / s),
                           ("ms_per_block", lambda s: 1000.0 * s / a.blocks)):
-            base = statistics.median(f(s) for s in runs["local"])
-            value = statistics.median(f(s) for s in runs["remote"])
-            print(json.dumps({"bench": "cluster", "metric": metric, "value": round(value, 3),
-                              "config": "one_hop_remote_get_grpc", "baseline": "local_get",
-                              "baseline_value": round(base, 3), "ratio": round(value / base, 3),
-                              "block_bytes": 2 << 20, "blocks_per_get": a.blocks,
-                              "transport": "inline", "repeats": a.repeats}), flush=True)
+            med = {kind: statistics.median(f(s) for s in runs[kind]) for kind, _ in kinds}
+            for config, base_name, kind, base in (
+                    ("one_hop_remote_get_ucx", "local_get", "ucx", "local"),
+                    ("one_hop_remote_get_grpc", "local_get", "grpc", "local"),
+                    ("one_hop_remote_get_ucx", "one_hop_remote_get_grpc", "ucx", "grpc")):
+                print(json.dumps({"bench": "cluster", "metric": metric,
+                                  "value": round(med[kind], 3), "config": config,
+                                  "baseline": base_name, "baseline_value": round(med[base], 3),
+                                  "ratio": round(med[kind] / med[base], 3),
+                                  "block_bytes": 2 << 20, "blocks_per_get": a.blocks,
+                                  "worker_transport": "inline", "repeats": a.repeats}),
+                      flush=True)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

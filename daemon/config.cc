@@ -89,6 +89,7 @@ cluster:                           # daemons of many nodes sharing their tiers (
   peer_deadline: 2s                # budget of the remote part of any call (every peer call)
   peer_token: {}                   # {file: PATH} or {env: VAR}: the token daemons present
                                    # to each other; required when enabled (docs/security.md)
+  transport: auto                  # block bytes between daemons: auto (UCX when ucx.enabled) | grpc
   spill:                           # cold blocks move to peers with room when this node is full
     enabled: true
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller
@@ -520,7 +521,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
       node, "cluster",
       {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh", "health_interval",
-       "health_timeout", "failures_before_down", "peer_deadline", "peer_token", "spill"}));
+       "health_timeout", "failures_before_down", "peer_deadline", "peer_token", "spill",
+       "transport"}));
   if (!node || !node.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(r.Bool(node["enabled"], "cluster.enabled", &out->enabled));
   PROXIMA_RETURN_IF_ERROR(r.String(node["advertise"], "cluster.advertise", &out->advertise));
@@ -584,6 +586,11 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                        "exactly one of 'file' (a path) or 'env' (a variable name)");
       }
     }
+  }
+  PROXIMA_RETURN_IF_ERROR(r.String(node["transport"], "cluster.transport", &out->transport));
+  if (out->transport != "auto" && out->transport != "grpc") {
+    return r.Error("cluster.transport", out->transport,
+                   "auto (UCX between daemons when ucx.enabled) or grpc");
   }
   if (const YAML::Node spill = node["spill"]) {
     PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
@@ -1163,6 +1170,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   if (!k.peer_token_file.empty()) e << YAML::Key << "file" << YAML::Value << k.peer_token_file;
   if (!k.peer_token_env.empty()) e << YAML::Key << "env" << YAML::Value << k.peer_token_env;
   e << YAML::EndMap;
+  e << YAML::Key << "transport" << YAML::Value << k.transport;
   e << YAML::Key << "spill" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "enabled" << YAML::Value << k.spill_enabled;
   e << YAML::Key << "threshold" << YAML::Value << k.spill_threshold;

@@ -148,6 +148,10 @@ struct ClusterConfig {
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
   // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`
   // best rendezvous nodes (other than this one) that has room.
+  // How block bytes move between daemons: "auto" (over UCX when this daemon runs the UCX data
+  // plane, ucx.enabled, and the holder can reach it; inline in the gRPC answers otherwise) or
+  // "grpc" (always inline).
+  std::string transport = "auto";
   bool spill_enabled = true;
   double spill_threshold = 0.9;
   double spill_accept_below = 0.75;

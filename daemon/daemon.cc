@@ -84,7 +84,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   builder.RegisterService(d->service_.get());
   if (config.cluster.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->cluster_,
-                             cluster::Cluster::Create(config, d->core_.get(), &d->registry_));
+                             cluster::Cluster::Create(config, d->core_.get(), d->ucx_.get(),
+                                                      &d->registry_));
     builder.RegisterService(d->cluster_->service());
   }
   d->server_ = builder.BuildAndStart();

@@ -617,10 +617,8 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
                        ids[0].partition, ids[0].profile_id, keys, profile.block_bytes});
     for (size_t j = 0; j < missed.size() && j < fetched.size(); ++j) {
       if (!fetched[j]) continue;
-      std::shared_ptr<const std::string> data = fetched[j]->data;
-      found[missed[j]] = BlockStore::ReadBlock{
-          data, std::as_bytes(std::span<const char>(data->data(), data->size())),
-          fetched[j]->crc32c, fetched[j]->level};
+      found[missed[j]] = BlockStore::ReadBlock{fetched[j]->pin, fetched[j]->bytes,
+                                               fetched[j]->crc32c, fetched[j]->level};
       from_peer[missed[j]] = true;
     }
   }

@@ -68,6 +68,10 @@ class UcxTransport {
 
   int64_t sessions() const;
   const ucx::Worker& worker() const { return *worker_; }
+  // The worker and the arena's registration, for the cluster's daemon-to-daemon transfers
+  // (daemon/cluster). Valid while the transport lives.
+  ucx::Worker* mutable_worker() { return worker_.get(); }
+  const ucx::Registration* arena() const { return arena_.get(); }
 
  private:
   UcxTransport(const UcxConfig& config, TierService* core) : config_(config), core_(core) {}

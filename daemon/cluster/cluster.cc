@@ -76,7 +76,7 @@ void RunAll(std::vector<std::unique_ptr<Call>>& calls, Prepare prepare) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& config,
-                                                         TierService* core,
+                                                         TierService* core, UcxTransport* ucx,
                                                          metrics::Registry* registry) {
   const ClusterConfig& c = config.cluster;
   std::unique_ptr<Cluster> cluster(new Cluster(config, core, registry));
@@ -101,8 +101,11 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
     PROXIMA_LOG(kInfo) << "location records of a lost peer dropped" << log::Kv("peer", peer)
                        << log::Kv("records", dropped);
   });
+  if (ucx != nullptr && c.transport == "auto") {
+    cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), ucx->arena(), registry);
+  }
   cluster->service_ = std::make_unique<PeerService>(
-      core, &cluster->records_, cluster.get(), c.advertise, cluster->token_,
+      core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
       config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry);
   return cluster;
 }
@@ -356,6 +359,8 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   const size_t per_call = std::max<size_t>(
       1, std::min<uint64_t>(core_->max_batch_blocks(),
                             (config_.server.max_message_bytes - 4096) / per_block));
+  // With UCX: one receive buffer per call, a slot per block, that the holder writes into.
+  std::vector<std::shared_ptr<const PeerUcx::ReceiveBuffer>> buffers;
   for (auto& [holder, which] : per_holder) {
     for (size_t first = 0; first < which.size(); first += per_call) {
       auto call = std::make_unique<Call>();
@@ -363,6 +368,19 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
       call->which.assign(which.begin() + first,
                          which.begin() + std::min(which.size(), first + per_call));
       FillSet(blocks, call->which, call->request.mutable_blocks());
+      std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer;
+      if (ucx_ != nullptr) {
+        absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> b =
+            ucx_->NewReceiveBuffer(call->which.size(), per_block);
+        if (b.ok()) {
+          buffer = *std::move(b);
+          ucx_->Describe(*buffer, &call->request);
+        } else {
+          PROXIMA_LOG(kWarning) << "no UCX receive buffer; fetching inline"
+                                << log::Kv("error", b.status().ToString());
+        }
+      }
+      buffers.push_back(std::move(buffer));
       calls.push_back(std::move(call));
     }
   }
@@ -373,12 +391,15 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   });
   uint64_t hits = 0;
   uint64_t bytes = 0;
-  for (const auto& call : calls) {
+  uint64_t ucx_bytes = 0;
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const auto& call = calls[k];
     if (!call->status.ok() ||
         call->response.blocks_size() != static_cast<int>(call->which.size())) {
       peer_call_failures_->Increment();
       continue;
     }
+    const bool by_ucx = call->response.ucx_written() && buffers[k] != nullptr;
     std::vector<BlockKey> missed;
     for (size_t j = 0; j < call->which.size(); ++j) {
       v1::FetchedBlock* b = call->response.mutable_blocks(static_cast<int>(j));
@@ -387,22 +408,35 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
         missed.push_back(blocks.keys[i]);
         continue;
       }
-      const std::string& data = b->data();
+      // The bytes: inline in the answer, or (empty `data`) in this block's slot of the receive
+      // buffer. The holder's word for the size is checked against the slot before it is used.
+      const bool in_slot = by_ucx && b->data().empty() && b->size() > 0;
+      const uint64_t size = in_slot ? b->size() : b->data().size();
       const bool size_ok = b->level() < static_cast<uint32_t>(kMaxLevels) &&
-                           (b->level() > 0 ? data.size() <= per_block
-                                           : data.size() == blocks.block_bytes);
-      if (!size_ok ||
-          Crc32c(std::as_bytes(std::span<const char>(data.data(), data.size()))) != b->crc32c()) {
+                           (b->level() > 0 ? size <= per_block : size == blocks.block_bytes) &&
+                           (!in_slot || size <= buffers[k]->slot_bytes());
+      std::span<const std::byte> got;
+      if (size_ok) {
+        got = in_slot ? buffers[k]->Slot(j, size)
+                      : std::as_bytes(std::span<const char>(b->data().data(), size));
+      }
+      if (!size_ok || Crc32c(got) != b->crc32c()) {
         crc_failures_->Increment();
         PROXIMA_LOG(kError) << "block fetched from a peer failed its CRC32C or size check; "
                                "served as a miss"
                             << log::Kv("peer", call->peer) << log::Kv("level", b->level())
-                            << log::Kv("bytes", data.size());
+                            << log::Kv("bytes", size) << log::Kv("ucx", in_slot);
         continue;
       }
-      bytes += data.size();
-      out[i] = RemoteBlock{std::make_shared<const std::string>(std::move(*b->mutable_data())),
-                           b->crc32c(), static_cast<uint8_t>(b->level())};
+      if (in_slot) {
+        out[i] = RemoteBlock{buffers[k], got, b->crc32c(), static_cast<uint8_t>(b->level())};
+        ucx_bytes += size;
+      } else {
+        auto data = std::make_shared<const std::string>(std::move(*b->mutable_data()));
+        out[i] = RemoteBlock{data, std::as_bytes(std::span<const char>(data->data(), data->size())),
+                             b->crc32c(), static_cast<uint8_t>(b->level())};
+        bytes += size;
+      }
       ++hits;
     }
     if (!missed.empty()) {
@@ -429,6 +463,7 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   remote_get_hits_->Increment(hits);
   remote_get_misses_->Increment(blocks.keys.size() - hits);
   bytes_in_->Increment(bytes);
+  if (ucx_bytes > 0) ucx_->CountIn(ucx_bytes);
   return out;
 }
 

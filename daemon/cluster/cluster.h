@@ -18,7 +18,8 @@
 // the call's absolute deadline. A peer that is down, slow, or answers wrongly is a miss. Records
 // naming a node that leaves the live set are dropped, and so is a record whose fetch missed.
 //
-// Block bytes travel over gRPC between daemons in this version (UCX between daemons is next).
+// Block bytes of fetches travel over UCX between daemons that both run the UCX data plane
+// (PeerUcx; cluster.transport auto), inline in the gRPC answers otherwise; spills over gRPC.
 //
 // Thread-safe. Threads: Membership's, one record sender, and (cluster.spill.enabled) one spiller.
 #ifndef PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
@@ -38,10 +39,12 @@
 #include "daemon/cluster/location_table.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/cluster/peer_service.h"
+#include "daemon/cluster/peer_ucx.h"
 #include "daemon/cluster/remote_blocks.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
+#include "daemon/ucx_transport.h"
 
 namespace proxima::daemon::cluster {
 
@@ -49,8 +52,10 @@ class Cluster final : public RemoteBlocks {
  public:
   // Reads the peer token (cluster.peer_token), builds the membership and the peer service.
   // `core` and `registry` must outlive the cluster. Nothing runs until Start().
+  // `ucx` (null without the UCX data plane): block bytes between daemons then move over UCX
+  // (cluster.transport auto); it must outlive the cluster.
   static absl::StatusOr<std::unique_ptr<Cluster>> Create(const DaemonConfig& config,
-                                                         TierService* core,
+                                                         TierService* core, UcxTransport* ucx,
                                                          metrics::Registry* registry);
   ~Cluster() override;  // Stop()s
 
@@ -106,6 +111,7 @@ class Cluster final : public RemoteBlocks {
   std::string token_;
   LocationTable records_;
   std::unique_ptr<Membership> membership_;
+  std::unique_ptr<PeerUcx> ucx_;  // null: fetched bytes come inline
   std::unique_ptr<PeerService> service_;
 
   metrics::Counter* remote_lookup_hits_ = nullptr;

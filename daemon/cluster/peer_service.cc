@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
+#include "common/log.h"
 #include "common/credentials.h"
 #include "common/status_macros.h"
 
@@ -42,11 +43,13 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
 }
 
 PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
-                         std::string self, std::string token, uint64_t max_message_bytes,
-                         double accept_below, metrics::Registry* registry)
+                         PeerUcx* ucx, std::string self, std::string token,
+                         uint64_t max_message_bytes, double accept_below,
+                         metrics::Registry* registry)
     : core_(core),
       records_(records),
       remote_(remote),
+      ucx_(ucx),
       self_(std::move(self)),
       token_(std::move(token)),
       max_message_bytes_(max_message_bytes),
@@ -81,12 +84,11 @@ absl::Status PeerService::Authenticate(const grpc::ServerContext& context) const
   return absl::OkStatus();
 }
 
-template <typename Req, typename Resp>
+template <typename Req, typename Resp, typename Serve>
 grpc::Status PeerService::Handle(grpc::ServerContext* context, const Req* request,
-                                 Resp* response,
-                                 absl::Status (PeerService::*serve)(const Req&, Resp*)) {
+                                 Resp* response, Serve serve) {
   absl::Status status = Authenticate(*context);
-  if (status.ok()) status = (this->*serve)(*request, response);
+  if (status.ok()) status = serve(*request, response);
   if (!status.ok()) response->Clear();
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
@@ -118,23 +120,50 @@ absl::Status PeerService::ServeLookup(const v1::LookupLocationsRequest& request,
 }
 
 absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
-                                     v1::FetchBlocksResponse* response) {
+                                     v1::FetchBlocksResponse* response, absl::Time deadline) {
   PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
+  // Pinned until sent: eviction cannot free the bytes under the transfer. Checked against their
+  // CRC32C here (a block that fails is dropped and not sent), and again by the receiver.
+  auto blocks = std::make_shared<std::vector<std::optional<BlockStore::ReadBlock>>>(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    (*blocks)[i] = core_->store().Read(ids[i], BlockStore::CrcCheck::kHere);
+  }
+  // Over UCX when the reader offers a receive buffer and this daemon runs the UCX data plane:
+  // every found block that fits its slot; the others (and all of them when the reader's worker
+  // cannot be reached) inline.
+  std::vector<bool> by_ucx(ids.size(), false);
+  if (ucx_ != nullptr && !request.ucx_worker_address().empty()) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      by_ucx[i] = (*blocks)[i] && (*blocks)[i]->bytes.size() <= request.ucx_slot_bytes();
+    }
+    absl::Status written = ucx_->Write(request, blocks, by_ucx, deadline);
+    if (absl::IsFailedPrecondition(written)) {
+      PROXIMA_LOG(kDebug) << "answering a fetch inline" << log::Kv("error", written.ToString());
+      std::fill(by_ucx.begin(), by_ucx.end(), false);
+    } else if (!written.ok()) {
+      return written;
+    } else {
+      response->set_ucx_written(true);
+    }
+  }
   uint64_t bytes = kMessageOverhead;
   uint64_t sent = 0;
-  for (const BlockId& id : ids) {
+  for (size_t i = 0; i < ids.size(); ++i) {
     v1::FetchedBlock* out = response->add_blocks();
-    // Checked against its CRC32C here (a block that fails is dropped and not sent), and again
-    // by the receiver.
-    std::optional<BlockStore::ReadBlock> b = core_->store().Read(id, BlockStore::CrcCheck::kHere);
-    if (!b || bytes + b->bytes.size() + kPerBlockOverhead > max_message_bytes_) continue;
-    bytes += b->bytes.size() + kPerBlockOverhead;
+    const std::optional<BlockStore::ReadBlock>& b = (*blocks)[i];
+    if (!b) continue;
+    if (by_ucx[i]) {
+      out->set_size(b->bytes.size());
+    } else {
+      if (bytes + b->bytes.size() + kPerBlockOverhead > max_message_bytes_) continue;
+      bytes += b->bytes.size() + kPerBlockOverhead;
+      out->set_data(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
+      sent += b->bytes.size();
+    }
     out->set_found(true);
-    out->set_data(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
     out->set_crc32c(b->crc32c);
     out->set_level(b->level);
-    sent += b->bytes.size();
   }
   served_bytes_->Increment(sent);
   return absl::OkStatus();
@@ -220,25 +249,33 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
 grpc::Status PeerService::RecordLocations(grpc::ServerContext* context,
                                                        const v1::RecordLocationsRequest* request,
                                                        v1::RecordLocationsResponse* response) {
-  return Handle(context, request, response, &PeerService::ServeRecord);
+  return Handle(context, request, response,
+                [this](const auto& r, auto* out) { return ServeRecord(r, out); });
 }
 
 grpc::Status PeerService::LookupLocations(grpc::ServerContext* context,
                                                        const v1::LookupLocationsRequest* request,
                                                        v1::LookupLocationsResponse* response) {
-  return Handle(context, request, response, &PeerService::ServeLookup);
+  return Handle(context, request, response,
+                [this](const auto& r, auto* out) { return ServeLookup(r, out); });
 }
 
 grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
                                                    const v1::FetchBlocksRequest* request,
                                                    v1::FetchBlocksResponse* response) {
-  return Handle(context, request, response, &PeerService::ServeFetch);
+  // A peer call always has a deadline (cluster.peer_deadline); one without is held to a minute.
+  const absl::Time deadline =
+      std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(1));
+  return Handle(context, request, response, [this, deadline](const auto& r, auto* out) {
+    return ServeFetch(r, out, deadline);
+  });
 }
 
 grpc::Status PeerService::StoreBlocks(grpc::ServerContext* context,
                                       const v1::StoreBlocksRequest* request,
                                       v1::StoreBlocksResponse* response) {
-  return Handle(context, request, response, &PeerService::ServeStore);
+  return Handle(context, request, response,
+                [this](const auto& r, auto* out) { return ServeStore(r, out); });
 }
 
 }  // namespace proxima::daemon::cluster

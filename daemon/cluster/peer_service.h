@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/cluster/location_table.h"
+#include "daemon/cluster/peer_ucx.h"
 #include "daemon/cluster/remote_blocks.h"
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
@@ -34,9 +35,10 @@ class PeerService final : public v1::Peer::Service {
   // `core`, `records`, `remote` and `registry` must outlive the service. `self` is this daemon's
   // node id. Blocks peers spill here are kept while the host tier stays at or below
   // `accept_below` of its capacity (0: never), and `remote` tells their homes (Stored).
-  PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, std::string self,
-              std::string token, uint64_t max_message_bytes, double accept_below,
-              metrics::Registry* registry);
+  // `ucx` (null without the UCX data plane) writes fetched blocks into readers' buffers.
+  PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
+              std::string self, std::string token, uint64_t max_message_bytes,
+              double accept_below, metrics::Registry* registry);
 
   grpc::Status RecordLocations(grpc::ServerContext* context,
                                const v1::RecordLocationsRequest* request,
@@ -54,20 +56,23 @@ class PeerService final : public v1::Peer::Service {
                            v1::RecordLocationsResponse* response);
   absl::Status ServeLookup(const v1::LookupLocationsRequest& request,
                            v1::LookupLocationsResponse* response);
+  // `deadline`: the call's (a UCX transfer must land before it).
   absl::Status ServeFetch(const v1::FetchBlocksRequest& request,
-                          v1::FetchBlocksResponse* response);
+                          v1::FetchBlocksResponse* response,
+                          absl::Time deadline = absl::InfiniteFuture());
   absl::Status ServeStore(const v1::StoreBlocksRequest& request,
                           v1::StoreBlocksResponse* response);
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;
-  template <typename Req, typename Resp>
+  template <typename Req, typename Resp, typename Serve>
   grpc::Status Handle(grpc::ServerContext* context, const Req* request, Resp* response,
-                      absl::Status (PeerService::*serve)(const Req&, Resp*));
+                      Serve serve);
 
   TierService* const core_;
   LocationTable* const records_;
   RemoteBlocks* const remote_;
+  PeerUcx* const ucx_;
   const std::string self_;
   const std::string token_;
   const uint64_t max_message_bytes_;

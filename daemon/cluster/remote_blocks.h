@@ -33,10 +33,11 @@ struct RemoteBlockSet {
   uint64_t block_bytes = 0;  // raw block size of the profile (a raw block fetched must have it)
 };
 
-// A block read from another node: its stored bytes (owned by `data`), checked against `crc32c`
-// on arrival.
+// A block read from another node: its stored bytes (kept valid by `pin`: the received message
+// or UCX receive buffer), checked against `crc32c` on arrival.
 struct RemoteBlock {
-  std::shared_ptr<const std::string> data;
+  std::shared_ptr<const void> pin;
+  std::span<const std::byte> bytes;
   uint32_t crc32c = 0;
   uint8_t level = 0;  // 0 raw, k > 0 a STAR-KV container at hierarchy level k
 };

@@ -180,6 +180,88 @@ TEST_F(ClusterTest, PutOnOneNodeIsFoundAndReadByteExactFromTheOthers) {
   EXPECT_THAT(b->Lookup(other, client::TestKeyChain(1, 0, kBlocks)), IsOkAndHolds(0u));
 }
 
+TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
+  // cluster.transport auto with the UCX data plane on: the holder writes fetched blocks into the
+  // reader daemon's receive buffer; with grpc they come inline in the answer.
+  for (const std::string transport : {"auto", "grpc"}) {
+    SCOPED_TRACE(transport);
+    daemons_.clear();
+    ports_.clear();
+    ASSERT_NO_FATAL_FAILURE(StartCluster(2, {"ucx.enabled=true", "cluster.transport=" + transport}));
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2));
+    auto a = MustConnect(daemons_[0]->tcp_target());
+    auto b = MustConnect(daemons_[1]->tcp_target());
+    ASSERT_TRUE(a && b);
+    ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+    ASSERT_OK(b->RegisterProfile(TestModel()).status());
+    constexpr size_t kBlocks = 12;
+    Blocks blocks = MakeBlocks(3, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+    EXPECT_EQ(WaitLookup(*b, p, 3, kBlocks, kBlocks), kBlocks);
+    EXPECT_EQ(GetAndCheck(*b, p, 3, 0, kBlocks), kBlocks);  // byte-exact
+    const double by_ucx = Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}");
+    const double inline_bytes =
+        Metric(1, "proxima_transfer_bytes_total{transport=\"peer_grpc\",direction=\"in\"}");
+    if (transport == "auto") {
+      EXPECT_EQ(by_ucx, kBlocks * p.block_bytes);
+      EXPECT_EQ(inline_bytes, 0);
+      EXPECT_EQ(Metric(0, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"out\"}"),
+                kBlocks * p.block_bytes);
+      EXPECT_EQ(Metric(1, "proxima_cluster_ucx_endpoints"), 0);  // B only received
+      EXPECT_EQ(Metric(0, "proxima_cluster_ucx_endpoints"), 1);  // A keeps its endpoint to B
+    } else {
+      EXPECT_EQ(by_ucx, -1);  // no UCX between daemons: the series does not exist
+      EXPECT_EQ(inline_bytes, kBlocks * p.block_bytes);
+    }
+    EXPECT_EQ(Metric(1, "proxima_cluster_fetch_crc_failures_total"), 0);
+  }
+}
+
+TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(1, {"ucx.enabled=true"}));
+  auto worker = MustConnect(daemons_[0]->tcp_target());
+  ASSERT_TRUE(worker);
+  ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
+  Blocks blocks = MakeBlocks(4, 0, 2, p.block_bytes);
+  ASSERT_OK(worker->Put(p, blocks.keys, blocks.spans()).status());
+  auto stub = v1::Peer::NewStub(
+      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  auto fetch = [&](const std::string& address, const std::string& rkey, uint64_t slot,
+                   v1::FetchBlocksResponse* response) {
+    v1::FetchBlocksRequest r;
+    r.mutable_blocks()->set_namespace_name("default");
+    r.mutable_blocks()->set_profile_id(p.id);
+    for (const auto& k : blocks.keys) r.mutable_blocks()->add_keys(std::string(k.begin(), k.end()));
+    r.set_ucx_worker_address(address);
+    r.set_ucx_rkey(rkey);
+    r.set_ucx_address(4096);
+    r.set_ucx_slot_bytes(slot);
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    return stub->FetchBlocks(&context, r, response);
+  };
+  v1::FetchBlocksResponse response;
+  // A worker address that does not connect: the blocks come inline instead.
+  grpc::Status s = fetch("not a worker address", "rkey", p.block_bytes, &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_FALSE(response.ucx_written());
+  ASSERT_EQ(response.blocks_size(), 2);
+  for (const v1::FetchedBlock& b : response.blocks()) {
+    EXPECT_TRUE(b.found());
+    EXPECT_EQ(b.data().size(), p.block_bytes);
+  }
+  // A buffer that cannot exist, or no rkey: refused.
+  s = fetch("w", "rkey", uint64_t{1} << 63, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("64-bit address space"));
+  s = fetch("w", "", p.block_bytes, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("ucx_rkey is 0 bytes"));
+  // The daemon serves on, every block intact.
+  EXPECT_EQ(GetAndCheck(*worker, p, 4, 0, 2), 2u);
+}
+
 TEST_F(ClusterTest, NamespacesStayApartAcrossNodes) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"namespaces=[{name: a}, {name: b}]"}));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));

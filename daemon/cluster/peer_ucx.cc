@@ -1,0 +1,128 @@
+#include "daemon/cluster/peer_ucx.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+
+namespace proxima::daemon::cluster {
+
+PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena,
+                 metrics::Registry* registry)
+    : worker_(worker), arena_(arena) {
+  bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                   "Block bytes moved, by transport and direction",
+                                   {{"transport", "peer_ucx"}, {"direction", "in"}});
+  bytes_out_ = registry->AddCounter("proxima_transfer_bytes_total",
+                                    "Block bytes moved, by transport and direction",
+                                    {{"transport", "peer_ucx"}, {"direction", "out"}});
+  registry->AddGauge("proxima_cluster_ucx_endpoints",
+                     "UCX endpoints this daemon keeps to other daemons' workers", {}, [this] {
+                       proxima::MutexLock lock(&mu_);
+                       return static_cast<double>(endpoints_.size());
+                     });
+}
+
+absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> PeerUcx::NewReceiveBuffer(
+    size_t slots, size_t slot_bytes) {
+  if (slots == 0 || slot_bytes == 0 || slot_bytes > std::numeric_limits<size_t>::max() / slots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("receive buffer of ", slots, " slots of ", slot_bytes, " bytes"));
+  }
+  auto buffer = std::make_shared<ReceiveBuffer>();
+  buffer->slot_bytes_ = slot_bytes;
+  buffer->data_.reset(new std::byte[slots * slot_bytes]);
+  PROXIMA_ASSIGN_OR_RETURN(buffer->registration_,
+                           worker_->Register(buffer->data_.get(), slots * slot_bytes));
+  return buffer;
+}
+
+void PeerUcx::Describe(const ReceiveBuffer& buffer, v1::FetchBlocksRequest* request) const {
+  request->set_ucx_worker_address(worker_->address());
+  request->set_ucx_rkey(buffer.registration_->packed_rkey());
+  request->set_ucx_address(reinterpret_cast<uint64_t>(buffer.data_.get()));
+  request->set_ucx_slot_bytes(buffer.slot_bytes_);
+}
+
+absl::StatusOr<std::shared_ptr<ucx::Endpoint>> PeerUcx::EndpointTo(const std::string& address,
+                                                                   absl::Time deadline) {
+  {
+    proxima::MutexLock lock(&mu_);
+    auto it = endpoints_.find(address);
+    if (it != endpoints_.end()) {
+      if (it->second->health().ok()) return it->second;
+      endpoints_.erase(it);
+      opened_.erase(std::find(opened_.begin(), opened_.end(), address));
+    }
+  }
+  // Outside the lock: connecting waits for the peer.
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep, worker_->Connect(address, deadline));
+  proxima::MutexLock lock(&mu_);
+  auto [it, inserted] = endpoints_.try_emplace(address, ep);
+  if (!inserted) return it->second;  // another call connected meanwhile; ours closes
+  opened_.push_back(address);
+  if (opened_.size() > kMaxEndpoints) {
+    endpoints_.erase(opened_.front());
+    opened_.erase(opened_.begin());
+  }
+  return ep;
+}
+
+void PeerUcx::Drop(const std::string& address) {
+  proxima::MutexLock lock(&mu_);
+  if (endpoints_.erase(address) > 0) {
+    opened_.erase(std::find(opened_.begin(), opened_.end(), address));
+  }
+}
+
+absl::Status PeerUcx::Write(
+    const v1::FetchBlocksRequest& request,
+    std::shared_ptr<const std::vector<std::optional<BlockStore::ReadBlock>>> blocks,
+    const std::vector<bool>& send, absl::Time deadline) {
+  const uint64_t slot = request.ucx_slot_bytes();
+  const uint64_t base = request.ucx_address();
+  const uint64_t slots = blocks->size();
+  if (slot == 0 || slots > std::numeric_limits<uint64_t>::max() / slot ||
+      base > std::numeric_limits<uint64_t>::max() - slots * slot) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FetchBlocks receive buffer at ", base, " with ", slots, " slots of ", slot,
+        " bytes does not fit a 64-bit address space"));
+  }
+  if (request.ucx_rkey().empty() || request.ucx_rkey().size() > ucx::kMaxPackedRkeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("FetchBlocks ucx_rkey is ",
+                                                   request.ucx_rkey().size(),
+                                                   " bytes; expected 1 to ",
+                                                   ucx::kMaxPackedRkeyBytes));
+  }
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep =
+      EndpointTo(request.ucx_worker_address(), deadline);
+  if (!ep.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot reach the reader's UCX worker: ", ep.status().message()));
+  }
+  std::vector<ucx::Op> ops;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    const auto& b = (*blocks)[i];
+    if (!send[i] || !b) continue;
+    // The tier's bytes are only read; UCX's API takes a non-const pointer for both directions.
+    ops.push_back(ucx::Op{ucx::Op::kPut, const_cast<std::byte*>(b->bytes.data()),
+                          b->bytes.size(), base + i * slot, 0, arena_});
+    bytes += b->bytes.size();
+  }
+  if (ops.empty()) return absl::OkStatus();
+  const std::string rkeys[] = {request.ucx_rkey()};
+  absl::Status status = worker_->Transfer(**ep, rkeys, std::move(ops), blocks, deadline);
+  if (absl::IsInvalidArgument(status)) return status;  // an rkey that does not unpack
+  if (!status.ok()) {
+    Drop(request.ucx_worker_address());
+    return absl::UnavailableError(
+        absl::StrCat("writing blocks into the reader's buffer over UCX: ", status.message()));
+  }
+  bytes_out_->Increment(bytes);
+  return absl::OkStatus();
+}
+
+}  // namespace proxima::daemon::cluster

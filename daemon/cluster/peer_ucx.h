@@ -1,0 +1,93 @@
+// PeerUcx: block bytes between daemons of a cluster over UCX (docs/cluster.md), on the daemon's
+// own UCX worker (UcxTransport's), the control plane staying proxima.v1.Peer on gRPC.
+//
+//   reader   registers a receive buffer with one slot per requested block and names it in its
+//            FetchBlocks request (worker address, packed rkey, address, slot size);
+//   holder   pins the found blocks, writes each into its slot with one-sided puts from the
+//            registered tier arena, flushes, and answers sizes and CRC32Cs instead of bytes.
+//
+// The reader checks every block against its CRC32C on arrival, as for bytes that came inline.
+// A holder that cannot reach the reader's worker answers inline; a transfer that fails or runs
+// past the call's deadline fails the call (UNAVAILABLE), and the reader counts its blocks as
+// misses. Endpoints to readers are kept and reused, and dropped once they fail.
+//
+// Thread-safe.
+#ifndef PROXIMA_DAEMON_CLUSTER_PEER_UCX_H_
+#define PROXIMA_DAEMON_CLUSTER_PEER_UCX_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/mutex.h"
+#include "common/ucx.h"
+#include "daemon/block_store.h"
+#include "daemon/metrics.h"
+#include "proxima/v1/peer.pb.h"
+
+namespace proxima::daemon::cluster {
+
+class PeerUcx {
+ public:
+  // Endpoints to readers kept at most (the least recently opened goes first past it).
+  static constexpr size_t kMaxEndpoints = 256;
+
+  // `worker` and `arena` (the host tier's registration on it) must outlive this object and
+  // every ReceiveBuffer it hands out.
+  PeerUcx(ucx::Worker* worker, const ucx::Registration* arena, metrics::Registry* registry);
+
+  // Reader side: `slots` slots of `slot_bytes`, registered for the holder's puts.
+  class ReceiveBuffer {
+   public:
+    std::span<const std::byte> Slot(size_t i, size_t size) const {
+      return {data_.get() + i * slot_bytes_, size};
+    }
+    size_t slot_bytes() const { return slot_bytes_; }
+
+   private:
+    friend class PeerUcx;
+    std::unique_ptr<std::byte[]> data_;
+    size_t slot_bytes_ = 0;
+    std::shared_ptr<ucx::Registration> registration_;  // dropped before data_
+  };
+  absl::StatusOr<std::shared_ptr<const ReceiveBuffer>> NewReceiveBuffer(size_t slots,
+                                                                       size_t slot_bytes);
+  // Names `buffer` in `request` (the ucx_* fields).
+  void Describe(const ReceiveBuffer& buffer, v1::FetchBlocksRequest* request) const;
+
+  // Holder side: writes `blocks[i]` (pinned, in the tier arena) into slot i of the request's
+  // receive buffer, for every i with `send[i]`, by `deadline`. INVALID_ARGUMENT for malformed
+  // ucx_* fields, FAILED_PRECONDITION when the reader's worker cannot be reached (answer
+  // inline then), UNAVAILABLE when the transfer failed.
+  absl::Status Write(const v1::FetchBlocksRequest& request,
+                     std::shared_ptr<const std::vector<std::optional<BlockStore::ReadBlock>>> blocks,
+                     const std::vector<bool>& send, absl::Time deadline);
+
+  // Counts bytes that arrived through a receive buffer.
+  void CountIn(uint64_t bytes) { bytes_in_->Increment(bytes); }
+
+ private:
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> EndpointTo(const std::string& address,
+                                                            absl::Time deadline);
+  void Drop(const std::string& address);
+
+  ucx::Worker* const worker_;
+  const ucx::Registration* const arena_;
+  metrics::Counter* bytes_in_ = nullptr;
+  metrics::Counter* bytes_out_ = nullptr;
+
+  proxima::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<ucx::Endpoint>> endpoints_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> opened_ ABSL_GUARDED_BY(mu_);  // endpoint addresses, oldest first
+};
+
+}  // namespace proxima::daemon::cluster
+
+#endif  // PROXIMA_DAEMON_CLUSTER_PEER_UCX_H_
