@@ -24,14 +24,19 @@ constexpr uint32_t kProbBits = 12;
 constexpr uint32_t kProbScale = 1u << kProbBits;
 constexpr uint32_t kRansL = 1u << 16;  // states live in [2^16, 2^32): one 16-bit renorm max
 constexpr int kStates = 4;
+constexpr uint32_t kMaxCodeBits = 11;  // Huffman code lengths 1..11; decode table 2^11 entries
+constexpr int kStreams = 4;            // symbol i goes to stream i % 4
 
 struct PlaneRange {
   uint32_t lo = 255, hi = 0;  // smallest and largest plane A byte (lo > hi when n == 0)
 };
 
-// Splits the values into the two planes and returns plane A's range (so that the encoder's
-// per-symbol tables are only touched over the symbols that occur).
-PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b) {
+// Splits the values into the two planes, counts plane A's symbols per stream (symbol i into
+// hist[i % 4], which must be zero on entry) and returns plane A's range (so that the encoder's
+// per-symbol loops only run over the symbols that occur). Counting right after each split step
+// overlaps it with the input's (usually cold) loads.
+PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b,
+                       uint32_t (*hist)[256]) {
   const size_t n = shape.Elements();
   const bool bf16 = shape.dtype == numeric::kDtypeBf16;
   PlaneRange r;
@@ -59,6 +64,12 @@ PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* 
     vmax = _mm_max_epu8(vmax, va);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i), va);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b + i), _mm_packus_epi16(l0, l1));
+    for (size_t j = i; j < i + 16; j += 4) {
+      ++hist[0][a[j]];
+      ++hist[1][a[j + 1]];
+      ++hist[2][a[j + 2]];
+      ++hist[3][a[j + 3]];
+    }
   }
   if (i != 0) {
     alignas(16) uint8_t mn[16], mx[16];
@@ -76,6 +87,7 @@ PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* 
     b[i] = static_cast<uint8_t>(bf16 ? ((v >> 8) & 0x80) | (v & 0x7F) : v);
     r.lo = std::min<uint32_t>(r.lo, a[i]);
     r.hi = std::max<uint32_t>(r.hi, a[i]);
+    ++hist[i % kStreams][a[i]];
   }
   return r;
 }
@@ -231,8 +243,6 @@ absl::Status DecodeRans(const SegmentShape& shape, const uint8_t* p, const uint8
   return absl::OkStatus();
 }
 
-constexpr uint32_t kMaxCodeBits = 11;  // Huffman code lengths 1..11; decode table 2^11 entries
-constexpr int kStreams = 4;            // symbol i goes to stream i % 4
 
 // Lengths of a Huffman code for counts[lo..hi] (at least two nonzero), every length <=
 // kMaxCodeBits; len[lo..hi] is written (0 for absent symbols). A code that comes out longer is
@@ -281,26 +291,28 @@ void HuffmanLengths(const uint64_t* counts, uint32_t lo, uint32_t hi, uint8_t* l
 }
 
 // Canonical code (MSB first) for len[lo..hi]: codes of one length are consecutive in symbol
-// order, shorter lengths first (the DEFLATE rule). Writes code[s] = (code << 8) | length for
-// the present symbols.
-void CanonicalCodes(const uint8_t* len, uint32_t lo, uint32_t hi, uint32_t* code) {
+// order, shorter lengths first (the DEFLATE rule). Writes code[s] and len32[s] (the length
+// widened, for the encoder's table) for s in [lo, hi].
+void CanonicalCodes(const uint8_t* len, uint32_t lo, uint32_t hi, uint32_t* code,
+                    uint32_t* len32) {
   uint32_t count[kMaxCodeBits + 1] = {};
   for (uint32_t s = lo; s <= hi; ++s) ++count[len[s]];
   uint32_t next[kMaxCodeBits + 2] = {};
   for (uint32_t l = 1; l <= kMaxCodeBits; ++l) next[l + 1] = (next[l] + count[l]) << 1;
   for (uint32_t s = lo; s <= hi; ++s) {
-    if (len[s] != 0) code[s] = (next[len[s]]++ << 8) | len[s];
+    code[s] = len[s] != 0 ? next[len[s]]++ : 0;
+    len32[s] = len[s];
   }
 }
 
 #define PROXIMA_LOSSLESS_INLINE inline __attribute__((always_inline))
 
-// Writes the symbols a[k], a[k + 4], ... MSB first from `dst` on; returns the end. May write up
-// to 8 bytes past the end (the caller overwrites them). code[s] = (code << 8) | length; a
-// length is <= 11, so `e & 63` is the length and shifting by `e` directly is the same shift
-// (x86 masks shift counts to 6 bits; with BMI2 that is one shlx).
+// Writes the symbols a[k], a[k + 4], ... MSB first from `dst` on, symbol s as the low len[s]
+// bits of code[s]; returns the end. May write up to 8 bytes past the end (the caller
+// overwrites them).
 PROXIMA_LOSSLESS_INLINE uint8_t* EncodeStreamImpl(const uint8_t* a, size_t n, size_t k,
-                                                  const uint32_t* code, uint8_t* dst) {
+                                                  const uint32_t* code, const uint32_t* len,
+                                                  uint8_t* dst) {
   uint64_t acc = 0;    // pending bits in the low `bits` bits (bits above are stale)
   uint32_t bits = 0;   // < 8 between flushes
   auto flush = [&] {   // bits in [1, 63]
@@ -310,22 +322,21 @@ PROXIMA_LOSSLESS_INLINE uint8_t* EncodeStreamImpl(const uint8_t* a, size_t n, si
     bits &= 7;
   };
   size_t i = k;
-  for (; i + 12 < n; i += 16) {  // 4 codes of <= 11 bits + 7 left over < 64
-    const uint32_t e0 = code[a[i]], e1 = code[a[i + 4]], e2 = code[a[i + 8]],
-                   e3 = code[a[i + 12]];
-    // Pairs first, so the chain through `acc` is one shift and one or per 4 symbols.
-    const uint64_t c01 = (uint64_t{e0 >> 8} << (e1 & 63)) | (e1 >> 8);
-    const uint64_t c23 = (uint64_t{e2 >> 8} << (e3 & 63)) | (e3 >> 8);
-    const uint32_t l23 = (e2 + e3) & 0xFF;  // the code fields never carry into the low byte
-    const uint32_t l = (e0 + e1 + e2 + e3) & 0xFF;
-    acc = (acc << l) | (c01 << l23) | c23;
+  for (; i + 16 < n; i += 20) {  // 5 codes of <= 11 bits + 7 left over < 64
+    const uint32_t s0 = a[i], s1 = a[i + 4], s2 = a[i + 8], s3 = a[i + 12], s4 = a[i + 16];
+    // Combined as a tree, so the chain through `acc` is one shift and one or per 5 symbols.
+    const uint64_t c01 = (uint64_t{code[s0]} << len[s1]) | code[s1];
+    const uint64_t c23 = (uint64_t{code[s2]} << len[s3]) | code[s3];
+    const uint64_t c0123 = (c01 << (len[s2] + len[s3])) | c23;
+    const uint64_t c = (c0123 << len[s4]) | code[s4];
+    const uint32_t l = len[s0] + len[s1] + len[s2] + len[s3] + len[s4];
+    acc = (acc << l) | c;
     bits += l;
     flush();
   }
   for (; i < n; i += kStreams) {
-    const uint32_t e = code[a[i]];
-    acc = (acc << (e & 63)) | (e >> 8);
-    bits += e & 0xFF;
+    acc = (acc << len[a[i]]) | code[a[i]];
+    bits += len[a[i]];
     flush();
   }
   if (bits != 0) {
@@ -336,8 +347,8 @@ PROXIMA_LOSSLESS_INLINE uint8_t* EncodeStreamImpl(const uint8_t* a, size_t n, si
 }
 
 uint8_t* EncodeStreamGeneric(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
-                             uint8_t* dst) {
-  return EncodeStreamImpl(a, n, k, code, dst);
+                             const uint32_t* len, uint8_t* dst) {
+  return EncodeStreamImpl(a, n, k, code, len, dst);
 }
 
 // Scratch for the encoder's two planes: kept per thread up to kKeptScratch bytes (segments are
@@ -438,8 +449,9 @@ void DecodeSymbolsGeneric(BitReader* r, size_t n, const uint16_t* tab, const uin
 // The same code compiled with BMI2 (shlx/shrx take the count from any register, which frees
 // the register allocator from rcx). Same source, so the same bytes as the generic versions.
 __attribute__((target("bmi2"))) uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k,
-                                                          const uint32_t* code, uint8_t* dst) {
-  return EncodeStreamImpl(a, n, k, code, dst);
+                                                          const uint32_t* code,
+                                                          const uint32_t* len, uint8_t* dst) {
+  return EncodeStreamImpl(a, n, k, code, len, dst);
 }
 __attribute__((target("bmi2"))) void DecodeSymbolsBmi2(BitReader* r, size_t n,
                                                        const uint16_t* tab, const uint8_t* end,
@@ -448,8 +460,8 @@ __attribute__((target("bmi2"))) void DecodeSymbolsBmi2(BitReader* r, size_t n,
 }
 #else
 uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
-                          uint8_t* dst) {
-  return EncodeStreamImpl(a, n, k, code, dst);
+                          const uint32_t* len, uint8_t* dst) {
+  return EncodeStreamImpl(a, n, k, code, len, dst);
 }
 void DecodeSymbolsBmi2(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* end,
                        uint8_t* dst) {
@@ -535,23 +547,15 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
                     bool bmi2) {
   const size_t n = shape.Elements();
   std::unique_ptr<uint8_t[]> big;
-  uint8_t* const a = EncoderScratch(2 * n, &big);
+  // Plane A, plane B, then room for the mode-2 header and streams (< n + 1 bytes when used)
+  // plus 8 bytes for the streams' word stores.
+  uint8_t* const a = EncoderScratch(3 * n + 64, &big);
   uint8_t* const b = a + n;
-  const PlaneRange range = SplitPlanes(shape, in, a, b);
-  const uint32_t lo = range.lo, hi = range.hi;
-
   // Per-stream histograms (also four independent counters, which hides the store-to-load
-  // latency of runs of one symbol); only [lo, hi] is used.
-  uint32_t hist[kStreams][256];
-  for (auto& h : hist) std::fill(h + lo, h + std::max(lo, hi + 1), 0u);
-  size_t i = 0;
-  for (; i + kStreams <= n; i += kStreams) {
-    ++hist[0][a[i]];
-    ++hist[1][a[i + 1]];
-    ++hist[2][a[i + 2]];
-    ++hist[3][a[i + 3]];
-  }
-  for (; i < n; ++i) ++hist[i % kStreams][a[i]];
+  // latency of runs of one symbol).
+  uint32_t hist[kStreams][256] = {};
+  const PlaneRange range = SplitPlanes(shape, in, a, b, hist);
+  const uint32_t lo = range.lo, hi = range.hi;
   uint64_t counts[256];
   uint32_t present = 0;
   for (uint32_t s = lo; s <= hi; ++s) {
@@ -566,12 +570,12 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     return;
   }
   size_t coded = 0;  // mode 2 bytes after the mode byte
-  uint32_t code[256];
+  uint32_t code[256], len32[256];
   size_t size[kStreams] = {};
   uint8_t len[256];
   if (present >= 2) {
     HuffmanLengths(counts, lo, hi, len);
-    CanonicalCodes(len, lo, hi, code);
+    CanonicalCodes(len, lo, hi, code, len32);
     for (int k = 0; k < kStreams; ++k) {
       uint64_t bits = 0;
       for (uint32_t s = lo; s <= hi; ++s) bits += uint64_t{hist[k][s]} * len[s];
@@ -585,10 +589,10 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     payload->append(reinterpret_cast<const char*>(a), 2 * n);  // a and b are adjacent
     return;
   }
-  // Sized up front (stream sizes follow from the histograms); 8 spare bytes for the streams'
-  // word stores, dropped at the end.
-  payload->resize(base + 1 + coded + n + 8);
-  uint8_t* p = reinterpret_cast<uint8_t*>(payload->data()) + base;
+  // Header and streams go to scratch and are appended with plane B: growing the payload with
+  // resize() would first zero what is then overwritten.
+  uint8_t* const head = b + n;
+  uint8_t* p = head;
   *p++ = 2;
   *p++ = static_cast<uint8_t>(lo);
   *p++ = static_cast<uint8_t>(hi);
@@ -601,13 +605,14 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     const uint32_t v = static_cast<uint32_t>(size[k]);
     std::memcpy(p, &v, 4);
   }
-  // In stream order: a stream's spare word stores land where the next stream (or plane B)
-  // is written afterwards.
+  // In stream order: a stream's spare word stores land where the next stream starts (the last
+  // one's in the spare bytes).
   for (int k = 0; k < kStreams; ++k) {
-    p = (bmi2 ? EncodeStreamBmi2 : EncodeStreamGeneric)(a, n, k, code, p);
+    p = (bmi2 ? EncodeStreamBmi2 : EncodeStreamGeneric)(a, n, k, code, len32, p);
   }
-  std::memcpy(p, b, n);
-  payload->resize(base + 1 + coded + n);
+  payload->reserve(base + 1 + coded + n);
+  payload->append(reinterpret_cast<const char*>(head), 1 + coded);
+  payload->append(reinterpret_cast<const char*>(b), n);
 }
 
 absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
