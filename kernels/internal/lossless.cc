@@ -368,61 +368,61 @@ uint8_t* EncoderScratch(size_t bytes, std::unique_ptr<uint8_t[]>* big) {
   return buf.get();
 }
 
-// MSB-first bit reader over payload bytes [pos, end), zeros past `end`. `buf` holds `count`
-// valid bits at the top; the bits below them are the next stream bits (or zeros), which the
-// next refill ORs in again at the same place.
+// MSB-first bit reader. `bit` is the absolute bit position in the payload of the next unread
+// bit; `buf` holds the bits from there on at its top (at least 56 valid after a refill, enough
+// for 5 codes of <= 11 bits). Two values per reader keep four readers in registers.
 struct BitReader {
   uint64_t buf = 0;
-  uint32_t count = 0;
-  const uint8_t* pos = nullptr;
+  uint64_t bit = 0;
 };
 
-// After a refill `count` is in [56, 63], enough for 5 codes of <= 11 bits; `pos` moves at most
-// 7 bytes. Reads 8 bytes at `pos`: only where those are inside the payload.
-PROXIMA_LOSSLESS_INLINE void RefillUnchecked(BitReader& r) {
+// Reads the 8 bytes at bit / 8 and drops the bits before `bit`: only where those 8 bytes are
+// inside the payload.
+PROXIMA_LOSSLESS_INLINE void RefillUnchecked(BitReader& r, const uint8_t* base) {
   uint64_t w;
-  std::memcpy(&w, r.pos, 8);
-  r.buf |= __builtin_bswap64(w) >> r.count;
-  r.pos += (63 - r.count) >> 3;
-  r.count |= 56;
+  std::memcpy(&w, base + (r.bit >> 3), 8);
+  r.buf = __builtin_bswap64(w) << (r.bit & 7);
 }
 
-PROXIMA_LOSSLESS_INLINE void RefillChecked(BitReader& r, const uint8_t* end) {
+// The same with zeros for the bytes at or past `size`.
+PROXIMA_LOSSLESS_INLINE void RefillChecked(BitReader& r, const uint8_t* base, size_t size) {
   uint64_t w = 0;
-  for (size_t j = 0; j < 8 && r.pos + j < end; ++j) w |= uint64_t{r.pos[j]} << (56 - 8 * j);
-  r.buf |= w >> r.count;
-  r.pos += (63 - r.count) >> 3;
-  r.count |= 56;
+  const size_t at = r.bit >> 3;
+  for (size_t j = 0; j < 8 && at + j < size; ++j) w |= uint64_t{base[at + j]} << (56 - 8 * j);
+  r.buf = w << (r.bit & 7);
 }
 
-// Table entry: length | symbol << 8 (shifting by the entry is shifting by the length, see
-// EncodeStreamImpl). Returns the entry; the symbol is its second byte.
+// Table entry: length | symbol << 8 (shifting by the entry is shifting by the length: x86
+// masks shift counts to 6 bits and a length is <= 11). Returns the entry.
 PROXIMA_LOSSLESS_INLINE uint32_t DecodeOne(BitReader& r, const uint16_t* tab) {
   const uint32_t e = tab[r.buf >> (64 - kMaxCodeBits)];
   r.buf <<= e & 63;
-  r.count -= e & 0xFF;
+  r.bit += e & 0xFF;
   return e;
 }
 
-// Decodes symbols [0, n) into dst, symbol i from reader i % 4.
+// Decodes symbols [0, n) into dst, symbol i from reader i % 4; `size` is the payload size.
 //
-// Why the fast loop may read without bounds checks: it refills each reader at most n / 20
-// times, 7 bytes each at most, so reader k reads below start[k] + 7 * n / 20 + 8, and the
-// caller has checked that the streams are followed by plane B's n bytes inside the payload:
-// start[k] <= end - n. With n >= 20 that is below end. Hostile stream contents cannot move a
-// reader faster.
+// Why the fast loop may read without bounds checks: between refills a reader consumes at most
+// 5 x 11 bits, so each refill reads at most 7 bytes further on than the one before; the fast
+// loop refills each reader at most n / 20 times, so reader k reads below
+// start[k] + 7 * n / 20 + 8 bytes, and the caller has checked that the streams are followed by
+// plane B's n bytes inside the payload: start[k] <= size - n. With n >= 20 that is below
+// size. Hostile stream contents cannot move a reader faster.
 PROXIMA_LOSSLESS_INLINE void DecodeSymbolsImpl(BitReader* r, size_t n, const uint16_t* tab,
-                                               const uint8_t* end, uint8_t* dst) {
+                                               const uint8_t* base, size_t size, uint8_t* dst) {
   size_t i = 0;
   {
     // Readers in locals so that the byte stores (which may alias anything) leave them in
     // registers; 5 rounds of 4 symbols per refill.
     BitReader r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
     for (; i + 20 <= n; i += 20) {
-      RefillUnchecked(r0);
-      RefillUnchecked(r1);
-      RefillUnchecked(r2);
-      RefillUnchecked(r3);
+      RefillUnchecked(r0, base);
+      RefillUnchecked(r1, base);
+      RefillUnchecked(r2, base);
+      RefillUnchecked(r3, base);
+      // Not unrolled: unrolling all 5 rounds made GCC 12 spill the entries to the stack.
+#pragma GCC unroll 1
       for (size_t j = i; j < i + 20; j += 4) {  // one 4-byte store per round
         uint32_t word = DecodeOne(r0, tab) >> 8;
         word |= DecodeOne(r1, tab) & 0xFF00;
@@ -435,14 +435,14 @@ PROXIMA_LOSSLESS_INLINE void DecodeSymbolsImpl(BitReader* r, size_t n, const uin
   }
   for (; i < n; ++i) {
     BitReader& ri = r[i % kStreams];
-    RefillChecked(ri, end);
+    RefillChecked(ri, base, size);
     dst[i] = static_cast<uint8_t>(DecodeOne(ri, tab) >> 8);
   }
 }
 
-void DecodeSymbolsGeneric(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* end,
-                          uint8_t* dst) {
-  DecodeSymbolsImpl(r, n, tab, end, dst);
+void DecodeSymbolsGeneric(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* base,
+                          size_t size, uint8_t* dst) {
+  DecodeSymbolsImpl(r, n, tab, base, size, dst);
 }
 
 #if defined(__x86_64__)
@@ -454,18 +454,18 @@ __attribute__((target("bmi2"))) uint8_t* EncodeStreamBmi2(const uint8_t* a, size
   return EncodeStreamImpl(a, n, k, code, len, dst);
 }
 __attribute__((target("bmi2"))) void DecodeSymbolsBmi2(BitReader* r, size_t n,
-                                                       const uint16_t* tab, const uint8_t* end,
-                                                       uint8_t* dst) {
-  DecodeSymbolsImpl(r, n, tab, end, dst);
+                                                       const uint16_t* tab, const uint8_t* base,
+                                                       size_t size, uint8_t* dst) {
+  DecodeSymbolsImpl(r, n, tab, base, size, dst);
 }
 #else
 uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
                           const uint32_t* len, uint8_t* dst) {
   return EncodeStreamImpl(a, n, k, code, len, dst);
 }
-void DecodeSymbolsBmi2(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* end,
-                       uint8_t* dst) {
-  DecodeSymbolsImpl(r, n, tab, end, dst);
+void DecodeSymbolsBmi2(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* base,
+                       size_t size, uint8_t* dst) {
+  DecodeSymbolsImpl(r, n, tab, base, size, dst);
 }
 #endif
 
@@ -517,23 +517,24 @@ absl::Status DecodeHuffman(const SegmentShape& shape, const uint8_t* const base,
   p += 4 * kStreams;
   if (end - p != total + n) return absl::InvalidArgumentError("lossless: stream sizes do not add up");
   BitReader r[kStreams];
-  const uint8_t* start[kStreams];
+  size_t start[kStreams];
   for (int k = 0; k < kStreams; ++k) {
-    start[k] = r[k].pos = base + p;
+    start[k] = p;
+    r[k].bit = 8 * uint64_t{p};
     p += size[k];
   }
   const uint8_t* plane_b = base + p;
   uint8_t* dst = reinterpret_cast<uint8_t*>(out) + n;
-  (bmi2 ? DecodeSymbolsBmi2 : DecodeSymbolsGeneric)(r, n, tab, base + end, dst);
+  (bmi2 ? DecodeSymbolsBmi2 : DecodeSymbolsGeneric)(r, n, tab, base, end, dst);
   for (int k = 0; k < kStreams; ++k) {
     // Bits consumed must end in the stream's last byte: not before it, not past it.
-    const uint64_t used = 8 * (r[k].pos - start[k]) - r[k].count;
+    const uint64_t used = r[k].bit - 8 * uint64_t{start[k]};
     if (used > 8 * size[k] || 8 * size[k] - used >= 8) {
       return absl::InvalidArgumentError("lossless: Huffman stream size mismatch");
     }
     // The encoder pads the last byte with zero bits: one accepted encoding per stream.
     const uint32_t pad = static_cast<uint32_t>(8 * size[k] - used);
-    if (pad != 0 && (start[k][size[k] - 1] & ((1u << pad) - 1)) != 0) {
+    if (pad != 0 && (base[start[k] + size[k] - 1] & ((1u << pad) - 1)) != 0) {
       return absl::InvalidArgumentError("lossless: Huffman stream padding is not 0");
     }
   }
