@@ -496,15 +496,16 @@ absl::Status DecodeHuffman(const SegmentShape& shape, const uint8_t* const base,
   if (kraft != (1u << kMaxCodeBits)) {
     return absl::InvalidArgumentError("lossless: code lengths do not form a complete code");
   }
-  // Canonical order: shorter codes first, then by symbol; each code owns a consecutive run.
+  // The code of s, read as the top len[s] of 11 bits, owns the table run starting at
+  // code << (11 - len); a complete code tiles the table exactly.
+  uint32_t code[256], len32[256];
+  CanonicalCodes(len, lo, hi, code, len32);
   uint16_t tab[1u << kMaxCodeBits];
-  for (uint32_t l = 1, at = 0; l <= kMaxCodeBits; ++l) {
-    for (uint32_t s = lo; s <= hi; ++s) {
-      if (len[s] != l) continue;
-      const uint32_t run = 1u << (kMaxCodeBits - l);
-      std::fill(tab + at, tab + at + run, static_cast<uint16_t>(l | (s << 8)));
-      at += run;
-    }
+  for (uint32_t s = lo; s <= hi; ++s) {
+    if (len[s] == 0) continue;
+    const uint32_t shift = kMaxCodeBits - len[s];
+    std::fill(tab + (code[s] << shift), tab + ((code[s] + 1) << shift),
+              static_cast<uint16_t>(len[s] | (s << 8)));
   }
   if (end - p < 4 * kStreams) return absl::InvalidArgumentError("lossless: truncated stream sizes");
   uint64_t size[kStreams], total = 0;
