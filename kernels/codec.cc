@@ -132,13 +132,17 @@ std::vector<std::vector<uint32_t>> RankImportant(const SegmentShape& shape, cons
   return out;
 }
 
+// The lossless codec's BMI2 build goes with the SIMD paths, so tests comparing the scalar path
+// with a SIMD path compare the two builds of the lossless code too.
+bool UseBmi2(CpuPath path) { return path != CpuPath::kScalar && internal::CpuHasBmi2(); }
+
 // Appends the segment's payload to `block`.
 absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shape,
                            const std::byte* in, const std::byte* layer_k,
                            std::span<const float> importance, std::string* block) {
   const SegmentKernels& k = KernelsFor(path);
   if (codec == CodecId::kLossless) {
-    internal::EncodeLossless(shape, in, block);
+    internal::EncodeLossless(shape, in, block, UseBmi2(path));
     return absl::OkStatus();
   }
   const size_t start = block->size();
@@ -181,7 +185,7 @@ absl::Status DecodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
       std::memcpy(out, p, payload.size());
       return absl::OkStatus();
     case CodecId::kLossless:
-      return internal::DecodeLossless(shape, payload, out);
+      return internal::DecodeLossless(shape, payload, out, UseBmi2(path));
     case CodecId::kFp8:
       PROXIMA_RETURN_IF_ERROR(internal::ValidateFp8(shape, p));
       k.decode_fp8(shape, p, out);

@@ -397,20 +397,26 @@ TEST(HostileInputTest, CorruptLosslessStreamIsAnError) {
   BlockGeometry g = Geo(1, 2, 64, 32);
   std::string enc = Encode(g, Plan("lossless"), MakeBlock(g, Pattern::kKvLike, 29));
   const size_t payload0 = 48 + 2 * 16;
-  ASSERT_EQ(enc[payload0], 1) << "expected an rANS-coded segment";
+  ASSERT_EQ(enc[payload0], 2) << "expected a Huffman-coded segment";
+  // Code lengths (nibbles from payload0 + 3) and the four stream sizes after them.
+  const size_t range = static_cast<uint8_t>(enc[payload0 + 2]) -
+                       static_cast<uint8_t>(enc[payload0 + 1]) + 1;
+  const size_t body = payload0 + 3 + (range + 1) / 2 + 16;
   std::vector<std::byte> out(g.RawBytes());
-  int rejected = 0;
-  for (size_t i = payload0 + 1; i < payload0 + 200; ++i) {
+  int rejected_header = 0, rejected_body = 0;
+  for (size_t i = payload0 + 2; i < body + 200; ++i) {
     std::string bad = enc;
     bad[i] = static_cast<char>(bad[i] ^ 0x21);
     internal::ResealBlockForFuzzing(
         std::as_writable_bytes(std::span<char>(bad.data(), bad.size())));
     absl::Status s = DecodeBlock(Bytes(bad), out);
-    rejected += !s.ok();
+    (i < body ? rejected_header : rejected_body) += !s.ok();
   }
-  // Flips in the symbol table and sizes must be caught; flips inside the rANS body are caught
-  // by the final-state check almost always.
-  EXPECT_GT(rejected, 150);
+  // Every flip of the last symbol, a code length or a stream size is caught; inside the streams
+  // a flip changes which codes follow, and the exact stream sizes catch most (the payload
+  // CRC is what catches corruption; these checks keep the decoder within the data).
+  EXPECT_EQ(rejected_header, static_cast<int>(body - payload0 - 2));
+  EXPECT_GT(rejected_body, 100);
 }
 
 // ---------------------------------------------------------------------------- batch API

@@ -180,14 +180,15 @@ TEST_P(SimdIdentityTest, EncodeAndDecodeMatchScalarBitForBit) {
     for (Pattern p : {Pattern::kKvLike, Pattern::kAdversarial, Pattern::kRandomBits}) {
       std::vector<std::byte> raw = MakeBlock(g, p, c.dim * 31 + c.tokens);
       for (const char* text : {"fp8", "int8", "int4,group=32", "int4,group=64", "int4,group=128",
-                               "int2,group=32", "int2,group=128"}) {
+                               "int2,group=32", "int2,group=128", "lossless"}) {
         ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
         std::string scalar, simd;
         ASSERT_OK(EncodeBlockWithPath(CpuPath::kScalar, g, plan, false, raw, {}, &scalar));
         ASSERT_OK(EncodeBlockWithPath(path, g, plan, false, raw, {}, &simd));
         ASSERT_EQ(scalar, simd) << text << " dim " << c.dim << " tokens " << c.tokens;
         // Decode the encoder's output, and the same payload with random quantized bytes (the
-        // metadata stays finite so the decoder accepts it).
+        // metadata stays finite so the decoder accepts it; for lossless the last N bytes are
+        // plane B, stored verbatim).
         for (int variant = 0; variant < 2; ++variant) {
           std::string enc = scalar;
           if (variant == 1) {
@@ -252,7 +253,8 @@ TEST_P(SimdExhaustiveTest, EveryInputValueAndEveryCodeMatchScalar) {
       const uint16_t v = static_cast<uint16_t>(i * 40503u);
       std::memcpy(raw.data() + 2 * i, &v, 2);
     }
-    for (const char* text : {"fp8", "int8", "int4,group=32", "int4,group=128", "int2,group=64"}) {
+    for (const char* text :
+         {"fp8", "int8", "int4,group=32", "int4,group=128", "int2,group=64", "lossless"}) {
       ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
       std::string scalar, simd;
       ASSERT_OK(EncodeBlockWithPath(CpuPath::kScalar, g, plan, false, raw, {}, &scalar));

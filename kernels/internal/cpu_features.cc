@@ -46,6 +46,18 @@ bool CpuHasAvx2() {
 #endif
 }
 
+bool CpuHasBmi2() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("bmi2");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 bool CpuHasAvx512() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool has = [] {

@@ -1,10 +1,13 @@
-// The `lossless` codec (docs/format.md: lossless): byte planes, the exponent plane coded with a
-// 4-way interleaved order-0 rANS. Interleaving four states hides the latency of the dependent
-// multiply chain of one state; 16-bit renormalisation means at most one refill per symbol, done
-// without a branch, so the decoder's speed does not hinge on branch prediction.
+// The `lossless` codec (docs/format.md: lossless): byte planes, the exponent plane (plane A)
+// entropy-coded. The encoder writes mode 2: a canonical Huffman code (lengths <= 11 bits) over
+// four bit streams, symbol i in stream i % 4, so the decoder runs four independent table-lookup
+// chains at once and the encoder needs no division or multiply per symbol (docs/decisions.md:
+// "lossless: Huffman instead of rANS"). Mode 1 (4-way interleaved order-0 rANS, what the
+// encoder wrote before) is still decoded, so stored blocks stay readable.
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <memory>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -21,213 +24,120 @@ constexpr uint32_t kProbBits = 12;
 constexpr uint32_t kProbScale = 1u << kProbBits;
 constexpr uint32_t kRansL = 1u << 16;  // states live in [2^16, 2^32): one 16-bit renorm max
 constexpr int kStates = 4;
+constexpr uint32_t kMaxCodeBits = 11;  // Huffman code lengths 1..11; decode table 2^11 entries
+constexpr int kStreams = 4;            // symbol i goes to stream i % 4
 
-void SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b) {
+struct PlaneRange {
+  uint32_t lo = 255, hi = 0;  // smallest and largest plane A byte (lo > hi when n == 0)
+};
+
+// Splits the values into the two planes, counts plane A's symbols per stream (symbol i into
+// hist[i % 4], which must be zero on entry) and returns plane A's range (so that the encoder's
+// per-symbol loops only run over the symbols that occur). Counting right after each split step
+// overlaps it with the input's (usually cold) loads.
+PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b,
+                       uint32_t (*hist)[256]) {
   const size_t n = shape.Elements();
+  const bool bf16 = shape.dtype == numeric::kDtypeBf16;
+  PlaneRange r;
   size_t i = 0;
 #if defined(__SSE2__)
-  // 8 values per step with baseline SSE2 (every x86-64 CPU has it, so no dispatch is needed);
+  // 16 values per step with baseline SSE2 (every x86-64 CPU has it, so no dispatch is needed);
   // GCC -O2 leaves the scalar loop below unvectorised.
-  const bool bf16 = shape.dtype == numeric::kDtypeBf16;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i));
-    __m128i hi, lo;
+  __m128i vmin = _mm_set1_epi8(-1), vmax = _mm_setzero_si128();
+  const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80), mff = _mm_set1_epi16(0xFF);
+  auto planes = [&](__m128i v, __m128i* hi, __m128i* lo) {
     if (bf16) {
-      hi = _mm_and_si128(_mm_srli_epi16(v, 7), _mm_set1_epi16(0xFF));
-      lo = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 8), _mm_set1_epi16(0x80)),
-                        _mm_and_si128(v, _mm_set1_epi16(0x7F)));
+      *hi = _mm_and_si128(_mm_srli_epi16(v, 7), mff);
+      *lo = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 8), m80), _mm_and_si128(v, m7f));
     } else {
-      hi = _mm_srli_epi16(v, 8);
-      lo = _mm_and_si128(v, _mm_set1_epi16(0xFF));
+      *hi = _mm_srli_epi16(v, 8);
+      *lo = _mm_and_si128(v, mff);
     }
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(a + i), _mm_packus_epi16(hi, hi));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(b + i), _mm_packus_epi16(lo, lo));
+  };
+  for (; i + 16 <= n; i += 16) {
+    __m128i h0, l0, h1, l1;
+    planes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i)), &h0, &l0);
+    planes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i + 16)), &h1, &l1);
+    const __m128i va = _mm_packus_epi16(h0, h1);
+    vmin = _mm_min_epu8(vmin, va);
+    vmax = _mm_max_epu8(vmax, va);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i), va);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + i), _mm_packus_epi16(l0, l1));
+    for (size_t j = i; j < i + 16; j += 4) {
+      ++hist[0][a[j]];
+      ++hist[1][a[j + 1]];
+      ++hist[2][a[j + 2]];
+      ++hist[3][a[j + 3]];
+    }
+  }
+  if (i != 0) {
+    alignas(16) uint8_t mn[16], mx[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(mn), vmin);
+    _mm_store_si128(reinterpret_cast<__m128i*>(mx), vmax);
+    for (int j = 0; j < 16; ++j) {
+      r.lo = std::min<uint32_t>(r.lo, mn[j]);
+      r.hi = std::max<uint32_t>(r.hi, mx[j]);
+    }
   }
 #endif
-  if (shape.dtype == numeric::kDtypeBf16) {
-    for (; i < n; ++i) {
-      uint16_t v = Load16(in, i);
-      a[i] = static_cast<uint8_t>(v >> 7);
-      b[i] = static_cast<uint8_t>(((v >> 8) & 0x80) | (v & 0x7F));
-    }
-  } else {
-    for (; i < n; ++i) {
-      uint16_t v = Load16(in, i);
-      a[i] = static_cast<uint8_t>(v >> 8);
-      b[i] = static_cast<uint8_t>(v);
-    }
+  for (; i < n; ++i) {
+    const uint16_t v = Load16(in, i);
+    a[i] = static_cast<uint8_t>(bf16 ? v >> 7 : v >> 8);
+    b[i] = static_cast<uint8_t>(bf16 ? ((v >> 8) & 0x80) | (v & 0x7F) : v);
+    r.lo = std::min<uint32_t>(r.lo, a[i]);
+    r.hi = std::max<uint32_t>(r.hi, a[i]);
+    ++hist[i % kStreams][a[i]];
   }
+  return r;
 }
 
+// Writes value i from a[i] and b[i]. Also correct in place with `a` at byte n of `out` (the
+// Huffman decoder puts plane A there): each step reads its a bytes before it writes, and its
+// writes (bytes [2i, 2i + 32)) stay below the next unread a byte (n + i + 16) while i + 16 <= n.
 void MergePlanes(const SegmentShape& shape, const uint8_t* a, const uint8_t* b, std::byte* out) {
   const size_t n = shape.Elements();
-  if (shape.dtype == numeric::kDtypeBf16) {
-    for (size_t i = 0; i < n; ++i) {
+  const bool bf16 = shape.dtype == numeric::kDtypeBf16;
+  size_t i = 0;
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  for (; i + 16 <= n; i += 16) {
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i));
+    const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i));
+    __m128i v0, v1;
+    if (bf16) {
+      const __m128i a0 = _mm_unpacklo_epi8(va, zero), a1 = _mm_unpackhi_epi8(va, zero);
+      const __m128i b0 = _mm_unpacklo_epi8(vb, zero), b1 = _mm_unpackhi_epi8(vb, zero);
+      const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+      v0 = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b0, m80), 8), _mm_slli_epi16(a0, 7)),
+                        _mm_and_si128(b0, m7f));
+      v1 = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b1, m80), 8), _mm_slli_epi16(a1, 7)),
+                        _mm_and_si128(b1, m7f));
+    } else {
+      v0 = _mm_unpacklo_epi8(vb, va);
+      v1 = _mm_unpackhi_epi8(vb, va);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i), v0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * i + 16), v1);
+  }
+#endif
+  if (bf16) {
+    for (; i < n; ++i) {
       uint16_t v =
           static_cast<uint16_t>(((b[i] & 0x80u) << 8) | (uint32_t{a[i]} << 7) | (b[i] & 0x7Fu));
       Store16(out, i, v);
     }
   } else {
-    for (size_t i = 0; i < n; ++i) Store16(out, i, static_cast<uint16_t>((a[i] << 8) | b[i]));
+    for (; i < n; ++i) Store16(out, i, static_cast<uint16_t>((a[i] << 8) | b[i]));
   }
 }
 
-// Normalises symbol counts to frequencies summing to kProbScale; every present symbol keeps >= 1.
-std::array<uint32_t, 256> NormalizeFrequencies(const std::array<size_t, 256>& counts, size_t n) {
-  std::array<uint32_t, 256> freq{};
-  uint32_t sum = 0;
-  for (int s = 0; s < 256; ++s) {
-    if (counts[s] == 0) continue;
-    freq[s] = std::max<uint32_t>(1, static_cast<uint32_t>(counts[s] * kProbScale / n));
-    sum += freq[s];
-  }
-  while (sum != kProbScale) {
-    int best = -1;
-    for (int s = 0; s < 256; ++s) {
-      if (freq[s] == 0 || (sum > kProbScale && freq[s] == 1)) continue;
-      if (best < 0 || freq[s] > freq[best]) best = s;
-    }
-    if (sum > kProbScale) {
-      --freq[best];
-      --sum;
-    } else {
-      ++freq[best];
-      ++sum;
-    }
-  }
-  return freq;
-}
-
-void PutU16(std::string* out, uint16_t v) { out->append(reinterpret_cast<const char*>(&v), 2); }
-void PutU32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const char*>(&v), 4); }
-
-}  // namespace
-
-void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload) {
+// Mode 1 (rANS, written by encoders before mode 2; decoded for stored blocks): `p` is just past
+// the mode byte, `pend` the end of the payload.
+absl::Status DecodeRans(const SegmentShape& shape, const uint8_t* p, const uint8_t* const pend,
+                        std::byte* out) {
   const size_t n = shape.Elements();
-  std::vector<uint8_t> a(n), b(n);
-  SplitPlanes(shape, in, a.data(), b.data());
-
-  std::array<size_t, 256> counts{};
-  for (uint8_t s : a) ++counts[s];
-  std::array<uint32_t, 256> freq = NormalizeFrequencies(counts, n);
-  std::array<uint32_t, 256> start{};
-  uint32_t n_sym = 0;
-  for (uint32_t s = 0, acc = 0; s < 256; ++s) {
-    start[s] = acc;
-    acc += freq[s];
-    n_sym += freq[s] != 0;
-  }
-  // Division-free encoding (ryg's rANS reciprocal form): q = x / freq by a multiply.
-  struct EncSymbol {
-    uint32_t x_max, rcp_freq, bias, cmpl_freq, rcp_shift;
-  };
-  std::array<EncSymbol, 256> sym{};
-  for (uint32_t v = 0; v < 256; ++v) {
-    const uint32_t f = freq[v];
-    if (f == 0) continue;
-    EncSymbol& e = sym[v];
-    e.x_max = ((kRansL >> kProbBits) << 16) * f;  // f << 20; wraps to 0 for f = 4096
-    e.cmpl_freq = kProbScale - f;
-    if (f < 2) {
-      e.rcp_freq = ~0u;
-      e.rcp_shift = 0;
-      e.bias = start[v] + kProbScale - 1;
-    } else {
-      uint32_t shift = 0;
-      while (f > (1u << shift)) ++shift;
-      e.rcp_freq = static_cast<uint32_t>(((uint64_t{1} << (shift + 31)) + f - 1) / f);
-      e.rcp_shift = shift - 1;
-      e.bias = start[v];
-    }
-  }
-  // rANS writes backwards, 16-bit words, at most one per symbol.
-  std::vector<uint8_t> buf(2 * n + 64);
-  uint8_t* end = buf.data() + buf.size();
-  uint8_t* ptr = end;
-  // Encodes symbol a[i] into state st (renormalising first); rANS runs backwards over the data.
-  auto put = [&sym, &ptr, &a](uint32_t st, size_t i) -> uint32_t {
-    const EncSymbol& e = sym[a[i]];
-    // x_max = f << 20 wraps to 0 only for f = 4096 (a single symbol), whose state never grows.
-    if (e.x_max != 0 && st >= e.x_max) {
-      ptr -= 2;
-      const uint16_t w = static_cast<uint16_t>(st);
-      std::memcpy(ptr, &w, 2);
-      st >>= 16;
-    }
-    const uint32_t q =
-        static_cast<uint32_t>((static_cast<uint64_t>(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
-    return st + e.bias + q * e.cmpl_freq;
-  };
-  // States in named locals (not an indexed array) so they stay in registers.
-  uint32_t x0 = kRansL, x1 = kRansL, x2 = kRansL, x3 = kRansL;
-  size_t i = n;
-  while (i % kStates != 0) {  // the tail: symbol i goes to state i % 4
-    --i;
-    switch (i % kStates) {
-      case 0:
-        x0 = put(x0, i);
-        break;
-      case 1:
-        x1 = put(x1, i);
-        break;
-      case 2:
-        x2 = put(x2, i);
-        break;
-      default:
-        x3 = put(x3, i);
-        break;
-    }
-  }
-  while (i > 0) {
-    i -= kStates;
-    x3 = put(x3, i + 3);
-    x2 = put(x2, i + 2);
-    x1 = put(x1, i + 1);
-    x0 = put(x0, i);
-  }
-  const uint32_t x[kStates] = {x0, x1, x2, x3};
-  for (int k = kStates - 1; k >= 0; --k) {
-    ptr -= 4;
-    std::memcpy(ptr, &x[k], 4);
-  }
-  const size_t rans_bytes = static_cast<size_t>(end - ptr);
-  const size_t coded = 2 + 3 * size_t{n_sym} + 4 + rans_bytes;
-  if (coded >= n) {
-    payload->push_back(0);
-    payload->append(reinterpret_cast<const char*>(a.data()), n);
-  } else {
-    payload->reserve(payload->size() + 1 + coded + n);
-    payload->push_back(1);
-    PutU16(payload, static_cast<uint16_t>(n_sym));
-    for (uint32_t s = 0; s < 256; ++s) {
-      if (freq[s] == 0) continue;
-      payload->push_back(static_cast<char>(s));
-      PutU16(payload, static_cast<uint16_t>(freq[s]));
-    }
-    PutU32(payload, static_cast<uint32_t>(rans_bytes));
-    payload->append(reinterpret_cast<const char*>(ptr), rans_bytes);
-  }
-  payload->append(reinterpret_cast<const char*>(b.data()), n);
-}
-
-absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
-                            std::byte* out) {
-  const size_t n = shape.Elements();
-  const uint8_t* p = reinterpret_cast<const uint8_t*>(payload.data());
-  const uint8_t* const pend = p + payload.size();
   auto need = [&](size_t bytes) { return static_cast<size_t>(pend - p) >= bytes; };
-  if (!need(1)) return absl::InvalidArgumentError("lossless: empty payload");
-  const uint8_t mode = *p++;
-  if (mode == 0) {
-    if (static_cast<size_t>(pend - p) != 2 * n) {
-      return absl::InvalidArgumentError("lossless: stored payload has the wrong size");
-    }
-    MergePlanes(shape, p, p + n, out);
-    return absl::OkStatus();
-  }
-  if (mode != 1) return absl::InvalidArgumentError(absl::StrCat("lossless: unknown mode ", mode));
-
   if (!need(2)) return absl::InvalidArgumentError("lossless: truncated symbol table");
   uint16_t n_sym;
   std::memcpy(&n_sym, p, 2);
@@ -333,4 +243,406 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
   return absl::OkStatus();
 }
 
+
+// Lengths of a Huffman code for counts[lo..hi] (at least two nonzero), every length <=
+// kMaxCodeBits; len[lo..hi] is written (0 for absent symbols). A code that comes out longer is
+// rebuilt from the halved counts (each kept >= 1), as bzip2 does; a flat code over 256 symbols
+// has length 8, so this ends.
+void HuffmanLengths(const uint64_t* counts, uint32_t lo, uint32_t hi, uint8_t* len) {
+  std::array<uint64_t, 256> w;
+  std::array<uint16_t, 256> sym;  // leaves by (weight, symbol)
+  int m = 0;
+  for (uint32_t s = lo; s <= hi; ++s) {
+    w[s] = counts[s];
+    len[s] = 0;
+    if (w[s] != 0) sym[m++] = static_cast<uint16_t>(s);
+  }
+  if (m < 2) return;  // not called so; keeps the indexing below obviously in range
+  for (;;) {
+    std::sort(sym.begin(), sym.begin() + m,
+              [&w](uint16_t x, uint16_t y) { return w[x] != w[y] ? w[x] < w[y] : x < y; });
+    // Two-queue construction: nodes [0, m) are the leaves in order, [m, 2m - 1) the inner nodes
+    // in creation order (their weights never decrease), the last one the root.
+    std::array<uint64_t, 511> weight;
+    std::array<uint16_t, 511> parent;
+    std::array<uint8_t, 511> depth;
+    for (int j = 0; j < m; ++j) weight[j] = w[sym[j]];
+    int leaf = 0, inner = m;
+    for (int next = m; next < 2 * m - 1; ++next) {
+      int pick[2];
+      for (int& p : pick) {
+        p = (leaf < m && (inner >= next || weight[leaf] <= weight[inner])) ? leaf++ : inner++;
+      }
+      weight[next] = weight[pick[0]] + weight[pick[1]];
+      parent[pick[0]] = parent[pick[1]] = static_cast<uint16_t>(next);
+    }
+    depth[2 * m - 2] = 0;
+    uint32_t max_depth = 0;
+    for (int j = 2 * m - 3; j >= 0; --j) {
+      depth[j] = static_cast<uint8_t>(depth[parent[j]] + 1);
+      if (j < m) max_depth = std::max<uint32_t>(max_depth, depth[j]);
+    }
+    if (max_depth <= kMaxCodeBits) {
+      for (int j = 0; j < m; ++j) len[sym[j]] = depth[j];
+      return;
+    }
+    for (int j = 0; j < m; ++j) w[sym[j]] = (w[sym[j]] >> 1) | 1;
+  }
+}
+
+// Canonical code (MSB first) for len[lo..hi]: codes of one length are consecutive in symbol
+// order, shorter lengths first (the DEFLATE rule). Writes code[s] and len32[s] (the length
+// widened, for the encoder's table) for s in [lo, hi].
+void CanonicalCodes(const uint8_t* len, uint32_t lo, uint32_t hi, uint32_t* code,
+                    uint32_t* len32) {
+  uint32_t count[kMaxCodeBits + 1] = {};
+  for (uint32_t s = lo; s <= hi; ++s) ++count[len[s]];
+  uint32_t next[kMaxCodeBits + 2] = {};
+  for (uint32_t l = 1; l <= kMaxCodeBits; ++l) next[l + 1] = (next[l] + count[l]) << 1;
+  for (uint32_t s = lo; s <= hi; ++s) {
+    code[s] = len[s] != 0 ? next[len[s]]++ : 0;
+    len32[s] = len[s];
+  }
+}
+
+#define PROXIMA_LOSSLESS_INLINE inline __attribute__((always_inline))
+
+// Writes the symbols a[k], a[k + 4], ... MSB first from `dst` on, symbol s as the low len[s]
+// bits of code[s]; returns the end. May write up to 8 bytes past the end (the caller
+// overwrites them).
+PROXIMA_LOSSLESS_INLINE uint8_t* EncodeStreamImpl(const uint8_t* a, size_t n, size_t k,
+                                                  const uint32_t* code, const uint32_t* len,
+                                                  uint8_t* dst) {
+  uint64_t acc = 0;    // pending bits in the low `bits` bits (bits above are stale)
+  uint32_t bits = 0;   // < 8 between flushes
+  auto flush = [&] {   // bits in [1, 63]
+    const uint64_t w = __builtin_bswap64(acc << (64 - bits));
+    std::memcpy(dst, &w, 8);
+    dst += bits >> 3;
+    bits &= 7;
+  };
+  size_t i = k;
+  for (; i + 16 < n; i += 20) {  // 5 codes of <= 11 bits + 7 left over < 64
+    const uint32_t s0 = a[i], s1 = a[i + 4], s2 = a[i + 8], s3 = a[i + 12], s4 = a[i + 16];
+    // Combined as a tree, so the chain through `acc` is one shift and one or per 5 symbols.
+    const uint64_t c01 = (uint64_t{code[s0]} << len[s1]) | code[s1];
+    const uint64_t c23 = (uint64_t{code[s2]} << len[s3]) | code[s3];
+    const uint64_t c0123 = (c01 << (len[s2] + len[s3])) | c23;
+    const uint64_t c = (c0123 << len[s4]) | code[s4];
+    const uint32_t l = len[s0] + len[s1] + len[s2] + len[s3] + len[s4];
+    acc = (acc << l) | c;
+    bits += l;
+    flush();
+  }
+  for (; i < n; i += kStreams) {
+    acc = (acc << len[a[i]]) | code[a[i]];
+    bits += len[a[i]];
+    flush();
+  }
+  if (bits != 0) {
+    flush();
+    ++dst;  // the partial last byte, its low bits zero
+  }
+  return dst;
+}
+
+uint8_t* EncodeStreamGeneric(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
+                             const uint32_t* len, uint8_t* dst) {
+  return EncodeStreamImpl(a, n, k, code, len, dst);
+}
+
+// Scratch for the encoder's two planes: kept per thread up to kKeptScratch bytes (segments are
+// encoded one at a time per thread, usually tens of KiB), allocated per call above that.
+constexpr size_t kKeptScratch = size_t{4} << 20;
+uint8_t* EncoderScratch(size_t bytes, std::unique_ptr<uint8_t[]>* big) {
+  if (bytes > kKeptScratch) {
+    *big = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+    return big->get();
+  }
+  thread_local std::unique_ptr<uint8_t[]> buf;
+  thread_local size_t cap = 0;
+  if (cap < bytes) {
+    buf = std::make_unique_for_overwrite<uint8_t[]>(bytes);
+    cap = bytes;
+  }
+  return buf.get();
+}
+
+// MSB-first bit reader. `bit` is the absolute bit position in the payload of the next unread
+// bit; `buf` holds the bits from there on at its top (at least 56 valid after a refill, enough
+// for 5 codes of <= 11 bits). Two values per reader keep four readers in registers.
+struct BitReader {
+  uint64_t buf = 0;
+  uint64_t bit = 0;
+};
+
+// Reads the 8 bytes at bit / 8 and drops the bits before `bit`: only where those 8 bytes are
+// inside the payload.
+PROXIMA_LOSSLESS_INLINE void RefillUnchecked(BitReader& r, const uint8_t* base) {
+  uint64_t w;
+  std::memcpy(&w, base + (r.bit >> 3), 8);
+  r.buf = __builtin_bswap64(w) << (r.bit & 7);
+}
+
+// The same with zeros for the bytes at or past `size`.
+PROXIMA_LOSSLESS_INLINE void RefillChecked(BitReader& r, const uint8_t* base, size_t size) {
+  uint64_t w = 0;
+  const size_t at = r.bit >> 3;
+  for (size_t j = 0; j < 8 && at + j < size; ++j) w |= uint64_t{base[at + j]} << (56 - 8 * j);
+  r.buf = w << (r.bit & 7);
+}
+
+// Table entry: length | symbol << 8 (shifting by the entry is shifting by the length: x86
+// masks shift counts to 6 bits and a length is <= 11). Returns the entry.
+PROXIMA_LOSSLESS_INLINE uint32_t DecodeOne(BitReader& r, const uint16_t* tab) {
+  const uint32_t e = tab[r.buf >> (64 - kMaxCodeBits)];
+  r.buf <<= e & 63;
+  r.bit += e & 0xFF;
+  return e;
+}
+
+// Decodes symbols [0, n) into dst, symbol i from reader i % 4; `size` is the payload size.
+//
+// Why the fast loop may read without bounds checks: between refills a reader consumes at most
+// 5 x 11 bits, so each refill reads at most 7 bytes further on than the one before; the fast
+// loop refills each reader at most n / 20 times, so reader k reads below
+// start[k] + 7 * n / 20 + 8 bytes, and the caller has checked that the streams are followed by
+// plane B's n bytes inside the payload: start[k] <= size - n. With n >= 20 that is below
+// size. Hostile stream contents cannot move a reader faster.
+PROXIMA_LOSSLESS_INLINE void DecodeSymbolsImpl(BitReader* r, size_t n, const uint16_t* tab,
+                                               const uint8_t* base, size_t size, uint8_t* dst) {
+  size_t i = 0;
+  {
+    // Readers in locals so that the byte stores (which may alias anything) leave them in
+    // registers; 5 rounds of 4 symbols per refill.
+    BitReader r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+    for (; i + 20 <= n; i += 20) {
+      RefillUnchecked(r0, base);
+      RefillUnchecked(r1, base);
+      RefillUnchecked(r2, base);
+      RefillUnchecked(r3, base);
+      // Not unrolled: unrolling all 5 rounds made GCC 12 spill the entries to the stack.
+#pragma GCC unroll 1
+      for (size_t j = i; j < i + 20; j += 4) {  // one 4-byte store per round
+        uint32_t word = DecodeOne(r0, tab) >> 8;
+        word |= DecodeOne(r1, tab) & 0xFF00;
+        word |= (DecodeOne(r2, tab) & 0xFF00) << 8;
+        word |= (DecodeOne(r3, tab) & 0xFF00) << 16;
+        std::memcpy(dst + j, &word, 4);
+      }
+    }
+    r[0] = r0, r[1] = r1, r[2] = r2, r[3] = r3;
+  }
+  for (; i < n; ++i) {
+    BitReader& ri = r[i % kStreams];
+    RefillChecked(ri, base, size);
+    dst[i] = static_cast<uint8_t>(DecodeOne(ri, tab) >> 8);
+  }
+}
+
+void DecodeSymbolsGeneric(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* base,
+                          size_t size, uint8_t* dst) {
+  DecodeSymbolsImpl(r, n, tab, base, size, dst);
+}
+
+#if defined(__x86_64__)
+// The same code compiled with BMI2 (shlx/shrx take the count from any register, which frees
+// the register allocator from rcx). Same source, so the same bytes as the generic versions.
+__attribute__((target("bmi2"))) uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k,
+                                                          const uint32_t* code,
+                                                          const uint32_t* len, uint8_t* dst) {
+  return EncodeStreamImpl(a, n, k, code, len, dst);
+}
+__attribute__((target("bmi2"))) void DecodeSymbolsBmi2(BitReader* r, size_t n,
+                                                       const uint16_t* tab, const uint8_t* base,
+                                                       size_t size, uint8_t* dst) {
+  DecodeSymbolsImpl(r, n, tab, base, size, dst);
+}
+#else
+uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
+                          const uint32_t* len, uint8_t* dst) {
+  return EncodeStreamImpl(a, n, k, code, len, dst);
+}
+void DecodeSymbolsBmi2(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* base,
+                       size_t size, uint8_t* dst) {
+  DecodeSymbolsImpl(r, n, tab, base, size, dst);
+}
+#endif
+
+// Mode 2: `p` is just past the mode byte. Plane A is decoded into the upper half of `out` and
+// merged with plane B in place.
+absl::Status DecodeHuffman(const SegmentShape& shape, const uint8_t* const base, size_t p,
+                           const size_t end, std::byte* out, bool bmi2) {
+  const size_t n = shape.Elements();
+  if (end - p < 2) return absl::InvalidArgumentError("lossless: truncated code table");
+  const uint32_t lo = base[p], hi = base[p + 1];
+  p += 2;
+  const size_t nibble_bytes = (hi - lo + 2) / 2;
+  if (hi < lo || end - p < nibble_bytes) {
+    return absl::InvalidArgumentError("lossless: bad code table range");
+  }
+  uint8_t len[256] = {};
+  uint32_t kraft = 0;
+  for (uint32_t s = lo; s <= hi; ++s) {
+    const uint32_t j = s - lo;
+    len[s] = (base[p + j / 2] >> (4 * (j & 1))) & 0xF;
+    if (len[s] > kMaxCodeBits) return absl::InvalidArgumentError("lossless: code length over 11");
+    if (len[s] != 0) kraft += 1u << (kMaxCodeBits - len[s]);
+  }
+  if ((hi - lo) % 2 == 0 && (base[p + nibble_bytes - 1] >> 4) != 0) {
+    return absl::InvalidArgumentError("lossless: unused code length nibble is not 0");
+  }
+  p += nibble_bytes;
+  if (kraft != (1u << kMaxCodeBits)) {
+    return absl::InvalidArgumentError("lossless: code lengths do not form a complete code");
+  }
+  // The code of s, read as the top len[s] of 11 bits, owns the table run starting at
+  // code << (11 - len); a complete code tiles the table exactly.
+  uint32_t code[256], len32[256];
+  CanonicalCodes(len, lo, hi, code, len32);
+  uint16_t tab[1u << kMaxCodeBits];
+  for (uint32_t s = lo; s <= hi; ++s) {
+    if (len[s] == 0) continue;
+    const uint32_t shift = kMaxCodeBits - len[s];
+    std::fill(tab + (code[s] << shift), tab + ((code[s] + 1) << shift),
+              static_cast<uint16_t>(len[s] | (s << 8)));
+  }
+  if (end - p < 4 * kStreams) return absl::InvalidArgumentError("lossless: truncated stream sizes");
+  uint64_t size[kStreams], total = 0;
+  for (int k = 0; k < kStreams; ++k) {
+    uint32_t v;
+    std::memcpy(&v, base + p + 4 * k, 4);
+    size[k] = v;
+    total += v;
+  }
+  p += 4 * kStreams;
+  if (end - p != total + n) return absl::InvalidArgumentError("lossless: stream sizes do not add up");
+  BitReader r[kStreams];
+  size_t start[kStreams];
+  for (int k = 0; k < kStreams; ++k) {
+    start[k] = p;
+    r[k].bit = 8 * uint64_t{p};
+    p += size[k];
+  }
+  const uint8_t* plane_b = base + p;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out) + n;
+  (bmi2 ? DecodeSymbolsBmi2 : DecodeSymbolsGeneric)(r, n, tab, base, end, dst);
+  for (int k = 0; k < kStreams; ++k) {
+    // Bits consumed must end in the stream's last byte: not before it, not past it.
+    const uint64_t used = r[k].bit - 8 * uint64_t{start[k]};
+    if (used > 8 * size[k] || 8 * size[k] - used >= 8) {
+      return absl::InvalidArgumentError("lossless: Huffman stream size mismatch");
+    }
+    // The encoder pads the last byte with zero bits: one accepted encoding per stream.
+    const uint32_t pad = static_cast<uint32_t>(8 * size[k] - used);
+    if (pad != 0 && (base[start[k] + size[k] - 1] & ((1u << pad) - 1)) != 0) {
+      return absl::InvalidArgumentError("lossless: Huffman stream padding is not 0");
+    }
+  }
+  MergePlanes(shape, dst, plane_b, out);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload,
+                    bool bmi2) {
+  const size_t n = shape.Elements();
+  std::unique_ptr<uint8_t[]> big;
+  // Plane A, plane B, then room for the mode-2 header and streams (< n + 1 bytes when used)
+  // plus 8 bytes for the streams' word stores.
+  uint8_t* const a = EncoderScratch(3 * n + 64, &big);
+  uint8_t* const b = a + n;
+  // Per-stream histograms (also four independent counters, which hides the store-to-load
+  // latency of runs of one symbol).
+  uint32_t hist[kStreams][256] = {};
+  const PlaneRange range = SplitPlanes(shape, in, a, b, hist);
+  const uint32_t lo = range.lo, hi = range.hi;
+  uint64_t counts[256];
+  uint32_t present = 0;
+  for (uint32_t s = lo; s <= hi; ++s) {
+    counts[s] = uint64_t{hist[0][s]} + hist[1][s] + hist[2][s] + hist[3][s];
+    present += counts[s] != 0;
+  }
+  const size_t base = payload->size();
+  if (present == 1 && n > 1) {  // mode 3: 1 byte instead of n
+    payload->push_back(3);
+    payload->push_back(static_cast<char>(lo));
+    payload->append(reinterpret_cast<const char*>(b), n);
+    return;
+  }
+  size_t coded = 0;  // mode 2 bytes after the mode byte
+  uint32_t code[256], len32[256];
+  size_t size[kStreams] = {};
+  uint8_t len[256];
+  if (present >= 2) {
+    HuffmanLengths(counts, lo, hi, len);
+    CanonicalCodes(len, lo, hi, code, len32);
+    for (int k = 0; k < kStreams; ++k) {
+      uint64_t bits = 0;
+      for (uint32_t s = lo; s <= hi; ++s) bits += uint64_t{hist[k][s]} * len[s];
+      size[k] = (bits + 7) / 8;
+    }
+    coded = 2 + (hi - lo + 2) / 2 + 4 * kStreams + size[0] + size[1] + size[2] + size[3];
+  }
+  if (present < 2 || coded >= n) {  // mode 0: plane A stored
+    payload->reserve(base + 1 + 2 * n);
+    payload->push_back(0);
+    payload->append(reinterpret_cast<const char*>(a), 2 * n);  // a and b are adjacent
+    return;
+  }
+  // Header and streams go to scratch and are appended with plane B: growing the payload with
+  // resize() would first zero what is then overwritten.
+  uint8_t* const head = b + n;
+  uint8_t* p = head;
+  *p++ = 2;
+  *p++ = static_cast<uint8_t>(lo);
+  *p++ = static_cast<uint8_t>(hi);
+  std::memset(p, 0, (hi - lo + 2) / 2);
+  for (uint32_t s = lo; s <= hi; ++s) {
+    p[(s - lo) / 2] |= static_cast<uint8_t>(len[s] << (4 * ((s - lo) & 1)));
+  }
+  p += (hi - lo + 2) / 2;
+  for (int k = 0; k < kStreams; ++k, p += 4) {
+    const uint32_t v = static_cast<uint32_t>(size[k]);
+    std::memcpy(p, &v, 4);
+  }
+  // In stream order: a stream's spare word stores land where the next stream starts (the last
+  // one's in the spare bytes).
+  for (int k = 0; k < kStreams; ++k) {
+    p = (bmi2 ? EncodeStreamBmi2 : EncodeStreamGeneric)(a, n, k, code, len32, p);
+  }
+  payload->reserve(base + 1 + coded + n);
+  payload->append(reinterpret_cast<const char*>(head), 1 + coded);
+  payload->append(reinterpret_cast<const char*>(b), n);
+}
+
+absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
+                            std::byte* out, bool bmi2) {
+  const size_t n = shape.Elements();
+  const uint8_t* const p = reinterpret_cast<const uint8_t*>(payload.data());
+  const size_t size = payload.size();
+  if (size < 1) return absl::InvalidArgumentError("lossless: empty payload");
+  switch (p[0]) {
+    case 0:
+      if (size - 1 != 2 * n) {
+        return absl::InvalidArgumentError("lossless: stored payload has the wrong size");
+      }
+      MergePlanes(shape, p + 1, p + 1 + n, out);
+      return absl::OkStatus();
+    case 1:
+      return DecodeRans(shape, p + 1, p + size, out);
+    case 2:
+      return DecodeHuffman(shape, p, 1, size, out, bmi2);
+    case 3: {
+      if (size != 2 + n) return absl::InvalidArgumentError("lossless: constant plane has the wrong size");
+      uint8_t* const a = reinterpret_cast<uint8_t*>(out) + n;
+      std::memset(a, p[1], n);
+      MergePlanes(shape, a, p + 2, out);
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("lossless: unknown mode ", p[0]));
+  }
+}
 }  // namespace proxima::codec::internal

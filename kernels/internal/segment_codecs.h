@@ -136,10 +136,12 @@ void EncodeStar(const SegmentShape& shape, const std::byte* in,
                 const std::vector<std::vector<uint32_t>>& important, std::byte* payload);
 void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
 
-// lossless: variable size; the encoder appends to `payload`.
-void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload);
+// lossless: variable size; the encoder appends to `payload`. `bmi2` (only when CpuHasBmi2())
+// runs the same code compiled with BMI2: identical bytes, faster (kernels/internal/lossless.cc).
+void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload,
+                    bool bmi2 = false);
 absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
-                            std::byte* out);
+                            std::byte* out, bool bmi2 = false);
 
 // ---- Per-lane metadata steps of the SIMD paths (one call per vector of lanes, so the call costs
 // little). They live in segment_codecs.cc, compiled for the baseline ISA, and the SIMD files call
@@ -166,6 +168,8 @@ IntNGroup IntNGroupOfLanes(uint8_t dtype, float qmax, const float* mn, const flo
 // ---- CPU features (kernels/internal/cpu_features.cc, compiled for the baseline ISA).
 // AVX2 + F16C usable.
 bool CpuHasAvx2();
+// BMI2 usable (the lossless codec's fast build; the SIMD paths use it when present).
+bool CpuHasBmi2();
 // AVX-512 F + BW + VL usable (and CpuHasAvx2()): the CPUID bits, and the OS saves the opmask and
 // zmm state (XCR0 read with xgetbv).
 bool CpuHasAvx512();
