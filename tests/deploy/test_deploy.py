@@ -231,15 +231,26 @@ def test_chart_renders_valid_manifests():
     assert container["image"].endswith(":1.2.3")
 
 
-@pytest.mark.parametrize("feature", ["gpuTier", "ucx"])
-def test_chart_refuses_reserved_features(feature):
+def test_chart_refuses_reserved_features():
     # Values for features proximad lacks must not look like working config.
     with pytest.raises(helm_render.RenderError, match="not implemented"):
-        chart_docs(sets=["reserved.%s.enabled=true" % feature])
+        chart_docs(sets=["reserved.gpuTier.enabled=true"])
     docs, _ = chart_docs()
     rendered = find(docs, "ConfigMap")["data"]["proxima.yaml"]
-    for word in ("tls", "token", "discovery", "ucx", "gpu"):
+    for word in ("tls", "token", "discovery", "gpu"):
         assert word not in rendered.lower()
+
+
+def test_chart_wires_the_ucx_data_plane():
+    docs, _ = chart_docs()
+    cfg = yaml.safe_load(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    assert cfg["ucx"] == {"enabled": True, "max_sessions": 1024}
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["hostIPC"] is False
+    docs, _ = chart_docs(sets=["hostIPC=true", "config.ucx.enabled=false"])
+    assert find(docs, "DaemonSet")["spec"]["template"]["spec"]["hostIPC"] is True
+    cfg = yaml.safe_load(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    assert cfg["ucx"]["enabled"] is False
 
 
 def test_chart_wires_cluster_mode(binaries, tmp_path):
