@@ -22,6 +22,9 @@ constexpr size_t kMaxQueuedKeys = 1u << 20;
 constexpr uint64_t kMaxSpillRoundBytes = 64ull << 20;
 // How long a peer that answered full (or failed a StoreBlocks) is left alone.
 constexpr absl::Duration kPeerFullBackoff = absl::Seconds(1);
+// How long past a failed fetch's deadline its UCX receive buffer is kept: the holder's transfer
+// stops at that deadline (its endpoint is closed by force), so nothing writes into it after.
+constexpr absl::Duration kQuarantine = absl::Seconds(10);
 // The spiller's wake-up period when no put wakes it.
 constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
 
@@ -394,6 +397,11 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   uint64_t ucx_bytes = 0;
   for (size_t k = 0; k < calls.size(); ++k) {
     const auto& call = calls[k];
+    if (!call->status.ok() && buffers[k] != nullptr) {
+      // The holder may still be writing into this buffer (our side gave up first): keep it
+      // until its transfer has surely stopped (the holder's deadline is this call's).
+      Quarantine(std::move(buffers[k]), deadline);
+    }
     if (!call->status.ok() ||
         call->response.blocks_size() != static_cast<int>(call->which.size())) {
       peer_call_failures_->Increment();
@@ -465,6 +473,14 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   bytes_in_->Increment(bytes);
   if (ucx_bytes > 0) ucx_->CountIn(ucx_bytes);
   return out;
+}
+
+void Cluster::Quarantine(std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer,
+                         absl::Time deadline) {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  while (!quarantine_.empty() && quarantine_.front().first <= now) quarantine_.pop_front();
+  quarantine_.emplace_back(std::max(deadline, now) + kQuarantine, std::move(buffer));
 }
 
 void Cluster::WakeSpillerIfFull() {

@@ -26,6 +26,7 @@
 #define PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
 
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -97,6 +98,9 @@ class Cluster final : public RemoteBlocks {
   void RunSender();
   void SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
+  // Keeps a receive buffer of a failed fetch alive until the holder can no longer write into
+  // it (past `deadline`, the call's), instead of freeing it under a transfer still running.
+  void Quarantine(std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer, absl::Time deadline);
   // Wakes the spiller when the host tier is over cluster.spill.threshold.
   void WakeSpillerIfFull();
   void RunSpiller();
@@ -112,6 +116,9 @@ class Cluster final : public RemoteBlocks {
   LocationTable records_;
   std::unique_ptr<Membership> membership_;
   std::unique_ptr<PeerUcx> ucx_;  // null: fetched bytes come inline
+  std::mutex quarantine_mu_;
+  // Receive buffers of failed fetches and when they may go, oldest first.
+  std::deque<std::pair<absl::Time, std::shared_ptr<const PeerUcx::ReceiveBuffer>>> quarantine_;
   std::unique_ptr<PeerService> service_;
 
   metrics::Counter* remote_lookup_hits_ = nullptr;
