@@ -125,6 +125,20 @@ struct UcxConfig {
   uint32_t max_sessions = 1024;  // UCX sessions (endpoints to clients) open at once
 };
 
+// TLS of the calls this daemon makes to its cluster peers (cluster.tls). Peers are reached at
+// their server.listen, so TLS to them is on exactly when this daemon's own server.tls is (every
+// daemon of a cluster runs one configuration). ParseConfig resolves the defaults: with the cluster
+// and server.tls on, ca_file, cert_file and key_file are never empty; otherwise all fields are.
+// Files are read and checked when the daemon starts (daemon/cluster/membership.h).
+struct PeerTlsConfig {
+  std::string ca_file;      // CA bundle the peers' server certificates must chain to
+                            // ("" in YAML = server.tls.client_ca_file)
+  std::string cert_file;    // client certificate presented to peers ("" = server.tls.cert_file)
+  std::string key_file;     // its private key ("" = server.tls.key_file)
+  std::string server_name;  // name checked in peers' certificates ("" = the peer's host)
+  bool enabled() const { return !ca_file.empty(); }
+};
+
 // The cluster: daemons on many nodes sharing their tiers (docs/cluster.md). Off by default; with
 // it off nothing of it runs and every call is served from the local tiers alone.
 struct ClusterConfig {
@@ -144,6 +158,7 @@ struct ClusterConfig {
   // variable (exactly one), never written in the config. Required when enabled.
   std::string peer_token_file;
   std::string peer_token_env;
+  PeerTlsConfig tls;  // how this daemon calls its peers when server.tls is set
 };
 
 struct DaemonConfig {
