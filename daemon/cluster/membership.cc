@@ -320,27 +320,34 @@ std::vector<std::pair<std::string, std::string>> Membership::ExplainFailures(
   // (refused, or a TLS handshake that failed: an untrusted certificate, a wrong name, no client
   // certificate for an mTLS peer) ends in DEADLINE_EXCEEDED, which says nothing; and the peer's
   // channel keeps reporting the error that first put it in TRANSIENT_FAILURE. A fresh channel
-  // that does not wait fails with the error of this very connection attempt.
+  // that does not wait fails with the error of this very connection attempt. Only for channels
+  // that failed to connect: a peer that accepts connections but never answers would keep the
+  // probe until its deadline too, and a round must cost one health timeout.
   std::vector<std::unique_ptr<HealthCall>> probes;
-  for (const HealthCall* c : failed) {
-    if (c->status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) continue;
+  std::vector<const HealthCall*> probe_of(failed.size(), nullptr);  // by index in `failed`
+  for (size_t i = 0; i < failed.size(); ++i) {
+    const HealthCall& c = *failed[i];
+    if (c.status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
+        c.channel->GetState(false) != GRPC_CHANNEL_TRANSIENT_FAILURE) {
+      continue;
+    }
     auto probe = std::make_unique<HealthCall>();
-    probe->id = c->id;
-    probe->channel = NewChannel(c->id);
+    probe->id = c.id;
+    probe->channel = NewChannel(c.id);
+    probe_of[i] = probe.get();
     probes.push_back(std::move(probe));
   }
   RunHealthCalls(probes, options_.health_timeout, /*wait_for_ready=*/false);
   std::vector<std::pair<std::string, std::string>> reasons;
-  size_t next_probe = 0;
-  for (const HealthCall* c : failed) {
+  for (size_t i = 0; i < failed.size(); ++i) {
+    const HealthCall* c = failed[i];
     std::string reason =
         c->status.ok() ? "answered NOT_SERVING (draining)"
                        : absl::StrCat("gRPC code ", c->status.error_code(), ": ",
                                       c->status.error_message());
-    if (c->status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      const HealthCall& probe = *probes[next_probe++];
-      if (probe.status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-        reason = absl::StrCat("cannot connect: ", probe.status.error_message());
+    if (const HealthCall* probe = probe_of[i]; probe != nullptr) {
+      if (probe->status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        reason = absl::StrCat("cannot connect: ", probe->status.error_message());
         // What an mTLS peer that refuses this daemon's client certificate looks like from here.
         if (options_.tls.enabled() && (absl::StrContains(reason, "Socket closed") ||
                                        absl::StrContains(reason, "reset by peer"))) {
