@@ -379,7 +379,11 @@ void Membership::Start() {
   checker_ = std::thread([this] { RunChecker(); });
   if (!options_.dns_name.empty()) resolver_ = std::thread([this] { RunResolver(); });
   PROXIMA_LOG(kInfo) << "cluster membership started" << log::Kv("self", options_.self)
-                     << log::Kv("known_peers", KnownPeers().size());
+                     << log::Kv("known_peers", KnownPeers().size())
+                     << log::Kv("peer_tls", !options_.tls.enabled() ? std::string("off")
+                                            : options_.tls.server_name.empty()
+                                                ? std::string("on")
+                                                : "on, checking " + options_.tls.server_name);
 }
 
 void Membership::Stop() {
