@@ -5,6 +5,7 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -122,6 +123,22 @@ absl::Status CheckKeyMatchesCertificate(absl::string_view cert_setting,
     return absl::InvalidArgumentError(absl::StrCat(
         key_setting, " is not the private key of the certificate in ", cert_setting,
         "; expected the key the certificate was issued for"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCertificateAllowsClientAuth(absl::string_view cert_setting,
+                                              const std::string& cert_pem) {
+  BioPtr bio = MemoryBio(cert_pem);
+  X509Ptr cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+  const bool ok = cert && X509_check_purpose(cert.get(), X509_PURPOSE_SSL_CLIENT, 0) == 1;
+  ERR_clear_error();
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the certificate in ", cert_setting,
+        " may not authenticate a TLS client (its extendedKeyUsage lacks clientAuth, or its "
+        "keyUsage forbids signing); expected a certificate that allows client authentication, "
+        "such as one with extendedKeyUsage serverAuth,clientAuth or none"));
   }
   return absl::OkStatus();
 }

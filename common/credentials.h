@@ -28,6 +28,13 @@ absl::Status CheckKeyMatchesCertificate(absl::string_view cert_setting,
                                         absl::string_view key_setting,
                                         const std::string& cert_pem, const std::string& key_pem);
 
+// INVALID_ARGUMENT unless the first certificate of `cert_pem` may authenticate a TLS client
+// (OpenSSL's SSL-client purpose: an extendedKeyUsage, if any, lists clientAuth; a keyUsage, if
+// any, allows signing). A server certificate presented as a client certificate must pass this,
+// or an mTLS peer refuses the handshake.
+absl::Status CheckCertificateAllowsClientAuth(absl::string_view cert_setting,
+                                              const std::string& cert_pem);
+
 // Shortest bearer token accepted (bytes): shorter ones can be guessed.
 inline constexpr size_t kMinTokenBytes = 16;
 

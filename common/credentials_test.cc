@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -77,6 +78,30 @@ TEST_F(CredentialsTest, PemFilesAreParsedNotJustNamed) {
     EXPECT_THAT(ReadPemFile("server.tls.key_file", locked, PemKind::kPrivateKey),
                 StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("locked.pem")));
   }
+}
+
+// Self-signed certificates with the given extensions, made by the openssl CLI.
+TEST_F(CredentialsTest, ClientAuthIsAllowedByNoOrAClientExtendedKeyUsage) {
+  auto make = [this](const std::string& name, const std::string& ext) {
+    const std::string cmd = "/usr/bin/openssl req -x509 -newkey ec -pkeyopt "
+                            "ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=" + name +
+                            " -keyout " + dir_ + "/" + name + ".key -out " + dir_ + "/" + name +
+                            ".crt" + (ext.empty() ? "" : " -addext " + ext) + " 2>/dev/null";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    absl::StatusOr<std::string> pem =
+        ReadPemFile("k.cert_file", dir_ + "/" + name + ".crt", PemKind::kCertificates);
+    EXPECT_OK(pem.status());
+    return pem.value_or("");
+  };
+  EXPECT_OK(CheckCertificateAllowsClientAuth("k.cert_file", make("plain", "")));
+  EXPECT_OK(CheckCertificateAllowsClientAuth(
+      "k.cert_file", make("both", "extendedKeyUsage=serverAuth,clientAuth")));
+  EXPECT_THAT(CheckCertificateAllowsClientAuth("k.cert_file",
+                                               make("server", "extendedKeyUsage=serverAuth")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("k.cert_file"), HasSubstr("clientAuth"))));
+  EXPECT_THAT(CheckCertificateAllowsClientAuth("k.cert_file", "not a certificate"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("k.cert_file")));
 }
 
 TEST(ConstantTimeEqualsTest, ComparesWholeValues) {

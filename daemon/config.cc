@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <fstream>
@@ -89,7 +90,13 @@ cluster:                           # daemons of many nodes sharing their tiers (
   peer_deadline: 2s                # budget of the remote part of any call (every peer call)
   peer_token: {}                   # {file: PATH} or {env: VAR}: the token daemons present
                                    # to each other; required when enabled (docs/security.md)
-  transport: auto                  # block bytes between daemons: auto (UCX when ucx.enabled) | grpc
+  tls:                             # calls to peers, TLS when server.tls is set (else unused)
+    ca_file: ""                    # CA of the peers' server certs; "" = server.tls.client_ca_file
+    cert_file: ""                  # client cert presented to peers; "" = server.tls.cert_file
+    key_file: ""                   # its private key; "" = server.tls.key_file
+    server_name: ""                # name checked in peers' certs; "" = the peer address's host
+  transport: auto                  # fetched bytes between daemons: auto (UCX when ucx.enabled
+                                   # and no server.tls) | grpc | ucx (also with TLS)
   spill:                           # cold blocks move to peers with room when this node is full
     enabled: true
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller
@@ -515,6 +522,68 @@ absl::Status Duration(Reader& r, const YAML::Node& node, absl::string_view key, 
   return absl::OkStatus();
 }
 
+// `cluster.tls`: read always; the defaults are resolved (and the keys checked against
+// server.tls) only when the cluster is on, by ResolvePeerTls.
+absl::Status ParsePeerTls(Reader& r, const YAML::Node& node, PeerTlsConfig* out) {
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(node, "cluster.tls", {"ca_file", "cert_file", "key_file", "server_name"}));
+  if (!node || !node.IsMap()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(r.String(node["ca_file"], "cluster.tls.ca_file", &out->ca_file));
+  PROXIMA_RETURN_IF_ERROR(r.String(node["cert_file"], "cluster.tls.cert_file", &out->cert_file));
+  PROXIMA_RETURN_IF_ERROR(r.String(node["key_file"], "cluster.tls.key_file", &out->key_file));
+  PROXIMA_RETURN_IF_ERROR(
+      r.String(node["server_name"], "cluster.tls.server_name", &out->server_name));
+  // A port would be "host:port" (one colon); an IPv6 address has several.
+  if (out->server_name.size() > 253 ||
+      out->server_name.find_first_of(" \t/@[]") != std::string::npos ||
+      std::count(out->server_name.begin(), out->server_name.end(), ':') == 1) {
+    return r.Error("cluster.tls.server_name", out->server_name,
+                   "a DNS name or IP address that the peers' certificates carry (no port), "
+                   "such as proxima.proxima-system.svc, or \"\"");
+  }
+  return absl::OkStatus();
+}
+
+// TLS to the peers is on exactly when server.tls is: the peers are called at their server.listen.
+// Fills the defaults from server.tls; with server.tls off, every cluster.tls key must be empty.
+absl::Status ResolvePeerTls(Reader& r, const TlsConfig& server, PeerTlsConfig* tls) {
+  if (!server.enabled()) {
+    for (const auto& [key, value] :
+         {std::pair<const char*, const std::string*>{"cluster.tls.ca_file", &tls->ca_file},
+          {"cluster.tls.cert_file", &tls->cert_file},
+          {"cluster.tls.key_file", &tls->key_file},
+          {"cluster.tls.server_name", &tls->server_name}}) {
+      if (!value->empty()) {
+        return r.Error(key, *value,
+                       "\"\" while server.tls is not set: peers are called at their "
+                       "server.listen, over TLS exactly when server.tls is set (docs/cluster.md)");
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (tls->cert_file.empty() != tls->key_file.empty()) {
+    return tls->cert_file.empty()
+               ? r.Error("cluster.tls.cert_file", "",
+                         "a client certificate file, since cluster.tls.key_file is set (or "
+                         "leave both empty to present server.tls.cert_file)")
+               : r.Error("cluster.tls.key_file", "",
+                         "a private key file, since cluster.tls.cert_file is set (or leave "
+                         "both empty to use server.tls.key_file)");
+  }
+  if (tls->cert_file.empty()) {
+    tls->cert_file = server.cert_file;
+    tls->key_file = server.key_file;
+  }
+  if (tls->ca_file.empty()) tls->ca_file = server.client_ca_file;
+  if (tls->ca_file.empty()) {
+    return r.Error("cluster.tls.ca_file", "",
+                   "a PEM CA bundle that signed the peers' server certificates, since "
+                   "cluster.enabled and server.tls are set and its default, "
+                   "server.tls.client_ca_file, is empty");
+  }
+  return absl::OkStatus();
+}
+
 // The `cluster` section.
 absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tls,
                           ClusterConfig* out) {
@@ -522,7 +591,7 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
       node, "cluster",
       {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh", "health_interval",
        "health_timeout", "failures_before_down", "peer_deadline", "peer_token", "spill",
-       "transport"}));
+       "transport", "tls"}));
   if (!node || !node.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(r.Bool(node["enabled"], "cluster.enabled", &out->enabled));
   PROXIMA_RETURN_IF_ERROR(r.String(node["advertise"], "cluster.advertise", &out->advertise));
@@ -587,10 +656,11 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
       }
     }
   }
+  PROXIMA_RETURN_IF_ERROR(ParsePeerTls(r, node["tls"], &out->tls));
   PROXIMA_RETURN_IF_ERROR(r.String(node["transport"], "cluster.transport", &out->transport));
-  if (out->transport != "auto" && out->transport != "grpc") {
+  if (out->transport != "auto" && out->transport != "grpc" && out->transport != "ucx") {
     return r.Error("cluster.transport", out->transport,
-                   "auto (UCX between daemons when ucx.enabled) or grpc");
+                   "auto (UCX between daemons when ucx.enabled and no server.tls), grpc or ucx");
   }
   if (const YAML::Node spill = node["spill"]) {
     PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
@@ -628,12 +698,7 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                    "{file: PATH} or {env: VARIABLE}, since cluster.enabled is true: peers "
                    "read every tenant's blocks, so they must authenticate");
   }
-  if (tls.enabled()) {
-    return r.Error("cluster.enabled", "true",
-                   "false while server.tls is set: daemon-to-daemon calls are plaintext gRPC in "
-                   "this version (docs/cluster.md)");
-  }
-  return absl::OkStatus();
+  return ResolvePeerTls(r, tls, &out->tls);
 }
 
 }  // namespace
@@ -1169,6 +1234,12 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "peer_token" << YAML::Value << YAML::Flow << YAML::BeginMap;
   if (!k.peer_token_file.empty()) e << YAML::Key << "file" << YAML::Value << k.peer_token_file;
   if (!k.peer_token_env.empty()) e << YAML::Key << "env" << YAML::Value << k.peer_token_env;
+  e << YAML::EndMap;
+  e << YAML::Key << "tls" << YAML::Value << YAML::BeginMap;
+  e << YAML::Key << "ca_file" << YAML::Value << YAML::DoubleQuoted << k.tls.ca_file;
+  e << YAML::Key << "cert_file" << YAML::Value << YAML::DoubleQuoted << k.tls.cert_file;
+  e << YAML::Key << "key_file" << YAML::Value << YAML::DoubleQuoted << k.tls.key_file;
+  e << YAML::Key << "server_name" << YAML::Value << YAML::DoubleQuoted << k.tls.server_name;
   e << YAML::EndMap;
   e << YAML::Key << "transport" << YAML::Value << k.transport;
   e << YAML::Key << "spill" << YAML::Value << YAML::BeginMap;

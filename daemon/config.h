@@ -125,6 +125,20 @@ struct UcxConfig {
   uint32_t max_sessions = 1024;  // UCX sessions (endpoints to clients) open at once
 };
 
+// TLS of the calls this daemon makes to its cluster peers (cluster.tls). Peers are reached at
+// their server.listen, so TLS to them is on exactly when this daemon's own server.tls is (every
+// daemon of a cluster runs one configuration). ParseConfig resolves the defaults: with the cluster
+// and server.tls on, ca_file, cert_file and key_file are never empty; otherwise all fields are.
+// Files are read and checked when the daemon starts (daemon/cluster/membership.h).
+struct PeerTlsConfig {
+  std::string ca_file;      // CA bundle the peers' server certificates must chain to
+                            // ("" in YAML = server.tls.client_ca_file)
+  std::string cert_file;    // client certificate presented to peers ("" = server.tls.cert_file)
+  std::string key_file;     // its private key ("" = server.tls.key_file)
+  std::string server_name;  // name checked in peers' certificates ("" = the peer's host)
+  bool enabled() const { return !ca_file.empty(); }
+};
+
 // The cluster: daemons on many nodes sharing their tiers (docs/cluster.md). Off by default; with
 // it off nothing of it runs and every call is served from the local tiers alone.
 struct ClusterConfig {
@@ -144,14 +158,16 @@ struct ClusterConfig {
   // variable (exactly one), never written in the config. Required when enabled.
   std::string peer_token_file;
   std::string peer_token_env;
+  PeerTlsConfig tls;  // how this daemon calls its peers when server.tls is set
+  // How fetched block bytes move between daemons: "auto" (over UCX when this daemon runs the
+  // UCX data plane, ucx.enabled, without server.tls, and the holder can reach it; inline in the
+  // gRPC answers otherwise), "grpc" (always inline) or "ucx" (UCX also with server.tls: UCX
+  // does not encrypt, for a trusted data network).
+  std::string transport = "auto";
   // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
   // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`
   // best rendezvous nodes (other than this one) that has room.
-  // How block bytes move between daemons: "auto" (over UCX when this daemon runs the UCX data
-  // plane, ucx.enabled, and the holder can reach it; inline in the gRPC answers otherwise) or
-  // "grpc" (always inline).
-  std::string transport = "auto";
   bool spill_enabled = true;
   double spill_threshold = 0.9;
   double spill_accept_below = 0.75;

@@ -415,8 +415,20 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
        {"cluster.peers", "at least one peer"}},
       {"cluster: {enabled: true, advertise: a:1, peers: [b:1]}",
        {"cluster.peer_token", "must authenticate"}},
+      // TLS to peers: with server.tls, a CA for the peers' certificates is needed (its default
+      // is server.tls.client_ca_file); without server.tls, cluster.tls must stay empty.
       {on + "}\nserver: {tls: {cert_file: /c, key_file: /k}}",
-       {"cluster.enabled", "server.tls", "plaintext"}},
+       {"cluster.tls.ca_file", "''", "server.tls.client_ca_file", "is empty"}},
+      {on + "tls: {ca_file: /ca}}", {"cluster.tls.ca_file", "/ca", "while server.tls is not set"}},
+      {on + "tls: {server_name: peers.example}}",
+       {"cluster.tls.server_name", "peers.example", "while server.tls is not set"}},
+      {on + "tls: {cert_file: /pc}}\nserver: {tls: {cert_file: /c, key_file: /k}}",
+       {"cluster.tls.key_file", "since cluster.tls.cert_file is set"}},
+      {on + "tls: {key_file: /pk}}\nserver: {tls: {cert_file: /c, key_file: /k}}",
+       {"cluster.tls.cert_file", "since cluster.tls.key_file is set"}},
+      {"cluster: {tls: {server_name: 'peers.example:443'}}",
+       {"cluster.tls.server_name", "no port"}},
+      {"cluster: {tls: {ca: /ca}}", {"cluster.tls.ca", "unknown", "ca_file"}},
       {"cluster: {gossip: true}", {"cluster.gossip", "unknown", "advertise"}},
       {"cluster: {spill: {threshold: 1.5}}", {"cluster.spill.threshold", "1.5", "[0.05, 1]"}},
       {"cluster: {spill: {accept_below: 0.95}}",
@@ -424,6 +436,7 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"cluster: {spill: {candidates: 0}}", {"cluster.spill.candidates", "[1, 64]"}},
       {"cluster: {spill: {ratio: 2}}", {"cluster.spill.ratio", "unknown"}},
       {"cluster: {spill: 3}", {"cluster.spill"}},
+      {"cluster: {transport: rdma}", {"cluster.transport", "rdma", "auto", "grpc or ucx"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.yaml);
@@ -433,6 +446,39 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
     for (const std::string& w : c.want) EXPECT_THAT(got.status().message(), HasSubstr(w));
   }
   EXPECT_OK(ParseConfig(on + "}", "ok", {}).status());
+}
+
+TEST(ConfigTest, ClusterTlsDefaultsToTheServersFilesAndKeepsExplicitOnes) {
+  const std::string on =
+      "cluster: {enabled: true, advertise: 127.0.0.1:7001, "
+      "peers: [127.0.0.1:7002], peer_token: {file: /t}";
+  const std::string mtls = "server: {tls: {cert_file: /c, key_file: /k, client_ca_file: /ca}}\n";
+  // Plaintext server: plaintext peers.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig plain, ParseConfig(on + "}", "t", {}));
+  EXPECT_FALSE(plain.cluster.tls.enabled());
+  // mTLS server: peers verified against the client CA, this daemon's own certificate presented.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig d, ParseConfig(mtls + on + "}", "t", {}));
+  EXPECT_TRUE(d.cluster.tls.enabled());
+  EXPECT_EQ(d.cluster.tls.ca_file, "/ca");
+  EXPECT_EQ(d.cluster.tls.cert_file, "/c");
+  EXPECT_EQ(d.cluster.tls.key_file, "/k");
+  EXPECT_EQ(d.cluster.tls.server_name, "");
+  // Explicit keys win; a TLS (not mTLS) server works with an explicit ca_file.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig e,
+                       ParseConfig("server: {tls: {cert_file: /c, key_file: /k}}\n" + on +
+                                       ", tls: {ca_file: /peer-ca, cert_file: /pc, key_file: /pk, "
+                                       "server_name: proxima.proxima-system.svc}}",
+                                   "t", {}));
+  EXPECT_EQ(e.cluster.tls.ca_file, "/peer-ca");
+  EXPECT_EQ(e.cluster.tls.cert_file, "/pc");
+  EXPECT_EQ(e.cluster.tls.key_file, "/pk");
+  EXPECT_EQ(e.cluster.tls.server_name, "proxima.proxima-system.svc");
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(e), "again", {}));
+  EXPECT_EQ(again.cluster.tls.ca_file, "/peer-ca");
+  EXPECT_EQ(again.cluster.tls.server_name, "proxima.proxima-system.svc");
+  // The cluster off: nothing is resolved, whatever server.tls says.
+  ASSERT_OK_AND_ASSIGN(DaemonConfig off, ParseConfig(mtls, "t", {}));
+  EXPECT_FALSE(off.cluster.tls.enabled());
 }
 
 }  // namespace

@@ -104,7 +104,14 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
     PROXIMA_LOG(kInfo) << "location records of a lost peer dropped" << log::Kv("peer", peer)
                        << log::Kv("records", dropped);
   });
-  if (ucx != nullptr && c.transport == "auto") {
+  if (c.transport == "ucx" && ucx == nullptr) {
+    return absl::InvalidArgumentError(
+        "cluster.transport is 'ucx' but this daemon runs no UCX data plane (ucx.enabled: false)");
+  }
+  // UCX does not encrypt: with server.tls, block bytes between daemons stay inside TLS unless
+  // the operator asks for UCX by name.
+  if (ucx != nullptr &&
+      (c.transport == "ucx" || (c.transport == "auto" && !config.server.tls.enabled()))) {
     cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), ucx->arena(), registry);
   }
   cluster->service_ = std::make_unique<PeerService>(

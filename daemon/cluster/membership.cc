@@ -6,16 +6,73 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/log.h"
-#include "grpc/health/v1/health.grpc.pb.h"
+#include "common/status_macros.h"
 
 namespace proxima::daemon::cluster {
 namespace {
 
 constexpr char kHealthService[] = "proxima.v1.KVTier";
 
+// The credentials of every peer channel: TLS that verifies the peer's server certificate against
+// cluster.tls.ca_file and presents this daemon's certificate as a client certificate (for peers
+// with mTLS), or plaintext when cluster.tls is off.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentials(
+    const PeerTlsConfig& tls, bool require_client_certificate) {
+  if (!tls.enabled()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  PROXIMA_ASSIGN_OR_RETURN(
+      options.pem_root_certs,
+      ReadPemFile("cluster.tls.ca_file", tls.ca_file, PemKind::kCertificates));
+  PROXIMA_ASSIGN_OR_RETURN(
+      options.pem_cert_chain,
+      ReadPemFile("cluster.tls.cert_file", tls.cert_file, PemKind::kCertificates));
+  PROXIMA_ASSIGN_OR_RETURN(
+      options.pem_private_key,
+      ReadPemFile("cluster.tls.key_file", tls.key_file, PemKind::kPrivateKey));
+  PROXIMA_RETURN_IF_ERROR(CheckKeyMatchesCertificate(
+      "cluster.tls.cert_file", "cluster.tls.key_file", options.pem_cert_chain,
+      options.pem_private_key));
+  if (require_client_certificate) {
+    PROXIMA_RETURN_IF_ERROR(
+        CheckCertificateAllowsClientAuth("cluster.tls.cert_file", options.pem_cert_chain));
+  }
+  return grpc::SslCredentials(options);
+}
+
 }  // namespace
+
+bool HealthCall::serving() const {
+  return status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+void RunHealthCalls(std::vector<std::unique_ptr<HealthCall>>& calls, absl::Duration timeout,
+                    bool wait_for_ready) {
+  if (calls.empty()) return;
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(kHealthService);
+  // A completion queue this thread drives (see Cluster's RunAll for why not the callback API).
+  grpc::CompletionQueue cq;
+  for (auto& c : calls) {
+    c->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    c->context.set_wait_for_ready(wait_for_ready);
+    c->stub = grpc::health::v1::Health::NewStub(c->channel);
+    c->reader = c->stub->PrepareAsyncCheck(&c->context, request, &cq);
+    c->reader->StartCall();
+    c->reader->Finish(&c->response, &c->status, c.get());
+  }
+  void* tag = nullptr;
+  bool ok = false;
+  // Bounded: every call has the deadline.
+  for (size_t done = 0; done < calls.size() && cq.Next(&tag, &ok); ++done) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
 
 MembershipOptions MembershipOptions::FromConfig(const DaemonConfig& config) {
   const ClusterConfig& c = config.cluster;
@@ -29,6 +86,8 @@ MembershipOptions MembershipOptions::FromConfig(const DaemonConfig& config) {
   o.health_timeout = absl::Seconds(c.health_timeout_seconds);
   o.failures_before_down = c.failures_before_down;
   o.max_message_bytes = config.server.max_message_bytes;
+  o.tls = c.tls;
+  o.peers_require_client_certificate = !config.server.tls.client_ca_file.empty();
   return o;
 }
 
@@ -71,7 +130,11 @@ absl::StatusOr<std::unique_ptr<Membership>> Membership::Create(MembershipOptions
   if (options.self.empty()) {
     return absl::InvalidArgumentError("cluster.advertise is empty: a node needs an id");
   }
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                           PeerCredentials(options.tls,
+                                           options.peers_require_client_certificate));
   std::unique_ptr<Membership> m(new Membership(std::move(options)));
+  m->credentials_ = std::move(credentials);
   m->check_failures_ = registry->AddCounter(
       "proxima_cluster_health_check_failures_total",
       "Health checks of peers that failed (no answer in time, an error, or NOT_SERVING)");
@@ -107,7 +170,11 @@ std::shared_ptr<grpc::Channel> Membership::NewChannel(const std::string& peer) c
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_ms);
   // A separate connection per peer channel even when two point at the same address.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(peer, grpc::InsecureChannelCredentials(), args);
+  // Peers advertised by address (a pod IP) whose certificates name a shared DNS name instead.
+  if (!options_.tls.server_name.empty()) {
+    args.SetSslTargetNameOverride(options_.tls.server_name);
+  }
+  return grpc::CreateCustomChannel(peer, credentials_, args);
 }
 
 void Membership::SetKnown(const std::vector<std::string>& dns_peers) {
@@ -176,60 +243,31 @@ std::shared_ptr<grpc::Channel> Membership::Channel(const std::string& peer) {
 }
 
 void Membership::CheckOnce() {
-  struct Check {
-    std::string id;
-    std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<grpc::health::v1::Health::Stub> stub;
-    grpc::ClientContext context;
-    grpc::health::v1::HealthCheckResponse response;
-    grpc::Status status;
-    std::unique_ptr<grpc::ClientAsyncResponseReader<grpc::health::v1::HealthCheckResponse>>
-        reader;
-  };
-  std::vector<std::unique_ptr<Check>> checks;
+  std::vector<std::unique_ptr<HealthCall>> checks;
   {
     proxima::MutexLock lock(&mu_);
     for (const auto& [id, peer] : peers_) {
-      auto c = std::make_unique<Check>();
+      auto c = std::make_unique<HealthCall>();
       c->id = id;
       c->channel = peer.channel;
       checks.push_back(std::move(c));
     }
   }
   if (checks.empty()) return;
-  grpc::health::v1::HealthCheckRequest request;
-  request.set_service(kHealthService);
-  // A completion queue this thread drives (see Cluster's RunAll for why not the callback API).
-  grpc::CompletionQueue cq;
-  for (auto& c : checks) {
-    c->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.health_timeout));
-    // Wait (until the deadline) for a connection rather than fail at once while the channel
-    // backs off after a failure: a restarted peer rejoins on the first round it answers.
-    c->context.set_wait_for_ready(true);
-    c->stub = grpc::health::v1::Health::NewStub(c->channel);
-    c->reader = c->stub->PrepareAsyncCheck(&c->context, request, &cq);
-    c->reader->StartCall();
-    c->reader->Finish(&c->response, &c->status, c.get());
-  }
-  void* tag = nullptr;
-  bool ok = false;
-  // Bounded: every check has the health_timeout deadline.
-  for (size_t done = 0; done < checks.size() && cq.Next(&tag, &ok); ++done) {
-  }
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
+  // Wait (until the deadline) for a connection rather than fail at once while the channel
+  // backs off after a failure: a restarted peer rejoins on the first round it answers.
+  RunHealthCalls(checks, options_.health_timeout, /*wait_for_ready=*/true);
   std::vector<std::pair<std::string, bool>> changes;
+  std::vector<const HealthCall*> to_explain;  // failed checks whose cause is looked into
   {
     proxima::MutexLock lock(&mu_);
     for (const auto& c : checks) {
       auto it = peers_.find(c->id);
       if (it == peers_.end()) continue;  // dropped by DNS meanwhile
       Peer& peer = it->second;
-      const bool ok = c->status.ok() &&
-                      c->response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-      if (ok) {
+      if (c->serving()) {
         peer.failures = 0;
+        peer.last_error.clear();
         if (!peer.live) {
           peer.live = true;
           changes.emplace_back(c->id, true);
@@ -238,6 +276,9 @@ void Membership::CheckOnce() {
       }
       check_failures_->Increment();
       ++peer.failures;
+      // At the 1st, 2nd, 4th, 8th... failure of a run: often enough to see a cause change (a
+      // peer that was down now fails TLS), rarely enough to cost nothing for a long-dead peer.
+      if ((peer.failures & (peer.failures - 1)) == 0) to_explain.push_back(c.get());
       if (peer.live && peer.failures >= options_.failures_before_down) {
         peer.live = false;
         changes.emplace_back(c->id, false);
@@ -245,12 +286,80 @@ void Membership::CheckOnce() {
     }
     if (!changes.empty()) Publish();
   }
+  // Logged when the cause changes, not every round: a peer that stays unreachable (down, or
+  // refused by TLS) is reported once per cause, then only counted.
+  std::vector<std::pair<std::string, std::string>> reasons = ExplainFailures(to_explain);
+  {
+    proxima::MutexLock lock(&mu_);
+    for (auto& [id, reason] : reasons) {
+      auto it = peers_.find(id);
+      if (it == peers_.end() || it->second.last_error == reason) {
+        reason.clear();  // reported already
+      } else {
+        it->second.last_error = reason;
+      }
+    }
+  }
+  for (const auto& [id, reason] : reasons) {
+    if (reason.empty()) continue;
+    PROXIMA_LOG(kWarning) << "peer health check failed" << log::Kv("peer", id)
+                          << log::Kv("error", reason)
+                          << log::Kv("tls", options_.tls.enabled() ? "on" : "off");
+  }
   for (const auto& [id, live] : changes) {
     (live ? came_up_ : went_down_)->Increment();
     PROXIMA_LOG(kInfo) << (live ? "peer joined the live set" : "peer left the live set")
                        << log::Kv("peer", id);
     if (on_change_) on_change_(id, live);
   }
+}
+
+std::vector<std::pair<std::string, std::string>> Membership::ExplainFailures(
+    const std::vector<const HealthCall*>& failed) const {
+  // A check waits for a connection until its deadline, so a peer that cannot be connected to
+  // (refused, or a TLS handshake that failed: an untrusted certificate, a wrong name, no client
+  // certificate for an mTLS peer) ends in DEADLINE_EXCEEDED, which says nothing; and the peer's
+  // channel keeps reporting the error that first put it in TRANSIENT_FAILURE. A fresh channel
+  // that does not wait fails with the error of this very connection attempt. Only for channels
+  // that failed to connect: a peer that accepts connections but never answers would keep the
+  // probe until its deadline too, and a round must cost one health timeout.
+  std::vector<std::unique_ptr<HealthCall>> probes;
+  std::vector<const HealthCall*> probe_of(failed.size(), nullptr);  // by index in `failed`
+  for (size_t i = 0; i < failed.size(); ++i) {
+    const HealthCall& c = *failed[i];
+    if (c.status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
+        c.channel->GetState(false) != GRPC_CHANNEL_TRANSIENT_FAILURE) {
+      continue;
+    }
+    auto probe = std::make_unique<HealthCall>();
+    probe->id = c.id;
+    probe->channel = NewChannel(c.id);
+    probe_of[i] = probe.get();
+    probes.push_back(std::move(probe));
+  }
+  RunHealthCalls(probes, options_.health_timeout, /*wait_for_ready=*/false);
+  std::vector<std::pair<std::string, std::string>> reasons;
+  for (size_t i = 0; i < failed.size(); ++i) {
+    const HealthCall* c = failed[i];
+    std::string reason =
+        c->status.ok() ? "answered NOT_SERVING (draining)"
+                       : absl::StrCat("gRPC code ", c->status.error_code(), ": ",
+                                      c->status.error_message());
+    if (const HealthCall* probe = probe_of[i]; probe != nullptr) {
+      if (probe->status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        reason = absl::StrCat("cannot connect: ", probe->status.error_message());
+        // What an mTLS peer that refuses this daemon's client certificate looks like from here.
+        if (options_.tls.enabled() && (absl::StrContains(reason, "Socket closed") ||
+                                       absl::StrContains(reason, "reset by peer"))) {
+          absl::StrAppend(&reason,
+                          " (with TLS: does the peer's server.tls.client_ca_file trust this "
+                          "daemon's cluster.tls.cert_file?)");
+        }
+      }
+    }
+    reasons.emplace_back(c->id, std::move(reason));
+  }
+  return reasons;
 }
 
 void Membership::ResolveOnce() {
@@ -270,7 +379,11 @@ void Membership::Start() {
   checker_ = std::thread([this] { RunChecker(); });
   if (!options_.dns_name.empty()) resolver_ = std::thread([this] { RunResolver(); });
   PROXIMA_LOG(kInfo) << "cluster membership started" << log::Kv("self", options_.self)
-                     << log::Kv("known_peers", KnownPeers().size());
+                     << log::Kv("known_peers", KnownPeers().size())
+                     << log::Kv("peer_tls", !options_.tls.enabled() ? std::string("off")
+                                            : options_.tls.server_name.empty()
+                                                ? std::string("on")
+                                                : "on, checking " + options_.tls.server_name);
 }
 
 void Membership::Stop() {

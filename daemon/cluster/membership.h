@@ -40,6 +40,7 @@
 #include "daemon/config.h"
 #include "daemon/metrics.h"
 #include "daemon/placement.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 namespace proxima::daemon::cluster {
 
@@ -53,6 +54,12 @@ struct MembershipOptions {
   absl::Duration health_timeout = absl::Milliseconds(500);
   uint32_t failures_before_down = 3;
   uint64_t max_message_bytes = 64ull << 20;  // of the peer channels (blocks travel on them)
+  // TLS of the peer channels (resolved cluster.tls; disabled = plaintext). Create() reads and
+  // checks its files once; every channel shares the credentials built from them.
+  PeerTlsConfig tls;
+  // The peers ask for client certificates (mTLS: this daemon's server.tls.client_ca_file is set,
+  // and a cluster shares one configuration): Create() checks that tls.cert_file may be one.
+  bool peers_require_client_certificate = false;
 
   static MembershipOptions FromConfig(const DaemonConfig& config);
 };
@@ -67,12 +74,32 @@ struct LiveSet {
   const std::string& id(size_t i) const { return nodes[i].id; }
 };
 
+// One gRPC health check of a peer (grpc.health.v1, service proxima.v1.KVTier), run with others
+// by RunHealthCalls.
+struct HealthCall {
+  std::string id;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<grpc::health::v1::Health::Stub> stub;
+  grpc::ClientContext context;
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<grpc::health::v1::HealthCheckResponse>> reader;
+
+  bool serving() const;  // answered SERVING
+};
+
+// Runs every call at once, each with the `timeout` deadline, and returns when all have ended.
+// Without `wait_for_ready`, a call on a channel that cannot connect fails at once, UNAVAILABLE.
+void RunHealthCalls(std::vector<std::unique_ptr<HealthCall>>& calls, absl::Duration timeout,
+                    bool wait_for_ready);
+
 class Membership {
  public:
   // Called (from the checker thread) when a peer leaves (`live` false) or joins the live set.
   using ChangeFn = std::function<void(const std::string& peer, bool live)>;
 
-  // `registry` must outlive the membership. Resolves nothing yet (Start() does).
+  // `registry` must outlive the membership. Resolves nothing yet (Start() does). With
+  // options.tls enabled, reads its PEM files now: an error names the cluster.tls key and path.
   static absl::StatusOr<std::unique_ptr<Membership>> Create(MembershipOptions options,
                                                             metrics::Registry* registry);
   ~Membership();  // Stop()s
@@ -102,6 +129,7 @@ class Membership {
     std::shared_ptr<grpc::Channel> channel;
     uint32_t failures = 0;  // consecutive
     bool live = false;
+    std::string last_error;  // the failure last logged; cleared by a success
   };
 
   explicit Membership(MembershipOptions options) : options_(std::move(options)) {}
@@ -111,8 +139,15 @@ class Membership {
   void SetKnown(const std::vector<std::string>& dns_peers);
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::shared_ptr<grpc::Channel> NewChannel(const std::string& peer) const;
+  // Why each of these health checks failed, for the log: (peer, reason). A check that only says
+  // that its deadline passed is explained by the error of a fresh connection attempt (a TLS
+  // handshake that failed, a refused connection). Waits at most one health timeout.
+  std::vector<std::pair<std::string, std::string>> ExplainFailures(
+      const std::vector<const HealthCall*>& failed) const;
 
   const MembershipOptions options_;
+  // TLS (with this daemon's client certificate) or plaintext; set by Create(), then constant.
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
   ChangeFn on_change_;
   metrics::Counter* check_failures_ = nullptr;
   metrics::Counter* went_down_ = nullptr;

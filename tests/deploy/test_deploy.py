@@ -284,11 +284,30 @@ def test_chart_wires_cluster_mode(binaries, tmp_path):
                  .replace("/etc/proxima-peer/token", str(token))
                  .replace("/etc/proxima/proxima.yaml", str(config)) for a in args]
     check_config_accepted(config.read_text(), tmp_path, args=run_args)
-    # Without a peer-token Secret, or together with TLS, the chart refuses to render.
+    assert not any("cluster.tls" in a for a in args)  # plaintext peers without TLS
+    # Without a peer-token Secret, the chart refuses to render.
     with pytest.raises(helm_render.RenderError, match="peerTokenSecret"):
         chart_docs(sets=["cluster.enabled=true"])
-    with pytest.raises(helm_render.RenderError, match="TLS to its peers"):
-        chart_docs(sets=sets + ["tls.secretName=proxima-tls"])
+    # Together with TLS (mTLS here): the peers talk TLS and check the Service's name, which the
+    # Secret's certificate carries (pod IPs are not in it); proximad accepts the result.
+    tls = sets + ["tls.secretName=proxima-tls",
+                  "config.server.tls={cert_file: /etc/proxima-tls/tls.crt, "
+                  "key_file: /etc/proxima-tls/tls.key, client_ca_file: /etc/proxima-tls/ca.crt}"]
+    docs, _ = chart_docs(sets=tls)
+    for d in docs:
+        validate(d)
+    args = find(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    service = find(docs, "Service")
+    assert "--set=cluster.tls.server_name=%s.%s.svc" % (
+        service["metadata"]["name"], service["metadata"]["namespace"]) in args
+    config.write_text(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    run_args = [a.replace("$(POD_IP)", "127.0.0.1")
+                 .replace("/etc/proxima-peer/token", str(token))
+                 .replace("/etc/proxima/proxima.yaml", str(config)) for a in args]
+    check_config_accepted(config.read_text(), tmp_path, args=run_args)
+    docs, _ = chart_docs(sets=tls + ["cluster.tlsServerName=peers.example.com"])
+    args = find(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--set=cluster.tls.server_name=peers.example.com" in args
     # Off by default: no cluster arguments, no peer-token volume.
     pod = find(chart_docs()[0], "DaemonSet")["spec"]["template"]["spec"]
     assert not any("cluster" in a for a in pod["containers"][0]["args"])

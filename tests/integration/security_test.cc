@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/test_pki.h"
 
 namespace proxima {
 namespace {
@@ -48,48 +49,18 @@ v1::ModelProfile SmallModel() {  // 2 x 16 x 2 x 64 x fp16 x (K, V) = 16 KiB blo
   return p;
 }
 
-// A scratch directory with two CAs and certificates, made by the openssl CLI.
-class Pki {
+// Two CAs and certificates, made by the openssl CLI.
+class Pki : public testing::TestPki {
  public:
   Pki() {
-    char tmpl[] = "/tmp/proxima-pki-XXXXXX";
-    dir_ = mkdtemp(tmpl);
     ok_ = MakeCa("ca") && MakeCa("other-ca") &&
           MakeCert("server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost") &&
           MakeCert("client", "ca", "extendedKeyUsage=clientAuth") &&
           MakeCert("rogue-client", "other-ca", "extendedKeyUsage=clientAuth");
   }
-  ~Pki() { std::filesystem::remove_all(dir_); }
   bool ok() const { return ok_; }
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string Write(const std::string& name, const std::string& text) const {
-    std::ofstream(Path(name)) << text;
-    return Path(name);
-  }
 
  private:
-  bool Run(std::vector<std::string> argv) {
-    argv.insert(argv.begin(), "/usr/bin/openssl");
-    testing::CommandResult r = RunCommand(argv, absl::Seconds(30));
-    if (r.exit_code != 0) ADD_FAILURE() << absl::StrJoin(argv, " ") << ": " << r.err;
-    return r.exit_code == 0;
-  }
-  bool MakeCa(const std::string& name) {
-    return Run({"req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                "-nodes", "-keyout", Path(name + ".key"), "-out", Path(name + ".crt"), "-days",
-                "2", "-subj", "/CN=proxima test " + name});
-  }
-  bool MakeCert(const std::string& name, const std::string& ca, const std::string& ext) {
-    std::string ext_file = Write(name + ".ext", ext + "\n");
-    return Run({"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                "-keyout", Path(name + ".key"), "-out", Path(name + ".csr"), "-subj",
-                "/CN=" + name}) &&
-           Run({"x509", "-req", "-in", Path(name + ".csr"), "-CA", Path(ca + ".crt"), "-CAkey",
-                Path(ca + ".key"), "-CAcreateserial", "-out", Path(name + ".crt"), "-days", "2",
-                "-extfile", ext_file});
-  }
-
-  std::string dir_;
   bool ok_ = false;
 };
 

@@ -24,5 +24,4 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "proxima.checkReserved" -}}
 {{- if .Values.reserved.gpuTier.enabled }}{{ fail "reserved.gpuTier: the GPU tier is not implemented in proximad yet" }}{{ end }}
 {{- if .Values.cluster.enabled }}{{ if not .Values.cluster.peerTokenSecret }}{{ fail "cluster.enabled needs cluster.peerTokenSecret: the Secret with the token daemons present to each other" }}{{ end }}{{ end }}
-{{- if .Values.cluster.enabled }}{{ if .Values.tls.secretName }}{{ fail "cluster.enabled with tls.secretName: proximad does not speak TLS to its peers yet and refuses this combination" }}{{ end }}{{ end }}
 {{- end }}
