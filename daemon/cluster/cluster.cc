@@ -599,6 +599,11 @@ bool Cluster::SpillOnce() {
       set->set_partition(id.partition);
       set->set_profile_id(id.profile_id);
       p.call->request.set_block_bytes(*block_bytes);
+      // Over UCX unless this peer could not pull from us: it then takes the blocks straight
+      // from our arena while we hold them pinned.
+      if (ucx_ != nullptr && !rooms_[p.call->peer].inline_only) {
+        ucx_->DescribeArena(&p.call->request);
+      }
       pending.push_back(std::move(p));
       it = open.insert_or_assign(key, pending.size() - 1).first;
     }
@@ -606,7 +611,12 @@ bool Cluster::SpillOnce() {
     p.call->request.mutable_blocks()->add_keys(reinterpret_cast<const char*>(id.key.data()),
                                                kKeyBytes);
     v1::SpilledBlock* b = p.call->request.add_data();
-    b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
+    if (p.call->request.ucx_worker_address().empty()) {
+      b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
+    } else {
+      b->set_ucx_address(reinterpret_cast<uint64_t>(c->block.bytes.data()));
+      b->set_size(c->block.bytes.size());
+    }
     b->set_crc32c(c->block.crc32c);
     b->set_level(c->block.level);
     p.bytes += c->block.bytes.size();
@@ -633,7 +643,15 @@ bool Cluster::SpillOnce() {
     }
     PeerRoom& room = rooms_[call.peer];
     room.bytes = answered ? call.response.room_bytes() : 0;
-    if (!answered || call.response.full() || room.bytes == 0) {
+    if (!answered && call.status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+        !call.request.ucx_worker_address().empty()) {
+      // It cannot pull from us over UCX: inline from the next round on, no back-off.
+      room.inline_only = true;
+      room.bytes = UINT64_MAX;
+      PROXIMA_LOG(kInfo) << "spilling to a peer inline: it cannot pull over UCX"
+                         << log::Kv("peer", call.peer)
+                         << log::Kv("error", call.status.error_message());
+    } else if (!answered || call.response.full() || room.bytes == 0) {
       room.bytes = 0;
       room.retry_at = now + kPeerFullBackoff;
     }

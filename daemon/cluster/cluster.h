@@ -150,6 +150,7 @@ class Cluster final : public RemoteBlocks {
     uint64_t bytes = UINT64_MAX;  // what it said it would still keep (unknown: unlimited)
     absl::Time retry_at;          // after a refusal or a failed call: left alone until then,
                                   // then sent one block
+    bool inline_only = false;     // it could not pull over UCX: send it the bytes inline
   };
   absl::flat_hash_map<std::string, PeerRoom> rooms_;
 };

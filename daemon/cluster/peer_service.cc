@@ -17,6 +17,12 @@ namespace {
 constexpr uint64_t kMessageOverhead = 4096;
 constexpr uint64_t kPerBlockOverhead = 64;
 
+// A peer call's deadline: every call between daemons carries one (cluster.peer_deadline); one
+// without is held to a minute.
+absl::Time CallDeadline(const grpc::ServerContext& context) {
+  return std::min(absl::FromChrono(context.deadline()), absl::Now() + absl::Minutes(1));
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
@@ -170,7 +176,7 @@ absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
 }
 
 absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
-                                     v1::StoreBlocksResponse* response) {
+                                     v1::StoreBlocksResponse* response, absl::Time deadline) {
   PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
   if (request.data_size() != static_cast<int>(ids.size())) {
@@ -182,6 +188,16 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                                                    request.block_bytes(), "; expected 1 to ",
                                                    max_message_bytes_));
   }
+  const bool by_ucx = !request.ucx_worker_address().empty();
+  if (by_ucx && ucx_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "StoreBlocks over UCX, but this daemon does not take peers' blocks over UCX "
+        "(ucx.enabled, cluster.transport); send the bytes inline");
+  }
+  // The size of block i: of its inline bytes, or (UCX) as the sender states it.
+  auto size_of = [&](const v1::SpilledBlock& b) -> uint64_t {
+    return by_ucx ? b.size() : b.data().size();
+  };
   // Every block is checked before any is kept: a request with one bad block stores none.
   for (int i = 0; i < request.data_size(); ++i) {
     const v1::SpilledBlock& b = request.data(i);
@@ -190,7 +206,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                                                      b.level(), "; levels are 0 to ",
                                                      kMaxLevels - 1));
     }
-    const uint64_t size = b.data().size();
+    const uint64_t size = size_of(b);
     if (b.level() == 0 ? size != request.block_bytes()
                        : size == 0 || size > request.block_bytes() + kMessageOverhead) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -199,37 +215,72 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                          : absl::StrCat("1 to block_bytes + ", kMessageOverhead, " = ",
                                         request.block_bytes() + kMessageOverhead)));
     }
-    const uint32_t crc =
-        Crc32c(std::as_bytes(std::span<const char>(b.data().data(), b.data().size())));
-    if (crc != b.crc32c()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "StoreBlocks data[%d].crc32c is 0x%08x but its bytes have CRC32C 0x%08x; nothing was "
-          "stored",
-          i, b.crc32c(), crc));
+    if (by_ucx && !b.data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StoreBlocks data[", i, "] carries bytes in a request over UCX"));
+    }
+    if (!by_ucx) {
+      const uint32_t crc =
+          Crc32c(std::as_bytes(std::span<const char>(b.data().data(), b.data().size())));
+      if (crc != b.crc32c()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "StoreBlocks data[%d].crc32c is 0x%08x but its bytes have CRC32C 0x%08x; nothing "
+            "was stored",
+            i, b.crc32c(), crc));
+      }
     }
   }
+  // Which blocks to keep, in room this node has to spare (never evicting for them), and their
+  // tier memory; visible only once all of them have arrived and passed their checks.
   BlockStore& store = core_->store();
   const double limit = accept_below_ * static_cast<double>(store.capacity_bytes());
-  std::vector<BlockKey> kept;
-  uint64_t kept_bytes = 0;
+  auto pending = std::make_shared<std::vector<BlockStore::PendingBlock>>();
+  std::vector<size_t> keep;  // request index of each pending block
+  std::vector<PeerUcx::Pull> pulls;
+  uint64_t reserved = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     const v1::SpilledBlock& b = request.data(static_cast<int>(i));
     bool stored = store.Contains(ids[i]);
-    if (!stored && static_cast<double>(store.used_bytes() + b.data().size()) <= limit) {
-      // Never evicts: a spilled block is kept only in room this node has to spare.
-      if (std::optional<BlockStore::PendingBlock> p = store.TryReserve(b.data().size())) {
-        std::memcpy(p->bytes().data(), b.data().data(), b.data().size());
-        BlockAttributes attributes;
-        attributes.from_peer = true;
-        store.Commit(ids[i], *std::move(p), b.crc32c(), attributes,
-                     static_cast<uint8_t>(b.level()));
+    const uint64_t size = size_of(b);
+    if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
+      if (std::optional<BlockStore::PendingBlock> p = store.TryReserve(size)) {
+        std::span<std::byte> dst = p->bytes().first(size);
+        if (by_ucx) {
+          pulls.push_back({b.ucx_address(), dst});
+        } else {
+          std::memcpy(dst.data(), b.data().data(), size);
+        }
+        pending->push_back(*std::move(p));
+        keep.push_back(i);
+        reserved += size;
         stored = true;
-        kept.push_back(ids[i].key);
-        kept_bytes += b.data().size();
       }
     }
     if (!stored) response->set_full(true);
     response->add_stored(stored);
+  }
+  if (!pulls.empty()) {
+    PROXIMA_RETURN_IF_ERROR(ucx_->Read(request.ucx_worker_address(), request.ucx_rkey(), pulls,
+                                       pending, deadline));
+    for (size_t j = 0; j < keep.size(); ++j) {
+      const uint32_t want = request.data(static_cast<int>(keep[j])).crc32c();
+      const uint32_t got = Crc32c(pulls[j].local);
+      if (got != want) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "StoreBlocks data[%d].crc32c is 0x%08x but the bytes pulled over UCX have CRC32C "
+            "0x%08x; nothing was stored",
+            keep[j], want, got));
+      }
+    }
+  }
+  std::vector<BlockKey> kept;
+  for (size_t j = 0; j < keep.size(); ++j) {
+    const v1::SpilledBlock& b = request.data(static_cast<int>(keep[j]));
+    BlockAttributes attributes;
+    attributes.from_peer = true;
+    store.Commit(ids[keep[j]], std::move((*pending)[j]), b.crc32c(), attributes,
+                 static_cast<uint8_t>(b.level()));
+    kept.push_back(ids[keep[j]].key);
   }
   const double room = limit - static_cast<double>(store.used_bytes());
   response->set_room_bytes(room > 0 ? static_cast<uint64_t>(room) : 0);
@@ -237,7 +288,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   spill_refused_->Increment(ids.size() - static_cast<size_t>(std::count(
                                              response->stored().begin(),
                                              response->stored().end(), true)));
-  spill_bytes_in_->Increment(kept_bytes);
+  spill_bytes_in_->Increment(reserved);
   if (!kept.empty()) {
     // This node holds them now: their homes learn it as after a local put.
     remote_->Stored({ids[0].namespace_index, request.blocks().namespace_name(), ids[0].partition,
@@ -263,9 +314,7 @@ grpc::Status PeerService::LookupLocations(grpc::ServerContext* context,
 grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
                                                    const v1::FetchBlocksRequest* request,
                                                    v1::FetchBlocksResponse* response) {
-  // A peer call always has a deadline (cluster.peer_deadline); one without is held to a minute.
-  const absl::Time deadline =
-      std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(1));
+  const absl::Time deadline = CallDeadline(*context);
   return Handle(context, request, response, [this, deadline](const auto& r, auto* out) {
     return ServeFetch(r, out, deadline);
   });
@@ -274,8 +323,10 @@ grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
 grpc::Status PeerService::StoreBlocks(grpc::ServerContext* context,
                                       const v1::StoreBlocksRequest* request,
                                       v1::StoreBlocksResponse* response) {
-  return Handle(context, request, response,
-                [this](const auto& r, auto* out) { return ServeStore(r, out); });
+  const absl::Time deadline = CallDeadline(*context);
+  return Handle(context, request, response, [this, deadline](const auto& r, auto* out) {
+    return ServeStore(r, out, deadline);
+  });
 }
 
 }  // namespace proxima::daemon::cluster

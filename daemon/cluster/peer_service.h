@@ -61,7 +61,8 @@ class PeerService final : public v1::Peer::Service {
                           v1::FetchBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
   absl::Status ServeStore(const v1::StoreBlocksRequest& request,
-                          v1::StoreBlocksResponse* response);
+                          v1::StoreBlocksResponse* response,
+                          absl::Time deadline = absl::InfiniteFuture());
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;

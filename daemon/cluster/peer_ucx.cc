@@ -90,18 +90,6 @@ absl::Status PeerUcx::Write(
         "FetchBlocks receive buffer at ", base, " with ", slots, " slots of ", slot,
         " bytes does not fit a 64-bit address space"));
   }
-  if (request.ucx_rkey().empty() || request.ucx_rkey().size() > ucx::kMaxPackedRkeyBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("FetchBlocks ucx_rkey is ",
-                                                   request.ucx_rkey().size(),
-                                                   " bytes; expected 1 to ",
-                                                   ucx::kMaxPackedRkeyBytes));
-  }
-  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep =
-      EndpointTo(request.ucx_worker_address(), deadline);
-  if (!ep.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot reach the reader's UCX worker: ", ep.status().message()));
-  }
   std::vector<ucx::Op> ops;
   uint64_t bytes = 0;
   for (size_t i = 0; i < blocks->size(); ++i) {
@@ -113,15 +101,56 @@ absl::Status PeerUcx::Write(
     bytes += b->bytes.size();
   }
   if (ops.empty()) return absl::OkStatus();
-  const std::string rkeys[] = {request.ucx_rkey()};
-  absl::Status status = worker_->Transfer(**ep, rkeys, std::move(ops), blocks, deadline);
+  PROXIMA_RETURN_IF_ERROR(Run(request.ucx_worker_address(), request.ucx_rkey(), std::move(ops),
+                              std::move(blocks), deadline));
+  bytes_out_->Increment(bytes);
+  return absl::OkStatus();
+}
+
+void PeerUcx::DescribeArena(v1::StoreBlocksRequest* request) const {
+  request->set_ucx_worker_address(worker_->address());
+  request->set_ucx_rkey(arena_->packed_rkey());
+}
+
+absl::Status PeerUcx::Read(const std::string& worker_address, const std::string& rkey,
+                           const std::vector<Pull>& pulls, std::shared_ptr<const void> keep_alive,
+                           absl::Time deadline) {
+  std::vector<ucx::Op> ops;
+  uint64_t bytes = 0;
+  for (const Pull& p : pulls) {
+    ops.push_back(ucx::Op{ucx::Op::kGet, p.local.data(), p.local.size(), p.remote_address, 0,
+                          arena_});
+    bytes += p.local.size();
+  }
+  if (ops.empty()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(Run(worker_address, rkey, std::move(ops), std::move(keep_alive),
+                              deadline));
+  bytes_in_->Increment(bytes);
+  return absl::OkStatus();
+}
+
+absl::Status PeerUcx::Run(const std::string& address, const std::string& rkey,
+                          std::vector<ucx::Op> ops, std::shared_ptr<const void> keep_alive,
+                          absl::Time deadline) {
+  if (rkey.empty() || rkey.size() > ucx::kMaxPackedRkeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx_rkey is ", rkey.size(),
+                                                   " bytes; expected 1 to ",
+                                                   ucx::kMaxPackedRkeyBytes));
+  }
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = EndpointTo(address, deadline);
+  if (!ep.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot reach the peer's UCX worker: ", ep.status().message()));
+  }
+  const std::string rkeys[] = {rkey};
+  absl::Status status = worker_->Transfer(**ep, rkeys, std::move(ops), std::move(keep_alive),
+                                          deadline);
   if (absl::IsInvalidArgument(status)) return status;  // an rkey that does not unpack
   if (!status.ok()) {
-    Drop(request.ucx_worker_address());
+    Drop(address);
     return absl::UnavailableError(
-        absl::StrCat("writing blocks into the reader's buffer over UCX: ", status.message()));
+        absl::StrCat("moving blocks over UCX: ", status.message()));
   }
-  bytes_out_->Increment(bytes);
   return absl::OkStatus();
 }
 

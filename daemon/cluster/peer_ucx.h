@@ -5,6 +5,9 @@
 //            FetchBlocks request (worker address, packed rkey, address, slot size);
 //   holder   pins the found blocks, writes each into its slot with one-sided puts from the
 //            registered tier arena, flushes, and answers sizes and CRC32Cs instead of bytes.
+//   spill    the other way round: the sender names its worker, its arena's rkey and each cold
+//            block's address; the receiver pulls the blocks it keeps straight into its own tier
+//            memory with one-sided gets, and checks their CRC32Cs before they become visible.
 //
 // The reader checks every block against its CRC32C on arrival, as for bytes that came inline.
 // A holder that cannot reach the reader's worker answers inline; a transfer that fails or runs
@@ -70,12 +73,29 @@ class PeerUcx {
                      std::shared_ptr<const std::vector<std::optional<BlockStore::ReadBlock>>> blocks,
                      const std::vector<bool>& send, absl::Time deadline);
 
-  // Counts bytes that arrived through a receive buffer.
+  // Sender side of a spill: names this worker and the tier arena in `request`.
+  void DescribeArena(v1::StoreBlocksRequest* request) const;
+
+  // Receiver side of a spill: pulls each (remote address, local destination) pair from the
+  // sender's arena (`worker_address`, `rkey`) into this daemon's tier memory. `keep_alive` owns
+  // the destinations (released once UCX no longer writes them). Errors as Write().
+  struct Pull {
+    uint64_t remote_address = 0;
+    std::span<std::byte> local;
+  };
+  absl::Status Read(const std::string& worker_address, const std::string& rkey,
+                    const std::vector<Pull>& pulls, std::shared_ptr<const void> keep_alive,
+                    absl::Time deadline);
+
+  // Counts bytes that arrived through a receive buffer (fetch) or a pull (spill).
   void CountIn(uint64_t bytes) { bytes_in_->Increment(bytes); }
 
  private:
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> EndpointTo(const std::string& address,
                                                             absl::Time deadline);
+  // Runs `ops` against the worker at `address` with the one packed `rkey` (Write and Read).
+  absl::Status Run(const std::string& address, const std::string& rkey, std::vector<ucx::Op> ops,
+                   std::shared_ptr<const void> keep_alive, absl::Time deadline);
   void Drop(const std::string& address);
 
   ucx::Worker* const worker_;

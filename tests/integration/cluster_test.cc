@@ -362,6 +362,12 @@ TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
        grpc::StatusCode::INVALID_ARGUMENT, "keys[0] is 5 bytes"},
       {"an unknown namespace", [](auto& r) { r.mutable_blocks()->set_namespace_name("nope"); },
        grpc::StatusCode::NOT_FOUND, "nope"},
+      {"UCX delivery to a daemon without UCX",
+       [](auto& r) {
+         r.set_ucx_worker_address("worker");
+         r.set_ucx_rkey("rkey");
+       },
+       grpc::StatusCode::FAILED_PRECONDITION, "send the bytes inline"},
   };
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.what);
@@ -494,8 +500,11 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
 
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
-  ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"tiers.host.capacity_bytes=8MiB",
-                                           "cluster.spill={threshold: 0.9, accept_below: 0.75}"}));
+  // A and B run the UCX data plane: B pulls A's spilled blocks straight from A's arena. C does
+  // not: A's first spill to C over UCX is refused, and A sends C the bytes inline after that.
+  ASSERT_NO_FATAL_FAILURE(StartCluster(
+      3, {"tiers.host.capacity_bytes=8MiB", "cluster.spill={threshold: 0.9, accept_below: 0.75}"},
+      [](int i) { return std::vector<std::string>{i < 2 ? "ucx.enabled=true" : "ucx.enabled=false"}; }));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
   auto a = MustConnect(daemons_[0]->tcp_target());
   auto c = MustConnect(daemons_[2]->tcp_target());
@@ -526,6 +535,15 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
   EXPECT_EQ(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}") +
                 Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"),
             moved);
+  const double kept_b = Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}");
+  const double kept_c = Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}");
+  EXPECT_GT(kept_b, 0);
+  EXPECT_GT(kept_c, 0);
+  // B's came over UCX (pulled), C's inline.
+  EXPECT_EQ(Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
+            kept_b * p.block_bytes);
+  EXPECT_EQ(Metric(2, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"), -1);
+  EXPECT_THAT(daemons_[0]->Log(), ::testing::HasSubstr("spilling to a peer inline"));
   // Every block is still found and read byte-exact, from the node that spilled it and from a
   // third one; the coldest (first) blocks now live on B and C.
   EXPECT_EQ(WaitLookup(*a, p, 1, kBlocks, kBlocks), kBlocks);
