@@ -797,19 +797,34 @@ absl::Status TierService::Delete(const Caller& caller, const v1::DeleteRequest& 
   PROXIMA_RETURN_IF_ERROR(ResolveKeys(caller, Need::kWrite, "Delete", request.namespace_name(),
                                       request.profile_id(), request.keys(),
                                       config_.server.max_batch_blocks, &profile, &ids));
-  uint32_t deleted = 0;
+  std::vector<bool> deleted(ids.size(), false);
   std::vector<BlockKey> gone;
-  for (const BlockId& id : ids) {
-    if (!store_->Delete(id)) continue;
-    ++deleted;
-    gone.push_back(id.key);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!store_->Delete(ids[i])) continue;
+    deleted[i] = true;
+    gone.push_back(ids[i].key);
   }
-  response->set_num_deleted(deleted);
   RemoteBlocks* remote = remote_.load();
-  if (remote != nullptr && !gone.empty()) {
-    remote->Removed({ids[0].namespace_index, namespaces_[ids[0].namespace_index]->name,
-                     ids[0].partition, ids[0].profile_id, gone});
+  if (remote != nullptr) {
+    const RemoteBlockSet set{ids[0].namespace_index, namespaces_[ids[0].namespace_index]->name,
+                             ids[0].partition, ids[0].profile_id, {}};
+    if (!gone.empty()) {
+      RemoteBlockSet local = set;
+      local.keys = gone;
+      remote->Removed(local);
+    }
+    // Copies other nodes hold (put there, or spilled there by this node) go as well.
+    std::vector<BlockKey> keys;
+    keys.reserve(ids.size());
+    for (const BlockId& id : ids) keys.push_back(id.key);
+    RemoteBlockSet everywhere = set;
+    everywhere.keys = keys;
+    std::vector<bool> elsewhere = remote->DeleteRemote(everywhere);
+    for (size_t i = 0; i < deleted.size() && i < elsewhere.size(); ++i) {
+      deleted[i] = deleted[i] || elsewhere[i];
+    }
   }
+  response->set_num_deleted(static_cast<uint32_t>(std::count(deleted.begin(), deleted.end(), true)));
   return absl::OkStatus();
 }
 

@@ -335,6 +335,47 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
   return holders;
 }
 
+std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
+  std::vector<bool> deleted(blocks.keys.size(), false);
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  if (live->nodes.size() < 2 || blocks.keys.empty()) return deleted;
+  const absl::Time deadline = absl::Now() + peer_deadline_;
+  std::vector<std::string> holders = Locate(blocks, *live, deadline);
+  absl::flat_hash_map<std::string, std::vector<size_t>> per_holder;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!holders[i].empty() && holders[i] != self_) per_holder[holders[i]].push_back(i);
+  }
+  using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  const size_t per_call = core_->max_batch_blocks();
+  for (auto& [holder, which] : per_holder) {
+    for (size_t first = 0; first < which.size(); first += per_call) {
+      auto call = std::make_unique<Call>();
+      call->peer = holder;
+      call->which.assign(which.begin() + first,
+                         which.begin() + std::min(which.size(), first + per_call));
+      FillSet(blocks, call->which, call->request.mutable_blocks());
+      calls.push_back(std::move(call));
+    }
+  }
+  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
+    AddAuth(&call->context, deadline);
+    return call->stub->PrepareAsyncDeleteBlocks(&call->context, call->request, cq);
+  });
+  for (const auto& call : calls) {
+    if (!call->status.ok() ||
+        call->response.deleted_size() != static_cast<int>(call->which.size())) {
+      peer_call_failures_->Increment();
+      continue;
+    }
+    for (size_t j = 0; j < call->which.size(); ++j) {
+      if (call->response.deleted(static_cast<int>(j))) deleted[call->which[j]] = true;
+    }
+  }
+  return deleted;
+}
+
 size_t Cluster::LookupChain(const RemoteBlockSet& blocks) {
   std::shared_ptr<const LiveSet> live = membership_->Live();
   if (live->nodes.size() < 2 || blocks.keys.empty()) return 0;

@@ -9,6 +9,7 @@
 //            LookupLocations call per home, in parallel (one hop).
 //   get      local first; then holders from the homes, then FetchBlocks from each holder, in
 //            parallel; the bytes are checked against their CRC32C on arrival.
+//   delete   local first; then DeleteBlocks at the holders the homes name, in parallel.
 //   spill    while the host tier is fuller than cluster.spill.threshold, a spiller thread sends
 //            its coldest blocks (StoreBlocks, batched per peer) to the first of each key's best
 //            rendezvous nodes that has room; a peer keeps them below its accept_below share,
@@ -74,6 +75,7 @@ class Cluster final : public RemoteBlocks {
   void Removed(const RemoteBlockSet& blocks) override;
   size_t LookupChain(const RemoteBlockSet& blocks) override;
   std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override;
+  std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override;
 
  private:
   // Records (or forgets) for one home, one namespace/partition/profile.

@@ -297,6 +297,24 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
+                                      v1::DeleteBlocksResponse* response) {
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                           ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
+  std::vector<BlockKey> gone;
+  for (const BlockId& id : ids) {
+    const bool deleted = core_->store().Delete(id);
+    response->add_deleted(deleted);
+    if (deleted) gone.push_back(id.key);
+  }
+  if (!gone.empty()) {
+    // Their homes drop the records naming this node, as after a local Delete.
+    remote_->Removed({ids[0].namespace_index, request.blocks().namespace_name(), ids[0].partition,
+                      ids[0].profile_id, gone});
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status PeerService::RecordLocations(grpc::ServerContext* context,
                                                        const v1::RecordLocationsRequest* request,
                                                        v1::RecordLocationsResponse* response) {
@@ -327,6 +345,13 @@ grpc::Status PeerService::StoreBlocks(grpc::ServerContext* context,
   return Handle(context, request, response, [this, deadline](const auto& r, auto* out) {
     return ServeStore(r, out, deadline);
   });
+}
+
+grpc::Status PeerService::DeleteBlocks(grpc::ServerContext* context,
+                                       const v1::DeleteBlocksRequest* request,
+                                       v1::DeleteBlocksResponse* response) {
+  return Handle(context, request, response,
+                [this](const auto& r, auto* out) { return ServeDelete(r, out); });
 }
 
 }  // namespace proxima::daemon::cluster

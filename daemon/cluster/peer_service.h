@@ -50,6 +50,8 @@ class PeerService final : public v1::Peer::Service {
                            v1::FetchBlocksResponse* response) override;
   grpc::Status StoreBlocks(grpc::ServerContext* context, const v1::StoreBlocksRequest* request,
                            v1::StoreBlocksResponse* response) override;
+  grpc::Status DeleteBlocks(grpc::ServerContext* context, const v1::DeleteBlocksRequest* request,
+                            v1::DeleteBlocksResponse* response) override;
 
   // The bodies, transport aside (the handlers authenticate, then call these).
   absl::Status ServeRecord(const v1::RecordLocationsRequest& request,
@@ -60,6 +62,8 @@ class PeerService final : public v1::Peer::Service {
   absl::Status ServeFetch(const v1::FetchBlocksRequest& request,
                           v1::FetchBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
+  absl::Status ServeDelete(const v1::DeleteBlocksRequest& request,
+                           v1::DeleteBlocksResponse* response);
   absl::Status ServeStore(const v1::StoreBlocksRequest& request,
                           v1::StoreBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());

@@ -60,6 +60,10 @@ class RemoteBlocks {
 
   // Reads `blocks` from the nodes that hold them: one entry per key, nullopt for a miss.
   virtual std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) = 0;
+
+  // Deletes `blocks` at the other nodes that hold them (as their homes know it): one entry
+  // per key, true when some node deleted it. Best effort, bounded like the rest.
+  virtual std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) = 0;
 };
 
 }  // namespace proxima::daemon

@@ -182,6 +182,13 @@ TEST_F(ClusterTest, PutOnOneNodeIsFoundAndReadByteExactFromTheOthers) {
   EXPECT_EQ(deleted, 1u);
   EXPECT_EQ(WaitLookup(*c, p, 2, 16, 3), 3u);  // the home forgets the record in the background
   EXPECT_EQ(GetAndCheck(*c, p, 2, 3, 1), 0u);  // a miss, not an error
+  // A Delete reaches the node that holds the blocks: C deletes two of B's blocks.
+  ASSERT_OK_AND_ASSIGN(deleted, c->Delete(p, std::span(second.keys).subspan(0, 2)));
+  EXPECT_EQ(deleted, 2u);
+  EXPECT_EQ(GetAndCheck(*b, p, 2, 8, 2), 0u);  // gone from B itself
+  EXPECT_EQ(GetAndCheck(*b, p, 2, 10, 6), 6u);  // the rest untouched
+  // Deleting what no node holds deletes nothing, and is no error.
+  EXPECT_THAT(c->Delete(p, std::span(second.keys).subspan(0, 2)), IsOkAndHolds(0u));
 
   // Another model's profile sees none of it, here as on a single daemon.
   ASSERT_OK_AND_ASSIGN(Profile other, b->RegisterProfile(TestModel(16, "another-model")));
