@@ -95,8 +95,9 @@ cluster:                           # daemons of many nodes sharing their tiers (
     cert_file: ""                  # client cert presented to peers; "" = server.tls.cert_file
     key_file: ""                   # its private key; "" = server.tls.key_file
     server_name: ""                # name checked in peers' certs; "" = the peer address's host
-  transport: auto                  # fetched bytes between daemons: auto (UCX when ucx.enabled
-                                   # and no server.tls) | grpc | ucx (also with TLS)
+  transport: grpc                  # block bytes between daemons: grpc | auto (UCX when
+                                   # ucx.enabled and no server.tls) | ucx (also with TLS);
+                                   # UCX only over RDMA transports (docs/cluster.md)
   spill:                           # cold blocks move to peers with room when this node is full
     enabled: true
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller

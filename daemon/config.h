@@ -159,11 +159,13 @@ struct ClusterConfig {
   std::string peer_token_file;
   std::string peer_token_env;
   PeerTlsConfig tls;  // how this daemon calls its peers when server.tls is set
-  // How fetched and spilled block bytes move between daemons: "auto" (over UCX when this
-  // daemon runs the UCX data plane, ucx.enabled, without server.tls, and the other daemon can
-  // reach it; inline in the gRPC messages otherwise), "grpc" (always inline) or "ucx" (UCX
-  // also with server.tls: UCX does not encrypt, for a trusted data network).
-  std::string transport = "auto";
+  // How fetched and spilled block bytes move between daemons: "grpc" (inline in the gRPC
+  // messages; the default), "auto" (over UCX when this daemon runs the UCX data plane,
+  // ucx.enabled, without server.tls, and the other daemon can reach it) or "ucx" (UCX also
+  // with server.tls: UCX does not encrypt, for a trusted data network). Not UCX by default:
+  // over UCX transports that emulate RMA (tcp, posix/sysv shared memory) UCX 1.13 aborts the
+  // target process when its peer dies mid-transfer (docs/cluster.md).
+  std::string transport = "grpc";
   // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
   // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`

@@ -76,7 +76,41 @@ void RunAll(std::vector<std::unique_ptr<Call>>& calls, Prepare prepare) {
   }
 }
 
+// One call per holder (other than `self`) that `holders` names, of at most `per_call` keys
+// each: their indices into the caller's keys in `which`, their block set filled.
+template <typename Call>
+std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
+                                                  const std::vector<std::string>& holders,
+                                                  const std::string& self, size_t per_call) {
+  absl::flat_hash_map<std::string, std::vector<size_t>> per_holder;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!holders[i].empty() && holders[i] != self) per_holder[holders[i]].push_back(i);
+  }
+  std::vector<std::unique_ptr<Call>> calls;
+  for (auto& [holder, which] : per_holder) {
+    for (size_t first = 0; first < which.size(); first += per_call) {
+      auto call = std::make_unique<Call>();
+      call->peer = holder;
+      call->which.assign(which.begin() + first,
+                         which.begin() + std::min(which.size(), first + per_call));
+      FillSet(blocks, call->which, call->request.mutable_blocks());
+      calls.push_back(std::move(call));
+    }
+  }
+  return calls;
+}
+
 }  // namespace
+
+template <typename Call, typename Method>
+void Cluster::CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline,
+                      Method method) {
+  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
+    AddAuth(&call->context, deadline);
+    return ((*call->stub).*method)(&call->context, call->request, cq);
+  });
+}
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& config,
                                                          TierService* core, UcxTransport* ucx,
@@ -266,11 +300,7 @@ void Cluster::SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batch
       calls.push_back(std::move(call));
     }
   }
-  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
-    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
-    AddAuth(&call->context, deadline);
-    return call->stub->PrepareAsyncRecordLocations(&call->context, call->request, cq);
-  });
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncRecordLocations);
   for (const auto& call : calls) {
     if (call->status.ok()) {
       if (!call->request.forget()) records_sent_->Increment(call->request.blocks().keys_size());
@@ -316,11 +346,7 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
     FillSet(blocks, call->which, call->request.mutable_blocks());
     calls.push_back(std::move(call));
   }
-  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
-    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
-    AddAuth(&call->context, deadline);
-    return call->stub->PrepareAsyncLookupLocations(&call->context, call->request, cq);
-  });
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations);
   for (const auto& call : calls) {
     if (!call->status.ok() ||
         call->response.holders_size() != static_cast<int>(call->which.size())) {
@@ -341,28 +367,10 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   if (live->nodes.size() < 2 || blocks.keys.empty()) return deleted;
   const absl::Time deadline = absl::Now() + peer_deadline_;
   std::vector<std::string> holders = Locate(blocks, *live, deadline);
-  absl::flat_hash_map<std::string, std::vector<size_t>> per_holder;
-  for (size_t i = 0; i < holders.size(); ++i) {
-    if (!holders[i].empty() && holders[i] != self_) per_holder[holders[i]].push_back(i);
-  }
   using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
-  std::vector<std::unique_ptr<Call>> calls;
-  const size_t per_call = core_->max_batch_blocks();
-  for (auto& [holder, which] : per_holder) {
-    for (size_t first = 0; first < which.size(); first += per_call) {
-      auto call = std::make_unique<Call>();
-      call->peer = holder;
-      call->which.assign(which.begin() + first,
-                         which.begin() + std::min(which.size(), first + per_call));
-      FillSet(blocks, call->which, call->request.mutable_blocks());
-      calls.push_back(std::move(call));
-    }
-  }
-  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
-    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
-    AddAuth(&call->context, deadline);
-    return call->stub->PrepareAsyncDeleteBlocks(&call->context, call->request, cq);
-  });
+  std::vector<std::unique_ptr<Call>> calls =
+      CallsPerHolder<Call>(blocks, holders, self_, core_->max_batch_blocks());
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks);
   for (const auto& call : calls) {
     if (!call->status.ok() ||
         call->response.deleted_size() != static_cast<int>(call->which.size())) {
@@ -398,48 +406,28 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   const absl::Time deadline = absl::Now() + peer_deadline_;
   std::vector<std::string> holders = Locate(blocks, *live, deadline);
 
-  absl::flat_hash_map<std::string, std::vector<size_t>> per_holder;
-  for (size_t i = 0; i < holders.size(); ++i) {
-    if (!holders[i].empty() && holders[i] != self_) per_holder[holders[i]].push_back(i);
-  }
   using Call = PeerCall<v1::FetchBlocksRequest, v1::FetchBlocksResponse>;
-  std::vector<std::unique_ptr<Call>> calls;
   // Requests sized so that each answer fits server.max_message_bytes (stored bytes are at most
   // the raw size, plus a container header).
   const uint64_t per_block = blocks.block_bytes + 4096;
   const size_t per_call = std::max<size_t>(
       1, std::min<uint64_t>(core_->max_batch_blocks(),
                             (config_.server.max_message_bytes - 4096) / per_block));
+  std::vector<std::unique_ptr<Call>> calls = CallsPerHolder<Call>(blocks, holders, self_, per_call);
   // With UCX: one receive buffer per call, a slot per block, that the holder writes into.
-  std::vector<std::shared_ptr<const PeerUcx::ReceiveBuffer>> buffers;
-  for (auto& [holder, which] : per_holder) {
-    for (size_t first = 0; first < which.size(); first += per_call) {
-      auto call = std::make_unique<Call>();
-      call->peer = holder;
-      call->which.assign(which.begin() + first,
-                         which.begin() + std::min(which.size(), first + per_call));
-      FillSet(blocks, call->which, call->request.mutable_blocks());
-      std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer;
-      if (ucx_ != nullptr) {
-        absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> b =
-            ucx_->NewReceiveBuffer(call->which.size(), per_block);
-        if (b.ok()) {
-          buffer = *std::move(b);
-          ucx_->Describe(*buffer, &call->request);
-        } else {
-          PROXIMA_LOG(kWarning) << "no UCX receive buffer; fetching inline"
-                                << log::Kv("error", b.status().ToString());
-        }
-      }
-      buffers.push_back(std::move(buffer));
-      calls.push_back(std::move(call));
+  std::vector<std::shared_ptr<const PeerUcx::ReceiveBuffer>> buffers(calls.size());
+  for (size_t k = 0; k < calls.size() && ucx_ != nullptr; ++k) {
+    absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> b =
+        ucx_->NewReceiveBuffer(calls[k]->which.size(), per_block);
+    if (b.ok()) {
+      buffers[k] = *std::move(b);
+      ucx_->Describe(*buffers[k], &calls[k]->request);
+    } else {
+      PROXIMA_LOG(kWarning) << "no UCX receive buffer; fetching inline"
+                            << log::Kv("error", b.status().ToString());
     }
   }
-  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
-    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
-    AddAuth(&call->context, deadline);
-    return call->stub->PrepareAsyncFetchBlocks(&call->context, call->request, cq);
-  });
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncFetchBlocks);
   uint64_t hits = 0;
   uint64_t bytes = 0;
   uint64_t ucx_bytes = 0;
@@ -666,11 +654,7 @@ bool Cluster::SpillOnce() {
   std::vector<std::unique_ptr<Call>> calls;
   for (Pending& p : pending) calls.push_back(std::move(p.call));
   const absl::Time deadline = now + peer_deadline_;
-  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
-    call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
-    AddAuth(&call->context, deadline);
-    return call->stub->PrepareAsyncStoreBlocks(&call->context, call->request, cq);
-  });
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks);
   bool moved = false;
   for (size_t k = 0; k < calls.size(); ++k) {
     const Call& call = *calls[k];

@@ -100,6 +100,10 @@ class Cluster final : public RemoteBlocks {
   void RunSender();
   void SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
+  // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
+  // each with the stub's PrepareAsync `method`; returns when all have finished.
+  template <typename Call, typename Method>
+  void CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method);
   // Keeps a receive buffer of a failed fetch alive until the holder can no longer write into
   // it (past `deadline`, the call's), instead of freeing it under a transfer still running.
   void Quarantine(std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer, absl::Time deadline);
