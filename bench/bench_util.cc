@@ -182,18 +182,31 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
     conns[c] = *std::move(client);
     profile = *conns[c]->RegisterProfile(model);
   }
-  // Each client's buffers, registered once for UCX (as a worker registers its KV cache).
-  std::vector<std::vector<std::vector<std::byte>>> buffers(
-      clients, std::vector<std::vector<std::byte>>(batch, std::vector<std::byte>(block_bytes)));
+  // Each client's buffers, registered once for UCX (as a worker registers its KV cache), or
+  // allocated by UCX.
+  std::vector<std::vector<std::vector<std::byte>>> heap(clients);
+  std::vector<std::vector<std::span<std::byte>>> buffers(clients);
   std::vector<std::vector<client::MemoryRegion>> regions(clients);
   for (int c = 0; c < clients; ++c) {
-    for (auto& b : buffers[c]) {
-      auto r = conns[c]->RegisterMemory(b.data(), b.size());
-      if (r.ok()) regions[c].push_back(*std::move(r));
+    for (int i = 0; i < batch; ++i) {
+      if (shape.ucx_buffers) {
+        auto r = conns[c]->AllocateMemory(block_bytes);
+        if (!r.ok()) {
+          std::fprintf(stderr, "AllocateMemory: %s\n", r.status().ToString().c_str());
+          std::exit(1);
+        }
+        buffers[c].push_back(r->bytes());
+        regions[c].push_back(*std::move(r));
+      } else {
+        heap[c].emplace_back(block_bytes);
+        buffers[c].push_back(heap[c].back());
+        auto r = conns[c]->RegisterMemory(buffers[c].back().data(), block_bytes);
+        if (r.ok()) regions[c].push_back(*std::move(r));
+      }
     }
   }
   const PhaseTime put = RunClientsTimed(clients, server, [&](int id) {
-    std::vector<std::vector<std::byte>>& data = buffers[id];
+    std::vector<std::span<std::byte>>& data = buffers[id];
     std::vector<BlockKey> keys = proxima::client::TestKeyChain(id, 0, blocks_per_client);
     for (size_t b = 0; b < blocks_per_client; b += batch) {
       size_t n = std::min<size_t>(batch, blocks_per_client - b);
@@ -207,7 +220,7 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
     }
   });
   const PhaseTime get = RunClientsTimed(clients, server, [&](int id) {
-    std::vector<std::vector<std::byte>>& data = buffers[id];
+    std::vector<std::span<std::byte>>& data = buffers[id];
     std::vector<BlockKey> keys = proxima::client::TestKeyChain(id, 0, blocks_per_client);
     for (int round = 0; round < rounds; ++round) {
       for (size_t b = 0; b < blocks_per_client; b += batch) {

@@ -46,6 +46,9 @@ struct LoadShape {
   int rounds = 3;
   uint64_t block_bytes = 0;
   size_t blocks_per_client = 0;
+  // RunProxima: the clients' block buffers come from Client::AllocateMemory (memory UCX chose)
+  // instead of ordinary memory registered with RegisterMemory.
+  bool ucx_buffers = false;
 };
 
 struct Result {

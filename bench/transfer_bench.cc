@@ -48,6 +48,9 @@ ABSL_FLAG(int, latency_gets, 200, "single 2 MiB gets timed for the latency perce
 ABSL_FLAG(std::string, proximad, PROXIMAD_PATH, "proximad binary");
 ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "redis-server binary");
 ABSL_FLAG(std::string, ucx_perftest, "/usr/bin/ucx_perftest", "ucx_perftest binary");
+ABSL_FLAG(std::string, buffers, "heap,ucx",
+          "the UCX clients' block buffers, comma-separated: heap (ordinary memory registered "
+          "with RegisterMemory) and/or ucx (Client::AllocateMemory: memory UCX chose)");
 
 namespace {
 
@@ -92,27 +95,43 @@ double PerftestGbps(const std::string& dir, const std::string& test, uint64_t si
   return -1;
 }
 
-void PrintThroughput(const char* metric, const std::string& transport, uint64_t block_bytes,
-                     int clients, double value, double perftest, double inline_gbps, double redis) {
+void PrintThroughput(const char* metric, const std::string& transport, const std::string& buffers,
+                     uint64_t block_bytes, int clients, double value, double perftest,
+                     double inline_gbps, double redis) {
   std::printf(
-      "{\"bench\":\"transfer\",\"metric\":\"%s\",\"transport\":\"%s\",\"block_bytes\":%llu,"
+      "{\"bench\":\"transfer\",\"metric\":\"%s\",\"transport\":\"%s\",\"buffers\":\"%s\","
+      "\"block_bytes\":%llu,"
       "\"clients\":%d,\"value\":%.3f,\"unit\":\"GB/s\",\"baselines\":{\"ucx_perftest\":%.3f,"
       "\"inline\":%.3f,\"redis\":%.3f},\"ratio_perftest\":%.3f,\"ratio_inline\":%.3f,"
       "\"ratio_redis\":%.3f}\n",
-      metric, transport.c_str(), static_cast<unsigned long long>(block_bytes), clients, value,
+      metric, transport.c_str(), buffers.c_str(), static_cast<unsigned long long>(block_bytes),
+      clients, value,
       perftest, inline_gbps, redis, value / perftest, value / inline_gbps, value / redis);
   std::fflush(stdout);
 }
 
 // p50 and p99 of single-block 2 MiB Gets, in microseconds.
-std::pair<double, double> GetLatency(const std::string& target, Transport transport) {
+std::pair<double, double> GetLatency(const std::string& target, Transport transport,
+                                     bool ucx_buffer) {
   constexpr uint64_t kBytes = 2 << 20;
   auto c = proxima::client::Client::Connect({.target = target, .transport = transport});
   if (!c.ok()) return {-1, -1};
   auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
   if (!profile.ok()) return {-1, -1};
-  std::vector<std::byte> block(kBytes);
-  auto region = (*c)->RegisterMemory(block.data(), block.size());
+  std::vector<std::byte> heap;
+  proxima::client::MemoryRegion region;
+  std::span<std::byte> block;
+  if (ucx_buffer) {
+    auto r = (*c)->AllocateMemory(kBytes);
+    if (!r.ok()) return {-1, -1};
+    region = *std::move(r);
+    block = region.bytes();
+  } else {
+    heap.resize(kBytes);
+    block = heap;
+    auto r = (*c)->RegisterMemory(block.data(), block.size());
+    if (r.ok()) region = *std::move(r);
+  }
   std::vector<proxima::client::BlockKey> key = proxima::client::TestKeyChain(424242, 0, 1);
   proxima::client::FillTestBlock(424242, 0, block);
   std::vector<std::span<const std::byte>> in = {block};
@@ -151,6 +170,15 @@ int main(int argc, char** argv) {
     client_counts.push_back(std::stoi(std::string(c)));
   }
   const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
+  std::vector<std::string> buffer_kinds;
+  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_buffers), ',')) {
+    if (b != "heap" && b != "ucx") {
+      std::fprintf(stderr, "--buffers names '%s'; expected heap and/or ucx\n",
+                   std::string(b).c_str());
+      return 2;
+    }
+    buffer_kinds.emplace_back(b);
+  }
   int exit_code = 0;
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',')) {
     std::string tls(t);
@@ -181,36 +209,47 @@ int main(int argc, char** argv) {
             1, static_cast<size_t>(per_client / static_cast<int64_t>(block_bytes)));
         const LoadShape shape{clients, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_rounds),
                               block_bytes, blocks};
-        std::vector<Result> ucx_runs, inline_runs, redis_runs;
+        std::vector<Result> inline_runs, redis_runs;
+        std::vector<std::vector<Result>> ucx_runs(buffer_kinds.size());
         for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
           redis_runs.push_back(proxima::bench::RunRedis(redis_port, redis, shape));
-          ucx_runs.push_back(proxima::bench::RunProxima(target, daemon, shape, Transport::kUcx));
+          for (size_t k = 0; k < buffer_kinds.size(); ++k) {
+            LoadShape s = shape;
+            s.ucx_buffers = buffer_kinds[k] == "ucx";
+            ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
+          }
           inline_runs.push_back(proxima::bench::RunProxima(target, daemon, shape, Transport::kInline));
         }
-        Result ucx = proxima::bench::Median(ucx_runs);
         Result inl = proxima::bench::Median(inline_runs);
         Result red = proxima::bench::Median(redis_runs);
-        PrintThroughput("put_throughput", name, block_bytes, clients, ucx.put_gbps, perf_get,
-                        inl.put_gbps, red.put_gbps);
-        PrintThroughput("get_throughput", name, block_bytes, clients, ucx.get_gbps, perf_put,
-                        inl.get_gbps, red.get_gbps);
-        if (ucx.errors + inl.errors + red.errors > 0) {
+        uint64_t ucx_errors = 0;
+        for (size_t k = 0; k < buffer_kinds.size(); ++k) {
+          Result ucx = proxima::bench::Median(ucx_runs[k]);
+          ucx_errors += ucx.errors;
+          PrintThroughput("put_throughput", name, buffer_kinds[k], block_bytes, clients,
+                          ucx.put_gbps, perf_get, inl.put_gbps, red.put_gbps);
+          PrintThroughput("get_throughput", name, buffer_kinds[k], block_bytes, clients,
+                          ucx.get_gbps, perf_put, inl.get_gbps, red.get_gbps);
+        }
+        if (ucx_errors + inl.errors + red.errors > 0) {
           std::fprintf(stderr, "errors: ucx %llu, inline %llu, redis %llu\n",
-                       static_cast<unsigned long long>(ucx.errors),
+                       static_cast<unsigned long long>(ucx_errors),
                        static_cast<unsigned long long>(inl.errors),
                        static_cast<unsigned long long>(red.errors));
           exit_code = 1;
         }
       }
     }
-    auto [p50, p99] = GetLatency(target, Transport::kUcx);
-    auto [ip50, ip99] = GetLatency(target, Transport::kInline);
-    std::printf(
-        "{\"bench\":\"transfer\",\"metric\":\"get_latency_2mib\",\"transport\":\"%s\","
-        "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"inline\",\"baseline_p50_us\":%.1f,"
-        "\"baseline_p99_us\":%.1f,\"ratio_p50\":%.3f}\n",
-        name.c_str(), p50, p99, ip50, ip99, p50 / ip50);
-    std::fflush(stdout);
+    auto [ip50, ip99] = GetLatency(target, Transport::kInline, false);
+    for (const std::string& kind : buffer_kinds) {
+      auto [p50, p99] = GetLatency(target, Transport::kUcx, kind == "ucx");
+      std::printf(
+          "{\"bench\":\"transfer\",\"metric\":\"get_latency_2mib\",\"transport\":\"%s\","
+          "\"buffers\":\"%s\",\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"inline\","
+          "\"baseline_p50_us\":%.1f,\"baseline_p99_us\":%.1f,\"ratio_p50\":%.3f}\n",
+          name.c_str(), kind.c_str(), p50, p99, ip50, ip99, p50 / ip50);
+      std::fflush(stdout);
+    }
     kill(daemon, SIGTERM);
     waitpid(daemon, nullptr, 0);
   }

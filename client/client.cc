@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -271,6 +272,29 @@ Client::~Client() { CloseUcxSession(ucx_session_.load(), absl::Seconds(2)); }
 absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
   if (transport_ != Transport::kUcx) return MemoryRegion();
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r, ucx_worker_->Register(data, size));
+  return KeepRegion(std::move(r));
+}
+
+absl::StatusOr<MemoryRegion> Client::AllocateMemory(size_t size) {
+  if (size == 0) return absl::InvalidArgumentError("AllocateMemory of 0 bytes");
+  if (transport_ != Transport::kUcx) {
+    MemoryRegion region;
+    region.heap_.reset(new (std::nothrow) std::byte[size]());
+    if (region.heap_ == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", size, " bytes"));
+    }
+    region.bytes_ = {region.heap_.get(), size};
+    return region;
+  }
+  PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r, ucx_worker_->Allocate(size));
+  std::memset(r->address(), 0, size);
+  std::span<std::byte> bytes(static_cast<std::byte*>(r->address()), size);
+  MemoryRegion region = KeepRegion(std::move(r));
+  region.bytes_ = bytes;
+  return region;
+}
+
+MemoryRegion Client::KeepRegion(std::shared_ptr<ucx::Registration> r) {
   proxima::MutexLock lock(&regions_mu_);
   regions_.erase(
       std::remove_if(regions_.begin(), regions_.end(), [](const auto& w) { return w.expired(); }),
@@ -311,6 +335,7 @@ absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<c
         region->set_rkey(r->packed_rkey());
         region->set_address(reinterpret_cast<uint64_t>(r->address()));
         region->set_length(r->length());
+        region->set_registration_id(r->id());
         held->push_back(r);
       }
       v1::UcxSegment* s = block->add_segments();

@@ -66,11 +66,16 @@ class MemoryRegion {
  public:
   MemoryRegion() = default;
   bool registered() const { return registration_ != nullptr; }
+  // The memory of a region from Client::AllocateMemory (empty for RegisterMemory's regions,
+  // whose memory is the caller's).
+  std::span<std::byte> bytes() const { return bytes_; }
 
  private:
   friend class Client;
   explicit MemoryRegion(std::shared_ptr<ucx::Registration> r) : registration_(std::move(r)) {}
   std::shared_ptr<ucx::Registration> registration_;
+  std::shared_ptr<std::byte[]> heap_;  // AllocateMemory over inline: plain memory
+  std::span<std::byte> bytes_;
 };
 
 struct ClientOptions {
@@ -154,6 +159,13 @@ class Client {
   // Buffers that are not inside a registered region are registered for the duration of a call.
   // REQUIRES: every MemoryRegion is dropped before the Client.
   absl::StatusOr<MemoryRegion> RegisterMemory(void* data, size_t size);
+  // Allocates `size` bytes registered for UCX (zeroed), from memory UCX chose: over shared
+  // memory it is a segment the daemon maps and copies into or out of directly, instead of
+  // UCX emulating one-sided access to ordinary process memory with messages that this
+  // process's UCX thread must serve (docs/operations.md). Over inline, ordinary memory. The
+  // memory lives as long as the region (region.bytes()).
+  // REQUIRES: every MemoryRegion is dropped before the Client.
+  absl::StatusOr<MemoryRegion> AllocateMemory(size_t size);
 
   // Registers `profile` in the client's namespace (idempotent; the id is stable).
   absl::StatusOr<Profile> RegisterProfile(const v1::ModelProfile& profile);
@@ -254,6 +266,8 @@ class Client {
   absl::Status BuildUcxRequest(std::span<const BlockKey> keys, std::span<const Seg> blocks,
                                size_t begin, size_t end, bool with_crc, Req* request,
                                std::vector<std::shared_ptr<ucx::Registration>>* held);
+  // Remembers `r` for FindRegistration and wraps it.
+  MemoryRegion KeepRegion(std::shared_ptr<ucx::Registration> r);
   std::shared_ptr<ucx::Registration> FindRegistration(const void* p, size_t n);
   absl::StatusOr<std::vector<PutOutcome>> PutUcx(const Profile& profile,
                                                  std::span<const BlockKey> keys,

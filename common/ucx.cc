@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <list>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -22,6 +24,8 @@ constexpr absl::Duration kAbortGrace = absl::Seconds(5);
 constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
 // How long the progress thread keeps polling after its last event before it sleeps.
 constexpr absl::Duration kSpinAfterActivity = absl::Microseconds(200);
+// Remote keys kept unpacked per endpoint (Endpoint::State::rkeys).
+constexpr size_t kRkeyCacheSize = 32;
 
 std::vector<char> Padded(const std::string& blob) {
   std::vector<char> buf(blob.size() + kPeerBlobPadding, 0);
@@ -95,6 +99,10 @@ absl::Status FromUcs(ucs_status_t status, const std::string& what) {
   }
 }
 
+// A peer's remote key, unpacked once for an endpoint and kept while transfers use it.
+// Destroyed (ucp_rkey_destroy) when the last holder drops it, on the progress thread.
+using UnpackedRkey = std::shared_ptr<std::remove_pointer_t<ucp_rkey_h>>;
+
 // Shared by an Endpoint handle, the progress thread and UCX's error callback.
 struct Endpoint::State {
   Worker* worker = nullptr;
@@ -104,6 +112,18 @@ struct Endpoint::State {
   // Whether UCX reports the peer's failure (peer error handling). Without it the endpoint cannot
   // be closed by force: a transfer stuck on a dead peer is abandoned, its buffers held.
   bool detects_peer_failure = true;
+  // Remote keys this endpoint unpacked, by the peer's registration id and packed bytes, least
+  // recently used first (progress thread only). A peer names the same registered buffers call
+  // after call; unpacking a key can be costly (over shared memory it maps the peer's segment,
+  // and every page of it faults again), so up to kRkeyCacheSize stay unpacked until the endpoint
+  // closes. The id tells a new registration from an old one whose key packs to the same bytes
+  // (a freed segment's file descriptor and address can be reused).
+  struct CachedRkey {
+    uint64_t registration_id;
+    std::string packed;
+    UnpackedRkey rkey;
+  };
+  std::list<CachedRkey> rkeys;
   mutable proxima::Mutex mu;
   std::string failure ABSL_GUARDED_BY(mu);  // empty while usable
 };
@@ -112,7 +132,7 @@ struct Endpoint::State {
 struct Worker::TransferState {
   Worker* worker = nullptr;
   std::shared_ptr<Endpoint::State> endpoint;
-  std::vector<ucp_rkey_h> rkeys;
+  std::vector<UnpackedRkey> rkeys;
   std::shared_ptr<const void> keep_alive;
   int pending = 0;      // progress thread only
   absl::Status result;  // written before `done` is notified
@@ -188,13 +208,11 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name) 
   ucp_worker_release_address(w->worker_, attr.address);
   Worker* raw = w.get();
   w->thread_ = std::thread([raw] { raw->ProgressLoop(); });
-  // A probe registration tells which memory domains this context packs rkeys for.
-  {
-    std::vector<std::byte> buf(4096);
-    PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<Registration> probe,
-                             w->Register(buf.data(), buf.size()));
-    const std::string& k = probe->packed_rkey();
-    w->own_md_sizes_.fill(-1);
+  // Probes tell which memory domains this context packs rkeys for, and their key sizes: a
+  // registration of ordinary memory, and an allocation (shared-memory domains, such as posix,
+  // pack keys only for memory UCX allocated; Client::AllocateMemory hands out such memory).
+  w->own_md_sizes_.fill(-1);
+  auto learn = [&w](const std::string& k) {
     uint64_t md_map = 0;
     if (k.size() >= 9) std::memcpy(&md_map, k.data(), sizeof(md_map));
     size_t p = 9;
@@ -203,6 +221,17 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name) 
       w->own_md_sizes_[bit] = static_cast<uint8_t>(k[p]);
       p += 1 + static_cast<uint8_t>(k[p]);
     }
+  };
+  {
+    std::vector<std::byte> buf(4096);
+    PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<Registration> probe,
+                             w->Register(buf.data(), buf.size()));
+    learn(probe->packed_rkey());
+  }
+  {
+    // Optional: a context without an allocating domain allocates ordinary memory, or fails.
+    absl::StatusOr<std::shared_ptr<Registration>> probe = w->Allocate(4096);
+    if (probe.ok()) learn((*probe)->packed_rkey());
   }
   return w;
 }
@@ -290,10 +319,20 @@ absl::StatusOr<std::shared_ptr<Registration>> Worker::Register(void* address, si
   if (address == nullptr || length == 0) {
     return absl::InvalidArgumentError("cannot register an empty buffer");
   }
+  return Map(address, length);
+}
+
+absl::StatusOr<std::shared_ptr<Registration>> Worker::Allocate(size_t length) {
+  if (length == 0) return absl::InvalidArgumentError("cannot allocate an empty buffer");
+  return Map(nullptr, length);
+}
+
+absl::StatusOr<std::shared_ptr<Registration>> Worker::Map(void* address, size_t length) {
   struct Result {
     ucs_status_t status = UCS_OK;
     const char* what = "";
     ucp_mem_h memh = nullptr;
+    void* address = nullptr;
     std::string rkey;
   };
   auto r = std::make_shared<Result>();
@@ -305,10 +344,27 @@ absl::StatusOr<std::shared_ptr<Registration>> Worker::Register(void* address, si
         mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
         mp.address = address;
         mp.length = length;
+        if (address == nullptr) {  // UCX allocates it, from the memory its transports expose
+          mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+          mp.flags = UCP_MEM_MAP_ALLOCATE;
+        }
         r->status = ucp_mem_map(ctx, &mp, &r->memh);
         if (r->status != UCS_OK) {
           r->what = "ucp_mem_map";
           return;
+        }
+        r->address = address;
+        if (address == nullptr) {
+          ucp_mem_attr_t attr{};
+          attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+          r->status = ucp_mem_query(r->memh, &attr);
+          if (r->status != UCS_OK || attr.length < length) {
+            if (r->status == UCS_OK) r->status = UCS_ERR_NO_MEMORY;
+            r->what = "ucp_mem_query";
+            ucp_mem_unmap(ctx, r->memh);
+            return;
+          }
+          r->address = attr.address;
         }
         void* buf = nullptr;
         size_t size = 0;
@@ -331,11 +387,13 @@ absl::StatusOr<std::shared_ptr<Registration>> Worker::Register(void* address, si
   if (r->rkey.size() > kMaxPackedRkeyBytes) {
     // Our own peers would refuse it; better to say so here.
     std::shared_ptr<Registration> drop(
-        new Registration(this, r->memh, address, length, std::move(r->rkey)));
+        new Registration(this, r->memh, r->address, length, std::move(r->rkey),
+                         next_registration_id_.fetch_add(1)));
     return absl::FailedPreconditionError("packed rkey is larger than kMaxPackedRkeyBytes");
   }
   return std::shared_ptr<Registration>(
-      new Registration(this, r->memh, address, length, std::move(r->rkey)));
+      new Registration(this, r->memh, r->address, length, std::move(r->rkey),
+                         next_registration_id_.fetch_add(1)));
 }
 
 void Worker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -367,6 +425,7 @@ void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool f
     if (state->failure.empty()) state->failure = absl::StrCat("endpoint ", state->id, " closed");
   }
   endpoints_.erase(std::remove(endpoints_.begin(), endpoints_.end(), state), endpoints_.end());
+  state->rkeys.clear();  // transfers still running keep the keys they use
   if (state->ep == nullptr) return;
   if (force && !state->detects_peer_failure) {
     // Forcing needs peer error handling. Leave the endpoint (and what is in flight on it) to
@@ -481,7 +540,6 @@ void Worker::FinishOp(TransferState* st, ucs_status_t status) {
     proxima::MutexLock lock(&st->endpoint->mu);
     if (st->endpoint->failure.empty()) st->endpoint->failure = std::string(st->result.message());
   }
-  for (ucp_rkey_h k : st->rkeys) ucp_rkey_destroy(k);
   st->rkeys.clear();
   st->keep_alive.reset();
   // Erasing may drop the last reference to `st`; notify through a local reference.
@@ -496,10 +554,39 @@ void Worker::FinishOp(TransferState* st, ucs_status_t status) {
   st->done.Notify();
 }
 
+absl::StatusOr<UnpackedRkey> Worker::UnpackRkey(Endpoint::State& endpoint,
+                                                const std::string& packed,
+                                                uint64_t registration_id) {
+  auto& cache = endpoint.rkeys;
+  if (registration_id != 0) {
+    for (auto it = cache.begin(); it != cache.end(); ++it) {
+      if (it->registration_id == registration_id && it->packed == packed) {
+        cache.splice(cache.end(), cache, it);  // now the most recently used
+        return cache.back().rkey;
+      }
+    }
+  }
+  std::vector<char> padded = Padded(packed);
+  ucp_rkey_h raw = nullptr;
+  ucs_status_t s = ucp_ep_rkey_unpack(endpoint.ep, padded.data(), &raw);
+  if (s != UCS_OK) return absl::InvalidArgumentError(ucs_status_string(s));
+  rkeys_unpacked_.fetch_add(1);
+  UnpackedRkey rkey(raw, [](ucp_rkey_h k) { ucp_rkey_destroy(k); });
+  if (registration_id == 0) return rkey;  // for this transfer only
+  if (cache.size() >= kRkeyCacheSize) cache.pop_front();  // transfers using it keep it
+  cache.push_back({registration_id, packed, rkey});
+  return rkey;
+}
+
 absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                               std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
-                              absl::Time deadline) {
+                              absl::Time deadline, std::span<const uint64_t> registration_ids) {
   PROXIMA_RETURN_IF_ERROR(endpoint.health());
+  if (!registration_ids.empty() && registration_ids.size() != packed_rkeys.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(registration_ids.size(),
+                                                   " registration ids for ", packed_rkeys.size(),
+                                                   " rkeys; expected none or one per rkey"));
+  }
   for (size_t i = 0; i < packed_rkeys.size(); ++i) {
     if (packed_rkeys[i].empty() || packed_rkeys[i].size() > kMaxPackedRkeyBytes) {
       return absl::InvalidArgumentError(absl::StrCat("rkey ", i, " is ", packed_rkeys[i].size(),
@@ -516,12 +603,14 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   st->worker = this;
   st->endpoint = endpoint.state_;
   st->keep_alive = std::move(keep_alive);
-  std::vector<std::vector<char>> rkeys;
+  std::vector<std::string> rkeys;
   for (size_t i = 0; i < packed_rkeys.size(); ++i) {
     PROXIMA_RETURN_IF_ERROR(CheckPackedRkey(packed_rkeys[i], own_md_sizes_, i));
-    rkeys.push_back(Padded(packed_rkeys[i]));
+    rkeys.push_back(packed_rkeys[i]);
   }
-  Post([this, st, rkeys = std::move(rkeys), ops = std::move(ops)] {
+  std::vector<uint64_t> ids(registration_ids.begin(), registration_ids.end());
+  ids.resize(rkeys.size(), 0);
+  Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids), ops = std::move(ops)] {
     ucp_ep_h ep = st->endpoint->ep;
     st->pending = 1;  // released at the end of this task
     in_flight_.push_back(st);
@@ -530,14 +619,13 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       st->result = absl::UnavailableError(st->endpoint->failure);
     }
     for (size_t i = 0; st->result.ok() && i < rkeys.size(); ++i) {
-      ucp_rkey_h rkey = nullptr;
-      ucs_status_t s = ucp_ep_rkey_unpack(ep, rkeys[i].data(), &rkey);
-      if (s != UCS_OK) {
+      absl::StatusOr<UnpackedRkey> rkey = UnpackRkey(*st->endpoint, rkeys[i], ids[i]);
+      if (!rkey.ok()) {
         st->result = absl::InvalidArgumentError(
-            absl::StrCat("rkeys[", i, "] does not unpack: ", ucs_status_string(s)));
+            absl::StrCat("rkeys[", i, "] does not unpack: ", rkey.status().message()));
         break;
       }
-      st->rkeys.push_back(rkey);
+      st->rkeys.push_back(*std::move(rkey));
     }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -562,8 +650,10 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
         p.memh = op.local_memh->memh();
       }
       track(op.kind == Op::kGet
-                ? ucp_get_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey], &p)
-                : ucp_put_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey], &p));
+                ? ucp_get_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey].get(),
+                              &p)
+                : ucp_put_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey].get(),
+                              &p));
     }
     // The flush completes after every operation above has completed at the peer too.
     if (st->result.ok()) track(ucp_ep_flush_nbx(ep, &param));

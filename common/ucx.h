@@ -34,6 +34,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -68,16 +69,25 @@ class Registration {
   // Whether [p, p + n) lies inside the buffer.
   bool Contains(const void* p, size_t n) const;
   ucp_mem_h memh() const { return memh_; }
+  // Unique among this worker's registrations (never 0); a peer keys its unpacked rkeys by it.
+  uint64_t id() const { return id_; }
 
  private:
   friend class Worker;
-  Registration(Worker* worker, ucp_mem_h memh, void* address, size_t length, std::string rkey)
-      : worker_(worker), memh_(memh), address_(address), length_(length), rkey_(std::move(rkey)) {}
+  Registration(Worker* worker, ucp_mem_h memh, void* address, size_t length, std::string rkey,
+               uint64_t id)
+      : worker_(worker),
+        memh_(memh),
+        address_(address),
+        length_(length),
+        rkey_(std::move(rkey)),
+        id_(id) {}
   Worker* const worker_;
   ucp_mem_h const memh_;
   void* const address_;
   const size_t length_;
   const std::string rkey_;
+  const uint64_t id_;
 };
 
 // A connection to a peer's worker. Closed when the last handle is dropped.
@@ -128,6 +138,9 @@ class Worker {
 
   // Registers [address, address + length) for remote access.
   absl::StatusOr<std::shared_ptr<Registration>> Register(void* address, size_t length);
+  // Allocates `length` bytes that UCX chose (shared memory its transports can map, where the
+  // context has such a transport) and registers them; freed when the registration is dropped.
+  absl::StatusOr<std::shared_ptr<Registration>> Allocate(size_t length);
 
   // Opens an endpoint to the worker at `remote_address` and checks that the peer answers (a
   // flush) before `deadline`. `on_failure` (may be empty) runs on the progress thread when the
@@ -140,16 +153,22 @@ class Worker {
   // Runs `ops` on `endpoint` and flushes. `keep_alive` owns the local buffers; it is released
   // when UCX no longer accesses them (which can be after this returns when the deadline passed).
   // INVALID_ARGUMENT when a packed rkey does not unpack, UNAVAILABLE when the peer failed or the
-  // deadline passed (the endpoint is then closed).
+  // deadline passed (the endpoint is then closed). `registration_ids` (empty, or one per packed
+  // rkey): the peer's Registration::id() of each key; the endpoint keeps keys with an id unpacked
+  // for later transfers naming the same id and bytes (unpacking can be costly: over shared memory
+  // it maps the peer's segment, whose every page then faults again). Keys without one (0) are
+  // unpacked for this transfer only.
   absl::Status Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                         std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
-                        absl::Time deadline);
+                        absl::Time deadline, std::span<const uint64_t> registration_ids = {});
 
   // Live endpoints (opened and not yet fully closed) and registrations: leak checks and metrics.
   int64_t live_endpoints() const { return live_endpoints_.load(); }
   int64_t live_registrations() const { return live_registrations_.load(); }
   // Endpoints that failed because their peer did (since start).
   uint64_t peer_failures() const { return peer_failures_.load(); }
+  // Remote keys unpacked so far (each endpoint keeps the ones its transfers use; see Transfer).
+  uint64_t rkeys_unpacked() const { return rkeys_unpacked_.load(); }
   // The name given to Create() (shows in UCX's logs).
   const std::string& name() const { return name_; }
 
@@ -160,6 +179,11 @@ class Worker {
 
   explicit Worker(std::string name) : name_(std::move(name)) {}
   void ProgressLoop();
+  // The unpacked form of `packed` for `endpoint`, from its cache or unpacked now. Progress thread.
+  absl::StatusOr<std::shared_ptr<std::remove_pointer_t<ucp_rkey_h>>> UnpackRkey(
+      Endpoint::State& endpoint, const std::string& packed, uint64_t registration_id);
+  // Register (address set) or Allocate (address null).
+  absl::StatusOr<std::shared_ptr<Registration>> Map(void* address, size_t length);
   // Queues `task` for the progress thread and wakes it.
   void Post(std::function<void()> task);
   // Runs `task` on the progress thread and waits for it, at most until `deadline`. False when
@@ -193,6 +217,8 @@ class Worker {
   std::atomic<int64_t> live_endpoints_{0};
   std::atomic<int64_t> live_registrations_{0};
   std::atomic<uint64_t> peer_failures_{0};
+  std::atomic<uint64_t> rkeys_unpacked_{0};
+  std::atomic<uint64_t> next_registration_id_{1};
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned
   // from a probe registration in Create(), read-only afterwards).
   std::array<int, 64> own_md_sizes_{};

@@ -67,6 +67,64 @@ TEST_P(UcxTest, GetAndPutAreByteExact) {
   EXPECT_EQ(remote, fresh);  // the flush made the puts visible at the peer
 }
 
+// Memory UCX allocated (over shared memory: a segment the peer maps and copies into directly)
+// is reached like registered memory, its key is accepted, and an endpoint unpacks each key once.
+TEST_P(UcxTest, AllocatedMemoryIsReachedDirectlyAndEachKeyIsUnpackedOnce) {
+  constexpr size_t kBytes = 2 << 20;
+  auto remote = b_->Allocate(kBytes);
+  ASSERT_OK(remote.status());
+  ASSERT_NE((*remote)->address(), nullptr);
+  ASSERT_GE((*remote)->length(), kBytes);
+  std::vector<std::byte> pattern = Pattern(kBytes, 3);
+  std::memcpy((*remote)->address(), pattern.data(), kBytes);
+  auto local = a_->Allocate(kBytes);
+  ASSERT_OK(local.status());
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  auto* dst = static_cast<std::byte*>((*local)->address());
+  const uint64_t base = reinterpret_cast<uint64_t>((*remote)->address());
+  std::vector<std::string> rkeys = {(*remote)->packed_rkey()};
+  std::vector<uint64_t> ids = {(*remote)->id()};
+  ASSERT_OK(a_->Transfer(**ep, rkeys, {{Op::kGet, dst, kBytes, base, 0, local->get()}}, nullptr,
+                         absl::Now() + absl::Seconds(10), ids));
+  EXPECT_EQ(std::memcmp(dst, pattern.data(), kBytes), 0);
+  std::vector<std::byte> fresh = Pattern(kBytes, 42);
+  ASSERT_OK(a_->Transfer(**ep, rkeys, {{Op::kPut, fresh.data(), kBytes, base, 0, nullptr}},
+                         nullptr, absl::Now() + absl::Seconds(10), ids));
+  EXPECT_EQ(std::memcmp((*remote)->address(), fresh.data(), kBytes), 0);
+  EXPECT_EQ(a_->rkeys_unpacked(), 1u);  // the second transfer reused the first one's key
+
+  // Another registration's key is unpacked again, even where it packs to the same bytes (tcp's
+  // keys name no buffer; a freed segment's descriptor and address can come back).
+  std::vector<std::byte> other = Pattern(4096, 5);
+  auto other_reg = b_->Register(other.data(), other.size());
+  ASSERT_OK(other_reg.status());
+  std::vector<std::byte> got(4096);
+  std::vector<std::string> other_keys = {(*other_reg)->packed_rkey()};
+  std::vector<uint64_t> other_ids = {(*other_reg)->id()};
+  EXPECT_NE(other_ids[0], ids[0]);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_OK(a_->Transfer(**ep, other_keys,
+                           {{Op::kGet, got.data(), 4096, reinterpret_cast<uint64_t>(other.data()),
+                             0, nullptr}},
+                           nullptr, absl::Now() + absl::Seconds(10), other_ids));
+  }
+  EXPECT_EQ(got, other);
+  EXPECT_EQ(a_->rkeys_unpacked(), 2u);
+  // A key without a registration id is unpacked for its transfer alone.
+  ASSERT_OK(a_->Transfer(**ep, other_keys,
+                         {{Op::kGet, got.data(), 4096, reinterpret_cast<uint64_t>(other.data()),
+                           0, nullptr}},
+                         nullptr, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(a_->rkeys_unpacked(), 3u);
+
+  remote->reset();
+  local->reset();
+  other_reg->reset();
+  EXPECT_EQ(b_->live_registrations(), 0);
+  EXPECT_EQ(a_->live_registrations(), 0);
+}
+
 TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {
   std::vector<std::byte> remote = Pattern(4096, 1);
   std::vector<std::byte> buf(4096);

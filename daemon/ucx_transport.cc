@@ -26,13 +26,13 @@ struct Segment {
 };
 
 // Checks a request's regions and each block's scatter/gather list against `block_bytes`; fills
-// `segments` (one list per block) and `rkeys`.
+// `segments` (one list per block), `rkeys` and their `registration_ids`.
 absl::Status PlanBlocks(const char* method,
                         const google::protobuf::RepeatedPtrField<v1::UcxRegion>& regions,
                         const google::protobuf::RepeatedPtrField<v1::UcxBlock>& blocks,
                         uint32_t max_blocks, uint64_t block_bytes,
                         std::vector<std::vector<Segment>>* segments,
-                        std::vector<std::string>* rkeys) {
+                        std::vector<std::string>* rkeys, std::vector<uint64_t>* registration_ids) {
   if (blocks.empty()) return absl::InvalidArgumentError(absl::StrCat(method, " has no blocks"));
   if (static_cast<uint32_t>(blocks.size()) > max_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -55,6 +55,7 @@ absl::Status PlanBlocks(const char* method,
                                                      ucx::kMaxPackedRkeyBytes));
     }
     rkeys->push_back(region.rkey());
+    registration_ids->push_back(region.registration_id());
   }
   segments->resize(blocks.size());
   for (int b = 0; b < blocks.size(); ++b) {
@@ -121,6 +122,11 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
   registry->AddCounterFunction("proxima_ucx_peer_failures_total",
                                "UCX endpoints that failed because their peer did (monotonic)", {},
                                [w] { return static_cast<double>(w->peer_failures()); });
+  registry->AddCounterFunction(
+      "proxima_ucx_rkeys_unpacked_total",
+      "Remote keys of client buffers the daemon unpacked; each endpoint keeps the ones it uses, "
+      "so this grows with new buffers, not with calls",
+      {}, [w] { return static_cast<double>(w->rkeys_unpacked()); });
   t->bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
                                       "Block bytes moved, by transport and direction",
                                       {{"transport", "ucx"}, {"direction", "in"}});
@@ -264,9 +270,10 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
   const RegisteredProfile& profile = target.profile;
   std::vector<std::vector<Segment>> segments;
   std::vector<std::string> rkeys;
+  std::vector<uint64_t> registration_ids;
   PROXIMA_RETURN_IF_ERROR(PlanBlocks("PutUcx", request.regions(), request.blocks(),
                                      core_->max_batch_blocks(), profile.block_bytes, &segments,
-                                     &rkeys));
+                                     &rkeys, &registration_ids));
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep,
                            FindSession(caller, request.session_id()));
   std::vector<BlockKey> keys(request.blocks_size());
@@ -284,7 +291,7 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
                                        request.priority() == v1::PRIORITY_HIGH};
   const absl::Time transfer_deadline = TransferDeadline(deadline);
   uint64_t pulled = 0;
-  auto pull = [this, &segments, &pulled, &ep, &rkeys, transfer_deadline](
+  auto pull = [this, &segments, &pulled, &ep, &rkeys, &registration_ids, transfer_deadline](
                   std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
                   std::shared_ptr<const void> owner) -> absl::Status {
     std::vector<ucx::Op> ops;
@@ -297,7 +304,8 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
       }
       pulled += dst[j].size();
     }
-    return worker_->Transfer(*ep, rkeys, std::move(ops), std::move(owner), transfer_deadline);
+    return worker_->Transfer(*ep, rkeys, std::move(ops), std::move(owner), transfer_deadline,
+                             registration_ids);
   };
   absl::Status status = core_->PutPulled(target, keys, crcs, hints, pull, response);
   if (absl::IsUnavailable(status)) DropSession(request.session_id());
@@ -314,9 +322,10 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
   const RegisteredProfile& profile = target.profile;
   std::vector<std::vector<Segment>> segments;
   std::vector<std::string> rkeys;
+  std::vector<uint64_t> registration_ids;
   PROXIMA_RETURN_IF_ERROR(PlanBlocks("GetUcx", request.regions(), request.blocks(),
                                      core_->max_batch_blocks(), profile.block_bytes, &segments,
-                                     &rkeys));
+                                     &rkeys, &registration_ids));
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep,
                            FindSession(caller, request.session_id()));
   v1::GetRequest get;
@@ -342,7 +351,8 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
   }
   if (!ops.empty()) {
     absl::Status status =
-        worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline));
+        worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline),
+                          registration_ids);
     if (absl::IsUnavailable(status)) DropSession(request.session_id());
     PROXIMA_RETURN_IF_ERROR(status);
   }

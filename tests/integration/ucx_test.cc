@@ -174,6 +174,46 @@ TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline)
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_registrations"), 1);
 }
 
+// Buffers from Client::AllocateMemory (over shared memory: segments UCX allocated, which the
+// daemon maps and copies into directly) round-trip byte-exact, and the daemon unpacks each
+// buffer's key once for the session however many calls name it.
+TEST_P(UcxIntegrationTest, AllocatedBuffersRoundTripAndEachKeyIsUnpackedOnce) {
+  auto c = Connect(Transport::kUcx);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr size_t kBlocks = 4;
+  std::vector<client::MemoryRegion> regions;
+  std::vector<std::span<std::byte>> buffers;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    ASSERT_OK_AND_ASSIGN(client::MemoryRegion r, c->AllocateMemory(p.block_bytes));
+    ASSERT_EQ(r.bytes().size(), p.block_bytes);
+    buffers.push_back(r.bytes());
+    regions.push_back(std::move(r));
+  }
+  const double unpacked_before = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total");
+  constexpr int kRounds = 5;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<BlockKey> keys = client::TestKeyChain(40 + round, 0, kBlocks);
+    std::vector<std::span<const std::byte>> in;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      client::FillTestBlock(40 + round, i, buffers[i]);
+      in.push_back(buffers[i]);
+    }
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    for (auto& b : buffers) std::fill(b.begin(), b.end(), std::byte{0});
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, buffers));
+    for (size_t i = 0; i < kBlocks; ++i) {
+      EXPECT_TRUE(found[i] && client::IsTestBlock(40 + round, i, buffers[i])) << round << " " << i;
+    }
+  }
+  // One unpack per buffer, not per call.
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total") - unpacked_before, kBlocks);
+  regions.clear();
+  c.reset();
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+}
+
 // Put hints travel over UCX as they do inline: a high-priority put is held at its level (0 here:
 // raw), and a block's chain position reaches the encoder (position 0 is encoded as the first
 // block, with the attention-sink codec). The high-priority blocks are the coldest, so without

@@ -68,6 +68,9 @@ ABSL_FLAG(double, duration, 10, "load: seconds to run");
 ABSL_FLAG(uint32_t, batch, 4, "load: blocks per call");
 ABSL_FLAG(double, get_fraction, 0.8, "load: fraction of calls that are Gets (the rest are Puts)");
 ABSL_FLAG(uint64_t, working_set, 64, "load: blocks each client cycles through");
+ABSL_FLAG(std::string, buffers, "heap",
+          "load: the clients' block buffers: heap (ordinary memory, registered for UCX) or ucx "
+          "(allocated by UCX: shared memory the daemon maps directly, over shared memory)");
 ABSL_FLAG(std::string, format, "raw",
           "get: raw (the daemon decodes encoded blocks) | stored (the stored encoding, decoded "
           "here) | decompress (the Decompress call)");
@@ -505,6 +508,12 @@ int CmdLoad() {
   const uint64_t working_set = std::max<uint64_t>(batch, absl::GetFlag(FLAGS_working_set));
   const double get_fraction = absl::GetFlag(FLAGS_get_fraction);
   const auto duration = std::chrono::duration<double>(absl::GetFlag(FLAGS_duration));
+  const std::string buffers = absl::GetFlag(FLAGS_buffers);
+  if (buffers != "heap" && buffers != "ucx") {
+    return Fail("load", absl::InvalidArgumentError(absl::StrCat(
+                            "--buffers is '", buffers, "'; expected heap or ucx")));
+  }
+  const bool ucx_buffers = buffers == "ucx";
   std::vector<LoadStats> stats(clients);
   std::atomic<uint64_t> progress_bytes{0}, progress_calls{0}, progress_errors{0};
   std::atomic<bool> failed_connect{false};
@@ -536,12 +545,29 @@ int CmdLoad() {
       }
       const uint64_t seed = 1000 + c;
       std::vector<BlockKey> keys = proxima::client::TestKeyChain(seed, 0, working_set);
-      std::vector<std::vector<std::byte>> blocks(batch, std::vector<std::byte>(profile->block_bytes));
-      // Registered once for UCX (a no-op inline), as a worker registers its KV cache.
+      // Block buffers, registered once for UCX (a no-op inline), as a worker registers its KV
+      // cache; or allocated by UCX (--buffers=ucx).
+      std::vector<std::vector<std::byte>> heap;
       std::vector<proxima::client::MemoryRegion> regions;
-      for (auto& b : blocks) {
-        auto r = (*client)->RegisterMemory(b.data(), b.size());
-        if (r.ok()) regions.push_back(*std::move(r));
+      std::vector<std::span<std::byte>> blocks;
+      for (uint32_t i = 0; i < batch; ++i) {
+        if (ucx_buffers) {
+          auto r = (*client)->AllocateMemory(profile->block_bytes);
+          if (!r.ok()) {
+            failed_connect = true;
+            ready.fetch_add(1);
+            proxima::MutexLock lock(&first_error_mu);
+            if (first_error.empty()) first_error = r.status().ToString();
+            return;
+          }
+          blocks.push_back(r->bytes());
+          regions.push_back(*std::move(r));
+        } else {
+          heap.emplace_back(profile->block_bytes);
+          blocks.push_back(heap.back());
+          auto r = (*client)->RegisterMemory(blocks.back().data(), blocks.back().size());
+          if (r.ok()) regions.push_back(*std::move(r));
+        }
       }
       {
         proxima::MutexLock lock(&first_error_mu);
