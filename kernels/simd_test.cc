@@ -239,8 +239,8 @@ INSTANTIATE_TEST_SUITE_P(
              "_d" + std::to_string(c.dim) + "_t" + std::to_string(c.tokens);
     });
 
-// int4/int2 group parameters (scale and minimum per group, computed 8 groups at a time by the
-// AVX2 path) on ranges chosen to hit every branch of the scalar rules: empty groups (no finite
+// int4/int2 group parameters (scale and minimum per group) and int8 scales, computed 8 groups,
+// channels or rows at a time by the AVX2 path, on ranges chosen to hit every branch of the scalar rules: empty groups (no finite
 // value), constant groups (scale 0), ranges that overflow float (scale = largest finite),
 // exactly representable ranges, one-ulp ranges, subnormal ranges, signed zeros, and random
 // finite pairs, each group built from its own two extremes. K groups run along tokens and V
@@ -316,8 +316,12 @@ TEST_P(SimdGroupParamsTest, IntNGroupParametersMatchScalarOnHardRanges) {
             std::memcpy(raw.data() + 2 * (seg * n + i), &v, 2);
           }
         }
-        for (const char* codec : {"int4", "int2"}) {
-          const std::string text = std::string(codec) + ",group=" + std::to_string(group);
+        // int8 too: its per-channel (K) and per-row (V) scales, 8 at a time on AVX2, see the
+        // same extremes whole when the group covers the channel or row (group >= T or >= D).
+        for (const char* codec : {"int4", "int2", "int8"}) {
+          const std::string text = std::string(codec) == "int8"
+                                       ? std::string(codec)
+                                       : std::string(codec) + ",group=" + std::to_string(group);
           ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
           std::string scalar, simd;
           ASSERT_OK(EncodeBlockWithPath(CpuPath::kScalar, g, plan, false, raw, {}, &scalar));

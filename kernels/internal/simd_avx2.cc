@@ -239,6 +239,17 @@ inline IntNParams8 IntNGroupParams8(__m256 mn, __m256 mx, __m256 qmax) {
   return p;
 }
 
+// Int8RowScale of 8 rows or channels (lanes) from their largest finite |x|: the dtype scales
+// (8 x 16 bits) and the divisors, bit for bit.
+template <uint8_t kDt>
+inline __m128i Int8Scales8(__m256 amax, __m256* divisor) {
+  const __m256i scale = RoundUpDtype8<kDt>(_mm256_div_ps(amax, _mm256_set1_ps(127.0f)));
+  const __m256 f = FromDtype8<kDt>(scale);
+  *divisor = _mm256_blendv_ps(f, _mm256_set1_ps(1.0f),
+                              _mm256_cmp_ps(f, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  return Narrow16(scale);
+}
+
 // ---------------------------------------------------------------- fp8
 
 template <uint8_t kDt>
@@ -302,16 +313,15 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
   const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   if (!shape.is_value) {
     std::byte* q = payload + 2 * size_t{H} * D;
-    alignas(32) float amax[8], divisor[8];
     for (uint32_t h = 0; h < H; ++h) {
       for (uint32_t d = 0; d < D; d += 8) {
         __m256 m = _mm256_setzero_ps();
         for (uint32_t t = 0; t < T; ++t) {
           m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, (size_t{t} * H + h) * D + d)));
         }
-        _mm256_store_ps(amax, m);
-        Int8ScalesOfLanes(shape.dtype, amax, 8, payload, size_t{h} * D + d, divisor);
-        const __m256 div = _mm256_load_ps(divisor);
+        __m256 div;
+        const __m128i scales = Int8Scales8<kDt>(m, &div);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(payload + 2 * (size_t{h} * D + d)), scales);
         for (uint32_t t = 0; t < T; ++t) {
           size_t i = (size_t{t} * H + h) * D + d;
           uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
@@ -320,20 +330,37 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
       }
     }
   } else {
+    // Rows 8 at a time: the 8 scales are computed together (one row at a time, the scalar
+    // scale step cost about as much as the row's quantization).
     std::byte* q = payload + 2 * size_t{T} * H;
-    for (size_t row = 0; row < size_t{T} * H; ++row) {
-      __m256 m = _mm256_setzero_ps();
-      for (uint32_t d = 0; d < D; d += 8) {
-        m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, row * D + d)));
+    const size_t rows = size_t{T} * H;
+    for (size_t r0 = 0; r0 < rows; r0 += 8) {
+      const size_t nr = rows - r0 < 8 ? rows - r0 : 8;
+      alignas(32) float amax[8] = {}, divisor[8];
+      for (size_t k = 0; k < nr; ++k) {
+        __m256 m = _mm256_setzero_ps();
+        for (uint32_t d = 0; d < D; d += 8) {
+          m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, (r0 + k) * D + d)));
+        }
+        amax[k] = HorizontalMax(m);
       }
-      const float amax = HorizontalMax(m);
-      float divisor;
-      Int8ScalesOfLanes(shape.dtype, &amax, 1, payload, row, &divisor);
-      const __m256 div = _mm256_set1_ps(divisor);
-      for (uint32_t d = 0; d < D; d += 8) {
-        size_t i = row * D + d;
-        uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
-        std::memcpy(q + i, &b, 8);
+      __m256 div8;
+      const __m128i scales = Int8Scales8<kDt>(_mm256_load_ps(amax), &div8);
+      if (nr == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(payload + 2 * r0), scales);
+      } else {
+        alignas(16) uint16_t sc[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc), scales);
+        std::memcpy(payload + 2 * r0, sc, 2 * nr);
+      }
+      _mm256_store_ps(divisor, div8);
+      for (size_t k = 0; k < nr; ++k) {
+        const __m256 div = _mm256_set1_ps(divisor[k]);
+        for (uint32_t d = 0; d < D; d += 8) {
+          size_t i = (r0 + k) * D + d;
+          uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
+          std::memcpy(q + i, &b, 8);
+        }
       }
     }
   }
