@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -133,6 +134,74 @@ TEST(LosslessSegmentTest, ModesFollowTheData) {
   std::string p = RoundTrip(shape, v);
   EXPECT_EQ(p[0], 2);
   EXPECT_LT(p.size(), 4096u * 2 * 10 / 14);  // Gaussian bf16: about 1.5x
+}
+
+// The encoder's exact bytes, pinned: CRC32C over the payloads of many inputs per pattern, both
+// dtypes, sizes around the stream writer's 20-symbol rounds and the histogram's 16-value steps.
+// The expected values were written by the encoder of commit 1baf374 (before the single-pass
+// stream writer and the 8-table histogram): a faster encoder must write the same bytes (the
+// decoder accepts other encodings of the same values, so round trips alone would not notice).
+// Inputs come from std::mt19937's raw output only (no std distribution, whose output the
+// standard leaves to the library).
+TEST(LosslessSegmentTest, EncodedBytesMatchThePinnedEncoder) {
+  enum Kind { kPeaked, kEveryByte, kFibonacci, kRandom, kTwoValues, kWithZeros };
+  struct Expected {
+    Kind kind;
+    const char* name;
+    uint32_t crc;
+  };
+  const Expected kExpected[] = {
+      {kPeaked, "peaked", 4294598034u},    {kEveryByte, "every byte", 2748740228u},
+      {kFibonacci, "fibonacci", 3905524103u}, {kRandom, "random", 2239792657u},
+      {kTwoValues, "two values", 3211122732u}, {kWithZeros, "zeros", 853976269u},
+  };
+  for (const Expected& e : kExpected) {
+    std::mt19937 rng(5 + static_cast<uint32_t>(e.kind));
+    uint32_t crc = 0;
+    for (uint8_t dtype : {numeric::kDtypeBf16, numeric::kDtypeFp16}) {
+      for (size_t n : {1, 2, 3, 5, 15, 16, 17, 19, 20, 21, 31, 39, 40, 41, 57, 63, 64, 65, 99,
+                       255, 1001, 3072, 4099, 12288, 12289, 50000}) {
+        std::vector<uint16_t> v(n);
+        uint64_t f0 = 1, f1 = 1, left = 1;
+        uint8_t fib_sym = 90;
+        for (size_t i = 0; i < n; ++i) {
+          const uint32_t r = rng();
+          uint8_t a = 0;
+          switch (e.kind) {
+            case kPeaked:  // binomial around 124: 13 symbols, the middle ones frequent
+              a = static_cast<uint8_t>(118 + __builtin_popcount(r & 0xFFF));
+              break;
+            case kEveryByte:
+              a = static_cast<uint8_t>(i * 7 + (r & 1));
+              break;
+            case kFibonacci:  // code lengths up to the 11-bit limit
+              if (--left == 0) {
+                const uint64_t f2 = f0 + f1;
+                f0 = f1;
+                f1 = f2;
+                left = f0;
+                ++fib_sym;
+              }
+              a = fib_sym;
+              break;
+            case kRandom:
+              a = static_cast<uint8_t>(r >> 24);
+              break;
+            case kTwoValues:
+              a = (r >> 8) % 5 == 0 ? 127 : 126;
+              break;
+            case kWithZeros:  // zero values (plane A 0) next to a peaked range
+              a = (r >> 20) % 4 == 0 ? 0 : static_cast<uint8_t>(120 + __builtin_popcount(r & 0xFF));
+              break;
+          }
+          v[i] = WithPlaneA(dtype, a, r);
+        }
+        std::string p = RoundTrip(Shape(n, dtype), v);
+        crc = Crc32cExtend(crc, Bytes(p));
+      }
+    }
+    EXPECT_EQ(crc, e.crc) << e.name << ": the encoder writes different bytes";
+  }
 }
 
 // A valid mode-2 payload of KV-like values and its layout offsets.

@@ -4,8 +4,10 @@
 // avx512 cases print "skipped: ... avx512" and the rest still run.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <ostream>
 #include <random>
 #include <string>
@@ -236,6 +238,106 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(CpuPathName(std::get<0>(info.param))) + "_h" + std::to_string(c.heads) +
              "_d" + std::to_string(c.dim) + "_t" + std::to_string(c.tokens);
     });
+
+// int4/int2 group parameters (scale and minimum per group) and int8 scales, computed 8 groups,
+// channels or rows at a time by the AVX2 path, on ranges chosen to hit every branch of the scalar rules: empty groups (no finite
+// value), constant groups (scale 0), ranges that overflow float (scale = largest finite),
+// exactly representable ranges, one-ulp ranges, subnormal ranges, signed zeros, and random
+// finite pairs, each group built from its own two extremes. K groups run along tokens and V
+// groups along channels, so the block is built for each group size.
+class SimdGroupParamsTest : public ::testing::TestWithParam<CpuPath> {};
+
+TEST_P(SimdGroupParamsTest, IntNGroupParametersMatchScalarOnHardRanges) {
+  const CpuPath path = GetParam();
+  SKIP_WITHOUT_PATH(path);
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    const uint8_t dt = static_cast<uint8_t>(dtype);
+    const bool bf16 = dtype == DType::kBf16;
+    const uint16_t exp_mask = bf16 ? 0x7F80 : 0x7C00, max_finite = numeric::DtypeMaxFinite(dt);
+    for (const SimdCase& c : {SimdCase{2, 64, 64}, SimdCase{3, 80, 100}, SimdCase{1, 128, 16}}) {
+      const BlockGeometry g{4, c.heads, c.dim, c.tokens, dtype};
+      const size_t H = c.heads, D = c.dim, n = g.SegmentElements();
+      for (uint32_t group : {32u, 64u, 128u}) {
+        std::vector<std::byte> raw(g.RawBytes());
+        std::mt19937 rng(group * 7 + c.dim + dt);
+        auto finite = [&] {
+          for (;;) {
+            const uint16_t v = static_cast<uint16_t>(rng());
+            if ((v & exp_mask) != exp_mask) return v;
+          }
+        };
+        auto non_finite = [&] {
+          return static_cast<uint16_t>(exp_mask | (rng() & 1 ? 0x8000 : 0) | (rng() % 3 == 0 ? 0 : 1));
+        };
+        for (size_t seg = 0; seg < 2 * size_t{g.num_layers}; ++seg) {
+          const bool value = seg % 2 == 1;
+          const size_t g_len = value ? std::min<size_t>(group, D) : std::min<size_t>(group, c.tokens);
+          // One (kind, a, b) per group, drawn when the group's first element comes up.
+          std::map<size_t, std::tuple<int, uint16_t, uint16_t>> groups;
+          for (size_t i = 0; i < n; ++i) {
+            const size_t t = i / (H * D), hd = i % (H * D), d = i % D;
+            const size_t id = value ? (t * H + hd / D) * D + d / g_len : (t / g_len) * H * D + hd;
+            const size_t pos = value ? d % g_len : t % g_len;
+            auto it = groups.find(id);
+            if (it == groups.end()) {
+              const int kind = static_cast<int>(rng() % 10);
+              uint16_t a = finite(), b = finite();
+              const float qmax = 15.0f;  // int4; int2 (3) sees the same extremes
+              switch (kind) {
+                case 1: b = a; break;                                     // constant
+                case 3: a = 0x8000 | max_finite; b = max_finite; break;   // overflows float
+                case 4:                                                    // exact range
+                  a = rng() & 1 ? 0x8000 : 0;
+                  b = numeric::FloatToDtype(
+                      dt, qmax * numeric::DtypeToFloat(dt, static_cast<uint16_t>(finite() & 0x3FFF)));
+                  break;
+                case 5: a = 0x8000; b = 0; break;                          // -0 and +0
+                case 6:                                                    // subnormals
+                  a = static_cast<uint16_t>(rng() & (bf16 ? 0x807F : 0x83FF));
+                  b = static_cast<uint16_t>(rng() & (bf16 ? 0x807F : 0x83FF));
+                  break;
+                case 8:                                                    // one ulp apart
+                  a = static_cast<uint16_t>(finite() & 0x7FFF);
+                  b = static_cast<uint16_t>(a + 1 < exp_mask ? a + 1 : a);
+                  break;
+                default: break;  // 0, 9: random pair; 2 and 7: see below
+              }
+              it = groups.emplace(id, std::make_tuple(kind, a, b)).first;
+            }
+            const auto [kind, a, b] = it->second;
+            uint16_t v;
+            if (kind == 2) {
+              v = non_finite();  // empty group
+            } else if (kind == 7) {
+              v = pos == 0 ? a : non_finite();  // one finite value
+            } else {
+              v = pos == 0 ? a : pos == 1 ? b : (rng() & 1 ? a : b);
+            }
+            std::memcpy(raw.data() + 2 * (seg * n + i), &v, 2);
+          }
+        }
+        // int8 too: its per-channel (K) and per-row (V) scales, 8 at a time on AVX2, see the
+        // same extremes whole when the group covers the channel or row (group >= T or >= D).
+        for (const char* codec : {"int4", "int2", "int8"}) {
+          const std::string text = std::string(codec) == "int8"
+                                       ? std::string(codec)
+                                       : std::string(codec) + ",group=" + std::to_string(group);
+          ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
+          std::string scalar, simd;
+          ASSERT_OK(EncodeBlockWithPath(CpuPath::kScalar, g, plan, false, raw, {}, &scalar));
+          ASSERT_OK(EncodeBlockWithPath(path, g, plan, false, raw, {}, &simd));
+          ASSERT_EQ(scalar, simd) << text << " " << (bf16 ? "bf16" : "fp16") << " dim " << c.dim
+                                  << " tokens " << c.tokens;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, SimdGroupParamsTest, ::testing::ValuesIn(kSimdPaths),
+                         [](const ::testing::TestParamInfo<CpuPath>& info) {
+                           return std::string(CpuPathName(info.param));
+                         });
 
 class SimdExhaustiveTest : public ::testing::TestWithParam<CpuPath> {};
 

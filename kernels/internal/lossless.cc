@@ -31,14 +31,18 @@ struct PlaneRange {
   uint32_t lo = 255, hi = 0;  // smallest and largest plane A byte (lo > hi when n == 0)
 };
 
-// Splits the values into the two planes, counts plane A's symbols per stream (symbol i into
-// hist[i % 4], which must be zero on entry) and returns plane A's range (so that the encoder's
-// per-symbol loops only run over the symbols that occur). Counting right after each split step
-// overlaps it with the input's (usually cold) loads.
-PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b,
-                       uint32_t (*hist)[256]) {
-  const size_t n = shape.Elements();
-  const bool bf16 = shape.dtype == numeric::kDtypeBf16;
+constexpr int kHistTables = 8;  // symbol i counted in table i % 8: stream k is tables k, k + 4
+
+// Splits the values into the two planes, counts plane A's symbols (symbol i into
+// hist[i % kHistTables], which must be zero on entry) and returns plane A's range (so that the
+// encoder's per-symbol loops only run over the symbols that occur). Counting right after each
+// split step overlaps it with the input's (usually cold) loads. Eight tables rather than four:
+// KV exponents are peaked (the top symbol is about a quarter of them), and each increment of a
+// run of one symbol waits for the previous one to the same counter. One copy per dtype so that
+// the loop does not test it per step.
+template <bool bf16>
+PlaneRange SplitPlanesImpl(size_t n, const std::byte* in, uint8_t* a, uint8_t* b,
+                           uint32_t (*hist)[256]) {
   PlaneRange r;
   size_t i = 0;
 #if defined(__SSE2__)
@@ -47,7 +51,7 @@ PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* 
   __m128i vmin = _mm_set1_epi8(-1), vmax = _mm_setzero_si128();
   const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80), mff = _mm_set1_epi16(0xFF);
   auto planes = [&](__m128i v, __m128i* hi, __m128i* lo) {
-    if (bf16) {
+    if constexpr (bf16) {
       *hi = _mm_and_si128(_mm_srli_epi16(v, 7), mff);
       *lo = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 8), m80), _mm_and_si128(v, m7f));
     } else {
@@ -64,12 +68,12 @@ PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* 
     vmax = _mm_max_epu8(vmax, va);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i), va);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b + i), _mm_packus_epi16(l0, l1));
-    for (size_t j = i; j < i + 16; j += 4) {
-      ++hist[0][a[j]];
-      ++hist[1][a[j + 1]];
-      ++hist[2][a[j + 2]];
-      ++hist[3][a[j + 3]];
-    }
+    // The symbols from the register, not reloaded from `a`: byte loads of a 16-byte store that
+    // is still in flight cost more than shifts.
+    const uint64_t w0 = static_cast<uint64_t>(_mm_cvtsi128_si64(va));
+    const uint64_t w1 = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_unpackhi_epi64(va, va)));
+    for (int j = 0; j < 8; ++j) ++hist[j][(w0 >> (8 * j)) & 0xFF];
+    for (int j = 0; j < 8; ++j) ++hist[j][(w1 >> (8 * j)) & 0xFF];
   }
   if (i != 0) {
     alignas(16) uint8_t mn[16], mx[16];
@@ -87,9 +91,24 @@ PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* 
     b[i] = static_cast<uint8_t>(bf16 ? ((v >> 8) & 0x80) | (v & 0x7F) : v);
     r.lo = std::min<uint32_t>(r.lo, a[i]);
     r.hi = std::max<uint32_t>(r.hi, a[i]);
-    ++hist[i % kStreams][a[i]];
+    ++hist[i % kHistTables][a[i]];
   }
   return r;
+}
+
+PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b,
+                       uint32_t (*hist)[256]) {
+  const size_t n = shape.Elements();
+  return shape.dtype == numeric::kDtypeBf16 ? SplitPlanesImpl<true>(n, in, a, b, hist)
+                                            : SplitPlanesImpl<false>(n, in, a, b, hist);
+}
+
+// The encoder's histogram tables (see SplitPlanes), per thread and all zero between calls.
+// Not inline: the caller keeps the address in a register instead of recomputing the
+// thread-local address inside its loops.
+__attribute__((noinline)) uint32_t (*HistTables())[256] {
+  thread_local uint32_t hist[kHistTables][256] = {};
+  return hist;
 }
 
 // Writes value i from a[i] and b[i]. Also correct in place with `a` at byte n of `out` (the
@@ -307,48 +326,73 @@ void CanonicalCodes(const uint8_t* len, uint32_t lo, uint32_t hi, uint32_t* code
 
 #define PROXIMA_LOSSLESS_INLINE inline __attribute__((always_inline))
 
-// Writes the symbols a[k], a[k + 4], ... MSB first from `dst` on, symbol s as the low len[s]
-// bits of code[s]; returns the end. May write up to 8 bytes past the end (the caller
-// overwrites them).
-PROXIMA_LOSSLESS_INLINE uint8_t* EncodeStreamImpl(const uint8_t* a, size_t n, size_t k,
-                                                  const uint32_t* code, const uint32_t* len,
-                                                  uint8_t* dst) {
-  uint64_t acc = 0;    // pending bits in the low `bits` bits (bits above are stale)
-  uint32_t bits = 0;   // < 8 between flushes
-  auto flush = [&] {   // bits in [1, 63]
-    const uint64_t w = __builtin_bswap64(acc << (64 - bits));
-    std::memcpy(dst, &w, 8);
-    dst += bits >> 3;
-    bits &= 7;
-  };
-  size_t i = k;
-  for (; i + 16 < n; i += 20) {  // 5 codes of <= 11 bits + 7 left over < 64
-    const uint32_t s0 = a[i], s1 = a[i + 4], s2 = a[i + 8], s3 = a[i + 12], s4 = a[i + 16];
-    // Combined as a tree, so the chain through `acc` is one shift and one or per 5 symbols.
-    const uint64_t c01 = (uint64_t{code[s0]} << len[s1]) | code[s1];
-    const uint64_t c23 = (uint64_t{code[s2]} << len[s3]) | code[s3];
-    const uint64_t c0123 = (c01 << (len[s2] + len[s3])) | c23;
-    const uint64_t c = (c0123 << len[s4]) | code[s4];
-    const uint32_t l = len[s0] + len[s1] + len[s2] + len[s3] + len[s4];
-    acc = (acc << l) | c;
-    bits += l;
-    flush();
-  }
-  for (; i < n; i += kStreams) {
-    acc = (acc << len[a[i]]) | code[a[i]];
-    bits += len[a[i]];
-    flush();
-  }
-  if (bits != 0) {
-    flush();
-    ++dst;  // the partial last byte, its low bits zero
-  }
-  return dst;
+// One stream's bit writer: MSB first, `acc` holds the pending bits in its low `bits` bits (bits
+// above are stale), fewer than 8 between flushes.
+struct BitWriter {
+  uint64_t acc = 0;
+  uint32_t bits = 0;
+  uint8_t* dst = nullptr;
+};
+
+// Appends symbol s (the low len[s] bits of code[s]).
+PROXIMA_LOSSLESS_INLINE void Put(BitWriter& w, uint32_t s, const uint32_t* code,
+                                 const uint32_t* len) {
+  w.acc = (w.acc << len[s]) | code[s];
+  w.bits += len[s];
 }
 
-uint8_t* EncodeStreamGeneric(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
-                             const uint32_t* len, uint8_t* dst) {
-  return EncodeStreamImpl(a, n, k, code, len, dst);
+// Stores the whole pending bytes (bits in [1, 63]) with one 8-byte store that may reach up to
+// 8 bytes past them.
+PROXIMA_LOSSLESS_INLINE void Flush(BitWriter& w) {
+  const uint64_t word = __builtin_bswap64(w.acc << (64 - w.bits));
+  std::memcpy(w.dst, &word, 8);
+  w.dst += w.bits >> 3;
+  w.bits &= 7;
+}
+
+// Writes the four streams in one pass over plane A: symbol i to stream i % 4, stream k from
+// w[k].dst on; on return w[k].dst is stream k's end (its partial last byte, low bits zero,
+// included). Each stream may write up to 8 bytes past its end, so the streams need that gap
+// between them. One 4-byte load per round of four symbols, and four independent bit chains
+// (the writer of one stream at a time was one chain through `acc`, a stride-4 byte load per
+// symbol and a pass over plane A per stream).
+PROXIMA_LOSSLESS_INLINE void EncodeStreamsImpl(const uint8_t* a, size_t n, const uint32_t* code,
+                                               const uint32_t* len, BitWriter* w) {
+  BitWriter w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];  // locals: the stores may alias
+  size_t i = 0;
+  for (; i + 20 <= n; i += 20) {  // 5 codes of <= 11 bits + 7 left over < 64 per stream
+    // Not unrolled: unrolled, GCC 12 hoists all 20 table loads and spills them to the stack.
+#pragma GCC unroll 1
+    for (size_t j = i; j < i + 20; j += 4) {
+      uint32_t q;
+      std::memcpy(&q, a + j, 4);
+      Put(w0, q & 0xFF, code, len);
+      Put(w1, (q >> 8) & 0xFF, code, len);
+      Put(w2, (q >> 16) & 0xFF, code, len);
+      Put(w3, q >> 24, code, len);
+    }
+    Flush(w0);
+    Flush(w1);
+    Flush(w2);
+    Flush(w3);
+  }
+  w[0] = w0, w[1] = w1, w[2] = w2, w[3] = w3;
+  for (; i < n; ++i) {
+    BitWriter& wi = w[i % kStreams];
+    Put(wi, a[i], code, len);
+    Flush(wi);
+  }
+  for (int k = 0; k < kStreams; ++k) {
+    if (w[k].bits != 0) {
+      Flush(w[k]);
+      ++w[k].dst;  // the partial last byte, its low bits zero
+    }
+  }
+}
+
+void EncodeStreamsGeneric(const uint8_t* a, size_t n, const uint32_t* code, const uint32_t* len,
+                          BitWriter* w) {
+  EncodeStreamsImpl(a, n, code, len, w);
 }
 
 // Scratch for the encoder's two planes: kept per thread up to kKeptScratch bytes (segments are
@@ -448,10 +492,10 @@ void DecodeSymbolsGeneric(BitReader* r, size_t n, const uint16_t* tab, const uin
 #if defined(__x86_64__)
 // The same code compiled with BMI2 (shlx/shrx take the count from any register, which frees
 // the register allocator from rcx). Same source, so the same bytes as the generic versions.
-__attribute__((target("bmi2"))) uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k,
-                                                          const uint32_t* code,
-                                                          const uint32_t* len, uint8_t* dst) {
-  return EncodeStreamImpl(a, n, k, code, len, dst);
+__attribute__((target("bmi2"))) void EncodeStreamsBmi2(const uint8_t* a, size_t n,
+                                                       const uint32_t* code, const uint32_t* len,
+                                                       BitWriter* w) {
+  EncodeStreamsImpl(a, n, code, len, w);
 }
 __attribute__((target("bmi2"))) void DecodeSymbolsBmi2(BitReader* r, size_t n,
                                                        const uint16_t* tab, const uint8_t* base,
@@ -459,9 +503,9 @@ __attribute__((target("bmi2"))) void DecodeSymbolsBmi2(BitReader* r, size_t n,
   DecodeSymbolsImpl(r, n, tab, base, size, dst);
 }
 #else
-uint8_t* EncodeStreamBmi2(const uint8_t* a, size_t n, size_t k, const uint32_t* code,
-                          const uint32_t* len, uint8_t* dst) {
-  return EncodeStreamImpl(a, n, k, code, len, dst);
+void EncodeStreamsBmi2(const uint8_t* a, size_t n, const uint32_t* code, const uint32_t* len,
+                       BitWriter* w) {
+  EncodeStreamsImpl(a, n, code, len, w);
 }
 void DecodeSymbolsBmi2(BitReader* r, size_t n, const uint16_t* tab, const uint8_t* base,
                        size_t size, uint8_t* dst) {
@@ -550,18 +594,24 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
   const size_t n = shape.Elements();
   std::unique_ptr<uint8_t[]> big;
   // Plane A, plane B, then room for the mode-2 header and streams (< n + 1 bytes when used)
-  // plus 8 bytes for the streams' word stores.
+  // plus 8 bytes after each stream for the writers' word stores.
   uint8_t* const a = EncoderScratch(3 * n + 64, &big);
   uint8_t* const b = a + n;
-  // Per-stream histograms (also four independent counters, which hides the store-to-load
-  // latency of runs of one symbol).
-  uint32_t hist[kStreams][256] = {};
+  // Histograms by position mod 8 (stream k = tables k and k + 4; see SplitPlanes), per thread
+  // and zero between calls: each call clears only the rows of its range, not all 8 KiB (which
+  // costs something next to a 16-token segment's few thousand values).
+  uint32_t (*const hist)[256] = HistTables();
   const PlaneRange range = SplitPlanes(shape, in, a, b, hist);
   const uint32_t lo = range.lo, hi = range.hi;
-  uint64_t counts[256];
+  uint64_t counts[256], stream_counts[kStreams][256];
   uint32_t present = 0;
   for (uint32_t s = lo; s <= hi; ++s) {
-    counts[s] = uint64_t{hist[0][s]} + hist[1][s] + hist[2][s] + hist[3][s];
+    counts[s] = 0;
+    for (int k = 0; k < kStreams; ++k) {
+      stream_counts[k][s] = uint64_t{hist[k][s]} + hist[k + kStreams][s];
+      counts[s] += stream_counts[k][s];
+      hist[k][s] = hist[k + kStreams][s] = 0;
+    }
     present += counts[s] != 0;
   }
   const size_t base = payload->size();
@@ -580,7 +630,7 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     CanonicalCodes(len, lo, hi, code, len32);
     for (int k = 0; k < kStreams; ++k) {
       uint64_t bits = 0;
-      for (uint32_t s = lo; s <= hi; ++s) bits += uint64_t{hist[k][s]} * len[s];
+      for (uint32_t s = lo; s <= hi; ++s) bits += stream_counts[k][s] * len[s];
       size[k] = (bits + 7) / 8;
     }
     coded = 2 + (hi - lo + 2) / 2 + 4 * kStreams + size[0] + size[1] + size[2] + size[3];
@@ -607,13 +657,20 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     const uint32_t v = static_cast<uint32_t>(size[k]);
     std::memcpy(p, &v, 4);
   }
-  // In stream order: a stream's spare word stores land where the next stream starts (the last
-  // one's in the spare bytes).
+  // The streams are written at once, each followed by 8 spare bytes for its writer's word
+  // stores, and appended without the gaps.
+  const uint8_t* const head_end = p;
+  BitWriter w[kStreams];
   for (int k = 0; k < kStreams; ++k) {
-    p = (bmi2 ? EncodeStreamBmi2 : EncodeStreamGeneric)(a, n, k, code, len32, p);
+    w[k].dst = p;
+    p += size[k] + 8;
   }
+  (bmi2 ? EncodeStreamsBmi2 : EncodeStreamsGeneric)(a, n, code, len32, w);
   payload->reserve(base + 1 + coded + n);
-  payload->append(reinterpret_cast<const char*>(head), 1 + coded);
+  payload->append(reinterpret_cast<const char*>(head), head_end - head);
+  for (int k = 0; k < kStreams; ++k) {
+    payload->append(reinterpret_cast<const char*>(w[k].dst - size[k]), size[k]);
+  }
   payload->append(reinterpret_cast<const char*>(b), n);
 }
 

@@ -153,6 +153,103 @@ inline __m256 UnpackLanes(const std::byte* packed, size_t i) {
   return _mm256_cvtepi32_ps(q);
 }
 
+// Smallest lane (no NaN lanes; which of -0 and +0 comes out does not matter to the callers,
+// which add +0 before using it).
+inline float HorizontalMin(__m256 v) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_min_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// 32-bit lanes holding 16-bit values -> 8 packed 16-bit values.
+inline __m128i Narrow16(__m256i v) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08));
+}
+
+// numeric::FloatToDtype of 8 non-NaN floats, as 32-bit lanes.
+template <uint8_t kDt>
+inline __m256i ToDtype8(__m256 v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
+                             16);
+  } else {
+    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// numeric::DtypeToFloat of 8 dtype values held in 32-bit lanes.
+template <uint8_t kDt>
+inline __m256 FromDtype8(__m256i v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  } else {
+    return _mm256_cvtph_ps(Narrow16(v));
+  }
+}
+
+// numeric::RoundUpDtype of 8 non-negative floats (NaN and Inf lanes too), as 32-bit lanes. (For
+// int4/int2 ranges a finite x never rounds past the largest finite value: a finite mx - mn is
+// at most FLT_MAX, divided by qmax >= 3. The check is kept so that this is RoundUpDtype.)
+template <uint8_t kDt>
+inline __m256i RoundUpDtype8(__m256 x) {
+  constexpr bool kBf16 = kDt == numeric::kDtypeBf16;
+  // Also the largest finite magnitude: (v & 0x7FFF) above it is Inf or NaN.
+  const __m256i max_finite = _mm256_set1_epi32(kBf16 ? 0x7F7F : 0x7BFF);
+  const __m256i abs16 = _mm256_set1_epi32(0x7FFF);
+  const __m256i xb = _mm256_castps_si256(x);
+  const __m256i not_finite = _mm256_cmpgt_epi32(
+      _mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F7FFFFF));
+  // NaN lanes are not_finite; keep them out of the conversions (0 in their place).
+  const __m256 xs = _mm256_andnot_ps(_mm256_castsi256_ps(not_finite), x);
+  __m256i v = ToDtype8<kDt>(xs);
+  __m256i over = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs16), max_finite);
+  // One ulp up where rounding went down (the lane is -1 there).
+  v = _mm256_sub_epi32(v, _mm256_castps_si256(_mm256_cmp_ps(FromDtype8<kDt>(v), xs, _CMP_LT_OQ)));
+  over = _mm256_or_si256(over, _mm256_cmpgt_epi32(_mm256_and_si256(v, abs16), max_finite));
+  v = _mm256_blendv_epi8(v, max_finite, over);
+  v = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(xs, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                          v);
+  return _mm256_blendv_epi8(v, max_finite, not_finite);
+}
+
+// IntNGroupParams of 8 groups (lanes) from their finite minimum and maximum (+Inf and -Inf for a
+// group without a finite value, which gets min = max = 0 as in IntNGroupsOfLanes), bit for bit:
+// the same operations in the same order, the dtype roundings above matching numeric.h.
+struct IntNParams8 {
+  __m128i scale, min;  // dtype bits, 8 x 16
+  __m256 min_f, divisor;
+};
+template <uint8_t kDt>
+inline IntNParams8 IntNGroupParams8(__m256 mn, __m256 mx, __m256 qmax) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 empty = _mm256_cmp_ps(mn, mx, _CMP_GT_OQ);
+  mn = _mm256_add_ps(_mm256_andnot_ps(empty, mn), zero);  // + 0: a -0 extreme becomes +0
+  mx = _mm256_add_ps(_mm256_andnot_ps(empty, mx), zero);
+  const __m256i min = ToDtype8<kDt>(mn);
+  const __m256i scale = RoundUpDtype8<kDt>(_mm256_div_ps(_mm256_sub_ps(mx, mn), qmax));
+  const __m256 s = FromDtype8<kDt>(scale);
+  IntNParams8 p;
+  p.scale = Narrow16(scale);
+  p.min = Narrow16(min);
+  p.min_f = FromDtype8<kDt>(min);
+  p.divisor = _mm256_blendv_ps(s, _mm256_set1_ps(1.0f), _mm256_cmp_ps(s, zero, _CMP_EQ_OQ));
+  return p;
+}
+
+// Int8RowScale of 8 rows or channels (lanes) from their largest finite |x|: the dtype scales
+// (8 x 16 bits) and the divisors, bit for bit.
+template <uint8_t kDt>
+inline __m128i Int8Scales8(__m256 amax, __m256* divisor) {
+  const __m256i scale = RoundUpDtype8<kDt>(_mm256_div_ps(amax, _mm256_set1_ps(127.0f)));
+  const __m256 f = FromDtype8<kDt>(scale);
+  *divisor = _mm256_blendv_ps(f, _mm256_set1_ps(1.0f),
+                              _mm256_cmp_ps(f, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  return Narrow16(scale);
+}
+
 // ---------------------------------------------------------------- fp8
 
 template <uint8_t kDt>
@@ -216,16 +313,15 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
   const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   if (!shape.is_value) {
     std::byte* q = payload + 2 * size_t{H} * D;
-    alignas(32) float amax[8], divisor[8];
     for (uint32_t h = 0; h < H; ++h) {
       for (uint32_t d = 0; d < D; d += 8) {
         __m256 m = _mm256_setzero_ps();
         for (uint32_t t = 0; t < T; ++t) {
           m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, (size_t{t} * H + h) * D + d)));
         }
-        _mm256_store_ps(amax, m);
-        Int8ScalesOfLanes(shape.dtype, amax, 8, payload, size_t{h} * D + d, divisor);
-        const __m256 div = _mm256_load_ps(divisor);
+        __m256 div;
+        const __m128i scales = Int8Scales8<kDt>(m, &div);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(payload + 2 * (size_t{h} * D + d)), scales);
         for (uint32_t t = 0; t < T; ++t) {
           size_t i = (size_t{t} * H + h) * D + d;
           uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
@@ -234,20 +330,37 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
       }
     }
   } else {
+    // Rows 8 at a time: the 8 scales are computed together (one row at a time, the scalar
+    // scale step cost about as much as the row's quantization).
     std::byte* q = payload + 2 * size_t{T} * H;
-    for (size_t row = 0; row < size_t{T} * H; ++row) {
-      __m256 m = _mm256_setzero_ps();
-      for (uint32_t d = 0; d < D; d += 8) {
-        m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, row * D + d)));
+    const size_t rows = size_t{T} * H;
+    for (size_t r0 = 0; r0 < rows; r0 += 8) {
+      const size_t nr = rows - r0 < 8 ? rows - r0 : 8;
+      alignas(32) float amax[8] = {}, divisor[8];
+      for (size_t k = 0; k < nr; ++k) {
+        __m256 m = _mm256_setzero_ps();
+        for (uint32_t d = 0; d < D; d += 8) {
+          m = _mm256_max_ps(m, FiniteAbs(Load8<kDt>(in, (r0 + k) * D + d)));
+        }
+        amax[k] = HorizontalMax(m);
       }
-      const float amax = HorizontalMax(m);
-      float divisor;
-      Int8ScalesOfLanes(shape.dtype, &amax, 1, payload, row, &divisor);
-      const __m256 div = _mm256_set1_ps(divisor);
-      for (uint32_t d = 0; d < D; d += 8) {
-        size_t i = row * D + d;
-        uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
-        std::memcpy(q + i, &b, 8);
+      __m256 div8;
+      const __m128i scales = Int8Scales8<kDt>(_mm256_load_ps(amax), &div8);
+      if (nr == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(payload + 2 * r0), scales);
+      } else {
+        alignas(16) uint16_t sc[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc), scales);
+        std::memcpy(payload + 2 * r0, sc, 2 * nr);
+      }
+      _mm256_store_ps(divisor, div8);
+      for (size_t k = 0; k < nr; ++k) {
+        const __m256 div = _mm256_set1_ps(divisor[k]);
+        for (uint32_t d = 0; d < D; d += 8) {
+          size_t i = (r0 + k) * D + d;
+          uint64_t b = LowBytes(ClampRound(_mm256_div_ps(Load8<kDt>(in, i), div), lo, hi));
+          std::memcpy(q + i, &b, 8);
+        }
       }
     }
   }
@@ -300,7 +413,6 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
     mx = _mm256_max_ps(_mm256_blendv_ps(ninf, x, finite), mx);
   };
   if (!shape.is_value) {
-    alignas(32) float mnv[8], mxv[8], minf[8], divv[8];
     for (uint32_t j = 0; j < l.num_groups; ++j) {
       const uint32_t t0 = j * l.group_len, len = MinU32(l.group_len, T - t0);
       for (uint32_t h = 0; h < H; ++h) {
@@ -309,31 +421,59 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
           for (uint32_t t = t0; t < t0 + len; ++t) {
             accumulate(Load8<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
           }
-          _mm256_store_ps(mnv, mn);
-          _mm256_store_ps(mxv, mx);
-          IntNGroupsOfLanes(shape.dtype, qmax_f, mnv, mxv, 8, scales, mins,
-                            (size_t{j} * H + h) * D + d, minf, divv);
-          const __m256 mf = _mm256_load_ps(minf), dv = _mm256_load_ps(divv);
-          for (uint32_t t = t0; t < t0 + len; ++t) quantize8((size_t{t} * H + h) * D + d, mf, dv);
+          const IntNParams8 p = IntNGroupParams8<kDt>(mn, mx, qmax);
+          const size_t m = (size_t{j} * H + h) * D + d;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + 2 * m), p.scale);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(mins + 2 * m), p.min);
+          for (uint32_t t = t0; t < t0 + len; ++t) {
+            quantize8((size_t{t} * H + h) * D + d, p.min_f, p.divisor);
+          }
         }
       }
     }
   } else {
+    // Groups (index m = row * NG + j, the order of their metadata) 8 at a time: each group's
+    // extremes reduced to one lane, the 8 groups' parameters computed together, then each
+    // group quantized with its lane broadcast (the one-group-at-a-time scalar parameter step
+    // cost as much as the group's quantization).
     const uint32_t g_len = l.group_len;  // a multiple of 8: min(G, D), both multiples of 8
-    for (size_t row = 0; row < size_t{T} * H; ++row) {
-      for (uint32_t j = 0; j < l.num_groups; ++j) {
-        const uint32_t d0 = j * g_len, len = MinU32(g_len, D - d0);
+    const size_t groups = l.meta_count;  // T * H * NG
+    size_t row = 0;
+    uint32_t j = 0;  // group m0's row and index in it
+    for (size_t m0 = 0; m0 < groups; m0 += 8) {
+      const int lanes = static_cast<int>(groups - m0 < 8 ? groups - m0 : 8);
+      alignas(32) float mnv[8], mxv[8], minf[8], divv[8];
+      size_t r = row;
+      uint32_t jj = j;
+      for (int k = 0; k < 8; ++k) {
         __m256 mn = inf, mx = ninf;
-        for (uint32_t d = d0; d < d0 + len; d += 8) {
-          accumulate(Load8<kDt>(in, row * D + d), mn, mx);
+        if (k < lanes) {
+          const uint32_t d0 = jj * g_len, len = MinU32(g_len, D - d0);
+          for (uint32_t d = d0; d < d0 + len; d += 8) accumulate(Load8<kDt>(in, r * D + d), mn, mx);
+          if (++jj == l.num_groups) jj = 0, ++r;
         }
-        alignas(32) float mnv[8], mxv[8];
-        _mm256_store_ps(mnv, mn);
-        _mm256_store_ps(mxv, mx);
-        const IntNGroup g = IntNGroupOfLanes(shape.dtype, qmax_f, mnv, mxv, 8, scales, mins,
-                                             row * l.num_groups + j);
-        const __m256 mf = _mm256_set1_ps(g.min_f), dv = _mm256_set1_ps(g.divisor);
+        mnv[k] = HorizontalMin(mn);
+        mxv[k] = HorizontalMax(mx);
+      }
+      const IntNParams8 p =
+          IntNGroupParams8<kDt>(_mm256_load_ps(mnv), _mm256_load_ps(mxv), qmax);
+      if (lanes == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + 2 * m0), p.scale);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(mins + 2 * m0), p.min);
+      } else {
+        alignas(16) uint16_t sc[8], mi[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc), p.scale);
+        _mm_store_si128(reinterpret_cast<__m128i*>(mi), p.min);
+        std::memcpy(scales + 2 * m0, sc, 2 * static_cast<size_t>(lanes));
+        std::memcpy(mins + 2 * m0, mi, 2 * static_cast<size_t>(lanes));
+      }
+      _mm256_store_ps(minf, p.min_f);
+      _mm256_store_ps(divv, p.divisor);
+      for (int k = 0; k < lanes; ++k) {
+        const uint32_t d0 = j * g_len, len = MinU32(g_len, D - d0);
+        const __m256 mf = _mm256_set1_ps(minf[k]), dv = _mm256_set1_ps(divv[k]);
         for (uint32_t d = d0; d < d0 + len; d += 8) quantize8(row * D + d, mf, dv);
+        if (++j == l.num_groups) j = 0, ++row;
       }
     }
   }
