@@ -207,12 +207,13 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
   }
   const PhaseTime put = RunClientsTimed(clients, server, [&](int id) {
     std::vector<std::span<std::byte>>& data = buffers[id];
-    std::vector<BlockKey> keys = proxima::client::TestKeyChain(id, 0, blocks_per_client);
+    const uint64_t chain = (shape.key_seed << 16) | static_cast<uint64_t>(id);
+    std::vector<BlockKey> keys = proxima::client::TestKeyChain(chain, 0, blocks_per_client);
     for (size_t b = 0; b < blocks_per_client; b += batch) {
       size_t n = std::min<size_t>(batch, blocks_per_client - b);
       std::vector<std::span<const std::byte>> spans;
       for (size_t i = 0; i < n; ++i) {
-        proxima::client::FillTestBlock(id, b + i, data[i]);
+        proxima::client::FillTestBlock(chain, b + i, data[i]);
         spans.emplace_back(data[i]);
       }
       auto r = conns[id]->Put(profile, std::span(keys).subspan(b, n), spans);
@@ -221,7 +222,8 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
   });
   const PhaseTime get = RunClientsTimed(clients, server, [&](int id) {
     std::vector<std::span<std::byte>>& data = buffers[id];
-    std::vector<BlockKey> keys = proxima::client::TestKeyChain(id, 0, blocks_per_client);
+    const uint64_t chain = (shape.key_seed << 16) | static_cast<uint64_t>(id);
+    std::vector<BlockKey> keys = proxima::client::TestKeyChain(chain, 0, blocks_per_client);
     for (int round = 0; round < rounds; ++round) {
       for (size_t b = 0; b < blocks_per_client; b += batch) {
         size_t n = std::min<size_t>(batch, blocks_per_client - b);
@@ -232,7 +234,7 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
           continue;
         }
         for (size_t i = 0; i < n; ++i) {
-          if (!(*found)[i] || !proxima::client::IsTestBlock(id, b + i, data[i])) ++errors;
+          if (!(*found)[i] || !proxima::client::IsTestBlock(chain, b + i, data[i])) ++errors;
         }
       }
     }

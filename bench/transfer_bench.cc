@@ -180,6 +180,7 @@ int main(int argc, char** argv) {
     buffer_kinds.emplace_back(b);
   }
   int exit_code = 0;
+  uint64_t runs = 0;  // RunProxima calls so far: each stores its own chains
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',')) {
     std::string tls(t);
     std::replace(tls.begin(), tls.end(), '+', ',');
@@ -213,12 +214,16 @@ int main(int argc, char** argv) {
         std::vector<std::vector<Result>> ucx_runs(buffer_kinds.size());
         for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
           redis_runs.push_back(proxima::bench::RunRedis(redis_port, redis, shape));
+          // Every run stores chains of its own: a put of blocks already stored moves no bytes.
           for (size_t k = 0; k < buffer_kinds.size(); ++k) {
             LoadShape s = shape;
             s.ucx_buffers = buffer_kinds[k] == "ucx";
+            s.key_seed = ++runs;
             ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
           }
-          inline_runs.push_back(proxima::bench::RunProxima(target, daemon, shape, Transport::kInline));
+          LoadShape s = shape;
+          s.key_seed = ++runs;
+          inline_runs.push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kInline));
         }
         Result inl = proxima::bench::Median(inline_runs);
         Result red = proxima::bench::Median(redis_runs);
