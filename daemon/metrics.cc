@@ -112,6 +112,13 @@ Registry::Series* Registry::FindOrAdd(const std::string& name, const std::string
   return family.series.back().get();
 }
 
+Counter* TransferBytes(Registry* registry, const std::string& transport,
+                       const std::string& direction) {
+  return registry->AddCounter("proxima_transfer_bytes_total",
+                              "Block bytes moved, by transport and direction",
+                              {{"transport", transport}, {"direction", direction}});
+}
+
 Counter* Registry::AddCounter(const std::string& name, const std::string& help,
                               const Labels& labels) {
   proxima::MutexLock lock(&mu_);

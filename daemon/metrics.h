@@ -58,6 +58,12 @@ class Histogram {
 // Latency buckets in seconds, 50 us to 10 s.
 std::vector<double> LatencyBuckets();
 
+class Registry;
+// The series of proxima_transfer_bytes_total: block bytes moved over `transport` ("grpc_inline",
+// "ucx", "peer_grpc", "peer_ucx") in `direction` ("in": into this daemon, or "out").
+Counter* TransferBytes(Registry* registry, const std::string& transport,
+                       const std::string& direction);
+
 class Registry {
  public:
   // Each Add* creates one series. Calling it again with the same name and labels returns the

@@ -334,12 +334,8 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
   absl::Time start = start_time_;
   registry->AddGauge("proxima_uptime_seconds", "Seconds since proximad started", {},
                      [start] { return absl::ToDoubleSeconds(absl::Now() - start); });
-  bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                   "Block bytes moved, by transport and direction",
-                                   {{"transport", "grpc_inline"}, {"direction", "in"}});
-  bytes_out_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                    "Block bytes moved, by transport and direction",
-                                    {{"transport", "grpc_inline"}, {"direction", "out"}});
+  bytes_in_ = metrics::TransferBytes(registry, "grpc_inline", "in");
+  bytes_out_ = metrics::TransferBytes(registry, "grpc_inline", "out");
 }
 
 TierService::~TierService() {

@@ -127,12 +127,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
       "Remote keys of client buffers the daemon unpacked; each endpoint keeps the ones it uses, "
       "so this grows with new buffers, not with calls",
       {}, [w] { return static_cast<double>(w->rkeys_unpacked()); });
-  t->bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                      "Block bytes moved, by transport and direction",
-                                      {{"transport", "ucx"}, {"direction", "in"}});
-  t->bytes_out_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                       "Block bytes moved, by transport and direction",
-                                       {{"transport", "ucx"}, {"direction", "out"}});
+  t->bytes_in_ = metrics::TransferBytes(registry, "ucx", "in");
+  t->bytes_out_ = metrics::TransferBytes(registry, "ucx", "out");
   PROXIMA_LOG(kInfo) << "UCX data plane ready" << log::Kv("arena_bytes", arena.size())
                      << log::Kv("max_sessions", config.max_sessions);
   return t;

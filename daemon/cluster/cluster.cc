@@ -181,9 +181,7 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "proxima_cluster_location_records_dropped_total",
       "Location records dropped: holder left the live set, a fetch missed, or a queue or the "
       "table was full");
-  bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                   "Block bytes moved, by transport and direction",
-                                   {{"transport", "peer_grpc"}, {"direction", "in"}});
+  bytes_in_ = metrics::TransferBytes(registry, "peer_grpc", "in");
   spilled_blocks_ = registry->AddCounter("proxima_cluster_spill_sent_blocks_total",
                                          "Cold blocks this node spilled to peers, by outcome",
                                          {{"outcome", "moved"}});

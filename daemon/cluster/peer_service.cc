@@ -63,9 +63,7 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
-  served_bytes_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                       "Block bytes moved, by transport and direction",
-                                       {{"transport", "peer_grpc"}, {"direction", "out"}});
+  served_bytes_ = metrics::TransferBytes(registry, "peer_grpc", "out");
   spill_kept_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
                                      "Blocks peers spilled to this node, by outcome",
                                      {{"outcome", "kept"}});

@@ -12,12 +12,8 @@ namespace proxima::daemon::cluster {
 PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena,
                  metrics::Registry* registry)
     : worker_(worker), arena_(arena) {
-  bytes_in_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                   "Block bytes moved, by transport and direction",
-                                   {{"transport", "peer_ucx"}, {"direction", "in"}});
-  bytes_out_ = registry->AddCounter("proxima_transfer_bytes_total",
-                                    "Block bytes moved, by transport and direction",
-                                    {{"transport", "peer_ucx"}, {"direction", "out"}});
+  bytes_in_ = metrics::TransferBytes(registry, "peer_ucx", "in");
+  bytes_out_ = metrics::TransferBytes(registry, "peer_ucx", "out");
   registry->AddGauge("proxima_cluster_ucx_endpoints",
                      "UCX endpoints this daemon keeps to other daemons' workers", {}, [this] {
                        proxima::MutexLock lock(&mu_);
