@@ -430,6 +430,11 @@ class PyBuffer {
     view->obj = nullptr;
     PyBuffer* b = nullptr;
     try {
+      // Buffer.__new__ alone makes an instance whose C++ object was never constructed.
+      auto* inst = reinterpret_cast<py::detail::instance*>(self);
+      if (!inst->get_value_and_holder().holder_constructed()) {
+        throw py::value_error("proxima.Buffer: not made by Client.alloc_buffer");
+      }
       b = py::handle(self).cast<PyBuffer*>();
       if (b->closed()) b->Data("buffer protocol");  // throws the closed error
     } catch (py::error_already_set& e) {

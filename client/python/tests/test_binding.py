@@ -414,6 +414,13 @@ def test_buffer_close_is_refused_while_viewed(client):
     assert client.registered_buffers == 0
     with pytest.raises(ValueError, match=r"alloc_buffer\(0\): expected a length > 0"):
         client.alloc_buffer(0)
+    dropped = client.alloc_buffer(4096)
+    assert client.registered_buffers == 1
+    del dropped  # without close(): unregistered when the object goes
+    gc.collect()
+    assert client.registered_buffers == 0
+    with pytest.raises(ValueError, match="not made by Client.alloc_buffer"):
+        memoryview(proxima.Buffer.__new__(proxima.Buffer))
 
 
 @pytest.mark.parametrize("ucx_daemon", [None], indirect=True)
