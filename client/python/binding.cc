@@ -493,6 +493,7 @@ class PyBuffer {
 class PyClient {
  public:
   PyClient(ClientOptions options, size_t async_threads) {
+    if (async_threads == 0) throw py::value_error("async_threads is 0; expected at least 1");
     absl::StatusOr<std::unique_ptr<Client>> client;
     {
       py::gil_scoped_release release;
@@ -500,7 +501,6 @@ class PyClient {
     }
     session_ = std::make_shared<Session>();
     session_->client = ValueOrThrow(std::move(client));
-    if (async_threads == 0) throw py::value_error("async_threads is 0; expected at least 1");
     workers_ = std::make_unique<Workers>(async_threads);
   }
   ~PyClient() {
