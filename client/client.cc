@@ -271,6 +271,8 @@ Client::~Client() { CloseUcxSession(ucx_session_.load(), absl::Seconds(2)); }
 
 absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
   if (transport_ != Transport::kUcx) return MemoryRegion();
+  // Device memory moves through the staging halves, which are registered themselves.
+  if (check_device_memory_ && gpu::IsDeviceMemory(data)) return MemoryRegion();
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Registration> r, ucx_worker_->Register(data, size));
   return KeepRegion(std::move(r));
 }

@@ -155,7 +155,8 @@ class Client {
   const std::string& transport_detail() const { return transport_detail_; }
 
   // Registers [data, data + size) for UCX once (e.g. a worker's whole KV cache), so that later
-  // Put/Get of blocks inside it move with no registration cost. Over inline, a no-op handle.
+  // Put/Get of blocks inside it move with no registration cost. Over inline, and for device
+  // memory (which moves through the pinned staging buffers, see device_memory), a no-op handle.
   // Buffers that are not inside a registered region are registered for the duration of a call.
   // REQUIRES: every MemoryRegion is dropped before the Client.
   absl::StatusOr<MemoryRegion> RegisterMemory(void* data, size_t size);

@@ -8,6 +8,10 @@
 // daemon reads and writes the pieces in place, inline a multi-piece block takes one gather (or
 // scatter) copy, and pieces in GPU memory go through the client's pinned staging buffers.
 //
+// register_buffer also registers the buffer with UCX once (Client::RegisterMemory), so calls on
+// blocks inside it register nothing; alloc_buffer gives a Buffer of memory UCX allocated
+// (Client::AllocateMemory), which over shared memory the daemon copies into and out of directly.
+//
 // Every call releases the GIL while it talks to the daemon. The *_async variants run on the
 // client's worker threads and return a Handle (poll() / wait()); the buffers they name must stay
 // registered and alive until the handle completes.
@@ -81,12 +85,16 @@ struct Piece {
 };
 using Block = std::vector<Piece>;
 
-// The (address, length) ranges the caller promised are valid memory, by start address.
+// The (address, length) ranges the caller promised are valid memory, by start address, each with
+// its UCX registration (Client::RegisterMemory; an empty handle over inline). Buffers from
+// alloc_buffer are entries too, marked owned: their Buffer object holds the region.
 class BufferRegistry {
  public:
-  void Add(uintptr_t address, size_t length) {
+  // Reserves [address, address + length) for `caller` (named in the ValueError on a null address,
+  // a zero length or an overlap); returns the entry's serial for SetRegion.
+  uint64_t Reserve(const std::string& caller, uintptr_t address, size_t length, bool owned) {
     if (address == 0 || length == 0) {
-      throw py::value_error(absl::StrCat("register_buffer(", address, ", ", length,
+      throw py::value_error(absl::StrCat(caller, "(", address, ", ", length,
                                          "): expected a non-null address and a length > 0"));
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -94,17 +102,42 @@ class BufferRegistry {
     const bool overlaps_next = next != buffers_.end() && next->first < address + length;
     const bool overlaps_prev = next != buffers_.begin() && [&] {
       auto prev = std::prev(next);
-      return prev->first + prev->second > address;
+      return prev->first + prev->second.length > address;
     }();
     if (overlaps_next || overlaps_prev) {
-      throw py::value_error(absl::StrCat("register_buffer(", address, ", ", length,
+      throw py::value_error(absl::StrCat(caller, "(", address, ", ", length,
                                          "): overlaps a buffer already registered"));
     }
-    buffers_[address] = length;
+    Entry& e = buffers_[address];
+    e.length = length;
+    e.owned = owned;
+    e.serial = ++serial_;
+    return e.serial;
   }
-  bool Remove(uintptr_t address) {
+  // Gives the entry reserved as `serial` its region; returns the region back when that entry
+  // is gone (unregistered meanwhile), for the caller to drop.
+  MemoryRegion SetRegion(uintptr_t address, uint64_t serial, MemoryRegion region) {
     std::lock_guard<std::mutex> lock(mu_);
-    return buffers_.erase(address) > 0;
+    auto it = buffers_.find(address);
+    if (it == buffers_.end() || it->second.serial != serial) return region;
+    it->second.region = std::move(region);
+    return MemoryRegion();
+  }
+  // Removes the buffer at `address` and hands back its region (to drop without the lock, and
+  // without the GIL: deregistration waits for the UCX thread). nullopt when none is there.
+  // ValueError for an alloc_buffer's memory unless `owned` (its Buffer's close()).
+  std::optional<MemoryRegion> Remove(uintptr_t address, bool owned) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = buffers_.find(address);
+    if (it == buffers_.end()) return std::nullopt;
+    if (it->second.owned && !owned) {
+      throw py::value_error(absl::StrCat("unregister_buffer(", address,
+                                         "): the memory of an alloc_buffer; close the buffer "
+                                         "instead"));
+    }
+    MemoryRegion region = std::move(it->second.region);
+    buffers_.erase(it);
+    return region;
   }
   // ValueError unless [address, address + length) lies inside one registered buffer.
   void Check(const Piece& piece, size_t block, size_t index) const {
@@ -112,8 +145,9 @@ class BufferRegistry {
     auto it = buffers_.upper_bound(piece.address);
     if (it != buffers_.begin()) {
       --it;
-      if (piece.address >= it->first && piece.length <= it->second &&
-          piece.address - it->first <= it->second - piece.length) {
+      const size_t length = it->second.length;
+      if (piece.address >= it->first && piece.length <= length &&
+          piece.address - it->first <= length - piece.length) {
         return;
       }
     }
@@ -127,8 +161,23 @@ class BufferRegistry {
   }
 
  private:
+  struct Entry {
+    size_t length = 0;
+    bool owned = false;
+    uint64_t serial = 0;
+    MemoryRegion region;
+  };
   mutable std::mutex mu_;
-  std::map<uintptr_t, size_t> buffers_;
+  uint64_t serial_ = 0;
+  std::map<uintptr_t, Entry> buffers_;
+};
+
+// The Client and the buffers registered with it, shared by the PyClient, its calls in flight and
+// the Buffers it allocated: whichever goes last destroys it, dropping every registration before
+// the Client (MemoryRegions must not outlive it; members are destroyed in reverse order).
+struct Session {
+  std::unique_ptr<Client> client;
+  BufferRegistry registry;
 };
 
 std::vector<BlockKey> ParseKeys(const std::vector<py::bytes>& keys) {
@@ -338,21 +387,126 @@ class Workers {
 
 using PieceLists = std::vector<std::vector<std::pair<uintptr_t, size_t>>>;
 
+// proxima.Buffer (Client.alloc_buffer): memory from Client::AllocateMemory, registered with its
+// client's registry. It holds the Session, so its Client outlives it. It exposes the buffer
+// protocol (memoryview, numpy.frombuffer, torch.frombuffer: no copy); close(), or the end of
+// the object, unregisters and frees the memory. close() is refused (BufferError, as mmap does)
+// while a view made through the buffer protocol is alive; torch.frombuffer releases its view
+// at once (it keeps the object alive instead), so a tensor made by it must not be used after
+// an explicit close(). A call in flight over UCX keeps the memory until it ends.
+class PyBuffer {
+ public:
+  PyBuffer(std::shared_ptr<Session> session, MemoryRegion region)
+      : session_(std::move(session)), region_(std::move(region)), length_(region_.bytes().size()) {}
+  ~PyBuffer() {
+    Parts parts = Take();
+    py::gil_scoped_release release;  // deregistration waits for the UCX thread
+    parts.Drop();
+  }
+  PyBuffer(const PyBuffer&) = delete;
+  PyBuffer& operator=(const PyBuffer&) = delete;
+
+  bool closed() const { return session_ == nullptr; }
+  size_t length() const { return length_; }
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(Data("address")); }
+
+  void Close() {
+    if (exports_ > 0) {
+      PyErr_SetString(PyExc_BufferError,
+                      absl::StrCat("proxima.Buffer.close(): ", exports_,
+                                   " view(s) of the buffer (memoryview, numpy array) still "
+                                   "exist; release them first")
+                          .c_str());
+      throw py::error_already_set();
+    }
+    Parts parts = Take();
+    py::gil_scoped_release release;
+    parts.Drop();
+  }
+
+  // The buffer protocol (installed on the type by custom_type_setup): one writable dimension of
+  // unsigned bytes; counts the views so that close() can refuse while any is alive.
+  static int GetBuffer(PyObject* self, Py_buffer* view, int flags) {
+    view->obj = nullptr;
+    PyBuffer* b = nullptr;
+    try {
+      // Buffer.__new__ alone makes an instance whose C++ object was never constructed.
+      auto* inst = reinterpret_cast<py::detail::instance*>(self);
+      if (!inst->get_value_and_holder().holder_constructed()) {
+        throw py::value_error("proxima.Buffer: not made by Client.alloc_buffer");
+      }
+      b = py::handle(self).cast<PyBuffer*>();
+      if (b->closed()) b->Data("buffer protocol");  // throws the closed error
+    } catch (py::error_already_set& e) {
+      e.restore();
+      return -1;
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+      return -1;
+    }
+    if (PyBuffer_FillInfo(view, self, b->region_.bytes().data(),
+                          static_cast<Py_ssize_t>(b->length_), /*readonly=*/0, flags) != 0) {
+      return -1;
+    }
+    ++b->exports_;
+    return 0;
+  }
+  static void ReleaseBuffer(PyObject* self, Py_buffer*) {
+    --py::handle(self).cast<PyBuffer*>()->exports_;
+  }
+
+ private:
+  // What close() drops, taken out with the GIL held and dropped without it.
+  struct Parts {
+    uintptr_t address = 0;
+    std::shared_ptr<Session> session;
+    MemoryRegion region;
+    void Drop() {
+      if (session == nullptr) return;
+      session->registry.Remove(address, /*owned=*/true);  // its entry holds no region
+      region = MemoryRegion();                            // before the session (its Client)
+      session.reset();
+    }
+  };
+  Parts Take() {
+    if (closed()) return {};
+    Parts parts{reinterpret_cast<uintptr_t>(region_.bytes().data()), std::move(session_),
+                std::move(region_)};
+    session_.reset();
+    region_ = MemoryRegion();
+    return parts;
+  }
+  std::byte* Data(const char* what) const {
+    if (closed()) {
+      throw py::value_error(absl::StrCat("proxima.Buffer (", length_, " bytes) is closed; ", what,
+                                         " of a closed buffer"));
+    }
+    return region_.bytes().data();
+  }
+
+  std::shared_ptr<Session> session_;  // null once closed
+  MemoryRegion region_;
+  const size_t length_;
+  int exports_ = 0;  // views alive (the GIL guards it)
+};
+
 class PyClient {
  public:
   PyClient(ClientOptions options, size_t async_threads) {
+    if (async_threads == 0) throw py::value_error("async_threads is 0; expected at least 1");
     absl::StatusOr<std::unique_ptr<Client>> client;
     {
       py::gil_scoped_release release;
       client = Client::Connect(options);
     }
-    client_ = std::shared_ptr<Client>(ValueOrThrow(std::move(client)).release());
-    if (async_threads == 0) throw py::value_error("async_threads is 0; expected at least 1");
+    session_ = std::make_shared<Session>();
+    session_->client = ValueOrThrow(std::move(client));
     workers_ = std::make_unique<Workers>(async_threads);
   }
   ~PyClient() {
     py::gil_scoped_release release;  // queued calls finish without needing the GIL
     workers_.reset();
+    session_.reset();  // the registrations, then the Client, unless a Buffer still holds them
   }
 
   Profile RegisterProfile(uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_dim,
@@ -378,13 +532,55 @@ class PyClient {
     absl::StatusOr<Profile> profile;
     {
       py::gil_scoped_release release;
-      profile = client_->RegisterProfile(model);
+      profile = session_->client->RegisterProfile(model);
     }
     return ValueOrThrow(std::move(profile));
   }
 
-  void RegisterBuffer(uintptr_t address, size_t length) { registry_.Add(address, length); }
-  bool UnregisterBuffer(uintptr_t address) { return registry_.Remove(address); }
+  // Records the buffer for the bounds checks and registers it with UCX once (Client::
+  // RegisterMemory), so that calls on blocks inside it register nothing.
+  void RegisterBuffer(uintptr_t address, size_t length) {
+    BufferRegistry& registry = session_->registry;
+    const uint64_t serial = registry.Reserve("register_buffer", address, length, /*owned=*/false);
+    absl::StatusOr<MemoryRegion> region;
+    {
+      py::gil_scoped_release release;
+      region = session_->client->RegisterMemory(reinterpret_cast<void*>(address), length);
+    }
+    if (!region.ok()) {
+      registry.Remove(address, /*owned=*/false);
+      Throw(region.status());
+    }
+    MemoryRegion stale = registry.SetRegion(address, serial, *std::move(region));
+    py::gil_scoped_release release;
+    stale = MemoryRegion();  // unregistered meanwhile by another thread
+  }
+  // False when no buffer was registered at `address`. A call in flight keeps its registration.
+  bool UnregisterBuffer(uintptr_t address) {
+    std::optional<MemoryRegion> region = session_->registry.Remove(address, /*owned=*/false);
+    if (!region.has_value()) return false;
+    py::gil_scoped_release release;
+    region.reset();
+    return true;
+  }
+  std::unique_ptr<PyBuffer> AllocBuffer(size_t length) {
+    if (length == 0) throw py::value_error("alloc_buffer(0): expected a length > 0");
+    absl::StatusOr<MemoryRegion> allocated;
+    {
+      py::gil_scoped_release release;
+      allocated = session_->client->AllocateMemory(length);
+    }
+    MemoryRegion region = ValueOrThrow(std::move(allocated));
+    try {
+      session_->registry.Reserve("alloc_buffer", reinterpret_cast<uintptr_t>(region.bytes().data()),
+                                 length, /*owned=*/true);
+    } catch (const py::value_error&) {  // a registered buffer covers memory since freed
+      py::gil_scoped_release release;
+      region = MemoryRegion();
+      throw;
+    }
+    return std::make_unique<PyBuffer>(session_, std::move(region));
+  }
 
   py::object Put(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks,
                  std::vector<int64_t> positions, bool high_priority,
@@ -425,14 +621,14 @@ class PyClient {
     absl::StatusOr<std::string> json;
     {
       py::gil_scoped_release release;
-      absl::StatusOr<v1::StatsResponse> stats = client_->Stats();
+      absl::StatusOr<v1::StatsResponse> stats = session_->client->Stats();
       json = stats.ok() ? StatsToJson(*stats) : absl::StatusOr<std::string>(stats.status());
     }
     return ValueOrThrow(std::move(json));
   }
 
   py::dict ServerInfoDict() const {
-    const ServerInfo& info = client_->server_info();
+    const ServerInfo& info = session_->client->server_info();
     py::dict d;
     d["version"] = info.version;
     d["max_message_bytes"] = info.max_message_bytes;
@@ -440,8 +636,10 @@ class PyClient {
     d["max_lookup_keys"] = info.max_lookup_keys;
     return d;
   }
-  uint64_t crc_failures() const { return client_->crc_failures(); }
-  size_t registered_buffers() const { return registry_.size(); }
+  uint64_t crc_failures() const { return session_->client->crc_failures(); }
+  size_t registered_buffers() const { return session_->registry.size(); }
+  std::string transport() const { return TransportName(session_->client->transport()); }
+  std::string transport_detail() const { return session_->client->transport_detail(); }
 
  private:
   using Call = std::function<absl::StatusOr<Result>()>;
@@ -451,23 +649,23 @@ class PyClient {
                absl::StatusOr<Result> (*fn)(Client&, const Profile&, const std::vector<BlockKey>&,
                                             const std::vector<Block>&)) {
     std::vector<BlockKey> k = ParseKeys(keys);
-    std::vector<Block> b = ParseBlocks(blocks, k.size(), p, registry_);
-    return [client = client_, p, k = std::move(k), b = std::move(b), fn] {
-      return fn(*client, p, k, b);
+    std::vector<Block> b = ParseBlocks(blocks, k.size(), p, session_->registry);
+    return [session = session_, p, k = std::move(k), b = std::move(b), fn] {
+      return fn(*session->client, p, k, b);
     };
   }
   Call PreparePut(const Profile& p, const std::vector<py::bytes>& keys, const PieceLists& blocks,
                   PutHints hints) {
     std::vector<BlockKey> k = ParseKeys(keys);
-    std::vector<Block> b = ParseBlocks(blocks, k.size(), p, registry_);
-    return [client = client_, p, k = std::move(k), b = std::move(b), h = std::move(hints)] {
-      return DoPut(*client, p, k, b, h);
+    std::vector<Block> b = ParseBlocks(blocks, k.size(), p, session_->registry);
+    return [session = session_, p, k = std::move(k), b = std::move(b), h = std::move(hints)] {
+      return DoPut(*session->client, p, k, b, h);
     };
   }
   Call Prepare(const Profile& p, const std::vector<py::bytes>& keys,
                absl::StatusOr<Result> (*fn)(Client&, const Profile&,
                                             const std::vector<BlockKey>&)) {
-    return [client = client_, p, k = ParseKeys(keys), fn] { return fn(*client, p, k); };
+    return [session = session_, p, k = ParseKeys(keys), fn] { return fn(*session->client, p, k); };
   }
   py::object RunNow(const Call& call) {
     absl::StatusOr<Result> result;
@@ -483,8 +681,7 @@ class PyClient {
     return op;
   }
 
-  std::shared_ptr<Client> client_;
-  BufferRegistry registry_;
+  std::shared_ptr<Session> session_;
   std::unique_ptr<Workers> workers_;
 };
 
@@ -593,8 +790,9 @@ PYBIND11_MODULE(_proxima, m) {
                        const std::string& token, const std::string& tls_ca,
                        const std::string& tls_cert, const std::string& tls_key,
                        const std::string& tls_server_name, double connect_timeout,
-                       double call_timeout, size_t async_threads) {
+                       double call_timeout, size_t async_threads, const std::string& transport) {
              ClientOptions o;
+             o.transport = ValueOrThrow(ParseTransport(transport));
              o.target = target;
              o.namespace_name = namespace_name;
              o.token = token;
@@ -610,12 +808,23 @@ PYBIND11_MODULE(_proxima, m) {
            py::arg("token") = "", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
            py::arg("tls_key") = "", py::arg("tls_server_name") = "",
            py::arg("connect_timeout") = 5.0, py::arg("call_timeout") = 30.0,
-           py::arg("async_threads") = 2)
+           py::arg("async_threads") = 2, py::arg("transport") = "auto",
+           "transport: 'auto' (UCX when the daemon serves it and reaches this process, else "
+           "inline), 'ucx' (UCX or fail) or 'inline'")
       .def("register_profile", &PyClient::RegisterProfile, py::arg("num_layers"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("tokens_per_block"),
            py::arg("dtype"), py::arg("fingerprint") = "")
-      .def("register_buffer", &PyClient::RegisterBuffer, py::arg("address"), py::arg("length"))
-      .def("unregister_buffer", &PyClient::UnregisterBuffer, py::arg("address"))
+      .def("register_buffer", &PyClient::RegisterBuffer, py::arg("address"), py::arg("length"),
+           "Pieces of blocks may lie in [address, address + length); over UCX the buffer is "
+           "registered once here, not on every call. ValueError on a null address, a zero "
+           "length or an overlap with a registered buffer")
+      .def("unregister_buffer", &PyClient::UnregisterBuffer, py::arg("address"),
+           "Forgets the buffer registered at `address` (False if none); not for alloc_buffer's "
+           "memory (close the Buffer)")
+      .def("alloc_buffer", &PyClient::AllocBuffer, py::arg("length"),
+           "A Buffer of `length` zeroed bytes that UCX allocated (over shared memory the daemon "
+           "copies into and out of it directly), already registered; the buffer protocol gives "
+           "views without copies; close() unregisters and frees it")
       .def("put", &PyClient::Put, py::arg("profile"), py::arg("keys"), py::arg("blocks"),
            py::arg("positions") = std::vector<int64_t>{}, py::arg("high_priority") = false,
            py::arg("importance") = std::vector<float>{},
@@ -636,7 +845,31 @@ PYBIND11_MODULE(_proxima, m) {
       .def("stats_json", &PyClient::StatsJson)
       .def_property_readonly("server_info", &PyClient::ServerInfoDict)
       .def_property_readonly("crc_failures", &PyClient::crc_failures)
-      .def_property_readonly("registered_buffers", &PyClient::registered_buffers);
+      .def_property_readonly("registered_buffers", &PyClient::registered_buffers)
+      .def_property_readonly("transport", &PyClient::transport, "'ucx' or 'inline'")
+      .def_property_readonly("transport_detail", &PyClient::transport_detail,
+                             "why that transport (e.g. 'inline: proximad has UCX disabled')");
+
+  py::class_<PyBuffer>(m, "Buffer", py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+                         heap_type->as_buffer.bf_getbuffer = &PyBuffer::GetBuffer;
+                         heap_type->as_buffer.bf_releasebuffer = &PyBuffer::ReleaseBuffer;
+                         heap_type->ht_type.tp_as_buffer = &heap_type->as_buffer;
+                       }),
+                       "Memory from Client.alloc_buffer, registered with that client")
+      .def_property_readonly("address", &PyBuffer::address,
+                             "the first byte's address (ValueError once closed)")
+      .def_property_readonly("length", &PyBuffer::length)
+      .def_property_readonly("closed", &PyBuffer::closed)
+      .def("__len__", &PyBuffer::length)
+      .def("close", &PyBuffer::Close,
+           "Unregisters and frees the memory (idempotent); BufferError while views of it exist")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyBuffer& b, py::args) { b.Close(); })
+      .def("__repr__", [](const PyBuffer& b) {
+        return b.closed()
+                   ? absl::StrCat("Buffer(length=", b.length(), ", closed)")
+                   : absl::StrCat("Buffer(address=", b.address(), ", length=", b.length(), ")");
+      });
 
   m.attr("KV_LAYOUT_CUDA") = proxima::gpu::BuiltWithCuda();
   py::class_<PyKvLayout>(m, "KvLayout",

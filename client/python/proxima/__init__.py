@@ -6,7 +6,10 @@ The binding (`proxima._proxima`, over libproxima) takes plain integers, never te
     c = proxima.Client("unix:/run/proxima/proximad.sock", namespace="default")
     profile = c.register_profile(num_layers=32, num_kv_heads=8, head_dim=128,
                                  tokens_per_block=16, dtype="bf16", fingerprint="llama-3.1-8b tp=1/0")
-    c.register_buffer(address, length)           # memory the blocks below live in
+    c.register_buffer(address, length)           # memory the blocks below live in (registered
+                                                 # with UCX once)
+    buf = c.alloc_buffer(length)                 # memory UCX allocated, registered: buf.address,
+                                                 # buffer protocol (numpy/torch.frombuffer)
     c.put(profile, keys, [[(addr, n), ...], ...])  # one block = a list of (address, length) pieces
     c.get(profile, keys, blocks)                 # -> [found, ...], bytes scattered into the pieces
     c.lookup(profile, chain)                     # -> number of leading keys present
@@ -30,12 +33,13 @@ import os as _os
 # of it), named by the test harness; an installed package carries them beside this file.
 __path__ += [d for d in _os.environ.get("PROXIMA_EXTENSION_DIRS", "").split(_os.pathsep) if d]
 
-from ._proxima import KEY_BYTES, KV_LAYOUT_CUDA, Error, Handle, KvLayout, Profile, Unavailable
+from ._proxima import (KEY_BYTES, KV_LAYOUT_CUDA, Buffer, Error, Handle, KvLayout, Profile,
+                       Unavailable)
 from ._proxima import Client as _Client
 from .keys import block_key, chain_keys
 
-__all__ = ["Client", "Error", "Handle", "KEY_BYTES", "KV_LAYOUT_CUDA", "KvLayout", "Profile",
-           "Unavailable", "block_key", "chain_keys"]
+__all__ = ["Buffer", "Client", "Error", "Handle", "KEY_BYTES", "KV_LAYOUT_CUDA", "KvLayout",
+           "Profile", "Unavailable", "block_key", "chain_keys"]
 
 
 class Client(_Client):

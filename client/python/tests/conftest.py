@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import pytest
 
@@ -67,7 +68,8 @@ class Daemon:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if os.path.exists(port_file) and os.path.getsize(port_file) > 0:
-                self.tcp_port = json.load(open(port_file))["tcp_port"]
+                ports = json.load(open(port_file))
+                self.tcp_port, self.metrics_port = ports["tcp_port"], ports["metrics_port"]
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"proximad exited during start-up: {self.read_log()}")
@@ -77,6 +79,18 @@ class Daemon:
     def read_log(self) -> str:
         with open(os.path.join(self.dir, "proximad.log"), errors="replace") as f:
             return f.read()
+
+    def metric(self, series: str) -> float:
+        """One series of the daemon's /metrics (start it with server.metrics_listen=127.0.0.1:0)."""
+        if not self.metrics_port:
+            raise RuntimeError("proximad started without metrics (server.metrics_listen)")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                name, _, value = line.rpartition(" ")
+                if name == series:
+                    return float(value)
+        raise KeyError(f"{series}: not among proximad's metrics")
 
     def signal(self, sig):
         self.proc.send_signal(sig)

@@ -1,5 +1,8 @@
 """The binding against a real proximad: byte-exact round trips through scatter/gather lists,
-lookups, presence, deletes, stats, the asynchronous calls, bad input, and a stopped daemon."""
+lookups, presence, deletes, stats, the asynchronous calls, bad input, a stopped daemon, buffers
+registered with UCX once, and buffers from alloc_buffer (over UCX on TCP and shared memory, and
+inline)."""
+import gc
 import json
 import os
 import signal
@@ -287,3 +290,179 @@ def json_levels(client):
     stats = json.loads(client.stats_json())
     return {int(l.get("level", 0)): int(l.get("blocks", 0))
             for l in stats["tiers"][0].get("levels", [])}
+
+
+RKEYS = "proxima_ucx_rkeys_unpacked_total"
+
+
+@pytest.fixture
+def ucx_daemon(request, monkeypatch):
+    """A proximad with metrics, and this process, on the UCX transports request.param names
+    (UCX_TLS for both, as tests/integration/ucx_test.cc does); None: UCX's own choice."""
+    if request.param is not None:
+        monkeypatch.setenv("UCX_TLS", request.param)
+        monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    d = Daemon(sets=["server.metrics_listen=127.0.0.1:0"])
+    yield d
+    d.kill()
+
+
+@pytest.mark.parametrize("ucx_daemon", [None], indirect=True)
+def test_registered_buffers_are_registered_with_ucx_once(ucx_daemon):
+    """Every call on a registered buffer names the same UCX registration, so the daemon unpacks
+    one rkey per buffer, not one per call; unregistering and registering again makes a new one."""
+    c = proxima.Client(ucx_daemon.target, transport="ucx")
+    assert c.transport == "ucx", c.transport_detail
+    p = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="ucx-once")
+    n = 16
+    src, dst = random_blocks(n, 21), np.zeros((n, BLOCK_BYTES), np.uint8)
+    c.register_buffer(src.ctypes.data, src.nbytes)
+    c.register_buffer(dst.ctypes.data, dst.nbytes)
+    keys = keys_for("ucx-once", n)
+    before = ucx_daemon.metric(RKEYS)
+    for i in range(n):  # one call per block: 2n calls on two buffers
+        assert c.put(p, keys[i:i + 1], whole(src[i:i + 1])) == ["stored"]
+        assert c.get(p, keys[i:i + 1], whole(dst[i:i + 1])) == [True]
+    assert np.array_equal(src, dst)
+    assert ucx_daemon.metric(RKEYS) - before == 2
+
+    # Register/unregister cycles on one buffer: each registration is new to the daemon, and
+    # every cycle moves the bytes exactly.
+    cycles = 5
+    for cycle in range(cycles):
+        assert c.unregister_buffer(dst.ctypes.data)
+        with pytest.raises(ValueError, match="expected it inside a registered buffer"):
+            c.get(p, keys[:1], whole(dst[:1]))
+        c.register_buffer(dst.ctypes.data, dst.nbytes)
+        dst[:] = 0
+        assert c.get(p, keys, whole(dst)) == [True] * n
+        assert c.get(p, keys, whole(dst)) == [True] * n
+        assert np.array_equal(src, dst), f"cycle {cycle}"
+    assert ucx_daemon.metric(RKEYS) - before == 2 + cycles
+    assert c.registered_buffers == 2
+
+
+@pytest.mark.parametrize("ucx_daemon", ["tcp", "posix,self"], indirect=True)
+def test_alloc_buffer_round_trip_over_ucx(ucx_daemon):
+    c = proxima.Client(ucx_daemon.target, transport="ucx")
+    assert c.transport == "ucx", c.transport_detail
+    p = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="alloc-ucx")
+    n = 8
+    buf = c.alloc_buffer(n * BLOCK_BYTES)
+    assert buf.length == len(buf) == n * BLOCK_BYTES and not buf.closed
+    assert c.registered_buffers == 1
+    arr = np.frombuffer(buf, np.uint8).reshape(n, BLOCK_BYTES)  # a view, not a copy
+    assert arr.ctypes.data == buf.address and not arr.any()  # zeroed
+    src = random_blocks(n, 22)
+    arr[:] = src
+    keys = keys_for("alloc-ucx", n)
+    before = ucx_daemon.metric(RKEYS)
+    for i in range(n):
+        assert c.put(p, keys[i:i + 1], whole(arr[i:i + 1])) == ["stored"]
+    arr[:] = 0
+    for _ in range(3):
+        assert c.get(p, keys, whole(arr)) == [True] * n
+    assert np.array_equal(arr, src)
+    # Bytes written through the buffer protocol are the ones the daemon stored.
+    assert bytes(memoryview(buf)[:BLOCK_BYTES]) == src[0].tobytes()
+    assert ucx_daemon.metric(RKEYS) - before == 1  # n + 3 calls, one registration
+
+    address = buf.address
+    del arr
+    buf.close()
+    assert buf.closed and c.registered_buffers == 0
+    with pytest.raises(ValueError, match="is closed"):
+        buf.address
+    with pytest.raises(ValueError, match="is closed"):
+        memoryview(buf)
+    with pytest.raises(ValueError, match="expected it inside a registered buffer"):
+        c.get(p, keys[:1], [[(address, BLOCK_BYTES)]])
+    buf.close()  # idempotent
+
+
+def test_alloc_buffer_over_inline(daemon):
+    c = proxima.Client(daemon.target, transport="inline")
+    assert c.transport == "inline"
+    p = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="alloc-inline")
+    n = 4
+    with c.alloc_buffer(2 * n * BLOCK_BYTES) as buf:
+        arr = np.frombuffer(buf, np.uint8).reshape(2 * n, BLOCK_BYTES)
+        src, dst = arr[:n], arr[n:]
+        src[:] = random_blocks(n, 23)
+        keys = keys_for("alloc-inline", n)
+        assert c.put(p, keys, split(src, 4)) == ["stored"] * n
+        assert c.get(p, keys, whole(dst)) == [True] * n
+        assert np.array_equal(src, dst)
+        del arr, src, dst
+    assert buf.closed and c.registered_buffers == 0
+
+
+def test_buffer_close_is_refused_while_viewed(client):
+    buf = client.alloc_buffer(4096)
+    assert client.registered_buffers == 1
+    view = memoryview(buf)
+    arr = np.frombuffer(buf, np.uint8)
+    with pytest.raises(BufferError, match="2 view"):
+        buf.close()
+    view.release()
+    with pytest.raises(BufferError, match="1 view"):
+        buf.close()
+    with pytest.raises(ValueError, match="the memory of an alloc_buffer; close the buffer"):
+        client.unregister_buffer(buf.address)
+    del arr
+    buf.close()
+    assert client.registered_buffers == 0
+    with pytest.raises(ValueError, match=r"alloc_buffer\(0\): expected a length > 0"):
+        client.alloc_buffer(0)
+    dropped = client.alloc_buffer(4096)
+    assert client.registered_buffers == 1
+    del dropped  # without close(): unregistered when the object goes
+    gc.collect()
+    assert client.registered_buffers == 0
+    with pytest.raises(ValueError, match="not made by Client.alloc_buffer"):
+        memoryview(proxima.Buffer.__new__(proxima.Buffer))
+
+
+@pytest.mark.parametrize("ucx_daemon", [None], indirect=True)
+def test_buffer_outlives_its_client(ucx_daemon):
+    """A Buffer keeps its client's connection (and UCX session) alive until it is dropped."""
+    d = ucx_daemon
+    c = proxima.Client(d.target)
+    assert c.transport == "ucx", c.transport_detail
+    p = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="outlive")
+    buf = c.alloc_buffer(BLOCK_BYTES)
+    src = np.frombuffer(buf, np.uint8).reshape(1, BLOCK_BYTES)
+    src[:] = random_blocks(1, 24)
+    expected = src.copy()
+    keys = keys_for("outlive", 1)
+    assert c.put(p, keys, whole(src)) == ["stored"]
+    c.register_buffer(expected.ctypes.data, expected.nbytes)  # unregistered with the session
+    sessions = d.metric("proxima_ucx_sessions")
+    del c
+    gc.collect()
+    assert np.array_equal(src, expected)  # the memory is still there
+    assert d.metric("proxima_ucx_sessions") == sessions
+    del src
+    buf.close()  # the last holder: the client closes its UCX session
+    deadline = time.monotonic() + 10
+    while d.metric("proxima_ucx_sessions") != sessions - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert d.metric("proxima_ucx_sessions") == sessions - 1
+    other = proxima.Client(d.target)
+    out = np.zeros((1, BLOCK_BYTES), np.uint8)
+    other.register_buffer(out.ctypes.data, out.nbytes)
+    assert other.get(p, keys, whole(out)) == [True] and np.array_equal(out, expected)
+
+
+def test_buffer_with_torch_frombuffer(client, profile):
+    torch = pytest.importorskip("torch")
+    buf = client.alloc_buffer(2 * BLOCK_BYTES)
+    t = torch.frombuffer(buf, dtype=torch.uint8).view(2, BLOCK_BYTES)
+    assert t.data_ptr() == buf.address
+    t[0] = torch.arange(BLOCK_BYTES, dtype=torch.int32).remainder(251).to(torch.uint8)
+    keys = keys_for("torch-frombuffer", 1)
+    assert client.put(profile, keys, [[(buf.address, BLOCK_BYTES)]]) == ["stored"]
+    assert client.get(profile, keys, [[(buf.address + BLOCK_BYTES, BLOCK_BYTES)]]) == [True]
+    assert torch.equal(t[0], t[1])
+    del t
+    buf.close()
