@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <type_traits>
@@ -182,6 +183,18 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name) 
   std::unique_ptr<Worker> w(new Worker(name));
   ucp_config_t* config = nullptr;
   PROXIMA_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+  // Over tcp, UCX emulates one-sided operations with messages of TX_SEG_SIZE bytes (8 KiB by
+  // default); blocks are megabytes, and 64 KiB segments moved 1.5-1.8x more (docs/benchmarks.md,
+  // UCX run 3). 64 KiB is the receivers' default RX_SEG_SIZE, so a peer on UCX's defaults still
+  // takes them. UCX_TCP_TX_SEG_SIZE in the environment wins. (The key has no TCP_ prefix here:
+  // ucp_config_modify hands it to every transport, and only tcp has a TX_SEG_SIZE.)
+  if (std::getenv("UCX_TCP_TX_SEG_SIZE") == nullptr) {
+    ucs_status_t m = ucp_config_modify(config, "TX_SEG_SIZE", "64k");
+    if (m != UCS_OK) {
+      PROXIMA_LOG(kWarning) << "cannot set UCX's TCP_TX_SEG_SIZE; keeping UCX's default"
+                            << log::Kv("status", ucs_status_string(m));
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
