@@ -527,22 +527,17 @@ int CmdLoad() {
   std::vector<std::thread> threads;
   for (uint32_t c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
+      // A client that cannot start: counted as ready (so the others go), its error kept.
+      auto fail_setup = [&](const absl::Status& status) {
+        failed_connect = true;
+        ready.fetch_add(1);
+        proxima::MutexLock lock(&first_error_mu);
+        if (first_error.empty()) first_error = status.ToString();
+      };
       auto client = ConnectFromFlags();
-      if (!client.ok()) {
-        failed_connect = true;
-        ready.fetch_add(1);
-        proxima::MutexLock lock(&first_error_mu);
-        if (first_error.empty()) first_error = client.status().ToString();
-        return;
-      }
+      if (!client.ok()) return fail_setup(client.status());
       auto profile = (*client)->RegisterProfile(*model);
-      if (!profile.ok()) {
-        failed_connect = true;
-        ready.fetch_add(1);
-        proxima::MutexLock lock(&first_error_mu);
-        if (first_error.empty()) first_error = profile.status().ToString();
-        return;
-      }
+      if (!profile.ok()) return fail_setup(profile.status());
       const uint64_t seed = 1000 + c;
       std::vector<BlockKey> keys = proxima::client::TestKeyChain(seed, 0, working_set);
       // Block buffers, registered once for UCX (a no-op inline), as a worker registers its KV
@@ -553,13 +548,7 @@ int CmdLoad() {
       for (uint32_t i = 0; i < batch; ++i) {
         if (ucx_buffers) {
           auto r = (*client)->AllocateMemory(profile->block_bytes);
-          if (!r.ok()) {
-            failed_connect = true;
-            ready.fetch_add(1);
-            proxima::MutexLock lock(&first_error_mu);
-            if (first_error.empty()) first_error = r.status().ToString();
-            return;
-          }
+          if (!r.ok()) return fail_setup(r.status());
           blocks.push_back(r->bytes());
           regions.push_back(*std::move(r));
         } else {
