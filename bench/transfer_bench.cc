@@ -5,12 +5,14 @@
 // For each transport (UCX_TLS value, e.g. "tcp" and "posix,self"), a proximad is started with
 // that UCX_TLS, and ucx_perftest is run between two processes with the same UCX_TLS: its
 // `ucp_get` bandwidth is the baseline of Put (the daemon pulls with gets), `ucp_put_bw` of Get
-// (the daemon writes with puts). Then for each block size and client count: UCX put/get,
-// inline put/get (same daemon, gRPC over TCP) and Redis. Last, the p50/p99 latency of a single
-// 2 MiB Get over UCX and inline. One JSON object per line:
-//   {"bench":"transfer","metric":"get_throughput","transport":"tcp","block_bytes":2097152,
-//    "clients":1,"value":1.1,"unit":"GB/s","baselines":{"ucx_perftest":1.3,"inline":0.5,
-//    "redis":0.7},"ratio_perftest":0.85,"ratio_inline":2.2,"ratio_redis":1.6}
+// (the daemon writes with puts). Then for each block size and client count: UCX put/get with
+// each kind of client buffer (--buffers: "heap", ordinary memory registered once, and "ucx",
+// Client::AllocateMemory), inline put/get (same daemon, gRPC over TCP) and Redis. Last, the
+// p50/p99 latency of a single 2 MiB Get over UCX (each buffer kind) and inline. One JSON object
+// per line:
+//   {"bench":"transfer","metric":"get_throughput","transport":"tcp","buffers":"heap",
+//    "block_bytes":2097152,"clients":1,"value":1.1,"unit":"GB/s","baselines":{"ucx_perftest":1.3,
+//    "inline":0.5,"redis":0.7},"ratio_perftest":0.85,"ratio_inline":2.2,"ratio_redis":1.6}
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>

@@ -263,6 +263,19 @@ Worker::~Worker() {
     ucp_worker_signal(worker_);
     thread_.join();
   }
+  // Transfers still outstanding here (on endpoints abandoned without peer failure detection)
+  // hold the remote keys they use. UCX may refer to them until ucp_worker_destroy, and
+  // destroying them after it would touch freed memory: they are kept, unreleased, to the end of
+  // the process (reachable, so leak checkers do not report them).
+  {
+    static proxima::Mutex graveyard_mu;
+    static auto* graveyard = new std::vector<UnpackedRkey>();
+    proxima::MutexLock lock(&graveyard_mu);
+    for (auto& st : in_flight_) {
+      for (UnpackedRkey& k : st->rkeys) graveyard->push_back(std::move(k));
+      st->rkeys.clear();
+    }
+  }
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
   if (context_ != nullptr) ucp_cleanup(context_);
 }
