@@ -184,25 +184,17 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
   }
   // Each client's buffers, registered once for UCX (as a worker registers its KV cache), or
   // allocated by UCX.
-  std::vector<std::vector<std::vector<std::byte>>> heap(clients);
+  std::vector<std::vector<client::TestBuffer>> owned(clients);
   std::vector<std::vector<std::span<std::byte>>> buffers(clients);
-  std::vector<std::vector<client::MemoryRegion>> regions(clients);
   for (int c = 0; c < clients; ++c) {
     for (int i = 0; i < batch; ++i) {
-      if (shape.ucx_buffers) {
-        auto r = conns[c]->AllocateMemory(block_bytes);
-        if (!r.ok()) {
-          std::fprintf(stderr, "AllocateMemory: %s\n", r.status().ToString().c_str());
-          std::exit(1);
-        }
-        buffers[c].push_back(r->bytes());
-        regions[c].push_back(*std::move(r));
-      } else {
-        heap[c].emplace_back(block_bytes);
-        buffers[c].push_back(heap[c].back());
-        auto r = conns[c]->RegisterMemory(buffers[c].back().data(), block_bytes);
-        if (r.ok()) regions[c].push_back(*std::move(r));
+      auto b = client::MakeTestBuffer(*conns[c], block_bytes, shape.ucx_buffers);
+      if (!b.ok()) {
+        std::fprintf(stderr, "block buffer: %s\n", b.status().ToString().c_str());
+        std::exit(1);
       }
+      buffers[c].push_back(b->bytes);
+      owned[c].push_back(*std::move(b));
     }
   }
   const PhaseTime put = RunClientsTimed(clients, server, [&](int id) {
@@ -250,7 +242,7 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
     }
   }
   double total = static_cast<double>(clients) * blocks_per_client * block_bytes;
-  regions.clear();  // before the clients
+  owned.clear();  // before the clients
   return {total / put.wall_s / 1e9,        total * rounds / get.wall_s / 1e9,
           put.cpu_s / (total / 1e9),       get.cpu_s / (total * rounds / 1e9),
           get.server_cpu_s / (total * rounds / 1e9), errors.load()};

@@ -120,20 +120,9 @@ std::pair<double, double> GetLatency(const std::string& target, Transport transp
   if (!c.ok()) return {-1, -1};
   auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
   if (!profile.ok()) return {-1, -1};
-  std::vector<std::byte> heap;
-  proxima::client::MemoryRegion region;
-  std::span<std::byte> block;
-  if (ucx_buffer) {
-    auto r = (*c)->AllocateMemory(kBytes);
-    if (!r.ok()) return {-1, -1};
-    region = *std::move(r);
-    block = region.bytes();
-  } else {
-    heap.resize(kBytes);
-    block = heap;
-    auto r = (*c)->RegisterMemory(block.data(), block.size());
-    if (r.ok()) region = *std::move(r);
-  }
+  auto buffer = proxima::client::MakeTestBuffer(**c, kBytes, ucx_buffer);
+  if (!buffer.ok()) return {-1, -1};
+  std::span<std::byte> block = buffer->bytes;
   std::vector<proxima::client::BlockKey> key = proxima::client::TestKeyChain(424242, 0, 1);
   proxima::client::FillTestBlock(424242, 0, block);
   std::vector<std::span<const std::byte>> in = {block};

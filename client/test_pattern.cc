@@ -68,4 +68,20 @@ bool IsTestBlock(uint64_t seed, size_t index, std::span<const std::byte> data) {
   return std::memcmp(data.data() + i, &word, data.size() - i) == 0;
 }
 
+absl::StatusOr<TestBuffer> MakeTestBuffer(Client& client, size_t bytes, bool ucx_allocated) {
+  TestBuffer b;
+  if (ucx_allocated) {
+    absl::StatusOr<MemoryRegion> r = client.AllocateMemory(bytes);
+    if (!r.ok()) return r.status();
+    b.region = *std::move(r);
+    b.bytes = b.region.bytes();
+    return b;
+  }
+  b.heap.resize(bytes);
+  b.bytes = b.heap;  // a vector's buffer stays put when the TestBuffer moves
+  absl::StatusOr<MemoryRegion> r = client.RegisterMemory(b.heap.data(), bytes);
+  if (r.ok()) b.region = *std::move(r);  // unregistered: registered per call instead
+  return b;
+}
+
 }  // namespace proxima::client

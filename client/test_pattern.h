@@ -24,6 +24,16 @@ void FillTestBlock(uint64_t seed, size_t index, std::span<std::byte> out);
 // True when `data` is exactly block `index` of chain `seed`.
 bool IsTestBlock(uint64_t seed, size_t index, std::span<const std::byte> data);
 
+// A block buffer of a load client (proximactl load, the benchmarks): ordinary memory registered
+// once with RegisterMemory, as a worker registers its KV cache, or memory UCX allocated
+// (AllocateMemory). Drop it before `client`.
+struct TestBuffer {
+  std::vector<std::byte> heap;  // the memory, when not UCX-allocated
+  MemoryRegion region;
+  std::span<std::byte> bytes;
+};
+absl::StatusOr<TestBuffer> MakeTestBuffer(Client& client, size_t bytes, bool ucx_allocated);
+
 }  // namespace proxima::client
 
 #endif  // PROXIMA_CLIENT_TEST_PATTERN_H_

@@ -185,7 +185,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name) 
   PROXIMA_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
   // Over tcp, UCX emulates one-sided operations with messages of TX_SEG_SIZE bytes (8 KiB by
   // default); blocks are megabytes, and 64 KiB segments moved 1.5-1.8x more (docs/benchmarks.md,
-  // UCX run 3). 64 KiB is the receivers' default RX_SEG_SIZE, so a peer on UCX's defaults still
+  // UCX run 4). 64 KiB is the receivers' default RX_SEG_SIZE, so a peer on UCX's defaults still
   // takes them. UCX_TCP_TX_SEG_SIZE in the environment wins. (The key has no TCP_ prefix here:
   // ucp_config_modify hands it to every transport, and only tcp has a TX_SEG_SIZE.)
   if (std::getenv("UCX_TCP_TX_SEG_SIZE") == nullptr) {

@@ -542,21 +542,13 @@ int CmdLoad() {
       std::vector<BlockKey> keys = proxima::client::TestKeyChain(seed, 0, working_set);
       // Block buffers, registered once for UCX (a no-op inline), as a worker registers its KV
       // cache; or allocated by UCX (--buffers=ucx).
-      std::vector<std::vector<std::byte>> heap;
-      std::vector<proxima::client::MemoryRegion> regions;
+      std::vector<proxima::client::TestBuffer> owned;
       std::vector<std::span<std::byte>> blocks;
       for (uint32_t i = 0; i < batch; ++i) {
-        if (ucx_buffers) {
-          auto r = (*client)->AllocateMemory(profile->block_bytes);
-          if (!r.ok()) return fail_setup(r.status());
-          blocks.push_back(r->bytes());
-          regions.push_back(*std::move(r));
-        } else {
-          heap.emplace_back(profile->block_bytes);
-          blocks.push_back(heap.back());
-          auto r = (*client)->RegisterMemory(blocks.back().data(), blocks.back().size());
-          if (r.ok()) regions.push_back(*std::move(r));
-        }
+        auto b = proxima::client::MakeTestBuffer(**client, profile->block_bytes, ucx_buffers);
+        if (!b.ok()) return fail_setup(b.status());
+        blocks.push_back(b->bytes);
+        owned.push_back(*std::move(b));
       }
       {
         proxima::MutexLock lock(&first_error_mu);
