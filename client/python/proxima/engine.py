@@ -128,7 +128,8 @@ class Link:
 
     def set_staging(self, nbytes: int) -> None:
         """Every client that moves bytes over UCX allocates `nbytes` of staging memory when it
-        connects (Connection.staging); the one connected now, if any, at once."""
+        connects (Connection.staging); the one connected now, if any, at once. Call it before
+        the link starts connecting (a connection attempt already running allocates nothing)."""
         with self._lock:
             self._staging_bytes = nbytes
             conn = self._conn

@@ -313,12 +313,13 @@ class ProximaConnector(KVConnectorBase_V1):
         for ids, keys in self._chunks(meta.loads):
             # One connection for the chunk: its client gets into its staging memory.
             conn = self.link.connection()
-            if conn is None:  # the daemon is down: the blocks fail, nothing to stage
+            if conn is None:  # the daemon is down: the blocks fail (counted), nothing to stage
                 self._staging.release()
-                found = self.link.get(keys, [], via=None)
-            else:
-                staging = self._staging.tensor(conn)
-                found = self.link.get(keys, self._staged_blocks(staging, len(ids)), via=conn)
+                self.link.get(keys, [], via=None)
+                self._load_errors.update(ids)
+                continue
+            staging = self._staging.tensor(conn)
+            found = self.link.get(keys, self._staged_blocks(staging, len(ids)), via=conn)
             ok = [b for b, f in zip(ids, found) if f]
             self._load_errors.update(b for b, f in zip(ids, found) if not f)
             if not ok:
