@@ -3,8 +3,8 @@ gathers and scatters vLLM-shaped paged KV caches (addresses and strides taken fr
 connector takes them) on the GPU, byte for byte against torch's own indexing, and a block
 gathered on the GPU goes through a real proximad (put, get) and is scattered back into another
 GPU cache unchanged, also through the connector's host staging (proxima.staging) in UCX memory
-pinned with cudaHostRegister. Skips (saying why) without torch, without a CUDA device, or when the module
-was built without CUDA; scripts/gpu-check.sh runs it on a machine with a GPU."""
+pinned with cudaHostRegister. Skips (saying why) without torch, without a CUDA device, or when
+the module was built without CUDA; scripts/gpu-check.sh runs it on a machine with a GPU."""
 import os
 
 import pytest
