@@ -292,10 +292,14 @@ class Client {
                                               std::span<const BlockKey> keys,
                                               std::span<const Segments> out)
       ABSL_LOCKS_EXCLUDED(staging_mu_);
+  struct StagingMemory;
   // The staging halves (each at least `block_bytes`) and the copy queue, made on first use and
   // registered for UCX; returns the size of one half.
   absl::StatusOr<size_t> PrepareStaging(uint64_t block_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
+  // `bytes` of staging memory (see StagingMemory): UCX-allocated and pinned when the client uses
+  // UCX and both succeed, else cudaMallocHost's.
+  absl::StatusOr<std::unique_ptr<StagingMemory>> AllocateStaging(size_t bytes);
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -322,9 +326,23 @@ class Client {
   // GPU staging (client_staging.cc). check_device_memory_: options_.device_memory and a GPU
   // visible at Connect.
   bool check_device_memory_ = false;
+  // The memory of the staging halves. Over UCX: memory the worker allocated (AllocateMemory; over
+  // shared memory the daemon copies into and out of it directly, as for any AllocateMemory),
+  // page-locked with cudaHostRegister. Otherwise, or when either step fails: cudaMallocHost's,
+  // registered with RegisterMemory over UCX. Unpinned before its memory is freed.
+  struct StagingMemory {
+    StagingMemory() = default;
+    StagingMemory(const StagingMemory&) = delete;
+    StagingMemory& operator=(const StagingMemory&) = delete;
+    ~StagingMemory();
+    std::byte* data = nullptr;
+    size_t size = 0;
+    std::unique_ptr<gpu::PinnedBuffer> pinned;  // the memory on the cudaMallocHost path
+    MemoryRegion region;  // AllocateMemory's (the memory) or RegisterMemory's; before `pinned`
+    bool host_registered = false;  // `data` is pinned with cudaHostRegister
+  };
   proxima::Mutex staging_mu_;
-  std::unique_ptr<gpu::PinnedBuffer> staging_ ABSL_GUARDED_BY(staging_mu_);
-  MemoryRegion staging_region_ ABSL_GUARDED_BY(staging_mu_);  // dropped before staging_
+  std::unique_ptr<StagingMemory> staging_ ABSL_GUARDED_BY(staging_mu_);
   std::unique_ptr<gpu::CopyQueue> copies_ ABSL_GUARDED_BY(staging_mu_);
 };
 

@@ -1,12 +1,17 @@
 // Blocks in GPU memory through the client library against a real proximad: Put from and Get /
 // Decompress into device buffers (contiguous and scatter/gather, device and host segments mixed),
-// over UCX (UCX_TLS=tcp) and inline, with staging halves small enough that a batch moves in many
-// double-buffered chunks. Byte-exact against the test pattern, read back both through device
-// buffers and through host buffers. Labels `integration;gpu`; every test skips (and says why)
+// over UCX (UCX_TLS=tcp, and shared memory alone: posix,self) and inline, with staging halves
+// small enough that a batch moves in many double-buffered chunks. Over UCX the halves must be
+// UCX-allocated memory pinned with cudaHostRegister (the client logs when it falls back).
+// Byte-exact against the test pattern, read back both through device buffers and through host
+// buffers. Labels `integration;gpu`; every test skips (and says why)
 // without a CUDA device, so it runs for real in scripts/gpu-check.sh.
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/testing/status_matchers.h"
@@ -46,25 +51,31 @@ std::vector<std::byte> ToHost(const std::byte* device, size_t n) {
   return host;
 }
 
-class GpuStagingTest : public ::testing::TestWithParam<Transport> {
+struct StagingCase {
+  Transport transport;
+  const char* ucx_tls;  // UCX_TLS of the daemon and the client
+  const char* name;
+};
+
+class GpuStagingTest : public ::testing::TestWithParam<StagingCase> {
  protected:
   void SetUp() override {
     PROXIMA_SKIP_WITHOUT_GPU();
-    setenv("UCX_TLS", "tcp", 1);
+    setenv("UCX_TLS", GetParam().ucx_tls, 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
     auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB", "server.max_batch_blocks=8"});
     ASSERT_OK(d.status());
     daemon_ = *std::move(d);
     ClientOptions options;
     options.target = daemon_->tcp_target();
-    options.transport = GetParam();
+    options.transport = GetParam().transport;
     options.call_timeout = absl::Seconds(20);
     // Two halves of 2 MiB: two 1 MiB blocks per chunk, so a 20-block batch takes 10 chunks.
     options.gpu_staging_bytes = size_t{4} << 20;
     auto c = Client::Connect(options);
     ASSERT_OK(c.status());
     client_ = *std::move(c);
-    ASSERT_EQ(client_->transport(), GetParam()) << client_->transport_detail();
+    ASSERT_EQ(client_->transport(), GetParam().transport) << client_->transport_detail();
     // 16 layers x 2 x 8 heads x 128 dims x 16 tokens x 2 bytes / 16 = 1 MiB blocks.
     v1::ModelProfile model = testing::TestModel(16, "gpu-staging-model");
     model.set_num_layers(16);
@@ -91,7 +102,13 @@ TEST_P(GpuStagingTest, PutFromDeviceAndGetIntoDeviceAreByteExact) {
             cudaSuccess);
   std::vector<std::span<const std::byte>> in;
   for (size_t i = 0; i < kBlocks; ++i) in.emplace_back(src.get() + i * n, n);
-  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, client_->Put(profile_, keys, in));
+  // The first staged call makes the halves: over UCX in UCX-allocated memory, pinned, with no
+  // fallback (which the client logs).
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<std::vector<PutOutcome>> put = client_->Put(profile_, keys, in);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, ::testing::Not(::testing::HasSubstr("GPU staging in UCX-allocated memory")));
+  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, std::move(put));
   EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
 
   // The daemon holds the pattern: read back into host memory.
@@ -174,9 +191,11 @@ TEST_P(GpuStagingTest, ScatteredBlocksMixDeviceAndHostSegments) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, GpuStagingTest,
-                         ::testing::Values(Transport::kUcx, Transport::kInline),
-                         [](const ::testing::TestParamInfo<Transport>& info) {
-                           return std::string(client::TransportName(info.param));
+                         ::testing::Values(StagingCase{Transport::kUcx, "tcp", "ucx"},
+                                           StagingCase{Transport::kUcx, "posix,self", "ucx_shm"},
+                                           StagingCase{Transport::kInline, "tcp", "inline"}),
+                         [](const ::testing::TestParamInfo<StagingCase>& info) {
+                           return std::string(info.param.name);
                          });
 #endif  // PROXIMA_WITH_CUDA
 

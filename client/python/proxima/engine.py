@@ -6,6 +6,14 @@ A Link connects lazily, registers its profile and buffers, and turns every failu
 nothing, a load reports its blocks missing, a save is dropped. Failures are counted and logged
 once when they start and once when the daemon is back, never per call. Bad input (a ValueError)
 is a bug in the caller and is raised.
+
+Staging memory: with set_staging(nbytes), every client the link connects that moves bytes over
+UCX allocates that much memory with UCX (Client.alloc_buffer: over shared memory the daemon copies
+into and out of it directly, docs/operations.md) and the Connection carries it. A daemon restart
+means a new client and so a new buffer: memory of one client's UCX context is never used with
+another, because a caller takes one Connection (connection()) and makes its calls through it
+(via=). Over inline, or when the allocation fails (logged once), Connection.staging is None and
+the caller stages in memory of its own, registered with register_buffer.
 """
 import contextlib
 import logging
@@ -35,6 +43,7 @@ class LinkOptions:
     connect_timeout: float = 2.0
     call_timeout: float = 5.0
     retry_seconds: float = 2.0  # after a failure, wait this long before connecting again
+    transport: str = "auto"  # "auto" (UCX when the daemon serves it), "ucx" or "inline"
 
     @classmethod
     def from_config(cls, extra: Optional[dict]) -> "LinkOptions":
@@ -72,14 +81,30 @@ class LinkCounters:
     hit_blocks: int = 0          # blocks found by lookups
 
 
+@dataclass(frozen=True)
+class Connection:
+    """One connected client, the profile registered with it, and the staging memory it allocated
+    (Link.set_staging; None over inline, when the allocation failed, or when none was asked).
+    Calls through a Connection (Link.get/put via=) use that client and that memory together."""
+    client: proxima.Client
+    profile: proxima.Profile
+    staging: Optional[proxima.Buffer] = None
+
+
+# The default of Link.get/put's `via`: the connection current at the call.
+_CURRENT = object()
+
+
 class Link:
     def __init__(self, options: LinkOptions, spec: ProfileSpec):
         self.options = options
         self.spec = spec
         self.counters = LinkCounters()
-        self._client: Optional[proxima.Client] = None
-        self._profile: Optional[proxima.Profile] = None
+        self._conn: Optional[Connection] = None
+        self._profile: Optional[proxima.Profile] = None  # the last one registered
         self._buffers: Dict[int, int] = {}
+        self._staging_bytes = 0
+        self._staging_failed = False  # an alloc_buffer failure was logged
         self._lock = threading.Lock()
         self._next_try = 0.0
         self._down = False  # a failure was logged and the daemon has not answered since
@@ -91,33 +116,50 @@ class Link:
 
     def register_buffer(self, address: int, length: int) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.register_buffer(address, length)  # ValueError on an overlap
+            if self._conn is not None:
+                self._conn.client.register_buffer(address, length)  # ValueError on an overlap
             self._buffers[address] = length
 
     def unregister_buffer(self, address: int) -> None:
         with self._lock:
             self._buffers.pop(address, None)
-            if self._client is not None:
-                self._client.unregister_buffer(address)
+            if self._conn is not None:
+                self._conn.client.unregister_buffer(address)
 
-    def connected(self, wait: bool = False) -> bool:
-        """True when a client is connected. Otherwise starts a connection attempt (at most one
-        per retry_seconds) on a background thread, so no engine call waits on a dead daemon,
-        and returns False; with wait=True the attempt runs here (start-up)."""
+    def set_staging(self, nbytes: int) -> None:
+        """Every client that moves bytes over UCX allocates `nbytes` of staging memory when it
+        connects (Connection.staging); the one connected now, if any, at once. Call it before
+        the link starts connecting (a connection attempt already running allocates nothing)."""
         with self._lock:
-            if self._client is not None:
-                return True
+            self._staging_bytes = nbytes
+            conn = self._conn
+        if conn is not None and conn.staging is None:
+            staging = self._alloc_staging(conn.client)
+            with self._lock:
+                if staging is not None and self._conn is conn:
+                    self._conn = Connection(conn.client, conn.profile, staging)
+
+    def connection(self, wait: bool = False) -> Optional[Connection]:
+        """The connected client, its profile and its staging memory, or None. With none, starts
+        a connection attempt (at most one per retry_seconds) on a background thread, so no
+        engine call waits on a dead daemon; with wait=True the attempt runs here (start-up)."""
+        with self._lock:
+            if self._conn is not None:
+                return self._conn
             now = time.monotonic()
             if self._connecting or now < self._next_try:
-                return False
+                return None
             self._next_try = now + self.options.retry_seconds
             self._connecting = True
         if wait:
             self._connect()
-            return self._client is not None
+            return self._conn
         threading.Thread(target=self._connect, name="proxima-connect", daemon=True).start()
-        return False
+        return None
+
+    def connected(self, wait: bool = False) -> bool:
+        """True when a client is connected; see connection()."""
+        return self.connection(wait) is not None
 
     def _connect(self) -> None:
         o, s = self.options, self.spec
@@ -125,7 +167,7 @@ class Link:
             client = proxima.Client(o.target, namespace=o.namespace, token=o.token,
                                     tls_ca=o.tls_ca, tls_cert=o.tls_cert, tls_key=o.tls_key,
                                     connect_timeout=o.connect_timeout,
-                                    call_timeout=o.call_timeout)
+                                    call_timeout=o.call_timeout, transport=o.transport)
             profile = client.register_profile(s.num_layers, s.num_kv_heads, s.head_dim,
                                               s.tokens_per_block, s.dtype, s.fingerprint)
         except proxima.Error as e:
@@ -133,12 +175,28 @@ class Link:
                 self._connecting = False
                 self._failed(e)
             return
+        staging = self._alloc_staging(client)
         with self._lock:
             for address, length in self._buffers.items():
                 with contextlib.suppress(ValueError):  # inside another: covered by it
                     client.register_buffer(address, length)
-            self._client, self._profile, self._connecting = client, profile, False
+            self._conn = Connection(client, profile, staging)
+            self._profile, self._connecting = profile, False
             self._recovered()
+
+    def _alloc_staging(self, client: proxima.Client) -> Optional[proxima.Buffer]:
+        nbytes = self._staging_bytes
+        if not nbytes or client.transport != "ucx":
+            return None
+        try:
+            return client.alloc_buffer(nbytes)
+        except (proxima.Error, ValueError) as e:
+            if not self._staging_failed:
+                self._staging_failed = True
+                logger.warning("proxima: alloc_buffer(%d) failed (%s); staging uses memory "
+                               "registered with register_buffer instead (logged once)",
+                               nbytes, e)
+            return None
 
     def _failed(self, error: Exception) -> None:
         if not self._down:
@@ -153,20 +211,21 @@ class Link:
             logger.warning("proxima: proximad at %s answers again; while it was down: %s",
                            self.options.target, self.counters)
 
-    def _call(self, fn, *args):
-        """fn(client, profile, *args); None when the daemon failed (logged once). When it is
-        unreachable the client is dropped: the next calls reconnect in the background (a fresh
-        channel, not gRPC's reconnect backoff of up to two minutes)."""
-        if not self.connected():
+    def _call(self, fn, *args, via=_CURRENT):
+        """fn(client, profile, *args) through `via` (a Connection; by default the current one;
+        None: no connection, the call fails); None when the daemon failed (logged once). When
+        it is unreachable the client is dropped: the next calls reconnect in the background (a
+        fresh channel, not gRPC's reconnect backoff of up to two minutes)."""
+        conn = self.connection() if via is _CURRENT else via
+        if conn is None:
             return None
-        client, profile = self._client, self._profile
         try:
-            result = fn(client, profile, *args)
+            result = fn(conn.client, conn.profile, *args)
         except proxima.Unavailable as e:
             with self._lock:
                 self._failed(e)
-                if self._client is client:
-                    self._client = None
+                if self._conn is conn:
+                    self._conn = None
                     self._next_try = time.monotonic() + self.options.retry_seconds
             return None
         except proxima.Error as e:
@@ -195,21 +254,23 @@ class Link:
             return [False] * len(keys)
         return found
 
-    def get(self, keys: List[bytes], blocks: Blocks) -> List[bool]:
+    def get(self, keys: List[bytes], blocks: Blocks, via=_CURRENT) -> List[bool]:
+        """via: the Connection whose memory (its staging) the blocks are in; None: there is
+        none, the load fails."""
         if not keys:
             return []
-        found = self._call(proxima.Client.get, keys, blocks)
+        found = self._call(proxima.Client.get, keys, blocks, via=via)
         if found is None:
             self.counters.blocks_load_failed += len(keys)
             return [False] * len(keys)
         self.counters.blocks_loaded += sum(found)
         return found
 
-    def put(self, keys: List[bytes], blocks: Blocks) -> List[bool]:
-        """Per block: stored now or already present (False: dropped)."""
+    def put(self, keys: List[bytes], blocks: Blocks, via=_CURRENT) -> List[bool]:
+        """Per block: stored now or already present (False: dropped). via: as for get."""
         if not keys:
             return []
-        outcomes = self._call(proxima.Client.put, keys, blocks)
+        outcomes = self._call(proxima.Client.put, keys, blocks, via=via)
         if outcomes is None:
             self.counters.blocks_save_dropped += len(keys)
             return [False] * len(keys)

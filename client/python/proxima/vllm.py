@@ -24,7 +24,10 @@ and puts them. Loads and saves are synchronous. Gather/scatter is proxima.KvLayo
 on CPU tensors the C++ path copies straight between the paged tensors and the staging buffer the
 daemon reads and writes; on CUDA tensors the CUDA kernel copies into a device staging buffer that
 moves to the pinned host one in one copy (when the module was built with CUDA; otherwise torch
-does the gather/scatter, logged once).
+does the gather/scatter, logged once). The host staging buffer (proxima.staging) is memory the
+connected client allocated with UCX when it moves bytes over UCX (reallocated with the client
+after a daemon restart; every chunk's gather or scatter and its put or get use one connection's
+client and buffer), else a heap tensor registered with the link.
 
 A dead daemon never stops the engine: the lookup finds nothing, a load reports its blocks
 through get_block_ids_with_load_errors() so vLLM recomputes them, saves are dropped; all counted
@@ -43,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from ._proxima import KV_LAYOUT_CUDA, KvLayout
 from .engine import Link, LinkOptions, ProfileSpec
 from .keys import block_key, scope_bytes
+from .staging import HostStaging
 
 logger = logging.getLogger("proxima")
 
@@ -186,7 +190,7 @@ class ProximaConnector(KVConnectorBase_V1):
         self._requests: Dict[str, _RequestState] = {}
         # Worker side.
         self._layers: List[torch.Tensor] = []  # logical [kv][block][token][head][dim] views
-        self._staging: Optional[torch.Tensor] = None
+        self._staging: Optional[HostStaging] = None
         self._kv_layout: Optional[KvLayout] = None  # None: torch does the gather/scatter
         self._device_staging: Optional[torch.Tensor] = None  # CUDA KV: the kernel's side
         self._load_errors: set = set()
@@ -282,19 +286,18 @@ class ProximaConnector(KVConnectorBase_V1):
             raise ValueError(f"proxima.vllm: {len(self._layers)} KV tensors; expected one per "
                              f"layer, {s.num_layers}")
         first = self._layers[0]
-        self._staging = torch.empty((STAGING_BLOCKS, s.num_layers, 2, s.tokens_per_block,
-                                     s.num_kv_heads, s.head_dim), dtype=first.dtype,
-                                    device="cpu", pin_memory=first.is_cuda)
-        self.link.register_buffer(self._staging.data_ptr(),
-                                  self._staging.numel() * self._staging.element_size())
+        shape = (STAGING_BLOCKS, s.num_layers, 2, s.tokens_per_block, s.num_kv_heads, s.head_dim)
+        # Before the link connects: its clients allocate the staging memory as they connect.
+        self._staging = HostStaging(self.link, shape, first.dtype, pin=first.is_cuda)
         self._kv_layout = kv_layout(self._layers, s.tokens_per_block, s.num_kv_heads, s.head_dim)
         if self._kv_layout is not None and self._kv_layout.device:
-            self._device_staging = torch.empty_like(self._staging, device=first.device)
+            self._device_staging = torch.empty(shape, dtype=first.dtype, device=first.device)
         self.link.connected(wait=True)
 
-    def _staged_blocks(self, n: int) -> List[List[Tuple[int, int]]]:
-        block_bytes = self._staging[0].numel() * self._staging.element_size()
-        base = self._staging.data_ptr()
+    @staticmethod
+    def _staged_blocks(staging: torch.Tensor, n: int) -> List[List[Tuple[int, int]]]:
+        block_bytes = staging[0].numel() * staging.element_size()
+        base = staging.data_ptr()
         return [[(base + i * block_bytes, block_bytes)] for i in range(n)]
 
     def _chunks(self, transfers: Sequence[_Transfer]):
@@ -308,12 +311,20 @@ class ProximaConnector(KVConnectorBase_V1):
         if not isinstance(meta, ProximaConnectorMetadata) or not meta.loads:
             return
         for ids, keys in self._chunks(meta.loads):
-            found = self.link.get(keys, self._staged_blocks(len(ids)))
+            # One connection for the chunk: its client gets into its staging memory.
+            conn = self.link.connection()
+            if conn is None:  # the daemon is down: the blocks fail (counted), nothing to stage
+                self._staging.release()
+                self.link.get(keys, [], via=None)
+                self._load_errors.update(ids)
+                continue
+            staging = self._staging.tensor(conn)
+            found = self.link.get(keys, self._staged_blocks(staging, len(ids)), via=conn)
             ok = [b for b, f in zip(ids, found) if f]
             self._load_errors.update(b for b, f in zip(ids, found) if not f)
             if not ok:
                 continue
-            self._scatter(ok, [i for i, f in enumerate(found) if f], len(ids))
+            self._scatter(staging, ok, [i for i, f in enumerate(found) if f], len(ids))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv has loaded every layer
@@ -327,38 +338,46 @@ class ProximaConnector(KVConnectorBase_V1):
         if not isinstance(meta, ProximaConnectorMetadata) or not meta.saves:
             return
         for ids, keys in self._chunks(meta.saves):
-            self._gather(ids)
-            self.link.put(keys, self._staged_blocks(len(ids)))
+            # One connection for the chunk: gathered into its staging memory, put by its client.
+            conn = self.link.connection()
+            if conn is None:  # the daemon is down: the saves are dropped, nothing to gather
+                self._staging.release()
+                self.link.put(keys, [], via=None)
+                continue
+            staging = self._staging.tensor(conn)
+            self._gather(staging, ids)
+            self.link.put(keys, self._staged_blocks(staging, len(ids)), via=conn)
 
-    def _gather(self, ids: List[int]) -> None:
+    def _gather(self, staging: torch.Tensor, ids: List[int]) -> None:
         """Paged blocks `ids` of every layer into staging rows 0..len(ids)-1."""
         n = len(ids)
         if self._kv_layout is None:
             for layer, view in enumerate(self._layers):
                 index = torch.tensor(ids, device=view.device)
-                self._staging[:n, layer].copy_(view[:, index].transpose(0, 1))
+                staging[:n, layer].copy_(view[:, index].transpose(0, 1))
         elif self._device_staging is None:
-            self._kv_layout.gather(ids, self._staging.data_ptr())
+            self._kv_layout.gather(ids, staging.data_ptr())
         else:
             stream = torch.cuda.current_stream(self._device_staging.device)
             self._kv_layout.gather(ids, self._device_staging.data_ptr(), stream.cuda_stream)
-            self._staging[:n].copy_(self._device_staging[:n])  # waits for the kernel
+            staging[:n].copy_(self._device_staging[:n])  # waits for the kernel
 
-    def _scatter(self, ids: List[int], rows: List[int], staged: int) -> None:
+    def _scatter(self, staging: torch.Tensor, ids: List[int], rows: List[int],
+                 staged: int) -> None:
         """Staging rows `rows` into paged blocks `ids` of every layer."""
         if self._kv_layout is None:
             index_rows = torch.tensor(rows)
             for layer, view in enumerate(self._layers):
                 index = torch.tensor(ids, device=view.device)
-                src = self._staging[index_rows, layer].to(view.device)  # [n][kv][token][head][dim]
+                src = staging[index_rows, layer].to(view.device)  # [n][kv][token][head][dim]
                 view[:, index] = src.transpose(0, 1)
             return
         bb = self._kv_layout.block_bytes
         if self._device_staging is None:
-            self._kv_layout.scatter(ids, [self._staging.data_ptr() + r * bb for r in rows])
+            self._kv_layout.scatter(ids, [staging.data_ptr() + r * bb for r in rows])
             return
         dev = self._device_staging
-        dev[:staged].copy_(self._staging[:staged])
+        dev[:staged].copy_(staging[:staged])
         stream = torch.cuda.current_stream(dev.device).cuda_stream  # ordered after the copy
         self._kv_layout.scatter(ids, [dev.data_ptr() + r * bb for r in rows], stream)
 

@@ -2,8 +2,9 @@
 gathers and scatters vLLM-shaped paged KV caches (addresses and strides taken from torch, as the
 connector takes them) on the GPU, byte for byte against torch's own indexing, and a block
 gathered on the GPU goes through a real proximad (put, get) and is scattered back into another
-GPU cache unchanged. Skips (saying why) without torch, without a CUDA device, or when the module
-was built without CUDA; scripts/gpu-check.sh runs it on a machine with a GPU."""
+GPU cache unchanged, also through the connector's host staging (proxima.staging) in UCX memory
+pinned with cudaHostRegister. Skips (saying why) without torch, without a CUDA device, or when
+the module was built without CUDA; scripts/gpu-check.sh runs it on a machine with a GPU."""
 import os
 
 import pytest
@@ -163,3 +164,45 @@ def test_blocks_in_gpu_memory_go_straight_through_the_client(client):
     got_host = [[(host.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
     assert client.get(profile, keys, got_host) == [True] * n
     assert torch.equal(host, dev.cpu())
+
+
+def test_connector_staging_in_ucx_memory_is_pinned(daemon):
+    """proxima.vllm's host staging for CUDA caches (proxima.staging.HostStaging): over UCX the
+    client's alloc_buffer memory as a tensor, pinned with cudaHostRegister; blocks gathered on
+    the GPU go through it to proximad and back into another GPU cache; unpinned when let go."""
+    from proxima.engine import Link, LinkOptions, ProfileSpec
+    from proxima.staging import HostStaging
+
+    link = Link(LinkOptions(target=daemon.target),
+                ProfileSpec(LAYERS, HEADS, DIM, TOKENS, "bf16", "cuda-staging-test"))
+    shape = (8, LAYERS, 2, TOKENS, HEADS, DIM)
+    staging = HostStaging(link, shape, torch.bfloat16, pin=True)
+    conn = link.connection(wait=True)
+    assert conn is not None and conn.client.transport == "ucx", conn
+    host = staging.tensor(conn)
+    assert staging.kind == "ucx" and host.data_ptr() == conn.staging.address
+    assert host.is_pinned()
+    logicals = [cache(ORDERS["flashinfer_nhd"], seed=400 + l)[1] for l in range(LAYERS)]
+    kv = layout(logicals)
+    ids = [3, 9, 27, 60]
+    n = len(ids)
+    dev = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    kv.gather(ids, dev.data_ptr(), stream)
+    host[:n].copy_(dev[:n])  # waits for the kernel (same stream)
+    keys = [os.urandom(proxima.KEY_BYTES) for _ in ids]
+    pieces = [[(host.data_ptr() + i * kv.block_bytes, kv.block_bytes)] for i in range(n)]
+    assert link.put(keys, pieces, via=conn) == [True] * n
+    host.zero_()
+    assert link.get(keys, pieces, via=conn) == [True] * n
+    back = torch.zeros_like(dev)
+    back[:n].copy_(host[:n], non_blocking=True)
+    targets = [cache(ORDERS["flashinfer_nhd"], seed=500 + l)[1].zero_() for l in range(LAYERS)]
+    layout(targets).scatter(ids, back.data_ptr(), stream)
+    torch.cuda.synchronize()
+    for lg, tg in zip(logicals, targets):
+        for b in ids:
+            assert torch.equal(tg[:, b].view(torch.int16), lg[:, b].view(torch.int16))
+    staging.release()
+    assert not host.is_pinned()  # unregistered; the memory is still the buffer's
+    assert staging._heap is None  # never fell back to the heap

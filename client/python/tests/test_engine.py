@@ -1,6 +1,7 @@
 """proxima.engine.Link, what the vLLM connector and the SGLang backend stand on: a dead or
 killed daemon turns into misses, failed loads and dropped saves, counted and logged once; the
-link comes back by itself; multi-piece pages round-trip byte-exact."""
+link comes back by itself; multi-piece pages round-trip byte-exact; staging memory is allocated
+by each client that moves bytes over UCX (a new one after a restart), none over inline."""
 import logging
 import time
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import Daemon
+
+RKEYS = "proxima_ucx_rkeys_unpacked_total"
 from proxima.engine import Link, LinkOptions, ProfileSpec
 from proxima.keys import chain_keys, scope_bytes
 
@@ -31,6 +34,12 @@ def page_pieces(pool, page):
 
 def options(target, **kw):
     return LinkOptions(target=target, connect_timeout=0.5, call_timeout=2.0, **kw)
+
+
+def staged(conn, n):
+    """The first n blocks of a connection's staging buffer: a numpy view and one piece each."""
+    arr = np.frombuffer(conn.staging, np.uint8)[:n * BLOCK].reshape(n, BLOCK)
+    return arr, [[(conn.staging.address + i * BLOCK, BLOCK)] for i in range(n)]
 
 
 def test_pages_of_many_pieces_round_trip(daemon):
@@ -66,10 +75,13 @@ def test_dead_daemon_misses_fails_drops_and_logs_once(caplog, tmp_path):
 
 
 def test_link_survives_a_killed_daemon_and_comes_back(caplog):
-    d = Daemon()
+    d = Daemon(sets=["server.metrics_listen=127.0.0.1:0"])
     try:
         link = Link(options(d.target, retry_seconds=0), SPEC)
-        assert link.connected(wait=True)
+        link.set_staging(3 * BLOCK)
+        first = link.connection(wait=True)
+        assert first is not None and first.client.transport == "ucx", first
+        assert first.staging is not None and first.staging.length == 3 * BLOCK
         pool = layer_first_pool(3, 3)
         link.register_buffer(pool.ctypes.data, pool.nbytes)
         keys = chain_keys(b"restart", ["a", "b", "c"])
@@ -78,8 +90,10 @@ def test_link_survives_a_killed_daemon_and_comes_back(caplog):
         d.kill()
         with caplog.at_level(logging.WARNING, logger="proxima"):
             assert link.lookup(keys) == 0
+            assert link.connection() is None  # no client, no staging
             assert link.put(keys[1:], pages[1:]) == [False, False]
             assert link.get(keys, pages) == [False] * 3
+            assert link.get(keys, [], via=None) == [False] * 3  # a caller with no connection
             d.start()  # a fresh daemon on the same socket, empty
             deadline = time.monotonic() + 10  # the link reconnects in the background
             while link.put(keys, pages) != [True] * 3:
@@ -90,8 +104,45 @@ def test_link_survives_a_killed_daemon_and_comes_back(caplog):
         assert len(messages) == 2, messages
         assert "logged once" in messages[0] and "answers again" in messages[1]
         assert link.counters.blocks_save_dropped >= 2
+        assert link.counters.blocks_load_failed == 6
+
+        # The new client allocated staging memory of its own; the old client's is not its.
+        second = link.connection()
+        assert second.client is not first.client and second.staging is not first.staging
+        assert not first.staging.closed  # still the old client's, for whoever holds it
+        _, old_pieces = staged(first, 3)
+        with pytest.raises(ValueError, match="inside a registered buffer"):
+            link.get(keys, old_pieces, via=second)
+        arr, pieces = staged(second, 3)
+        before = d.metric(RKEYS)
+        assert link.get(keys, pieces, via=second) == [True] * 3
+        for p in range(3):  # the pages, as laid out in the pool, back to back in staging
+            assert arr[p].tobytes() == b"".join(pool[kv, layer, p].tobytes()
+                                                for layer in range(SPEC.num_layers)
+                                                for kv in range(2))
+        keys2 = chain_keys(b"restart-staged", ["a", "b", "c"])
+        assert link.put(keys2, pieces, via=second) == [True] * 3
+        arr[:] = 0
+        assert link.get(keys2, pieces, via=second) == [True] * 3
+        assert link.get(keys[:1], pieces[:1], via=second) == [True]
+        assert d.metric(RKEYS) - before == 1  # 4 calls, one registration: the staging buffer
     finally:
         d.kill()
+
+
+def test_staging_memory_follows_the_transport(daemon):
+    # Asked after connecting: allocated at once, by the client connected.
+    link = Link(options(daemon.target), SPEC)
+    assert link.connection(wait=True).staging is None  # none asked
+    link.set_staging(2 * BLOCK)
+    conn = link.connection()
+    assert conn.client.transport == "ucx" and conn.staging.length == 2 * BLOCK
+    assert conn.client.registered_buffers == 1
+    # Inline: nothing to allocate, the caller stages in memory of its own.
+    inline = Link(options(daemon.target, transport="inline"), SPEC)
+    inline.set_staging(2 * BLOCK)
+    conn = inline.connection(wait=True)
+    assert conn.client.transport == "inline" and conn.staging is None
 
 
 def test_options_from_config_and_environment(monkeypatch, tmp_path):

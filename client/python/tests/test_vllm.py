@@ -2,8 +2,11 @@
 reason, where vllm is absent): the connector made by vLLM's KVConnectorFactory from a real
 VllmConfig, real Requests hashed by vLLM's own block hasher, real SchedulerOutput objects, and
 paged KV tensors on the CPU in two layouts; driven through the calls the scheduler and the
-worker make, checked byte for byte."""
+worker make, checked byte for byte. The host staging buffer is memory the worker's client
+allocated over UCX (reallocated with a new client after a daemon restart), a heap tensor over
+inline."""
 import json
+import time
 
 import pytest
 
@@ -23,9 +26,11 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E
 from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from conftest import Daemon  # noqa: E402
 from proxima.vllm import ProximaConnector  # noqa: E402
 
 BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS = 4, 3, 2, 16, 40
+RKEYS = "proxima_ucx_rkeys_unpacked_total"
 # A tiny Llama: vLLM reads its geometry from config.json; no weights are needed.
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
@@ -48,7 +53,7 @@ def model_config(model_dir):
                        max_model_len=256)
 
 
-def connector(model_config, target, role, layout="NHD"):
+def connector(model_config, target, role, layout="NHD", **extra):
     config = VllmConfig(
         model_config=model_config, cache_config=CacheConfig(block_size=BLOCK),
         device_config=DeviceConfig(device="cpu"),
@@ -56,7 +61,7 @@ def connector(model_config, target, role, layout="NHD"):
             kv_connector="ProximaConnector", kv_role="kv_both",
             kv_connector_module_path="proxima.vllm",
             kv_connector_extra_config={"target": target, "connect_timeout": 1.0,
-                                       "call_timeout": 2.0}))
+                                       "call_timeout": 2.0, **extra}))
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=[], kv_cache_layout=layout)
     c = KVConnectorFactory.create_connector(config, role, kv_cache_config)
@@ -192,13 +197,15 @@ def test_dead_daemon_misses_reports_failed_loads_drops_saves(daemon, model_confi
 def test_blocks_are_canonical_across_layouts(daemon, model_config, save_path, load_path):
     """Saved from FlashAttention's NHD tensors, loaded into HND tensors: the same K/V values,
     whether proxima.KvLayout (the C++ path, used for CPU tensors) or torch (the fallback) does
-    the gather and the scatter."""
+    the gather and the scatter. The saver stages in its client's UCX memory, the loader (over
+    inline) in a heap tensor."""
     case = f"{save_path}-{load_path}"
     first = 400 + 20 * ["kv_layout-kv_layout", "torch-kv_layout", "kv_layout-torch"].index(case)
     tokens = list(range(first, first + 9))  # 2 full blocks
     s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, "NHD")
     w_nhd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "NHD")
-    w_hnd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "HND")
+    w_hnd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "HND",
+                      transport="inline")
     src = kv_caches("NHD", seed=5)
     dst = {k: torch.zeros_like(v) for k, v in kv_caches("HND", seed=6).items()}
     w_nhd.register_kv_caches(src)
@@ -218,6 +225,8 @@ def test_blocks_are_canonical_across_layouts(daemon, model_config, save_path, lo
     for a, b in ((3, 30), (4, 31)):
         assert torch.equal(block_of(dst, "HND", b).view(torch.int16),
                            block_of(src, "NHD", a).view(torch.int16))
+    assert (w_nhd._staging.kind, w_hnd._staging.kind) == ("ucx", "heap")
+    assert w_nhd.link.connection().client.registered_buffers == 1  # the staging buffer only
 
 
 def test_a_match_not_scheduled_plans_no_load(daemon, model_config):
@@ -236,3 +245,62 @@ def test_a_match_not_scheduled_plans_no_load(daemon, model_config):
     assert s.build_connector_meta(SchedulerOutput.make_empty()).loads == []
     s.update_state_after_alloc(r2, blocks([7, 8, 9]), 8)
     assert [t.block_ids for t in schedule_new(s, r2, [7, 8, 9], num_computed=8).loads] == [[7, 8]]
+
+
+def test_staging_is_the_clients_ucx_memory_and_follows_a_restart(model_config):
+    """The worker stages in memory its client allocated over UCX; a daemon killed and restarted
+    means a new client, which allocates its own: the connector moves to it (the old one let go)
+    and saves and loads byte for byte again, one registration per daemon."""
+    d = Daemon(sets=["server.metrics_listen=127.0.0.1:0"])
+    try:
+        s = connector(model_config, d.target, KVConnectorRole.SCHEDULER, retry_seconds=0.0)
+        w = connector(model_config, d.target, KVConnectorRole.WORKER, retry_seconds=0.0)
+        src = kv_caches("NHD", seed=8)
+        w.register_kv_caches(src)
+
+        def save_then_load(tag, tokens, save_ids, load_ids):
+            r = request(f"{tag}-save", tokens)
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+            s.update_state_after_alloc(r, blocks(save_ids), 0)
+            assert run_worker_step(w, schedule_new(s, r, save_ids)) == set()
+            r2 = request(f"{tag}-load", tokens)
+            hit = (len(save_ids) - 1) * BLOCK
+            assert s.get_num_new_matched_tokens(r2, 0) == (hit, False)
+            s.update_state_after_alloc(r2, blocks(load_ids), hit)
+            assert run_worker_step(w, schedule_new(s, r2, load_ids, num_computed=hit)) == set()
+            for a, b in zip(save_ids[:-1], load_ids[:-1]):
+                assert torch.equal(block_of(src, "NHD", b).view(torch.int16),
+                                   block_of(src, "NHD", a).view(torch.int16)), (a, b)
+
+        tokens = list(range(600, 613))  # 3 full blocks
+        before = d.metric(RKEYS)
+        save_then_load("before", tokens, [1, 2, 3, 4], [11, 12, 13, 14])
+        first = w.link.connection()
+        assert first.client.transport == "ucx" and first.staging is not None
+        assert w._staging.kind == "ucx"
+        assert w._staging.tensor(first).data_ptr() == first.staging.address
+        assert d.metric(RKEYS) - before == 1  # every save and load through one staging buffer
+
+        d.kill()  # the step finds no daemon: both clients are dropped, the saves too
+        r = request("down", list(range(700, 709)))
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, blocks([20, 21, 22]), 0)
+        run_worker_step(w, schedule_new(s, r, [20, 21, 22]))
+        assert w.link.counters.blocks_save_dropped == 2
+        assert w.link.connection() is None
+        d.start()
+        deadline = time.monotonic() + 10
+        while w.link.connection() is None or s.link.connection() is None:
+            assert time.monotonic() < deadline, "the links did not come back within 10 s"
+            time.sleep(0.02)
+        second = w.link.connection()
+        assert second.client is not first.client and second.staging is not first.staging
+        # A fresh daemon: nothing is cached; save and load again, through the new buffer.
+        before = d.metric(RKEYS)
+        save_then_load("after", tokens, [5, 6, 7, 8], [15, 16, 17, 18])
+        assert w._staging.kind == "ucx"
+        assert w._staging.tensor(second).data_ptr() == second.staging.address
+        assert w._staging._heap is None  # never fell back
+        assert d.metric(RKEYS) - before == 1
+    finally:
+        d.kill()
