@@ -31,16 +31,17 @@ struct PlaneRange {
   uint32_t lo = 255, hi = 0;  // smallest and largest plane A byte (lo > hi when n == 0)
 };
 
-constexpr int kHistTables = 8;  // symbol i counted in table i % 8: stream k is tables k, k + 4
+constexpr int kHistTables = 8;  // symbol i counted in table i % 8
 
-// Splits the values into the two planes, counts plane A's symbols (symbol i into
-// hist[i % kHistTables], which must be zero on entry) and returns plane A's range (so that the
-// encoder's per-symbol loops only run over the symbols that occur). Counting right after each
-// split step overlaps it with the input's (usually cold) loads. Eight tables rather than four:
-// KV exponents are peaked (the top symbol is about a quarter of them), and each increment of a
-// run of one symbol waits for the previous one to the same counter. One copy per dtype so that
-// the loop does not test it per step.
-template <bool bf16>
+// Splits the values into the two planes and returns plane A's range (so that the encoder's
+// per-symbol loops only run over the symbols that occur). With kCount, also counts plane A's
+// symbols (symbol i into hist[i % kHistTables], which must be zero on entry): counting right
+// after each split step overlaps it with the input's (usually cold) loads, and eight tables
+// rather than one because KV exponents are peaked (the top symbol is about a quarter of them)
+// and each increment of a run of one symbol waits for the previous one to the same counter.
+// Without kCount the caller counts plane A afterwards (CountNarrowAvx2, from L1). One copy per
+// dtype and mode so that the loop does not test them per step.
+template <bool bf16, bool kCount>
 PlaneRange SplitPlanesImpl(size_t n, const std::byte* in, uint8_t* a, uint8_t* b,
                            uint32_t (*hist)[256]) {
   PlaneRange r;
@@ -68,12 +69,14 @@ PlaneRange SplitPlanesImpl(size_t n, const std::byte* in, uint8_t* a, uint8_t* b
     vmax = _mm_max_epu8(vmax, va);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i), va);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b + i), _mm_packus_epi16(l0, l1));
-    // The symbols from the register, not reloaded from `a`: byte loads of a 16-byte store that
-    // is still in flight cost more than shifts.
-    const uint64_t w0 = static_cast<uint64_t>(_mm_cvtsi128_si64(va));
-    const uint64_t w1 = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_unpackhi_epi64(va, va)));
-    for (int j = 0; j < 8; ++j) ++hist[j][(w0 >> (8 * j)) & 0xFF];
-    for (int j = 0; j < 8; ++j) ++hist[j][(w1 >> (8 * j)) & 0xFF];
+    if constexpr (kCount) {
+      // The symbols from the register, not reloaded from `a`: byte loads of a 16-byte store
+      // that is still in flight cost more than shifts.
+      const uint64_t w0 = static_cast<uint64_t>(_mm_cvtsi128_si64(va));
+      const uint64_t w1 = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_unpackhi_epi64(va, va)));
+      for (int j = 0; j < 8; ++j) ++hist[j][(w0 >> (8 * j)) & 0xFF];
+      for (int j = 0; j < 8; ++j) ++hist[j][(w1 >> (8 * j)) & 0xFF];
+    }
   }
   if (i != 0) {
     alignas(16) uint8_t mn[16], mx[16];
@@ -91,24 +94,114 @@ PlaneRange SplitPlanesImpl(size_t n, const std::byte* in, uint8_t* a, uint8_t* b
     b[i] = static_cast<uint8_t>(bf16 ? ((v >> 8) & 0x80) | (v & 0x7F) : v);
     r.lo = std::min<uint32_t>(r.lo, a[i]);
     r.hi = std::max<uint32_t>(r.hi, a[i]);
-    ++hist[i % kHistTables][a[i]];
+    if constexpr (kCount) ++hist[i % kHistTables][a[i]];
   }
   return r;
 }
 
+// Counts into `hist` when it is not null (see SplitPlanesImpl).
 PlaneRange SplitPlanes(const SegmentShape& shape, const std::byte* in, uint8_t* a, uint8_t* b,
                        uint32_t (*hist)[256]) {
   const size_t n = shape.Elements();
-  return shape.dtype == numeric::kDtypeBf16 ? SplitPlanesImpl<true>(n, in, a, b, hist)
-                                            : SplitPlanesImpl<false>(n, in, a, b, hist);
+  const bool bf16 = shape.dtype == numeric::kDtypeBf16;
+  if (hist == nullptr) {
+    return bf16 ? SplitPlanesImpl<true, false>(n, in, a, b, hist)
+                : SplitPlanesImpl<false, false>(n, in, a, b, hist);
+  }
+  return bf16 ? SplitPlanesImpl<true, true>(n, in, a, b, hist)
+              : SplitPlanesImpl<false, true>(n, in, a, b, hist);
 }
 
-// The encoder's histogram tables (see SplitPlanes), per thread and all zero between calls.
-// Not inline: the caller keeps the address in a register instead of recomputing the
-// thread-local address inside its loops.
+// The split's histogram tables, per thread and all zero between calls. Not inline: the caller
+// keeps the address in a register instead of recomputing the thread-local address inside its
+// loops.
 __attribute__((noinline)) uint32_t (*HistTables())[256] {
   thread_local uint32_t hist[kHistTables][256] = {};
   return hist;
+}
+
+#define PROXIMA_LOSSLESS_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__)
+// With AVX2, plane ranges of at most this many symbols are counted after the split with vector
+// compares (CountNarrowAvx2) instead of by the split's table increments: real bf16 KV's
+// exponent planes span 12-21 symbols per segment (smollm2 test file, T = 16 and 64; a few
+// segments with zeros span up to 130), so nearly every segment takes that path.
+constexpr uint32_t kNarrowRange = 32;
+// Symbols counted per pass over plane A: 6 counters and 6 comparands stay in registers.
+constexpr uint32_t kPassSymbols = 6;
+
+// Adds to counts[s] the occurrences in a[0, n) of each s in [lo, lo + w) (w <= kNarrowRange),
+// kPassSymbols symbols per pass, 32 bytes per step: per step a load and two vector operations
+// per symbol instead of a memory increment per byte (with SSE2's 16-byte vectors this was
+// slower than the split's increments, so the generic build keeps those). Written with GCC's
+// generic vectors, compiled to AVX2 in its target("avx2") caller. The byte counters are summed
+// before they can wrap, every 255 steps. A pass's comparands past lo + w (which may wrap to
+// other symbols) are counted and dropped.
+PROXIMA_LOSSLESS_INLINE void CountNarrowImpl(const uint8_t* a, size_t n, uint32_t lo, uint32_t w,
+                                             uint64_t* counts) {
+  constexpr size_t kBytes = 32;
+  typedef uint8_t V __attribute__((vector_size(kBytes)));
+  constexpr size_t kChunk = 255 * kBytes;
+  const size_t body = n - n % kBytes;
+  for (uint32_t s0 = 0; s0 < w; s0 += kPassSymbols) {
+    V sym[kPassSymbols];
+    for (uint32_t g = 0; g < kPassSymbols; ++g) {
+      uint8_t splat[kBytes];
+      std::memset(splat, static_cast<int>((lo + s0 + g) & 0xFF), kBytes);
+      std::memcpy(&sym[g], splat, kBytes);
+    }
+    for (size_t c0 = 0; c0 < body; c0 += kChunk) {
+      const size_t c1 = body - c0 < kChunk ? body : c0 + kChunk;
+      V cnt[kPassSymbols] = {};
+      for (size_t i = c0; i < c1; i += kBytes) {
+        V v;
+        std::memcpy(&v, a + i, kBytes);
+        // A true lane compares as -1.
+        for (uint32_t g = 0; g < kPassSymbols; ++g) cnt[g] -= reinterpret_cast<V>(v == sym[g]);
+      }
+      for (uint32_t g = 0; g < kPassSymbols && s0 + g < w; ++g) {
+        uint64_t word[kBytes / 8];
+        std::memcpy(word, &cnt[g], kBytes);
+        uint64_t sum = 0;
+        for (uint64_t x : word) {  // bytes to 16-bit lanes, then the four lanes (< 2^11 each)
+          x = (x & 0x00FF00FF00FF00FFu) + ((x >> 8) & 0x00FF00FF00FF00FFu);
+          sum += (x * 0x0001000100010001u) >> 48;
+        }
+        counts[lo + s0 + g] += sum;
+      }
+    }
+  }
+  for (size_t i = body; i < n; ++i) ++counts[a[i]];
+}
+
+// Only when CpuHasAvx2().
+__attribute__((target("avx2"))) void CountNarrowAvx2(const uint8_t* a, size_t n, uint32_t lo,
+                                                     uint32_t w, uint64_t* counts) {
+  CountNarrowImpl(a, n, lo, w, counts);
+}
+#endif
+
+// counts[lo..hi] = the occurrences of each symbol in a[0, n) (lo <= hi: n > 0), for the AVX2
+// encoder, whose split does not count.
+void CountSymbolsAvx2(const uint8_t* a, size_t n, uint32_t lo, uint32_t hi, uint64_t* counts) {
+  for (uint32_t s = lo; s <= hi; ++s) counts[s] = 0;
+#if defined(__x86_64__)
+  if (hi - lo < kNarrowRange) return CountNarrowAvx2(a, n, lo, hi - lo + 1, counts);
+#endif
+  // Wide ranges (rare in KV data): four tables, so that a run of one symbol is not one chain
+  // of dependent increments.
+  uint32_t t[4][256];
+  for (auto& row : t) std::fill(row + lo, row + hi + 1, 0u);
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    ++t[0][a[i]];
+    ++t[1][a[i + 1]];
+    ++t[2][a[i + 2]];
+    ++t[3][a[i + 3]];
+  }
+  for (; i < n; ++i) ++t[0][a[i]];
+  for (uint32_t s = lo; s <= hi; ++s) counts[s] = uint64_t{t[0][s]} + t[1][s] + t[2][s] + t[3][s];
 }
 
 // Writes value i from a[i] and b[i]. Also correct in place with `a` at byte n of `out` (the
@@ -323,8 +416,6 @@ void CanonicalCodes(const uint8_t* len, uint32_t lo, uint32_t hi, uint32_t* code
     len32[s] = len[s];
   }
 }
-
-#define PROXIMA_LOSSLESS_INLINE inline __attribute__((always_inline))
 
 // One stream's bit writer: MSB first, `acc` holds the pending bits in its low `bits` bits (bits
 // above are stale), fewer than 8 between flushes.
@@ -592,25 +683,33 @@ absl::Status DecodeHuffman(const SegmentShape& shape, const uint8_t* const base,
 void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string* payload,
                     bool bmi2) {
   const size_t n = shape.Elements();
+  // Bytes one stream can take: ceil(n / 4) codes of <= kMaxCodeBits bits.
+  const size_t stream_cap = ((n + kStreams - 1) / kStreams * kMaxCodeBits + 7) / 8;
+  constexpr size_t kMaxHead = 3 + 128 + 4 * kStreams;  // mode, lo, hi, nibbles, stream sizes
   std::unique_ptr<uint8_t[]> big;
-  // Plane A, plane B, then room for the mode-2 header and streams (< n + 1 bytes when used)
-  // plus 8 bytes after each stream for the writers' word stores.
-  uint8_t* const a = EncoderScratch(3 * n + 64, &big);
+  // Plane A, plane B, the mode-2 header, then each stream's room plus 8 bytes for its writer's
+  // word stores.
+  uint8_t* const a = EncoderScratch(2 * n + kMaxHead + kStreams * (stream_cap + 8), &big);
   uint8_t* const b = a + n;
-  // Histograms by position mod 8 (stream k = tables k and k + 4; see SplitPlanes), per thread
-  // and zero between calls: each call clears only the rows of its range, not all 8 KiB (which
-  // costs something next to a 16-token segment's few thousand values).
-  uint32_t (*const hist)[256] = HistTables();
+  // The BMI2 build goes with the SIMD paths (codec.cc: UseBmi2), so it counts plane A with
+  // AVX2 where the CPU has it; the counts, and so the bytes, are the same either way.
+  const bool avx2 = bmi2 && CpuHasAvx2();
+  // Without AVX2 the split counts into histograms by position mod 8, per thread and zero
+  // between calls: each call clears only the rows of its range, not all 8 KiB (which costs
+  // something next to a 16-token segment's few thousand values).
+  uint32_t (*const hist)[256] = avx2 ? nullptr : HistTables();
   const PlaneRange range = SplitPlanes(shape, in, a, b, hist);
   const uint32_t lo = range.lo, hi = range.hi;
-  uint64_t counts[256], stream_counts[kStreams][256];
+  uint64_t counts[256];
   uint32_t present = 0;
+  if (avx2 && lo <= hi) CountSymbolsAvx2(a, n, lo, hi, counts);
   for (uint32_t s = lo; s <= hi; ++s) {
-    counts[s] = 0;
-    for (int k = 0; k < kStreams; ++k) {
-      stream_counts[k][s] = uint64_t{hist[k][s]} + hist[k + kStreams][s];
-      counts[s] += stream_counts[k][s];
-      hist[k][s] = hist[k + kStreams][s] = 0;
+    if (!avx2) {
+      counts[s] = 0;
+      for (int t = 0; t < kHistTables; ++t) {
+        counts[s] += hist[t][s];
+        hist[t][s] = 0;
+      }
     }
     present += counts[s] != 0;
   }
@@ -621,29 +720,38 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     payload->append(reinterpret_cast<const char*>(b), n);
     return;
   }
-  size_t coded = 0;  // mode 2 bytes after the mode byte
+  // Mode 2 unless its payload (after the mode byte) would take n bytes or more. Its stream
+  // sizes are those the writer ends at; the total bits rule the mode out without writing when
+  // even their sum's bytes are too many (the streams' byte sizes add up to at least that).
+  const size_t head_bytes = 2 + (hi - lo + 2) / 2 + 4 * kStreams;
   uint32_t code[256], len32[256];
-  size_t size[kStreams] = {};
   uint8_t len[256];
+  uint8_t* const head = b + n;
+  BitWriter w[kStreams];
+  size_t coded = 0;  // mode 2 bytes after the mode byte
   if (present >= 2) {
     HuffmanLengths(counts, lo, hi, len);
-    CanonicalCodes(len, lo, hi, code, len32);
-    for (int k = 0; k < kStreams; ++k) {
-      uint64_t bits = 0;
-      for (uint32_t s = lo; s <= hi; ++s) bits += stream_counts[k][s] * len[s];
-      size[k] = (bits + 7) / 8;
+    uint64_t bits = 0;
+    for (uint32_t s = lo; s <= hi; ++s) bits += counts[s] * len[s];
+    if (head_bytes + (bits + 7) / 8 < n) {
+      CanonicalCodes(len, lo, hi, code, len32);
+      uint8_t* p = head + 1 + head_bytes;
+      for (int k = 0; k < kStreams; ++k, p += stream_cap + 8) w[k].dst = p;
+      (bmi2 ? EncodeStreamsBmi2 : EncodeStreamsGeneric)(a, n, code, len32, w);
+      coded = head_bytes;
+      for (int k = 0; k < kStreams; ++k) {
+        coded += w[k].dst - (head + 1 + head_bytes + k * (stream_cap + 8));
+      }
     }
-    coded = 2 + (hi - lo + 2) / 2 + 4 * kStreams + size[0] + size[1] + size[2] + size[3];
   }
-  if (present < 2 || coded >= n) {  // mode 0: plane A stored
+  if (coded == 0 || coded >= n) {  // mode 0: plane A stored
     payload->reserve(base + 1 + 2 * n);
     payload->push_back(0);
     payload->append(reinterpret_cast<const char*>(a), 2 * n);  // a and b are adjacent
     return;
   }
-  // Header and streams go to scratch and are appended with plane B: growing the payload with
-  // resize() would first zero what is then overwritten.
-  uint8_t* const head = b + n;
+  // The header goes to scratch and is appended with the streams and plane B: growing the
+  // payload with resize() would first zero what is then overwritten.
   uint8_t* p = head;
   *p++ = 2;
   *p++ = static_cast<uint8_t>(lo);
@@ -653,23 +761,18 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
     p[(s - lo) / 2] |= static_cast<uint8_t>(len[s] << (4 * ((s - lo) & 1)));
   }
   p += (hi - lo + 2) / 2;
-  for (int k = 0; k < kStreams; ++k, p += 4) {
+  const uint8_t* stream = head + 1 + head_bytes;
+  size_t size[kStreams];
+  for (int k = 0; k < kStreams; ++k, p += 4, stream += stream_cap + 8) {
+    size[k] = w[k].dst - stream;
     const uint32_t v = static_cast<uint32_t>(size[k]);
     std::memcpy(p, &v, 4);
   }
-  // The streams are written at once, each followed by 8 spare bytes for its writer's word
-  // stores, and appended without the gaps.
-  const uint8_t* const head_end = p;
-  BitWriter w[kStreams];
-  for (int k = 0; k < kStreams; ++k) {
-    w[k].dst = p;
-    p += size[k] + 8;
-  }
-  (bmi2 ? EncodeStreamsBmi2 : EncodeStreamsGeneric)(a, n, code, len32, w);
   payload->reserve(base + 1 + coded + n);
-  payload->append(reinterpret_cast<const char*>(head), head_end - head);
-  for (int k = 0; k < kStreams; ++k) {
-    payload->append(reinterpret_cast<const char*>(w[k].dst - size[k]), size[k]);
+  payload->append(reinterpret_cast<const char*>(head), p - head);
+  stream = head + 1 + head_bytes;
+  for (int k = 0; k < kStreams; ++k, stream += stream_cap + 8) {
+    payload->append(reinterpret_cast<const char*>(stream), size[k]);
   }
   payload->append(reinterpret_cast<const char*>(b), n);
 }
