@@ -1,5 +1,6 @@
 // The `lossless` segment codec (kernels/internal/lossless.cc) on its own: round trips of
-// adversarial planes through both builds (generic and BMI2, which must write identical bytes),
+// adversarial planes through both builds (generic and BMI2, which must write identical bytes;
+// on AVX2 CPUs the BMI2 build also counts plane A and writes narrow-range streams with AVX2),
 // the mode each input gets, hostile mode-2 payloads, and blocks written by the earlier rANS
 // encoder (mode 1), which must still decode.
 #include <cstring>

@@ -12,6 +12,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "kernels/internal/numeric.h"
@@ -447,10 +450,13 @@ PROXIMA_LOSSLESS_INLINE void Flush(BitWriter& w) {
 // between them. One 4-byte load per round of four symbols, and four independent bit chains
 // (the writer of one stream at a time was one chain through `acc`, a stride-4 byte load per
 // symbol and a pass over plane A per stream).
+//
+// `start` (a multiple of 4) is where to begin: the AVX2 writer hands its tail over.
 PROXIMA_LOSSLESS_INLINE void EncodeStreamsImpl(const uint8_t* a, size_t n, const uint32_t* code,
-                                               const uint32_t* len, BitWriter* w) {
+                                               const uint32_t* len, BitWriter* w,
+                                               size_t start = 0) {
   BitWriter w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];  // locals: the stores may alias
-  size_t i = 0;
+  size_t i = start;
   for (; i + 20 <= n; i += 20) {  // 5 codes of <= 11 bits + 7 left over < 64 per stream
     // Not unrolled: unrolled, GCC 12 hoists all 20 table loads and spills them to the stack.
 #pragma GCC unroll 1
@@ -604,6 +610,109 @@ void DecodeSymbolsBmi2(BitReader* r, size_t n, const uint16_t* tab, const uint8_
 }
 #endif
 
+#if defined(__x86_64__)
+// The stream writer for narrow ranges (hi - lo < kNarrowRange) on AVX2 CPUs: 16 symbols per
+// step, four of each stream, with the four streams' accumulators in the 64-bit lanes of one
+// register. Codes and lengths come from 32-entry byte tables (pshufb on the low and high 16
+// entries, blended on bit 4 of symbol - lo); each stream's four codes are joined into one of
+// at most 44 bits (two variable shifts: pairs in 32-bit lanes, then pairs of pairs in 64-bit
+// lanes), appended with one more shift, and flushed like Flush() (whole bytes, an 8-byte
+// store per stream: at most 7 + 44 bits pending). The same bits as EncodeStreamsImpl, which
+// writes the tail. Only when CpuHasAvx2() (and so BMI2).
+PROXIMA_LOSSLESS_INLINE __m128i Load16Bytes(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// Entry x (< 32) of the 32-byte table t0 ++ t1; `upper` is x > 15 per byte.
+PROXIMA_LOSSLESS_INLINE __attribute__((target("avx2"))) __m128i Look32(__m128i t0, __m128i t1,
+                                                                       __m128i x, __m128i upper) {
+  return _mm_blendv_epi8(_mm_shuffle_epi8(t0, x), _mm_shuffle_epi8(t1, x), upper);
+}
+
+__attribute__((target("avx2,bmi2"))) void EncodeStreamsAvx2(const uint8_t* a, size_t n,
+                                                            uint32_t lo, uint32_t hi,
+                                                            const uint32_t* code,
+                                                            const uint32_t* len, BitWriter* w) {
+  alignas(16) uint8_t t_len[kNarrowRange] = {}, t_code_lo[kNarrowRange] = {},
+                      t_code_hi[kNarrowRange] = {};
+  for (uint32_t s = lo; s <= hi; ++s) {
+    t_len[s - lo] = static_cast<uint8_t>(len[s]);
+    t_code_lo[s - lo] = static_cast<uint8_t>(code[s]);
+    t_code_hi[s - lo] = static_cast<uint8_t>(code[s] >> 8);
+  }
+  const __m128i len0 = Load16Bytes(t_len), len1 = Load16Bytes(t_len + 16);
+  const __m128i clo0 = Load16Bytes(t_code_lo), clo1 = Load16Bytes(t_code_lo + 16);
+  const __m128i chi0 = Load16Bytes(t_code_hi), chi1 = Load16Bytes(t_code_hi + 16);
+  const __m128i bias = _mm_set1_epi8(static_cast<char>(lo)), fifteen = _mm_set1_epi8(15);
+  // Reverses the bytes of each 64-bit lane (the MSB-first byte order of Flush's bswap).
+  const __m256i bswap = _mm256_setr_epi8(7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                         6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8);
+  const __m256i sixty_four = _mm256_set1_epi64x(64), seven = _mm256_set1_epi64x(7);
+  __m256i acc = _mm256_setr_epi64x(static_cast<int64_t>(w[0].acc), static_cast<int64_t>(w[1].acc),
+                                   static_cast<int64_t>(w[2].acc), static_cast<int64_t>(w[3].acc));
+  __m256i bits = _mm256_setr_epi64x(w[0].bits, w[1].bits, w[2].bits, w[3].bits);
+  uint8_t *d0 = w[0].dst, *d1 = w[1].dst, *d2 = w[2].dst, *d3 = w[3].dst;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i x = _mm_sub_epi8(Load16Bytes(a + i), bias);  // 0..31
+    const __m128i upper = _mm_cmpgt_epi8(x, fifteen);
+    const __m128i l8 = Look32(len0, len1, x, upper);
+    const __m128i clo = Look32(clo0, clo1, x, upper), chi = Look32(chi0, chi1, x, upper);
+    // 32-bit lanes: symbols 0-7 (ca, la) and 8-15 (cb, lb).
+    const __m256i ca = _mm256_cvtepu16_epi32(_mm_unpacklo_epi8(clo, chi));
+    const __m256i cb = _mm256_cvtepu16_epi32(_mm_unpackhi_epi8(clo, chi));
+    const __m256i la = _mm256_cvtepu8_epi32(l8);
+    const __m256i lb = _mm256_cvtepu8_epi32(_mm_srli_si128(l8, 8));
+    // Lane k < 4: symbols k then k + 4; lane 4 + k: symbols 8 + k then 12 + k (stream k).
+    const __m256i c1 = _mm256_permute2x128_si256(ca, cb, 0x20);
+    const __m256i c2 = _mm256_permute2x128_si256(ca, cb, 0x31);
+    const __m256i l1 = _mm256_permute2x128_si256(la, lb, 0x20);
+    const __m256i l2 = _mm256_permute2x128_si256(la, lb, 0x31);
+    const __m256i pc = _mm256_or_si256(_mm256_sllv_epi32(c1, l2), c2);  // <= 22 bits
+    const __m256i pl = _mm256_add_epi32(l1, l2);
+    // 64-bit lane k: stream k's four codes in order.
+    const __m256i pl_first = _mm256_cvtepu32_epi64(_mm256_castsi256_si128(pl));
+    const __m256i pl_second = _mm256_cvtepu32_epi64(_mm256_extracti128_si256(pl, 1));
+    const __m256i qc = _mm256_or_si256(
+        _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(pc)), pl_second),
+        _mm256_cvtepu32_epi64(_mm256_extracti128_si256(pc, 1)));
+    const __m256i ql = _mm256_add_epi64(pl_first, pl_second);
+    acc = _mm256_or_si256(_mm256_sllv_epi64(acc, ql), qc);
+    bits = _mm256_add_epi64(bits, ql);
+    // Flush (a shift by 64 gives 0 here, where Flush's shift would be undefined).
+    const __m256i out =
+        _mm256_shuffle_epi8(_mm256_sllv_epi64(acc, _mm256_sub_epi64(sixty_four, bits)), bswap);
+    const __m128i out01 = _mm256_castsi256_si128(out), out23 = _mm256_extracti128_si256(out, 1);
+    const uint64_t o0 = static_cast<uint64_t>(_mm_cvtsi128_si64(out01));
+    const uint64_t o1 = static_cast<uint64_t>(_mm_extract_epi64(out01, 1));
+    const uint64_t o2 = static_cast<uint64_t>(_mm_cvtsi128_si64(out23));
+    const uint64_t o3 = static_cast<uint64_t>(_mm_extract_epi64(out23, 1));
+    std::memcpy(d0, &o0, 8);
+    std::memcpy(d1, &o1, 8);
+    std::memcpy(d2, &o2, 8);
+    std::memcpy(d3, &o3, 8);
+    const __m256i whole = _mm256_srli_epi64(bits, 3);
+    const __m128i whole01 = _mm256_castsi256_si128(whole);
+    const __m128i whole23 = _mm256_extracti128_si256(whole, 1);
+    d0 += _mm_cvtsi128_si64(whole01);
+    d1 += _mm_extract_epi64(whole01, 1);
+    d2 += _mm_cvtsi128_si64(whole23);
+    d3 += _mm_extract_epi64(whole23, 1);
+    bits = _mm256_and_si256(bits, seven);
+  }
+  alignas(32) uint64_t acc_out[4], bits_out[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(acc_out), acc);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bits_out), bits);
+  uint8_t* const d[kStreams] = {d0, d1, d2, d3};
+  for (int k = 0; k < kStreams; ++k) {
+    w[k].acc = acc_out[k];
+    w[k].bits = static_cast<uint32_t>(bits_out[k]);
+    w[k].dst = d[k];
+  }
+  EncodeStreamsImpl(a, n, code, len, w, i);
+}
+#endif
+
 // Mode 2: `p` is just past the mode byte. Plane A is decoded into the upper half of `out` and
 // merged with plane B in place.
 absl::Status DecodeHuffman(const SegmentShape& shape, const uint8_t* const base, size_t p,
@@ -737,7 +846,15 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
       CanonicalCodes(len, lo, hi, code, len32);
       uint8_t* p = head + 1 + head_bytes;
       for (int k = 0; k < kStreams; ++k, p += stream_cap + 8) w[k].dst = p;
+#if defined(__x86_64__)
+      if (avx2 && hi - lo < kNarrowRange) {
+        EncodeStreamsAvx2(a, n, lo, hi, code, len32, w);
+      } else {
+        (bmi2 ? EncodeStreamsBmi2 : EncodeStreamsGeneric)(a, n, code, len32, w);
+      }
+#else
       (bmi2 ? EncodeStreamsBmi2 : EncodeStreamsGeneric)(a, n, code, len32, w);
+#endif
       coded = head_bytes;
       for (int k = 0; k < kStreams; ++k) {
         coded += w[k].dst - (head + 1 + head_bytes + k * (stream_cap + 8));
