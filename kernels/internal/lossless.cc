@@ -4,6 +4,11 @@
 // chains at once and the encoder needs no division or multiply per symbol (docs/decisions.md:
 // "lossless: Huffman instead of rANS"). Mode 1 (4-way interleaved order-0 rANS, what the
 // encoder wrote before) is still decoded, so stored blocks stay readable.
+//
+// Encoder builds (the same bytes from each): generic (SSE2 split that also counts plane A,
+// scalar stream writer), BMI2 (the same source with BMI2), and on AVX2 CPUs, for plane ranges
+// of at most 32 symbols (nearly every KV segment), AVX2 compare counting and an AVX2 writer
+// that codes 16 symbols per step (CountNarrowAvx2, EncodeStreamsAvx2).
 #include <algorithm>
 #include <array>
 #include <cstring>
