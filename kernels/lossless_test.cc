@@ -1,5 +1,6 @@
 // The `lossless` segment codec (kernels/internal/lossless.cc) on its own: round trips of
-// adversarial planes through both builds (generic and BMI2, which must write identical bytes),
+// adversarial planes through both builds (generic and BMI2, which must write identical bytes;
+// on AVX2 CPUs the BMI2 build also counts plane A and writes narrow-range streams with AVX2),
 // the mode each input gets, hostile mode-2 payloads, and blocks written by the earlier rANS
 // encoder (mode 1), which must still decode.
 #include <cstring>
@@ -144,7 +145,14 @@ TEST(LosslessSegmentTest, ModesFollowTheData) {
 // Inputs come from std::mt19937's raw output only (no std distribution, whose output the
 // standard leaves to the library).
 TEST(LosslessSegmentTest, EncodedBytesMatchThePinnedEncoder) {
-  enum Kind { kPeaked, kEveryByte, kFibonacci, kRandom, kTwoValues, kWithZeros };
+  // The kinds from kWidth32 on were added with the encoder that counts plane A with vector
+  // compares when its range spans at most 32 symbols (their CRCs written by the encoder before
+  // it, commit 621ed35): ranges of exactly 32 and 33 symbols, ranges at both ends of the byte
+  // (Inf/NaN exponents, zeros and subnormals), and sizes where the mode-2 size lands next to n.
+  enum Kind {
+    kPeaked, kEveryByte, kFibonacci, kRandom, kTwoValues, kWithZeros,
+    kWidth32, kWidth33, kTopEnd, kBottomEnd, kNearStored,
+  };
   struct Expected {
     Kind kind;
     const char* name;
@@ -154,13 +162,23 @@ TEST(LosslessSegmentTest, EncodedBytesMatchThePinnedEncoder) {
       {kPeaked, "peaked", 4294598034u},    {kEveryByte, "every byte", 2748740228u},
       {kFibonacci, "fibonacci", 3905524103u}, {kRandom, "random", 2239792657u},
       {kTwoValues, "two values", 3211122732u}, {kWithZeros, "zeros", 853976269u},
+      {kWidth32, "32 symbols", 1252862660u},  {kWidth33, "33 symbols", 576778032u},
+      {kTopEnd, "top end", 678882542u},       {kBottomEnd, "bottom end", 180645928u},
+      {kNearStored, "near stored", 2767861462u},
   };
   for (const Expected& e : kExpected) {
     std::mt19937 rng(5 + static_cast<uint32_t>(e.kind));
     uint32_t crc = 0;
     for (uint8_t dtype : {numeric::kDtypeBf16, numeric::kDtypeFp16}) {
-      for (size_t n : {1, 2, 3, 5, 15, 16, 17, 19, 20, 21, 31, 39, 40, 41, 57, 63, 64, 65, 99,
-                       255, 1001, 3072, 4099, 12288, 12289, 50000}) {
+      std::vector<size_t> sizes = {1,  2,  3,  5,  15,  16,   17,   19,   20,    21,    31,   39, 40,
+                                   41, 57, 63, 64, 65, 99, 255, 1001, 3072, 4099, 12288, 12289, 50000};
+      if (e.kind >= kWidth32) {
+        // More small sizes. Two-symbol planes (kNearStored) are mode 0 up to n = 23 (at 23
+        // only the exact per-stream sizes say so: the total bits alone would allow mode 2) and
+        // mode 2 from 24.
+        for (size_t n : {22, 23, 24, 25, 26, 32, 33, 47, 48, 49}) sizes.push_back(n);
+      }
+      for (size_t n : sizes) {
         std::vector<uint16_t> v(n);
         uint64_t f0 = 1, f1 = 1, left = 1;
         uint8_t fib_sym = 90;
@@ -193,10 +211,28 @@ TEST(LosslessSegmentTest, EncodedBytesMatchThePinnedEncoder) {
             case kWithZeros:  // zero values (plane A 0) next to a peaked range
               a = (r >> 20) % 4 == 0 ? 0 : static_cast<uint8_t>(120 + __builtin_popcount(r & 0xFF));
               break;
+            case kWidth32:  // 200..231, every one present from a few hundred values on
+              a = static_cast<uint8_t>(200 + (r >> 27));
+              break;
+            case kWidth33:
+              a = static_cast<uint8_t>(200 + (r >> 8) % 33);
+              break;
+            case kTopEnd:  // 255 (bf16 Inf/NaN) down to 224, peaked near the top
+              a = (r >> 28) == 0 ? 224 : static_cast<uint8_t>(255 - __builtin_popcount(r & 0x3FF));
+              break;
+            case kBottomEnd:  // 0 (zeros, subnormals) up to 31
+              a = (r >> 28) == 0 ? 31 : static_cast<uint8_t>(__builtin_popcount(r & 0x3FF));
+              break;
+            case kNearStored:
+              a = (r >> 8) % 2 == 0 ? 127 : 126;
+              break;
           }
           v[i] = WithPlaneA(dtype, a, r);
         }
         std::string p = RoundTrip(Shape(n, dtype), v);
+        if (e.kind == kNearStored && (n == 23 || n == 24)) {
+          EXPECT_EQ(p[0], n == 23 ? 0 : 2) << "n " << n;
+        }
         crc = Crc32cExtend(crc, Bytes(p));
       }
     }
