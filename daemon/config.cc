@@ -589,11 +589,11 @@ absl::Status ResolvePeerTls(Reader& r, const TlsConfig& server, PeerTlsConfig* t
 // The `cluster` section.
 absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tls,
                           ClusterConfig* out) {
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
-      node, "cluster",
-      {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh", "health_interval",
-       "health_timeout", "failures_before_down", "peer_deadline", "peer_token", "spill",
-       "transport", "receive_pool_bytes", "tls"}));
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(node, "cluster",
+                  {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh",
+                   "health_interval", "health_timeout", "failures_before_down", "peer_deadline",
+                   "peer_token", "spill", "transport", "receive_pool_bytes", "tls"}));
   if (!node || !node.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(r.Bool(node["enabled"], "cluster.enabled", &out->enabled));
   PROXIMA_RETURN_IF_ERROR(r.String(node["advertise"], "cluster.advertise", &out->advertise));

@@ -391,7 +391,8 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                                     "cluster.peer_token={env: PEER_TOKEN}"}));
   EXPECT_EQ(s.cluster.peer_token_env, "PEER_TOKEN");
   // 0 turns the receive pool off (a buffer per call).
-  ASSERT_OK_AND_ASSIGN(DaemonConfig nopool, ParseConfig("cluster: {receive_pool_bytes: 0}", "p", {}));
+  ASSERT_OK_AND_ASSIGN(DaemonConfig nopool,
+                       ParseConfig("cluster: {receive_pool_bytes: 0}", "p", {}));
   EXPECT_EQ(nopool.cluster.receive_pool_bytes, 0u);
 }
 

@@ -9,8 +9,8 @@
 
 namespace proxima::daemon::cluster {
 
-PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena,
-                 uint64_t receive_pool_bytes, metrics::Registry* registry)
+PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena, uint64_t receive_pool_bytes,
+                 metrics::Registry* registry)
     : worker_(worker), arena_(arena), pool_(worker, receive_pool_bytes, registry) {
   bytes_in_ = metrics::TransferBytes(registry, "peer_ucx", "in");
   bytes_out_ = metrics::TransferBytes(registry, "peer_ucx", "out");
@@ -98,8 +98,8 @@ void PeerUcx::DescribeArena(v1::StoreBlocksRequest* request) const {
 }
 
 absl::Status PeerUcx::Read(const std::string& worker_address, const std::string& rkey,
-                           uint64_t registration_id, const std::vector<Pull>& pulls, std::shared_ptr<const void> keep_alive,
-                           absl::Time deadline) {
+                           uint64_t registration_id, const std::vector<Pull>& pulls,
+                           std::shared_ptr<const void> keep_alive, absl::Time deadline) {
   std::vector<ucx::Op> ops;
   uint64_t bytes = 0;
   for (const Pull& p : pulls) {
@@ -108,15 +108,15 @@ absl::Status PeerUcx::Read(const std::string& worker_address, const std::string&
     bytes += p.local.size();
   }
   if (ops.empty()) return absl::OkStatus();
-  PROXIMA_RETURN_IF_ERROR(Run(worker_address, rkey, registration_id, std::move(ops),
-                              std::move(keep_alive), deadline));
+  PROXIMA_RETURN_IF_ERROR(
+      Run(worker_address, rkey, registration_id, std::move(ops), std::move(keep_alive), deadline));
   bytes_in_->Increment(bytes);
   return absl::OkStatus();
 }
 
 absl::Status PeerUcx::Run(const std::string& address, const std::string& rkey,
-                          uint64_t registration_id, std::vector<ucx::Op> ops, std::shared_ptr<const void> keep_alive,
-                          absl::Time deadline) {
+                          uint64_t registration_id, std::vector<ucx::Op> ops,
+                          std::shared_ptr<const void> keep_alive, absl::Time deadline) {
   if (rkey.empty() || rkey.size() > ucx::kMaxPackedRkeyBytes) {
     return absl::InvalidArgumentError(absl::StrCat("ucx_rkey is ", rkey.size(),
                                                    " bytes; expected 1 to ",
@@ -129,8 +129,8 @@ absl::Status PeerUcx::Run(const std::string& address, const std::string& rkey,
   }
   const std::string rkeys[] = {rkey};
   const uint64_t ids[] = {registration_id};
-  absl::Status status = worker_->Transfer(**ep, rkeys, std::move(ops), std::move(keep_alive),
-                                          deadline, ids);
+  absl::Status status =
+      worker_->Transfer(**ep, rkeys, std::move(ops), std::move(keep_alive), deadline, ids);
   if (absl::IsInvalidArgument(status)) return status;  // an rkey that does not unpack
   if (!status.ok()) {
     Drop(address);

@@ -56,14 +56,13 @@ class PeerUcx {
   // the receive pool. The buffer returns to the pool when its last handle is dropped.
   using ReceiveBuffer = ReceivePool::Buffer;
   absl::StatusOr<std::shared_ptr<const ReceiveBuffer>> NewReceiveBuffer(size_t slots,
-                                                                       size_t slot_bytes) {
+                                                                        size_t slot_bytes) {
     return pool_.Get(slots, slot_bytes);
   }
   // Keeps the buffer of a failed call out of the pool until `until` (ReceivePool::Quarantine).
   void Quarantine(std::shared_ptr<const ReceiveBuffer> buffer, absl::Time until) {
     pool_.Quarantine(std::move(buffer), until);
   }
-  const ReceivePool& pool() const { return pool_; }
   // Names `buffer` in `request` (the ucx_* fields).
   void Describe(const ReceiveBuffer& buffer, v1::FetchBlocksRequest* request) const;
 
@@ -87,8 +86,8 @@ class PeerUcx {
     std::span<std::byte> local;
   };
   absl::Status Read(const std::string& worker_address, const std::string& rkey,
-                    uint64_t registration_id, const std::vector<Pull>& pulls, std::shared_ptr<const void> keep_alive,
-                    absl::Time deadline);
+                    uint64_t registration_id, const std::vector<Pull>& pulls,
+                    std::shared_ptr<const void> keep_alive, absl::Time deadline);
 
   // Counts bytes that arrived through a receive buffer (fetch) or a pull (spill).
   void CountIn(uint64_t bytes) { bytes_in_->Increment(bytes); }

@@ -142,9 +142,18 @@ absl::StatusOr<std::shared_ptr<const ReceivePool::Buffer>> ReceivePool::Get(size
   buffer->slot_bytes_ = slot_bytes;
   buffer->slots_ = pooled ? class_slots : slots;
   buffer->pooled_ = pooled;
-  buffer->data_.reset(new std::byte[buffer->bytes()]);
-  PROXIMA_ASSIGN_OR_RETURN(buffer->registration_,
-                           state_->worker->Register(buffer->data_.get(), buffer->bytes()));
+  if (pooled) {
+    // Memory UCX chose: over shared memory the holder maps it once and then writes it directly
+    // (with the unpacked key kept by registration id); heap memory would take UCX's slower
+    // path there. Not for a buffer of one call, whose mapping would be paid per call.
+    PROXIMA_ASSIGN_OR_RETURN(buffer->registration_, state_->worker->Allocate(buffer->bytes()));
+    buffer->data_ = static_cast<std::byte*>(buffer->registration_->address());
+  } else {
+    buffer->heap_.reset(new std::byte[buffer->bytes()]);
+    buffer->data_ = buffer->heap_.get();
+    PROXIMA_ASSIGN_OR_RETURN(buffer->registration_,
+                             state_->worker->Register(buffer->data_, buffer->bytes()));
+  }
   state_->allocated.fetch_add(1);
   return handle(std::move(buffer));
 }

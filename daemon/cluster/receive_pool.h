@@ -37,9 +37,9 @@ class ReceivePool {
   class Buffer {
    public:
     std::span<const std::byte> Slot(size_t i, size_t size) const {
-      return {data_.get() + i * slot_bytes_, size};
+      return {data_ + i * slot_bytes_, size};
     }
-    const std::byte* data() const { return data_.get(); }
+    const std::byte* data() const { return data_; }
     size_t slot_bytes() const { return slot_bytes_; }
     size_t slots() const { return slots_; }  // at least as many as asked for
     size_t bytes() const { return slots_ * slot_bytes_; }
@@ -49,11 +49,12 @@ class ReceivePool {
 
    private:
     friend class ReceivePool;
-    std::unique_ptr<std::byte[]> data_;
+    std::byte* data_ = nullptr;
+    std::unique_ptr<std::byte[]> heap_;  // data_ of a buffer that is not pooled
     size_t slot_bytes_ = 0;
     size_t slots_ = 0;
     bool pooled_ = false;
-    std::shared_ptr<ucx::Registration> registration_;  // dropped before data_
+    std::shared_ptr<ucx::Registration> registration_;  // dropped before heap_
   };
 
   // `worker` must outlive every buffer. `registry` may be null (no metrics).
