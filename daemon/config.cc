@@ -98,6 +98,7 @@ cluster:                           # daemons of many nodes sharing their tiers (
   transport: grpc                  # block bytes between daemons: grpc | auto (UCX when
                                    # ucx.enabled and no server.tls) | ucx (also with TLS);
                                    # UCX only over RDMA transports (docs/cluster.md)
+  receive_pool_bytes: 256MiB       # over UCX: registered receive buffers kept for reuse
   spill:                           # cold blocks move to peers with room when this node is full
     enabled: true
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller
@@ -588,11 +589,11 @@ absl::Status ResolvePeerTls(Reader& r, const TlsConfig& server, PeerTlsConfig* t
 // The `cluster` section.
 absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tls,
                           ClusterConfig* out) {
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
-      node, "cluster",
-      {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh", "health_interval",
-       "health_timeout", "failures_before_down", "peer_deadline", "peer_token", "spill",
-       "transport", "tls"}));
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(node, "cluster",
+                  {"enabled", "advertise", "peers", "dns_name", "dns_port", "dns_refresh",
+                   "health_interval", "health_timeout", "failures_before_down", "peer_deadline",
+                   "peer_token", "spill", "transport", "receive_pool_bytes", "tls"}));
   if (!node || !node.IsMap()) return absl::OkStatus();
   PROXIMA_RETURN_IF_ERROR(r.Bool(node["enabled"], "cluster.enabled", &out->enabled));
   PROXIMA_RETURN_IF_ERROR(r.String(node["advertise"], "cluster.advertise", &out->advertise));
@@ -663,6 +664,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
     return r.Error("cluster.transport", out->transport,
                    "auto (UCX between daemons when ucx.enabled and no server.tls), grpc or ucx");
   }
+  PROXIMA_RETURN_IF_ERROR(r.Size(node["receive_pool_bytes"], "cluster.receive_pool_bytes", 0,
+                                 1ull << 40, &out->receive_pool_bytes));
   if (const YAML::Node spill = node["spill"]) {
     PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
                                         {"enabled", "threshold", "accept_below", "candidates"}));
@@ -1243,6 +1246,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "server_name" << YAML::Value << YAML::DoubleQuoted << k.tls.server_name;
   e << YAML::EndMap;
   e << YAML::Key << "transport" << YAML::Value << k.transport;
+  e << YAML::Key << "receive_pool_bytes" << YAML::Value << k.receive_pool_bytes;
   e << YAML::Key << "spill" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "enabled" << YAML::Value << k.spill_enabled;
   e << YAML::Key << "threshold" << YAML::Value << k.spill_threshold;

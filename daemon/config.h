@@ -166,6 +166,10 @@ struct ClusterConfig {
   // over UCX transports that emulate RMA (tcp, posix/sysv shared memory) UCX 1.13 aborts the
   // target process when its peer dies mid-transfer (docs/cluster.md).
   std::string transport = "grpc";
+  // Over UCX, the most bytes of registered receive buffers (of remote gets) kept idle for reuse
+  // by later gets; 0 allocates and registers a buffer per call. A buffer larger than this is
+  // allocated for its call alone.
+  uint64_t receive_pool_bytes = 256ull << 20;
   // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
   // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`

@@ -343,6 +343,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(d.cluster.spill_threshold, 0.9);
   EXPECT_EQ(d.cluster.spill_accept_below, 0.75);
   EXPECT_EQ(d.cluster.spill_candidates, 3u);
+  EXPECT_EQ(d.cluster.receive_pool_bytes, 256ull << 20);
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
       ParseConfig("cluster:\n"
@@ -357,6 +358,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                   "  failures_before_down: 5\n"
                   "  peer_deadline: 1.5s\n"
                   "  peer_token: {file: /etc/proxima/peer-token}\n"
+                  "  receive_pool_bytes: 64MiB\n"
                   "  spill: {enabled: false, threshold: 0.95, accept_below: 0.5, candidates: 2}\n",
                   "c", {}));
   EXPECT_TRUE(c.cluster.enabled);
@@ -369,6 +371,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(c.cluster.failures_before_down, 5u);
   EXPECT_EQ(c.cluster.peer_deadline_seconds, 1.5);
   EXPECT_EQ(c.cluster.peer_token_file, "/etc/proxima/peer-token");
+  EXPECT_EQ(c.cluster.receive_pool_bytes, 64ull << 20);
   // Rendered back (the token's path only), it parses to the same.
   ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
   EXPECT_EQ(again.cluster.peers, c.cluster.peers);
@@ -379,6 +382,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(again.cluster.spill_threshold, 0.95);
   EXPECT_EQ(again.cluster.spill_accept_below, 0.5);
   EXPECT_EQ(again.cluster.spill_candidates, 2u);
+  EXPECT_EQ(again.cluster.receive_pool_bytes, 64ull << 20);
   // --set works on the section like on any other.
   ASSERT_OK_AND_ASSIGN(DaemonConfig s,
                        ParseConfig("", "s",
@@ -386,6 +390,10 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                                     "cluster.peers=[127.0.0.1:7002]",
                                     "cluster.peer_token={env: PEER_TOKEN}"}));
   EXPECT_EQ(s.cluster.peer_token_env, "PEER_TOKEN");
+  // 0 turns the receive pool off (a buffer per call).
+  ASSERT_OK_AND_ASSIGN(DaemonConfig nopool,
+                       ParseConfig("cluster: {receive_pool_bytes: 0}", "p", {}));
+  EXPECT_EQ(nopool.cluster.receive_pool_bytes, 0u);
 }
 
 TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
@@ -437,6 +445,9 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"cluster: {spill: {ratio: 2}}", {"cluster.spill.ratio", "unknown"}},
       {"cluster: {spill: 3}", {"cluster.spill"}},
       {"cluster: {transport: rdma}", {"cluster.transport", "rdma", "auto", "grpc or ucx"}},
+      {"cluster: {receive_pool_bytes: 2TiB}",
+       {"cluster.receive_pool_bytes", "2TiB", "512MiB", "[0, 1099511627776] bytes"}},
+      {"cluster: {receive_pool_bytes: lots}", {"cluster.receive_pool_bytes", "lots"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.yaml);

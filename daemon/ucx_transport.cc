@@ -117,14 +117,16 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
   registry->AddGauge("proxima_ucx_endpoints", "UCX endpoints alive in the daemon's worker", {},
                      [w] { return static_cast<double>(w->live_endpoints()); });
   registry->AddGauge("proxima_ucx_registrations",
-                     "UCX memory registrations alive in the daemon (the host tier arena: 1)", {},
-                     [w] { return static_cast<double>(w->live_registrations()); });
+                     "UCX memory registrations alive in the daemon (the host tier arena, and the "
+                     "cluster's receive buffers)",
+                     {}, [w] { return static_cast<double>(w->live_registrations()); });
   registry->AddCounterFunction("proxima_ucx_peer_failures_total",
                                "UCX endpoints that failed because their peer did (monotonic)", {},
                                [w] { return static_cast<double>(w->peer_failures()); });
   registry->AddCounterFunction(
       "proxima_ucx_rkeys_unpacked_total",
-      "Remote keys of client buffers the daemon unpacked; each endpoint keeps the ones it uses, "
+      "Remote keys of client (and peer daemon) buffers the daemon unpacked; each endpoint keeps "
+      "the ones it uses, "
       "so this grows with new buffers, not with calls",
       {}, [w] { return static_cast<double>(w->rkeys_unpacked()); });
   t->bytes_in_ = metrics::TransferBytes(registry, "ucx", "in");

@@ -146,7 +146,8 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
   // the operator asks for UCX by name.
   if (ucx != nullptr &&
       (c.transport == "ucx" || (c.transport == "auto" && !config.server.tls.enabled()))) {
-    cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), ucx->arena(), registry);
+    cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), ucx->arena(),
+                                              c.receive_pool_bytes, registry);
   }
   cluster->service_ = std::make_unique<PeerService>(
       core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
@@ -412,7 +413,8 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
       1, std::min<uint64_t>(core_->max_batch_blocks(),
                             (config_.server.max_message_bytes - 4096) / per_block));
   std::vector<std::unique_ptr<Call>> calls = CallsPerHolder<Call>(blocks, holders, self_, per_call);
-  // With UCX: one receive buffer per call, a slot per block, that the holder writes into.
+  // With UCX: one receive buffer per call (from the receive pool), a slot per block, that the
+  // holder writes into.
   std::vector<std::shared_ptr<const PeerUcx::ReceiveBuffer>> buffers(calls.size());
   for (size_t k = 0; k < calls.size() && ucx_ != nullptr; ++k) {
     absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> b =
@@ -433,8 +435,9 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
     const auto& call = calls[k];
     if (!call->status.ok() && buffers[k] != nullptr) {
       // The holder may still be writing into this buffer (our side gave up first): keep it
-      // until its transfer has surely stopped (the holder's deadline is this call's).
-      Quarantine(std::move(buffers[k]), deadline);
+      // out of the pool until its transfer has surely stopped (the holder's deadline is this
+      // call's).
+      ucx_->Quarantine(std::move(buffers[k]), std::max(deadline, absl::Now()) + kQuarantine);
     }
     if (!call->status.ok() ||
         call->response.blocks_size() != static_cast<int>(call->which.size())) {
@@ -507,14 +510,6 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   bytes_in_->Increment(bytes);
   if (ucx_bytes > 0) ucx_->CountIn(ucx_bytes);
   return out;
-}
-
-void Cluster::Quarantine(std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer,
-                         absl::Time deadline) {
-  const absl::Time now = absl::Now();
-  std::lock_guard<std::mutex> lock(quarantine_mu_);
-  while (!quarantine_.empty() && quarantine_.front().first <= now) quarantine_.pop_front();
-  quarantine_.emplace_back(std::max(deadline, now) + kQuarantine, std::move(buffer));
 }
 
 void Cluster::WakeSpillerIfFull() {

@@ -27,7 +27,6 @@
 #define PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
 
 #include <condition_variable>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -104,9 +103,6 @@ class Cluster final : public RemoteBlocks {
   // each with the stub's PrepareAsync `method`; returns when all have finished.
   template <typename Call, typename Method>
   void CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method);
-  // Keeps a receive buffer of a failed fetch alive until the holder can no longer write into
-  // it (past `deadline`, the call's), instead of freeing it under a transfer still running.
-  void Quarantine(std::shared_ptr<const PeerUcx::ReceiveBuffer> buffer, absl::Time deadline);
   // Wakes the spiller when the host tier is over cluster.spill.threshold.
   void WakeSpillerIfFull();
   void RunSpiller();
@@ -122,9 +118,6 @@ class Cluster final : public RemoteBlocks {
   LocationTable records_;
   std::unique_ptr<Membership> membership_;
   std::unique_ptr<PeerUcx> ucx_;  // null: fetched bytes come inline
-  std::mutex quarantine_mu_;
-  // Receive buffers of failed fetches and when they may go, oldest first.
-  std::deque<std::pair<absl::Time, std::shared_ptr<const PeerUcx::ReceiveBuffer>>> quarantine_;
   std::unique_ptr<PeerService> service_;
 
   metrics::Counter* remote_lookup_hits_ = nullptr;

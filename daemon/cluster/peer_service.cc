@@ -258,8 +258,8 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     response->add_stored(stored);
   }
   if (!pulls.empty()) {
-    PROXIMA_RETURN_IF_ERROR(ucx_->Read(request.ucx_worker_address(), request.ucx_rkey(), pulls,
-                                       pending, deadline));
+    PROXIMA_RETURN_IF_ERROR(ucx_->Read(request.ucx_worker_address(), request.ucx_rkey(),
+                                       request.ucx_registration_id(), pulls, pending, deadline));
     for (size_t j = 0; j < keep.size(); ++j) {
       const uint32_t want = request.data(static_cast<int>(keep[j])).crc32c();
       const uint32_t got = Crc32c(pulls[j].local);

@@ -9,9 +9,9 @@
 
 namespace proxima::daemon::cluster {
 
-PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena,
+PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena, uint64_t receive_pool_bytes,
                  metrics::Registry* registry)
-    : worker_(worker), arena_(arena) {
+    : worker_(worker), arena_(arena), pool_(worker, receive_pool_bytes, registry) {
   bytes_in_ = metrics::TransferBytes(registry, "peer_ucx", "in");
   bytes_out_ = metrics::TransferBytes(registry, "peer_ucx", "out");
   registry->AddGauge("proxima_cluster_ucx_endpoints",
@@ -21,25 +21,12 @@ PeerUcx::PeerUcx(ucx::Worker* worker, const ucx::Registration* arena,
                      });
 }
 
-absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> PeerUcx::NewReceiveBuffer(
-    size_t slots, size_t slot_bytes) {
-  if (slots == 0 || slot_bytes == 0 || slot_bytes > std::numeric_limits<size_t>::max() / slots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("receive buffer of ", slots, " slots of ", slot_bytes, " bytes"));
-  }
-  auto buffer = std::make_shared<ReceiveBuffer>();
-  buffer->slot_bytes_ = slot_bytes;
-  buffer->data_.reset(new std::byte[slots * slot_bytes]);
-  PROXIMA_ASSIGN_OR_RETURN(buffer->registration_,
-                           worker_->Register(buffer->data_.get(), slots * slot_bytes));
-  return buffer;
-}
-
 void PeerUcx::Describe(const ReceiveBuffer& buffer, v1::FetchBlocksRequest* request) const {
   request->set_ucx_worker_address(worker_->address());
-  request->set_ucx_rkey(buffer.registration_->packed_rkey());
-  request->set_ucx_address(reinterpret_cast<uint64_t>(buffer.data_.get()));
-  request->set_ucx_slot_bytes(buffer.slot_bytes_);
+  request->set_ucx_rkey(buffer.packed_rkey());
+  request->set_ucx_registration_id(buffer.registration_id());
+  request->set_ucx_address(reinterpret_cast<uint64_t>(buffer.data()));
+  request->set_ucx_slot_bytes(buffer.slot_bytes());
 }
 
 absl::StatusOr<std::shared_ptr<ucx::Endpoint>> PeerUcx::EndpointTo(const std::string& address,
@@ -97,8 +84,9 @@ absl::Status PeerUcx::Write(
     bytes += b->bytes.size();
   }
   if (ops.empty()) return absl::OkStatus();
-  PROXIMA_RETURN_IF_ERROR(Run(request.ucx_worker_address(), request.ucx_rkey(), std::move(ops),
-                              std::move(blocks), deadline));
+  PROXIMA_RETURN_IF_ERROR(Run(request.ucx_worker_address(), request.ucx_rkey(),
+                              request.ucx_registration_id(), std::move(ops), std::move(blocks),
+                              deadline));
   bytes_out_->Increment(bytes);
   return absl::OkStatus();
 }
@@ -106,11 +94,12 @@ absl::Status PeerUcx::Write(
 void PeerUcx::DescribeArena(v1::StoreBlocksRequest* request) const {
   request->set_ucx_worker_address(worker_->address());
   request->set_ucx_rkey(arena_->packed_rkey());
+  request->set_ucx_registration_id(arena_->id());
 }
 
 absl::Status PeerUcx::Read(const std::string& worker_address, const std::string& rkey,
-                           const std::vector<Pull>& pulls, std::shared_ptr<const void> keep_alive,
-                           absl::Time deadline) {
+                           uint64_t registration_id, const std::vector<Pull>& pulls,
+                           std::shared_ptr<const void> keep_alive, absl::Time deadline) {
   std::vector<ucx::Op> ops;
   uint64_t bytes = 0;
   for (const Pull& p : pulls) {
@@ -119,15 +108,15 @@ absl::Status PeerUcx::Read(const std::string& worker_address, const std::string&
     bytes += p.local.size();
   }
   if (ops.empty()) return absl::OkStatus();
-  PROXIMA_RETURN_IF_ERROR(Run(worker_address, rkey, std::move(ops), std::move(keep_alive),
-                              deadline));
+  PROXIMA_RETURN_IF_ERROR(
+      Run(worker_address, rkey, registration_id, std::move(ops), std::move(keep_alive), deadline));
   bytes_in_->Increment(bytes);
   return absl::OkStatus();
 }
 
 absl::Status PeerUcx::Run(const std::string& address, const std::string& rkey,
-                          std::vector<ucx::Op> ops, std::shared_ptr<const void> keep_alive,
-                          absl::Time deadline) {
+                          uint64_t registration_id, std::vector<ucx::Op> ops,
+                          std::shared_ptr<const void> keep_alive, absl::Time deadline) {
   if (rkey.empty() || rkey.size() > ucx::kMaxPackedRkeyBytes) {
     return absl::InvalidArgumentError(absl::StrCat("ucx_rkey is ", rkey.size(),
                                                    " bytes; expected 1 to ",
@@ -139,8 +128,9 @@ absl::Status PeerUcx::Run(const std::string& address, const std::string& rkey,
         absl::StrCat("cannot reach the peer's UCX worker: ", ep.status().message()));
   }
   const std::string rkeys[] = {rkey};
-  absl::Status status = worker_->Transfer(**ep, rkeys, std::move(ops), std::move(keep_alive),
-                                          deadline);
+  const uint64_t ids[] = {registration_id};
+  absl::Status status =
+      worker_->Transfer(**ep, rkeys, std::move(ops), std::move(keep_alive), deadline, ids);
   if (absl::IsInvalidArgument(status)) return status;  // an rkey that does not unpack
   if (!status.ok()) {
     Drop(address);

@@ -1,8 +1,10 @@
 // PeerUcx: block bytes between daemons of a cluster over UCX (docs/cluster.md), on the daemon's
 // own UCX worker (UcxTransport's), the control plane staying proxima.v1.Peer on gRPC.
 //
-//   reader   registers a receive buffer with one slot per requested block and names it in its
-//            FetchBlocks request (worker address, packed rkey, address, slot size);
+//   reader   takes a registered receive buffer with a slot per requested block from its receive
+//            pool (reused across calls, daemon/cluster/receive_pool.h) and names it in its
+//            FetchBlocks request (worker address, packed rkey, registration id, address, slot
+//            size);
 //   holder   pins the found blocks, writes each into its slot with one-sided puts from the
 //            registered tier arena, flushes, and answers sizes and CRC32Cs instead of bytes.
 //   spill    the other way round: the sender names its worker, its arena's rkey and each cold
@@ -12,7 +14,8 @@
 // The reader checks every block against its CRC32C on arrival, as for bytes that came inline.
 // A holder that cannot reach the reader's worker answers inline; a transfer that fails or runs
 // past the call's deadline fails the call (UNAVAILABLE), and the reader counts its blocks as
-// misses. Endpoints to readers are kept and reused, and dropped once they fail.
+// misses. Endpoints to readers are kept and reused, and dropped once they fail; so are the
+// remote keys unpacked on them, for the buffers a reader names by registration id.
 //
 // Thread-safe.
 #ifndef PROXIMA_DAEMON_CLUSTER_PEER_UCX_H_
@@ -32,6 +35,7 @@
 #include "common/mutex.h"
 #include "common/ucx.h"
 #include "daemon/block_store.h"
+#include "daemon/cluster/receive_pool.h"
 #include "daemon/metrics.h"
 #include "proxima/v1/peer.pb.h"
 
@@ -43,25 +47,22 @@ class PeerUcx {
   static constexpr size_t kMaxEndpoints = 256;
 
   // `worker` and `arena` (the host tier's registration on it) must outlive this object and
-  // every ReceiveBuffer it hands out.
-  PeerUcx(ucx::Worker* worker, const ucx::Registration* arena, metrics::Registry* registry);
+  // every ReceiveBuffer it hands out. `receive_pool_bytes`: the most bytes of receive buffers
+  // kept idle for reuse (cluster.receive_pool_bytes).
+  PeerUcx(ucx::Worker* worker, const ucx::Registration* arena, uint64_t receive_pool_bytes,
+          metrics::Registry* registry);
 
-  // Reader side: `slots` slots of `slot_bytes`, registered for the holder's puts.
-  class ReceiveBuffer {
-   public:
-    std::span<const std::byte> Slot(size_t i, size_t size) const {
-      return {data_.get() + i * slot_bytes_, size};
-    }
-    size_t slot_bytes() const { return slot_bytes_; }
-
-   private:
-    friend class PeerUcx;
-    std::unique_ptr<std::byte[]> data_;
-    size_t slot_bytes_ = 0;
-    std::shared_ptr<ucx::Registration> registration_;  // dropped before data_
-  };
+  // Reader side: at least `slots` slots of `slot_bytes`, registered for the holder's puts, from
+  // the receive pool. The buffer returns to the pool when its last handle is dropped.
+  using ReceiveBuffer = ReceivePool::Buffer;
   absl::StatusOr<std::shared_ptr<const ReceiveBuffer>> NewReceiveBuffer(size_t slots,
-                                                                       size_t slot_bytes);
+                                                                        size_t slot_bytes) {
+    return pool_.Get(slots, slot_bytes);
+  }
+  // Keeps the buffer of a failed call out of the pool until `until` (ReceivePool::Quarantine).
+  void Quarantine(std::shared_ptr<const ReceiveBuffer> buffer, absl::Time until) {
+    pool_.Quarantine(std::move(buffer), until);
+  }
   // Names `buffer` in `request` (the ucx_* fields).
   void Describe(const ReceiveBuffer& buffer, v1::FetchBlocksRequest* request) const;
 
@@ -77,15 +78,16 @@ class PeerUcx {
   void DescribeArena(v1::StoreBlocksRequest* request) const;
 
   // Receiver side of a spill: pulls each (remote address, local destination) pair from the
-  // sender's arena (`worker_address`, `rkey`) into this daemon's tier memory. `keep_alive` owns
-  // the destinations (released once UCX no longer writes them). Errors as Write().
+  // sender's arena (`worker_address`, `rkey`, registered as `registration_id` there, 0 if
+  // unknown) into this daemon's tier memory. `keep_alive` owns the destinations (released once
+  // UCX no longer writes them). Errors as Write().
   struct Pull {
     uint64_t remote_address = 0;
     std::span<std::byte> local;
   };
   absl::Status Read(const std::string& worker_address, const std::string& rkey,
-                    const std::vector<Pull>& pulls, std::shared_ptr<const void> keep_alive,
-                    absl::Time deadline);
+                    uint64_t registration_id, const std::vector<Pull>& pulls,
+                    std::shared_ptr<const void> keep_alive, absl::Time deadline);
 
   // Counts bytes that arrived through a receive buffer (fetch) or a pull (spill).
   void CountIn(uint64_t bytes) { bytes_in_->Increment(bytes); }
@@ -93,15 +95,18 @@ class PeerUcx {
  private:
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> EndpointTo(const std::string& address,
                                                             absl::Time deadline);
-  // Runs `ops` against the worker at `address` with the one packed `rkey` (Write and Read).
-  absl::Status Run(const std::string& address, const std::string& rkey, std::vector<ucx::Op> ops,
-                   std::shared_ptr<const void> keep_alive, absl::Time deadline);
+  // Runs `ops` against the worker at `address` with the one packed `rkey` (Write and Read);
+  // a nonzero `registration_id` keeps the key unpacked on the endpoint for later calls.
+  absl::Status Run(const std::string& address, const std::string& rkey, uint64_t registration_id,
+                   std::vector<ucx::Op> ops, std::shared_ptr<const void> keep_alive,
+                   absl::Time deadline);
   void Drop(const std::string& address);
 
   ucx::Worker* const worker_;
   const ucx::Registration* const arena_;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
+  ReceivePool pool_;
 
   proxima::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<ucx::Endpoint>> endpoints_ ABSL_GUARDED_BY(mu_);

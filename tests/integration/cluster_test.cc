@@ -224,6 +224,27 @@ TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
                 kBlocks * p.block_bytes);
       EXPECT_EQ(Metric(1, "proxima_cluster_ucx_endpoints"), 0);  // B only received
       EXPECT_EQ(Metric(0, "proxima_cluster_ucx_endpoints"), 1);  // A keeps its endpoint to B
+
+      // B's receive pool: more gets of the 12 blocks (one FetchBlocks call each, a buffer of 16
+      // slots) reuse the one buffer, a get of 3 blocks takes a second size class (4 slots); A,
+      // the holder, unpacks the key of each of B's buffers once, not once per call.
+      const std::string allocated = "proxima_cluster_receive_buffers_total{outcome=\"allocated\"}";
+      const std::string reused = "proxima_cluster_receive_buffers_total{outcome=\"reused\"}";
+      EXPECT_EQ(Metric(1, allocated), 1);
+      EXPECT_EQ(Metric(1, reused), 0);
+      const double unpacked = Metric(0, "proxima_ucx_rkeys_unpacked_total");
+      constexpr int kMore = 10;
+      for (int i = 0; i < kMore; ++i) {
+        ASSERT_EQ(GetAndCheck(*b, p, 3, 0, kBlocks), kBlocks) << "get " << i;
+      }
+      for (int i = 0; i < 3; ++i) ASSERT_EQ(GetAndCheck(*b, p, 3, 4, 3), 3u);
+      EXPECT_EQ(Metric(1, allocated), 2);
+      EXPECT_EQ(Metric(1, reused), kMore + 2);
+      EXPECT_EQ(Metric(0, "proxima_ucx_rkeys_unpacked_total") - unpacked, 1);
+      EXPECT_EQ(Metric(1, "proxima_cluster_receive_pool_idle_bytes"),
+                (16 + 4) * (p.block_bytes + 4096));
+      EXPECT_EQ(Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
+                (1 + kMore) * kBlocks * p.block_bytes + 3 * 3 * p.block_bytes);
     } else {
       EXPECT_EQ(by_ucx, -1);  // no UCX between daemons: the series does not exist
       EXPECT_EQ(inline_bytes, kBlocks * p.block_bytes);
