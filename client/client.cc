@@ -8,6 +8,8 @@
 #include <cstring>
 #include <new>
 
+#include <unistd.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -279,6 +281,15 @@ absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
 
 absl::StatusOr<MemoryRegion> Client::AllocateMemory(size_t size) {
   if (size == 0) return absl::InvalidArgumentError("AllocateMemory of 0 bytes");
+  // A size beyond the machine's memory is refused before anything is touched: UCX would start
+  // filling a shared-memory segment (and the zeroing below every page) until the process dies.
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0 && size / static_cast<size_t>(page) >= static_cast<size_t>(pages)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AllocateMemory of ", size, " bytes: expected less than this machine's ",
+                     static_cast<uint64_t>(pages) * static_cast<uint64_t>(page),
+                     " bytes of memory"));
+  }
   if (transport_ != Transport::kUcx) {
     MemoryRegion region;
     region.heap_.reset(new (std::nothrow) std::byte[size]());

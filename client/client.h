@@ -164,7 +164,8 @@ class Client {
   // memory it is a segment the daemon maps and copies into or out of directly, instead of
   // UCX emulating one-sided access to ordinary process memory with messages that this
   // process's UCX thread must serve (docs/operations.md). Over inline, ordinary memory. The
-  // memory lives as long as the region (region.bytes()).
+  // memory lives as long as the region (region.bytes()). INVALID_ARGUMENT for 0 bytes or more
+  // than the machine's memory.
   // REQUIRES: every MemoryRegion is dropped before the Client.
   absl::StatusOr<MemoryRegion> AllocateMemory(size_t size);
 

@@ -414,6 +414,11 @@ def test_buffer_close_is_refused_while_viewed(client):
     assert client.registered_buffers == 0
     with pytest.raises(ValueError, match=r"alloc_buffer\(0\): expected a length > 0"):
         client.alloc_buffer(0)
+    # More than the machine has: refused at once, nothing allocated (UCX would fill a
+    # shared-memory segment until the process is killed).
+    with pytest.raises(ValueError, match=r"AllocateMemory of 1125899906842624 bytes: expected "
+                                         r"less than this machine's \d+ bytes of memory"):
+        client.alloc_buffer(1 << 50)
     dropped = client.alloc_buffer(4096)
     assert client.registered_buffers == 1
     del dropped  # without close(): unregistered when the object goes
