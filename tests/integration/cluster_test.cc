@@ -587,16 +587,23 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
   // their shares and refuse more; they never go past accept_below.
   auto b = MustConnect(daemons_[1]->tcp_target());
   ASSERT_TRUE(b);
-  for (size_t first = 0; first < 60; first += 4) {
-    Blocks blocks = MakeBlocks(2, first, 4, p.block_bytes);
-    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
-  }
   const std::string no_room = "proxima_cluster_spill_sent_blocks_total{outcome=\"no_peer_room\"}";
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   auto peers_full = [&] {
     return host(*b).used_bytes() > 0.75 * kCapacity - 2 * p.block_bytes &&
            host(*c).used_bytes() > 0.75 * kCapacity - 2 * p.block_bytes;
   };
+  // Each batch once the spiller has caught up with the last (A back under its threshold) or the
+  // peers are full: puts never wait for peers, so a burst faster than the spiller makes A evict
+  // before the peers fill (and A, back under its threshold, then stops spilling); on a loaded
+  // machine that left the peers short of their shares.
+  for (size_t first = 0; first < 60; first += 4) {
+    Blocks blocks = MakeBlocks(2, first, 4, p.block_bytes);
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+    while (host(*a).used_bytes() > 0.9 * kCapacity && !peers_full() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
   while ((Metric(0, no_room) <= 0 || !peers_full()) && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
   }
