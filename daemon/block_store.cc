@@ -63,6 +63,7 @@ BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
   if (expected != nullptr && it->second.block.get() != expected) return nullptr;
   UnlinkFromSegment(shard, it->second, it->second.block->size);
   BlockRef block = std::move(it->second.block);
+  Unlocate(*block);
   if (it->second.in_compressible) shard.compressible[id.namespace_index].erase(it->second.cold);
   shard.map.erase(it);
   CountLevel(block->level, -1, -static_cast<int64_t>(block->size));
@@ -142,9 +143,93 @@ bool BlockStore::EvictOneFrom(uint8_t segment) {
 std::optional<Extent> BlockStore::AllocateEvicting(uint64_t bytes) {
   while (true) {
     if (std::optional<Extent> e = tier_->Allocate(bytes)) return e;
+    if (std::optional<Extent> e = AllocateCompacting(bytes)) return e;
     // Nothing evictable; a reader may have released bytes meanwhile.
     if (!EvictOne()) return tier_->Allocate(bytes);
   }
+}
+
+void BlockStore::Locate(const StoredBlock& block, const BlockId& id) {
+  proxima::MutexLock lock(&located_mu_);
+  located_[block.extent.offset] = id;
+}
+
+void BlockStore::Unlocate(const StoredBlock& block) {
+  proxima::MutexLock lock(&located_mu_);
+  located_.erase(block.extent.offset);
+}
+
+std::optional<BlockStore::PendingBlock> BlockStore::ReserveCompacting(uint64_t bytes) {
+  std::optional<Extent> extent = AllocateCompacting(bytes);
+  if (!extent) return std::nullopt;
+  return PendingBlock(std::make_shared<StoredBlock>(tier_.get(), *extent, bytes));
+}
+
+std::optional<Extent> BlockStore::AllocateCompacting(uint64_t bytes) {
+  proxima::MutexLock lock(&compact_mu_);
+  std::optional<HostTier::Window> window = tier_->FindWindow(bytes);
+  if (!window) return std::nullopt;
+  tier_->BeginClaim(window->range);
+  for (const Extent& occupied : window->occupied) {
+    if (!Relocate(occupied.offset)) break;
+  }
+  // Complete unless a block could not move, or a reader pinned one before it moved (its old
+  // bytes are then still in use).
+  std::optional<Extent> extent = tier_->EndClaim();
+  (extent ? compactions_ : compactions_given_up_).fetch_add(1, std::memory_order_relaxed);
+  return extent;
+}
+
+bool BlockStore::Relocate(uint64_t offset) {
+  BlockId id;
+  {
+    proxima::MutexLock lock(&located_mu_);
+    auto it = located_.find(offset);
+    if (it == located_.end()) return false;  // being written, or read after it left the index
+    id = it->second;
+  }
+  Shard& shard = ShardFor(id);
+  BlockRef old;
+  {
+    proxima::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(id);
+    if (it == shard.map.end() || it->second.block->extent.offset != offset) return false;
+    Shard::Entry& e = it->second;
+    // Pins are taken under this lock: one reference is the index's alone.
+    if (e.busy || e.block.use_count() > 1) return false;  // being encoded, spilled or read
+    e.busy = true;  // no encoding or spill starts on it while it is copied
+    old = e.block;
+  }
+  // Outside the window: its free space is claimed.
+  std::optional<Extent> destination = tier_->Allocate(
+      old->size, old->level > 0 ? HostTier::Placement::kHigh : HostTier::Placement::kLow);
+  BlockRef moved;
+  if (destination) {
+    moved = std::make_shared<StoredBlock>(tier_.get(), *destination, old->size);
+    std::memcpy(moved->bytes().data(), old->bytes().data(), old->size);
+    moved->crc32c = old->crc32c;
+    moved->level = old->level;
+  }
+  bool out_of_window = false;
+  {
+    proxima::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(id);
+    if (it != shard.map.end() && it->second.block == old) {
+      Shard::Entry& e = it->second;
+      e.busy = false;
+      if (moved != nullptr) {
+        Unlocate(*old);
+        e.block = std::move(moved);
+        Locate(*e.block, id);
+        compaction_moved_bytes_.fetch_add(old->size, std::memory_order_relaxed);
+        out_of_window = true;
+      }
+    } else {
+      out_of_window = true;  // evicted or deleted meanwhile: its bytes go with `old` below
+    }
+  }
+  // `old` frees its extent into the claimed window here, unless a reader pins it.
+  return out_of_window;
 }
 
 void BlockStore::CountLevel(uint8_t level, int64_t blocks, int64_t bytes) {
@@ -279,6 +364,8 @@ bool BlockStore::Replace(const Candidate& candidate, PendingBlock encoded, uint3
     Shard::Entry& e = it->second;
     e.busy = false;
     old = std::exchange(e.block, std::move(block));
+    Unlocate(*old);
+    Locate(*e.block, candidate.id);
     Resized(e, old->size);
     if (e.in_compressible && level >= e.attributes.max_level) {
       shard.compressible[candidate.id.namespace_index].erase(e.cold);
@@ -312,6 +399,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
   const uint64_t old_size = e.block->size;
   const uint8_t old_level = e.block->level;
   candidate.block = {};
+  Unlocate(*e.block);
   e.block.reset();  // frees the old extent (shard lock -> tier lock, the allowed order)
   CountLevel(old_level, -1, -static_cast<int64_t>(old_size));
   NamespaceCounters& c = counters_[candidate.id.namespace_index];
@@ -332,6 +420,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
   block->crc32c = Crc32c(block->bytes());
   block->level = level;
   e.block = std::move(block);
+  Locate(*e.block, candidate.id);
   Resized(e, old_size);
   e.busy = false;
   if (e.in_compressible && level >= e.attributes.max_level) {
@@ -424,6 +513,7 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
       CountLevel(block->level, 1, static_cast<int64_t>(size));
       Shard::Entry& e = it->second;
       e.block = std::move(block);
+      Locate(*e.block, id);
       std::list<BlockId>& probation = shard.lru[kProbation];
       if (attributes.from_peer) {
         // A peer's coldest block, kept in room this node has to spare: the first to go when

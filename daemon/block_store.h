@@ -26,8 +26,17 @@
 // that pinned the old bytes keep them until they unpin, and new readers see only the complete
 // new version. The store itself never encodes; it only holds bytes and their level.
 //
-// Thread-safe. Lock order: a shard mutex may be held while HostTier's (internal) mutex is
-// taken; never the reverse, and never two shard mutexes at once.
+// Compaction: encoded blocks come in many sizes, so a tier with enough free bytes in all can lack
+// one free region large enough for a raw block. Reserve() and ReserveCompacting() then move the
+// blocks out of the window of the arena that holds the fewest bytes (HostTier::FindWindow) into
+// free space elsewhere and hand the window out, rather than evicting blocks until a hole appears.
+// A block is moved only while nobody reads, encodes or spills it; readers that pin it afterwards
+// see the moved copy, and one that pinned it first keeps the old bytes (the window is then given
+// up). No block is ever lost or changed by a move.
+//
+// Thread-safe. Lock order: a shard mutex may be held while HostTier's (internal) mutex or
+// `located_mu_` is taken; never the reverse, and never two shard mutexes at once. One compaction
+// runs at a time (`compact_mu_`, taken before any shard mutex).
 #ifndef PROXIMA_DAEMON_BLOCK_STORE_H_
 #define PROXIMA_DAEMON_BLOCK_STORE_H_
 
@@ -128,9 +137,15 @@ class BlockStore {
                     BlockAttributes attributes = {}, uint8_t level = 0);
 
   // Like Reserve(), but never evicts: nullopt when no free extent is large enough now.
+  // (Reserve() compacts before it evicts; see ReserveCompacting.)
   // `placement`: kHigh for encoded blocks (see HostTier::Placement).
   std::optional<PendingBlock> TryReserve(uint64_t bytes,
                                          HostTier::Placement placement = HostTier::Placement::kLow);
+
+  // When at least `bytes` are free in all but in no single region, moves the blocks out of the
+  // window of the tier that holds the fewest bytes and returns the window; nullopt otherwise, or
+  // when a block in the window is being read, written, encoded or spilled (nothing is evicted).
+  std::optional<PendingBlock> ReserveCompacting(uint64_t bytes);
 
   // Reserve + copy + Commit.
   PutOutcome Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c);
@@ -219,6 +234,15 @@ class BlockStore {
   uint64_t protected_bytes() const { return protected_bytes_.load(std::memory_order_relaxed); }
   uint64_t protected_max_bytes() const { return protected_max_bytes_; }
   uint64_t crc_failures() const { return crc_failures_.load(std::memory_order_relaxed); }
+  // Compactions that made room, ones that gave up (a block in the window could not move), and
+  // the bytes of the blocks moved.
+  uint64_t compactions() const { return compactions_.load(std::memory_order_relaxed); }
+  uint64_t compactions_given_up() const {
+    return compactions_given_up_.load(std::memory_order_relaxed);
+  }
+  uint64_t compaction_moved_bytes() const {
+    return compaction_moved_bytes_.load(std::memory_order_relaxed);
+  }
 
   // For tests of corruption handling: flips one bit of a stored block's bytes in place.
   // Returns false when the block is absent.
@@ -263,6 +287,14 @@ class BlockStore {
   // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
   bool EvictOneFrom(uint8_t segment);
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
+  // The window of a compaction (ReserveCompacting), as an extent.
+  std::optional<Extent> AllocateCompacting(uint64_t bytes);
+  // Moves the indexed block whose extent begins at `offset` to free space outside the claimed
+  // window; false when there is none, or the block is being read, encoded or spilled.
+  bool Relocate(uint64_t offset);
+  // Where each indexed block's bytes lie (for compaction).
+  void Locate(const StoredBlock& block, const BlockId& id) ABSL_LOCKS_EXCLUDED(located_mu_);
+  void Unlocate(const StoredBlock& block) ABSL_LOCKS_EXCLUDED(located_mu_);
   // Moves an entry to the front of its lists with a new stamp. `reused`: a use that promotes a
   // probation block to the protected segment (a read or a repeated put, not a pass-over).
   // Returns true when the protected segment is now over its share: the caller then calls
@@ -289,6 +321,12 @@ class BlockStore {
   std::atomic<uint64_t> blocks_{0};
   std::atomic<uint64_t> evictions_{0};
   std::atomic<uint64_t> crc_failures_{0};
+  std::atomic<uint64_t> compactions_{0};
+  std::atomic<uint64_t> compactions_given_up_{0};
+  std::atomic<uint64_t> compaction_moved_bytes_{0};
+  proxima::Mutex compact_mu_;
+  proxima::Mutex located_mu_;
+  absl::flat_hash_map<uint64_t, BlockId> located_ ABSL_GUARDED_BY(located_mu_);  // offset -> id
   std::array<std::atomic<uint64_t>, kMaxLevels> level_blocks_{};
   std::array<std::atomic<uint64_t>, kMaxLevels> level_bytes_{};
 };

@@ -269,13 +269,81 @@ TEST_F(BlockStoreTest, WhenEveryBlockIsPinnedAPutIsRefusedAndNothingIsLost) {
   EXPECT_EQ(Put(*store, Id(3), Payload(3, 32 << 10)), PutOutcome::kStored);
 }
 
+// Encoded blocks of many sizes leave holes: enough bytes free, no region large enough. A put
+// then moves blocks out of the cheapest window instead of evicting any.
+TEST_F(BlockStoreTest, AFragmentedTierMakesRoomByMovingBlocksNotByEvictingThem) {
+  const size_t kBlock = 64 << 10;
+  auto store = MakeStore(16 * kBlock);
+  for (uint32_t i = 0; i < 16; ++i) {
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  }
+  for (uint32_t i = 1; i < 16; i += 2) ASSERT_TRUE(store->Delete(Id(i)));  // 8 holes of 64 KiB
+  ASSERT_EQ(store->used_bytes(), 8 * kBlock);
+  const std::string big = Payload(100, 4 * kBlock);
+  ASSERT_EQ(Put(*store, Id(100), big), PutOutcome::kStored);
+  EXPECT_EQ(store->evictions(), 0u);
+  EXPECT_EQ(store->compactions(), 1u);
+  EXPECT_EQ(store->compaction_moved_bytes(), 2 * kBlock);  // a 4-block window holds 2 blocks
+  EXPECT_EQ(store->used_bytes(), 12 * kBlock);
+  std::string out;
+  for (uint32_t i = 0; i < 16; i += 2) {  // every block that was there is still there, intact
+    ASSERT_TRUE(ReadInto(*store, Id(i), &out)) << i;
+    EXPECT_EQ(out, Payload(i, kBlock)) << i;
+  }
+  ASSERT_TRUE(ReadInto(*store, Id(100), &out));
+  EXPECT_EQ(out, big);
+  // The rest fills up to the last byte: 4 more 64 KiB blocks, still without an eviction.
+  for (uint32_t i = 200; i < 204; ++i) {
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  }
+  EXPECT_EQ(store->used_bytes(), store->capacity_bytes());
+  EXPECT_EQ(store->evictions(), 0u);
+}
+
+// A block being read is never moved: the compaction gives up (nothing lost, nothing evicted
+// under a reader), and succeeds once the reader lets go.
+TEST_F(BlockStoreTest, ACompactionNeverMovesABlockUnderAReader) {
+  const size_t kBlock = 64 << 10;
+  auto store = MakeStore(8 * kBlock);
+  for (uint32_t i = 0; i < 8; ++i) {
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  }
+  for (uint32_t i = 1; i < 8; i += 2) ASSERT_TRUE(store->Delete(Id(i)));
+  std::vector<BlockStore::ReadBlock> pins;
+  for (uint32_t i = 0; i < 8; i += 2) {
+    std::optional<BlockStore::ReadBlock> r = store->Read(Id(i));
+    ASSERT_TRUE(r.has_value());
+    pins.push_back(*std::move(r));
+  }
+  EXPECT_FALSE(store->ReserveCompacting(2 * kBlock).has_value());
+  EXPECT_GE(store->compactions_given_up(), 1u);
+  EXPECT_EQ(Put(*store, Id(100), Payload(100, 2 * kBlock)), PutOutcome::kNoSpace);
+  EXPECT_EQ(store->used_bytes(), 4 * kBlock);  // the claimed holes were given back
+  EXPECT_EQ(store->blocks(), 4u);
+  for (size_t p = 0; p < pins.size(); ++p) {  // readers' bytes never moved or changed
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(pins[p].bytes.data()),
+                          pins[p].bytes.size()),
+              Payload(static_cast<uint32_t>(2 * p), kBlock));
+  }
+  pins.clear();
+  EXPECT_EQ(Put(*store, Id(100), Payload(100, 2 * kBlock)), PutOutcome::kStored);
+  EXPECT_EQ(store->evictions(), 0u);
+  std::string out;
+  for (uint32_t i = 0; i < 8; i += 2) {
+    ASSERT_TRUE(ReadInto(*store, Id(i), &out));
+    EXPECT_EQ(out, Payload(i, kBlock));
+  }
+}
+
 class ConcurrentBlockStoreTest : public BlockStoreTest,
                                  public ::testing::WithParamInterface<double> {};
 
 // Plain LRU and segmented LRU (promotions and demotions racing puts, reads and deletes).
+// Blocks of four sizes, so puts also compact the tier while others read and delete.
 TEST_P(ConcurrentBlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
-  const size_t kBlock = 16 << 10;
-  auto store = MakeStore(64 * kBlock, 4, /*protected_share=*/GetParam());
+  const size_t kUnit = 8 << 10;
+  auto size_of = [&](uint32_t k) { return kUnit * (1 + k % 4); };
+  auto store = MakeStore(128 * kUnit, 4, /*protected_share=*/GetParam());
   std::atomic<bool> wrong{false};
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
@@ -287,10 +355,10 @@ TEST_P(ConcurrentBlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
         switch (rng() % 4) {
           case 0:
           case 1:
-            Put(*store, Id(k), Payload(k, kBlock));
+            Put(*store, Id(k), Payload(k, size_of(k)));
             break;
           case 2:
-            if (ReadInto(*store, Id(k), &out) && out != Payload(k, kBlock)) wrong = true;
+            if (ReadInto(*store, Id(k), &out) && out != Payload(k, size_of(k))) wrong = true;
             break;
           case 3:
             store->Delete(Id(k));
@@ -302,8 +370,17 @@ TEST_P(ConcurrentBlockStoreTest, ConcurrentPutsGetsAndDeletesStayConsistent) {
   }
   for (auto& t : threads) t.join();
   EXPECT_FALSE(wrong.load());
-  EXPECT_EQ(store->used_bytes(), store->blocks() * kBlock);  // nothing leaked
+  uint64_t resident = 0;
+  std::string out;
+  for (uint32_t k = 0; k < 200; ++k) {
+    if (!store->Contains(Id(k))) continue;
+    resident += size_of(k);
+    ASSERT_TRUE(ReadInto(*store, Id(k), &out));
+    EXPECT_EQ(out, Payload(k, size_of(k))) << k;
+  }
+  EXPECT_EQ(store->used_bytes(), resident);  // nothing leaked, no claim left behind
   EXPECT_EQ(counters_[0].blocks.load(), store->blocks());
+  EXPECT_GT(store->compactions(), 0u);
   EXPECT_LE(store->protected_bytes(), store->protected_max_bytes());
   // Every protected byte belongs to a resident block: deleting them all leaves none.
   for (uint32_t k = 0; k < 200; ++k) store->Delete(Id(k));

@@ -2,8 +2,10 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -65,6 +67,7 @@ std::optional<Extent> HostTier::Allocate(uint64_t bytes, Placement placement) {
         free_by_offset_.erase(offset);
       }
       used_ += size;
+      used_by_offset_.emplace(offset + region_size - size, size);
       return Extent{offset + region_size - size, size};
     }
   }
@@ -78,14 +81,37 @@ std::optional<Extent> HostTier::Allocate(uint64_t bytes, Placement placement) {
     free_by_size_.emplace(region_size - size, offset + size);
   }
   used_ += size;
+  used_by_offset_.emplace(offset, size);
   return Extent{offset, size};
 }
 
 void HostTier::Free(const Extent& extent) {
   proxima::MutexLock lock(&mu_);
-  uint64_t offset = extent.offset;
-  uint64_t size = extent.size;
-  used_ -= size;
+  used_by_offset_.erase(extent.offset);
+  uint64_t begin = extent.offset;
+  uint64_t end = extent.offset + extent.size;
+  if (claim_) {
+    // The part inside the claimed range stays used, as a claimed part.
+    const uint64_t lo = std::max(begin, claim_->offset);
+    const uint64_t hi = std::min(end, claim_->offset + claim_->size);
+    if (lo < hi) {
+      claimed_.push_back({lo, hi - lo});
+      if (begin < lo) {
+        used_ -= lo - begin;
+        AddFree(begin, lo - begin);
+      }
+      if (hi < end) {
+        used_ -= end - hi;
+        AddFree(hi, end - hi);
+      }
+      return;
+    }
+  }
+  used_ -= extent.size;
+  AddFree(begin, extent.size);
+}
+
+void HostTier::AddFree(uint64_t offset, uint64_t size) {
   auto next = free_by_offset_.lower_bound(offset);
   if (next != free_by_offset_.end() && offset + size == next->first) {  // merge right
     free_by_size_.erase({next->second, next->first});
@@ -103,6 +129,106 @@ void HostTier::Free(const Extent& extent) {
   }
   free_by_offset_.emplace(offset, size);
   free_by_size_.emplace(size, offset);
+}
+
+std::optional<HostTier::Window> HostTier::FindWindow(uint64_t bytes) const {
+  const uint64_t size = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  proxima::MutexLock lock(&mu_);
+  if (size == 0 || size > capacity_ || claim_) return std::nullopt;
+  const uint64_t free_total = capacity_ - used_;
+  if (free_total < size) return std::nullopt;
+  if (!free_by_size_.empty() && free_by_size_.rbegin()->first >= size) return std::nullopt;
+  // Bytes of the extents overlapping [start, start + size) (whole extents: each moves whole),
+  // and how much of the range they cover; stops early past `limit`.
+  auto cost = [&](uint64_t start, uint64_t limit, uint64_t* covered) {
+    uint64_t total = 0;
+    *covered = 0;
+    auto it = used_by_offset_.upper_bound(start);
+    if (it != used_by_offset_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first + prev->second > start) it = prev;
+    }
+    for (; it != used_by_offset_.end() && it->first < start + size && total <= limit; ++it) {
+      total += it->second;
+      *covered += std::min(it->first + it->second, start + size) - std::max(it->first, start);
+    }
+    return total;
+  };
+  // Windows that begin or end at a free region: the ones that can use it. Bounded scan.
+  constexpr int kMaxRegions = 4096;
+  uint64_t best_start = 0;
+  uint64_t best_cost = std::numeric_limits<uint64_t>::max();
+  int scanned = 0;
+  for (auto r = free_by_offset_.begin(); r != free_by_offset_.end() && scanned < kMaxRegions;
+       ++r, ++scanned) {
+    const uint64_t region_end = r->first + r->second;
+    for (uint64_t start : {r->first, region_end >= size ? region_end - size : uint64_t{0}}) {
+      start = std::min(start, capacity_ - size);
+      uint64_t covered = 0;
+      const uint64_t c = cost(start, best_cost, &covered);
+      // What leaves the window must fit in the free space outside it.
+      if (c < best_cost && c <= free_total - (size - covered)) {
+        best_cost = c;
+        best_start = start;
+      }
+    }
+  }
+  if (best_cost == std::numeric_limits<uint64_t>::max()) return std::nullopt;
+  Window w;
+  w.range = Extent{best_start, size};
+  w.occupied_bytes = best_cost;
+  auto it = used_by_offset_.upper_bound(best_start);
+  if (it != used_by_offset_.begin() && std::prev(it)->first + std::prev(it)->second > best_start) {
+    --it;
+  }
+  for (; it != used_by_offset_.end() && it->first < best_start + size; ++it) {
+    w.occupied.push_back(Extent{it->first, it->second});
+  }
+  return w;
+}
+
+void HostTier::BeginClaim(const Extent& range) {
+  proxima::MutexLock lock(&mu_);
+  claim_ = range;
+  claimed_.clear();
+  const uint64_t begin = range.offset;
+  const uint64_t end = range.offset + range.size;
+  auto it = free_by_offset_.upper_bound(begin);
+  if (it != free_by_offset_.begin() && std::prev(it)->first + std::prev(it)->second > begin) {
+    --it;
+  }
+  while (it != free_by_offset_.end() && it->first < end) {
+    const auto [offset, region_size] = *it;
+    free_by_size_.erase({region_size, offset});
+    it = free_by_offset_.erase(it);
+    const uint64_t lo = std::max(offset, begin);
+    const uint64_t hi = std::min(offset + region_size, end);
+    claimed_.push_back({lo, hi - lo});
+    used_ += hi - lo;
+    if (offset < lo) AddFree(offset, lo - offset);
+    if (hi < offset + region_size) AddFree(hi, offset + region_size - hi);
+    it = free_by_offset_.lower_bound(hi);
+  }
+}
+
+std::optional<Extent> HostTier::EndClaim() {
+  proxima::MutexLock lock(&mu_);
+  if (!claim_) return std::nullopt;
+  const Extent range = *claim_;
+  claim_.reset();
+  uint64_t claimed = 0;
+  for (const Extent& part : claimed_) claimed += part.size;
+  if (claimed == range.size) {
+    claimed_.clear();
+    used_by_offset_.emplace(range.offset, range.size);
+    return range;
+  }
+  for (const Extent& part : claimed_) {
+    used_ -= part.size;
+    AddFree(part.offset, part.size);
+  }
+  claimed_.clear();
+  return std::nullopt;
 }
 
 uint64_t HostTier::used_bytes() const {

@@ -6,6 +6,12 @@
 // and found best-fit; freed neighbours coalesce. used_bytes() counts the extents handed out
 // (sizes rounded up to 64 bytes) and can never exceed capacity_bytes(): there is no other memory.
 //
+// Compaction: when enough bytes are free in all but no single region is large enough (encoded
+// blocks of many sizes leave holes), FindWindow() names the window of the arena whose extents
+// hold the fewest bytes, BeginClaim() takes its free space and every extent freed into it
+// afterwards, the owner (BlockStore) moves the extents in it elsewhere, and EndClaim() hands the
+// window out as one extent, or gives the claimed parts back when something could not move.
+//
 // Thread-safe: all methods may be called concurrently.
 #ifndef PROXIMA_DAEMON_HOST_TIER_H_
 #define PROXIMA_DAEMON_HOST_TIER_H_
@@ -18,6 +24,7 @@
 #include <set>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -73,8 +80,31 @@ class HostTier {
   // Largest single extent Allocate() could return now (shows fragmentation).
   uint64_t largest_free_bytes() const;
 
+  // A range of the arena that an allocation of `range.size` bytes could take once the extents
+  // overlapping it (`occupied`, by offset; `occupied_bytes` in all) moved elsewhere.
+  struct Window {
+    Extent range;
+    std::vector<Extent> occupied;
+    uint64_t occupied_bytes = 0;
+  };
+  // The window of `bytes` (rounded up to kAlignment) whose overlapping extents hold the fewest
+  // bytes, among windows that begin or end at a free region. nullopt when fewer than `bytes` are
+  // free, when one free region already fits (Allocate instead), or when the free space outside
+  // the best window is smaller than what would have to leave it.
+  std::optional<Window> FindWindow(uint64_t bytes) const;
+  // Takes the free space inside `range` now, and the part inside it of every extent freed later,
+  // until EndClaim(): Allocate() never returns memory of the range meanwhile. Claimed bytes count
+  // as used. One claim at a time. REQUIRES: `range` lies in the arena, kAlignment-aligned.
+  void BeginClaim(const Extent& range);
+  // Ends the claim. When the whole range was claimed it becomes one allocated extent and is
+  // returned; otherwise the claimed parts go back to the free space and nullopt is returned.
+  std::optional<Extent> EndClaim();
+
  private:
   HostTier(std::byte* base, uint64_t capacity);
+  // Adds [offset, offset + size) to the free lists, merged with its free neighbours. Does not
+  // touch used_.
+  void AddFree(uint64_t offset, uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::byte* const base_;
   const uint64_t capacity_;
@@ -84,6 +114,9 @@ class HostTier {
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, uint64_t> free_by_offset_ ABSL_GUARDED_BY(mu_);           // offset -> size
   std::set<std::pair<uint64_t, uint64_t>> free_by_size_ ABSL_GUARDED_BY(mu_);  // (size, offset)
+  std::map<uint64_t, uint64_t> used_by_offset_ ABSL_GUARDED_BY(mu_);  // allocated: offset -> size
+  std::optional<Extent> claim_ ABSL_GUARDED_BY(mu_);   // the range being claimed, if any
+  std::vector<Extent> claimed_ ABSL_GUARDED_BY(mu_);   // its parts claimed so far (disjoint)
 };
 
 }  // namespace proxima::daemon

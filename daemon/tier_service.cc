@@ -304,6 +304,20 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
   registry->AddCounterFunction("proxima_tier_evictions_total",
                                "Blocks evicted from the tier to make room (monotonic)", host,
                                [s] { return static_cast<double>(s->evictions()); });
+  for (const char* outcome : {"made_room", "gave_up"}) {
+    const bool made = outcome[0] == 'm';
+    registry->AddCounterFunction(
+        "proxima_tier_compactions_total",
+        "Puts that found enough free bytes but no region large enough, by whether moving blocks "
+        "made one (gave_up: a block in the way was being read, written or encoded)",
+        {{"tier", "host"}, {"outcome", outcome}}, [s, made] {
+          return static_cast<double>(made ? s->compactions() : s->compactions_given_up());
+        });
+  }
+  registry->AddCounterFunction("proxima_tier_compaction_moved_bytes_total",
+                               "Bytes of blocks moved within the tier to make room for a put",
+                               host,
+                               [s] { return static_cast<double>(s->compaction_moved_bytes()); });
   size_t deepest = 0;  // series only for levels some namespace can reach
   for (const NamespaceConfig& n : config.namespaces) {
     deepest = std::max(deepest, n.compression.plans.size());

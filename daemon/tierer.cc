@@ -152,6 +152,8 @@ std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure) const {
 std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes) {
   while (true) {
     if (std::optional<BlockStore::PendingBlock> p = store_->TryReserve(bytes)) return p;
+    // Enough bytes free but scattered: move blocks rather than encode or evict any.
+    if (std::optional<BlockStore::PendingBlock> p = store_->ReserveCompacting(bytes)) return p;
     if (CompressOne(AllCaps())) continue;
     const uint64_t evicted_before = store_->evictions();
     if (store_->EvictOne()) {  // may pass over an important block instead of evicting it

@@ -65,8 +65,9 @@ class Tierer {
                                 int64_t position, bool high_priority,
                                 float importance = 0) const;
 
-  // Tier memory for a put of `bytes`: allocates, and when the tier is full compresses or evicts
-  // the coldest blocks until it fits. nullopt when nothing can give way.
+  // Tier memory for a put of `bytes`: allocates; when enough bytes are free but scattered, moves
+  // blocks to make them contiguous (BlockStore::ReserveCompacting); when the tier is full,
+  // compresses or evicts the coldest blocks until it fits. nullopt when nothing can give way.
   std::optional<BlockStore::PendingBlock> Reserve(uint64_t bytes);
 
   // One compression step over namespaces whose cap is above 0 in `caps` (see

@@ -157,6 +157,14 @@ TEST_F(TiererTest, FullTierCompressesColdBlocksBeforeEvictingAny) {
   EXPECT_GE(store_->blocks(), 18u);  // still well over the 10 raw blocks the room holds
   EXPECT_FALSE(store_->Contains(Id(0)));
   EXPECT_TRUE(store_->Contains(Id(79)));
+  // Raw puts among encoded blocks found their room by moving blocks, and evicted only what
+  // they needed: less than a raw block is left free, not holes between encoded blocks.
+  EXPECT_GT(store_->compactions(), 0u);
+  EXPECT_LT(capacity - store_->used_bytes(), RawBytes());
+  for (uint32_t n = 0; n < 80; ++n) {
+    std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
+    if (r) EXPECT_EQ(Crc32c(r->bytes), r->crc32c) << n;
+  }
 }
 
 TEST_F(TiererTest, WithoutCompressionTheLeastRecentlyUsedIsEvicted) {
