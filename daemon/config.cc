@@ -104,6 +104,8 @@ cluster:                           # daemons of many nodes sharing their tiers (
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller
     accept_below: 0.75             # keep peers' spilled blocks only up to this fill
     candidates: 3                  # a block goes to the first of its key's N best nodes with room
+    put_wait: 500ms                # a put into a full tier waits this long at most for a spill
+                                   # round before it evicts; 0 = evict at once
 )";
 
 // Walks a YAML tree and produces errors that name the full dotted key.
@@ -668,7 +670,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                                  1ull << 40, &out->receive_pool_bytes));
   if (const YAML::Node spill = node["spill"]) {
     PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
-                                        {"enabled", "threshold", "accept_below", "candidates"}));
+                                        {"enabled", "threshold", "accept_below", "candidates",
+                                         "put_wait"}));
     if (spill.IsMap()) {
       PROXIMA_RETURN_IF_ERROR(
           r.Bool(spill["enabled"], "cluster.spill.enabled", &out->spill_enabled));
@@ -678,6 +681,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                                        1.0, &out->spill_accept_below));
       PROXIMA_RETURN_IF_ERROR(Uint32(r, spill["candidates"], "cluster.spill.candidates", 1, 64,
                                      &out->spill_candidates));
+      PROXIMA_RETURN_IF_ERROR(Duration(r, spill["put_wait"], "cluster.spill.put_wait", 0, 60,
+                                       &out->spill_put_wait_seconds));
     }
   }
   if (out->spill_accept_below >= out->spill_threshold) {
@@ -1252,6 +1257,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "threshold" << YAML::Value << k.spill_threshold;
   e << YAML::Key << "accept_below" << YAML::Value << k.spill_accept_below;
   e << YAML::Key << "candidates" << YAML::Value << k.spill_candidates;
+  e << YAML::Key << "put_wait" << YAML::Value << seconds(k.spill_put_wait_seconds);
   e << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::EndMap;

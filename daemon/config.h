@@ -173,11 +173,15 @@ struct ClusterConfig {
   // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
   // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`
-  // best rendezvous nodes (other than this one) that has room.
+  // best rendezvous nodes (other than this one) that has room. A put that finds the host tier
+  // full (nothing left to compress) waits up to `spill_put_wait_seconds` for a spill round to
+  // move cold blocks to peers before it evicts any; 0 = puts never wait (they evict at once,
+  // and a burst faster than the spiller evicts blocks a peer had room for).
   bool spill_enabled = true;
   double spill_threshold = 0.9;
   double spill_accept_below = 0.75;
   uint32_t spill_candidates = 3;
+  double spill_put_wait_seconds = 0.5;
 };
 
 struct DaemonConfig {

@@ -343,6 +343,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(d.cluster.spill_threshold, 0.9);
   EXPECT_EQ(d.cluster.spill_accept_below, 0.75);
   EXPECT_EQ(d.cluster.spill_candidates, 3u);
+  EXPECT_EQ(d.cluster.spill_put_wait_seconds, 0.5);
   EXPECT_EQ(d.cluster.receive_pool_bytes, 256ull << 20);
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
@@ -359,7 +360,8 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                   "  peer_deadline: 1.5s\n"
                   "  peer_token: {file: /etc/proxima/peer-token}\n"
                   "  receive_pool_bytes: 64MiB\n"
-                  "  spill: {enabled: false, threshold: 0.95, accept_below: 0.5, candidates: 2}\n",
+                  "  spill: {enabled: false, threshold: 0.95, accept_below: 0.5, candidates: 2,\n"
+                  "          put_wait: 0}\n",
                   "c", {}));
   EXPECT_TRUE(c.cluster.enabled);
   EXPECT_EQ(c.cluster.advertise, "10.0.0.7:50051");
@@ -382,6 +384,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(again.cluster.spill_threshold, 0.95);
   EXPECT_EQ(again.cluster.spill_accept_below, 0.5);
   EXPECT_EQ(again.cluster.spill_candidates, 2u);
+  EXPECT_EQ(again.cluster.spill_put_wait_seconds, 0);
   EXPECT_EQ(again.cluster.receive_pool_bytes, 64ull << 20);
   // --set works on the section like on any other.
   ASSERT_OK_AND_ASSIGN(DaemonConfig s,
@@ -442,6 +445,8 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"cluster: {spill: {accept_below: 0.95}}",
        {"cluster.spill.accept_below", "0.95", "below cluster.spill.threshold (0.9)"}},
       {"cluster: {spill: {candidates: 0}}", {"cluster.spill.candidates", "[1, 64]"}},
+      {"cluster: {spill: {put_wait: -1s}}", {"cluster.spill.put_wait", "-1s"}},
+      {"cluster: {spill: {put_wait: soon}}", {"cluster.spill.put_wait", "soon"}},
       {"cluster: {spill: {ratio: 2}}", {"cluster.spill.ratio", "unknown"}},
       {"cluster: {spill: 3}", {"cluster.spill"}},
       {"cluster: {transport: rdma}", {"cluster.transport", "rdma", "auto", "grpc or ucx"}},

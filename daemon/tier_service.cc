@@ -555,7 +555,7 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
     std::memcpy(id.key.data(), blocks[i].key->data(), kKeyBytes);
     PutOutcome outcome = PutOutcome::kAlreadyPresent;
     if (!store_->Touch(id)) {
-      std::optional<BlockStore::PendingBlock> pending = tierer_->Reserve(profile.block_bytes);
+      std::optional<BlockStore::PendingBlock> pending = ReserveForPut(profile.block_bytes);
       if (!pending) {
         outcome = PutOutcome::kNoSpace;
       } else {
@@ -573,6 +573,13 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   TellRemote(ns, scope.partition, profile_id, held);
   bytes_in_->Increment(static_cast<uint64_t>(blocks.size()) * profile.block_bytes);
   return absl::OkStatus();
+}
+
+std::optional<BlockStore::PendingBlock> TierService::ReserveForPut(uint64_t bytes) {
+  return tierer_->Reserve(bytes, [this] {
+    RemoteBlocks* remote = remote_.load();
+    return remote != nullptr && remote->MakeRoom();
+  });
 }
 
 void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
@@ -731,7 +738,7 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
   for (size_t i = 0; i < keys.size(); ++i) {
     if (store_->Touch(id_of(keys[i]))) continue;
     // As an inline Put: the tierer makes room by compressing before it evicts.
-    std::optional<BlockStore::PendingBlock> p = tierer_->Reserve(profile.block_bytes);
+    std::optional<BlockStore::PendingBlock> p = ReserveForPut(profile.block_bytes);
     if (!p) {
       outcomes[i] = PutOutcome::kNoSpace;
       continue;

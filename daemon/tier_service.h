@@ -217,6 +217,9 @@ class TierService {
   absl::Status PutBlocks(const Caller& caller, const std::string& namespace_name,
                          uint64_t profile_id, std::span<const PutSource> blocks, bool high_priority,
                          v1::PutResponse* response);
+  // Tier memory for a block a worker puts: the tierer's Reserve, with the cluster (if on) asked
+  // to spill cold blocks to peers before anything is evicted.
+  std::optional<BlockStore::PendingBlock> ReserveForPut(uint64_t bytes);
   // Tells the cluster (if on) that the local tiers hold `keys` of namespace `ns`.
   void TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
                   std::span<const BlockKey> keys);

@@ -149,12 +149,18 @@ std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure) const {
   return caps;
 }
 
-std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes) {
+std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
+                                                       const std::function<bool()>& make_room) {
+  // make_room may say "try again" without having freed this put's room (another put took it);
+  // a few times, then eviction.
+  constexpr int kMaxRoomAsks = 8;
+  int room_asks = 0;
   while (true) {
     if (std::optional<BlockStore::PendingBlock> p = store_->TryReserve(bytes)) return p;
     // Enough bytes free but scattered: move blocks rather than encode or evict any.
     if (std::optional<BlockStore::PendingBlock> p = store_->ReserveCompacting(bytes)) return p;
     if (CompressOne(AllCaps())) continue;
+    if (make_room && room_asks++ < kMaxRoomAsks && make_room()) continue;
     const uint64_t evicted_before = store_->evictions();
     if (store_->EvictOne()) {  // may pass over an important block instead of evicting it
       evictions_for_put_->Increment(store_->evictions() - evicted_before);

@@ -67,8 +67,11 @@ class Tierer {
 
   // Tier memory for a put of `bytes`: allocates; when enough bytes are free but scattered, moves
   // blocks to make them contiguous (BlockStore::ReserveCompacting); when the tier is full,
-  // compresses or evicts the coldest blocks until it fits. nullopt when nothing can give way.
-  std::optional<BlockStore::PendingBlock> Reserve(uint64_t bytes);
+  // compresses the coldest blocks, then (when `make_room` is given) asks it to move blocks
+  // elsewhere (the cluster's spill: true when some left, and the allocation is tried again), and
+  // evicts the least recently used blocks last. nullopt when nothing can give way.
+  std::optional<BlockStore::PendingBlock> Reserve(
+      uint64_t bytes, const std::function<bool()>& make_room = nullptr);
 
   // One compression step over namespaces whose cap is above 0 in `caps` (see
   // BlockStore::ColdestCompressible). True when a block moved a level down (or, when it could

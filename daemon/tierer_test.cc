@@ -163,7 +163,9 @@ TEST_F(TiererTest, FullTierCompressesColdBlocksBeforeEvictingAny) {
   EXPECT_LT(capacity - store_->used_bytes(), RawBytes());
   for (uint32_t n = 0; n < 80; ++n) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
-    if (r) EXPECT_EQ(Crc32c(r->bytes), r->crc32c) << n;
+    if (r) {
+      EXPECT_EQ(Crc32c(r->bytes), r->crc32c) << n;
+    }
   }
 }
 

@@ -190,6 +190,16 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "proxima_cluster_spill_sent_blocks_total",
       "Cold blocks this node spilled to peers, by outcome",
       {{"outcome", "no_peer_room"}});  // no candidate peer had room (or answered)
+  for (auto [counter, outcome] : {std::pair{&put_waits_room_, "room"},
+                                   std::pair{&put_waits_none_, "no_room"},
+                                   std::pair{&put_waits_timeout_, "timeout"}}) {
+    *counter = registry->AddCounter(
+        "proxima_cluster_spill_put_waits_total",
+        "Puts that found the host tier full and waited for a spill round before evicting, by "
+        "outcome (room: blocks left for peers; no_room: none could; timeout: "
+        "cluster.spill.put_wait ran out)",
+        {{"outcome", outcome}});
+  }
   spill_bytes_out_ = registry->AddCounter("proxima_cluster_spill_bytes_total",
                                           "Block bytes spilled between daemons, by direction",
                                           {{"direction", "out"}});
@@ -214,6 +224,7 @@ void Cluster::Stop() {
   }
   queue_cv_.notify_all();
   spill_cv_.notify_all();
+  spill_done_cv_.notify_all();
   if (sender_.joinable()) sender_.join();
   if (spiller_.joinable()) spiller_.join();
   if (membership_) membership_->Stop();
@@ -534,21 +545,63 @@ void Cluster::RunSpiller() {
       if (stopping_) return;
       spill_wanted_ = false;
     }
-    while (SpillOnce()) {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      if (stopping_) return;
+    SpillRound round = SpillRound::kMoved;
+    while (round == SpillRound::kMoved) {
+      {
+        std::lock_guard<std::mutex> lock(queue_mu_);
+        if (stopping_) return;
+        spill_round_running_ = true;
+      }
+      round = SpillOnce();
+      {
+        std::lock_guard<std::mutex> lock(queue_mu_);
+        spill_round_running_ = false;
+        ++spill_rounds_;
+        last_round_ = round;
+        last_round_end_ = absl::Now();
+      }
+      spill_done_cv_.notify_all();
     }
   }
 }
 
-bool Cluster::SpillOnce() {
+bool Cluster::MakeRoom() {
+  if (!config_.cluster.spill_enabled || config_.cluster.spill_put_wait_seconds <= 0) return false;
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  if (stopping_) return false;
+  // The last round found no peer with room, and the spiller leaves full peers alone for a
+  // while: evict now rather than wait for a round that cannot help.
+  if (last_round_ == SpillRound::kStuck && !spill_round_running_ &&
+      absl::Now() - last_round_end_ < kPeerFullBackoff) {
+    put_waits_none_->Increment();
+    return false;
+  }
+  // A round that is already running may have chosen its blocks before this put: wait for the
+  // one after it.
+  const uint64_t until = spill_rounds_ + (spill_round_running_ ? 2 : 1);
+  spill_wanted_ = true;
+  spill_cv_.notify_one();
+  const bool done = spill_done_cv_.wait_for(
+      lock, std::chrono::duration<double>(config_.cluster.spill_put_wait_seconds),
+      [&] { return stopping_ || spill_rounds_ >= until; });
+  if (!done || stopping_) {
+    put_waits_timeout_->Increment();
+    return false;
+  }
+  // kIdle: other rounds took the tier under the threshold meanwhile, so there is room to try.
+  const bool room = last_round_ != SpillRound::kStuck;
+  (room ? put_waits_room_ : put_waits_none_)->Increment();
+  return room;
+}
+
+Cluster::SpillRound Cluster::SpillOnce() {
   BlockStore& store = core_->store();
   const double capacity = static_cast<double>(store.capacity_bytes());
   const double limit = config_.cluster.spill_threshold * capacity;
   const uint64_t used = store.used_bytes();
-  if (static_cast<double>(used) <= limit) return false;
+  if (static_cast<double>(used) <= limit) return SpillRound::kIdle;
   std::shared_ptr<const LiveSet> live = membership_->Live();
-  if (live->nodes.size() < 2) return false;
+  if (live->nodes.size() < 2) return SpillRound::kStuck;
   const absl::Time now = absl::Now();
   // The bytes each live peer may be sent this round: what it said it has room for; one block
   // after a refusal once its back-off has passed; nothing during the back-off.
@@ -564,7 +617,7 @@ bool Cluster::SpillOnce() {
     }
     any_peer |= budget[i] > 0;
   }
-  if (!any_peer) return false;
+  if (!any_peer) return SpillRound::kStuck;
   // Down to a little under the threshold (1/64 of the tier), so that not every put starts a
   // round of its own.
   const uint64_t want = std::min<uint64_t>(
@@ -649,6 +702,7 @@ bool Cluster::SpillOnce() {
   const absl::Time deadline = now + peer_deadline_;
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks);
   bool moved = false;
+  bool retry_inline = false;
   for (size_t k = 0; k < calls.size(); ++k) {
     const Call& call = *calls[k];
     std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
@@ -666,6 +720,7 @@ bool Cluster::SpillOnce() {
       // It cannot pull from us over UCX: inline from the next round on, no back-off.
       room.inline_only = true;
       room.bytes = UINT64_MAX;
+      retry_inline = true;
       PROXIMA_LOG(kInfo) << "spilling to a peer inline: it cannot pull over UCX"
                          << log::Kv("peer", call.peer)
                          << log::Kv("error", call.status.error_message());
@@ -688,7 +743,8 @@ bool Cluster::SpillOnce() {
     }
   }
   for (const BlockStore::Candidate& c : stay) store.Release(c);
-  return moved;
+  // A peer that refused a UCX pull takes the bytes inline in the next round, at once.
+  return moved || retry_inline ? SpillRound::kMoved : SpillRound::kStuck;
 }
 
 }  // namespace proxima::daemon::cluster

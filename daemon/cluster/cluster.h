@@ -13,7 +13,9 @@
 //   spill    while the host tier is fuller than cluster.spill.threshold, a spiller thread sends
 //            its coldest blocks (StoreBlocks, batched per peer) to the first of each key's best
 //            rendezvous nodes that has room; a peer keeps them below its accept_below share,
-//            becomes their holder and tells their homes; then this node drops its copies.
+//            becomes their holder and tells their homes; then this node drops its copies. A put
+//            that finds the tier full waits for a round (MakeRoom, cluster.spill.put_wait)
+//            before it evicts.
 //
 // The remote part of any call shares one budget, cluster.peer_deadline: every peer call carries
 // the call's absolute deadline. A peer that is down, slow, or answers wrongly is a miss. Records
@@ -75,6 +77,7 @@ class Cluster final : public RemoteBlocks {
   size_t LookupChain(const RemoteBlockSet& blocks) override;
   std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override;
   std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override;
+  bool MakeRoom() override;
 
  private:
   // Records (or forgets) for one home, one namespace/partition/profile.
@@ -106,9 +109,12 @@ class Cluster final : public RemoteBlocks {
   // Wakes the spiller when the host tier is over cluster.spill.threshold.
   void WakeSpillerIfFull();
   void RunSpiller();
-  // One spill round: up to kMaxSpillRoundBytes of the coldest blocks to peers with room. True
-  // when some block left (the caller goes on while the tier is still over the threshold).
-  bool SpillOnce();
+  // One spill round: up to kMaxSpillRoundBytes of the coldest blocks to peers with room.
+  // kMoved when some block left or a peer is to be sent them inline next (the caller goes on
+  // while the tier is still over the threshold), kIdle when the tier is not over it, kStuck
+  // when no peer took any.
+  enum class SpillRound { kIdle, kMoved, kStuck };
+  SpillRound SpillOnce();
 
   const DaemonConfig config_;
   const std::string self_;
@@ -131,6 +137,9 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* spilled_blocks_ = nullptr;
   metrics::Counter* spill_no_room_ = nullptr;
   metrics::Counter* spill_bytes_out_ = nullptr;
+  metrics::Counter* put_waits_room_ = nullptr;
+  metrics::Counter* put_waits_none_ = nullptr;
+  metrics::Counter* put_waits_timeout_ = nullptr;
 
   // The record sender's queue: keys per batch, waiting to be sent.
   std::mutex queue_mu_;
@@ -143,6 +152,13 @@ class Cluster final : public RemoteBlocks {
   // The spiller: woken by puts that leave the tier over the threshold (and every 250 ms).
   std::condition_variable spill_cv_;  // with queue_mu_
   bool spill_wanted_ = false;         // guarded by queue_mu_
+  // Spill rounds, for puts that wait on them (MakeRoom): each round's end is signalled on
+  // spill_done_cv_ (with queue_mu_).
+  std::condition_variable spill_done_cv_;
+  uint64_t spill_rounds_ = 0;         // rounds finished; guarded by queue_mu_
+  bool spill_round_running_ = false;  // guarded by queue_mu_
+  SpillRound last_round_ = SpillRound::kIdle;  // guarded by queue_mu_
+  absl::Time last_round_end_;         // guarded by queue_mu_
   std::thread spiller_;
   // What the spiller knows of a peer's room for spilled blocks. Spiller thread only.
   struct PeerRoom {

@@ -64,6 +64,13 @@ class RemoteBlocks {
   // Deletes `blocks` at the other nodes that hold them (as their homes know it): one entry
   // per key, true when some node deleted it. Best effort, bounded like the rest.
   virtual std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) = 0;
+
+  // A put found the local tiers full, with nothing left to compress: waits (at most
+  // cluster.spill.put_wait) for a spill round to move cold blocks to peers with room. True when
+  // the caller should try to allocate again (a round moved some, or the tier is under the spill
+  // threshold now); false when no peer could take any (spilling off, no live peer, the last
+  // round found no room) or the wait ran out: the caller evicts.
+  virtual bool MakeRoom() { return false; }
 };
 
 }  // namespace proxima::daemon

@@ -532,7 +532,10 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
   // not: A's first spill to C over UCX is refused, and A sends C the bytes inline after that.
   ASSERT_NO_FATAL_FAILURE(StartCluster(
       3,
-      {"tiers.host.capacity_bytes=8MiB", "cluster.spill={threshold: 0.9, accept_below: 0.75}",
+      // Puts wait for the spiller when A is full; 5 s rather than the default 0.5 s, so that a
+      // loaded machine's slow rounds do not make them evict.
+      {"tiers.host.capacity_bytes=8MiB",
+       "cluster.spill={threshold: 0.9, accept_below: 0.75, put_wait: 5s}",
        "cluster.transport=auto"},
       [](int i) { return std::vector<std::string>{i < 2 ? "ucx.enabled=true" : "ucx.enabled=false"}; }));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
@@ -546,20 +549,23 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
     absl::StatusOr<v1::StatsResponse> s = client.Stats();
     return s.ok() ? s->tiers(0) : v1::TierStats();
   };
-  // 56 blocks (14 MiB) put through A, which holds 7.2 MiB before it spills: two blocks at a
-  // time (less than the 10% between the spill threshold and a full tier), each batch once A is
-  // back under the threshold, as a worker's steady stream would find it.
+  // 56 blocks (14 MiB) put through A, which holds 7.2 MiB before it spills, as one burst of
+  // 8-block batches: faster than the spiller, so puts find A full and wait for its rounds
+  // (cluster.spill.put_wait) instead of evicting blocks the peers have room for.
   constexpr size_t kBlocks = 56;
-  for (size_t first = 0; first < kBlocks; first += 2) {
-    Blocks blocks = MakeBlocks(1, first, 2, p.block_bytes);
+  for (size_t first = 0; first < kBlocks; first += 8) {
+    Blocks blocks = MakeBlocks(1, first, 8, p.block_bytes);
     ASSERT_OK_AND_ASSIGN(auto outcomes, a->Put(p, blocks.keys, blocks.spans()));
     EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (host(*a).used_bytes() > 0.9 * kCapacity && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
   }
   EXPECT_EQ(host(*a).evictions(), 0u) << "A evicted instead of spilling";
+  EXPECT_GT(Metric(0, "proxima_cluster_spill_put_waits_total{outcome=\"room\"}"), 0)
+      << "no put waited for the spiller";
+  // The last put returned once it had room; the spiller goes on until A is under its threshold.
+  const absl::Time settled = absl::Now() + absl::Seconds(10);
+  while (host(*a).used_bytes() > 0.9 * kCapacity && absl::Now() < settled) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   const double moved = Metric(0, "proxima_cluster_spill_sent_blocks_total{outcome=\"moved\"}");
   EXPECT_GE(moved, kBlocks - 0.9 * kCapacity / p.block_bytes);
   EXPECT_EQ(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}") +
@@ -593,16 +599,12 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
     return host(*b).used_bytes() > 0.75 * kCapacity - 2 * p.block_bytes &&
            host(*c).used_bytes() > 0.75 * kCapacity - 2 * p.block_bytes;
   };
-  // Each batch once the spiller has caught up with the last (A back under its threshold) or the
-  // peers are full: puts never wait for peers, so a burst faster than the spiller makes A evict
-  // before the peers fill (and A, back under its threshold, then stops spilling); on a loaded
-  // machine that left the peers short of their shares.
+  // Again as one burst: puts that find A full wait for the spiller while the peers have room,
+  // so the peers fill to their shares before A evicts anything (with puts that never waited, a
+  // burst faster than the spiller made A evict first and left the peers short).
   for (size_t first = 0; first < 60; first += 4) {
     Blocks blocks = MakeBlocks(2, first, 4, p.block_bytes);
     ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
-    while (host(*a).used_bytes() > 0.9 * kCapacity && !peers_full() && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(20));
-    }
   }
   while ((Metric(0, no_room) <= 0 || !peers_full()) && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
