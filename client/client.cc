@@ -406,47 +406,72 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
   return outcomes;
 }
 
+absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey> keys,
+                                std::span<const Segments> out, size_t begin, size_t end,
+                                bool client_verifies, std::vector<bool>* found,
+                                std::vector<size_t>* mismatched) {
+  v1::GetUcxRequest request;
+  request.set_profile_id(profile.id);
+  request.set_client_verifies_crc32c(client_verifies);
+  std::vector<std::shared_ptr<ucx::Registration>> held;
+  PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
+  v1::GetUcxResponse response;
+  PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
+    return CallWithProfile(profile, [&] {
+      grpc::ClientContext context;
+      PrepareContext(&context, deadline - absl::Now());
+      request.set_session_id(ucx_session_.load());
+      response.Clear();
+      return FromGrpc(stub_->GetUcx(&context, request, &response));
+    });
+  }));
+  if (response.results_size() != static_cast<int>(end - begin)) {
+    return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
+                                            " results for ", end - begin, " blocks"));
+  }
+  for (size_t i = begin; i < end; ++i) {
+    const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
+    if (!r.found()) continue;
+    uint32_t crc = 0;
+    for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
+    if (crc == r.crc32c()) {
+      (*found)[i] = true;
+    } else {
+      mismatched->push_back(i);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
                                                  std::span<const BlockKey> keys,
                                                  std::span<const Segments> out) {
   std::vector<bool> found(keys.size(), false);
   const size_t per_call = server_info_.max_batch_blocks;
   for (size_t begin = 0; begin < keys.size(); begin += per_call) {
-    size_t end = std::min(keys.size(), begin + per_call);
-    v1::GetUcxRequest request;
-    request.set_profile_id(profile.id);
-    std::vector<std::shared_ptr<ucx::Registration>> held;
-    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
-    v1::GetUcxResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
-      return CallWithProfile(profile, [&] {
-        grpc::ClientContext context;
-        PrepareContext(&context, deadline - absl::Now());
-        request.set_session_id(ucx_session_.load());
-        response.Clear();
-        return FromGrpc(stub_->GetUcx(&context, request, &response));
-      });
-    }));
-    if (response.results_size() != static_cast<int>(end - begin)) {
-      return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
-                                              " results for ", end - begin, " blocks"));
+    const size_t end = std::min(keys.size(), begin + per_call);
+    // As an inline Get: this client checks every block written, so the daemon need not read it
+    // once more first (GetUcxRequest.client_verifies_crc32c).
+    std::vector<size_t> mismatched;
+    PROXIMA_RETURN_IF_ERROR(
+        GetUcxOnce(profile, keys, out, begin, end, /*client_verifies=*/true, &found, &mismatched));
+    if (mismatched.empty()) continue;
+    // Ask again with the daemon checking: a block corrupt in the daemon's memory is dropped and
+    // counted there (and misses here); one damaged on its way arrives intact this time.
+    std::vector<BlockKey> again_keys;
+    std::vector<Segments> again_out;
+    for (size_t i : mismatched) {
+      again_keys.push_back(keys[i]);
+      again_out.push_back(out[i]);
     }
-    for (size_t i = begin; i < end; ++i) {
-      const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
-      if (!r.found()) continue;
-      uint32_t crc = 0;
-      for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
-      if (crc != r.crc32c()) {
-        const uint64_t n = crc_failures_.fetch_add(1) + 1;
-        if ((n & (n - 1)) == 0) {
-          PROXIMA_LOG(kWarning) << "block written by proximad over UCX failed its CRC32C check; "
-                                   "treated as a miss"
-                                << log::Kv("target", options_.target) << log::Kv("failures", n);
-        }
-        continue;
-      }
-      found[i] = true;
+    std::vector<bool> again(mismatched.size(), false);
+    std::vector<size_t> still;
+    PROXIMA_RETURN_IF_ERROR(GetUcxOnce(profile, again_keys, again_out, 0, again_keys.size(),
+                                       /*client_verifies=*/false, &again, &still));
+    for (size_t j = 0; j < mismatched.size(); ++j) {
+      if (again[j]) found[mismatched[j]] = true;
     }
+    for (size_t k = 0; k < still.size(); ++k) CountCrcFailure();  // damaged twice on its way
   }
   return found;
 }

@@ -277,6 +277,13 @@ class Client {
                                                  const PutOptions& options);
   absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
                                            std::span<const Segments> out);
+  // One GetUcx call for blocks [begin, end) of `keys`/`out`: sets (*found)[i] for each block
+  // written whose bytes match the CRC32C the daemon sent, and appends to `mismatched` the
+  // indices of those that do not.
+  absl::Status GetUcxOnce(const Profile& profile, std::span<const BlockKey> keys,
+                          std::span<const Segments> out, size_t begin, size_t end,
+                          bool client_verifies, std::vector<bool>* found,
+                          std::vector<size_t>* mismatched);
   // InvalidArgument unless `options` has no hints or one per key.
   static absl::Status CheckPutOptions(size_t keys, const PutOptions& options);
   // Whether any segment of `blocks` lies in device memory (options_.device_memory and a GPU).

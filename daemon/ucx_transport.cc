@@ -329,6 +329,7 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
   v1::GetRequest get;
   get.set_namespace_name(request.namespace_name());
   get.set_profile_id(request.profile_id());
+  get.set_client_verifies_crc32c(request.client_verifies_crc32c());
   for (const v1::UcxBlock& b : request.blocks()) get.add_keys(b.key());
   // Pinned until the puts are done: eviction cannot free the bytes under the transfer.
   auto blocks = std::make_shared<std::vector<std::optional<BlockStore::ReadBlock>>>();

@@ -1,9 +1,10 @@
 // End to end: bytes corrupted in the daemon's tier memory never reach a caller. The daemon runs
 // in this process (the only way to flip bits in its arena) but serves real gRPC on loopback,
-// and the real client library talks to it. The client asks the daemon to skip its own CRC32C
-// check (GetRequest.client_verifies_crc32c) and checks every block itself; a block that fails
-// is asked for again with the daemon checking, which drops and counts it: the caller sees a
-// miss, the other blocks of the batch arrive intact, and nothing else is lost.
+// and the real client library talks to it, inline and over UCX. The client asks the daemon to
+// skip its own CRC32C check (GetRequest / GetUcxRequest.client_verifies_crc32c) and checks
+// every block itself; a block that fails is asked for again with the daemon checking, which
+// drops and counts it: the caller sees a miss, the other blocks of the batch arrive intact, and
+// nothing else is lost.
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -41,7 +42,7 @@ v1::ModelProfile SmallModel() {
   return p;
 }
 
-class CorruptionTest : public ::testing::Test {
+class CorruptionTest : public ::testing::TestWithParam<client::Transport> {
  protected:
   void SetUp() override {
     daemon::DaemonConfig config;
@@ -52,7 +53,9 @@ class CorruptionTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(daemon_, daemon::Daemon::Start(config));
     client::ClientOptions options;
     options.target = absl::StrCat("127.0.0.1:", daemon_->tcp_port());
+    options.transport = GetParam();
     ASSERT_OK_AND_ASSIGN(client_, Client::Connect(options));
+    ASSERT_EQ(client_->transport(), GetParam()) << client_->transport_detail();
     ASSERT_OK_AND_ASSIGN(profile_, client_->RegisterProfile(SmallModel()));
   }
 
@@ -67,7 +70,7 @@ class CorruptionTest : public ::testing::Test {
   client::Profile profile_;
 };
 
-TEST_F(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
+TEST_P(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
   constexpr uint64_t kSeed = 77;
   constexpr size_t kBlocks = 8;
   const std::vector<BlockKey> keys = client::TestKeyChain(kSeed, 0, kBlocks);
@@ -93,6 +96,12 @@ TEST_F(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
       EXPECT_TRUE(client::IsTestBlock(kSeed, i, got[i])) << "wrong bytes for block " << i;
     }
   }
+  // The first answer carried the stored bytes without the daemon's check (the client verifies):
+  // the corrupt block's buffer holds them, one bit off the block that was put.
+  std::vector<std::byte> expected(profile_.block_bytes);
+  client::FillTestBlock(kSeed, 3, expected);
+  expected[12345] ^= std::byte{0x01};
+  EXPECT_EQ(got[3], expected);
   // The daemon found both on the client's second ask, dropped and counted them; the client saw
   // no damage in transit.
   ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, client_->Stats());
@@ -110,7 +119,7 @@ TEST_F(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
   EXPECT_TRUE(client::IsTestBlock(kSeed, 3, got[3]));
 }
 
-TEST_F(CorruptionTest, ADaemonCheckedGetNeverSendsCorruptBytes) {
+TEST_P(CorruptionTest, ADaemonCheckedGetNeverSendsCorruptBytes) {
   // A gRPC client that leaves client_verifies_crc32c unset (any client but ours) gets the
   // daemon's check: the corrupt block is not sent at all.
   const std::vector<BlockKey> keys = client::TestKeyChain(5, 0, 1);
@@ -136,6 +145,12 @@ TEST_F(CorruptionTest, ADaemonCheckedGetNeverSendsCorruptBytes) {
   EXPECT_TRUE(response.results(0).data().empty());
   EXPECT_EQ(daemon_->core().store().crc_failures(), 1u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, CorruptionTest,
+                         ::testing::Values(client::Transport::kInline, client::Transport::kUcx),
+                         [](const auto& info) {
+                           return info.param == client::Transport::kUcx ? "ucx" : "inline";
+                         });
 
 }  // namespace
 }  // namespace proxima
