@@ -221,6 +221,20 @@ absl::Status Client::CallWithSession(Call&& call) {
   return call(deadline);
 }
 
+template <typename Req, typename Resp, typename Method>
+absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* response,
+                             Method method) {
+  return CallWithSession([&](absl::Time deadline) {
+    return CallWithProfile(profile, [&] {
+      grpc::ClientContext context;
+      PrepareContext(&context, deadline - absl::Now());
+      request.set_session_id(ucx_session_.load());
+      response->Clear();
+      return FromGrpc((stub_.get()->*method)(&context, request, response));
+    });
+  });
+}
+
 absl::Status Client::ReopenUcxSession(absl::Time deadline) {
   // One thread re-establishes the session; the others find it fresh when they get the lock.
   proxima::MutexLock lock(&ucx_reopen_mu_);
@@ -384,15 +398,7 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
       if (!options.importance.empty()) block->set_importance(options.importance[i]);
     }
     v1::PutResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
-      return CallWithProfile(profile, [&] {
-        grpc::ClientContext context;
-        PrepareContext(&context, deadline - absl::Now());
-        request.set_session_id(ucx_session_.load());
-        response.Clear();
-        return FromGrpc(stub_->PutUcx(&context, request, &response));
-      });
-    }));
+    PROXIMA_RETURN_IF_ERROR(CallUcx(profile, request, &response, &v1::KVTier::Stub::PutUcx));
     if (response.outcomes_size() != static_cast<int>(end - begin)) {
       return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
                                               " outcomes for ", end - begin, " blocks"));
@@ -416,15 +422,7 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
   std::vector<std::shared_ptr<ucx::Registration>> held;
   PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
   v1::GetUcxResponse response;
-  PROXIMA_RETURN_IF_ERROR(CallWithSession([&](absl::Time deadline) {
-    return CallWithProfile(profile, [&] {
-      grpc::ClientContext context;
-      PrepareContext(&context, deadline - absl::Now());
-      request.set_session_id(ucx_session_.load());
-      response.Clear();
-      return FromGrpc(stub_->GetUcx(&context, request, &response));
-    });
-  }));
+  PROXIMA_RETURN_IF_ERROR(CallUcx(profile, request, &response, &v1::KVTier::Stub::GetUcx));
   if (response.results_size() != static_cast<int>(end - begin)) {
     return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
                                             " results for ", end - begin, " blocks"));

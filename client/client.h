@@ -262,6 +262,10 @@ class Client {
   // longer knows the session (NOT_FOUND), a new one is opened and the call retried once.
   template <typename Call>
   absl::Status CallWithSession(Call&& call);
+  // A PutUcx or GetUcx call (`method`, e.g. &v1::KVTier::Stub::GetUcx) through CallWithSession
+  // and CallWithProfile, with the current session id set in `request`.
+  template <typename Req, typename Resp, typename Method>
+  absl::Status CallUcx(const Profile& profile, Req& request, Resp* response, Method method);
   // Fills request regions and blocks for keys[begin, end) over UCX; `held` keeps every
   // registration used alive for the call.
   template <typename Seg, typename Req>
