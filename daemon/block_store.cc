@@ -142,7 +142,6 @@ bool BlockStore::EvictOneFrom(uint8_t segment) {
 
 std::optional<Extent> BlockStore::AllocateEvicting(uint64_t bytes) {
   while (true) {
-    if (std::optional<Extent> e = tier_->Allocate(bytes)) return e;
     if (std::optional<Extent> e = AllocateCompacting(bytes)) return e;
     // Nothing evictable; a reader may have released bytes meanwhile.
     if (!EvictOne()) return tier_->Allocate(bytes);
@@ -166,6 +165,7 @@ std::optional<BlockStore::PendingBlock> BlockStore::ReserveCompacting(uint64_t b
 }
 
 std::optional<Extent> BlockStore::AllocateCompacting(uint64_t bytes) {
+  if (std::optional<Extent> e = tier_->Allocate(bytes)) return e;
   proxima::MutexLock lock(&compact_mu_);
   std::optional<HostTier::Window> window = tier_->FindWindow(bytes);
   if (!window) return std::nullopt;

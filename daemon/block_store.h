@@ -142,9 +142,10 @@ class BlockStore {
   std::optional<PendingBlock> TryReserve(uint64_t bytes,
                                          HostTier::Placement placement = HostTier::Placement::kLow);
 
-  // When at least `bytes` are free in all but in no single region, moves the blocks out of the
-  // window of the tier that holds the fewest bytes and returns the window; nullopt otherwise, or
-  // when a block in the window is being read, written, encoded or spilled (nothing is evicted).
+  // Like TryReserve(), and when at least `bytes` are free in all but in no single region, moves
+  // the blocks out of the window of the tier that holds the fewest bytes and returns the window.
+  // nullopt when fewer bytes are free, or when a block in the window is being read, written,
+  // encoded or spilled. Never evicts.
   std::optional<PendingBlock> ReserveCompacting(uint64_t bytes);
 
   // Reserve + copy + Commit.
@@ -287,7 +288,7 @@ class BlockStore {
   // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
   bool EvictOneFrom(uint8_t segment);
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
-  // The window of a compaction (ReserveCompacting), as an extent.
+  // A free extent, or the window of a compaction (ReserveCompacting).
   std::optional<Extent> AllocateCompacting(uint64_t bytes);
   // Moves the indexed block whose extent begins at `offset` to free space outside the claimed
   // window; false when there is none, or the block is being read, encoded or spilled.

@@ -12,6 +12,18 @@
 #include "kernels/device.h"
 
 namespace proxima::daemon {
+namespace {
+
+// The first region of an offset -> size map that reaches past `start`: the one containing it,
+// else the first after it.
+template <typename Map>
+auto FirstReaching(Map& regions, uint64_t start) {
+  auto it = regions.upper_bound(start);
+  if (it != regions.begin() && std::prev(it)->first + std::prev(it)->second > start) --it;
+  return it;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(uint64_t capacity_bytes) {
   uint64_t capacity = capacity_bytes / kAlignment * kAlignment;
@@ -143,12 +155,7 @@ std::optional<HostTier::Window> HostTier::FindWindow(uint64_t bytes) const {
   auto cost = [&](uint64_t start, uint64_t limit, uint64_t* covered) {
     uint64_t total = 0;
     *covered = 0;
-    auto it = used_by_offset_.upper_bound(start);
-    if (it != used_by_offset_.begin()) {
-      auto prev = std::prev(it);
-      if (prev->first + prev->second > start) it = prev;
-    }
-    for (; it != used_by_offset_.end() && it->first < start + size && total <= limit; ++it) {
+    for (auto it = FirstReaching(used_by_offset_, start); it != used_by_offset_.end() && it->first < start + size && total <= limit; ++it) {
       total += it->second;
       *covered += std::min(it->first + it->second, start + size) - std::max(it->first, start);
     }
@@ -177,11 +184,8 @@ std::optional<HostTier::Window> HostTier::FindWindow(uint64_t bytes) const {
   Window w;
   w.range = Extent{best_start, size};
   w.occupied_bytes = best_cost;
-  auto it = used_by_offset_.upper_bound(best_start);
-  if (it != used_by_offset_.begin() && std::prev(it)->first + std::prev(it)->second > best_start) {
-    --it;
-  }
-  for (; it != used_by_offset_.end() && it->first < best_start + size; ++it) {
+  for (auto it = FirstReaching(used_by_offset_, best_start);
+       it != used_by_offset_.end() && it->first < best_start + size; ++it) {
     w.occupied.push_back(Extent{it->first, it->second});
   }
   return w;
@@ -193,10 +197,7 @@ void HostTier::BeginClaim(const Extent& range) {
   claimed_.clear();
   const uint64_t begin = range.offset;
   const uint64_t end = range.offset + range.size;
-  auto it = free_by_offset_.upper_bound(begin);
-  if (it != free_by_offset_.begin() && std::prev(it)->first + std::prev(it)->second > begin) {
-    --it;
-  }
+  auto it = FirstReaching(free_by_offset_, begin);
   while (it != free_by_offset_.end() && it->first < end) {
     const auto [offset, region_size] = *it;
     free_by_size_.erase({region_size, offset});

@@ -156,8 +156,8 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
   constexpr int kMaxRoomAsks = 8;
   int room_asks = 0;
   while (true) {
-    if (std::optional<BlockStore::PendingBlock> p = store_->TryReserve(bytes)) return p;
-    // Enough bytes free but scattered: move blocks rather than encode or evict any.
+    // A free region, or (enough bytes free but scattered) blocks moved to make one, before any
+    // block is encoded or evicted.
     if (std::optional<BlockStore::PendingBlock> p = store_->ReserveCompacting(bytes)) return p;
     if (CompressOne(AllCaps())) continue;
     if (make_room && room_asks++ < kMaxRoomAsks && make_room()) continue;

@@ -242,9 +242,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     const uint64_t size = size_of(b);
     if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
-      std::optional<BlockStore::PendingBlock> p = store.TryReserve(size);
-      if (!p) p = store.ReserveCompacting(size);
-      if (p) {
+      if (std::optional<BlockStore::PendingBlock> p = store.ReserveCompacting(size)) {
         std::span<std::byte> dst = p->bytes().first(size);
         if (by_ucx) {
           pulls.push_back({b.ucx_address(), dst});
