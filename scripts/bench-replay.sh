@@ -6,13 +6,15 @@
 #
 #   scripts/bench-replay.sh [--quick] [--budgets=125,250,500] [--sample_one_in=32]
 #                           [--max_requests=0] [--tokens_per_block=16]
+#                           [--hierarchies=int8,int8>int4,...]
 #
 # Each run starts its own proximad (build-bench/daemon/proximad, port 0, --port_file) with
 # tiers.host.capacity_bytes = budget_blocks * raw block bytes, runs build-bench's proxima_replay
 # against it, and stops it. Output: one JSON line per run (stdout), then a summary table and a
 # verdict line. --quick: 300 requests, 2-token blocks, one budget, raw and int8>int4 only (a
 # smoke test; the ctest ReplayTest checks the same replay against an exact LRU model).
-# PROXIMA_REPLAY_RAW_ONLY=1 skips the hierarchies.
+# PROXIMA_REPLAY_RAW_ONLY=1 skips the hierarchies; --hierarchies=NAME,... runs only those named
+# (names as in HIERARCHIES below).
 #
 # Every daemon runs with tierer.temperature_policy=lru: the 1-in-N family sample stands for the
 # whole trace at N times the memory only for a stack algorithm such as LRU (the SHARDS argument,
@@ -31,6 +33,7 @@ sample=32
 max_requests=0
 tpb=16
 quick=0
+only=
 for arg in "$@"; do
   case "$arg" in
     --quick) budgets=150; sample=16; max_requests=300; tpb=2; quick=1 ;;
@@ -38,6 +41,7 @@ for arg in "$@"; do
     --sample_one_in=*) sample=${arg#*=} ;;
     --max_requests=*) max_requests=${arg#*=} ;;
     --tokens_per_block=*) tpb=${arg#*=} ;;
+    --hierarchies=*) only=${arg#*=} ;;
     *) echo "bench-replay.sh: unknown argument '$arg' (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -59,13 +63,24 @@ block_bytes=$((2 * 30 * 3 * 64 * 2 * tpb))
 # within 1% (attention-output error <= ~0.11, docs/quality.md), 1.0 leaves the reference alone.
 HIERARCHIES=(
   'int8|1|0.03|int8|0.12'
+  'int4|1|0.2|int4|0.12'
   'int8>int4|1|0.2|int8, int4|0.12'
   'int8>mixed4|1|0.2|int8, "layers[0:2]=int8,default=int4,sink=int8"|0.12'
   'int8>int4>mixed2|0|0.8|int8, int4, "layers[0:2]=int8,default=int2,sink=int8"|1.0'
 )
 # --quick (the ctest smoke test) exercises one hierarchy; its 2-token blocks compress poorly, so
 # its hit ratios say nothing about capacity.
-[[ $quick == 1 ]] && HIERARCHIES=("${HIERARCHIES[1]}")
+[[ $quick == 1 && -z $only ]] && only="int8>int4"
+if [[ -n $only ]]; then
+  kept=()
+  IFS=, read -r -a wanted <<< "$only"
+  for w in "${wanted[@]}"; do
+    found=0
+    for h in "${HIERARCHIES[@]}"; do [[ ${h%%|*} == "$w" ]] && { kept+=("$h"); found=1; }; done
+    [[ $found == 1 ]] || { echo "bench-replay.sh: unknown hierarchy '$w' in --hierarchies" >&2; exit 2; }
+  done
+  HIERARCHIES=("${kept[@]}")
+fi
 [[ ${PROXIMA_REPLAY_RAW_ONLY:-0} == 1 ]] && HIERARCHIES=()
 
 work=$(mktemp -d /tmp/proxima-replay-XXXXXX)
