@@ -174,7 +174,8 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
   std::vector<std::unique_ptr<proxima::client::Client>> conns(clients);
   proxima::client::Profile profile;
   for (int c = 0; c < clients; ++c) {
-    auto client = proxima::client::Client::Connect({.target = target, .transport = transport});
+    auto client = proxima::client::Client::Connect(
+        {.target = target, .transport = transport, .host_staging = shape.host_staging});
     if (!client.ok()) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
       std::exit(1);

@@ -5,8 +5,10 @@
 // For each transport (UCX_TLS value, e.g. "tcp" and "posix,self"), a proximad is started with
 // that UCX_TLS, and ucx_perftest is run between two processes with the same UCX_TLS: its
 // `ucp_get` bandwidth is the baseline of Put (the daemon pulls with gets), `ucp_put_bw` of Get
-// (the daemon writes with puts). Then for each block size and client count: UCX put/get with
-// each kind of client buffer (--buffers: "heap", ordinary memory registered once, and "ucx",
+// (the daemon writes with puts). An untimed warm-up run first touches the daemon's arena. Then
+// for each block size and client count: UCX put/get with each kind of client buffer (--buffers:
+// "heap", ordinary memory registered once, moved through the client's host staging where it
+// applies (over posix/sysv); "heap-direct", the same memory with host staging off; and "ucx",
 // Client::AllocateMemory), inline put/get (same daemon, gRPC over TCP) and Redis. Last, the
 // p50/p99 latency of a single 2 MiB Get over UCX (each buffer kind) and inline. One JSON object
 // per line:
@@ -50,9 +52,11 @@ ABSL_FLAG(int, latency_gets, 200, "single 2 MiB gets timed for the latency perce
 ABSL_FLAG(std::string, proximad, PROXIMAD_PATH, "proximad binary");
 ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "redis-server binary");
 ABSL_FLAG(std::string, ucx_perftest, "/usr/bin/ucx_perftest", "ucx_perftest binary");
-ABSL_FLAG(std::string, buffers, "heap,ucx",
+ABSL_FLAG(std::string, buffers, "heap,heap-direct,ucx",
           "the UCX clients' block buffers, comma-separated: heap (ordinary memory registered "
-          "with RegisterMemory) and/or ucx (Client::AllocateMemory: memory UCX chose)");
+          "with RegisterMemory, the client's default host_staging: staged over posix/sysv), "
+          "heap-direct (the same with host_staging=never) and/or ucx (Client::AllocateMemory: "
+          "memory UCX chose)");
 
 namespace {
 
@@ -113,10 +117,17 @@ void PrintThroughput(const char* metric, const std::string& transport, const std
 }
 
 // p50 and p99 of single-block 2 MiB Gets, in microseconds.
+// The client's host staging for a --buffers kind.
+proxima::client::HostStaging StagingOf(const std::string& kind) {
+  return kind == "heap-direct" ? proxima::client::HostStaging::kNever
+                               : proxima::client::HostStaging::kAuto;
+}
+
 std::pair<double, double> GetLatency(const std::string& target, Transport transport,
-                                     bool ucx_buffer) {
+                                     bool ucx_buffer, proxima::client::HostStaging staging) {
   constexpr uint64_t kBytes = 2 << 20;
-  auto c = proxima::client::Client::Connect({.target = target, .transport = transport});
+  auto c = proxima::client::Client::Connect(
+      {.target = target, .transport = transport, .host_staging = staging});
   if (!c.ok()) return {-1, -1};
   auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
   if (!profile.ok()) return {-1, -1};
@@ -163,8 +174,8 @@ int main(int argc, char** argv) {
   const int max_clients = *std::max_element(client_counts.begin(), client_counts.end());
   std::vector<std::string> buffer_kinds;
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_buffers), ',')) {
-    if (b != "heap" && b != "ucx") {
-      std::fprintf(stderr, "--buffers names '%s'; expected heap and/or ucx\n",
+    if (b != "heap" && b != "heap-direct" && b != "ucx") {
+      std::fprintf(stderr, "--buffers names '%s'; expected heap, heap-direct and/or ucx\n",
                    std::string(b).c_str());
       return 2;
     }
@@ -192,6 +203,17 @@ int main(int argc, char** argv) {
           stderr, "# UCX_TLS=%s: client transport %s\n", tls.c_str(),
           probe.ok() ? (*probe)->transport_detail().c_str() : probe.status().ToString().c_str());
     }
+    {
+      // Untimed warm-up: the largest footprint any run below has (every client's bytes), put
+      // once and deleted, so that the daemon's first touch of its arena pages (a page fault and
+      // a zeroed page each) is not charged to whichever buffer kind happens to run first.
+      const uint64_t warm_block = 2 << 20;
+      LoadShape warm{max_clients, absl::GetFlag(FLAGS_batch), 0, warm_block,
+                     std::max<size_t>(1, static_cast<size_t>(per_client / warm_block))};
+      warm.ucx_buffers = true;
+      warm.key_seed = ++runs;
+      (void)proxima::bench::RunProxima(target, daemon, warm, Transport::kUcx);
+    }
     for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
       const uint64_t block_bytes = std::stoull(std::string(s));
       const double perf_get = PerftestGbps(dir, "ucp_get", block_bytes);
@@ -209,6 +231,7 @@ int main(int argc, char** argv) {
           for (size_t k = 0; k < buffer_kinds.size(); ++k) {
             LoadShape s = shape;
             s.ucx_buffers = buffer_kinds[k] == "ucx";
+            s.host_staging = StagingOf(buffer_kinds[k]);
             s.key_seed = ++runs;
             ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
           }
@@ -236,9 +259,10 @@ int main(int argc, char** argv) {
         }
       }
     }
-    auto [ip50, ip99] = GetLatency(target, Transport::kInline, false);
+    auto [ip50, ip99] =
+        GetLatency(target, Transport::kInline, false, proxima::client::HostStaging::kAuto);
     for (const std::string& kind : buffer_kinds) {
-      auto [p50, p99] = GetLatency(target, Transport::kUcx, kind == "ucx");
+      auto [p50, p99] = GetLatency(target, Transport::kUcx, kind == "ucx", StagingOf(kind));
       std::printf(
           "{\"bench\":\"transfer\",\"metric\":\"get_latency_2mib\",\"transport\":\"%s\","
           "\"buffers\":\"%s\",\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"inline\","

@@ -3,12 +3,11 @@
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <new>
-
-#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -104,6 +103,26 @@ absl::StatusOr<Transport> ParseTransport(const std::string& name) {
       absl::StrCat("transport '", name, "' is unknown; expected auto, ucx or inline"));
 }
 
+const char* HostStagingName(HostStaging h) {
+  switch (h) {
+    case HostStaging::kAuto:
+      return "auto";
+    case HostStaging::kAlways:
+      return "always";
+    case HostStaging::kNever:
+      return "never";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<HostStaging> ParseHostStaging(const std::string& name) {
+  if (name == "auto") return HostStaging::kAuto;
+  if (name == "always") return HostStaging::kAlways;
+  if (name == "never") return HostStaging::kNever;
+  return absl::InvalidArgumentError(
+      absl::StrCat("host_staging '", name, "' is unknown; expected auto, always or never"));
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   if (status.error_code() == grpc::StatusCode::CANCELLED) {
@@ -192,10 +211,15 @@ absl::Status Client::StartUcx() {
   }
   PROXIMA_ASSIGN_OR_RETURN(ucx_probe_,
                            ucx_worker_->Register(ucx_probe_bytes_.data(), ucx_probe_bytes_.size()));
-  PROXIMA_RETURN_IF_ERROR(
-      OpenUcxSession(absl::Now() + std::min(options_.call_timeout, options_.connect_timeout)));
+  std::string shared_memory;
+  PROXIMA_RETURN_IF_ERROR(OpenUcxSession(
+      absl::Now() + std::min(options_.call_timeout, options_.connect_timeout), &shared_memory));
   transport_ = Transport::kUcx;
   transport_detail_ = absl::StrFormat("ucx: session %016x", ucx_session_.load());
+  if (!shared_memory.empty()) absl::StrAppend(&transport_detail_, " over ", shared_memory);
+  if (stage_host_memory_.load()) {
+    absl::StrAppend(&transport_detail_, "; blocks in ordinary memory move through host staging");
+  }
   return absl::OkStatus();
 }
 
@@ -222,8 +246,7 @@ absl::Status Client::CallWithSession(Call&& call) {
 }
 
 template <typename Req, typename Resp, typename Method>
-absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* response,
-                             Method method) {
+absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* response, Method method) {
   return CallWithSession([&](absl::Time deadline) {
     return CallWithProfile(profile, [&] {
       grpc::ClientContext context;
@@ -256,7 +279,7 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status Client::OpenUcxSession(absl::Time deadline) {
+absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_memory) {
   v1::ConnectUcxRequest request;
   request.set_worker_address(ucx_worker_->address());
   v1::UcxRegion* probe = request.mutable_probe();
@@ -270,6 +293,10 @@ absl::Status Client::OpenUcxSession(absl::Time deadline) {
   PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
   ucx_session_.store(response.session_id());
   ucx_session_stale_.store(false);
+  stage_host_memory_.store(
+      options_.host_staging == HostStaging::kAlways ||
+      (options_.host_staging == HostStaging::kAuto && !response.shared_memory_transport().empty()));
+  if (shared_memory != nullptr) *shared_memory = response.shared_memory_transport();
   return absl::OkStatus();
 }
 
@@ -299,10 +326,9 @@ absl::StatusOr<MemoryRegion> Client::AllocateMemory(size_t size) {
   // filling a shared-memory segment (and the zeroing below every page) until the process dies.
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   if (pages > 0 && page > 0 && size / static_cast<size_t>(page) >= static_cast<size_t>(pages)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("AllocateMemory of ", size, " bytes: expected less than this machine's ",
-                     static_cast<uint64_t>(pages) * static_cast<uint64_t>(page),
-                     " bytes of memory"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AllocateMemory of ", size, " bytes: expected less than this machine's ",
+        static_cast<uint64_t>(pages) * static_cast<uint64_t>(page), " bytes of memory"));
   }
   if (transport_ != Transport::kUcx) {
     MemoryRegion region;
@@ -522,7 +548,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutScattered(const Profile& prof
       CheckSegmentSizes("PutScattered", keys.size(), blocks.size(), profile,
                         [&](size_t i) -> const ConstSegments& { return blocks[i]; }));
   PROXIMA_RETURN_IF_ERROR(CheckPutOptions(keys.size(), options));
-  if (AnyDeviceMemory(blocks)) return PutStaged(profile, keys, blocks, options);
+  if (Staging staging = StagingFor(blocks); staging != Staging::kNone) {
+    return PutStaged(staging, profile, keys, blocks, options);
+  }
   if (transport_ == Transport::kUcx) return PutUcx(profile, keys, blocks, options);
   // Inline: a one-segment block goes as it is, others are gathered into one buffer each.
   std::vector<std::vector<std::byte>> gathered(blocks.size());
@@ -544,7 +572,9 @@ absl::StatusOr<std::vector<bool>> Client::GetScattered(const Profile& profile,
                                                        std::span<const Segments> out) {
   PROXIMA_RETURN_IF_ERROR(CheckSegmentSizes("GetScattered", keys.size(), out.size(), profile,
                                             [&](size_t i) -> const Segments& { return out[i]; }));
-  if (AnyDeviceMemory(out)) return GetStaged("Get", profile, keys, out);
+  if (Staging staging = StagingFor(out); staging != Staging::kNone) {
+    return GetStaged(staging, "/proxima.v1.KVTier/Get", profile, keys, out);
+  }
   if (transport_ == Transport::kUcx) return GetUcx(profile, keys, out);
   // Inline: a one-segment block is read in place, others through a contiguous buffer each.
   std::vector<std::vector<std::byte>> contiguous(out.size());
@@ -657,8 +687,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   if (transport_ == Transport::kUcx || check_device_memory_) {
     std::vector<ConstSegments> segments;
     for (const auto& b : blocks) segments.push_back({b});
-    if (AnyDeviceMemory(std::span<const ConstSegments>(segments))) {
-      return PutStaged(profile, keys, segments, options);
+    if (Staging staging = StagingFor(std::span<const ConstSegments>(segments));
+        staging != Staging::kNone) {
+      return PutStaged(staging, profile, keys, segments, options);
     }
     if (transport_ == Transport::kUcx) return PutUcx(profile, keys, segments, options);
   }
@@ -803,8 +834,9 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
   if (transport_ == Transport::kUcx || check_device_memory_) {
     std::vector<Segments> segments;
     for (const auto& b : out) segments.push_back({b});
-    if (AnyDeviceMemory(std::span<const Segments>(segments))) {
-      return GetStaged(method, profile, keys, segments);
+    if (Staging staging = StagingFor(std::span<const Segments>(segments));
+        staging != Staging::kNone) {
+      return GetStaged(staging, method, profile, keys, segments);
     }
     if (transport_ == Transport::kUcx) return GetUcx(profile, keys, segments);
   }

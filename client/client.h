@@ -60,6 +60,14 @@ enum class Transport { kAuto, kUcx, kInline };
 const char* TransportName(Transport t);
 absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
+// Whether blocks in ordinary host memory move over UCX through staging memory (see
+// ClientOptions::host_staging). kAuto: when the daemon reaches this process over a
+// shared-memory transport that maps only memory UCX allocated.
+enum class HostStaging { kAuto, kAlways, kNever };
+// "auto", "always", "never" and back.
+const char* HostStagingName(HostStaging h);
+absl::StatusOr<HostStaging> ParseHostStaging(const std::string& name);
+
 // A caller buffer registered for the UCX data plane (see Client::RegisterMemory). Dropping the
 // handle deregisters the buffer; a transfer in flight keeps its registration until it ends.
 class MemoryRegion {
@@ -101,6 +109,17 @@ struct ClientOptions {
   // half overlap the transfer of the other). False: host memory only, no CUDA call.
   bool device_memory = true;
   size_t gpu_staging_bytes = size_t{64} << 20;
+  // Blocks in ordinary host memory (registered with RegisterMemory, or not registered) over UCX.
+  // UCX 1.13's shared-memory transports (posix, sysv) map only memory UCX allocated; the daemon
+  // reaches other memory of this process through emulated one-sided operations that this
+  // process's UCX thread serves fragment by fragment (slow, with stalls: docs/benchmarks.md).
+  // kAuto: when the daemon reports such a transport for this client's session
+  // (ConnectUcxResponse.shared_memory_transport), a call whose blocks are not all in
+  // AllocateMemory regions copies them through staging memory this client allocated with UCX
+  // (host_staging_bytes in all, made on first use), which the daemon maps and copies directly.
+  // kAlways: over every UCX transport. kNever: never.
+  HostStaging host_staging = HostStaging::kAuto;
+  size_t host_staging_bytes = size_t{16} << 20;
 };
 
 // A registered model profile: pass it to every block call.
@@ -193,8 +212,8 @@ class Client {
                                                std::span<const std::span<std::byte>> out);
   // The stored bytes as they are (fewer bytes to move; the caller decodes): one entry per key,
   // nullopt for a miss or a block that failed its CRC32C.
-  absl::StatusOr<std::vector<std::optional<StoredBlock>>> GetStored(
-      const Profile& profile, std::span<const BlockKey> keys);
+  absl::StatusOr<std::vector<std::optional<StoredBlock>>> GetStored(const Profile& profile,
+                                                                    std::span<const BlockKey> keys);
 
   // Put and Get of blocks given as scatter/gather lists (see Segments). Over inline, blocks of
   // several segments are gathered into (scattered from) a contiguous buffer; over UCX the daemon
@@ -237,8 +256,7 @@ class Client {
                        grpc::ByteBuffer* response);
   // One Get (or Decompress, `method`) call for keys.size() <= BlocksPerCall() blocks; fills
   // `results` (one per key).
-  absl::Status GetOnce(const char* method, const Profile& profile,
-                       std::span<const BlockKey> keys,
+  absl::Status GetOnce(const char* method, const Profile& profile, std::span<const BlockKey> keys,
                        std::span<const std::span<std::byte>> out, bool client_verifies,
                        std::vector<wire::GetResult>* results);
   // Get and Decompress: raw blocks into `out` through `method`.
@@ -251,7 +269,9 @@ class Client {
   // Starts the UCX worker and opens a session with the daemon.
   absl::Status StartUcx();
   // Opens a new session on the existing worker (the daemon restarted and forgot the old one).
-  absl::Status OpenUcxSession(absl::Time deadline);
+  // Opens a UCX session. `shared_memory` (optional) receives the daemon's
+  // ConnectUcxResponse.shared_memory_transport.
+  absl::Status OpenUcxSession(absl::Time deadline, std::string* shared_memory = nullptr);
   // After a call failed UNAVAILABLE: waits for the daemon to be reachable again (gRPC's
   // reconnection backoff) and opens a new session, all before `deadline`.
   absl::Status ReopenUcxSession(absl::Time deadline) ABSL_LOCKS_EXCLUDED(ucx_reopen_mu_);
@@ -290,27 +310,45 @@ class Client {
                           std::vector<size_t>* mismatched);
   // InvalidArgument unless `options` has no hints or one per key.
   static absl::Status CheckPutOptions(size_t keys, const PutOptions& options);
+  // How a call's blocks move: as they are, through the pinned GPU staging halves (a segment in
+  // device memory: options_.device_memory and a GPU), or through the host staging halves (UCX
+  // reaches this process only through memory it allocated, and a segment lies elsewhere; see
+  // ClientOptions::host_staging).
+  enum class Staging { kNone, kDevice, kHost };
+  template <typename Seg>
+  Staging StagingFor(std::span<const Seg> blocks);
   // Whether any segment of `blocks` lies in device memory (options_.device_memory and a GPU).
   template <typename Seg>
   bool AnyDeviceMemory(std::span<const Seg> blocks) const;
-  // Put and Get (or Decompress, `method`) of blocks with segments in device memory, through the
-  // pinned staging halves (client_staging.cc). One staged call at a time per client.
-  absl::StatusOr<std::vector<PutOutcome>> PutStaged(const Profile& profile,
+  // Put and Get (or Decompress, `method`) of blocks through staging halves (client_staging.cc):
+  // each chunk of blocks is copied into (out of) one half while the other half's chunk moves.
+  // One staged call at a time per client.
+  absl::StatusOr<std::vector<PutOutcome>> PutStaged(Staging staging, const Profile& profile,
                                                     std::span<const BlockKey> keys,
                                                     std::span<const ConstSegments> blocks,
                                                     const PutOptions& options)
       ABSL_LOCKS_EXCLUDED(staging_mu_);
-  absl::StatusOr<std::vector<bool>> GetStaged(const char* method, const Profile& profile,
+  absl::StatusOr<std::vector<bool>> GetStaged(Staging staging, const char* method,
+                                              const Profile& profile,
                                               std::span<const BlockKey> keys,
                                               std::span<const Segments> out)
       ABSL_LOCKS_EXCLUDED(staging_mu_);
   struct StagingMemory;
-  // The staging halves (each at least `block_bytes`) and the copy queue, made on first use and
-  // registered for UCX; returns the size of one half.
-  absl::StatusOr<size_t> PrepareStaging(uint64_t block_bytes)
+  class Stage;
+  // The GPU staging halves (each at least `block_bytes`) and the copy queue, made on first use
+  // and registered for UCX.
+  absl::StatusOr<Stage> PrepareDeviceStaging(uint64_t block_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
-  // `bytes` of staging memory (see StagingMemory): UCX-allocated and pinned when the client uses
-  // UCX and both succeed, else cudaMallocHost's.
+  // The host staging halves (each at least `block_bytes`), UCX-allocated on first use.
+  absl::StatusOr<Stage> PrepareHostStaging(uint64_t block_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
+  // The halves for a staged call. nullopt when host staging memory cannot be allocated: host
+  // staging is then given up for this client (logged once) and the caller moves the blocks as
+  // they are.
+  absl::StatusOr<std::optional<Stage>> PrepareStage(Staging staging, uint64_t block_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
+  // `bytes` of GPU staging memory (see StagingMemory): UCX-allocated and pinned when the client
+  // uses UCX and both succeed, else cudaMallocHost's.
   absl::StatusOr<std::unique_ptr<StagingMemory>> AllocateStaging(size_t bytes);
 
   const ClientOptions options_;
@@ -356,6 +394,10 @@ class Client {
   proxima::Mutex staging_mu_;
   std::unique_ptr<StagingMemory> staging_ ABSL_GUARDED_BY(staging_mu_);
   std::unique_ptr<gpu::CopyQueue> copies_ ABSL_GUARDED_BY(staging_mu_);
+  // Host staging (client_staging.cc): whether this session stages blocks in ordinary memory
+  // (options_.host_staging and the daemon's ConnectUcxResponse), and its halves.
+  std::atomic<bool> stage_host_memory_{false};
+  MemoryRegion host_staging_ ABSL_GUARDED_BY(staging_mu_);
 };
 
 // Channel credentials for `options`' TLS settings (plaintext when none is set). PEM files are

@@ -1,16 +1,23 @@
-// Put and Get of blocks in GPU memory: the bytes move through two pinned host staging halves,
-// double-buffered, so that the copies between device and host memory of one half overlap the
-// transfer (UCX or inline) of the other. Over UCX the halves are memory the UCX worker allocated
-// (AllocateMemory), page-locked with cudaHostRegister: over shared memory the daemon copies into
-// and out of them directly (docs/operations.md); cudaMallocHost memory otherwise. Every transfer
-// itself is a plain host-memory Put or Get of the staged blocks, with its CRC32C checks and limits.
+// Put and Get through staging halves, double-buffered, so that the copies into or out of one
+// half overlap the transfer (UCX or inline) of the other:
+//  - blocks in GPU memory move through two pinned host halves. Over UCX the halves are memory
+//    the UCX worker allocated (AllocateMemory), page-locked with cudaHostRegister: over shared
+//    memory the daemon copies into and out of them directly (docs/operations.md);
+//    cudaMallocHost memory otherwise. Copies run on a CUDA stream.
+//  - blocks in ordinary host memory, when the daemon reaches this process over a shared-memory
+//    transport that maps only memory UCX allocated (ClientOptions::host_staging), move through
+//    two UCX-allocated halves; the copies are plain memcpy on the caller's thread.
+// Every transfer itself is a plain host-memory Put or Get of the staged blocks, with its CRC32C
+// checks and limits.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "common/ucx.h"
 #include "kernels/device.h"
 
 namespace proxima::client {
@@ -28,7 +35,62 @@ bool Client::AnyDeviceMemory(std::span<const Seg> blocks) const {
 template bool Client::AnyDeviceMemory(std::span<const ConstSegments>) const;
 template bool Client::AnyDeviceMemory(std::span<const Segments>) const;
 
-absl::StatusOr<size_t> Client::PrepareStaging(uint64_t block_bytes) {
+// The halves of one staged call and how bytes are copied into and out of them: through the
+// CUDA copy queue (asynchronous, with fences), or with memcpy at once (`queue` null).
+class Client::Stage {
+ public:
+  Stage(std::byte* data, size_t half, gpu::CopyQueue* queue)
+      : data_(data), half_(half), queue_(queue) {}
+  std::byte* half(size_t c) const { return data_ + (c % 2) * half_; }
+  size_t half_bytes() const { return half_; }
+  absl::Status Copy(void* dst, const void* src, size_t n) {
+    if (queue_ != nullptr) return queue_->Copy(dst, src, n);
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status Mark(int f) { return queue_ != nullptr ? queue_->Mark(f) : absl::OkStatus(); }
+  absl::Status Wait(int f) { return queue_ != nullptr ? queue_->Wait(f) : absl::OkStatus(); }
+  absl::Status Drain() { return queue_ != nullptr ? queue_->Drain() : absl::OkStatus(); }
+
+ private:
+  std::byte* data_;
+  size_t half_;
+  gpu::CopyQueue* queue_;
+};
+
+absl::StatusOr<std::optional<Client::Stage>> Client::PrepareStage(Staging staging,
+                                                                  uint64_t block_bytes) {
+  if (staging == Staging::kDevice) return PrepareDeviceStaging(block_bytes);
+  absl::StatusOr<Stage> host = PrepareHostStaging(block_bytes);
+  if (host.ok()) return *host;
+  // Once: this and later calls move ordinary memory as it is.
+  if (stage_host_memory_.exchange(false)) {
+    PROXIMA_LOG(kWarning) << "cannot allocate host staging memory; blocks in ordinary memory "
+                             "move without it (slower over shared memory)"
+                          << log::Kv("status", host.status().ToString());
+  }
+  return std::nullopt;
+}
+
+template <typename Seg>
+Client::Staging Client::StagingFor(std::span<const Seg> blocks) {
+  if (AnyDeviceMemory(blocks)) return Staging::kDevice;
+  if (transport_ != Transport::kUcx || !stage_host_memory_.load(std::memory_order_relaxed)) {
+    return Staging::kNone;
+  }
+  for (const auto& block : blocks) {
+    for (const auto& seg : block) {
+      if (seg.empty()) continue;
+      std::shared_ptr<ucx::Registration> r = FindRegistration(seg.data(), seg.size());
+      if (r == nullptr || !r->allocated()) return Staging::kHost;
+    }
+  }
+  return Staging::kNone;
+}
+template Client::Staging Client::StagingFor(std::span<const ConstSegments>);
+template Client::Staging Client::StagingFor(std::span<const Segments>);
+
+absl::StatusOr<Client::Stage> Client::PrepareDeviceStaging(uint64_t block_bytes) {
   // Two halves of at least one block each; a block larger than half the configured staging
   // grows them.
   const size_t half = std::max<size_t>(options_.gpu_staging_bytes / 2, block_bytes);
@@ -39,7 +101,22 @@ absl::StatusOr<size_t> Client::PrepareStaging(uint64_t block_bytes) {
   if (copies_ == nullptr) {
     PROXIMA_ASSIGN_OR_RETURN(copies_, gpu::CopyQueue::Create(2));
   }
-  return staging_->size / 2;
+  return Stage(staging_->data, staging_->size / 2, copies_.get());
+}
+
+absl::StatusOr<Client::Stage> Client::PrepareHostStaging(uint64_t block_bytes) {
+  const size_t half = std::max<size_t>(options_.host_staging_bytes / 2, block_bytes);
+  if (host_staging_.bytes().size() < 2 * half) {
+    host_staging_ = MemoryRegion();  // the old halves go first
+    absl::StatusOr<MemoryRegion> region = AllocateMemory(2 * half);
+    if (!region.ok()) {
+      return absl::Status(region.status().code(),
+                          absl::StrCat("host staging memory (ClientOptions.host_staging_bytes): ",
+                                       region.status().message()));
+    }
+    host_staging_ = *std::move(region);
+  }
+  return Stage(host_staging_.bytes().data(), host_staging_.bytes().size() / 2, nullptr);
 }
 
 Client::StagingMemory::~StagingMemory() {
@@ -76,16 +153,19 @@ absl::StatusOr<std::unique_ptr<Client::StagingMemory>> Client::AllocateStaging(s
   return staging;
 }
 
-absl::StatusOr<std::vector<PutOutcome>> Client::PutStaged(const Profile& profile,
+absl::StatusOr<std::vector<PutOutcome>> Client::PutStaged(Staging staging, const Profile& profile,
                                                           std::span<const BlockKey> keys,
                                                           std::span<const ConstSegments> blocks,
                                                           const PutOptions& options) {
   proxima::MutexLock lock(&staging_mu_);
-  PROXIMA_ASSIGN_OR_RETURN(const size_t half, PrepareStaging(profile.block_bytes));
-  const size_t per_chunk = half / profile.block_bytes;
+  PROXIMA_ASSIGN_OR_RETURN(std::optional<Stage> prepared,
+                           PrepareStage(staging, profile.block_bytes));
+  if (!prepared) return PutUcx(profile, keys, blocks, options);  // host staging given up
+  Stage& stage_memory = *prepared;
+  const size_t per_chunk = stage_memory.half_bytes() / profile.block_bytes;
   const size_t chunks = (keys.size() + per_chunk - 1) / per_chunk;
   auto slot = [&](size_t chunk, size_t i) {  // block i of `chunk` in its half
-    return staging_->data + (chunk % 2) * half + i * profile.block_bytes;
+    return stage_memory.half(chunk) + i * profile.block_bytes;
   };
   // Gathers chunk c's blocks into its half and marks the half's fence.
   auto stage = [&](size_t c) -> absl::Status {
@@ -93,11 +173,11 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutStaged(const Profile& profile
     for (size_t b = begin; b < end; ++b) {
       std::byte* dst = slot(c, b - begin);
       for (const auto& seg : blocks[b]) {
-        PROXIMA_RETURN_IF_ERROR(copies_->Copy(dst, seg.data(), seg.size()));
+        PROXIMA_RETURN_IF_ERROR(stage_memory.Copy(dst, seg.data(), seg.size()));
         dst += seg.size();
       }
     }
-    return copies_->Mark(static_cast<int>(c % 2));
+    return stage_memory.Mark(static_cast<int>(c % 2));
   };
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
@@ -106,13 +186,15 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutStaged(const Profile& profile
     // The next chunk's copies run while this one is sent; its half was last read by the Put of
     // chunk c - 1, which has returned.
     if (c + 1 < chunks) status = stage(c + 1);
-    if (status.ok()) status = copies_->Wait(static_cast<int>(c % 2));
+    if (status.ok()) status = stage_memory.Wait(static_cast<int>(c % 2));
     if (!status.ok()) break;
     const size_t begin = c * per_chunk, end = std::min(keys.size(), begin + per_chunk);
     std::vector<std::span<const std::byte>> staged;
-    for (size_t b = begin; b < end; ++b) staged.emplace_back(slot(c, b - begin), profile.block_bytes);
+    for (size_t b = begin; b < end; ++b)
+      staged.emplace_back(slot(c, b - begin), profile.block_bytes);
     PutOptions chunk_options = options;
-    if (!options.positions.empty()) chunk_options.positions = options.positions.subspan(begin, end - begin);
+    if (!options.positions.empty())
+      chunk_options.positions = options.positions.subspan(begin, end - begin);
     if (!options.importance.empty()) {
       chunk_options.importance = options.importance.subspan(begin, end - begin);
     }
@@ -125,26 +207,30 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutStaged(const Profile& profile
     outcomes.insert(outcomes.end(), sent->begin(), sent->end());
   }
   // Nothing may still be copying into a half when the next call reuses it.
-  const absl::Status drained = copies_->Drain();
+  const absl::Status drained = stage_memory.Drain();
   PROXIMA_RETURN_IF_ERROR(status);
   PROXIMA_RETURN_IF_ERROR(drained);
   return outcomes;
 }
 
-absl::StatusOr<std::vector<bool>> Client::GetStaged(const char* method, const Profile& profile,
+absl::StatusOr<std::vector<bool>> Client::GetStaged(Staging staging, const char* method,
+                                                    const Profile& profile,
                                                     std::span<const BlockKey> keys,
                                                     std::span<const Segments> out) {
   proxima::MutexLock lock(&staging_mu_);
-  PROXIMA_ASSIGN_OR_RETURN(const size_t half, PrepareStaging(profile.block_bytes));
-  const size_t per_chunk = half / profile.block_bytes;
+  PROXIMA_ASSIGN_OR_RETURN(std::optional<Stage> prepared,
+                           PrepareStage(staging, profile.block_bytes));
+  if (!prepared) return GetUcx(profile, keys, out);  // host staging given up
+  Stage& stage_memory = *prepared;
+  const size_t per_chunk = stage_memory.half_bytes() / profile.block_bytes;
   std::vector<bool> found(keys.size(), false);
   absl::Status status;
   for (size_t begin = 0, c = 0; begin < keys.size() && status.ok(); begin += per_chunk, ++c) {
     const size_t end = std::min(keys.size(), begin + per_chunk);
-    std::byte* base = staging_->data + (c % 2) * half;
+    std::byte* base = stage_memory.half(c);
     // The copies out of this half (chunk c - 2) must be done before the Get overwrites it; those
     // of chunk c - 1 run on meanwhile, during this Get.
-    if (c >= 2) status = copies_->Wait(static_cast<int>(c % 2));
+    if (c >= 2) status = stage_memory.Wait(static_cast<int>(c % 2));
     if (!status.ok()) break;
     std::vector<std::span<std::byte>> staged;
     for (size_t b = begin; b < end; ++b) {
@@ -161,14 +247,14 @@ absl::StatusOr<std::vector<bool>> Client::GetStaged(const char* method, const Pr
       found[b] = true;
       const std::byte* src = staged[b - begin].data();
       for (const auto& seg : out[b]) {
-        status = copies_->Copy(seg.data(), src, seg.size());
+        status = stage_memory.Copy(seg.data(), src, seg.size());
         if (!status.ok()) break;
         src += seg.size();
       }
     }
-    if (status.ok()) status = copies_->Mark(static_cast<int>(c % 2));
+    if (status.ok()) status = stage_memory.Mark(static_cast<int>(c % 2));
   }
-  const absl::Status drained = copies_->Drain();  // every block is in place before we answer
+  const absl::Status drained = stage_memory.Drain();  // every block is in place before we answer
   PROXIMA_RETURN_IF_ERROR(status);
   PROXIMA_RETURN_IF_ERROR(drained);
   return found;

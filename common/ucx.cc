@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <list>
@@ -414,12 +415,62 @@ absl::StatusOr<std::shared_ptr<Registration>> Worker::Map(void* address, size_t 
     // Our own peers would refuse it; better to say so here.
     std::shared_ptr<Registration> drop(
         new Registration(this, r->memh, r->address, length, std::move(r->rkey),
-                         next_registration_id_.fetch_add(1)));
+                         next_registration_id_.fetch_add(1), address == nullptr));
     return absl::FailedPreconditionError("packed rkey is larger than kMaxPackedRkeyBytes");
   }
   return std::shared_ptr<Registration>(
       new Registration(this, r->memh, r->address, length, std::move(r->rkey),
-                         next_registration_id_.fetch_add(1)));
+                       next_registration_id_.fetch_add(1), address == nullptr));
+}
+
+std::string LaneTransport(std::string_view ep_info, std::span<const std::string_view> names) {
+  while (!ep_info.empty()) {
+    const size_t eol = std::min(ep_info.find('\n'), ep_info.size());
+    const std::string_view line = ep_info.substr(0, eol);
+    ep_info.remove_prefix(std::min(eol + 1, ep_info.size()));
+    // "#   lane[1]:  1:posix/memory.0 md[1]   -> md[1]/posix/sysdev[255]"
+    const size_t lane = line.find("lane[");
+    if (lane == std::string_view::npos) continue;
+    const size_t colon = line.find("]:", lane);
+    if (colon == std::string_view::npos) continue;
+    std::string_view rest = line.substr(colon + 2);
+    while (!rest.empty() && (rest.front() == ' ' || rest.front() == '\t')) rest.remove_prefix(1);
+    const size_t index_end = rest.find(':');  // the resource index
+    const size_t slash = rest.find('/');
+    if (index_end == std::string_view::npos || slash == std::string_view::npos ||
+        slash < index_end) {
+      continue;
+    }
+    const std::string_view transport = rest.substr(index_end + 1, slash - index_end - 1);
+    for (std::string_view name : names) {
+      if (transport == name) return std::string(name);
+    }
+  }
+  return "";
+}
+
+absl::StatusOr<std::string> Worker::SharedMemoryTransport(Endpoint& endpoint, absl::Time deadline) {
+  auto info = std::make_shared<std::string>();
+  auto open = std::make_shared<bool>(false);
+  std::shared_ptr<Endpoint::State> state = endpoint.state_;
+  const bool finished = RunAndWait(
+      [state, info, open] {
+        if (state->ep == nullptr) return;
+        *open = true;
+        char* text = nullptr;
+        size_t size = 0;
+        FILE* f = open_memstream(&text, &size);
+        if (f == nullptr) return;
+        ucp_ep_print_info(state->ep, f);
+        std::fclose(f);
+        info->assign(text, size);
+        std::free(text);
+      },
+      deadline);
+  if (!finished) return absl::UnavailableError("UCX worker did not describe the endpoint in time");
+  if (!*open) return absl::UnavailableError("the UCX endpoint is closed");
+  static constexpr std::string_view kAllocateOnly[] = {"posix", "sysv"};
+  return LaneTransport(*info, kAllocateOnly);
 }
 
 void Worker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -598,7 +649,7 @@ absl::StatusOr<UnpackedRkey> Worker::UnpackRkey(Endpoint::State& endpoint,
   if (s != UCS_OK) return absl::InvalidArgumentError(ucs_status_string(s));
   rkeys_unpacked_.fetch_add(1);
   UnpackedRkey rkey(raw, [](ucp_rkey_h k) { ucp_rkey_destroy(k); });
-  if (registration_id == 0) return rkey;  // for this transfer only
+  if (registration_id == 0) return rkey;                  // for this transfer only
   if (cache.size() >= kRkeyCacheSize) cache.pop_front();  // transfers using it keep it
   cache.push_back({registration_id, packed, rkey});
   return rkey;
@@ -675,11 +726,10 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = op.local_memh->memh();
       }
-      track(op.kind == Op::kGet
-                ? ucp_get_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey].get(),
-                              &p)
-                : ucp_put_nbx(ep, op.local, op.length, op.remote_address, st->rkeys[op.rkey].get(),
-                              &p));
+      track(op.kind == Op::kGet ? ucp_get_nbx(ep, op.local, op.length, op.remote_address,
+                                              st->rkeys[op.rkey].get(), &p)
+                                : ucp_put_nbx(ep, op.local, op.length, op.remote_address,
+                                              st->rkeys[op.rkey].get(), &p));
     }
     // The flush completes after every operation above has completed at the peer too.
     if (st->result.ok()) track(ucp_ep_flush_nbx(ep, &param));

@@ -33,6 +33,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -50,6 +51,11 @@ class Worker;
 // Converts a UCX status to an absl::Status with `what` in front of UCX's description. Failures
 // of the peer or the path to it are UNAVAILABLE (retryable elsewhere).
 absl::Status FromUcs(ucs_status_t status, const std::string& what);
+
+// The transport of the endpoint's first lane that runs over one of `names`, read from UCX's text
+// description of the endpoint (ucp_ep_print_info: lines "lane[i]: <rsc>:<transport>/<device> ...");
+// "" when no lane uses one of them.
+std::string LaneTransport(std::string_view ep_info, std::span<const std::string_view> names);
 
 // The largest packed rkey Proxima accepts from a peer. UCX's rkey_unpack takes no length, so
 // packed keys are copied into a zero-padded buffer of this size plus headroom before unpacking.
@@ -71,23 +77,27 @@ class Registration {
   ucp_mem_h memh() const { return memh_; }
   // Unique among this worker's registrations (never 0); a peer keys its unpacked rkeys by it.
   uint64_t id() const { return id_; }
+  // Whether UCX allocated the memory (Worker::Allocate) rather than registering the caller's.
+  bool allocated() const { return allocated_; }
 
  private:
   friend class Worker;
   Registration(Worker* worker, ucp_mem_h memh, void* address, size_t length, std::string rkey,
-               uint64_t id)
+               uint64_t id, bool allocated)
       : worker_(worker),
         memh_(memh),
         address_(address),
         length_(length),
         rkey_(std::move(rkey)),
-        id_(id) {}
+        id_(id),
+        allocated_(allocated) {}
   Worker* const worker_;
   ucp_mem_h const memh_;
   void* const address_;
   const size_t length_;
   const std::string rkey_;
   const uint64_t id_;
+  const bool allocated_;
 };
 
 // A connection to a peer's worker. Closed when the last handle is dropped.
@@ -161,6 +171,14 @@ class Worker {
   absl::Status Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                         std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
                         absl::Time deadline, std::span<const uint64_t> registration_ids = {});
+
+  // The shared-memory transport ("posix", "sysv") that one of the endpoint's lanes runs over,
+  // "" when none does (tcp, or a peer on another host). UCX 1.13's posix and sysv domains reach
+  // only memory UCX allocated: a one-sided operation on a peer's ordinary memory over such an
+  // endpoint is emulated with messages that the peer's progress thread must serve. Read from
+  // UCX's description of the endpoint's lanes (ucp_ep_print_info). UNAVAILABLE when the
+  // endpoint is closed or the worker does not answer before `deadline`.
+  absl::StatusOr<std::string> SharedMemoryTransport(Endpoint& endpoint, absl::Time deadline);
 
   // Live endpoints (opened and not yet fully closed) and registrations: leak checks and metrics.
   int64_t live_endpoints() const { return live_endpoints_.load(); }

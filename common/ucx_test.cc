@@ -89,8 +89,8 @@ TEST_P(UcxTest, AllocatedMemoryIsReachedDirectlyAndEachKeyIsUnpackedOnce) {
                          absl::Now() + absl::Seconds(10), ids));
   EXPECT_EQ(std::memcmp(dst, pattern.data(), kBytes), 0);
   std::vector<std::byte> fresh = Pattern(kBytes, 42);
-  ASSERT_OK(a_->Transfer(**ep, rkeys, {{Op::kPut, fresh.data(), kBytes, base, 0, nullptr}},
-                         nullptr, absl::Now() + absl::Seconds(10), ids));
+  ASSERT_OK(a_->Transfer(**ep, rkeys, {{Op::kPut, fresh.data(), kBytes, base, 0, nullptr}}, nullptr,
+                         absl::Now() + absl::Seconds(10), ids));
   EXPECT_EQ(std::memcmp((*remote)->address(), fresh.data(), kBytes), 0);
   EXPECT_EQ(a_->rkeys_unpacked(), 1u);  // the second transfer reused the first one's key
 
@@ -104,18 +104,18 @@ TEST_P(UcxTest, AllocatedMemoryIsReachedDirectlyAndEachKeyIsUnpackedOnce) {
   std::vector<uint64_t> other_ids = {(*other_reg)->id()};
   EXPECT_NE(other_ids[0], ids[0]);
   for (int i = 0; i < 2; ++i) {
-    ASSERT_OK(a_->Transfer(**ep, other_keys,
-                           {{Op::kGet, got.data(), 4096, reinterpret_cast<uint64_t>(other.data()),
-                             0, nullptr}},
-                           nullptr, absl::Now() + absl::Seconds(10), other_ids));
+    ASSERT_OK(a_->Transfer(
+        **ep, other_keys,
+        {{Op::kGet, got.data(), 4096, reinterpret_cast<uint64_t>(other.data()), 0, nullptr}},
+        nullptr, absl::Now() + absl::Seconds(10), other_ids));
   }
   EXPECT_EQ(got, other);
   EXPECT_EQ(a_->rkeys_unpacked(), 2u);
   // A key without a registration id is unpacked for its transfer alone.
-  ASSERT_OK(a_->Transfer(**ep, other_keys,
-                         {{Op::kGet, got.data(), 4096, reinterpret_cast<uint64_t>(other.data()),
-                           0, nullptr}},
-                         nullptr, absl::Now() + absl::Seconds(10)));
+  ASSERT_OK(a_->Transfer(
+      **ep, other_keys,
+      {{Op::kGet, got.data(), 4096, reinterpret_cast<uint64_t>(other.data()), 0, nullptr}}, nullptr,
+      absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(a_->rkeys_unpacked(), 3u);
 
   remote->reset();
@@ -208,6 +208,50 @@ TEST_P(UcxTest, ConnectDisconnectCyclesLeaveNothingBehind) {
     ASSERT_OK(a_->Register(buf.data(), buf.size()).status());
   }
   EXPECT_EQ(a_->live_registrations(), 0);
+}
+
+// The endpoint names the shared-memory transport that reaches only allocated memory (posix,
+// sysv) when one of its lanes runs over it, and nothing over tcp.
+TEST_P(UcxTest, SharedMemoryTransportIsNamedFromTheEndpointsLanes) {
+  std::vector<std::byte> remote = Pattern(4096, 3);
+  auto reg = b_->Register(remote.data(), remote.size());
+  ASSERT_OK(reg.status());
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  std::vector<std::byte> local(remote.size());
+  std::vector<Op> gets = {{Op::kGet, local.data(), local.size(),
+                           reinterpret_cast<uint64_t>(remote.data()), 0, nullptr}};
+  std::vector<std::string> rkeys = {(*reg)->packed_rkey()};
+  ASSERT_OK(a_->Transfer(**ep, rkeys, gets, nullptr, absl::Now() + absl::Seconds(10)));
+  ASSERT_OK_AND_ASSIGN(std::string shm,
+                       a_->SharedMemoryTransport(**ep, absl::Now() + absl::Seconds(10)));
+  const std::string tls = GetParam();
+  if (tls == "tcp") {
+    EXPECT_EQ(shm, "");
+  } else {
+    EXPECT_EQ(shm, tls.substr(0, tls.find(',')));  // posix or sysv
+  }
+}
+
+TEST(LaneTransportTest, ReadsTheTransportOfEachLane) {
+  constexpr std::string_view kShm =
+      "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n"
+      "#                 lane[0]:  0:self/memory0.0 md[0]          -> md[0]/self/sysdev[255] am\n"
+      "#                 lane[1]:  3:sysv/memory.0 md[2]           -> md[2]/sysv/sysdev[255]\n"
+      "#                 lane[2]:  4:posix/memory.0 md[3]          -> md[3]/posix/sysdev[255]\n"
+      "#                  get[1]: 0..<bcopy>..(inf)\n";
+  constexpr std::string_view kTcp =
+      "#                 lane[0]:  1:tcp/lo.0 md[0]                -> md[0]/tcp/sysdev[255] am\n"
+      "#                  rma_bw: mds #\n";
+  static constexpr std::string_view kNames[] = {"posix", "sysv"};
+  EXPECT_EQ(LaneTransport(kShm, kNames), "sysv");  // the first lane that uses one of them
+  EXPECT_EQ(LaneTransport(kTcp, kNames), "");
+  static constexpr std::string_view kTcpName[] = {"tcp"};
+  EXPECT_EQ(LaneTransport(kTcp, kTcpName), "tcp");
+  // Not lanes, or malformed: nothing.
+  EXPECT_EQ(LaneTransport("posix sysv md[1]/posix/", kNames), "");
+  EXPECT_EQ(LaneTransport("lane[0]: posix\nlane[1]:\nlane[2]: /posix:\n", kNames), "");
+  EXPECT_EQ(LaneTransport("", kNames), "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,

@@ -218,6 +218,11 @@ absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxReq
       return probe;
     }
   }
+  // After the probe's transfer the endpoint's lanes are wired up. Only advice to the client:
+  // when UCX cannot describe them, the client moves its memory as it is.
+  absl::StatusOr<std::string> shm =
+      worker_->SharedMemoryTransport(**ep, TransferDeadline(deadline));
+  if (shm.ok()) response->set_shared_memory_transport(*shm);
   response->set_session_id(id);
   return absl::OkStatus();
 }
@@ -349,9 +354,8 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
     pushed += block->bytes.size();
   }
   if (!ops.empty()) {
-    absl::Status status =
-        worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline),
-                          registration_ids);
+    absl::Status status = worker_->Transfer(*ep, rkeys, std::move(ops), blocks,
+                                            TransferDeadline(deadline), registration_ids);
     if (absl::IsUnavailable(status)) DropSession(request.session_id());
     PROXIMA_RETURN_IF_ERROR(status);
   }

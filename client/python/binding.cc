@@ -790,9 +790,11 @@ PYBIND11_MODULE(_proxima, m) {
                        const std::string& token, const std::string& tls_ca,
                        const std::string& tls_cert, const std::string& tls_key,
                        const std::string& tls_server_name, double connect_timeout,
-                       double call_timeout, size_t async_threads, const std::string& transport) {
+                       double call_timeout, size_t async_threads, const std::string& transport,
+                       const std::string& host_staging) {
              ClientOptions o;
              o.transport = ValueOrThrow(ParseTransport(transport));
+             o.host_staging = ValueOrThrow(ParseHostStaging(host_staging));
              o.target = target;
              o.namespace_name = namespace_name;
              o.token = token;
@@ -809,8 +811,11 @@ PYBIND11_MODULE(_proxima, m) {
            py::arg("tls_key") = "", py::arg("tls_server_name") = "",
            py::arg("connect_timeout") = 5.0, py::arg("call_timeout") = 30.0,
            py::arg("async_threads") = 2, py::arg("transport") = "auto",
+           py::arg("host_staging") = "auto",
            "transport: 'auto' (UCX when the daemon serves it and reaches this process, else "
-           "inline), 'ucx' (UCX or fail) or 'inline'")
+           "inline), 'ucx' (UCX or fail) or 'inline'. host_staging: 'auto' (blocks in ordinary "
+           "memory move through UCX-allocated staging when the daemon reaches this process over "
+           "posix/sysv shared memory), 'always' or 'never'")
       .def("register_profile", &PyClient::RegisterProfile, py::arg("num_layers"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("tokens_per_block"),
            py::arg("dtype"), py::arg("fingerprint") = "")

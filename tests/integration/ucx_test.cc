@@ -214,6 +214,97 @@ TEST_P(UcxIntegrationTest, AllocatedBuffersRoundTripAndEachKeyIsUnpackedOnce) {
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
 }
 
+// Blocks in ordinary memory (registered or not) move through the client's UCX-allocated host
+// staging when the daemon reaches the client over posix (ClientOptions::host_staging = auto),
+// and as they are over tcp; forced either way, both round-trip byte-exact, scattered over many
+// buffers, in batches larger than one staging half, with a miss among them. Staging shows in
+// the daemon's key unpacks: one staging region for every call, against a fresh registration
+// per call for unregistered memory.
+TEST_P(UcxIntegrationTest, OrdinaryMemoryMovesThroughHostStagingOverSharedMemory) {
+  const bool shm = std::string(GetParam()) != "tcp";
+  auto connect = [&](client::HostStaging staging) -> std::unique_ptr<Client> {
+    ClientOptions options;
+    options.target = daemon_->tcp_target();
+    options.transport = Transport::kUcx;
+    options.call_timeout = absl::Seconds(20);
+    options.host_staging = staging;
+    options.host_staging_bytes = size_t{1} << 20;  // halves of 2 blocks of 256 KiB
+    auto c = Client::Connect(options);
+    EXPECT_OK(c.status());
+    return c.ok() ? *std::move(c) : nullptr;
+  };
+  {
+    auto c = connect(client::HostStaging::kAuto);
+    ASSERT_NE(c, nullptr);
+    EXPECT_EQ(absl::StrContains(c->transport_detail(), "over posix"), shm) << c->transport_detail();
+    EXPECT_EQ(absl::StrContains(c->transport_detail(), "host staging"), shm)
+        << c->transport_detail();
+  }
+  int seed = 60;
+  for (client::HostStaging staging : {client::HostStaging::kAlways, client::HostStaging::kNever}) {
+    SCOPED_TRACE(client::HostStagingName(staging));
+    auto c = connect(staging);
+    ASSERT_NE(c, nullptr);
+    ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+    constexpr size_t kBlocks = 7;  // 4 chunks of 2, 2, 2 and 1 blocks when staged
+    const size_t layer_bytes = p.block_bytes / 4;
+    std::vector<std::vector<std::byte>> layers(4, std::vector<std::byte>(kBlocks * layer_bytes));
+    ASSERT_OK_AND_ASSIGN(client::MemoryRegion r0,
+                         c->RegisterMemory(layers[0].data(), layers[0].size()));
+    ++seed;
+    std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, kBlocks);
+    std::vector<std::vector<std::byte>> expected(kBlocks, std::vector<std::byte>(p.block_bytes));
+    std::vector<client::ConstSegments> in(kBlocks);
+    std::vector<client::Segments> out(kBlocks);
+    for (size_t b = 0; b < kBlocks; ++b) {
+      client::FillTestBlock(seed, b, expected[b]);
+      for (size_t l = 0; l < 4; ++l) {
+        std::byte* slice = layers[l].data() + b * layer_bytes;
+        std::memcpy(slice, expected[b].data() + l * layer_bytes, layer_bytes);
+        in[b].push_back({slice, 777});
+        in[b].push_back({slice + 777, layer_bytes - 777});
+        out[b].push_back({slice, layer_bytes});
+      }
+    }
+    const double unpacked_before = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total");
+    ASSERT_OK_AND_ASSIGN(auto outcomes, c->PutScattered(p, keys, in));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    for (auto& l : layers) std::fill(l.begin(), l.end(), std::byte{0});
+    std::vector<BlockKey> with_miss = keys;
+    with_miss[4] = client::TestKeyChain(seed + 100, 0, 1)[0];
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->GetScattered(p, with_miss, out));
+    for (size_t b = 0; b < kBlocks; ++b) {
+      ASSERT_EQ(found[b], b != 4) << b;
+      if (b == 4) continue;
+      for (size_t l = 0; l < 4; ++l) {
+        EXPECT_EQ(0, std::memcmp(layers[l].data() + b * layer_bytes,
+                                 expected[b].data() + l * layer_bytes, layer_bytes))
+            << "block " << b << " layer " << l;
+      }
+    }
+    // Contiguous blocks in one unregistered buffer, several calls.
+    std::vector<std::byte> flat(3 * p.block_bytes);
+    std::vector<std::span<std::byte>> flat_out;
+    for (size_t b = 0; b < 3; ++b)
+      flat_out.emplace_back(flat.data() + b * p.block_bytes, p.block_bytes);
+    for (int call = 0; call < 3; ++call) {
+      std::fill(flat.begin(), flat.end(), std::byte{0});
+      ASSERT_OK_AND_ASSIGN(found, c->Get(p, std::span(keys).subspan(0, 3), flat_out));
+      for (size_t b = 0; b < 3; ++b)
+        EXPECT_TRUE(found[b] && flat_out[b].size() == p.block_bytes &&
+                    std::memcmp(flat_out[b].data(), expected[b].data(), p.block_bytes) == 0)
+            << b;
+    }
+    const double unpacked = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total") - unpacked_before;
+    if (staging == client::HostStaging::kAlways) {
+      EXPECT_EQ(unpacked, 1);  // the staging region, named by every call
+    } else {
+      // Unregistered layers and the flat buffer: registered anew for each call.
+      EXPECT_GE(unpacked, 5);
+    }
+  }
+}
+
 // Put hints travel over UCX as they do inline: a high-priority put is held at its level (0 here:
 // raw), and a block's chain position reaches the encoder (position 0 is encoded as the first
 // block, with the attention-sink codec). The high-priority blocks are the coldest, so without

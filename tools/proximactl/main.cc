@@ -52,6 +52,9 @@ ABSL_FLAG(double, timeout, 10, "seconds: connect timeout and per-call deadline")
 ABSL_FLAG(bool, json, false, "print one JSON object instead of text");
 ABSL_FLAG(std::string, transport, "auto",
           "how block bytes move: auto (UCX when both sides can reach each other), ucx, inline");
+ABSL_FLAG(std::string, host_staging, "auto",
+          "blocks in ordinary memory over UCX: auto (through UCX-allocated staging when proximad "
+          "reaches this process over posix/sysv shared memory), always, never");
 ABSL_FLAG(std::string, service, "proxima.v1.KVTier",
           "health: the service to ask about (\"\" for the whole server)");
 ABSL_FLAG(uint32_t, layers, 4, "test profile: num_layers");
@@ -197,6 +200,11 @@ absl::StatusOr<proxima::client::ClientOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError("--" + std::string(transport.status().message()));
   }
   options.transport = *transport;
+  auto staging = proxima::client::ParseHostStaging(absl::GetFlag(FLAGS_host_staging));
+  if (!staging.ok()) {
+    return absl::InvalidArgumentError("--" + std::string(staging.status().message()));
+  }
+  options.host_staging = *staging;
   return options;
 }
 

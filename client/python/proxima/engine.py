@@ -44,6 +44,9 @@ class LinkOptions:
     call_timeout: float = 5.0
     retry_seconds: float = 2.0  # after a failure, wait this long before connecting again
     transport: str = "auto"  # "auto" (UCX when the daemon serves it), "ucx" or "inline"
+    # Pages in the engine's own memory over UCX shared memory: "auto" (through UCX-allocated
+    # staging when the daemon reaches this process over posix/sysv), "always" or "never".
+    host_staging: str = "auto"
 
     @classmethod
     def from_config(cls, extra: Optional[dict]) -> "LinkOptions":
@@ -167,7 +170,8 @@ class Link:
             client = proxima.Client(o.target, namespace=o.namespace, token=o.token,
                                     tls_ca=o.tls_ca, tls_cert=o.tls_cert, tls_key=o.tls_key,
                                     connect_timeout=o.connect_timeout,
-                                    call_timeout=o.call_timeout, transport=o.transport)
+                                    call_timeout=o.call_timeout, transport=o.transport,
+                                    host_staging=o.host_staging)
             profile = client.register_profile(s.num_layers, s.num_kv_heads, s.head_dim,
                                               s.tokens_per_block, s.dtype, s.fingerprint)
         except proxima.Error as e:

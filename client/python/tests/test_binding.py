@@ -343,6 +343,36 @@ def test_registered_buffers_are_registered_with_ucx_once(ucx_daemon):
 
 
 @pytest.mark.parametrize("ucx_daemon", ["tcp", "posix,self"], indirect=True)
+def test_registered_buffers_move_through_host_staging_over_shared_memory(ucx_daemon):
+    """host_staging="auto" stages registered (engine-owned) memory only where the daemon reaches
+    this process over posix: every call then names the one staging region (one rkey unpacked);
+    "never" moves the registered buffer itself. Both byte-exact; a bad value is a ValueError."""
+    shm = os.environ.get("UCX_TLS", "").startswith("posix")
+    with pytest.raises(ValueError, match="host_staging 'sometimes'"):
+        proxima.Client(ucx_daemon.target, transport="ucx", host_staging="sometimes")
+    for mode in ("auto", "never"):
+        c = proxima.Client(ucx_daemon.target, transport="ucx", host_staging=mode)
+        assert c.transport == "ucx", c.transport_detail
+        staged = mode == "auto" and shm
+        assert ("host staging" in c.transport_detail) == staged, c.transport_detail
+        p = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="hs-" + mode)
+        n = 6
+        src, dst = random_blocks(n, 31), np.zeros((n, BLOCK_BYTES), np.uint8)
+        c.register_buffer(src.ctypes.data, src.nbytes)
+        c.register_buffer(dst.ctypes.data, dst.nbytes)
+        keys = keys_for("hs-" + mode, n)
+        before = ucx_daemon.metric(RKEYS)
+        assert c.put(p, keys, whole(src)) == ["stored"] * n
+        for _ in range(3):
+            dst[:] = 0
+            assert c.get(p, keys, whole(dst)) == [True] * n
+            assert np.array_equal(src, dst)
+        # Staged: the staging region alone; otherwise the two registered buffers.
+        assert ucx_daemon.metric(RKEYS) - before == (1 if staged else 2)
+        del c
+
+
+@pytest.mark.parametrize("ucx_daemon", ["tcp", "posix,self"], indirect=True)
 def test_alloc_buffer_round_trip_over_ucx(ucx_daemon):
     c = proxima.Client(ucx_daemon.target, transport="ucx")
     assert c.transport == "ucx", c.transport_detail
