@@ -11,6 +11,7 @@
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "daemon/memory_limit.h"
 #include "kernels/device.h"
 
 namespace proxima::daemon {
@@ -47,6 +48,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Tl
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
   std::unique_ptr<Daemon> d(new Daemon());
   d->config_ = config;
+  // The host tier fills its capacity as blocks arrive: one larger than this process may use
+  // would end in the OOM killer, not an error.
+  const MemoryLimit memory = ProcessMemoryLimit();
+  PROXIMA_RETURN_IF_ERROR(CheckHostCapacity(config.host_tier.capacity_bytes, memory));
+  if (config.host_tier.capacity_bytes + kMemoryHeadroomBytes > memory.bytes) {
+    PROXIMA_LOG(kWarning) << "tiers.host.capacity_bytes leaves less than 1 GiB of this process's "
+                             "memory for the block index, gRPC buffers and calls in flight"
+                          << log::Kv("capacity_bytes", config.host_tier.capacity_bytes)
+                          << log::Kv("memory_limit_bytes", memory.bytes)
+                          << log::Kv("limit_source", memory.source);
+  }
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
   if (config.ucx.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->ucx_,

@@ -1,6 +1,7 @@
 // Integration tests of the binaries' command lines: proximad's config validation and start-up
 // failures, proximactl's commands and JSON output, and the C ABI from a C program.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -93,6 +94,22 @@ TEST(StartupTest, SocketOfALiveDaemonIsNotTakenOver) {
                                   absl::Seconds(20));
   EXPECT_EQ(port.exit_code, 1);
   EXPECT_THAT(port.err, HasSubstr("cannot start the gRPC server"));
+}
+
+// A capacity the machine cannot give is refused at start (it would start, fill, and be killed
+// by the OOM killer), naming the key, the value and the limit.
+TEST(StartupTest, CapacityBeyondThisMachinesMemoryIsRefused) {
+  const uint64_t physical =
+      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t capacity = 2 * physical;
+  CommandResult r = RunCommand({ProximadPath(), "--set=server.listen=127.0.0.1:0",
+                                "--set=server.metrics_listen=", "--set=server.unix_socket=",
+                                "--set=tiers.host.capacity_bytes=" + std::to_string(capacity)},
+                               absl::Seconds(20));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, AllOf(HasSubstr("tiers.host.capacity_bytes is " + std::to_string(capacity)),
+                           HasSubstr("this process may use at most"),
+                           HasSubstr("killed for lack of memory")));
 }
 
 TEST(ProximactlTest, CommandsWorkAndSpeakJson) {
