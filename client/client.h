@@ -116,7 +116,8 @@ struct ClientOptions {
   // kAuto: when the daemon reports such a transport for this client's session
   // (ConnectUcxResponse.shared_memory_transport), a call whose blocks are not all in
   // AllocateMemory regions copies them through staging memory this client allocated with UCX
-  // (host_staging_bytes in all, made on first use), which the daemon maps and copies directly.
+  // (host_staging_bytes per call in flight, made on first use and kept for later calls, up to 4),
+  // which the daemon maps and copies directly.
   // kAlways: over every UCX transport. kNever: never.
   HostStaging host_staging = HostStaging::kAuto;
   size_t host_staging_bytes = size_t{16} << 20;
@@ -322,31 +323,42 @@ class Client {
   bool AnyDeviceMemory(std::span<const Seg> blocks) const;
   // Put and Get (or Decompress, `method`) of blocks through staging halves (client_staging.cc):
   // each chunk of blocks is copied into (out of) one half while the other half's chunk moves.
-  // One staged call at a time per client.
+  // GPU staging: one staged call at a time per client. Host staging: each call its own halves.
   absl::StatusOr<std::vector<PutOutcome>> PutStaged(Staging staging, const Profile& profile,
                                                     std::span<const BlockKey> keys,
                                                     std::span<const ConstSegments> blocks,
                                                     const PutOptions& options)
-      ABSL_LOCKS_EXCLUDED(staging_mu_);
+      ABSL_LOCKS_EXCLUDED(staging_mu_, host_staging_mu_);
   absl::StatusOr<std::vector<bool>> GetStaged(Staging staging, const char* method,
                                               const Profile& profile,
                                               std::span<const BlockKey> keys,
                                               std::span<const Segments> out)
-      ABSL_LOCKS_EXCLUDED(staging_mu_);
+      ABSL_LOCKS_EXCLUDED(staging_mu_, host_staging_mu_);
   struct StagingMemory;
   class Stage;
+  // Runs body(stage) with the halves `staging` names: the GPU halves under staging_mu_, or host
+  // halves leased for the call. When host staging memory cannot be allocated, host staging is
+  // given up for this client (logged once) and direct() moves the blocks as they are.
+  template <typename Body, typename Direct>
+  auto WithStage(Staging staging, uint64_t block_bytes, Body&& body, Direct&& direct)
+      -> decltype(direct());
+  absl::StatusOr<std::vector<PutOutcome>> PutThrough(Stage& stage, const Profile& profile,
+                                                     std::span<const BlockKey> keys,
+                                                     std::span<const ConstSegments> blocks,
+                                                     const PutOptions& options);
+  absl::StatusOr<std::vector<bool>> GetThrough(Stage& stage, const char* method,
+                                               const Profile& profile,
+                                               std::span<const BlockKey> keys,
+                                               std::span<const Segments> out);
   // The GPU staging halves (each at least `block_bytes`) and the copy queue, made on first use
   // and registered for UCX.
   absl::StatusOr<Stage> PrepareDeviceStaging(uint64_t block_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
-  // The host staging halves (each at least `block_bytes`), UCX-allocated on first use.
-  absl::StatusOr<Stage> PrepareHostStaging(uint64_t block_bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
-  // The halves for a staged call. nullopt when host staging memory cannot be allocated: host
-  // staging is then given up for this client (logged once) and the caller moves the blocks as
-  // they are.
-  absl::StatusOr<std::optional<Stage>> PrepareStage(Staging staging, uint64_t block_bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
+  // UCX-allocated host staging halves (each at least `block_bytes`) for one call: a free one,
+  // or a new one; nullopt when none can be allocated (host staging is then given up).
+  std::optional<MemoryRegion> LeaseHostStaging(uint64_t block_bytes)
+      ABSL_LOCKS_EXCLUDED(host_staging_mu_);
+  void ReturnHostStaging(MemoryRegion region) ABSL_LOCKS_EXCLUDED(host_staging_mu_);
   // `bytes` of GPU staging memory (see StagingMemory): UCX-allocated and pinned when the client
   // uses UCX and both succeed, else cudaMallocHost's.
   absl::StatusOr<std::unique_ptr<StagingMemory>> AllocateStaging(size_t bytes);
@@ -397,7 +409,9 @@ class Client {
   // Host staging (client_staging.cc): whether this session stages blocks in ordinary memory
   // (options_.host_staging and the daemon's ConnectUcxResponse), and its halves.
   std::atomic<bool> stage_host_memory_{false};
-  MemoryRegion host_staging_ ABSL_GUARDED_BY(staging_mu_);
+  static constexpr size_t kMaxFreeHostStaging = 4;
+  proxima::Mutex host_staging_mu_;
+  std::vector<MemoryRegion> host_staging_free_ ABSL_GUARDED_BY(host_staging_mu_);
 };
 
 // Channel credentials for `options`' TLS settings (plaintext when none is set). PEM files are

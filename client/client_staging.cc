@@ -58,20 +58,6 @@ class Client::Stage {
   gpu::CopyQueue* queue_;
 };
 
-absl::StatusOr<std::optional<Client::Stage>> Client::PrepareStage(Staging staging,
-                                                                  uint64_t block_bytes) {
-  if (staging == Staging::kDevice) return PrepareDeviceStaging(block_bytes);
-  absl::StatusOr<Stage> host = PrepareHostStaging(block_bytes);
-  if (host.ok()) return *host;
-  // Once: this and later calls move ordinary memory as it is.
-  if (stage_host_memory_.exchange(false)) {
-    PROXIMA_LOG(kWarning) << "cannot allocate host staging memory; blocks in ordinary memory "
-                             "move without it (slower over shared memory)"
-                          << log::Kv("status", host.status().ToString());
-  }
-  return std::nullopt;
-}
-
 template <typename Seg>
 Client::Staging Client::StagingFor(std::span<const Seg> blocks) {
   if (AnyDeviceMemory(blocks)) return Staging::kDevice;
@@ -104,19 +90,51 @@ absl::StatusOr<Client::Stage> Client::PrepareDeviceStaging(uint64_t block_bytes)
   return Stage(staging_->data, staging_->size / 2, copies_.get());
 }
 
-absl::StatusOr<Client::Stage> Client::PrepareHostStaging(uint64_t block_bytes) {
-  const size_t half = std::max<size_t>(options_.host_staging_bytes / 2, block_bytes);
-  if (host_staging_.bytes().size() < 2 * half) {
-    host_staging_ = MemoryRegion();  // the old halves go first
-    absl::StatusOr<MemoryRegion> region = AllocateMemory(2 * half);
-    if (!region.ok()) {
-      return absl::Status(region.status().code(),
-                          absl::StrCat("host staging memory (ClientOptions.host_staging_bytes): ",
-                                       region.status().message()));
+std::optional<MemoryRegion> Client::LeaseHostStaging(uint64_t block_bytes) {
+  const size_t bytes = 2 * std::max<size_t>(options_.host_staging_bytes / 2, block_bytes);
+  {
+    proxima::MutexLock lock(&host_staging_mu_);
+    while (!host_staging_free_.empty()) {
+      MemoryRegion region = std::move(host_staging_free_.back());
+      host_staging_free_.pop_back();
+      if (region.bytes().size() >= bytes) return region;  // smaller ones go (larger blocks now)
     }
-    host_staging_ = *std::move(region);
   }
-  return Stage(host_staging_.bytes().data(), host_staging_.bytes().size() / 2, nullptr);
+  absl::StatusOr<MemoryRegion> region = AllocateMemory(bytes);
+  if (region.ok()) return *std::move(region);
+  // Once: this and later calls move ordinary memory as it is.
+  if (stage_host_memory_.exchange(false)) {
+    PROXIMA_LOG(kWarning) << "cannot allocate host staging memory; blocks in ordinary memory "
+                             "move without it (slower over shared memory)"
+                          << log::Kv("bytes", bytes)
+                          << log::Kv("status", region.status().ToString());
+  }
+  return std::nullopt;
+}
+
+void Client::ReturnHostStaging(MemoryRegion region) {
+  proxima::MutexLock lock(&host_staging_mu_);
+  // As many as calls ran at once, up to a bound; beyond it the memory is freed.
+  if (host_staging_free_.size() < kMaxFreeHostStaging) {
+    host_staging_free_.push_back(std::move(region));
+  }
+}
+
+template <typename Body, typename Direct>
+auto Client::WithStage(Staging staging, uint64_t block_bytes, Body&& body, Direct&& direct)
+    -> decltype(direct()) {
+  if (staging == Staging::kDevice) {
+    proxima::MutexLock lock(&staging_mu_);
+    PROXIMA_ASSIGN_OR_RETURN(Stage stage, PrepareDeviceStaging(block_bytes));
+    return body(stage);
+  }
+  // Host staging: halves of this call's own, so concurrent calls never wait for each other.
+  std::optional<MemoryRegion> lease = LeaseHostStaging(block_bytes);
+  if (!lease) return direct();  // host staging given up
+  Stage stage(lease->bytes().data(), lease->bytes().size() / 2, nullptr);
+  auto result = body(stage);
+  ReturnHostStaging(*std::move(lease));
+  return result;
 }
 
 Client::StagingMemory::~StagingMemory() {
@@ -157,11 +175,17 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutStaged(Staging staging, const
                                                           std::span<const BlockKey> keys,
                                                           std::span<const ConstSegments> blocks,
                                                           const PutOptions& options) {
-  proxima::MutexLock lock(&staging_mu_);
-  PROXIMA_ASSIGN_OR_RETURN(std::optional<Stage> prepared,
-                           PrepareStage(staging, profile.block_bytes));
-  if (!prepared) return PutUcx(profile, keys, blocks, options);  // host staging given up
-  Stage& stage_memory = *prepared;
+  return WithStage(
+      staging, profile.block_bytes,
+      [&](Stage& stage_memory) { return PutThrough(stage_memory, profile, keys, blocks, options); },
+      [&] { return PutUcx(profile, keys, blocks, options); });
+}
+
+absl::StatusOr<std::vector<PutOutcome>> Client::PutThrough(Stage& stage_memory,
+                                                           const Profile& profile,
+                                                           std::span<const BlockKey> keys,
+                                                           std::span<const ConstSegments> blocks,
+                                                           const PutOptions& options) {
   const size_t per_chunk = stage_memory.half_bytes() / profile.block_bytes;
   const size_t chunks = (keys.size() + per_chunk - 1) / per_chunk;
   auto slot = [&](size_t chunk, size_t i) {  // block i of `chunk` in its half
@@ -217,11 +241,16 @@ absl::StatusOr<std::vector<bool>> Client::GetStaged(Staging staging, const char*
                                                     const Profile& profile,
                                                     std::span<const BlockKey> keys,
                                                     std::span<const Segments> out) {
-  proxima::MutexLock lock(&staging_mu_);
-  PROXIMA_ASSIGN_OR_RETURN(std::optional<Stage> prepared,
-                           PrepareStage(staging, profile.block_bytes));
-  if (!prepared) return GetUcx(profile, keys, out);  // host staging given up
-  Stage& stage_memory = *prepared;
+  return WithStage(
+      staging, profile.block_bytes,
+      [&](Stage& stage_memory) { return GetThrough(stage_memory, method, profile, keys, out); },
+      [&] { return GetUcx(profile, keys, out); });
+}
+
+absl::StatusOr<std::vector<bool>> Client::GetThrough(Stage& stage_memory, const char* method,
+                                                     const Profile& profile,
+                                                     std::span<const BlockKey> keys,
+                                                     std::span<const Segments> out) {
   const size_t per_chunk = stage_memory.half_bytes() / profile.block_bytes;
   std::vector<bool> found(keys.size(), false);
   absl::Status status;

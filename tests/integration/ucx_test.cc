@@ -305,6 +305,57 @@ TEST_P(UcxIntegrationTest, OrdinaryMemoryMovesThroughHostStagingOverSharedMemory
   }
 }
 
+// Host-staged calls from several threads of one client run at once, each through halves of
+// its own (an engine's prefetch and backup threads share a client), byte-exact; the halves are
+// kept for later calls, so the daemon unpacks at most one key per concurrent call.
+TEST_P(UcxIntegrationTest, ConcurrentHostStagedCallsOfOneClientEachGetTheirOwnHalves) {
+  ClientOptions options;
+  options.target = daemon_->tcp_target();
+  options.transport = Transport::kUcx;
+  options.call_timeout = absl::Seconds(20);
+  options.host_staging = client::HostStaging::kAlways;
+  options.host_staging_bytes = size_t{1} << 20;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr int kThreads = 3, kRounds = 6;
+  constexpr size_t kBlocks = 3;
+  const double unpacked_before = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total");
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<std::byte> buf(kBlocks * p.block_bytes);  // not registered
+      std::vector<std::span<std::byte>> out;
+      std::vector<std::span<const std::byte>> in;
+      for (size_t b = 0; b < kBlocks; ++b) {
+        out.emplace_back(buf.data() + b * p.block_bytes, p.block_bytes);
+        in.emplace_back(out.back());
+      }
+      for (int r = 0; r < kRounds; ++r) {
+        const int seed = 200 + t * kRounds + r;
+        std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, kBlocks);
+        for (size_t b = 0; b < kBlocks; ++b) client::FillTestBlock(seed, b, out[b]);
+        if (!c->Put(p, keys, in).ok()) ++failed;
+        std::fill(buf.begin(), buf.end(), std::byte{0});
+        absl::StatusOr<std::vector<bool>> found = c->Get(p, keys, out);
+        if (!found.ok()) {
+          ++failed;
+          continue;
+        }
+        for (size_t b = 0; b < kBlocks; ++b) {
+          if (!(*found)[b] || !client::IsTestBlock(seed, b, out[b])) ++wrong;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  const double unpacked = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total") - unpacked_before;
+  EXPECT_GE(unpacked, 1);
+  EXPECT_LE(unpacked, kThreads);  // one pair of halves per call running at once, reused after
+}
+
 // Put hints travel over UCX as they do inline: a high-priority put is held at its level (0 here:
 // raw), and a block's chain position reaches the encoder (position 0 is encoded as the first
 // block, with the attention-sink codec). The high-priority blocks are the coldest, so without
