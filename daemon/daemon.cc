@@ -126,6 +126,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
     d->metrics_ = *std::move(metrics);
   }
 
+  // The limit the host tier's capacity was checked against at start, for alerts on the
+  // headroom (capacity vs limit) and on the process's resident memory.
+  const double memory_limit = static_cast<double>(memory.bytes);
+  d->registry_.AddGauge("proxima_memory_limit_bytes",
+                        "Memory this process may use, as found at start (the smallest of physical "
+                        "memory and its cgroups' limits)",
+                        {{"source", memory.source}}, [memory_limit] { return memory_limit; });
   std::string why_no_gpu;
   std::vector<gpu::DeviceInfo> gpus = gpu::VisibleDevices(&why_no_gpu);
   d->registry_.AddGauge("proxima_build_info", "Build and runtime facts (value is always 1)",

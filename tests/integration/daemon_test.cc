@@ -361,6 +361,12 @@ TEST(DaemonIntegrationTest, MetricsEndpointExportsTheDocumentedSeries) {
             3 * (256 << 10));
   EXPECT_GT(MetricValue(m, "proxima_request_duration_seconds_count{method=\"Get\"}"), 0);
   EXPECT_THAT(m, HasSubstr("proxima_build_info{"));
+  // The memory limit the capacity was checked against: positive, at least the capacity.
+  EXPECT_THAT(m, HasSubstr("proxima_memory_limit_bytes{source=\""));
+  const size_t at = m.find("proxima_memory_limit_bytes{");
+  const size_t value = m.find("} ", at);
+  ASSERT_NE(value, std::string::npos);
+  EXPECT_GE(std::stod(m.substr(value + 2)), 64 << 20);
 }
 
 }  // namespace
