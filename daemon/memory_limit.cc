@@ -68,6 +68,21 @@ uint64_t PhysicalMemory(const std::string& root, std::string* source) {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
+// Lowers `limit` to the limit in `file` of the cgroup at `path` under `mount` and of each of its
+// ancestors ("max", unreadable files and values at or above the v1 "no limit" impose nothing).
+void LowerAlongPath(const std::string& mount, const std::string& path, const char* file,
+                    const char* version, MemoryLimit* limit) {
+  for (const std::string& dir : SelfAndAncestors(path)) {
+    std::optional<std::string> text =
+        ReadFirstLine(absl::StrCat(mount, dir == "/" ? "" : dir, "/", file));
+    if (!text) continue;
+    std::optional<uint64_t> v = ParseLimit(*text);
+    if (v && *v < kV1Unlimited) {
+      Lower(limit, *v, absl::StrCat(version, " ", file, " of ", dir));
+    }
+  }
+}
+
 }  // namespace
 
 MemoryLimit ProcessMemoryLimit(const std::string& root) {
@@ -88,14 +103,7 @@ MemoryLimit ProcessMemoryLimit(const std::string& root) {
     const std::string path = line.substr(b + 1);
     if (id == "0" && controllers.empty()) {
       for (const char* mount : {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}) {
-        for (const std::string& dir : SelfAndAncestors(path)) {
-          std::optional<std::string> text =
-              ReadFirstLine(root + mount + (dir == "/" ? "" : dir) + "/memory.max");
-          if (!text) continue;
-          if (std::optional<uint64_t> v = ParseLimit(*text)) {
-            Lower(&limit, *v, absl::StrCat("cgroup v2 memory.max of ", dir));
-          }
-        }
+        LowerAlongPath(root + mount, path, "memory.max", "cgroup v2", &limit);
       }
       continue;
     }
@@ -106,15 +114,9 @@ MemoryLimit ProcessMemoryLimit(const std::string& root) {
       if (std::string_view(controllers).substr(start, comma - start) == "memory") memory = true;
       start = comma + 1;
     }
-    if (!memory) continue;
-    for (const std::string& dir : SelfAndAncestors(path)) {
-      std::optional<std::string> text = ReadFirstLine(
-          root + "/sys/fs/cgroup/memory" + (dir == "/" ? "" : dir) + "/memory.limit_in_bytes");
-      if (!text) continue;
-      std::optional<uint64_t> v = ParseLimit(*text);
-      if (v && *v < kV1Unlimited) {
-        Lower(&limit, *v, absl::StrCat("cgroup v1 memory.limit_in_bytes of ", dir));
-      }
+    if (memory) {
+      LowerAlongPath(root + "/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "cgroup v1",
+                     &limit);
     }
   }
   return limit;
