@@ -3,6 +3,7 @@ reason, where sglang is absent): the backend made by SGLang's own StorageBackend
 `--hicache-storage-backend dynamic`, a real MHA host pool on the CPU in both layouts, driven with
 the calls SGLang's cache controller makes, checked byte for byte."""
 import pytest
+from conftest import Daemon
 
 torch = pytest.importorskip("torch", reason="torch is installed by scripts/python-engines.sh")
 pytest.importorskip("sglang", reason="sglang is installed by scripts/python-engines.sh")
@@ -28,14 +29,14 @@ def host_pool(layout):
     return pool
 
 
-def backend(target, pool, tp_rank=0, model="test/model"):
+def backend(target, pool, tp_rank=0, model="test/model", **link):
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
         model_name=model,
         extra_config={"backend_name": "proxima", "module_path": "proxima.sglang",
                       "class_name": "ProximaHiCacheStorage", "target": target,
-                      "connect_timeout": 1.0, "call_timeout": 2.0})
+                      "connect_timeout": 1.0, "call_timeout": 2.0, **link})
     b = StorageBackendFactory.create_backend("dynamic", config, pool)
     b.register_mem_pool_host(pool)  # what the cache controller does next
     return b
@@ -64,6 +65,41 @@ def test_zero_copy_v1_round_trip(daemon, layout):
         assert page_bytes(dst, 10 + i) == page_bytes(src, 4 + i)
     assert page_bytes(dst, 14) == bytes(len(page_bytes(dst, 14)))
     assert b_dst.get_stats()["blocks_loaded"] == 4
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_zero_copy_v1_over_shared_memory_moves_pages_through_host_staging(monkeypatch, layout):
+    """The host pool is ordinary memory, which UCX's shared-memory transports cannot map: over
+    posix the backend's client copies each page's pieces through UCX-allocated staging memory
+    (host_staging "auto"), which the daemon maps; with "never" the daemon reaches into the pool
+    itself. Both byte-exact, in both layouts, the pages scattered through the pool."""
+    monkeypatch.setenv("UCX_TLS", "posix,self")
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    d = Daemon(sets=["server.metrics_listen=127.0.0.1:0"])
+    try:
+        for mode in ("auto", "never"):
+            src, dst = host_pool(layout), host_pool(layout)
+            dst.kv_buffer.zero_()
+            link = {"transport": "ucx", "host_staging": mode}
+            b_src = backend(d.target, src, model=f"shm/{mode}", **link)
+            b_dst = backend(d.target, dst, model=f"shm/{mode}", **link)
+            for b in (b_src, b_dst):
+                detail = b.link.connection().client.transport_detail
+                assert detail.startswith("ucx") and " over posix" in detail, detail
+                assert ("host staging" in detail) == (mode == "auto"), detail
+            keys = [f"shm-{mode}-{i}" for i in range(6)]
+            # Pages 1, 3, 5, 7, 9, 11 of src (not adjacent), then pages 20..25 of dst.
+            src_pages = [1, 3, 5, 7, 9, 11]
+            src_idx = torch.cat([torch.arange(q * PAGE, (q + 1) * PAGE) for q in src_pages])
+            assert b_src.batch_set_v1(keys, src_idx) == [True] * 6
+            assert b_dst.batch_exists(keys) == 6
+            assert b_dst.batch_get_v1(keys, torch.arange(20 * PAGE, 26 * PAGE)) == [True] * 6
+            for i, q in enumerate(src_pages):
+                assert page_bytes(dst, 20 + i) == page_bytes(src, q), (mode, i)
+            assert page_bytes(dst, 26) == bytes(len(page_bytes(dst, 26)))  # nothing past them
+            assert b_dst.get_stats()["blocks_loaded"] == 6
+    finally:
+        d.kill()
 
 
 def test_generic_interface_as_the_cache_controller_calls_it(daemon):
