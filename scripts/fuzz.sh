@@ -6,13 +6,14 @@
 #   scripts/fuzz.sh codec_decode 30
 #   scripts/fuzz.sh request 30        # KVTier requests handled in process by the daemon's code
 #   scripts/fuzz.sh config_parse 30   # proximad's YAML config and --set overrides
+#   scripts/fuzz.sh peer 30           # proxima.v1.Peer calls from another daemon, in process
 #
 # Env: PROXIMA_FUZZ_BUILD_DIR (default build-fuzz/ in the repo), CXX_FUZZ (default clang++).
 # The build compiles only the sources the target needs (no CMake configure), incrementally.
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
-  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, request, config_parse)" >&2
+  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, request, config_parse, peer)" >&2
   exit 2
 fi
 target=$1
@@ -28,6 +29,15 @@ codec=(common/crc32c.cc kernels/codec.cc kernels/error_metrics.cc kernels/intern
        kernels/internal/lossless.cc kernels/internal/cpu_features.cc kernels/internal/simd_avx2.cc
        kernels/internal/simd_avx512.cc)
 
+# The daemon's sources (daemon/CMakeLists.txt) without the server wiring, with the CPU-only
+# device code (this build has no CUDA) and the UCX worker the UCX calls link.
+daemon=(kernels/device_cpu.cc common/log.cc common/credentials.cc common/ucx.cc proto/wire.cc
+        daemon/config.cc daemon/metrics.cc daemon/host_tier.cc daemon/block_store.cc
+        daemon/tier_service.cc daemon/tierer.cc daemon/grpc_service.cc daemon/ucx_transport.cc
+        gen/proxima/v1/kvtier.pb.cc gen/proxima/v1/kvtier.grpc.pb.cc)
+daemon_libs="grpc++ protobuf yaml-cpp openssl ucx absl_status absl_statusor absl_strings
+             absl_str_format absl_raw_hash_set absl_hash absl_time absl_synchronization"
+
 case "$target" in
   codec_decode)
     sources=("${codec[@]}")
@@ -41,30 +51,35 @@ case "$target" in
           absl_time"
     ;;
   request)
-    # The daemon's sources (daemon/CMakeLists.txt) without the server wiring, with the CPU-only
-    # device code (this build has no CUDA) and the UCX worker the UCX calls link.
-    sources=("${codec[@]}" kernels/device_cpu.cc common/log.cc common/credentials.cc
-             common/ucx.cc proto/wire.cc
-             daemon/config.cc daemon/metrics.cc daemon/host_tier.cc daemon/block_store.cc
-             daemon/tier_service.cc daemon/tierer.cc daemon/grpc_service.cc daemon/ucx_transport.cc
-             gen/proxima/v1/kvtier.pb.cc gen/proxima/v1/kvtier.grpc.pb.cc)
+    sources=("${codec[@]}" "${daemon[@]}")
     harness=tests/fuzz/request_fuzzer.cc
-    libs="grpc++ protobuf yaml-cpp openssl ucx absl_status absl_statusor absl_strings
-          absl_str_format absl_raw_hash_set absl_hash absl_time absl_synchronization"
+    libs=$daemon_libs
+    ;;
+  peer)
+    # The daemon's sources, and the cluster's peer side: the service, its location records and
+    # its UCX half (linked; this harness runs it without a worker).
+    sources=("${codec[@]}" "${daemon[@]}" daemon/cluster/peer_service.cc
+             daemon/cluster/location_table.cc daemon/cluster/peer_ucx.cc
+             daemon/cluster/receive_pool.cc gen/proxima/v1/peer.pb.cc gen/proxima/v1/peer.grpc.pb.cc)
+    harness=tests/fuzz/peer_fuzzer.cc
+    libs=$daemon_libs
     ;;
   *)
-    echo "unknown fuzz target '$target' (known: codec_decode, request, config_parse)" >&2
+    echo "unknown fuzz target '$target' (known: codec_decode, request, config_parse, peer)" >&2
     exit 2
     ;;
 esac
 
 # Generated protobuf/gRPC code, for the targets that handle API messages.
 gen=$out/gen
-if [[ $target == request && ( ! -f $gen/proxima/v1/kvtier.pb.cc ||
-      $root/proto/proxima/v1/kvtier.proto -nt $gen/proxima/v1/kvtier.pb.cc ) ]]; then
-  mkdir -p "$gen"
-  protoc --proto_path="$root/proto" --cpp_out="$gen" --grpc_out="$gen" \
-    --plugin=protoc-gen-grpc="$(command -v grpc_cpp_plugin)" "$root/proto/proxima/v1/kvtier.proto"
+if [[ $target == request || $target == peer ]]; then
+  for proto in kvtier peer; do
+    if [[ ! -f $gen/proxima/v1/$proto.pb.cc || $root/proto/proxima/v1/$proto.proto -nt $gen/proxima/v1/$proto.pb.cc ]]; then
+      mkdir -p "$gen"
+      protoc --proto_path="$root/proto" --cpp_out="$gen" --grpc_out="$gen" \
+        --plugin=protoc-gen-grpc="$(command -v grpc_cpp_plugin)" "$root/proto/proxima/v1/$proto.proto"
+    fi
+  done
 fi
 
 mkdir -p "$out/obj" "$out/corpus-$target"

@@ -18,9 +18,11 @@ PROXIMA_BUILD_DIR=build python3 -m pip install --disable-pip-version-check \
 (cd / && python3 -c "import proxima, proxima.codec; print('proxima package:', proxima.__file__)")
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
 ./scripts/fuzz.sh codec_decode 30
-# Bounded fuzzing of KVTier request handling (in process) and of config parsing.
+# Bounded fuzzing of KVTier request handling (in process), of config parsing and of the calls
+# another daemon of the cluster makes (in process).
 ./scripts/fuzz.sh request 20
 ./scripts/fuzz.sh config_parse 15
+./scripts/fuzz.sh peer 15
 ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
 # ASan + UBSan over the unit tests of common, the wire encoding, the codec and kernels, and the
 # daemon (block store, tier service, config, placement, ...), built in build-asan/ (Debug; its

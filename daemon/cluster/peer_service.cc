@@ -6,9 +6,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
-#include "common/log.h"
 #include "common/credentials.h"
+#include "common/log.h"
 #include "common/status_macros.h"
+#include "kernels/codec.h"
 
 namespace proxima::daemon::cluster {
 namespace {
@@ -21,6 +22,26 @@ constexpr uint64_t kPerBlockOverhead = 64;
 // without is held to a minute.
 absl::Time CallDeadline(const grpc::ServerContext& context) {
   return std::min(absl::FromChrono(context.deadline()), absl::Now() + absl::Minutes(1));
+}
+
+// An encoded block a peer spills here must be a whole STAR-KV container (header, segment table
+// and both CRC32Cs check out) of a block of `block_bytes` raw bytes, or this node would keep a
+// block that no reader can decode. Raw blocks (level 0) pass.
+absl::Status CheckSpilledContainer(int i, uint32_t level, std::span<const std::byte> bytes,
+                                   uint64_t block_bytes) {
+  if (level == 0) return absl::OkStatus();
+  absl::StatusOr<codec::BlockHeaderInfo> info = codec::InspectBlock(bytes);
+  if (!info.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "StoreBlocks data[", i, "] is at level ", level, " but is not a valid STAR-KV block (",
+        info.status().message(), "); nothing was stored"));
+  }
+  if (info->raw_bytes != block_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("StoreBlocks data[", i, "] decodes to ", info->raw_bytes,
+                     " bytes; expected block_bytes = ", block_bytes, "; nothing was stored"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -186,6 +207,18 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                                                    request.block_bytes(), "; expected 1 to ",
                                                    max_message_bytes_));
   }
+  // Peers name profiles by id, a hash of the profile's fields; when the profile is registered
+  // here its block size is known, and a peer that states another one (a bug, another version
+  // computing sizes differently) would have this node serve blocks of the wrong size.
+  if (absl::StatusOr<uint64_t> registered = core_->RegisteredBlockBytes(
+          ids.empty() ? 0 : ids[0].namespace_index, request.blocks().profile_id());
+      !ids.empty() && registered.ok() && *registered != request.block_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("StoreBlocks block_bytes is ", request.block_bytes(), " but profile ",
+                     absl::Hex(request.blocks().profile_id(), absl::kZeroPad16), " of namespace '",
+                     request.blocks().namespace_name(), "' is registered here with ", *registered,
+                     "-byte blocks; nothing was stored"));
+  }
   const bool by_ucx = !request.ucx_worker_address().empty();
   if (by_ucx && ucx_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -218,14 +251,16 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
           absl::StrCat("StoreBlocks data[", i, "] carries bytes in a request over UCX"));
     }
     if (!by_ucx) {
-      const uint32_t crc =
-          Crc32c(std::as_bytes(std::span<const char>(b.data().data(), b.data().size())));
+      const std::span<const std::byte> bytes =
+          std::as_bytes(std::span<const char>(b.data().data(), b.data().size()));
+      const uint32_t crc = Crc32c(bytes);
       if (crc != b.crc32c()) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "StoreBlocks data[%d].crc32c is 0x%08x but its bytes have CRC32C 0x%08x; nothing "
             "was stored",
             i, b.crc32c(), crc));
       }
+      PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(i, b.level(), bytes, request.block_bytes()));
     }
   }
   // Which blocks to keep, in room this node has to spare (never evicting for them), and their
@@ -270,6 +305,9 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
             "0x%08x; nothing was stored",
             keep[j], want, got));
       }
+      PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(static_cast<int>(keep[j]),
+                                                    request.data(static_cast<int>(keep[j])).level(),
+                                                    pulls[j].local, request.block_bytes()));
     }
   }
   std::vector<BlockKey> kept;

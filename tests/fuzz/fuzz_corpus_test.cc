@@ -1,4 +1,4 @@
-// Replays the checked-in corpora of the request and config_parse fuzz targets through their
+// Replays the checked-in corpora of the request, peer and config_parse fuzz targets through their
 // bodies in the normal build, so every input the fuzzers kept stays a clean success-or-error
 // case (with isolation and round-trip checks) in builds that never run libFuzzer.
 #include <filesystem>
@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/fuzz/config_parse_fuzz_body.h"
+#include "tests/fuzz/peer_fuzz_body.h"
 #include "tests/fuzz/request_fuzz_body.h"
 
 namespace proxima::daemon {
@@ -36,6 +37,12 @@ TEST(FuzzCorpusTest, EveryRequestInputIsHandledOrRefusedCleanly) {
   auto [files, ok] = Replay("request", fuzz::RunRequestInput);
   EXPECT_GE(files, 48);
   EXPECT_GE(ok, 16);  // at least the seeds that are valid for their caller
+}
+
+TEST(FuzzCorpusTest, EveryPeerInputIsHandledOrRefusedCleanly) {
+  auto [files, ok] = Replay("peer", fuzz::RunPeerInput);
+  EXPECT_GE(files, 33);  // the seeds (make_request_seeds)
+  EXPECT_GE(ok, 12);     // at least the seeds that are valid
 }
 
 TEST(FuzzCorpusTest, EveryConfigInputParsesOrFailsCleanly) {

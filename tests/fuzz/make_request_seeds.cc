@@ -1,14 +1,20 @@
-// Writes the seed corpus of the request fuzz target: valid requests of every method, for every
-// caller of the harness (tests/fuzz/request_fuzz_body.h), in each namespace. Rerun when the API
-// changes:
+// Writes the seed corpora of the request and peer fuzz targets: valid requests of every method,
+// for every caller of the request harness (tests/fuzz/request_fuzz_body.h), in each namespace;
+// and the calls another daemon makes (tests/fuzz/peer_fuzz_body.h), valid ones and the refusals
+// a buggy peer meets. Rerun when the API changes:
 //   ninja -C build make_request_seeds && build/tests/fuzz/make_request_seeds
-//   tests/fuzz/corpus/request
+//   tests/fuzz/corpus/request tests/fuzz/corpus/peer
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <span>
 #include <string>
 
+#include "common/crc32c.h"
 #include "daemon/tier_service.h"
+#include "kernels/codec.h"
 #include "proxima/v1/kvtier.pb.h"
+#include "proxima/v1/peer.pb.h"
 
 namespace {
 
@@ -33,11 +39,94 @@ void Write(int method, int caller, const google::protobuf::Message& m) {
   f << m.SerializeAsString();
 }
 
+// Peer seeds: one method byte (tests/fuzz/peer_fuzz_body.h's PeerMethod), then the message.
+void WritePeer(const std::string& peer_dir, int method, const google::protobuf::Message& m) {
+  std::ofstream f(peer_dir + "/seed_" + std::to_string(n++), std::ios::binary);
+  f.put(static_cast<char>(method));
+  f << m.SerializeAsString();
+}
+
+proxima::v1::SpilledBlock Spilled(const std::string& data, uint32_t level) {
+  proxima::v1::SpilledBlock b;
+  b.set_data(data);
+  b.set_level(level);
+  b.set_crc32c(proxima::Crc32c(std::as_bytes(std::span<const char>(data.data(), data.size()))));
+  return b;
+}
+
+void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
+  enum { kRecord, kLookup, kFetch, kStore, kDelete };
+  const proxima::v1::ModelProfile profile = SmallProfile();
+  const proxima::codec::BlockGeometry geometry{profile.num_layers(), profile.num_kv_heads(),
+                                               profile.head_dim(), profile.tokens_per_block(),
+                                               proxima::codec::DType::kBf16};
+  std::string raw(512, '\0');
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<char>((i * 7) % 61);
+  std::string encoded;
+  if (!proxima::codec::EncodeBlock(geometry, *proxima::codec::ParseCodecPlan("int8"), false,
+                                   std::as_bytes(std::span<const char>(raw.data(), raw.size())), {},
+                                   &encoded)
+           .ok()) {
+    std::abort();
+  }
+  for (const std::string ns : {"open", "other", "missing"}) {
+    auto set = [&](proxima::v1::PeerBlockSet* s, std::initializer_list<char> keys) {
+      s->set_namespace_name(ns);
+      s->set_profile_id(id);
+      for (char k : keys) s->add_keys(std::string(32, k));
+    };
+    proxima::v1::StoreBlocksRequest store;  // two raw blocks and an int8 one
+    set(store.mutable_blocks(), {'a', 'b', 'e'});
+    store.set_block_bytes(512);
+    *store.add_data() = Spilled(raw, 0);
+    *store.add_data() = Spilled(std::string(512, 'b'), 0);
+    *store.add_data() = Spilled(encoded, 1);
+    WritePeer(peer_dir, kStore, store);
+    proxima::v1::StoreBlocksRequest wrong_size;  // block_bytes other than the registered one
+    set(wrong_size.mutable_blocks(), {'c'});
+    wrong_size.set_block_bytes(1024);
+    *wrong_size.add_data() = Spilled(std::string(1024, 'c'), 0);
+    WritePeer(peer_dir, kStore, wrong_size);
+    proxima::v1::StoreBlocksRequest not_a_block;  // level 2 but not a container
+    set(not_a_block.mutable_blocks(), {'d'});
+    not_a_block.set_block_bytes(512);
+    *not_a_block.add_data() = Spilled(std::string(300, 'd'), 2);
+    WritePeer(peer_dir, kStore, not_a_block);
+    proxima::v1::StoreBlocksRequest bad_crc = store;
+    bad_crc.mutable_data(1)->set_crc32c(bad_crc.data(1).crc32c() ^ 1);
+    WritePeer(peer_dir, kStore, bad_crc);
+    proxima::v1::StoreBlocksRequest over_ucx;  // this daemon takes no blocks over UCX
+    set(over_ucx.mutable_blocks(), {'f'});
+    over_ucx.set_block_bytes(512);
+    over_ucx.set_ucx_worker_address("worker");
+    over_ucx.add_data()->set_size(512);
+    WritePeer(peer_dir, kStore, over_ucx);
+    proxima::v1::RecordLocationsRequest record;
+    set(record.mutable_blocks(), {'a', 'x'});
+    record.set_holder("peer-2:7070");
+    WritePeer(peer_dir, kRecord, record);
+    record.set_forget(true);
+    WritePeer(peer_dir, kRecord, record);
+    proxima::v1::LookupLocationsRequest lookup;
+    set(lookup.mutable_blocks(), {'a', 'x', 'z'});
+    WritePeer(peer_dir, kLookup, lookup);
+    proxima::v1::FetchBlocksRequest fetch;
+    set(fetch.mutable_blocks(), {'a', 'e', 'z'});
+    WritePeer(peer_dir, kFetch, fetch);
+    fetch.set_ucx_worker_address("worker");
+    fetch.set_ucx_slot_bytes(512);
+    WritePeer(peer_dir, kFetch, fetch);
+    proxima::v1::DeleteBlocksRequest del;
+    set(del.mutable_blocks(), {'b'});
+    WritePeer(peer_dir, kDelete, del);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s OUT_DIR\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s REQUEST_OUT_DIR [PEER_OUT_DIR]\n", argv[0]);
     return 2;
   }
   dir = argv[1];
@@ -84,6 +173,7 @@ int main(int argc, char** argv) {
     Write(0, caller, proxima::v1::GetServerInfoRequest());
     Write(6, caller, proxima::v1::StatsRequest());
   }
+  if (argc == 3) WritePeerSeeds(argv[2], id);
   std::printf("wrote %d seeds\n", n);
   return 0;
 }

@@ -1,0 +1,169 @@
+// PeerService::ServeStore against blocks a buggy or other-version peer spills here: what it
+// keeps, what it refuses, and that a refused request stores nothing. (The whole peer protocol
+// between real daemons: tests/integration/cluster_test.cc; hostile peer calls of every method:
+// the `peer` fuzz target, tests/fuzz/peer_fuzz_body.h.)
+#include "daemon/cluster/peer_service.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "common/crc32c.h"
+#include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/codec.h"
+
+namespace proxima::daemon::cluster {
+namespace {
+
+using ::testing::HasSubstr;
+
+// What the service tells the keys' homes: counted.
+class CountingRemote final : public RemoteBlocks {
+ public:
+  void Stored(const RemoteBlockSet& blocks) override { stored += blocks.keys.size(); }
+  void Removed(const RemoteBlockSet& blocks) override { removed += blocks.keys.size(); }
+  size_t LookupChain(const RemoteBlockSet&) override { return 0; }
+  std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override {
+    return std::vector<std::optional<RemoteBlock>>(blocks.keys.size());
+  }
+  std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override {
+    return std::vector<bool>(blocks.keys.size(), false);
+  }
+  size_t stored = 0;
+  size_t removed = 0;
+};
+
+v1::ModelProfile Profile() {  // 512-byte blocks
+  v1::ModelProfile p;
+  p.set_num_layers(2);
+  p.set_num_kv_heads(2);
+  p.set_head_dim(8);
+  p.set_tokens_per_block(4);
+  p.set_dtype(v1::DTYPE_BF16);
+  p.set_fingerprint("peer-test");
+  return p;
+}
+
+v1::SpilledBlock Spilled(const std::string& data, uint32_t level) {
+  v1::SpilledBlock b;
+  b.set_data(data);
+  b.set_level(level);
+  b.set_crc32c(Crc32c(std::as_bytes(std::span<const char>(data.data(), data.size()))));
+  return b;
+}
+
+class PeerServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonConfig config;
+    config.host_tier.capacity_bytes = 1 << 20;
+    config.namespaces = {{"open"}};
+    ASSERT_OK_AND_ASSIGN(core_, TierService::Create(config, &registry_));
+    v1::RegisterProfileRequest reg;
+    reg.set_namespace_name("open");
+    *reg.mutable_profile() = Profile();
+    v1::RegisterProfileResponse resp;
+    ASSERT_OK(core_->RegisterProfile(Caller::Anonymous(), reg, &resp));
+    profile_id_ = resp.profile_id();
+    service_ =
+        std::make_unique<PeerService>(core_.get(), &records_, &remote_, nullptr, "self:1", "token",
+                                      config.server.max_message_bytes, 0.75, &registry_);
+    raw_.resize(512);
+    for (size_t i = 0; i < raw_.size(); ++i) raw_[i] = static_cast<char>((i * 13) % 97);
+  }
+
+  v1::StoreBlocksRequest Request(std::initializer_list<char> keys, uint64_t block_bytes,
+                                 uint64_t profile_id = 0) {
+    v1::StoreBlocksRequest r;
+    r.mutable_blocks()->set_namespace_name("open");
+    r.mutable_blocks()->set_profile_id(profile_id != 0 ? profile_id : profile_id_);
+    for (char k : keys) r.mutable_blocks()->add_keys(std::string(kKeyBytes, k));
+    r.set_block_bytes(block_bytes);
+    return r;
+  }
+
+  std::string Int8Block() {
+    std::string encoded;
+    const codec::BlockGeometry g{2, 2, 8, 4, codec::DType::kBf16};
+    EXPECT_OK(codec::EncodeBlock(g, *codec::ParseCodecPlan("int8"), false,
+                                 std::as_bytes(std::span<const char>(raw_.data(), raw_.size())), {},
+                                 &encoded));
+    return encoded;
+  }
+
+  std::optional<BlockStore::ReadBlock> Read(char key, uint64_t profile_id = 0) {
+    BlockId id{0, profile_id != 0 ? profile_id : profile_id_, {}, 0};
+    std::memset(id.key.data(), key, kKeyBytes);
+    return core_->store().Read(id);
+  }
+
+  metrics::Registry registry_;
+  std::unique_ptr<TierService> core_;
+  uint64_t profile_id_ = 0;
+  LocationTable records_{64};
+  CountingRemote remote_;
+  std::unique_ptr<PeerService> service_;
+  std::string raw_;
+};
+
+TEST_F(PeerServiceTest, KeepsRawAndEncodedBlocksAndTellsTheirHomes) {
+  v1::StoreBlocksRequest r = Request({'a', 'e'}, 512);
+  *r.add_data() = Spilled(raw_, 0);
+  *r.add_data() = Spilled(Int8Block(), 1);
+  v1::StoreBlocksResponse resp;
+  ASSERT_OK(service_->ServeStore(r, &resp));
+  EXPECT_THAT(resp.stored(), ::testing::ElementsAre(true, true));
+  std::optional<BlockStore::ReadBlock> a = Read('a'), e = Read('e');
+  ASSERT_TRUE(a && e);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(a->bytes.data()), a->bytes.size()), raw_);
+  EXPECT_EQ(a->level, 0);
+  EXPECT_EQ(e->level, 1);
+  EXPECT_EQ(remote_.stored, 2u);
+}
+
+TEST_F(PeerServiceTest, ABlockSizeOtherThanTheRegisteredProfilesIsRefusedAndNothingStored) {
+  v1::StoreBlocksRequest r = Request({'a', 'b'}, 1024);
+  *r.add_data() = Spilled(raw_ + raw_, 0);
+  *r.add_data() = Spilled(std::string(1024, 'b'), 0);
+  v1::StoreBlocksResponse resp;
+  const absl::Status s = service_->ServeStore(r, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("block_bytes is 1024"));
+  EXPECT_THAT(s.message(), HasSubstr("registered here with 512-byte blocks"));
+  EXPECT_EQ(core_->store().blocks(), 0u);
+  EXPECT_EQ(remote_.stored, 0u);
+}
+
+TEST_F(PeerServiceTest, AnEncodedBlockThatIsNotAContainerIsRefusedWithTheWholeRequest) {
+  v1::StoreBlocksRequest r = Request({'a', 'd'}, 512);
+  *r.add_data() = Spilled(raw_, 0);                   // fine
+  *r.add_data() = Spilled(std::string(300, 'd'), 2);  // CRC right, not a STAR-KV block
+  v1::StoreBlocksResponse resp;
+  const absl::Status s = service_->ServeStore(r, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("data[1] is at level 2 but is not a valid STAR-KV block"));
+  EXPECT_FALSE(Read('a'));
+  EXPECT_EQ(core_->store().blocks(), 0u);
+}
+
+TEST_F(PeerServiceTest, AContainerOfAnotherBlockSizeIsRefused) {
+  // A profile not registered here: its stated size is all there is to check against.
+  const uint64_t unknown = profile_id_ ^ 1;
+  v1::StoreBlocksRequest r = Request({'e'}, 1024, unknown);
+  *r.add_data() = Spilled(Int8Block(), 1);  // a 512-byte block's container
+  v1::StoreBlocksResponse resp;
+  const absl::Status s = service_->ServeStore(r, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("decodes to 512 bytes; expected block_bytes = 1024"));
+  EXPECT_FALSE(Read('e', unknown));
+
+  // The same container under its own size is kept, also for a profile not registered here.
+  r.set_block_bytes(512);
+  ASSERT_OK(service_->ServeStore(r, &resp));
+  EXPECT_TRUE(Read('e', unknown));
+}
+
+}  // namespace
+}  // namespace proxima::daemon::cluster

@@ -1,0 +1,213 @@
+// The body of the peer fuzz target, shared by the libFuzzer harness and by the unit test that
+// replays the checked-in corpus (tests/fuzz/corpus/peer) in ordinary builds.
+//
+// Input: one byte choosing the proxima.v1.Peer method, then the request message in proto3 wire
+// format, as another daemon of the cluster would send it (a buggy, hostile or other-version
+// peer). It is handled in process by this daemon's PeerService bodies (ServeRecord, ServeLookup,
+// ServeFetch, ServeStore, ServeDelete; the transport and the peer token aside), against one
+// TierService that lives across inputs and so accumulates blocks and location records. The
+// cluster behind the service (the homes that Stored/Removed would tell) is a recorder: it has
+// no peers to call. Checked besides "no crash, no hang, no sanitizer report":
+//  - every error carries a message;
+//  - a StoreBlocks that fails stores nothing; after one that succeeds every block it reports
+//    kept is readable and passes its CRC32C, raw blocks of a profile registered here have that
+//    profile's size, and encoded ones are whole STAR-KV containers;
+//  - the answers have one entry per key, and a fetched block is found only with its bytes.
+// Thread-compatible (one fuzzing thread).
+#ifndef PROXIMA_TESTS_FUZZ_PEER_FUZZ_BODY_H_
+#define PROXIMA_TESTS_FUZZ_PEER_FUZZ_BODY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "common/crc32c.h"
+#include "daemon/cluster/location_table.h"
+#include "daemon/cluster/peer_service.h"
+#include "daemon/cluster/remote_blocks.h"
+#include "daemon/tier_service.h"
+#include "kernels/codec.h"
+
+namespace proxima::daemon::fuzz {
+
+enum PeerMethod : uint8_t {
+  kPeerRecord,
+  kPeerLookup,
+  kPeerFetch,
+  kPeerStore,
+  kPeerDelete,
+  kPeerMethods
+};
+
+// The profile every seed names (registered in both namespaces at start): 512-byte blocks.
+inline constexpr uint64_t kPeerFuzzBlockBytes = 512;
+inline v1::ModelProfile PeerFuzzProfile() {
+  v1::ModelProfile p;
+  p.set_num_layers(2);
+  p.set_num_kv_heads(2);
+  p.set_head_dim(8);
+  p.set_tokens_per_block(4);
+  p.set_dtype(v1::DTYPE_BF16);
+  p.set_fingerprint("fuzz-model");
+  return p;
+}
+
+// What the service tells the rest of the cluster: counted, nothing sent.
+class RecordingRemote final : public RemoteBlocks {
+ public:
+  void Stored(const RemoteBlockSet& blocks) override { stored += blocks.keys.size(); }
+  void Removed(const RemoteBlockSet& blocks) override { removed += blocks.keys.size(); }
+  size_t LookupChain(const RemoteBlockSet&) override { return 0; }
+  std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override {
+    return std::vector<std::optional<RemoteBlock>>(blocks.keys.size());
+  }
+  std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override {
+    return std::vector<bool>(blocks.keys.size(), false);
+  }
+  uint64_t stored = 0;
+  uint64_t removed = 0;
+};
+
+struct PeerFuzzState {
+  std::unique_ptr<TierService> core;
+  std::unique_ptr<cluster::LocationTable> records;
+  RecordingRemote remote;
+  std::unique_ptr<cluster::PeerService> service;
+};
+
+inline PeerFuzzState& PeerFuzz() {
+  static PeerFuzzState* state = [] {
+    auto* s = new PeerFuzzState;
+    DaemonConfig config;
+    config.host_tier.capacity_bytes = 1 << 20;
+    config.server.max_message_bytes = 1 << 20;
+    config.server.max_batch_blocks = 8;
+    config.server.max_lookup_keys = 64;
+    config.namespaces = {{"open"}, {"other"}};
+    static metrics::Registry registry;
+    absl::StatusOr<std::unique_ptr<TierService>> core = TierService::Create(config, &registry);
+    if (!core.ok()) std::abort();
+    s->core = *std::move(core);
+    for (const char* ns : {"open", "other"}) {
+      v1::RegisterProfileRequest reg;
+      reg.set_namespace_name(ns);
+      *reg.mutable_profile() = PeerFuzzProfile();
+      v1::RegisterProfileResponse resp;
+      if (!s->core->RegisterProfile(Caller::Anonymous(), reg, &resp).ok()) std::abort();
+    }
+    s->records = std::make_unique<cluster::LocationTable>(256);
+    s->service = std::make_unique<cluster::PeerService>(
+        s->core.get(), s->records.get(), &s->remote, /*ucx=*/nullptr, "self:1", "peer-token",
+        config.server.max_message_bytes, /*accept_below=*/0.75, &registry);
+    return s;
+  }();
+  return *state;
+}
+
+// Handles one input; returns true when the call succeeded.
+inline bool RunPeerInput(const uint8_t* data, size_t size) {
+  if (size < 1) return false;
+  const auto method = static_cast<PeerMethod>(data[0] % kPeerMethods);
+  const std::string raw(reinterpret_cast<const char*>(data + 1), size - 1);
+  PeerFuzzState& s = PeerFuzz();
+  cluster::PeerService& service = *s.service;
+  absl::Status status;
+  size_t keys = 0;  // keys the request names, for the one-entry-per-key checks
+  switch (method) {
+    case kPeerRecord: {
+      v1::RecordLocationsRequest req;
+      v1::RecordLocationsResponse resp;
+      if (!req.ParseFromString(raw)) return false;
+      status = service.ServeRecord(req, &resp);
+      break;
+    }
+    case kPeerLookup: {
+      v1::LookupLocationsRequest req;
+      v1::LookupLocationsResponse resp;
+      if (!req.ParseFromString(raw)) return false;
+      status = service.ServeLookup(req, &resp);
+      keys = static_cast<size_t>(req.blocks().keys_size());
+      if (status.ok() && static_cast<size_t>(resp.holders_size()) != keys) std::abort();
+      break;
+    }
+    case kPeerFetch: {
+      v1::FetchBlocksRequest req;
+      v1::FetchBlocksResponse resp;
+      if (!req.ParseFromString(raw)) return false;
+      status = service.ServeFetch(req, &resp);
+      keys = static_cast<size_t>(req.blocks().keys_size());
+      if (status.ok()) {
+        if (static_cast<size_t>(resp.blocks_size()) != keys || resp.ucx_written()) std::abort();
+        for (const v1::FetchedBlock& b : resp.blocks()) {
+          // Found inline: the stored bytes and their CRC32C (no UCX without a UCX worker).
+          if (b.found() && Crc32c(std::as_bytes(std::span<const char>(
+                               b.data().data(), b.data().size()))) != b.crc32c()) {
+            std::abort();
+          }
+        }
+      }
+      break;
+    }
+    case kPeerStore: {
+      v1::StoreBlocksRequest req;
+      v1::StoreBlocksResponse resp;
+      if (!req.ParseFromString(raw)) return false;
+      BlockStore& store = s.core->store();
+      const uint64_t blocks_before = store.blocks();
+      const uint64_t bytes_before = store.used_bytes();
+      status = service.ServeStore(req, &resp);
+      keys = static_cast<size_t>(req.blocks().keys_size());
+      if (!status.ok()) {
+        // A refused request stores nothing (ServeStore never evicts; nothing else runs).
+        if (store.blocks() != blocks_before || store.used_bytes() != bytes_before) std::abort();
+        break;
+      }
+      if (static_cast<size_t>(resp.stored_size()) != keys) std::abort();
+      absl::StatusOr<uint32_t> ns = s.core->NamespaceIndex(req.blocks().namespace_name());
+      if (!ns.ok()) std::abort();  // succeeded for a namespace this daemon does not have
+      for (size_t i = 0; i < keys; ++i) {
+        if (!resp.stored(static_cast<int>(i))) continue;
+        BlockId id{*ns, req.blocks().profile_id(), {}, req.blocks().partition()};
+        std::memcpy(id.key.data(), req.blocks().keys(static_cast<int>(i)).data(), kKeyBytes);
+        // Kept (or already held): readable, with bytes that pass their CRC32C.
+        std::optional<BlockStore::ReadBlock> b = store.Read(id, BlockStore::CrcCheck::kHere);
+        if (!b) std::abort();
+        // A raw block of the registered profile is exactly its size, whatever block_bytes a
+        // peer stated (other profiles are unknown here: their blocks are as stated).
+        if (b->level == 0 && id.profile_id == ProfileId(PeerFuzzProfile()) &&
+            b->bytes.size() != kPeerFuzzBlockBytes) {
+          std::abort();
+        }
+        // An encoded one is a whole container of a block of the size the request stated.
+        if (b->level > 0) {
+          absl::StatusOr<codec::BlockHeaderInfo> info = codec::InspectBlock(b->bytes);
+          if (!info.ok() || info->raw_bytes == 0) std::abort();
+        }
+      }
+      break;
+    }
+    case kPeerDelete: {
+      v1::DeleteBlocksRequest req;
+      v1::DeleteBlocksResponse resp;
+      if (!req.ParseFromString(raw)) return false;
+      status = service.ServeDelete(req, &resp);
+      keys = static_cast<size_t>(req.blocks().keys_size());
+      if (status.ok() && static_cast<size_t>(resp.deleted_size()) != keys) std::abort();
+      break;
+    }
+    case kPeerMethods:
+      std::abort();
+  }
+  if (!status.ok()) {
+    if (status.message().empty()) std::abort();
+    return false;
+  }
+  return true;
+}
+
+}  // namespace proxima::daemon::fuzz
+
+#endif  // PROXIMA_TESTS_FUZZ_PEER_FUZZ_BODY_H_
