@@ -48,7 +48,8 @@ ABSL_FLAG(int64_t, bytes_per_client, 64ll << 20, "bytes each client stores per s
 ABSL_FLAG(int, batch, 4, "blocks per call (Redis: commands per pipeline)");
 ABSL_FLAG(int, rounds, 2, "times each client reads its whole set back");
 ABSL_FLAG(int, repeats, 1, "measurements of each system (median reported)");
-ABSL_FLAG(int, latency_gets, 200, "single 2 MiB gets timed for the latency percentiles");
+ABSL_FLAG(int, latency_gets, 200,
+          "single 2 MiB gets timed for the latency percentiles (0: no latency lines)");
 ABSL_FLAG(std::string, proximad, PROXIMAD_PATH, "proximad binary");
 ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "redis-server binary");
 ABSL_FLAG(std::string, ucx_perftest, "/usr/bin/ucx_perftest", "ucx_perftest binary");
@@ -259,9 +260,13 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // --latency_gets=0 skips the latency lines.
     auto [ip50, ip99] =
-        GetLatency(target, Transport::kInline, false, proxima::client::HostStaging::kAuto);
+        absl::GetFlag(FLAGS_latency_gets) > 0
+            ? GetLatency(target, Transport::kInline, false, proxima::client::HostStaging::kAuto)
+            : std::pair<double, double>{-1, -1};
     for (const std::string& kind : buffer_kinds) {
+      if (absl::GetFlag(FLAGS_latency_gets) <= 0) break;
       auto [p50, p99] = GetLatency(target, Transport::kUcx, kind == "ucx", StagingOf(kind));
       std::printf(
           "{\"bench\":\"transfer\",\"metric\":\"get_latency_2mib\",\"transport\":\"%s\","

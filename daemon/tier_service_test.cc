@@ -5,6 +5,7 @@
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
+#include "common/testing/tiny_profile.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
@@ -17,16 +18,7 @@ using ::proxima::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-v1::ModelProfile SmallProfile() {
-  v1::ModelProfile p;
-  p.set_num_layers(2);
-  p.set_num_kv_heads(2);
-  p.set_head_dim(8);
-  p.set_tokens_per_block(4);
-  p.set_dtype(v1::DTYPE_BF16);
-  p.set_fingerprint("test-model tp=1/0");
-  return p;
-}
+v1::ModelProfile SmallProfile() { return proxima::testing::TinyProfile("test-model tp=1/0"); }
 
 class TierServiceTest : public ::testing::Test {
  protected:

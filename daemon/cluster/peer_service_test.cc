@@ -10,6 +10,8 @@
 
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
+#include "common/testing/tiny_profile.h"
+#include "daemon/cluster/counting_remote.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
@@ -19,32 +21,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// What the service tells the keys' homes: counted.
-class CountingRemote final : public RemoteBlocks {
- public:
-  void Stored(const RemoteBlockSet& blocks) override { stored += blocks.keys.size(); }
-  void Removed(const RemoteBlockSet& blocks) override { removed += blocks.keys.size(); }
-  size_t LookupChain(const RemoteBlockSet&) override { return 0; }
-  std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override {
-    return std::vector<std::optional<RemoteBlock>>(blocks.keys.size());
-  }
-  std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override {
-    return std::vector<bool>(blocks.keys.size(), false);
-  }
-  size_t stored = 0;
-  size_t removed = 0;
-};
-
-v1::ModelProfile Profile() {  // 512-byte blocks
-  v1::ModelProfile p;
-  p.set_num_layers(2);
-  p.set_num_kv_heads(2);
-  p.set_head_dim(8);
-  p.set_tokens_per_block(4);
-  p.set_dtype(v1::DTYPE_BF16);
-  p.set_fingerprint("peer-test");
-  return p;
-}
+v1::ModelProfile Profile() { return proxima::testing::TinyProfile("peer-test"); }
 
 v1::SpilledBlock Spilled(const std::string& data, uint32_t level) {
   v1::SpilledBlock b;

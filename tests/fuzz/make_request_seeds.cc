@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/crc32c.h"
+#include "common/testing/tiny_profile.h"
 #include "daemon/tier_service.h"
 #include "kernels/codec.h"
 #include "proxima/v1/kvtier.pb.h"
@@ -18,16 +19,7 @@
 
 namespace {
 
-proxima::v1::ModelProfile SmallProfile() {  // 512-byte blocks: 2 x 4 x 2 x 8 x bf16 x (K, V)
-  proxima::v1::ModelProfile p;
-  p.set_num_layers(2);
-  p.set_num_kv_heads(2);
-  p.set_head_dim(8);
-  p.set_tokens_per_block(4);
-  p.set_dtype(proxima::v1::DTYPE_BF16);
-  p.set_fingerprint("fuzz-model");
-  return p;
-}
+proxima::v1::ModelProfile SmallProfile() { return proxima::testing::TinyProfile("fuzz-model"); }
 
 int n = 0;
 std::string dir;

@@ -6,8 +6,8 @@
 // peer). It is handled in process by this daemon's PeerService bodies (ServeRecord, ServeLookup,
 // ServeFetch, ServeStore, ServeDelete; the transport and the peer token aside), against one
 // TierService that lives across inputs and so accumulates blocks and location records. The
-// cluster behind the service (the homes that Stored/Removed would tell) is a recorder: it has
-// no peers to call. Checked besides "no crash, no hang, no sanitizer report":
+// cluster behind the service (the homes that Stored/Removed would tell) is a CountingRemote:
+// it has no peers to call. Checked besides "no crash, no hang, no sanitizer report":
 //  - every error carries a message;
 //  - a StoreBlocks that fails stores nothing; after one that succeeds every block it reports
 //    kept is readable and passes its CRC32C, raw blocks of a profile registered here have that
@@ -25,9 +25,10 @@
 #include <string>
 
 #include "common/crc32c.h"
+#include "common/testing/tiny_profile.h"
+#include "daemon/cluster/counting_remote.h"
 #include "daemon/cluster/location_table.h"
 #include "daemon/cluster/peer_service.h"
-#include "daemon/cluster/remote_blocks.h"
 #include "daemon/tier_service.h"
 #include "kernels/codec.h"
 
@@ -43,38 +44,13 @@ enum PeerMethod : uint8_t {
 };
 
 // The profile every seed names (registered in both namespaces at start): 512-byte blocks.
-inline constexpr uint64_t kPeerFuzzBlockBytes = 512;
-inline v1::ModelProfile PeerFuzzProfile() {
-  v1::ModelProfile p;
-  p.set_num_layers(2);
-  p.set_num_kv_heads(2);
-  p.set_head_dim(8);
-  p.set_tokens_per_block(4);
-  p.set_dtype(v1::DTYPE_BF16);
-  p.set_fingerprint("fuzz-model");
-  return p;
-}
-
-// What the service tells the rest of the cluster: counted, nothing sent.
-class RecordingRemote final : public RemoteBlocks {
- public:
-  void Stored(const RemoteBlockSet& blocks) override { stored += blocks.keys.size(); }
-  void Removed(const RemoteBlockSet& blocks) override { removed += blocks.keys.size(); }
-  size_t LookupChain(const RemoteBlockSet&) override { return 0; }
-  std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override {
-    return std::vector<std::optional<RemoteBlock>>(blocks.keys.size());
-  }
-  std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override {
-    return std::vector<bool>(blocks.keys.size(), false);
-  }
-  uint64_t stored = 0;
-  uint64_t removed = 0;
-};
+inline constexpr uint64_t kPeerFuzzBlockBytes = proxima::testing::kTinyBlockBytes;
+inline v1::ModelProfile PeerFuzzProfile() { return proxima::testing::TinyProfile("fuzz-model"); }
 
 struct PeerFuzzState {
   std::unique_ptr<TierService> core;
   std::unique_ptr<cluster::LocationTable> records;
-  RecordingRemote remote;
+  cluster::CountingRemote remote;
   std::unique_ptr<cluster::PeerService> service;
 };
 
