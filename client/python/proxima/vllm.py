@@ -55,9 +55,13 @@ ROLES = ("kv", "block", "token", "head", "dim")
 KNOWN_LAYOUTS = (
     ("kv", "block", "token", "head", "dim"),  # FlashAttention, Triton (NHD)
     ("block", "kv", "token", "head", "dim"),  # FlashInfer (NHD), blocks outermost
-    ("kv", "block", "head", "token", "dim"),  # HND, CPU attention
+    ("kv", "block", "head", "token", "dim"),  # HND
     ("block", "kv", "head", "token", "dim"),  # FlashInfer (HND)
 )
+# vLLM's CPU attention (CPU_ATTN) allocates [block][head][token][2 * dim] and reads it as
+# [block][head][2 * token][dim], K in the first block_size rows and V in the rest: in memory,
+# this order.
+CPU_ATTN_LAYOUT = ("block", "head", "kv", "token", "dim")
 STAGING_BLOCKS = 32  # blocks per put/get call through the staging buffer
 
 
@@ -104,13 +108,21 @@ def logical_view(t: torch.Tensor, block_size: int, num_heads: int, head_dim: int
                  hint: Optional[str] = None) -> torch.Tensor:
     """`t` viewed as [kv][block][token][head][dim] (a permutation: same memory, its strides).
 
-    The order of t's dimensions is found by matching its shape against KNOWN_LAYOUTS; when more
-    than one fits (equal sizes), `hint` ("NHD": token before head, "HND": head before token)
-    decides, and a layout still ambiguous is an error naming the shape.
+    The order of t's dimensions is found by matching its shape against KNOWN_LAYOUTS (5-D caches)
+    or CPU_ATTN_LAYOUT (the 4-D cache of vLLM's CPU attention); when more than one fits (equal
+    sizes), `hint` ("NHD": token before head, "HND": head before token) decides, and a layout
+    still ambiguous is an error naming the shape.
     """
     fits = []
+    if t.dim() == 4 and tuple(t.shape[1:]) == (num_heads, block_size, 2 * head_dim):
+        if t.stride(3) != 1 or t.stride(2) != 2 * head_dim:
+            raise ValueError(
+                f"proxima.vllm: KV tensor of shape {tuple(t.shape)} (CPU attention's layout) "
+                f"with strides {t.stride()}: expected its last two dimensions contiguous")
+        t = t.view(t.shape[0], num_heads, 2, block_size, head_dim)
+        fits.append(CPU_ATTN_LAYOUT)
     for layout in KNOWN_LAYOUTS:
-        if t.dim() != 5:
+        if t.dim() != 5 or fits:
             break
         num_blocks = t.shape[layout.index("block")]
         sizes = {"kv": 2, "block": num_blocks, "token": block_size, "head": num_heads,
@@ -124,7 +136,8 @@ def logical_view(t: torch.Tensor, block_size: int, num_heads: int, head_dim: int
     if len({tuple(f.index(r) for r in ROLES) for f in fits}) != 1:
         raise ValueError(
             f"proxima.vllm: KV tensor of shape {tuple(t.shape)}: expected one of the layouts "
-            f"{[','.join(l) for l in KNOWN_LAYOUTS]} with block_size={block_size}, "
+            f"{[','.join(l) for l in KNOWN_LAYOUTS]} (or CPU attention's block,head,token,2*dim) "
+            f"with block_size={block_size}, "
             f"num_kv_heads={num_heads}, head_dim={head_dim}; matched {len(fits)} (MLA caches "
             "are not supported)")
     return t.permute(*[fits[0].index(r) for r in ROLES])

@@ -63,21 +63,25 @@ def connector(model_config, target, role, layout="NHD", **extra):
             kv_connector_extra_config={"target": target, "connect_timeout": 1.0,
                                        "call_timeout": 2.0, **extra}))
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[], kv_cache_layout=layout)
+                                    kv_cache_groups=[],
+                                    kv_cache_layout="HND" if layout == "HND" else "NHD")
     c = KVConnectorFactory.create_connector(config, role, kv_cache_config)
     assert isinstance(c, ProximaConnector)
     return c
 
 
 def kv_caches(layout, seed):
-    """Per-layer paged tensors: FlashAttention's [2][blocks][token][head][dim] (NHD) or the
-    HND order [2][blocks][head][token][dim] built as a permuted view (non-contiguous)."""
+    """Per-layer paged tensors: FlashAttention's [2][blocks][token][head][dim] (NHD), the HND
+    order [2][blocks][head][token][dim], or vLLM's CPU attention's [blocks][head][token][2 * dim]
+    (CPU), which it reads as [blocks][head][2 * token][dim]: K in the first BLOCK rows."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer in range(LAYERS):
         t = torch.randn((2, NUM_BLOCKS, BLOCK, HEADS, DIM), generator=g).to(torch.bfloat16)
         if layout == "HND":
             t = t.permute(0, 1, 3, 2, 4).contiguous()
+        elif layout == "CPU":
+            t = t.permute(1, 3, 0, 2, 4).contiguous().view(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
         out[f"model.layers.{layer}.self_attn.attn"] = t
     return out
 
@@ -86,6 +90,10 @@ def block_of(caches, layout, block_id):
     """Every layer's K and V of one block, in canonical [layer][kv][token][head][dim] order."""
     parts = []
     for t in caches.values():
+        if layout == "CPU":  # as vLLM's CPU attention reads it: view, then K and V halves
+            k, v = t[block_id].view(HEADS, 2 * BLOCK, DIM).chunk(2, dim=1)
+            parts.append(torch.stack([k.permute(1, 0, 2), v.permute(1, 0, 2)]))
+            continue
         b = t[:, block_id]
         parts.append(b if layout == "NHD" else b.permute(0, 2, 1, 3))
     return torch.stack(parts)
@@ -120,11 +128,12 @@ def blocks(ids):
     return KVCacheBlocks(blocks=([KVCacheBlock(i) for i in ids],))
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "CPU"])
 def test_second_request_loads_the_prefix_the_first_saved(daemon, model_config, layout):
     # 18 tokens: 4 full blocks and 2 tokens; other tokens per layout, as the blocks saved are
-    # canonical and would be shared between the two layouts.
-    tokens = list(range(100, 118)) if layout == "NHD" else list(range(150, 168))
+    # canonical and would be shared between the layouts.
+    first = {"NHD": 100, "HND": 150, "CPU": 600}[layout]
+    tokens = list(range(first, first + 18))
     # First engine: nothing cached; the 4 full blocks are saved after the prefill step.
     s1 = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, layout)
     w1 = connector(model_config, daemon.target, KVConnectorRole.WORKER, layout)
@@ -227,6 +236,32 @@ def test_blocks_are_canonical_across_layouts(daemon, model_config, save_path, lo
                            block_of(src, "NHD", a).view(torch.int16))
     assert (w_nhd._staging.kind, w_hnd._staging.kind) == ("ucx", "heap")
     assert w_nhd.link.connection().client.registered_buffers == 1  # the staging buffer only
+
+
+def test_cpu_attention_caches_hold_the_canonical_blocks(daemon, model_config):
+    """Saved from vLLM's CPU attention cache ([blocks][head][token][2 * dim], read as K rows then
+    V rows), loaded into FlashAttention's NHD tensors, as a CPU engine and a GPU engine sharing
+    a proximad would: the same K/V values, through the C++ gather/scatter on both sides."""
+    tokens = list(range(650, 659))  # 2 full blocks
+    s = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, "NHD")
+    w_cpu = connector(model_config, daemon.target, KVConnectorRole.WORKER, "CPU")
+    w_nhd = connector(model_config, daemon.target, KVConnectorRole.WORKER, "NHD")
+    src = kv_caches("CPU", seed=9)
+    dst = {k: torch.zeros_like(v) for k, v in kv_caches("NHD", seed=10).items()}
+    w_cpu.register_kv_caches(src)
+    w_nhd.register_kv_caches(dst)
+    assert w_cpu._kv_layout is not None and w_nhd._kv_layout is not None
+    r1 = request("cpu-attn-1", tokens)
+    assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
+    s.update_state_after_alloc(r1, blocks([6, 7, 8]), 0)
+    assert run_worker_step(w_cpu, schedule_new(s, r1, [6, 7, 8])) == set()
+    r2 = request("cpu-attn-2", tokens)
+    assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
+    s.update_state_after_alloc(r2, blocks([33, 34, 35]), 8)
+    assert run_worker_step(w_nhd, schedule_new(s, r2, [33, 34, 35], num_computed=8)) == set()
+    for a, b in ((6, 33), (7, 34)):
+        assert torch.equal(block_of(dst, "NHD", b).view(torch.int16),
+                           block_of(src, "CPU", a).view(torch.int16))
 
 
 def test_a_match_not_scheduled_plans_no_load(daemon, model_config):
