@@ -298,6 +298,55 @@ TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
   EXPECT_EQ(GetAndCheck(*worker, p, 4, 0, 2), 2u);
 }
 
+TEST_F(ClusterTest, SpilledBlocksOfAnotherSizeOrNotBlocksAtAllAreRefusedAndNothingIsKept) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(1, {}));
+  auto worker = MustConnect(daemons_[0]->tcp_target());
+  ASSERT_TRUE(worker);
+  ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
+  Blocks held = MakeBlocks(6, 0, 2, p.block_bytes);
+  ASSERT_OK(worker->Put(p, held.keys, held.spans()).status());
+  auto stub = v1::Peer::NewStub(
+      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  // A peer's StoreBlocks of one block under key chain 7, as a buggy or other-version peer
+  // would send it: `data` with a right CRC32C, at `level`, stating `block_bytes`.
+  const std::vector<client::BlockKey> keys = client::TestKeyChain(7, 0, 1);
+  auto store = [&](const std::string& data, uint32_t level, uint64_t block_bytes) {
+    v1::StoreBlocksRequest r;
+    r.mutable_blocks()->set_namespace_name("default");
+    r.mutable_blocks()->set_profile_id(p.id);
+    r.mutable_blocks()->add_keys(std::string(keys[0].begin(), keys[0].end()));
+    r.set_block_bytes(block_bytes);
+    v1::SpilledBlock* b = r.add_data();
+    b->set_data(data);
+    b->set_level(level);
+    b->set_crc32c(Crc32c(std::as_bytes(std::span<const char>(data.data(), data.size()))));
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StoreBlocksResponse response;
+    return stub->StoreBlocks(&context, r, &response);
+  };
+  // A raw block twice the size of the profile this daemon has registered.
+  grpc::Status s = store(std::string(2 * p.block_bytes, 'x'), 0, 2 * p.block_bytes);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr(absl::StrCat("is registered here with ", p.block_bytes,
+                                                "-byte blocks; nothing was stored")));
+  // Bytes said to be an encoded block (level 2) that are no STAR-KV container.
+  s = store(std::string(300, 'y'), 2, p.block_bytes);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr("data[0] is at level 2 but is not a valid STAR-KV block"));
+  // Nothing of them is kept; what the daemon held is intact; a right block is kept.
+  EXPECT_THAT(worker->Lookup(p, keys), IsOkAndHolds(0u));
+  EXPECT_EQ(GetAndCheck(*worker, p, 6, 0, 2), 2u);
+  Blocks right = MakeBlocks(7, 0, 1, p.block_bytes);
+  s = store(std::string(reinterpret_cast<const char*>(right.spans()[0].data()), p.block_bytes), 0,
+            p.block_bytes);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(GetAndCheck(*worker, p, 7, 0, 1), 1u);
+}
+
 TEST_F(ClusterTest, NamespacesStayApartAcrossNodes) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"namespaces=[{name: a}, {name: b}]"}));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
