@@ -210,14 +210,16 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   // Peers name profiles by id, a hash of the profile's fields; when the profile is registered
   // here its block size is known, and a peer that states another one (a bug, another version
   // computing sizes differently) would have this node serve blocks of the wrong size.
-  if (absl::StatusOr<uint64_t> registered = core_->RegisteredBlockBytes(
-          ids.empty() ? 0 : ids[0].namespace_index, request.blocks().profile_id());
-      !ids.empty() && registered.ok() && *registered != request.block_bytes()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("StoreBlocks block_bytes is ", request.block_bytes(), " but profile ",
-                     absl::Hex(request.blocks().profile_id(), absl::kZeroPad16), " of namespace '",
-                     request.blocks().namespace_name(), "' is registered here with ", *registered,
-                     "-byte blocks; nothing was stored"));
+  if (!ids.empty()) {
+    absl::StatusOr<uint64_t> registered =
+        core_->RegisteredBlockBytes(ids[0].namespace_index, request.blocks().profile_id());
+    if (registered.ok() && *registered != request.block_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "StoreBlocks block_bytes is ", request.block_bytes(), " but profile ",
+          absl::Hex(request.blocks().profile_id(), absl::kZeroPad16), " of namespace '",
+          request.blocks().namespace_name(), "' is registered here with ", *registered,
+          "-byte blocks; nothing was stored"));
+    }
   }
   const bool by_ucx = !request.ucx_worker_address().empty();
   if (by_ucx && ucx_ == nullptr) {

@@ -253,6 +253,17 @@ TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
   }
 }
 
+// A stub of the proxima.v1.Peer service at `target`, for calls made as another daemon would.
+std::unique_ptr<v1::Peer::Stub> PeerStub(const std::string& target) {
+  return v1::Peer::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+}
+
+// A peer call's credentials and deadline: the cluster's peer token, 5 s.
+void AsPeer(grpc::ClientContext* context) {
+  context->AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
 TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(1, {"ucx.enabled=true", "cluster.transport=auto"}));
   auto worker = MustConnect(daemons_[0]->tcp_target());
@@ -260,8 +271,7 @@ TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
   ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
   Blocks blocks = MakeBlocks(4, 0, 2, p.block_bytes);
   ASSERT_OK(worker->Put(p, blocks.keys, blocks.spans()).status());
-  auto stub = v1::Peer::NewStub(
-      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  auto stub = PeerStub(daemons_[0]->tcp_target());
   auto fetch = [&](const std::string& address, const std::string& rkey, uint64_t slot,
                    v1::FetchBlocksResponse* response) {
     v1::FetchBlocksRequest r;
@@ -273,8 +283,7 @@ TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
     r.set_ucx_address(4096);
     r.set_ucx_slot_bytes(slot);
     grpc::ClientContext context;
-    context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    AsPeer(&context);
     return stub->FetchBlocks(&context, r, response);
   };
   v1::FetchBlocksResponse response;
@@ -305,8 +314,7 @@ TEST_F(ClusterTest, SpilledBlocksOfAnotherSizeOrNotBlocksAtAllAreRefusedAndNothi
   ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
   Blocks held = MakeBlocks(6, 0, 2, p.block_bytes);
   ASSERT_OK(worker->Put(p, held.keys, held.spans()).status());
-  auto stub = v1::Peer::NewStub(
-      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  auto stub = PeerStub(daemons_[0]->tcp_target());
   // A peer's StoreBlocks of one block under key chain 7, as a buggy or other-version peer
   // would send it: `data` with a right CRC32C, at `level`, stating `block_bytes`.
   const std::vector<client::BlockKey> keys = client::TestKeyChain(7, 0, 1);
@@ -321,8 +329,7 @@ TEST_F(ClusterTest, SpilledBlocksOfAnotherSizeOrNotBlocksAtAllAreRefusedAndNothi
     b->set_level(level);
     b->set_crc32c(Crc32c(std::as_bytes(std::span<const char>(data.data(), data.size()))));
     grpc::ClientContext context;
-    context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    AsPeer(&context);
     v1::StoreBlocksResponse response;
     return stub->StoreBlocks(&context, r, &response);
   };
@@ -394,8 +401,7 @@ TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
   ASSERT_TRUE(worker);
   ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
   Blocks blocks = MakeBlocks(7, 0, 2, p.block_bytes);
-  auto stub = v1::Peer::NewStub(
-      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  auto stub = PeerStub(daemons_[0]->tcp_target());
   // A request carrying blocks 0 and 1 of chain 7 as a peer would spill them.
   auto request = [&] {
     v1::StoreBlocksRequest r;
@@ -729,8 +735,7 @@ TEST_F(ClusterTlsTest, ThreeDaemonsOverMutualTlsFindAndReadEachOthersBlocks) {
   EXPECT_EQ(Metric(1, "proxima_cluster_fetch_crc_failures_total"), 0);
 
   // The peer port speaks only mTLS: a plaintext peer call, even with the peer token, is refused.
-  auto stub = v1::Peer::NewStub(
-      grpc::CreateChannel(daemons_[0]->tcp_target(), grpc::InsecureChannelCredentials()));
+  auto stub = PeerStub(daemons_[0]->tcp_target());
   grpc::ClientContext context;
   context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -121,14 +121,13 @@ def logical_view(t: torch.Tensor, block_size: int, num_heads: int, head_dim: int
                 f"with strides {t.stride()}: expected its last two dimensions contiguous")
         t = t.view(t.shape[0], num_heads, 2, block_size, head_dim)
         fits.append(CPU_ATTN_LAYOUT)
-    for layout in KNOWN_LAYOUTS:
-        if t.dim() != 5 or fits:
-            break
-        num_blocks = t.shape[layout.index("block")]
-        sizes = {"kv": 2, "block": num_blocks, "token": block_size, "head": num_heads,
-                 "dim": head_dim}
-        if tuple(t.shape) == tuple(sizes[r] for r in layout):
-            fits.append(layout)
+    elif t.dim() == 5:
+        for layout in KNOWN_LAYOUTS:
+            num_blocks = t.shape[layout.index("block")]
+            sizes = {"kv": 2, "block": num_blocks, "token": block_size, "head": num_heads,
+                     "dim": head_dim}
+            if tuple(t.shape) == tuple(sizes[r] for r in layout):
+                fits.append(layout)
     if len(fits) > 1 and hint in ("NHD", "HND"):
         first = "token" if hint == "NHD" else "head"
         fits = [f for f in fits if f.index(first) < f.index("head" if first == "token" else
