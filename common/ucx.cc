@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 
@@ -134,12 +135,62 @@ struct Endpoint::State {
 struct Worker::TransferState {
   Worker* worker = nullptr;
   std::shared_ptr<Endpoint::State> endpoint;
+  std::vector<Op> ops;
   std::vector<UnpackedRkey> rkeys;
   std::shared_ptr<const void> keep_alive;
   int pending = 0;      // progress thread only
   absl::Status result;  // written before `done` is notified
+  // Set before `done` when every operation's remote bytes are mapped into this process: where
+  // each one's bytes are here. The caller then copies them itself; `rkeys` (which keep the
+  // mappings) and `keep_alive` stay held until it has.
+  std::vector<std::byte*> mapped;
+  bool wants_crc = false;  // an operation asks for its CRC32C: the caller reads `local` after
   proxima::Notification done;
 };
+
+namespace {
+
+// Where the remote bytes of every operation lie in this process, when UCX has mapped all of them
+// (ucp_rkey_ptr: a peer's shared memory segment); empty when any is not mapped (tcp, cma, a
+// peer's ordinary memory) or an operation wraps around the address space. UCX translates
+// addresses by the segment's offset, as its own shared-memory RMA does. Progress thread.
+std::vector<std::byte*> MapDirect(std::span<const Op> ops, std::span<const UnpackedRkey> rkeys) {
+  std::vector<std::byte*> mapped;
+  mapped.reserve(ops.size());
+  for (const Op& op : ops) {
+    void* first = nullptr;
+    void* last = nullptr;
+    if (op.length == 0 || op.remote_address + op.length < op.remote_address ||
+        ucp_rkey_ptr(rkeys[op.rkey].get(), op.remote_address, &first) != UCS_OK ||
+        ucp_rkey_ptr(rkeys[op.rkey].get(), op.remote_address + op.length - 1, &last) != UCS_OK ||
+        static_cast<std::byte*>(last) - static_cast<std::byte*>(first) !=
+            static_cast<ptrdiff_t>(op.length - 1)) {
+      return {};
+    }
+    mapped.push_back(static_cast<std::byte*>(first));
+  }
+  return mapped;
+}
+
+// Copies every operation's bytes between `local` and its mapped remote bytes, folding CRCs where
+// asked. Returns the bytes moved.
+uint64_t CopyDirect(std::span<const Op> ops, std::span<std::byte* const> mapped) {
+  uint64_t moved = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& op = ops[i];
+    std::byte* dst = op.kind == Op::kGet ? op.local : mapped[i];
+    const std::byte* src = op.kind == Op::kGet ? mapped[i] : op.local;
+    if (op.crc32c != nullptr) {
+      *op.crc32c = Crc32cCopy(std::span(dst, op.length), std::span(src, op.length), *op.crc32c);
+    } else {
+      std::memcpy(dst, src, op.length);
+    }
+    moved += op.length;
+  }
+  return moved;
+}
+
+}  // namespace
 
 Registration::~Registration() {
   Worker* w = worker_;
@@ -617,8 +668,10 @@ void Worker::FinishOp(TransferState* st, ucs_status_t status) {
     proxima::MutexLock lock(&st->endpoint->mu);
     if (st->endpoint->failure.empty()) st->endpoint->failure = std::string(st->result.message());
   }
-  st->rkeys.clear();
-  st->keep_alive.reset();
+  // A caller that copies through the mappings, or checksums what landed, still needs the keys
+  // and the buffers; it releases them.
+  if (st->mapped.empty()) st->rkeys.clear();
+  if (st->mapped.empty() && !(st->wants_crc && st->result.ok())) st->keep_alive.reset();
   // Erasing may drop the last reference to `st`; notify through a local reference.
   std::shared_ptr<TransferState> self;
   for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
@@ -679,6 +732,9 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   auto st = std::make_shared<TransferState>();
   st->worker = this;
   st->endpoint = endpoint.state_;
+  st->ops = std::move(ops);
+  st->wants_crc = std::any_of(st->ops.begin(), st->ops.end(),
+                              [](const Op& op) { return op.crc32c != nullptr; });
   st->keep_alive = std::move(keep_alive);
   std::vector<std::string> rkeys;
   for (size_t i = 0; i < packed_rkeys.size(); ++i) {
@@ -687,7 +743,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   }
   std::vector<uint64_t> ids(registration_ids.begin(), registration_ids.end());
   ids.resize(rkeys.size(), 0);
-  Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids), ops = std::move(ops)] {
+  Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids)] {
     ucp_ep_h ep = st->endpoint->ep;
     st->pending = 1;  // released at the end of this task
     in_flight_.push_back(st);
@@ -704,6 +760,11 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       }
       st->rkeys.push_back(*std::move(rkey));
     }
+    if (st->result.ok()) st->mapped = MapDirect(st->ops, st->rkeys);
+    if (!st->mapped.empty()) {  // the caller copies; nothing for UCX to do
+      FinishOp(st.get(), UCS_OK);
+      return;
+    }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = &Worker::OnOpDone;
@@ -719,8 +780,8 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       }
       ++st->pending;
     };
-    for (size_t i = 0; st->result.ok() && i < ops.size(); ++i) {
-      const Op& op = ops[i];
+    for (size_t i = 0; st->result.ok() && i < st->ops.size(); ++i) {
+      const Op& op = st->ops[i];
       ucp_request_param_t p = param;
       if (op.local_memh != nullptr) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
@@ -735,7 +796,24 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
     if (st->result.ok()) track(ucp_ep_flush_nbx(ep, &param));
     FinishOp(st.get(), UCS_OK);
   });
-  if (st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) return st->result;
+  if (st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
+    if (!st->result.ok()) return st->result;
+    if (!st->mapped.empty()) {
+      direct_bytes_.fetch_add(CopyDirect(st->ops, st->mapped));
+      direct_transfers_.fetch_add(1);
+      st->keep_alive.reset();
+      // Unpacked keys are destroyed on the progress thread (the endpoint's cache may have let go
+      // of them meanwhile, leaving these the last references).
+      Post([rkeys = std::move(st->rkeys)] {});
+      return absl::OkStatus();
+    }
+    for (const Op& op : st->ops) {
+      if (op.crc32c == nullptr) continue;
+      *op.crc32c = Crc32cExtend(*op.crc32c, std::span(op.local, op.length));
+    }
+    st->keep_alive.reset();
+    return absl::OkStatus();
+  }
   // Past the deadline: close the endpoint by force, which completes what is in flight.
   std::shared_ptr<Endpoint::State> ep = endpoint.state_;
   Post([this, ep] {

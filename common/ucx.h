@@ -17,6 +17,10 @@
 //    against packed rkeys, then flushes, so that on success every byte has landed on both sides.
 //    Past its deadline the endpoint is closed by force, which completes what is still in flight;
 //    the local buffers (held by `keep_alive`) are released only once UCX no longer touches them.
+//    When every remote buffer of a batch is shared memory this process has mapped (UCX-allocated
+//    memory of a peer on the same host, over posix or sysv: ucp_rkey_ptr), the calling thread
+//    copies the bytes itself instead, checksumming them as it copies where asked: no fragments,
+//    no progress-thread round trips, and transfers of several callers run in parallel.
 //
 // Thread-safe: every public method may be called from any thread except the progress thread.
 #ifndef PROXIMA_COMMON_UCX_H_
@@ -129,6 +133,11 @@ struct Op {
   uint64_t remote_address = 0;
   uint32_t rkey = 0;                         // index into Transfer()'s packed_rkeys
   const Registration* local_memh = nullptr;  // registration covering `local`, if any (faster)
+  // When set, the CRC32C of the bytes moved is folded into *crc32c (Crc32cExtend; operations
+  // naming the same word fold in their order in the batch), computed while copying when the
+  // bytes are copied directly, else over `local` once the batch has landed. Written only when
+  // Transfer() succeeds.
+  uint32_t* crc32c = nullptr;
 };
 
 class Worker {
@@ -160,8 +169,10 @@ class Worker {
                                                     absl::Time deadline,
                                                     std::function<void()> on_failure = {});
 
-  // Runs `ops` on `endpoint` and flushes. `keep_alive` owns the local buffers; it is released
-  // when UCX no longer accesses them (which can be after this returns when the deadline passed).
+  // Runs `ops` on `endpoint` and flushes, or copies them on the calling thread when every remote
+  // buffer is mapped here (see the top of this file). `keep_alive` owns the local buffers; it is
+  // released when UCX no longer accesses them (which can be after this returns when the deadline
+  // passed).
   // INVALID_ARGUMENT when a packed rkey does not unpack, UNAVAILABLE when the peer failed or the
   // deadline passed (the endpoint is then closed). `registration_ids` (empty, or one per packed
   // rkey): the peer's Registration::id() of each key; the endpoint keeps keys with an id unpacked
@@ -187,6 +198,10 @@ class Worker {
   uint64_t peer_failures() const { return peer_failures_.load(); }
   // Remote keys unpacked so far (each endpoint keeps the ones its transfers use; see Transfer).
   uint64_t rkeys_unpacked() const { return rkeys_unpacked_.load(); }
+  // Transfers whose bytes the calling thread copied through mapped shared memory (see Transfer),
+  // and the bytes they moved.
+  uint64_t direct_transfers() const { return direct_transfers_.load(); }
+  uint64_t direct_bytes() const { return direct_bytes_.load(); }
   // The name given to Create() (shows in UCX's logs).
   const std::string& name() const { return name_; }
 
@@ -236,6 +251,8 @@ class Worker {
   std::atomic<int64_t> live_registrations_{0};
   std::atomic<uint64_t> peer_failures_{0};
   std::atomic<uint64_t> rkeys_unpacked_{0};
+  std::atomic<uint64_t> direct_transfers_{0};
+  std::atomic<uint64_t> direct_bytes_{0};
   std::atomic<uint64_t> next_registration_id_{1};
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned
   // from a probe registration in Create(), read-only afterwards).

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -123,6 +124,59 @@ TEST_P(UcxTest, AllocatedMemoryIsReachedDirectlyAndEachKeyIsUnpackedOnce) {
   other_reg->reset();
   EXPECT_EQ(b_->live_registrations(), 0);
   EXPECT_EQ(a_->live_registrations(), 0);
+}
+
+// A peer's UCX-allocated shared memory is mapped here (posix, sysv): the calling thread copies
+// the bytes itself and checksums them as it copies. Everywhere else UCX moves them and the
+// checksum is taken after they landed. Either way the bytes and the CRC32C are exact, and
+// operations naming one CRC word fold into it in order (one block over several segments).
+TEST_P(UcxTest, CallerCopiesMappedSharedMemoryAndChecksumsWhatMoved) {
+  const bool shared_memory = std::string(GetParam()) != "tcp";
+  constexpr size_t kBytes = (1 << 20) + 77;
+  auto remote = b_->Allocate(kBytes);
+  ASSERT_OK(remote.status());
+  std::vector<std::byte> pattern = Pattern(kBytes, 11);
+  std::memcpy((*remote)->address(), pattern.data(), kBytes);
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const uint64_t base = reinterpret_cast<uint64_t>((*remote)->address());
+  std::vector<std::string> rkeys = {(*remote)->packed_rkey()};
+  std::vector<uint64_t> ids = {(*remote)->id()};
+  std::vector<std::byte> got(kBytes);
+  uint32_t crc = 0;
+  ASSERT_OK(
+      a_->Transfer(**ep, rkeys,
+                   {{Op::kGet, got.data(), 4096, base, 0, nullptr, &crc},
+                    {Op::kGet, got.data() + 4096, kBytes - 4096, base + 4096, 0, nullptr, &crc}},
+                   nullptr, absl::Now() + absl::Seconds(10), ids));
+  EXPECT_EQ(got, pattern);
+  EXPECT_EQ(crc, Crc32c(pattern));
+  EXPECT_EQ(a_->direct_transfers(), shared_memory ? 1u : 0u);
+
+  std::vector<std::byte> fresh = Pattern(kBytes, 200);
+  uint32_t put_crc = 0;
+  ASSERT_OK(a_->Transfer(**ep, rkeys,
+                         {{Op::kPut, fresh.data(), kBytes, base, 0, nullptr, &put_crc}}, nullptr,
+                         absl::Now() + absl::Seconds(10), ids));
+  EXPECT_EQ(std::memcmp((*remote)->address(), fresh.data(), kBytes), 0);
+  EXPECT_EQ(put_crc, Crc32c(fresh));
+  EXPECT_EQ(a_->direct_transfers(), shared_memory ? 2u : 0u);
+  EXPECT_EQ(a_->direct_bytes(), shared_memory ? 2 * kBytes : 0u);
+
+  // The peer's ordinary memory is not mapped here: UCX moves it, the CRC is still exact.
+  std::vector<std::byte> heap = Pattern(8192, 3);
+  auto heap_reg = b_->Register(heap.data(), heap.size());
+  ASSERT_OK(heap_reg.status());
+  std::vector<std::byte> heap_got(8192);
+  uint32_t heap_crc = 0;
+  std::vector<std::string> heap_keys = {(*heap_reg)->packed_rkey()};
+  ASSERT_OK(a_->Transfer(**ep, heap_keys,
+                         {{Op::kGet, heap_got.data(), 8192, reinterpret_cast<uint64_t>(heap.data()),
+                           0, nullptr, &heap_crc}},
+                         nullptr, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(heap_got, heap);
+  EXPECT_EQ(heap_crc, Crc32c(heap));
+  EXPECT_EQ(a_->direct_transfers(), shared_memory ? 2u : 0u);
 }
 
 TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {

@@ -747,13 +747,12 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
     pending->push_back(*std::move(p));
     to_pull.push_back(i);
   }
+  std::vector<uint32_t> got(to_pull.size(), 0);
   if (!to_pull.empty()) {
-    PROXIMA_RETURN_IF_ERROR(pull(to_pull, dst, pending));
+    PROXIMA_RETURN_IF_ERROR(pull(to_pull, dst, got, pending));
   }
   // Every block is checked before any becomes visible: a request with one bad block stores none.
-  std::vector<uint32_t> got(to_pull.size());
   for (size_t j = 0; j < to_pull.size(); ++j) {
-    got[j] = Crc32c(dst[j]);
     if (got[j] != crcs[to_pull[j]]) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "blocks[%d].crc32c is 0x%08x but the bytes pulled from the client have CRC32C 0x%08x "

@@ -142,11 +142,12 @@ class TierService {
                                                  absl::string_view method);
 
   // Fills destinations with the bytes of the blocks to store: dst[j] receives the block whose
-  // index is blocks[j]. Returns once nothing writes into dst anymore, or with an error (then
-  // `owner`, which owns dst, may be kept until writes stop).
-  using PullFn = std::function<absl::Status(std::span<const size_t> blocks,
-                                            std::span<const std::span<std::byte>> dst,
-                                            std::shared_ptr<const void> owner)>;
+  // index is blocks[j], and crcs[j] the CRC32C of the bytes written there (the UCX worker
+  // computes it while copying where it can). Returns once nothing writes into dst anymore, or
+  // with an error (then `owner`, which owns dst, may be kept until writes stop).
+  using PullFn = std::function<absl::Status(
+      std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
+      std::span<uint32_t> crcs, std::shared_ptr<const void> owner)>;
   // Put whose bytes are pulled by the caller (UCX data plane): reserves tier memory for every
   // key not yet stored, lets `pull` fill it, checks each block against crcs[i], and only then
   // commits. A failed pull or CRC check stores nothing. REQUIRES: keys.size() == crcs.size(),

@@ -129,6 +129,11 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
       "the ones it uses, "
       "so this grows with new buffers, not with calls",
       {}, [w] { return static_cast<double>(w->rkeys_unpacked()); });
+  registry->AddCounterFunction(
+      "proxima_ucx_direct_transfers_total",
+      "UCX transfers whose bytes the daemon copied itself through a client's (or peer's) shared "
+      "memory segment mapped into it, instead of one-sided UCX operations (monotonic)",
+      {}, [w] { return static_cast<double>(w->direct_transfers()); });
   t->bytes_in_ = metrics::TransferBytes(registry, "ucx", "in");
   t->bytes_out_ = metrics::TransferBytes(registry, "ucx", "out");
   PROXIMA_LOG(kInfo) << "UCX data plane ready" << log::Kv("arena_bytes", arena.size())
@@ -296,13 +301,13 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
   uint64_t pulled = 0;
   auto pull = [this, &segments, &pulled, &ep, &rkeys, &registration_ids, transfer_deadline](
                   std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
-                  std::shared_ptr<const void> owner) -> absl::Status {
+                  std::span<uint32_t> crcs, std::shared_ptr<const void> owner) -> absl::Status {
     std::vector<ucx::Op> ops;
     for (size_t j = 0; j < blocks.size(); ++j) {
       size_t offset = 0;
       for (const Segment& s : segments[blocks[j]]) {
         ops.push_back(ucx::Op{ucx::Op::kGet, dst[j].data() + offset, s.length, s.address, s.region,
-                              arena_.get()});
+                              arena_.get(), &crcs[j]});
         offset += s.length;
       }
       pulled += dst[j].size();

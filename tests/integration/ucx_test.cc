@@ -191,6 +191,7 @@ TEST_P(UcxIntegrationTest, AllocatedBuffersRoundTripAndEachKeyIsUnpackedOnce) {
     regions.push_back(std::move(r));
   }
   const double unpacked_before = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total");
+  const double direct_before = Metric(*daemon_, "proxima_ucx_direct_transfers_total");
   constexpr int kRounds = 5;
   for (int round = 0; round < kRounds; ++round) {
     std::vector<BlockKey> keys = client::TestKeyChain(40 + round, 0, kBlocks);
@@ -209,6 +210,10 @@ TEST_P(UcxIntegrationTest, AllocatedBuffersRoundTripAndEachKeyIsUnpackedOnce) {
   }
   // One unpack per buffer, not per call.
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total") - unpacked_before, kBlocks);
+  // Over shared memory the daemon copied every put and get itself through the mapped segments
+  // (puts checksummed as they were copied); over tcp UCX moved them.
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_direct_transfers_total") - direct_before,
+            std::string(GetParam()) == "tcp" ? 0 : 2 * kRounds);
   regions.clear();
   c.reset();
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
@@ -407,14 +412,16 @@ TEST_P(UcxIntegrationTest, PutHintsTravelOverUcx) {
   // normal blocks, not the (colder) high-priority ones.
   // Waits on Stats, which reads counters only: reading the blocks would pin them under the
   // tierer's feet.
+  uint64_t encoded = 0;
   for (int attempt = 0; attempt < 200; ++attempt) {
     ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
-    uint64_t encoded = 0;
+    encoded = 0;
     for (const v1::LevelStats& l : stats.tiers(0).levels())
       encoded += l.level() > 0 ? l.blocks() : 0;
     if (encoded >= 2) break;
     absl::SleepFor(absl::Milliseconds(50));
   }
+  ASSERT_GE(encoded, 2u) << "the tierer did not encode two blocks within 10 s";
   ASSERT_OK_AND_ASSIGN(std::vector<std::optional<client::StoredBlock>> stored,
                        c->GetStored(p, keys));
   for (size_t i = 0; i < kHigh; ++i) {
