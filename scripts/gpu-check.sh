@@ -33,7 +33,10 @@ GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
 # The GPU machine's CPU is the only AVX-512 one these checks reach (build machines: AVX2): the
 # codec's CPU paths are checked and timed there too.
 CPU_SIMD=(kernels/kernels_simd_test bench/codec_bench)
-OTHER=(daemon/proximad "${CPU_SIMD[@]}")
+# The UCX data plane on a machine with more than two cores (build machines: 2), against
+# ucx_perftest and Redis, whose Debian binaries travel in $DIR/bin.
+OTHER=(daemon/proximad "${CPU_SIMD[@]}" bench/transfer_bench)
+SYSTEM_BINS=(/usr/bin/ucx_perftest /usr/bin/redis-server)
 
 # On the GPU machine: logs go to a fresh $LOGS, packed into $OUT/$1 when the script exits, and
 # the carried shared libraries come first.
@@ -53,7 +56,7 @@ case "$MODE" in
       ./scripts/build.sh "$SRC" -DCMAKE_BUILD_TYPE=Release -DPROXIMA_WITH_CUDA=ON \
         -DPROXIMA_BUILD_BENCH=ON -DPROXIMA_BUILD_TESTS=ON
     else
-      PROXIMA_TARGETS="${GPU_TESTS[*]##*/} ${GPU_BENCH[*]##*/} ${CPU_SIMD[*]##*/} proximad" \
+      PROXIMA_TARGETS="${GPU_TESTS[*]##*/} ${GPU_BENCH[*]##*/} ${OTHER[*]##*/}" \
         ./scripts/build.sh "$SRC"
     fi
     compgen -G "$SRC/CMakeFiles/*/CMakeCUDACompiler.cmake" >/dev/null ||
@@ -63,6 +66,14 @@ case "$MODE" in
       mkdir -p "$DIR/$(dirname "$t")"
       objcopy --strip-debug "$SRC/$t" "$DIR/$t"
       ldd "$SRC/$t" | awk '/=> \// {print $3}' |
+        grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s|ld-linux)[.-]' |
+        while read -r lib; do cp -Lu "$lib" "$DIR/lib/"; done
+    done
+    mkdir -p "$DIR/bin"
+    for b in "${SYSTEM_BINS[@]}"; do
+      # redis-server is a link to redis-check-rdb, which picks its role from its name.
+      cp -L "$b" "$DIR/bin/$(basename "$b")"
+      ldd "$b" | awk '/=> \// {print $3}' |
         grep -vE '/(libc|libm|libpthread|libdl|librt|libgcc_s|ld-linux)[.-]' |
         while read -r lib; do cp -Lu "$lib" "$DIR/lib/"; done
     done
@@ -128,6 +139,13 @@ case "$MODE" in
       --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --min_time_s=0.3 \
       --threads=1 --working_set_mb=64 --codecs="fp8;int8;int4,group=64;int2,group=64" \
       --paths=avx512,avx2,scalar
+    # The UCX data plane with more cores than the build machines have: shared memory (the
+    # daemon copies mapped segments on its gRPC threads) and tcp, 1-8 clients, against
+    # ucx_perftest and Redis measured in the same run (issue 5's goals).
+    step transfer-bench 240 "$DIR/bench/transfer_bench" --proximad="$PWD/$DIR/daemon/proximad" \
+      --ucx_perftest="$PWD/$DIR/bin/ucx_perftest" --redis_server="$PWD/$DIR/bin/redis-server" \
+      --transports="posix+self,tcp" --sizes=2097152,16777216 --clients=1,4,8 \
+      --bytes_per_client=134217728 --latency_gets=100 --buffers=ucx,heap
     # Out-of-bounds accesses and races in the kernels (Firecracker machines run compute-sanitizer).
     if command -v compute-sanitizer >/dev/null; then
       for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test \
