@@ -367,7 +367,8 @@ std::shared_ptr<ucx::Registration> Client::FindRegistration(const void* p, size_
 
 template <typename Seg, typename Req>
 absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<const Seg> blocks,
-                                     size_t begin, size_t end, bool with_crc, Req* request,
+                                     size_t begin, size_t end, bool with_crc,
+                                     std::span<const uint32_t> crcs, Req* request,
                                      std::vector<std::shared_ptr<ucx::Registration>>* held) {
   request->set_namespace_name(options_.namespace_name);
   absl::flat_hash_map<const ucx::Registration*, uint32_t> region_index;
@@ -395,9 +396,9 @@ absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<c
       s->set_region(it->second);
       s->set_address(reinterpret_cast<uint64_t>(seg.data()));
       s->set_length(seg.size());
-      if (with_crc) crc = Crc32cExtend(crc, seg);
+      if (with_crc && crcs.empty()) crc = Crc32cExtend(crc, seg);
     }
-    if (with_crc) block->set_crc32c(crc);
+    if (with_crc) block->set_crc32c(crcs.empty() ? crc : crcs[i]);
   }
   return absl::OkStatus();
 }
@@ -405,7 +406,8 @@ absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<c
 absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
                                                        std::span<const BlockKey> keys,
                                                        std::span<const ConstSegments> blocks,
-                                                       const PutOptions& options) {
+                                                       const PutOptions& options,
+                                                       std::span<const uint32_t> crcs) {
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
   const size_t per_call = server_info_.max_batch_blocks;
@@ -414,7 +416,7 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
     v1::PutUcxRequest request;
     request.set_profile_id(profile.id);
     std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
-    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, &request, &held));
+    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, crcs, &request, &held));
     if (options.high_priority) request.set_priority(v1::PRIORITY_HIGH);
     for (size_t i = begin; i < end; ++i) {
       v1::UcxBlock* block = request.mutable_blocks(static_cast<int>(i - begin));
@@ -446,7 +448,7 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
   request.set_profile_id(profile.id);
   request.set_client_verifies_crc32c(client_verifies);
   std::vector<std::shared_ptr<ucx::Registration>> held;
-  PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, &request, &held));
+  PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, {}, &request, &held));
   v1::GetUcxResponse response;
   PROXIMA_RETURN_IF_ERROR(CallUcx(profile, request, &response, &v1::KVTier::Stub::GetUcx));
   if (response.results_size() != static_cast<int>(end - begin)) {
@@ -685,8 +687,7 @@ absl::StatusOr<std::vector<PutOutcome>> Client::Put(
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Put", keys.size(), blocks.size(), profile, sizes));
   PROXIMA_RETURN_IF_ERROR(CheckPutOptions(keys.size(), options));
   if (transport_ == Transport::kUcx || check_device_memory_) {
-    std::vector<ConstSegments> segments;
-    for (const auto& b : blocks) segments.push_back({b});
+    std::vector<ConstSegments> segments = OneSegmentEach(blocks);
     if (Staging staging = StagingFor(std::span<const ConstSegments>(segments));
         staging != Staging::kNone) {
       return PutStaged(staging, profile, keys, segments, options);
@@ -832,8 +833,7 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
   for (const auto& b : out) sizes.push_back(b.size());
   PROXIMA_RETURN_IF_ERROR(CheckSizes("Get", keys.size(), out.size(), profile, sizes));
   if (transport_ == Transport::kUcx || check_device_memory_) {
-    std::vector<Segments> segments;
-    for (const auto& b : out) segments.push_back({b});
+    std::vector<Segments> segments = OneSegmentEach(out);
     if (Staging staging = StagingFor(std::span<const Segments>(segments));
         staging != Staging::kNone) {
       return GetStaged(staging, method, profile, keys, segments);

@@ -288,18 +288,31 @@ class Client {
   template <typename Req, typename Resp, typename Method>
   absl::Status CallUcx(const Profile& profile, Req& request, Resp* response, Method method);
   // Fills request regions and blocks for keys[begin, end) over UCX; `held` keeps every
-  // registration used alive for the call.
+  // registration used alive for the call. With `with_crc` each block carries its CRC32C:
+  // crcs[i] where given (one per key), else computed over the block's bytes.
   template <typename Seg, typename Req>
   absl::Status BuildUcxRequest(std::span<const BlockKey> keys, std::span<const Seg> blocks,
-                               size_t begin, size_t end, bool with_crc, Req* request,
+                               size_t begin, size_t end, bool with_crc,
+                               std::span<const uint32_t> crcs, Req* request,
                                std::vector<std::shared_ptr<ucx::Registration>>* held);
   // Remembers `r` for FindRegistration and wraps it.
   MemoryRegion KeepRegion(std::shared_ptr<ucx::Registration> r);
   std::shared_ptr<ucx::Registration> FindRegistration(const void* p, size_t n);
+  // Each contiguous block as a block of one segment (Seg: a span of bytes, const or not).
+  template <typename Seg>
+  static std::vector<std::vector<Seg>> OneSegmentEach(std::span<const Seg> blocks) {
+    std::vector<std::vector<Seg>> segments;
+    segments.reserve(blocks.size());
+    for (const Seg& b : blocks) segments.push_back({b});
+    return segments;
+  }
+  // `crcs`: empty, or each block's CRC32C, known to the caller (host staging computes them
+  // while copying the blocks into its halves), so the blocks are not read again for it.
   absl::StatusOr<std::vector<PutOutcome>> PutUcx(const Profile& profile,
                                                  std::span<const BlockKey> keys,
                                                  std::span<const ConstSegments> blocks,
-                                                 const PutOptions& options);
+                                                 const PutOptions& options,
+                                                 std::span<const uint32_t> crcs = {});
   absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
                                            std::span<const Segments> out);
   // One GetUcx call for blocks [begin, end) of `keys`/`out`: sets (*found)[i] for each block

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "common/ucx.h"
@@ -47,6 +48,13 @@ class Client::Stage {
     if (queue_ != nullptr) return queue_->Copy(dst, src, n);
     std::memcpy(dst, src, n);
     return absl::OkStatus();
+  }
+  // Whether copies are memcpy at once (host staging), so that a Put can take each block's CRC32C
+  // while copying it into a half (CopyWithCrc) rather than by reading the half again.
+  bool copies_at_once() const { return queue_ == nullptr; }
+  // Copies `src` to `dst` now and folds its CRC32C into `crc`. REQUIRES: copies_at_once().
+  uint32_t CopyWithCrc(std::byte* dst, std::span<const std::byte> src, uint32_t crc) {
+    return Crc32cCopy(std::span(dst, src.size()), src, crc);
   }
   absl::Status Mark(int f) { return queue_ != nullptr ? queue_->Mark(f) : absl::OkStatus(); }
   absl::Status Wait(int f) { return queue_ != nullptr ? queue_->Wait(f) : absl::OkStatus(); }
@@ -191,13 +199,20 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutThrough(Stage& stage_memory,
   auto slot = [&](size_t chunk, size_t i) {  // block i of `chunk` in its half
     return stage_memory.half(chunk) + i * profile.block_bytes;
   };
+  // Host staging over UCX sends each block's CRC32C taken while it was copied in.
+  const bool crc_while_copying = stage_memory.copies_at_once() && transport_ == Transport::kUcx;
+  std::vector<uint32_t> crcs(crc_while_copying ? keys.size() : 0);
   // Gathers chunk c's blocks into its half and marks the half's fence.
   auto stage = [&](size_t c) -> absl::Status {
     const size_t begin = c * per_chunk, end = std::min(keys.size(), begin + per_chunk);
     for (size_t b = begin; b < end; ++b) {
       std::byte* dst = slot(c, b - begin);
       for (const auto& seg : blocks[b]) {
-        PROXIMA_RETURN_IF_ERROR(stage_memory.Copy(dst, seg.data(), seg.size()));
+        if (crc_while_copying) {
+          crcs[b] = stage_memory.CopyWithCrc(dst, seg, crcs[b]);
+        } else {
+          PROXIMA_RETURN_IF_ERROR(stage_memory.Copy(dst, seg.data(), seg.size()));
+        }
         dst += seg.size();
       }
     }
@@ -223,7 +238,11 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutThrough(Stage& stage_memory,
       chunk_options.importance = options.importance.subspan(begin, end - begin);
     }
     absl::StatusOr<std::vector<PutOutcome>> sent =
-        Put(profile, keys.subspan(begin, end - begin), staged, chunk_options);
+        crc_while_copying
+            ? PutUcx(profile, keys.subspan(begin, end - begin),
+                     OneSegmentEach(std::span<const std::span<const std::byte>>(staged)),
+                     chunk_options, std::span(crcs).subspan(begin, end - begin))
+            : Put(profile, keys.subspan(begin, end - begin), staged, chunk_options);
     if (!sent.ok()) {
       status = sent.status();
       break;
@@ -251,6 +270,10 @@ absl::StatusOr<std::vector<bool>> Client::GetThrough(Stage& stage_memory, const 
                                                      const Profile& profile,
                                                      std::span<const BlockKey> keys,
                                                      std::span<const Segments> out) {
+  // The client's CRC32C check runs over the half before the blocks are copied out (GetInto).
+  // Checking while copying out (as puts checksum while copying in) was measured slower: the
+  // check's chunked copies into the caller's buffers ran at two thirds of one memcpy of each
+  // segment (docs/benchmarks.md, UCX run 9).
   const size_t per_chunk = stage_memory.half_bytes() / profile.block_bytes;
   std::vector<bool> found(keys.size(), false);
   absl::Status status;

@@ -4,16 +4,19 @@
 // skip its own CRC32C check (GetRequest / GetUcxRequest.client_verifies_crc32c) and checks
 // every block itself; a block that fails is asked for again with the daemon checking, which
 // drops and counts it: the caller sees a miss, the other blocks of the batch arrive intact, and
-// nothing else is lost.
+// nothing else is lost. Also over UCX's shared memory with the caller's ordinary buffers, which
+// move through host staging: there the client checks each block while copying it out.
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <stdlib.h>
+
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <ostream>
 #include <span>
 #include <string>
 #include <vector>
-
-#include <grpcpp/create_channel.h>
-#include <grpcpp/security/credentials.h>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
@@ -42,9 +45,21 @@ v1::ModelProfile SmallModel() {
   return p;
 }
 
-class CorruptionTest : public ::testing::TestWithParam<client::Transport> {
+struct Path {
+  client::Transport transport;
+  const char* ucx_tls;  // UCX_TLS for the daemon and the client (both in this process), or null
+  const char* name;
+};
+
+void PrintTo(const Path& path, std::ostream* os) { *os << path.name; }
+
+class CorruptionTest : public ::testing::TestWithParam<Path> {
  protected:
   void SetUp() override {
+    if (GetParam().ucx_tls != nullptr) {
+      setenv("UCX_TLS", GetParam().ucx_tls, 1);
+      setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    }
     daemon::DaemonConfig config;
     config.server.listen = "127.0.0.1:0";
     config.server.unix_socket = "";
@@ -53,10 +68,19 @@ class CorruptionTest : public ::testing::TestWithParam<client::Transport> {
     ASSERT_OK_AND_ASSIGN(daemon_, daemon::Daemon::Start(config));
     client::ClientOptions options;
     options.target = absl::StrCat("127.0.0.1:", daemon_->tcp_port());
-    options.transport = GetParam();
+    options.transport = GetParam().transport;
     ASSERT_OK_AND_ASSIGN(client_, Client::Connect(options));
-    ASSERT_EQ(client_->transport(), GetParam()) << client_->transport_detail();
+    ASSERT_EQ(client_->transport(), GetParam().transport) << client_->transport_detail();
+    if (GetParam().ucx_tls != nullptr) {
+      ASSERT_THAT(client_->transport_detail(), ::testing::HasSubstr("host staging"));
+    }
     ASSERT_OK_AND_ASSIGN(profile_, client_->RegisterProfile(SmallModel()));
+  }
+
+  void TearDown() override {
+    client_.reset();
+    daemon_.reset();
+    if (GetParam().ucx_tls != nullptr) unsetenv("UCX_TLS");
   }
 
   // Flips one bit of the stored block under `key` (namespace "default" is index 0).
@@ -97,10 +121,14 @@ TEST_P(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
     }
   }
   // The first answer carried the stored bytes without the daemon's check (the client verifies):
-  // the corrupt block's buffer holds them, one bit off the block that was put.
+  // written straight into the caller's buffers, the corrupt block's buffer holds them, one bit
+  // off the block that was put; through host staging the client checks the half before copying
+  // out, so that buffer is never written.
   std::vector<std::byte> expected(profile_.block_bytes);
-  client::FillTestBlock(kSeed, 3, expected);
-  expected[12345] ^= std::byte{0x01};
+  if (GetParam().ucx_tls == nullptr) {
+    client::FillTestBlock(kSeed, 3, expected);
+    expected[12345] ^= std::byte{0x01};
+  }
   EXPECT_EQ(got[3], expected);
   // The daemon found both on the client's second ask, dropped and counted them; the client saw
   // no damage in transit.
@@ -147,10 +175,11 @@ TEST_P(CorruptionTest, ADaemonCheckedGetNeverSendsCorruptBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, CorruptionTest,
-                         ::testing::Values(client::Transport::kInline, client::Transport::kUcx),
-                         [](const auto& info) {
-                           return info.param == client::Transport::kUcx ? "ucx" : "inline";
-                         });
+                         ::testing::Values(Path{client::Transport::kInline, nullptr, "inline"},
+                                           Path{client::Transport::kUcx, nullptr, "ucx"},
+                                           Path{client::Transport::kUcx, "posix,self",
+                                                "ucx_shm_host_staging"}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace proxima
