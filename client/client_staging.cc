@@ -50,12 +50,8 @@ class Client::Stage {
     return absl::OkStatus();
   }
   // Whether copies are memcpy at once (host staging), so that a Put can take each block's CRC32C
-  // while copying it into a half (CopyWithCrc) rather than by reading the half again.
+  // while copying it into a half (Crc32cCopy) rather than by reading the half again.
   bool copies_at_once() const { return queue_ == nullptr; }
-  // Copies `src` to `dst` now and folds its CRC32C into `crc`. REQUIRES: copies_at_once().
-  uint32_t CopyWithCrc(std::byte* dst, std::span<const std::byte> src, uint32_t crc) {
-    return Crc32cCopy(std::span(dst, src.size()), src, crc);
-  }
   absl::Status Mark(int f) { return queue_ != nullptr ? queue_->Mark(f) : absl::OkStatus(); }
   absl::Status Wait(int f) { return queue_ != nullptr ? queue_->Wait(f) : absl::OkStatus(); }
   absl::Status Drain() { return queue_ != nullptr ? queue_->Drain() : absl::OkStatus(); }
@@ -209,7 +205,7 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutThrough(Stage& stage_memory,
       std::byte* dst = slot(c, b - begin);
       for (const auto& seg : blocks[b]) {
         if (crc_while_copying) {
-          crcs[b] = stage_memory.CopyWithCrc(dst, seg, crcs[b]);
+          crcs[b] = Crc32cCopy(std::span(dst, seg.size()), seg, crcs[b]);
         } else {
           PROXIMA_RETURN_IF_ERROR(stage_memory.Copy(dst, seg.data(), seg.size()));
         }
