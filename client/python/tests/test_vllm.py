@@ -128,6 +128,20 @@ def blocks(ids):
     return KVCacheBlocks(blocks=([KVCacheBlock(i) for i in ids],))
 
 
+def save_then_load(sched, saver, loader, name, tokens, save_ids, load_ids):
+    """Request `name`-1 (nothing stored yet) saves its 2 full blocks of `tokens` from `saver`'s
+    blocks `save_ids`; request `name`-2 of the same tokens then matches 8 tokens and loads them
+    into `loader`'s blocks `load_ids`. Both worker steps finish without failed loads."""
+    r1 = request(f"{name}-1", tokens)
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+    sched.update_state_after_alloc(r1, blocks(save_ids), 0)
+    assert run_worker_step(saver, schedule_new(sched, r1, save_ids)) == set()
+    r2 = request(f"{name}-2", tokens)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (8, False)
+    sched.update_state_after_alloc(r2, blocks(load_ids), 8)
+    assert run_worker_step(loader, schedule_new(sched, r2, load_ids, num_computed=8)) == set()
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND", "CPU"])
 def test_second_request_loads_the_prefix_the_first_saved(daemon, model_config, layout):
     # 18 tokens: 4 full blocks and 2 tokens; other tokens per layout, as the blocks saved are
@@ -223,14 +237,7 @@ def test_blocks_are_canonical_across_layouts(daemon, model_config, save_path, lo
         assert w._kv_layout is not None and not w._kv_layout.device  # CPU tensors: C++ path
         if path == "torch":
             w._kv_layout = None
-    r1 = request(f"canon-1-{case}", tokens)
-    assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
-    s.update_state_after_alloc(r1, blocks([3, 4, 5]), 0)
-    assert run_worker_step(w_nhd, schedule_new(s, r1, [3, 4, 5])) == set()
-    r2 = request(f"canon-2-{case}", tokens)
-    assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
-    s.update_state_after_alloc(r2, blocks([30, 31, 32]), 8)
-    assert run_worker_step(w_hnd, schedule_new(s, r2, [30, 31, 32], num_computed=8)) == set()
+    save_then_load(s, w_nhd, w_hnd, f"canon-{case}", tokens, [3, 4, 5], [30, 31, 32])
     for a, b in ((3, 30), (4, 31)):
         assert torch.equal(block_of(dst, "HND", b).view(torch.int16),
                            block_of(src, "NHD", a).view(torch.int16))
@@ -251,14 +258,7 @@ def test_cpu_attention_caches_hold_the_canonical_blocks(daemon, model_config):
     w_cpu.register_kv_caches(src)
     w_nhd.register_kv_caches(dst)
     assert w_cpu._kv_layout is not None and w_nhd._kv_layout is not None
-    r1 = request("cpu-attn-1", tokens)
-    assert s.get_num_new_matched_tokens(r1, 0) == (0, False)
-    s.update_state_after_alloc(r1, blocks([6, 7, 8]), 0)
-    assert run_worker_step(w_cpu, schedule_new(s, r1, [6, 7, 8])) == set()
-    r2 = request("cpu-attn-2", tokens)
-    assert s.get_num_new_matched_tokens(r2, 0) == (8, False)
-    s.update_state_after_alloc(r2, blocks([33, 34, 35]), 8)
-    assert run_worker_step(w_nhd, schedule_new(s, r2, [33, 34, 35], num_computed=8)) == set()
+    save_then_load(s, w_cpu, w_nhd, "cpu-attn", tokens, [6, 7, 8], [33, 34, 35])
     for a, b in ((6, 33), (7, 34)):
         assert torch.equal(block_of(dst, "NHD", b).view(torch.int16),
                            block_of(src, "CPU", a).view(torch.int16))
