@@ -1,7 +1,7 @@
 # kernels_simd_isolation_test: the SIMD translation units (compiled with -mavx2 / -mavx512*) must
 # define no link-once (weak) code: the linker keeps one copy of each such function for the whole
 # program, and a copy compiled for AVX-512 would fault in scalar callers on CPUs without it
-# (kernels/internal/segment_codecs.h, "Per-lane metadata steps").
+# (kernels/internal/segment_codecs.h, "ISA isolation of the SIMD paths").
 #
 #   cmake -DNM=<nm> -DOBJECTS=<a.o;b.o;...> -P check_simd_isolation.cmake
 #

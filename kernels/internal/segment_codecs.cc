@@ -329,45 +329,6 @@ void DecodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte*
   }
 }
 
-// ---------------------------------------------------------------- per-lane steps of the SIMD paths
-
-void Int8ScalesOfLanes(uint8_t dtype, const float* amax, int n, std::byte* scales, size_t m0,
-                       float* divisors) {
-  for (int k = 0; k < n; ++k) {
-    Int8Row row = Int8RowScale(dtype, amax[k]);
-    Store16(scales, m0 + k, row.scale);
-    divisors[k] = row.divisor;
-  }
-}
-
-void IntNGroupsOfLanes(uint8_t dtype, float qmax, const float* mn, const float* mx, int n,
-                       std::byte* scales, std::byte* mins, size_t m0, float* min_f,
-                       float* divisors) {
-  for (int k = 0; k < n; ++k) {
-    float a = mn[k], b = mx[k];
-    if (a > b) a = b = 0.0f;  // no finite value in the group
-    IntNGroup g = IntNGroupParams(dtype, a, b, qmax);
-    Store16(scales, m0 + k, g.scale);
-    Store16(mins, m0 + k, g.min);
-    min_f[k] = g.min_f;
-    divisors[k] = g.divisor;
-  }
-}
-
-IntNGroup IntNGroupOfLanes(uint8_t dtype, float qmax, const float* mn, const float* mx, int n,
-                           std::byte* scales, std::byte* mins, size_t m) {
-  float a = mn[0], b = mx[0];
-  for (int k = 1; k < n; ++k) {
-    a = std::min(a, mn[k]);
-    b = std::max(b, mx[k]);
-  }
-  if (a > b) a = b = 0.0f;
-  IntNGroup g = IntNGroupParams(dtype, a, b, qmax);
-  Store16(scales, m, g.scale);
-  Store16(mins, m, g.min);
-  return g;
-}
-
 // ---------------------------------------------------------------- star
 
 void EncodeStar(const SegmentShape& shape, const std::byte* in,

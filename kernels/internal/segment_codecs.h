@@ -143,27 +143,13 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
 absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
                             std::byte* out, bool bmi2 = false);
 
-// ---- Per-lane metadata steps of the SIMD paths (one call per vector of lanes, so the call costs
-// little). They live in segment_codecs.cc, compiled for the baseline ISA, and the SIMD files call
-// them instead of the inline helpers above: a SIMD file compiled with -mavx2/-mavx512* must not
-// emit link-once copies of inline functions (the linker may pick any copy, also for scalar
-// callers, and an AVX-512 copy would fault on a CPU without it). kernels_simd_isolation_test
-// checks the SIMD objects define no such symbol.
-//
-// int8: lane k is channel m0 + k (K), or the one row m0 (V, n = 1), with its largest finite |x|
-// in amax[k]; stores the dtype scales at scales[m0 + k] and writes divisors[k].
-void Int8ScalesOfLanes(uint8_t dtype, const float* amax, int n, std::byte* scales, size_t m0,
-                       float* divisors);
-// int4/int2 K: lane k is the group of channel m0 + k, with its finite minimum and maximum in
-// mn[k] and mx[k] (+Inf and -Inf when the group has no finite value); stores the scales and
-// minimums at index m0 + k, writes min_f[k] and divisors[k].
-void IntNGroupsOfLanes(uint8_t dtype, float qmax, const float* mn, const float* mx, int n,
-                       std::byte* scales, std::byte* mins, size_t m0, float* min_f,
-                       float* divisors);
-// int4/int2 V: the n lanes together are one group (index m); reduces them, stores the scale and
-// minimum at m, and returns the group's parameters.
-IntNGroup IntNGroupOfLanes(uint8_t dtype, float qmax, const float* mn, const float* mx, int n,
-                           std::byte* scales, std::byte* mins, size_t m);
+// ---- ISA isolation of the SIMD paths. simd_avx2.cc and simd_avx512.cc are compiled with
+// -mavx2/-mavx512*; they must not emit link-once copies of inline functions of shared headers
+// (such as the inline helpers above): the linker may pick any copy, also for scalar callers, and
+// an AVX-512 copy would fault on a CPU without it. So each SIMD file computes its per-group
+// scales with vector code of its own (internal linkage) that performs the scalar helpers'
+// operations lane by lane, and calls nothing inline from here. kernels_simd_isolation_test checks
+// the SIMD objects define no such symbol.
 
 // ---- CPU features (kernels/internal/cpu_features.cc, compiled for the baseline ISA).
 // AVX2 + F16C usable.

@@ -1,14 +1,14 @@
 // AVX2 + F16C fast path for fp8, int8 and int4/int2 (compiled with -mavx2 -mf16c, called only
 // after CpuHasAvx2() said yes at run time). Every lane performs the scalar reference's
-// operations in the same order (no FMA: this file is built with -ffp-contract=off), and the
-// per-group scale arithmetic is the shared per-lane step of segment_codecs.cc, so the bytes are
-// identical to the scalar path. Segments whose head_dim is not a multiple of 8 take the scalar
+// operations in the same order (no FMA: this file is built with -ffp-contract=off), the
+// per-group scales included (8 groups or rows at a time), so the bytes are identical to the
+// scalar path. Segments whose head_dim is not a multiple of 8 take the scalar
 // path wholesale.
 //
 // ISA isolation: everything but the entry points has internal linkage, and this file calls no
 // inline function of the shared headers and no std template, so it emits no link-once code that
-// the linker could hand to callers on CPUs without AVX2 (segment_codecs.h, "Per-lane metadata
-// steps"; kernels_simd_isolation_test checks the object file). CpuHasAvx2() lives in
+// the linker could hand to callers on CPUs without AVX2 (segment_codecs.h, "ISA isolation
+// of the SIMD paths"; kernels_simd_isolation_test checks the object file). CpuHasAvx2() lives in
 // cpu_features.cc, compiled for the baseline ISA.
 #include <immintrin.h>
 
@@ -225,7 +225,7 @@ inline __m256i RoundUpDtype8(__m256 x) {
 }
 
 // IntNGroupParams of 8 groups (lanes) from their finite minimum and maximum (+Inf and -Inf for a
-// group without a finite value, which gets min = max = 0 as in IntNGroupsOfLanes), bit for bit:
+// group without a finite value, which gets min = max = 0 as in EncodeIntNScalar), bit for bit:
 // the same operations in the same order, the dtype roundings above matching numeric.h.
 struct IntNParams8 {
   __m128i scale, min;  // dtype bits, 8 x 16

@@ -1,8 +1,9 @@
 // AVX-512 fast path for fp8, int8 and int4/int2, 16 lanes (compiled with -mavx512f -mavx512bw
 // -mavx512vl -mf16c, called only after CpuHasAvx512() said yes at run time). Like the AVX2 path
 // (simd_avx2.cc), every lane performs the scalar reference's operations in the same order (no
-// FMA: this file is built with -ffp-contract=off) and the per-group scale arithmetic is the
-// shared per-lane step of segment_codecs.cc, so the bytes are identical to the scalar path.
+// FMA: this file is built with -ffp-contract=off), the per-group scales included (16 groups or
+// rows at a time, with mask registers where the AVX2 path blends), so the bytes are identical to
+// the scalar path.
 // Segments whose head_dim is not a multiple of 16 go to the AVX2 entry points wholesale.
 //
 // Lane order by construction: every narrowing is a vpmov* truncation (whole register, lane order
@@ -12,8 +13,8 @@
 //
 // ISA isolation: everything but the entry points has internal linkage, and this file calls no
 // inline function of the shared headers and no std template, so it emits no link-once code that
-// the linker could hand to callers on CPUs without AVX-512 (segment_codecs.h, "Per-lane metadata
-// steps"; kernels_simd_isolation_test checks the object file).
+// the linker could hand to callers on CPUs without AVX-512 (segment_codecs.h, "ISA isolation
+// of the SIMD paths"; kernels_simd_isolation_test checks the object file).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -186,6 +187,93 @@ inline void Accumulate(__m512 x, __m512& mn, __m512& mx) {
   mx = _mm512_mask_max_ps(mx, finite, x, mx);
 }
 
+// numeric::FloatToDtype of 16 non-NaN floats, as 32-bit lanes.
+template <uint8_t kDt>
+inline __m512i ToDtype16(__m512 v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
+                             16);
+  } else {
+    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// numeric::DtypeToFloat of 16 dtype values held in 32-bit lanes.
+template <uint8_t kDt>
+inline __m512 FromDtype16(__m512i v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+  }
+}
+
+// numeric::RoundUpDtype of 16 non-negative floats (NaN and Inf lanes too), as 32-bit lanes: the
+// AVX2 path's RoundUpDtype8 with mask registers.
+template <uint8_t kDt>
+inline __m512i RoundUpDtype16(__m512 x) {
+  constexpr bool kBf16 = kDt == numeric::kDtypeBf16;
+  // Also the largest finite magnitude: (v & 0x7FFF) above it is Inf or NaN.
+  const __m512i max_finite = _mm512_set1_epi32(kBf16 ? 0x7F7F : 0x7BFF);
+  const __m512i abs16 = _mm512_set1_epi32(0x7FFF);
+  const __mmask16 not_finite = _mm512_cmpgt_epi32_mask(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)),
+      _mm512_set1_epi32(0x7F7FFFFF));
+  // NaN lanes are not_finite; keep them out of the conversions (0 in their place).
+  const __m512 xs = _mm512_maskz_mov_ps(static_cast<__mmask16>(~not_finite), x);
+  __m512i v = ToDtype16<kDt>(xs);
+  __mmask16 over = _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs16), max_finite);
+  // One ulp up where rounding went down.
+  const __mmask16 down = _mm512_cmp_ps_mask(FromDtype16<kDt>(v), xs, _CMP_LT_OQ);
+  v = _mm512_mask_add_epi32(v, down, v, _mm512_set1_epi32(1));
+  over |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs16), max_finite);
+  v = _mm512_mask_mov_epi32(v, over, max_finite);
+  const __mmask16 not_positive = _mm512_cmp_ps_mask(xs, _mm512_setzero_ps(), _CMP_LE_OQ);
+  v = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~not_positive), v);
+  return _mm512_mask_mov_epi32(v, not_finite, max_finite);
+}
+
+// IntNGroupParams of 16 groups (lanes) from their finite minimum and maximum (+Inf and -Inf for
+// a group without a finite value, which gets min = max = 0), bit for bit as the scalar step.
+struct IntNParams16 {
+  __m256i scale, min;  // dtype bits, 16 x 16
+  __m512 min_f, divisor;
+};
+template <uint8_t kDt>
+inline IntNParams16 IntNGroupParams16(__m512 mn, __m512 mx, __m512 qmax) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 filled = static_cast<__mmask16>(~_mm512_cmp_ps_mask(mn, mx, _CMP_GT_OQ));
+  mn = _mm512_add_ps(_mm512_maskz_mov_ps(filled, mn), zero);  // + 0: a -0 extreme becomes +0
+  mx = _mm512_add_ps(_mm512_maskz_mov_ps(filled, mx), zero);
+  const __m512i min = ToDtype16<kDt>(mn);
+  const __m512i scale = RoundUpDtype16<kDt>(_mm512_div_ps(_mm512_sub_ps(mx, mn), qmax));
+  const __m512 s = FromDtype16<kDt>(scale);
+  IntNParams16 p;
+  p.scale = _mm512_cvtepi32_epi16(scale);
+  p.min = _mm512_cvtepi32_epi16(min);
+  p.min_f = FromDtype16<kDt>(min);
+  p.divisor = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(s, zero, _CMP_EQ_OQ), _mm512_set1_ps(1.0f));
+  return p;
+}
+
+// Int8RowScale of 16 rows or channels (lanes) from their largest finite |x|: the dtype scales
+// (16 x 16 bits) and the divisors, bit for bit.
+template <uint8_t kDt>
+inline __m256i Int8Scales16(__m512 amax, __m512* divisor) {
+  const __m512i scale = RoundUpDtype16<kDt>(_mm512_div_ps(amax, _mm512_set1_ps(127.0f)));
+  const __m512 f = FromDtype16<kDt>(scale);
+  *divisor = _mm512_mask_mov_ps(f, _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_EQ_OQ),
+                                _mm512_set1_ps(1.0f));
+  return _mm512_cvtepi32_epi16(scale);
+}
+
+// Stores the first n (1..16) of 16 dtype values at p.
+inline void Store16Partial(std::byte* p, __m256i v, uint32_t n) {
+  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), v);
+}
+
 // ---------------------------------------------------------------- fp8
 
 template <uint8_t kDt>
@@ -245,36 +333,45 @@ void EncodeInt8Impl(const SegmentShape& shape, const std::byte* in, std::byte* p
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   if (!shape.is_value) {  // K: one scale per channel (h, d), 16 channels at a time
     std::byte* q = payload + 2 * size_t{H} * D;
-    alignas(64) float amax[kLanes], divisor[kLanes];
     for (uint32_t h = 0; h < H; ++h) {
       for (uint32_t d = 0; d < D; d += kLanes) {
         __m512 m = _mm512_setzero_ps();
         for (uint32_t t = 0; t < T; ++t) {
           m = _mm512_max_ps(m, FiniteAbs(Load16<kDt>(in, (size_t{t} * H + h) * D + d)));
         }
-        _mm512_store_ps(amax, m);
-        Int8ScalesOfLanes(shape.dtype, amax, kLanes, payload, size_t{h} * D + d, divisor);
-        const __m512 div = _mm512_load_ps(divisor);
+        __m512 div;
+        const __m256i scales = Int8Scales16<kDt>(m, &div);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(payload + 2 * (size_t{h} * D + d)), scales);
         for (uint32_t t = 0; t < T; ++t) {
           const size_t i = (size_t{t} * H + h) * D + d;
           StoreLowBytes(q + i, ClampRound(_mm512_div_ps(Load16<kDt>(in, i), div), lo, hi));
         }
       }
     }
-  } else {  // V: one scale per row (t, h)
+  } else {  // V: one scale per row (t, h); the scales of 16 rows are computed together
     std::byte* q = payload + 2 * size_t{T} * H;
-    for (size_t row = 0; row < size_t{T} * H; ++row) {
-      __m512 m = _mm512_setzero_ps();
-      for (uint32_t d = 0; d < D; d += kLanes) {
-        m = _mm512_max_ps(m, FiniteAbs(Load16<kDt>(in, row * D + d)));
+    const size_t rows = size_t{T} * H;
+    alignas(64) float amax[kLanes], divisor[kLanes];
+    for (size_t r0 = 0; r0 < rows; r0 += kLanes) {
+      const uint32_t nr = static_cast<uint32_t>(rows - r0 < kLanes ? rows - r0 : kLanes);
+      for (uint32_t k = 0; k < kLanes; ++k) {
+        __m512 m = _mm512_setzero_ps();
+        if (k < nr) {
+          for (uint32_t d = 0; d < D; d += kLanes) {
+            m = _mm512_max_ps(m, FiniteAbs(Load16<kDt>(in, (r0 + k) * D + d)));
+          }
+        }
+        amax[k] = _mm512_reduce_max_ps(m);
       }
-      const float amax = _mm512_reduce_max_ps(m);
-      float divisor;
-      Int8ScalesOfLanes(shape.dtype, &amax, 1, payload, row, &divisor);
-      const __m512 div = _mm512_set1_ps(divisor);
-      for (uint32_t d = 0; d < D; d += kLanes) {
-        const size_t i = row * D + d;
-        StoreLowBytes(q + i, ClampRound(_mm512_div_ps(Load16<kDt>(in, i), div), lo, hi));
+      __m512 div16;
+      Store16Partial(payload + 2 * r0, Int8Scales16<kDt>(_mm512_load_ps(amax), &div16), nr);
+      _mm512_store_ps(divisor, div16);
+      for (uint32_t k = 0; k < nr; ++k) {
+        const __m512 div = _mm512_set1_ps(divisor[k]);
+        for (uint32_t d = 0; d < D; d += kLanes) {
+          const size_t i = (r0 + k) * D + d;
+          StoreLowBytes(q + i, ClampRound(_mm512_div_ps(Load16<kDt>(in, i), div), lo, hi));
+        }
       }
     }
   }
@@ -315,7 +412,6 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
     PackLanes<bits>(packed + i * bits / 8, ClampRound(v, zero, qmax));
   };
   if (!shape.is_value) {  // K: groups along tokens, 16 channels at a time
-    alignas(64) float mnv[kLanes], mxv[kLanes], minf[kLanes], divv[kLanes];
     for (uint32_t j = 0; j < l.num_groups; ++j) {
       const uint32_t t0 = j * l.group_len, len = MinU32(l.group_len, T - t0);
       for (uint32_t h = 0; h < H; ++h) {
@@ -324,30 +420,52 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
           for (uint32_t t = t0; t < t0 + len; ++t) {
             Accumulate(Load16<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
           }
-          _mm512_store_ps(mnv, mn);
-          _mm512_store_ps(mxv, mx);
-          IntNGroupsOfLanes(shape.dtype, qmax_f, mnv, mxv, kLanes, scales, mins,
-                            (size_t{j} * H + h) * D + d, minf, divv);
-          const __m512 mf = _mm512_load_ps(minf), dv = _mm512_load_ps(divv);
-          for (uint32_t t = t0; t < t0 + len; ++t) quantize16((size_t{t} * H + h) * D + d, mf, dv);
+          const IntNParams16 p = IntNGroupParams16<kDt>(mn, mx, qmax);
+          const size_t m = (size_t{j} * H + h) * D + d;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(scales + 2 * m), p.scale);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(mins + 2 * m), p.min);
+          for (uint32_t t = t0; t < t0 + len; ++t) {
+            quantize16((size_t{t} * H + h) * D + d, p.min_f, p.divisor);
+          }
         }
       }
     }
-  } else {  // V: groups along channels; group_len = min(G, D) is a multiple of 16
-    alignas(64) float mnv[kLanes], mxv[kLanes];
-    for (size_t row = 0; row < size_t{T} * H; ++row) {
-      for (uint32_t j = 0; j < l.num_groups; ++j) {
-        const uint32_t d0 = j * l.group_len, len = MinU32(l.group_len, D - d0);
+  } else {
+    // V: groups along channels; group_len = min(G, D) is a multiple of 16. Groups (index
+    // m = row * NG + j, the order of their metadata) 16 at a time: each group's extremes reduced
+    // to one lane, the 16 groups' parameters computed together, then each group quantized with
+    // its lane broadcast.
+    const uint32_t g_len = l.group_len;
+    const size_t groups = l.meta_count;  // T * H * NG
+    alignas(64) float mnv[kLanes], mxv[kLanes], minf[kLanes], divv[kLanes];
+    size_t row = 0;
+    uint32_t j = 0;  // group m0's row and index in it
+    for (size_t m0 = 0; m0 < groups; m0 += kLanes) {
+      const uint32_t lanes = static_cast<uint32_t>(groups - m0 < kLanes ? groups - m0 : kLanes);
+      size_t r = row;
+      uint32_t jj = j;
+      for (uint32_t k = 0; k < kLanes; ++k) {
         __m512 mn = inf, mx = ninf;
-        for (uint32_t d = d0; d < d0 + len; d += kLanes) {
-          Accumulate(Load16<kDt>(in, row * D + d), mn, mx);
+        if (k < lanes) {
+          const uint32_t d0 = jj * g_len, len = MinU32(g_len, D - d0);
+          for (uint32_t d = d0; d < d0 + len; d += kLanes) {
+            Accumulate(Load16<kDt>(in, r * D + d), mn, mx);
+          }
+          if (++jj == l.num_groups) jj = 0, ++r;
         }
-        _mm512_store_ps(mnv, mn);
-        _mm512_store_ps(mxv, mx);
-        const IntNGroup g = IntNGroupOfLanes(shape.dtype, qmax_f, mnv, mxv, kLanes, scales, mins,
-                                             row * l.num_groups + j);
-        const __m512 mf = _mm512_set1_ps(g.min_f), dv = _mm512_set1_ps(g.divisor);
+        mnv[k] = _mm512_reduce_min_ps(mn);
+        mxv[k] = _mm512_reduce_max_ps(mx);
+      }
+      const IntNParams16 p = IntNGroupParams16<kDt>(_mm512_load_ps(mnv), _mm512_load_ps(mxv), qmax);
+      Store16Partial(scales + 2 * m0, p.scale, lanes);
+      Store16Partial(mins + 2 * m0, p.min, lanes);
+      _mm512_store_ps(minf, p.min_f);
+      _mm512_store_ps(divv, p.divisor);
+      for (uint32_t k = 0; k < lanes; ++k) {
+        const uint32_t d0 = j * g_len, len = MinU32(g_len, D - d0);
+        const __m512 mf = _mm512_set1_ps(minf[k]), dv = _mm512_set1_ps(divv[k]);
         for (uint32_t d = d0; d < d0 + len; d += kLanes) quantize16(row * D + d, mf, dv);
+        if (++j == l.num_groups) j = 0, ++row;
       }
     }
   }

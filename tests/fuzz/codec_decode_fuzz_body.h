@@ -3,11 +3,13 @@
 //
 // Input: one mode byte, then a candidate block. Odd mode: the CRC fields are recomputed first,
 // so mutations reach the segment decoders instead of stopping at the checksum. The decoder
-// must return an error or decode; when the scalar and the auto-selected (SIMD) paths both
-// decode, their outputs must be identical. Thread-safety: pure.
+// must return an error or decode, and every CPU path this machine runs (scalar, AVX2, AVX-512)
+// must agree with the scalar reference: all fail, or all decode to identical bytes.
+// Thread-safety: pure.
 #ifndef PROXIMA_TESTS_FUZZ_CODEC_DECODE_FUZZ_BODY_H_
 #define PROXIMA_TESTS_FUZZ_CODEC_DECODE_FUZZ_BODY_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -31,11 +33,15 @@ inline bool RunCodecDecodeInput(const uint8_t* data, size_t size) {
   if (data[0] & 1) internal::ResealBlockForFuzzing(block);
   absl::StatusOr<BlockHeaderInfo> info = InspectBlock(block);
   if (!info.ok() || info->raw_bytes > kMaxFuzzRawBytes) return false;
-  std::vector<std::byte> scalar(info->raw_bytes), best(info->raw_bytes);
+  std::vector<std::byte> scalar(info->raw_bytes), simd(info->raw_bytes);
   const bool ok_scalar = DecodeBlockWithPath(CpuPath::kScalar, block, scalar).ok();
-  const bool ok_best = DecodeBlock(block, best).ok();
-  if (ok_scalar != ok_best || (ok_scalar && scalar != best)) std::abort();  // paths disagree
-  return ok_best;
+  for (CpuPath path : {CpuPath::kAvx2, CpuPath::kAvx512}) {
+    if (!CpuPathAvailable(path)) continue;
+    std::fill(simd.begin(), simd.end(), std::byte{0});
+    const bool ok = DecodeBlockWithPath(path, block, simd).ok();
+    if (ok != ok_scalar || (ok && simd != scalar)) std::abort();  // paths disagree
+  }
+  return ok_scalar;
 }
 
 }  // namespace proxima::codec::fuzz
