@@ -137,8 +137,8 @@ std::vector<absl::Status> DecodeBlocks(std::span<const DecodeRequest> requests, 
 // ---- CPU implementation selection (tests and benchmarks compare the paths).
 enum class CpuPath : uint8_t { kAuto, kScalar, kAvx2, kAvx512 };
 // Checked at run time: kAvx512 when the CPU has AVX-512 F, BW and VL and the OS saves the zmm
-// state and the environment sets PROXIMA_CODEC_AVX512=1 (the path awaits its first run on such a
-// CPU), else kAvx2 when it has AVX2 and F16C, else kScalar.
+// state (unless the environment sets PROXIMA_CODEC_AVX512=0), else kAvx2 when it has AVX2 and
+// F16C, else kScalar. Every path gives the same bytes.
 CpuPath BestCpuPath();
 // Whether this machine can run `path` (kAuto and kScalar: always).
 bool CpuPathAvailable(CpuPath path);

@@ -41,8 +41,7 @@ constexpr CpuPath kSimdPaths[] = {CpuPath::kAvx2, CpuPath::kAvx512};
     GTEST_SKIP() << "this CPU (or its OS) cannot run the " << CpuPathName(path) << " path"; \
   }
 
-// The widest path the CPU runs, AVX-512 only on request (PROXIMA_CODEC_AVX512=1) until it has
-// run on an AVX-512 CPU (docs/decisions.md).
+// The widest path the CPU runs, unless PROXIMA_CODEC_AVX512=0 declines AVX-512.
 TEST(CpuPathTest, BestPathIsTheWidestAvailable) {
   const CpuPath best = BestCpuPath();
   std::printf("best CPU path here: %s (avx2 %s, avx512 %s)\n",
@@ -51,9 +50,9 @@ TEST(CpuPathTest, BestPathIsTheWidestAvailable) {
               CpuPathAvailable(CpuPath::kAvx512) ? "yes" : "no");
   EXPECT_TRUE(CpuPathAvailable(best));
   EXPECT_TRUE(CpuPathAvailable(CpuPath::kScalar));
-  const char* requested = std::getenv("PROXIMA_CODEC_AVX512");
-  if (CpuPathAvailable(CpuPath::kAvx512) && requested != nullptr &&
-      std::string_view(requested) == "1") {
+  const char* env = std::getenv("PROXIMA_CODEC_AVX512");
+  const bool declined = env != nullptr && std::string_view(env) == "0";
+  if (CpuPathAvailable(CpuPath::kAvx512) && !declined) {
     EXPECT_EQ(best, CpuPath::kAvx512);
     EXPECT_TRUE(CpuPathAvailable(CpuPath::kAvx2));  // the AVX-512 path hands odd dims to AVX2
   } else if (CpuPathAvailable(CpuPath::kAvx2)) {

@@ -30,8 +30,8 @@ GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
-# The GPU machine's CPU is the only AVX-512 one these checks reach (build machines: AVX2): the
-# codec's CPU paths are checked and timed there too.
+# The codec's CPU paths are checked and timed on the GPU machine's CPU too (another CPU model
+# than the build machines': AVX-512 on an Intel or AMD server part).
 CPU_SIMD=(kernels/kernels_simd_test bench/codec_bench)
 # The UCX data plane on a machine with more than two cores (build machines: 2), against
 # ucx_perftest and Redis, whose Debian binaries travel in $DIR/bin.
