@@ -168,9 +168,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   v1::GetServerInfoResponse info;
   PROXIMA_RETURN_IF_ERROR(
       FromGrpc(client->stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
-  client->server_info_ =
-      ServerInfo{info.version(), info.max_message_bytes(), info.max_batch_blocks(),
-                 info.max_lookup_keys(), info.ucx_enabled()};
+  client->server_info_ = ServerInfo{info.version(),          info.max_message_bytes(),
+                                    info.max_batch_blocks(), info.max_lookup_keys(),
+                                    info.ucx_enabled(),      info.max_inflight_bytes_per_client()};
   if (info.key_bytes() != kKeyBytes || info.max_batch_blocks() == 0 ||
       info.max_lookup_keys() == 0 || info.max_message_bytes() <= kMessageOverhead) {
     return absl::FailedPreconditionError(
@@ -410,9 +410,8 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
                                                        std::span<const uint32_t> crcs) {
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
-  const size_t per_call = server_info_.max_batch_blocks;
-  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
-    size_t end = std::min(keys.size(), begin + per_call);
+  for (size_t begin = 0, end = 0; begin < keys.size(); begin = end) {
+    end = UcxBatchEnd(blocks, begin);
     v1::PutUcxRequest request;
     request.set_profile_id(profile.id);
     std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
@@ -473,9 +472,8 @@ absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
                                                  std::span<const BlockKey> keys,
                                                  std::span<const Segments> out) {
   std::vector<bool> found(keys.size(), false);
-  const size_t per_call = server_info_.max_batch_blocks;
-  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
-    const size_t end = std::min(keys.size(), begin + per_call);
+  for (size_t begin = 0, end = 0; begin < keys.size(); begin = end) {
+    end = UcxBatchEnd(out, begin);
     // As an inline Get: this client checks every block written, so the daemon need not read it
     // once more first (GetUcxRequest.client_verifies_crc32c).
     std::vector<size_t> mismatched;
@@ -614,6 +612,25 @@ void Client::PrepareContext(grpc::ClientContext* context) const {
 void Client::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
   context->set_deadline(Deadline(timeout));
   if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
+}
+
+template <typename Blocks>
+size_t Client::UcxBatchEnd(const Blocks& blocks, size_t begin) const {
+  // Request bytes a block adds besides its data (key, CRC, hints; per segment its region, offset
+  // and length), and the call's own (fixed fields, the packed remote keys of its regions): both
+  // generous, so that the daemon's count never exceeds this one.
+  constexpr uint64_t kBlockOverhead = 64, kSegmentOverhead = 32, kCallOverhead = 64 << 10;
+  const size_t end = std::min(blocks.size(), begin + server_info_.max_batch_blocks);
+  const uint64_t limit = server_info_.max_inflight_bytes;
+  if (limit == 0) return end;
+  uint64_t charged = kCallOverhead;
+  for (size_t i = begin; i < end; ++i) {
+    uint64_t bytes = kBlockOverhead;
+    for (const auto& segment : blocks[i]) bytes += segment.size() + kSegmentOverhead;
+    if (i > begin && charged + bytes > limit) return i;
+    charged += bytes;
+  }
+  return end;
 }
 
 size_t Client::BlocksPerCall(uint64_t block_bytes) const {

@@ -155,6 +155,9 @@ struct ServerInfo {
   uint32_t max_batch_blocks = 0;
   uint32_t max_lookup_keys = 0;
   bool ucx_enabled = false;  // the daemon serves the UCX data plane
+  // server.max_inflight_bytes_per_client: UCX calls carry at most this many block bytes (and
+  // request) each; 0 when the daemon does not say (one that predates it).
+  uint64_t max_inflight_bytes = 0;
 };
 
 // A block as a scatter/gather list: its bytes are the segments' bytes in order (e.g. one segment
@@ -267,6 +270,12 @@ class Client {
   void CountCrcFailure();
   // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
   size_t BlocksPerCall(uint64_t block_bytes) const;
+  // One past the last block of the PutUcx/GetUcx call that starts at `begin` of `blocks`
+  // (scatter/gather lists): at most max_batch_blocks blocks, and no more block bytes than the
+  // daemon admits for one client at once (it charges them like message bytes), but at least one
+  // block.
+  template <typename Blocks>
+  size_t UcxBatchEnd(const Blocks& blocks, size_t begin) const;
   // Starts the UCX worker and opens a session with the daemon.
   absl::Status StartUcx();
   // Opens a new session on the existing worker (the daemon restarted and forgot the old one).

@@ -436,6 +436,7 @@ absl::Status TierService::GetServerInfo(const Caller&, const v1::GetServerInfoRe
   response->set_max_batch_blocks(config_.server.max_batch_blocks);
   response->set_max_lookup_keys(config_.server.max_lookup_keys);
   response->set_key_bytes(kKeyBytes);
+  response->set_max_inflight_bytes_per_client(config_.server.max_inflight_bytes_per_client);
   return absl::OkStatus();
 }
 

@@ -634,6 +634,7 @@ class PyClient {
     d["max_message_bytes"] = info.max_message_bytes;
     d["max_batch_blocks"] = info.max_batch_blocks;
     d["max_lookup_keys"] = info.max_lookup_keys;
+    d["max_inflight_bytes_per_client"] = info.max_inflight_bytes;
     return d;
   }
   uint64_t crc_failures() const { return session_->client->crc_failures(); }

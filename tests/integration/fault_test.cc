@@ -12,10 +12,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/testing/status_matchers.h"
@@ -160,36 +163,55 @@ TEST(FaultTest, SigkillMidBatchesFailsFastThenServesAgainWithoutWrongBytes) {
 }
 
 TEST(FaultTest, ClientsKilledMidPutAndMidGetLeaveNothingBehind) {
-  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=1073741824"}));
+  // 384 blocks of 1 MiB (64 tokens per block) per chain; the tier holds all four chains of this
+  // test, so nothing is evicted.
+  constexpr int kBlocks = 384;
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=2147483648"}));
   const std::string target = daemon->tcp_target();
-  // Stored first, by a client that finishes: 128 blocks of 1 MiB (64 tokens per block; the tier
-  // holds all four chains of this test, so nothing is evicted).
-  testing::CommandResult put = testing::RunCommand(
-      {testing::ProximactlPath(), "put", "--target=" + target, "--count=128",
-       "--tokens_per_block=64", "--seed=3"},
-      absl::Seconds(60));
+  auto proximactl = [&](const std::string& command, int seed) {
+    return std::vector<std::string>{testing::ProximactlPath(), command,
+                                    "--target=" + target,      absl::StrCat("--count=", kBlocks),
+                                    "--tokens_per_block=64",   absl::StrCat("--seed=", seed)};
+  };
+  // How long a whole put and a whole get take on this machine (process start included): the
+  // kills below land at fractions of that, so they hit the transfer itself on a fast machine as
+  // on a slow one rather than before or after it.
+  auto timed = [](const std::vector<std::string>& argv) {
+    const absl::Time start = absl::Now();
+    testing::CommandResult r = testing::RunCommand(argv, absl::Seconds(60));
+    return std::make_pair(r, absl::Now() - start);
+  };
+  // Stored first, by a client that finishes; then read whole once.
+  const auto [put, put_time] = timed(proximactl("put", 3));
   ASSERT_EQ(put.exit_code, 0) << put.err;
+  const auto [get, get_time] = timed(proximactl("get", 3));
+  ASSERT_EQ(get.exit_code, 0) << get.err;
+  std::printf("whole put %.0f ms, whole get %.0f ms\n", absl::ToDoubleMilliseconds(put_time),
+              absl::ToDoubleMilliseconds(get_time));
   // Then clients killed while sending a large put (a reservation in flight) and while
   // receiving a large get (blocks pinned for the response).
+  const double fractions[] = {0.5, 0.65, 0.8};
   for (int i = 0; i < 3; ++i) {
     for (const char* command : {"put", "get"}) {
-      testing::CommandResult r = testing::RunCommand(
-          {"/usr/bin/timeout", "-s", "KILL", "0.2", testing::ProximactlPath(), command,
-           "--target=" + target, "--count=128", "--tokens_per_block=64",
-           absl::StrCat("--seed=", std::string(command) == "put" ? 4 + i : 3)},
-          absl::Seconds(30));
-      EXPECT_NE(r.exit_code, 0) << command << " finished before it could be killed";
+      const bool is_put = std::string(command) == "put";
+      const double kill_after = fractions[i] * absl::ToDoubleSeconds(is_put ? put_time : get_time);
+      std::vector<std::string> argv = {"/usr/bin/timeout", "-s", "KILL",
+                                       absl::StrFormat("%.3f", kill_after)};
+      for (std::string& arg : proximactl(command, is_put ? 4 + i : 3)) argv.push_back(arg);
+      testing::CommandResult r = testing::RunCommand(argv, absl::Seconds(30));
+      EXPECT_NE(r.exit_code, 0) << command << " finished before it could be killed, after "
+                                << kill_after << " s";
     }
   }
   auto c = testing::MustConnect(target);
   ASSERT_NE(c, nullptr);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel(64, "proximactl-test")));
   // Everything that was completely stored is intact...
-  EXPECT_EQ(testing::GetAndCheck(*c, p, 3, 0, 128), 128u);
+  EXPECT_EQ(testing::GetAndCheck(*c, p, 3, 0, kBlocks), static_cast<size_t>(kBlocks));
   // ...and once every block is deleted, no byte of the tier is still held: no reservation of a
   // dead put, no pin of a dead get.
   for (uint64_t seed : {3, 4, 5, 6}) {
-    ASSERT_OK(c->Delete(p, client::TestKeyChain(seed, 0, 128)).status());
+    ASSERT_OK(c->Delete(p, client::TestKeyChain(seed, 0, kBlocks)).status());
   }
   ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
   ASSERT_EQ(stats.tiers_size(), 1);

@@ -849,6 +849,7 @@ TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadli
 TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
   // server.max_inflight_bytes_per_client bounds what one client holds in the daemon over UCX
   // too: a PutUcx or GetUcx is charged the block bytes it moves, like an inline call's message.
+  // The client knows the limit (GetServerInfo) and cuts its UCX batches to fit it.
   setenv("UCX_TLS", "tcp", 1);
   setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   ASSERT_OK_AND_ASSIGN(
@@ -859,8 +860,9 @@ TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
   options.target = daemon->tcp_target();  // accounted per client (Unix-socket peers are not)
   options.transport = Transport::kUcx;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  EXPECT_EQ(c->server_info().max_inflight_bytes, uint64_t{1} << 20);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));  // 256 KiB blocks
-  constexpr size_t kBlocks = 8;                                      // 2 MiB in one call
+  constexpr size_t kBlocks = 8;  // 2 MiB: within max_batch_blocks, twice the byte limit
   std::vector<std::byte> cache(kBlocks * p.block_bytes);
   std::vector<std::span<const std::byte>> in;
   std::vector<std::span<std::byte>> out;
@@ -871,18 +873,29 @@ TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
     out.push_back(b);
   }
   std::vector<BlockKey> keys = client::TestKeyChain(31, 0, kBlocks);
-  EXPECT_THAT(c->Put(p, keys, in).status(),
+  // Three blocks (768 KiB and the request) fit in one call, four do not: 3 + 3 + 2.
+  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  std::fill(cache.begin(), cache.end(), std::byte{0});
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+  EXPECT_THAT(found, ::testing::Each(true));
+  for (size_t i = 0; i < kBlocks; ++i) EXPECT_TRUE(client::IsTestBlock(31, i, out[i])) << i;
+  ASSERT_OK_AND_ASSIGN(std::string m, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"PutUcx\",code=\"OK\"}"), 3);
+  EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"GetUcx\",code=\"OK\"}"), 3);
+  EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            kBlocks * p.block_bytes);
+
+  // One block larger than the limit cannot be cut: the daemon refuses it before moving a byte.
+  ASSERT_OK_AND_ASSIGN(Profile big, c->RegisterProfile(TestModel(128)));  // 2 MiB blocks
+  std::vector<std::byte> one(big.block_bytes);
+  client::FillTestBlock(32, 0, one);
+  std::vector<std::span<const std::byte>> one_in = {one};
+  EXPECT_THAT(c->Put(big, client::TestKeyChain(32, 0, 1), one_in).status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("server.max_inflight_bytes_per_client = 1048576")));
-  EXPECT_EQ(Metric(*daemon, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"), 0);
-  // Three blocks (768 KiB) fit: stored, and read back within the limit; eight do not.
-  ASSERT_OK(c->Put(p, std::span(keys).first(3), std::span(in).first(3)).status());
-  ASSERT_OK_AND_ASSIGN(std::vector<bool> found,
-                       c->Get(p, std::span(keys).first(3), std::span(out).first(3)));
-  EXPECT_THAT(found, ::testing::Each(true));
-  EXPECT_THAT(c->Get(p, keys, out).status(),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       HasSubstr("server.max_inflight_bytes_per_client")));
+  EXPECT_EQ(Metric(*daemon, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            kBlocks * p.block_bytes);
   unsetenv("UCX_TLS");
 }
 

@@ -263,15 +263,17 @@ int CmdInfo() {
                             .Add("max_message_bytes", info.max_message_bytes)
                             .Add("max_batch_blocks", static_cast<uint64_t>(info.max_batch_blocks))
                             .Add("max_lookup_keys", static_cast<uint64_t>(info.max_lookup_keys))
+                            .Add("max_inflight_bytes_per_client", info.max_inflight_bytes)
                             .str()
                             .c_str());
   } else {
-    std::printf("proximad %s at %s\n  transport: %s (%s)\n  limits: %llu bytes per message, "
-                "%u blocks per call, %u keys per lookup\n",
-                info.version.c_str(), absl::GetFlag(FLAGS_target).c_str(),
-                TransportName((*client)->transport()), (*client)->transport_detail().c_str(),
-                static_cast<unsigned long long>(info.max_message_bytes), info.max_batch_blocks,
-                info.max_lookup_keys);
+    std::printf(
+        "proximad %s at %s\n  transport: %s (%s)\n  limits: %llu bytes per message, "
+        "%u blocks per call, %u keys per lookup, %llu bytes in flight per client\n",
+        info.version.c_str(), absl::GetFlag(FLAGS_target).c_str(),
+        TransportName((*client)->transport()), (*client)->transport_detail().c_str(),
+        static_cast<unsigned long long>(info.max_message_bytes), info.max_batch_blocks,
+        info.max_lookup_keys, static_cast<unsigned long long>(info.max_inflight_bytes));
   }
   return 0;
 }

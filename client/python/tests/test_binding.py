@@ -121,6 +121,7 @@ def test_stats_count_the_calls(client, profile, daemon):
     assert int(after["puts"]) == int(before["puts"]) + 2
     assert stats["version"] == client.server_info["version"]
     assert client.server_info["max_batch_blocks"] > 0
+    assert client.server_info["max_inflight_bytes_per_client"] > 0
 
 
 def test_async_calls_complete_out_of_line(client, profile):
