@@ -85,14 +85,24 @@ std::string ProximadPath() {
 }
 std::string ProximactlPath() { return PROXIMACTL_PATH; }
 
-CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration deadline) {
+CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration deadline,
+                         const std::function<bool()>& kill_when) {
   char tmpl[] = "/tmp/proxima-cmd-XXXXXX";
   std::string dir = mkdtemp(tmpl);
   std::string out = dir + "/out", err = dir + "/err";
   CommandResult result;
   pid_t pid = Spawn(argv, out, err);
   if (pid > 0) {
-    int code = WaitPid(pid, deadline);
+    int code = -2;
+    if (kill_when == nullptr) {
+      code = WaitPid(pid, deadline);
+    } else {
+      const absl::Time end = absl::Now() + deadline;
+      while ((code = WaitPid(pid, absl::ZeroDuration())) == -2 && !kill_when() &&
+             absl::Now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
     if (code == -2) {
       kill(pid, SIGKILL);
       WaitPid(pid, absl::Seconds(5));

@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,9 +22,11 @@ struct CommandResult {
   std::string err;     // stderr
 };
 
-// Runs argv[0] with arguments, killing it after `deadline`.
+// Runs argv[0] with arguments, killing it (SIGKILL) after `deadline`, or as soon as `kill_when`
+// (when given; polled every 2 ms while the command runs) returns true.
 CommandResult RunCommand(const std::vector<std::string>& argv,
-                         absl::Duration deadline = absl::Seconds(60));
+                         absl::Duration deadline = absl::Seconds(60),
+                         const std::function<bool()>& kill_when = nullptr);
 
 // Paths of the binaries under test (set by CMake).
 std::string ProximadPath();

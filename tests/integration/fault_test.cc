@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/testing/status_matchers.h"
@@ -163,44 +162,48 @@ TEST(FaultTest, SigkillMidBatchesFailsFastThenServesAgainWithoutWrongBytes) {
 }
 
 TEST(FaultTest, ClientsKilledMidPutAndMidGetLeaveNothingBehind) {
-  // 384 blocks of 1 MiB (64 tokens per block) per chain; the tier holds all four chains of this
-  // test, so nothing is evicted.
-  constexpr int kBlocks = 384;
-  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=2147483648"}));
+  // 128 blocks of 1 MiB (64 tokens per block) per chain, moved 16 blocks per call; the tier
+  // holds all four chains of this test, so nothing is evicted.
+  constexpr int kBlocks = 128, kPerCall = 16;
+  ASSERT_OK_AND_ASSIGN(auto daemon,
+                       DaemonProcess::Start({"tiers.host.capacity_bytes=1073741824",
+                                             absl::StrCat("server.max_batch_blocks=", kPerCall)}));
   const std::string target = daemon->tcp_target();
   auto proximactl = [&](const std::string& command, int seed) {
     return std::vector<std::string>{testing::ProximactlPath(), command,
                                     "--target=" + target,      absl::StrCat("--count=", kBlocks),
                                     "--tokens_per_block=64",   absl::StrCat("--seed=", seed)};
   };
-  // How long a whole put and a whole get take on this machine (process start included): the
-  // kills below land at fractions of that, so they hit the transfer itself on a fast machine as
-  // on a slow one rather than before or after it.
-  auto timed = [](const std::vector<std::string>& argv) {
-    const absl::Time start = absl::Now();
-    testing::CommandResult r = testing::RunCommand(argv, absl::Seconds(60));
-    return std::make_pair(r, absl::Now() - start);
+  // Block bytes the daemon has received (put) or sent (get) so far, over either transport: they
+  // are counted as each call completes.
+  auto moved = [&](const char* direction) {
+    absl::StatusOr<std::string> m = daemon->ScrapeMetrics();
+    if (!m.ok()) return 0.0;
+    double total = 0;
+    for (const char* transport : {"ucx", "inline"}) {
+      total += std::max(0.0, testing::MetricValue(
+                                 *m, absl::StrCat("proxima_transfer_bytes_total{transport=\"",
+                                                  transport, "\",direction=\"", direction, "\"}")));
+    }
+    return total;
   };
-  // Stored first, by a client that finishes; then read whole once.
-  const auto [put, put_time] = timed(proximactl("put", 3));
+  // Stored first, by a client that finishes.
+  testing::CommandResult put = testing::RunCommand(proximactl("put", 3), absl::Seconds(60));
   ASSERT_EQ(put.exit_code, 0) << put.err;
-  const auto [get, get_time] = timed(proximactl("get", 3));
-  ASSERT_EQ(get.exit_code, 0) << get.err;
-  std::printf("whole put %.0f ms, whole get %.0f ms\n", absl::ToDoubleMilliseconds(put_time),
-              absl::ToDoubleMilliseconds(get_time));
   // Then clients killed while sending a large put (a reservation in flight) and while
-  // receiving a large get (blocks pinned for the response).
-  const double fractions[] = {0.5, 0.65, 0.8};
-  for (int i = 0; i < 3; ++i) {
+  // receiving a large get (blocks pinned for the response): each is killed once the daemon has
+  // finished `calls` of its 8 calls, whatever the machine's speed, so it dies mid-transfer.
+  constexpr double kCallBytes = double{kPerCall} * (1 << 20);
+  for (int calls : {2, 3, 4}) {
     for (const char* command : {"put", "get"}) {
       const bool is_put = std::string(command) == "put";
-      const double kill_after = fractions[i] * absl::ToDoubleSeconds(is_put ? put_time : get_time);
-      std::vector<std::string> argv = {"/usr/bin/timeout", "-s", "KILL",
-                                       absl::StrFormat("%.3f", kill_after)};
-      for (std::string& arg : proximactl(command, is_put ? 4 + i : 3)) argv.push_back(arg);
-      testing::CommandResult r = testing::RunCommand(argv, absl::Seconds(30));
-      EXPECT_NE(r.exit_code, 0) << command << " finished before it could be killed, after "
-                                << kill_after << " s";
+      const char* direction = is_put ? "in" : "out";
+      const double before = moved(direction);
+      testing::CommandResult r =
+          testing::RunCommand(proximactl(command, is_put ? 2 + calls : 3), absl::Seconds(30),
+                              [&] { return moved(direction) >= before + calls * kCallBytes; });
+      EXPECT_EQ(r.exit_code, -1) << command << " was not killed mid-transfer (after " << calls
+                                 << " of " << kBlocks / kPerCall << " calls): " << r.err;
     }
   }
   auto c = testing::MustConnect(target);

@@ -420,7 +420,8 @@ TEST(LimitsTest, InflightBytesPerClientAreCappedWithAClearError) {
   RoundTrip(*c, 13, 1);
   // Unix-socket connections are limited the same way, each on an account of its own (the
   // daemon accepts them itself, so gRPC names each one "fd:N" instead of all "unix:").
-  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
+  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target(),
+                                            .transport = client::Transport::kInline}));
   std::vector<BlockKey> local_keys = client::TestKeyChain(14, 0, 5);
   EXPECT_THAT(local->Put(p, local_keys, in),
               StatusIs(absl::StatusCode::kResourceExhausted,

@@ -65,8 +65,15 @@ def test_committed_export_matches_fresh_export(smollm2, tmp_path):
     out = tmp_path / "fresh.pkv"
     export.export_prefix(m, tok, "GPL-3", 0, 256, str(out))
     fresh = kvdump.read(str(out))
-    # Same up to rare last-bit flips from BLAS summation order before the bf16 rounding.
-    same = np.mean(fresh.data == committed.data)
-    assert same > 0.98, same
-    a, b = fresh.to_fp32(), committed.to_fp32()
+    # Same up to arithmetic: another CPU's BLAS sums in another order, which flips last bits
+    # before the bf16 rounding, and the flips compound layer after layer (on a Zen 4 machine
+    # 28% of the bf16 values of the file written on a Zen 3 one differ, 0.3% relative L2 at
+    # worst, below bf16's own 2^-8 step). Layer 0 (embeddings and one matmul) is bit-exact but
+    # for a handful of values; every layer is within 1% relative L2.
+    a = fresh.to_fp32().reshape(committed.num_layers, -1)
+    b = committed.to_fp32().reshape(committed.num_layers, -1)
+    assert np.mean(a[0] == b[0]) > 0.999, np.mean(a[0] == b[0])
+    for layer in range(committed.num_layers):
+        rel = np.linalg.norm(a[layer] - b[layer]) / np.linalg.norm(b[layer])
+        assert rel <= 0.01, (layer, rel)
     assert np.max(np.abs(a - b)) <= 0.02 * np.max(np.abs(b))
