@@ -408,6 +408,10 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
                                                        std::span<const ConstSegments> blocks,
                                                        const PutOptions& options,
                                                        std::span<const uint32_t> crcs) {
+  if (keys.size() != blocks.size()) {
+    return absl::InternalError(
+        absl::StrCat("PutUcx: ", keys.size(), " keys but ", blocks.size(), " blocks"));
+  }
   std::vector<PutOutcome> outcomes;
   outcomes.reserve(keys.size());
   for (size_t begin = 0, end = 0; begin < keys.size(); begin = end) {
@@ -471,6 +475,10 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
 absl::StatusOr<std::vector<bool>> Client::GetUcx(const Profile& profile,
                                                  std::span<const BlockKey> keys,
                                                  std::span<const Segments> out) {
+  if (keys.size() != out.size()) {
+    return absl::InternalError(
+        absl::StrCat("GetUcx: ", keys.size(), " keys but ", out.size(), " blocks"));
+  }
   std::vector<bool> found(keys.size(), false);
   for (size_t begin = 0, end = 0; begin < keys.size(); begin = end) {
     end = UcxBatchEnd(out, begin);
