@@ -642,8 +642,18 @@ size_t Client::UcxBatchEnd(const Blocks& blocks, size_t begin) const {
 }
 
 size_t Client::BlocksPerCall(uint64_t block_bytes) const {
-  uint64_t by_bytes =
-      (server_info_.max_message_bytes - kMessageOverhead) / (block_bytes + kPerBlockOverhead);
+  // The message must fit server.max_message_bytes and, since the daemon charges a call's request
+  // and response to the client, server.max_inflight_bytes_per_client: half of it, as the daemon
+  // releases a response's bytes once gRPC has sent them, which can be a moment after this client
+  // has them and sent its next call. (A UCX call's bytes are released before it answers:
+  // UcxBatchEnd uses the whole limit.)
+  uint64_t budget = server_info_.max_message_bytes;
+  if (server_info_.max_inflight_bytes != 0) {
+    budget = std::min(budget, server_info_.max_inflight_bytes / 2);
+  }
+  const uint64_t by_bytes = budget > kMessageOverhead
+                                ? (budget - kMessageOverhead) / (block_bytes + kPerBlockOverhead)
+                                : 0;
   return static_cast<size_t>(
       std::max<uint64_t>(1, std::min<uint64_t>(by_bytes, server_info_.max_batch_blocks)));
 }

@@ -155,8 +155,8 @@ struct ServerInfo {
   uint32_t max_batch_blocks = 0;
   uint32_t max_lookup_keys = 0;
   bool ucx_enabled = false;  // the daemon serves the UCX data plane
-  // server.max_inflight_bytes_per_client: UCX calls carry at most this many block bytes (and
-  // request) each; 0 when the daemon does not say (one that predates it).
+  // server.max_inflight_bytes_per_client: no call this client makes (inline message, or UCX
+  // block bytes and request) is larger; 0 when the daemon does not say (one that predates it).
   uint64_t max_inflight_bytes = 0;
 };
 
@@ -268,7 +268,8 @@ class Client {
                                             std::span<const BlockKey> keys,
                                             std::span<const std::span<std::byte>> out);
   void CountCrcFailure();
-  // Largest number of blocks of `block_bytes` that one Put or Get message can carry.
+  // Largest number of blocks of `block_bytes` that one Put or Get message can carry, within the
+  // daemon's message and per-client in-flight limits (at least 1).
   size_t BlocksPerCall(uint64_t block_bytes) const;
   // One past the last block of the PutUcx/GetUcx call that starts at `begin` of `blocks`
   // (scatter/gather lists): at most max_batch_blocks blocks, and no more block bytes than the

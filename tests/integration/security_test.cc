@@ -1,6 +1,7 @@
 // Security against the real proximad: TLS and mTLS with certificates made at test time (openssl
 // CLI), bearer tokens and read-only tokens, every call tried across namespaces, the Unix
 // socket's file mode, and the per-client in-flight byte limit.
+#include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -395,41 +396,62 @@ TEST(LimitsTest, InflightBytesPerClientAreCappedWithAClearError) {
   // The limit counts gRPC message bytes: the inline path (UCX moves block bytes outside them).
   ASSERT_OK_AND_ASSIGN(auto c, Connect({.target = daemon->tcp_target(),
                                         .transport = client::Transport::kInline}));
+  EXPECT_EQ(c->server_info().max_inflight_bytes, uint64_t{64} << 10);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(SmallModel()));  // 16 KiB blocks
   // One-block calls fit, even when the daemon has not yet released the previous call (it does
   // so once gRPC has finished sending, a moment after the client has the response).
   RoundTrip(*c, 11, 1);
-  // A 5-block Put (80 KiB) is over the limit by itself.
-  std::vector<BlockKey> keys = client::TestKeyChain(12, 0, 5);
-  std::vector<std::vector<std::byte>> data(5, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::span<const std::byte>> in(data.begin(), data.end());
-  EXPECT_THAT(c->Put(p, keys, in),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("server.max_inflight_bytes_per_client = 65536"),
-                             HasSubstr("request"))));
-  EXPECT_THAT(c->Lookup(p, keys), ::proxima::testing::IsOkAndHolds(0u));  // nothing stored
-  // A Get whose response would be 5 blocks (80 KiB): its request is small, its response not.
-  std::vector<BlockKey> get_keys(5, client::TestKeyChain(11, 0, 1)[0]);
-  std::vector<std::vector<std::byte>> out(5, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::span<std::byte>> spans(out.begin(), out.end());
-  EXPECT_THAT(c->Get(p, get_keys, spans),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("server.max_inflight_bytes_per_client"),
-                             HasSubstr("response"))));
-  // Refused calls release what they held: small calls keep working.
+  // The client cuts batches to the limit (half of it per inline call, leaving room for the
+  // previous call's response until the daemon has released it): 5 blocks (80 KiB) go one by one.
+  RoundTrip(*c, 12, 5);
+  // The daemon enforces it on whatever arrives: raw calls of 5 blocks, over TCP and over a Unix
+  // socket, each connection on an account of its own (the daemon accepts Unix-socket connections
+  // itself, so gRPC names each one "fd:N" instead of all "unix:").
+  std::vector<BlockKey> keys = client::TestKeyChain(14, 0, 5);
+  auto key_string = [](const BlockKey& k) {
+    return std::string(reinterpret_cast<const char*>(k.data()), k.size());
+  };
+  for (const std::string& target : {daemon->tcp_target(), daemon->unix_target()}) {
+    SCOPED_TRACE(target);
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    args.SetMaxReceiveMessageSize(-1);
+    auto stub = v1::KVTier::NewStub(
+        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    const bool local = target == daemon->unix_target();
+    // A 5-block Put (80 KiB) is over the limit by itself.
+    v1::PutRequest put;
+    put.set_namespace_name("default");
+    put.set_profile_id(p.id);
+    for (const BlockKey& key : keys) {
+      v1::PutBlock* block = put.add_blocks();
+      block->set_key(key_string(key));
+      block->set_data(std::string(p.block_bytes, 'x'));
+    }
+    grpc::ClientContext put_context;
+    v1::PutResponse put_response;
+    grpc::Status status = stub->Put(&put_context, put, &put_response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(status.error_message(),
+                AllOf(HasSubstr("server.max_inflight_bytes_per_client = 65536"),
+                      HasSubstr("request"), HasSubstr(local ? "client fd:" : "client ipv4:")));
+    EXPECT_THAT(c->Lookup(p, keys), ::proxima::testing::IsOkAndHolds(0u));  // nothing stored
+    // A Get whose response would be 5 blocks (80 KiB): its request is small, its response not.
+    v1::GetRequest get;
+    get.set_namespace_name("default");
+    get.set_profile_id(p.id);
+    for (int i = 0; i < 5; ++i) get.add_keys(key_string(client::TestKeyChain(11, 0, 1)[0]));
+    grpc::ClientContext get_context;
+    v1::GetResponse get_response;
+    status = stub->Get(&get_context, get, &get_response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(status.error_message(),
+                AllOf(HasSubstr("server.max_inflight_bytes_per_client"), HasSubstr("response")));
+  }
+  // Refused calls release what they held: small calls keep working, on both kinds of connection.
   RoundTrip(*c, 13, 1);
-  // Unix-socket connections are limited the same way, each on an account of its own (the
-  // daemon accepts them itself, so gRPC names each one "fd:N" instead of all "unix:").
-  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target(),
-                                            .transport = client::Transport::kInline}));
-  std::vector<BlockKey> local_keys = client::TestKeyChain(14, 0, 5);
-  EXPECT_THAT(local->Put(p, local_keys, in),
-              StatusIs(absl::StatusCode::kResourceExhausted,
-                       AllOf(HasSubstr("client fd:"),
-                             HasSubstr("server.max_inflight_bytes_per_client = 65536"))));
+  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
   RoundTrip(*local, 15, 1);
-  ASSERT_OK_AND_ASSIGN(auto local2, Connect({.target = daemon->unix_target()}));
-  RoundTrip(*local2, 16, 1);
 }
 
 }  // namespace
