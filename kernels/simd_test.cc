@@ -5,8 +5,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <ostream>
 #include <random>
@@ -158,6 +160,39 @@ TEST(NumericTest, RoundUpDtypeNeverRoundsDown) {
         ASSERT_GE(r, f) << f;
       }
     }
+  }
+}
+
+// The inline rounding the CPU reference uses gives std::nearbyint's result bit for bit (in the
+// default rounding mode): every bit pattern in steps of 251 (17 million, all exponents, both
+// signs, NaNs and infinities), every float within 2^12 ulps of the integers and halves below 2^24
+// where ties and the 2^23 boundary sit, and the special values.
+TEST(NumericTest, RoundNearestEvenMatchesNearbyint) {
+  auto check = [](float f) {
+    const float want = std::nearbyint(f), got = numeric::RoundNearestEven(f);
+    if (std::isnan(want)) {
+      ASSERT_TRUE(std::isnan(got)) << f;
+    } else {
+      ASSERT_EQ(numeric::FloatBits(got), numeric::FloatBits(want)) << std::hexfloat << f;
+    }
+  };
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFull; bits += 251) {
+    check(numeric::BitsFloat(static_cast<uint32_t>(bits)));
+  }
+  for (float base :
+       {0.5f, 1.5f, 2.5f, 127.5f, 4194303.5f, 4194304.5f, 8388607.5f, 8388608.0f, 16777216.0f}) {
+    for (float sign : {1.0f, -1.0f}) {
+      uint32_t center = numeric::FloatBits(sign * base);
+      for (uint32_t k = 0; k < 4096; ++k) {
+        check(numeric::BitsFloat(center + k));
+        check(numeric::BitsFloat(center - k));
+      }
+    }
+  }
+  for (float f : {0.0f, -0.0f, 0.49999997f, -0.49999997f, 0.5f, -0.5f, 1e-45f, -1e-45f,
+                  std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::max()}) {
+    check(f);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/dtype_dispatch.h"
 #include "kernels/internal/numeric.h"
 
 namespace proxima::codec::internal {
@@ -39,20 +40,19 @@ absl::Status CheckFiniteDtype(const SegmentShape& shape, const std::byte* p, siz
   return absl::OkStatus();  // unreachable
 }
 
-// Writes `bits`-wide values LSB-first into a zeroed buffer.
+// Writes a `bits`-wide value (bits <= 8) LSB-first into a zeroed buffer: one byte, or two when
+// the value straddles a byte boundary (star's 3-bit indices).
 void PutBits(std::byte* buf, size_t index, uint32_t bits, uint32_t value) {
-  size_t pos = index * bits;
-  for (uint32_t b = 0; b < bits; ++b, ++pos) {
-    if ((value >> b) & 1u) buf[pos / 8] |= std::byte{static_cast<uint8_t>(1u << (pos % 8))};
-  }
+  const size_t pos = index * bits;
+  const uint32_t v = value << (pos % 8);
+  buf[pos / 8] |= std::byte{static_cast<uint8_t>(v)};
+  if (pos % 8 + bits > 8) buf[pos / 8 + 1] |= std::byte{static_cast<uint8_t>(v >> 8)};
 }
 uint32_t GetBits(const std::byte* buf, size_t index, uint32_t bits) {
-  size_t pos = index * bits;
-  uint32_t v = 0;
-  for (uint32_t b = 0; b < bits; ++b, ++pos) {
-    v |= ((static_cast<uint32_t>(buf[pos / 8]) >> (pos % 8)) & 1u) << b;
-  }
-  return v;
+  const size_t pos = index * bits;
+  uint32_t w = static_cast<uint32_t>(buf[pos / 8]);
+  if (pos % 8 + bits > 8) w |= static_cast<uint32_t>(buf[pos / 8 + 1]) << 8;
+  return (w >> (pos % 8)) & ((1u << bits) - 1u);
 }
 
 int8_t QuantizeInt8(float x, float divisor) {
@@ -168,18 +168,30 @@ absl::Status ValidateStar(const SegmentShape& shape, const std::byte* payload) {
   return absl::OkStatus();
 }
 
+// The scalar codecs below are templated on the dtype (kDt) so that the conversions inline
+// without a per-value branch, and walk the segment row by row ([token][head][dim] order, with
+// per-channel state in small arrays for K) so that the inner loops run over contiguous values.
+// Each value still goes through exactly the operations docs/format.md defines, in the same order
+// per group, so the bytes do not depend on the loop order.
+
 // ---------------------------------------------------------------- fp8
 
-void EncodeFp8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
-  const uint32_t H = shape.heads, D = shape.dim;
+namespace {
+
+template <uint8_t kDt>
+void EncodeFp8T(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   std::byte* codes = payload + 4 * size_t{H};
   std::vector<float> amax(H, 0.0f);
-  for (uint32_t t = 0; t < shape.tokens; ++t) {
+  for (uint32_t t = 0; t < T; ++t) {
     for (uint32_t h = 0; h < H; ++h) {
+      const size_t base = (size_t{t} * H + h) * D;
+      float m = amax[h];
       for (uint32_t d = 0; d < D; ++d) {
-        float a = std::fabs(DtypeToFloat(shape.dtype, Load16(in, (size_t{t} * H + h) * D + d)));
-        if (IsFiniteFloat(a) && a > amax[h]) amax[h] = a;
+        const float a = std::fabs(DtypeToFloat(kDt, Load16(in, base + d)));
+        m = IsFiniteFloat(a) && a > m ? a : m;
       }
+      amax[h] = m;
     }
   }
   std::vector<float> divisor(H);
@@ -188,145 +200,248 @@ void EncodeFp8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* 
     StoreF32(payload, h, scale);
     divisor[h] = scale == 0.0f ? 1.0f : scale;
   }
-  for (size_t i = 0; i < shape.Elements(); ++i) {
-    uint32_t h = static_cast<uint32_t>((i / D) % H);
-    float y = ClampQ(DtypeToFloat(shape.dtype, Load16(in, i)) / divisor[h], -448.0f, 448.0f);
-    codes[i] = std::byte{numeric::FloatToE4m3(y)};
+  for (uint32_t t = 0; t < T; ++t) {
+    for (uint32_t h = 0; h < H; ++h) {
+      const size_t base = (size_t{t} * H + h) * D;
+      const float div = divisor[h];
+      for (uint32_t d = 0; d < D; ++d) {
+        const float y = ClampQ(DtypeToFloat(kDt, Load16(in, base + d)) / div, -448.0f, 448.0f);
+        codes[base + d] = std::byte{numeric::FloatToE4m3(y)};
+      }
+    }
   }
 }
 
-void DecodeFp8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
-  const uint32_t H = shape.heads, D = shape.dim;
+template <uint8_t kDt>
+void DecodeFp8T(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   const std::byte* codes = payload + 4 * size_t{H};
-  for (size_t i = 0; i < shape.Elements(); ++i) {
-    float scale = LoadF32(payload, (i / D) % H);
-    float x = numeric::E4m3ToFloat(static_cast<uint8_t>(codes[i])) * scale;
-    Store16(out, i, FloatToDtype(shape.dtype, x));
+  for (uint32_t t = 0; t < T; ++t) {
+    for (uint32_t h = 0; h < H; ++h) {
+      const size_t base = (size_t{t} * H + h) * D;
+      const float scale = LoadF32(payload, h);
+      for (uint32_t d = 0; d < D; ++d) {
+        const float x = numeric::E4m3ToFloat(static_cast<uint8_t>(codes[base + d])) * scale;
+        Store16(out, base + d, FloatToDtype(kDt, x));
+      }
+    }
   }
+}
+
+}  // namespace
+
+void EncodeFp8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, EncodeFp8T<kDt>(shape, in, payload));
+}
+
+void DecodeFp8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeFp8T<kDt>(shape, payload, out));
 }
 
 // ---------------------------------------------------------------- int8
 
-void EncodeInt8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+namespace {
+
+float FiniteAbs(float x) {
+  const float a = std::fabs(x);
+  return IsFiniteFloat(a) ? a : 0.0f;
+}
+
+template <uint8_t kDt>
+void EncodeInt8T(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
-  auto x_at = [&](size_t i) { return DtypeToFloat(shape.dtype, Load16(in, i)); };
-  auto finite_abs = [](float x) {
-    float a = std::fabs(x);
-    return IsFiniteFloat(a) ? a : 0.0f;
-  };
+  const size_t HD = size_t{H} * D;
   if (!shape.is_value) {  // K: one scale per channel (h, d) over tokens
-    std::byte* q = payload + 2 * size_t{H} * D;
-    for (uint32_t h = 0; h < H; ++h) {
-      for (uint32_t d = 0; d < D; ++d) {
-        float amax = 0.0f;
-        for (uint32_t t = 0; t < T; ++t) {
-          amax = std::max(amax, finite_abs(x_at((size_t{t} * H + h) * D + d)));
-        }
-        Int8Row row = Int8RowScale(shape.dtype, amax);
-        Store16(payload, size_t{h} * D + d, row.scale);
-        for (uint32_t t = 0; t < T; ++t) {
-          size_t i = (size_t{t} * H + h) * D + d;
-          q[i] = std::byte(static_cast<uint8_t>(QuantizeInt8(x_at(i), row.divisor)));
-        }
+    std::byte* q = payload + 2 * HD;
+    std::vector<float> amax(HD, 0.0f), divisor(HD);
+    for (uint32_t t = 0; t < T; ++t) {
+      for (size_t c = 0; c < HD; ++c) {
+        amax[c] = std::max(amax[c], FiniteAbs(DtypeToFloat(kDt, Load16(in, t * HD + c))));
+      }
+    }
+    for (size_t c = 0; c < HD; ++c) {
+      const Int8Row row = Int8RowScale(kDt, amax[c]);
+      Store16(payload, c, row.scale);
+      divisor[c] = row.divisor;
+    }
+    for (uint32_t t = 0; t < T; ++t) {
+      for (size_t c = 0; c < HD; ++c) {
+        const size_t i = t * HD + c;
+        q[i] = std::byte(
+            static_cast<uint8_t>(QuantizeInt8(DtypeToFloat(kDt, Load16(in, i)), divisor[c])));
       }
     }
   } else {  // V: one scale per token (t, h) over channels
     std::byte* q = payload + 2 * size_t{T} * H;
     for (size_t row_index = 0; row_index < size_t{T} * H; ++row_index) {
-      size_t base = row_index * D;
+      const size_t base = row_index * D;
       float amax = 0.0f;
-      for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, finite_abs(x_at(base + d)));
-      Int8Row row = Int8RowScale(shape.dtype, amax);
+      for (uint32_t d = 0; d < D; ++d) {
+        amax = std::max(amax, FiniteAbs(DtypeToFloat(kDt, Load16(in, base + d))));
+      }
+      const Int8Row row = Int8RowScale(kDt, amax);
       Store16(payload, row_index, row.scale);
       for (uint32_t d = 0; d < D; ++d) {
-        q[base + d] = std::byte(static_cast<uint8_t>(QuantizeInt8(x_at(base + d), row.divisor)));
+        q[base + d] = std::byte(static_cast<uint8_t>(
+            QuantizeInt8(DtypeToFloat(kDt, Load16(in, base + d)), row.divisor)));
       }
     }
   }
 }
 
-void DecodeInt8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+template <uint8_t kDt>
+void DecodeInt8T(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
-  const std::byte* q = payload + 2 * (shape.is_value ? size_t{T} * H : size_t{H} * D);
-  for (size_t i = 0; i < shape.Elements(); ++i) {
-    size_t s = shape.is_value ? i / D : i % (size_t{H} * D);
-    float scale = DtypeToFloat(shape.dtype, Load16(payload, s));
-    float x = static_cast<float>(static_cast<int8_t>(q[i])) * scale;
-    Store16(out, i, FloatToDtype(shape.dtype, x));
+  const size_t HD = size_t{H} * D;
+  if (!shape.is_value) {
+    const std::byte* q = payload + 2 * HD;
+    std::vector<float> scale(HD);
+    for (size_t c = 0; c < HD; ++c) scale[c] = DtypeToFloat(kDt, Load16(payload, c));
+    for (uint32_t t = 0; t < T; ++t) {
+      for (size_t c = 0; c < HD; ++c) {
+        const size_t i = t * HD + c;
+        const float x = static_cast<float>(static_cast<int8_t>(q[i])) * scale[c];
+        Store16(out, i, FloatToDtype(kDt, x));
+      }
+    }
+  } else {
+    const std::byte* q = payload + 2 * size_t{T} * H;
+    for (size_t row_index = 0; row_index < size_t{T} * H; ++row_index) {
+      const size_t base = row_index * D;
+      const float scale = DtypeToFloat(kDt, Load16(payload, row_index));
+      for (uint32_t d = 0; d < D; ++d) {
+        const float x = static_cast<float>(static_cast<int8_t>(q[base + d])) * scale;
+        Store16(out, base + d, FloatToDtype(kDt, x));
+      }
+    }
   }
+}
+
+}  // namespace
+
+void EncodeInt8Scalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, EncodeInt8T<kDt>(shape, in, payload));
+}
+
+void DecodeInt8Scalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeInt8T<kDt>(shape, payload, out));
 }
 
 // ---------------------------------------------------------------- int4 / int2
 
-void EncodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* in,
-                      std::byte* payload) {
+namespace {
+
+template <uint8_t kDt>
+void EncodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                 std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const size_t HD = size_t{H} * D;
   const IntNLayout l = IntNLayoutFor(shape, bits);
   const float qmax = static_cast<float>((1u << bits) - 1);
   std::byte* scales = payload;
   std::byte* mins = payload + 2 * l.meta_count;
   std::byte* packed = payload + 4 * l.meta_count;
   std::memset(packed, 0, l.packed_bytes);
-  auto x_at = [&](size_t i) { return DtypeToFloat(shape.dtype, Load16(in, i)); };
-  // Visits one group: elements base + k*stride, k < len.
-  auto do_group = [&](size_t meta_index, size_t base, size_t stride, uint32_t len) {
-    float mn = std::numeric_limits<float>::infinity(), mx = -mn;
-    for (uint32_t k = 0; k < len; ++k) {
-      float x = x_at(base + k * stride);
-      if (!IsFiniteFloat(x)) continue;
-      mn = std::min(mn, x);
-      mx = std::max(mx, x);
-    }
-    if (mn > mx) mn = mx = 0.0f;
-    IntNGroup g = IntNGroupParams(shape.dtype, mn, mx, qmax);
+  const float inf = std::numeric_limits<float>::infinity();
+  // The finite min and max of one group, element by element in index order.
+  auto extend = [](float x, float& mn, float& mx) {
+    const bool finite = IsFiniteFloat(x);
+    mn = finite ? std::min(mn, x) : mn;
+    mx = finite ? std::max(mx, x) : mx;
+  };
+  auto params = [&](float mn, float mx, size_t meta_index) {
+    if (mn > mx) mn = mx = 0.0f;  // no finite value
+    const IntNGroup g = IntNGroupParams(kDt, mn, mx, qmax);
     Store16(scales, meta_index, g.scale);
     Store16(mins, meta_index, g.min);
-    for (uint32_t k = 0; k < len; ++k) {
-      size_t i = base + k * stride;
-      float q = RoundNearestEven(ClampQ((x_at(i) - g.min_f) / g.divisor, 0.0f, qmax));
-      PutBits(packed, i, bits, static_cast<uint32_t>(q));
-    }
+    return g;
   };
-  if (!shape.is_value) {
+  auto quantize = [&](size_t i, const IntNGroup& g) {
+    const float x = DtypeToFloat(kDt, Load16(in, i));
+    const float q = RoundNearestEven(ClampQ((x - g.min_f) / g.divisor, 0.0f, qmax));
+    PutBits(packed, i, bits, static_cast<uint32_t>(q));
+  };
+  if (!shape.is_value) {  // K: groups of group_len tokens per channel
+    std::vector<float> mn(HD), mx(HD);
+    std::vector<IntNGroup> g(HD);
     for (uint32_t j = 0; j < l.num_groups; ++j) {
-      uint32_t t0 = j * l.group_len;
-      uint32_t len = std::min(l.group_len, T - t0);
-      for (size_t c = 0; c < size_t{H} * D; ++c) {
-        do_group(size_t{j} * H * D + c, size_t{t0} * H * D + c, size_t{H} * D, len);
+      const uint32_t t0 = j * l.group_len, t1 = std::min(t0 + l.group_len, T);
+      std::fill(mn.begin(), mn.end(), inf);
+      std::fill(mx.begin(), mx.end(), -inf);
+      for (uint32_t t = t0; t < t1; ++t) {
+        for (size_t c = 0; c < HD; ++c) {
+          extend(DtypeToFloat(kDt, Load16(in, t * HD + c)), mn[c], mx[c]);
+        }
+      }
+      for (size_t c = 0; c < HD; ++c) g[c] = params(mn[c], mx[c], j * HD + c);
+      for (uint32_t t = t0; t < t1; ++t) {
+        for (size_t c = 0; c < HD; ++c) quantize(t * HD + c, g[c]);
       }
     }
-  } else {
+  } else {  // V: groups of group_len channels per token
     for (size_t row = 0; row < size_t{T} * H; ++row) {
       for (uint32_t j = 0; j < l.num_groups; ++j) {
-        uint32_t d0 = j * l.group_len;
-        uint32_t len = std::min(l.group_len, D - d0);
-        do_group(row * l.num_groups + j, row * D + d0, 1, len);
+        const size_t d0 = row * D + j * l.group_len;
+        const size_t d1 = row * D + std::min(j * l.group_len + l.group_len, D);
+        float mn = inf, mx = -inf;
+        for (size_t i = d0; i < d1; ++i) extend(DtypeToFloat(kDt, Load16(in, i)), mn, mx);
+        const IntNGroup g = params(mn, mx, row * l.num_groups + j);
+        for (size_t i = d0; i < d1; ++i) quantize(i, g);
       }
     }
   }
 }
 
-void DecodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
-                      std::byte* out) {
-  const uint32_t H = shape.heads, D = shape.dim;
+template <uint8_t kDt>
+void DecodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                 std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
+  const size_t HD = size_t{H} * D;
   const IntNLayout l = IntNLayoutFor(shape, bits);
   const std::byte* scales = payload;
   const std::byte* mins = payload + 2 * l.meta_count;
   const std::byte* packed = payload + 4 * l.meta_count;
-  const size_t hd = size_t{H} * D;
-  for (size_t i = 0; i < shape.Elements(); ++i) {
-    size_t m;
-    if (!shape.is_value) {
-      m = (i / hd) / l.group_len * hd + i % hd;
-    } else {
-      m = (i / D) * l.num_groups + (i % D) / l.group_len;
+  auto dequantize = [&](size_t i, float scale, float mn) {
+    const float q = static_cast<float>(GetBits(packed, i, bits));
+    const float x = q * scale + mn;
+    Store16(out, i, FloatToDtype(kDt, x));
+  };
+  if (!shape.is_value) {
+    std::vector<float> scale(HD), mn(HD);
+    for (uint32_t t = 0; t < T; ++t) {
+      if (t % l.group_len == 0) {
+        const size_t m0 = size_t{t / l.group_len} * HD;
+        for (size_t c = 0; c < HD; ++c) {
+          scale[c] = DtypeToFloat(kDt, Load16(scales, m0 + c));
+          mn[c] = DtypeToFloat(kDt, Load16(mins, m0 + c));
+        }
+      }
+      for (size_t c = 0; c < HD; ++c) dequantize(t * HD + c, scale[c], mn[c]);
     }
-    float scale = DtypeToFloat(shape.dtype, Load16(scales, m));
-    float mn = DtypeToFloat(shape.dtype, Load16(mins, m));
-    float q = static_cast<float>(GetBits(packed, i, bits));
-    float x = q * scale + mn;
-    Store16(out, i, FloatToDtype(shape.dtype, x));
+  } else {
+    for (size_t row = 0; row < size_t{T} * H; ++row) {
+      for (uint32_t j = 0; j < l.num_groups; ++j) {
+        const size_t m = row * l.num_groups + j;
+        const float scale = DtypeToFloat(kDt, Load16(scales, m));
+        const float mn = DtypeToFloat(kDt, Load16(mins, m));
+        const size_t d0 = row * D + j * l.group_len;
+        const size_t d1 = row * D + std::min(j * l.group_len + l.group_len, D);
+        for (size_t i = d0; i < d1; ++i) dequantize(i, scale, mn);
+      }
+    }
   }
+}
+
+}  // namespace
+
+void EncodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* in,
+                      std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, EncodeIntNT<kDt>(shape, bits, in, payload));
+}
+
+void DecodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte* payload,
+                      std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeIntNT<kDt>(shape, bits, payload, out));
 }
 
 // ---------------------------------------------------------------- star
