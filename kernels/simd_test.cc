@@ -2,7 +2,9 @@
 // checks, and the shared numeric conversions against hardware (F16C) and exhaustive checks.
 // A path this CPU lacks is skipped with a message naming it: on a machine without AVX-512 the
 // avx512 cases print "skipped: ... avx512" and the rest still run.
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -110,6 +112,7 @@ TEST(NumericTest, Fp16RoundTripsEveryNonNanValue) {
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("f16c"))) uint16_t HardwareFp16(float f) {
   return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
 }
@@ -130,6 +133,7 @@ TEST(NumericTest, FloatToFp16MatchesF16c) {
     ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << std::hex << h;
   }
 }
+#endif  // x86: the F16C instructions are the reference for FloatToFp16
 
 TEST(NumericTest, E4m3EncodesEveryCodeBackToItself) {
   for (uint32_t c = 0; c < 256; ++c) {

@@ -29,3 +29,6 @@ ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
 # cost in CI time: docs/reliability.md). The whole suite under ASan + UBSan, and TSan, run from
 # scripts/sanitize.sh by hand.
 ./scripts/sanitize.sh address ci
+# The codec library cross-built for aarch64 (Grace / GH200 nodes) and its unit tests, the
+# recorded encodings of kernels/testdata/golden_encodings.txt included, run under qemu-aarch64.
+./scripts/aarch64.sh

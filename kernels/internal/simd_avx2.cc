@@ -10,7 +10,9 @@
 // the linker could hand to callers on CPUs without AVX2 (segment_codecs.h, "ISA isolation
 // of the SIMD paths"; kernels_simd_isolation_test checks the object file). CpuHasAvx2() lives in
 // cpu_features.cc, compiled for the baseline ISA.
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>

@@ -15,7 +15,9 @@
 // inline function of the shared headers and no std template, so it emits no link-once code that
 // the linker could hand to callers on CPUs without AVX-512 (segment_codecs.h, "ISA isolation
 // of the SIMD paths"; kernels_simd_isolation_test checks the object file).
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
