@@ -5,9 +5,10 @@
 // This is what holds an aarch64 build (scripts/aarch64.sh, under qemu) to the x86 bytes: a
 // cluster may mix the two, and a worker decodes what any daemon encoded.
 //
-// Regenerate (only when the format changes on purpose, with a format version bump):
-//   PROXIMA_WRITE_GOLDEN=kernels/testdata/golden_encodings.txt build/kernels/kernels_codec_test \
-//       --gtest_filter='GoldenTest.*'
+// Regenerate (only when the format changes on purpose, with a format version bump), from the
+// repository root:
+//   PROXIMA_WRITE_GOLDEN=kernels/testdata/golden_encodings.txt
+//   build/kernels/kernels_codec_test --gtest_filter='GoldenTest.*'   (with that variable set)
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>

@@ -59,10 +59,10 @@ PXK_HD float BitsFloat(uint32_t u) {
 PXK_HD float Bf16ToFloat(uint16_t v) { return BitsFloat(static_cast<uint32_t>(v) << 16); }
 
 PXK_HD uint16_t FloatToBf16(float f) {
-  uint32_t u = FloatBits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = FloatBits(f);
+  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
+  const uint32_t nan = (u >> 16) | 0x0040u;  // NaN: quiet, payload truncated
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded >> 16);
 }
 
 PXK_HD float Fp16ToFloat(uint16_t h) {
@@ -136,20 +136,20 @@ PXK_HD float RoundNearestEven(float x) {
 #if defined(__CUDA_ARCH__)
   return rintf(x);
 #else
-  const uint32_t bits = FloatBits(x);
-  const float a = BitsFloat(bits & 0x7FFFFFFFu);
-  if (!(a < 8388608.0f)) return x;
-  const float r = (a + 8388608.0f) - 8388608.0f;
-  return BitsFloat(FloatBits(r) | (bits & 0x80000000u));
+  const uint32_t bits = FloatBits(x), abs_bits = bits & 0x7FFFFFFFu;
+  const uint32_t r =
+      FloatBits((BitsFloat(abs_bits) + 8388608.0f) - 8388608.0f) | (bits & 0x80000000u);
+  // |x| < 2^23 (NaN's bits compare above): an integer select, so loops over it vectorise.
+  const uint32_t small = 0u - static_cast<uint32_t>(abs_bits < 0x4B000000u);
+  return BitsFloat((r & small) | (bits & ~small));
 #endif
 }
 
 // NaN -> 0, then clamp to [lo, hi].
 PXK_HD float ClampQ(float v, float lo, float hi) {
-  if (!(v == v)) v = 0.0f;
-  if (v < lo) v = lo;
-  if (v > hi) v = hi;
-  return v;
+  v = v == v ? v : 0.0f;  // selects, not branches: loops over it vectorise
+  v = v < lo ? lo : v;
+  return v > hi ? hi : v;
 }
 
 // e4m3fn code -> float. 0x7F/0xFF decode as +-480 (docs/format.md: fp8).

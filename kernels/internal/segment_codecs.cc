@@ -4,6 +4,7 @@
 #include "kernels/internal/segment_codecs.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -55,8 +56,44 @@ uint32_t GetBits(const std::byte* buf, size_t index, uint32_t bits) {
   return (w >> (pos % 8)) & ((1u << bits) - 1u);
 }
 
+// Packs n codes of `bits` bits (2 or 4) that belong at value indices [first, first + n) into a
+// zeroed buffer: whole bytes at a time once `first + k` reaches a byte boundary.
+void PackCodes(std::byte* buf, size_t first, uint32_t bits, const uint8_t* codes, size_t n) {
+  const uint32_t per = 8 / bits;
+  size_t k = 0;
+  for (; k < n && (first + k) % per != 0; ++k) PutBits(buf, first + k, bits, codes[k]);
+  std::byte* out = buf + (first + k) / per;
+  for (; k + per <= n; k += per) {
+    uint32_t b = 0;
+    for (uint32_t m = 0; m < per; ++m) b |= uint32_t{codes[k + m]} << (m * bits);
+    *out++ = std::byte{static_cast<uint8_t>(b)};
+  }
+  for (; k < n; ++k) PutBits(buf, first + k, bits, codes[k]);
+}
+// The inverse: codes of value indices [first, first + n).
+void UnpackCodes(const std::byte* buf, size_t first, uint32_t bits, uint8_t* codes, size_t n) {
+  const uint32_t per = 8 / bits, mask = (1u << bits) - 1u;
+  size_t k = 0;
+  for (; k < n && (first + k) % per != 0; ++k) codes[k] = GetBits(buf, first + k, bits);
+  const std::byte* in = buf + (first + k) / per;
+  for (; k + per <= n; k += per) {
+    const uint32_t b = static_cast<uint32_t>(*in++);
+    for (uint32_t m = 0; m < per; ++m)
+      codes[k + m] = static_cast<uint8_t>((b >> (m * bits)) & mask);
+  }
+  for (; k < n; ++k) codes[k] = GetBits(buf, first + k, bits);
+}
+
+// The format rounds the clamped quotient: RoundNearestEven(ClampQ(v, lo, hi)). With integer
+// bounds, clamping the rounded value gives the same integer for every v (rounding is monotonic
+// and leaves integers alone; NaN becomes 0 either way; only the sign of a zero can differ,
+// which the conversion to an integer drops), and in this order the compiler vectorises the
+// loops: rounding after the clamp lets it thread the clamped constants through the rounding
+// into branches.
+float RoundThenClamp(float v, float lo, float hi) { return ClampQ(RoundNearestEven(v), lo, hi); }
+
 int8_t QuantizeInt8(float x, float divisor) {
-  return static_cast<int8_t>(RoundNearestEven(ClampQ(x / divisor, -127.0f, 127.0f)));
+  return static_cast<int8_t>(RoundThenClamp(x / divisor, -127.0f, 127.0f));
 }
 }  // namespace
 
@@ -212,16 +249,27 @@ void EncodeFp8T(const SegmentShape& shape, const std::byte* in, std::byte* paylo
   }
 }
 
+// numeric::E4m3ToFloat of every code, built from it once: a load per value instead of its branch.
+const float* E4m3Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (uint32_t c = 0; c < 256; ++c) t[c] = numeric::E4m3ToFloat(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table.data();
+}
+
 template <uint8_t kDt>
 void DecodeFp8T(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   const std::byte* codes = payload + 4 * size_t{H};
+  const float* e4m3 = E4m3Table();
   for (uint32_t t = 0; t < T; ++t) {
     for (uint32_t h = 0; h < H; ++h) {
       const size_t base = (size_t{t} * H + h) * D;
       const float scale = LoadF32(payload, h);
       for (uint32_t d = 0; d < D; ++d) {
-        const float x = numeric::E4m3ToFloat(static_cast<uint8_t>(codes[base + d])) * scale;
+        const float x = e4m3[static_cast<uint8_t>(codes[base + d])] * scale;
         Store16(out, base + d, FloatToDtype(kDt, x));
       }
     }
@@ -343,11 +391,12 @@ void EncodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* in,
   std::byte* packed = payload + 4 * l.meta_count;
   std::memset(packed, 0, l.packed_bytes);
   const float inf = std::numeric_limits<float>::infinity();
+  std::vector<uint8_t> codes(shape.is_value ? D : HD);  // one row's codes, packed together
   // The finite min and max of one group, element by element in index order.
   auto extend = [](float x, float& mn, float& mx) {
     const bool finite = IsFiniteFloat(x);
-    mn = finite ? std::min(mn, x) : mn;
-    mx = finite ? std::max(mx, x) : mx;
+    mn = finite & (x < mn) ? x : mn;  // std::min(mn, x) and std::max(mx, x), as selects
+    mx = finite & (mx < x) ? x : mx;
   };
   auto params = [&](float mn, float mx, size_t meta_index) {
     if (mn > mx) mn = mx = 0.0f;  // no finite value
@@ -356,14 +405,12 @@ void EncodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* in,
     Store16(mins, meta_index, g.min);
     return g;
   };
-  auto quantize = [&](size_t i, const IntNGroup& g) {
+  auto quantize = [&](size_t i, float min_f, float divisor) {
     const float x = DtypeToFloat(kDt, Load16(in, i));
-    const float q = RoundNearestEven(ClampQ((x - g.min_f) / g.divisor, 0.0f, qmax));
-    PutBits(packed, i, bits, static_cast<uint32_t>(q));
+    return static_cast<uint8_t>(RoundThenClamp((x - min_f) / divisor, 0.0f, qmax));
   };
   if (!shape.is_value) {  // K: groups of group_len tokens per channel
-    std::vector<float> mn(HD), mx(HD);
-    std::vector<IntNGroup> g(HD);
+    std::vector<float> mn(HD), mx(HD), min_f(HD), divisor(HD);
     for (uint32_t j = 0; j < l.num_groups; ++j) {
       const uint32_t t0 = j * l.group_len, t1 = std::min(t0 + l.group_len, T);
       std::fill(mn.begin(), mn.end(), inf);
@@ -373,9 +420,14 @@ void EncodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* in,
           extend(DtypeToFloat(kDt, Load16(in, t * HD + c)), mn[c], mx[c]);
         }
       }
-      for (size_t c = 0; c < HD; ++c) g[c] = params(mn[c], mx[c], j * HD + c);
+      for (size_t c = 0; c < HD; ++c) {
+        const IntNGroup g = params(mn[c], mx[c], j * HD + c);
+        min_f[c] = g.min_f;
+        divisor[c] = g.divisor;
+      }
       for (uint32_t t = t0; t < t1; ++t) {
-        for (size_t c = 0; c < HD; ++c) quantize(t * HD + c, g[c]);
+        for (size_t c = 0; c < HD; ++c) codes[c] = quantize(t * HD + c, min_f[c], divisor[c]);
+        PackCodes(packed, t * HD, bits, codes.data(), HD);
       }
     }
   } else {  // V: groups of group_len channels per token
@@ -386,8 +438,9 @@ void EncodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* in,
         float mn = inf, mx = -inf;
         for (size_t i = d0; i < d1; ++i) extend(DtypeToFloat(kDt, Load16(in, i)), mn, mx);
         const IntNGroup g = params(mn, mx, row * l.num_groups + j);
-        for (size_t i = d0; i < d1; ++i) quantize(i, g);
+        for (size_t i = d0; i < d1; ++i) codes[i - row * D] = quantize(i, g.min_f, g.divisor);
       }
+      PackCodes(packed, row * D, bits, codes.data(), D);
     }
   }
 }
@@ -401,9 +454,9 @@ void DecodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* payl
   const std::byte* scales = payload;
   const std::byte* mins = payload + 2 * l.meta_count;
   const std::byte* packed = payload + 4 * l.meta_count;
-  auto dequantize = [&](size_t i, float scale, float mn) {
-    const float q = static_cast<float>(GetBits(packed, i, bits));
-    const float x = q * scale + mn;
+  std::vector<uint8_t> codes(shape.is_value ? D : HD);  // one row's codes, unpacked together
+  auto dequantize = [&](size_t i, uint8_t code, float scale, float mn) {
+    const float x = static_cast<float>(code) * scale + mn;
     Store16(out, i, FloatToDtype(kDt, x));
   };
   if (!shape.is_value) {
@@ -416,17 +469,19 @@ void DecodeIntNT(const SegmentShape& shape, uint32_t bits, const std::byte* payl
           mn[c] = DtypeToFloat(kDt, Load16(mins, m0 + c));
         }
       }
-      for (size_t c = 0; c < HD; ++c) dequantize(t * HD + c, scale[c], mn[c]);
+      UnpackCodes(packed, t * HD, bits, codes.data(), HD);
+      for (size_t c = 0; c < HD; ++c) dequantize(t * HD + c, codes[c], scale[c], mn[c]);
     }
   } else {
     for (size_t row = 0; row < size_t{T} * H; ++row) {
+      UnpackCodes(packed, row * D, bits, codes.data(), D);
       for (uint32_t j = 0; j < l.num_groups; ++j) {
         const size_t m = row * l.num_groups + j;
         const float scale = DtypeToFloat(kDt, Load16(scales, m));
         const float mn = DtypeToFloat(kDt, Load16(mins, m));
         const size_t d0 = row * D + j * l.group_len;
         const size_t d1 = row * D + std::min(j * l.group_len + l.group_len, D);
-        for (size_t i = d0; i < d1; ++i) dequantize(i, scale, mn);
+        for (size_t i = d0; i < d1; ++i) dequantize(i, codes[i - row * D], scale, mn);
       }
     }
   }
