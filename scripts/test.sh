@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command (and CI's): installs what Proxima needs, builds it with tests, and
 # runs the whole suite: unit tests, integration tests against the real proximad, the bounded
-# fuzz runs and the unit tests of the memory- and input-handling core under ASan + UBSan.
+# fuzz runs, the unit tests of the memory- and input-handling core under ASan + UBSan, and the
+# codec library cross-built for aarch64 with its unit tests under qemu.
 # Exits non-zero if anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
