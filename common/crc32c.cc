@@ -6,6 +6,9 @@
 
 #if defined(__x86_64__)
 #include <nmmintrin.h>
+#elif defined(__aarch64__)
+#include <arm_acle.h>
+#include <sys/auxv.h>
 #endif
 
 namespace proxima {
@@ -117,17 +120,45 @@ __attribute__((target("sse4.2"))) uint32_t ExtendRawSse42(uint32_t crc, const ui
   return c32;
 }
 
-bool DetectSse42() { return __builtin_cpu_supports("sse4.2"); }
+bool DetectHardware() { return __builtin_cpu_supports("sse4.2"); }
+#elif defined(__aarch64__)
+// ARMv8's CRC32 extension (every ARMv8.1 and later core: Neoverse, Grace), 8 bytes per
+// instruction in one chain; its throughput is well above a core's share of memory bandwidth, so
+// the lanes above are not repeated here.
+__attribute__((target("+crc"))) uint32_t ExtendRawArmCrc(uint32_t crc, const uint8_t* p,
+                                                         size_t n) {
+  while (n >= 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    crc = __crc32cd(crc, word);
+    p += 8;
+    n -= 8;
+  }
+  while (n-- > 0) crc = __crc32cb(crc, *p++);
+  return crc;
+}
+
+bool DetectHardware() {
+#if defined(HWCAP_CRC32)
+  return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0;
 #else
-bool DetectSse42() { return false; }
+  return false;
+#endif
+}
+#else
+bool DetectHardware() { return false; }
 #endif
 
 using ExtendFn = uint32_t (*)(uint32_t, const uint8_t*, size_t);
 
 ExtendFn ChooseExtend() {
+  if (DetectHardware()) {
 #if defined(__x86_64__)
-  if (DetectSse42()) return &ExtendRawSse42;
+    return &ExtendRawSse42;
+#elif defined(__aarch64__)
+    return &ExtendRawArmCrc;
 #endif
+  }
   return &ExtendRawPortable;
 }
 
@@ -164,6 +195,6 @@ uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data) {
   return ~ExtendRawPortable(~crc, reinterpret_cast<const uint8_t*>(data.data()), data.size());
 }
 
-bool Crc32cIsHardwareAccelerated() { return DetectSse42(); }
+bool Crc32cIsHardwareAccelerated() { return DetectHardware(); }
 
 }  // namespace proxima

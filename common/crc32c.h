@@ -1,7 +1,8 @@
 // CRC32C (Castagnoli), the checksum every stored Proxima block carries.
 //
-// Uses the SSE4.2 crc32 instruction when the CPU has it (checked once at run time, never assumed
-// from the build machine) and a slicing-by-8 table otherwise; both give identical results.
+// Uses the CPU's CRC32C instruction when it has one (SSE4.2 on x86-64, the CRC32 extension on
+// aarch64; checked once at run time, never assumed from the build machine) and a slicing-by-8
+// table otherwise; all give identical results.
 // Thread-safe: pure functions.
 #ifndef PROXIMA_COMMON_CRC32C_H_
 #define PROXIMA_COMMON_CRC32C_H_
@@ -26,7 +27,7 @@ uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src, ui
 // The portable path, exposed so tests can compare it with the hardware path.
 uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data);
 
-// True when the SSE4.2 path is in use on this CPU.
+// True when the CPU's CRC32C instruction is in use (SSE4.2 or aarch64 CRC32).
 bool Crc32cIsHardwareAccelerated();
 
 }  // namespace proxima

@@ -1,5 +1,7 @@
 #include "common/crc32c.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,6 +48,17 @@ TEST(Crc32cTest, InterleavedLanesAndCopyMatchTheScalarDefinition) {
     EXPECT_EQ(Crc32cCopy(copy, data), expected) << len;
     EXPECT_EQ(copy, data);
   }
+}
+
+// Which path the tests above compared with the portable one (the aarch64 build runs under qemu,
+// whose CPU has the CRC32 extension).
+TEST(Crc32cTest, ReportsItsPath) {
+  std::printf("crc32c path: %s\n", Crc32cIsHardwareAccelerated() ? "hardware" : "portable");
+#if defined(__x86_64__) || defined(__aarch64__)
+  if (std::getenv("PROXIMA_EXPECT_HW_CRC32C") != nullptr) {
+    EXPECT_TRUE(Crc32cIsHardwareAccelerated());
+  }
+#endif
 }
 
 TEST(Crc32cTest, DetectsSingleBitFlip) {
