@@ -501,6 +501,32 @@ void DecodeIntNScalar(const SegmentShape& shape, uint32_t bits, const std::byte*
 
 // ---------------------------------------------------------------- star
 
+namespace {
+
+// The index of the centroid nearest to v (D floats) among kC given transposed, cs_t[d * kC + k]:
+// the squared distances to all kC are summed at once, each over d in order (the additions of
+// one centroid at a time, so the same sums), in kC independent chains the compiler keeps in
+// registers and vectorises across k. Ties go to the lowest k.
+template <uint32_t kC>
+uint32_t NearestCentroid(const float* v, const float* cs_t, uint32_t D) {
+  float dist[kC] = {};
+  for (uint32_t d = 0; d < D; ++d) {
+    const float x = v[d];
+    for (uint32_t k = 0; k < kC; ++k) {
+      const float e = x - cs_t[size_t{d} * kC + k];
+      dist[k] += e * e;
+    }
+  }
+  uint32_t best = 0;
+  float best_d = std::numeric_limits<float>::infinity();
+  for (uint32_t k = 0; k < kC; ++k) {
+    if (dist[k] < best_d) best_d = dist[k], best = k;
+  }
+  return best;
+}
+
+}  // namespace
+
 void EncodeStar(const SegmentShape& shape, const std::byte* in,
                 const std::vector<std::vector<uint32_t>>& important, std::byte* payload) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
@@ -512,18 +538,27 @@ void EncodeStar(const SegmentShape& shape, const std::byte* in,
   std::vector<uint32_t> counts(C), assign(T);
   std::vector<uint8_t> is_imp(T);
   std::vector<uint32_t> members;
-  auto nearest = [&](const float* v, const std::vector<float>& cs) {
-    uint32_t best = 0;
-    float best_d = std::numeric_limits<float>::infinity();
+  // The nearest of C centroids given transposed ([d][k], see `transpose`): NearestCentroid.
+  std::vector<float> cent_t(size_t{D} * C), cdeq_t(size_t{D} * C);
+  std::vector<uint8_t> signs(D);  // one token's residual signs, packed together
+  auto transpose = [&](const std::vector<float>& cs, std::vector<float>& t) {
     for (uint32_t k = 0; k < C; ++k) {
-      float dist = 0.0f;
-      for (uint32_t d = 0; d < D; ++d) {
-        float e = v[d] - cs[size_t{k} * D + d];
-        dist += e * e;
-      }
-      if (dist < best_d) best_d = dist, best = k;
+      for (uint32_t d = 0; d < D; ++d) t[size_t{d} * C + k] = cs[size_t{k} * D + d];
     }
-    return best;
+  };
+  auto nearest = [&](const float* v, const std::vector<float>& cs_t) -> uint32_t {
+    switch (C) {  // StarLayoutFor: a power of two <= 16
+      case 1:
+        return 0;
+      case 2:
+        return NearestCentroid<2>(v, cs_t.data(), D);
+      case 4:
+        return NearestCentroid<4>(v, cs_t.data(), D);
+      case 8:
+        return NearestCentroid<8>(v, cs_t.data(), D);
+      default:
+        return NearestCentroid<16>(v, cs_t.data(), D);
+    }
   };
   for (uint32_t h = 0; h < H; ++h) {
     std::byte* p = payload + h * l.per_head_bytes;
@@ -550,8 +585,9 @@ void EncodeStar(const SegmentShape& shape, const std::byte* in,
     for (int iter = 0; iter < 4; ++iter) {
       std::fill(sums.begin(), sums.end(), 0.0f);
       std::fill(counts.begin(), counts.end(), 0);
+      transpose(cent, cent_t);
       for (uint32_t t : members) {
-        uint32_t k = nearest(&x[size_t{t} * D], cent);
+        uint32_t k = nearest(&x[size_t{t} * D], cent_t);
         ++counts[k];
         for (uint32_t d = 0; d < D; ++d) sums[size_t{k} * D + d] += x[size_t{t} * D + d];
       }
@@ -597,26 +633,33 @@ void EncodeStar(const SegmentShape& shape, const std::byte* in,
     std::byte* idx = iq + size_t{M} * D;
     std::byte* rscale = idx + CeilDiv(size_t{T} * l.index_bits, 8);
     std::byte* rsign = rscale + 2 * size_t{T};
+    transpose(cdeq, cdeq_t);
     for (uint32_t t = 0; t < T; ++t) {
       if (is_imp[t]) continue;
       const float* v = &x[size_t{t} * D];
-      uint32_t k = nearest(v, cdeq);
+      uint32_t k = nearest(v, cdeq_t);
       PutBits(idx, t, l.index_bits, k);
       float sum_abs = 0.0f;
       for (uint32_t d = 0; d < D; ++d) {
         float r = v[d] - cdeq[size_t{k} * D + d];
         sum_abs += std::fabs(r);
-        if (r >= 0.0f) PutBits(rsign, size_t{t} * D + d, 1, 1);
+        signs[d] = r >= 0.0f;
       }
+      PackCodes(rsign, size_t{t} * D, 1, signs.data(), D);
       Store16(rscale, t, RoundUpDtype(shape.dtype, sum_abs / static_cast<float>(D)));
     }
   }
 }
 
-void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+namespace {
+
+template <uint8_t kDt>
+void DecodeStarT(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim;
   const StarLayout l = StarLayoutFor(shape);
   const uint32_t C = l.centroids, M = l.important;
+  std::vector<float> cdeq(size_t{C} * D);  // one head's dequantised centroids
+  std::vector<uint8_t> signs(D);           // one token's residual signs, unpacked together
   for (uint32_t h = 0; h < H; ++h) {
     const std::byte* cscale = payload + h * l.per_head_bytes;
     const std::byte* cq = cscale + 2 * size_t{C};
@@ -626,25 +669,36 @@ void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* 
     const std::byte* idx = iq + size_t{M} * D;
     const std::byte* rscale = idx + CeilDiv(size_t{T} * l.index_bits, 8);
     const std::byte* rsign = rscale + 2 * size_t{T};
-    for (uint32_t t = 0; t < T; ++t) {
-      uint32_t k = GetBits(idx, t, l.index_bits);
-      float cs = DtypeToFloat(shape.dtype, Load16(cscale, k));
-      float rs = DtypeToFloat(shape.dtype, Load16(rscale, t));
+    for (uint32_t k = 0; k < C; ++k) {
+      const float cs = DtypeToFloat(kDt, Load16(cscale, k));
       for (uint32_t d = 0; d < D; ++d) {
-        float c = static_cast<float>(static_cast<int8_t>(cq[size_t{k} * D + d])) * cs;
-        float r = GetBits(rsign, size_t{t} * D + d, 1) ? rs : -rs;
-        Store16(out, (size_t{t} * H + h) * D + d, FloatToDtype(shape.dtype, c + r));
+        cdeq[size_t{k} * D + d] = static_cast<float>(static_cast<int8_t>(cq[size_t{k} * D + d])) * cs;
+      }
+    }
+    for (uint32_t t = 0; t < T; ++t) {
+      const float* c = &cdeq[size_t{GetBits(idx, t, l.index_bits)} * D];
+      const float rs = DtypeToFloat(kDt, Load16(rscale, t));
+      const size_t base = (size_t{t} * H + h) * D;
+      UnpackCodes(rsign, size_t{t} * D, 1, signs.data(), D);
+      for (uint32_t d = 0; d < D; ++d) {
+        Store16(out, base + d, FloatToDtype(kDt, c[d] + (signs[d] != 0 ? rs : -rs)));
       }
     }
     for (uint32_t i = 0; i < M; ++i) {
-      uint32_t t = Load16(imp_idx, i);
-      float s = DtypeToFloat(shape.dtype, Load16(iscale, i));
+      const uint32_t t = Load16(imp_idx, i);
+      const float s = DtypeToFloat(kDt, Load16(iscale, i));
       for (uint32_t d = 0; d < D; ++d) {
-        float x = static_cast<float>(static_cast<int8_t>(iq[size_t{i} * D + d])) * s;
-        Store16(out, (size_t{t} * H + h) * D + d, FloatToDtype(shape.dtype, x));
+        const float x = static_cast<float>(static_cast<int8_t>(iq[size_t{i} * D + d])) * s;
+        Store16(out, (size_t{t} * H + h) * D + d, FloatToDtype(kDt, x));
       }
     }
   }
+}
+
+}  // namespace
+
+void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeStarT<kDt>(shape, payload, out));
 }
 
 }  // namespace proxima::codec::internal
