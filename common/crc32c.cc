@@ -125,8 +125,7 @@ bool DetectHardware() { return __builtin_cpu_supports("sse4.2"); }
 // ARMv8's CRC32 extension (every ARMv8.1 and later core: Neoverse, Grace), 8 bytes per
 // instruction in one chain; its throughput is well above a core's share of memory bandwidth, so
 // the lanes above are not repeated here.
-__attribute__((target("+crc"))) uint32_t ExtendRawArmCrc(uint32_t crc, const uint8_t* p,
-                                                         size_t n) {
+__attribute__((target("+crc"))) uint32_t ExtendRawArmCrc(uint32_t crc, const uint8_t* p, size_t n) {
   while (n >= 8) {
     uint64_t word;
     std::memcpy(&word, p, 8);

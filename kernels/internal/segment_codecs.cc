@@ -672,7 +672,8 @@ void DecodeStarT(const SegmentShape& shape, const std::byte* payload, std::byte*
     for (uint32_t k = 0; k < C; ++k) {
       const float cs = DtypeToFloat(kDt, Load16(cscale, k));
       for (uint32_t d = 0; d < D; ++d) {
-        cdeq[size_t{k} * D + d] = static_cast<float>(static_cast<int8_t>(cq[size_t{k} * D + d])) * cs;
+        cdeq[size_t{k} * D + d] =
+            static_cast<float>(static_cast<int8_t>(cq[size_t{k} * D + d])) * cs;
       }
     }
     for (uint32_t t = 0; t < T; ++t) {
