@@ -150,6 +150,39 @@ TEST(NumericTest, E4m3EncodesEveryCodeBackToItself) {
   EXPECT_EQ(numeric::FloatToE4m3(0.0029296875f), 0x02);  // 1.5 * 2^-9: ties to even
 }
 
+// The branch-free fp8 quantisation against the plain definitions it replaced (kept here as the
+// reference): ClampQ(v, -448, 448), then the subnormal grid below 2^-6 or the float's rounded
+// exponent and top mantissa bits above. Every bit pattern in steps of 61 (70 million, NaN and
+// Inf included) and every float within 2^16 ulps of the subnormal boundary, 448 and 480.
+uint8_t ReferenceE4m3(float y) {
+  const uint32_t u = numeric::FloatBits(y), a = u & 0x7FFFFFFFu;
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  if (a < 0x3C800000u) {
+    return static_cast<uint8_t>(
+        sign | static_cast<uint8_t>(std::nearbyint(numeric::BitsFloat(a) * 512.0f)));
+  }
+  const uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+  return static_cast<uint8_t>(sign | (((r >> 23) - 120u) << 3) | ((r >> 20) & 0x7u));
+}
+
+TEST(NumericTest, Fp8QuantisationMatchesItsPlainDefinition) {
+  auto check = [](uint32_t bits) {
+    const float v = numeric::BitsFloat(bits);
+    const float want = numeric::ClampQ(v, -448.0f, 448.0f), got = numeric::ClampE4m3(v);
+    ASSERT_EQ(numeric::FloatBits(got), numeric::FloatBits(want)) << std::hex << bits;
+    ASSERT_EQ(numeric::FloatToE4m3(got), ReferenceE4m3(want)) << std::hex << bits;
+  };
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFull; bits += 61) check(static_cast<uint32_t>(bits));
+  for (uint32_t center : {0x3C800000u, 0x43E00000u, 0x43F00000u, 0x7F800000u}) {
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      for (uint32_t k = 0; k < 65536; ++k) {
+        check((center + k) | sign);
+        check((center - k) | sign);
+      }
+    }
+  }
+}
+
 TEST(NumericTest, RoundUpDtypeNeverRoundsDown) {
   std::mt19937 rng(2);
   for (uint8_t dt : {numeric::kDtypeBf16, numeric::kDtypeFp16}) {

@@ -164,19 +164,30 @@ PXK_HD float E4m3ToFloat(uint8_t c) {
   return BitsFloat(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
-// float (already clamped to [-448, 448], not NaN) -> e4m3fn, round to nearest even.
+// ClampQ(v, -448.0f, 448.0f) computed on the bits, the same float for every v (NaN -> +0,
+// |v| > 448 -> +-448 with v's sign, -0 stays -0): integer selects, so loops over it vectorise
+// where the compiler turns the float compares of ClampQ into branches.
+PXK_HD float ClampE4m3(float v) {
+  const uint32_t u = FloatBits(v), abs_bits = u & 0x7FFFFFFFu;
+  const uint32_t a = abs_bits < 0x43E00000u ? abs_bits : 0x43E00000u;  // 448
+  const uint32_t keep = 0u - static_cast<uint32_t>(abs_bits <= 0x7F800000u);
+  return BitsFloat((a | (u & 0x80000000u)) & keep);
+}
+
+// float (already clamped to [-448, 448], not NaN) -> e4m3fn, round to nearest even. Below 2^-6
+// the value is on the subnormal grid of 2^-9 (codes 0..8; 8 is 2^-6): round(|y| * 512); above,
+// the float's exponent and top 3 mantissa bits rounded to nearest even. Both are computed and
+// one is picked with a mask (no branch, so loops over it vectorise).
 PXK_HD uint8_t FloatToE4m3(float y) {
-  uint32_t u = FloatBits(y);
-  uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  uint32_t a = u & 0x7FFFFFFFu;
-  if (a < 0x3C800000u) {  // below 2^-6: subnormal grid of 2^-9 (codes 0..8; 8 is 2^-6)
-    float r = RoundNearestEven(PXK_MUL(BitsFloat(a), 512.0f));
-    return static_cast<uint8_t>(sign | static_cast<uint8_t>(r));
-  }
-  uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
-  uint32_t exp = (r >> 23) - 120u;
-  uint32_t man = (r >> 20) & 0x7u;
-  return static_cast<uint8_t>(sign | (exp << 3) | man);
+  const uint32_t u = FloatBits(y);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  const uint32_t sub =
+      static_cast<uint32_t>(static_cast<int32_t>(RoundNearestEven(PXK_MUL(BitsFloat(a), 512.0f))));
+  const uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+  const uint32_t normal = (((r >> 23) - 120u) << 3) | ((r >> 20) & 0x7u);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(a < 0x3C800000u);
+  return static_cast<uint8_t>(sign | (sub & is_sub) | (normal & ~is_sub));
 }
 
 }  // namespace proxima::codec::numeric
