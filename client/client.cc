@@ -921,44 +921,45 @@ absl::StatusOr<std::vector<bool>> Client::GetInto(const char* method, const Prof
   return found;
 }
 
-absl::StatusOr<size_t> Client::Lookup(const Profile& profile, std::span<const BlockKey> chain) {
-  size_t present = 0;
-  const size_t per_call = server_info_.max_lookup_keys;
-  for (size_t begin = 0; begin < chain.size(); begin += per_call) {
-    size_t end = std::min(chain.size(), begin + per_call);
-    v1::LookupRequest request;
+template <typename Request, typename Response, typename Rpc, typename OnResponse>
+absl::Status Client::CallInKeyChunks(const Profile& profile, std::span<const BlockKey> keys,
+                                     size_t per_call, Rpc rpc, OnResponse&& on_response) {
+  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
+    const size_t end = std::min(keys.size(), begin + per_call);
+    Request request;
     request.set_namespace_name(options_.namespace_name);
     request.set_profile_id(profile.id);
-    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(chain[i]));
-    v1::LookupResponse response;
+    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
+    Response response;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
       grpc::ClientContext context;
       PrepareContext(&context);
-      return FromGrpc(stub_->Lookup(&context, request, &response));
+      return FromGrpc(((*stub_).*rpc)(&context, request, &response));
     }));
-    present += response.num_prefix_present();
-    if (response.num_prefix_present() < end - begin) break;  // the prefix ended in this chunk
+    if (!on_response(response, end - begin)) break;
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> Client::Lookup(const Profile& profile, std::span<const BlockKey> chain) {
+  size_t present = 0;
+  PROXIMA_RETURN_IF_ERROR((CallInKeyChunks<v1::LookupRequest, v1::LookupResponse>(
+      profile, chain, server_info_.max_lookup_keys, &v1::KVTier::Stub::Lookup,
+      [&](const v1::LookupResponse& response, size_t asked) {
+        present += response.num_prefix_present();
+        return response.num_prefix_present() == asked;  // else the prefix ended in this call
+      })));
   return present;
 }
 
 absl::StatusOr<size_t> Client::Delete(const Profile& profile, std::span<const BlockKey> keys) {
   size_t deleted = 0;
-  const size_t per_call = server_info_.max_batch_blocks;
-  for (size_t begin = 0; begin < keys.size(); begin += per_call) {
-    size_t end = std::min(keys.size(), begin + per_call);
-    v1::DeleteRequest request;
-    request.set_namespace_name(options_.namespace_name);
-    request.set_profile_id(profile.id);
-    for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
-    v1::DeleteResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
-      grpc::ClientContext context;
-      PrepareContext(&context);
-      return FromGrpc(stub_->Delete(&context, request, &response));
-    }));
-    deleted += response.num_deleted();
-  }
+  PROXIMA_RETURN_IF_ERROR((CallInKeyChunks<v1::DeleteRequest, v1::DeleteResponse>(
+      profile, keys, server_info_.max_batch_blocks, &v1::KVTier::Stub::Delete,
+      [&](const v1::DeleteResponse& response, size_t) {
+        deleted += response.num_deleted();
+        return true;
+      })));
   return deleted;
 }
 

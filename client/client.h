@@ -252,6 +252,12 @@ class Client {
   // registered by this client, registers it again and retries once (the daemon restarted).
   template <typename Call>
   absl::Status CallWithProfile(const Profile& profile, Call&& call);
+  // Sends `keys` in calls of at most `per_call` keys, each a `Request` (namespace, profile,
+  // keys) through `rpc` (a stub method pointer) under CallWithProfile; after each call,
+  // `on_response(response, keys_in_call)` returns false to stop (Lookup, once the prefix ended).
+  template <typename Request, typename Response, typename Rpc, typename OnResponse>
+  absl::Status CallInKeyChunks(const Profile& profile, std::span<const BlockKey> keys,
+                               size_t per_call, Rpc rpc, OnResponse&& on_response);
   // Sets the call's deadline (call_timeout, or `timeout`) and its bearer token, if any.
   void PrepareContext(grpc::ClientContext* context) const;
   void PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const;
