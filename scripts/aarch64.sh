@@ -1,43 +1,93 @@
 #!/usr/bin/env bash
-# The codec library (proxima_common + proxima_kernels) built for aarch64 and its unit tests run
-# under qemu-aarch64: the CPU path of an ARM node (Grace, GH200) is the scalar reference, and
-# blocks must encode and decode to the same bytes there as on x86 (docs/decisions.md).
-#   scripts/aarch64.sh            install what it needs, build build-aarch64/, run the tests
-# Needs root for apt-get (adds the arm64 architecture to dpkg for the cross libraries).
-# PROXIMA_SKIP_AARCH64=1 skips it, saying so.
+# Proxima cross-built for aarch64 (Grace / GH200 nodes) and run under qemu-aarch64:
+#   1. a sysroot of Debian's arm64 packages (gRPC, protobuf, UCX, yaml-cpp, jemalloc, OpenSSL,
+#      Abseil, GoogleTest and what they need), downloaded and unpacked into build-aarch64-sysroot/
+#      (nothing arm64 is installed into the host; apt only learns the arm64 package lists);
+#   2. proximad, proximactl and every unit-test binary, built with Debian's aarch64 compiler into
+#      build-aarch64/ (no CUDA, no benchmarks);
+#   3. the unit tests under qemu (the recorded encodings of kernels/testdata/golden_encodings.txt
+#      included: blocks encode to the same bytes as on x86), then the README demo's workload
+#      (put, lookup, byte-checked get, load, stats, SIGTERM) against the aarch64 proximad, with
+#      the aarch64 proximactl, both under qemu.
+# The integration tests are not run: they start proximad themselves, which needs binfmt_misc.
+# Needs root (or sudo) for apt-get. PROXIMA_SKIP_AARCH64=1 skips all of it, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${PROXIMA_SKIP_AARCH64:-0}" = 1 ]; then
-  echo "aarch64: SKIPPED (PROXIMA_SKIP_AARCH64=1): the codec was not built or tested for aarch64"
+  echo "aarch64: SKIPPED (PROXIMA_SKIP_AARCH64=1): nothing was built or tested for aarch64"
   exit 0
 fi
-BUILD_DIR=${1:-build-aarch64}
-pkgs=(g++-aarch64-linux-gnu qemu-user libabsl-dev:arm64 libgtest-dev:arm64 libgmock-dev:arm64
-      libssl-dev:arm64)
+BUILD_DIR=build-aarch64
+SYSROOT=$PWD/build-aarch64-sysroot
+SUDO=()
+[ "$(id -u)" -ne 0 ] && SUDO=(sudo)
+
+# --- host tools: the cross compiler and qemu (x86 packages)
 missing=()
-for p in "${pkgs[@]}"; do
+for p in g++-aarch64-linux-gnu qemu-user; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  SUDO=()
-  [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
-  if ! dpkg --print-foreign-architectures | grep -qx arm64; then
-    "${SUDO[@]}" dpkg --add-architecture arm64
-  fi
-  "${SUDO[@]}" apt-get update -qq
-  # The host's libssl-dev must be the same version as the arm64 one (multiarch): both move.
-  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" libssl-dev >/dev/null
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  "${SUDO[@]}" dpkg --add-architecture arm64
+  missing+=(update)
 fi
+if [ ${#missing[@]} -gt 0 ]; then
+  "${SUDO[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends \
+    g++-aarch64-linux-gnu qemu-user >/dev/null
+fi
+
+# --- the sysroot (kept between runs; remade when this list changes)
+DEV_PKGS="libgrpc++-dev libprotobuf-dev libyaml-cpp-dev libucx-dev libjemalloc-dev libssl-dev
+  libabsl-dev libgtest-dev libgmock-dev libc6-dev libstdc++-12-dev"
+STAMP="$SYSROOT/.complete"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(echo $DEV_PKGS)" ]; then
+  rm -rf "$SYSROOT"
+  mkdir -p "$SYSROOT/.debs"
+  # The arm64 packages these need, recursively (virtual packages, in <>, are left out).
+  mapfile -t closure < <(apt-cache depends --recurse --no-recommends --no-suggests \
+    --no-conflicts --no-breaks --no-replaces --no-enhances \
+    $(for p in $DEV_PKGS; do echo "$p:arm64"; done) | grep -E '^[a-z0-9][^ ]*:arm64$' | sort -u)
+  (cd "$SYSROOT/.debs" && apt-get download -qq "${closure[@]}" 2>/dev/null)
+  for deb in "$SYSROOT"/.debs/*.deb; do dpkg -x "$deb" "$SYSROOT"; done
+  rm -rf "$SYSROOT/.debs"
+  # Absolute symlinks (libz.so -> /lib/aarch64-linux-gnu/...) must point inside the sysroot.
+  find "$SYSROOT" -type l -lname '/*' -print0 | while IFS= read -r -d '' link; do
+    ln -sfn "$SYSROOT$(readlink "$link")" "$link"
+  done
+  # gRPC's CMake package checks that its code generators exist at their installed paths; the
+  # build runs the host's grpc_cpp_plugin (found on PATH), the others are never run.
+  mkdir -p "$SYSROOT/usr/bin"
+  for tool in $(grep -oh '_IMPORT_PREFIX}/bin/[a-z_]*' \
+                  "$SYSROOT"/usr/lib/aarch64-linux-gnu/cmake/grpc/gRPCTargets-*.cmake |
+                sed 's|.*/bin/||' | sort -u); do
+    printf '#!/bin/sh\necho "%s: the arm64 package'"'"'s tool is not run here" >&2; exit 1\n' \
+      "$tool" > "$SYSROOT/usr/bin/$tool"
+    chmod +x "$SYSROOT/usr/bin/$tool"
+  done
+  echo $DEV_PKGS > "$STAMP"
+fi
+export PROXIMA_AARCH64_SYSROOT=$SYSROOT
+
+# --- build
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 if [ -f "$BUILD_DIR/CMakeCache.txt" ]; then GEN=(); fi
 cmake -S . -B "$BUILD_DIR" "${GEN[@]}" -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
-  -DPROXIMA_KERNELS_ONLY=ON -DPROXIMA_WITH_CUDA=OFF -DPROXIMA_BUILD_BENCH=OFF \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$BUILD_DIR" -j "${PROXIMA_JOBS:-2}"
-readelf -h "$BUILD_DIR/kernels/kernels_codec_test" | grep -q "Machine: *AArch64" ||
-  { echo "aarch64: $BUILD_DIR/kernels/kernels_codec_test is not an aarch64 binary" >&2; exit 1; }
-# qemu's CPU has the CRC32 extension: require the CRC32C tests to have run the instruction path.
-PROXIMA_EXPECT_HW_CRC32C=1 ctest --test-dir "$BUILD_DIR" --output-on-failure \
+  -DPROXIMA_WITH_CUDA=OFF -DPROXIMA_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+UNIT_TESTS=(common_test ucx_test wire_test daemon_test fuzz_corpus_test replay_test sim_test
+            kernels_device_test kernels_codec_test kernels_simd_test kernels_vec_codec_test
+            kernels_kv_layout_test kernels_crc32c_math_test kernels_codec_cuda_test
+            kernels_kv_layout_cuda_test kernels_crc32c_cuda_test)
+cmake --build "$BUILD_DIR" -j "${PROXIMA_JOBS:-2}" --target proximad proximactl "${UNIT_TESTS[@]}"
+readelf -h "$BUILD_DIR/daemon/proximad" | grep -q "Machine: *AArch64" ||
+  { echo "aarch64: $BUILD_DIR/daemon/proximad is not an aarch64 binary" >&2; exit 1; }
+
+# --- unit tests under qemu (qemu's CPU has the CRC32 extension: require the CRC32C tests to have
+# run the instruction path)
+PROXIMA_EXPECT_HW_CRC32C=1 ctest --test-dir "$BUILD_DIR" -L unit --output-on-failure \
   -j "${PROXIMA_JOBS:-2}" --timeout 600
+
+# --- the demo's workload against the aarch64 daemon
+PROXIMA_DEMO_PREBUILT="$BUILD_DIR" PROXIMA_DEMO_RUNNER="qemu-aarch64 -L $SYSROOT" ./scripts/demo.sh
+echo "aarch64: proximad, proximactl and the unit tests ran under qemu-aarch64"

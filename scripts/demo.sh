@@ -2,18 +2,24 @@
 # The README's first command: installs what Proxima needs, builds it, starts proximad on its
 # built-in default config (no GPU needed) and runs a short workload through the client that
 # shows puts, lookups, gets and the daemon's stats. Stops the daemon at the end.
+# PROXIMA_DEMO_PREBUILT=DIR runs the binaries of an existing build directory instead (no install,
+# no build), and PROXIMA_DEMO_RUNNER a command both run under (scripts/aarch64.sh: qemu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
-PROXIMA_TARGETS="proximad proximactl" ./scripts/build.sh build
+BUILD=${PROXIMA_DEMO_PREBUILT:-build}
+if [ -z "${PROXIMA_DEMO_PREBUILT:-}" ]; then
+  ./scripts/install-deps.sh
+  PROXIMA_TARGETS="proximad proximactl" ./scripts/build.sh build
+fi
+RUN=(${PROXIMA_DEMO_RUNNER:-})
 
 RUN_DIR=$(mktemp -d /tmp/proxima-demo-XXXXXX)
 SOCK="$RUN_DIR/proximad.sock"
-CTL="./build/tools/proximactl/proximactl"
+CTL="${RUN[*]} ./$BUILD/tools/proximactl/proximactl"
 # The default config, with the socket moved into a scratch directory so the demo needs no
 # /run/proxima and cannot clash with an installed daemon; TCP on port 0 for the same reason.
-./build/daemon/proximad --set "server.unix_socket=$SOCK" --set server.listen=127.0.0.1:0 \
-  --set server.metrics_listen=127.0.0.1:0 --port_file="$RUN_DIR/ports.json" \
+"${RUN[@]}" "./$BUILD/daemon/proximad" --set "server.unix_socket=$SOCK" \
+  --set server.listen=127.0.0.1:0 --set server.metrics_listen=127.0.0.1:0 --port_file="$RUN_DIR/ports.json" \
   2> "$RUN_DIR/proximad.log" &
 DAEMON=$!
 trap 'kill -TERM $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null; rm -rf "$RUN_DIR"' EXIT

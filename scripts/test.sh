@@ -2,7 +2,7 @@
 # The README's second command (and CI's): installs what Proxima needs, builds it with tests, and
 # runs the whole suite: unit tests, integration tests against the real proximad, the bounded
 # fuzz runs, the unit tests of the memory- and input-handling core under ASan + UBSan, and the
-# codec library cross-built for aarch64 with its unit tests under qemu.
+# aarch64 cross build with its unit tests and the demo workload under qemu.
 # Exits non-zero if anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,7 @@ ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
 # cost in CI time: docs/reliability.md). The whole suite under ASan + UBSan, and TSan, run from
 # scripts/sanitize.sh by hand.
 ./scripts/sanitize.sh address ci
-# The codec library cross-built for aarch64 (Grace / GH200 nodes) and its unit tests, the
-# recorded encodings of kernels/testdata/golden_encodings.txt included, run under qemu-aarch64.
+# proximad, proximactl and the unit tests cross-built for aarch64 (Grace / GH200 nodes) and run
+# under qemu-aarch64 (the recorded encodings of kernels/testdata/golden_encodings.txt included),
+# then the demo's workload against the aarch64 daemon.
 ./scripts/aarch64.sh
