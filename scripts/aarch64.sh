@@ -48,7 +48,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(echo $DEV_PKGS)" ]; then
   mapfile -t closure < <(apt-cache depends --recurse --no-recommends --no-suggests \
     --no-conflicts --no-breaks --no-replaces --no-enhances \
     $(for p in $DEV_PKGS; do echo "$p:arm64"; done) | grep -E '^[a-z0-9][^ ]*:arm64$' | sort -u)
-  (cd "$SYSROOT/.debs" && apt-get download -qq "${closure[@]}" 2>/dev/null)
+  # (apt warns that root downloads unsandboxed; that line is dropped, any other error shows.)
+  (cd "$SYSROOT/.debs" && apt-get download -qq "${closure[@]}" 2> >(grep -v unsandboxed >&2))
+  [ "$(ls "$SYSROOT"/.debs/*.deb | wc -l)" -eq "${#closure[@]}" ] ||
+    { echo "aarch64: downloaded $(ls "$SYSROOT"/.debs | wc -l) of ${#closure[@]} packages" >&2; exit 1; }
   for deb in "$SYSROOT"/.debs/*.deb; do dpkg -x "$deb" "$SYSROOT"; done
   rm -rf "$SYSROOT/.debs"
   # Absolute symlinks (libz.so -> /lib/aarch64-linux-gnu/...) must point inside the sysroot.
