@@ -105,15 +105,18 @@ std::vector<std::string> Lines(CpuPath path) {
 }
 
 TEST(GoldenTest, EveryPathEncodesAndDecodesToTheRecordedBytes) {
+  std::string file = std::string(PROXIMA_KERNELS_TESTDATA_DIR) + "/golden_encodings.txt";
   if (const char* w = std::getenv("PROXIMA_WRITE_GOLDEN"); w != nullptr) {
-    std::ofstream f(w);
-    f << "# kernels/golden_test.cc: source plan encoded_bytes encoded_crc32c decoded_crc32c\n";
-    for (const std::string& l : Lines(CpuPath::kScalar)) f << l << "\n";
-    ASSERT_TRUE(f.good()) << w;
-    GTEST_SKIP() << "wrote " << w << "; nothing compared";
+    // Regenerate mode: write the scalar path's lines, then compare every path with them.
+    std::ofstream out(w);
+    out << "# kernels/golden_test.cc: source plan encoded_bytes encoded_crc32c decoded_crc32c\n";
+    for (const std::string& l : Lines(CpuPath::kScalar)) out << l << "\n";
+    ASSERT_TRUE(out.good()) << w;
+    std::printf("wrote %s\n", w);
+    file = w;
   }
-  std::ifstream f(std::string(PROXIMA_KERNELS_TESTDATA_DIR) + "/golden_encodings.txt");
-  ASSERT_TRUE(f.good()) << "kernels/testdata/golden_encodings.txt missing";
+  std::ifstream f(file);
+  ASSERT_TRUE(f.good()) << file << " missing";
   std::map<std::string, std::string> want;  // "source plan" -> the rest
   std::string line;
   while (std::getline(f, line)) {

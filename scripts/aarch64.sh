@@ -23,15 +23,15 @@ SUDO=()
 [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
 
 # --- host tools: the cross compiler and qemu (x86 packages)
-missing=()
+need_apt=0
 for p in g++-aarch64-linux-gnu qemu-user; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_apt=1
 done
 if ! dpkg --print-foreign-architectures | grep -qx arm64; then
-  "${SUDO[@]}" dpkg --add-architecture arm64
-  missing+=(update)
+  "${SUDO[@]}" dpkg --add-architecture arm64  # apt then fetches the arm64 package lists
+  need_apt=1
 fi
-if [ ${#missing[@]} -gt 0 ]; then
+if [ "$need_apt" = 1 ]; then
   "${SUDO[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends \
     g++-aarch64-linux-gnu qemu-user >/dev/null

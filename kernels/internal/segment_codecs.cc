@@ -1,6 +1,5 @@
-// Scalar reference for the fixed-size codecs (fp8, int8, int4/int2, star). The arithmetic here
-// is the definition in docs/format.md section 3; the SIMD and CUDA paths copy it operation by
-// operation.
+// Scalar reference for the fixed-size codecs (fp8, int8, int4/int2, star): it gives the results
+// docs/format.md section 3 defines, and the SIMD and CUDA paths reproduce them bit for bit.
 #include "kernels/internal/segment_codecs.h"
 
 #include <algorithm>
@@ -56,7 +55,7 @@ uint32_t GetBits(const std::byte* buf, size_t index, uint32_t bits) {
   return (w >> (pos % 8)) & ((1u << bits) - 1u);
 }
 
-// Packs n codes of `bits` bits (2 or 4) that belong at value indices [first, first + n) into a
+// Packs n codes of `bits` bits (1, 2 or 4) that belong at value indices [first, first + n) into a
 // zeroed buffer: whole bytes at a time once `first + k` reaches a byte boundary.
 void PackCodes(std::byte* buf, size_t first, uint32_t bits, const uint8_t* codes, size_t n) {
   const uint32_t per = 8 / bits;
@@ -208,8 +207,9 @@ absl::Status ValidateStar(const SegmentShape& shape, const std::byte* payload) {
 // The scalar codecs below are templated on the dtype (kDt) so that the conversions inline
 // without a per-value branch, and walk the segment row by row ([token][head][dim] order, with
 // per-channel state in small arrays for K) so that the inner loops run over contiguous values.
-// Each value still goes through exactly the operations docs/format.md defines, in the same order
-// per group, so the bytes do not depend on the loop order.
+// Each value gets the result docs/format.md defines. Where the operations differ from its
+// wording (a maximum taken per channel first, RoundThenClamp, numeric::ClampE4m3) the comment
+// there says why the result cannot; GoldenTest and the SIMD identity tests hold the bytes.
 
 // ---------------------------------------------------------------- fp8
 
