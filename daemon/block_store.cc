@@ -441,6 +441,20 @@ void BlockStore::Release(const Candidate& candidate) {
   }
 }
 
+void BlockStore::KeepAtLevel(const Candidate& candidate) {
+  Shard& shard = ShardFor(candidate.id);
+  proxima::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(candidate.id);
+  if (it == shard.map.end() || it->second.block.get() != candidate.block.pin.get()) return;
+  Shard::Entry& e = it->second;
+  e.busy = false;
+  e.attributes.max_level = e.block->level;
+  if (e.in_compressible) {
+    shard.compressible[candidate.id.namespace_index].erase(e.cold);
+    e.in_compressible = false;
+  }
+}
+
 bool BlockStore::EvictCandidate(const Candidate& candidate, bool count) {
   Shard& shard = ShardFor(candidate.id);
   BlockRef evicted;

@@ -189,6 +189,10 @@ class BlockStore {
   InPlace ReplaceInPlace(Candidate candidate, std::span<const std::byte> encoded, uint8_t level);
   // Clears the busy mark of a candidate that is not replaced.
   void Release(const Candidate& candidate);
+  // Clears the busy mark and makes the candidate's current level its last: it is never handed
+  // out by ColdestCompressible() again (the next level would not shrink it). It stays in the
+  // LRU order like any block.
+  void KeepAtLevel(const Candidate& candidate);
   // Evicts the candidate's block (when it still holds the same bytes and no reader pins it);
   // true when it did. When a reader pins it, clears the busy mark and returns false.
   // `count`: false for a block that left for another node (a spill), not counted in evictions().

@@ -70,6 +70,10 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geo
   evictions_for_put_ =
       registry->AddCounter("proxima_tierer_put_evictions_total",
                            "Blocks evicted on the put path because nothing could be compressed");
+  no_gain_ = registry->AddCounter(
+      "proxima_tierer_no_gain_total",
+      "Encodings discarded because the next level was no smaller than the block's current bytes "
+      "(the block keeps its level)");
 }
 
 Tierer::~Tierer() { Stop(); }
@@ -203,10 +207,23 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps) {
     status = codec::EncodeBlock(*geometry, state.policy.plans[to - 1], c->attributes.is_first_block,
                                 source, {}, &encoded);
   }
-  if (status.ok() && encoded.size() >= geometry->RawBytes()) {
-    status = absl::FailedPreconditionError(absl::StrCat("encoded block of ", encoded.size(),
-                                                        " bytes is no smaller than the raw ",
-                                                        geometry->RawBytes(), " bytes"));
+  if (status.ok() && encoded.size() >= c->block.bytes.size()) {
+    // The next level does not shrink this block: with few tokens per block, per-group metadata
+    // can outweigh the narrower codes (int4 is larger than int8 at 2 tokens). Storing it would
+    // cost quality for no room, and on a full tier the larger bytes would not fit where the old
+    // ones were, losing a block out of LRU order. The block keeps its level for good; it leaves
+    // by eviction in its turn, like any block.
+    no_gain_->Increment();
+    if (!state.warned_no_gain.exchange(true, std::memory_order_relaxed)) {
+      PROXIMA_LOG(kWarning) << "tierer: a hierarchy level does not shrink this namespace's "
+                               "blocks; they stay at the level before it (logged once)"
+                            << log::Kv("namespace", state.name) << log::Kv("level", int(to))
+                            << log::Kv("bytes_at_level", encoded.size())
+                            << log::Kv("bytes_now", c->block.bytes.size())
+                            << log::Kv("raw_bytes", geometry->RawBytes());
+    }
+    store_->KeepAtLevel(*c);
+    return true;
   }
   if (!status.ok()) {
     // A block the codec refuses cannot shrink; it leaves the way it came in, by eviction.

@@ -90,6 +90,8 @@ class Tierer {
   uint64_t step_backs(uint32_t ns) const;
   uint64_t encodes() const { return encodes_.load(std::memory_order_relaxed); }
   uint64_t encode_failures() const { return encode_failures_.load(std::memory_order_relaxed); }
+  // Encodings discarded because they were no smaller than the block's current bytes.
+  uint64_t no_gain() const { return no_gain_->value(); }
 
  private:
   struct Quality {
@@ -101,6 +103,7 @@ class Tierer {
     CompressionConfig policy;
     std::atomic<uint64_t> encodings{0};  // counts toward sampling
     std::atomic<uint64_t> step_backs{0};
+    std::atomic<bool> warned_no_gain{false};
   };
 
   // Full caps: every namespace at its quality-guard cap (the put path may compress any).
@@ -127,6 +130,7 @@ class Tierer {
   metrics::Counter* encode_bytes_out_ = nullptr;
   metrics::Counter* encode_seconds_ = nullptr;
   metrics::Counter* evictions_for_put_ = nullptr;
+  metrics::Counter* no_gain_ = nullptr;
 
   // Background worker. std::mutex + condition_variable only for the stop signal and its timed
   // wait (proxima::Mutex has no condition variable).
