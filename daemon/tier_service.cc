@@ -309,7 +309,8 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
     registry->AddCounterFunction(
         "proxima_tier_compactions_total",
         "Puts that found enough free bytes but no region large enough, by whether moving blocks "
-        "made one (gave_up: a block in the way was being read, written or encoded)",
+        "made one (gave_up: a block in the way could not move: being read, written or "
+        "encoded, or no free region outside the window could take it)",
         {{"tier", "host"}, {"outcome", outcome}}, [s, made] {
           return static_cast<double>(made ? s->compactions() : s->compactions_given_up());
         });
