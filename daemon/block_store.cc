@@ -367,10 +367,7 @@ bool BlockStore::Replace(const Candidate& candidate, PendingBlock encoded, uint3
     Unlocate(*old);
     Locate(*e.block, candidate.id);
     Resized(e, old->size);
-    if (e.in_compressible && level >= e.attributes.max_level) {
-      shard.compressible[candidate.id.namespace_index].erase(e.cold);
-      e.in_compressible = false;
-    }
+    if (level >= e.attributes.max_level) LeaveCompressible(shard, e, candidate.id.namespace_index);
     NamespaceCounters& c = counters_[candidate.id.namespace_index];
     c.bytes.fetch_add(e.block->size - old->size, std::memory_order_relaxed);
     CountLevel(old->level, -1, -static_cast<int64_t>(old->size));
@@ -423,10 +420,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
   Locate(*e.block, candidate.id);
   Resized(e, old_size);
   e.busy = false;
-  if (e.in_compressible && level >= e.attributes.max_level) {
-    shard.compressible[candidate.id.namespace_index].erase(e.cold);
-    e.in_compressible = false;
-  }
+  if (level >= e.attributes.max_level) LeaveCompressible(shard, e, candidate.id.namespace_index);
   c.bytes.fetch_add(encoded.size() - old_size, std::memory_order_relaxed);
   CountLevel(level, 1, static_cast<int64_t>(encoded.size()));
   return InPlace::kReplaced;
@@ -449,10 +443,13 @@ void BlockStore::KeepAtLevel(const Candidate& candidate) {
   Shard::Entry& e = it->second;
   e.busy = false;
   e.attributes.max_level = e.block->level;
-  if (e.in_compressible) {
-    shard.compressible[candidate.id.namespace_index].erase(e.cold);
-    e.in_compressible = false;
-  }
+  LeaveCompressible(shard, e, candidate.id.namespace_index);
+}
+
+void BlockStore::LeaveCompressible(Shard& shard, Shard::Entry& entry, uint32_t namespace_index) {
+  if (!entry.in_compressible) return;
+  shard.compressible[namespace_index].erase(entry.cold);
+  entry.in_compressible = false;
 }
 
 bool BlockStore::EvictCandidate(const Candidate& candidate, bool count) {

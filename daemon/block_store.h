@@ -306,6 +306,9 @@ class BlockStore {
   // DemoteOverflow() after releasing the shard lock.
   [[nodiscard]] bool MarkUsed(Shard& shard, Shard::Entry& entry, bool reused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Takes the entry off its namespace's compressible list for good (it is at its last level).
+  static void LeaveCompressible(Shard& shard, Shard::Entry& entry, uint32_t namespace_index)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // Moves the protected segment's least recent blocks to the front of probation until the
   // segment is within its share. Takes shard locks one at a time.
   void DemoteOverflow();

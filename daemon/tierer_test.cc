@@ -109,9 +109,9 @@ class TiererTest : public ::testing::Test {
                           tierer_->AttributesFor(ns, tokens_, true, n, high_priority, importance));
   }
 
-  // Raw block size of SmolLM2-135M's first `layers` layers: 2 * L * 16 tokens * 3 heads * 64 * 2.
-  static constexpr uint64_t RawBytes(uint32_t layers = 4) {
-    return 2ull * layers * 16 * 3 * 64 * 2;
+  // Raw block size of SmolLM2-135M's first `layers` layers: 2 * L * tokens * 3 heads * 64 * 2.
+  static constexpr uint64_t RawBytes(uint32_t layers = 4, uint32_t tokens = kTokens) {
+    return 2ull * layers * tokens * 3 * 64 * 2;
   }
 
   uint32_t tokens_ = kTokens;
@@ -180,8 +180,7 @@ TEST_F(TiererTest, ALevelThatDoesNotShrinkABlockIsSkippedAndNothingIsLostOutOfOr
   // recently used one: the newest blocks are the ones still above the last level) out of LRU
   // order: the trace replay's 2-token smoke run hit 0.03 with int8>int4 against raw's 0.05.
   constexpr uint32_t kTwo = 2;
-  const uint64_t raw = 2ull * 4 * kTwo * 3 * 64 * 2;
-  const uint64_t capacity = 40 * raw + 4096;
+  const uint64_t capacity = 40 * RawBytes(4, kTwo) + 4096;
   Make(capacity, {"int8", "int4"}, 4, 0.12, 16, 0.8, kTwo);
   constexpr uint32_t kPuts = 400;
   for (uint32_t n = 0; n < kPuts; ++n) {
