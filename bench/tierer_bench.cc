@@ -8,9 +8,19 @@
 //
 //   tierer_bench --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv
 //       --capacity_mb=64 --blocks=600 --levels='int8|int8;layers[0:2]=int8,default=int4,sink=int8'
+//
+// With --drain_threads=1,2,... it measures the background workers instead (`tierer.threads`):
+// --blocks raw blocks are put, with the workers stopped, into a tier with room for all of them
+// and a pressure threshold of 0.05; then the workers start and alone take every block down the
+// hierarchy. The time until every block is at the deepest level gives their encode throughput
+// (raw bytes per second), printed as a ratio to the first thread count's. --sample_one_in sets
+// the quality guard's sampling (default 16, the daemon's), to see what its measurements cost.
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_join.h"
@@ -39,73 +49,147 @@ struct Result {
   uint64_t used_bytes = 0;
 };
 
-// One run: `levels` empty = compression off.
-Result Run(const proxima::codec::KvTensor& kv, uint64_t capacity, uint32_t blocks, uint32_t recent,
-           const std::vector<std::string>& levels) {
+constexpr uint32_t kTokens = 16;
+
+// A service over a host tier of `capacity` bytes with `levels` (empty = compression off).
+// `sample_one_in`: the quality guard's sampling (the daemon's default unless --sample_one_in).
+uint32_t g_sample_one_in = 16;
+
+std::unique_ptr<TierService> MakeService(uint64_t capacity, const std::vector<std::string>& levels,
+                                         double threshold, uint32_t threads,
+                                         proxima::metrics::Registry* registry) {
   DaemonConfig config;
   config.host_tier.capacity_bytes = capacity;
   config.server.max_message_bytes = 64 << 20;
+  config.tierer.threads = threads;
   auto& z = config.namespaces[0].compression;
   z.enabled = !levels.empty();
   z.levels = levels;
+  z.memory_pressure_threshold = threshold;
+  z.sample_one_in = g_sample_one_in;
   if (auto s = proxima::daemon::ResolveCompressionLevels("bench", "compression", &z); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     std::exit(2);
   }
-  proxima::metrics::Registry registry;
-  auto service = TierService::Create(config, &registry);
-  if (!service.ok()) std::exit(2);
-  constexpr uint32_t kTokens = 16;
-  proxima::v1::RegisterProfileRequest reg;
-  reg.set_namespace_name("default");
-  auto* p = reg.mutable_profile();
-  p->set_num_layers(kv.num_layers);
-  p->set_num_kv_heads(kv.num_kv_heads);
-  p->set_head_dim(kv.head_dim);
-  p->set_tokens_per_block(kTokens);
-  p->set_dtype(proxima::v1::DTYPE_BF16);
-  proxima::v1::RegisterProfileResponse profile;
-  const proxima::daemon::Caller anonymous = proxima::daemon::Caller::Anonymous();
-  if (!(*service)->RegisterProfile(anonymous, reg, &profile).ok()) std::exit(2);
-
-  const uint32_t distinct = kv.num_tokens - kTokens + 1;
-  std::vector<std::string> data(distinct, std::string(profile.block_bytes(), '\0'));
-  for (uint32_t t = 0; t < distinct; ++t) {
-    (void)kv.ExtractBlock(t, kTokens,
-                          std::as_writable_bytes(std::span(data[t].data(), data[t].size())));
+  auto service = TierService::Create(config, registry);
+  if (!service.ok()) {
+    std::fprintf(stderr, "%s\n", service.status().ToString().c_str());
+    std::exit(2);
   }
-  auto key = [](uint32_t n) {
-    std::string k(32, '\0');
-    std::memcpy(k.data(), &n, sizeof(n));
-    return k;
-  };
-  auto start = std::chrono::steady_clock::now();
-  for (uint32_t n = 0; n < blocks; ++n) {
+  return *std::move(service);
+}
+
+// A registered profile of `kv`'s geometry in `service`, and the distinct real blocks to put.
+struct Stream {
+  TierService* service;
+  uint64_t profile_id = 0;
+  std::vector<std::string> data;
+  const proxima::daemon::Caller caller = proxima::daemon::Caller::Anonymous();
+
+  Stream(TierService* s, const proxima::codec::KvTensor& kv) : service(s) {
+    proxima::v1::RegisterProfileRequest reg;
+    reg.set_namespace_name("default");
+    auto* p = reg.mutable_profile();
+    p->set_num_layers(kv.num_layers);
+    p->set_num_kv_heads(kv.num_kv_heads);
+    p->set_head_dim(kv.head_dim);
+    p->set_tokens_per_block(kTokens);
+    p->set_dtype(proxima::v1::DTYPE_BF16);
+    proxima::v1::RegisterProfileResponse profile;
+    if (!service->RegisterProfile(caller, reg, &profile).ok()) std::exit(2);
+    profile_id = profile.profile_id();
+    const uint32_t distinct = kv.num_tokens - kTokens + 1;
+    data.assign(distinct, std::string(profile.block_bytes(), '\0'));
+    for (uint32_t t = 0; t < distinct; ++t) {
+      (void)kv.ExtractBlock(t, kTokens,
+                            std::as_writable_bytes(std::span(data[t].data(), data[t].size())));
+    }
+  }
+  proxima::daemon::BlockId Id(uint32_t n) const {
+    proxima::daemon::BlockId id{0, profile_id, {}};
+    std::memcpy(id.key.data(), &n, sizeof(n));
+    return id;
+  }
+  // Puts block n (one per call, as an engine that offloads each block when it fills).
+  void Put(uint32_t n) {
     proxima::v1::PutRequest put;
     put.set_namespace_name("default");
-    put.set_profile_id(profile.profile_id());
+    put.set_profile_id(profile_id);
     auto* b = put.add_blocks();
-    b->set_key(key(n));
-    b->set_data(data[(n * 7) % distinct]);
+    const proxima::daemon::BlockId id = Id(n);
+    b->set_key(id.key.data(), id.key.size());
+    b->set_data(data[(n * 7) % data.size()]);
     b->set_position(n % 64);
     proxima::v1::PutResponse out;
-    if (!(*service)->Put(anonymous, put, &out).ok()) std::exit(3);
+    if (!service->Put(caller, put, &out).ok() ||
+        out.outcomes(0) != proxima::v1::PUT_OUTCOME_STORED) {
+      std::fprintf(stderr, "put %u was not stored\n", n);
+      std::exit(3);
+    }
   }
+};
+
+// One run: `levels` empty = compression off.
+Result Run(const proxima::codec::KvTensor& kv, uint64_t capacity, uint32_t blocks, uint32_t recent,
+           const std::vector<std::string>& levels) {
+  proxima::metrics::Registry registry;
+  std::unique_ptr<TierService> service = MakeService(capacity, levels, 0.8, 1, &registry);
+  Stream stream(service.get(), kv);
+  auto start = std::chrono::steady_clock::now();
+  for (uint32_t n = 0; n < blocks; ++n) stream.Put(n);
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   Result r;
-  r.held = (*service)->store().blocks();
-  r.evictions = (*service)->store().evictions();
-  r.used_bytes = (*service)->store().used_bytes();
+  r.held = service->store().blocks();
+  r.evictions = service->store().evictions();
+  r.used_bytes = service->store().used_bytes();
   r.puts_per_s = blocks / secs;
   uint32_t hits = 0;
   for (uint32_t n = blocks - recent; n < blocks; ++n) {
-    proxima::daemon::BlockId id{0, profile.profile_id(), {}};
-    std::memcpy(id.key.data(), &n, sizeof(n));
-    hits += (*service)->store().Contains(id) ? 1 : 0;
+    hits += service->store().Contains(stream.Id(n)) ? 1 : 0;
   }
   r.recent_hit_ratio = static_cast<double>(hits) / recent;
   return r;
+}
+
+struct Drain {
+  double seconds = 0;  // workers started until every block is at the deepest level
+  uint64_t raw_bytes = 0;
+};
+
+// The background workers' throughput: `blocks` puts into room for all of them, threshold 0.05,
+// then the workers start; the time until all `blocks` are at the hierarchy's deepest level.
+Drain RunDrain(const proxima::codec::KvTensor& kv, uint32_t blocks,
+               const std::vector<std::string>& levels, uint32_t threads) {
+  proxima::metrics::Registry registry;
+  const uint64_t raw = 2ull * kv.num_layers * kTokens * kv.num_kv_heads * kv.head_dim * 2;
+  std::unique_ptr<TierService> service =
+      MakeService(raw * blocks + (raw * blocks) / 8, levels, 0.05, threads, &registry);
+  Stream stream(service.get(), kv);
+  const proxima::daemon::BlockStore& store = service->store();
+  const int deepest = static_cast<int>(levels.size());
+  // The workers wait until every block is in, so that the puts' own work is not timed.
+  service->tierer().Stop();
+  for (uint32_t n = 0; n < blocks; ++n) stream.Put(n);
+  const auto start = std::chrono::steady_clock::now();
+  service->tierer().Start();
+  while (store.level_blocks(deepest) < blocks) {
+    if (std::chrono::steady_clock::now() - start > std::chrono::minutes(5)) {
+      std::fprintf(stderr, "drain: %llu of %u blocks at level %d after 5 minutes\n",
+                   static_cast<unsigned long long>(store.level_blocks(deepest)), blocks, deepest);
+      std::exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  Drain d;
+  d.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  d.raw_bytes = raw * blocks;
+  if (store.evictions() != 0) {
+    std::fprintf(stderr, "drain: %llu evictions; the tier was meant to hold every block\n",
+                 static_cast<unsigned long long>(store.evictions()));
+    std::exit(3);
+  }
+  return d;
 }
 
 }  // namespace
@@ -123,6 +207,28 @@ int main(int argc, char** argv) {
   const uint32_t recent = std::stoul(Arg(argc, argv, "recent", "300"));
   const std::string hierarchies =
       Arg(argc, argv, "levels", "int8|int8;layers[0:2]=int8,default=int4,sink=int8|int8;int4");
+  g_sample_one_in = std::stoul(Arg(argc, argv, "sample_one_in", "16"));
+  const std::string drain_threads = Arg(argc, argv, "drain_threads", "");
+  if (!drain_threads.empty()) {
+    // Background workers: one hierarchy (the first of --levels), each thread count in turn.
+    std::vector<std::string> levels =
+        absl::StrSplit(std::vector<std::string>(absl::StrSplit(hierarchies, '|'))[0], ';');
+    double base_mb_s = 0;
+    for (absl::string_view t : absl::StrSplit(drain_threads, ',')) {
+      const uint32_t threads = std::stoul(std::string(t));
+      const Drain d = RunDrain(*kv, blocks, levels, threads);
+      const double mb_s = d.raw_bytes / d.seconds / 1e6;
+      if (base_mb_s == 0) base_mb_s = mb_s;
+      std::printf(
+          "{\"bench\":\"tierer_drain\",\"levels\":\"%s\",\"threads\":%u,\"sample_one_in\":%u,"
+          "\"blocks\":%u,"
+          "\"raw_bytes\":%llu,\"seconds\":%.3f,\"raw_mb_per_s\":%.1f,\"vs_first\":%.3f}\n",
+          absl::StrJoin(levels, " > ").c_str(), threads, g_sample_one_in, blocks,
+          static_cast<unsigned long long>(d.raw_bytes), d.seconds, mb_s, mb_s / base_mb_s);
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   const Result base = Run(*kv, capacity, blocks, recent, {});
   auto print = [&](const std::string& name, const Result& r) {
     std::printf(

@@ -70,7 +70,7 @@ namespaces:                        # tenants; a call naming another namespace ge
       quantization: {k_bits: 8, v_bits: 8, per_channel: true, group_size: 64}
       star_kv: {cluster_size: 16, hierarchy_levels: 2}
       trigger: {memory_pressure_threshold: 0.8, min_seq_len_to_compress: 0}
-      quality: {max_attention_error: 0.12, sample_one_in: 16}
+      quality: {max_attention_error: 0.12, sample_one_in: 64}
       priority: {high_max_level: 1} # deepest level a high-priority put's blocks go to
 log:
   level: info                      # debug | info | warning | error

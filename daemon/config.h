@@ -89,7 +89,7 @@ struct CompressionConfig {
   double memory_pressure_threshold = 0.8;  // trigger: compress when tier use / capacity exceeds
   uint64_t min_seq_len_to_compress = 0;    // trigger: tokens a sequence needs up to a block
   double max_attention_error = 0.12;   // quality.max_attention_error: budget (relative L2)
-  uint32_t sample_one_in = 16;         // quality.sample_one_in: encodings measured, 1 in N
+  uint32_t sample_one_in = 64;         // quality.sample_one_in: encodings measured, 1 in N
   uint32_t high_priority_max_level = 1;  // priority.high_max_level: deepest level, high puts
 
   // The resolved hierarchy, `levels` parsed (or derived), safest first. Empty when disabled.

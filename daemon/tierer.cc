@@ -86,7 +86,11 @@ void Tierer::Start() {
   bool any = false;
   for (const auto& ns : namespaces_) any |= !ns->policy.plans.empty();
   if (!any) return;  // nothing to compress: no worker needed
-  worker_ = std::thread([this] { Run(); });
+  for (uint32_t i = 0; i < std::max<uint32_t>(config_.threads, 1); ++i) {
+    workers_.emplace_back([this] { Run(); });
+  }
+  PROXIMA_LOG(kInfo) << "tierer started" << log::Kv("workers", workers_.size())
+                     << log::Kv("interval_seconds", config_.interval_seconds);
 }
 
 void Tierer::Stop() {
@@ -95,7 +99,8 @@ void Tierer::Stop() {
     stop_ = true;
   }
   stop_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  for (std::thread& w : workers_) w.join();
+  workers_.clear();
 }
 
 void Tierer::Run() {

@@ -12,8 +12,9 @@
 // namespace's budget, the namespace's deepest level drops below it: new encodings stop one
 // level earlier (logged and counted), and blocks already there stay until evicted.
 //
-// Thread-safe. The background worker runs between Start() and Stop() (or destruction); Reserve()
-// may be called from any thread. Lock order: `mu_` is never held while calling the store.
+// Thread-safe. The background workers (`tierer.threads`) run between Start() and Stop() (or
+// destruction); Reserve() may be called from any thread. Lock order: `mu_` is never held while
+// calling the store.
 #ifndef PROXIMA_DAEMON_TIERER_H_
 #define PROXIMA_DAEMON_TIERER_H_
 
@@ -54,7 +55,8 @@ class Tierer {
   Tierer(const Tierer&) = delete;
   Tierer& operator=(const Tierer&) = delete;
 
-  // Starts / stops the background worker. Stop() waits for it.
+  // Starts / stops the background workers (`tierer.threads` of them; each takes its own coldest
+  // block, so they encode in parallel). Stop() waits for them.
   void Start();
   void Stop();
 
@@ -78,7 +80,7 @@ class Tierer {
   // not be re-stored, was evicted). For tests and the background worker.
   bool CompressOne(std::span<const uint8_t> caps);
   // Runs background passes until the tier is under every namespace's threshold or nothing can
-  // be compressed (what the worker does each wake-up). For tests.
+  // be compressed (what each worker does each wake-up). For tests.
   void RelievePressure();
 
   // The deepest level new encodings of namespace `ns` may reach now (the quality guard lowers
@@ -92,6 +94,9 @@ class Tierer {
   uint64_t encode_failures() const { return encode_failures_.load(std::memory_order_relaxed); }
   // Encodings discarded because they were no smaller than the block's current bytes.
   uint64_t no_gain() const { return no_gain_->value(); }
+  // Background workers running now (0 before Start(), after Stop(), and when no namespace
+  // compresses). Call from the thread that calls Start() and Stop().
+  size_t workers() const { return workers_.size(); }
 
  private:
   struct Quality {
@@ -132,12 +137,12 @@ class Tierer {
   metrics::Counter* evictions_for_put_ = nullptr;
   metrics::Counter* no_gain_ = nullptr;
 
-  // Background worker. std::mutex + condition_variable only for the stop signal and its timed
+  // Background workers. std::mutex + condition_variable only for the stop signal and its timed
   // wait (proxima::Mutex has no condition variable).
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   bool stop_ = false;
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace proxima::daemon
