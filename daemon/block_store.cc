@@ -295,7 +295,7 @@ std::optional<BlockStore::PendingBlock> BlockStore::TryReserve(uint64_t bytes,
   return PendingBlock(std::make_shared<StoredBlock>(tier_.get(), *extent, bytes));
 }
 
-std::optional<BlockStore::Candidate> BlockStore::ColdestCompressible(
+std::optional<std::pair<BlockStore::Shard*, BlockId>> BlockStore::ScanColdestCompressible(
     std::span<const uint8_t> level_caps) {
   // Scan the tails; the few busy entries at a tail (being encoded by another thread) are
   // stepped over. Blocks whose namespace cap has dropped to their level leave the list.
@@ -337,15 +337,31 @@ std::optional<BlockStore::Candidate> BlockStore::ColdestCompressible(
     }
   }
   if (best_shard == nullptr) return std::nullopt;
-  proxima::MutexLock lock(&best_shard->mu);
-  auto it = best_shard->map.find(best_id);
-  if (it == best_shard->map.end() || it->second.busy || !it->second.in_compressible) {
-    return std::nullopt;  // raced; the caller asks again
+  return std::make_pair(best_shard, best_id);
+}
+
+std::optional<BlockStore::Candidate> BlockStore::ColdestCompressible(
+    std::span<const uint8_t> level_caps) {
+  // Another thread may claim the block found between the scan and the claim (two workers, or a
+  // worker and a put, scan for the same coldest block); then scan again, so that a caller never
+  // hears "none" while compressible blocks remain. Each lost race means another thread claimed
+  // a block; the bound is only a guard.
+  constexpr int kMaxRaces = 64;
+  for (int race = 0; race < kMaxRaces; ++race) {
+    std::optional<std::pair<Shard*, BlockId>> found = ScanColdestCompressible(level_caps);
+    if (!found) return std::nullopt;
+    auto [best_shard, best_id] = *found;
+    proxima::MutexLock lock(&best_shard->mu);
+    auto it = best_shard->map.find(best_id);
+    if (it == best_shard->map.end() || it->second.busy || !it->second.in_compressible) {
+      continue;  // raced: claimed, evicted or capped since the scan
+    }
+    Shard::Entry& e = it->second;
+    e.busy = true;
+    const StoredBlock& b = *e.block;
+    return Candidate{best_id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
   }
-  Shard::Entry& e = it->second;
-  e.busy = true;
-  const StoredBlock& b = *e.block;
-  return Candidate{best_id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
+  return std::nullopt;
 }
 
 bool BlockStore::Replace(const Candidate& candidate, PendingBlock encoded, uint32_t crc32c,

@@ -48,6 +48,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -279,6 +280,10 @@ class BlockStore {
   };
 
   Shard& ShardFor(const BlockId& id) const;
+  // The coldest compressible block's shard and id (ColdestCompressible's scan, which may drop
+  // entries capped by the quality guard from the lists); nullopt when there is none.
+  std::optional<std::pair<Shard*, BlockId>> ScanColdestCompressible(
+      std::span<const uint8_t> level_caps);
   // Removes `id` from its shard's index (if present, and if `expected` is null or matches);
   // returns the removed block so the caller drops it outside the lock.
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)

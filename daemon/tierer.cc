@@ -86,8 +86,10 @@ void Tierer::Start() {
   bool any = false;
   for (const auto& ns : namespaces_) any |= !ns->policy.plans.empty();
   if (!any) return;  // nothing to compress: no worker needed
-  for (uint32_t i = 0; i < std::max<uint32_t>(config_.threads, 1); ++i) {
-    workers_.emplace_back([this] { Run(); });
+  const uint32_t n = std::max<uint32_t>(config_.threads, 1);
+  helpers_.store(n - 1, std::memory_order_relaxed);
+  for (uint32_t i = 0; i < n; ++i) {
+    workers_.emplace_back([this, i] { Run(i); });
   }
   PROXIMA_LOG(kInfo) << "tierer started" << log::Kv("workers", workers_.size())
                      << log::Kv("interval_seconds", config_.interval_seconds);
@@ -101,14 +103,44 @@ void Tierer::Stop() {
   stop_cv_.notify_all();
   for (std::thread& w : workers_) w.join();
   workers_.clear();
+  helpers_.store(0, std::memory_order_relaxed);
 }
 
-void Tierer::Run() {
+void Tierer::Wake() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    ++work_epoch_;
+  }
+  stop_cv_.notify_all();
+}
+
+bool Tierer::OverAnyThreshold() const {
+  const double pressure =
+      static_cast<double>(store_->used_bytes()) / static_cast<double>(store_->capacity_bytes());
+  std::vector<uint8_t> caps = CapsUnderPressure(pressure);
+  return std::any_of(caps.begin(), caps.end(), [](uint8_t c) { return c != 0; });
+}
+
+void Tierer::Run(uint32_t index) {
   const auto interval = std::chrono::duration<double>(config_.interval_seconds);
+  uint64_t seen = 0;
   while (true) {
     RelievePressure();
-    std::unique_lock<std::mutex> lock(stop_mu_);
-    if (stop_cv_.wait_for(lock, interval, [this] { return stop_; })) return;
+    if (index == 0) {
+      // The watcher checks the pressure every interval and calls the helpers when there is
+      // work, so that idle helpers cost nothing.
+      {
+        std::unique_lock<std::mutex> lock(stop_mu_);
+        if (stop_cv_.wait_for(lock, interval, [this] { return stop_; })) return;
+      }
+      if (helpers_.load(std::memory_order_relaxed) > 0 && OverAnyThreshold()) Wake();
+    } else {
+      // A helper sleeps until the watcher or a put that found the tier full calls it.
+      std::unique_lock<std::mutex> lock(stop_mu_);
+      stop_cv_.wait(lock, [&] { return stop_ || work_epoch_ != seen; });
+      if (stop_) return;
+      seen = work_epoch_;
+    }
   }
 }
 
@@ -164,10 +196,17 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
   // a few times, then eviction.
   constexpr int kMaxRoomAsks = 8;
   int room_asks = 0;
+  bool woke = false;
   while (true) {
     // A free region, or (enough bytes free but scattered) blocks moved to make one, before any
     // block is encoded or evicted.
     if (std::optional<BlockStore::PendingBlock> p = store_->ReserveCompacting(bytes)) return p;
+    // The tier is full: the helpers join in at once (the watcher would only see it at its next
+    // check), while this put compresses too.
+    if (!woke && helpers_.load(std::memory_order_relaxed) > 0) {
+      Wake();
+      woke = true;
+    }
     if (CompressOne(AllCaps())) continue;
     if (make_room && room_asks++ < kMaxRoomAsks && make_room()) continue;
     const uint64_t evicted_before = store_->evictions();

@@ -56,7 +56,9 @@ class Tierer {
   Tierer& operator=(const Tierer&) = delete;
 
   // Starts / stops the background workers (`tierer.threads` of them; each takes its own coldest
-  // block, so they encode in parallel). Stop() waits for them.
+  // block, so they encode in parallel). One, the watcher, checks the pressure every
+  // `interval_seconds`; the others sleep until it, or a put that finds the tier full, calls
+  // them. Stop() waits for them.
   void Start();
   void Stop();
 
@@ -116,7 +118,13 @@ class Tierer {
   // Caps for namespaces over their pressure threshold at `pressure`, else 0.
   std::vector<uint8_t> CapsUnderPressure(double pressure) const;
   void RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums);
-  void Run();
+  // True when the tier is over some compressing namespace's pressure threshold.
+  bool OverAnyThreshold() const;
+  // Calls the helper workers to a background pass.
+  void Wake();
+  // Worker `index`: 0 is the watcher, which polls the pressure every interval; the others are
+  // helpers that sleep until woken (Wake()).
+  void Run(uint32_t index);
 
   BlockStore* const store_;
   const GeometryLookup geometry_;
@@ -142,6 +150,8 @@ class Tierer {
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   bool stop_ = false;
+  uint64_t work_epoch_ = 0;           // guarded by stop_mu_: bumped by Wake()
+  std::atomic<uint32_t> helpers_{0};  // workers beyond the watcher (Start() sets it; puts read it)
   std::vector<std::thread> workers_;
 };
 

@@ -433,10 +433,26 @@ TEST_F(TiererTest, ThreadsWorkersTakeEveryBlockDownTogether) {
 // Puts, reads, deletes and the background tierer at once: capacity is never exceeded, every read
 // returns a block that checks out. Bounded loops; also run under ThreadSanitizer
 // (scripts/sanitize.sh thread runs the unit tests).
-TEST_F(TiererTest, ConcurrentPutsReadsAndRecompressionStayUnderCapacity) {
+class ConcurrentTiererTest : public TiererTest, public ::testing::WithParamInterface<uint32_t> {};
+
+// With one worker, and with three (the helpers woken by the watcher and by puts that find the
+// tier full).
+INSTANTIATE_TEST_SUITE_P(Workers, ConcurrentTiererTest, ::testing::Values(1u, 3u));
+
+TEST_P(ConcurrentTiererTest, ConcurrentPutsReadsAndRecompressionStayUnderCapacity) {
   const uint64_t capacity = 12 * RawBytes(2) + 4096;
   Make(capacity, {"int8", "int4"}, 2, 10.0, 4, /*threshold=*/0.6);
+  config_.tierer.threads = GetParam();
+  codec::BlockGeometry g = blocks_->geometry();
+  tierer_ = std::make_unique<Tierer>(
+      store_.get(), config_,
+      [g](uint32_t, uint64_t profile) -> std::optional<codec::BlockGeometry> {
+        if (profile != kProfile) return std::nullopt;
+        return g;
+      },
+      &registry_);
   tierer_->Start();
+  EXPECT_EQ(tierer_->workers(), GetParam());
   std::atomic<bool> over_capacity{false}, bad_read{false};
   std::atomic<int> stored{0}, no_space{0};
   std::vector<std::thread> threads;
