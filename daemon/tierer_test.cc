@@ -90,6 +90,11 @@ class TiererTest : public ::testing::Test {
     auto tier = HostTier::Create(capacity);
     ASSERT_OK(tier.status());
     store_ = std::make_unique<BlockStore>(*std::move(tier), 8, std::span(counters_));
+    MakeTierer();
+  }
+
+  // (Re)creates the tierer over the store from `config_` (after a test changed it).
+  void MakeTierer() {
     codec::BlockGeometry g = blocks_->geometry();
     tierer_ = std::make_unique<Tierer>(
         store_.get(), config_,
@@ -403,10 +408,8 @@ TEST_F(TiererTest, ThreadsWorkersTakeEveryBlockDownTogether) {
   const uint64_t capacity = kBlocks * RawBytes(2) + RawBytes(2);  // room for all, raw
   Make(capacity, {"int8", "int4"}, 2, 10.0, 4, /*threshold=*/0.05);
   config_.tierer.threads = 3;
-  codec::BlockGeometry g = blocks_->geometry();
-  tierer_ = std::make_unique<Tierer>(
-      store_.get(), config_,
-      [g](uint32_t, uint64_t) -> std::optional<codec::BlockGeometry> { return g; }, &registry_);
+  MakeTierer();
+  const codec::BlockGeometry& g = blocks_->geometry();
   EXPECT_EQ(tierer_->workers(), 0u);
   tierer_->Start();
   EXPECT_EQ(tierer_->workers(), 3u);
@@ -443,14 +446,7 @@ TEST_P(ConcurrentTiererTest, ConcurrentPutsReadsAndRecompressionStayUnderCapacit
   const uint64_t capacity = 12 * RawBytes(2) + 4096;
   Make(capacity, {"int8", "int4"}, 2, 10.0, 4, /*threshold=*/0.6);
   config_.tierer.threads = GetParam();
-  codec::BlockGeometry g = blocks_->geometry();
-  tierer_ = std::make_unique<Tierer>(
-      store_.get(), config_,
-      [g](uint32_t, uint64_t profile) -> std::optional<codec::BlockGeometry> {
-        if (profile != kProfile) return std::nullopt;
-        return g;
-      },
-      &registry_);
+  MakeTierer();
   tierer_->Start();
   EXPECT_EQ(tierer_->workers(), GetParam());
   std::atomic<bool> over_capacity{false}, bad_read{false};
