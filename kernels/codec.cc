@@ -522,6 +522,44 @@ absl::StatusOr<CpuPath> ParseCpuPath(std::string_view name) {
       absl::StrCat("unknown CPU path '", Absl(name), "' (known: auto, scalar, avx2, avx512)"));
 }
 
+namespace {
+
+absl::Status ValidGroupSize(const CodecPlan& plan) {
+  if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
+    return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
+  }
+  return absl::OkStatus();
+}
+
+// The container's size for `plan` (header, segment table, payloads), counting
+// `lossless_segment_bytes` for each lossless segment, whose size depends on the data; nullopt
+// when the plan has one and no such figure is given. `geometry` and the group size are valid.
+std::optional<size_t> ContainerBytes(const BlockGeometry& geometry, const CodecPlan& plan,
+                                     bool is_first_block,
+                                     std::optional<size_t> lossless_segment_bytes) {
+  const uint32_t num_segments = 2 * geometry.num_layers;
+  size_t bytes = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
+  for (uint32_t s = 0; s < num_segments; ++s) {
+    const CodecId codec = plan.CodecFor(s / 2, is_first_block);
+    if (codec == CodecId::kLossless) {
+      if (!lossless_segment_bytes) return std::nullopt;
+      bytes += *lossless_segment_bytes;
+      continue;
+    }
+    bytes += internal::FixedPayloadBytes(
+        codec, internal::SegmentShapeFor(geometry, s, IsGroupedCodec(codec) ? plan.group_size : 0));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+std::optional<size_t> EncodedBytes(const BlockGeometry& geometry, const CodecPlan& plan,
+                                   bool is_first_block) {
+  if (!geometry.Validate().ok() || !ValidGroupSize(plan).ok()) return std::nullopt;
+  return ContainerBytes(geometry, plan, is_first_block, std::nullopt);
+}
+
 absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, const CodecPlan& plan,
                                  bool is_first_block, std::span<const std::byte> raw,
                                  std::span<const float> importance, std::string* out) {
@@ -536,24 +574,13 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
     return absl::InvalidArgumentError(absl::StrCat(
         "importance has ", importance.size(), " values, expected ", geometry.tokens_per_block));
   }
-  if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
-    return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
-  }
+  PROXIMA_RETURN_IF_ERROR(ValidGroupSize(plan));
   const uint32_t num_segments = 2 * geometry.num_layers;
   const size_t seg_raw = geometry.SegmentElements() * 2;
   const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
   std::string block(table_end, '\0');
   // Reserve for the common case (fixed-size codecs) so appending segments does not reallocate.
-  size_t estimate = table_end;
-  for (uint32_t s = 0; s < num_segments; ++s) {
-    const CodecId codec = plan.CodecFor(s / 2, is_first_block);
-    estimate += codec == CodecId::kLossless
-                    ? seg_raw + 1024
-                    : internal::FixedPayloadBytes(
-                          codec, internal::SegmentShapeFor(
-                                     geometry, s, IsGroupedCodec(codec) ? plan.group_size : 0));
-  }
-  block.reserve(estimate);
+  block.reserve(*ContainerBytes(geometry, plan, is_first_block, seg_raw + 1024));
   for (uint32_t s = 0; s < num_segments; ++s) {
     const CodecId codec = plan.CodecFor(s / 2, is_first_block);
     const uint32_t group = IsGroupedCodec(codec) ? plan.group_size : 0;

@@ -92,6 +92,12 @@ absl::Status EncodeBlock(const BlockGeometry& geometry, const CodecPlan& plan, b
                          std::span<const std::byte> raw, std::span<const float> importance,
                          std::string* out);
 
+// The exact size of EncodeBlock's output for `plan` on `geometry`, known without encoding when
+// no layer of the plan (for this block position) is lossless, whose size depends on the data:
+// nullopt then, and for a geometry or plan that EncodeBlock refuses.
+std::optional<size_t> EncodedBytes(const BlockGeometry& geometry, const CodecPlan& plan,
+                                   bool is_first_block);
+
 struct SegmentInfo {
   CodecId codec = CodecId::kRaw;
   uint32_t group_size = 0;  // int4/int2 only, else 0

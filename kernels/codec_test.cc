@@ -277,6 +277,47 @@ TEST(ContainerTest, MixedPlanRecordsCodecsPerSegment) {
   }
 }
 
+// The tierer plans how deep to encode a block from these sizes before encoding it, so they must
+// be the encoder's exact output sizes, metadata and container included.
+TEST(ContainerTest, EncodedBytesIsTheEncodersSizeWithoutEncoding) {
+  const std::vector<std::string_view> plans = {
+      "raw",
+      "fp8",
+      "int8",
+      "int4",
+      "int2,group=32",
+      "int4,group=128",
+      "star",
+      "layers[0:2]=int8,default=int4,sink=int8",
+      "layers[0:1]=raw,default=int2,sink=fp8,group=32",
+  };
+  // Odd shapes: tokens not a multiple of the group, one head, 2 tokens (int4 larger than int8).
+  for (const BlockGeometry& g :
+       {Geo(6, 2, 64, 32), Geo(3, 1, 16, 5, DType::kFp16), Geo(4, 3, 64, 2), Geo(2, 4, 128, 96)}) {
+    std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 31);
+    for (std::string_view text : plans) {
+      for (bool first : {false, true}) {
+        std::optional<size_t> predicted = EncodedBytes(g, Plan(text), first);
+        ASSERT_TRUE(predicted.has_value()) << text;
+        EXPECT_EQ(*predicted, Encode(g, Plan(text), raw, first).size())
+            << text << " first=" << first << " layers=" << g.num_layers
+            << " tokens=" << g.tokens_per_block;
+      }
+    }
+  }
+  // Lossless sizes depend on the data: unknown, also when only the first block has it.
+  BlockGeometry g = Geo(2, 2, 16, 8);
+  EXPECT_FALSE(EncodedBytes(g, Plan("lossless"), false).has_value());
+  EXPECT_FALSE(EncodedBytes(g, Plan("layers[0:1]=lossless,default=int4"), false).has_value());
+  EXPECT_FALSE(EncodedBytes(g, Plan("int4,sink=lossless"), true).has_value());
+  EXPECT_TRUE(EncodedBytes(g, Plan("int4,sink=lossless"), false).has_value());
+  // What EncodeBlock refuses has no size.
+  EXPECT_FALSE(EncodedBytes(Geo(0, 1, 8, 4), Plan("int8"), false).has_value());
+  CodecPlan bad_group = Plan("int4");
+  bad_group.group_size = 48;
+  EXPECT_FALSE(EncodedBytes(g, bad_group, false).has_value());
+}
+
 TEST(ContainerTest, RejectsBadArguments) {
   BlockGeometry g = Geo(1, 1, 8, 4);
   std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 1);
