@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -74,6 +75,10 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geo
       "proxima_tierer_no_gain_total",
       "Encodings discarded because the next level was no smaller than the block's current bytes "
       "(the block keeps its level)");
+  levels_passed_over_ = registry->AddCounter(
+      "proxima_tierer_levels_passed_over_total",
+      "Intermediate hierarchy levels not encoded because a block went straight to a deeper "
+      "one (the room needed was more than the next level frees)");
 }
 
 Tierer::~Tierer() { Stop(); }
@@ -152,9 +157,10 @@ void Tierer::RelievePressure() {
     }
     const double pressure =
         static_cast<double>(store_->used_bytes()) / static_cast<double>(store_->capacity_bytes());
-    std::vector<uint8_t> caps = CapsUnderPressure(pressure);
+    uint64_t room = 0;
+    std::vector<uint8_t> caps = CapsUnderPressure(pressure, &room);
     if (std::all_of(caps.begin(), caps.end(), [](uint8_t c) { return c == 0; })) return;
-    if (!CompressOne(caps)) return;
+    if (!CompressOne(caps, room)) return;
   }
 }
 
@@ -182,10 +188,20 @@ std::vector<uint8_t> Tierer::AllCaps() const {
   return caps;
 }
 
-std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure) const {
+std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure, uint64_t* room) const {
   std::vector<uint8_t> caps = AllCaps();
+  double lowest = 1;
   for (size_t i = 0; i < caps.size(); ++i) {
-    if (pressure <= namespaces_[i]->policy.memory_pressure_threshold) caps[i] = 0;
+    const double threshold = namespaces_[i]->policy.memory_pressure_threshold;
+    if (pressure <= threshold) {
+      caps[i] = 0;
+    } else if (caps[i] != 0) {
+      lowest = std::min(lowest, threshold);
+    }
+  }
+  if (room != nullptr) {
+    const double over = (pressure - lowest) * static_cast<double>(store_->capacity_bytes());
+    *room = over > 0 ? static_cast<uint64_t>(std::ceil(over)) : 0;
   }
   return caps;
 }
@@ -207,7 +223,13 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
       Wake();
       woke = true;
     }
-    if (CompressOne(AllCaps())) continue;
+    // The room this put lacks: the bytes beyond what is free, or, when enough bytes are free
+    // but scattered (compaction could not gather them), a whole region of its size. A block
+    // that moves out of its extent frees that extent whole; a level's few saved bytes at the
+    // end of an extent seldom join a region the put can use.
+    const uint64_t free =
+        store_->capacity_bytes() - std::min(store_->used_bytes(), store_->capacity_bytes());
+    if (CompressOne(AllCaps(), bytes > free ? bytes - free : bytes)) continue;
     if (make_room && room_asks++ < kMaxRoomAsks && make_room()) continue;
     const uint64_t evicted_before = store_->evictions();
     if (store_->EvictOne()) {  // may pass over an important block instead of evicting it
@@ -218,7 +240,27 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
   }
 }
 
-bool Tierer::CompressOne(std::span<const uint8_t> caps) {
+uint8_t Tierer::TargetLevel(const BlockStore::Candidate& c, const codec::BlockGeometry& geometry,
+                            uint8_t deepest, uint64_t room) const {
+  const std::vector<codec::CodecPlan>& plans = namespaces_[c.id.namespace_index]->policy.plans;
+  const bool first = c.attributes.is_first_block;
+  const uint64_t now = c.block.bytes.size();
+  uint8_t to = c.block.level + 1;
+  if (room == 0) return to;
+  std::optional<size_t> at = codec::EncodedBytes(geometry, plans[to - 1], first);
+  while (to < deepest && at && *at < now && now - *at < room) {
+    // Level `to` shrinks the block but would not free the room; the next one is taken only when
+    // it is smaller still (one level at a time otherwise, so that the no-gain check sees each
+    // level as successive steps would).
+    std::optional<size_t> next = codec::EncodedBytes(geometry, plans[to], first);
+    if (!next || *next >= *at) break;
+    ++to;
+    at = next;
+  }
+  return to;
+}
+
+bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
   std::optional<BlockStore::Candidate> c = store_->ColdestCompressible(caps);
   if (!c) return false;
   if (Crc32c(c->block.bytes) != c->block.crc32c) {
@@ -231,8 +273,10 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps) {
   const uint32_t ns = c->id.namespace_index;
   NamespaceState& state = *namespaces_[ns];
   const uint8_t from = c->block.level;
-  const uint8_t to = from + 1;
   std::optional<codec::BlockGeometry> geometry = geometry_(ns, c->id.profile_id);
+  // ColdestCompressible hands out only blocks below both their own deepest level and the cap.
+  const uint8_t deepest = std::min(c->attributes.max_level, caps[ns]);
+  const uint8_t to = geometry ? TargetLevel(*c, *geometry, deepest, room) : from + 1;
   auto start = std::chrono::steady_clock::now();
   // The source: the raw block, or the previous level decoded.
   std::string decoded;
@@ -292,6 +336,7 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps) {
       std::chrono::duration_cast<std::chrono::microseconds>(elapsed).count()));
   encodes_.fetch_add(1, std::memory_order_relaxed);
   encoded_blocks_[to]->Increment();
+  if (to > from + 1) levels_passed_over_->Increment(to - from - 1);
   encode_bytes_in_->Increment(source.size());
   encode_bytes_out_->Increment(encoded.size());
 

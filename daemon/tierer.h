@@ -78,9 +78,17 @@ class Tierer {
       uint64_t bytes, const std::function<bool()>& make_room = nullptr);
 
   // One compression step over namespaces whose cap is above 0 in `caps` (see
-  // BlockStore::ColdestCompressible). True when a block moved a level down (or, when it could
-  // not be re-stored, was evicted). For tests and the background worker.
-  bool CompressOne(std::span<const uint8_t> caps);
+  // BlockStore::ColdestCompressible). True when a block moved down (or, when it could not be
+  // re-stored, was evicted). For tests and the background worker.
+  //
+  // `room`: the bytes the caller needs freed (0: unknown). The coldest block goes one level
+  // down, or, when that frees less than `room`, straight to the shallowest deeper level that
+  // frees it (the deepest it may reach at most): where successive steps would take the same
+  // block down level after level (it stays the coldest), one encode from its current bytes does
+  // it, and deeper levels are no longer encoded from an earlier level's lossy output. Levels
+  // passed over need sizes known before encoding (codec::EncodedBytes), each smaller than the
+  // last.
+  bool CompressOne(std::span<const uint8_t> caps, uint64_t room = 0);
   // Runs background passes until the tier is under every namespace's threshold or nothing can
   // be compressed (what each worker does each wake-up). For tests.
   void RelievePressure();
@@ -96,6 +104,8 @@ class Tierer {
   uint64_t encode_failures() const { return encode_failures_.load(std::memory_order_relaxed); }
   // Encodings discarded because they were no smaller than the block's current bytes.
   uint64_t no_gain() const { return no_gain_->value(); }
+  // Intermediate levels passed over by encoding blocks straight to a deeper one.
+  uint64_t levels_passed_over() const { return levels_passed_over_->value(); }
   // Background workers running now (0 before Start(), after Stop(), and when no namespace
   // compresses). Call from the thread that calls Start() and Stop().
   size_t workers() const { return workers_.size(); }
@@ -115,8 +125,12 @@ class Tierer {
 
   // Full caps: every namespace at its quality-guard cap (the put path may compress any).
   std::vector<uint8_t> AllCaps() const;
-  // Caps for namespaces over their pressure threshold at `pressure`, else 0.
-  std::vector<uint8_t> CapsUnderPressure(double pressure) const;
+  // Caps for namespaces over their pressure threshold at `pressure`, else 0. `room`, when
+  // given, is set to the bytes above the lowest of those thresholds.
+  std::vector<uint8_t> CapsUnderPressure(double pressure, uint64_t* room = nullptr) const;
+  // The level CompressOne encodes the candidate to: see CompressOne's `room`.
+  uint8_t TargetLevel(const BlockStore::Candidate& c, const codec::BlockGeometry& geometry,
+                      uint8_t deepest, uint64_t room) const;
   void RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums);
   // True when the tier is over some compressing namespace's pressure threshold.
   bool OverAnyThreshold() const;
@@ -144,6 +158,7 @@ class Tierer {
   metrics::Counter* encode_seconds_ = nullptr;
   metrics::Counter* evictions_for_put_ = nullptr;
   metrics::Counter* no_gain_ = nullptr;
+  metrics::Counter* levels_passed_over_ = nullptr;
 
   // Background workers. std::mutex + condition_variable only for the stop signal and its timed
   // wait (proxima::Mutex has no condition variable).

@@ -307,6 +307,87 @@ TEST_F(TiererTest, BackgroundPassKeepsTheTierUnderItsThreshold) {
   EXPECT_EQ(cold->level, 1);
 }
 
+// A put on a full tier needs a whole raw block of room; int8 frees half of one. Successive steps
+// took the coldest block to int8 and then, as it stayed the coldest, decoded it and encoded the
+// int8 output again to int4: two encodes and a decode per block, and an int4 block that carried
+// int8's error too. The block now goes to int4 in one encode of its raw bytes.
+TEST_F(TiererTest, APutNeedingMoreThanTheNextLevelFreesEncodesTheBlockOnceToADeeperLevel) {
+  const uint64_t capacity = 10 * RawBytes() + 4096;
+  Make(capacity, {"int8", "int4"});
+  constexpr uint32_t kPuts = 24;  // 24 raw blocks' worth in the room of 10: no eviction yet
+  for (uint32_t n = 0; n < kPuts; ++n) {
+    ASSERT_EQ(Put(n), PutOutcome::kStored) << n;
+    ASSERT_LE(store_->used_bytes(), capacity);
+  }
+  ASSERT_EQ(store_->evictions(), 0u);
+  const uint64_t l1 = store_->level_blocks(1), l2 = store_->level_blocks(2);
+  EXPECT_GT(l2, 10u);
+  // Each int4 block took one encode and passed int8 over, or (a put that needed less room than
+  // int8 frees took it to int8 first) two encodes: no block was encoded twice at one level.
+  EXPECT_EQ(tierer_->encodes() + tierer_->levels_passed_over(), l1 + 2 * l2);
+  EXPECT_GE(2 * tierer_->levels_passed_over(), l2);  // most went straight (all: 0 before)
+  // Those are exactly the int4 encoding of the raw block that was put; the others, encoded from
+  // int8's output, are not.
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
+  uint64_t straight = 0;
+  for (uint32_t n = 0; n < kPuts; ++n) {
+    std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
+    ASSERT_TRUE(r) << n;
+    if (r->level != 2) continue;
+    std::string direct;
+    ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), int4, /*is_first_block=*/n == 0,
+                                 B(blocks_->Block(n)), {}, &direct));
+    if (B(direct).size() == r->bytes.size() &&
+        std::memcmp(direct.data(), r->bytes.data(), direct.size()) == 0) {
+      ++straight;
+    }
+  }
+  EXPECT_EQ(straight, tierer_->levels_passed_over());
+}
+
+// The background pass needs only the bytes above the threshold: when the next level frees them,
+// the coldest block goes one level, not deeper.
+TEST_F(TiererTest, WhenTheNextLevelFreesTheRoomNeededABlockGoesOneLevelOnly) {
+  const uint64_t capacity = 10 * RawBytes() + 4096;
+  Make(capacity, {"int8", "int4"}, 4, 0.12, 16, /*threshold=*/0.88);
+  for (uint32_t n = 0; n < 9; ++n) ASSERT_EQ(Put(n), PutOutcome::kStored);
+  ASSERT_GT(store_->used_bytes(), capacity * 0.88);  // by about a fifth of a raw block
+  tierer_->RelievePressure();
+  EXPECT_LE(store_->used_bytes(), capacity * 0.88);
+  EXPECT_EQ(store_->level_blocks(1), 1u);
+  EXPECT_EQ(store_->level_blocks(2), 0u);
+  EXPECT_EQ(tierer_->levels_passed_over(), 0u);
+  // Without a figure for the room, one level at a time, as before: the same coldest block.
+  std::vector<uint8_t> caps = {2, 0};
+  ASSERT_TRUE(tierer_->CompressOne(caps));
+  EXPECT_EQ(store_->level_blocks(1), 0u);
+  EXPECT_EQ(store_->level_blocks(2), 1u);
+  EXPECT_EQ(tierer_->levels_passed_over(), 0u);
+  EXPECT_EQ(store_->Read(Id(0))->level, 2);  // (a read makes it the most recent)
+}
+
+// The quality guard's cap bounds how deep a block goes straight away, as it bounds the steps.
+TEST_F(TiererTest, ABlockGoesStraightOnlyAsDeepAsTheCapAllows) {
+  const uint64_t capacity = 10 * RawBytes() + 4096;
+  Make(capacity, {"int8", "int4"});
+  for (uint32_t n = 0; n < 10; ++n) ASSERT_EQ(Put(n), PutOutcome::kStored);
+  std::vector<uint8_t> caps = {1, 0};
+  ASSERT_TRUE(tierer_->CompressOne(caps, /*room=*/capacity));
+  EXPECT_EQ(store_->Read(Id(0))->level, 1);
+  EXPECT_EQ(tierer_->levels_passed_over(), 0u);
+  // A high-priority block's own deepest level bounds it the same way.
+  config_.namespaces[0].compression.high_priority_max_level = 1;
+  MakeTierer();
+  for (uint32_t n = 1; n < 10; ++n) ASSERT_TRUE(store_->Delete(Id(n)));
+  ASSERT_EQ(Put(100, 0, /*high_priority=*/true), PutOutcome::kStored);  // finds room
+  caps = {2, 0};
+  ASSERT_TRUE(tierer_->CompressOne(caps, capacity));  // block 0: int8 -> int4
+  EXPECT_EQ(store_->Read(Id(0))->level, 2);
+  ASSERT_TRUE(tierer_->CompressOne(caps, capacity));  // block 100: raw -> int8 only
+  EXPECT_EQ(store_->Read(Id(100))->level, 1);
+  EXPECT_EQ(tierer_->levels_passed_over(), 0u);
+}
+
 TEST_F(TiererTest, ReadersKeepTheBytesTheyPinnedAcrossARecompression) {
   Make(64 * RawBytes(), {"int8", "int4"});
   ASSERT_EQ(Put(3), PutOutcome::kStored);
@@ -420,7 +501,10 @@ TEST_F(TiererTest, ThreadsWorkersTakeEveryBlockDownTogether) {
   tierer_->Stop();
   EXPECT_EQ(tierer_->workers(), 0u);
   EXPECT_EQ(store_->level_blocks(2), kBlocks);
-  EXPECT_EQ(tierer_->encodes(), 2 * kBlocks);  // each block once per level: no work done twice
+  // Each block went down both levels with one encode each or with one encode straight to int4:
+  // no work done twice (the drain's room, everything above 5%, sends most blocks straight).
+  EXPECT_EQ(tierer_->encodes() + tierer_->levels_passed_over(), 2 * kBlocks);
+  EXPECT_GT(tierer_->levels_passed_over(), 0u);
   EXPECT_EQ(store_->evictions(), 0u);
   for (uint32_t n = 0; n < kBlocks; ++n) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
