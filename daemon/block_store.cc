@@ -170,6 +170,9 @@ std::optional<Extent> BlockStore::AllocateCompacting(uint64_t bytes) {
   std::optional<HostTier::Window> window = tier_->FindWindow(bytes);
   if (!window) return std::nullopt;
   tier_->BeginClaim(window->range);
+  // Largest first, each to the best fit: the order and placement FindWindow checked.
+  std::stable_sort(window->occupied.begin(), window->occupied.end(),
+                   [](const Extent& a, const Extent& b) { return a.size > b.size; });
   for (const Extent& occupied : window->occupied) {
     if (!Relocate(occupied.offset)) break;
   }
@@ -200,9 +203,9 @@ bool BlockStore::Relocate(uint64_t offset) {
     e.busy = true;  // no encoding or spill starts on it while it is copied
     old = e.block;
   }
-  // Outside the window: its free space is claimed.
-  std::optional<Extent> destination = tier_->Allocate(
-      old->size, old->level > 0 ? HostTier::Placement::kHigh : HostTier::Placement::kLow);
+  // Outside the window (its free space is claimed), to the best fit: a moved block fills the
+  // smallest hole that takes it, as FindWindow planned.
+  std::optional<Extent> destination = tier_->Allocate(old->size, HostTier::Placement::kLow);
   BlockRef moved;
   if (destination) {
     moved = std::make_shared<StoredBlock>(tier_.get(), *destination, old->size);

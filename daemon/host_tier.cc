@@ -161,34 +161,92 @@ std::optional<HostTier::Window> HostTier::FindWindow(uint64_t bytes) const {
     }
     return total;
   };
-  // Windows that begin or end at a free region: the ones that can use it. Bounded scan.
+  // Windows that begin or end at a free region: the ones that can use it. Bounded scan; the
+  // cheapest few are kept (the costliest of them bounds each cost's walk once they are full).
   constexpr int kMaxRegions = 4096;
-  uint64_t best_start = 0;
-  uint64_t best_cost = std::numeric_limits<uint64_t>::max();
+  constexpr size_t kMaxCandidates = 16;
+  std::vector<std::pair<uint64_t, uint64_t>> candidates;  // (cost, start), a max-heap
   int scanned = 0;
   for (auto r = free_by_offset_.begin(); r != free_by_offset_.end() && scanned < kMaxRegions;
        ++r, ++scanned) {
     const uint64_t region_end = r->first + r->second;
     for (uint64_t start : {r->first, region_end >= size ? region_end - size : uint64_t{0}}) {
       start = std::min(start, capacity_ - size);
+      const bool full = candidates.size() == kMaxCandidates;
+      const uint64_t limit = full ? candidates.front().first : std::numeric_limits<uint64_t>::max();
       uint64_t covered = 0;
-      const uint64_t c = cost(start, best_cost, &covered);
+      const uint64_t c = cost(start, limit, &covered);
       // What leaves the window must fit in the free space outside it.
-      if (c < best_cost && c <= free_total - (size - covered)) {
-        best_cost = c;
-        best_start = start;
+      if (c >= limit || c > free_total - (size - covered)) continue;
+      if (std::any_of(candidates.begin(), candidates.end(),
+                      [&](const auto& cand) { return cand.second == start; })) {
+        continue;
       }
+      if (full) {
+        std::pop_heap(candidates.begin(), candidates.end());
+        candidates.pop_back();
+      }
+      candidates.emplace_back(c, start);
+      std::push_heap(candidates.begin(), candidates.end());
     }
   }
-  if (best_cost == std::numeric_limits<uint64_t>::max()) return std::nullopt;
-  Window w;
-  w.range = Extent{best_start, size};
-  w.occupied_bytes = best_cost;
-  for (auto it = FirstReaching(used_by_offset_, best_start);
-       it != used_by_offset_.end() && it->first < best_start + size; ++it) {
-    w.occupied.push_back(Extent{it->first, it->second});
+  // The cheapest whose extents can each be placed outside it: enough free bytes in all is not
+  // enough when they lie in holes smaller than the extents (a compaction would move some
+  // blocks, copying their bytes, and then give up).
+  std::sort_heap(candidates.begin(), candidates.end());
+  for (const auto& [c, start] : candidates) {
+    if (!FitsOutside(start, size)) continue;
+    Window w;
+    w.range = Extent{start, size};
+    w.occupied_bytes = c;
+    for (auto it = FirstReaching(used_by_offset_, start);
+         it != used_by_offset_.end() && it->first < start + size; ++it) {
+      w.occupied.push_back(Extent{it->first, it->second});
+    }
+    return w;
   }
-  return w;
+  return std::nullopt;
+}
+
+bool HostTier::FitsOutside(uint64_t start, uint64_t size) const {
+  const uint64_t end = start + size;
+  std::vector<uint64_t> sizes;
+  for (auto it = FirstReaching(used_by_offset_, start);
+       it != used_by_offset_.end() && it->first < end; ++it) {
+    sizes.push_back(it->second);
+  }
+  std::sort(sizes.rbegin(), sizes.rend());
+  // Best fit, largest first, as BlockStore moves them; `taken`: bytes placed in each region so
+  // far (by its offset). A region the window overlaps offers its larger part outside it.
+  std::vector<std::pair<uint64_t, uint64_t>> taken;
+  constexpr int kMaxScan = 64;
+  for (const uint64_t need : sizes) {
+    bool placed = false;
+    int scanned = 0;
+    for (auto it = free_by_size_.lower_bound({need, 0});
+         it != free_by_size_.end() && scanned < kMaxScan; ++it, ++scanned) {
+      const auto [region_size, offset] = *it;
+      const uint64_t region_end = offset + region_size;
+      uint64_t usable = region_size;
+      if (offset < end && region_end > start) {
+        usable =
+            std::max(start > offset ? start - offset : 0, region_end > end ? region_end - end : 0);
+      }
+      auto t = std::find_if(taken.begin(), taken.end(),
+                            [&](const auto& e) { return e.first == offset; });
+      if (t != taken.end()) usable -= std::min(usable, t->second);
+      if (usable < need) continue;
+      if (t != taken.end()) {
+        t->second += need;
+      } else {
+        taken.emplace_back(offset, need);
+      }
+      placed = true;
+      break;
+    }
+    if (!placed) return false;
+  }
+  return true;
 }
 
 void HostTier::BeginClaim(const Extent& range) {

@@ -73,6 +73,50 @@ TEST(HostTierTest, FindWindowPicksTheWindowWithTheFewestBytesToMove) {
   EXPECT_EQ(w->range.size, 3 * 4096u);
 }
 
+// Enough free bytes outside a window is not enough: each of its extents needs a free region of
+// its own size. The cheapest window here holds one 2-unit extent, and only single units are free
+// elsewhere; emptying it would move nothing and give up (before 2026-12-01 it was chosen, and
+// the put that asked copied blocks for nothing). A window of three single units is taken instead.
+TEST(HostTierTest, FindWindowSkipsAWindowWhoseExtentsFitNowhereOutsideIt) {
+  constexpr uint64_t kUnit = 4096;
+  ASSERT_OK_AND_ASSIGN(auto tier, HostTier::Create(16 * kUnit));
+  // Units: [_ X X _ 4 5 6 7 8 _ 10 11 12 _ 14 15], X one extent of two units.
+  std::vector<Extent> units(16);
+  units[0] = *tier->Allocate(kUnit);
+  const Extent x = *tier->Allocate(2 * kUnit);
+  ASSERT_EQ(x.offset, kUnit);
+  for (int i = 3; i < 16; ++i) units[i] = *tier->Allocate(kUnit);
+  for (int i : {0, 3, 9, 13}) tier->Free(units[i]);
+  std::optional<HostTier::Window> w = tier->FindWindow(4 * kUnit);
+  ASSERT_TRUE(w.has_value());
+  EXPECT_GE(w->range.offset, x.offset + x.size);  // not one that holds X
+  EXPECT_EQ(w->occupied_bytes, 3 * kUnit);
+  ASSERT_EQ(w->occupied.size(), 3u);
+  // And it can be emptied: each occupant finds a free unit outside the claimed window.
+  tier->BeginClaim(w->range);
+  for (const Extent& o : w->occupied) {
+    EXPECT_EQ(o.size, kUnit);
+    std::optional<Extent> moved = tier->Allocate(o.size);
+    ASSERT_TRUE(moved.has_value());
+    EXPECT_TRUE(moved->offset + moved->size <= w->range.offset ||
+                moved->offset >= w->range.offset + w->range.size);
+    tier->Free(o);
+  }
+  std::optional<Extent> window = tier->EndClaim();
+  ASSERT_TRUE(window.has_value());
+  EXPECT_EQ(window->size, 4 * kUnit);
+  // With X's only way out taken too, no window can be emptied: none is offered.
+  ASSERT_OK_AND_ASSIGN(auto small, HostTier::Create(6 * kUnit));
+  // Units: [_ X X _ 4 5]
+  const Extent a = *small->Allocate(kUnit);
+  ASSERT_TRUE(small->Allocate(2 * kUnit).has_value());
+  const Extent b = *small->Allocate(kUnit);
+  ASSERT_TRUE(small->Allocate(2 * kUnit).has_value());
+  small->Free(a);
+  small->Free(b);
+  EXPECT_FALSE(small->FindWindow(2 * kUnit).has_value());
+}
+
 TEST(HostTierTest, AClaimTakesTheWindowsFreeSpaceAndWhatIsFreedIntoIt) {
   ASSERT_OK_AND_ASSIGN(auto tier, HostTier::Create(16 * 4096));
   std::vector<Extent> units = FragmentedTier(*tier);
