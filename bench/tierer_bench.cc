@@ -5,6 +5,8 @@
 //   blocks_held / baseline_blocks_held   how many more blocks the same memory holds
 //   puts_per_s / baseline_puts_per_s     put throughput with encoding on the put path
 //   recent_hit_ratio                     of the last --recent blocks put, how many are still held
+//   compactions, compactions_given_up    windows of the tier emptied for a put, and given up
+//   moved_per_put_byte                   bytes the compactions copied per byte put
 //
 //   tierer_bench --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv
 //       --capacity_mb=64 --blocks=600 --levels='int8|int8;layers[0:2]=int8,default=int4,sink=int8'
@@ -47,6 +49,11 @@ struct Result {
   double puts_per_s = 0;
   double recent_hit_ratio = 0;
   uint64_t used_bytes = 0;
+  // Compaction (BlockStore::ReserveCompacting): windows handed to puts, windows given up, and
+  // the bytes of the blocks moved, over the bytes put.
+  uint64_t compactions = 0;
+  uint64_t compactions_given_up = 0;
+  double moved_per_put_byte = 0;
 };
 
 constexpr uint32_t kTokens = 16;
@@ -143,6 +150,10 @@ Result Run(const proxima::codec::KvTensor& kv, uint64_t capacity, uint32_t block
   r.held = service->store().blocks();
   r.evictions = service->store().evictions();
   r.used_bytes = service->store().used_bytes();
+  r.compactions = service->store().compactions();
+  r.compactions_given_up = service->store().compactions_given_up();
+  r.moved_per_put_byte = static_cast<double>(service->store().compaction_moved_bytes()) /
+                         (static_cast<double>(blocks) * kv.BlockShape(kTokens).RawBytes());
   r.puts_per_s = blocks / secs;
   uint32_t hits = 0;
   for (uint32_t n = blocks - recent; n < blocks; ++n) {
@@ -234,11 +245,14 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"bench\":\"tierer\",\"levels\":\"%s\",\"capacity_bytes\":%llu,\"blocks_put\":%u,"
         "\"blocks_held\":%llu,\"used_bytes\":%llu,\"evictions\":%llu,\"puts_per_s\":%.1f,"
-        "\"recent_hit_ratio\":%.3f,\"held_vs_raw\":%.3f,\"puts_per_s_vs_raw\":%.3f}\n",
+        "\"recent_hit_ratio\":%.3f,\"held_vs_raw\":%.3f,\"puts_per_s_vs_raw\":%.3f,"
+        "\"compactions\":%llu,\"compactions_given_up\":%llu,\"moved_per_put_byte\":%.3f}\n",
         name.c_str(), static_cast<unsigned long long>(capacity), blocks,
         static_cast<unsigned long long>(r.held), static_cast<unsigned long long>(r.used_bytes),
         static_cast<unsigned long long>(r.evictions), r.puts_per_s, r.recent_hit_ratio,
-        static_cast<double>(r.held) / base.held, r.puts_per_s / base.puts_per_s);
+        static_cast<double>(r.held) / base.held, r.puts_per_s / base.puts_per_s,
+        static_cast<unsigned long long>(r.compactions),
+        static_cast<unsigned long long>(r.compactions_given_up), r.moved_per_put_byte);
     std::fflush(stdout);
   };
   print("raw", base);
