@@ -225,7 +225,9 @@ bool HostTier::FitsOutside(uint64_t start, uint64_t size) const {
     int scanned = 0;
     for (auto it = free_by_size_.lower_bound({need, 0});
          it != free_by_size_.end() && scanned < kMaxScan; ++it, ++scanned) {
-      const auto [region_size, offset] = *it;
+      // Not a structured binding: clang 14 (the fuzz build) cannot capture one in a lambda.
+      const uint64_t region_size = it->first;
+      const uint64_t offset = it->second;
       const uint64_t region_end = offset + region_size;
       uint64_t usable = region_size;
       if (offset < end && region_end > start) {
