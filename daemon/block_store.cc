@@ -170,9 +170,7 @@ std::optional<Extent> BlockStore::AllocateCompacting(uint64_t bytes) {
   std::optional<HostTier::Window> window = tier_->FindWindow(bytes);
   if (!window) return std::nullopt;
   tier_->BeginClaim(window->range);
-  // Largest first, each to the best fit: the order and placement FindWindow checked.
-  std::stable_sort(window->occupied.begin(), window->occupied.end(),
-                   [](const Extent& a, const Extent& b) { return a.size > b.size; });
+  // In FindWindow's order (largest first), each to the best fit: what it checked.
   for (const Extent& occupied : window->occupied) {
     if (!Relocate(occupied.offset)) break;
   }

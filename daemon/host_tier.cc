@@ -195,7 +195,6 @@ std::optional<HostTier::Window> HostTier::FindWindow(uint64_t bytes) const {
   // blocks, copying their bytes, and then give up).
   std::sort_heap(candidates.begin(), candidates.end());
   for (const auto& [c, start] : candidates) {
-    if (!FitsOutside(start, size)) continue;
     Window w;
     w.range = Extent{start, size};
     w.occupied_bytes = c;
@@ -203,24 +202,22 @@ std::optional<HostTier::Window> HostTier::FindWindow(uint64_t bytes) const {
          it != used_by_offset_.end() && it->first < start + size; ++it) {
       w.occupied.push_back(Extent{it->first, it->second});
     }
-    return w;
+    std::stable_sort(w.occupied.begin(), w.occupied.end(),
+                     [](const Extent& a, const Extent& b) { return a.size > b.size; });
+    if (FitsOutside(w.range, w.occupied)) return w;
   }
   return std::nullopt;
 }
 
-bool HostTier::FitsOutside(uint64_t start, uint64_t size) const {
-  const uint64_t end = start + size;
-  std::vector<uint64_t> sizes;
-  for (auto it = FirstReaching(used_by_offset_, start);
-       it != used_by_offset_.end() && it->first < end; ++it) {
-    sizes.push_back(it->second);
-  }
-  std::sort(sizes.rbegin(), sizes.rend());
-  // Best fit, largest first, as BlockStore moves them; `taken`: bytes placed in each region so
-  // far (by its offset). A region the window overlaps offers its larger part outside it.
+bool HostTier::FitsOutside(const Extent& range, std::span<const Extent> occupied) const {
+  const uint64_t start = range.offset;
+  const uint64_t end = range.offset + range.size;
+  // Best fit, in the given order; `taken`: bytes placed in each region so far (by its offset).
+  // A region the window overlaps offers its larger part outside it.
   std::vector<std::pair<uint64_t, uint64_t>> taken;
   constexpr int kMaxScan = 64;
-  for (const uint64_t need : sizes) {
+  for (const Extent& extent : occupied) {
+    const uint64_t need = extent.size;
     bool placed = false;
     int scanned = 0;
     for (auto it = free_by_size_.lower_bound({need, 0});

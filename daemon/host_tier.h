@@ -81,7 +81,8 @@ class HostTier {
   uint64_t largest_free_bytes() const;
 
   // A range of the arena that an allocation of `range.size` bytes could take once the extents
-  // overlapping it (`occupied`, by offset; `occupied_bytes` in all) moved elsewhere.
+  // overlapping it (`occupied`, largest first: the order to move them in; `occupied_bytes` in
+  // all) moved elsewhere.
   struct Window {
     Extent range;
     std::vector<Extent> occupied;
@@ -89,9 +90,10 @@ class HostTier {
   };
   // The window of `bytes` (rounded up to kAlignment) whose overlapping extents hold the fewest
   // bytes, among windows that begin or end at a free region and whose extents can each be
-  // placed, largest first and best fit, in the free regions outside it (so the owner should
-  // move them in that order). nullopt when fewer than `bytes` are free, when one free region
-  // already fits (Allocate instead), or when no window among the cheapest few can be emptied.
+  // placed, largest first and best fit, in the free regions outside it (`occupied` is in that
+  // order, for the owner to move them in). nullopt when fewer than `bytes` are free, when one
+  // free region already fits (Allocate instead), or when no window among the cheapest few can
+  // be emptied.
   std::optional<Window> FindWindow(uint64_t bytes) const;
   // Takes the free space inside `range` now, and the part inside it of every extent freed later,
   // until EndClaim(): Allocate() never returns memory of the range meanwhile. Claimed bytes count
@@ -106,9 +108,10 @@ class HostTier {
   // Adds [offset, offset + size) to the free lists, merged with its free neighbours. Does not
   // touch used_.
   void AddFree(uint64_t offset, uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether the extents overlapping [start, start + size) can each go, largest first and best
-  // fit, into the free space outside that range (FindWindow's check).
-  bool FitsOutside(uint64_t start, uint64_t size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `occupied` (the extents overlapping `range`) can each go, in that order and best
+  // fit, into the free space outside `range` (FindWindow's check).
+  bool FitsOutside(const Extent& range, std::span<const Extent> occupied) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::byte* const base_;
   const uint64_t capacity_;
