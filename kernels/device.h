@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,41 @@ class CopyQueue {
   struct Impl;
   explicit CopyQueue(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
+};
+
+// Makes `device` the calling thread's current CUDA device, for the kernels and allocations it
+// starts next. FailedPrecondition without CUDA or when `device` is not visible.
+absl::Status UseDevice(int device);
+
+// Memory of one CUDA device (cudaMalloc once), freed when destroyed. Host code never dereferences
+// data(): bytes move in and out with CopyIn/CopyOut, which run on the calling thread's own stream
+// (cudaStreamPerThread) and return once the copy is done, so threads may copy to and from
+// distinct ranges at once. Thread-safe.
+class DeviceBuffer {
+ public:
+  // FailedPrecondition without CUDA or when `device` is not visible; ResourceExhausted naming the
+  // device and the size when the driver refuses the allocation.
+  static absl::StatusOr<std::unique_ptr<DeviceBuffer>> Allocate(int device, size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  int device() const { return device_; }
+  std::byte* data() const { return data_; }  // device memory
+  size_t size() const { return size_; }
+
+  // Copies `src` (host memory) to [offset, offset + src.size()) of the buffer. InvalidArgument
+  // when the range does not lie in the buffer; Internal with the driver's message on failure.
+  absl::Status CopyIn(size_t offset, std::span<const std::byte> src);
+  // Copies [offset, offset + dst.size()) of the buffer to `dst` (host memory).
+  absl::Status CopyOut(size_t offset, std::span<std::byte> dst) const;
+
+ private:
+  DeviceBuffer(int device, std::byte* data, size_t size)
+      : device_(device), data_(data), size_(size) {}
+  const int device_;
+  std::byte* const data_;
+  const size_t size_;
 };
 
 }  // namespace proxima::gpu

@@ -36,4 +36,17 @@ absl::Status CopyQueue::Mark(int) { return absl::FailedPreconditionError("built 
 absl::Status CopyQueue::Wait(int) { return absl::FailedPreconditionError("built without CUDA"); }
 absl::Status CopyQueue::Drain() { return absl::FailedPreconditionError("built without CUDA"); }
 
+absl::Status UseDevice(int) { return absl::FailedPreconditionError("built without CUDA"); }
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Allocate(int, size_t) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+DeviceBuffer::~DeviceBuffer() = default;
+absl::Status DeviceBuffer::CopyIn(size_t, std::span<const std::byte>) {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+absl::Status DeviceBuffer::CopyOut(size_t, std::span<std::byte>) const {
+  return absl::FailedPreconditionError("built without CUDA");
+}
+
 }  // namespace proxima::gpu

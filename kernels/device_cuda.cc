@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/device.h"
 
 namespace proxima::gpu {
@@ -148,6 +149,67 @@ absl::Status CopyQueue::Wait(int f) {
 
 absl::Status CopyQueue::Drain() {
   return CudaError(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize");
+}
+
+absl::Status UseDevice(int device) {
+  int count = 0;
+  if (cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess) {
+    cudaGetLastError();  // clear it, as above
+    return absl::FailedPreconditionError(absl::StrCat("cudaGetDeviceCount: ",
+                                                      cudaGetErrorString(err)));
+  }
+  if (device < 0 || device >= count) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device ", device, " is not visible (", count, " visible)"));
+  }
+  return CudaError(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")").c_str());
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Allocate(int device, size_t bytes) {
+  PROXIMA_RETURN_IF_ERROR(UseDevice(device));
+  void* p = nullptr;
+  PROXIMA_RETURN_IF_ERROR(CudaError(
+      cudaMalloc(&p, bytes > 0 ? bytes : 1),
+      absl::StrCat("cudaMalloc of ", bytes, " bytes on CUDA device ", device).c_str()));
+  return std::unique_ptr<DeviceBuffer>(new DeviceBuffer(device, static_cast<std::byte*>(p), bytes));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  // cudaFree works on any current device (unified addressing).
+  if (cudaFree(data_) != cudaSuccess) cudaGetLastError();
+}
+
+namespace {
+
+absl::Status CheckRange(const char* what, size_t offset, size_t n, size_t size) {
+  if (offset > size || n > size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " of ", n, " bytes at offset ", offset,
+                                                   " does not lie in a device buffer of ", size,
+                                                   " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// One copy on the calling thread's stream, waited for.
+absl::Status CopyAndWait(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
+                         const char* what) {
+  if (n == 0) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(CudaError(cudaMemcpyAsync(dst, src, n, kind, cudaStreamPerThread), what));
+  return CudaError(cudaStreamSynchronize(cudaStreamPerThread), what);
+}
+
+}  // namespace
+
+absl::Status DeviceBuffer::CopyIn(size_t offset, std::span<const std::byte> src) {
+  PROXIMA_RETURN_IF_ERROR(CheckRange("DeviceBuffer::CopyIn", offset, src.size(), size_));
+  return CopyAndWait(data_ + offset, src.data(), src.size(), cudaMemcpyHostToDevice,
+                     "cudaMemcpyAsync host to device");
+}
+
+absl::Status DeviceBuffer::CopyOut(size_t offset, std::span<std::byte> dst) const {
+  PROXIMA_RETURN_IF_ERROR(CheckRange("DeviceBuffer::CopyOut", offset, dst.size(), size_));
+  return CopyAndWait(dst.data(), data_ + offset, dst.size(), cudaMemcpyDeviceToHost,
+                     "cudaMemcpyAsync device to host");
 }
 
 }  // namespace proxima::gpu
