@@ -346,14 +346,19 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
   PROXIMA_RETURN_IF_ERROR(core_->GetBlocks(caller, get, blocks.get(), /*inline_response=*/false));
   std::vector<ucx::Op> ops;
   uint64_t pushed = 0;
+  const std::span<std::byte> arena = core_->store().arena();
   for (size_t b = 0; b < blocks->size(); ++b) {
     const auto& block = (*blocks)[b];
     if (!block) continue;
+    // The arena's registration covers a block read in place; a block decoded for the caller, or
+    // copied out of a GPU pool, lies in memory of its own that UCX registers on the fly.
+    const bool in_arena = block->bytes.data() >= arena.data() &&
+                          block->bytes.data() + block->bytes.size() <= arena.data() + arena.size();
     size_t offset = 0;
     for (const Segment& s : segments[b]) {
       // The tier's bytes are only read; UCX's API takes a non-const pointer for both directions.
       ops.push_back(ucx::Op{ucx::Op::kPut, const_cast<std::byte*>(block->bytes.data()) + offset,
-                            s.length, s.address, s.region, arena_.get()});
+                            s.length, s.address, s.region, in_arena ? arena_.get() : nullptr});
       offset += s.length;
     }
     pushed += block->bytes.size();
