@@ -1,12 +1,14 @@
 #include "daemon/block_store.h"
 
-#include <cstring>
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <limits>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 
@@ -17,10 +19,22 @@ namespace proxima::daemon {
 struct StoredBlock {
   StoredBlock(HostTier* tier, Extent extent, uint64_t size)
       : tier(tier), extent(extent), size(size) {}
-  ~StoredBlock() { tier->Free(extent); }
+  // In device pool number `device` (the store's order).
+  StoredBlock(DevicePool* pool, int device, Extent extent, uint64_t size)
+      : pool(pool), device(device), extent(extent), size(size) {}
+  ~StoredBlock() {
+    if (pool != nullptr) {
+      pool->Free(extent);
+    } else {
+      tier->Free(extent);
+    }
+  }
+  // REQUIRES: a host block (pool == nullptr).
   std::span<std::byte> bytes() const { return tier->Bytes(extent).first(size); }
 
-  HostTier* const tier;
+  HostTier* const tier = nullptr;    // a host block's tier, or
+  DevicePool* const pool = nullptr;  // a device block's pool
+  const int device = -1;
   const Extent extent;
   const uint64_t size;  // bytes of block data (extent.size is rounded up)
   uint32_t crc32c = 0;  // set once by Commit()/Replace(), before the block becomes visible
@@ -29,25 +43,43 @@ struct StoredBlock {
 
 std::span<std::byte> BlockStore::PendingBlock::bytes() const { return block_->bytes(); }
 
+bool BlockStore::PendingBlock::on_device() const { return block_->pool != nullptr; }
+
+absl::Status BlockStore::PendingBlock::Write(std::span<const std::byte> data) const {
+  if (data.size() != block_->size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a write of ", data.size(), " bytes into a block of ", block_->size));
+  }
+  if (block_->pool != nullptr) return block_->pool->memory().CopyIn(block_->extent.offset, data);
+  std::memcpy(block_->bytes().data(), data.data(), data.size());
+  return absl::OkStatus();
+}
+
 BlockStore::BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
-                       std::span<NamespaceCounters> counters, double protected_share)
+                       std::span<NamespaceCounters> counters, double protected_share,
+                       std::vector<std::unique_ptr<DevicePool>> devices)
     : tier_(std::move(tier)),
+      devices_(std::move(devices)),
       counters_(counters),
       protected_max_bytes_(static_cast<uint64_t>(
           std::llround(static_cast<double>(tier_->capacity_bytes()) * protected_share))) {
   shards_.reserve(num_shards);
   for (uint32_t i = 0; i < num_shards; ++i) {
-    shards_.push_back(std::make_unique<Shard>(counters.size()));
+    shards_.push_back(std::make_unique<Shard>(counters.size(), devices_.size()));
+  }
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    device_blocks_.push_back(std::make_unique<std::atomic<uint64_t>>(0));
   }
 }
 
 BlockStore::~BlockStore() {
-  // Blocks free their extents into tier_, so they must go first.
+  // Blocks free their extents into tier_ and devices_, so they must go first.
   for (auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
     shard->map.clear();
     for (auto& list : shard->lru) list.clear();
     for (auto& list : shard->compressible) list.clear();
+    for (auto& list : shard->on_device) list.clear();
   }
 }
 
@@ -63,10 +95,14 @@ BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
   if (expected != nullptr && it->second.block.get() != expected) return nullptr;
   UnlinkFromSegment(shard, it->second, it->second.block->size);
   BlockRef block = std::move(it->second.block);
-  Unlocate(*block);
   if (it->second.in_compressible) shard.compressible[id.namespace_index].erase(it->second.cold);
   shard.map.erase(it);
-  CountLevel(block->level, -1, -static_cast<int64_t>(block->size));
+  if (block->pool != nullptr) {
+    device_blocks_[block->device]->fetch_sub(1, std::memory_order_relaxed);
+  } else {
+    Unlocate(*block);
+    CountLevel(block->level, -1, -static_cast<int64_t>(block->size));
+  }
   blocks_.fetch_sub(1, std::memory_order_relaxed);
   NamespaceCounters& c = counters_[id.namespace_index];
   c.blocks.fetch_sub(1, std::memory_order_relaxed);
@@ -81,6 +117,10 @@ constexpr int kEvictionScan = 8;
 }  // namespace
 
 void BlockStore::UnlinkFromSegment(Shard& shard, Shard::Entry& entry, uint64_t size) {
+  if (entry.device >= 0) {
+    shard.on_device[entry.device].erase(entry.lru);
+    return;
+  }
   shard.lru[entry.segment].erase(entry.lru);
   if (entry.segment == kProtected) protected_bytes_.fetch_sub(size, std::memory_order_relaxed);
 }
@@ -194,7 +234,11 @@ bool BlockStore::Relocate(uint64_t offset) {
   {
     proxima::MutexLock lock(&shard.mu);
     auto it = shard.map.find(id);
-    if (it == shard.map.end() || it->second.block->extent.offset != offset) return false;
+    // Deleted and put again meanwhile, maybe into a device pool at the same offset.
+    if (it == shard.map.end() || it->second.device >= 0 ||
+        it->second.block->extent.offset != offset) {
+      return false;
+    }
     Shard::Entry& e = it->second;
     // Pins are taken under this lock: one reference is the index's alone.
     if (e.busy || e.block.use_count() > 1) return false;  // being encoded, spilled or read
@@ -239,6 +283,14 @@ void BlockStore::CountLevel(uint8_t level, int64_t blocks, int64_t bytes) {
 }
 
 bool BlockStore::MarkUsed(Shard& shard, Shard::Entry& entry, bool reused) {
+  if (entry.device >= 0) {
+    // The GPU tier has no segments; a block used there joins the protected one on the host.
+    auto& list = shard.on_device[entry.device];
+    list.splice(list.begin(), list, entry.lru);
+    entry.used_on_device |= reused;
+    entry.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
   bool over = false;
   if (reused && entry.segment == kProbation && protected_max_bytes_ > 0) {
     auto& from = shard.lru[kProbation];
@@ -519,6 +571,123 @@ std::optional<BlockStore::Candidate> BlockStore::ColdestSpillable() {
   return std::nullopt;
 }
 
+uint64_t BlockStore::host_blocks() const {
+  uint64_t on_devices = 0;
+  for (const auto& n : device_blocks_) on_devices += n->load(std::memory_order_relaxed);
+  const uint64_t all = blocks_.load(std::memory_order_relaxed);
+  return all - std::min(all, on_devices);  // the counters move one at a time
+}
+
+std::optional<BlockStore::PendingBlock> BlockStore::TryReserveOnDevice(uint64_t bytes) {
+  std::vector<uint64_t> free(devices_.size());
+  std::vector<size_t> order(devices_.size());
+  for (size_t d = 0; d < devices_.size(); ++d) {
+    free[d] = devices_[d]->capacity_bytes() - devices_[d]->used_bytes();
+  }
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return free[a] > free[b]; });
+  for (size_t d : order) {
+    if (std::optional<Extent> extent = devices_[d]->Allocate(bytes)) {
+      return PendingBlock(
+          std::make_shared<StoredBlock>(devices_[d].get(), static_cast<int>(d), *extent, bytes));
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<BlockStore::Candidate> BlockStore::ColdestOnDevice(size_t device) {
+  // As ColdestCompressible: scan the tails for the oldest block not being moved, claim it under
+  // its shard's lock, and scan again when another thread claimed it first.
+  constexpr int kMaxRaces = 64;
+  constexpr int kMaxSkipped = 8;
+  for (int race = 0; race < kMaxRaces; ++race) {
+    Shard* best = nullptr;
+    BlockId best_id;
+    uint64_t oldest = std::numeric_limits<uint64_t>::max();
+    for (auto& shard : shards_) {
+      proxima::MutexLock lock(&shard->mu);
+      const std::list<BlockId>& list = shard->on_device[device];
+      int skipped = 0;
+      for (auto it = list.rbegin(); it != list.rend() && skipped < kMaxSkipped; ++it) {
+        const Shard::Entry& e = shard->map.find(*it)->second;
+        if (e.busy) {
+          ++skipped;
+          continue;
+        }
+        if (e.stamp < oldest) {
+          oldest = e.stamp;
+          best = shard.get();
+          best_id = *it;
+        }
+        break;
+      }
+    }
+    if (best == nullptr) return std::nullopt;
+    proxima::MutexLock lock(&best->mu);
+    auto it = best->map.find(best_id);
+    if (it == best->map.end() || it->second.busy || it->second.device != static_cast<int>(device)) {
+      continue;  // raced: claimed, moved or deleted since the scan
+    }
+    Shard::Entry& e = it->second;
+    e.busy = true;
+    const StoredBlock& b = *e.block;
+    return Candidate{best_id,         ReadBlock{e.block, {}, b.crc32c, b.level},
+                     e.attributes,    e.device,
+                     b.extent.offset, b.size};
+  }
+  return std::nullopt;
+}
+
+bool BlockStore::MoveToHost(const Candidate& candidate, PendingBlock host, uint32_t crc32c,
+                            uint8_t level) {
+  BlockRef block = std::move(host.block_);
+  if (block->pool != nullptr) return false;  // not host memory
+  block->crc32c = crc32c;
+  block->level = std::min<uint8_t>(level, kMaxLevels - 1);
+  BlockRef old;  // the device extent, freed after the lock unless a reader pins it
+  bool demote = false;
+  Shard& shard = ShardFor(candidate.id);
+  {
+    proxima::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(candidate.id);
+    if (it == shard.map.end() || it->second.block.get() != candidate.block.pin.get() ||
+        it->second.device < 0) {
+      return false;  // deleted, or evicted and put again; `block` is freed after the lock
+    }
+    Shard::Entry& e = it->second;
+    shard.on_device[e.device].erase(e.lru);
+    device_blocks_[e.device]->fetch_sub(1, std::memory_order_relaxed);
+    e.device = -1;
+    e.busy = false;
+    old = std::exchange(e.block, std::move(block));
+    const uint64_t size = e.block->size;
+    // The newest of the host tier's blocks: the device held the node's hottest.
+    e.segment = e.used_on_device && protected_max_bytes_ > 0 ? kProtected : kProbation;
+    e.used_on_device = false;
+    std::list<BlockId>& list = shard.lru[e.segment];
+    list.push_front(candidate.id);
+    e.lru = list.begin();
+    e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+    if (e.segment == kProtected) {
+      demote =
+          protected_bytes_.fetch_add(size, std::memory_order_relaxed) + size > protected_max_bytes_;
+    }
+    Locate(*e.block, candidate.id);
+    if (e.attributes.max_level > e.block->level) {
+      auto& cold = shard.compressible[candidate.id.namespace_index];
+      cold.push_front(candidate.id);
+      e.cold = cold.begin();
+      e.in_compressible = true;
+    }
+    CountLevel(e.block->level, 1, static_cast<int64_t>(size));
+    counters_[candidate.id.namespace_index].bytes.fetch_add(size - old->size,
+                                                            std::memory_order_relaxed);
+  }
+  if (demote) DemoteOverflow();
+  return true;
+}
+
 std::optional<BlockStore::PendingBlock> BlockStore::Reserve(uint64_t bytes) {
   std::optional<Extent> extent = AllocateEvicting(bytes);
   if (!extent) return std::nullopt;
@@ -536,6 +705,22 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
   {
     proxima::MutexLock lock(&shard.mu);
     auto [it, inserted] = shard.map.try_emplace(id);
+    if (inserted && block->pool != nullptr) {
+      Shard::Entry& e = it->second;
+      e.device = block->device;
+      e.block = std::move(block);
+      std::list<BlockId>& list = shard.on_device[e.device];
+      list.push_front(id);
+      e.lru = list.begin();
+      e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
+      e.attributes = attributes;
+      device_blocks_[e.device]->fetch_add(1, std::memory_order_relaxed);
+      blocks_.fetch_add(1, std::memory_order_relaxed);
+      NamespaceCounters& c = counters_[id.namespace_index];
+      c.blocks.fetch_add(1, std::memory_order_relaxed);
+      c.bytes.fetch_add(e.block->size, std::memory_order_relaxed);
+      return PutOutcome::kStored;
+    }
     if (inserted) {
       const uint64_t size = block->size;
       CountLevel(block->level, 1, static_cast<int64_t>(size));
@@ -593,6 +778,7 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id, CrcChec
     block = it->second.block;  // pin
   }
   if (demote) DemoteOverflow();
+  if (block->pool != nullptr) return ReadFromDevice(id, std::move(block), check);
   if (check == CrcCheck::kByCaller) {
     std::span<const std::byte> bytes = block->bytes();
     const uint32_t stored = block->crc32c;
@@ -605,19 +791,43 @@ std::optional<BlockStore::ReadBlock> BlockStore::Read(const BlockId& id, CrcChec
     const uint8_t level = block->level;
     return ReadBlock{std::move(block), bytes, crc, level};
   }
+  DropCorrupt(id, *block, crc);
+  return std::nullopt;
+}
+
+std::optional<BlockStore::ReadBlock> BlockStore::ReadFromDevice(const BlockId& id, BlockRef block,
+                                                                CrcCheck check) {
+  // The copy is the caller's; `block` (the device extent) is pinned only while it is made.
+  std::shared_ptr<std::byte[]> copy(new std::byte[block->size]);
+  std::span<std::byte> bytes(copy.get(), block->size);
+  if (absl::Status s = block->pool->memory().CopyOut(block->extent.offset, bytes); !s.ok()) {
+    PROXIMA_LOG(kError) << "cannot copy a block out of GPU memory; served as a miss"
+                        << log::Kv("device", block->pool->device())
+                        << log::Kv("error", s.ToString());
+    return std::nullopt;
+  }
+  if (check == CrcCheck::kHere) {
+    if (const uint32_t crc = Crc32c(bytes); crc != block->crc32c) {
+      DropCorrupt(id, *block, crc);
+      return std::nullopt;
+    }
+  }
+  return ReadBlock{std::move(copy), bytes, block->crc32c, block->level};
+}
+
+void BlockStore::DropCorrupt(const BlockId& id, const StoredBlock& block, uint32_t read_crc) {
   crc_failures_.fetch_add(1, std::memory_order_relaxed);
   PROXIMA_LOG(kError) << "stored block failed its CRC32C check; dropped"
                       << log::Kv("namespace_index", id.namespace_index)
                       << log::Kv("profile_id", id.profile_id)
                       << log::Kv("key", absl::BytesToHexString(absl::string_view(
                                             reinterpret_cast<const char*>(id.key.data()), 8)))
-                      << log::Kv("stored_crc", block->crc32c) << log::Kv("read_crc", crc);
-  BlockRef dropped;
-  {
-    proxima::MutexLock lock(&shard.mu);
-    dropped = Unlink(shard, id, block.get());
-  }
-  return std::nullopt;
+                      << log::Kv("tier", block.pool != nullptr ? "gpu" : "host")
+                      << log::Kv("stored_crc", block.crc32c) << log::Kv("read_crc", read_crc);
+  Shard& shard = ShardFor(id);
+  BlockRef dropped;  // freed after the lock
+  proxima::MutexLock lock(&shard.mu);
+  dropped = Unlink(shard, id, &block);
 }
 
 bool BlockStore::Touch(const BlockId& id) {
@@ -654,7 +864,14 @@ bool BlockStore::CorruptForTesting(const BlockId& id, size_t byte_offset) {
   proxima::MutexLock lock(&shard.mu);
   auto it = shard.map.find(id);
   if (it == shard.map.end() || byte_offset >= it->second.block->size) return false;
-  it->second.block->bytes()[byte_offset] ^= std::byte{0x01};
+  const StoredBlock& b = *it->second.block;
+  if (b.pool != nullptr) {
+    std::byte one[1];
+    if (!b.pool->memory().CopyOut(b.extent.offset + byte_offset, one).ok()) return false;
+    one[0] ^= std::byte{0x01};
+    return b.pool->memory().CopyIn(b.extent.offset + byte_offset, one).ok();
+  }
+  b.bytes()[byte_offset] ^= std::byte{0x01};
   return true;
 }
 

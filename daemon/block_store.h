@@ -26,6 +26,14 @@
 // that pinned the old bytes keep them until they unpin, and new readers see only the complete
 // new version. The store itself never encodes; it only holds bytes and their level.
 //
+// GPU tier: with device pools (device_pool.h), a block may also live in a GPU's memory, raw, as
+// put (TryReserveOnDevice). Device blocks keep a recency list of their own per device, outside the
+// host tier's segments, compressible lists and eviction: the tierer takes the coldest of them
+// (ColdestOnDevice) and moves them down to the host tier (MoveToHost), where they join the
+// host's recency order as its newest blocks. Read() of a device block copies it to host memory
+// that the returned pin owns, and checks that copy's CRC32C. Every other call (Contains, Touch,
+// Delete, Commit of a key already stored) sees one index whichever memory holds the bytes.
+//
 // Compaction: encoded blocks come in many sizes, so a tier with enough free bytes in all can lack
 // one free region large enough for a raw block. Reserve() and ReserveCompacting() then move the
 // blocks out of the window of the arena that holds the fewest bytes (HostTier::FindWindow) into
@@ -55,6 +63,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "common/mutex.h"
+#include "daemon/device_pool.h"
 #include "daemon/host_tier.h"
 
 namespace proxima::daemon {
@@ -104,9 +113,10 @@ class BlockStore {
  public:
   // `counters[i]` tracks namespace i; it must outlive the store. `protected_share`: the share of
   // the tier's capacity that the protected segment may hold (segmented LRU, below); 0 makes the
-  // store a plain LRU.
+  // store a plain LRU. `devices`: the GPU tier's pools (none: the host tier alone).
   BlockStore(std::unique_ptr<HostTier> tier, uint32_t num_shards,
-             std::span<NamespaceCounters> counters, double protected_share = 0);
+             std::span<NamespaceCounters> counters, double protected_share = 0,
+             std::vector<std::unique_ptr<DevicePool>> devices = {});
   ~BlockStore();
 
   BlockStore(const BlockStore&) = delete;
@@ -118,7 +128,13 @@ class BlockStore {
    public:
     PendingBlock(PendingBlock&&) = default;
     PendingBlock& operator=(PendingBlock&&) = default;
+    // The tier memory to write the block into. REQUIRES: !on_device().
     std::span<std::byte> bytes() const;
+    // True for device memory (TryReserveOnDevice), which host code writes only through Write().
+    bool on_device() const;
+    // Writes `data` (exactly the reserved size) into the block's memory, host or device.
+    // InvalidArgument for another size; a device copy's error as the device reports it.
+    absl::Status Write(std::span<const std::byte> data) const;
 
    private:
     friend class BlockStore;
@@ -149,6 +165,10 @@ class BlockStore {
   // encoded or spilled. Never evicts.
   std::optional<PendingBlock> ReserveCompacting(uint64_t bytes);
 
+  // Device memory for one raw block (GPU tier): a free region of the pool with the most free
+  // bytes that has one, or nullopt when no pool has (never moves or evicts anything).
+  std::optional<PendingBlock> TryReserveOnDevice(uint64_t bytes);
+
   // Reserve + copy + Commit.
   PutOutcome Put(const BlockId& id, std::span<const std::byte> data, uint32_t crc32c);
 
@@ -174,8 +194,11 @@ class BlockStore {
   // its own max_level and level_caps[ns]. nullopt when there is none.
   struct Candidate {
     BlockId id;
-    ReadBlock block;
+    ReadBlock block;  // for a device block (ColdestOnDevice): the pin alone, `bytes` empty
     BlockAttributes attributes;
+    int device = -1;             // >= 0: the block is raw in that device pool (devices order)
+    uint64_t device_offset = 0;  // ... at this offset of its memory
+    uint64_t device_bytes = 0;   // ... of this many bytes
   };
   std::optional<Candidate> ColdestCompressible(std::span<const uint8_t> level_caps);
 
@@ -199,6 +222,17 @@ class BlockStore {
   // `count`: false for a block that left for another node (a spill), not counted in evictions().
   bool EvictCandidate(const Candidate& candidate, bool count = true);
 
+  // The least recently used block in pool `device`'s memory, not being moved already, pinned
+  // and marked busy as ColdestCompressible's are: hand it back with MoveToHost(),
+  // EvictCandidate() or Release(). nullopt when the pool holds none.
+  std::optional<Candidate> ColdestOnDevice(size_t device);
+  // Moves a device candidate's block down to the host tier: its bytes become `host` (written,
+  // with CRC32C `crc32c`, at hierarchy `level`), it joins the host tier's recency lists at the
+  // front (the protected segment when it was used again on the device), and its device extent
+  // is freed once no reader pins it. False (and `host` freed) when the block changed or went
+  // meanwhile, or `host` is not host memory. Clears the busy mark when it moves the block.
+  bool MoveToHost(const Candidate& candidate, PendingBlock host, uint32_t crc32c, uint8_t level);
+
   // The least recently used block that may be spilled to a peer (not itself spilled here by
   // one, not pinned by a reader, not busy), probation first, pinned and marked busy as
   // ColdestCompressible's are: hand it back with EvictCandidate() or Release(). nullopt when
@@ -210,7 +244,14 @@ class BlockStore {
   // none (the index is empty, or every block near the tails is being read).
   bool EvictOne();
 
-  // Blocks and stored bytes at each hierarchy level (0 = raw).
+  // The GPU tier's pools, in the order given at construction, and the blocks in each.
+  size_t num_devices() const { return devices_.size(); }
+  const DevicePool& device_pool(size_t device) const { return *devices_[device]; }
+  uint64_t device_blocks(size_t device) const {
+    return device_blocks_[device]->load(std::memory_order_relaxed);
+  }
+
+  // Blocks and stored bytes of the host tier at each hierarchy level (0 = raw).
   uint64_t level_blocks(int level) const {
     return level_blocks_[level].load(std::memory_order_relaxed);
   }
@@ -229,12 +270,14 @@ class BlockStore {
   // Removes the block; returns whether it was present. A reader holding it finishes first.
   bool Delete(const BlockId& id);
 
-  // The tier's whole arena: every block's bytes lie in it (registered once with UCX).
+  // The host tier's whole arena: every host block's bytes lie in it (registered once with UCX).
   std::span<std::byte> arena() const { return tier_->arena(); }
   uint64_t capacity_bytes() const { return tier_->capacity_bytes(); }
   uint64_t used_bytes() const { return tier_->used_bytes(); }
   bool pinned_for_gpu() const { return tier_->pinned_for_gpu(); }
+  // Blocks in the index, in every tier, and in the host tier alone.
   uint64_t blocks() const { return blocks_.load(std::memory_order_relaxed); }
+  uint64_t host_blocks() const;
   uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
   // Bytes of blocks in the protected segment (segmented LRU) and its limit.
   uint64_t protected_bytes() const { return protected_bytes_.load(std::memory_order_relaxed); }
@@ -250,7 +293,8 @@ class BlockStore {
     return compaction_moved_bytes_.load(std::memory_order_relaxed);
   }
 
-  // For tests of corruption handling: flips one bit of a stored block's bytes in place.
+  // For tests of corruption handling: flips one bit of a stored block's bytes in place (host or
+  // device memory).
   // Returns false when the block is absent.
   bool CorruptForTesting(const BlockId& id, size_t byte_offset);
 
@@ -259,22 +303,27 @@ class BlockStore {
   static constexpr uint8_t kProbation = 0;
   static constexpr uint8_t kProtected = 1;
   struct Shard {
-    explicit Shard(size_t num_namespaces) : compressible(num_namespaces) {}
+    Shard(size_t num_namespaces, size_t num_devices)
+        : compressible(num_namespaces), on_device(num_devices) {}
     mutable proxima::Mutex mu;
     // Recency order of each segment, front most recent: probation ([0]) and protected ([1]).
     // Each entry's `lru` iterator points into the list of its segment.
     std::array<std::list<BlockId>, 2> lru ABSL_GUARDED_BY(mu);
     // Per namespace: the blocks whose level is below their max_level, in the same order.
     std::vector<std::list<BlockId>> compressible ABSL_GUARDED_BY(mu);
+    // Per device pool: its blocks in recency order, front most recent (not in `lru`).
+    std::vector<std::list<BlockId>> on_device ABSL_GUARDED_BY(mu);
     struct Entry {
       BlockRef block;
-      std::list<BlockId>::iterator lru;
+      std::list<BlockId>::iterator lru;  // into lru[segment], or on_device[device]
       uint64_t stamp;  // logical time of the last access
       BlockAttributes attributes;
       bool in_compressible = false;  // `cold` is valid
       std::list<BlockId>::iterator cold;
       bool busy = false;  // handed out as a Candidate
       uint8_t segment = kProbation;
+      int device = -1;              // >= 0: the block's bytes are in that device pool
+      bool used_on_device = false;  // read or put again there (protected once on the host)
     };
     absl::flat_hash_map<BlockId, Entry> map ABSL_GUARDED_BY(mu);
   };
@@ -317,15 +366,21 @@ class BlockStore {
   // Moves the protected segment's least recent blocks to the front of probation until the
   // segment is within its share. Takes shard locks one at a time.
   void DemoteOverflow();
-  // Takes an entry out of its segment's list and the protected byte count.
-  // `size`: the bytes the entry counted at (its block may already be gone).
+  // Takes an entry out of its recency list (its segment's, or its device's) and the protected
+  // byte count. `size`: the bytes the entry counted at (its block may already be gone).
   void UnlinkFromSegment(Shard& shard, Shard::Entry& entry, uint64_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Read() of a block in device memory: its bytes copied to host memory the result owns.
+  std::optional<ReadBlock> ReadFromDevice(const BlockId& id, BlockRef block, CrcCheck check);
+  // Drops `id` (if it still holds `block`) after its bytes failed their CRC32C check on a read.
+  void DropCorrupt(const BlockId& id, const StoredBlock& block, uint32_t read_crc);
   // A stored block's size changed from `old_size` (an encoding swap).
   void Resized(const Shard::Entry& entry, uint64_t old_size);
   void CountLevel(uint8_t level, int64_t blocks, int64_t bytes);
 
   std::unique_ptr<HostTier> tier_;
+  std::vector<std::unique_ptr<DevicePool>> devices_;
+  std::vector<std::unique_ptr<std::atomic<uint64_t>>> device_blocks_;
   std::span<NamespaceCounters> counters_;
   std::vector<std::unique_ptr<Shard>> shards_;
   const uint64_t protected_max_bytes_;

@@ -48,6 +48,7 @@ tiers:
     pin_for_gpu: auto              # page-lock the arena for GPU copies: auto (if a GPU), on, off
   gpu:
     capacity_bytes_per_device: 0   # device pool per visible GPU; 0 disables the GPU tier
+    pressure_threshold: 0.8        # above it, a pool's coldest blocks move down to the host tier
 tierer:
   temperature_policy: slru         # which block is coldest: slru (segmented LRU) or lru
   protected_share: 0.2             # slru: share of the tier that blocks used twice may hold
@@ -341,8 +342,11 @@ absl::Status Uint32(Reader& r, const YAML::Node& node, absl::string_view key, ui
 }
 
 absl::Status ParseGpuTier(Reader& r, const YAML::Node& gpu, GpuTierConfig* out) {
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(gpu, "tiers.gpu", {"capacity_bytes_per_device"}));
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(gpu, "tiers.gpu", {"capacity_bytes_per_device", "pressure_threshold"}));
   if (!gpu || !gpu.IsMap()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(r.Double(gpu["pressure_threshold"], "tiers.gpu.pressure_threshold", 0.1,
+                                   1.0, &out->pressure_threshold));
   const YAML::Node n = gpu["capacity_bytes_per_device"];
   if (n && n.IsScalar() && n.Scalar() == "0") {
     out->capacity_bytes_per_device = 0;
@@ -1165,6 +1169,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
     << YAML::EndMap;
   e << YAML::Key << "gpu" << YAML::Value << YAML::BeginMap << YAML::Key
     << "capacity_bytes_per_device" << YAML::Value << c.gpu_tier.capacity_bytes_per_device
+    << YAML::Key << "pressure_threshold" << YAML::Value << c.gpu_tier.pressure_threshold
     << YAML::EndMap << YAML::EndMap;
   e << YAML::Key << "tierer" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "temperature_policy" << YAML::Value << c.tierer.temperature_policy;

@@ -118,6 +118,9 @@ struct TiererConfig {
 // The GPU tier: one device-memory pool per visible GPU; absent without a GPU.
 struct GpuTierConfig {
   uint64_t capacity_bytes_per_device = 0;  // 0 disables the GPU tier
+  // Above this share of a pool's capacity, the tierer moves the pool's coldest blocks down to the
+  // host tier in the background (puts that find a pool full move them at once).
+  double pressure_threshold = 0.8;
 };
 
 struct UcxConfig {

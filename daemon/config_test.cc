@@ -193,6 +193,7 @@ TEST(CompressionConfigTest, DefaultsAreOffWithTheDocumentedThreshold) {
   EXPECT_EQ(c.tierer.temperature_policy, "slru");
   EXPECT_DOUBLE_EQ(c.tierer.protected_share, 0.2);
   EXPECT_EQ(c.gpu_tier.capacity_bytes_per_device, 0u);
+  EXPECT_DOUBLE_EQ(c.gpu_tier.pressure_threshold, 0.8);
 }
 
 TEST(CompressionConfigTest, ExplicitLevelsAreParsedSafestFirst) {
@@ -293,6 +294,14 @@ TEST(CompressionConfigTest, BadPoliciesNameKeyValueAndAllowed) {
   EXPECT_THAT(ParseConfig("tiers: {gpu: {capacity_bytes_per_device: 1KiB}}", "t", {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("tiers.gpu.capacity_bytes_per_device")));
+  EXPECT_THAT(ParseConfig("tiers: {gpu: {pressure_threshold: 1.5}}", "t", {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tiers.gpu.pressure_threshold"), HasSubstr("1.5"))));
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c, ParseConfig("tiers: {gpu: {capacity_bytes_per_device: 2GiB, "
+                                                   "pressure_threshold: 0.6}}",
+                                                   "t", {}));
+  EXPECT_EQ(c.gpu_tier.capacity_bytes_per_device, 2ull << 30);
+  EXPECT_DOUBLE_EQ(c.gpu_tier.pressure_threshold, 0.6);
 }
 
 }  // namespace

@@ -148,6 +148,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
       PROXIMA_LOG(kInfo) << "GPU visible" << log::Kv("ordinal", g.ordinal)
                          << log::Kv("name", g.name) << log::Kv("bytes", g.total_bytes);
     }
+    if (config.gpu_tier.capacity_bytes_per_device == 0) {
+      PROXIMA_LOG(kInfo) << "GPU tier off (tiers.gpu.capacity_bytes_per_device is 0)";
+    }
   }
   const bool tokens = std::any_of(config.namespaces.begin(), config.namespaces.end(),
                                   [](const NamespaceConfig& n) { return !n.tokens.empty(); });

@@ -11,6 +11,7 @@
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 
 namespace proxima::daemon {
 namespace {
@@ -98,8 +99,10 @@ uint64_t ProfileId(const v1::ModelProfile& p) {
   return h == 0 ? 1 : h;
 }
 
-absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonConfig& config,
-                                                                 metrics::Registry* registry) {
+namespace {
+
+// The host tier's arena, page-locked for GPU copies as tiers.host.pin_for_gpu says.
+absl::StatusOr<std::unique_ptr<HostTier>> MakeHostTier(const DaemonConfig& config) {
   PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier,
                            HostTier::Create(config.host_tier.capacity_bytes));
   if (config.host_tier.pin_for_gpu != PinForGpu::kOff) {
@@ -116,15 +119,47 @@ absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonCon
                          << log::Kv("reason", pinned.message());
     }
   }
-  if (config.gpu_tier.capacity_bytes_per_device > 0) {
-    // The device pool is not built yet (docs/decisions.md); Daemon::Start logs whether GPUs
-    // are visible at all. Say plainly that the configured tier is not there.
-    PROXIMA_LOG(kWarning) << "GPU tier not implemented in this version; running with the host "
-                             "tier alone"
-                          << log::Kv("tiers.gpu.capacity_bytes_per_device",
-                                     config.gpu_tier.capacity_bytes_per_device);
+  return tier;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TierService>> TierService::Create(const DaemonConfig& config,
+                                                                 metrics::Registry* registry) {
+  std::vector<std::unique_ptr<DeviceMemory>> devices;
+  if (const uint64_t bytes = config.gpu_tier.capacity_bytes_per_device; bytes > 0) {
+    std::string why_none;
+    std::vector<gpu::DeviceInfo> gpus = gpu::VisibleDevices(&why_none);
+    if (gpus.empty()) {
+      PROXIMA_LOG(kWarning) << "GPU tier configured but no GPU is visible; running with the host "
+                               "tier alone"
+                            << log::Kv("tiers.gpu.capacity_bytes_per_device", bytes)
+                            << log::Kv("reason", why_none);
+    }
+    for (const gpu::DeviceInfo& g : gpus) {
+      absl::StatusOr<std::unique_ptr<DeviceMemory>> memory = AllocateCudaMemory(g.ordinal, bytes);
+      if (!memory.ok()) {
+        return absl::Status(
+            memory.status().code(),
+            absl::StrCat("tiers.gpu.capacity_bytes_per_device is ", bytes, " but CUDA device ",
+                         g.ordinal, " (", g.name, ", ", g.total_bytes,
+                         " bytes of memory) cannot give the GPU tier that much: ",
+                         memory.status().message(), "; lower it, or 0 turns the GPU tier off"));
+      }
+      PROXIMA_LOG(kInfo) << "GPU tier pool allocated" << log::Kv("device", g.ordinal)
+                         << log::Kv("name", g.name) << log::Kv("bytes", bytes);
+      devices.push_back(*std::move(memory));
+    }
   }
-  std::unique_ptr<TierService> service(new TierService(config, std::move(tier), registry));
+  return CreateWithDevices(config, registry, std::move(devices));
+}
+
+absl::StatusOr<std::unique_ptr<TierService>> TierService::CreateWithDevices(
+    const DaemonConfig& config, metrics::Registry* registry,
+    std::vector<std::unique_ptr<DeviceMemory>> devices) {
+  PROXIMA_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> tier, MakeHostTier(config));
+  std::unique_ptr<TierService> service(
+      new TierService(config, std::move(tier), std::move(devices), registry));
   PROXIMA_RETURN_IF_ERROR(service->LoadTokens(config));
   service->tierer_->Start();
   return service;
@@ -252,6 +287,7 @@ absl::StatusOr<TierService::Scope> TierService::Authorize(const Caller& caller,
 }
 
 TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
+                         std::vector<std::unique_ptr<DeviceMemory>> devices,
                          metrics::Registry* registry)
     : config_(config), start_time_(absl::Now()) {
   token_reloads_ = registry->AddCounter(
@@ -281,11 +317,27 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                        [c] { return static_cast<double>(c->bytes.load()); });
     namespaces_.push_back(std::move(ns));
   }
+  std::vector<std::unique_ptr<DevicePool>> pools;
+  for (std::unique_ptr<DeviceMemory>& memory : devices) {
+    pools.push_back(std::make_unique<DevicePool>(std::move(memory)));
+  }
   store_ = std::make_unique<BlockStore>(
       std::move(tier), config.index_shards,
       std::span<NamespaceCounters>(counters_.get(), config.namespaces.size()),
-      config.tierer.temperature_policy == "slru" ? config.tierer.protected_share : 0.0);
+      config.tierer.temperature_policy == "slru" ? config.tierer.protected_share : 0.0,
+      std::move(pools));
   BlockStore* s = store_.get();
+  for (size_t d = 0; d < s->num_devices(); ++d) {
+    metrics::Labels gpu = {{"tier", absl::StrCat("gpu:", d)}};
+    const DevicePool* pool = &s->device_pool(d);
+    registry->AddGauge("proxima_tier_capacity_bytes", "Hard capacity of the tier", gpu,
+                       [pool] { return static_cast<double>(pool->capacity_bytes()); });
+    registry->AddGauge("proxima_tier_used_bytes",
+                       "Bytes allocated to blocks in the tier, including blocks pinned by readers",
+                       gpu, [pool] { return static_cast<double>(pool->used_bytes()); });
+    registry->AddGauge("proxima_tier_blocks", "Blocks resident in the tier", gpu,
+                       [s, d] { return static_cast<double>(s->device_blocks(d)); });
+  }
   metrics::Labels host = {{"tier", "host"}};
   registry->AddGauge("proxima_tier_capacity_bytes", "Hard capacity of the tier", host,
                      [s] { return static_cast<double>(s->capacity_bytes()); });
@@ -293,7 +345,7 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                      "Bytes allocated to blocks in the tier, including blocks pinned by readers",
                      host, [s] { return static_cast<double>(s->used_bytes()); });
   registry->AddGauge("proxima_tier_blocks", "Blocks resident in the tier", host,
-                     [s] { return static_cast<double>(s->blocks()); });
+                     [s] { return static_cast<double>(s->host_blocks()); });
   registry->AddGauge("proxima_tier_pinned_for_gpu",
                      "1 when the tier's memory is page-locked and registered with CUDA", host,
                      [pinned = s->pinned_for_gpu()] { return pinned ? 1.0 : 0.0; });
@@ -552,16 +604,28 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   const bool codec_ok = GeometryOf(ns, profile_id).has_value();
   uint64_t stored = 0;
   std::vector<BlockKey> held;  // keys the local tiers hold now, for the cluster's records
+  std::string staging;         // a block on its way to a GPU pool
   for (size_t i = 0; i < blocks.size(); ++i) {
     BlockId id{ns, profile_id, {}, scope.partition};
     std::memcpy(id.key.data(), blocks[i].key->data(), kKeyBytes);
     PutOutcome outcome = PutOutcome::kAlreadyPresent;
     if (!store_->Touch(id)) {
-      std::optional<BlockStore::PendingBlock> pending = ReserveForPut(profile.block_bytes);
+      std::optional<BlockStore::PendingBlock> pending;
+      if (store_->num_devices() > 0) {
+        staging.resize(profile.block_bytes);
+        std::span<std::byte> bytes =
+            std::as_writable_bytes(std::span<char>(staging.data(), staging.size()));
+        blocks[i].copy_data(bytes);
+        pending = CopyToDevice(bytes);
+        if (!pending && (pending = ReserveForPut(profile.block_bytes))) {
+          std::memcpy(pending->bytes().data(), staging.data(), staging.size());
+        }
+      } else if ((pending = ReserveForPut(profile.block_bytes))) {
+        blocks[i].copy_data(pending->bytes());
+      }
       if (!pending) {
         outcome = PutOutcome::kNoSpace;
       } else {
-        blocks[i].copy_data(pending->bytes());
         outcome = store_->Commit(
             id, *std::move(pending), crcs[i],
             tierer_->AttributesFor(ns, profile.profile.tokens_per_block(), codec_ok,
@@ -575,6 +639,19 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   TellRemote(ns, scope.partition, profile_id, held);
   bytes_in_->Increment(static_cast<uint64_t>(blocks.size()) * profile.block_bytes);
   return absl::OkStatus();
+}
+
+std::optional<BlockStore::PendingBlock> TierService::CopyToDevice(
+    std::span<const std::byte> bytes) {
+  std::optional<BlockStore::PendingBlock> pending = tierer_->ReserveOnDevice(bytes.size());
+  if (!pending) return std::nullopt;
+  if (absl::Status s = pending->Write(bytes); !s.ok()) {
+    // The block goes to the host tier instead; the pool's room is freed with `pending`.
+    PROXIMA_LOG(kError) << "cannot copy a block into GPU memory; storing it in host memory"
+                        << log::Kv("error", s.ToString());
+    return std::nullopt;
+  }
+  return pending;
 }
 
 std::optional<BlockStore::PendingBlock> TierService::ReserveForPut(uint64_t bytes) {
@@ -769,7 +846,13 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
         ns, profile.profile.tokens_per_block(), codec_ok,
         hints.positions.empty() ? -1 : hints.positions[i], hints.high_priority,
         hints.importance.empty() ? 0.0f : hints.importance[i]);
-    outcomes[i] = store_->Commit(id_of(keys[i]), std::move((*pending)[j]), got[j], attributes);
+    // UCX lands blocks in the host arena (the memory it registered); a GPU pool with room takes
+    // them from there, and their host memory is freed.
+    BlockStore::PendingBlock landed = std::move((*pending)[j]);
+    if (std::optional<BlockStore::PendingBlock> on_device = CopyToDevice(dst[j])) {
+      landed = *std::move(on_device);
+    }
+    outcomes[i] = store_->Commit(id_of(keys[i]), std::move(landed), got[j], attributes);
   }
   uint64_t stored = 0;
   std::vector<BlockKey> held;
@@ -856,7 +939,7 @@ absl::Status TierService::Stats(const Caller& caller, const v1::StatsRequest&,
     host->set_name("host");
     host->set_capacity_bytes(store_->capacity_bytes());
     host->set_used_bytes(store_->used_bytes());
-    host->set_blocks(store_->blocks());
+    host->set_blocks(store_->host_blocks());
     host->set_evictions(store_->evictions());
     for (int level = 0; level < kMaxLevels; ++level) {
       if (level > 0 && store_->level_blocks(level) == 0) continue;
@@ -864,6 +947,18 @@ absl::Status TierService::Stats(const Caller& caller, const v1::StatsRequest&,
       l->set_level(level);
       l->set_blocks(store_->level_blocks(level));
       l->set_bytes(store_->level_bytes(level));
+    }
+    // The GPU tier's pools after the host tier (clients read tiers(0) as the host tier).
+    for (size_t d = 0; d < store_->num_devices(); ++d) {
+      v1::TierStats* gpu = response->add_tiers();
+      gpu->set_name(absl::StrCat("gpu:", d));
+      gpu->set_capacity_bytes(store_->device_pool(d).capacity_bytes());
+      gpu->set_used_bytes(store_->device_pool(d).used_bytes());
+      gpu->set_blocks(store_->device_blocks(d));
+      v1::LevelStats* raw = gpu->add_levels();  // a GPU pool holds raw blocks only
+      raw->set_level(0);
+      raw->set_blocks(store_->device_blocks(d));
+      raw->set_bytes(store_->device_pool(d).used_bytes());
     }
     response->set_crc_failures(store_->crc_failures());
   }

@@ -71,8 +71,17 @@ class TierService {
   // `registry` receives the daemon's metrics and must outlive the service.
   // Reads every namespace's tokens (files, environment variables): errors name the config key
   // and the file or variable, never a token.
+  // With `tiers.gpu.capacity_bytes_per_device` set, a device pool of that size is allocated on
+  // every visible GPU (none visible: logged, the host tier alone); a GPU that refuses it fails
+  // the start with an error naming the key, the device and the size.
   static absl::StatusOr<std::unique_ptr<TierService>> Create(const DaemonConfig& config,
                                                              metrics::Registry* registry);
+  // As Create, with the GPU tier's memory given (one pool per entry, whatever
+  // tiers.gpu.capacity_bytes_per_device says): for tests of the GPU tier, on machines without a
+  // GPU too (tier_testing.h).
+  static absl::StatusOr<std::unique_ptr<TierService>> CreateWithDevices(
+      const DaemonConfig& config, metrics::Registry* registry,
+      std::vector<std::unique_ptr<DeviceMemory>> devices);
   ~TierService();
 
   // Maps the value of a call's `authorization` metadata ("Bearer <token>", or "" when absent) to
@@ -202,7 +211,7 @@ class TierService {
   };
 
   TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
-              metrics::Registry* registry);
+              std::vector<std::unique_ptr<DeviceMemory>> devices, metrics::Registry* registry);
 
   // One block of a Put, wherever its bytes are.
   struct PutSource {
@@ -221,6 +230,9 @@ class TierService {
   // Tier memory for a block a worker puts: the tierer's Reserve, with the cluster (if on) asked
   // to spill cold blocks to peers before anything is evicted.
   std::optional<BlockStore::PendingBlock> ReserveForPut(uint64_t bytes);
+  // GPU tier: device memory holding a copy of `bytes` (a raw block), or nullopt when no pool
+  // takes it (no GPU tier, no room that could be made) or the copy failed (logged).
+  std::optional<BlockStore::PendingBlock> CopyToDevice(std::span<const std::byte> bytes);
   // Tells the cluster (if on) that the local tiers hold `keys` of namespace `ns`.
   void TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
                   std::span<const BlockKey> keys);

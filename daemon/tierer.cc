@@ -4,8 +4,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 
@@ -24,7 +27,10 @@ std::span<const std::byte> AsBytes(const std::string& s) {
 
 Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geometry,
                metrics::Registry* registry)
-    : store_(store), geometry_(std::move(geometry)), config_(config.tierer) {
+    : store_(store),
+      geometry_(std::move(geometry)),
+      config_(config.tierer),
+      gpu_config_(config.gpu_tier) {
   quality_.resize(config.namespaces.size());
   for (size_t i = 0; i < config.namespaces.size(); ++i) {
     auto ns = std::make_unique<NamespaceState>();
@@ -79,6 +85,27 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geo
       "proxima_tierer_levels_passed_over_total",
       "Intermediate hierarchy levels not encoded because a block went straight to a deeper "
       "one (the room needed was more than the next level frees)");
+  const char* moves_help =
+      "Blocks the tierer moved from a GPU pool down to the host tier, by the "
+      "encoding they went down in";
+  device_moves_raw_ =
+      registry->AddCounter("proxima_tierer_gpu_moves_total", moves_help, {{"encoding", "raw"}});
+  device_moves_encoded_ =
+      registry->AddCounter("proxima_tierer_gpu_moves_total", moves_help, {{"encoding", "encoded"}});
+  device_move_drops_ = registry->AddCounter(
+      "proxima_tierer_gpu_move_drops_total",
+      "Blocks dropped on their way down from a GPU pool: the host tier could not take them, or "
+      "their device bytes could not be read back intact");
+  const char* bytes_help =
+      "Bytes the tierer moved from GPU pools to the host tier (in: device "
+      "bytes; out: host bytes, after encoding)";
+  device_move_bytes_in_ =
+      registry->AddCounter("proxima_tierer_gpu_move_bytes_total", bytes_help, {{"side", "in"}});
+  device_move_bytes_out_ =
+      registry->AddCounter("proxima_tierer_gpu_move_bytes_total", bytes_help, {{"side", "out"}});
+  device_encode_microseconds_ =
+      registry->AddCounter("proxima_tierer_gpu_encode_microseconds_total",
+                           "Time the tierer spent encoding blocks on GPUs (device calls, waited)");
 }
 
 Tierer::~Tierer() { Stop(); }
@@ -88,9 +115,9 @@ void Tierer::Start() {
     std::lock_guard<std::mutex> lock(stop_mu_);
     stop_ = false;
   }
-  bool any = false;
+  bool any = store_->num_devices() > 0;  // the GPU tier's pools need watching
   for (const auto& ns : namespaces_) any |= !ns->policy.plans.empty();
-  if (!any) return;  // nothing to compress: no worker needed
+  if (!any) return;  // nothing to compress or move: no worker needed
   const uint32_t n = std::max<uint32_t>(config_.threads, 1);
   helpers_.store(n - 1, std::memory_order_relaxed);
   for (uint32_t i = 0; i < n; ++i) {
@@ -130,6 +157,7 @@ void Tierer::Run(uint32_t index) {
   const auto interval = std::chrono::duration<double>(config_.interval_seconds);
   uint64_t seen = 0;
   while (true) {
+    RelieveDevicePressure();  // first: moving blocks down adds to the host tier's pressure
     RelievePressure();
     if (index == 0) {
       // The watcher checks the pressure every interval and calls the helpers when there is
@@ -149,12 +177,14 @@ void Tierer::Run(uint32_t index) {
   }
 }
 
+bool Tierer::Stopping() {
+  std::lock_guard<std::mutex> lock(stop_mu_);
+  return stop_;
+}
+
 void Tierer::RelievePressure() {
   while (true) {
-    {
-      std::lock_guard<std::mutex> lock(stop_mu_);
-      if (stop_) return;
-    }
+    if (Stopping()) return;
     const double pressure =
         static_cast<double>(store_->used_bytes()) / static_cast<double>(store_->capacity_bytes());
     uint64_t room = 0;
@@ -322,15 +352,8 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
     store_->EvictCandidate(*c);
     return true;
   }
-  // Quality guard: measure one encoding in N against its source.
-  if (state.encodings.fetch_add(1, std::memory_order_relaxed) % state.policy.sample_one_in == 0) {
-    std::string check(source.size(), '\0');
-    std::span<std::byte> out = std::as_writable_bytes(std::span<char>(check.data(), check.size()));
-    if (codec::DecodeBlock(AsBytes(encoded), out).ok()) {
-      absl::StatusOr<codec::ErrorSums> sums = codec::MeasureBlockError(*geometry, source, out);
-      if (sums.ok()) RecordQuality(ns, to, *sums);
-    }
-  }
+  SampleQuality(
+      ns, to, *geometry, [&] { return std::optional(source); }, encoded);
   auto elapsed = std::chrono::steady_clock::now() - start;
   encode_seconds_->Increment(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(elapsed).count()));
@@ -359,6 +382,197 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
     store_->Release(*c);
   }
   return true;
+}
+
+void Tierer::SampleQuality(uint32_t ns, uint8_t level, const codec::BlockGeometry& geometry,
+                           const std::function<std::optional<std::span<const std::byte>>()>& source,
+                           const std::string& encoded) {
+  NamespaceState& state = *namespaces_[ns];
+  if (state.encodings.fetch_add(1, std::memory_order_relaxed) % state.policy.sample_one_in != 0) {
+    return;
+  }
+  std::optional<std::span<const std::byte>> from = source();
+  if (!from) return;
+  std::string check(from->size(), '\0');
+  std::span<std::byte> out = std::as_writable_bytes(std::span<char>(check.data(), check.size()));
+  if (!codec::DecodeBlock(AsBytes(encoded), out).ok()) return;
+  absl::StatusOr<codec::ErrorSums> sums = codec::MeasureBlockError(geometry, *from, out);
+  if (sums.ok()) RecordQuality(ns, level, *sums);
+}
+
+std::optional<BlockStore::PendingBlock> Tierer::ReserveOnDevice(uint64_t bytes) {
+  // A put waits for a few small batches at most; the background workers keep the pools under
+  // their threshold, so that puts seldom wait at all.
+  constexpr int kMaxRounds = 4;
+  constexpr size_t kPutBatch = 8;
+  if (store_->num_devices() == 0) return std::nullopt;
+  for (int round = 0;; ++round) {
+    if (std::optional<BlockStore::PendingBlock> p = store_->TryReserveOnDevice(bytes)) return p;
+    if (round == kMaxRounds) return std::nullopt;
+    // Room in the pool with the most free bytes, among those the block fits in at all.
+    std::optional<size_t> best;
+    uint64_t best_free = 0;
+    for (size_t d = 0; d < store_->num_devices(); ++d) {
+      const DevicePool& pool = store_->device_pool(d);
+      if (pool.capacity_bytes() < bytes) continue;
+      const uint64_t free =
+          pool.capacity_bytes() - std::min(pool.used_bytes(), pool.capacity_bytes());
+      if (!best || free > best_free) {
+        best = d;
+        best_free = free;
+      }
+    }
+    if (!best) return std::nullopt;
+    if (helpers_.load(std::memory_order_relaxed) > 0) Wake();
+    if (MoveDown(*best, bytes, kPutBatch) == 0) return std::nullopt;
+  }
+}
+
+void Tierer::RelieveDevicePressure() {
+  constexpr size_t kBatch = 64;  // blocks per device encode call in the background
+  for (size_t d = 0; d < store_->num_devices(); ++d) {
+    const DevicePool& pool = store_->device_pool(d);
+    const auto limit = static_cast<uint64_t>(gpu_config_.pressure_threshold *
+                                             static_cast<double>(pool.capacity_bytes()));
+    while (!Stopping()) {
+      const uint64_t used = pool.used_bytes();
+      if (used <= limit || MoveDown(d, used - limit, kBatch) == 0) break;
+    }
+  }
+}
+
+void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate> candidates,
+                           std::vector<std::string>* encoded, std::vector<uint8_t>* levels) {
+  DeviceMemory& memory = store_->device_pool(device).memory();
+  // One device call per (namespace, profile): one geometry and one plan (the namespace's first
+  // level) for all of its blocks.
+  std::map<std::pair<uint32_t, uint64_t>, std::vector<size_t>> groups;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const BlockStore::Candidate& c = candidates[i];
+    const uint32_t ns = c.id.namespace_index;
+    if (c.attributes.max_level == 0 || level_cap(ns) == 0) continue;  // stays raw
+    groups[{ns, c.id.profile_id}].push_back(i);
+  }
+  for (const auto& [key, members] : groups) {
+    const uint32_t ns = key.first;
+    NamespaceState& state = *namespaces_[ns];
+    std::optional<codec::BlockGeometry> geometry = geometry_(ns, key.second);
+    if (!geometry) continue;  // profile no longer known: raw
+    const codec::CodecPlan& plan = state.policy.plans[0];
+    std::vector<DeviceMemory::EncodeJob> jobs;
+    for (size_t i : members) {
+      if (candidates[i].device_bytes != geometry->RawBytes()) continue;  // not a raw block: raw
+      jobs.push_back(
+          {candidates[i].device_offset, candidates[i].attributes.is_first_block, &(*encoded)[i]});
+    }
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = memory.Encode(*geometry, plan, jobs);
+    device_encode_microseconds_->Increment(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                  std::chrono::steady_clock::now() - start)
+                                  .count()));
+    // The raw bytes of job `j`, copied out of the device (for the CPU codec and the guard).
+    auto copy_out = [&](const DeviceMemory::EncodeJob& job, std::string* raw) {
+      raw->resize(geometry->RawBytes());
+      return memory.CopyOut(job.offset,
+                            std::as_writable_bytes(std::span<char>(raw->data(), raw->size())));
+    };
+    if (!status.ok()) {
+      // What the device does not encode (lossless) or could not: the CPU codec, from a copy.
+      if (!absl::IsUnimplemented(status)) {
+        PROXIMA_LOG(kWarning) << "tierer: GPU encode failed; encoding on the CPU"
+                              << log::Kv("device", memory.device())
+                              << log::Kv("namespace", state.name)
+                              << log::Kv("error", status.ToString());
+      }
+      for (const DeviceMemory::EncodeJob& job : jobs) {
+        std::string raw;
+        absl::Status s = copy_out(job, &raw);
+        if (s.ok())
+          s = codec::EncodeBlock(*geometry, plan, job.is_first_block, AsBytes(raw), {}, job.out);
+        if (!s.ok()) job.out->clear();
+      }
+    }
+    for (const DeviceMemory::EncodeJob& job : jobs) {
+      const size_t i = static_cast<size_t>(job.out - encoded->data());
+      if (job.out->empty()) continue;
+      if (job.out->size() >= candidates[i].device_bytes) {
+        no_gain_->Increment();  // the level does not shrink this block: it goes down raw
+        job.out->clear();
+        continue;
+      }
+      (*levels)[i] = 1;
+      encodes_.fetch_add(1, std::memory_order_relaxed);
+      encoded_blocks_[1]->Increment();
+      encode_bytes_in_->Increment(candidates[i].device_bytes);
+      encode_bytes_out_->Increment(job.out->size());
+      std::string raw;
+      SampleQuality(
+          ns, 1, *geometry,
+          [&]() -> std::optional<std::span<const std::byte>> {
+            if (!copy_out(job, &raw).ok()) return std::nullopt;
+            return AsBytes(raw);
+          },
+          *job.out);
+    }
+  }
+}
+
+size_t Tierer::MoveDown(size_t device, uint64_t room, size_t max_blocks) {
+  std::vector<BlockStore::Candidate> batch;
+  uint64_t taken = 0;
+  while (batch.size() < max_blocks && (room == 0 || batch.empty() || taken < room)) {
+    std::optional<BlockStore::Candidate> c = store_->ColdestOnDevice(device);
+    if (!c) break;
+    taken += c->device_bytes;
+    batch.push_back(*std::move(c));
+  }
+  if (batch.empty()) return 0;
+  std::vector<std::string> encoded(batch.size());
+  std::vector<uint8_t> levels(batch.size(), 0);
+  EncodeForMove(device, batch, &encoded, &levels);
+  DeviceMemory& memory = store_->device_pool(device).memory();
+  size_t left = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const BlockStore::Candidate& c = batch[i];
+    const bool raw = encoded[i].empty();
+    const uint64_t size = raw ? c.device_bytes : encoded[i].size();
+    // Room in the host tier as a put gets it: compressing or evicting its coldest blocks.
+    std::optional<BlockStore::PendingBlock> host = Reserve(size);
+    absl::Status read = absl::OkStatus();
+    uint32_t crc = 0;
+    if (host && raw) {
+      read = memory.CopyOut(c.device_offset, host->bytes());
+      crc = read.ok() ? Crc32c(host->bytes()) : 0;
+      if (read.ok() && crc != c.block.crc32c) {
+        read = absl::DataLossError(absl::StrFormat(
+            "CRC32C 0x%08x read back from the device, 0x%08x stored", crc, c.block.crc32c));
+      }
+    } else if (host) {
+      std::memcpy(host->bytes().data(), encoded[i].data(), size);
+      crc = Crc32c(host->bytes());
+    }
+    if (!host || !read.ok()) {
+      // Nowhere to go (every host block pinned by a reader), or bytes that cannot be trusted:
+      // the block leaves the cache, unless a reader holds it now (then it stays for a later try).
+      if (!read.ok()) {
+        PROXIMA_LOG(kError) << "tierer: a GPU block could not be read back; dropped"
+                            << log::Kv("device", memory.device())
+                            << log::Kv("error", read.ToString());
+      }
+      if (store_->EvictCandidate(c, /*count=*/false)) {  // not a host tier eviction
+        device_move_drops_->Increment();
+        ++left;
+      }
+      continue;
+    }
+    if (!store_->MoveToHost(c, *std::move(host), crc, levels[i])) continue;  // deleted meanwhile
+    ++left;
+    (raw ? device_moves_raw_ : device_moves_encoded_)->Increment();
+    device_move_bytes_in_->Increment(c.device_bytes);
+    device_move_bytes_out_->Increment(size);
+  }
+  return left;
 }
 
 void Tierer::RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums) {

@@ -1,10 +1,17 @@
-// Tierer: the policy half of the host tier. BlockStore holds bytes; the Tierer decides what to do
+// Tierer: the policy half of the tiers. BlockStore holds bytes; the Tierer decides what to do
 // when memory runs short. It keeps the tier under each namespace's pressure threshold by taking
 // the coldest blocks that may still go deeper in their namespace's compression hierarchy,
 // encoding them at the next level (CPU codec, kernels/codec.h) and swapping the stored bytes in
 // place (BlockStore::Replace: readers holding a pin keep the old bytes). A put that finds no room
 // makes it synchronously the same way, and evicts the least recently used block once nothing
 // can be compressed any more, so a put fails only when every block is pinned by a reader.
+//
+// GPU tier: puts land in a device pool when one has room (ReserveOnDevice). When a pool is over
+// `tiers.gpu.pressure_threshold` (in the background) or full (a put), its coldest blocks move down
+// to the host tier (MoveDown): encoded on the device, in batches, at the first level of their
+// namespace's hierarchy (raw when the namespace does not compress), copied to host memory found
+// by the host tier's own Reserve (which compresses or evicts host blocks as for a put), and
+// committed there as the host's newest blocks.
 //
 // Quality guard: one encoding in `sample_one_in` per namespace is decoded again and its error
 // measured against the bytes it was encoded from (kernels/error_metrics.h). The errors are
@@ -77,6 +84,26 @@ class Tierer {
   std::optional<BlockStore::PendingBlock> Reserve(
       uint64_t bytes, const std::function<bool()>& make_room = nullptr);
 
+  // GPU tier. Device memory for a put of a raw block of `bytes`: a free region of a pool, or
+  // room made there by moving the pool's coldest blocks down to the host tier. nullopt when the
+  // node has no GPU tier, the block is larger than every pool, or nothing could move (the caller
+  // then puts it into the host tier).
+  std::optional<BlockStore::PendingBlock> ReserveOnDevice(uint64_t bytes);
+  // Moves pool `device`'s coldest blocks down to the host tier (see the class comment): at least
+  // one, at most `max_blocks`, and no more once `room` bytes have left (0: `max_blocks`). A block
+  // that the host tier cannot take (every host block pinned) is dropped. Returns how many blocks
+  // left the pool.
+  size_t MoveDown(size_t device, uint64_t room, size_t max_blocks);
+  // Moves blocks down until every pool is under its pressure threshold (what the watcher does
+  // each interval). For tests.
+  void RelieveDevicePressure();
+  // Blocks that moved from a device pool to the host tier, and those dropped because the host
+  // tier could not take them or their device bytes were unreadable.
+  uint64_t device_moves() const {
+    return device_moves_raw_->value() + device_moves_encoded_->value();
+  }
+  uint64_t device_move_drops() const { return device_move_drops_->value(); }
+
   // One compression step over namespaces whose cap is above 0 in `caps` (see
   // BlockStore::ColdestCompressible). True when a block moved down (or, when it could not be
   // re-stored, was evicted). For tests and the background worker.
@@ -132,6 +159,16 @@ class Tierer {
   uint8_t TargetLevel(const BlockStore::Candidate& c, const codec::BlockGeometry& geometry,
                       uint8_t deepest, uint64_t room) const;
   void RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums);
+  // The quality guard's sample: one encoding in the namespace's `sample_one_in` is decoded and
+  // measured against its source. `source` gives the raw bytes (called only when sampled).
+  void SampleQuality(uint32_t ns, uint8_t level, const codec::BlockGeometry& geometry,
+                     const std::function<std::optional<std::span<const std::byte>>()>& source,
+                     const std::string& encoded);
+  // MoveDown's candidates, encoded on their device where their namespace compresses: `encoded`
+  // receives each one's encoding (empty: it goes down raw) and `levels` its level.
+  void EncodeForMove(size_t device, std::span<const BlockStore::Candidate> candidates,
+                     std::vector<std::string>* encoded, std::vector<uint8_t>* levels);
+  bool Stopping();
   // True when the tier is over some compressing namespace's pressure threshold.
   bool OverAnyThreshold() const;
   // Calls the helper workers to a background pass.
@@ -143,6 +180,7 @@ class Tierer {
   BlockStore* const store_;
   const GeometryLookup geometry_;
   const TiererConfig config_;
+  const GpuTierConfig gpu_config_;
   std::vector<std::unique_ptr<NamespaceState>> namespaces_;
   std::vector<std::unique_ptr<std::atomic<uint8_t>>> caps_;
 
@@ -159,6 +197,12 @@ class Tierer {
   metrics::Counter* evictions_for_put_ = nullptr;
   metrics::Counter* no_gain_ = nullptr;
   metrics::Counter* levels_passed_over_ = nullptr;
+  metrics::Counter* device_moves_raw_ = nullptr;
+  metrics::Counter* device_moves_encoded_ = nullptr;
+  metrics::Counter* device_move_drops_ = nullptr;
+  metrics::Counter* device_move_bytes_in_ = nullptr;
+  metrics::Counter* device_move_bytes_out_ = nullptr;
+  metrics::Counter* device_encode_microseconds_ = nullptr;
 
   // Background workers. std::mutex + condition_variable only for the stop signal and its timed
   // wait (proxima::Mutex has no condition variable).

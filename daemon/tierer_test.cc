@@ -9,6 +9,7 @@
 
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
+#include "daemon/tier_testing.h"
 #include "gtest/gtest.h"
 #include "kernels/error_metrics.h"
 #include "kernels/kv_file.h"
@@ -16,37 +17,10 @@
 namespace proxima::daemon {
 namespace {
 
+using testing::RealBlocks;
+
 constexpr uint64_t kProfile = 42;
 constexpr uint32_t kTokens = 16;
-
-// Real KV of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, bf16). Blocks keep the first
-// `layers` layers (a prefix of the canonical layout) so that tests stay small.
-class RealBlocks {
- public:
-  explicit RealBlocks(uint32_t layers, uint32_t tokens = kTokens) : tokens_(tokens) {
-    absl::StatusOr<codec::KvTensor> t = codec::ReadKvFile(PROXIMA_TEST_KV_FILE);
-    EXPECT_OK(t.status());
-    tensor_ = *std::move(t);
-    full_ = tensor_.BlockShape(tokens);
-    geometry_ = full_;
-    geometry_.num_layers = layers;
-  }
-  const codec::BlockGeometry& geometry() const { return geometry_; }
-  uint32_t distinct() const { return tensor_.num_tokens - tokens_ + 1; }
-  // Block n: tokens [n % distinct, +tokens), first `layers` layers.
-  std::string Block(uint32_t n) const {
-    std::string full(full_.RawBytes(), '\0');
-    EXPECT_OK(tensor_.ExtractBlock(n % distinct(), tokens_,
-                                   std::as_writable_bytes(std::span(full.data(), full.size()))));
-    full.resize(geometry_.RawBytes());
-    return full;
-  }
-
- private:
-  uint32_t tokens_;
-  codec::KvTensor tensor_;
-  codec::BlockGeometry full_, geometry_;
-};
 
 BlockId Id(uint32_t n, uint32_t ns = 0) {
   BlockId id{ns, kProfile, {}};
