@@ -17,25 +17,29 @@
 #   scripts/gpu-check.sh vllm-e2e MODEL_DIR   # on a GPU host that reaches PyPI: vLLM end to end
 #                                  # with the proxima connector (client/python/examples/vllm_e2e.py)
 #
-# With the device tool: run `prepare` here, then run with carry=["build-gpu"] and the command
-# `scripts/gpu-check.sh run`. Without a GPU the tests skip (each prints why), so `run` also works
-# here as a dry run.
+# With the device tool: run `prepare` here, then run with carry=["build-gpu-pack"] (the bundle
+# packed: build-gpu/ itself is over the tool's 64 MiB) and the command `scripts/gpu-check.sh run`,
+# which unpacks it. Without a GPU the tests skip (each prints why), so `run` also works here as a
+# dry run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:?usage: scripts/gpu-check.sh prepare|run|profile|vllm-e2e}
 DIR=build-gpu
+PACK=build-gpu-pack/build-gpu.tgz
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
-GPU_TESTS=(kernels/kernels_codec_cuda_test kernels/kernels_kv_layout_cuda_test
-  kernels/kernels_crc32c_cuda_test daemon/daemon_test tests/integration/gpu_staging_test)
-# gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries.
-declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*")
+GPU_TESTS=(kernels/kernels_device_test kernels/kernels_codec_cuda_test
+  kernels/kernels_kv_layout_cuda_test kernels/kernels_crc32c_cuda_test daemon/daemon_test
+  tests/integration/gpu_staging_test)
+# gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries
+# (the GPU tier's run over the stand-in too: the same tests, side by side with the CUDA ones).
+declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*:*GpuTier*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
 # The codec's CPU paths are checked and timed on the GPU machine's CPU too (another CPU model
 # than the build machines': AVX-512 on an Intel or AMD server part).
 CPU_SIMD=(kernels/kernels_simd_test bench/codec_bench)
 # The UCX data plane on a machine with more than two cores (build machines: 2), against
 # ucx_perftest and Redis, whose Debian binaries travel in $DIR/bin.
-OTHER=(daemon/proximad "${CPU_SIMD[@]}" bench/transfer_bench)
+OTHER=(daemon/proximad tools/proximactl/proximactl "${CPU_SIMD[@]}" bench/transfer_bench)
 SYSTEM_BINS=(/usr/bin/ucx_perftest /usr/bin/redis-server)
 
 # On the GPU machine: logs go to a fresh $LOGS, packed into $OUT/$1 when the script exits, and
@@ -100,8 +104,12 @@ case "$MODE" in
       cp client/python/proxima/*.py "$DIR/py/proxima/"
     fi
     du -sh "$DIR"
+    mkdir -p "$(dirname "$PACK")"
+    tar czf "$PACK" "$DIR"
+    du -sh "$PACK"
     ;;
   run)
+    [ -d "$DIR" ] || tar xzf "$PACK"
     start_logs gpu-check.tgz
     export PROXIMAD="$PWD/$DIR/daemon/proximad"  # for the tests that start the daemon
     { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true
@@ -181,9 +189,36 @@ case "$MODE" in
     }
     step proximad-start 30 bash -c "$(declare -f probe); DIR=$DIR; probe"
     [ -f "$LOGS/proximad-start.log" ] && { grep -iE 'gpu|cuda' "$LOGS/proximad-start.log" | head -5 || true; }
+    # The GPU tier end to end: proximad with a 16 MiB pool on each GPU; 200 blocks of 256 KiB
+    # put and got back through proximactl, every byte checked, so that most of them move down
+    # from the pool to the host tier; the stats must show the pool and the metrics the moves.
+    gpu_tier() {
+      local dir pid rc=0
+      dir=$(mktemp -d)
+      "$DIR/daemon/proximad" --set=server.listen= --set=server.metrics_listen=127.0.0.1:0 \
+        --port_file="$dir/ports.json" --set="server.unix_socket=$dir/s" \
+        --set=tiers.gpu.capacity_bytes_per_device=16MiB &
+      pid=$!
+      for _ in $(seq 100); do [ -s "$dir/ports.json" ] && break; sleep 0.1; done
+      local ctl="$DIR/tools/proximactl/proximactl" t="--target=unix:$dir/s"
+      "$ctl" put "$t" --seed=3 --count=200 || rc=1
+      "$ctl" get "$t" --seed=3 --count=200 --json | tee "$dir/get.json"
+      grep -q '"ok":true' "$dir/get.json" && grep -q '"misses":0' "$dir/get.json" || rc=1
+      "$ctl" stats "$t" | tee "$dir/stats.txt"
+      grep -q '^gpu:0' "$dir/stats.txt" || rc=1
+      local port
+      port=$(sed -E 's/.*"metrics_port":([0-9]+).*/\1/' "$dir/ports.json")
+      curl -s "http://127.0.0.1:$port/metrics" | grep -E '^proxima_(tierer_gpu|tier_(used|capacity)_bytes)'
+      kill -TERM "$pid"
+      wait "$pid" || rc=1
+      rm -rf "$dir"
+      return $rc
+    }
+    step gpu-tier 90 bash -c "$(declare -f gpu_tier); DIR=$DIR; gpu_tier"
     exit $status
     ;;
   profile)
+    [ -d "$DIR" ] || tar xzf "$PACK"
     # Nsight Compute over one launch of each STAR-KV kernel (decode, fused encode, the CRC pass)
     # per codec, on real KV through codec_gpu_bench: speed of light, occupancy, warp stalls and
     # memory traffic, as text in $OUT/profile.tgz (a summary of each on stdout). PROFILE_CODECS

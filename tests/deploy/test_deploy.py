@@ -231,14 +231,15 @@ def test_chart_renders_valid_manifests():
     assert container["image"].endswith(":1.2.3")
 
 
-def test_chart_refuses_reserved_features():
-    # Values for features proximad lacks must not look like working config.
-    with pytest.raises(helm_render.RenderError, match="not implemented"):
-        chart_docs(sets=["reserved.gpuTier.enabled=true"])
+def test_chart_renders_only_the_features_asked_for():
     docs, _ = chart_docs()
     rendered = find(docs, "ConfigMap")["data"]["proxima.yaml"]
     for word in ("tls", "token", "discovery", "gpu"):
         assert word not in rendered.lower()
+    # The GPU tier is proximad's config, verbatim.
+    docs, _ = chart_docs(sets=["config.tiers.gpu.capacity_bytes_per_device=8GiB"])
+    cfg = yaml.safe_load(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    assert cfg["tiers"]["gpu"]["capacity_bytes_per_device"] == "8GiB"
 
 
 def test_chart_wires_the_ucx_data_plane():

@@ -20,8 +20,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
-{{/* Refuse values for features proximad, or this chart, does not implement yet. */}}
+{{/* Refuse values that cannot work together. */}}
 {{- define "proxima.checkReserved" -}}
-{{- if .Values.reserved.gpuTier.enabled }}{{ fail "reserved.gpuTier: the GPU tier is not implemented in proximad yet" }}{{ end }}
 {{- if .Values.cluster.enabled }}{{ if not .Values.cluster.peerTokenSecret }}{{ fail "cluster.enabled needs cluster.peerTokenSecret: the Secret with the token daemons present to each other" }}{{ end }}{{ end }}
 {{- end }}
