@@ -93,14 +93,9 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
     ASSERT_OK(tier.status());
     store_ = std::make_unique<BlockStore>(*std::move(tier), 8, std::span(counters_), 0.0,
                                           std::move(device_pools));
-    codec::BlockGeometry g = blocks_->geometry();
-    tierer_ = std::make_unique<Tierer>(
-        store_.get(), config_,
-        [g](uint32_t, uint64_t profile) -> std::optional<codec::BlockGeometry> {
-          if (profile != kProfile) return std::nullopt;
-          return g;
-        },
-        &registry_);
+    tierer_ = std::make_unique<Tierer>(store_.get(), config_,
+                                       testing::OneProfile(kProfile, blocks_->geometry()),
+                                       &registry_);
   }
 
   BlockAttributes Attributes(uint32_t n, uint32_t ns) const {

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,15 @@ class RealBlocks {
   codec::KvTensor tensor_;
   codec::BlockGeometry full_, geometry_;
 };
+
+// The Tierer's geometry lookup for tests with one registered profile: `geometry` for
+// `profile_id`, unknown for any other.
+inline auto OneProfile(uint64_t profile_id, const codec::BlockGeometry& geometry) {
+  return [profile_id, geometry](uint32_t, uint64_t profile) -> std::optional<codec::BlockGeometry> {
+    if (profile != profile_id) return std::nullopt;
+    return geometry;
+  };
+}
 
 class HostBackedDeviceMemory final : public DeviceMemory {
  public:

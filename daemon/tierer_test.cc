@@ -69,14 +69,9 @@ class TiererTest : public ::testing::Test {
 
   // (Re)creates the tierer over the store from `config_` (after a test changed it).
   void MakeTierer() {
-    codec::BlockGeometry g = blocks_->geometry();
-    tierer_ = std::make_unique<Tierer>(
-        store_.get(), config_,
-        [g](uint32_t, uint64_t profile) -> std::optional<codec::BlockGeometry> {
-          if (profile != kProfile) return std::nullopt;
-          return g;
-        },
-        &registry_);
+    tierer_ = std::make_unique<Tierer>(store_.get(), config_,
+                                       testing::OneProfile(kProfile, blocks_->geometry()),
+                                       &registry_);
   }
 
   // What TierService does for one block: reserve through the tierer, copy, commit.

@@ -33,7 +33,7 @@ GPU_TESTS=(kernels/kernels_device_test kernels/kernels_codec_cuda_test
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries
 # (the GPU tier's run over the stand-in too: the same tests, side by side with the CUDA ones).
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*:*GpuTier*")
-GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench)
+GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench bench/gpu_tier_bench)
 # The codec's CPU paths are checked and timed on the GPU machine's CPU too (another CPU model
 # than the build machines': AVX-512 on an Intel or AMD server part).
 CPU_SIMD=(kernels/kernels_simd_test bench/codec_bench)
@@ -140,6 +140,10 @@ case "$MODE" in
     step crc32c_gpu_bench 60 "$DIR/bench/crc32c_gpu_bench" --batch_mb=256 --span_kb=700
     step kv_layout_gpu_bench 120 "$DIR/bench/kv_layout_bench" --device=cuda --num_blocks=256 \
       --batch=64
+    # The GPU tier's put, get and move down (raw, and encoded on the GPU) vs the device's copies.
+    step gpu_tier_bench 120 "$DIR/bench/gpu_tier_bench" \
+      --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --pool_mb=1024 \
+      --levels="raw;int8;int4"
     # The CPU codec paths on this machine's CPU: bit identity of every path it has (AVX-512 here
     # when the CPU has it) and their speed against memcpy, one thread.
     step cpu-simd-test 120 "$DIR/kernels/kernels_simd_test"
