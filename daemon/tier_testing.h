@@ -2,8 +2,9 @@
 // GPU tier's.
 //
 // RealBlocks: blocks cut from real KV of SmolLM2-135M (tools/eval/testdata), so that codec sizes
-// and errors in tier tests are those of a real model. Needs PROXIMA_TEST_KV_FILE (daemon_test
-// defines it).
+// and errors in tier tests are those of a real model. The file is the one PROXIMA_TEST_KV_FILE
+// names in the environment (the GPU machine runs the tests from another checkout path), else the
+// one the build defines.
 //
 // HostBackedDeviceMemory stands in for a GPU's memory on machines without one (every build
 // machine and CI): host memory behind the DeviceMemory interface, encoding with the CPU codec,
@@ -14,6 +15,7 @@
 #define PROXIMA_DAEMON_TIER_TESTING_H_
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -33,12 +35,17 @@ namespace proxima::daemon::testing {
 
 inline constexpr uint32_t kTestTokens = 16;
 
+inline std::string TestKvFile() {
+  const char* path = std::getenv("PROXIMA_TEST_KV_FILE");
+  return path != nullptr && path[0] != '\0' ? path : PROXIMA_TEST_KV_FILE;
+}
+
 // Real KV of SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, bf16). Blocks keep the first
 // `layers` layers (a prefix of the canonical layout) so that tests stay small.
 class RealBlocks {
  public:
   explicit RealBlocks(uint32_t layers, uint32_t tokens = kTestTokens) : tokens_(tokens) {
-    absl::StatusOr<codec::KvTensor> t = codec::ReadKvFile(PROXIMA_TEST_KV_FILE);
+    absl::StatusOr<codec::KvTensor> t = codec::ReadKvFile(TestKvFile());
     EXPECT_OK(t.status());
     tensor_ = *std::move(t);
     full_ = tensor_.BlockShape(tokens);

@@ -29,10 +29,11 @@ PACK=build-gpu-pack/build-gpu.tgz
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
 GPU_TESTS=(kernels/kernels_device_test kernels/kernels_codec_cuda_test
   kernels/kernels_kv_layout_cuda_test kernels/kernels_crc32c_cuda_test daemon/daemon_test
-  tests/integration/gpu_staging_test)
+  tests/integration/gpu_staging_test tests/integration/integration_test)
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries
 # (the GPU tier's run over the stand-in too: the same tests, side by side with the CUDA ones).
-declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*:*GpuTier*")
+declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*:*GpuTier*"
+  [tests/integration/integration_test]="TiersTest.AConfiguredGpuTier*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench bench/gpu_tier_bench)
 # The codec's CPU paths are checked and timed on the GPU machine's CPU too (another CPU model
 # than the build machines': AVX-512 on an Intel or AMD server part).
@@ -112,6 +113,8 @@ case "$MODE" in
     [ -d "$DIR" ] || tar xzf "$PACK"
     start_logs gpu-check.tgz
     export PROXIMAD="$PWD/$DIR/daemon/proximad"  # for the tests that start the daemon
+    # Real KV for the tests (they were built with this checkout's path compiled in).
+    export PROXIMA_TEST_KV_FILE="$PWD/tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv"
     { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true
       grep -m1 'model name' /proc/cpuinfo
       { grep -o -w 'avx512[a-z0-9_]*' /proc/cpuinfo || echo "no avx512"; } | sort -u | tr '\n' ' '

@@ -1,6 +1,7 @@
 // Integration tests of the tierer through the real proximad: a namespace with a compression
 // hierarchy holds more real KV blocks (SmolLM2-135M) than its host tier holds raw, and Get,
 // GetStored and Decompress give back what the codec promises.
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -12,9 +13,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
+#include "kernels/device.h"
 #include "kernels/error_metrics.h"
 #include "kernels/kv_file.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/test_blocks.h"
 
 namespace proxima {
 namespace {
@@ -26,6 +29,7 @@ using ::proxima::client::Profile;
 using ::proxima::client::PutOutcome;
 using ::proxima::testing::CommandResult;
 using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::MetricValue;
 using ::proxima::testing::ProximactlPath;
 using ::proxima::testing::ProximadPath;
 using ::proxima::testing::RunCommand;
@@ -36,7 +40,11 @@ constexpr uint32_t kTokens = 16;
 class TiersTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<codec::KvTensor> t = codec::ReadKvFile(PROXIMA_TEST_KV_FILE);
+    // The environment's PROXIMA_TEST_KV_FILE first: the GPU machine runs this binary from another
+    // checkout path than the one the build compiled in.
+    const char* env = std::getenv("PROXIMA_TEST_KV_FILE");
+    absl::StatusOr<codec::KvTensor> t =
+        codec::ReadKvFile(env != nullptr && env[0] != '\0' ? env : PROXIMA_TEST_KV_FILE);
     ASSERT_OK(t.status());
     tensor_ = *std::move(t);
     geometry_ = tensor_.BlockShape(kTokens);
@@ -186,6 +194,52 @@ TEST_F(TiersTest, ProximactlGetsInEveryFormat) {
   CommandResult bad = RunCommand({ProximactlPath(), "get", target, "--format=zip"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err + bad.out, HasSubstr("raw, stored or decompress"));
+}
+
+// The GPU tier through the real proximad: with a pool configured it serves from the GPU where one
+// is visible (the pool fills and its coldest blocks move down to the host tier), and with the host
+// tier alone, saying why, where none is; every block comes back byte-exact either way. On the GPU
+// machine this runs with the pool (scripts/gpu-check.sh).
+TEST_F(TiersTest, AConfiguredGpuTierServesFromTheGpuOrSaysWhyNot) {
+  std::string why;
+  const bool gpu = !gpu::VisibleDevices(&why).empty();
+  // 4 MiB holds 11 blocks of 368,640 bytes.
+  ASSERT_OK_AND_ASSIGN(auto d, DaemonProcess::Start({"tiers.gpu.capacity_bytes_per_device=4MiB"}));
+  auto c = Connect(*d);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
+  constexpr uint32_t kBlocks = 40;
+  std::vector<BlockKey> keys = client::TestKeyChain(11, 0, kBlocks);
+  std::vector<std::vector<std::byte>> data;
+  for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 5));
+  for (uint32_t first = 0; first < kBlocks; first += 8) {
+    std::vector<std::span<const std::byte>> spans(data.begin() + first, data.begin() + first + 8);
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                         c->Put(p, std::span<const BlockKey>(keys).subspan(first, 8), spans));
+    EXPECT_THAT(out, ::testing::Each(PutOutcome::kStored));
+  }
+  std::vector<std::vector<std::byte>> got(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> got_spans(got.begin(), got.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, got_spans));
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    ASSERT_TRUE(found[n]) << n;
+    EXPECT_TRUE(got[n] == data[n]) << "block " << n << " came back with other bytes";
+  }
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+  ASSERT_OK_AND_ASSIGN(std::string metrics, d->ScrapeMetrics());
+  if (gpu) {
+    ASSERT_GE(stats.tiers_size(), 2) << stats.DebugString();
+    EXPECT_EQ(stats.tiers(1).name(), "gpu:0");
+    EXPECT_GT(stats.tiers(1).blocks(), 0u);
+    EXPECT_LE(stats.tiers(1).used_bytes(), stats.tiers(1).capacity_bytes());
+    EXPECT_GT(MetricValue(metrics, "proxima_tierer_gpu_moves_total{encoding=\"raw\"}"), 0);
+  } else {
+    EXPECT_EQ(stats.tiers_size(), 1) << stats.DebugString();
+    EXPECT_EQ(stats.tiers(0).blocks(), kBlocks);
+    EXPECT_THAT(d->Log(), HasSubstr("GPU tier configured but no GPU is visible"));
+    EXPECT_THAT(d->Log(), HasSubstr(why));
+    EXPECT_THAT(metrics, ::testing::Not(HasSubstr("tier=\"gpu:0\"")));
+  }
 }
 
 TEST_F(TiersTest, AnUnknownCodecInALevelStopsTheDaemonAtStart) {
