@@ -93,9 +93,9 @@ class CopyQueue {
 absl::Status UseDevice(int device);
 
 // Memory of one CUDA device (cudaMalloc once), freed when destroyed. Host code never dereferences
-// data(): bytes move in and out with CopyIn/CopyOut, which run on the calling thread's own stream
-// (cudaStreamPerThread) and return once the copy is done, so threads may copy to and from
-// distinct ranges at once. Thread-safe.
+// data(): bytes move in and out with CopyIn/CopyOut, which make the buffer's device the calling
+// thread's current one, run on that thread's own stream (cudaStreamPerThread) and return once
+// the copy is done, so threads may copy to and from distinct ranges at once. Thread-safe.
 class DeviceBuffer {
  public:
   // FailedPrecondition without CUDA or when `device` is not visible; ResourceExhausted naming the

@@ -175,8 +175,7 @@ absl::StatusOr<std::unique_ptr<DeviceBuffer>> DeviceBuffer::Allocate(int device,
 }
 
 DeviceBuffer::~DeviceBuffer() {
-  // cudaFree works on any current device (unified addressing).
-  if (cudaFree(data_) != cudaSuccess) cudaGetLastError();
+  if (cudaSetDevice(device_) != cudaSuccess || cudaFree(data_) != cudaSuccess) cudaGetLastError();
 }
 
 namespace {
@@ -190,10 +189,12 @@ absl::Status CheckRange(const char* what, size_t offset, size_t n, size_t size) 
   return absl::OkStatus();
 }
 
-// One copy on the calling thread's stream, waited for.
-absl::Status CopyAndWait(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
+// One copy on the calling thread's stream of `device` (the buffer's: its own stream on another
+// GPU would copy through that one), waited for.
+absl::Status CopyAndWait(int device, void* dst, const void* src, size_t n, cudaMemcpyKind kind,
                          const char* what) {
   if (n == 0) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(CudaError(cudaSetDevice(device), "cudaSetDevice"));
   PROXIMA_RETURN_IF_ERROR(CudaError(cudaMemcpyAsync(dst, src, n, kind, cudaStreamPerThread), what));
   return CudaError(cudaStreamSynchronize(cudaStreamPerThread), what);
 }
@@ -202,13 +203,13 @@ absl::Status CopyAndWait(void* dst, const void* src, size_t n, cudaMemcpyKind ki
 
 absl::Status DeviceBuffer::CopyIn(size_t offset, std::span<const std::byte> src) {
   PROXIMA_RETURN_IF_ERROR(CheckRange("DeviceBuffer::CopyIn", offset, src.size(), size_));
-  return CopyAndWait(data_ + offset, src.data(), src.size(), cudaMemcpyHostToDevice,
+  return CopyAndWait(device_, data_ + offset, src.data(), src.size(), cudaMemcpyHostToDevice,
                      "cudaMemcpyAsync host to device");
 }
 
 absl::Status DeviceBuffer::CopyOut(size_t offset, std::span<std::byte> dst) const {
   PROXIMA_RETURN_IF_ERROR(CheckRange("DeviceBuffer::CopyOut", offset, dst.size(), size_));
-  return CopyAndWait(dst.data(), data_ + offset, dst.size(), cudaMemcpyDeviceToHost,
+  return CopyAndWait(device_, dst.data(), data_ + offset, dst.size(), cudaMemcpyDeviceToHost,
                      "cudaMemcpyAsync device to host");
 }
 
