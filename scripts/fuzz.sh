@@ -31,8 +31,9 @@ codec=(common/crc32c.cc kernels/codec.cc kernels/error_metrics.cc kernels/intern
 
 # The daemon's sources (daemon/CMakeLists.txt) without the server wiring, with the CPU-only
 # device code (this build has no CUDA) and the UCX worker the UCX calls link.
-daemon=(kernels/device_cpu.cc common/log.cc common/credentials.cc common/ucx.cc proto/wire.cc
-        daemon/config.cc daemon/metrics.cc daemon/host_tier.cc daemon/block_store.cc
+daemon=(kernels/device_cpu.cc kernels/codec_cuda_stub.cc common/log.cc common/credentials.cc
+        common/ucx.cc proto/wire.cc daemon/config.cc daemon/metrics.cc daemon/extent_map.cc
+        daemon/host_tier.cc daemon/device_pool.cc daemon/block_store.cc
         daemon/tier_service.cc daemon/tierer.cc daemon/grpc_service.cc daemon/ucx_transport.cc
         gen/proxima/v1/kvtier.pb.cc gen/proxima/v1/kvtier.grpc.pb.cc)
 daemon_libs="grpc++ protobuf yaml-cpp openssl ucx absl_status absl_statusor absl_strings
