@@ -24,23 +24,17 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
+#include "bench/args.h"
 #include "daemon/tier_service.h"
 #include "kernels/device.h"
 #include "kernels/kv_file.h"
 
 namespace {
 
+using proxima::bench::Arg;
 using proxima::daemon::Caller;
 using proxima::daemon::DaemonConfig;
 using proxima::daemon::TierService;
-
-std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
-  }
-  return fallback;
-}
 
 constexpr uint32_t kTokens = 16;
 

@@ -27,21 +27,15 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/args.h"
 #include "daemon/tier_service.h"
 #include "kernels/kv_file.h"
 
 namespace {
 
+using proxima::bench::Arg;
 using proxima::daemon::DaemonConfig;
 using proxima::daemon::TierService;
-
-std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
-  }
-  return fallback;
-}
 
 struct Result {
   uint64_t held = 0;
