@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_split.h"
 #include "bench/args.h"
+#include "bench/kv_profile.h"
 #include "daemon/tier_service.h"
 #include "kernels/device.h"
 #include "kernels/kv_file.h"
@@ -160,12 +161,7 @@ int main(int argc, char** argv) {
     const Caller caller = Caller::Anonymous();
     proxima::v1::RegisterProfileRequest reg;
     reg.set_namespace_name("default");
-    auto* p = reg.mutable_profile();
-    p->set_num_layers(g.num_layers);
-    p->set_num_kv_heads(g.num_kv_heads);
-    p->set_head_dim(g.head_dim);
-    p->set_tokens_per_block(kTokens);
-    p->set_dtype(proxima::v1::DTYPE_BF16);
+    *reg.mutable_profile() = proxima::bench::ProfileOf(g);
     proxima::v1::RegisterProfileResponse profile;
     if (auto s = service->RegisterProfile(caller, reg, &profile); !s.ok()) Die("register", s);
     // The requests first: building them is not the tier's work.

@@ -28,6 +28,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/args.h"
+#include "bench/kv_profile.h"
 #include "daemon/tier_service.h"
 #include "kernels/kv_file.h"
 
@@ -90,12 +91,7 @@ struct Stream {
   Stream(TierService* s, const proxima::codec::KvTensor& kv) : service(s) {
     proxima::v1::RegisterProfileRequest reg;
     reg.set_namespace_name("default");
-    auto* p = reg.mutable_profile();
-    p->set_num_layers(kv.num_layers);
-    p->set_num_kv_heads(kv.num_kv_heads);
-    p->set_head_dim(kv.head_dim);
-    p->set_tokens_per_block(kTokens);
-    p->set_dtype(proxima::v1::DTYPE_BF16);
+    *reg.mutable_profile() = proxima::bench::ProfileOf(kv.BlockShape(kTokens));
     proxima::v1::RegisterProfileResponse profile;
     if (!service->RegisterProfile(caller, reg, &profile).ok()) std::exit(2);
     profile_id = profile.profile_id();
