@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's second command (and CI's): installs what Proxima needs, builds it with tests, and
-# runs the whole suite: unit tests, integration tests against the real proximad, the bounded
-# fuzz runs, the unit tests of the memory- and input-handling core under ASan + UBSan, and the
+# runs the whole suite: unit tests, integration tests against the real proximad, the unit tests
+# of the memory- and input-handling core under ASan + UBSan, the bounded fuzz runs, and the
 # aarch64 cross build with its unit tests and the demo workload under qemu.
 # Exits non-zero if anything fails.
 set -euo pipefail
@@ -25,19 +25,20 @@ step ./scripts/build.sh build
 step env PROXIMA_BUILD_DIR=build python3 -m pip install --disable-pip-version-check \
   --root-user-action=ignore -q ./client/python
 (cd / && python3 -c "import proxima, proxima.codec; print('proxima package:', proxima.__file__)")
-# Bounded fuzzing of the codec's block decoder (libFuzzer + ASan + UBSan) over the kept corpus.
-step ./scripts/fuzz.sh codec_decode 30
-# Bounded fuzzing of KVTier request handling (in process), of config parsing and of the calls
-# another daemon of the cluster makes (in process).
-step ./scripts/fuzz.sh request 20
-step ./scripts/fuzz.sh config_parse 15
-step ./scripts/fuzz.sh peer 15
 step ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 300
 # ASan + UBSan over the unit tests of common, the wire encoding, the codec and kernels, and the
 # daemon (block store, tier service, config, placement, ...), built in build-asan/ (Debug; its
 # cost in CI time: docs/reliability.md). The whole suite under ASan + UBSan, and TSan, run from
 # scripts/sanitize.sh by hand.
 step ./scripts/sanitize.sh address ci
+# Bounded fuzzing (libFuzzer + ASan + UBSan, harnesses built in build-asan/ over the libraries
+# just built there) of the codec's block decoder, of KVTier request handling (in process), of
+# config parsing and of the calls another daemon of the cluster makes (in process), each over its
+# kept corpus.
+step ./scripts/fuzz.sh codec_decode 30
+step ./scripts/fuzz.sh request 20
+step ./scripts/fuzz.sh config_parse 15
+step ./scripts/fuzz.sh peer 15
 # proximad, proximactl and the unit tests cross-built for aarch64 (Grace / GH200 nodes) and run
 # under qemu-aarch64 (the recorded encodings of kernels/testdata/golden_encodings.txt included),
 # then the demo's workload against the aarch64 daemon.
