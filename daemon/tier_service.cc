@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/credentials.h"
 #include "common/log.h"
@@ -32,16 +33,9 @@ uint64_t AppendOutcome(PutOutcome o, v1::PutResponse* response) {
   return 0;
 }
 
-// Bytes a response message needs beyond its block data: per-result framing and headroom.
-constexpr uint64_t kPerBlockOverhead = 64;
-constexpr uint64_t kMessageOverhead = 4096;
 constexpr size_t kMaxFingerprintBytes = 256;
 
 std::string ProfileName(uint64_t id) { return absl::StrFormat("0x%016x", id); }
-
-std::span<const std::byte> AsBytes(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
-}
 
 absl::Status CheckDim(const char* field, uint64_t value, uint64_t max) {
   if (value == 0 || value > max) {

@@ -41,6 +41,11 @@
 
 namespace proxima::daemon {
 
+// Bytes a response message (KVTier's Get, Peer's FetchBlocks) needs beyond its blocks' data:
+// per-block framing, and headroom for the rest of the message.
+inline constexpr uint64_t kPerBlockOverhead = 64;
+inline constexpr uint64_t kMessageOverhead = 4096;
+
 // Geometry and raw block size of a registered profile.
 struct RegisteredProfile {
   v1::ModelProfile profile;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 
@@ -18,10 +19,6 @@ namespace {
 // Samples a level needs before the guard acts on its aggregate error: one unlucky block must
 // not step a namespace back.
 constexpr uint64_t kMinQualitySamples = 3;
-
-std::span<const std::byte> AsBytes(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
-}
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/credentials.h"
 #include "common/log.h"
@@ -13,10 +14,6 @@
 
 namespace proxima::daemon::cluster {
 namespace {
-
-// Room a FetchBlocksResponse needs beyond its blocks' bytes.
-constexpr uint64_t kMessageOverhead = 4096;
-constexpr uint64_t kPerBlockOverhead = 64;
 
 // A peer call's deadline: every call between daemons carries one (cluster.peer_deadline); one
 // without is held to a minute.
@@ -253,8 +250,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
           absl::StrCat("StoreBlocks data[", i, "] carries bytes in a request over UCX"));
     }
     if (!by_ucx) {
-      const std::span<const std::byte> bytes =
-          std::as_bytes(std::span<const char>(b.data().data(), b.data().size()));
+      const std::span<const std::byte> bytes = AsBytes(b.data());
       const uint32_t crc = Crc32c(bytes);
       if (crc != b.crc32c()) {
         return absl::InvalidArgumentError(absl::StrFormat(
