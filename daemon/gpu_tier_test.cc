@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "daemon/block_store.h"
@@ -33,14 +34,10 @@ using testing::RealBlocks;
 constexpr uint64_t kProfile = 42;
 constexpr uint32_t kLayers = 4;
 
-BlockId Id(uint32_t n, uint32_t ns) {
+BlockId PoolTestId(uint32_t n, uint32_t ns) {
   BlockId id{ns, kProfile, {}};
   std::memcpy(id.key.data(), &n, sizeof(n));
   return id;
-}
-
-std::span<const std::byte> B(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
 }
 
 std::string S(std::span<const std::byte> b) {
@@ -109,20 +106,21 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
     std::optional<BlockStore::PendingBlock> p = tierer_->ReserveOnDevice(data.size());
     const bool on_device = p.has_value();
     if (p) {
-      EXPECT_OK(p->Write(B(data)));
+      EXPECT_OK(p->Write(AsBytes(data)));
     } else {
       p = tierer_->Reserve(data.size());
       if (!p) return false;
       std::memcpy(p->bytes().data(), data.data(), data.size());
     }
-    EXPECT_EQ(store_->Commit(Id(n, ns), *std::move(p), Crc32c(B(data)), Attributes(n, ns)),
-              PutOutcome::kStored);
+    EXPECT_EQ(
+        store_->Commit(PoolTestId(n, ns), *std::move(p), Crc32c(AsBytes(data)), Attributes(n, ns)),
+        PutOutcome::kStored);
     return on_device;
   }
 
   // The block's raw bytes as a read gives them (decoded when stored encoded); "" when absent.
   std::string ReadRaw(uint32_t n, uint32_t ns) {
-    std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n, ns));
+    std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, ns));
     if (!r) return "";
     if (r->level == 0) return S(r->bytes);
     std::string raw(raw_, '\0');
@@ -163,13 +161,13 @@ TEST_P(GpuTierTest, PutsLandInThePoolsAndComeBackByteExact) {
   // A put of a key already stored keeps the stored block.
   std::optional<BlockStore::PendingBlock> again = store_->TryReserveOnDevice(raw_);
   ASSERT_TRUE(again);
-  ASSERT_OK(again->Write(B(blocks_->Block(99))));
-  EXPECT_EQ(store_->Commit(Id(0, 1), *std::move(again), 0, Attributes(0, 1)),
+  ASSERT_OK(again->Write(AsBytes(blocks_->Block(99))));
+  EXPECT_EQ(store_->Commit(PoolTestId(0, 1), *std::move(again), 0, Attributes(0, 1)),
             PutOutcome::kAlreadyPresent);
   EXPECT_TRUE(Same(ReadRaw(0, 1), blocks_->Block(0)));
   const uint64_t used = store_->device_pool(0).used_bytes() + store_->device_pool(1).used_bytes();
-  EXPECT_TRUE(store_->Delete(Id(3, 1)));
-  EXPECT_FALSE(store_->Contains(Id(3, 1)));
+  EXPECT_TRUE(store_->Delete(PoolTestId(3, 1)));
+  EXPECT_FALSE(store_->Contains(PoolTestId(3, 1)));
   EXPECT_EQ(ReadRaw(3, 1), "");
   EXPECT_EQ(store_->device_pool(0).used_bytes() + store_->device_pool(1).used_bytes(), used - raw_);
   EXPECT_EQ(DeviceBlocks(), 5u);
@@ -182,7 +180,7 @@ TEST_P(GpuTierTest, AWriteOfTheWrongSizeIsRefused) {
   ASSERT_TRUE(p);
   EXPECT_TRUE(p->on_device());
   EXPECT_THAT(
-      p->Write(B(std::string(raw_ - 1, 'x'))),
+      p->Write(AsBytes(std::string(raw_ - 1, 'x'))),
       ::proxima::testing::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("a write of")));
   // Larger than any pool: no device memory at all.
   EXPECT_FALSE(store_->TryReserveOnDevice(3 * raw_));
@@ -193,10 +191,10 @@ TEST_P(GpuTierTest, ACorruptDeviceByteIsCaughtOnReadAndTheBlockDropped) {
   if (IsSkipped()) return;
   ASSERT_TRUE(Put(0, 1));
   ASSERT_TRUE(Put(1, 1));
-  ASSERT_TRUE(store_->CorruptForTesting(Id(0, 1), 12345));
+  ASSERT_TRUE(store_->CorruptForTesting(PoolTestId(0, 1), 12345));
   EXPECT_EQ(ReadRaw(0, 1), "");
   EXPECT_EQ(store_->crc_failures(), 1u);
-  EXPECT_FALSE(store_->Contains(Id(0, 1)));
+  EXPECT_FALSE(store_->Contains(PoolTestId(0, 1)));
   EXPECT_EQ(store_->device_blocks(0), 1u);
   EXPECT_EQ(store_->device_pool(0).used_bytes(), raw_);
   EXPECT_TRUE(Same(ReadRaw(1, 1), blocks_->Block(1)));  // its neighbour is untouched
@@ -217,7 +215,7 @@ TEST_P(GpuTierTest, TheColdestBlockMovesDownWithItsBytes) {
   // The next coldest on the device is 2: 1 left.
   std::optional<BlockStore::Candidate> next = store_->ColdestOnDevice(0);
   ASSERT_TRUE(next);
-  EXPECT_EQ(next->id, Id(2, 1));
+  EXPECT_EQ(next->id, PoolTestId(2, 1));
   store_->Release(*next);
   for (uint32_t n = 0; n < 4; ++n) EXPECT_TRUE(Same(ReadRaw(n, 1), blocks_->Block(n))) << n;
   EXPECT_EQ(counters_[1].bytes.load(), 4 * raw_);
@@ -236,12 +234,12 @@ TEST_P(GpuTierTest, MovingDownEncodesAtTheFirstLevelWithTheCpuCodecsBytes) {
   }
   ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
   for (uint32_t n = 0; n < 6; ++n) {
-    std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n, 0));
+    std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, 0));
     ASSERT_TRUE(r);
     EXPECT_EQ(r->level, 1);
     std::string expected;
-    ASSERT_OK(
-        codec::EncodeBlock(blocks_->geometry(), int4, n == 0, B(blocks_->Block(n)), {}, &expected));
+    ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), int4, n == 0, AsBytes(blocks_->Block(n)), {},
+                                 &expected));
     EXPECT_TRUE(Same(S(r->bytes), expected)) << "block " << n;
   }
   // On the host they go on down the hierarchy like any block.
@@ -256,10 +254,11 @@ TEST_P(GpuTierTest, AHighPriorityBlockGoesDownRaw) {
   const std::string data = blocks_->Block(7);
   std::optional<BlockStore::PendingBlock> p = tierer_->ReserveOnDevice(raw_);
   ASSERT_TRUE(p);
-  ASSERT_OK(p->Write(B(data)));
+  ASSERT_OK(p->Write(AsBytes(data)));
   BlockAttributes a = Attributes(7, 0);
   a.max_level = 0;  // what AttributesFor gives a high-priority put held at level 0
-  ASSERT_EQ(store_->Commit(Id(7, 0), *std::move(p), Crc32c(B(data)), a), PutOutcome::kStored);
+  ASSERT_EQ(store_->Commit(PoolTestId(7, 0), *std::move(p), Crc32c(AsBytes(data)), a),
+            PutOutcome::kStored);
   EXPECT_EQ(tierer_->MoveDown(0, 0, 1), 1u);
   EXPECT_EQ(store_->level_blocks(0), 1u);
   EXPECT_TRUE(Same(ReadRaw(7, 0), data));
@@ -278,7 +277,7 @@ TEST_P(GpuTierTest, APutIntoAFullPoolMovesItsColdestBlocksDown) {
   // The newest four are the ones on the device: the oldest went down first.
   std::optional<BlockStore::Candidate> coldest = store_->ColdestOnDevice(0);
   ASSERT_TRUE(coldest);
-  EXPECT_EQ(coldest->id, Id(6, 1));
+  EXPECT_EQ(coldest->id, PoolTestId(6, 1));
   store_->Release(*coldest);
   for (uint32_t n = 0; n < 10; ++n) EXPECT_TRUE(Same(ReadRaw(n, 1), blocks_->Block(n))) << n;
 }
@@ -326,7 +325,7 @@ TEST_P(GpuTierTest, ABlockTheHostTierCannotTakeIsDropped) {
   ASSERT_TRUE(Put(2, 1));  // 0 had to make room
   EXPECT_EQ(tierer_->device_move_drops(), 1u);
   EXPECT_EQ(store_->evictions(), 0u);  // the host tier's count: nothing left it
-  EXPECT_FALSE(store_->Contains(Id(0, 1)));
+  EXPECT_FALSE(store_->Contains(PoolTestId(0, 1)));
   EXPECT_EQ(store_->device_blocks(0), 2u);
   EXPECT_TRUE(Same(ReadRaw(1, 1), blocks_->Block(1)));
   EXPECT_TRUE(Same(ReadRaw(2, 1), blocks_->Block(2)));
@@ -358,7 +357,7 @@ TEST_P(GpuTierTest, ConcurrentPutsReadsAndMovesNeverMixUpBytes) {
       for (int op = 0; op < 150; ++op) {
         const uint32_t n = t * 1000 + rng() % 40;
         if (rng() % 2 == 0) {
-          if (!store_->Contains(Id(n, 1))) Put(n, 1);
+          if (!store_->Contains(PoolTestId(n, 1))) Put(n, 1);
         } else {
           const std::string got = ReadRaw(n, 1);
           if (!got.empty()) {
@@ -391,7 +390,7 @@ TEST_P(GpuTierTest, AFailedDeviceCopyIsAMissThatLosesNothing) {
   ASSERT_TRUE(Put(0, 1));
   stand_ins_[0]->fail_copies = true;
   EXPECT_EQ(ReadRaw(0, 1), "");
-  EXPECT_TRUE(store_->Contains(Id(0, 1)));  // a copy that failed is not corruption
+  EXPECT_TRUE(store_->Contains(PoolTestId(0, 1)));  // a copy that failed is not corruption
   EXPECT_EQ(store_->crc_failures(), 0u);
   // A move down whose copy fails drops nothing good: the block stays for a later try.
   stand_ins_[0]->fail_copies = false;
@@ -408,11 +407,11 @@ TEST_P(GpuTierTest, WhenTheDeviceCannotEncodeTheCpuDoes) {
   EXPECT_EQ(store_->level_blocks(1), 3u);
   ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
   for (uint32_t n = 0; n < 3; ++n) {
-    std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n, 0));
+    std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, 0));
     ASSERT_TRUE(r);
     std::string expected;
-    ASSERT_OK(
-        codec::EncodeBlock(blocks_->geometry(), int4, n == 0, B(blocks_->Block(n)), {}, &expected));
+    ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), int4, n == 0, AsBytes(blocks_->Block(n)), {},
+                                 &expected));
     EXPECT_TRUE(Same(S(r->bytes), expected)) << n;
   }
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
@@ -32,10 +33,6 @@ CodecPlan Plan(std::string_view text) {
   return plan.ok() ? *plan : CodecPlan{};
 }
 
-std::span<const std::byte> Bytes(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
-}
-
 std::string Encode(const BlockGeometry& g, const CodecPlan& plan, const std::vector<std::byte>& raw,
                    bool first = false) {
   std::string out;
@@ -45,7 +42,7 @@ std::string Encode(const BlockGeometry& g, const CodecPlan& plan, const std::vec
 
 std::vector<std::byte> Decode(const std::string& enc, size_t raw_bytes) {
   std::vector<std::byte> out(raw_bytes);
-  EXPECT_OK(DecodeBlock(Bytes(enc), out));
+  EXPECT_OK(DecodeBlock(AsBytes(enc), out));
   return out;
 }
 
@@ -261,7 +258,7 @@ TEST(ContainerTest, MixedPlanRecordsCodecsPerSegment) {
   CodecPlan plan = Plan("layers[0:2]=raw,layers[2:3]=lossless,default=int4,sink=int8,group=32");
   for (bool first : {false, true}) {
     std::string enc = Encode(g, plan, raw, first);
-    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(Bytes(enc)));
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(AsBytes(enc)));
     EXPECT_EQ(info.geometry, g);
     EXPECT_EQ(info.is_first_block, first);
     EXPECT_EQ(info.raw_bytes, g.RawBytes());
@@ -328,7 +325,7 @@ TEST(ContainerTest, RejectsBadArguments) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("geometry")));
   enc = Encode(g, Plan("int8"), raw);
   std::vector<std::byte> small(g.RawBytes() - 2);
-  EXPECT_THAT(DecodeBlock(Bytes(enc), small),
+  EXPECT_THAT(DecodeBlock(AsBytes(enc), small),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("output")));
 }
 
@@ -342,12 +339,12 @@ TEST_P(HostileInputTest, TruncationAndCorruptionAreErrors) {
   const std::string enc = Encode(g, Plan(GetParam()), raw);
   std::vector<std::byte> out(g.RawBytes());
   for (size_t len = 0; len < enc.size(); ++len) {
-    ASSERT_FALSE(DecodeBlock(Bytes(enc).subspan(0, len), out).ok()) << len;
+    ASSERT_FALSE(DecodeBlock(AsBytes(enc).subspan(0, len), out).ok()) << len;
   }
   for (size_t i = 0; i < enc.size(); ++i) {
     std::string bad = enc;
     bad[i] = static_cast<char>(bad[i] ^ 0x5A);
-    absl::Status s = DecodeBlock(Bytes(bad), out);
+    absl::Status s = DecodeBlock(AsBytes(bad), out);
     ASSERT_FALSE(s.ok()) << "byte " << i;
     if (i >= internal::kHeaderBytes) {  // past the fixed header: the CRCs catch it
       ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << "byte " << i << ": " << s;
@@ -364,20 +361,20 @@ INSTANTIATE_TEST_SUITE_P(Codecs, HostileInputTest,
 TEST(HostileInputTest, InspectBlockHeaderLeavesOnlyThePayloadCrcToTheCaller) {
   BlockGeometry g = Geo(2, 2, 16, 8);
   const std::string enc = Encode(g, Plan("int4"), MakeBlock(g, Pattern::kKvLike, 5));
-  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo whole, InspectBlock(Bytes(enc)));
-  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo header, InspectBlockHeader(Bytes(enc)));
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo whole, InspectBlock(AsBytes(enc)));
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo header, InspectBlockHeader(AsBytes(enc)));
   const size_t payload = whole.segments[0].offset;
-  EXPECT_EQ(header.payload_crc, Crc32c(Bytes(enc).subspan(payload)));
+  EXPECT_EQ(header.payload_crc, Crc32c(AsBytes(enc).subspan(payload)));
   EXPECT_EQ(whole.payload_crc, header.payload_crc);
   std::string bad_payload = enc;
   bad_payload[payload + 3] ^= 0x10;
-  EXPECT_THAT(InspectBlock(Bytes(bad_payload)),
+  EXPECT_THAT(InspectBlock(AsBytes(bad_payload)),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("payload")));
-  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo still, InspectBlockHeader(Bytes(bad_payload)));
-  EXPECT_NE(Crc32c(Bytes(bad_payload).subspan(payload)), still.payload_crc);
+  ASSERT_OK_AND_ASSIGN(BlockHeaderInfo still, InspectBlockHeader(AsBytes(bad_payload)));
+  EXPECT_NE(Crc32c(AsBytes(bad_payload).subspan(payload)), still.payload_crc);
   std::string bad_table = enc;
   bad_table[internal::kHeaderBytes + 8] ^= 0x01;  // a segment size in the table
-  EXPECT_FALSE(InspectBlockHeader(Bytes(bad_table)).ok());
+  EXPECT_FALSE(InspectBlockHeader(AsBytes(bad_table)).ok());
 }
 
 TEST(HostileInputTest, WrongVersionIsUnimplemented) {
@@ -385,7 +382,7 @@ TEST(HostileInputTest, WrongVersionIsUnimplemented) {
   std::string enc = Encode(g, Plan("int8"), MakeBlock(g, Pattern::kKvLike, 1));
   enc[8] = 2;
   internal::ResealBlockForFuzzing(std::as_writable_bytes(std::span<char>(enc.data(), enc.size())));
-  EXPECT_THAT(InspectBlock(Bytes(enc)),
+  EXPECT_THAT(InspectBlock(AsBytes(enc)),
               StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("version")));
 }
 
@@ -406,7 +403,7 @@ TEST(HostileInputTest, LyingSizesAreRejectedEvenWithValidCrcs) {
     std::memcpy(bad.data() + 48 + 8, &a, 8);
     std::memcpy(bad.data() + 64 + 8, &b, 8);
     reseal(&bad);
-    EXPECT_THAT(DecodeBlock(Bytes(bad), out),
+    EXPECT_THAT(DecodeBlock(AsBytes(bad), out),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected")));
   }
   {  // a huge geometry with a tiny body
@@ -414,7 +411,7 @@ TEST(HostileInputTest, LyingSizesAreRejectedEvenWithValidCrcs) {
     uint32_t tokens = 65536;
     std::memcpy(bad.data() + 24, &tokens, 4);
     reseal(&bad);
-    EXPECT_THAT(InspectBlock(Bytes(bad)),
+    EXPECT_THAT(InspectBlock(AsBytes(bad)),
                 StatusIs(absl::StatusCode::kInvalidArgument, ::testing::_));
   }
   {  // a NaN scale that passes the CRC
@@ -422,14 +419,14 @@ TEST(HostileInputTest, LyingSizesAreRejectedEvenWithValidCrcs) {
     const uint16_t nan = 0x7FC0;
     std::memcpy(bad.data() + 48 + 4 * 16, &nan, 2);  // first scale of segment 0
     reseal(&bad);
-    EXPECT_THAT(DecodeBlock(Bytes(bad), out),
+    EXPECT_THAT(DecodeBlock(AsBytes(bad), out),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("non-finite")));
   }
   {  // an unknown codec id
     std::string bad = good;
     bad[48] = 42;
     reseal(&bad);
-    EXPECT_THAT(InspectBlock(Bytes(bad)),
+    EXPECT_THAT(InspectBlock(AsBytes(bad)),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown codec")));
   }
 }
@@ -450,7 +447,7 @@ TEST(HostileInputTest, CorruptLosslessStreamIsAnError) {
     bad[i] = static_cast<char>(bad[i] ^ 0x21);
     internal::ResealBlockForFuzzing(
         std::as_writable_bytes(std::span<char>(bad.data(), bad.size())));
-    absl::Status s = DecodeBlock(Bytes(bad), out);
+    absl::Status s = DecodeBlock(AsBytes(bad), out);
     (i < body ? rejected_header : rejected_body) += !s.ok();
   }
   // Every flip of the last symbol, a code length or a stream size is caught; inside the streams
@@ -476,7 +473,7 @@ TEST(BatchTest, MultiThreadedMatchesSingleBlockCalls) {
   std::vector<std::vector<std::byte>> decoded(raws.size(), std::vector<std::byte>(g.RawBytes()));
   std::vector<DecodeRequest> dreqs;
   for (size_t i = 0; i < raws.size(); ++i)
-    dreqs.push_back(DecodeRequest{Bytes(encoded[i]), decoded[i]});
+    dreqs.push_back(DecodeRequest{AsBytes(encoded[i]), decoded[i]});
   encoded[4][100] ^= 1;  // one corrupted block fails alone
   std::vector<absl::Status> st = DecodeBlocks(dreqs, 4);
   for (size_t i = 0; i < raws.size(); ++i) {

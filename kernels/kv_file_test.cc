@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "common/bytes.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -26,16 +27,12 @@ KvTensor SmallTensor() {
   return t;
 }
 
-std::span<const std::byte> Bytes(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
-}
-
 TEST(KvFileTest, ParsesWhatItSerializes) {
   KvTensor t = SmallTensor();
   std::string file = SerializeKvFile(t);
   EXPECT_EQ(file.size(), 40 + t.data.size() * 2);
   EXPECT_EQ(file.substr(0, 8), "PXKVDUMP");
-  ASSERT_OK_AND_ASSIGN(KvTensor back, ParseKvFile(Bytes(file)));
+  ASSERT_OK_AND_ASSIGN(KvTensor back, ParseKvFile(AsBytes(file)));
   EXPECT_EQ(back.num_layers, 2u);
   EXPECT_EQ(back.num_kv_heads, 3u);
   EXPECT_EQ(back.head_dim, 4u);
@@ -64,25 +61,25 @@ TEST(KvFileTest, ExtractsTheBlockSliceOfEveryLayerAndKv) {
 
 TEST(KvFileTest, RejectsMalformedFiles) {
   const std::string good = SerializeKvFile(SmallTensor());
-  EXPECT_THAT(ParseKvFile(Bytes(good.substr(0, 39))),
+  EXPECT_THAT(ParseKvFile(AsBytes(good.substr(0, 39))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("truncated")));
-  EXPECT_THAT(ParseKvFile(Bytes(good.substr(0, good.size() - 1))),
+  EXPECT_THAT(ParseKvFile(AsBytes(good.substr(0, good.size() - 1))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bytes")));
   std::string bad = good;
   bad[0] = 'Q';
-  EXPECT_THAT(ParseKvFile(Bytes(bad)),
+  EXPECT_THAT(ParseKvFile(AsBytes(bad)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("magic")));
   bad = good;
   bad[8] = 2;
-  EXPECT_THAT(ParseKvFile(Bytes(bad)),
+  EXPECT_THAT(ParseKvFile(AsBytes(bad)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("version")));
   bad = good;
   bad[32] = static_cast<char>(bad[32] + 2);  // data_bytes lies
-  EXPECT_THAT(ParseKvFile(Bytes(bad)),
+  EXPECT_THAT(ParseKvFile(AsBytes(bad)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_bytes")));
   bad = good;
   bad[28] = 3;  // dtype
-  EXPECT_THAT(ParseKvFile(Bytes(bad)),
+  EXPECT_THAT(ParseKvFile(AsBytes(bad)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dtype")));
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
@@ -37,10 +38,6 @@ SegmentShape Shape(size_t n, uint8_t dtype = numeric::kDtypeBf16) {
   return s;
 }
 
-std::span<const std::byte> Bytes(const std::string& s) {
-  return std::as_bytes(std::span<const char>(s.data(), s.size()));
-}
-
 // The BMI2 build only where this CPU has it (else both runs take the generic build).
 bool Bmi2() { return internal::CpuHasBmi2(); }
 
@@ -53,7 +50,7 @@ std::string RoundTrip(const SegmentShape& shape, const std::vector<uint16_t>& va
   EXPECT_EQ(generic, bmi2) << "the two builds wrote different bytes";
   for (bool use_bmi2 : {false, true}) {
     std::vector<uint16_t> out(values.size(), 0xDEAD);
-    EXPECT_OK(DecodeLossless(shape, Bytes(generic), reinterpret_cast<std::byte*>(out.data()),
+    EXPECT_OK(DecodeLossless(shape, AsBytes(generic), reinterpret_cast<std::byte*>(out.data()),
                              use_bmi2 && Bmi2()));
     EXPECT_EQ(out, values) << "n " << values.size() << " bmi2 " << use_bmi2;
   }
@@ -233,7 +230,7 @@ TEST(LosslessSegmentTest, EncodedBytesMatchThePinnedEncoder) {
         if (e.kind == kNearStored && (n == 23 || n == 24)) {
           EXPECT_EQ(p[0], n == 23 ? 0 : 2) << "n " << n;
         }
-        crc = Crc32cExtend(crc, Bytes(p));
+        crc = Crc32cExtend(crc, AsBytes(p));
       }
     }
     EXPECT_EQ(crc, e.crc) << e.name << ": the encoder writes different bytes";
@@ -262,8 +259,8 @@ Mode2 MakeMode2(size_t n = 1000) {
 
 absl::Status DecodeMode2(const Mode2& m, const std::string& payload) {
   std::vector<std::byte> out(2 * m.shape.Elements());
-  absl::Status generic = DecodeLossless(m.shape, Bytes(payload), out.data(), false);
-  absl::Status bmi2 = DecodeLossless(m.shape, Bytes(payload), out.data(), Bmi2());
+  absl::Status generic = DecodeLossless(m.shape, AsBytes(payload), out.data(), false);
+  absl::Status bmi2 = DecodeLossless(m.shape, AsBytes(payload), out.data(), Bmi2());
   EXPECT_EQ(generic, bmi2);
   return generic;
 }
@@ -364,24 +361,24 @@ TEST(LosslessSegmentTest, RansBlocksFromTheEarlierEncoderStillDecode) {
     ss << f.rdbuf();
     const std::string enc = ss.str();
     const BlockGeometry g{2, 3, 32, 16, dtype};
-    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(Bytes(enc)));
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(AsBytes(enc)));
     for (const SegmentInfo& seg : info.segments) {
       ASSERT_EQ(seg.codec, CodecId::kLossless);
       EXPECT_EQ(enc[seg.offset], 1) << "expected an rANS segment";
     }
     std::vector<std::byte> out(g.RawBytes());
     for (CpuPath path_id : {CpuPath::kScalar, BestCpuPath()}) {
-      ASSERT_OK(DecodeBlockWithPath(path_id, Bytes(enc), out));
+      ASSERT_OK(DecodeBlockWithPath(path_id, AsBytes(enc), out));
       EXPECT_EQ(out, internal::MakeBlock(g, internal::Pattern::kKvLike, 41));
     }
     // Re-encoding today gives Huffman segments that decode to the same values.
     ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("lossless"));
     std::string again;
     ASSERT_OK(EncodeBlock(g, plan, true, out, {}, &again));
-    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info2, InspectBlock(Bytes(again)));
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info2, InspectBlock(AsBytes(again)));
     EXPECT_EQ(again[info2.segments[0].offset], 2);
     std::vector<std::byte> out2(g.RawBytes());
-    ASSERT_OK(DecodeBlock(Bytes(again), out2));
+    ASSERT_OK(DecodeBlock(AsBytes(again), out2));
     EXPECT_EQ(out2, out);
   }
 }

@@ -55,7 +55,10 @@ case "$KIND:$SCOPE" in
     export PROXIMA_TARGETS="common_test wire_test kernels_device_test kernels_codec_test
       kernels_simd_test kernels_vec_codec_test kernels_kv_layout_test kernels_crc32c_math_test
       daemon_test fuzz_corpus_test"
-    LABEL=(-L unit) ;;
+    # Less one test: NumericTest's 70 million fp8 rounding cases are arithmetic on registers,
+    # nothing a sanitizer checks, and took 98 s of this run's time at -O0 with instrumentation
+    # (they run natively in the main suite and under qemu).
+    LABEL=(-L unit -E '^NumericTest[.]Fp8QuantisationMatchesItsPlainDefinition$') ;;
   address:build) ;;
   *) echo "unknown scope '$SCOPE' for $KIND (address: all | ci | build; thread: all)" >&2; exit 2 ;;
 esac
