@@ -25,10 +25,10 @@
 
 #include "absl/strings/str_split.h"
 #include "bench/args.h"
-#include "bench/kv_profile.h"
 #include "daemon/tier_service.h"
 #include "kernels/device.h"
 #include "kernels/kv_file.h"
+#include "proto/model_profile.h"
 
 namespace {
 
@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
     const Caller caller = Caller::Anonymous();
     proxima::v1::RegisterProfileRequest reg;
     reg.set_namespace_name("default");
-    *reg.mutable_profile() = proxima::bench::ProfileOf(g);
+    *reg.mutable_profile() = proxima::ProfileOf(g);
     proxima::v1::RegisterProfileResponse profile;
     if (auto s = service->RegisterProfile(caller, reg, &profile); !s.ok()) Die("register", s);
     // The requests first: building them is not the tier's work.

@@ -28,9 +28,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/args.h"
-#include "bench/kv_profile.h"
 #include "daemon/tier_service.h"
 #include "kernels/kv_file.h"
+#include "proto/model_profile.h"
 
 namespace {
 
@@ -91,7 +91,7 @@ struct Stream {
   Stream(TierService* s, const proxima::codec::KvTensor& kv) : service(s) {
     proxima::v1::RegisterProfileRequest reg;
     reg.set_namespace_name("default");
-    *reg.mutable_profile() = proxima::bench::ProfileOf(kv.BlockShape(kTokens));
+    *reg.mutable_profile() = proxima::ProfileOf(kv.BlockShape(kTokens));
     proxima::v1::RegisterProfileResponse profile;
     if (!service->RegisterProfile(caller, reg, &profile).ok()) std::exit(2);
     profile_id = profile.profile_id();

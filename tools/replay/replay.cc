@@ -8,6 +8,7 @@
 #include "client/test_pattern.h"
 #include "common/status_macros.h"
 #include "kernels/error_metrics.h"
+#include "proto/model_profile.h"
 
 namespace proxima::replay {
 namespace {
@@ -44,12 +45,7 @@ absl::StatusOr<std::unique_ptr<BlockSource>> BlockSource::Create(const std::stri
 }
 
 v1::ModelProfile BlockSource::Profile() const {
-  v1::ModelProfile p;
-  p.set_num_layers(geometry_.num_layers);
-  p.set_num_kv_heads(geometry_.num_kv_heads);
-  p.set_head_dim(geometry_.head_dim);
-  p.set_tokens_per_block(geometry_.tokens_per_block);
-  p.set_dtype(geometry_.dtype == codec::DType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16);
+  v1::ModelProfile p = ProfileOf(geometry_);
   p.set_fingerprint(absl::StrCat("proxima_replay L", geometry_.num_layers, " H",
                                  geometry_.num_kv_heads, " D", geometry_.head_dim));
   return p;

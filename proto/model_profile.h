@@ -1,12 +1,13 @@
-// The model profile of a KV geometry, for the benchmarks that register real KV (tierer_bench,
-// gpu_tier_bench) with the daemon's core in process.
-#ifndef PROXIMA_BENCH_KV_PROFILE_H_
-#define PROXIMA_BENCH_KV_PROFILE_H_
+// The model profile (proxima.v1.ModelProfile) of a codec block geometry: what the replay tool and
+// the benchmarks that register real KV (tierer_bench, gpu_tier_bench) send for the blocks they
+// cut from a KV dump.
+#ifndef PROXIMA_PROTO_MODEL_PROFILE_H_
+#define PROXIMA_PROTO_MODEL_PROFILE_H_
 
 #include "kernels/codec.h"
 #include "proxima/v1/kvtier.pb.h"
 
-namespace proxima::bench {
+namespace proxima {
 
 // `geometry` as a proxima.v1.ModelProfile (no fingerprint).
 inline v1::ModelProfile ProfileOf(const codec::BlockGeometry& geometry) {
@@ -19,6 +20,6 @@ inline v1::ModelProfile ProfileOf(const codec::BlockGeometry& geometry) {
   return p;
 }
 
-}  // namespace proxima::bench
+}  // namespace proxima
 
-#endif  // PROXIMA_BENCH_KV_PROFILE_H_
+#endif  // PROXIMA_PROTO_MODEL_PROFILE_H_
