@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <list>
+#include <string_view>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -116,7 +117,8 @@ struct Endpoint::State {
   // be closed by force: a transfer stuck on a dead peer is abandoned, its buffers held.
   bool detects_peer_failure = true;
   // Remote keys this endpoint unpacked, by the peer's registration id and packed bytes, least
-  // recently used first (progress thread only). A peer names the same registered buffers call
+  // recently used first. Only the progress thread unpacks and adds keys; a caller's thread also
+  // looks them up (Worker::TryDirect), hence `mu`. A peer names the same registered buffers call
   // after call; unpacking a key can be costly (over shared memory it maps the peer's segment,
   // and every page of it faults again), so up to kRkeyCacheSize stay unpacked until the endpoint
   // closes. The id tells a new registration from an old one whose key packs to the same bytes
@@ -126,8 +128,8 @@ struct Endpoint::State {
     std::string packed;
     UnpackedRkey rkey;
   };
-  std::list<CachedRkey> rkeys;
   mutable proxima::Mutex mu;
+  std::list<CachedRkey> rkeys ABSL_GUARDED_BY(mu);
   std::string failure ABSL_GUARDED_BY(mu);  // empty while usable
 };
 
@@ -171,6 +173,26 @@ std::vector<std::byte*> MapDirect(std::span<const Op> ops, std::span<const Unpac
   }
   return mapped;
 }
+
+}  // namespace
+
+bool MayUseTcp(const char* tls) {
+  if (tls == nullptr || *tls == '\0') return true;  // UCX's default list has tcp
+  std::string_view list(tls);
+  const bool excluding = list.front() == '^';
+  if (excluding) list.remove_prefix(1);
+  bool named = false;
+  while (!list.empty()) {
+    const size_t comma = list.find(',');
+    std::string_view name = list.substr(0, comma);
+    list.remove_prefix(comma == std::string_view::npos ? list.size() : comma + 1);
+    if (!name.empty() && name.front() == '\\') name.remove_prefix(1);  // a name, not an alias
+    named = named || name == "tcp" || (!excluding && name == "all");
+  }
+  return excluding ? !named : named;
+}
+
+namespace {
 
 // Copies every operation's bytes between `local` and its mapped remote bytes, folding CRCs where
 // asked. Returns the bytes moved.
@@ -240,7 +262,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name) 
   // UCX run 4). 64 KiB is the receivers' default RX_SEG_SIZE, so a peer on UCX's defaults still
   // takes them. UCX_TCP_TX_SEG_SIZE in the environment wins. (The key has no TCP_ prefix here:
   // ucp_config_modify hands it to every transport, and only tcp has a TX_SEG_SIZE.)
-  if (std::getenv("UCX_TCP_TX_SEG_SIZE") == nullptr) {
+  if (std::getenv("UCX_TCP_TX_SEG_SIZE") == nullptr && MayUseTcp(std::getenv("UCX_TLS"))) {
     ucs_status_t m = ucp_config_modify(config, "TX_SEG_SIZE", "64k");
     if (m != UCS_OK) {
       PROXIMA_LOG(kWarning) << "cannot set UCX's TCP_TX_SEG_SIZE; keeping UCX's default"
@@ -352,22 +374,25 @@ bool Worker::RunAndWait(std::function<void()> task, absl::Time deadline) {
 void Worker::ProgressLoop() {
   absl::Time stop_deadline = absl::InfiniteFuture();
   absl::Time last_activity = absl::Now();
+  // Swapped with tasks_ on every turn: reused, so polling allocates nothing.
+  std::deque<std::function<void()>> batch;
   for (;;) {
-    std::deque<std::function<void()>> batch;
     bool stop = false;
     {
       proxima::MutexLock lock(&mu_);
       batch.swap(tasks_);
       stop = stop_;
     }
+    const bool had_tasks = !batch.empty();
     for (auto& task : batch) task();
+    batch.clear();
     if (stop) {
       if (stop_deadline == absl::InfiniteFuture()) stop_deadline = absl::Now() + kShutdownGrace;
       if ((closing_ == 0 && in_flight_.empty()) || absl::Now() > stop_deadline) break;
       ucp_worker_progress(worker_);
       continue;
     }
-    if (ucp_worker_progress(worker_) != 0 || !batch.empty()) {
+    if (ucp_worker_progress(worker_) != 0 || had_tasks) {
       last_activity = absl::Now();
       continue;
     }
@@ -553,7 +578,11 @@ void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool f
     if (state->failure.empty()) state->failure = absl::StrCat("endpoint ", state->id, " closed");
   }
   endpoints_.erase(std::remove(endpoints_.begin(), endpoints_.end(), state), endpoints_.end());
-  state->rkeys.clear();  // transfers still running keep the keys they use
+  std::list<Endpoint::State::CachedRkey> keys;  // transfers still running keep the keys they use
+  {
+    proxima::MutexLock lock(&state->mu);
+    keys.swap(state->rkeys);
+  }
   if (state->ep == nullptr) return;
   if (force && !state->detects_peer_failure) {
     // Forcing needs peer error handling. Leave the endpoint (and what is in flight on it) to
@@ -687,25 +716,70 @@ void Worker::FinishOp(TransferState* st, ucs_status_t status) {
 absl::StatusOr<UnpackedRkey> Worker::UnpackRkey(Endpoint::State& endpoint,
                                                 const std::string& packed,
                                                 uint64_t registration_id) {
-  auto& cache = endpoint.rkeys;
   if (registration_id != 0) {
-    for (auto it = cache.begin(); it != cache.end(); ++it) {
-      if (it->registration_id == registration_id && it->packed == packed) {
-        cache.splice(cache.end(), cache, it);  // now the most recently used
-        return cache.back().rkey;
-      }
-    }
+    proxima::MutexLock lock(&endpoint.mu);
+    if (UnpackedRkey cached = CachedRkeyLocked(endpoint, packed, registration_id)) return cached;
   }
   std::vector<char> padded = Padded(packed);
   ucp_rkey_h raw = nullptr;
   ucs_status_t s = ucp_ep_rkey_unpack(endpoint.ep, padded.data(), &raw);
   if (s != UCS_OK) return absl::InvalidArgumentError(ucs_status_string(s));
   rkeys_unpacked_.fetch_add(1);
-  UnpackedRkey rkey(raw, [](ucp_rkey_h k) { ucp_rkey_destroy(k); });
-  if (registration_id == 0) return rkey;                  // for this transfer only
-  if (cache.size() >= kRkeyCacheSize) cache.pop_front();  // transfers using it keep it
+  // Destroyed on the progress thread: a caller's thread that copied through the key (TryDirect)
+  // may drop the last reference after the cache let go of it.
+  UnpackedRkey rkey(raw, [this](ucp_rkey_h k) {
+    if (std::this_thread::get_id() == thread_.get_id()) {
+      ucp_rkey_destroy(k);
+    } else {
+      Post([k] { ucp_rkey_destroy(k); });
+    }
+  });
+  if (registration_id == 0) return rkey;  // for this transfer only
+  UnpackedRkey evicted;                   // transfers using it keep it; dropped after the lock
+  proxima::MutexLock lock(&endpoint.mu);
+  auto& cache = endpoint.rkeys;
+  if (cache.size() >= kRkeyCacheSize) {
+    evicted = std::move(cache.front().rkey);
+    cache.pop_front();
+  }
   cache.push_back({registration_id, packed, rkey});
   return rkey;
+}
+
+UnpackedRkey Worker::CachedRkeyLocked(Endpoint::State& endpoint, const std::string& packed,
+                                      uint64_t registration_id) {
+  auto& cache = endpoint.rkeys;
+  for (auto it = cache.begin(); it != cache.end(); ++it) {
+    if (it->registration_id == registration_id && it->packed == packed) {
+      cache.splice(cache.end(), cache, it);  // now the most recently used
+      return cache.back().rkey;
+    }
+  }
+  return nullptr;
+}
+
+bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
+                       std::span<const Op> ops, std::span<const uint64_t> registration_ids) {
+  if (ops.empty() || registration_ids.size() != packed_rkeys.size()) return false;
+  std::vector<UnpackedRkey> keys;
+  keys.reserve(packed_rkeys.size());
+  {
+    proxima::MutexLock lock(&endpoint.state_->mu);
+    if (!endpoint.state_->failure.empty()) return false;  // the slow path reports it
+    for (size_t i = 0; i < packed_rkeys.size(); ++i) {
+      if (registration_ids[i] == 0) return false;
+      UnpackedRkey k = CachedRkeyLocked(*endpoint.state_, packed_rkeys[i], registration_ids[i]);
+      if (!k) return false;
+      keys.push_back(std::move(k));
+    }
+  }
+  // ucp_rkey_ptr only reads the unpacked key (for shared memory: an offset), which the
+  // references above keep alive; it does not touch the worker.
+  std::vector<std::byte*> mapped = MapDirect(ops, keys);
+  if (mapped.empty()) return false;
+  direct_bytes_.fetch_add(CopyDirect(ops, mapped));
+  direct_transfers_.fetch_add(1);
+  return true;
 }
 
 absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
@@ -729,6 +803,12 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
           absl::StrCat("operation ", i, " names rkey ", ops[i].rkey, " of ", packed_rkeys.size()));
     }
   }
+  for (size_t i = 0; i < packed_rkeys.size(); ++i) {
+    PROXIMA_RETURN_IF_ERROR(CheckPackedRkey(packed_rkeys[i], own_md_sizes_, i));
+  }
+  // Every key already unpacked and mapped here (a shared-memory peer's buffers seen before): the
+  // calling thread copies, and the progress thread is neither woken nor waited for.
+  if (TryDirect(endpoint, packed_rkeys, ops, registration_ids)) return absl::OkStatus();
   auto st = std::make_shared<TransferState>();
   st->worker = this;
   st->endpoint = endpoint.state_;
@@ -736,11 +816,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   st->wants_crc = std::any_of(st->ops.begin(), st->ops.end(),
                               [](const Op& op) { return op.crc32c != nullptr; });
   st->keep_alive = std::move(keep_alive);
-  std::vector<std::string> rkeys;
-  for (size_t i = 0; i < packed_rkeys.size(); ++i) {
-    PROXIMA_RETURN_IF_ERROR(CheckPackedRkey(packed_rkeys[i], own_md_sizes_, i));
-    rkeys.push_back(packed_rkeys[i]);
-  }
+  std::vector<std::string> rkeys(packed_rkeys.begin(), packed_rkeys.end());
   std::vector<uint64_t> ids(registration_ids.begin(), registration_ids.end());
   ids.resize(rkeys.size(), 0);
   Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids)] {
@@ -802,9 +878,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       direct_bytes_.fetch_add(CopyDirect(st->ops, st->mapped));
       direct_transfers_.fetch_add(1);
       st->keep_alive.reset();
-      // Unpacked keys are destroyed on the progress thread (the endpoint's cache may have let go
-      // of them meanwhile, leaving these the last references).
-      Post([rkeys = std::move(st->rkeys)] {});
+      st->rkeys.clear();  // a last reference is destroyed on the progress thread (UnpackRkey)
       return absl::OkStatus();
     }
     for (const Op& op : st->ops) {

@@ -20,7 +20,10 @@
 //    When every remote buffer of a batch is shared memory this process has mapped (UCX-allocated
 //    memory of a peer on the same host, over posix or sysv: ucp_rkey_ptr), the calling thread
 //    copies the bytes itself instead, checksumming them as it copies where asked: no fragments,
-//    no progress-thread round trips, and transfers of several callers run in parallel.
+//    and transfers of several callers run in parallel. Once the endpoint holds those keys
+//    unpacked (after the first transfer naming them with a registration id), the calling thread
+//    looks them up and maps the addresses itself, and the progress thread is not involved at
+//    all; the key's last reference is still released on the progress thread.
 //
 // Thread-safe: every public method may be called from any thread except the progress thread.
 #ifndef PROXIMA_COMMON_UCX_H_
@@ -140,6 +143,11 @@ struct Op {
   uint32_t* crc32c = nullptr;
 };
 
+// Whether UCX may pick tcp under this UCX_TLS value (null or empty: UCX's default list, which has
+// it; "^a,b": everything but a and b). Worker::Create asks for 64 KiB tcp segments only then:
+// UCX warns about a setting for a transport it did not load.
+bool MayUseTcp(const char* tls);
+
 class Worker {
  public:
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
@@ -215,6 +223,15 @@ class Worker {
   // The unpacked form of `packed` for `endpoint`, from its cache or unpacked now. Progress thread.
   absl::StatusOr<std::shared_ptr<std::remove_pointer_t<ucp_rkey_h>>> UnpackRkey(
       Endpoint::State& endpoint, const std::string& packed, uint64_t registration_id);
+  // The cached key with this id and these bytes (now the most recently used), or null.
+  // REQUIRES: endpoint.mu held.
+  static std::shared_ptr<std::remove_pointer_t<ucp_rkey_h>> CachedRkeyLocked(
+      Endpoint::State& endpoint, const std::string& packed, uint64_t registration_id);
+  // Transfer's fast path, on the calling thread: when every key is in the endpoint's cache and
+  // every operation's remote bytes are mapped here, copies them and returns true. False (nothing
+  // done) otherwise; Transfer then goes through the progress thread.
+  bool TryDirect(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
+                 std::span<const Op> ops, std::span<const uint64_t> registration_ids);
   // Register (address set) or Allocate (address null).
   absl::StatusOr<std::shared_ptr<Registration>> Map(void* address, size_t length);
   // Queues `task` for the progress thread and wakes it.

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
@@ -179,6 +180,62 @@ TEST_P(UcxTest, CallerCopiesMappedSharedMemoryAndChecksumsWhatMoved) {
   EXPECT_EQ(a_->direct_transfers(), shared_memory ? 2u : 0u);
 }
 
+// Threads transfer at once through more keys than an endpoint keeps unpacked, so keys leave
+// the cache while other threads still copy through them (over shared memory the copies run on
+// the calling threads, outside the progress thread). Every byte and CRC32C stays exact, and a
+// key's segment stays mapped until its last transfer is done (ASan and the copies would fault).
+TEST_P(UcxTest, ConcurrentTransfersThroughMoreKeysThanTheCacheHoldsStayExact) {
+  const bool shared_memory = std::string(GetParam()) != "tcp";
+  constexpr int kRegions = 40;  // more than the 32 keys an endpoint keeps
+  constexpr size_t kBytes = 64 << 10;
+  constexpr int kThreads = 4;
+  constexpr int kTransfersPerThread = 150;
+  std::vector<std::shared_ptr<Registration>> regions;
+  for (int r = 0; r < kRegions; ++r) {
+    auto reg = b_->Allocate(kBytes);
+    ASSERT_OK(reg.status());
+    std::vector<std::byte> pattern = Pattern(kBytes, static_cast<uint8_t>(r));
+    std::memcpy((*reg)->address(), pattern.data(), kBytes);
+    regions.push_back(*std::move(reg));
+  }
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  std::atomic<int> wrong{0};
+  std::atomic<int> failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<std::byte> got(kBytes);
+      for (int i = 0; i < kTransfersPerThread; ++i) {
+        const int r = (t * 7 + i * 13) % kRegions;
+        const Registration& reg = *regions[r];
+        std::vector<std::string> rkeys = {reg.packed_rkey()};
+        std::vector<uint64_t> ids = {reg.id()};
+        uint32_t crc = 0;
+        absl::Status s =
+            a_->Transfer(**ep, rkeys,
+                         {{Op::kGet, got.data(), kBytes, reinterpret_cast<uint64_t>(reg.address()),
+                           0, nullptr, &crc}},
+                         nullptr, absl::Now() + absl::Seconds(30), ids);
+        if (!s.ok()) {
+          failed.fetch_add(1);
+          continue;
+        }
+        std::vector<std::byte> want = Pattern(kBytes, static_cast<uint8_t>(r));
+        if (got != want || crc != Crc32c(want)) wrong.fetch_add(1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(a_->rkeys_unpacked(), static_cast<uint64_t>(kRegions));  // keys were evicted
+  EXPECT_EQ(a_->direct_transfers(), shared_memory ? uint64_t{kThreads * kTransfersPerThread} : 0u);
+  ep->reset();
+  regions.clear();
+  EXPECT_EQ(b_->live_registrations(), 0);
+}
+
 TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {
   std::vector<std::byte> remote = Pattern(4096, 1);
   std::vector<std::byte> buf(4096);
@@ -285,6 +342,20 @@ TEST_P(UcxTest, SharedMemoryTransportIsNamedFromTheEndpointsLanes) {
   } else {
     EXPECT_EQ(shm, tls.substr(0, tls.find(',')));  // posix or sysv
   }
+}
+
+TEST(MayUseTcpTest, ReadsUcxTlsListsExclusionsAndTheDefault) {
+  EXPECT_TRUE(MayUseTcp(nullptr));
+  EXPECT_TRUE(MayUseTcp(""));
+  EXPECT_TRUE(MayUseTcp("tcp"));
+  EXPECT_TRUE(MayUseTcp("posix,tcp,self"));
+  EXPECT_TRUE(MayUseTcp("all"));
+  EXPECT_TRUE(MayUseTcp("\\tcp"));
+  EXPECT_TRUE(MayUseTcp("^posix,sysv"));
+  EXPECT_FALSE(MayUseTcp("posix,self"));
+  EXPECT_FALSE(MayUseTcp("sm,self"));
+  EXPECT_FALSE(MayUseTcp("^tcp"));
+  EXPECT_FALSE(MayUseTcp("tcpx"));
 }
 
 TEST(LaneTransportTest, ReadsTheTransportOfEachLane) {
