@@ -39,7 +39,8 @@ PhaseTime RunClientsTimed(int clients, pid_t server, const std::function<void(in
 double ProcessCpuSeconds(pid_t pid);
 
 // What every client does: store `blocks_per_client` blocks of `block_bytes` in calls of
-// `batch`, then read them all back `rounds` times.
+// `batch`, then read them all back `rounds` times. The blocks' bytes are made before the clock
+// starts; every byte that comes back is compared with them.
 struct LoadShape {
   int clients = 4;
   int batch = 4;
