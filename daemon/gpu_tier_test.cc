@@ -424,6 +424,22 @@ INSTANTIATE_TEST_SUITE_P(Memory, GpuTierTest,
 // when it fills, and come back byte-exact; Stats and the metrics show the pool.
 class GpuTierServiceTest : public ::testing::TestWithParam<MemoryKind> {};
 
+// Registers the profile of `blocks` in namespace "a"; its id.
+uint64_t RegisterBlocksProfile(TierService& service, const RealBlocks& blocks) {
+  v1::RegisterProfileRequest reg;
+  reg.set_namespace_name("a");
+  v1::ModelProfile* p = reg.mutable_profile();
+  p->set_num_layers(kLayers);
+  p->set_num_kv_heads(3);
+  p->set_head_dim(64);
+  p->set_tokens_per_block(testing::kTestTokens);
+  p->set_dtype(v1::DTYPE_BF16);
+  v1::RegisterProfileResponse profile;
+  EXPECT_OK(service.RegisterProfile(Caller::Anonymous(), reg, &profile));
+  EXPECT_EQ(profile.block_bytes(), blocks.geometry().RawBytes());
+  return profile.profile_id();
+}
+
 TEST_P(GpuTierServiceTest, PutsLandOnTheGpuAndGetsComeBackExact) {
   RealBlocks blocks(kLayers);
   const uint64_t raw = blocks.geometry().RawBytes();
@@ -437,23 +453,13 @@ TEST_P(GpuTierServiceTest, PutsLandOnTheGpuAndGetsComeBackExact) {
   metrics::Registry registry;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> service,
                        TierService::CreateWithDevices(config, &registry, std::move(devices)));
-  v1::RegisterProfileRequest reg;
-  reg.set_namespace_name("a");
-  v1::ModelProfile* p = reg.mutable_profile();
-  p->set_num_layers(kLayers);
-  p->set_num_kv_heads(3);
-  p->set_head_dim(64);
-  p->set_tokens_per_block(testing::kTestTokens);
-  p->set_dtype(v1::DTYPE_BF16);
-  v1::RegisterProfileResponse profile;
-  ASSERT_OK(service->RegisterProfile(Caller::Anonymous(), reg, &profile));
-  ASSERT_EQ(profile.block_bytes(), raw);
+  const uint64_t profile_id = RegisterBlocksProfile(*service, blocks);
   v1::PutRequest put;
   put.set_namespace_name("a");
-  put.set_profile_id(profile.profile_id());
+  put.set_profile_id(profile_id);
   v1::GetRequest get;
   get.set_namespace_name("a");
-  get.set_profile_id(profile.profile_id());
+  get.set_profile_id(profile_id);
   for (uint32_t n = 0; n < 10; ++n) {
     v1::PutBlock* b = put.add_blocks();
     b->set_key(std::string(32, static_cast<char>('A' + n)));
@@ -488,6 +494,84 @@ TEST_P(GpuTierServiceTest, PutsLandOnTheGpuAndGetsComeBackExact) {
 INSTANTIATE_TEST_SUITE_P(Memory, GpuTierServiceTest,
                          ::testing::Values(MemoryKind::kHostBacked, MemoryKind::kCuda),
                          [](const auto& info) { return testing::MemoryKindName(info.param); });
+
+// A block pulled over UCX (PutPulled) for a pool with room lands in host memory of the call's
+// own and is copied into the pool: it takes no room in the host tier, so a full host tier loses
+// nothing to it. (Each pulled block used to land in the host tier's arena first, evicting its
+// least recently used block when the tier was full, and only then move to the pool.)
+TEST(GpuTierPulledPutTest, BlocksBoundForAPoolWithRoomEvictNothingFromAFullHostTier) {
+  RealBlocks blocks(kLayers);
+  const uint64_t raw = blocks.geometry().RawBytes();
+  auto stand_in = std::make_unique<HostBackedDeviceMemory>(0, 4 * raw);
+  HostBackedDeviceMemory* device = stand_in.get();
+  std::vector<std::unique_ptr<DeviceMemory>> devices;
+  devices.push_back(std::move(stand_in));
+  DaemonConfig config;
+  config.host_tier.capacity_bytes = 2 * raw;
+  config.namespaces = {{"a"}};
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> service,
+                       TierService::CreateWithDevices(config, &registry, std::move(devices)));
+  const uint64_t profile_id = RegisterBlocksProfile(*service, blocks);
+  auto key = [](uint32_t n) { return std::string(32, static_cast<char>('A' + n)); };
+  auto tier_blocks = [&service](int tier) {
+    v1::StatsResponse stats;
+    EXPECT_OK(service->Stats(Caller::Anonymous(), {}, &stats));
+    return stats.tiers(tier).blocks();
+  };
+
+  // The host tier full: two blocks put while the device refuses copies go there instead.
+  device->fail_copies = true;
+  v1::PutRequest put;
+  put.set_namespace_name("a");
+  put.set_profile_id(profile_id);
+  for (uint32_t n = 0; n < 2; ++n) {
+    v1::PutBlock* b = put.add_blocks();
+    b->set_key(key(n));
+    b->set_data(blocks.Block(n));
+  }
+  v1::PutResponse put_response;
+  ASSERT_OK(service->Put(Caller::Anonymous(), put, &put_response));
+  for (int o : put_response.outcomes()) ASSERT_EQ(o, v1::PUT_OUTCOME_STORED);
+  device->fail_copies = false;
+  ASSERT_EQ(tier_blocks(0), 2u);
+  ASSERT_EQ(tier_blocks(1), 0u);
+
+  // Two blocks pulled as UCX pulls them.
+  ASSERT_OK_AND_ASSIGN(TierService::ResolvedProfile target,
+                       service->ResolveProfile(Caller::Anonymous(), "a", profile_id,
+                                               TierService::Need::kWrite, "PutUcx"));
+  std::vector<BlockKey> keys(2);
+  std::vector<uint32_t> crcs;
+  for (uint32_t n = 2; n < 4; ++n) {
+    std::memcpy(keys[n - 2].data(), key(n).data(), kKeyBytes);
+    crcs.push_back(Crc32c(AsBytes(blocks.Block(n))));
+  }
+  auto pull = [&blocks](std::span<const size_t> which, std::span<const std::span<std::byte>> dst,
+                        std::span<uint32_t> got, std::shared_ptr<const void>) {
+    for (size_t j = 0; j < which.size(); ++j) {
+      const std::string& block = blocks.Block(static_cast<uint32_t>(2 + which[j]));
+      std::memcpy(dst[j].data(), block.data(), block.size());
+      got[j] = Crc32c(dst[j]);
+    }
+    return absl::OkStatus();
+  };
+  v1::PutResponse pulled;
+  ASSERT_OK(service->PutPulled(target, keys, crcs, {}, pull, &pulled));
+  for (int o : pulled.outcomes()) EXPECT_EQ(o, v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(tier_blocks(0), 2u);  // nothing evicted
+  EXPECT_EQ(tier_blocks(1), 2u);
+  v1::GetRequest get;
+  get.set_namespace_name("a");
+  get.set_profile_id(profile_id);
+  for (uint32_t n = 0; n < 4; ++n) get.add_keys(key(n));
+  v1::GetResponse got;
+  ASSERT_OK(service->Get(Caller::Anonymous(), get, &got));
+  for (uint32_t n = 0; n < 4; ++n) {
+    EXPECT_TRUE(got.results(n).found()) << n;
+    EXPECT_TRUE(Same(got.results(n).data(), blocks.Block(n))) << n;
+  }
+}
 
 // Without devices given, Create allocates one pool per visible GPU, or runs the host tier alone.
 TEST(GpuTierConfigTest, AConfiguredGpuTierIsAllocatedOnEveryVisibleGpuOrAbsentWithout) {

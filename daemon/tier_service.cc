@@ -610,10 +610,7 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
         std::span<std::byte> bytes =
             std::as_writable_bytes(std::span<char>(staging.data(), staging.size()));
         blocks[i].copy_data(bytes);
-        pending = CopyToDevice(bytes);
-        if (!pending && (pending = ReserveForPut(profile.block_bytes))) {
-          std::memcpy(pending->bytes().data(), staging.data(), staging.size());
-        }
+        pending = Land(tierer_->ReserveOnDevice(bytes.size()), bytes);
       } else if ((pending = ReserveForPut(profile.block_bytes))) {
         blocks[i].copy_data(pending->bytes());
       }
@@ -635,17 +632,18 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
   return absl::OkStatus();
 }
 
-std::optional<BlockStore::PendingBlock> TierService::CopyToDevice(
-    std::span<const std::byte> bytes) {
-  std::optional<BlockStore::PendingBlock> pending = tierer_->ReserveOnDevice(bytes.size());
-  if (!pending) return std::nullopt;
-  if (absl::Status s = pending->Write(bytes); !s.ok()) {
-    // The block goes to the host tier instead; the pool's room is freed with `pending`.
+std::optional<BlockStore::PendingBlock> TierService::Land(
+    std::optional<BlockStore::PendingBlock> device, std::span<const std::byte> bytes) {
+  if (device) {
+    absl::Status s = device->Write(bytes);
+    if (s.ok()) return device;
+    device.reset();  // the pool's room is freed; the block goes to the host tier instead
     PROXIMA_LOG(kError) << "cannot copy a block into GPU memory; storing it in host memory"
                         << log::Kv("error", s.ToString());
-    return std::nullopt;
   }
-  return pending;
+  std::optional<BlockStore::PendingBlock> host = ReserveForPut(bytes.size());
+  if (host) std::memcpy(host->bytes().data(), bytes.data(), bytes.size());
+  return host;
 }
 
 std::optional<BlockStore::PendingBlock> TierService::ReserveForPut(uint64_t bytes) {
@@ -805,24 +803,44 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
     return BlockId{target.namespace_index, target.profile_id, key, target.partition};
   };
   std::vector<PutOutcome> outcomes(keys.size(), PutOutcome::kAlreadyPresent);
-  auto pending = std::make_shared<std::vector<BlockStore::PendingBlock>>();
+  // Where the pulled bytes land: the host tier's arena (memory UCX registered), or, for a block a
+  // GPU pool has room for, a host buffer of this call's own, copied into the pool once checked;
+  // such a block never takes (or evicts for) room in the host tier. Owned by `pull` while it
+  // may still write.
+  struct Landing {
+    std::vector<BlockStore::PendingBlock> blocks;
+    std::vector<bool> on_device;
+    std::vector<std::byte> staging;
+  };
+  auto landing = std::make_shared<Landing>();
   std::vector<size_t> to_pull;
-  std::vector<std::span<std::byte>> dst;
+  size_t device_blocks = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     if (store_->Touch(id_of(keys[i]))) continue;
+    std::optional<BlockStore::PendingBlock> p = tierer_->ReserveOnDevice(profile.block_bytes);
+    const bool on_device = p.has_value();
     // As an inline Put: the tierer makes room by compressing before it evicts.
-    std::optional<BlockStore::PendingBlock> p = ReserveForPut(profile.block_bytes);
+    if (!p) p = ReserveForPut(profile.block_bytes);
     if (!p) {
       outcomes[i] = PutOutcome::kNoSpace;
       continue;
     }
-    dst.push_back(p->bytes().subspan(0, profile.block_bytes));
-    pending->push_back(*std::move(p));
+    landing->blocks.push_back(*std::move(p));
+    landing->on_device.push_back(on_device);
+    device_blocks += on_device ? 1 : 0;
     to_pull.push_back(i);
+  }
+  landing->staging.resize(device_blocks * profile.block_bytes);
+  std::vector<std::span<std::byte>> dst;
+  for (size_t j = 0, k = 0; j < to_pull.size(); ++j) {
+    dst.push_back(
+        landing->on_device[j]
+            ? std::span(landing->staging).subspan(k++ * profile.block_bytes, profile.block_bytes)
+            : landing->blocks[j].bytes().subspan(0, profile.block_bytes));
   }
   std::vector<uint32_t> got(to_pull.size(), 0);
   if (!to_pull.empty()) {
-    PROXIMA_RETURN_IF_ERROR(pull(to_pull, dst, got, pending));
+    PROXIMA_RETURN_IF_ERROR(pull(to_pull, dst, got, landing));
   }
   // Every block is checked before any becomes visible: a request with one bad block stores none.
   for (size_t j = 0; j < to_pull.size(); ++j) {
@@ -840,13 +858,11 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
         ns, profile.profile.tokens_per_block(), codec_ok,
         hints.positions.empty() ? -1 : hints.positions[i], hints.high_priority,
         hints.importance.empty() ? 0.0f : hints.importance[i]);
-    // UCX lands blocks in the host arena (the memory it registered); a GPU pool with room takes
-    // them from there, and their host memory is freed.
-    BlockStore::PendingBlock landed = std::move((*pending)[j]);
-    if (std::optional<BlockStore::PendingBlock> on_device = CopyToDevice(dst[j])) {
-      landed = *std::move(on_device);
-    }
-    outcomes[i] = store_->Commit(id_of(keys[i]), std::move(landed), got[j], attributes);
+    std::optional<BlockStore::PendingBlock> landed =
+        landing->on_device[j] ? Land(std::move(landing->blocks[j]), dst[j])
+                              : std::move(landing->blocks[j]);
+    outcomes[i] = landed ? store_->Commit(id_of(keys[i]), *std::move(landed), got[j], attributes)
+                         : PutOutcome::kNoSpace;
   }
   uint64_t stored = 0;
   std::vector<BlockKey> held;

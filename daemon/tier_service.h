@@ -235,9 +235,11 @@ class TierService {
   // Tier memory for a block a worker puts: the tierer's Reserve, with the cluster (if on) asked
   // to spill cold blocks to peers before anything is evicted.
   std::optional<BlockStore::PendingBlock> ReserveForPut(uint64_t bytes);
-  // GPU tier: device memory holding a copy of `bytes` (a raw block), or nullopt when no pool
-  // takes it (no GPU tier, no room that could be made) or the copy failed (logged).
-  std::optional<BlockStore::PendingBlock> CopyToDevice(std::span<const std::byte> bytes);
+  // Tier memory holding a copy of `bytes` (a raw block): `device` (a GPU pool's reservation, from
+  // Tierer::ReserveOnDevice) when given and the copy into it succeeds, else host memory from
+  // ReserveForPut (a failed device copy is logged); nullopt when neither has room.
+  std::optional<BlockStore::PendingBlock> Land(std::optional<BlockStore::PendingBlock> device,
+                                               std::span<const std::byte> bytes);
   // Tells the cluster (if on) that the local tiers hold `keys` of namespace `ns`.
   void TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
                   std::span<const BlockKey> keys);

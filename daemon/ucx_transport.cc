@@ -303,11 +303,16 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
                   std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
                   std::span<uint32_t> crcs, std::shared_ptr<const void> owner) -> absl::Status {
     std::vector<ucx::Op> ops;
+    const std::span<std::byte> arena = core_->store().arena();
     for (size_t j = 0; j < blocks.size(); ++j) {
+      // A block bound for a GPU pool lands in host memory of the call's own, outside the arena's
+      // registration (TierService::PutPulled).
+      const bool in_arena = dst[j].data() >= arena.data() &&
+                            dst[j].data() + dst[j].size() <= arena.data() + arena.size();
       size_t offset = 0;
       for (const Segment& s : segments[blocks[j]]) {
         ops.push_back(ucx::Op{ucx::Op::kGet, dst[j].data() + offset, s.length, s.address, s.region,
-                              arena_.get(), &crcs[j]});
+                              in_arena ? arena_.get() : nullptr, &crcs[j]});
         offset += s.length;
       }
       pulled += dst[j].size();
