@@ -810,7 +810,7 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
   struct Landing {
     std::vector<BlockStore::PendingBlock> blocks;
     std::vector<bool> on_device;
-    std::vector<std::byte> staging;
+    std::unique_ptr<std::byte[]> staging;  // not zeroed: every byte is pulled before it is read
   };
   auto landing = std::make_shared<Landing>();
   std::vector<size_t> to_pull;
@@ -830,12 +830,14 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
     device_blocks += on_device ? 1 : 0;
     to_pull.push_back(i);
   }
-  landing->staging.resize(device_blocks * profile.block_bytes);
+  if (device_blocks > 0) {
+    landing->staging.reset(new std::byte[device_blocks * profile.block_bytes]);
+  }
   std::vector<std::span<std::byte>> dst;
   for (size_t j = 0, k = 0; j < to_pull.size(); ++j) {
     dst.push_back(
         landing->on_device[j]
-            ? std::span(landing->staging).subspan(k++ * profile.block_bytes, profile.block_bytes)
+            ? std::span(landing->staging.get() + k++ * profile.block_bytes, profile.block_bytes)
             : landing->blocks[j].bytes().subspan(0, profile.block_bytes));
   }
   std::vector<uint32_t> got(to_pull.size(), 0);
