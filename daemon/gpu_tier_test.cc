@@ -424,6 +424,18 @@ INSTANTIATE_TEST_SUITE_P(Memory, GpuTierTest,
 // when it fills, and come back byte-exact; Stats and the metrics show the pool.
 class GpuTierServiceTest : public ::testing::TestWithParam<MemoryKind> {};
 
+// A TierService with one pool, `device`, a host tier of `host_bytes` and one namespace, "a".
+absl::StatusOr<std::unique_ptr<TierService>> ServiceWithPool(std::unique_ptr<DeviceMemory> device,
+                                                             uint64_t host_bytes,
+                                                             metrics::Registry* registry) {
+  std::vector<std::unique_ptr<DeviceMemory>> devices;
+  devices.push_back(std::move(device));
+  DaemonConfig config;
+  config.host_tier.capacity_bytes = host_bytes;
+  config.namespaces = {{"a"}};
+  return TierService::CreateWithDevices(config, registry, std::move(devices));
+}
+
 // Registers the profile of `blocks` in namespace "a"; its id.
 uint64_t RegisterBlocksProfile(TierService& service, const RealBlocks& blocks) {
   v1::RegisterProfileRequest reg;
@@ -444,15 +456,11 @@ TEST_P(GpuTierServiceTest, PutsLandOnTheGpuAndGetsComeBackExact) {
   RealBlocks blocks(kLayers);
   const uint64_t raw = blocks.geometry().RawBytes();
   std::string why;
-  std::vector<std::unique_ptr<DeviceMemory>> devices;
-  devices.push_back(testing::MakeDeviceMemory(GetParam(), 0, 4 * raw, &why));
-  if (devices[0] == nullptr) GTEST_SKIP() << "no GPU memory: " << why;
-  DaemonConfig config;
-  config.host_tier.capacity_bytes = 64 * raw;
-  config.namespaces = {{"a"}};
+  std::unique_ptr<DeviceMemory> device = testing::MakeDeviceMemory(GetParam(), 0, 4 * raw, &why);
+  if (device == nullptr) GTEST_SKIP() << "no GPU memory: " << why;
   metrics::Registry registry;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> service,
-                       TierService::CreateWithDevices(config, &registry, std::move(devices)));
+                       ServiceWithPool(std::move(device), 64 * raw, &registry));
   const uint64_t profile_id = RegisterBlocksProfile(*service, blocks);
   v1::PutRequest put;
   put.set_namespace_name("a");
@@ -504,14 +512,9 @@ TEST(GpuTierPulledPutTest, BlocksBoundForAPoolWithRoomEvictNothingFromAFullHostT
   const uint64_t raw = blocks.geometry().RawBytes();
   auto stand_in = std::make_unique<HostBackedDeviceMemory>(0, 4 * raw);
   HostBackedDeviceMemory* device = stand_in.get();
-  std::vector<std::unique_ptr<DeviceMemory>> devices;
-  devices.push_back(std::move(stand_in));
-  DaemonConfig config;
-  config.host_tier.capacity_bytes = 2 * raw;
-  config.namespaces = {{"a"}};
   metrics::Registry registry;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> service,
-                       TierService::CreateWithDevices(config, &registry, std::move(devices)));
+                       ServiceWithPool(std::move(stand_in), 2 * raw, &registry));
   const uint64_t profile_id = RegisterBlocksProfile(*service, blocks);
   auto key = [](uint32_t n) { return std::string(32, static_cast<char>('A' + n)); };
   auto tier_blocks = [&service](int tier) {
