@@ -146,7 +146,7 @@ struct Worker::TransferState {
   // each one's bytes are here. The caller then copies them itself; `rkeys` (which keep the
   // mappings) and `keep_alive` stay held until it has.
   std::vector<std::byte*> mapped;
-  bool wants_crc = false;  // an operation asks for its CRC32C: the caller reads `local` after
+  bool wants_crc = false;  // a kGet asks for its CRC32C: the caller reads `local` after
   proxima::Notification done;
 };
 
@@ -784,7 +784,9 @@ bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_r
 
 absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                               std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
-                              absl::Time deadline, std::span<const uint64_t> registration_ids) {
+                              absl::Time deadline, std::span<const uint64_t> registration_ids,
+                              bool* copied_here) {
+  if (copied_here != nullptr) *copied_here = false;
   PROXIMA_RETURN_IF_ERROR(endpoint.health());
   if (!registration_ids.empty() && registration_ids.size() != packed_rkeys.size()) {
     return absl::InvalidArgumentError(absl::StrCat(registration_ids.size(),
@@ -808,13 +810,17 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   }
   // Every key already unpacked and mapped here (a shared-memory peer's buffers seen before): the
   // calling thread copies, and the progress thread is neither woken nor waited for.
-  if (TryDirect(endpoint, packed_rkeys, ops, registration_ids)) return absl::OkStatus();
+  if (TryDirect(endpoint, packed_rkeys, ops, registration_ids)) {
+    if (copied_here != nullptr) *copied_here = true;
+    return absl::OkStatus();
+  }
   auto st = std::make_shared<TransferState>();
   st->worker = this;
   st->endpoint = endpoint.state_;
   st->ops = std::move(ops);
-  st->wants_crc = std::any_of(st->ops.begin(), st->ops.end(),
-                              [](const Op& op) { return op.crc32c != nullptr; });
+  st->wants_crc = std::any_of(st->ops.begin(), st->ops.end(), [](const Op& op) {
+    return op.crc32c != nullptr && op.kind == Op::kGet;
+  });
   st->keep_alive = std::move(keep_alive);
   std::vector<std::string> rkeys(packed_rkeys.begin(), packed_rkeys.end());
   std::vector<uint64_t> ids(registration_ids.begin(), registration_ids.end());
@@ -879,10 +885,11 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       direct_transfers_.fetch_add(1);
       st->keep_alive.reset();
       st->rkeys.clear();  // a last reference is destroyed on the progress thread (UnpackRkey)
+      if (copied_here != nullptr) *copied_here = true;
       return absl::OkStatus();
     }
     for (const Op& op : st->ops) {
-      if (op.crc32c == nullptr) continue;
+      if (op.crc32c == nullptr || op.kind == Op::kPut) continue;
       *op.crc32c = Crc32cExtend(*op.crc32c, std::span(op.local, op.length));
     }
     st->keep_alive.reset();

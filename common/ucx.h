@@ -138,8 +138,9 @@ struct Op {
   const Registration* local_memh = nullptr;  // registration covering `local`, if any (faster)
   // When set, the CRC32C of the bytes moved is folded into *crc32c (Crc32cExtend; operations
   // naming the same word fold in their order in the batch), computed while copying when the
-  // bytes are copied directly, else over `local` once the batch has landed. Written only when
-  // Transfer() succeeds.
+  // bytes are copied directly; else, for a kGet, over `local` once the batch has landed, and for
+  // a kPut not at all (the caller's own bytes; Transfer's `copied_here` says whether it was
+  // computed). Written only when Transfer() succeeds.
   uint32_t* crc32c = nullptr;
 };
 
@@ -186,10 +187,12 @@ class Worker {
   // rkey): the peer's Registration::id() of each key; the endpoint keeps keys with an id unpacked
   // for later transfers naming the same id and bytes (unpacking can be costly: over shared memory
   // it maps the peer's segment, whose every page then faults again). Keys without one (0) are
-  // unpacked for this transfer only.
+  // unpacked for this transfer only. `copied_here` (may be null) is set on success: whether the
+  // calling thread copied the bytes itself (every remote buffer mapped here).
   absl::Status Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                         std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
-                        absl::Time deadline, std::span<const uint64_t> registration_ids = {});
+                        absl::Time deadline, std::span<const uint64_t> registration_ids = {},
+                        bool* copied_here = nullptr);
 
   // The shared-memory transport ("posix", "sysv") that one of the endpoint's lanes runs over,
   // "" when none does (tcp, or a peer on another host). UCX 1.13's posix and sysv domains reach

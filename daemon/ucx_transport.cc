@@ -352,6 +352,9 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
   std::vector<ucx::Op> ops;
   uint64_t pushed = 0;
   const std::span<std::byte> arena = core_->store().arena();
+  // Where the daemon copies into the caller's mapped memory itself, each block's CRC32C is taken
+  // as it is copied (Crc32cCopy), so the caller need not read the block again to check it.
+  std::vector<uint32_t> copied_crcs(blocks->size(), 0);
   for (size_t b = 0; b < blocks->size(); ++b) {
     const auto& block = (*blocks)[b];
     if (!block) continue;
@@ -363,22 +366,29 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
     for (const Segment& s : segments[b]) {
       // The tier's bytes are only read; UCX's API takes a non-const pointer for both directions.
       ops.push_back(ucx::Op{ucx::Op::kPut, const_cast<std::byte*>(block->bytes.data()) + offset,
-                            s.length, s.address, s.region, in_arena ? arena_.get() : nullptr});
+                            s.length, s.address, s.region, in_arena ? arena_.get() : nullptr,
+                            &copied_crcs[b]});
       offset += s.length;
     }
     pushed += block->bytes.size();
   }
+  bool copied_here = false;
   if (!ops.empty()) {
-    absl::Status status = worker_->Transfer(*ep, rkeys, std::move(ops), blocks,
-                                            TransferDeadline(deadline), registration_ids);
+    absl::Status status =
+        worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline),
+                          registration_ids, &copied_here);
     if (absl::IsUnavailable(status)) DropSession(request.session_id());
     PROXIMA_RETURN_IF_ERROR(status);
   }
-  for (const auto& block : *blocks) {
+  for (size_t b = 0; b < blocks->size(); ++b) {
+    const auto& block = (*blocks)[b];
     v1::GetUcxResult* r = response->add_results();
     if (!block) continue;
     r->set_found(true);
     r->set_crc32c(block->crc32c);
+    // A mismatch is left to the caller's check, which asks again with the daemon verifying
+    // (a block corrupt in tier memory is then dropped and counted).
+    r->set_crc32c_checked(copied_here && copied_crcs[b] == block->crc32c);
   }
   bytes_out_->Increment(pushed);
   return absl::OkStatus();

@@ -649,6 +649,70 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
 }
 
+// GetUcx says crc32c_checked exactly where the daemon copied the block into the caller's memory
+// itself (UCX-allocated memory over shared memory, mapped into the daemon) and the bytes matched
+// as it copied them; where UCX moved them (tcp, or ordinary memory) the caller checks them.
+TEST_P(RawUcxTest, GetSaysTheCrcWasCheckedOnlyWhereTheDaemonCopiedTheBlockItself) {
+  const bool shared_memory = std::string(GetParam()) != "tcp";
+  RegisterSource(1);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  const BlockKey key = client::TestKeyChain(3, 0, 1)[0];
+  ASSERT_OK(Put(OneBlockPut(session, key)));
+  const uint32_t crc = Crc32c(std::span(src_).first(block_bytes_));
+  // Gets `key` into [dst, dst + block_bytes_) of `reg` twice (the second through the session's
+  // kept key); the results.
+  auto get_into = [&](const ucx::Registration& reg, std::byte* dst) {
+    std::vector<v1::GetUcxResult> results;
+    for (int round = 0; round < 2; ++round) {
+      std::memset(dst, 0, block_bytes_);
+      v1::GetUcxRequest req;
+      req.set_namespace_name("default");
+      req.set_profile_id(profile_id_);
+      req.set_session_id(session);
+      req.set_client_verifies_crc32c(true);
+      v1::UcxRegion* r = req.add_regions();
+      r->set_rkey(reg.packed_rkey());
+      r->set_address(reinterpret_cast<uint64_t>(reg.address()));
+      r->set_length(reg.length());
+      r->set_registration_id(reg.id());
+      v1::UcxBlock* b = req.add_blocks();
+      b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+      v1::UcxSegment* seg = b->add_segments();
+      seg->set_region(0);
+      seg->set_address(reinterpret_cast<uint64_t>(dst));
+      seg->set_length(block_bytes_);
+      v1::GetUcxResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+      EXPECT_OK(client::FromGrpc(stub_->GetUcx(&ctx, req, &resp)));
+      EXPECT_EQ(resp.results_size(), 1);
+      if (resp.results_size() == 1) results.push_back(resp.results(0));
+      EXPECT_EQ(std::memcmp(dst, src_.data(), block_bytes_), 0) << "round " << round;
+    }
+    return results;
+  };
+
+  // Ordinary memory: UCX moves the bytes (emulated over shared memory), nothing is checked.
+  std::vector<std::byte> heap(block_bytes_);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> heap_reg,
+                       worker_->Register(heap.data(), heap.size()));
+  for (const v1::GetUcxResult& r : get_into(*heap_reg, heap.data())) {
+    EXPECT_TRUE(r.found());
+    EXPECT_EQ(r.crc32c(), crc);
+    EXPECT_FALSE(r.crc32c_checked());
+  }
+  // Memory UCX allocated: mapped into the daemon over shared memory, which copies and checks.
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> allocated,
+                       worker_->Allocate(block_bytes_));
+  for (const v1::GetUcxResult& r :
+       get_into(*allocated, static_cast<std::byte*>(allocated->address()))) {
+    EXPECT_TRUE(r.found());
+    EXPECT_EQ(r.crc32c(), crc);
+    EXPECT_EQ(r.crc32c_checked(), shared_memory);
+  }
+  ASSERT_OK(CloseSession(session));
+}
+
 TEST_P(RawUcxTest, BufferRewrittenDuringTheTransferIsNeverVisibleHalfWritten) {
   // A client that deregisters and reuses its buffer while the daemon pulls it: the daemon
   // either pulled the old bytes completely (stored, byte-exact) or refuses the request.
