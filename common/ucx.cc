@@ -758,6 +758,11 @@ UnpackedRkey Worker::CachedRkeyLocked(Endpoint::State& endpoint, const std::stri
   return nullptr;
 }
 
+void Worker::CopyAndCount(std::span<const Op> ops, std::span<std::byte* const> mapped) {
+  direct_bytes_.fetch_add(CopyDirect(ops, mapped));
+  direct_transfers_.fetch_add(1);
+}
+
 bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                        std::span<const Op> ops, std::span<const uint64_t> registration_ids) {
   if (ops.empty() || registration_ids.size() != packed_rkeys.size()) return false;
@@ -777,8 +782,7 @@ bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_r
   // references above keep alive; it does not touch the worker.
   std::vector<std::byte*> mapped = MapDirect(ops, keys);
   if (mapped.empty()) return false;
-  direct_bytes_.fetch_add(CopyDirect(ops, mapped));
-  direct_transfers_.fetch_add(1);
+  CopyAndCount(ops, mapped);
   return true;
 }
 
@@ -881,8 +885,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   if (st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
     if (!st->result.ok()) return st->result;
     if (!st->mapped.empty()) {
-      direct_bytes_.fetch_add(CopyDirect(st->ops, st->mapped));
-      direct_transfers_.fetch_add(1);
+      CopyAndCount(st->ops, st->mapped);
       st->keep_alive.reset();
       st->rkeys.clear();  // a last reference is destroyed on the progress thread (UnpackRkey)
       if (copied_here != nullptr) *copied_here = true;

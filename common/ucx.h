@@ -235,6 +235,8 @@ class Worker {
   // done) otherwise; Transfer then goes through the progress thread.
   bool TryDirect(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                  std::span<const Op> ops, std::span<const uint64_t> registration_ids);
+  // Copies `ops` through their mapped remote bytes (MapDirect's result) and counts the transfer.
+  void CopyAndCount(std::span<const Op> ops, std::span<std::byte* const> mapped);
   // Register (address set) or Allocate (address null).
   absl::StatusOr<std::shared_ptr<Registration>> Map(void* address, size_t length);
   // Queues `task` for the progress thread and wakes it.

@@ -303,16 +303,14 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
                   std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
                   std::span<uint32_t> crcs, std::shared_ptr<const void> owner) -> absl::Status {
     std::vector<ucx::Op> ops;
-    const std::span<std::byte> arena = core_->store().arena();
     for (size_t j = 0; j < blocks.size(); ++j) {
       // A block bound for a GPU pool lands in host memory of the call's own, outside the arena's
       // registration (TierService::PutPulled).
-      const bool in_arena = dst[j].data() >= arena.data() &&
-                            dst[j].data() + dst[j].size() <= arena.data() + arena.size();
+      const ucx::Registration* memh = ArenaCovering(dst[j]);
       size_t offset = 0;
       for (const Segment& s : segments[blocks[j]]) {
         ops.push_back(ucx::Op{ucx::Op::kGet, dst[j].data() + offset, s.length, s.address, s.region,
-                              in_arena ? arena_.get() : nullptr, &crcs[j]});
+                              memh, &crcs[j]});
         offset += s.length;
       }
       pulled += dst[j].size();
@@ -351,7 +349,6 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
   PROXIMA_RETURN_IF_ERROR(core_->GetBlocks(caller, get, blocks.get(), /*inline_response=*/false));
   std::vector<ucx::Op> ops;
   uint64_t pushed = 0;
-  const std::span<std::byte> arena = core_->store().arena();
   // Where the daemon copies into the caller's mapped memory itself, each block's CRC32C is taken
   // as it is copied (Crc32cCopy), so the caller need not read the block again to check it.
   std::vector<uint32_t> copied_crcs(blocks->size(), 0);
@@ -360,14 +357,12 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
     if (!block) continue;
     // The arena's registration covers a block read in place; a block decoded for the caller, or
     // copied out of a GPU pool, lies in memory of its own that UCX registers on the fly.
-    const bool in_arena = block->bytes.data() >= arena.data() &&
-                          block->bytes.data() + block->bytes.size() <= arena.data() + arena.size();
+    const ucx::Registration* memh = ArenaCovering(block->bytes);
     size_t offset = 0;
     for (const Segment& s : segments[b]) {
       // The tier's bytes are only read; UCX's API takes a non-const pointer for both directions.
       ops.push_back(ucx::Op{ucx::Op::kPut, const_cast<std::byte*>(block->bytes.data()) + offset,
-                            s.length, s.address, s.region, in_arena ? arena_.get() : nullptr,
-                            &copied_crcs[b]});
+                            s.length, s.address, s.region, memh, &copied_crcs[b]});
       offset += s.length;
     }
     pushed += block->bytes.size();

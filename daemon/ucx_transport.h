@@ -24,8 +24,10 @@
 #define PROXIMA_DAEMON_UCX_TRANSPORT_H_
 
 #include <cstdint>
+#include <cstddef>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -72,6 +74,11 @@ class UcxTransport {
   // (daemon/cluster). Valid while the transport lives.
   ucx::Worker* mutable_worker() { return worker_.get(); }
   const ucx::Registration* arena() const { return arena_.get(); }
+  // The arena's registration when it covers all of `bytes`, else null (UCX then registers them for
+  // the transfer).
+  const ucx::Registration* ArenaCovering(std::span<const std::byte> bytes) const {
+    return arena_->Contains(bytes.data(), bytes.size()) ? arena_.get() : nullptr;
+  }
 
  private:
   UcxTransport(const UcxConfig& config, TierService* core) : config_(config), core_(core) {}
