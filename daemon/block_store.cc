@@ -175,6 +175,7 @@ bool BlockStore::EvictOneFrom(uint8_t segment) {
       return true;
     }
     evicted = Unlink(*victim, *id, nullptr);
+    if (evicted != nullptr) Depart(*id);
   }
   evictions_.fetch_add(1, std::memory_order_relaxed);
   return true;  // `evicted` frees its extent here
@@ -479,6 +480,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
     c.blocks.fetch_sub(1, std::memory_order_relaxed);
     c.bytes.fetch_sub(old_size, std::memory_order_relaxed);
     evictions_.fetch_add(1, std::memory_order_relaxed);
+    Depart(candidate.id);
     return InPlace::kEvicted;
   }
   auto block = std::make_shared<StoredBlock>(tier_.get(), *extent, encoded.size());
@@ -538,6 +540,7 @@ bool BlockStore::EvictCandidate(const Candidate& candidate, bool count) {
       return false;
     }
     evicted = Unlink(shard, candidate.id, static_cast<const StoredBlock*>(candidate.block.pin.get()));
+    if (evicted != nullptr) Depart(candidate.id);
   }
   if (evicted == nullptr) return false;
   if (count) evictions_.fetch_add(1, std::memory_order_relaxed);
@@ -828,6 +831,7 @@ void BlockStore::DropCorrupt(const BlockId& id, const StoredBlock& block, uint32
   BlockRef dropped;  // freed after the lock
   proxima::MutexLock lock(&shard.mu);
   dropped = Unlink(shard, id, &block);
+  if (dropped != nullptr) Depart(id);
 }
 
 bool BlockStore::Touch(const BlockId& id) {
@@ -857,6 +861,29 @@ bool BlockStore::Delete(const BlockId& id) {
     removed = Unlink(shard, id, nullptr);
   }
   return removed != nullptr;
+}
+
+void BlockStore::TrackDepartures(size_t max_logged) {
+  proxima::MutexLock lock(&departures_mu_);
+  max_departures_ = max_logged;
+  tracking_departures_.store(true, std::memory_order_release);
+}
+
+BlockStore::Departures BlockStore::TakeDepartures() {
+  proxima::MutexLock lock(&departures_mu_);
+  Departures taken;
+  std::swap(taken, departures_);
+  return taken;
+}
+
+void BlockStore::Depart(const BlockId& id) {
+  if (!tracking_departures_.load(std::memory_order_acquire)) return;
+  proxima::MutexLock lock(&departures_mu_);
+  if (departures_.ids.size() < max_departures_) {
+    departures_.ids.push_back(id);
+  } else {
+    ++departures_.not_logged;
+  }
 }
 
 bool BlockStore::CorruptForTesting(const BlockId& id, size_t byte_offset) {

@@ -42,9 +42,13 @@
 // see the moved copy, and one that pinned it first keeps the old bytes (the window is then given
 // up). No block is ever lost or changed by a move.
 //
-// Thread-safe. Lock order: a shard mutex may be held while HostTier's (internal) mutex or
-// `located_mu_` is taken; never the reverse, and never two shard mutexes at once. One compaction
-// runs at a time (`compact_mu_`, taken before any shard mutex).
+// Departures: with TrackDepartures() on (the cluster turns it on), every block that leaves the
+// index other than by Delete() (an eviction, a spill to a peer, a CRC failure) is logged for
+// TakeDepartures(), so that the homes that recorded this node as its holder can be told.
+//
+// Thread-safe. Lock order: a shard mutex may be held while HostTier's (internal) mutex,
+// `located_mu_` or `departures_mu_` is taken; never the reverse, and never two shard mutexes at
+// once. One compaction runs at a time (`compact_mu_`, taken before any shard mutex).
 #ifndef PROXIMA_DAEMON_BLOCK_STORE_H_
 #define PROXIMA_DAEMON_BLOCK_STORE_H_
 
@@ -268,7 +272,20 @@ class BlockStore {
   bool Touch(const BlockId& id);
 
   // Removes the block; returns whether it was present. A reader holding it finishes first.
+  // Not a departure (the caller that deletes tells whom it must).
   bool Delete(const BlockId& id);
+
+  // From now on, logs the blocks that leave the index other than by Delete(): evicted (also
+  // from the tierer's last level), spilled to a peer, or dropped for a failed CRC32C check. At
+  // most `max_logged` wait for TakeDepartures(); past that they are counted, not logged.
+  void TrackDepartures(size_t max_logged);
+  // The departures logged since the last call (oldest first), and how many were not logged
+  // because the log was full (since the last call).
+  struct Departures {
+    std::vector<BlockId> ids;
+    uint64_t not_logged = 0;
+  };
+  Departures TakeDepartures();
 
   // The host tier's whole arena: every host block's bytes lie in it (registered once with UCX).
   std::span<std::byte> arena() const { return tier_->arena(); }
@@ -374,6 +391,9 @@ class BlockStore {
   std::optional<ReadBlock> ReadFromDevice(const BlockId& id, BlockRef block, CrcCheck check);
   // Drops `id` (if it still holds `block`) after its bytes failed their CRC32C check on a read.
   void DropCorrupt(const BlockId& id, const StoredBlock& block, uint32_t read_crc);
+  // Logs a departure (TrackDepartures). Called under the shard lock that unlinked the block, so
+  // that a departure is logged before the same key can be committed again.
+  void Depart(const BlockId& id) ABSL_LOCKS_EXCLUDED(departures_mu_);
   // A stored block's size changed from `old_size` (an encoding swap).
   void Resized(const Shard::Entry& entry, uint64_t old_size);
   void CountLevel(uint8_t level, int64_t blocks, int64_t bytes);
@@ -397,6 +417,10 @@ class BlockStore {
   absl::flat_hash_map<uint64_t, BlockId> located_ ABSL_GUARDED_BY(located_mu_);  // offset -> id
   std::array<std::atomic<uint64_t>, kMaxLevels> level_blocks_{};
   std::array<std::atomic<uint64_t>, kMaxLevels> level_bytes_{};
+  std::atomic<bool> tracking_departures_{false};
+  proxima::Mutex departures_mu_;
+  size_t max_departures_ ABSL_GUARDED_BY(departures_mu_) = 0;
+  Departures departures_ ABSL_GUARDED_BY(departures_mu_);
 };
 
 }  // namespace proxima::daemon

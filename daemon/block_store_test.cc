@@ -5,8 +5,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace proxima::daemon {
@@ -230,6 +232,77 @@ TEST_F(BlockStoreTest, SpillCandidatesAreTheColdestOwnBlocksAndLeaveUncounted) {
   EXPECT_EQ(c0->id, Id(0));
   EXPECT_EQ(c2->id, Id(2));
   EXPECT_FALSE(store->ColdestSpillable().has_value());
+}
+
+// The cluster tells a block's home when the block leaves this node, so the store logs every way
+// a block leaves other than Delete (whose caller tells the homes itself), in order, once.
+TEST_F(BlockStoreTest, BlocksThatLeaveOtherThanByDeleteAreLoggedOnceEach) {
+  const size_t kBlock = 4096;
+  auto store = MakeStore(4 * kBlock);
+  for (uint32_t i = 0; i < 4; ++i)
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  ASSERT_EQ(Put(*store, Id(4), Payload(4, kBlock)), PutOutcome::kStored);  // evicts 0, untracked
+  EXPECT_TRUE(store->TakeDepartures().ids.empty()) << "logged before anyone asked";
+
+  store->TrackDepartures(/*max_logged=*/3);
+  ASSERT_EQ(Put(*store, Id(5), Payload(5, kBlock)), PutOutcome::kStored);  // evicts 1
+  EXPECT_TRUE(store->Delete(Id(2)));                                       // not a departure
+  std::optional<BlockStore::Candidate> spill = store->ColdestSpillable();  // 3
+  ASSERT_TRUE(spill.has_value());
+  ASSERT_TRUE(store->EvictCandidate(*spill, /*count=*/false));
+  spill.reset();
+  ASSERT_TRUE(store->CorruptForTesting(Id(4), 7));
+  std::string out;
+  EXPECT_FALSE(ReadInto(*store, Id(4), &out));  // dropped for its CRC32C
+  BlockStore::Departures gone = store->TakeDepartures();
+  EXPECT_THAT(gone.ids, ::testing::ElementsAre(Id(1), Id(3), Id(4)));
+  EXPECT_EQ(gone.not_logged, 0u);
+  EXPECT_TRUE(store->TakeDepartures().ids.empty()) << "handed out twice";
+
+  // Past max_logged departures are counted, not logged.
+  for (uint32_t i = 10; i < 18; ++i)
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  gone = store->TakeDepartures();
+  EXPECT_EQ(gone.ids.size(), 3u);
+  EXPECT_EQ(gone.ids.size() + gone.not_logged, store->evictions() - 2);  // all but 0 and 1 above
+  EXPECT_THAT(gone.ids, ::testing::ElementsAre(Id(5), Id(10), Id(11)));
+}
+
+// Puts evicting on several threads while another drains the log: every eviction is handed out
+// exactly once (logged or counted), none twice (run under TSan by scripts/sanitize.sh thread).
+TEST_F(BlockStoreTest, DeparturesLoggedByRacingPutsAreEachTakenOnce) {
+  const size_t kBlock = 4096;
+  auto store = MakeStore(32 * kBlock);
+  store->TrackDepartures(/*max_logged=*/1000);
+  constexpr uint32_t kThreads = 3, kPuts = 400;
+  std::atomic<bool> done{false};
+  std::vector<BlockId> taken;
+  uint64_t not_logged = 0;
+  std::thread drainer([&] {
+    while (!done.load()) {
+      BlockStore::Departures d = store->TakeDepartures();
+      taken.insert(taken.end(), d.ids.begin(), d.ids.end());
+      not_logged += d.not_logged;
+    }
+  });
+  std::vector<std::thread> putters;
+  for (uint32_t t = 0; t < kThreads; ++t) {
+    putters.emplace_back([&, t] {
+      const std::string data = Payload(t, kBlock);
+      for (uint32_t i = 0; i < kPuts; ++i) Put(*store, Id(t * kPuts + i), data);
+    });
+  }
+  for (std::thread& t : putters) t.join();
+  done.store(true);
+  drainer.join();
+  BlockStore::Departures rest = store->TakeDepartures();
+  taken.insert(taken.end(), rest.ids.begin(), rest.ids.end());
+  not_logged += rest.not_logged;
+  EXPECT_EQ(taken.size() + not_logged, store->evictions());
+  EXPECT_EQ(store->evictions(), kThreads * kPuts - 32);
+  absl::flat_hash_set<BlockId> distinct(taken.begin(), taken.end());
+  EXPECT_EQ(distinct.size(), taken.size()) << "a departure was handed out twice";
+  for (const BlockId& id : taken) EXPECT_FALSE(store->Contains(id));
 }
 
 // Several threads (tierer workers, puts) asking for the coldest compressible block at once

@@ -190,6 +190,9 @@ class TierService {
     return FindNamespace(name);
   }
 
+  // The name of namespace `ns` (an index from NamespaceIndex() or a BlockId).
+  const std::string& NamespaceName(uint32_t ns) const { return namespaces_[ns]->name; }
+
   // The raw block size of profile `profile_id` in namespace `ns`, or NOT_FOUND when it is not
   // registered there. No authorization (for the cluster, like NamespaceIndex).
   absl::StatusOr<uint64_t> RegisteredBlockBytes(uint32_t ns, uint64_t profile_id) {

@@ -27,6 +27,9 @@ constexpr absl::Duration kPeerFullBackoff = absl::Seconds(1);
 constexpr absl::Duration kQuarantine = absl::Seconds(10);
 // The spiller's wake-up period when no put wakes it.
 constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
+// How often the record sender looks for blocks that left the local tiers (evicted, spilled)
+// when no put or delete wakes it: the longest a home may go on naming this node for them.
+constexpr auto kDeparturePeriod = std::chrono::milliseconds(100);
 
 void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
   out->set_namespace_name(blocks.namespace_name);
@@ -178,6 +181,10 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "Peer calls that failed or missed their deadline (each answered as misses)");
   records_sent_ = registry->AddCounter("proxima_cluster_location_records_sent_total",
                                        "Location records sent to home nodes after local puts");
+  forgets_sent_ = registry->AddCounter(
+      "proxima_cluster_location_forgets_sent_total",
+      "Keys whose location records this node asked their homes to drop: blocks deleted, "
+      "evicted, spilled or dropped here, or found gone by a fetch");
   records_dropped_ = registry->AddCounter(
       "proxima_cluster_location_records_dropped_total",
       "Location records dropped: holder left the live set, a fetch missed, or a queue or the "
@@ -212,6 +219,7 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
 Cluster::~Cluster() { Stop(); }
 
 void Cluster::Start() {
+  core_->store().TrackDepartures(kMaxQueuedKeys);
   membership_->Start();
   sender_ = std::thread([this] { RunSender(); });
   if (config_.cluster.spill_enabled) spiller_ = std::thread([this] { RunSpiller(); });
@@ -236,26 +244,56 @@ void Cluster::AddAuth(grpc::ClientContext* context, absl::Time deadline) const {
 }
 
 void Cluster::Stored(const RemoteBlockSet& blocks) {
-  TellHomes(blocks, /*forget=*/false);
+  std::vector<Batch> batches = BatchesFor(blocks, /*forget=*/false);
+  {
+    // A key evicted before this put stored it again: its forget is queued first, so the record
+    // queued now is the one that stays.
+    std::lock_guard<std::mutex> lock(tell_mu_);
+    ForgetDepartures();
+    for (const Batch& batch : batches) Enqueue(batch, batch.keys);
+  }
   WakeSpillerIfFull();
 }
 
-void Cluster::Removed(const RemoteBlockSet& blocks) { TellHomes(blocks, /*forget=*/true); }
+void Cluster::Removed(const RemoteBlockSet& blocks) {
+  for (const Batch& batch : BatchesFor(blocks, /*forget=*/true)) Enqueue(batch, batch.keys);
+}
 
-void Cluster::TellHomes(const RemoteBlockSet& blocks, bool forget) {
+void Cluster::ForgetDepartures() {
+  BlockStore::Departures gone = core_->store().TakeDepartures();
+  records_dropped_->Increment(gone.not_logged);  // their records stay until a fetch misses
+  if (gone.ids.empty()) return;
+  // Consecutive departures mostly share namespace, partition and profile: one set per run.
+  std::vector<BlockKey> keys;
+  for (size_t i = 0; i < gone.ids.size();) {
+    const BlockId& first = gone.ids[i];
+    keys.clear();
+    for (; i < gone.ids.size() && gone.ids[i].namespace_index == first.namespace_index &&
+           gone.ids[i].partition == first.partition && gone.ids[i].profile_id == first.profile_id;
+         ++i) {
+      keys.push_back(gone.ids[i].key);
+    }
+    const RemoteBlockSet set{first.namespace_index, core_->NamespaceName(first.namespace_index),
+                             first.partition, first.profile_id, keys};
+    for (const Batch& batch : BatchesFor(set, /*forget=*/true)) Enqueue(batch, batch.keys);
+  }
+}
+
+std::vector<Cluster::Batch> Cluster::BatchesFor(const RemoteBlockSet& blocks, bool forget) const {
   std::shared_ptr<const LiveSet> live = membership_->Live();
-  if (live->nodes.size() < 2) return;  // alone: this node is every key's home
+  if (live->nodes.size() < 2) return {};  // alone: this node is every key's home
   absl::flat_hash_map<size_t, std::vector<BlockKey>> per_home;
   for (const BlockKey& key : blocks.keys) {
     const size_t home = HomeNode(live->nodes, PlacementHash(blocks.namespace_name, key));
     if (home == live->self || home >= live->nodes.size()) continue;  // its own store answers
     per_home[home].push_back(key);
   }
-  for (const auto& [home, keys] : per_home) {
-    Enqueue(Batch{live->id(home), blocks.namespace_name, blocks.partition, blocks.profile_id,
-                  forget, self_},
-            keys);
+  std::vector<Batch> batches;
+  for (auto& [home, keys] : per_home) {
+    batches.push_back(Batch{live->id(home), blocks.namespace_name, blocks.partition,
+                            blocks.profile_id, forget, self_, std::move(keys)});
   }
+  return batches;
 }
 
 void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
@@ -266,54 +304,71 @@ void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
       records_dropped_->Increment(keys.size());
       return;
     }
-    std::vector<BlockKey>& q = queue_[BatchKey{batch.home, batch.namespace_name, batch.partition,
-                                               batch.profile_id, batch.forget, batch.holder}];
-    q.insert(q.end(), keys.begin(), keys.end());
-    queued_keys_ += keys.size();
+    // The latest intent for a key replaces what is queued for it: a forget queued after a
+    // record (or the reverse) must not race it in the same round.
+    Intents& q = queue_[BatchKey{batch.home, batch.namespace_name, batch.partition,
+                                 batch.profile_id, batch.holder}];
+    const size_t before = q.size();
+    for (const BlockKey& key : keys) q[key] = batch.forget;
+    queued_keys_ += q.size() - before;
   }
   queue_cv_.notify_one();
 }
 
 void Cluster::RunSender() {
   while (true) {
-    absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches;
     {
       std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      queue_cv_.wait_for(lock, kDeparturePeriod, [this] { return stopping_ || !queue_.empty(); });
       if (stopping_) return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(tell_mu_);
+      ForgetDepartures();
+    }
+    absl::flat_hash_map<BatchKey, Intents> batches;
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
       batches.swap(queue_);
       queued_keys_ = 0;
     }
-    SendAll(std::move(batches));
+    if (!batches.empty()) SendAll(std::move(batches));
   }
 }
 
-void Cluster::SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches) {
+void Cluster::SendAll(absl::flat_hash_map<BatchKey, Intents> batches) {
   using Call = PeerCall<v1::RecordLocationsRequest, v1::RecordLocationsResponse>;
   std::vector<std::unique_ptr<Call>> calls;
   const size_t max_keys = core_->max_lookup_keys();
   const absl::Time deadline = absl::Now() + peer_deadline_;
-  for (auto& [key, keys] : batches) {
-    const auto& [home, ns, partition, profile_id, forget, holder] = key;
-    for (size_t first = 0; first < keys.size(); first += max_keys) {
-      auto call = std::make_unique<Call>();
-      call->peer = home;
-      call->request.set_holder(holder);
-      call->request.set_forget(forget);
-      v1::PeerBlockSet* set = call->request.mutable_blocks();
-      set->set_namespace_name(ns);
-      set->set_partition(partition);
-      set->set_profile_id(profile_id);
-      for (size_t i = first; i < std::min(keys.size(), first + max_keys); ++i) {
-        set->add_keys(reinterpret_cast<const char*>(keys[i].data()), kKeyBytes);
+  for (const auto& [key, intents] : batches) {
+    const auto& [home, ns, partition, profile_id, holder] = key;
+    for (const bool forget : {false, true}) {
+      std::vector<const BlockKey*> keys;
+      for (const auto& [k, f] : intents) {
+        if (f == forget) keys.push_back(&k);
       }
-      calls.push_back(std::move(call));
+      for (size_t first = 0; first < keys.size(); first += max_keys) {
+        auto call = std::make_unique<Call>();
+        call->peer = home;
+        call->request.set_holder(holder);
+        call->request.set_forget(forget);
+        v1::PeerBlockSet* set = call->request.mutable_blocks();
+        set->set_namespace_name(ns);
+        set->set_partition(partition);
+        set->set_profile_id(profile_id);
+        for (size_t i = first; i < std::min(keys.size(), first + max_keys); ++i) {
+          set->add_keys(reinterpret_cast<const char*>(keys[i]->data()), kKeyBytes);
+        }
+        calls.push_back(std::move(call));
+      }
     }
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncRecordLocations);
   for (const auto& call : calls) {
     if (call->status.ok()) {
-      if (!call->request.forget()) records_sent_->Increment(call->request.blocks().keys_size());
+      (call->request.forget() ? forgets_sent_ : records_sent_)
+          ->Increment(call->request.blocks().keys_size());
     } else {
       peer_call_failures_->Increment();
       PROXIMA_LOG(kDebug) << "location records not delivered" << log::Kv("home", call->peer)
@@ -509,8 +564,13 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
           }
           records_dropped_->Increment(records_.Forget(ids, call->peer));
         } else if (home < live->nodes.size()) {
-          Enqueue(Batch{live->id(home), blocks.namespace_name, blocks.partition,
-                        blocks.profile_id, true, call->peer},
+          Enqueue(Batch{live->id(home),
+                        blocks.namespace_name,
+                        blocks.partition,
+                        blocks.profile_id,
+                        true,
+                        call->peer,
+                        {}},
                   keys);
         }
       }

@@ -10,6 +10,9 @@
 //   get      local first; then holders from the homes, then FetchBlocks from each holder, in
 //            parallel; the bytes are checked against their CRC32C on arrival.
 //   delete   local first; then DeleteBlocks at the holders the homes name, in parallel.
+//   evict    blocks that leave the local tiers otherwise (evicted, spilled, dropped for a bad
+//            CRC32C) are logged by the store; the record sender tells their homes to drop the
+//            records naming this node, so lookups elsewhere stop counting them.
 //   spill    while the host tier is fuller than cluster.spill.threshold, a spiller thread sends
 //            its coldest blocks (StoreBlocks, batched per peer) to the first of each key's best
 //            rendezvous nodes that has room; a peer keeps them below its accept_below share,
@@ -20,6 +23,8 @@
 // The remote part of any call shares one budget, cluster.peer_deadline: every peer call carries
 // the call's absolute deadline. A peer that is down, slow, or answers wrongly is a miss. Records
 // naming a node that leaves the live set are dropped, and so is a record whose fetch missed.
+// The record sender keeps, per key, only the latest of "record" and "forget" queued for it, and
+// sends one round at a time, so a home sees a key's changes in the order they happened.
 //
 // Block bytes of fetches travel over UCX between daemons that both run the UCX data plane
 // (PeerUcx; cluster.transport auto), inline in the gRPC answers otherwise; spills over gRPC.
@@ -87,20 +92,28 @@ class Cluster final : public RemoteBlocks {
     uint32_t partition = 0;
     uint64_t profile_id = 0;
     bool forget = false;
-    std::string holder;  // forget: the holder whose records to drop
+    std::string holder;          // the holder the records name (forget: whose records to drop)
+    std::vector<BlockKey> keys;  // BatchesFor's: the keys whose home this is
   };
-  using BatchKey = std::tuple<std::string, std::string, uint32_t, uint64_t, bool, std::string>;
+  // A batch without its `forget`: (home, namespace, partition, profile, holder).
+  using BatchKey = std::tuple<std::string, std::string, uint32_t, uint64_t, std::string>;
+  // The keys queued for one BatchKey, each with its latest intent: true = forget, false = record.
+  using Intents = absl::flat_hash_map<BlockKey, bool>;
 
   Cluster(const DaemonConfig& config, TierService* core, metrics::Registry* registry);
-  // Queues records (or, with `forget`, their removal) of this node holding `blocks` for the
-  // keys' homes.
-  void TellHomes(const RemoteBlockSet& blocks, bool forget);
+  // Records (or, with `forget`, their removal) of this node holding `blocks`, one batch per
+  // home of the keys (none for keys whose home is this node, or when it is alone).
+  std::vector<Batch> BatchesFor(const RemoteBlockSet& blocks, bool forget) const;
   // The holder of each key ("" = none known or not live), asking the keys' homes by `deadline`.
   std::vector<std::string> Locate(const RemoteBlockSet& blocks, const LiveSet& live,
                                   absl::Time deadline);
   void Enqueue(const Batch& batch, std::span<const BlockKey> keys);
+  // Queues forgets for the blocks the store logged as gone since the last call (evicted,
+  // spilled, dropped). REQUIRES: tell_mu_ held, so that a key's departure is queued before a
+  // later put of it queues its record (Stored).
+  void ForgetDepartures();
   void RunSender();
-  void SendAll(absl::flat_hash_map<BatchKey, std::vector<BlockKey>> batches);
+  void SendAll(absl::flat_hash_map<BatchKey, Intents> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
   // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
   // each with the stub's PrepareAsync `method`; returns when all have finished.
@@ -132,6 +145,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* crc_failures_ = nullptr;
   metrics::Counter* peer_call_failures_ = nullptr;
   metrics::Counter* records_sent_ = nullptr;
+  metrics::Counter* forgets_sent_ = nullptr;
   metrics::Counter* records_dropped_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* spilled_blocks_ = nullptr;
@@ -141,10 +155,13 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* put_waits_none_ = nullptr;
   metrics::Counter* put_waits_timeout_ = nullptr;
 
+  // Held while the store's departures are drained and queued, and while a put's records are
+  // queued (order: tell_mu_, then queue_mu_ or the store's departure log).
+  std::mutex tell_mu_;
   // The record sender's queue: keys per batch, waiting to be sent.
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
-  absl::flat_hash_map<BatchKey, std::vector<BlockKey>> queue_;  // guarded by queue_mu_
+  absl::flat_hash_map<BatchKey, Intents> queue_;                 // guarded by queue_mu_
   size_t queued_keys_ = 0;                                       // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
   std::thread sender_;

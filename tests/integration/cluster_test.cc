@@ -195,6 +195,62 @@ TEST_F(ClusterTest, PutOnOneNodeIsFoundAndReadByteExactFromTheOthers) {
   EXPECT_THAT(b->Lookup(other, client::TestKeyChain(1, 0, kBlocks)), IsOkAndHolds(0u));
 }
 
+// A block its holder evicts stops counting in lookups from the other nodes: the holder tells the
+// key's home to drop the record naming it (before, a lookup elsewhere counted the block until a
+// get missed on it). A key evicted and put again is found again.
+TEST_F(ClusterTest, BlocksTheHolderEvictsStopCountingInLookupsFromTheOtherNodes) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"tiers.host.capacity_bytes=8MiB", "cluster.spill={enabled: false}"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  auto b = MustConnect(daemons_[1]->tcp_target());
+  ASSERT_TRUE(a && b);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+  ASSERT_EQ(p.block_bytes, 256u << 10);  // A holds 32
+  constexpr size_t kBlocks = 64;
+  for (size_t first = 0; first < kBlocks; first += 8) {
+    Blocks blocks = MakeBlocks(1, first, 8, p.block_bytes);
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+  }
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, a->Stats());
+  ASSERT_EQ(stats.tiers(0).evictions(), kBlocks - 32);
+  // Key by key from B (a chain of one): the oldest 32 are gone from A, the newest 32 are there.
+  auto found_from_b = [&](size_t first, size_t count) {
+    size_t found = 0;
+    for (size_t i = first; i < first + count; ++i) {
+      absl::StatusOr<size_t> n = b->Lookup(p, client::TestKeyChain(1, i, 1));
+      found += n.ok() ? *n : 0;
+    }
+    return found;
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  size_t stale = found_from_b(0, 32);
+  while (stale > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    stale = found_from_b(0, 32);
+  }
+  EXPECT_EQ(stale, 0u) << "evicted blocks still counted by lookups from another node";
+  EXPECT_EQ(found_from_b(32, 32), 32u);
+  EXPECT_GT(Metric(0, "proxima_cluster_location_forgets_sent_total"), 0);
+  EXPECT_EQ(GetAndCheck(*b, p, 1, 32, 32), 32u);
+
+  // Put again, the first 8 are found again from B (their records came after their forgets),
+  // and B counts exactly the blocks A holds: not the 8 they pushed out.
+  Blocks again = MakeBlocks(1, 0, 8, p.block_bytes);
+  ASSERT_OK(a->Put(p, again.keys, again.spans()).status());
+  EXPECT_EQ(WaitLookup(*b, p, 1, 8, 8), 8u);
+  ASSERT_OK_AND_ASSIGN(stats, a->Stats());
+  ASSERT_EQ(stats.tiers(0).blocks(), 32u);
+  const absl::Time settled = absl::Now() + absl::Seconds(10);
+  while (found_from_b(0, kBlocks) != 32 && absl::Now() < settled) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(found_from_b(0, kBlocks), 32u);
+  EXPECT_EQ(found_from_b(0, 8), 8u);
+  EXPECT_EQ(GetAndCheck(*b, p, 1, 0, 8), 8u);
+}
+
 TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
   // cluster.transport auto with the UCX data plane on: the holder writes fetched blocks into the
   // reader daemon's receive buffer; with grpc they come inline in the answer.
