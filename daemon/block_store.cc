@@ -863,6 +863,15 @@ bool BlockStore::Delete(const BlockId& id) {
   return removed != nullptr;
 }
 
+std::vector<BlockId> BlockStore::ShardIds(size_t shard) const {
+  const Shard& s = *shards_[shard];
+  proxima::MutexLock lock(&s.mu);
+  std::vector<BlockId> ids;
+  ids.reserve(s.map.size());
+  for (const auto& [id, entry] : s.map) ids.push_back(id);
+  return ids;
+}
+
 void BlockStore::TrackDepartures(size_t max_logged) {
   proxima::MutexLock lock(&departures_mu_);
   max_departures_ = max_logged;

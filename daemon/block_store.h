@@ -275,6 +275,11 @@ class BlockStore {
   // Not a departure (the caller that deletes tells whom it must).
   bool Delete(const BlockId& id);
 
+  // The index's shards, and the ids of the blocks one of them holds now (any tier), in no
+  // order: for walking every stored block a shard at a time (the cluster's re-announcement).
+  size_t num_shards() const { return shards_.size(); }
+  std::vector<BlockId> ShardIds(size_t shard) const;
+
   // From now on, logs the blocks that leave the index other than by Delete(): evicted (also
   // from the tierer's last level), spilled to a peer, or dropped for a failed CRC32C check. At
   // most `max_logged` wait for TakeDepartures(); past that they are counted, not logged.

@@ -268,6 +268,24 @@ TEST_F(BlockStoreTest, BlocksThatLeaveOtherThanByDeleteAreLoggedOnceEach) {
   EXPECT_THAT(gone.ids, ::testing::ElementsAre(Id(5), Id(10), Id(11)));
 }
 
+TEST_F(BlockStoreTest, TheShardsTogetherListEveryStoredBlockOnce) {
+  auto store = MakeStore(1 << 20, /*shards=*/4);
+  for (uint32_t i = 0; i < 40; ++i)
+    ASSERT_EQ(Put(*store, Id(i, i % 2), Payload(i, 100)), PutOutcome::kStored);
+  ASSERT_TRUE(store->Delete(Id(7, 1)));
+  std::vector<BlockId> all;
+  ASSERT_EQ(store->num_shards(), 4u);
+  for (size_t s = 0; s < store->num_shards(); ++s) {
+    std::vector<BlockId> ids = store->ShardIds(s);
+    all.insert(all.end(), ids.begin(), ids.end());
+  }
+  std::vector<BlockId> want;
+  for (uint32_t i = 0; i < 40; ++i) {
+    if (i != 7) want.push_back(Id(i, i % 2));
+  }
+  EXPECT_THAT(all, ::testing::UnorderedElementsAreArray(want));
+}
+
 // Puts evicting on several threads while another drains the log: every eviction is handed out
 // exactly once (logged or counted), none twice (run under TSan by scripts/sanitize.sh thread).
 TEST_F(BlockStoreTest, DeparturesLoggedByRacingPutsAreEachTakenOnce) {

@@ -181,6 +181,9 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "Peer calls that failed or missed their deadline (each answered as misses)");
   records_sent_ = registry->AddCounter("proxima_cluster_location_records_sent_total",
                                        "Location records sent to home nodes after local puts");
+  reannounced_ = registry->AddCounter(
+      "proxima_cluster_location_records_reannounced_total",
+      "Records of local blocks queued for their new home after the live set changed");
   forgets_sent_ = registry->AddCounter(
       "proxima_cluster_location_forgets_sent_total",
       "Keys whose location records this node asked their homes to drop: blocks deleted, "
@@ -326,13 +329,76 @@ void Cluster::RunSender() {
       std::lock_guard<std::mutex> lock(tell_mu_);
       ForgetDepartures();
     }
-    absl::flat_hash_map<BatchKey, Intents> batches;
-    {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      batches.swap(queue_);
-      queued_keys_ = 0;
+    std::shared_ptr<const LiveSet> live = membership_->Live();
+    if (live->nodes.size() != announced_for_.size() ||
+        !std::equal(live->nodes.begin(), live->nodes.end(), announced_for_.begin(),
+                    [](const PlacementNode& n, const std::string& id) { return n.id == id; })) {
+      Reannounce(*live);
     }
-    if (!batches.empty()) SendAll(std::move(batches));
+    SendQueued();
+  }
+}
+
+void Cluster::SendQueued() {
+  absl::flat_hash_map<BatchKey, Intents> batches;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    batches.swap(queue_);
+    queued_keys_ = 0;
+  }
+  if (!batches.empty()) SendAll(std::move(batches));
+}
+
+void Cluster::Reannounce(const LiveSet& live) {
+  std::vector<PlacementNode> before;
+  for (const std::string& id : announced_for_) before.push_back({id, 1.0});
+  announced_for_.clear();
+  for (const PlacementNode& n : live.nodes) announced_for_.push_back(n.id);
+  if (live.nodes.size() < 2) return;  // alone: every key's home is here, nothing to tell
+  BlockStore& store = core_->store();
+  uint64_t records = 0;
+  for (size_t shard = 0; shard < store.num_shards(); ++shard) {
+    // Homes are computed outside the locks; the queueing below is ordered with the store's
+    // departures (see Stored): a block evicted after this snapshot has its forget queued after
+    // the record queued here, and a block put again has its own record queued after that.
+    std::vector<Batch> batches;
+    absl::flat_hash_map<std::tuple<std::string, uint32_t, uint64_t, uint32_t, bool>, size_t>
+        batch_of;  // (home, namespace, profile, partition, forget) -> index in batches
+    for (const BlockId& id : store.ShardIds(shard)) {
+      const std::string& ns = core_->NamespaceName(id.namespace_index);
+      const uint64_t hash = PlacementHash(ns, id.key);
+      const size_t home = HomeNode(live.nodes, hash);
+      const size_t old_home = HomeNode(before, hash);  // before.size() when there was none
+      const std::string old_id = old_home < before.size() ? before[old_home].id : std::string();
+      if (home >= live.nodes.size() || live.id(home) == old_id) continue;
+      auto add = [&](const std::string& to, bool forget) {
+        auto [it, added] = batch_of.try_emplace(
+            std::tuple{to, id.namespace_index, id.profile_id, id.partition, forget},
+            batches.size());
+        if (added) {
+          batches.push_back(Batch{to, ns, id.partition, id.profile_id, forget, self_, {}});
+        }
+        batches[it->second].keys.push_back(id.key);
+      };
+      if (home != live.self) {
+        add(live.id(home), /*forget=*/false);
+        ++records;
+      }
+      // The old home, still live, would answer for it if the set changed back.
+      if (!old_id.empty() && old_id != self_ && live.Contains(old_id)) add(old_id, true);
+    }
+    if (batches.empty()) continue;
+    {
+      std::lock_guard<std::mutex> lock(tell_mu_);
+      for (const Batch& batch : batches) Enqueue(batch, batch.keys);
+      ForgetDepartures();
+    }
+    SendQueued();
+  }
+  reannounced_->Increment(records);
+  if (records > 0) {
+    PROXIMA_LOG(kInfo) << "live set changed; location records sent to the blocks' new homes"
+                       << log::Kv("live_nodes", live.nodes.size()) << log::Kv("records", records);
   }
 }
 

@@ -13,6 +13,10 @@
 //   evict    blocks that leave the local tiers otherwise (evicted, spilled, dropped for a bad
 //            CRC32C) are logged by the store; the record sender tells their homes to drop the
 //            records naming this node, so lookups elsewhere stop counting them.
+//   change   when the live set changes, about 1/N of the keys change home: the record sender
+//            walks the local tiers and sends each such block's record to its new home (and a
+//            forget to the old one, when it is still live), so blocks stay findable from every
+//            node across joins, leaves and restarts.
 //   spill    while the host tier is fuller than cluster.spill.threshold, a spiller thread sends
 //            its coldest blocks (StoreBlocks, batched per peer) to the first of each key's best
 //            rendezvous nodes that has room; a peer keeps them below its accept_below share,
@@ -113,6 +117,11 @@ class Cluster final : public RemoteBlocks {
   // later put of it queues its record (Stored).
   void ForgetDepartures();
   void RunSender();
+  // Sends what is queued now (one round).
+  void SendQueued();
+  // The live set differs from the one the local blocks were last announced for: records of the
+  // blocks whose home changed go to their new homes (sender thread).
+  void Reannounce(const LiveSet& live);
   void SendAll(absl::flat_hash_map<BatchKey, Intents> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
   // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
@@ -146,6 +155,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* peer_call_failures_ = nullptr;
   metrics::Counter* records_sent_ = nullptr;
   metrics::Counter* forgets_sent_ = nullptr;
+  metrics::Counter* reannounced_ = nullptr;
   metrics::Counter* records_dropped_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* spilled_blocks_ = nullptr;
@@ -165,6 +175,9 @@ class Cluster final : public RemoteBlocks {
   size_t queued_keys_ = 0;                                       // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
   std::thread sender_;
+  // The live set's node ids the local blocks' records were last sent for (sender thread only;
+  // empty before the first round: every block put while alone is announced then).
+  std::vector<std::string> announced_for_;
 
   // The spiller: woken by puts that leave the tier over the threshold (and every 250 ms).
   std::condition_variable spill_cv_;  // with queue_mu_

@@ -612,12 +612,10 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
     EXPECT_THAT(c->Lookup(p, client::TestKeyChain(kOnA, 0, kBlocks)), IsOkAndHolds(0u));
     EXPECT_EQ(GetAndCheck(*c, p, kOnA, 0, kBlocks), 0u);
-    // B's blocks are unaffected. Their records that lived on A are gone with it, so only the
-    // keys whose home is B or C are still found from C; from B itself, all of them.
-    if (node == 1) {
-      EXPECT_THAT(c->Lookup(p, client::TestKeyChain(kOnB, 0, kBlocks)), IsOkAndHolds(kBlocks));
-      EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks);
-    }
+    // B's blocks are unaffected. Their records that lived on A are gone with it, but B sends
+    // them to the keys' new homes when A leaves its live set: all are found from B and C.
+    EXPECT_EQ(WaitLookup(*c, p, kOnB, kBlocks, kBlocks), kBlocks);
+    EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks);
     EXPECT_EQ(Metric(node, "proxima_cluster_fetch_crc_failures_total"), 0);
   }
   // A restarts (same port, empty tiers): it rejoins, and serves new puts to the others.
@@ -635,6 +633,15 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     EXPECT_EQ(WaitLookup(*c, p, kAfterRestart, kBlocks, kBlocks), kBlocks) << node;
     EXPECT_EQ(GetAndCheck(*c, p, kAfterRestart, 0, kBlocks), kBlocks) << node;
   }
+  // The keys of B's blocks whose home is A again: B announced them to the restarted A (which
+  // came back with no records), so C and A still find all of them.
+  for (int node : {0, 2}) {
+    auto c = MustConnect(daemons_[node]->tcp_target());
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    EXPECT_EQ(WaitLookup(*c, p, kOnB, kBlocks, kBlocks), kBlocks) << node;
+    EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks) << node;
+  }
+  EXPECT_GT(Metric(1, "proxima_cluster_location_records_reannounced_total"), 0);
 }
 
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
