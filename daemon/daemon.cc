@@ -66,7 +66,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   }
   d->service_ = std::make_unique<KvTierGrpcService>(
       d->core_.get(), &d->registry_, config.server.max_inflight_bytes_per_client,
-      config.server.max_connections, d->ucx_.get());
+      config.server.max_connections, d->ucx_.get(), /*offload=*/config.cluster.enabled);
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> tcp_credentials,
                            TcpCredentials(config.server.tls));
 

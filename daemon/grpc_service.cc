@@ -38,17 +38,23 @@ grpc::ByteBuffer WriteBlocks(std::vector<std::optional<BlockStore::ReadBlock>>& 
 // contract).
 class AccountedReactor final : public grpc::ServerUnaryReactor {
  public:
-  AccountedReactor(InflightLedger* ledger, std::string peer, uint64_t bytes)
-      : ledger_(ledger), peer_(std::move(peer)), bytes_(bytes) {}
+  // Finishes the call with `status`; once gRPC is done with it, `bytes` leave `peer`'s account
+  // in `ledger` (null: nothing was admitted).
+  void Finish(InflightLedger* ledger, std::string peer, uint64_t bytes, grpc::Status status) {
+    ledger_ = ledger;
+    peer_ = std::move(peer);
+    bytes_ = bytes;
+    ServerUnaryReactor::Finish(std::move(status));
+  }
   void OnDone() override {
     if (ledger_ != nullptr) ledger_->End(peer_, bytes_);
     delete this;
   }
 
  private:
-  InflightLedger* const ledger_;
-  const std::string peer_;
-  const uint64_t bytes_;
+  InflightLedger* ledger_ = nullptr;
+  std::string peer_;
+  uint64_t bytes_ = 0;
 };
 
 absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
@@ -118,17 +124,87 @@ size_t InflightLedger::active_peers() const {
   return accounts_.size();
 }
 
+HandlerThreads::~HandlerThreads() {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    threads.swap(threads_);
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads) t.join();
+}
+
+void HandlerThreads::Run(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+    if (idle_ < tasks_.size() && threads_.size() < max_threads_) {
+      threads_.emplace_back([this] { Loop(); });
+      return;  // the new thread takes a task as it starts
+    }
+  }
+  cv_.notify_one();
+}
+
+size_t HandlerThreads::threads() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return threads_.size();
+}
+
+void HandlerThreads::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    ++idle_;
+    cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+    --idle_;
+    if (tasks_.empty()) return;  // stopping, nothing left
+    std::function<void()> task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    task();
+    task = nullptr;  // its captures go before this thread counts as idle
+    lock.lock();
+  }
+}
+
 KvTierGrpcService::KvTierGrpcService(TierService* core, metrics::Registry* registry,
                                      uint64_t max_inflight_bytes_per_client,
-                                     uint32_t max_connections, UcxTransport* ucx)
+                                     uint32_t max_connections, UcxTransport* ucx, bool offload)
     : core_(core),
       inflight_(max_inflight_bytes_per_client, max_connections),
       ucx_(ucx),
+      offload_peer_waits_(offload),
       registry_(registry) {
+  if (offload || ucx != nullptr) {
+    // A thread per call running; past this many, calls wait for a thread (each is bounded by
+    // its deadline, and a peer's wait by cluster.peer_deadline).
+    constexpr size_t kMaxHandlerThreads = 256;
+    threads_ = std::make_unique<HandlerThreads>(kMaxHandlerThreads);
+    HandlerThreads* threads = threads_.get();
+    registry->AddGauge("proxima_handler_threads",
+                       "Threads of the daemon's own that run calls which may wait: UCX "
+                       "transfers, and with the cluster on the calls that may ask peers",
+                       {}, [threads] { return static_cast<double>(threads->threads()); });
+  }
   for (int m = 0; m < kMethods; ++m) {
     latency_[m] = registry->AddHistogram("proxima_request_duration_seconds",
                                          "Time to handle a KVTier call in the daemon",
                                          {{"method", kMethodNames[m]}}, metrics::LatencyBuckets());
+  }
+}
+
+bool KvTierGrpcService::MayWaitOnPeers(Method method) const {
+  switch (method) {
+    case kPut:  // a spill round (cluster.spill.put_wait)
+    case kPutUcx:
+    case kGet:  // the rest of the batch from other nodes (cluster.peer_deadline)
+    case kGetUcx:
+    case kLookup:
+    case kDelete:
+      return offload_peer_waits_;
+    default:
+      return false;
   }
 }
 
@@ -137,60 +213,70 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
                                                     grpc::CallbackServerContext* context,
                                                     uint64_t request_bytes,
                                                     grpc::ByteBuffer* response, Call&& call,
-                                                    bool held_until_sent) {
+                                                    bool held_until_sent, bool may_wait) {
   auto start = std::chrono::steady_clock::now();
   in_flight_.fetch_add(1);
-  const std::string peer = context->peer();
-  bool admitted = false;  // counted in the peer's account; ended when gRPC is done with the call
-  uint64_t held = 0;      // bytes charged to the peer
+  auto* reactor = new AccountedReactor();
   // Explicit captures (GCC 12's UBSan misreads an implicit `this` capture in these handlers).
-  absl::Status status = [this, context, response, request_bytes, &peer, &admitted, &held,
-                         &call]() -> absl::Status {
-    if (draining_.load())
-      return absl::UnavailableError("proximad is shutting down; retry elsewhere");
-    PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
-    // Every connection is a client of its own: TCP peers by address, Unix-socket connections
-    // as "fd:N" (UnixListener hands them to gRPC one by one). A "unix:" peer would be one
-    // gRPC listened for itself, which names every client alike: those are not limited.
-    const bool accounted = !absl::StartsWith(peer, "unix:");
-    if (accounted) {
-      PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));
-      admitted = true;
-      held = request_bytes;
-    }
-    PROXIMA_RETURN_IF_ERROR(call(caller));
-    if (accounted && response != nullptr) {
-      // The response stays in memory (or pins tier memory) until sent: it counts too.
-      const uint64_t response_bytes = response->Length();
-      absl::Status charged = inflight_.AddResponse(peer, response_bytes);
-      if (!charged.ok()) {
-        response->Clear();  // drops the pins of a Get's blocks now
-        return charged;
+  auto run = [this, method, context, request_bytes, response, held_until_sent, start, reactor,
+              call = std::forward<Call>(call)]() mutable {
+    const std::string peer = context->peer();
+    bool admitted = false;  // counted in the peer's account; ended when gRPC is done with the call
+    uint64_t held = 0;      // bytes charged to the peer
+    absl::Status status = [this, context, response, request_bytes, &peer, &admitted, &held,
+                           &call]() -> absl::Status {
+      if (draining_.load())
+        return absl::UnavailableError("proximad is shutting down; retry elsewhere");
+      PROXIMA_ASSIGN_OR_RETURN(Caller caller, core_->Authenticate(AuthorizationOf(*context)));
+      // Every connection is a client of its own: TCP peers by address, Unix-socket connections
+      // as "fd:N" (UnixListener hands them to gRPC one by one). A "unix:" peer would be one
+      // gRPC listened for itself, which names every client alike: those are not limited.
+      const bool accounted = !absl::StartsWith(peer, "unix:");
+      if (accounted) {
+        PROXIMA_RETURN_IF_ERROR(inflight_.Begin(peer, request_bytes));
+        admitted = true;
+        held = request_bytes;
       }
-      held += response_bytes;
+      PROXIMA_RETURN_IF_ERROR(call(caller));
+      if (accounted && response != nullptr) {
+        // The response stays in memory (or pins tier memory) until sent: it counts too.
+        const uint64_t response_bytes = response->Length();
+        absl::Status charged = inflight_.AddResponse(peer, response_bytes);
+        if (!charged.ok()) {
+          response->Clear();  // drops the pins of a Get's blocks now
+          return charged;
+        }
+        held += response_bytes;
+      }
+      return absl::OkStatus();
+    }();
+    in_flight_.fetch_sub(1);
+    latency_[method]->Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    int code = static_cast<int>(status.code());
+    if (code < 0 || code >= kCodes) code = static_cast<int>(absl::StatusCode::kUnknown);
+    metrics::Counter* counter = requests_[method][code].load(std::memory_order_acquire);
+    if (counter == nullptr) {
+      counter = registry_->AddCounter(
+          "proxima_requests_total", "KVTier calls handled, by method and status code",
+          {{"method", kMethodNames[method]},
+           {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
+      requests_[method][code].store(counter, std::memory_order_release);
     }
-    return absl::OkStatus();
-  }();
-  in_flight_.fetch_sub(1);
-  latency_[method]->Observe(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  int code = static_cast<int>(status.code());
-  if (code < 0 || code >= kCodes) code = static_cast<int>(absl::StatusCode::kUnknown);
-  metrics::Counter* counter = requests_[method][code].load(std::memory_order_acquire);
-  if (counter == nullptr) {
-    counter = registry_->AddCounter(
-        "proxima_requests_total", "KVTier calls handled, by method and status code",
-        {{"method", kMethodNames[method]},
-         {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(code))}});
-    requests_[method][code].store(counter, std::memory_order_release);
+    counter->Increment();
+    if (admitted && !held_until_sent) {
+      inflight_.End(peer, held);
+      admitted = false;
+    }
+    reactor->Finish(
+        admitted ? &inflight_ : nullptr, peer, held,
+        grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
+  };
+  if (threads_ != nullptr && (may_wait || MayWaitOnPeers(method))) {
+    threads_->Run(std::move(run));
+  } else {
+    run();
   }
-  counter->Increment();
-  if (admitted && !held_until_sent) {
-    inflight_.End(peer, held);
-    admitted = false;
-  }
-  auto* reactor = new AccountedReactor(admitted ? &inflight_ : nullptr, peer, held);
-  reactor->Finish(grpc::Status(static_cast<grpc::StatusCode>(code), std::string(status.message())));
   return reactor;
 }
 
@@ -346,6 +432,18 @@ grpc::ServerUnaryReactor* KvTierGrpcService::GetServerInfo(grpc::CallbackServerC
                 });
 }
 
+namespace {
+// The session a UCX data-plane call names (0: none, as ConnectUcx's).
+template <typename Req>
+uint64_t SessionOf(const Req& request) {
+  if constexpr (requires { request.session_id(); }) {
+    return request.session_id();
+  } else {
+    return 0;
+  }
+}
+}  // namespace
+
 template <typename Req, typename Resp, typename Call>
 grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
                                                        grpc::CallbackServerContext* context,
@@ -370,7 +468,8 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
   }
   return Handle(
       method, context, charged, nullptr,
-      [ucx, response, deadline, &call](const Caller& caller) -> absl::Status {
+      [ucx, response, deadline,
+       call = std::forward<Call>(call)](const Caller& caller) mutable -> absl::Status {
         if (ucx == nullptr) {
           return absl::FailedPreconditionError(
               "this proximad runs without the UCX data plane (ucx.enabled: false); "
@@ -380,7 +479,8 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
         if (!status.ok()) response->Clear();  // a failed call returns no partial results
         return status;
       },
-      /*held_until_sent=*/false);
+      /*held_until_sent=*/false,
+      /*may_wait=*/ucx != nullptr && !ucx->OverSharedMemory(SessionOf(*request)));
 }
 
 grpc::ServerUnaryReactor* KvTierGrpcService::ConnectUcx(grpc::CallbackServerContext* c,

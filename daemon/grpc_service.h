@@ -4,17 +4,31 @@
 // status code, and converts the absl::Status to a grpc::Status at the edge (the codes map one to
 // one).
 //
+// Handler threads: gRPC 1.51's callback API runs handlers on its own few threads (about two
+// calls at once on the 2-core test machine), so a handler that waits holds up every other call.
+// Calls that may wait run on threads of the service's own instead (HandlerThreads: one per call
+// running, started as needed, kept): UCX transfers of sessions that are not over shared memory
+// (over tcp a client stopped in the middle of one leaves it waiting until its deadline; over
+// shared memory the daemon copies mapped client memory itself), and with `offload` (the daemon
+// sets it when the cluster is on) Put, Get, Lookup, Delete and the UCX transfers, which may wait
+// for peers up to cluster.peer_deadline or for a spill round.
+//
 // Thread-safe: gRPC calls handlers concurrently.
 #ifndef PROXIMA_DAEMON_GRPC_SERVICE_H_
 #define PROXIMA_DAEMON_GRPC_SERVICE_H_
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "common/mutex.h"
-
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
 #include "daemon/ucx_transport.h"
@@ -84,13 +98,36 @@ class InflightLedger {
   absl::flat_hash_map<std::string, Account> accounts_ ABSL_GUARDED_BY(mu_);
 };
 
+// Threads that run tasks, one per task running: a task finds an idle thread or starts a new one
+// (up to `max_threads`; past that it waits for one). Threads stay once started. The destructor
+// runs what is queued and joins them.
+class HandlerThreads {
+ public:
+  explicit HandlerThreads(size_t max_threads) : max_threads_(max_threads) {}
+  ~HandlerThreads();
+  void Run(std::function<void()> task);
+  size_t threads() const;
+
+ private:
+  void Loop();
+
+  const size_t max_threads_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  size_t idle_ = 0;                          // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::vector<std::thread> threads_;         // guarded by mu_
+};
+
 class KvTierGrpcService final : public KvTierCallbackBase {
  public:
   // `core`, `registry` and `ucx` (null when the daemon runs without UCX) must outlive the
-  // service.
+  // service. `offload`: run the calls that may wait for peers on the service's own threads
+  // (the UCX transfers always run there).
   KvTierGrpcService(TierService* core, metrics::Registry* registry,
                     uint64_t max_inflight_bytes_per_client, uint32_t max_connections,
-                    UcxTransport* ucx = nullptr);
+                    UcxTransport* ucx = nullptr, bool offload = false);
 
   // From now on every call is answered UNAVAILABLE ("draining"); calls already running finish.
   void StartDraining() { draining_.store(true); }
@@ -156,6 +193,9 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   grpc::ServerUnaryReactor* HandleUcx(Method method, grpc::CallbackServerContext* context,
                                       const Req* request, Resp* response, Call&& call);
   static constexpr int kCodes = 17;  // absl/gRPC status codes 0..16
+  // With `offload`: the calls that may wait for other daemons or a spill round (they run on
+  // threads_).
+  bool MayWaitOnPeers(Method method) const;
 
   // Authenticates the call and runs `call(caller)` (returning absl::Status) unless draining or
   // the peer is over its in-flight bytes, records latency and status code, and finishes the
@@ -165,9 +205,10 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   // response (an inline response holds or pins them until then); false for calls whose charged
   // bytes are done with when `call` returns (UCX transfers), so that the client's next call,
   // which may start as soon as it has the answer, never finds them still charged.
+  // `may_wait`: the call may wait for its client (a UCX transfer over tcp): it runs on threads_.
   grpc::ServerUnaryReactor* Handle(Method method, grpc::CallbackServerContext* context,
                                    uint64_t request_bytes, grpc::ByteBuffer* response, Call&& call,
-                                   bool held_until_sent = true);
+                                   bool held_until_sent = true, bool may_wait = false);
   // A raw call (Put, Get, Lookup, Delete, Decompress): `serve` is one of the Serve* functions
   // above.
   grpc::ServerUnaryReactor* HandleRaw(Method method, grpc::CallbackServerContext* context,
@@ -185,12 +226,15 @@ class KvTierGrpcService final : public KvTierCallbackBase {
   TierService* const core_;
   InflightLedger inflight_;
   UcxTransport* const ucx_;
+  const bool offload_peer_waits_;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};
   metrics::Registry* const registry_;
   std::array<metrics::Histogram*, kMethods> latency_{};
   // Request counters per (method, code), created on first use.
   std::array<std::array<std::atomic<metrics::Counter*>, kCodes>, kMethods> requests_{};
+  // Null without `offload`. Declared last: destroyed (joined) first.
+  std::unique_ptr<HandlerThreads> threads_;
 };
 
 }  // namespace proxima::daemon

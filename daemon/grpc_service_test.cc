@@ -1,5 +1,12 @@
 #include "daemon/grpc_service.h"
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -42,6 +49,60 @@ TEST(InflightLedgerTest, ConnectionsWithCallsRunningAreCapped) {
   ledger.End("a", 0);
   EXPECT_EQ(ledger.active_peers(), 1u);  // zero-byte calls leave no account behind
   ASSERT_OK(ledger.Begin("c", 0));
+}
+
+}  // namespace
+}  // namespace proxima::daemon
+
+namespace proxima::daemon {
+namespace {
+
+// Calls that wait (for peers) each get a thread: eight tasks that wait for one another all run at
+// once, and a thread left idle is reused, never more than the limit started.
+TEST(HandlerThreadsTest, WaitingTasksRunAtOnceAndThreadsAreReused) {
+  HandlerThreads threads(/*max_threads=*/64);
+  std::mutex mu;
+  std::condition_variable cv;
+  int started = 0;
+  int finished = 0;
+  for (int i = 0; i < 8; ++i) {
+    threads.Run([&] {
+      std::unique_lock<std::mutex> lock(mu);
+      ++started;
+      cv.notify_all();
+      // Each waits until all eight have started: with fewer threads this never ends.
+      EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return started == 8; }));
+      ++finished;
+      cv.notify_all();
+    });
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return finished == 8; }));
+  }
+  EXPECT_EQ(threads.threads(), 8u);
+  // One at a time now: the idle threads take them.
+  for (int i = 0; i < 20; ++i) {
+    std::promise<void> done;
+    threads.Run([&] { done.set_value(); });
+    done.get_future().wait();
+  }
+  EXPECT_LE(threads.threads(), 12u) << "idle threads were not reused";
+}
+
+TEST(HandlerThreadsTest, PastTheLimitTasksWaitAndTheDestructorRunsWhatIsQueued) {
+  std::atomic<int> ran{0};
+  {
+    HandlerThreads threads(/*max_threads=*/2);
+    for (int i = 0; i < 50; ++i) {
+      threads.Run([&ran] {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        ++ran;
+      });
+    }
+    EXPECT_LE(threads.threads(), 2u);
+  }
+  EXPECT_EQ(ran.load(), 50);
 }
 
 }  // namespace

@@ -228,8 +228,19 @@ absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxReq
   absl::StatusOr<std::string> shm =
       worker_->SharedMemoryTransport(**ep, TransferDeadline(deadline));
   if (shm.ok()) response->set_shared_memory_transport(*shm);
+  if (shm.ok() && !shm->empty()) {
+    proxima::MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it != sessions_.end()) it->second.shared_memory = true;
+  }
   response->set_session_id(id);
   return absl::OkStatus();
+}
+
+bool UcxTransport::OverSharedMemory(uint64_t session_id) const {
+  proxima::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  return it != sessions_.end() && it->second.shared_memory;
 }
 
 absl::Status UcxTransport::Probe(ucx::Endpoint& endpoint, const v1::ConnectUcxRequest& request,

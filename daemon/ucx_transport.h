@@ -80,6 +80,12 @@ class UcxTransport {
     return arena_->Contains(bytes.data(), bytes.size()) ? arena_.get() : nullptr;
   }
 
+  // Whether session `session_id` moves bytes over shared memory. There the daemon copies mapped
+  // client memory itself (UCX-allocated memory and the client's host staging, the defaults) and
+  // waits for nothing of the client's; over tcp a transfer needs the client's UCX to progress,
+  // and waits for a stopped client until the call's deadline. False for an unknown session.
+  bool OverSharedMemory(uint64_t session_id) const;
+
  private:
   UcxTransport(const UcxConfig& config, TierService* core) : config_(config), core_(core) {}
   // An open session and who opened it: the namespace and name of the token it presented
@@ -88,6 +94,7 @@ class UcxTransport {
     std::shared_ptr<ucx::Endpoint> endpoint;
     int owner_namespace = -1;
     std::string owner_token;
+    bool shared_memory = false;  // its lanes are shared memory (ConnectUcx's advice)
   };
   // The endpoint of `caller`'s session `session_id`: NOT_FOUND when no such session is open,
   // PERMISSION_DENIED when another caller opened it.

@@ -644,6 +644,75 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
   EXPECT_GT(Metric(1, "proxima_cluster_location_records_reannounced_total"), 0);
 }
 
+// A peer that hangs (SIGSTOP: its kernel still accepts connections, nothing answers) makes every
+// lookup that asks it wait for cluster.peer_deadline until health checks take it out of the live
+// set. Those waits must not hold up the daemon's other calls: a worker's puts on the same node
+// stay fast while other workers' lookups wait on the hung peer.
+TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
+  // Slow health checks: the hung peer stays in the live set for the whole test; and a long
+  // peer deadline: the lookups asking it wait for the whole test too.
+  constexpr absl::Duration kLongDeadline = absl::Seconds(5);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(
+      3,
+      {"cluster.health_interval=10s", "cluster.health_timeout=1s", "cluster.failures_before_down=3",
+       absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(kLongDeadline), "ms")}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  ASSERT_TRUE(a);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  constexpr size_t kBlocks = 16;
+  Blocks on_a = MakeBlocks(21, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(a->Put(p, on_a.keys, on_a.spans()).status());
+  {
+    auto b = MustConnect(daemons_[1]->tcp_target());
+    ASSERT_TRUE(b);
+    ASSERT_OK(b->RegisterProfile(TestModel()).status());
+    ASSERT_EQ(WaitLookup(*b, p, 21, kBlocks, kBlocks), kBlocks);
+  }
+  daemons_[2]->Signal(SIGSTOP);
+  // Eight workers on B look up A's chain without pause: the keys whose home is C wait for it.
+  std::atomic<bool> stop{false};
+  std::atomic<int> lookups{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 8; ++t) {
+    readers.emplace_back([&] {
+      auto c = MustConnect(daemons_[1]->tcp_target());
+      if (c == nullptr) return;
+      auto profile = c->RegisterProfile(TestModel());
+      if (!profile.ok()) return;
+      while (!stop.load()) {
+        (void)c->Lookup(*profile, client::TestKeyChain(21, 0, kBlocks));
+        ++lookups;
+      }
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the lookups are all waiting on C now
+  // Meanwhile another worker on B puts blocks, a small batch at a time.
+  auto writer = MustConnect(daemons_[1]->tcp_target());
+  ASSERT_TRUE(writer);
+  ASSERT_OK(writer->RegisterProfile(TestModel()).status());
+  absl::Duration slowest;
+  const absl::Time puts_start = absl::Now();
+  for (size_t first = 0; first < 20; ++first) {
+    Blocks one = MakeBlocks(22, first, 1, p.block_bytes);
+    const absl::Time start = absl::Now();
+    ASSERT_OK(writer->Put(p, one.keys, one.spans()).status());
+    slowest = std::max(slowest, absl::Now() - start);
+  }
+  const int lookups_during_puts = lookups.load();
+  const absl::Duration puts_took = absl::Now() - puts_start;
+  stop.store(true);
+  daemons_[2]->Signal(SIGCONT);
+  for (auto& t : readers) t.join();
+  std::cout << "puts on B while 8 lookups waited on a hung peer: slowest " << slowest
+            << "; lookups done " << lookups.load() << "\n";
+  // The premise: all the while, every lookup was waiting on C (none had come back).
+  if (puts_took < kLongDeadline - absl::Milliseconds(500)) EXPECT_EQ(lookups_during_puts, 0);
+  EXPECT_GE(lookups.load(), 8) << "a lookup did not end when C answered again";
+  // A put costs a few milliseconds here; one queued behind the lookups would wait for them.
+  EXPECT_LT(slowest, absl::Milliseconds(500));
+}
+
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
   // A and B run the UCX data plane: B pulls A's spilled blocks straight from A's arena. C does

@@ -502,3 +502,55 @@ def test_buffer_with_torch_frombuffer(client, profile):
     assert torch.equal(t[0], t[1])
     del t
     buf.close()
+
+
+_WRITER = r"""
+import sys
+import numpy as np
+import proxima
+c = proxima.Client(sys.argv[1], transport="ucx")
+assert c.transport == "ucx", c.transport_detail
+p = c.register_profile(128, 8, 128, 16, "bf16", fingerprint="stopped-writer")
+buf = np.ones(p.block_bytes, np.uint8)
+c.register_buffer(buf.ctypes.data, buf.nbytes)
+print("ready", flush=True)
+i = int(sys.argv[2]) << 32
+while True:
+    c.put(p, proxima.chain_keys(proxima.keys.scope_bytes("stopped", "writer"), [i]),
+          [[(buf.ctypes.data, p.block_bytes)]])
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("ucx_daemon", ["tcp"], indirect=True)
+def test_writers_stopped_mid_transfer_do_not_hold_up_other_calls(ucx_daemon):
+    """Three processes putting 8 MiB blocks over UCX on tcp are stopped (SIGSTOP) mid-transfer:
+    the daemon's pull from each then waits for the stopped process until the call's deadline.
+    Another client must still connect and be answered at once (before the daemon ran UCX
+    transfers on threads of its own, the waits held gRPC's few handler threads and a new client
+    could not connect within 5 s)."""
+    import subprocess
+    import sys as _sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(proxima.__file__)), os.environ.get("PYTHONPATH", "")]))
+    writers = [subprocess.Popen([_sys.executable, "-c", _WRITER, f"127.0.0.1:{ucx_daemon.tcp_port}",
+                                 str(k)], env=env, stdout=subprocess.PIPE)
+               for k in range(3)]
+    try:
+        for w in writers:
+            assert w.stdout.readline().strip() == b"ready"
+        time.sleep(1.0)
+        for w in writers:
+            w.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        start = time.monotonic()
+        c = proxima.Client(ucx_daemon.target, transport="inline", connect_timeout=10.0)
+        p = c.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", fingerprint="not-stopped")
+        assert c.lookup(p, keys_for("not-stopped", 4)) == 0
+        took = time.monotonic() - start
+        assert ucx_daemon.metric('proxima_transfer_bytes_total{transport="ucx",direction="in"}') > 0
+        assert took < 2.0, f"a call took {took:.1f} s while UCX writers were stopped"
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait(10)
