@@ -30,6 +30,8 @@ constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
 // How often the record sender looks for blocks that left the local tiers (evicted, spilled)
 // when no put or delete wakes it: the longest a home may go on naming this node for them.
 constexpr auto kDeparturePeriod = std::chrono::milliseconds(100);
+// Keys queued before a re-announcement (a live-set change) sends a round mid-walk.
+constexpr size_t kReannounceRoundKeys = 64u << 10;
 
 void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
   out->set_namespace_name(blocks.namespace_name);
@@ -393,7 +395,14 @@ void Cluster::Reannounce(const LiveSet& live) {
       for (const Batch& batch : batches) Enqueue(batch, batch.keys);
       ForgetDepartures();
     }
-    SendQueued();
+    // Rounds of at least kReannounceRoundKeys keys: each round waits for its slowest home (up
+    // to peer_deadline), so not one per shard; the rest goes with the sender's next round.
+    bool full = false;
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      full = queued_keys_ >= kReannounceRoundKeys;
+    }
+    if (full) SendQueued();
   }
   reannounced_->Increment(records);
   if (records > 0) {
