@@ -30,6 +30,9 @@ constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
 // How often the record sender looks for blocks that left the local tiers (evicted, spilled)
 // when no put or delete wakes it: the longest a home may go on naming this node for them.
 constexpr auto kDeparturePeriod = std::chrono::milliseconds(100);
+// How long a peer whose call failed or timed out is left alone (its calls answer as misses at
+// once) before it is tried again; health checks take a dead one out of the live set meanwhile.
+constexpr absl::Duration kSuspectFor = absl::Seconds(1);
 // Keys queued before a re-announcement (a live-set change) sends a round mid-walk.
 constexpr size_t kReannounceRoundKeys = 64u << 10;
 
@@ -64,13 +67,13 @@ struct PeerCall {
 // deadline, so that is bounded. Not gRPC's callback API: its completions run on gRPC's own
 // threads, which the blocked request handlers of this very daemon may all be holding.
 template <typename Call, typename Prepare>
-void RunAll(std::vector<std::unique_ptr<Call>>& calls, Prepare prepare) {
+void RunAll(const std::vector<Call*>& calls, Prepare prepare) {
   if (calls.empty()) return;
   grpc::CompletionQueue cq;
-  for (auto& call : calls) {
-    call->reader = prepare(call.get(), &cq);
+  for (Call* call : calls) {
+    call->reader = prepare(call, &cq);
     call->reader->StartCall();
-    call->reader->Finish(&call->response, &call->status, call.get());
+    call->reader->Finish(&call->response, &call->status, call);
   }
   void* tag = nullptr;
   bool ok = false;
@@ -108,13 +111,54 @@ std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
 }  // namespace
 
 template <typename Call, typename Method>
-void Cluster::CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline,
-                      Method method) {
-  RunAll(calls, [&](Call* call, grpc::CompletionQueue* cq) {
+void Cluster::CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method,
+                      bool skip_suspects) {
+  const absl::Time start = absl::Now();
+  std::vector<Call*> started;
+  {
+    proxima::MutexLock lock(&suspects_mu_);
+    for (auto& call : calls) {
+      auto it = suspect_until_.find(call->peer);
+      if (skip_suspects && it != suspect_until_.end() && start < it->second) {
+        call->status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                    absl::StrCat("peer ", call->peer,
+                                                 " left alone: a call to it failed or timed out "
+                                                 "less than ",
+                                                 absl::FormatDuration(kSuspectFor), " ago"));
+        skipped_calls_->Increment();
+      } else {
+        started.push_back(call.get());
+      }
+    }
+  }
+  RunAll(started, [&](Call* call, grpc::CompletionQueue* cq) {
     call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
     AddAuth(&call->context, deadline);
     return ((*call->stub).*method)(&call->context, call->request, cq);
   });
+  // A peer that did not answer in time (with at least half the peer deadline to do it), or
+  // could not be reached, is left alone for a while: the calls after this one answer at once
+  // instead of each waiting for it until health checks take it out of the live set.
+  const bool had_time = deadline - start >= peer_deadline_ / 2;
+  const absl::Time until = absl::Now() + kSuspectFor;
+  proxima::MutexLock lock(&suspects_mu_);
+  for (Call* call : started) {
+    const grpc::StatusCode code = call->status.error_code();
+    if (code == grpc::StatusCode::UNAVAILABLE ||
+        (code == grpc::StatusCode::DEADLINE_EXCEEDED && had_time)) {
+      auto [it, added] = suspect_until_.try_emplace(call->peer, until);
+      if (added || it->second < start) {
+        PROXIMA_LOG(kWarning) << "a peer call failed; calls to the peer answer as misses for a "
+                                 "while"
+                              << log::Kv("peer", call->peer)
+                              << log::Kv("error", call->status.error_message())
+                              << log::Kv("for", absl::FormatDuration(kSuspectFor));
+      }
+      it->second = std::max(it->second, until);
+    } else if (call->status.ok()) {
+      suspect_until_.erase(call->peer);
+    }
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& config,
@@ -180,7 +224,12 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "Blocks fetched from a peer whose bytes failed their CRC32C or size check (dropped)");
   peer_call_failures_ = registry->AddCounter(
       "proxima_cluster_peer_call_failures_total",
-      "Peer calls that failed or missed their deadline (each answered as misses)");
+      "Peer calls that failed or missed their deadline, or were not made (a peer left alone "
+      "after a failure); each answered as misses");
+  skipped_calls_ = registry->AddCounter(
+      "proxima_cluster_peer_calls_skipped_total",
+      "Peer calls not made because a call to that peer failed or timed out less than 1 s "
+      "before (answered as misses at once)");
   records_sent_ = registry->AddCounter("proxima_cluster_location_records_sent_total",
                                        "Location records sent to home nodes after local puts");
   reannounced_ = registry->AddCounter(
@@ -486,7 +535,7 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
     FillSet(blocks, call->which, call->request.mutable_blocks());
     calls.push_back(std::move(call));
   }
-  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations);
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations, /*skip_suspects=*/true);
   for (const auto& call : calls) {
     if (!call->status.ok() ||
         call->response.holders_size() != static_cast<int>(call->which.size())) {
@@ -510,7 +559,7 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
   std::vector<std::unique_ptr<Call>> calls =
       CallsPerHolder<Call>(blocks, holders, self_, core_->max_batch_blocks());
-  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks);
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {
     if (!call->status.ok() ||
         call->response.deleted_size() != static_cast<int>(call->which.size())) {
@@ -568,7 +617,7 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
                             << log::Kv("error", b.status().ToString());
     }
   }
-  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncFetchBlocks);
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncFetchBlocks, /*skip_suspects=*/true);
   uint64_t hits = 0;
   uint64_t bytes = 0;
   uint64_t ucx_bytes = 0;

@@ -48,6 +48,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 #include "daemon/cluster/location_table.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/cluster/peer_service.h"
@@ -125,9 +126,13 @@ class Cluster final : public RemoteBlocks {
   void SendAll(absl::flat_hash_map<BatchKey, Intents> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
   // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
-  // each with the stub's PrepareAsync `method`; returns when all have finished.
+  // each with the stub's PrepareAsync `method`; returns when all have finished. A peer whose
+  // call fails or times out is suspect for kSuspectFor; with `skip_suspects` (the calls a
+  // worker waits for: lookups, fetches, deletes) a call to a suspect peer is not made but
+  // answered UNAVAILABLE at once. Records and spills are background work: they always try.
   template <typename Call, typename Method>
-  void CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method);
+  void CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method,
+               bool skip_suspects = false);
   // Wakes the spiller when the host tier is over cluster.spill.threshold.
   void WakeSpillerIfFull();
   void RunSpiller();
@@ -153,6 +158,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* remote_get_misses_ = nullptr;
   metrics::Counter* crc_failures_ = nullptr;
   metrics::Counter* peer_call_failures_ = nullptr;
+  metrics::Counter* skipped_calls_ = nullptr;
   metrics::Counter* records_sent_ = nullptr;
   metrics::Counter* forgets_sent_ = nullptr;
   metrics::Counter* reannounced_ = nullptr;
@@ -198,6 +204,9 @@ class Cluster final : public RemoteBlocks {
     bool inline_only = false;     // it could not pull over UCX: send it the bytes inline
   };
   absl::flat_hash_map<std::string, PeerRoom> rooms_;
+  // Peers left alone after a failed or timed-out call, until when (CallAll).
+  proxima::Mutex suspects_mu_;
+  absl::flat_hash_map<std::string, absl::Time> suspect_until_ ABSL_GUARDED_BY(suspects_mu_);
 };
 
 }  // namespace proxima::daemon::cluster

@@ -713,6 +713,43 @@ TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
   EXPECT_LT(slowest, absl::Milliseconds(500));
 }
 
+// Until health checks take a hung peer out of the live set, only the first lookup that asks it
+// waits for cluster.peer_deadline: the peer is then left alone for a second, and the lookups
+// after answer at once (its keys as misses) instead of each waiting the whole deadline.
+TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"cluster.health_interval=10s", "cluster.health_timeout=1s",
+                       "cluster.failures_before_down=3"}));  // C stays in the live set throughout
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  auto b = MustConnect(daemons_[1]->tcp_target());
+  ASSERT_TRUE(a && b);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+  constexpr size_t kBlocks = 24;
+  Blocks on_a = MakeBlocks(31, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(a->Put(p, on_a.keys, on_a.spans()).status());
+  ASSERT_EQ(WaitLookup(*b, p, 31, kBlocks, kBlocks), kBlocks);
+  daemons_[2]->Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
+  auto timed_lookup = [&] {
+    const absl::Time start = absl::Now();
+    (void)b->Lookup(p, client::TestKeyChain(31, 0, kBlocks));
+    return absl::Now() - start;
+  };
+  const absl::Duration first = timed_lookup();
+  absl::Duration slowest_after;
+  for (int i = 0; i < 5; ++i) slowest_after = std::max(slowest_after, timed_lookup());
+  daemons_[2]->Signal(SIGCONT);
+  std::cout << "lookups asking a hung peer: first " << first << ", slowest of the next 5 "
+            << slowest_after << "\n";
+  EXPECT_GE(first, kPeerDeadline * 0.9);  // the premise: C was asked and did not answer
+  EXPECT_LT(slowest_after, kPeerDeadline / 4);
+  EXPECT_GT(Metric(1, "proxima_cluster_peer_calls_skipped_total"), 0);
+  // C answers again: once its second is over, lookups find the whole chain again.
+  EXPECT_EQ(WaitLookup(*b, p, 31, kBlocks, kBlocks), kBlocks);
+}
+
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
   // A and B run the UCX data plane: B pulls A's spilled blocks straight from A's arena. C does
