@@ -137,6 +137,26 @@ class ClusterTest : public ::testing::Test {
     return got;
   }
 
+  // Clients of nodes 0 (`a`) and 1 (`b`), with TestModel() registered on both (`p`).
+  struct TwoClients {
+    std::unique_ptr<Client> a, b;
+    Profile p;
+  };
+  void ConnectAB(TwoClients* out) {
+    out->a = MustConnect(daemons_[0]->tcp_target());
+    out->b = MustConnect(daemons_[1]->tcp_target());
+    ASSERT_TRUE(out->a && out->b);
+    ASSERT_OK_AND_ASSIGN(out->p, out->a->RegisterProfile(TestModel()));
+    ASSERT_OK(out->b->RegisterProfile(TestModel()).status());
+  }
+  // ConnectAB(), then blocks [0, count) of chain `seed` put through node 0 and found from node 1.
+  void PutChainThroughA(uint64_t seed, size_t count, TwoClients* out) {
+    ASSERT_NO_FATAL_FAILURE(ConnectAB(out));
+    Blocks blocks = MakeBlocks(seed, 0, count, out->p.block_bytes);
+    ASSERT_OK(out->a->Put(out->p, blocks.keys, blocks.spans()).status());
+    ASSERT_EQ(WaitLookup(*out->b, out->p, seed, count, count), count);
+  }
+
   std::string dir_;
   std::string token_file_;
   std::vector<int> ports_;
@@ -202,11 +222,12 @@ TEST_F(ClusterTest, BlocksTheHolderEvictsStopCountingInLookupsFromTheOtherNodes)
   ASSERT_NO_FATAL_FAILURE(
       StartCluster(3, {"tiers.host.capacity_bytes=8MiB", "cluster.spill={enabled: false}"}));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
-  auto a = MustConnect(daemons_[0]->tcp_target());
-  auto b = MustConnect(daemons_[1]->tcp_target());
-  ASSERT_TRUE(a && b);
-  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
-  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  // Plain references, not a structured binding: lambdas below capture them (clang 14).
+  std::unique_ptr<Client>& a = clients.a;
+  std::unique_ptr<Client>& b = clients.b;
+  const Profile& p = clients.p;
   ASSERT_EQ(p.block_bytes, 256u << 10);  // A holds 32
   constexpr size_t kBlocks = 64;
   for (size_t first = 0; first < kBlocks; first += 8) {
@@ -260,15 +281,11 @@ TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
     ports_.clear();
     ASSERT_NO_FATAL_FAILURE(StartCluster(2, {"ucx.enabled=true", "cluster.transport=" + transport}));
     for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2));
-    auto a = MustConnect(daemons_[0]->tcp_target());
-    auto b = MustConnect(daemons_[1]->tcp_target());
-    ASSERT_TRUE(a && b);
-    ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
-    ASSERT_OK(b->RegisterProfile(TestModel()).status());
     constexpr size_t kBlocks = 12;
-    Blocks blocks = MakeBlocks(3, 0, kBlocks, p.block_bytes);
-    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
-    EXPECT_EQ(WaitLookup(*b, p, 3, kBlocks, kBlocks), kBlocks);
+    TwoClients clients;
+    ASSERT_NO_FATAL_FAILURE(PutChainThroughA(3, kBlocks, &clients));
+    std::unique_ptr<Client>& b = clients.b;
+    const Profile& p = clients.p;
     EXPECT_EQ(GetAndCheck(*b, p, 3, 0, kBlocks), kBlocks);  // byte-exact
     const double by_ucx = Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}");
     const double inline_bytes =
@@ -657,18 +674,10 @@ TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
       {"cluster.health_interval=10s", "cluster.health_timeout=1s", "cluster.failures_before_down=3",
        absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(kLongDeadline), "ms")}));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
-  auto a = MustConnect(daemons_[0]->tcp_target());
-  ASSERT_TRUE(a);
-  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
   constexpr size_t kBlocks = 16;
-  Blocks on_a = MakeBlocks(21, 0, kBlocks, p.block_bytes);
-  ASSERT_OK(a->Put(p, on_a.keys, on_a.spans()).status());
-  {
-    auto b = MustConnect(daemons_[1]->tcp_target());
-    ASSERT_TRUE(b);
-    ASSERT_OK(b->RegisterProfile(TestModel()).status());
-    ASSERT_EQ(WaitLookup(*b, p, 21, kBlocks, kBlocks), kBlocks);
-  }
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(21, kBlocks, &clients));
+  const Profile& p = clients.p;
   daemons_[2]->Signal(SIGSTOP);
   // Eight workers on B look up A's chain without pause: the keys whose home is C wait for it.
   std::atomic<bool> stop{false};
@@ -707,7 +716,9 @@ TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
   std::cout << "puts on B while 8 lookups waited on a hung peer: slowest " << slowest
             << "; lookups done " << lookups.load() << "\n";
   // The premise: all the while, every lookup was waiting on C (none had come back).
-  if (puts_took < kLongDeadline - absl::Milliseconds(500)) EXPECT_EQ(lookups_during_puts, 0);
+  if (puts_took < kLongDeadline - absl::Milliseconds(500)) {
+    EXPECT_EQ(lookups_during_puts, 0);
+  }
   EXPECT_GE(lookups.load(), 8) << "a lookup did not end when C answered again";
   // A put costs a few milliseconds here; one queued behind the lookups would wait for them.
   EXPECT_LT(slowest, absl::Milliseconds(500));
@@ -721,15 +732,12 @@ TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
       StartCluster(3, {"cluster.health_interval=10s", "cluster.health_timeout=1s",
                        "cluster.failures_before_down=3"}));  // C stays in the live set throughout
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
-  auto a = MustConnect(daemons_[0]->tcp_target());
-  auto b = MustConnect(daemons_[1]->tcp_target());
-  ASSERT_TRUE(a && b);
-  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
-  ASSERT_OK(b->RegisterProfile(TestModel()).status());
   constexpr size_t kBlocks = 24;
-  Blocks on_a = MakeBlocks(31, 0, kBlocks, p.block_bytes);
-  ASSERT_OK(a->Put(p, on_a.keys, on_a.spans()).status());
-  ASSERT_EQ(WaitLookup(*b, p, 31, kBlocks, kBlocks), kBlocks);
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(31, kBlocks, &clients));
+  // Plain references, not a structured binding: lambdas below capture them (clang 14).
+  std::unique_ptr<Client>& b = clients.b;
+  const Profile& p = clients.p;
   daemons_[2]->Signal(SIGSTOP);
   absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
   auto timed_lookup = [&] {
