@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -73,7 +74,10 @@ class ClusterTest : public ::testing::Test {
     std::ofstream(token_file_) << kPeerToken << "\n";
     std::vector<std::string> peers;
     for (int i = 0; i < n; ++i) {
-      ports_.push_back(FreePort());
+      // A port freed a moment ago can come back from the next bind: each node needs its own.
+      int port = FreePort();
+      while (std::find(ports_.begin(), ports_.end(), port) != ports_.end()) port = FreePort();
+      ports_.push_back(port);
       peers.push_back(absl::StrCat("127.0.0.1:", ports_.back()));
     }
     for (int i = 0; i < n; ++i) {
