@@ -1,6 +1,7 @@
 #include "daemon/cluster/cluster.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
@@ -381,9 +382,9 @@ void Cluster::RunSender() {
       ForgetDepartures();
     }
     std::shared_ptr<const LiveSet> live = membership_->Live();
-    if (live->nodes.size() != announced_for_.size() ||
-        !std::equal(live->nodes.begin(), live->nodes.end(), announced_for_.begin(),
-                    [](const PlacementNode& n, const std::string& id) { return n.id == id; })) {
+    if (!std::equal(live->nodes.begin(), live->nodes.end(), announced_for_.begin(),
+                    announced_for_.end(),
+                    [](const PlacementNode& a, const PlacementNode& b) { return a.id == b.id; })) {
       Reannounce(*live);
     }
     SendQueued();
@@ -401,10 +402,7 @@ void Cluster::SendQueued() {
 }
 
 void Cluster::Reannounce(const LiveSet& live) {
-  std::vector<PlacementNode> before;
-  for (const std::string& id : announced_for_) before.push_back({id, 1.0});
-  announced_for_.clear();
-  for (const PlacementNode& n : live.nodes) announced_for_.push_back(n.id);
+  const std::vector<PlacementNode> before = std::exchange(announced_for_, live.nodes);
   if (live.nodes.size() < 2) return;  // alone: every key's home is here, nothing to tell
   BlockStore& store = core_->store();
   uint64_t records = 0;

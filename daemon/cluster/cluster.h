@@ -183,7 +183,7 @@ class Cluster final : public RemoteBlocks {
   std::thread sender_;
   // The live set's node ids the local blocks' records were last sent for (sender thread only;
   // empty before the first round: every block put while alone is announced then).
-  std::vector<std::string> announced_for_;
+  std::vector<PlacementNode> announced_for_;
 
   // The spiller: woken by puts that leave the tier over the threshold (and every 250 ms).
   std::condition_variable spill_cv_;  // with queue_mu_

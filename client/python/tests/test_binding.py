@@ -6,6 +6,8 @@ import gc
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -529,11 +531,9 @@ def test_writers_stopped_mid_transfer_do_not_hold_up_other_calls(ucx_daemon):
     Another client must still connect and be answered at once (before the daemon ran UCX
     transfers on threads of its own, the waits held gRPC's few handler threads and a new client
     could not connect within 5 s)."""
-    import subprocess
-    import sys as _sys
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(proxima.__file__)), os.environ.get("PYTHONPATH", "")]))
-    writers = [subprocess.Popen([_sys.executable, "-c", _WRITER, f"127.0.0.1:{ucx_daemon.tcp_port}",
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, f"127.0.0.1:{ucx_daemon.tcp_port}",
                                  str(k)], env=env, stdout=subprocess.PIPE)
                for k in range(3)]
     try:
