@@ -4,6 +4,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common/crc32c_poly.h"
+
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 #elif defined(__aarch64__)
@@ -14,7 +16,7 @@
 namespace proxima {
 namespace {
 
-constexpr uint32_t kPolyReflected = 0x82F63B78u;
+using crc32c_poly::kPolyReflected;
 
 // kTables[k][b]: CRC contribution of byte b followed by k zero bytes (slicing-by-8).
 using Tables = std::array<std::array<uint32_t, 256>, 8>;
@@ -188,6 +190,22 @@ uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src, ui
     n -= len;
   }
   return ~crc;
+}
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // Crc32c(a ++ b) = crc_a * x^(8 |b|) mod P ^ crc_b (the conditioning of the two CRCs cancels:
+  // see kernels/internal/crc32c_math.h). kPow[k] = x^(8 * 2^k) mod P.
+  static const std::array<uint32_t, 64> kPow = [] {
+    std::array<uint32_t, 64> p{};
+    p[0] = crc32c_poly::kOne >> 8;  // x^8
+    for (size_t k = 1; k < p.size(); ++k) p[k] = crc32c_poly::MulModP(p[k - 1], p[k - 1]);
+    return p;
+  }();
+  uint32_t v = crc_a;
+  for (size_t k = 0; len_b != 0; ++k, len_b >>= 1) {
+    if (len_b & 1u) v = crc32c_poly::MulModP(v, kPow[k]);
+  }
+  return v ^ crc_b;
 }
 
 uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data) {

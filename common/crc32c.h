@@ -24,6 +24,10 @@ uint32_t Crc32cExtend(uint32_t crc, std::span<const std::byte> data);
 // Crc32cCopy(dst, src, crc) continues `crc` like Crc32cExtend.
 uint32_t Crc32cCopy(std::span<std::byte> dst, std::span<const std::byte> src, uint32_t crc = 0);
 
+// Crc32c(a ++ b) from crc_a = Crc32c(a), crc_b = Crc32c(b) and len_b = b.size(): lets pieces of
+// one span be checksummed apart (on several threads) and joined in order. About 0.1-0.5 us.
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 // The portable path, exposed so tests can compare it with the hardware path.
 uint32_t Crc32cExtendPortable(uint32_t crc, std::span<const std::byte> data);
 

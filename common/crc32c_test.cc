@@ -1,5 +1,6 @@
 #include "common/crc32c.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -48,6 +49,39 @@ TEST(Crc32cTest, InterleavedLanesAndCopyMatchTheScalarDefinition) {
     EXPECT_EQ(Crc32cCopy(copy, data), expected) << len;
     EXPECT_EQ(copy, data);
   }
+}
+
+TEST(Crc32cTest, CombiningThePiecesOfASpanGivesTheWholeSpansCrc) {
+  std::mt19937 rng(13);
+  std::vector<std::byte> data(3u << 20);
+  for (auto& b : data) b = static_cast<std::byte>(rng());
+  std::span<const std::byte> all(data);
+  // Empty pieces, single bytes, odd sizes, and pieces longer than 2^20 (every bit of the length
+  // up to the 22nd is exercised).
+  for (size_t split :
+       {size_t{0}, size_t{1}, size_t{4095}, size_t{1} << 20, data.size() - 1, data.size()}) {
+    const uint64_t len_b = data.size() - split;
+    EXPECT_EQ(Crc32cCombine(Crc32c(all.first(split)), Crc32c(all.subspan(split)), len_b),
+              Crc32c(all))
+        << split;
+  }
+  // Many pieces folded left to right, as a batch copied in parallel is.
+  uint32_t folded = 0;
+  for (size_t at = 0; at < data.size();) {
+    const size_t len = std::min<size_t>(data.size() - at, 1 + rng() % (300u << 10));
+    folded = Crc32cCombine(folded, Crc32c(all.subspan(at, len)), len);
+    at += len;
+  }
+  EXPECT_EQ(folded, Crc32c(all));
+  // Lengths past any buffer here: Combine(c, 0, n) shifts c by n zero bytes, and two shifts
+  // compose, so shifting by 2^40 twice must equal shifting by 2^41 (and 3 * 2^40 + 5 is the
+  // shift by 2^41 and by 2^40 + 5 in turn).
+  const uint32_t c = Crc32c(all.first(100));
+  const uint64_t t40 = uint64_t{1} << 40;
+  EXPECT_EQ(Crc32cCombine(Crc32cCombine(c, 0, t40), 0, t40), Crc32cCombine(c, 0, 2 * t40));
+  EXPECT_EQ(Crc32cCombine(Crc32cCombine(c, 0, 2 * t40), 0, t40 + 5),
+            Crc32cCombine(c, 0, 3 * t40 + 5));
+  EXPECT_NE(Crc32cCombine(c, 0, t40), c);
 }
 
 // Which path the tests above compared with the portable one (the aarch64 build runs under qemu,

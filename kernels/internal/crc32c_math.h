@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/crc32c_poly.h"
+
 #if defined(__CUDACC__)
 #define PXC_HD __host__ __device__ __forceinline__
 #else
@@ -28,9 +30,9 @@
 
 namespace proxima::gpu::crc32c_math {
 
-inline constexpr uint32_t kPolyReflected = 0x82F63B78u;
-// x^0 in the reflected representation: the multiplicative identity.
-inline constexpr uint32_t kOne = 0x80000000u;
+using crc32c_poly::kOne;            // x^0, the multiplicative identity
+using crc32c_poly::kPolyReflected;  // P, reflected
+using crc32c_poly::MulModP;         // a * b mod P
 
 // The batch is cut into chunks of kChunkBytes aligned to absolute addresses (so every chunk but a
 // span's first and last is whole and aligned), one warp per chunk. A whole chunk is read in
@@ -120,16 +122,6 @@ PXC_HD uint32_t ExtendRaw(uint32_t crc, const uint8_t* p, uint64_t n, const uint
     --n;
   }
   return crc;
-}
-
-// a * b mod P, both in the reflected representation.
-PXC_HD uint32_t MulModP(uint32_t a, uint32_t b) {
-  uint32_t product = 0;
-  for (int i = 0; i < 32; ++i) {  // i: the power of x whose coefficient in a is bit 31 - i
-    product ^= (0u - ((a >> (31 - i)) & 1u)) & b;
-    b = (b >> 1) ^ ((0u - (b & 1u)) & kPolyReflected);  // b *= x
-  }
-  return product;
 }
 
 inline ShiftPowers MakeShiftPowers() {
