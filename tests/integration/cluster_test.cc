@@ -685,6 +685,7 @@ TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
   daemons_[2]->Signal(SIGSTOP);
   // Eight workers on B look up A's chain without pause: the keys whose home is C wait for it.
   std::atomic<bool> stop{false};
+  std::atomic<int> started{0};  // readers connected and about to look up
   std::atomic<int> lookups{0};
   std::vector<std::thread> readers;
   for (int t = 0; t < 8; ++t) {
@@ -693,13 +694,21 @@ TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
       if (c == nullptr) return;
       auto profile = c->RegisterProfile(TestModel());
       if (!profile.ok()) return;
+      ++started;
       while (!stop.load()) {
         (void)c->Lookup(*profile, client::TestKeyChain(21, 0, kBlocks));
         ++lookups;
       }
     });
   }
-  absl::SleepFor(absl::Milliseconds(300));  // the lookups are all waiting on C now
+  // Every reader connected (a loaded machine can take a while), then a moment for their first
+  // lookups to reach C: the lookups are all waiting on C now.
+  for (absl::Time until = absl::Now() + absl::Seconds(10);
+       started.load() < 8 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(started.load(), 8) << "readers could not connect to B";
+  absl::SleepFor(absl::Milliseconds(200));
   // Meanwhile another worker on B puts blocks, a small batch at a time.
   auto writer = MustConnect(daemons_[1]->tcp_target());
   ASSERT_TRUE(writer);
