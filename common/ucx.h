@@ -20,10 +20,13 @@
 //    When every remote buffer of a batch is shared memory this process has mapped (UCX-allocated
 //    memory of a peer on the same host, over posix or sysv: ucp_rkey_ptr), the calling thread
 //    copies the bytes itself instead, checksumming them as it copies where asked: no fragments,
-//    and transfers of several callers run in parallel. Once the endpoint holds those keys
-//    unpacked (after the first transfer naming them with a registration id), the calling thread
-//    looks them up and maps the addresses itself, and the progress thread is not involved at
-//    all; the key's last reference is still released on the progress thread.
+//    and transfers of several callers run in parallel. A batch of more than one piece (256 KiB)
+//    is copied by the caller together with whichever of the worker's copy helpers are free
+//    (CopyPool; Create's `copy_helpers`), so one caller's large transfer is not held to one core.
+//    Once the endpoint holds those keys unpacked (after the first transfer naming them with a
+//    registration id), the calling thread looks them up and maps the addresses itself, and the
+//    progress thread is not involved at all; the key's last reference is still released on the
+//    progress thread.
 //
 // Thread-safe: every public method may be called from any thread except the progress thread.
 #ifndef PROXIMA_COMMON_UCX_H_
@@ -49,6 +52,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/copy_pool.h"
 #include "common/mutex.h"
 
 namespace proxima::ucx {
@@ -152,8 +156,10 @@ bool MayUseTcp(const char* tls);
 class Worker {
  public:
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
-  // shows in UCX's logs. Transports follow UCX's environment (UCX_TLS, ...).
-  static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name);
+  // shows in UCX's logs. Transports follow UCX's environment (UCX_TLS, ...). `copy_helpers`:
+  // threads that help callers copy through mapped shared memory (0: callers copy alone).
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name,
+                                                        int copy_helpers = 0);
   // Closes every endpoint, waits (bounded) for in-flight work, and releases the worker and the
   // context. REQUIRES: every Registration and Endpoint handle has been dropped.
   ~Worker();
@@ -213,6 +219,10 @@ class Worker {
   // and the bytes they moved.
   uint64_t direct_transfers() const { return direct_transfers_.load(); }
   uint64_t direct_bytes() const { return direct_bytes_.load(); }
+  // Copy helpers, and the 256 KiB pieces of direct transfers they copied (the callers copied the
+  // rest).
+  int copy_helpers() const { return copy_pool_.helpers(); }
+  uint64_t pieces_copied_by_helpers() const { return copy_pool_.pieces_by_helpers(); }
   // The name given to Create() (shows in UCX's logs).
   const std::string& name() const { return name_; }
 
@@ -221,7 +231,7 @@ class Worker {
   friend class Endpoint;
   struct TransferState;
 
-  explicit Worker(std::string name) : name_(std::move(name)) {}
+  Worker(std::string name, int copy_helpers) : name_(std::move(name)), copy_pool_(copy_helpers) {}
   void ProgressLoop();
   // The unpacked form of `packed` for `endpoint`, from its cache or unpacked now. Progress thread.
   absl::StatusOr<std::shared_ptr<std::remove_pointer_t<ucp_rkey_h>>> UnpackRkey(
@@ -275,6 +285,7 @@ class Worker {
   std::atomic<uint64_t> rkeys_unpacked_{0};
   std::atomic<uint64_t> direct_transfers_{0};
   std::atomic<uint64_t> direct_bytes_{0};
+  CopyPool copy_pool_;  // direct transfers' copies (thread-safe)
   std::atomic<uint64_t> next_registration_id_{1};
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned
   // from a probe registration in Create(), read-only afterwards).

@@ -24,7 +24,9 @@ class UcxTest : public ::testing::TestWithParam<const char*> {
   void SetUp() override {
     setenv("UCX_TLS", GetParam(), 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-    auto a = Worker::Create("ucx-test-a");
+    // a_ initiates every transfer here: its copy helpers take part in direct copies of more
+    // than one 256 KiB piece.
+    auto a = Worker::Create("ucx-test-a", /*copy_helpers=*/2);
     ASSERT_OK(a.status());
     auto b = Worker::Create("ucx-test-b");
     ASSERT_OK(b.status());
@@ -237,6 +239,69 @@ TEST_P(UcxTest, ConcurrentTransfersThroughMoreKeysThanTheCacheHoldsStayExact) {
   ep->reset();
   regions.clear();
   EXPECT_EQ(b_->live_registrations(), 0);
+}
+
+// Batches of several pieces, from several threads at once: the copy helpers take pieces of
+// them, and each block's CRC32C, continued over scatter/gather operations of odd sizes, is
+// still the CRC of its bytes in order.
+TEST_P(UcxTest, LargeBatchesCopiedWithTheHelpersStayExactAndKeepEachBlocksCrc) {
+  const bool shared_memory = std::string(GetParam()) != "tcp";
+  constexpr size_t kBlock = (1 << 20) + 4099;  // five pieces, the last one short
+  constexpr int kBlocks = 3;
+  auto remote = b_->Allocate(kBlock * kBlocks);
+  ASSERT_OK(remote.status());
+  const std::vector<std::byte> pattern = Pattern(kBlock * kBlocks, 29);
+  std::memcpy((*remote)->address(), pattern.data(), pattern.size());
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const uint64_t base = reinterpret_cast<uint64_t>((*remote)->address());
+  const std::vector<std::string> rkeys = {(*remote)->packed_rkey()};
+  const std::vector<uint64_t> ids = {(*remote)->id()};
+  std::vector<uint32_t> want_crc;
+  for (int b = 0; b < kBlocks; ++b) {
+    want_crc.push_back(Crc32c(std::span(pattern).subspan(b * kBlock, kBlock)));
+  }
+  std::atomic<int> wrong{0};
+  std::atomic<int> failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<std::byte> got(pattern.size());
+      for (int i = 0; i < 12; ++i) {
+        // Each block in three operations (one per "layer"), cut at different odd offsets.
+        std::vector<uint32_t> crc(kBlocks, 0);
+        std::vector<Op> ops;
+        for (int b = 0; b < kBlocks; ++b) {
+          const size_t cut1 = 1 + (t * 7919 + i * 104729 + b) % (kBlock / 2);
+          const size_t cut2 = cut1 + 1 + (t * 31 + i * 17) % (kBlock / 3);
+          const size_t at = b * kBlock;
+          const size_t cuts[4] = {0, cut1, cut2, kBlock};
+          for (int k = 0; k < 3; ++k) {
+            ops.push_back({Op::kGet, got.data() + at + cuts[k], cuts[k + 1] - cuts[k],
+                           base + at + cuts[k], 0, nullptr, &crc[b]});
+          }
+        }
+        std::fill(got.begin(), got.end(), std::byte{0});
+        absl::Status s = a_->Transfer(**ep, rkeys, std::move(ops), nullptr,
+                                      absl::Now() + absl::Seconds(30), ids);
+        if (!s.ok()) {
+          failed.fetch_add(1);
+          continue;
+        }
+        if (got != pattern || crc != want_crc) wrong.fetch_add(1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(a_->copy_helpers(), 2);
+  if (shared_memory) {
+    EXPECT_EQ(a_->direct_transfers(), 36u);
+    EXPECT_GT(a_->pieces_copied_by_helpers(), 0u);
+  } else {
+    EXPECT_EQ(a_->pieces_copied_by_helpers(), 0u);  // UCX moved every byte
+  }
 }
 
 TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {

@@ -78,6 +78,7 @@ log:
 ucx:
   enabled: true                    # serve the UCX data plane (ConnectUcx, PutUcx, GetUcx)
   max_sessions: 1024               # UCX sessions (client endpoints) open at once
+  copy_threads: auto               # helpers of a shared-memory call's copy: auto | 0-64
 cluster:                           # daemons of many nodes sharing their tiers (docs/cluster.md)
   enabled: false                   # off: this daemon serves from its own tiers only
   advertise: ""                    # host:port peers reach this daemon at; its unique node id
@@ -486,7 +487,7 @@ absl::Status ParseCompression(Reader& r, const YAML::Node& node, const std::stri
 
 // The `ucx` section (UCX data plane).
 absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ucx, "ucx", {"enabled", "max_sessions"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ucx, "ucx", {"enabled", "max_sessions", "copy_threads"}));
   if (!ucx || !ucx.IsMap()) return absl::OkStatus();
   if (const YAML::Node enabled = ucx["enabled"]) {
     const std::string text = enabled.IsScalar() ? enabled.Scalar() : Reader::Dump(enabled);
@@ -501,6 +502,20 @@ absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
   uint64_t v = out->max_sessions;
   PROXIMA_RETURN_IF_ERROR(r.Uint(ucx["max_sessions"], "ucx.max_sessions", 1, 65536, &v));
   out->max_sessions = static_cast<uint32_t>(v);
+  if (const YAML::Node threads = ucx["copy_threads"]) {
+    if (threads.IsScalar() && threads.Scalar() == "auto") {
+      out->copy_threads = -1;
+    } else {
+      uint64_t n = 0;
+      const absl::Status st = r.Uint(threads, "ucx.copy_threads", 0, 64, &n);
+      if (!st.ok()) {
+        return r.Error("ucx.copy_threads",
+                       threads.IsScalar() ? threads.Scalar() : Reader::Dump(threads),
+                       "auto or a number of threads 0..64");
+      }
+      out->copy_threads = static_cast<int>(n);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -1226,9 +1241,11 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::EndSeq;
   e << YAML::Key << "log" << YAML::Value << YAML::BeginMap << YAML::Key << "level"
     << YAML::Value << c.log_level << YAML::EndMap;
-  e << YAML::Key << "ucx" << YAML::Value << YAML::BeginMap << YAML::Key << "enabled"
-    << YAML::Value << c.ucx.enabled << YAML::Key << "max_sessions" << YAML::Value
-    << c.ucx.max_sessions << YAML::EndMap;
+  e << YAML::Key << "ucx" << YAML::Value << YAML::BeginMap << YAML::Key << "enabled" << YAML::Value
+    << c.ucx.enabled << YAML::Key << "max_sessions" << YAML::Value << c.ucx.max_sessions
+    << YAML::Key << "copy_threads" << YAML::Value
+    << (c.ucx.copy_threads < 0 ? std::string("auto") : absl::StrCat(c.ucx.copy_threads))
+    << YAML::EndMap;
   const ClusterConfig& k = c.cluster;
   auto seconds = [](double s) { return absl::StrCat(s, "s"); };
   e << YAML::Key << "cluster" << YAML::Value << YAML::BeginMap;

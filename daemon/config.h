@@ -126,6 +126,9 @@ struct GpuTierConfig {
 struct UcxConfig {
   bool enabled = true;          // serve the UCX data plane
   uint32_t max_sessions = 1024;  // UCX sessions (endpoints to clients) open at once
+  // Threads that help a call copy its blocks over shared memory (common/copy_pool.h); -1 is
+  // "auto" (one fewer than the cores, at most 3).
+  int copy_threads = -1;
 };
 
 // TLS of the calls this daemon makes to its cluster peers (cluster.tls). Peers are reached at

@@ -314,13 +314,27 @@ TEST(ConfigTest, UcxSection) {
   ASSERT_OK_AND_ASSIGN(DaemonConfig d, ParseConfig("", "<empty>", {}));
   EXPECT_TRUE(d.ucx.enabled);
   EXPECT_EQ(d.ucx.max_sessions, 1024u);
-  ASSERT_OK_AND_ASSIGN(DaemonConfig c,
-                       ParseConfig("ucx: {enabled: false, max_sessions: 8}\n", "x", {}));
+  EXPECT_EQ(d.ucx.copy_threads, -1);  // auto
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("ucx: {enabled: false, max_sessions: 8, copy_threads: 2}\n", "x", {}));
   EXPECT_FALSE(c.ucx.enabled);
   EXPECT_EQ(c.ucx.max_sessions, 8u);
+  EXPECT_EQ(c.ucx.copy_threads, 2);
   ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
   EXPECT_FALSE(again.ucx.enabled);
   EXPECT_EQ(again.ucx.max_sessions, 8u);
+  EXPECT_EQ(again.ucx.copy_threads, 2);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig rendered_auto, ParseConfig(ConfigToYaml(d), "rendered", {}));
+  EXPECT_EQ(rendered_auto.ucx.copy_threads, -1);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig none, ParseConfig("", "x", {"ucx.copy_threads=0"}));
+  EXPECT_EQ(none.ucx.copy_threads, 0);
+  for (const char* bad : {"ucx.copy_threads=65", "ucx.copy_threads=-1", "ucx.copy_threads=many"}) {
+    EXPECT_THAT(ParseConfig("", "x", {bad}).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("'ucx.copy_threads'"), HasSubstr("auto or a number"))))
+        << bad;
+  }
   EXPECT_THAT(ParseConfig("", "x", {"ucx.enabled=yes please"}).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        AllOf(HasSubstr("'ucx.enabled'"), HasSubstr("true or false"))));

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/copy_pool.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -106,7 +107,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
                                                                    TierService* core,
                                                                    metrics::Registry* registry) {
   std::unique_ptr<UcxTransport> t(new UcxTransport(config, core));
-  PROXIMA_ASSIGN_OR_RETURN(t->worker_, ucx::Worker::Create("proximad"));
+  PROXIMA_ASSIGN_OR_RETURN(
+      t->worker_, ucx::Worker::Create("proximad", CopyPool::HelpersFor(config.copy_threads)));
   std::span<std::byte> arena = core->store().arena();
   PROXIMA_ASSIGN_OR_RETURN(t->arena_, t->worker_->Register(arena.data(), arena.size()));
   t->session_ids_.seed(std::random_device{}());
@@ -134,10 +136,16 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
       "UCX transfers whose bytes the daemon copied itself through a client's (or peer's) shared "
       "memory segment mapped into it, instead of one-sided UCX operations (monotonic)",
       {}, [w] { return static_cast<double>(w->direct_transfers()); });
+  registry->AddCounterFunction(
+      "proxima_ucx_copy_pieces_by_helpers_total",
+      "256 KiB pieces of such copies that the daemon's copy helpers (ucx.copy_threads) made "
+      "beside the call's own thread (monotonic)",
+      {}, [w] { return static_cast<double>(w->pieces_copied_by_helpers()); });
   t->bytes_in_ = metrics::TransferBytes(registry, "ucx", "in");
   t->bytes_out_ = metrics::TransferBytes(registry, "ucx", "out");
   PROXIMA_LOG(kInfo) << "UCX data plane ready" << log::Kv("arena_bytes", arena.size())
-                     << log::Kv("max_sessions", config.max_sessions);
+                     << log::Kv("max_sessions", config.max_sessions)
+                     << log::Kv("copy_threads", t->worker_->copy_helpers());
   return t;
 }
 
