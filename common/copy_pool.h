@@ -6,7 +6,8 @@
 // one core's speed while the node's other cores idle. The caller always works too, so a batch
 // never waits for a busy helper to start: when every helper is busy with other batches the
 // caller copies its whole batch itself, as it would without the pool. A helper that joined
-// finishes the piece it took before the caller returns.
+// finishes the piece it took before the caller returns. While more calls copy at once than the
+// pool has helpers, each copies alone: the callers already keep the cores busy.
 //
 // Thread-safe: Run() may be called from any number of threads at once.
 #ifndef PROXIMA_COMMON_COPY_POOL_H_
@@ -73,6 +74,7 @@ class CopyPool {
   bool stop_ = false;                           // guarded by mu_
   std::vector<std::thread> threads_;            // set by the constructor only
   std::atomic<uint64_t> pieces_by_helpers_{0};
+  std::atomic<int> callers_{0};  // Run() calls copying now
 };
 
 }  // namespace proxima
