@@ -1,12 +1,82 @@
 #include "common/copy_pool.h"
 
+#include <setjmp.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 
 #include "common/crc32c.h"
 #include "common/mutex.h"
 
 namespace proxima {
+namespace {
+
+// SIGBUS inside a piece being copied jumps back to CopyOnePiece. The guard is the copying
+// thread's own (the signal is synchronous: it arrives on the thread that touched the page).
+struct FaultGuard {
+  sigjmp_buf env;
+  uintptr_t ranges[2][2] = {};  // [begin, end) of the piece's destination and source
+  volatile sig_atomic_t armed = 0;
+};
+thread_local FaultGuard t_guard;
+struct sigaction g_previous_sigbus;
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  FaultGuard& g = t_guard;
+  const auto at = reinterpret_cast<uintptr_t>(info->si_addr);
+  if (g.armed) {
+    for (const auto& r : g.ranges) {
+      if (at >= r[0] && at < r[1]) {
+        g.armed = 0;
+        siglongjmp(g.env, 1);  // SA_NODEFER: SIGBUS is not left blocked
+      }
+    }
+  }
+  // Not a piece's memory: what the process did before (UCX's error handler, or the default,
+  // which the faulting instruction meets again on return and which ends the process).
+  if ((g_previous_sigbus.sa_flags & SA_SIGINFO) != 0 && g_previous_sigbus.sa_sigaction != nullptr) {
+    g_previous_sigbus.sa_sigaction(sig, info, context);
+  } else if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN) {
+    g_previous_sigbus.sa_handler(sig);
+  } else {
+    signal(SIGBUS, SIG_DFL);
+  }
+}
+
+void InstallSigbusHandler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = &OnSigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &g_previous_sigbus);
+  });
+}
+
+// Copies one piece; false when its memory faulted.
+bool CopyOnePiece(CopyPiece& p) {
+  FaultGuard& g = t_guard;  // touched here first: the handler never allocates it
+  g.ranges[0][0] = reinterpret_cast<uintptr_t>(p.dst);
+  g.ranges[0][1] = g.ranges[0][0] + p.size;
+  g.ranges[1][0] = reinterpret_cast<uintptr_t>(p.src);
+  g.ranges[1][1] = g.ranges[1][0] + p.size;
+  if (sigsetjmp(g.env, 0) != 0) return false;  // back from OnSigbus
+  g.armed = 1;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  if (p.checksum) {
+    p.crc = Crc32cCopy(std::span(p.dst, p.size), std::span<const std::byte>(p.src, p.size));
+  } else if (p.size > 0) {
+    std::memcpy(p.dst, p.src, p.size);
+  }
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  g.armed = 0;
+  return true;
+}
+
+}  // namespace
 
 struct CopyPool::Batch {
   explicit Batch(std::span<CopyPiece> p) : pieces(p), left(p.size()) {}
@@ -42,11 +112,7 @@ uint64_t CopyPool::Work(Batch& batch) {
   uint64_t copied = 0;
   for (size_t i = batch.next.fetch_add(1); i < batch.pieces.size(); i = batch.next.fetch_add(1)) {
     CopyPiece& p = batch.pieces[i];
-    if (p.checksum) {
-      p.crc = Crc32cCopy(std::span(p.dst, p.size), std::span<const std::byte>(p.src, p.size));
-    } else if (p.size > 0) {
-      std::memcpy(p.dst, p.src, p.size);
-    }
+    p.faulted = !CopyOnePiece(p);
     ++copied;
     // The last piece copied wakes the caller; Notify's mutex orders every piece's writes (bytes
     // and crc) before the caller's return.
@@ -55,8 +121,11 @@ uint64_t CopyPool::Work(Batch& batch) {
   return copied;
 }
 
-void CopyPool::Run(std::span<CopyPiece> pieces) {
-  if (pieces.empty()) return;
+bool CopyPool::Run(std::span<CopyPiece> pieces) {
+  if (pieces.empty()) return true;
+  // Only processes that copy install it (proximad; libproxima's workers never copy through a
+  // peer's memory, so a worker process keeps its own SIGBUS disposition untouched).
+  InstallSigbusHandler();
   auto batch = std::make_shared<Batch>(pieces);
   // Shared only while at most as many calls copy as there are helpers: past that the callers
   // already keep the cores the helpers would run on busy, and handing pieces around only adds
@@ -80,6 +149,7 @@ void CopyPool::Run(std::span<CopyPiece> pieces) {
   callers_.fetch_sub(1);
   // Helpers that claimed a piece finish it (a bounded copy); nothing else is waited for.
   batch->done.WaitForNotification();
+  return std::none_of(pieces.begin(), pieces.end(), [](const CopyPiece& p) { return p.faulted; });
 }
 
 void CopyPool::HelperLoop() {

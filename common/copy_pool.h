@@ -29,12 +29,20 @@ namespace proxima {
 
 // One piece of a batch: copies [src, src + size) to [dst, dst + size) (the two must not
 // overlap) and, when `checksum`, sets `crc` to Crc32c of the bytes written.
+//
+// Either side may be another process's shared memory mapped here, which that process can take
+// away under the copy (ftruncate of the segment: the next access raises SIGBUS). Such a fault
+// inside a piece ends that piece with `faulted` set instead of killing the process; the piece's
+// bytes are then partly copied and its crc meaningless. Faults anywhere else go to the
+// process's previous SIGBUS disposition, as before. (The first Run() installs the process's
+// SIGBUS handler for this; one installed later by someone else takes its place.)
 struct CopyPiece {
   std::byte* dst = nullptr;
   const std::byte* src = nullptr;
   size_t size = 0;
   bool checksum = false;
-  uint32_t crc = 0;  // output
+  uint32_t crc = 0;      // output
+  bool faulted = false;  // output: SIGBUS inside [src, +size) or [dst, +size)
 };
 
 class CopyPool {
@@ -48,8 +56,9 @@ class CopyPool {
   CopyPool& operator=(const CopyPool&) = delete;
 
   // Copies every piece (in any order, on this thread and free helpers); returns when all are
-  // done, each piece's `crc` set where it asked for one.
-  void Run(std::span<CopyPiece> pieces);
+  // done, each piece's `crc` set where it asked for one and `faulted` where its memory failed.
+  // Returns whether no piece faulted.
+  bool Run(std::span<CopyPiece> pieces);
 
   int helpers() const { return static_cast<int>(threads_.size()); }
   // Pieces the helpers copied, over the pool's life (the rest were copied by their callers).

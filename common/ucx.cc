@@ -200,8 +200,11 @@ namespace {
 constexpr size_t kCopyPieceBytes = 256 << 10;
 
 // Copies every operation's bytes between `local` and its mapped remote bytes, folding CRCs where
-// asked, on this thread and the pool's free helpers. Returns the bytes moved.
-uint64_t CopyDirect(std::span<const Op> ops, std::span<std::byte* const> mapped, CopyPool& pool) {
+// asked, on this thread and the pool's free helpers. Returns the bytes moved, or
+// INVALID_ARGUMENT naming the first operation whose memory faulted (the peer truncated its
+// shared-memory segment under the copy; CopyPiece); the CRCs are then not written.
+absl::StatusOr<uint64_t> CopyDirect(std::span<const Op> ops, std::span<std::byte* const> mapped,
+                                    CopyPool& pool) {
   std::vector<CopyPiece> pieces;
   std::vector<size_t> first_piece;  // ops[i]'s pieces are [first_piece[i], first_piece[i + 1])
   first_piece.reserve(ops.size() + 1);
@@ -218,7 +221,19 @@ uint64_t CopyDirect(std::span<const Op> ops, std::span<std::byte* const> mapped,
     moved += op.length;
   }
   first_piece.push_back(pieces.size());
-  pool.Run(pieces);
+  if (!pool.Run(pieces)) {
+    for (size_t i = 0; i < ops.size(); ++i) {
+      for (size_t p = first_piece[i]; p < first_piece[i + 1]; ++p) {
+        if (!pieces[p].faulted) continue;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "operation ", i, ": the peer's shared memory at 0x", absl::Hex(ops[i].remote_address),
+            " (", ops[i].length,
+            " bytes) faulted while being copied (SIGBUS: the segment was "
+            "truncated or its pages are gone); expected memory that stays mapped until the "
+            "call ends"));
+      }
+    }
+  }
   // In batch order: operations naming the same word continue one CRC.
   for (size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].crc32c == nullptr) continue;
@@ -775,13 +790,16 @@ UnpackedRkey Worker::CachedRkeyLocked(Endpoint::State& endpoint, const std::stri
   return nullptr;
 }
 
-void Worker::CopyAndCount(std::span<const Op> ops, std::span<std::byte* const> mapped) {
-  direct_bytes_.fetch_add(CopyDirect(ops, mapped, copy_pool_));
+absl::Status Worker::CopyAndCount(std::span<const Op> ops, std::span<std::byte* const> mapped) {
+  PROXIMA_ASSIGN_OR_RETURN(uint64_t moved, CopyDirect(ops, mapped, copy_pool_));
+  direct_bytes_.fetch_add(moved);
   direct_transfers_.fetch_add(1);
+  return absl::OkStatus();
 }
 
 bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
-                       std::span<const Op> ops, std::span<const uint64_t> registration_ids) {
+                       std::span<const Op> ops, std::span<const uint64_t> registration_ids,
+                       absl::Status* copied) {
   if (ops.empty() || registration_ids.size() != packed_rkeys.size()) return false;
   std::vector<UnpackedRkey> keys;
   keys.reserve(packed_rkeys.size());
@@ -799,7 +817,7 @@ bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_r
   // references above keep alive; it does not touch the worker.
   std::vector<std::byte*> mapped = MapDirect(ops, keys);
   if (mapped.empty()) return false;
-  CopyAndCount(ops, mapped);
+  *copied = CopyAndCount(ops, mapped);
   return true;
 }
 
@@ -831,7 +849,9 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   }
   // Every key already unpacked and mapped here (a shared-memory peer's buffers seen before): the
   // calling thread copies, and the progress thread is neither woken nor waited for.
-  if (TryDirect(endpoint, packed_rkeys, ops, registration_ids)) {
+  absl::Status copied;
+  if (TryDirect(endpoint, packed_rkeys, ops, registration_ids, &copied)) {
+    PROXIMA_RETURN_IF_ERROR(copied);
     if (copied_here != nullptr) *copied_here = true;
     return absl::OkStatus();
   }
@@ -902,9 +922,10 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   if (st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
     if (!st->result.ok()) return st->result;
     if (!st->mapped.empty()) {
-      CopyAndCount(st->ops, st->mapped);
+      absl::Status copied = CopyAndCount(st->ops, st->mapped);
       st->keep_alive.reset();
       st->rkeys.clear();  // a last reference is destroyed on the progress thread (UnpackRkey)
+      PROXIMA_RETURN_IF_ERROR(copied);
       if (copied_here != nullptr) *copied_here = true;
       return absl::OkStatus();
     }

@@ -188,7 +188,9 @@ class Worker {
   // buffer is mapped here (see the top of this file). `keep_alive` owns the local buffers; it is
   // released when UCX no longer accesses them (which can be after this returns when the deadline
   // passed).
-  // INVALID_ARGUMENT when a packed rkey does not unpack, UNAVAILABLE when the peer failed or the
+  // INVALID_ARGUMENT when a packed rkey does not unpack or, on a copy through mapped memory, the
+  // peer's segment faulted under it (truncated by the peer: SIGBUS, caught; the local bytes are
+  // then partly written), UNAVAILABLE when the peer failed or the
   // deadline passed (the endpoint is then closed). `registration_ids` (empty, or one per packed
   // rkey): the peer's Registration::id() of each key; the endpoint keeps keys with an id unpacked
   // for later transfers naming the same id and bytes (unpacking can be costly: over shared memory
@@ -243,10 +245,13 @@ class Worker {
   // Transfer's fast path, on the calling thread: when every key is in the endpoint's cache and
   // every operation's remote bytes are mapped here, copies them and returns true. False (nothing
   // done) otherwise; Transfer then goes through the progress thread.
+  // `copied`: the copy's outcome when it returns true.
   bool TryDirect(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
-                 std::span<const Op> ops, std::span<const uint64_t> registration_ids);
-  // Copies `ops` through their mapped remote bytes (MapDirect's result) and counts the transfer.
-  void CopyAndCount(std::span<const Op> ops, std::span<std::byte* const> mapped);
+                 std::span<const Op> ops, std::span<const uint64_t> registration_ids,
+                 absl::Status* copied);
+  // Copies `ops` through their mapped remote bytes (MapDirect's result) and counts the transfer;
+  // INVALID_ARGUMENT when the peer's memory faulted under the copy (CopyDirect).
+  absl::Status CopyAndCount(std::span<const Op> ops, std::span<std::byte* const> mapped);
   // Register (address set) or Allocate (address null).
   absl::StatusOr<std::shared_ptr<Registration>> Map(void* address, size_t length);
   // Queues `task` for the progress thread and wakes it.

@@ -9,8 +9,11 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -652,6 +655,105 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
 // GetUcx says crc32c_checked exactly where the daemon copied the block into the caller's memory
 // itself (UCX-allocated memory over shared memory, mapped into the daemon) and the bytes matched
 // as it copied them; where UCX moved them (tcp, or ordinary memory) the caller checks them.
+// The file descriptor of this process that backs the shared-memory mapping holding `address`
+// (a UCX posix segment: a /dev/shm file, already unlinked), or -1.
+int SegmentFd(const void* address) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  std::ifstream maps("/proc/self/maps");
+  std::string path;
+  for (std::string line; std::getline(maps, line);) {
+    uintptr_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) != 2 || at < lo || at >= hi) continue;
+    const size_t slash = line.find('/');
+    if (slash != std::string::npos) path = line.substr(slash);
+    break;
+  }
+  if (path.empty()) return -1;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (std::filesystem::read_symlink(entry.path(), ec).string() == path && !ec) {
+      return std::atoi(entry.path().filename().c_str());
+    }
+  }
+  return -1;
+}
+
+// A client that truncates its own shared-memory segment while the daemon holds it mapped (the
+// segment's pages are gone: the daemon's next access raises SIGBUS). The daemon must answer the
+// calls that touch it with an error and keep serving; the block of the failed put must not be
+// stored.
+TEST_P(RawUcxTest, ASegmentTheClientTruncatesFailsItsCallsAndTheDaemonLives) {
+  if (std::string(GetParam()) == "tcp") {
+    GTEST_SKIP() << "over tcp UCX moves the bytes; the daemon maps no client memory";
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> seg, worker_->Allocate(2 * block_bytes_));
+  auto* base = static_cast<std::byte*>(seg->address());
+  const std::vector<BlockKey> keys = client::TestKeyChain(77, 0, 2);
+  std::vector<uint32_t> crcs;
+  for (size_t i = 0; i < 2; ++i) {
+    std::span<std::byte> block(base + i * block_bytes_, block_bytes_);
+    client::FillTestBlock(77, i, block);
+    crcs.push_back(Crc32c(block));
+  }
+  // One block of the segment: a PutUcx or GetUcx (`get`) of keys[i] at block i.
+  auto call = [&](size_t i, bool get) {
+    v1::UcxRegion region;
+    region.set_rkey(seg->packed_rkey());
+    region.set_address(reinterpret_cast<uint64_t>(base));
+    region.set_length(seg->length());
+    region.set_registration_id(seg->id());  // the daemon keeps it mapped between calls
+    v1::UcxBlock block;
+    block.set_key(std::string(reinterpret_cast<const char*>(keys[i].data()), keys[i].size()));
+    v1::UcxSegment* s = block.add_segments();
+    s->set_region(0);
+    s->set_address(reinterpret_cast<uint64_t>(base + i * block_bytes_));
+    s->set_length(block_bytes_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (get) {
+      v1::GetUcxRequest req;
+      req.set_namespace_name("default");
+      req.set_profile_id(profile_id_);
+      req.set_session_id(session);
+      *req.add_regions() = region;
+      *req.add_blocks() = block;
+      v1::GetUcxResponse resp;
+      return client::FromGrpc(stub_->GetUcx(&ctx, req, &resp));
+    }
+    v1::PutUcxRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.set_session_id(session);
+    *req.add_regions() = region;
+    block.set_crc32c(crcs[i]);
+    *req.add_blocks() = block;
+    v1::PutResponse resp;
+    return client::FromGrpc(stub_->PutUcx(&ctx, req, &resp));
+  };
+  ASSERT_OK(call(0, /*get=*/false));  // the daemon maps the segment and keeps it
+  ASSERT_EQ(Present(keys[0]), 1u);
+
+  const int fd = SegmentFd(base);
+  ASSERT_GE(fd, 0) << "no file descriptor backs the UCX segment at " << seg->address();
+  ASSERT_EQ(ftruncate(fd, 0), 0) << std::strerror(errno);  // from here on, never touch `base`
+
+  EXPECT_THAT(call(1, /*get=*/false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGBUS")));
+  EXPECT_THAT(call(0, /*get=*/true),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGBUS")));
+  // The daemon lives, the failed put stored nothing, the earlier block is intact.
+  EXPECT_EQ(Present(keys[1]), 0u);
+  EXPECT_EQ(Present(keys[0]), 1u);
+  auto c = Connect(Transport::kInline);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  std::vector<std::byte> back(block_bytes_);
+  std::vector<std::span<std::byte>> out = {back};
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, std::span(keys).first(1), out));
+  EXPECT_TRUE(found[0] && client::IsTestBlock(77, 0, back));
+}
+
 TEST_P(RawUcxTest, GetSaysTheCrcWasCheckedOnlyWhereTheDaemonCopiedTheBlockItself) {
   const bool shared_memory = std::string(GetParam()) != "tcp";
   RegisterSource(1);
