@@ -130,6 +130,12 @@ class TruncatedMapping {
 };
 
 TEST(CopyPoolTest, APieceWhoseMemoryIsTruncatedUnderItFaultsAloneAndTheProcessLives) {
+#if defined(__SANITIZE_THREAD__)
+  // GCC's ThreadSanitizer runtime ends the process on a SIGBUS inside its memcpy interceptor
+  // without running the program's handler (seen: "Bus error", no report); the plain, ASan and
+  // aarch64 builds run this test. Only a TSan build loses the containment, not proximad.
+  GTEST_SKIP() << "ThreadSanitizer takes SIGBUS inside its own memcpy; run in the other builds";
+#endif
   constexpr size_t kPiece = 256u << 10;
   const std::vector<std::byte> src = RandomBytes(4 * kPiece, 3);
   for (int helpers : {0, 1}) {
