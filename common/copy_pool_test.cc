@@ -11,17 +11,13 @@
 #include <vector>
 
 #include "common/crc32c.h"
+#include "common/testing/random_bytes.h"
 #include "gtest/gtest.h"
 
 namespace proxima {
 namespace {
 
-std::vector<std::byte> RandomBytes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::byte> v(n);
-  for (auto& b : v) b = static_cast<std::byte>(rng());
-  return v;
-}
+using ::proxima::testing::RandomBytes;
 
 // Cuts [0, src.size()) into pieces of the given sizes (cycled), every other one checksummed.
 std::vector<CopyPiece> Cut(std::vector<std::byte>& dst, const std::vector<std::byte>& src,

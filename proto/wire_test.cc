@@ -6,6 +6,7 @@
 #include <random>
 
 #include "common/crc32c.h"
+#include "common/testing/random_bytes.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "proxima/v1/kvtier.pb.h"
@@ -13,12 +14,7 @@
 namespace proxima::wire {
 namespace {
 
-std::vector<std::byte> RandomBytes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::byte> v(n);
-  for (auto& b : v) b = static_cast<std::byte>(rng());
-  return v;
-}
+using ::proxima::testing::RandomBytes;
 
 std::string Flatten(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
