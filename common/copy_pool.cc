@@ -13,46 +13,50 @@
 namespace proxima {
 namespace {
 
-// SIGBUS inside a piece being copied jumps back to CopyOnePiece. The guard is the copying
-// thread's own (the signal is synchronous: it arrives on the thread that touched the page).
+// A fault (SIGBUS, SIGSEGV) inside a piece being copied jumps back to CopyOnePiece. The guard is
+// the copying thread's own (the signals are synchronous: they arrive on the thread that touched
+// the page).
 struct FaultGuard {
   sigjmp_buf env;
   uintptr_t ranges[2][2] = {};  // [begin, end) of the piece's destination and source
   volatile sig_atomic_t armed = 0;
 };
 thread_local FaultGuard t_guard;
-struct sigaction g_previous_sigbus;
+constexpr int kFaultSignals[] = {SIGBUS, SIGSEGV};
+struct sigaction g_previous[2];  // per kFaultSignals entry: the disposition before ours
 
-void OnSigbus(int sig, siginfo_t* info, void* context) {
+void OnFault(int sig, siginfo_t* info, void* context) {
   FaultGuard& g = t_guard;
   const auto at = reinterpret_cast<uintptr_t>(info->si_addr);
   if (g.armed) {
     for (const auto& r : g.ranges) {
       if (at >= r[0] && at < r[1]) {
         g.armed = 0;
-        siglongjmp(g.env, 1);  // SA_NODEFER: SIGBUS is not left blocked
+        siglongjmp(g.env, 1);  // SA_NODEFER: the signal is not left blocked
       }
     }
   }
-  // Not a piece's memory: what the process did before (UCX's error handler, or the default,
-  // which the faulting instruction meets again on return and which ends the process).
-  if ((g_previous_sigbus.sa_flags & SA_SIGINFO) != 0 && g_previous_sigbus.sa_sigaction != nullptr) {
-    g_previous_sigbus.sa_sigaction(sig, info, context);
-  } else if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN) {
-    g_previous_sigbus.sa_handler(sig);
+  // Not a piece's memory: what the process did before (UCX's error handler, a sanitizer's, or
+  // the default, which the faulting instruction meets again on return and which ends the
+  // process).
+  const struct sigaction& previous = g_previous[sig == SIGBUS ? 0 : 1];
+  if ((previous.sa_flags & SA_SIGINFO) != 0 && previous.sa_sigaction != nullptr) {
+    previous.sa_sigaction(sig, info, context);
+  } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
   } else {
-    signal(SIGBUS, SIG_DFL);
+    signal(sig, SIG_DFL);
   }
 }
 
-void InstallSigbusHandler() {
+void InstallFaultHandlers() {
   static std::once_flag once;
   std::call_once(once, [] {
     struct sigaction sa {};
-    sa.sa_sigaction = &OnSigbus;
+    sa.sa_sigaction = &OnFault;
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, &g_previous_sigbus);
+    for (int i = 0; i < 2; ++i) sigaction(kFaultSignals[i], &sa, &g_previous[i]);
   });
 }
 
@@ -63,7 +67,7 @@ bool CopyOnePiece(CopyPiece& p) {
   g.ranges[0][1] = g.ranges[0][0] + p.size;
   g.ranges[1][0] = reinterpret_cast<uintptr_t>(p.src);
   g.ranges[1][1] = g.ranges[1][0] + p.size;
-  if (sigsetjmp(g.env, 0) != 0) return false;  // back from OnSigbus
+  if (sigsetjmp(g.env, 0) != 0) return false;  // back from OnFault
   g.armed = 1;
   std::atomic_signal_fence(std::memory_order_seq_cst);
   if (p.checksum) {
@@ -123,9 +127,9 @@ uint64_t CopyPool::Work(Batch& batch) {
 
 bool CopyPool::Run(std::span<CopyPiece> pieces) {
   if (pieces.empty()) return true;
-  // Only processes that copy install it (proximad; libproxima's workers never copy through a
-  // peer's memory, so a worker process keeps its own SIGBUS disposition untouched).
-  InstallSigbusHandler();
+  // Only processes that copy install them (proximad; libproxima's workers never copy through a
+  // peer's memory, so a worker process keeps its own dispositions untouched).
+  InstallFaultHandlers();
   auto batch = std::make_shared<Batch>(pieces);
   // Shared only while at most as many calls copy as there are helpers: past that the callers
   // already keep the cores the helpers would run on busy, and handing pieces around only adds

@@ -31,11 +31,12 @@ namespace proxima {
 // overlap) and, when `checksum`, sets `crc` to Crc32c of the bytes written.
 //
 // Either side may be another process's shared memory mapped here, which that process can take
-// away under the copy (ftruncate of the segment: the next access raises SIGBUS). Such a fault
-// inside a piece ends that piece with `faulted` set instead of killing the process; the piece's
-// bytes are then partly copied and its crc meaningless. Faults anywhere else go to the
-// process's previous SIGBUS disposition, as before. (The first Run() installs the process's
-// SIGBUS handler for this; one installed later by someone else takes its place.)
+// away under the copy (ftruncate of the segment: the next access raises SIGBUS), or an address a
+// peer got wrong that lies outside any mapping (SIGSEGV). Such a fault inside a piece ends that
+// piece with `faulted` set instead of killing the process; the piece's bytes are then partly
+// copied and its crc meaningless. Faults anywhere else go to the process's previous disposition,
+// as before. (The first Run() installs the process's SIGBUS and SIGSEGV handlers for this; one
+// installed later by someone else takes its place.)
 struct CopyPiece {
   std::byte* dst = nullptr;
   const std::byte* src = nullptr;

@@ -202,7 +202,8 @@ constexpr size_t kCopyPieceBytes = 256 << 10;
 // Copies every operation's bytes between `local` and its mapped remote bytes, folding CRCs where
 // asked, on this thread and the pool's free helpers. Returns the bytes moved, or
 // INVALID_ARGUMENT naming the first operation whose memory faulted (the peer truncated its
-// shared-memory segment under the copy; CopyPiece); the CRCs are then not written.
+// shared-memory segment under the copy, or declared an address outside it; CopyPiece); the
+// CRCs are then not written.
 absl::StatusOr<uint64_t> CopyDirect(std::span<const Op> ops, std::span<std::byte* const> mapped,
                                     CopyPool& pool) {
   std::vector<CopyPiece> pieces;
@@ -228,9 +229,9 @@ absl::StatusOr<uint64_t> CopyDirect(std::span<const Op> ops, std::span<std::byte
         return absl::InvalidArgumentError(absl::StrCat(
             "operation ", i, ": the peer's shared memory at 0x", absl::Hex(ops[i].remote_address),
             " (", ops[i].length,
-            " bytes) faulted while being copied (SIGBUS: the segment was "
-            "truncated or its pages are gone); expected memory that stays mapped until the "
-            "call ends"));
+            " bytes) faulted while being copied (SIGBUS or SIGSEGV: the segment was truncated, "
+            "or the address lies outside it); expected memory of the segment that stays mapped "
+            "until the call ends"));
       }
     }
   }

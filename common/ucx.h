@@ -189,13 +189,13 @@ class Worker {
   // released when UCX no longer accesses them (which can be after this returns when the deadline
   // passed).
   // INVALID_ARGUMENT when a packed rkey does not unpack or, on a copy through mapped memory, the
-  // peer's segment faulted under it (truncated by the peer: SIGBUS, caught; the local bytes are
-  // then partly written), UNAVAILABLE when the peer failed or the
-  // deadline passed (the endpoint is then closed). `registration_ids` (empty, or one per packed
-  // rkey): the peer's Registration::id() of each key; the endpoint keeps keys with an id unpacked
-  // for later transfers naming the same id and bytes (unpacking can be costly: over shared memory
-  // it maps the peer's segment, whose every page then faults again). Keys without one (0) are
-  // unpacked for this transfer only. `copied_here` (may be null) is set on success: whether the
+  // peer's memory faulted under it (a segment the peer truncated, or an address outside it:
+  // SIGBUS or SIGSEGV, caught; the local bytes are then partly written), UNAVAILABLE when the peer
+  // failed or the deadline passed (the endpoint is then closed). `registration_ids` (empty, or one
+  // per packed rkey): the peer's Registration::id() of each key; the endpoint keeps keys with an id
+  // unpacked for later transfers naming the same id and bytes (unpacking can be costly: over shared
+  // memory it maps the peer's segment, whose every page then faults again). Keys without one (0)
+  // are unpacked for this transfer only. `copied_here` (may be null) is set on success: whether the
   // calling thread copied the bytes itself (every remote buffer mapped here).
   absl::Status Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                         std::vector<Op> ops, std::shared_ptr<const void> keep_alive,

@@ -754,6 +754,71 @@ TEST_P(RawUcxTest, ASegmentTheClientTruncatesFailsItsCallsAndTheDaemonLives) {
   EXPECT_TRUE(found[0] && client::IsTestBlock(77, 0, back));
 }
 
+// A client that declares its region to start far below its real segment and names a block
+// there: the daemon translates the address into its own mapping of the segment (UCX's posix
+// and sysv transports check no bounds), where nothing is mapped. The copy must fail the call,
+// not the daemon.
+TEST_P(RawUcxTest, AnAddressOutsideTheClientsSegmentFailsItsCallAndTheDaemonLives) {
+  if (std::string(GetParam()) == "tcp") {
+    GTEST_SKIP() << "over tcp UCX moves the bytes; the daemon maps no client memory";
+  }
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> seg, worker_->Allocate(block_bytes_));
+  auto* base = static_cast<std::byte*>(seg->address());
+  client::FillTestBlock(78, 0, std::span(base, block_bytes_));
+  const uint32_t crc = Crc32c(std::span(base, block_bytes_));
+  const BlockKey key = client::TestKeyChain(78, 0, 1)[0];
+  // 1 TiB below the segment: canonical, and below every mapping the daemon's mmap area holds.
+  constexpr uint64_t kBelow = uint64_t{1} << 40;
+  const uint64_t lie = reinterpret_cast<uint64_t>(base) - kBelow;
+  auto call = [&](uint64_t block_address, bool get) {
+    v1::UcxRegion region;
+    region.set_rkey(seg->packed_rkey());
+    region.set_address(lie);
+    region.set_length(kBelow + seg->length());
+    region.set_registration_id(seg->id());
+    v1::UcxBlock block;
+    block.set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::UcxSegment* s = block.add_segments();
+    s->set_region(0);
+    s->set_address(block_address);
+    s->set_length(block_bytes_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (get) {
+      v1::GetUcxRequest req;
+      req.set_namespace_name("default");
+      req.set_profile_id(profile_id_);
+      req.set_session_id(session);
+      *req.add_regions() = region;
+      *req.add_blocks() = block;
+      v1::GetUcxResponse resp;
+      return client::FromGrpc(stub_->GetUcx(&ctx, req, &resp));
+    }
+    v1::PutUcxRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.set_session_id(session);
+    *req.add_regions() = region;
+    block.set_crc32c(crc);
+    *req.add_blocks() = block;
+    v1::PutResponse resp;
+    return client::FromGrpc(stub_->PutUcx(&ctx, req, &resp));
+  };
+  EXPECT_THAT(call(lie, /*get=*/false),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGSEGV")));
+  EXPECT_EQ(Present(key), 0u);
+  // The same region, the block where it really is: stored, and the daemon answers a get that
+  // names the hole with an error too.
+  ASSERT_OK(call(reinterpret_cast<uint64_t>(base), /*get=*/false));
+  EXPECT_EQ(Present(key), 1u);
+  EXPECT_THAT(call(lie, /*get=*/true),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGSEGV")));
+  std::fill(base, base + block_bytes_, std::byte{0});
+  ASSERT_OK(call(reinterpret_cast<uint64_t>(base), /*get=*/true));
+  EXPECT_TRUE(client::IsTestBlock(78, 0, std::span(base, block_bytes_)));
+}
+
 TEST_P(RawUcxTest, GetSaysTheCrcWasCheckedOnlyWhereTheDaemonCopiedTheBlockItself) {
   const bool shared_memory = std::string(GetParam()) != "tcp";
   RegisterSource(1);
