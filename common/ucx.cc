@@ -1,7 +1,10 @@
 #include "common/ucx.h"
 
+#include <sys/shm.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -71,6 +74,59 @@ absl::Status CheckPackedRkey(const std::string& k, const std::array<int, 64>& ow
   }
   if (k.size() - p > 16) return bad("has trailing bytes");
   return absl::OkStatus();
+}
+
+// The shared-memory segment a packed key names, [begin, end) in the peer's addresses, for keys
+// of a domain whose layout `segment_keys` knows (UCX 1.13: posix packs {u64 id, u64 address,
+// u64 length}, sysv {u32 shmid, u64 owner address} and the segment's size is the kernel's).
+// REQUIRES: CheckPackedRkey accepted `k`. An empty range (begin == end == 0) when the key names
+// no such domain (tcp, cma, ordinary memory): nothing is mapped from it.
+struct SegmentRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+absl::StatusOr<SegmentRange> SegmentBounds(const std::string& k,
+                                           const std::array<SegmentKey, 64>& segment_keys,
+                                           size_t index) {
+  uint64_t md_map = 0;
+  std::memcpy(&md_map, k.data(), sizeof(md_map));
+  SegmentRange range;
+  size_t p = 9;
+  for (int bit = 0; bit < 64; ++bit) {
+    if ((md_map & (uint64_t{1} << bit)) == 0) continue;
+    const size_t size = static_cast<uint8_t>(k[p]);
+    const char* key = k.data() + p + 1;
+    p += 1 + size;
+    if (segment_keys[bit] == SegmentKey::kPosix && size >= 24) {
+      uint64_t address = 0, length = 0;
+      std::memcpy(&address, key + 8, 8);
+      std::memcpy(&length, key + 16, 8);
+      if (address + length < address) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rkeys[", index, "] names a shared-memory segment of ", length, " bytes at 0x",
+            absl::Hex(address), ", past the end of the address space"));
+      }
+      range = {address, address + length};
+    } else if (segment_keys[bit] == SegmentKey::kSysv && size >= 12) {
+      uint32_t shmid = 0;
+      uint64_t owner = 0;
+      std::memcpy(&shmid, key, 4);
+      std::memcpy(&owner, key + 4, 8);
+      struct shmid_ds ds {};
+      if (shmctl(static_cast<int>(shmid), IPC_STAT, &ds) != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rkeys[", index, "] names System V segment ", shmid,
+                         ", which cannot be examined: ", std::strerror(errno)));
+      }
+      if (owner + ds.shm_segsz < owner) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rkeys[", index, "] places System V segment ", shmid, " at 0x",
+                         absl::Hex(owner), ", past the end of the address space"));
+      }
+      range = {owner, owner + ds.shm_segsz};
+    }
+  }
+  return range;
 }
 
 }  // namespace
@@ -351,7 +407,33 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, 
   {
     // Optional: a context without an allocating domain allocates ordinary memory, or fails.
     absl::StatusOr<std::shared_ptr<Registration>> probe = w->Allocate(4096);
-    if (probe.ok()) learn((*probe)->packed_rkey());
+    if (probe.ok()) {
+      const std::string& k = (*probe)->packed_rkey();
+      learn(k);
+      // A domain whose key holds the probe's own address where UCX 1.13's posix or sysv key
+      // holds the segment's: its keys carry their segment's bounds (see SegmentBounds).
+      const auto address = reinterpret_cast<uint64_t>((*probe)->address());
+      uint64_t md_map = 0;
+      if (k.size() >= 9) std::memcpy(&md_map, k.data(), sizeof(md_map));
+      size_t p = 9;
+      for (int bit = 0; bit < 64 && p < k.size(); ++bit) {
+        if ((md_map & (uint64_t{1} << bit)) == 0) continue;
+        const size_t size = static_cast<uint8_t>(k[p]);
+        if (p + 1 + size > k.size()) break;
+        uint64_t at8 = 0, at16 = 0, at4 = 0;
+        if (size >= 24) {
+          std::memcpy(&at8, k.data() + p + 1 + 8, 8);
+          std::memcpy(&at16, k.data() + p + 1 + 16, 8);
+        }
+        if (size >= 12) std::memcpy(&at4, k.data() + p + 1 + 4, 8);
+        if (size >= 24 && at8 == address && at16 >= 4096) {
+          w->segment_keys_[bit] = SegmentKey::kPosix;
+        } else if (size == 12 && at4 == address) {
+          w->segment_keys_[bit] = SegmentKey::kSysv;
+        }
+        p += 1 + size;
+      }
+    }
   }
   return w;
 }
@@ -845,8 +927,23 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
           absl::StrCat("operation ", i, " names rkey ", ops[i].rkey, " of ", packed_rkeys.size()));
     }
   }
+  std::vector<SegmentRange> segments(packed_rkeys.size());
   for (size_t i = 0; i < packed_rkeys.size(); ++i) {
     PROXIMA_RETURN_IF_ERROR(CheckPackedRkey(packed_rkeys[i], own_md_sizes_, i));
+    PROXIMA_ASSIGN_OR_RETURN(segments[i], SegmentBounds(packed_rkeys[i], segment_keys_, i));
+  }
+  // UCX maps such a segment and translates an address into it by adding an offset, checking
+  // nothing: an operation outside the segment would touch whatever this process has there.
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const SegmentRange& seg = segments[ops[i].rkey];
+    if (seg.begin == seg.end) continue;
+    const uint64_t a = ops[i].remote_address;
+    if (a < seg.begin || a > seg.end || ops[i].length > seg.end - a) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("operation ", i, ": [0x", absl::Hex(a), ", +", ops[i].length,
+                       ") lies outside the shared-memory segment [0x", absl::Hex(seg.begin), ", +",
+                       seg.end - seg.begin, ") that rkeys[", ops[i].rkey, "] names"));
+    }
   }
   // Every key already unpacked and mapped here (a shared-memory peer's buffers seen before): the
   // calling thread copies, and the progress thread is neither woken nor waited for.

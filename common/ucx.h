@@ -153,6 +153,10 @@ struct Op {
 // UCX warns about a setting for a transport it did not load.
 bool MayUseTcp(const char* tls);
 
+// How a memory domain's packed keys describe the shared-memory segment they name (UCX 1.13's
+// posix and sysv layouts), or kNone: keys that name no segment (tcp, cma, ordinary memory).
+enum class SegmentKey : int8_t { kNone, kPosix, kSysv };
+
 class Worker {
  public:
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
@@ -295,6 +299,11 @@ class Worker {
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned
   // from a probe registration in Create(), read-only afterwards).
   std::array<int, 64> own_md_sizes_{};
+  // Per memory domain: whether its packed keys say where their shared-memory segment lies, and
+  // how (learned from the probe allocation in Create(), read-only afterwards). UCX translates an
+  // address into a peer's mapped segment without bounds, so Transfer checks every operation
+  // against them first (SegmentBounds in ucx.cc).
+  std::array<SegmentKey, 64> segment_keys_{};
 };
 
 }  // namespace proxima::ucx

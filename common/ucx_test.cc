@@ -304,6 +304,41 @@ TEST_P(UcxTest, LargeBatchesCopiedWithTheHelpersStayExactAndKeepEachBlocksCrc) {
   }
 }
 
+// UCX translates an address into a peer's mapped segment by adding an offset, with no bounds:
+// every operation must lie inside the segment its key names, or the transfer is refused before
+// anything moves (the daemon's memory next to the mapping is not the peer's to read or write).
+TEST_P(UcxTest, OperationsOutsideTheSegmentAKeyNamesAreRefused) {
+  const bool shared_memory = std::string(GetParam()) != "tcp";
+  constexpr size_t kBytes = 256 << 10;
+  auto remote = b_->Allocate(kBytes);
+  ASSERT_OK(remote.status());
+  ASSERT_EQ((*remote)->length(), kBytes);
+  std::memset((*remote)->address(), 5, kBytes);
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const uint64_t base = reinterpret_cast<uint64_t>((*remote)->address());
+  const std::vector<std::string> rkeys = {(*remote)->packed_rkey()};
+  const std::vector<uint64_t> ids = {(*remote)->id()};
+  std::vector<std::byte> local(2 * kBytes);
+  auto transfer = [&](uint64_t address, size_t length) {
+    return a_->Transfer(**ep, rkeys, {{Op::kGet, local.data(), length, address, 0, nullptr}},
+                        nullptr, absl::Now() + absl::Seconds(10), ids);
+  };
+  // The whole segment, and its last byte: fine.
+  EXPECT_OK(transfer(base, kBytes));
+  EXPECT_OK(transfer(base + kBytes - 1, 1));
+  if (!shared_memory) return;  // over tcp nothing is mapped; UCX's messages carry the bytes
+  const auto outside = HasSubstr("lies outside the shared-memory segment");
+  EXPECT_THAT(transfer(base + kBytes - 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, outside));
+  EXPECT_THAT(transfer(base + kBytes, 1), StatusIs(absl::StatusCode::kInvalidArgument, outside));
+  EXPECT_THAT(transfer(base - 1, 1), StatusIs(absl::StatusCode::kInvalidArgument, outside));
+  EXPECT_THAT(transfer(base - (uint64_t{1} << 40), kBytes),
+              StatusIs(absl::StatusCode::kInvalidArgument, outside));
+  // Refused before anything moved: the endpoint still works.
+  EXPECT_OK(transfer(base, kBytes));
+}
+
 TEST_P(UcxTest, RkeyThatDoesNotUnpackIsInvalidArgument) {
   std::vector<std::byte> remote = Pattern(4096, 1);
   std::vector<std::byte> buf(4096);

@@ -755,9 +755,10 @@ TEST_P(RawUcxTest, ASegmentTheClientTruncatesFailsItsCallsAndTheDaemonLives) {
 }
 
 // A client that declares its region to start far below its real segment and names a block
-// there: the daemon translates the address into its own mapping of the segment (UCX's posix
-// and sysv transports check no bounds), where nothing is mapped. The copy must fail the call,
-// not the daemon.
+// there: UCX's posix and sysv transports would translate that address into the daemon's own
+// memory without a bounds check (to nothing mapped, here; to another client's blocks,
+// elsewhere). The daemon must refuse the call before copying, and keep serving. (Blocks that
+// straddle a segment's end: UcxTest.OperationsOutsideTheSegmentAKeyNamesAreRefused.)
 TEST_P(RawUcxTest, AnAddressOutsideTheClientsSegmentFailsItsCallAndTheDaemonLives) {
   if (std::string(GetParam()) == "tcp") {
     GTEST_SKIP() << "over tcp UCX moves the bytes; the daemon maps no client memory";
@@ -775,7 +776,7 @@ TEST_P(RawUcxTest, AnAddressOutsideTheClientsSegmentFailsItsCallAndTheDaemonLive
     v1::UcxRegion region;
     region.set_rkey(seg->packed_rkey());
     region.set_address(lie);
-    region.set_length(kBelow + seg->length());
+    region.set_length(kBelow + seg->length());  // ends where the segment does
     region.set_registration_id(seg->id());
     v1::UcxBlock block;
     block.set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
@@ -806,14 +807,17 @@ TEST_P(RawUcxTest, AnAddressOutsideTheClientsSegmentFailsItsCallAndTheDaemonLive
     return client::FromGrpc(stub_->PutUcx(&ctx, req, &resp));
   };
   EXPECT_THAT(call(lie, /*get=*/false),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGSEGV")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lies outside the shared-memory segment")));
   EXPECT_EQ(Present(key), 0u);
+
   // The same region, the block where it really is: stored, and the daemon answers a get that
   // names the hole with an error too.
   ASSERT_OK(call(reinterpret_cast<uint64_t>(base), /*get=*/false));
   EXPECT_EQ(Present(key), 1u);
   EXPECT_THAT(call(lie, /*get=*/true),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGSEGV")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("lies outside the shared-memory segment")));
   std::fill(base, base + block_bytes_, std::byte{0});
   ASSERT_OK(call(reinterpret_cast<uint64_t>(base), /*get=*/true));
   EXPECT_TRUE(client::IsTestBlock(78, 0, std::span(base, block_bytes_)));
