@@ -88,6 +88,14 @@ PhaseTime RunClientsTimed(int clients, pid_t server, const std::function<void(in
   return t;
 }
 
+Result PhasesResult(const PhaseTime& put, const PhaseTime& get, double bytes_per_pass, int rounds,
+                    uint64_t errors) {
+  const double got = bytes_per_pass * rounds;
+  return {bytes_per_pass / put.wall_s / 1e9,  got / get.wall_s / 1e9,
+          put.cpu_s / (bytes_per_pass / 1e9), get.cpu_s / (got / 1e9),
+          get.server_cpu_s / (got / 1e9),     errors};
+}
+
 std::string RedisKey(int client, size_t i) { return absl::StrCat("c", client, ":", i); }
 
 Result RunRedis(int port, pid_t server, const LoadShape& shape) {
@@ -155,10 +163,8 @@ Result RunRedis(int port, pid_t server, const LoadShape& shape) {
     }
     redisFree(c);
   });
-  double total = static_cast<double>(clients) * blocks_per_client * block_bytes;
-  return {total / put.wall_s / 1e9,        total * rounds / get.wall_s / 1e9,
-          put.cpu_s / (total / 1e9),       get.cpu_s / (total * rounds / 1e9),
-          get.server_cpu_s / (total * rounds / 1e9), errors.load()};
+  return PhasesResult(put, get, static_cast<double>(clients) * blocks_per_client * block_bytes,
+                      rounds, errors.load());
 }
 
 v1::ModelProfile BenchModel(uint64_t block_bytes) {
@@ -263,11 +269,35 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
       if (!conns[id]->Delete(profile, std::span(keys[id]).subspan(b, n)).ok()) ++errors;
     }
   }
-  double total = static_cast<double>(clients) * blocks_per_client * block_bytes;
   owned.clear();  // before the clients
-  return {total / put.wall_s / 1e9,        total * rounds / get.wall_s / 1e9,
-          put.cpu_s / (total / 1e9),       get.cpu_s / (total * rounds / 1e9),
-          get.server_cpu_s / (total * rounds / 1e9), errors.load()};
+  return PhasesResult(put, get, static_cast<double>(clients) * blocks_per_client * block_bytes,
+                      rounds, errors.load());
+}
+
+Result RunMemcpy(const LoadShape& shape) {
+  const int clients = shape.clients, rounds = shape.rounds;
+  const size_t bytes = shape.blocks_per_client * shape.block_bytes;
+  // A client's blocks and the store's copy of them, both touched before the clocks start.
+  std::vector<std::vector<char>> blocks(clients, std::vector<char>(bytes, 1));
+  std::vector<std::vector<char>> store(clients, std::vector<char>(bytes, 2));
+  auto pass = [&](char* to, const char* from) {
+    for (size_t off = 0; off < bytes; off += shape.block_bytes) {
+      std::memcpy(to + off, from + off, std::min<size_t>(shape.block_bytes, bytes - off));
+    }
+  };
+  // One untimed round trip first, as the other systems' connections and arenas are warm.
+  RunClients(clients, [&](int id) {
+    pass(store[id].data(), blocks[id].data());
+    pass(blocks[id].data(), store[id].data());
+  });
+  const PhaseTime put =
+      RunClientsTimed(clients, 0, [&](int id) { pass(store[id].data(), blocks[id].data()); });
+  const PhaseTime get = RunClientsTimed(clients, 0, [&](int id) {
+    for (int r = 0; r < rounds; ++r) pass(blocks[id].data(), store[id].data());
+  });
+  uint64_t errors = 0;
+  for (int id = 0; id < clients; ++id) errors += blocks[id] != store[id] ? 1 : 0;
+  return PhasesResult(put, get, static_cast<double>(clients) * bytes, rounds, errors);
 }
 
 // Per-metric median over repeated runs; errors add up.

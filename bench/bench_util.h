@@ -65,12 +65,22 @@ struct Result {
   uint64_t errors = 0;                // failed calls and blocks that came back wrong
 };
 
+// A Result from a put phase that moved `bytes_per_pass` and a get phase that moved it `rounds`
+// times.
+Result PhasesResult(const PhaseTime& put, const PhaseTime& get, double bytes_per_pass, int rounds,
+                    uint64_t errors);
 // Redis on 127.0.0.1:port (process `server`): SET/GET pipelined `batch` deep.
 Result RunRedis(int port, pid_t server, const LoadShape& shape);
 // proximad at `target` (process `server`) with `transport`. Over UCX each client registers its
 // buffers once.
 Result RunProxima(const std::string& target, pid_t server, const LoadShape& shape,
                   client::Transport transport);
+// The shared-memory copy's baseline: each client thread memcpy's its blocks (made and touched
+// before the clock starts) into a store of the same size block by block, then back `rounds`
+// times: every byte moved once through memory, in this process, as the daemon's copy through
+// a client's mapped segment moves it, with no checksum and no call. `errors` counts clients
+// whose bytes did not come back equal.
+Result RunMemcpy(const LoadShape& shape);
 // Per-metric median over repeated runs; errors add up.
 Result Median(std::vector<Result> runs);
 // A profile whose raw block is exactly block_bytes (a multiple of 64 KiB).

@@ -147,13 +147,7 @@ Result RunTcpStream(int port, pid_t server, const LoadShape& shape) {
   for (int fd : fds) {
     if (fd >= 0) close(fd);
   }
-  const double total = static_cast<double>(clients) * store;
-  return {total / put.wall_s / 1e9,
-          total * rounds / get.wall_s / 1e9,
-          put.cpu_s / (total / 1e9),
-          get.cpu_s / (total * rounds / 1e9),
-          get.server_cpu_s / (total * rounds / 1e9),
-          errors.load()};
+  return PhasesResult(put, get, static_cast<double>(clients) * store, rounds, errors.load());
 }
 
 }  // namespace proxima::bench

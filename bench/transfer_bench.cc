@@ -1,7 +1,8 @@
 // transfer_bench: the UCX data plane's put/get throughput, against UCX's own ucx_perftest at the
-// same sizes and transports, against proximad's inline gRPC path, against Redis and, over tcp,
-// against a bare TCP stream (tcp_stream.h), all measured in one run (bench_util.h holds
-// the client loops shared with put_get_bench).
+// same sizes and transports, against proximad's inline gRPC path, against Redis, and against
+// what moving the bytes alone costs on the transport (a bare TCP stream over tcp, memcpy over
+// shared memory), all measured in one run (bench_util.h holds the client loops shared with
+// put_get_bench).
 //
 // For each transport (UCX_TLS value, e.g. "tcp" and "posix,self"), a proximad is started with
 // that UCX_TLS, and ucx_perftest is run between two processes with the same UCX_TLS: its
@@ -10,16 +11,17 @@
 // for each block size and client count: UCX put/get with each kind of client buffer (--buffers:
 // "heap", ordinary memory registered once, moved through the client's host staging where it
 // applies (over posix/sysv); "heap-direct", the same memory with host staging off; and "ucx",
-// Client::AllocateMemory), inline put/get (same daemon, gRPC over TCP), Redis and, for the tcp
-// transport, a bare request/response stream over loopback TCP with the same sizes, batch and
-// clients (what the kernel's loopback copy alone moves at that pattern: tcp_stream.h). Last, the
+// Client::AllocateMemory), inline put/get (same daemon, gRPC over TCP), Redis and the bare move:
+// for tcp, a request/response stream over loopback TCP with the same sizes, batch and clients
+// (what the kernel's loopback copy alone moves at that pattern: tcp_stream.h); for shared
+// memory, memcpy of the same blocks by as many threads (RunMemcpy in bench_util.h). Last, the
 // p50/p99 latency of a single 2 MiB Get over UCX (each buffer kind) and inline. One JSON object
 // per line:
 //   {"bench":"transfer","metric":"get_throughput","transport":"tcp","buffers":"heap",
 //    "block_bytes":2097152,"clients":1,"value":1.1,"unit":"GB/s","baselines":{"ucx_perftest":1.3,
 //    "inline":0.5,"redis":0.7,"tcp_stream":1.5},"ratio_perftest":0.85,"ratio_inline":2.2,
 //    "ratio_redis":1.6,"ratio_tcp_stream":0.73}
-// (tcp_stream and ratio_tcp_stream only on tcp lines).
+// (tcp_stream on tcp lines; memcpy and ratio_memcpy in their place on shared-memory lines).
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -112,14 +114,21 @@ double PerftestGbps(const std::string& dir, const std::string& test, uint64_t si
   return -1;
 }
 
+// The bare move measured beside a transport: a TCP stream over tcp, memcpy over shared memory.
+// Printed as baselines.NAME and ratio_NAME.
+struct BareMove {
+  std::string name;
+  double gbps = -1;  // < 0: not measured (the fields are left out)
+};
+
 void PrintThroughput(const char* metric, const std::string& transport, const std::string& buffers,
                      uint64_t block_bytes, int clients, double value, double perftest,
-                     double inline_gbps, double redis, double tcp_stream) {
-  // tcp_stream < 0: not measured for this transport (the fields are left out).
-  const std::string stream =
-      tcp_stream < 0 ? "" : absl::StrFormat(",\"tcp_stream\":%.3f", tcp_stream);
-  const std::string stream_ratio =
-      tcp_stream < 0 ? "" : absl::StrFormat(",\"ratio_tcp_stream\":%.3f", value / tcp_stream);
+                     double inline_gbps, double redis, const BareMove& bare) {
+  std::string baseline, ratio;
+  if (bare.gbps >= 0) {
+    baseline = absl::StrFormat(",\"%s\":%.3f", bare.name, bare.gbps);
+    ratio = absl::StrFormat(",\"ratio_%s\":%.3f", bare.name, value / bare.gbps);
+  }
   std::printf(
       "{\"bench\":\"transfer\",\"metric\":\"%s\",\"transport\":\"%s\",\"buffers\":\"%s\","
       "\"block_bytes\":%llu,"
@@ -127,8 +136,8 @@ void PrintThroughput(const char* metric, const std::string& transport, const std
       "\"inline\":%.3f,\"redis\":%.3f%s},\"ratio_perftest\":%.3f,\"ratio_inline\":%.3f,"
       "\"ratio_redis\":%.3f%s}\n",
       metric, transport.c_str(), buffers.c_str(), static_cast<unsigned long long>(block_bytes),
-      clients, value, perftest, inline_gbps, redis, stream.c_str(), value / perftest,
-      value / inline_gbps, value / redis, stream_ratio.c_str());
+      clients, value, perftest, inline_gbps, redis, baseline.c_str(), value / perftest,
+      value / inline_gbps, value / redis, ratio.c_str());
   std::fflush(stdout);
 }
 
@@ -246,13 +255,13 @@ int main(int argc, char** argv) {
             1, static_cast<size_t>(per_client / static_cast<int64_t>(block_bytes)));
         const LoadShape shape{clients, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_rounds),
                               block_bytes, blocks};
-        std::vector<Result> inline_runs, redis_runs, stream_runs;
+        std::vector<Result> inline_runs, redis_runs, bare_runs;
         std::vector<std::vector<Result>> ucx_runs(buffer_kinds.size());
         for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
           redis_runs.push_back(proxima::bench::RunRedis(redis_port, redis, shape));
-          if (name == "tcp") {
-            stream_runs.push_back(proxima::bench::RunTcpStream(stream_port, stream_server, shape));
-          }
+          bare_runs.push_back(name == "tcp"
+                                  ? proxima::bench::RunTcpStream(stream_port, stream_server, shape)
+                                  : proxima::bench::RunMemcpy(shape));
           // Every run stores chains of its own: a put of blocks already stored moves no bytes.
           for (size_t k = 0; k < buffer_kinds.size(); ++k) {
             LoadShape s = shape;
@@ -267,24 +276,25 @@ int main(int argc, char** argv) {
         }
         Result inl = proxima::bench::Median(inline_runs);
         Result red = proxima::bench::Median(redis_runs);
-        Result stream = stream_runs.empty() ? Result{.put_gbps = -1, .get_gbps = -1}
-                                            : proxima::bench::Median(stream_runs);
+        const Result bare = proxima::bench::Median(bare_runs);
+        const std::string bare_name = name == "tcp" ? "tcp_stream" : "memcpy";
         uint64_t ucx_errors = 0;
         for (size_t k = 0; k < buffer_kinds.size(); ++k) {
           Result ucx = proxima::bench::Median(ucx_runs[k]);
           ucx_errors += ucx.errors;
           PrintThroughput("put_throughput", name, buffer_kinds[k], block_bytes, clients,
-                          ucx.put_gbps, perf_get, inl.put_gbps, red.put_gbps, stream.put_gbps);
+                          ucx.put_gbps, perf_get, inl.put_gbps, red.put_gbps,
+                          BareMove{bare_name, bare.put_gbps});
           PrintThroughput("get_throughput", name, buffer_kinds[k], block_bytes, clients,
-                          ucx.get_gbps, perf_put, inl.get_gbps, red.get_gbps, stream.get_gbps);
+                          ucx.get_gbps, perf_put, inl.get_gbps, red.get_gbps,
+                          BareMove{bare_name, bare.get_gbps});
         }
-        const uint64_t stream_errors = stream_runs.empty() ? 0 : stream.errors;
-        if (ucx_errors + inl.errors + red.errors + stream_errors > 0) {
-          std::fprintf(stderr, "errors: ucx %llu, inline %llu, redis %llu, tcp stream %llu\n",
+        if (ucx_errors + inl.errors + red.errors + bare.errors > 0) {
+          std::fprintf(stderr, "errors: ucx %llu, inline %llu, redis %llu, %s %llu\n",
                        static_cast<unsigned long long>(ucx_errors),
                        static_cast<unsigned long long>(inl.errors),
-                       static_cast<unsigned long long>(red.errors),
-                       static_cast<unsigned long long>(stream_errors));
+                       static_cast<unsigned long long>(red.errors), bare_name.c_str(),
+                       static_cast<unsigned long long>(bare.errors));
           exit_code = 1;
         }
       }

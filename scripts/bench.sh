@@ -8,8 +8,8 @@
 #   scripts/bench.sh replay      Mooncake trace replay: hit ratio per memory budget, raw vs compressed
 #   scripts/bench.sh policy      temperature policies (LRU, FIFO, S3-FIFO, ARC) simulated on the trace
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
-#   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC, Redis (and a bare TCP
-#                                stream over tcp); tcp and shm
+#   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC, Redis and the bare
+#                                move (a TCP stream over tcp, memcpy over shm); tcp and shm
 #   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
 #   scripts/bench.sh cluster     2 MiB get served one hop away (daemon to daemon) vs served locally
 # Extra arguments go to the benchmark binary.
