@@ -26,11 +26,17 @@ namespace proxima::bench {
 using Clock = std::chrono::steady_clock;
 using proxima::client::BlockKey;
 
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+sockaddr_in LoopbackAddress(int port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  return a;
+}
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a = LoopbackAddress(0);
   bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
   socklen_t len = sizeof(a);
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);

@@ -4,6 +4,7 @@
 #ifndef PROXIMA_BENCH_BENCH_UTIL_H_
 #define PROXIMA_BENCH_BENCH_UTIL_H_
 
+#include <netinet/in.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -15,6 +16,8 @@
 
 namespace proxima::bench {
 
+// 127.0.0.1:port (port 0: any).
+sockaddr_in LoopbackAddress(int port);
 // A free TCP port on 127.0.0.1 (bound and released).
 int FreePort();
 // Starts argv[0] with stdout and stderr appended to `log`; the child inherits the environment.

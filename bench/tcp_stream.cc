@@ -70,11 +70,8 @@ void ServeTcpStream(int port) {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   int one = 1;
   setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  if (bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+  const sockaddr_in a = LoopbackAddress(port);
+  if (bind(listener, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0 ||
       listen(listener, 64) != 0) {
     std::perror("tcp stream server: bind/listen on 127.0.0.1");
     std::exit(1);
@@ -98,12 +95,9 @@ Result RunTcpStream(int port, pid_t server, const LoadShape& shape) {
   std::vector<std::vector<char>> data(clients, std::vector<char>(store, 1));
   for (int id = 0; id < clients; ++id) {
     fds[id] = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
+    const sockaddr_in a = LoopbackAddress(port);
     Header h{kSize, 0, store};
-    if (connect(fds[id], reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+    if (connect(fds[id], reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0 ||
         !Full(fds[id], reinterpret_cast<char*>(&h), sizeof(h), true)) {
       ++errors;
       close(fds[id]);

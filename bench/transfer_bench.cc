@@ -219,6 +219,13 @@ int main(int argc, char** argv) {
     std::string tls(t);
     std::replace(tls.begin(), tls.end(), '+', ',');
     const std::string name = tls == "tcp" ? "tcp" : "shm:" + tls;
+    // The bare move on this transport, chosen once: a TCP stream over tcp, memcpy otherwise.
+    const bool over_tcp = name == "tcp";
+    const std::string bare_name = over_tcp ? "tcp_stream" : "memcpy";
+    auto run_bare = [&](const LoadShape& shape) {
+      return over_tcp ? proxima::bench::RunTcpStream(stream_port, stream_server, shape)
+                      : proxima::bench::RunMemcpy(shape);
+    };
     setenv("UCX_TLS", tls.c_str(), 1);  // for proximad, ucx_perftest and this process's clients
     const int port = proxima::bench::FreePort();
     const uint64_t capacity = static_cast<uint64_t>(per_client) * max_clients * 2;
@@ -259,9 +266,7 @@ int main(int argc, char** argv) {
         std::vector<std::vector<Result>> ucx_runs(buffer_kinds.size());
         for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
           redis_runs.push_back(proxima::bench::RunRedis(redis_port, redis, shape));
-          bare_runs.push_back(name == "tcp"
-                                  ? proxima::bench::RunTcpStream(stream_port, stream_server, shape)
-                                  : proxima::bench::RunMemcpy(shape));
+          bare_runs.push_back(run_bare(shape));
           // Every run stores chains of its own: a put of blocks already stored moves no bytes.
           for (size_t k = 0; k < buffer_kinds.size(); ++k) {
             LoadShape s = shape;
@@ -277,7 +282,6 @@ int main(int argc, char** argv) {
         Result inl = proxima::bench::Median(inline_runs);
         Result red = proxima::bench::Median(redis_runs);
         const Result bare = proxima::bench::Median(bare_runs);
-        const std::string bare_name = name == "tcp" ? "tcp_stream" : "memcpy";
         uint64_t ucx_errors = 0;
         for (size_t k = 0; k < buffer_kinds.size(); ++k) {
           Result ucx = proxima::bench::Median(ucx_runs[k]);
