@@ -43,7 +43,9 @@ struct Options {
   std::string codecs =
       "raw;lossless;fp8;int8;int4,group=32;int4,group=64;int4,group=128;"
       "int2,group=32;int2,group=64;int2,group=128;star;"
-      "layers[0:4]=int8,default=int4,sink=int8,group=64";
+      "layers[0:4]=int8,default=int4,sink=int8,group=64;"
+      // The default KV file is SmolLM2-135M's, whose RoPE base is 100000.
+      "k4v3,rope_theta=100000";
   std::string paths = "avx512,avx2,scalar";
 };
 

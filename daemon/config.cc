@@ -1060,7 +1060,7 @@ absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_vie
     absl::StatusOr<codec::CodecId> id = codec::ParseCodecName(c->first_block);
     if (!id.ok()) {
       return error("first_block", c->first_block,
-                   "a codec name: raw, lossless, fp8, int8, int4, int2 or star, or \"\"");
+                   "a codec name: raw, lossless, fp8, int8, int4, int2, star or k4v3, or \"\"");
     }
     sink = *id;
   }
@@ -1085,7 +1085,7 @@ absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_vie
         return error(absl::StrCat("levels[", i, "]"), c->levels[i],
                      absl::StrCat("a codec plan such as int8 or "
                                   "\"layers[0:4]=int8,default=int4,sink=int8\" with codecs raw, "
-                                  "lossless, fp8, int8, int4, int2, star (",
+                                  "lossless, fp8, int8, int4, int2, star, k4v3 (",
                                   p.status().message(), ")"));
       }
       plans.push_back(*std::move(p));

@@ -223,6 +223,28 @@ TEST(CompressionConfigTest, ExplicitLevelsAreParsedSafestFirst) {
   EXPECT_EQ(again.namespaces[0].compression.plans[1].ToString(), a.plans[1].ToString());
 }
 
+// k4v3 takes the model's RoPE base in its plan; the daemon keeps it through a print and parse,
+// and orders k4v3 between int4 and star.
+TEST(CompressionConfigTest, K4v3LevelKeepsItsRopeBase) {
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("namespaces:\n"
+                  "  - name: a\n"
+                  "    compression:\n"
+                  "      enabled: true\n"
+                  "      levels: [int8, int4, 'k4v3,rope_theta=500000,sink=int8']\n",
+                  "t.yaml", {}));
+  const CompressionConfig& a = c.namespaces[0].compression;
+  ASSERT_EQ(a.plans.size(), 3u);
+  EXPECT_EQ(a.plans[2].default_codec, codec::CodecId::kK4v3);
+  EXPECT_DOUBLE_EQ(a.plans[2].rope_theta, 500000.0);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
+  EXPECT_DOUBLE_EQ(again.namespaces[0].compression.plans[2].rope_theta, 500000.0);
+  absl::StatusOr<DaemonConfig> bad = ParseConfig(
+      "namespaces: [{name: a, compression: {enabled: true, levels: [star, k4v3]}}]", "t", {});
+  EXPECT_THAT(bad.status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("levels[1]")));
+}
+
 TEST(CompressionConfigTest, StrategiesDeriveLadders) {
   auto plans = [](const std::string& compression) {
     absl::StatusOr<DaemonConfig> c = ParseConfig(

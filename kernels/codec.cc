@@ -13,6 +13,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
@@ -31,8 +32,8 @@ using internal::SegmentShape;
 // Debian's Abseil has its own string_view; the public API speaks std::string_view.
 absl::string_view Absl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
-constexpr std::string_view kCodecNames[kNumCodecs] = {"raw",  "lossless", "fp8", "int8",
-                                                      "int4", "int2",     "star"};
+constexpr std::string_view kCodecNames[kNumCodecs] = {"raw",  "lossless", "fp8",  "int8",
+                                                      "int4", "int2",     "star", "k4v3"};
 
 template <typename T>
 T LoadLe(const std::byte* p) {
@@ -45,7 +46,10 @@ void StoreLe(std::byte* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
-bool IsGroupedCodec(CodecId c) { return c == CodecId::kInt4 || c == CodecId::kInt2; }
+// Codecs whose segment table entries carry a group size (k4v3: both segments; its V ignores it).
+bool IsGroupedCodec(CodecId c) {
+  return c == CodecId::kInt4 || c == CodecId::kInt2 || c == CodecId::kK4v3;
+}
 
 absl::Status CheckPath(CpuPath path) {
   switch (path) {
@@ -139,7 +143,8 @@ bool UseBmi2(CpuPath path) { return path != CpuPath::kScalar && internal::CpuHas
 // Appends the segment's payload to `block`.
 absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shape,
                            const std::byte* in, const std::byte* layer_k,
-                           std::span<const float> importance, std::string* block) {
+                           std::span<const float> importance, double rope_theta,
+                           std::string* block) {
   const SegmentKernels& k = KernelsFor(path);
   if (codec == CodecId::kLossless) {
     internal::EncodeLossless(shape, in, block, UseBmi2(path));
@@ -170,6 +175,10 @@ absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
       internal::EncodeStar(shape, in, important, p);
       return absl::OkStatus();
     }
+    case CodecId::kK4v3:
+      internal::EncodeK4v3(shape, internal::K4v3RopeFor(rope_theta, shape.dim), k.encode_intn, in,
+                           p);
+      return absl::OkStatus();
     case CodecId::kLossless:
       break;
   }
@@ -204,6 +213,10 @@ absl::Status DecodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
     case CodecId::kStar:
       PROXIMA_RETURN_IF_ERROR(internal::ValidateStar(shape, p));
       internal::DecodeStar(shape, p, out);
+      return absl::OkStatus();
+    case CodecId::kK4v3:
+      PROXIMA_RETURN_IF_ERROR(internal::ValidateK4v3(shape, p));
+      internal::DecodeK4v3(shape, k.decode_intn, p, out);
       return absl::OkStatus();
   }
   return absl::InvalidArgumentError("unknown codec");
@@ -288,6 +301,10 @@ absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, CrcC
     seg.offset = offset;
     offset += seg.bytes;
     const SegmentShape shape = internal::SegmentShapeFor(g, s, seg.group_size);
+    if (seg.codec == CodecId::kK4v3 && !internal::K4v3DimOk(g.head_dim)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment ", s, ": k4v3 needs a power-of-two head_dim, the block has ", g.head_dim));
+    }
     if (seg.codec == CodecId::kLossless) {
       if (seg.bytes < 1 + shape.Elements()) {  // at least the mode byte and verbatim plane B
         return absl::InvalidArgumentError(absl::StrCat("segment ", s, ": lossless too short"));
@@ -351,8 +368,9 @@ absl::StatusOr<CodecId> ParseCodecName(std::string_view name) {
   for (int i = 0; i < kNumCodecs; ++i) {
     if (kCodecNames[i] == name) return static_cast<CodecId>(i);
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown codec '", Absl(name), "' (expected raw, lossless, fp8, int8, int4, int2 or star)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown codec '", Absl(name),
+                   "' (expected raw, lossless, fp8, int8, int4, int2, star or k4v3)"));
 }
 
 bool IsExact(CodecId codec) { return codec == CodecId::kRaw || codec == CodecId::kLossless; }
@@ -361,12 +379,14 @@ int Fidelity(CodecId codec) {
   switch (codec) {
     case CodecId::kRaw:
     case CodecId::kLossless:
-      return 6;
+      return 7;
     case CodecId::kInt8:
-      return 5;
+      return 6;
     case CodecId::kFp8:
-      return 4;
+      return 5;
     case CodecId::kInt4:
+      return 4;
+    case CodecId::kK4v3:
       return 3;
     case CodecId::kStar:
       return 2;
@@ -422,13 +442,14 @@ std::string CodecPlan::ToString() const {
   items.push_back(absl::StrCat("default=", Absl(CodecName(default_codec))));
   if (sink_codec.has_value()) items.push_back(absl::StrCat("sink=", Absl(CodecName(*sink_codec))));
   items.push_back(absl::StrCat("group=", group_size));
+  if (rope_theta != 0.0) items.push_back(absl::StrFormat("rope_theta=%.17g", rope_theta));
   return absl::StrJoin(items, ",");
 }
 
 absl::StatusOr<CodecPlan> ParseCodecPlan(std::string_view text_in) {
   const absl::string_view text = Absl(text_in);
   CodecPlan plan;
-  bool have_default = false, have_group = false;
+  bool have_default = false, have_group = false, have_rope = false;
   if (absl::StripAsciiWhitespace(text).empty()) {
     return absl::InvalidArgumentError("empty codec plan");
   }
@@ -467,6 +488,14 @@ absl::StatusOr<CodecPlan> ParseCodecPlan(std::string_view text_in) {
       }
       have_group = true;
       plan.group_size = g;
+    } else if (key == "rope_theta") {
+      double theta;
+      if (have_rope) return bad("rope_theta given twice");
+      if (!absl::SimpleAtod(value, &theta) || !(theta >= 1.0 && theta <= 1e12)) {
+        return bad("rope_theta must be a number from 1 to 1e12 (the model's RoPE base)");
+      }
+      have_rope = true;
+      plan.rope_theta = theta;
     } else if (absl::ConsumePrefix(&key, "layers[") && absl::ConsumeSuffix(&key, "]")) {
       std::vector<absl::string_view> ends = absl::StrSplit(key, ':');
       CodecPlan::LayerRange r;
@@ -479,7 +508,7 @@ absl::StatusOr<CodecPlan> ParseCodecPlan(std::string_view text_in) {
       r.codec = *c;
       plan.layer_ranges.push_back(r);
     } else {
-      return bad("expected CODEC, default=, sink=, group= or layers[a:b]=");
+      return bad("expected CODEC, default=, sink=, group=, rope_theta= or layers[a:b]=");
     }
   }
   return plan;
@@ -524,9 +553,20 @@ absl::StatusOr<CpuPath> ParseCpuPath(std::string_view name) {
 
 namespace {
 
-absl::Status ValidGroupSize(const CodecPlan& plan) {
+// What a plan needs of the geometry beyond Validate(): a group size, and for k4v3 (when any layer
+// of a block at this position uses it) a power-of-two head_dim.
+absl::Status ValidPlanFor(const BlockGeometry& geometry, const CodecPlan& plan,
+                          bool is_first_block) {
   if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
     return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
+  }
+  if (!internal::K4v3DimOk(geometry.head_dim)) {
+    for (uint32_t layer = 0; layer < geometry.num_layers; ++layer) {
+      if (plan.CodecFor(layer, is_first_block) == CodecId::kK4v3) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "k4v3 needs a power-of-two head_dim; this profile's is ", geometry.head_dim));
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -556,7 +596,9 @@ std::optional<size_t> ContainerBytes(const BlockGeometry& geometry, const CodecP
 
 std::optional<size_t> EncodedBytes(const BlockGeometry& geometry, const CodecPlan& plan,
                                    bool is_first_block) {
-  if (!geometry.Validate().ok() || !ValidGroupSize(plan).ok()) return std::nullopt;
+  if (!geometry.Validate().ok() || !ValidPlanFor(geometry, plan, is_first_block).ok()) {
+    return std::nullopt;
+  }
   return ContainerBytes(geometry, plan, is_first_block, std::nullopt);
 }
 
@@ -574,7 +616,7 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
     return absl::InvalidArgumentError(absl::StrCat(
         "importance has ", importance.size(), " values, expected ", geometry.tokens_per_block));
   }
-  PROXIMA_RETURN_IF_ERROR(ValidGroupSize(plan));
+  PROXIMA_RETURN_IF_ERROR(ValidPlanFor(geometry, plan, is_first_block));
   const uint32_t num_segments = 2 * geometry.num_layers;
   const size_t seg_raw = geometry.SegmentElements() * 2;
   const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
@@ -588,7 +630,8 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
     const std::byte* in = raw.data() + s * seg_raw;
     const std::byte* layer_k = raw.data() + (s & ~1u) * seg_raw;
     const size_t before = block.size();
-    PROXIMA_RETURN_IF_ERROR(EncodeSegment(path, codec, shape, in, layer_k, importance, &block));
+    PROXIMA_RETURN_IF_ERROR(
+        EncodeSegment(path, codec, shape, in, layer_k, importance, plan.rope_theta, &block));
     std::byte* e = reinterpret_cast<std::byte*>(block.data()) + internal::kHeaderBytes +
                    internal::kSegmentEntryBytes * s;
     e[0] = std::byte{static_cast<uint8_t>(codec)};

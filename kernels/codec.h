@@ -38,14 +38,15 @@ enum class CodecId : uint8_t {
   kInt4 = 4,
   kInt2 = 5,
   kStar = 6,
+  kK4v3 = 7,  // K at 4 bits in the block's RoPE frame, V at 3 bits after a Hadamard rotation
 };
-inline constexpr int kNumCodecs = 7;
+inline constexpr int kNumCodecs = 8;
 
 std::string_view CodecName(CodecId codec);
 absl::StatusOr<CodecId> ParseCodecName(std::string_view name);
 // True for raw and lossless (decoding gives back the input bytes).
 bool IsExact(CodecId codec);
-// Higher is closer to the input: raw = lossless > int8 > fp8 > int4 > star > int2.
+// Higher is closer to the input: raw = lossless > int8 > fp8 > int4 > k4v3 > star > int2.
 int Fidelity(CodecId codec);
 
 struct BlockGeometry {
@@ -74,15 +75,18 @@ struct CodecPlan {
   CodecId default_codec = CodecId::kRaw;
   std::vector<LayerRange> layer_ranges;  // first match wins
   std::optional<CodecId> sink_codec;     // floor of fidelity for the first block of a sequence
-  uint32_t group_size = 64;              // int4/int2 group: 32, 64 or 128
+  uint32_t group_size = 64;              // int4/int2 (and k4v3's K) group: 32, 64 or 128
+  // The model's RoPE base (theta), which k4v3 un-rotates K with; 0 = unknown (no rotation: k4v3's
+  // K is then quantized as int4 quantizes it). Other codecs ignore it.
+  double rope_theta = 0.0;
 
   CodecId CodecFor(uint32_t layer, bool is_first_block) const;
   // The canonical text form; ParseCodecPlan(ToString()) gives back an equal plan.
   std::string ToString() const;
 };
 
-// Parses "int4" or "layers[0:4]=int8,default=int4,sink=int8,group=64". kInvalidArgument naming
-// the offending item on error.
+// Parses "int4" or "layers[0:4]=int8,default=int4,sink=int8,group=64" (and rope_theta=100000
+// for k4v3). kInvalidArgument naming the offending item on error.
 absl::StatusOr<CodecPlan> ParseCodecPlan(std::string_view text);
 
 // Encodes one raw block. `raw`: RawBytes() bytes, [layer][k|v][token][head][dim]. `importance`:
@@ -100,7 +104,7 @@ std::optional<size_t> EncodedBytes(const BlockGeometry& geometry, const CodecPla
 
 struct SegmentInfo {
   CodecId codec = CodecId::kRaw;
-  uint32_t group_size = 0;  // int4/int2 only, else 0
+  uint32_t group_size = 0;  // int4/int2/k4v3 only, else 0
   uint64_t offset = 0;      // of the payload inside the encoded block
   uint64_t bytes = 0;
 };

@@ -181,6 +181,8 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
       switch (seg.codec) {
         case CodecId::kLossless:
           return absl::UnimplementedError("lossless decode is CPU-only");
+        case CodecId::kK4v3:
+          return absl::UnimplementedError("k4v3 decode is CPU-only (no CUDA kernel yet)");
         case CodecId::kFp8:
           PROXIMA_RETURN_IF_ERROR(internal::ValidateFp8(sh, host));
           break;
@@ -279,7 +281,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     uint64_t payload = 0;
     for (uint32_t s = 0; s < num_segments; ++s) {
       const CodecId codec = plan.CodecFor(s / 2, first == 1);
-      if (codec == CodecId::kLossless) {
+      if (codec == CodecId::kLossless || codec == CodecId::kK4v3) {
         return absl::UnimplementedError(absl::StrCat("GPU encode of ",
                                                      std::string(CodecName(codec)),
                                                      " is not implemented; use EncodeBlocks"));

@@ -3,7 +3,8 @@
 // scalar reference (kernels/internal/numeric.h is shared), so decoding gives bytes identical to
 // DecodeBlock(), and encoding fp8/int8/int4/int2/raw gives bytes identical to EncodeBlock().
 //
-// Not on the GPU (kUnimplemented, use the CPU entry points): `lossless` encode and decode.
+// Not on the GPU (kUnimplemented, use the CPU entry points): `lossless` and `k4v3` encode and
+// decode.
 // `star` encodes on the GPU with one thread per (segment, head) running the CPU algorithm; its
 // bytes may differ from the CPU encoder's (docs/format.md allows it), its decode is bit-exact.
 // Segments whose head_dim is a multiple of 8 (with 16-byte aligned raw buffers) take the fast
@@ -66,7 +67,7 @@ struct CudaEncodeJob {
 
 // Encodes every block with the same geometry and plan on `stream`, computes the payload CRCs on
 // the GPU, copies the results back and synchronises the stream. kUnimplemented when the
-// plan selects `lossless` for any segment.
+// plan selects `lossless` or `k4v3` for any segment.
 absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& plan,
                               std::span<const CudaEncodeJob> jobs, CUstream_st* stream,
                               CudaCallTiming* timing = nullptr);

@@ -139,15 +139,29 @@ TEST(CodecCudaTest, EncodeMatchesCpuBitForBit) {
   }
 }
 
-TEST(CodecCudaTest, LosslessEncodeSaysUnimplemented) {
+// lossless and k4v3 have no kernels: kUnimplemented, which the daemon's tierer answers by
+// encoding on the CPU (daemon/tierer.cc); a k4v3 block is decoded on the CPU too.
+TEST(CodecCudaTest, LosslessAndK4v3SayUnimplemented) {
   PROXIMA_SKIP_WITHOUT_GPU();
   BlockGeometry g{1, 1, 64, 16, DType::kBf16};
   DeviceBuffer dev(g.RawBytes());
-  std::string out;
-  CudaEncodeJob job{dev.get(), false, &out};
-  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("lossless"));
-  EXPECT_THAT(EncodeBlocksCuda(g, plan, std::span(&job, 1), nullptr),
-              StatusIs(absl::StatusCode::kUnimplemented, ::testing::_));
+  for (const char* text : {"lossless", "k4v3,rope_theta=10000"}) {
+    std::string out;
+    CudaEncodeJob job{dev.get(), false, &out};
+    ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
+    EXPECT_THAT(EncodeBlocksCuda(g, plan, std::span(&job, 1), nullptr),
+                StatusIs(absl::StatusCode::kUnimplemented, ::testing::_))
+        << text;
+  }
+  ASSERT_OK_AND_ASSIGN(CodecPlan k4v3, ParseCodecPlan("k4v3"));
+  std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 3);
+  std::string enc;
+  ASSERT_OK(EncodeBlock(g, k4v3, false, raw, {}, &enc));
+  DeviceBuffer enc_dev(enc.size());
+  ASSERT_EQ(cudaMemcpy(enc_dev.get(), enc.data(), enc.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  CudaDecodeJob djob{std::as_bytes(std::span<const char>(enc)), enc_dev.get(), dev.get()};
+  EXPECT_THAT(DecodeBlocksCuda(std::span(&djob, 1), nullptr),
+              StatusIs(absl::StatusCode::kUnimplemented, ::testing::HasSubstr("k4v3")));
 }
 
 // star may encode differently on the GPU; its size is fixed and its error must stay close to the

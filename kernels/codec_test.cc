@@ -1,5 +1,7 @@
 #include "kernels/codec.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -163,7 +165,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(LossyCase{"int8", 0.01, 1.9}, LossyCase{"fp8", 0.05, 1.99},
                       LossyCase{"int4,group=64", 0.12, 3.5}, LossyCase{"int4,group=32", 0.10, 3.1},
                       LossyCase{"int4,group=128", 0.12, 3.5}, LossyCase{"int2,group=64", 0.5, 5.0},
-                      LossyCase{"int2,group=128", 0.5, 5.0}, LossyCase{"star", 0.75, 6.0}));
+                      LossyCase{"int2,group=128", 0.5, 5.0}, LossyCase{"star", 0.75, 6.0},
+                      LossyCase{"k4v3,rope_theta=10000", 0.25, 4.0},
+                      LossyCase{"k4v3,group=32", 0.25, 3.4}));
 
 // Per element: |x' - x| <= scale / 2 of the element's group, plus the dtype's output rounding.
 TEST(Int4Test, EveryElementWithinHalfAStep) {
@@ -210,7 +214,7 @@ TEST(Int4Test, EveryElementWithinHalfAStep) {
 // NaN inputs never come back as NaN (lossy codecs do not carry NaN; docs/format.md section 2).
 // Outputs may be +-Inf where a bf16 group spans more than float's range.
 TEST(LossyTest, NonFiniteInputsNeverDecodeToNaN) {
-  for (const char* plan : {"int8", "fp8", "int4", "int2", "star"}) {
+  for (const char* plan : {"int8", "fp8", "int4", "int2", "star", "k4v3"}) {
     for (DType dtype : {DType::kBf16, DType::kFp16}) {
       BlockGeometry g = Geo(2, 2, 64, 32, dtype);
       std::vector<std::byte> raw = MakeBlock(g, Pattern::kAdversarial, 13);
@@ -287,6 +291,8 @@ TEST(ContainerTest, EncodedBytesIsTheEncodersSizeWithoutEncoding) {
       "star",
       "layers[0:2]=int8,default=int4,sink=int8",
       "layers[0:1]=raw,default=int2,sink=fp8,group=32",
+      "k4v3,rope_theta=10000",
+      "layers[0:1]=int8,default=k4v3,sink=int4,group=128",
   };
   // Odd shapes: tokens not a multiple of the group, one head, 2 tokens (int4 larger than int8).
   for (const BlockGeometry& g :
@@ -313,6 +319,11 @@ TEST(ContainerTest, EncodedBytesIsTheEncodersSizeWithoutEncoding) {
   CodecPlan bad_group = Plan("int4");
   bad_group.group_size = 48;
   EXPECT_FALSE(EncodedBytes(g, bad_group, false).has_value());
+  // k4v3 needs a power-of-two head_dim; a sink level that covers it on the first block does not
+  // make the other blocks encodable.
+  EXPECT_FALSE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3"), false).has_value());
+  EXPECT_TRUE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3,sink=int8"), true).has_value());
+  EXPECT_FALSE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3,sink=int8"), false).has_value());
 }
 
 TEST(ContainerTest, RejectsBadArguments) {
@@ -353,8 +364,8 @@ TEST_P(HostileInputTest, TruncationAndCorruptionAreErrors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Codecs, HostileInputTest,
-                         ::testing::Values("raw", "lossless", "fp8", "int8", "int4", "int2",
-                                           "star"));
+                         ::testing::Values("raw", "lossless", "fp8", "int8", "int4", "int2", "star",
+                                           "k4v3,rope_theta=10000"));
 
 // InspectBlockHeader checks everything InspectBlock does except the payload CRC, and reports the
 // stored payload CRC so that another checker (the GPU) can compare it.
@@ -458,6 +469,184 @@ TEST(HostileInputTest, CorruptLosslessStreamIsAnError) {
 }
 
 // ---------------------------------------------------------------------------- batch API
+
+// ---------------------------------------------------------------------------- k4v3
+
+TEST(K4v3Test, PlanCarriesTheRopeBaseThroughItsTextForm) {
+  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan("int8,layers[4:30]=k4v3,rope_theta=100000"));
+  EXPECT_EQ(plan.CodecFor(5, false), CodecId::kK4v3);
+  EXPECT_EQ(plan.rope_theta, 100000.0);
+  ASSERT_OK_AND_ASSIGN(CodecPlan again, ParseCodecPlan(plan.ToString()));
+  EXPECT_EQ(again.rope_theta, 100000.0);
+  EXPECT_EQ(again.ToString(), plan.ToString());
+  ASSERT_OK_AND_ASSIGN(CodecPlan odd, ParseCodecPlan("k4v3,rope_theta=123456.789"));
+  ASSERT_OK_AND_ASSIGN(CodecPlan odd_again, ParseCodecPlan(odd.ToString()));
+  EXPECT_EQ(odd_again.rope_theta, 123456.789);
+  EXPECT_EQ(Plan("k4v3").rope_theta, 0.0);
+  EXPECT_EQ(Plan("k4v3").ToString().find("rope_theta"), std::string::npos);
+  for (const char* bad :
+       {"k4v3,rope_theta=0", "k4v3,rope_theta=-5", "k4v3,rope_theta=nan", "k4v3,rope_theta=1e13",
+        "k4v3,rope_theta=x", "k4v3,rope_theta=10000,rope_theta=10000"}) {
+    EXPECT_THAT(ParseCodecPlan(bad).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rope_theta")))
+        << bad;
+  }
+  EXPECT_GT(Fidelity(CodecId::kInt4), Fidelity(CodecId::kK4v3));
+  EXPECT_GT(Fidelity(CodecId::kK4v3), Fidelity(CodecId::kStar));
+}
+
+TEST(K4v3Test, SinCosIsCloseToLibmAndExactAtZero) {
+  float s, c;
+  numeric::SinCosF32(0.0f, &s, &c);
+  EXPECT_EQ(s, 0.0f);
+  EXPECT_EQ(c, 1.0f);
+  double worst = 0.0;
+  for (float x = 0.0f; x < 65536.0f; x = x * 1.01f + 0.013f) {
+    numeric::SinCosF32(x, &s, &c);
+    worst =
+        std::max({worst, std::fabs(s - std::sin(double{x})), std::fabs(c - std::cos(double{x}))});
+  }
+  EXPECT_LT(worst, 2e-6);
+}
+
+// Keys as a model writes them: one fixed pre-RoPE vector per head (with an outlier channel),
+// turned by RoPE at each token's absolute position. In the block's own frame every channel is
+// constant along the tokens, so k4v3 given the model's RoPE base keeps K far more exactly than
+// int4 does (and than k4v3 without the base, which quantizes K as int4 does), wherever the block
+// starts in its sequence.
+TEST(K4v3Test, KeysInTheirRopeFrameQuantizeAlmostExactly) {
+  const double theta = 10000.0;
+  BlockGeometry g = Geo(1, 2, 64, 64);
+  for (uint32_t start : {0u, 16u, 4096u}) {
+    std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 3);
+    const uint32_t D = g.head_dim, half = D / 2;
+    for (uint32_t t = 0; t < g.tokens_per_block; ++t) {
+      for (uint32_t h = 0; h < g.num_kv_heads; ++h) {
+        for (uint32_t j = 0; j < half; ++j) {
+          const double a = (start + t) * std::pow(theta, -2.0 * j / D);
+          const double x1 = std::sin(j + 3.0 * h) + (j == 5 ? 12.0 : 0.0);
+          const double x2 = std::cos(1.7 * j - h);
+          const size_t i = (size_t{t} * g.num_kv_heads + h) * D + j;
+          const uint16_t y1 =
+              numeric::FloatToBf16(static_cast<float>(x1 * std::cos(a) - x2 * std::sin(a)));
+          const uint16_t y2 =
+              numeric::FloatToBf16(static_cast<float>(x2 * std::cos(a) + x1 * std::sin(a)));
+          std::memcpy(raw.data() + 2 * i, &y1, 2);
+          std::memcpy(raw.data() + 2 * (i + half), &y2, 2);
+        }
+      }
+    }
+    auto k_error = [&](const char* plan) {
+      std::vector<std::byte> dec = Decode(Encode(g, Plan(plan), raw), g.RawBytes());
+      absl::StatusOr<ErrorSums> sums = MeasureBlockError(g, raw, dec);
+      EXPECT_OK(sums.status());
+      return sums.ok() ? Finish(*sums).k_rel_l2 : 1.0;
+    };
+    const double framed = k_error("k4v3,rope_theta=10000");
+    const double unframed = k_error("k4v3");
+    const double int4 = k_error("int4");
+    EXPECT_LT(framed, 0.25 * int4) << "start " << start;
+    EXPECT_LT(framed, 0.25 * unframed) << "start " << start;
+    EXPECT_NEAR(unframed, int4, 0.1 * int4) << "start " << start;
+  }
+}
+
+// V's 3-bit codes after the signed Hadamard rotation: one scale per (token, head), every element
+// within half a step of the rotated value (checked through the decoder, which rotates back:
+// the error's L2 norm per vector is at most half a step times sqrt(D), plus output rounding).
+TEST(K4v3Test, ValueErrorPerVectorIsBoundedByItsStep) {
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    BlockGeometry g = Geo(1, 3, 64, 16, dtype);
+    std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 9);
+    std::string enc = Encode(g, Plan("k4v3"), raw);
+    std::vector<std::byte> dec = Decode(enc, g.RawBytes());
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(AsBytes(enc)));
+    const SegmentInfo& v = info.segments[1];
+    const size_t n = g.SegmentElements(), D = g.head_dim;
+    for (size_t row = 0; row < size_t{g.tokens_per_block} * g.num_kv_heads; ++row) {
+      uint16_t sbits;
+      std::memcpy(&sbits, enc.data() + v.offset + 2 * row, 2);
+      const double step = numeric::DtypeToFloat(static_cast<uint8_t>(dtype), sbits);
+      double err2 = 0.0, norm2 = 0.0;
+      for (size_t d = 0; d < D; ++d) {
+        uint16_t a, b;
+        std::memcpy(&a, raw.data() + 2 * (n + row * D + d), 2);
+        std::memcpy(&b, dec.data() + 2 * (n + row * D + d), 2);
+        const double x = numeric::DtypeToFloat(static_cast<uint8_t>(dtype), a);
+        const double y = numeric::DtypeToFloat(static_cast<uint8_t>(dtype), b);
+        err2 += (x - y) * (x - y);
+        norm2 += x * x;
+      }
+      ASSERT_LE(std::sqrt(err2),
+                0.5 * step * std::sqrt(double(D)) * 1.01 + std::sqrt(norm2) / 128.0)
+          << "row " << row;
+    }
+  }
+}
+
+TEST(K4v3Test, HeadDimThatIsNotAPowerOfTwoIsRefusedBothWays) {
+  BlockGeometry g = Geo(1, 2, 48, 8);
+  std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 4);
+  std::string enc;
+  EXPECT_THAT(EncodeBlock(g, Plan("k4v3"), false, raw, {}, &enc),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two head_dim")));
+  // A hand-made block: an int4 block of this geometry relabelled k4v3, sizes made to match.
+  BlockGeometry p2 = Geo(1, 2, 64, 8);
+  std::string ok = Encode(p2, Plan("k4v3"), MakeBlock(p2, Pattern::kKvLike, 4));
+  std::string bad = ok;
+  const uint32_t dim = 48;
+  std::memcpy(bad.data() + 20, &dim, 4);  // head_dim in the header
+  internal::ResealBlockForFuzzing(std::as_writable_bytes(std::span<char>(bad.data(), bad.size())));
+  std::vector<std::byte> out(g.RawBytes());
+  EXPECT_THAT(DecodeBlock(AsBytes(bad), out),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two head_dim")));
+}
+
+// Payload values a decoder must refuse even under valid CRCs: RoPE frequencies out of range or
+// NaN, a non-finite V scale, nonzero padding bits. Nothing is written to the output then.
+TEST(K4v3Test, HostilePayloadValuesAreRefusedByName) {
+  BlockGeometry g = Geo(1, 1, 4, 2);       // V: 8 codes of 3 bits = 3 bytes, no padding
+  BlockGeometry padded = Geo(1, 1, 2, 1);  // V: 2 codes = 6 bits, 2 padding bits
+  for (const BlockGeometry& geo : {g, padded}) {
+    std::vector<std::byte> raw = MakeBlock(geo, Pattern::kKvLike, 6);
+    const std::string enc = Encode(geo, Plan("k4v3,rope_theta=10000"), raw);
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(AsBytes(enc)));
+    const SegmentInfo& k = info.segments[0];
+    const SegmentInfo& v = info.segments[1];
+    auto decode_with = [&](size_t offset, std::span<const uint8_t> bytes) {
+      std::string bad = enc;
+      std::memcpy(bad.data() + offset, bytes.data(), bytes.size());
+      internal::ResealBlockForFuzzing(
+          std::as_writable_bytes(std::span<char>(bad.data(), bad.size())));
+      std::vector<std::byte> out(geo.RawBytes(), std::byte{0x77});
+      absl::Status s = DecodeBlock(AsBytes(bad), out);
+      return s;
+    };
+    auto f32 = [](float f) {
+      std::array<uint8_t, 4> b;
+      std::memcpy(b.data(), &f, 4);
+      return b;
+    };
+    for (float omega0 : {-1.0f, 1.5f, NAN, INFINITY}) {
+      EXPECT_THAT(decode_with(k.offset, f32(omega0)),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("RoPE frequencies")))
+          << omega0;
+    }
+    for (float ratio : {0.0f, -0.5f, 1.5f, NAN}) {
+      EXPECT_THAT(decode_with(k.offset + 4, f32(ratio)),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("RoPE frequencies")))
+          << ratio;
+    }
+    const uint8_t inf_bf16[2] = {0x80, 0x7F};
+    EXPECT_THAT(decode_with(v.offset, inf_bf16),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("k4v3 V scale")));
+    if (&geo == &padded) {
+      const uint8_t last = static_cast<uint8_t>(enc[v.offset + v.bytes - 1]) | 0xC0;
+      EXPECT_THAT(decode_with(v.offset + v.bytes - 1, std::span(&last, 1)),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("padding")));
+    }
+  }
+}
 
 TEST(BatchTest, MultiThreadedMatchesSingleBlockCalls) {
   BlockGeometry g = Geo(3, 2, 64, 16);

@@ -190,6 +190,31 @@ PXK_HD uint8_t FloatToE4m3(float y) {
   return static_cast<uint8_t>(sign | (sub & is_sub) | (normal & ~is_sub));
 }
 
+// sin and cos of 0 <= x <= 2^20 from binary32 multiplies and adds alone (no libm, whose results
+// differ between C libraries and CUDA), so every backend rotates by the same bits
+// (docs/format.md: k4v3). Cody-Waite reduction by pi/2 (three-part constant), then the minimax
+// polynomials of Cephes' sinf/cosf on [-pi/4, pi/4]. Error below 1e-6 for x < 2^16; above, the
+// reduction loses bits but stays deterministic, which is all the codec needs (it undoes its own
+// rotation with the same numbers).
+PXK_HD void SinCosF32(float x, float* sin_out, float* cos_out) {
+  const float k = RoundNearestEven(PXK_MUL(x, 0.636619772f));  // 2/pi
+  float r = PXK_SUB(x, PXK_MUL(k, 1.5703125f));
+  r = PXK_SUB(r, PXK_MUL(k, 4.837512969970703125e-4f));
+  r = PXK_SUB(r, PXK_MUL(k, 7.54978995489188216e-8f));
+  const float r2 = PXK_MUL(r, r);
+  float ps = PXK_ADD(8.3321608736e-3f, PXK_MUL(r2, -1.9515295891e-4f));
+  ps = PXK_ADD(-1.6666654611e-1f, PXK_MUL(r2, ps));
+  const float sr = PXK_ADD(r, PXK_MUL(PXK_MUL(r, r2), ps));
+  float pc = PXK_ADD(-1.388731625493765e-3f, PXK_MUL(r2, 2.443315711809948e-5f));
+  pc = PXK_ADD(4.166664568298827e-2f, PXK_MUL(r2, pc));
+  const float cr = PXK_ADD(PXK_SUB(1.0f, PXK_MUL(0.5f, r2)), PXK_MUL(PXK_MUL(r2, r2), pc));
+  const uint32_t q = static_cast<uint32_t>(k) & 3u;
+  const float s = (q & 1u) ? cr : sr;
+  const float c = (q & 1u) ? sr : cr;
+  *sin_out = (q & 2u) ? -s : s;
+  *cos_out = ((q + 1u) & 2u) ? -c : c;
+}
+
 }  // namespace proxima::codec::numeric
 
 #endif  // PROXIMA_KERNELS_INTERNAL_NUMERIC_H_

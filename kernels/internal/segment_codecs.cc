@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype_dispatch.h"
@@ -144,6 +146,9 @@ size_t FixedPayloadBytes(CodecId codec, const SegmentShape& shape) {
     }
     case CodecId::kStar:
       return StarLayoutFor(shape).per_head_bytes * shape.heads;
+    case CodecId::kK4v3:
+      if (!shape.is_value) return kK4v3KHeaderBytes + FixedPayloadBytes(CodecId::kInt4, shape);
+      return 2 * size_t{shape.tokens} * shape.heads + CeilDiv(3 * n, 8);
     case CodecId::kLossless:
       return 0;
   }
@@ -702,6 +707,187 @@ void DecodeStarT(const SegmentShape& shape, const std::byte* payload, std::byte*
 
 void DecodeStar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeStarT<kDt>(shape, payload, out));
+}
+
+// ---------------------------------------------------------------- k4v3
+
+namespace {
+
+// Pair j of a K vector is (j, j + D/2) (rotate-half RoPE layout); an odd head_dim has no pairs.
+uint32_t RopePairs(uint32_t dim) { return dim % 2 == 0 ? dim / 2 : 0; }
+
+constexpr float kFltMax = std::numeric_limits<float>::max();
+
+// Turns every (token, head) vector of a K segment: pair j of token t by -t * w_j (`inverse`
+// false: into the block's RoPE frame) or +t * w_j (back), rounding each result to the dtype.
+// Inputs are clamped first (NaN -> 0, +-Inf -> +-FLT_MAX), so both products of a rotation are
+// finite and its result is a number or +-Inf, never NaN.
+void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = RopePairs(D);
+  if (half == 0) {
+    std::memcpy(out, in, 2 * shape.Elements());
+    return;
+  }
+  std::vector<float> w(half), sn(half), cs(half);
+  w[0] = rope.omega0;
+  for (uint32_t j = 1; j < half; ++j) w[j] = w[j - 1] * rope.ratio;
+  for (uint32_t t = 0; t < T; ++t) {
+    for (uint32_t j = 0; j < half; ++j) {
+      numeric::SinCosF32(static_cast<float>(t) * w[j], &sn[j], &cs[j]);
+      if (inverse) sn[j] = -sn[j];
+    }
+    for (uint32_t h = 0; h < H; ++h) {
+      const size_t base = (size_t{t} * H + h) * D;
+      for (uint32_t j = 0; j < half; ++j) {
+        const float x1 = ClampQ(DtypeToFloat(shape.dtype, Load16(in, base + j)), -kFltMax, kFltMax);
+        const float x2 =
+            ClampQ(DtypeToFloat(shape.dtype, Load16(in, base + j + half)), -kFltMax, kFltMax);
+        const float y1 = x1 * cs[j] + x2 * sn[j];
+        const float y2 = x2 * cs[j] - x1 * sn[j];
+        Store16(out, base + j, FloatToDtype(shape.dtype, y1));
+        Store16(out, base + j + half, FloatToDtype(shape.dtype, y2));
+      }
+    }
+  }
+}
+
+// The sign that V's element d is multiplied by before the Hadamard transform.
+bool K4v3Flip(uint32_t d) { return ((d * 0x9E3779B1u) >> 31) != 0; }
+
+// Unnormalised fast Walsh-Hadamard transform of n (a power of two) floats, in this order.
+void Fwht(float* u, uint32_t n) {
+  for (uint32_t len = 1; len < n; len <<= 1) {
+    for (uint32_t i = 0; i < n; i += 2 * len) {
+      for (uint32_t j = i; j < i + len; ++j) {
+        const float a = u[j], b = u[j + len];
+        u[j] = a + b;
+        u[j + len] = a - b;
+      }
+    }
+  }
+}
+
+float HadamardNorm(uint32_t n) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+}
+
+void EncodeK4v3Value(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t D = shape.dim;
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  std::byte* codes = payload + 2 * rows;
+  std::memset(codes, 0, CeilDiv(3 * rows * D, 8));
+  const float norm = HadamardNorm(D);
+  std::vector<float> u(D);
+  for (size_t r = 0; r < rows; ++r) {
+    for (uint32_t d = 0; d < D; ++d) {
+      const float x = DtypeToFloat(shape.dtype, Load16(in, r * D + d));
+      const float v = IsFiniteFloat(x) ? x : 0.0f;
+      u[d] = K4v3Flip(d) ? -v : v;
+    }
+    Fwht(u.data(), D);
+    float amax = 0.0f;
+    for (uint32_t d = 0; d < D; ++d) {
+      u[d] = u[d] * norm;
+      const float a = std::fabs(u[d]);
+      if (IsFiniteFloat(a) && a > amax) amax = a;
+    }
+    const uint16_t scale = RoundUpDtype(shape.dtype, amax / 3.5f);
+    const float f = DtypeToFloat(shape.dtype, scale);
+    const float divisor = f == 0.0f ? 1.0f : f;
+    Store16(payload, r, scale);
+    for (uint32_t d = 0; d < D; ++d) {
+      const float q = RoundNearestEven(ClampQ(u[d] / divisor + 3.5f, 0.0f, 7.0f));
+      PutBits(codes, r * D + d, 3, static_cast<uint32_t>(q));
+    }
+  }
+}
+
+void DecodeK4v3Value(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t D = shape.dim;
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  const std::byte* codes = payload + 2 * rows;
+  const float norm = HadamardNorm(D);
+  std::vector<float> u(D);
+  for (size_t r = 0; r < rows; ++r) {
+    // The transform runs on the levels (code - 3.5: halves, |sum| <= 3.5 * D, so exact) and the
+    // scale comes last: a huge scale can give +-Inf, never Inf - Inf = NaN.
+    const float step = DtypeToFloat(shape.dtype, Load16(payload, r)) * norm;
+    for (uint32_t d = 0; d < D; ++d) {
+      u[d] = static_cast<float>(GetBits(codes, r * D + d, 3)) - 3.5f;
+    }
+    Fwht(u.data(), D);
+    for (uint32_t d = 0; d < D; ++d) {
+      const float v = u[d] * step;
+      Store16(out, r * D + d, FloatToDtype(shape.dtype, K4v3Flip(d) ? -v : v));
+    }
+  }
+}
+
+}  // namespace
+
+K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim) {
+  K4v3Rope r;
+  if (rope_theta > 0.0 && RopePairs(head_dim) > 0) {
+    r.omega0 = 1.0f;
+    r.ratio = static_cast<float>(std::pow(rope_theta, -2.0 / head_dim));
+  }
+  return r;
+}
+
+bool K4v3DimOk(uint32_t head_dim) { return head_dim != 0 && (head_dim & (head_dim - 1)) == 0; }
+
+void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, IntNEncodeFn encode_int4,
+                const std::byte* in, std::byte* payload) {
+  if (shape.is_value) {
+    EncodeK4v3Value(shape, in, payload);
+    return;
+  }
+  StoreF32(payload, 0, rope.omega0);
+  StoreF32(payload, 1, rope.ratio);
+  std::vector<uint16_t> turned(shape.Elements());
+  auto* t = reinterpret_cast<std::byte*>(turned.data());
+  RotateKPairs(shape, rope, /*inverse=*/false, in, t);
+  encode_int4(shape, 4, t, payload + kK4v3KHeaderBytes);
+}
+
+void DecodeK4v3(const SegmentShape& shape, IntNDecodeFn decode_int4, const std::byte* payload,
+                std::byte* out) {
+  if (shape.is_value) {
+    DecodeK4v3Value(shape, payload, out);
+    return;
+  }
+  const K4v3Rope rope{LoadF32(payload, 0), LoadF32(payload, 1)};
+  std::vector<uint16_t> turned(shape.Elements());
+  auto* t = reinterpret_cast<std::byte*>(turned.data());
+  decode_int4(shape, 4, payload + kK4v3KHeaderBytes, t);
+  RotateKPairs(shape, rope, /*inverse=*/true, t, out);
+}
+
+absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload) {
+  if (!K4v3DimOk(shape.dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k4v3: head_dim ", shape.dim, " is not a power of two"));
+  }
+  if (!shape.is_value) {
+    const float omega0 = LoadF32(payload, 0), ratio = LoadF32(payload, 1);
+    // Written as negations so that NaN fails them too.
+    if (!(omega0 >= 0.0f && omega0 <= 1.0f) || !(ratio > 0.0f && ratio <= 1.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("k4v3: RoPE frequencies out of range (omega0 ", omega0, ", ratio ", ratio,
+                       "; expected 0 <= omega0 <= 1 and 0 < ratio <= 1)"));
+    }
+    return ValidateIntN(shape, 4, payload + kK4v3KHeaderBytes);
+  }
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  if (absl::Status s = CheckFiniteDtype(shape, payload, rows, "k4v3 V scale"); !s.ok()) return s;
+  const size_t used_bits = 3 * shape.Elements() % 8;
+  if (used_bits != 0) {
+    const uint8_t last =
+        static_cast<uint8_t>(payload[2 * rows + CeilDiv(3 * shape.Elements(), 8) - 1]);
+    if ((last >> used_bits) != 0) return absl::InvalidArgumentError("k4v3: nonzero padding bits");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace proxima::codec::internal

@@ -143,6 +143,30 @@ void EncodeLossless(const SegmentShape& shape, const std::byte* in, std::string*
 absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte> payload,
                             std::byte* out, bool bmi2 = false);
 
+// ---- k4v3 (segment_codecs.cc): K at 4 bits in the block's own RoPE frame, V at 3 bits
+// after a signed Hadamard rotation (docs/format.md: k4v3). The K part quantizes with the int4
+// kernels of the caller's CPU path, so it runs at their speed and gives their bytes; the
+// rotations are scalar.
+inline constexpr size_t kK4v3KHeaderBytes = 8;  // f32 omega0, f32 ratio
+
+// The RoPE frequencies a K segment is un-rotated with: pair j turns by omega0 * ratio^j radians
+// per token. From the plan's rope_theta (0: no rotation, omega0 = 0).
+struct K4v3Rope {
+  float omega0 = 0.0f;
+  float ratio = 1.0f;
+};
+K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim);
+// k4v3 needs a power-of-two head_dim (V's Hadamard rotation).
+bool K4v3DimOk(uint32_t head_dim);
+
+using IntNEncodeFn = void (*)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
+using IntNDecodeFn = void (*)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
+void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, IntNEncodeFn encode_int4,
+                const std::byte* in, std::byte* payload);
+void DecodeK4v3(const SegmentShape& shape, IntNDecodeFn decode_int4, const std::byte* payload,
+                std::byte* out);
+absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload);
+
 // ---- ISA isolation of the SIMD paths. simd_avx2.cc and simd_avx512.cc are compiled with
 // -mavx2/-mavx512*; they must not emit link-once copies of inline functions of shared headers
 // (such as the inline helpers above): the linker may pick any copy, also for scalar callers, and

@@ -36,6 +36,25 @@ int main(int argc, char** argv) {
       ++n;
     }
   }
-  std::printf("wrote %d seeds\n", 2 * n);
+  // k4v3 (added after the others, so their seeds keep their names): both dtypes, with and
+  // without a RoPE base.
+  int k = 0;
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    for (const char* text : {"k4v3,rope_theta=10000", "k4v3,group=32"}) {
+      BlockGeometry g{2, 2, 16, 8, dtype};
+      auto plan = ParseCodecPlan(text);
+      auto raw = internal::MakeBlock(g, internal::Pattern::kKvLike, 2000 + k);
+      std::string enc;
+      if (!plan.ok() || !EncodeBlock(g, *plan, false, raw, {}, &enc).ok()) return 1;
+      for (char mode : {'\x00', '\x01'}) {
+        std::ofstream f(dir + "/seed_k4v3_" + std::to_string(k) + "_" + std::to_string(mode),
+                        std::ios::binary);
+        f.put(mode);
+        f << enc;
+      }
+      ++k;
+    }
+  }
+  std::printf("wrote %d seeds\n", 2 * (n + k));
   return 0;
 }

@@ -30,7 +30,8 @@ import numpy as np
 
 
 # Fidelity order of kernels/codec.h (Fidelity()): higher is closer to the input.
-FIDELITY = {"raw": 6, "lossless": 6, "int8": 5, "fp8": 4, "int4": 3, "star": 2, "int2": 1}
+FIDELITY = {"raw": 7, "lossless": 7, "int8": 6, "fp8": 5, "int4": 4, "k4v3": 3, "star": 2,
+            "int2": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,8 @@ class CodecPlan:
     """A STAR-KV codec plan in the text form of kernels/codec.h ParseCodecPlan (docs/format.md
     section 4): comma-separated items; a bare codec name means default=; `layers[a:b]=CODEC`
     (half-open, first match wins); `sink=CODEC` (first block of a sequence: each layer uses the
-    higher-fidelity of its planned codec and the sink codec); `group=32|64|128` (int4/int2).
+    higher-fidelity of its planned codec and the sink codec); `group=32|64|128` (int4/int2/k4v3);
+    `rope_theta=X` (the model's RoPE base, which k4v3 un-rotates K with).
 
     The C++ parser is authoritative (KernelsBackend hands it the text); this port lets the
     identity backend and the tests know which codec each layer gets.
@@ -76,6 +78,13 @@ class CodecPlan:
                 if val not in ("32", "64", "128"):
                     raise ValueError(f"plan {spec!r}: group must be 32, 64 or 128")
                 group = int(val)
+            elif key == "rope_theta":
+                try:
+                    ok = 1.0 <= float(val) <= 1e12
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"plan {spec!r}: rope_theta must be a number from 1 to 1e12")
             elif key.startswith("layers[") and key.endswith("]"):
                 lo, colon, hi = key[7:-1].partition(":")
                 if not colon or not lo.strip().isdigit() or not hi.strip().isdigit() or \
