@@ -718,51 +718,105 @@ uint32_t RopePairs(uint32_t dim) { return dim % 2 == 0 ? dim / 2 : 0; }
 
 constexpr float kFltMax = std::numeric_limits<float>::max();
 
+// sin and cos of t * w_j for every token t < T and pair j < half of a K segment (w_0 = omega0,
+// w_j = w_(j-1) * ratio): [t][j]. The same for every K segment of a block, and usually of every
+// block a thread encodes, so the last table is kept per thread.
+struct RopeTable {
+  uint32_t tokens = 0, half = 0;
+  float omega0 = -1.0f, ratio = -1.0f;
+  std::vector<float> sin, cos;
+};
+const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& rope) {
+  thread_local RopeTable table;
+  if (table.tokens == tokens && table.half == half &&
+      numeric::FloatBits(table.omega0) == numeric::FloatBits(rope.omega0) &&
+      numeric::FloatBits(table.ratio) == numeric::FloatBits(rope.ratio)) {
+    return table;
+  }
+  table.tokens = tokens;
+  table.half = half;
+  table.omega0 = rope.omega0;
+  table.ratio = rope.ratio;
+  std::vector<float> w(half);
+  w[0] = rope.omega0;
+  for (uint32_t j = 1; j < half; ++j) w[j] = w[j - 1] * rope.ratio;
+  table.sin.resize(size_t{tokens} * half);
+  table.cos.resize(size_t{tokens} * half);
+  for (uint32_t t = 0; t < tokens; ++t) {
+    for (uint32_t j = 0; j < half; ++j) {
+      numeric::SinCosF32(static_cast<float>(t) * w[j], &table.sin[size_t{t} * half + j],
+                         &table.cos[size_t{t} * half + j]);
+    }
+  }
+  return table;
+}
+
 // Turns every (token, head) vector of a K segment: pair j of token t by -t * w_j (`inverse`
 // false: into the block's RoPE frame) or +t * w_j (back), rounding each result to the dtype.
 // Inputs are clamped first (NaN -> 0, +-Inf -> +-FLT_MAX), so both products of a rotation are
 // finite and its result is a number or +-Inf, never NaN.
-void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
-                  const std::byte* in, std::byte* out) {
+template <uint8_t kDt>
+void RotateKPairsT(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
+                   const std::byte* in, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = RopePairs(D);
   if (half == 0) {
     std::memcpy(out, in, 2 * shape.Elements());
     return;
   }
-  std::vector<float> w(half), sn(half), cs(half);
-  w[0] = rope.omega0;
-  for (uint32_t j = 1; j < half; ++j) w[j] = w[j - 1] * rope.ratio;
+  const RopeTable& table = RopeTableFor(T, half, rope);
+  const float sign = inverse ? -1.0f : 1.0f;
   for (uint32_t t = 0; t < T; ++t) {
-    for (uint32_t j = 0; j < half; ++j) {
-      numeric::SinCosF32(static_cast<float>(t) * w[j], &sn[j], &cs[j]);
-      if (inverse) sn[j] = -sn[j];
-    }
+    const float* sn = table.sin.data() + size_t{t} * half;
+    const float* cs = table.cos.data() + size_t{t} * half;
     for (uint32_t h = 0; h < H; ++h) {
       const size_t base = (size_t{t} * H + h) * D;
       for (uint32_t j = 0; j < half; ++j) {
-        const float x1 = ClampQ(DtypeToFloat(shape.dtype, Load16(in, base + j)), -kFltMax, kFltMax);
-        const float x2 =
-            ClampQ(DtypeToFloat(shape.dtype, Load16(in, base + j + half)), -kFltMax, kFltMax);
-        const float y1 = x1 * cs[j] + x2 * sn[j];
-        const float y2 = x2 * cs[j] - x1 * sn[j];
-        Store16(out, base + j, FloatToDtype(shape.dtype, y1));
-        Store16(out, base + j + half, FloatToDtype(shape.dtype, y2));
+        const float x1 = ClampQ(DtypeToFloat(kDt, Load16(in, base + j)), -kFltMax, kFltMax);
+        const float x2 = ClampQ(DtypeToFloat(kDt, Load16(in, base + j + half)), -kFltMax, kFltMax);
+        const float s = sn[j] * sign;  // exact: a sign flip
+        const float y1 = x1 * cs[j] + x2 * s;
+        const float y2 = x2 * cs[j] - x1 * s;
+        Store16(out, base + j, FloatToDtype(kDt, y1));
+        Store16(out, base + j + half, FloatToDtype(kDt, y2));
       }
     }
   }
 }
 
+void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return,
+                         RotateKPairsT<kDt>(shape, rope, inverse, in, out));
+}
+
 // The sign that V's element d is multiplied by before the Hadamard transform.
 bool K4v3Flip(uint32_t d) { return ((d * 0x9E3779B1u) >> 31) != 0; }
 
-// Unnormalised fast Walsh-Hadamard transform of n (a power of two) floats, in this order.
+// Unnormalised fast Walsh-Hadamard transform of n (a power of two) floats, in this order: for
+// len = 1, 2, 4, .., (a, b) -> (a + b, a - b) over the halves of each block of 2 * len.
+// The first two stages run in registers per 4 elements, the others as loops over two disjoint
+// halves that the compiler vectorises; each element sees the same operations either way.
 void Fwht(float* u, uint32_t n) {
-  for (uint32_t len = 1; len < n; len <<= 1) {
+  uint32_t len = 1;
+  if (n >= 4) {
+    for (uint32_t i = 0; i < n; i += 4) {
+      const float s0 = u[i] + u[i + 1], d0 = u[i] - u[i + 1];
+      const float s1 = u[i + 2] + u[i + 3], d1 = u[i + 2] - u[i + 3];
+      u[i] = s0 + s1;
+      u[i + 1] = d0 + d1;
+      u[i + 2] = s0 - s1;
+      u[i + 3] = d0 - d1;
+    }
+    len = 4;
+  }
+  for (; len < n; len <<= 1) {
     for (uint32_t i = 0; i < n; i += 2 * len) {
-      for (uint32_t j = i; j < i + len; ++j) {
-        const float a = u[j], b = u[j + len];
-        u[j] = a + b;
-        u[j + len] = a - b;
+      float* __restrict a = u + i;
+      float* __restrict b = u + i + len;
+      for (uint32_t k = 0; k < len; ++k) {
+        const float x = a[k], y = b[k];
+        a[k] = x + y;
+        b[k] = x - y;
       }
     }
   }
@@ -772,56 +826,100 @@ float HadamardNorm(uint32_t n) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
 }
 
-void EncodeK4v3Value(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+// 3-bit codes of one vector of D values, D a multiple of 8 or not: whole groups of 8 codes are
+// 3 bytes (LSB-first, as PutBits writes them), the rest go one by one.
+void Pack3(const uint8_t* codes, size_t first, uint32_t n, std::byte* buf) {
+  uint32_t d = 0;
+  if (first % 8 == 0) {
+    std::byte* p = buf + first / 8 * 3;
+    for (; d + 8 <= n; d += 8, p += 3) {
+      uint32_t w = 0;
+      for (uint32_t k = 0; k < 8; ++k) w |= uint32_t{codes[d + k]} << (3 * k);
+      p[0] = std::byte{static_cast<uint8_t>(w)};
+      p[1] = std::byte{static_cast<uint8_t>(w >> 8)};
+      p[2] = std::byte{static_cast<uint8_t>(w >> 16)};
+    }
+  }
+  for (; d < n; ++d) PutBits(buf, first + d, 3, codes[d]);
+}
+void Unpack3(const std::byte* buf, size_t first, uint32_t n, uint8_t* codes) {
+  uint32_t d = 0;
+  if (first % 8 == 0) {
+    const std::byte* p = buf + first / 8 * 3;
+    for (; d + 8 <= n; d += 8, p += 3) {
+      const uint32_t w = uint32_t{static_cast<uint8_t>(p[0])} |
+                         uint32_t{static_cast<uint8_t>(p[1])} << 8 |
+                         uint32_t{static_cast<uint8_t>(p[2])} << 16;
+      for (uint32_t k = 0; k < 8; ++k) codes[d + k] = static_cast<uint8_t>((w >> (3 * k)) & 7u);
+    }
+  }
+  for (; d < n; ++d) codes[d] = static_cast<uint8_t>(GetBits(buf, first + d, 3));
+}
+
+// V, one (token, head) vector at a time, through contiguous row buffers (so the conversions
+// vectorise; the payload and the output may sit at any byte offset).
+template <uint8_t kDt>
+void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
   std::byte* codes = payload + 2 * rows;
   std::memset(codes, 0, CeilDiv(3 * rows * D, 8));
   const float norm = HadamardNorm(D);
-  std::vector<float> u(D);
+  std::vector<float> u(D), flip(D);
+  std::vector<uint16_t> irow(D);
+  std::vector<uint8_t> q(D);
+  for (uint32_t d = 0; d < D; ++d) flip[d] = K4v3Flip(d) ? -1.0f : 1.0f;
   for (size_t r = 0; r < rows; ++r) {
+    std::memcpy(irow.data(), in + 2 * r * D, 2 * size_t{D});
     for (uint32_t d = 0; d < D; ++d) {
-      const float x = DtypeToFloat(shape.dtype, Load16(in, r * D + d));
-      const float v = IsFiniteFloat(x) ? x : 0.0f;
-      u[d] = K4v3Flip(d) ? -v : v;
+      const float x = DtypeToFloat(kDt, irow[d]);
+      u[d] = (IsFiniteFloat(x) ? x : 0.0f) * flip[d];  // exact: a sign flip
     }
     Fwht(u.data(), D);
     float amax = 0.0f;
     for (uint32_t d = 0; d < D; ++d) {
       u[d] = u[d] * norm;
       const float a = std::fabs(u[d]);
-      if (IsFiniteFloat(a) && a > amax) amax = a;
+      amax = IsFiniteFloat(a) && a > amax ? a : amax;
     }
-    const uint16_t scale = RoundUpDtype(shape.dtype, amax / 3.5f);
-    const float f = DtypeToFloat(shape.dtype, scale);
+    const uint16_t scale = RoundUpDtype(kDt, amax / 3.5f);
+    const float f = DtypeToFloat(kDt, scale);
     const float divisor = f == 0.0f ? 1.0f : f;
     Store16(payload, r, scale);
     for (uint32_t d = 0; d < D; ++d) {
-      const float q = RoundNearestEven(ClampQ(u[d] / divisor + 3.5f, 0.0f, 7.0f));
-      PutBits(codes, r * D + d, 3, static_cast<uint32_t>(q));
+      q[d] = static_cast<uint8_t>(RoundNearestEven(ClampQ(u[d] / divisor + 3.5f, 0.0f, 7.0f)));
     }
+    Pack3(q.data(), r * D, D, codes);
   }
 }
 
-void DecodeK4v3Value(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+template <uint8_t kDt>
+void DecodeK4v3ValueT(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
   const std::byte* codes = payload + 2 * rows;
   const float norm = HadamardNorm(D);
-  std::vector<float> u(D);
+  std::vector<float> u(D), flip(D);
+  std::vector<uint16_t> orow(D);
+  std::vector<uint8_t> q(D);
+  for (uint32_t d = 0; d < D; ++d) flip[d] = K4v3Flip(d) ? -1.0f : 1.0f;
   for (size_t r = 0; r < rows; ++r) {
     // The transform runs on the levels (code - 3.5: halves, |sum| <= 3.5 * D, so exact) and the
     // scale comes last: a huge scale can give +-Inf, never Inf - Inf = NaN.
-    const float step = DtypeToFloat(shape.dtype, Load16(payload, r)) * norm;
-    for (uint32_t d = 0; d < D; ++d) {
-      u[d] = static_cast<float>(GetBits(codes, r * D + d, 3)) - 3.5f;
-    }
+    const float step = DtypeToFloat(kDt, Load16(payload, r)) * norm;
+    Unpack3(codes, r * D, D, q.data());
+    for (uint32_t d = 0; d < D; ++d) u[d] = static_cast<float>(q[d]) - 3.5f;
     Fwht(u.data(), D);
-    for (uint32_t d = 0; d < D; ++d) {
-      const float v = u[d] * step;
-      Store16(out, r * D + d, FloatToDtype(shape.dtype, K4v3Flip(d) ? -v : v));
-    }
+    for (uint32_t d = 0; d < D; ++d) orow[d] = FloatToDtype(kDt, (u[d] * step) * flip[d]);
+    std::memcpy(out + 2 * r * D, orow.data(), 2 * size_t{D});
   }
+}
+
+void EncodeK4v3Value(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, EncodeK4v3ValueT<kDt>(shape, in, payload));
+}
+void DecodeK4v3Value(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeK4v3ValueT<kDt>(shape, payload, out));
 }
 
 }  // namespace
