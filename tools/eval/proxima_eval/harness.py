@@ -244,6 +244,8 @@ def main(model, tok, args) -> int:
             groups["generated"] = load_generated(model, tok, length, args.generated,
                                                  args.continuations)
         for source, samples in groups.items():
+            if not samples:  # --windows 0: generated text only
+                continue
             accs: Dict[str, Acc] = {}
             t0 = time.time()
             for s in samples:

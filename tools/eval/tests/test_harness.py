@@ -16,8 +16,11 @@ def test_plan_parsing_follows_kernels_codec_plan():
     assert p.group == 32
     assert p.codecs_used() == ["fp8", "int2", "int4", "int8"]
     assert CodecPlan.parse("star").layer_codecs(3, True) == ["star"] * 3
+    k = CodecPlan.parse("layers[0:2]=int4,default=k4v3,rope_theta=100000,sink=int4")
+    assert k.layer_codecs(3, False) == ["int4", "int4", "k4v3"]
+    assert k.codec_for(2, True) == "int4"  # int4 is more faithful than k4v3
     for bad in ["", "layers[0:2]=int8,int4,default=int2", "int2,foo=1", "layers[2:2]=int8",
-                "int3", "int2,group=16"]:
+                "int3", "int2,group=16", "k4v3,rope_theta=0", "k4v3,rope_theta=abc"]:
         with pytest.raises(ValueError):
             CodecPlan.parse(bad)
 
