@@ -61,17 +61,18 @@ block_bytes=$((2 * 30 * 3 * 64 * 2 * tpb))
 # returned block may show, about twice the codec's aggregate error at 16 tokens
 # (docs/benchmarks.md). max_attention_error: the daemon's quality guard; 0.12 admits the plans
 # within 1% (attention-output error <= ~0.11, docs/quality.md), 1.0 leaves the reference alone.
-# k4v3 (4.1x) costs +1.03% on prose at prefix 512 (+1.00% with its first block at int4), at the
-# budget's edge but over it, so it runs as a reference too; its attention-output error is ~0.2
-# (3-bit V), so its guard budget is 0.3.
+# k4v3 with its first block at int4 (4.03x at 64 tokens) costs +0.87% on all 21 prose windows
+# at prefix 512, +0.67% at 2048, +0.19% on generated text (int4: +0.79%, +0.25%, +0.28%), but
+# +1.00% on the first 16 windows alone: within the budget by a thin margin (docs/quality.md,
+# "k4v3"). Its attention-output error is ~0.2 (3-bit V), so its guard budget is 0.3.
 HIERARCHIES=(
   'int8|1|0.03|int8|0.12'
   'int4|1|0.2|int4|0.12'
   'int8>int4|1|0.2|int8, int4|0.12'
   'int8>mixed4|1|0.2|int8, "layers[0:2]=int8,default=int4,sink=int8"|0.12'
   'int8>int4>mixed2|0|0.8|int8, int4, "layers[0:2]=int8,default=int2,sink=int8"|1.0'
-  'k4v3|0|0.5|"k4v3,rope_theta=100000,sink=int4"|0.3'
-  'int4>k4v3|0|0.5|int4, "k4v3,rope_theta=100000,sink=int4"|0.3'
+  'k4v3|1|0.5|"k4v3,rope_theta=100000,sink=int4"|0.3'
+  'int4>k4v3|1|0.5|int4, "k4v3,rope_theta=100000,sink=int4"|0.3'
 )
 # --quick (the ctest smoke test) exercises one hierarchy; its 2-token blocks compress poorly, so
 # its hit ratios say nothing about capacity.
