@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -147,6 +148,30 @@ CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration de
   return result;
 }
 
+// A free loopback TCP port below the kernel's ephemeral range (ip_local_port_range), or 0 when
+// there is no such range to pick from. The kernel hands out ports in that range to port-0 binds
+// and to outgoing connections, so a port chosen there can be taken by any other test's client
+// while its daemon is down for a Restart(); below it, only another explicit pick can, and picks
+// are random among thousands of ports.
+int StablePort() {
+  int low = 0, high = 0;
+  std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+  if (!(range >> low >> high) || low <= 12000) return 0;
+  thread_local std::mt19937 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 32; ++attempt) {
+    const int port = std::uniform_int_distribution<int>(10000, low - 1)(rng);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  return 0;
+}
+
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(std::vector<std::string> sets) {
   return Start(std::move(sets), {});
 }
@@ -158,15 +183,21 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   char tmpl[] = "/tmp/proxima-it-XXXXXX";
   d->dir_ = mkdtemp(tmpl);
   d->socket_path_ = d->dir_ + "/proximad.sock";
-  std::vector<std::string> all = {
-      "server.listen=127.0.0.1:0", "server.unix_socket=" + d->socket_path_,
-      "server.metrics_listen=127.0.0.1:0", "tiers.host.capacity_bytes=64MiB",
-      "server.shutdown_grace_seconds=5"};
-  all.insert(all.end(), sets.begin(), sets.end());
-  d->sets_ = all;
-  absl::Status s = d->Launch(all);
-  if (!s.ok()) return s;
-  return d;
+  // The TCP port is chosen here (below the ephemeral range) so that Restart() finds it free
+  // again; a test's own server.listen comes later and wins. A pick that another test took in
+  // the meantime is retried with another port.
+  for (int attempt = 0;; ++attempt) {
+    const int port = StablePort();
+    std::vector<std::string> all = {
+        "server.listen=127.0.0.1:" + std::to_string(port), "server.unix_socket=" + d->socket_path_,
+        "server.metrics_listen=127.0.0.1:0", "tiers.host.capacity_bytes=64MiB",
+        "server.shutdown_grace_seconds=5"};
+    all.insert(all.end(), sets.begin(), sets.end());
+    d->sets_ = all;
+    absl::Status s = d->Launch(all);
+    if (s.ok()) return d;
+    if (port == 0 || attempt == 4 || !absl::StrContains(s.message(), "address in use")) return s;
+  }
 }
 
 absl::Status DaemonProcess::Launch(const std::vector<std::string>& sets) {
