@@ -203,43 +203,35 @@ TEST(CompressionConfigTest, ExplicitLevelsAreParsedSafestFirst) {
                   "  - name: a\n"
                   "    compression:\n"
                   "      enabled: true\n"
-                  "      levels: [int8, 'layers[0:4]=int8,default=int4,sink=int8']\n"
+                  "      levels: [int8, 'layers[0:4]=int8,default=int4,sink=int8',\n"
+                  "               'k4v3,rope_theta=500000,sink=int8']\n"
                   "      trigger: {memory_pressure_threshold: 0.7, min_seq_len_to_compress: 64}\n"
                   "  - name: b\n",
                   "t.yaml", {}));
   const CompressionConfig& a = c.namespaces[0].compression;
-  ASSERT_EQ(a.plans.size(), 2u);
+  ASSERT_EQ(a.plans.size(), 3u);
   EXPECT_EQ(a.plans[0].default_codec, codec::CodecId::kInt8);
   EXPECT_EQ(a.plans[1].default_codec, codec::CodecId::kInt4);
   EXPECT_EQ(a.plans[1].CodecFor(2, false), codec::CodecId::kInt8);
   EXPECT_EQ(a.plans[1].CodecFor(9, true), codec::CodecId::kInt8);  // sink floor
+  EXPECT_EQ(a.plans[2].default_codec, codec::CodecId::kK4v3);      // k4v3 keeps its RoPE base
+  EXPECT_DOUBLE_EQ(a.plans[2].rope_theta, 500000.0);
   EXPECT_DOUBLE_EQ(a.memory_pressure_threshold, 0.7);
   EXPECT_EQ(a.min_seq_len_to_compress, 64u);
   EXPECT_TRUE(c.namespaces[1].compression.plans.empty());  // not enabled
 
   // What the daemon prints parses back to the same hierarchy.
   ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
-  ASSERT_EQ(again.namespaces[0].compression.plans.size(), 2u);
+  ASSERT_EQ(again.namespaces[0].compression.plans.size(), 3u);
   EXPECT_EQ(again.namespaces[0].compression.plans[1].ToString(), a.plans[1].ToString());
+  EXPECT_DOUBLE_EQ(again.namespaces[0].compression.plans[2].rope_theta, 500000.0);
 }
 
-// k4v3 takes the model's RoPE base in its plan; the daemon keeps it through a print and parse,
-// and orders k4v3 between int4 and star.
-TEST(CompressionConfigTest, K4v3LevelKeepsItsRopeBase) {
-  ASSERT_OK_AND_ASSIGN(
-      DaemonConfig c,
-      ParseConfig("namespaces:\n"
-                  "  - name: a\n"
-                  "    compression:\n"
-                  "      enabled: true\n"
-                  "      levels: [int8, int4, 'k4v3,rope_theta=500000,sink=int8']\n",
-                  "t.yaml", {}));
-  const CompressionConfig& a = c.namespaces[0].compression;
-  ASSERT_EQ(a.plans.size(), 3u);
-  EXPECT_EQ(a.plans[2].default_codec, codec::CodecId::kK4v3);
-  EXPECT_DOUBLE_EQ(a.plans[2].rope_theta, 500000.0);
-  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
-  EXPECT_DOUBLE_EQ(again.namespaces[0].compression.plans[2].rope_theta, 500000.0);
+// Levels go from safer to deeper: k4v3 sits between int4 and star.
+TEST(CompressionConfigTest, K4v3IsDeeperThanInt4AndSaferThanStar) {
+  EXPECT_OK(ParseConfig(
+      "namespaces: [{name: a, compression: {enabled: true, levels: [int4, k4v3, star]}}]", "t",
+      {}));
   absl::StatusOr<DaemonConfig> bad = ParseConfig(
       "namespaces: [{name: a, compression: {enabled: true, levels: [star, k4v3]}}]", "t", {});
   EXPECT_THAT(bad.status(), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("levels[1]")));

@@ -856,6 +856,19 @@ void Unpack3(const std::byte* buf, size_t first, uint32_t n, uint8_t* codes) {
   for (; d < n; ++d) codes[d] = static_cast<uint8_t>(GetBits(buf, first + d, 3));
 }
 
+// What V's encoder and decoder share: each element's sign, the transform's normalisation, and
+// one vector's scratch (floats, dtype values, 3-bit codes).
+struct K4v3Rows {
+  explicit K4v3Rows(uint32_t dim)
+      : norm(HadamardNorm(dim)), flip(dim), u(dim), values(dim), codes(dim) {
+    for (uint32_t d = 0; d < dim; ++d) flip[d] = K4v3Flip(d) ? -1.0f : 1.0f;
+  }
+  float norm;
+  std::vector<float> flip, u;
+  std::vector<uint16_t> values;
+  std::vector<uint8_t> codes;
+};
+
 // V, one (token, head) vector at a time, through contiguous row buffers (so the conversions
 // vectorise; the payload and the output may sit at any byte offset).
 template <uint8_t kDt>
@@ -864,22 +877,18 @@ void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte*
   const size_t rows = size_t{shape.tokens} * shape.heads;
   std::byte* codes = payload + 2 * rows;
   std::memset(codes, 0, CeilDiv(3 * rows * D, 8));
-  const float norm = HadamardNorm(D);
-  std::vector<float> u(D), flip(D);
-  std::vector<uint16_t> irow(D);
-  std::vector<uint8_t> q(D);
-  for (uint32_t d = 0; d < D; ++d) flip[d] = K4v3Flip(d) ? -1.0f : 1.0f;
+  K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
-    std::memcpy(irow.data(), in + 2 * r * D, 2 * size_t{D});
+    std::memcpy(w.values.data(), in + 2 * r * D, 2 * size_t{D});
     for (uint32_t d = 0; d < D; ++d) {
-      const float x = DtypeToFloat(kDt, irow[d]);
-      u[d] = (IsFiniteFloat(x) ? x : 0.0f) * flip[d];  // exact: a sign flip
+      const float x = DtypeToFloat(kDt, w.values[d]);
+      w.u[d] = (IsFiniteFloat(x) ? x : 0.0f) * w.flip[d];  // exact: a sign flip
     }
-    Fwht(u.data(), D);
+    Fwht(w.u.data(), D);
     float amax = 0.0f;
     for (uint32_t d = 0; d < D; ++d) {
-      u[d] = u[d] * norm;
-      const float a = std::fabs(u[d]);
+      w.u[d] = w.u[d] * w.norm;
+      const float a = std::fabs(w.u[d]);
       amax = IsFiniteFloat(a) && a > amax ? a : amax;
     }
     const uint16_t scale = RoundUpDtype(kDt, amax / 3.5f);
@@ -887,9 +896,10 @@ void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte*
     const float divisor = f == 0.0f ? 1.0f : f;
     Store16(payload, r, scale);
     for (uint32_t d = 0; d < D; ++d) {
-      q[d] = static_cast<uint8_t>(RoundNearestEven(ClampQ(u[d] / divisor + 3.5f, 0.0f, 7.0f)));
+      w.codes[d] =
+          static_cast<uint8_t>(RoundNearestEven(ClampQ(w.u[d] / divisor + 3.5f, 0.0f, 7.0f)));
     }
-    Pack3(q.data(), r * D, D, codes);
+    Pack3(w.codes.data(), r * D, D, codes);
   }
 }
 
@@ -898,20 +908,16 @@ void DecodeK4v3ValueT(const SegmentShape& shape, const std::byte* payload, std::
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
   const std::byte* codes = payload + 2 * rows;
-  const float norm = HadamardNorm(D);
-  std::vector<float> u(D), flip(D);
-  std::vector<uint16_t> orow(D);
-  std::vector<uint8_t> q(D);
-  for (uint32_t d = 0; d < D; ++d) flip[d] = K4v3Flip(d) ? -1.0f : 1.0f;
+  K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
     // The transform runs on the levels (code - 3.5: halves, |sum| <= 3.5 * D, so exact) and the
     // scale comes last: a huge scale can give +-Inf, never Inf - Inf = NaN.
-    const float step = DtypeToFloat(kDt, Load16(payload, r)) * norm;
-    Unpack3(codes, r * D, D, q.data());
-    for (uint32_t d = 0; d < D; ++d) u[d] = static_cast<float>(q[d]) - 3.5f;
-    Fwht(u.data(), D);
-    for (uint32_t d = 0; d < D; ++d) orow[d] = FloatToDtype(kDt, (u[d] * step) * flip[d]);
-    std::memcpy(out + 2 * r * D, orow.data(), 2 * size_t{D});
+    const float step = DtypeToFloat(kDt, Load16(payload, r)) * w.norm;
+    Unpack3(codes, r * D, D, w.codes.data());
+    for (uint32_t d = 0; d < D; ++d) w.u[d] = static_cast<float>(w.codes[d]) - 3.5f;
+    Fwht(w.u.data(), D);
+    for (uint32_t d = 0; d < D; ++d) w.values[d] = FloatToDtype(kDt, (w.u[d] * step) * w.flip[d]);
+    std::memcpy(out + 2 * r * D, w.values.data(), 2 * size_t{D});
   }
 }
 

@@ -17,6 +17,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string dir = argv[1];
+  // Two seeds per block: the harness's mode byte (0: decode, 1: inspect) in front.
+  auto write = [&](const std::string& name, const std::string& enc) {
+    for (char mode : {'\x00', '\x01'}) {
+      std::ofstream f(dir + "/" + name + "_" + std::to_string(mode), std::ios::binary);
+      f.put(mode);
+      f << enc;
+    }
+  };
   int n = 0;
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (const char* text : {"raw", "lossless", "fp8", "int8", "int4,group=32", "int2,group=64",
@@ -27,12 +35,7 @@ int main(int argc, char** argv) {
       auto raw = internal::MakeBlock(g, internal::Pattern::kKvLike, 1000 + n);
       std::string enc;
       if (!plan.ok() || !EncodeBlock(g, *plan, n % 3 == 0, raw, {}, &enc).ok()) return 1;
-      for (char mode : {'\x00', '\x01'}) {
-        std::ofstream f(dir + "/seed_" + std::to_string(n) + "_" + std::to_string(mode),
-                        std::ios::binary);
-        f.put(mode);
-        f << enc;
-      }
+      write("seed_" + std::to_string(n), enc);
       ++n;
     }
   }
@@ -46,12 +49,7 @@ int main(int argc, char** argv) {
       auto raw = internal::MakeBlock(g, internal::Pattern::kKvLike, 2000 + k);
       std::string enc;
       if (!plan.ok() || !EncodeBlock(g, *plan, false, raw, {}, &enc).ok()) return 1;
-      for (char mode : {'\x00', '\x01'}) {
-        std::ofstream f(dir + "/seed_k4v3_" + std::to_string(k) + "_" + std::to_string(mode),
-                        std::ios::binary);
-        f.put(mode);
-        f << enc;
-      }
+      write("seed_k4v3_" + std::to_string(k), enc);
       ++k;
     }
   }
