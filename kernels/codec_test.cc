@@ -551,6 +551,19 @@ TEST(K4v3Test, KeysInTheirRopeFrameQuantizeAlmostExactly) {
   }
 }
 
+// A K segment whose rotation table is too large to keep per thread (4096 tokens x 64 pairs)
+// builds it for each call: the same bytes every time, and a round trip within the usual error.
+TEST(K4v3Test, LargeRopeTablesAreBuiltPerCallWithTheSameResult) {
+  BlockGeometry g = Geo(1, 1, 128, 4096);
+  std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 12);
+  const std::string a = Encode(g, Plan("k4v3,rope_theta=10000"), raw);
+  EXPECT_EQ(Encode(g, Plan("k4v3,rope_theta=10000"), raw), a);
+  std::vector<std::byte> dec = Decode(a, g.RawBytes());
+  ASSERT_OK_AND_ASSIGN(ErrorSums sums, MeasureBlockError(g, raw, dec));
+  EXPECT_LT(Finish(sums).k_rel_l2, 0.12);
+  EXPECT_LT(Finish(sums).v_rel_l2, 0.25);
+}
+
 // V's 3-bit codes after the signed Hadamard rotation: one scale per (token, head), every element
 // within half a step of the rotated value (checked through the decoder, which rotates back:
 // the error's L2 norm per vector is at most half a step times sqrt(D), plus output rounding).

@@ -720,14 +720,19 @@ constexpr float kFltMax = std::numeric_limits<float>::max();
 
 // sin and cos of t * w_j for every token t < T and pair j < half of a K segment (w_0 = omega0,
 // w_j = w_(j-1) * ratio): [t][j]. The same for every K segment of a block, and usually of every
-// block a thread encodes, so the last table is kept per thread.
+// block a thread encodes, so the last table is kept per thread, up to kMaxKeptRopeEntries
+// (1 MiB: 64-token blocks of head_dim 2048 would fit); a larger one is built in `local` each
+// time rather than held by every thread for good.
 struct RopeTable {
   uint32_t tokens = 0, half = 0;
   float omega0 = -1.0f, ratio = -1.0f;
   std::vector<float> sin, cos;
 };
-const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& rope) {
-  thread_local RopeTable table;
+constexpr size_t kMaxKeptRopeEntries = size_t{1} << 17;
+const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& rope,
+                              RopeTable* local) {
+  thread_local RopeTable kept;
+  RopeTable& table = size_t{tokens} * half <= kMaxKeptRopeEntries ? kept : *local;
   if (table.tokens == tokens && table.half == half &&
       numeric::FloatBits(table.omega0) == numeric::FloatBits(rope.omega0) &&
       numeric::FloatBits(table.ratio) == numeric::FloatBits(rope.ratio)) {
@@ -763,7 +768,8 @@ void RotateKPairsT(const SegmentShape& shape, const K4v3Rope& rope, bool inverse
     std::memcpy(out, in, 2 * shape.Elements());
     return;
   }
-  const RopeTable& table = RopeTableFor(T, half, rope);
+  RopeTable local;
+  const RopeTable& table = RopeTableFor(T, half, rope, &local);
   const float sign = inverse ? -1.0f : 1.0f;
   for (uint32_t t = 0; t < T; ++t) {
     const float* sn = table.sin.data() + size_t{t} * half;
