@@ -250,6 +250,73 @@ TEST_F(TiersTest, AnUnknownCodecInALevelStopsTheDaemonAtStart) {
   EXPECT_THAT(r.err, HasSubstr("namespaces[0].compression.levels[1]"));
   EXPECT_THAT(r.err, HasSubstr("int3"));
   EXPECT_THAT(r.err, HasSubstr("int4"));
+  // A k4v3 level with a RoPE base that is no RoPE base: the key, the value, what is expected.
+  r = RunCommand({ProximadPath(), "--check_config",
+                  "--set=namespaces=[{name: a, compression: {enabled: true, levels: [int8, "
+                  "'k4v3,rope_theta=0']}}]"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("namespaces[0].compression.levels[1]"));
+  EXPECT_THAT(r.err, HasSubstr("rope_theta=0"));
+  EXPECT_THAT(r.err, HasSubstr("from 1 to 1e12"));
+}
+
+// k4v3 through the real daemon: the tierer encodes it on the CPU (no CUDA kernel), each stored
+// block is smaller than int4's encoding of it, and the blocks come back through Get,
+// Decompress and the stored encoding alike, within k4v3's error.
+TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
+  // 4 MiB holds 11 raw blocks of 368,640 bytes.
+  auto d =
+      DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB",
+                            "namespaces=[{name: default, compression: {enabled: true, levels: "
+                            "['k4v3,rope_theta=100000'], quality: {max_attention_error: 0.3}}}]"});
+  ASSERT_OK(d.status());
+  auto c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
+  constexpr uint32_t kBlocks = 40;
+  std::vector<BlockKey> keys = client::TestKeyChain(9, 0, kBlocks);
+  std::vector<std::vector<std::byte>> data;
+  for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 5 + 1));
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    std::vector<std::span<const std::byte>> one = {data[n]};
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                         c->Put(p, std::span<const BlockKey>(&keys[n], 1), one));
+    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+  EXPECT_LE(stats.tiers(0).used_bytes(), stats.tiers(0).capacity_bytes());
+  EXPECT_GE(stats.tiers(0).blocks(), 2 * ((4ull << 20) / p.block_bytes)) << stats.DebugString();
+
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4_plan, codec::ParseCodecPlan("int4"));
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan k4v3_plan, codec::ParseCodecPlan("k4v3"));
+  const std::optional<size_t> int4_bytes = codec::EncodedBytes(geometry_, int4_plan, false);
+  const std::optional<size_t> k4v3_bytes = codec::EncodedBytes(geometry_, k4v3_plan, false);
+  ASSERT_TRUE(int4_bytes.has_value() && k4v3_bytes.has_value());
+  EXPECT_LT(*k4v3_bytes, *int4_bytes * 9 / 10);
+
+  std::vector<std::vector<std::byte>> got(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::vector<std::byte>> dec(kBlocks, std::vector<std::byte>(p.block_bytes));
+  std::vector<std::span<std::byte>> got_spans(got.begin(), got.end());
+  std::vector<std::span<std::byte>> dec_spans(dec.begin(), dec.end());
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, got_spans));
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found2, c->Decompress(p, keys, dec_spans));
+  ASSERT_OK_AND_ASSIGN(auto stored, c->GetStored(p, keys));
+  int k4v3_blocks = 0;
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    if (!found[n] || !found2[n] || !stored[n].has_value()) continue;  // evicted meanwhile
+    EXPECT_EQ(dec[n], got[n]) << n;
+    const auto& bytes = stored[n]->bytes;
+    if (stored[n]->level == 0) continue;  // still raw
+    ++k4v3_blocks;
+    EXPECT_EQ(bytes.size(), *k4v3_bytes) << n;
+    std::vector<std::byte> local(p.block_bytes);
+    ASSERT_OK(codec::DecodeBlock(std::as_bytes(std::span(bytes.data(), bytes.size())), local));
+    EXPECT_EQ(local, got[n]) << "the client's decode equals the daemon's, block " << n;
+    ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums,
+                         codec::MeasureBlockError(geometry_, data[n], got[n]));
+    EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.4) << "block " << n;
+  }
+  EXPECT_GT(k4v3_blocks, 0);
 }
 
 }  // namespace
