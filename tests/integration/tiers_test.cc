@@ -2,6 +2,8 @@
 // hierarchy holds more real KV blocks (SmolLM2-135M) than its host tier holds raw, and Get,
 // GetStored and Decompress give back what the codec promises.
 #include <cstdlib>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -9,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
+#include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -62,6 +65,26 @@ class TiersTest : public ::testing::Test {
     std::vector<std::byte> raw(geometry_.RawBytes());
     EXPECT_OK(tensor_.ExtractBlock(n, kTokens, raw));
     return raw;
+  }
+
+  // Every key read back three ways: Get (the daemon decodes), Decompress, and GetStored (the
+  // encoding as stored, for the caller to decode).
+  struct ReadBack {
+    std::vector<std::vector<std::byte>> got, decompressed;
+    std::vector<bool> found, found_decompressed;
+    std::vector<std::optional<client::StoredBlock>> stored;
+  };
+  static absl::StatusOr<ReadBack> ReadThreeWays(Client& c, const Profile& p,
+                                                std::span<const BlockKey> keys) {
+    ReadBack r;
+    r.got.assign(keys.size(), std::vector<std::byte>(p.block_bytes));
+    r.decompressed.assign(keys.size(), std::vector<std::byte>(p.block_bytes));
+    std::vector<std::span<std::byte>> got(r.got.begin(), r.got.end());
+    std::vector<std::span<std::byte>> dec(r.decompressed.begin(), r.decompressed.end());
+    PROXIMA_ASSIGN_OR_RETURN(r.found, c.Get(p, keys, got));
+    PROXIMA_ASSIGN_OR_RETURN(r.found_decompressed, c.Decompress(p, keys, dec));
+    PROXIMA_ASSIGN_OR_RETURN(r.stored, c.GetStored(p, keys));
+    return r;
   }
 
   std::unique_ptr<Client> Connect(const DaemonProcess& d) {
@@ -138,13 +161,8 @@ TEST_F(TiersTest, CompressedNamespaceHoldsMoreBlocksThanItsRawCapacity) {
   }
 
   // Three ways back: daemon-decoded raw, Decompress, and the stored encoding decoded here.
-  std::vector<std::vector<std::byte>> got(kBlocks, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::vector<std::byte>> dec(kBlocks, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::span<std::byte>> got_spans(got.begin(), got.end());
-  std::vector<std::span<std::byte>> dec_spans(dec.begin(), dec.end());
-  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, got_spans));
-  ASSERT_OK_AND_ASSIGN(std::vector<bool> found2, c->Decompress(p, keys, dec_spans));
-  ASSERT_OK_AND_ASSIGN(auto stored, c->GetStored(p, keys));
+  ASSERT_OK_AND_ASSIGN(ReadBack back, ReadThreeWays(*c, p, keys));
+  auto& [got, dec, found, found2, stored] = back;
   int hits = 0, levels_seen = 0;
   for (uint32_t n = 0; n < kBlocks; ++n) {
     if (!found[n]) continue;  // evicted (the oldest go first)
@@ -294,13 +312,8 @@ TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
   ASSERT_TRUE(int4_bytes.has_value() && k4v3_bytes.has_value());
   EXPECT_LT(*k4v3_bytes, *int4_bytes * 9 / 10);
 
-  std::vector<std::vector<std::byte>> got(kBlocks, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::vector<std::byte>> dec(kBlocks, std::vector<std::byte>(p.block_bytes));
-  std::vector<std::span<std::byte>> got_spans(got.begin(), got.end());
-  std::vector<std::span<std::byte>> dec_spans(dec.begin(), dec.end());
-  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, got_spans));
-  ASSERT_OK_AND_ASSIGN(std::vector<bool> found2, c->Decompress(p, keys, dec_spans));
-  ASSERT_OK_AND_ASSIGN(auto stored, c->GetStored(p, keys));
+  ASSERT_OK_AND_ASSIGN(ReadBack back, ReadThreeWays(*c, p, keys));
+  auto& [got, dec, found, found2, stored] = back;
   int k4v3_blocks = 0;
   for (uint32_t n = 0; n < kBlocks; ++n) {
     if (!found[n] || !found2[n] || !stored[n].has_value()) continue;  // evicted meanwhile
