@@ -484,14 +484,26 @@ TEST_P(GpuTierServiceTest, PutsLandOnTheGpuAndGetsComeBackExact) {
     EXPECT_TRUE(got.results(n).found()) << n;
     EXPECT_TRUE(Same(got.results(n).data(), blocks.Block(n))) << n;
   }
+  // The tierer keeps moving the pool's coldest block down until it is under the default
+  // threshold (0.8 of 4 blocks: 3 blocks). Stats reads each tier's count on its own, so a move in
+  // flight can show a block in neither tier; read them until the pool has settled (a lost block
+  // never settles, and fails below).
   v1::StatsResponse stats;
-  ASSERT_OK(service->Stats(Caller::Anonymous(), {}, &stats));
-  ASSERT_EQ(stats.tiers_size(), 2);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  do {
+    stats.Clear();
+    ASSERT_OK(service->Stats(Caller::Anonymous(), {}, &stats));
+    ASSERT_EQ(stats.tiers_size(), 2);
+    if (stats.tiers(1).blocks() <= 3u && stats.tiers(0).blocks() + stats.tiers(1).blocks() == 10u) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  } while (absl::Now() < deadline);
   EXPECT_EQ(stats.tiers(0).name(), "host");
   EXPECT_EQ(stats.tiers(1).name(), "gpu:0");
   EXPECT_EQ(stats.tiers(1).capacity_bytes(), 4 * raw);
   EXPECT_GE(stats.tiers(1).blocks(), 1u);
-  EXPECT_LE(stats.tiers(1).blocks(), 4u);
+  EXPECT_LE(stats.tiers(1).blocks(), 3u);
   EXPECT_EQ(stats.tiers(0).blocks() + stats.tiers(1).blocks(), 10u);
   const std::string text = registry.RenderText();
   EXPECT_THAT(text,
