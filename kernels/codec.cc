@@ -46,11 +46,6 @@ void StoreLe(std::byte* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
-// Codecs whose segment table entries carry a group size (k4v3: both segments; its V ignores it).
-bool IsGroupedCodec(CodecId c) {
-  return c == CodecId::kInt4 || c == CodecId::kInt2 || c == CodecId::kK4v3;
-}
-
 absl::Status CheckPath(CpuPath path) {
   switch (path) {
     case CpuPath::kAuto:
@@ -286,7 +281,7 @@ absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, CrcC
     if (LoadLe<uint16_t>(e + 2) != 0 || LoadLe<uint32_t>(e + 4) != 0) {
       return absl::InvalidArgumentError(absl::StrCat("segment ", s, ": reserved bytes set"));
     }
-    if (IsGroupedCodec(seg.codec)) {
+    if (internal::IsGroupedCodec(seg.codec)) {
       if (group_log2 < 5 || group_log2 > 7) {
         return absl::InvalidArgumentError(absl::StrCat("segment ", s, ": bad group size"));
       }
@@ -553,24 +548,6 @@ absl::StatusOr<CpuPath> ParseCpuPath(std::string_view name) {
 
 namespace {
 
-// What a plan needs of the geometry beyond Validate(): a group size, and for k4v3 (when any layer
-// of a block at this position uses it) a power-of-two head_dim.
-absl::Status ValidPlanFor(const BlockGeometry& geometry, const CodecPlan& plan,
-                          bool is_first_block) {
-  if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
-    return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
-  }
-  if (!internal::K4v3DimOk(geometry.head_dim)) {
-    for (uint32_t layer = 0; layer < geometry.num_layers; ++layer) {
-      if (plan.CodecFor(layer, is_first_block) == CodecId::kK4v3) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "k4v3 needs a power-of-two head_dim; this profile's is ", geometry.head_dim));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 // The container's size for `plan` (header, segment table, payloads), counting
 // `lossless_segment_bytes` for each lossless segment, whose size depends on the data; nullopt
 // when the plan has one and no such figure is given. `geometry` and the group size are valid.
@@ -587,7 +564,8 @@ std::optional<size_t> ContainerBytes(const BlockGeometry& geometry, const CodecP
       continue;
     }
     bytes += internal::FixedPayloadBytes(
-        codec, internal::SegmentShapeFor(geometry, s, IsGroupedCodec(codec) ? plan.group_size : 0));
+        codec, internal::SegmentShapeFor(geometry, s,
+                                         internal::IsGroupedCodec(codec) ? plan.group_size : 0));
   }
   return bytes;
 }
@@ -596,7 +574,7 @@ std::optional<size_t> ContainerBytes(const BlockGeometry& geometry, const CodecP
 
 std::optional<size_t> EncodedBytes(const BlockGeometry& geometry, const CodecPlan& plan,
                                    bool is_first_block) {
-  if (!geometry.Validate().ok() || !ValidPlanFor(geometry, plan, is_first_block).ok()) {
+  if (!geometry.Validate().ok() || !internal::ValidPlanFor(geometry, plan, is_first_block).ok()) {
     return std::nullopt;
   }
   return ContainerBytes(geometry, plan, is_first_block, std::nullopt);
@@ -616,7 +594,7 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
     return absl::InvalidArgumentError(absl::StrCat(
         "importance has ", importance.size(), " values, expected ", geometry.tokens_per_block));
   }
-  PROXIMA_RETURN_IF_ERROR(ValidPlanFor(geometry, plan, is_first_block));
+  PROXIMA_RETURN_IF_ERROR(internal::ValidPlanFor(geometry, plan, is_first_block));
   const uint32_t num_segments = 2 * geometry.num_layers;
   const size_t seg_raw = geometry.SegmentElements() * 2;
   const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
@@ -625,7 +603,7 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
   block.reserve(*ContainerBytes(geometry, plan, is_first_block, seg_raw + 1024));
   for (uint32_t s = 0; s < num_segments; ++s) {
     const CodecId codec = plan.CodecFor(s / 2, is_first_block);
-    const uint32_t group = IsGroupedCodec(codec) ? plan.group_size : 0;
+    const uint32_t group = internal::IsGroupedCodec(codec) ? plan.group_size : 0;
     const SegmentShape shape = internal::SegmentShapeFor(geometry, s, group);
     const std::byte* in = raw.data() + s * seg_raw;
     const std::byte* layer_k = raw.data() + (s & ~1u) * seg_raw;
@@ -712,6 +690,27 @@ std::vector<absl::Status> DecodeBlocks(std::span<const DecodeRequest> requests, 
 }
 
 namespace internal {
+
+bool IsGroupedCodec(CodecId c) {
+  return c == CodecId::kInt4 || c == CodecId::kInt2 || c == CodecId::kK4v3;
+}
+
+absl::Status ValidPlanFor(const BlockGeometry& geometry, const CodecPlan& plan,
+                          bool is_first_block) {
+  if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
+    return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
+  }
+  if (!internal::K4v3DimOk(geometry.head_dim)) {
+    for (uint32_t layer = 0; layer < geometry.num_layers; ++layer) {
+      if (plan.CodecFor(layer, is_first_block) == CodecId::kK4v3) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "k4v3 needs a power-of-two head_dim; this profile's is ", geometry.head_dim));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 void ResealBlockForFuzzing(std::span<std::byte> block) {
   if (block.size() < kHeaderBytes) return;
   const uint64_t segments = LoadLe<uint32_t>(block.data() + 28);

@@ -17,6 +17,7 @@
 #include "kernels/crc32c_cuda.h"
 #include "kernels/internal/codec_launch.h"
 #include "kernels/internal/container.h"
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/make_segment_job.h"
 #include "kernels/internal/segment_codecs.h"
 #include "kernels/internal/segment_job.h"
@@ -107,6 +108,45 @@ struct EncodeBatch {
   }
 };
 
+// k4v3's jobs of one dtype (internal::MakeK4v3Jobs): K jobs' turns and V jobs' rows.
+struct K4v3Batch {
+  std::vector<SegmentJob> turns, values;
+  uint64_t max_pairs = 0, max_rows = 0;
+  void Add(const SegmentJob& j) {
+    if (j.is_value) {
+      values.push_back(j);
+      max_rows = std::max(max_rows, j.units);
+    } else {
+      turns.push_back(j);
+      max_pairs = std::max(max_pairs, j.units);
+    }
+  }
+};
+
+// Uploads `jobs` (all of `dtype`) and launches `step` over them; the device copy is freed in
+// stream order.
+absl::Status LaunchK4v3Jobs(const std::vector<SegmentJob>& jobs, uint64_t max_units,
+                            cuda::K4v3Step step, uint8_t dtype, cudaStream_t stream) {
+  if (jobs.empty()) return absl::OkStatus();
+  PROXIMA_ASSIGN_OR_RETURN(SegmentJob * dev, UploadJobs(jobs, stream));
+  const absl::Status status = CudaStatus(
+      cuda::LaunchK4v3(dev, static_cast<uint32_t>(jobs.size()), max_units, step, dtype, stream),
+      "k4v3 kernel launch");
+  cudaFreeAsync(dev, stream);
+  return status;
+}
+
+// Bytes of one K segment's turned values in the shared scratch buffer: 16-byte aligned slices,
+// so int4's fast path takes them.
+uint64_t TurnedSliceBytes(uint64_t segment_raw_bytes) { return (segment_raw_bytes + 15) / 16 * 16; }
+
+absl::Status K4v3DimForGpu(uint32_t head_dim) {
+  if (internal::K4v3GpuDimOk(head_dim)) return absl::OkStatus();
+  return absl::UnimplementedError(
+      absl::StrCat("k4v3 on the GPU takes head_dim a power of two from 8 to ", k4v3::kMaxRowDim,
+                   "; this block's is ", head_dim, " (the CPU codec takes it)"));
+}
+
 // Times a call for CudaCallTiming: events around the kernels, and the rest of the call's wall
 // time (from construction to Finish, which waits for the kernels) as host time.
 class CallTimer {
@@ -162,6 +202,17 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
                               CudaCallTiming* timing) {
   CallTimer timer(timing, stream);
   std::map<uint8_t, DecodeBatch> by_dtype;
+  std::map<uint8_t, K4v3Batch> k4v3_by_dtype;
+  // k4v3 K segments, whose int4 jobs need the scratch allocated once all are known.
+  struct PendingK4v3Key {
+    SegmentShape shape;
+    internal::K4v3Rope rope;
+    uint8_t* payload;
+    uint16_t* raw;
+    uint64_t turned_offset;
+  };
+  std::vector<PendingK4v3Key> k4v3_keys;
+  uint64_t turned_bytes = 0;
   std::vector<gpu::DeviceSpan> payloads(jobs.size());  // checked against `expected` on the GPU
   std::vector<uint32_t> expected(jobs.size());
   for (size_t b = 0; b < jobs.size(); ++b) {
@@ -182,7 +233,9 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
         case CodecId::kLossless:
           return absl::UnimplementedError("lossless decode is CPU-only");
         case CodecId::kK4v3:
-          return absl::UnimplementedError("k4v3 decode is CPU-only (no CUDA kernel yet)");
+          PROXIMA_RETURN_IF_ERROR(K4v3DimForGpu(sh.dim));
+          PROXIMA_RETURN_IF_ERROR(internal::ValidateK4v3(sh, host));
+          break;
         case CodecId::kFp8:
           PROXIMA_RETURN_IF_ERROR(internal::ValidateFp8(sh, host));
           break;
@@ -200,11 +253,31 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
         case CodecId::kRaw:
           break;
       }
-      by_dtype[sh.dtype].Add(internal::MakeSegmentJob(
-          seg.codec, sh,
-          const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(job.encoded_device + seg.offset)),
-          reinterpret_cast<uint16_t*>(job.raw_device + s * seg_raw)));
+      auto* payload =
+          const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(job.encoded_device + seg.offset));
+      auto* raw = reinterpret_cast<uint16_t*>(job.raw_device + s * seg_raw);
+      if (seg.codec != CodecId::kK4v3) {
+        by_dtype[sh.dtype].Add(internal::MakeSegmentJob(seg.codec, sh, payload, raw));
+      } else if (sh.is_value) {
+        k4v3_by_dtype[sh.dtype].Add(internal::MakeK4v3Jobs(sh, {}, payload, raw, nullptr).main);
+      } else {  // int4 decodes into scratch, then the turn back writes `raw`
+        const internal::K4v3Rope rope{internal::LoadF32(host, 0), internal::LoadF32(host, 1)};
+        k4v3_keys.push_back({sh, rope, payload, raw, turned_bytes});
+        turned_bytes += TurnedSliceBytes(seg_raw);
+      }
     }
+  }
+  void* turned = nullptr;
+  if (turned_bytes > 0) {
+    PROXIMA_RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&turned, turned_bytes, stream),
+                                       "cudaMallocAsync(k4v3 scratch)"));
+  }
+  for (const PendingK4v3Key& k : k4v3_keys) {
+    const internal::K4v3Jobs j = internal::MakeK4v3Jobs(
+        k.shape, k.rope, k.payload, k.raw,
+        reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(turned) + k.turned_offset));
+    by_dtype[k.shape.dtype].Add(j.int4);
+    k4v3_by_dtype[k.shape.dtype].Add(j.main);
   }
   struct Uploaded {
     uint8_t dtype;
@@ -233,11 +306,21 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
                           "decode kernel launch");
     }
   }
+  // After int4's kernels on the same stream: k4v3's turns back, and its V rows.
+  for (const auto& [dtype, k] : k4v3_by_dtype) {
+    if (status.ok()) {
+      status = LaunchK4v3Jobs(k.turns, k.max_pairs, cuda::K4v3Step::kTurnBack, dtype, stream);
+    }
+    if (status.ok()) {
+      status = LaunchK4v3Jobs(k.values, k.max_rows, cuda::K4v3Step::kDecodeValues, dtype, stream);
+    }
+  }
   timer.CrcBegin();
   std::vector<uint32_t> crcs;
   if (status.ok()) status = EnqueueCrcs(payloads, &crcs, stream);
   timer.KernelsEnd();
   for (const Uploaded& u : uploaded) cudaFreeAsync(u.jobs, stream);
+  if (turned != nullptr) cudaFreeAsync(turned, stream);
   const absl::Status sync =
       CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize(decode)");
   timer.Finish();
@@ -258,10 +341,11 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
                               CudaCallTiming* timing) {
   CallTimer timer(timing, stream);
   PROXIMA_RETURN_IF_ERROR(geometry.Validate());
-  if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
-    return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
+  for (bool first : {false, true}) {
+    PROXIMA_RETURN_IF_ERROR(internal::ValidPlanFor(geometry, plan, first));
   }
   if (jobs.empty()) return absl::OkStatus();
+  const internal::K4v3Rope rope = internal::K4v3RopeFor(plan.rope_theta, geometry.head_dim);
   const uint32_t num_segments = 2 * geometry.num_layers;
   const size_t seg_raw = geometry.SegmentElements() * 2;
   const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
@@ -281,12 +365,12 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     uint64_t payload = 0;
     for (uint32_t s = 0; s < num_segments; ++s) {
       const CodecId codec = plan.CodecFor(s / 2, first == 1);
-      if (codec == CodecId::kLossless || codec == CodecId::kK4v3) {
-        return absl::UnimplementedError(absl::StrCat("GPU encode of ",
-                                                     std::string(CodecName(codec)),
-                                                     " is not implemented; use EncodeBlocks"));
+      if (codec == CodecId::kLossless) {
+        return absl::UnimplementedError(
+            "GPU encode of lossless is not implemented; use EncodeBlocks");
       }
-      const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
+      if (codec == CodecId::kK4v3) PROXIMA_RETURN_IF_ERROR(K4v3DimForGpu(geometry.head_dim));
+      const bool grouped = internal::IsGroupedCodec(codec);
       const uint64_t bytes = internal::FixedPayloadBytes(
           codec, internal::SegmentShapeFor(geometry, s, grouped ? plan.group_size : 0));
       char* e = h.data() + internal::kHeaderBytes + internal::kSegmentEntryBytes * s;
@@ -316,10 +400,31 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
     }
     block_offset[b + 1] = block_offset[b] + payload_bytes(jobs[b].is_first_block ? 1 : 0);
   }
+  // k4v3's turned K values: one scratch slice per k4v3 K segment.
+  uint64_t turned_bytes = 0;
+  for (size_t b = 0; b < jobs.size(); ++b) {
+    for (uint32_t layer = 0; layer < geometry.num_layers; ++layer) {
+      if (plan.CodecFor(layer, jobs[b].is_first_block) == CodecId::kK4v3) {
+        turned_bytes += TurnedSliceBytes(seg_raw);
+      }
+    }
+  }
   void* dev_out = nullptr;
   PROXIMA_RETURN_IF_ERROR(
       CudaStatus(cudaMallocAsync(&dev_out, block_offset.back(), stream), "cudaMallocAsync"));
+  void* turned = nullptr;
+  if (turned_bytes > 0) {
+    const absl::Status s =
+        CudaStatus(cudaMallocAsync(&turned, turned_bytes, stream), "cudaMallocAsync(k4v3 scratch)");
+    if (!s.ok()) {
+      cudaFreeAsync(dev_out, stream);
+      cudaStreamSynchronize(stream);
+      return s;
+    }
+  }
+  uint64_t turned_offset = 0;
   EncodeBatch batch;
+  K4v3Batch k4v3_batch;
   for (size_t b = 0; b < jobs.size(); ++b) {
     const int first = jobs[b].is_first_block ? 1 : 0;
     uint64_t off = block_offset[b];
@@ -329,15 +434,27 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
       const CodecId codec = static_cast<CodecId>(e[0]);
       uint64_t bytes;
       std::memcpy(&bytes, e + 8, 8);
-      const bool grouped = codec == CodecId::kInt4 || codec == CodecId::kInt2;
-      SegmentJob job = internal::MakeSegmentJob(
-          codec, internal::SegmentShapeFor(geometry, s, grouped ? plan.group_size : 0),
-          static_cast<uint8_t*>(dev_out) + off,
-          reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw));
+      const SegmentShape shape = internal::SegmentShapeFor(
+          geometry, s, internal::IsGroupedCodec(codec) ? plan.group_size : 0);
+      uint8_t* payload = static_cast<uint8_t*>(dev_out) + off;
+      auto* raw =
+          reinterpret_cast<uint16_t*>(const_cast<std::byte*>(jobs[b].raw_device) + s * seg_raw);
+      off += bytes;
+      if (codec == CodecId::kK4v3) {
+        uint16_t* slice = nullptr;
+        if (!shape.is_value) {
+          slice = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(turned) + turned_offset);
+          turned_offset += TurnedSliceBytes(seg_raw);
+        }
+        const internal::K4v3Jobs k = internal::MakeK4v3Jobs(shape, rope, payload, raw, slice);
+        k4v3_batch.Add(k.main);
+        if (!shape.is_value) batch.Add(k.int4);
+        continue;
+      }
+      SegmentJob job = internal::MakeSegmentJob(codec, shape, payload, raw);
       job.layer_k = reinterpret_cast<const uint16_t*>(jobs[b].raw_device + (s & ~1u) * seg_raw);
       job.importance = jobs[b].importance_device;
       batch.Add(job);
-      off += bytes;
     }
   }
   // star scratch, one slice per (job, head).
@@ -357,14 +474,24 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   }
   absl::StatusOr<SegmentJob*> dev_jobs =
       status.ok() ? UploadJobs(batch.jobs, stream) : absl::StatusOr<SegmentJob*>(status);
+  const auto dtype = static_cast<uint8_t>(geometry.dtype);
   if (!dev_jobs.ok()) {
     status = dev_jobs.status();
   } else {
     timer.KernelsBegin();
-    status = CudaStatus(
-        cuda::LaunchEncodeSegments(*dev_jobs, static_cast<uint32_t>(batch.jobs.size()),
-                                   batch.launch, static_cast<uint8_t>(geometry.dtype), stream),
-        "encode kernel launch");
+    // k4v3's K turns first: their output is the input of its int4 jobs in the batch.
+    status = LaunchK4v3Jobs(k4v3_batch.turns, k4v3_batch.max_pairs, cuda::K4v3Step::kTurnIn, dtype,
+                            stream);
+    if (status.ok()) {
+      status = LaunchK4v3Jobs(k4v3_batch.values, k4v3_batch.max_rows, cuda::K4v3Step::kEncodeValues,
+                              dtype, stream);
+    }
+    if (status.ok()) {
+      status =
+          CudaStatus(cuda::LaunchEncodeSegments(*dev_jobs, static_cast<uint32_t>(batch.jobs.size()),
+                                                batch.launch, dtype, stream),
+                     "encode kernel launch");
+    }
     cudaFreeAsync(*dev_jobs, stream);
   }
   timer.CrcBegin();
@@ -392,6 +519,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   }
   cudaFreeAsync(dev_out, stream);
   if (scratch != nullptr) cudaFreeAsync(scratch, stream);
+  if (turned != nullptr) cudaFreeAsync(turned, stream);
   absl::Status sync = CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   if (!status.ok()) return status;
   PROXIMA_RETURN_IF_ERROR(sync);

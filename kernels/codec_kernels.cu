@@ -86,4 +86,27 @@ cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_
   return cudaGetLastError();
 }
 
+cudaError_t LaunchK4v3(const internal::SegmentJob* jobs, uint32_t num_jobs, uint64_t max_units,
+                       K4v3Step step, uint8_t dtype, cudaStream_t stream) {
+  if (num_jobs == 0) return cudaSuccess;
+  const dim3 grid = Grid(num_jobs, max_units);
+  PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
+    switch (step) {
+      case K4v3Step::kTurnIn:
+        K4v3TurnKernel<kDt, false><<<grid, kThreads, 0, stream>>>(jobs);
+        break;
+      case K4v3Step::kTurnBack:
+        K4v3TurnKernel<kDt, true><<<grid, kThreads, 0, stream>>>(jobs);
+        break;
+      case K4v3Step::kEncodeValues:
+        K4v3ValuesKernel<kDt, true><<<grid, kThreads, 0, stream>>>(jobs);
+        break;
+      case K4v3Step::kDecodeValues:
+        K4v3ValuesKernel<kDt, false><<<grid, kThreads, 0, stream>>>(jobs);
+        break;
+    }
+  });
+  return cudaGetLastError();
+}
+
 }  // namespace proxima::codec::cuda

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/numeric.h"
 #include "kernels/internal/segment_job.h"
 #include "kernels/internal/vec_codec.h"
@@ -458,6 +459,35 @@ __global__ void __launch_bounds__(kThreads, 6) EncodeHeadsKernel(const SegmentJo
     __syncthreads();
   }
   for (uint32_t u = threadIdx.x; u < vecs; u += blockDim.x) vec::QuantizeVec<kDt>(j, h, u, stats);
+}
+
+// ------------------------------------------------------------------------------------ k4v3
+
+// K jobs: every pair of the job turned (kInverse false: raw -> turned, and the payload's header
+// written; true: turned -> raw). One thread per pair; int4's kernels run before (decode) or after
+// (encode) on the same stream.
+template <uint8_t kDt, bool kInverse>
+__global__ void __launch_bounds__(kThreads) K4v3TurnKernel(const SegmentJob* jobs) {
+  const SegmentJob j = jobs[blockIdx.x];
+  if (!kInverse && blockIdx.y == 0 && threadIdx.x == 0) k4v3::WriteKHeader(j);
+  for (uint64_t e = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; e < j.units;
+       e += uint64_t{gridDim.y} * blockDim.x) {
+    k4v3::TurnPair<kDt>(j, e, kInverse);
+  }
+}
+
+// V jobs: one thread per (token, head) row, encoded (kEncode) or decoded.
+template <uint8_t kDt, bool kEncode>
+__global__ void __launch_bounds__(kThreads) K4v3ValuesKernel(const SegmentJob* jobs) {
+  const SegmentJob j = jobs[blockIdx.x];
+  for (uint64_t r = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; r < j.units;
+       r += uint64_t{gridDim.y} * blockDim.x) {
+    if constexpr (kEncode) {
+      k4v3::EncodeValueRow<kDt>(j, r);
+    } else {
+      k4v3::DecodeValueRow<kDt>(j, r);
+    }
+  }
 }
 
 }  // namespace proxima::codec::cuda

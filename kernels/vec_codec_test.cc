@@ -12,6 +12,7 @@
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/make_segment_job.h"
 #include "kernels/internal/numeric.h"
 #include "kernels/internal/segment_codecs.h"
@@ -217,6 +218,135 @@ INSTANTIATE_TEST_SUITE_P(Plans, VecCodecTest,
                                            "int4,group=128", "int2,group=32", "int2,group=64",
                                            "int2,group=128",
                                            "layers[0:1]=int8,default=int4,sink=fp8", "star"));
+
+// ---- k4v3: the CUDA kernels' items (kernels/internal/k4v3_math.h) run on the CPU as the kernels
+// run them, over the jobs the host wrapper builds (internal::MakeK4v3Jobs): K's turn then int4's
+// fused encode phases, V's rows; and back. They give the CPU codec's bytes exactly.
+
+std::vector<BlockGeometry> K4v3Geometries(DType dtype) {
+  // Every head_dim the GPU takes (powers of two from 8 to 256); tokens not a multiple of any
+  // group size too.
+  return {BlockGeometry{2, 3, 64, 16, dtype}, BlockGeometry{1, 2, 128, 64, dtype},
+          BlockGeometry{1, 4, 8, 33, dtype},  BlockGeometry{2, 1, 16, 100, dtype},
+          BlockGeometry{1, 2, 32, 7, dtype},  BlockGeometry{1, 1, 256, 20, dtype}};
+}
+
+// Runs `fn(dtype constant)` for the block's dtype.
+template <typename Fn>
+void WithDtype(DType dtype, Fn fn) {
+  if (dtype == DType::kBf16) {
+    fn(std::integral_constant<uint8_t, numeric::kDtypeBf16>{});
+  } else {
+    fn(std::integral_constant<uint8_t, numeric::kDtypeFp16>{});
+  }
+}
+
+class K4v3ItemsTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(K4v3ItemsTest, EncodeItemsWriteTheCpuCodecsPayload) {
+  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(GetParam()));
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    for (const BlockGeometry& g : K4v3Geometries(dtype)) {
+      for (Pattern pattern : {Pattern::kKvLike, Pattern::kAdversarial, Pattern::kRandomBits}) {
+        SCOPED_TRACE(::testing::Message() << GetParam() << " heads=" << g.num_kv_heads << " dim="
+                                          << g.head_dim << " tokens=" << g.tokens_per_block);
+        ASSERT_TRUE(internal::K4v3GpuDimOk(g.head_dim));
+        std::vector<std::byte> raw = MakeBlock(g, pattern, 11);
+        std::string want;
+        ASSERT_OK(EncodeBlock(g, plan, /*is_first_block=*/false, raw, {}, &want));
+        ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
+                             InspectBlock(std::as_bytes(std::span<const char>(want))));
+        std::string got = want;
+        const size_t header = info.segments[0].offset;
+        std::memset(got.data() + header, 0xA5, got.size() - header);  // poison the payload
+        const internal::K4v3Rope rope = internal::K4v3RopeFor(plan.rope_theta, g.head_dim);
+        std::vector<uint16_t> turned(g.SegmentElements(), 0xDEAD);
+        for (uint32_t s = 0; s < info.segments.size(); ++s) {
+          ASSERT_EQ(info.segments[s].codec, CodecId::kK4v3);
+          const internal::K4v3Jobs jobs = internal::MakeK4v3Jobs(
+              internal::SegmentShapeFor(g, s, info.segments[s].group_size), rope,
+              reinterpret_cast<uint8_t*>(got.data() + info.segments[s].offset),
+              reinterpret_cast<uint16_t*>(raw.data()) + s * g.SegmentElements(), turned.data());
+          ASSERT_EQ(jobs.main.payload_bytes, info.segments[s].bytes);
+          WithDtype(dtype, [&](auto dt) {
+            if (jobs.main.is_value) {
+              for (uint64_t r = 0; r < jobs.main.units; ++r) {
+                k4v3::EncodeValueRow<dt()>(jobs.main, r);
+              }
+              return;
+            }
+            k4v3::WriteKHeader(jobs.main);  // K4v3TurnKernel, then int4's fused kernel
+            for (uint64_t e = 0; e < jobs.main.units; ++e) {
+              k4v3::TurnPair<dt()>(jobs.main, e, /*inverse=*/false);
+            }
+            ASSERT_EQ(jobs.int4.vec, 1);
+            EncodeAll<dt()>(jobs.int4);
+          });
+        }
+        ASSERT_EQ(got, want);
+      }
+    }
+  }
+}
+
+TEST_P(K4v3ItemsTest, DecodeItemsGiveTheCpuDecodersValues) {
+  ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(GetParam()));
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    for (const BlockGeometry& g : K4v3Geometries(dtype)) {
+      for (Pattern pattern : {Pattern::kKvLike, Pattern::kAdversarial, Pattern::kRandomBits}) {
+        SCOPED_TRACE(::testing::Message() << GetParam() << " heads=" << g.num_kv_heads << " dim="
+                                          << g.head_dim << " tokens=" << g.tokens_per_block);
+        std::string enc;
+        ASSERT_OK(EncodeBlock(g, plan, true, MakeBlock(g, pattern, 13), {}, &enc));
+        std::vector<std::byte> want(g.RawBytes());
+        ASSERT_OK(DecodeBlock(std::as_bytes(std::span<const char>(enc)), want));
+        ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info,
+                             InspectBlock(std::as_bytes(std::span<const char>(enc))));
+        std::vector<uint16_t> got(g.RawBytes() / 2, 0xDEAD);
+        std::vector<uint16_t> turned(g.SegmentElements(), 0xDEAD);
+        for (uint32_t s = 0; s < info.segments.size(); ++s) {
+          const internal::SegmentShape sh =
+              internal::SegmentShapeFor(g, s, info.segments[s].group_size);
+          const auto* host =
+              reinterpret_cast<const std::byte*>(enc.data() + info.segments[s].offset);
+          ASSERT_OK(internal::ValidateK4v3(sh, host));  // as the host wrapper does
+          const internal::K4v3Rope rope{internal::LoadF32(host, 0), internal::LoadF32(host, 1)};
+          const internal::K4v3Jobs jobs = internal::MakeK4v3Jobs(
+              sh, sh.is_value ? internal::K4v3Rope{} : rope,
+              reinterpret_cast<uint8_t*>(enc.data() + info.segments[s].offset),
+              got.data() + s * g.SegmentElements(), turned.data());
+          WithDtype(dtype, [&](auto dt) {
+            if (jobs.main.is_value) {
+              for (uint64_t r = 0; r < jobs.main.units; ++r) {
+                k4v3::DecodeValueRow<dt()>(jobs.main, r);
+              }
+              return;
+            }
+            ASSERT_EQ(jobs.int4.vec, 1);
+            DecodeAll<dt()>(jobs.int4, turned.data());  // int4's kernel, then the turn back
+            for (uint64_t e = 0; e < jobs.main.units; ++e) {
+              k4v3::TurnPair<dt()>(jobs.main, e, /*inverse=*/true);
+            }
+          });
+        }
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size()), 0);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, K4v3ItemsTest,
+                         ::testing::Values("k4v3", "k4v3,rope_theta=10000",
+                                           "k4v3,rope_theta=500000,group=32",
+                                           "k4v3,rope_theta=100000,group=128"));
+
+// The GPU takes k4v3 for head_dim a power of two from 8 to k4v3::kMaxRowDim.
+TEST(K4v3ItemsDimTest, TheGpuTakesPowersOfTwoFrom8To256) {
+  for (uint32_t d : {8u, 16u, 64u, 128u, 256u}) EXPECT_TRUE(internal::K4v3GpuDimOk(d)) << d;
+  for (uint32_t d : {0u, 1u, 2u, 4u, 24u, 80u, 96u, 512u, 1024u}) {
+    EXPECT_FALSE(internal::K4v3GpuDimOk(d)) << d;
+  }
+}
 
 // vec::Div with internal::MakeFastDiv is n / d for every 32-bit n: small, power-of-two, odd and
 // huge divisors against numerators at and around multiples of them and at the extremes.

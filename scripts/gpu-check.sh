@@ -139,7 +139,7 @@ case "$MODE" in
     done
     # Kernels vs the device's own D2D copy bandwidth, on real KV, batches of 256 MiB.
     step codec_gpu_bench 180 "$DIR/bench/codec_gpu_bench" --batch_mb=256 \
-      --codecs="fp8;int8;int4;int2;star"
+      --codecs="fp8;int8;int4;int2;star;k4v3,rope_theta=100000"
     step crc32c_gpu_bench 60 "$DIR/bench/crc32c_gpu_bench" --batch_mb=256 --span_kb=700
     step kv_layout_gpu_bench 120 "$DIR/bench/kv_layout_bench" --device=cuda --num_blocks=256 \
       --batch=64

@@ -41,6 +41,13 @@ struct EncodeLaunch {
 cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_jobs,
                                  const EncodeLaunch& launch, uint8_t dtype, cudaStream_t stream);
 
+// k4v3 (kernels/internal/k4v3_math.h), over jobs of internal::MakeK4v3Jobs: the K jobs' turn into
+// the block's frame (before int4's encode kernels), or back (after int4's decode kernels); or the
+// V jobs' rows. `max_units`: the largest `units` (pairs or rows) of the jobs.
+enum class K4v3Step : uint8_t { kTurnIn, kTurnBack, kEncodeValues, kDecodeValues };
+cudaError_t LaunchK4v3(const internal::SegmentJob* jobs, uint32_t num_jobs, uint64_t max_units,
+                       K4v3Step step, uint8_t dtype, cudaStream_t stream);
+
 }  // namespace proxima::codec::cuda
 
 #endif  // PROXIMA_KERNELS_INTERNAL_CODEC_LAUNCH_H_

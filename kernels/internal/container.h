@@ -1,11 +1,15 @@
-// Container constants and a test/fuzz hook. Internal to kernels/; the format is docs/format.md.
-// Thread-safety: constants and a pure function on caller-owned memory.
+// Container constants, the plan rules every encoder applies, and a test/fuzz hook. Internal to
+// kernels/; the format is docs/format.md. Thread-safety: constants and pure functions (one writes
+// caller-owned memory).
 #ifndef PROXIMA_KERNELS_INTERNAL_CONTAINER_H_
 #define PROXIMA_KERNELS_INTERNAL_CONTAINER_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+
+#include "absl/status/status.h"
+#include "kernels/codec.h"
 
 namespace proxima::codec::internal {
 
@@ -18,6 +22,15 @@ inline constexpr size_t kPayloadCrcOffset = 44;
 inline constexpr uint32_t kMaxDim = 1024;
 inline constexpr uint32_t kMaxTokens = 65536;
 inline constexpr size_t kMaxRawBytes = size_t{1} << 30;
+
+// Codecs whose segment table entries carry a group size (k4v3: both segments; its V ignores it).
+bool IsGroupedCodec(CodecId c);
+
+// What a plan needs of the geometry beyond Validate(), for every encoder (CPU and CUDA): a group
+// size of 32, 64 or 128, and for k4v3 (when any layer of a block at this position uses it) a
+// power-of-two head_dim.
+absl::Status ValidPlanFor(const BlockGeometry& geometry, const CodecPlan& plan,
+                          bool is_first_block);
 
 // Recomputes both CRC fields of `block` in place when it is long enough to hold the header and
 // the segment table its header claims (otherwise leaves it alone). Lets the fuzzer reach the

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/codec.h"
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/segment_codecs.h"
 #include "kernels/internal/segment_job.h"
 
@@ -74,6 +75,45 @@ inline SegmentJob MakeSegmentJob(CodecId codec, const SegmentShape& sh, uint8_t*
   return j;
 }
 
+// k4v3 on the GPU (kernels/internal/k4v3_math.h) takes head_dim a power of two from 8 (so V's rows
+// of codes start on byte boundaries) to k4v3::kMaxRowDim; the CPU codec takes the others.
+inline bool K4v3GpuDimOk(uint32_t head_dim) {
+  return K4v3DimOk(head_dim) && head_dim >= 8 && head_dim <= k4v3::kMaxRowDim;
+}
+
+// The jobs of one k4v3 segment. V: `main` alone codes rows between `raw` and `payload`. K: `main`
+// turns `raw` into `turned` (encode; back on decode) with `rope`'s frequencies and owns the
+// payload's 8-byte header, and `int4` codes `turned` into the rest of the payload, as int4 would
+// (its own kernels). `turned` holds Elements() values; 16-byte aligned for int4's fast path.
+struct K4v3Jobs {
+  SegmentJob main;
+  SegmentJob int4;  // K only
+};
+inline K4v3Jobs MakeK4v3Jobs(const SegmentShape& sh, const K4v3Rope& rope, uint8_t* payload,
+                             uint16_t* raw, uint16_t* turned) {
+  K4v3Jobs jobs;
+  SegmentJob& j = jobs.main;
+  j.payload = payload;
+  j.payload_bytes = FixedPayloadBytes(CodecId::kK4v3, sh);
+  j.raw = raw;
+  j.elements = sh.Elements();
+  j.tokens = sh.tokens;
+  j.heads = sh.heads;
+  j.dim = sh.dim;
+  j.codec = static_cast<uint8_t>(CodecId::kK4v3);
+  j.is_value = sh.is_value ? 1 : 0;
+  if (sh.is_value) {
+    j.hadamard_norm = K4v3HadamardNorm(sh.dim);
+    j.units = uint64_t{sh.tokens} * sh.heads;  // rows
+    return jobs;
+  }
+  j.turned = turned;
+  j.omega0 = rope.omega0;
+  j.ratio = rope.ratio;
+  j.units = j.elements / 2;  // pairs
+  jobs.int4 = MakeSegmentJob(CodecId::kInt4, sh, payload + kK4v3KHeaderBytes, turned);
+  return jobs;
+}
 
 }  // namespace proxima::codec::internal
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype_dispatch.h"
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/numeric.h"
 
 namespace proxima::codec::internal {
@@ -716,10 +717,8 @@ namespace {
 // Pair j of a K vector is (j, j + D/2) (rotate-half RoPE layout); an odd head_dim has no pairs.
 uint32_t RopePairs(uint32_t dim) { return dim % 2 == 0 ? dim / 2 : 0; }
 
-constexpr float kFltMax = std::numeric_limits<float>::max();
-
-// sin and cos of t * w_j for every token t < T and pair j < half of a K segment (w_0 = omega0,
-// w_j = w_(j-1) * ratio): [t][j]. The same for every K segment of a block, and usually of every
+// sin and cos of t * w_j (k4v3::Angle, k4v3::Omega) for every token t < T and pair j < half of a
+// K segment: [t][j]. The same for every K segment of a block, and usually of every
 // block a thread encodes, so the last table is kept per thread, up to kMaxKeptRopeEntries
 // (1 MiB: 64-token blocks of head_dim 2048 would fit); a larger one is built in `local` each
 // time rather than held by every thread for good.
@@ -743,13 +742,12 @@ const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& ro
   table.omega0 = rope.omega0;
   table.ratio = rope.ratio;
   std::vector<float> w(half);
-  w[0] = rope.omega0;
-  for (uint32_t j = 1; j < half; ++j) w[j] = w[j - 1] * rope.ratio;
+  for (uint32_t j = 0; j < half; ++j) w[j] = k4v3::Omega(rope.omega0, rope.ratio, j);
   table.sin.resize(size_t{tokens} * half);
   table.cos.resize(size_t{tokens} * half);
   for (uint32_t t = 0; t < tokens; ++t) {
     for (uint32_t j = 0; j < half; ++j) {
-      numeric::SinCosF32(static_cast<float>(t) * w[j], &table.sin[size_t{t} * half + j],
+      numeric::SinCosF32(k4v3::Angle(t, w[j]), &table.sin[size_t{t} * half + j],
                          &table.cos[size_t{t} * half + j]);
     }
   }
@@ -757,9 +755,8 @@ const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& ro
 }
 
 // Turns every (token, head) vector of a K segment: pair j of token t by -t * w_j (`inverse`
-// false: into the block's RoPE frame) or +t * w_j (back), rounding each result to the dtype.
-// Inputs are clamped first (NaN -> 0, +-Inf -> +-FLT_MAX), so both products of a rotation are
-// finite and its result is a number or +-Inf, never NaN.
+// false: into the block's RoPE frame) or +t * w_j (back), rounding each result to the dtype
+// (k4v3::TurnPairF32, with the table's sines and cosines).
 template <uint8_t kDt>
 void RotateKPairsT(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
                    const std::byte* in, std::byte* out) {
@@ -777,11 +774,10 @@ void RotateKPairsT(const SegmentShape& shape, const K4v3Rope& rope, bool inverse
     for (uint32_t h = 0; h < H; ++h) {
       const size_t base = (size_t{t} * H + h) * D;
       for (uint32_t j = 0; j < half; ++j) {
-        const float x1 = ClampQ(DtypeToFloat(kDt, Load16(in, base + j)), -kFltMax, kFltMax);
-        const float x2 = ClampQ(DtypeToFloat(kDt, Load16(in, base + j + half)), -kFltMax, kFltMax);
-        const float s = sn[j] * sign;  // exact: a sign flip
-        const float y1 = x1 * cs[j] + x2 * s;
-        const float y2 = x2 * cs[j] - x1 * s;
+        float y1, y2;
+        k4v3::TurnPairF32(DtypeToFloat(kDt, Load16(in, base + j)),
+                          DtypeToFloat(kDt, Load16(in, base + j + half)), cs[j],
+                          sn[j] * sign /* exact: a sign flip */, &y1, &y2);
         Store16(out, base + j, FloatToDtype(kDt, y1));
         Store16(out, base + j + half, FloatToDtype(kDt, y2));
       }
@@ -795,116 +791,51 @@ void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
                          RotateKPairsT<kDt>(shape, rope, inverse, in, out));
 }
 
-// The sign that V's element d is multiplied by before the Hadamard transform.
-bool K4v3Flip(uint32_t d) { return ((d * 0x9E3779B1u) >> 31) != 0; }
-
-// Unnormalised fast Walsh-Hadamard transform of n (a power of two) floats, in this order: for
-// len = 1, 2, 4, .., (a, b) -> (a + b, a - b) over the halves of each block of 2 * len.
-// The first two stages run in registers per 4 elements, the others as loops over two disjoint
-// halves that the compiler vectorises; each element sees the same operations either way.
-void Fwht(float* u, uint32_t n) {
-  uint32_t len = 1;
-  if (n >= 4) {
-    for (uint32_t i = 0; i < n; i += 4) {
-      const float s0 = u[i] + u[i + 1], d0 = u[i] - u[i + 1];
-      const float s1 = u[i + 2] + u[i + 3], d1 = u[i + 2] - u[i + 3];
-      u[i] = s0 + s1;
-      u[i + 1] = d0 + d1;
-      u[i + 2] = s0 - s1;
-      u[i + 3] = d0 - d1;
-    }
-    len = 4;
-  }
-  for (; len < n; len <<= 1) {
-    for (uint32_t i = 0; i < n; i += 2 * len) {
-      float* __restrict a = u + i;
-      float* __restrict b = u + i + len;
-      for (uint32_t k = 0; k < len; ++k) {
-        const float x = a[k], y = b[k];
-        a[k] = x + y;
-        b[k] = x - y;
-      }
-    }
-  }
-}
-
-float HadamardNorm(uint32_t n) {
-  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
-}
-
 // 3-bit codes of one vector of D values, D a multiple of 8 or not: whole groups of 8 codes are
-// 3 bytes (LSB-first, as PutBits writes them), the rest go one by one.
+// 3 bytes (k4v3::Pack8, LSB-first as PutBits writes them), the rest go one by one.
 void Pack3(const uint8_t* codes, size_t first, uint32_t n, std::byte* buf) {
   uint32_t d = 0;
   if (first % 8 == 0) {
-    std::byte* p = buf + first / 8 * 3;
-    for (; d + 8 <= n; d += 8, p += 3) {
-      uint32_t w = 0;
-      for (uint32_t k = 0; k < 8; ++k) w |= uint32_t{codes[d + k]} << (3 * k);
-      p[0] = std::byte{static_cast<uint8_t>(w)};
-      p[1] = std::byte{static_cast<uint8_t>(w >> 8)};
-      p[2] = std::byte{static_cast<uint8_t>(w >> 16)};
-    }
+    auto* p = reinterpret_cast<uint8_t*>(buf + first / 8 * 3);
+    for (; d + 8 <= n; d += 8, p += 3) k4v3::Pack8(codes + d, p);
   }
   for (; d < n; ++d) PutBits(buf, first + d, 3, codes[d]);
 }
 void Unpack3(const std::byte* buf, size_t first, uint32_t n, uint8_t* codes) {
   uint32_t d = 0;
   if (first % 8 == 0) {
-    const std::byte* p = buf + first / 8 * 3;
-    for (; d + 8 <= n; d += 8, p += 3) {
-      const uint32_t w = uint32_t{static_cast<uint8_t>(p[0])} |
-                         uint32_t{static_cast<uint8_t>(p[1])} << 8 |
-                         uint32_t{static_cast<uint8_t>(p[2])} << 16;
-      for (uint32_t k = 0; k < 8; ++k) codes[d + k] = static_cast<uint8_t>((w >> (3 * k)) & 7u);
-    }
+    const auto* p = reinterpret_cast<const uint8_t*>(buf + first / 8 * 3);
+    for (; d + 8 <= n; d += 8, p += 3) k4v3::Unpack8(p, codes + d);
   }
   for (; d < n; ++d) codes[d] = static_cast<uint8_t>(GetBits(buf, first + d, 3));
 }
 
-// What V's encoder and decoder share: each element's sign, the transform's normalisation, and
-// one vector's scratch (floats, dtype values, 3-bit codes).
+// One vector's scratch (floats, dtype values, 3-bit codes) for V's encoder and decoder.
 struct K4v3Rows {
-  explicit K4v3Rows(uint32_t dim)
-      : norm(HadamardNorm(dim)), flip(dim), u(dim), values(dim), codes(dim) {
-    for (uint32_t d = 0; d < dim; ++d) flip[d] = K4v3Flip(d) ? -1.0f : 1.0f;
-  }
-  float norm;
-  std::vector<float> flip, u;
+  explicit K4v3Rows(uint32_t dim) : u(dim), values(dim), codes(dim) {}
+  std::vector<float> u;
   std::vector<uint16_t> values;
   std::vector<uint8_t> codes;
 };
 
 // V, one (token, head) vector at a time, through contiguous row buffers (so the conversions
-// vectorise; the payload and the output may sit at any byte offset).
+// vectorise; the payload and the output may sit at any byte offset), with the arithmetic of
+// kernels/internal/k4v3_math.h.
 template <uint8_t kDt>
 void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
+  const float norm = K4v3HadamardNorm(D);
   std::byte* codes = payload + 2 * rows;
   std::memset(codes, 0, CeilDiv(3 * rows * D, 8));
   K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
     std::memcpy(w.values.data(), in + 2 * r * D, 2 * size_t{D});
-    for (uint32_t d = 0; d < D; ++d) {
-      const float x = DtypeToFloat(kDt, w.values[d]);
-      w.u[d] = (IsFiniteFloat(x) ? x : 0.0f) * w.flip[d];  // exact: a sign flip
-    }
-    Fwht(w.u.data(), D);
-    float amax = 0.0f;
-    for (uint32_t d = 0; d < D; ++d) {
-      w.u[d] = w.u[d] * w.norm;
-      const float a = std::fabs(w.u[d]);
-      amax = IsFiniteFloat(a) && a > amax ? a : amax;
-    }
-    const uint16_t scale = RoundUpDtype(kDt, amax / 3.5f);
-    const float f = DtypeToFloat(kDt, scale);
-    const float divisor = f == 0.0f ? 1.0f : f;
-    Store16(payload, r, scale);
-    for (uint32_t d = 0; d < D; ++d) {
-      w.codes[d] =
-          static_cast<uint8_t>(RoundNearestEven(ClampQ(w.u[d] / divisor + 3.5f, 0.0f, 7.0f)));
-    }
+    for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::ValueIn<kDt>(w.values[d], d);
+    k4v3::Fwht(w.u.data(), D);
+    float divisor;
+    Store16(payload, r, k4v3::RowScale<kDt>(w.u.data(), D, norm, &divisor));
+    for (uint32_t d = 0; d < D; ++d) w.codes[d] = k4v3::Code(w.u[d], divisor);
     Pack3(w.codes.data(), r * D, D, codes);
   }
 }
@@ -913,16 +844,15 @@ template <uint8_t kDt>
 void DecodeK4v3ValueT(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
+  const float norm = K4v3HadamardNorm(D);
   const std::byte* codes = payload + 2 * rows;
   K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
-    // The transform runs on the levels (code - 3.5: halves, |sum| <= 3.5 * D, so exact) and the
-    // scale comes last: a huge scale can give +-Inf, never Inf - Inf = NaN.
-    const float step = DtypeToFloat(kDt, Load16(payload, r)) * w.norm;
+    const float step = DtypeToFloat(kDt, Load16(payload, r)) * norm;
     Unpack3(codes, r * D, D, w.codes.data());
-    for (uint32_t d = 0; d < D; ++d) w.u[d] = static_cast<float>(w.codes[d]) - 3.5f;
-    Fwht(w.u.data(), D);
-    for (uint32_t d = 0; d < D; ++d) w.values[d] = FloatToDtype(kDt, (w.u[d] * step) * w.flip[d]);
+    for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::Level(w.codes[d]);
+    k4v3::Fwht(w.u.data(), D);
+    for (uint32_t d = 0; d < D; ++d) w.values[d] = k4v3::ValueOut<kDt>(w.u[d], step, d);
     std::memcpy(out + 2 * r * D, w.values.data(), 2 * size_t{D});
   }
 }
@@ -946,6 +876,10 @@ K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim) {
 }
 
 bool K4v3DimOk(uint32_t head_dim) { return head_dim != 0 && (head_dim & (head_dim - 1)) == 0; }
+
+float K4v3HadamardNorm(uint32_t dim) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+}
 
 void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, IntNEncodeFn encode_int4,
                 const std::byte* in, std::byte* payload) {

@@ -43,6 +43,11 @@ struct SegmentJob {
   const float* importance = nullptr;
   float* star_scratch = nullptr;
   uint64_t star_scratch_floats = 0;
+  // k4v3 (kernels/internal/k4v3_math.h): a K job's values in the block's RoPE frame (device,
+  // `elements` values: int4's input on encode, its output on decode) and its frequencies; a V
+  // job's Hadamard normalisation 1/sqrt(dim).
+  uint16_t* turned = nullptr;
+  float omega0 = 0.0f, ratio = 1.0f, hadamard_norm = 0.0f;
   uint32_t tokens = 0, heads = 0, dim = 0;
   uint32_t group_len = 0, num_groups = 0;                 // int4/int2
   uint32_t centroids = 0, index_bits = 0, important = 0;  // star

@@ -1,0 +1,207 @@
+// The arithmetic of the k4v3 codec (docs/format.md: k4v3), written once for host and device: the
+// CPU codec (kernels/internal/segment_codecs.cc) and the CUDA kernels
+// (kernels/codec_kernels.cuh) call these same functions, and kernels/vec_codec_test.cc runs the
+// kernels' per-item functions on the CPU against the CPU codec's bytes.
+//
+// K: every pair (j, j + D/2) of a (token t, head) vector turns by -t * w_j into the block's RoPE
+// frame (w_j = omega0 * ratio^j as a running product), and back by +t * w_j; the turned values
+// are int4's input (encode) or output (decode). V: each (token, head) vector is sign-flipped,
+// Hadamard-transformed, normalised by 1/sqrt(D), and quantised to 3-bit codes with one dtype
+// scale; decoding runs the same transform on the levels (code - 3.5) and scales last.
+// Thread-safety: pure functions of their arguments; an item function writes only its own pair
+// or row.
+#ifndef PROXIMA_KERNELS_INTERNAL_K4V3_MATH_H_
+#define PROXIMA_KERNELS_INTERNAL_K4V3_MATH_H_
+
+#include <cstdint>
+
+#include "kernels/internal/numeric.h"
+#include "kernels/internal/segment_job.h"
+#include "kernels/internal/vec_codec.h"
+
+namespace proxima::codec::k4v3 {
+
+namespace nm = ::proxima::codec::numeric;
+using internal::SegmentJob;
+
+constexpr uint8_t kCodec = 7;  // CodecId::kK4v3
+constexpr uint32_t kKHeaderBytes = 8;  // K payload: f32 omega0, f32 ratio, then int4's payload
+// The largest head_dim the per-row item functions take (their row scratch is a local array);
+// the CUDA host wrapper leaves larger ones to the CPU codec.
+constexpr uint32_t kMaxRowDim = 256;
+
+// Frequency of pair j: omega0 * ratio^j as the running product w_0 = omega0, w_j = w_(j-1) * ratio.
+PXK_HD float Omega(float omega0, float ratio, uint32_t j) {
+  float w = omega0;
+  for (uint32_t k = 0; k < j; ++k) w = PXK_MUL(w, ratio);
+  return w;
+}
+
+// The angle of token t's pair j: t * w_j, one rounding.
+PXK_HD float Angle(uint32_t t, float w) { return PXK_MUL(static_cast<float>(t), w); }
+
+// Turns the pair (x1, x2) by the angle whose cosine is c and whose sine is s (s already carries
+// the direction's sign). Inputs are clamped first (NaN -> 0, +-Inf -> +-FLT_MAX), so both products
+// are finite and the results are numbers or +-Inf, never NaN.
+PXK_HD void TurnPairF32(float x1, float x2, float c, float s, float* y1, float* y2) {
+  constexpr float kFltMax = 3.40282347e+38f;
+  x1 = nm::ClampQ(x1, -kFltMax, kFltMax);
+  x2 = nm::ClampQ(x2, -kFltMax, kFltMax);
+  *y1 = PXK_ADD(PXK_MUL(x1, c), PXK_MUL(x2, s));
+  *y2 = PXK_SUB(PXK_MUL(x2, c), PXK_MUL(x1, s));
+}
+
+// The sign V's element d is multiplied by before the transform: +-1.
+PXK_HD float Flip(uint32_t d) { return ((d * 0x9E3779B1u) >> 31) != 0 ? -1.0f : 1.0f; }
+
+// Unnormalised fast Walsh-Hadamard transform of n (a power of two) floats, in this order: for
+// len = 1, 2, 4, .., (a, b) -> (a + b, a - b) over the halves of each block of 2 * len. The first
+// two stages run in registers per 4 elements, the others as loops over two disjoint halves (which
+// a CPU compiler vectorises); each element sees the same operations either way.
+PXK_HD void Fwht(float* u, uint32_t n) {
+  uint32_t len = 1;
+  if (n >= 4) {
+    for (uint32_t i = 0; i < n; i += 4) {
+      const float s0 = PXK_ADD(u[i], u[i + 1]), d0 = PXK_SUB(u[i], u[i + 1]);
+      const float s1 = PXK_ADD(u[i + 2], u[i + 3]), d1 = PXK_SUB(u[i + 2], u[i + 3]);
+      u[i] = PXK_ADD(s0, s1);
+      u[i + 1] = PXK_ADD(d0, d1);
+      u[i + 2] = PXK_SUB(s0, s1);
+      u[i + 3] = PXK_SUB(d0, d1);
+    }
+    len = 4;
+  }
+  for (; len < n; len <<= 1) {
+    for (uint32_t i = 0; i < n; i += 2 * len) {
+      float* __restrict a = u + i;
+      float* __restrict b = u + i + len;
+      for (uint32_t k = 0; k < len; ++k) {
+        const float x = a[k], y = b[k];
+        a[k] = PXK_ADD(x, y);
+        b[k] = PXK_SUB(x, y);
+      }
+    }
+  }
+}
+
+// V encode, element d's input to the transform: the value (non-finite -> 0), sign-flipped.
+template <uint8_t kDt>
+PXK_HD float ValueIn(uint16_t v, uint32_t d) {
+  const float x = nm::DtypeToFloat(kDt, v);
+  return PXK_MUL(nm::IsFiniteFloat(x) ? x : 0.0f, Flip(d));  // exact: a sign flip
+}
+
+// V encode of one row after the transform: normalises u (D floats) in place and returns the row's
+// dtype scale; `divisor` receives what the codes divide by (1 when the scale is 0).
+template <uint8_t kDt>
+PXK_HD uint16_t RowScale(float* u, uint32_t D, float norm, float* divisor) {
+  float amax = 0.0f;
+  for (uint32_t d = 0; d < D; ++d) {
+    u[d] = PXK_MUL(u[d], norm);
+    const float a = nm::BitsFloat(nm::FloatBits(u[d]) & 0x7FFFFFFFu);
+    amax = nm::IsFiniteFloat(a) && a > amax ? a : amax;
+  }
+  const uint16_t scale = nm::RoundUpDtype(kDt, PXK_DIV(amax, 3.5f));
+  const float f = nm::DtypeToFloat(kDt, scale);
+  *divisor = f == 0.0f ? 1.0f : f;
+  return scale;
+}
+
+// The 3-bit code of a normalised element.
+PXK_HD uint8_t Code(float u, float divisor) {
+  return static_cast<uint8_t>(
+      nm::RoundNearestEven(nm::ClampQ(PXK_ADD(PXK_DIV(u, divisor), 3.5f), 0.0f, 7.0f)));
+}
+
+// V decode: the level a code stands for (exact: halves).
+PXK_HD float Level(uint8_t code) { return PXK_SUB(static_cast<float>(code), 3.5f); }
+// V decode: element d of a transformed row of levels, given step = scale * norm. The scale comes
+// last, so a huge scale gives +-Inf, never Inf - Inf = NaN.
+template <uint8_t kDt>
+PXK_HD uint16_t ValueOut(float u, float step, uint32_t d) {
+  return nm::FloatToDtype(kDt, PXK_MUL(PXK_MUL(u, step), Flip(d)));
+}
+
+// Eight 3-bit codes in three bytes, LSB first (the order docs/format.md's bit packing gives).
+PXK_HD void Pack8(const uint8_t* codes, uint8_t* p) {
+  uint32_t w = 0;
+  for (uint32_t k = 0; k < 8; ++k) w |= uint32_t{codes[k]} << (3 * k);
+  p[0] = static_cast<uint8_t>(w);
+  p[1] = static_cast<uint8_t>(w >> 8);
+  p[2] = static_cast<uint8_t>(w >> 16);
+}
+PXK_HD void Unpack8(const uint8_t* p, uint8_t* codes) {
+  const uint32_t w = uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16;
+  for (uint32_t k = 0; k < 8; ++k) codes[k] = static_cast<uint8_t>((w >> (3 * k)) & 7u);
+}
+
+// ---- Items of the CUDA kernels. Jobs (internal::MakeK4v3Jobs): a K job has `raw` (the
+// segment's values), `turned` (the values in the block's frame), omega0 and ratio; a V job has
+// `raw`, `payload` and hadamard_norm, and a dim that is a power of two from 8 to kMaxRowDim.
+
+// Writes a K job's payload header (omega0, ratio).
+PXK_HD void WriteKHeader(const SegmentJob& j) {
+  vec::StoreLe(j.payload, nm::FloatBits(j.omega0), 4);
+  vec::StoreLe(j.payload + 4, nm::FloatBits(j.ratio), 4);
+}
+
+// Pair e of a K job, e < tokens * heads * dim / 2 (pair j = e % (dim / 2) of row e / (dim / 2)):
+// `inverse` false turns raw into turned (encode), true turned into raw (decode).
+template <uint8_t kDt>
+PXK_HD void TurnPair(const SegmentJob& j, uint64_t e, bool inverse) {
+  const uint32_t half = j.dim / 2;
+  const uint64_t row = e / half;
+  const uint32_t p = static_cast<uint32_t>(e % half);
+  const uint32_t t = static_cast<uint32_t>(row / j.heads);
+  float s, c;
+  nm::SinCosF32(Angle(t, Omega(j.omega0, j.ratio, p)), &s, &c);
+  if (inverse) s = -s;
+  const uint16_t* in = inverse ? j.turned : j.raw;
+  uint16_t* out = inverse ? j.raw : j.turned;
+  const uint64_t i = row * j.dim + p;
+  float y1, y2;
+  TurnPairF32(nm::DtypeToFloat(kDt, in[i]), nm::DtypeToFloat(kDt, in[i + half]), c, s, &y1, &y2);
+  out[i] = nm::FloatToDtype(kDt, y1);
+  out[i + half] = nm::FloatToDtype(kDt, y2);
+}
+
+// Row r (a (token, head) vector) of a V job: its scale at payload[2r] and its 3 * dim / 8 bytes of
+// codes after all tokens * heads scales.
+template <uint8_t kDt>
+PXK_HD void EncodeValueRow(const SegmentJob& j, uint64_t r) {
+  const uint32_t D = j.dim;
+  const uint64_t rows = uint64_t{j.tokens} * j.heads;
+  float u[kMaxRowDim];
+  const uint16_t* in = j.raw + r * D;
+  for (uint32_t d = 0; d < D; ++d) u[d] = ValueIn<kDt>(in[d], d);
+  Fwht(u, D);
+  float divisor;
+  vec::St16(j.payload, r, RowScale<kDt>(u, D, j.hadamard_norm, &divisor));
+  uint8_t* codes = j.payload + 2 * rows + r * (3 * D / 8);
+  for (uint32_t d = 0; d < D; d += 8) {
+    uint8_t c[8];
+    for (uint32_t k = 0; k < 8; ++k) c[k] = Code(u[d + k], divisor);
+    Pack8(c, codes + 3 * (d / 8));
+  }
+}
+
+template <uint8_t kDt>
+PXK_HD void DecodeValueRow(const SegmentJob& j, uint64_t r) {
+  const uint32_t D = j.dim;
+  const uint64_t rows = uint64_t{j.tokens} * j.heads;
+  float u[kMaxRowDim];
+  const uint8_t* codes = j.payload + 2 * rows + r * (3 * D / 8);
+  for (uint32_t d = 0; d < D; d += 8) {
+    uint8_t c[8];
+    Unpack8(codes + 3 * (d / 8), c);
+    for (uint32_t k = 0; k < 8; ++k) u[d + k] = Level(c[k]);
+  }
+  Fwht(u, D);
+  const float step = PXK_MUL(nm::DtypeToFloat(kDt, vec::Ld16(j.payload, r)), j.hadamard_norm);
+  uint16_t* out = j.raw + r * D;
+  for (uint32_t d = 0; d < D; ++d) out[d] = ValueOut<kDt>(u[d], step, d);
+}
+
+}  // namespace proxima::codec::k4v3
+
+#endif  // PROXIMA_KERNELS_INTERNAL_K4V3_MATH_H_
