@@ -95,12 +95,16 @@ PXK_HD float ValueIn(uint16_t v, uint32_t d) {
 // dtype scale; `divisor` receives what the codes divide by (1 when the scale is 0).
 template <uint8_t kDt>
 PXK_HD uint16_t RowScale(float* u, uint32_t D, float norm, float* divisor) {
-  float amax = 0.0f;
+  // The largest finite |u| through its bits: for non-negative floats the integer order is the
+  // float order, and an integer max reduction vectorises on every CPU.
+  int32_t amax_bits = 0;
   for (uint32_t d = 0; d < D; ++d) {
     u[d] = PXK_MUL(u[d], norm);
-    const float a = nm::BitsFloat(nm::FloatBits(u[d]) & 0x7FFFFFFFu);
-    amax = nm::IsFiniteFloat(a) && a > amax ? a : amax;
+    const int32_t a = static_cast<int32_t>(nm::FloatBits(u[d]) & 0x7FFFFFFFu);
+    const int32_t finite = a < 0x7F800000 ? a : 0;
+    amax_bits = finite > amax_bits ? finite : amax_bits;
   }
+  const float amax = nm::BitsFloat(static_cast<uint32_t>(amax_bits));
   const uint16_t scale = nm::RoundUpDtype(kDt, PXK_DIV(amax, 3.5f));
   const float f = nm::DtypeToFloat(kDt, scale);
   *divisor = f == 0.0f ? 1.0f : f;
@@ -109,8 +113,9 @@ PXK_HD uint16_t RowScale(float* u, uint32_t D, float norm, float* divisor) {
 
 // The 3-bit code of a normalised element.
 PXK_HD uint8_t Code(float u, float divisor) {
-  return static_cast<uint8_t>(
-      nm::RoundNearestEven(nm::ClampQ(PXK_ADD(PXK_DIV(u, divisor), 3.5f), 0.0f, 7.0f)));
+  // Through int32 (0..7 either way): float -> int32 conversions vectorise, float -> uint8 not.
+  return static_cast<uint8_t>(static_cast<int32_t>(
+      nm::RoundNearestEven(nm::ClampQ(PXK_ADD(PXK_DIV(u, divisor), 3.5f), 0.0f, 7.0f))));
 }
 
 // V decode: the level a code stands for (exact: halves).
