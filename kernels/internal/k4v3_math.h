@@ -91,24 +91,36 @@ PXK_HD float ValueIn(uint16_t v, uint32_t d) {
   return PXK_MUL(nm::IsFiniteFloat(x) ? x : 0.0f, Flip(d));  // exact: a sign flip
 }
 
-// V encode of one row after the transform: normalises u (D floats) in place and returns the row's
-// dtype scale; `divisor` receives what the codes divide by (1 when the scale is 0).
+// V encode, element step after the transform: normalises *u and returns the bits of |*u| when it
+// is finite, else 0. For non-negative floats the integer order of the bits is the float order, so
+// a row's largest finite |u| is the integer maximum of these (which vectorises on every CPU).
+PXK_HD int32_t NormaliseAbsBits(float* u, float norm) {
+  *u = PXK_MUL(*u, norm);
+  const int32_t a = static_cast<int32_t>(nm::FloatBits(*u) & 0x7FFFFFFFu);
+  return a < 0x7F800000 ? a : 0;
+}
+
+// V encode: a row's dtype scale from the largest NormaliseAbsBits of its elements; `divisor`
+// receives what the codes divide by (1 when the scale is 0).
 template <uint8_t kDt>
-PXK_HD uint16_t RowScale(float* u, uint32_t D, float norm, float* divisor) {
-  // The largest finite |u| through its bits: for non-negative floats the integer order is the
-  // float order, and an integer max reduction vectorises on every CPU.
-  int32_t amax_bits = 0;
-  for (uint32_t d = 0; d < D; ++d) {
-    u[d] = PXK_MUL(u[d], norm);
-    const int32_t a = static_cast<int32_t>(nm::FloatBits(u[d]) & 0x7FFFFFFFu);
-    const int32_t finite = a < 0x7F800000 ? a : 0;
-    amax_bits = finite > amax_bits ? finite : amax_bits;
-  }
+PXK_HD uint16_t ScaleFromMaxBits(int32_t amax_bits, float* divisor) {
   const float amax = nm::BitsFloat(static_cast<uint32_t>(amax_bits));
   const uint16_t scale = nm::RoundUpDtype(kDt, PXK_DIV(amax, 3.5f));
   const float f = nm::DtypeToFloat(kDt, scale);
   *divisor = f == 0.0f ? 1.0f : f;
   return scale;
+}
+
+// V encode of one row after the transform: normalises u (D floats) in place and returns the row's
+// dtype scale (ScaleFromMaxBits).
+template <uint8_t kDt>
+PXK_HD uint16_t RowScale(float* u, uint32_t D, float norm, float* divisor) {
+  int32_t amax_bits = 0;
+  for (uint32_t d = 0; d < D; ++d) {
+    const int32_t a = NormaliseAbsBits(&u[d], norm);
+    amax_bits = a > amax_bits ? a : amax_bits;
+  }
+  return ScaleFromMaxBits<kDt>(amax_bits, divisor);
 }
 
 // The 3-bit code of a normalised element.

@@ -830,8 +830,8 @@ void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte*
   std::memset(codes, 0, CeilDiv(3 * rows * D, 8));
   K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
-    std::memcpy(w.values.data(), in + 2 * r * D, 2 * size_t{D});
-    for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::ValueIn<kDt>(w.values[d], d);
+    const std::byte* row = in + 2 * r * D;
+    for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::ValueIn<kDt>(Load16(row, d), d);
     k4v3::Fwht(w.u.data(), D);
     float divisor;
     Store16(payload, r, k4v3::RowScale<kDt>(w.u.data(), D, norm, &divisor));
@@ -852,8 +852,8 @@ void DecodeK4v3ValueT(const SegmentShape& shape, const std::byte* payload, std::
     Unpack3(codes, r * D, D, w.codes.data());
     for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::Level(w.codes[d]);
     k4v3::Fwht(w.u.data(), D);
-    for (uint32_t d = 0; d < D; ++d) w.values[d] = k4v3::ValueOut<kDt>(w.u[d], step, d);
-    std::memcpy(out + 2 * r * D, w.values.data(), 2 * size_t{D});
+    std::byte* row = out + 2 * r * D;
+    for (uint32_t d = 0; d < D; ++d) Store16(row, d, k4v3::ValueOut<kDt>(w.u[d], step, d));
   }
 }
 
