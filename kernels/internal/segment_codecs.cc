@@ -810,17 +810,15 @@ void Unpack3(const std::byte* buf, size_t first, uint32_t n, uint8_t* codes) {
   for (; d < n; ++d) codes[d] = static_cast<uint8_t>(GetBits(buf, first + d, 3));
 }
 
-// One vector's scratch (floats, dtype values, 3-bit codes) for V's encoder and decoder.
+// One vector's scratch (floats, 3-bit codes) for V's encoder and decoder.
 struct K4v3Rows {
-  explicit K4v3Rows(uint32_t dim) : u(dim), values(dim), codes(dim) {}
+  explicit K4v3Rows(uint32_t dim) : u(dim), codes(dim) {}
   std::vector<float> u;
-  std::vector<uint16_t> values;
   std::vector<uint8_t> codes;
 };
 
-// V, one (token, head) vector at a time, through contiguous row buffers (so the conversions
-// vectorise; the payload and the output may sit at any byte offset), with the arithmetic of
-// kernels/internal/k4v3_math.h.
+// V, one (token, head) vector at a time through a float row (the payload and the segment may sit
+// at any byte offset: Load16/Store16), with the arithmetic of kernels/internal/k4v3_math.h.
 template <uint8_t kDt>
 void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t D = shape.dim;
