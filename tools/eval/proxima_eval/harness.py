@@ -68,6 +68,10 @@ class Acc:
     raw_bytes: int = 0
     enc_bytes: int = 0
     errs: list = dataclasses.field(default_factory=list)
+    # Per sample, for the bootstrap interval: summed NLL without and with the codec, tokens.
+    sample_nll_exact: list = dataclasses.field(default_factory=list)
+    sample_nll_codec: list = dataclasses.field(default_factory=list)
+    sample_n: list = dataclasses.field(default_factory=list)
 
 
 def evaluate_sample(model, sample_tokens, prefix_len, plans, backend, tokens_per_block,
@@ -85,8 +89,12 @@ def evaluate_sample(model, sample_tokens, prefix_len, plans, backend, tokens_per
         logits, _ = model.forward(suffix, KVCache.from_array(dec))
         test = logits[:-1]
         a = accs.setdefault(plan.spec, Acc())
+        nll_c = float(metrics.nll(test, targets).sum())
         a.nll_exact += float(nll_ex.sum())
-        a.nll_codec += float(metrics.nll(test, targets).sum())
+        a.nll_codec += nll_c
+        a.sample_nll_exact.append(float(nll_ex.sum()))
+        a.sample_nll_codec.append(nll_c)
+        a.sample_n.append(len(targets))
         a.kl += float(metrics.kl_divergence(ref, test).sum())
         a.top1 += float(np.sum(np.argmax(ref, -1) == np.argmax(test, -1)))
         a.n += len(targets)
@@ -120,6 +128,8 @@ def summarize(plan: str, prefix_len: int, suffix_len: int, source: str, a: Acc,
                compression_ratio=(a.raw_bytes / a.enc_bytes) if a.enc_bytes else None,
                ppl_exact=ppl_ex, ppl_codec=ppl_c,
                ppl_rel_change=metrics.relative_change(ppl_ex, ppl_c),
+               ppl_rel_change_ci95=metrics.ppl_change_interval(
+                   a.sample_nll_exact, a.sample_nll_codec, a.sample_n),
                kl_mean=a.kl / a.n, top1_agreement=a.top1 / a.n)
     row.update(finish_error_sums(a.errs))
     return row
@@ -194,15 +204,18 @@ def _fig(x) -> str:
 
 def format_table(rows: List[dict]) -> str:
     head = ("| plan | prefix | source | samples/tokens | ratio | ppl exact | ppl codec | rel. change "
-            "| KL (nats) | top-1 | K rel L2 | V rel L2 | attn rel L2 |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| 95% interval | KL (nats) | top-1 | K rel L2 | V rel L2 | attn rel L2 |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         ratio = "n/a" if r["compression_ratio"] is None else f"{r['compression_ratio']:.2f}x"
+        ci = r.get("ppl_rel_change_ci95")
+        interval = "n/a" if ci is None else f"{100 * ci[0]:+.2f}% .. {100 * ci[1]:+.2f}%"
         lines.append(
             f"| `{r['plan']}` | {r['prefix_tokens']} | {r['source']} | "
             f"{r['samples']}/{r['scored_tokens']} | {ratio} | {r['ppl_exact']:.4f} | "
-            f"{r['ppl_codec']:.4f} | {100 * r['ppl_rel_change']:+.3f}% | {r['kl_mean']:.2e} | "
+            f"{r['ppl_codec']:.4f} | {100 * r['ppl_rel_change']:+.3f}% | {interval} | "
+            f"{r['kl_mean']:.2e} | "
             f"{100 * r['top1_agreement']:.2f}% | {_fig(r['k_rel_l2'])} | {_fig(r['v_rel_l2'])} | "
             f"{_fig(r['attn_rel_l2'])} |")
     return head + "\n".join(lines) + "\n"

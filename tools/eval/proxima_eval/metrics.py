@@ -41,3 +41,26 @@ def top1_agreement(ref_logits: np.ndarray, test_logits: np.ndarray) -> float:
 
 def relative_change(exact: float, compressed: float) -> float:
     return (compressed - exact) / exact
+
+
+def ppl_change_interval(nll_exact: np.ndarray, nll_codec: np.ndarray, counts: np.ndarray,
+                        level: float = 0.95, resamples: int = 2000, seed: int = 0):
+    """Paired bootstrap interval of the relative perplexity change over samples (windows).
+
+    nll_exact[i], nll_codec[i]: summed NLL of sample i's scored tokens without and with the codec;
+    counts[i]: its scored tokens. Windows, not tokens, are resampled: tokens of one window are
+    correlated, windows are drawn from different texts. Both runs are resampled together (the
+    same windows), so what varies is the codec's effect, not the text's difficulty. Returns
+    (low, high) of the `level` interval, or None with fewer than two samples. Deterministic for a
+    given seed."""
+    e = np.asarray(nll_exact, np.float64)
+    c = np.asarray(nll_codec, np.float64)
+    n = np.asarray(counts, np.float64)
+    if len(e) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(e), size=(resamples, len(e)))
+    ne, nc, nn = e[idx].sum(axis=1), c[idx].sum(axis=1), n[idx].sum(axis=1)
+    change = np.exp((nc - ne) / nn) - 1.0
+    alpha = (1.0 - level) / 2.0
+    return float(np.quantile(change, alpha)), float(np.quantile(change, 1.0 - alpha))

@@ -108,5 +108,7 @@ def test_table_row_format():
                kl_mean=1.5e-3, top1_agreement=0.991, k_rel_l2=0.1, v_rel_l2=None,
                attn_rel_l2=0.05)
     t = harness.format_table([row])
-    assert "| `int4` | 512 | prose | 2/510 | 3.70x | 10.0000 | 10.0500 | +0.500% | 1.50e-03 " \
-           "| 99.10% | 0.1000 | n/a | 0.0500 |" in t
+    assert "| `int4` | 512 | prose | 2/510 | 3.70x | 10.0000 | 10.0500 | +0.500% | n/a " \
+           "| 1.50e-03 | 99.10% | 0.1000 | n/a | 0.0500 |" in t
+    row["ppl_rel_change_ci95"] = (0.001, 0.0123)
+    assert "| +0.500% | +0.10% .. +1.23% | 1.50e-03 |" in harness.format_table([row])

@@ -55,3 +55,29 @@ def test_top1_agreement():
 
 def test_relative_change():
     assert metrics.relative_change(10.0, 10.5) == pytest.approx(0.05)
+
+
+def test_ppl_change_interval():
+    # Every window changes by exactly +1%: the interval is that point, whatever is resampled.
+    counts = np.array([100, 200, 50, 80])
+    e = np.array([250.0, 410.0, 140.0, 170.0])
+    c = e + counts * np.log(1.01)
+    lo, hi = metrics.ppl_change_interval(e, c, counts)
+    assert lo == pytest.approx(0.01) and hi == pytest.approx(0.01)
+    # Windows that disagree (one much worse, others unchanged) give an interval around the pooled
+    # change that is wide and contains it; more windows of the same spread give a narrower one.
+    rng = np.random.default_rng(1)
+    counts = np.full(20, 255)
+    e = rng.uniform(500, 700, 20)
+    c = e + counts * rng.normal(0.01, 0.02, 20)
+    pooled = np.exp((c.sum() - e.sum()) / counts.sum()) - 1
+    lo, hi = metrics.ppl_change_interval(e, c, counts)
+    assert lo < pooled < hi and hi - lo > 0.005
+    counts80 = np.full(80, 255)
+    e80 = rng.uniform(500, 700, 80)
+    c80 = e80 + counts80 * rng.normal(0.01, 0.02, 80)
+    lo80, hi80 = metrics.ppl_change_interval(e80, c80, counts80)
+    assert hi80 - lo80 < hi - lo
+    # Deterministic, and none with one window.
+    assert metrics.ppl_change_interval(e, c, counts) == (lo, hi)
+    assert metrics.ppl_change_interval([1.0], [1.1], [10]) is None
