@@ -72,6 +72,12 @@ absl::StatusOr<uint64_t> ProfileBlockBytes(const v1::ModelProfile& p) {
                                                    p.fingerprint().size(), " bytes; at most ",
                                                    kMaxFingerprintBytes));
   }
+  if (!codec::RopeThetaValid(p.rope_theta())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("profile.rope_theta is ", p.rope_theta(),
+                     "; expected 0 (unknown) or the model's RoPE base, ", codec::kMinRopeTheta,
+                     " to ", codec::kMaxRopeTheta));
+  }
   return 2ull * p.num_layers() * p.tokens_per_block() * p.num_kv_heads() * p.head_dim() * elem;
 }
 
@@ -90,6 +96,14 @@ uint64_t ProfileId(const v1::ModelProfile& p) {
     mix(le, 4);
   }
   mix(p.fingerprint().data(), p.fingerprint().size());
+  if (p.rope_theta() != 0.0) {  // absent from the ids of profiles registered without one
+    const double theta = p.rope_theta();
+    uint64_t bits;
+    std::memcpy(&bits, &theta, 8);
+    uint8_t le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<uint8_t>(bits >> (8 * i));
+    mix(le, 8);
+  }
   return h == 0 ? 1 : h;
 }
 
@@ -379,7 +393,8 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
                        [s, level] { return static_cast<double>(s->level_bytes(level)); });
   }
   tierer_ = std::make_unique<Tierer>(
-      s, config, [this](uint32_t ns, uint64_t profile_id) { return GeometryOf(ns, profile_id); },
+      s, config,
+      [this](uint32_t ns, uint64_t profile_id) { return ProfileCodecOf(ns, profile_id); },
       registry);
   decodes_ = registry->AddCounter("proxima_get_decodes_total",
                                   "Encoded blocks decoded by the daemon for Get or Decompress");
@@ -403,7 +418,7 @@ TierService::~TierService() {
   if (tierer_) tierer_->Stop();  // before the store and the profiles it reads go
 }
 
-std::optional<codec::BlockGeometry> TierService::GeometryOf(uint32_t ns, uint64_t profile_id) {
+std::optional<Tierer::ProfileCodec> TierService::ProfileCodecOf(uint32_t ns, uint64_t profile_id) {
   absl::StatusOr<RegisteredProfile> p = FindProfile(ns, profile_id);
   if (!p.ok()) return std::nullopt;
   codec::BlockGeometry g;
@@ -422,7 +437,7 @@ std::optional<codec::BlockGeometry> TierService::GeometryOf(uint32_t ns, uint64_
       return std::nullopt;  // fp8 blocks stay raw: the codec takes 16-bit inputs
   }
   if (!g.Validate().ok()) return std::nullopt;
-  return g;
+  return Tierer::ProfileCodec{g, p->profile.rope_theta()};
 }
 
 absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) const {
@@ -595,7 +610,7 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
     }
   }
   Namespace& n = *namespaces_[ns];
-  const bool codec_ok = GeometryOf(ns, profile_id).has_value();
+  const bool codec_ok = ProfileCodecOf(ns, profile_id).has_value();
   uint64_t stored = 0;
   std::vector<BlockKey> held;  // keys the local tiers hold now, for the cluster's records
   std::string staging;         // a block on its way to a GPU pool
@@ -853,7 +868,7 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
           to_pull[j], crcs[to_pull[j]], got[j]));
     }
   }
-  const bool codec_ok = GeometryOf(ns, target.profile_id).has_value();
+  const bool codec_ok = ProfileCodecOf(ns, target.profile_id).has_value();
   for (size_t j = 0; j < to_pull.size(); ++j) {
     const size_t i = to_pull[j];
     const BlockAttributes attributes = tierer_->AttributesFor(

@@ -247,7 +247,7 @@ class TierService {
   void TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
                   std::span<const BlockKey> keys);
   // The codec geometry of a registered profile; nullopt when unknown or not encodable (fp8).
-  std::optional<codec::BlockGeometry> GeometryOf(uint32_t ns, uint64_t profile_id);
+  std::optional<Tierer::ProfileCodec> ProfileCodecOf(uint32_t ns, uint64_t profile_id);
 
   // One configured token and who presenting it makes you.
   struct Token {

@@ -26,6 +26,7 @@
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
 #include "daemon/device_pool.h"
+#include "daemon/tierer.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "kernels/device.h"
@@ -69,12 +70,14 @@ class RealBlocks {
   codec::BlockGeometry full_, geometry_;
 };
 
-// The Tierer's geometry lookup for tests with one registered profile: `geometry` for
-// `profile_id`, unknown for any other.
-inline auto OneProfile(uint64_t profile_id, const codec::BlockGeometry& geometry) {
-  return [profile_id, geometry](uint32_t, uint64_t profile) -> std::optional<codec::BlockGeometry> {
+// The Tierer's profile lookup for tests with one registered profile: `geometry` (and the model's
+// RoPE base `rope_theta`) for `profile_id`, unknown for any other.
+inline auto OneProfile(uint64_t profile_id, const codec::BlockGeometry& geometry,
+                       double rope_theta = 0.0) {
+  return [profile_id, geometry, rope_theta](
+             uint32_t, uint64_t profile) -> std::optional<Tierer::ProfileCodec> {
     if (profile != profile_id) return std::nullopt;
-    return geometry;
+    return Tierer::ProfileCodec{geometry, rope_theta};
   };
 }
 

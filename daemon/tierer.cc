@@ -22,10 +22,10 @@ constexpr uint64_t kMinQualitySamples = 3;
 
 }  // namespace
 
-Tierer::Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geometry,
+Tierer::Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup profile,
                metrics::Registry* registry)
     : store_(store),
-      geometry_(std::move(geometry)),
+      profile_(std::move(profile)),
       config_(config.tierer),
       gpu_config_(config.gpu_tier) {
   quality_.resize(config.namespaces.size());
@@ -300,7 +300,9 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
   const uint32_t ns = c->id.namespace_index;
   NamespaceState& state = *namespaces_[ns];
   const uint8_t from = c->block.level;
-  std::optional<codec::BlockGeometry> geometry = geometry_(ns, c->id.profile_id);
+  const std::optional<ProfileCodec> profile = profile_(ns, c->id.profile_id);
+  std::optional<codec::BlockGeometry> geometry;
+  if (profile) geometry = profile->geometry;
   // ColdestCompressible hands out only blocks below both their own deepest level and the cap.
   const uint8_t deepest = std::min(c->attributes.max_level, caps[ns]);
   const uint8_t to = geometry ? TargetLevel(*c, *geometry, deepest, room) : from + 1;
@@ -319,8 +321,8 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
   }
   std::string encoded;
   if (status.ok()) {
-    status = codec::EncodeBlock(*geometry, state.policy.plans[to - 1], c->attributes.is_first_block,
-                                source, {}, &encoded);
+    status = codec::EncodeBlock(*geometry, state.policy.plans[to - 1].ForModel(profile->rope_theta),
+                                c->attributes.is_first_block, source, {}, &encoded);
   }
   if (status.ok() && encoded.size() >= c->block.bytes.size()) {
     // The next level does not shrink this block: with few tokens per block, per-group metadata
@@ -453,9 +455,10 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
   for (const auto& [key, members] : groups) {
     const uint32_t ns = key.first;
     NamespaceState& state = *namespaces_[ns];
-    std::optional<codec::BlockGeometry> geometry = geometry_(ns, key.second);
-    if (!geometry) continue;  // profile no longer known: raw
-    const codec::CodecPlan& plan = state.policy.plans[0];
+    const std::optional<ProfileCodec> profile = profile_(ns, key.second);
+    if (!profile) continue;  // profile no longer known: raw
+    const codec::BlockGeometry* geometry = &profile->geometry;
+    const codec::CodecPlan plan = state.policy.plans[0].ForModel(profile->rope_theta);
     std::vector<DeviceMemory::EncodeJob> jobs;
     for (size_t i : members) {
       if (candidates[i].device_bytes != geometry->RawBytes()) continue;  // not a raw block: raw

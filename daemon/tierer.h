@@ -49,13 +49,19 @@ namespace proxima::daemon {
 
 class Tierer {
  public:
-  // The codec geometry of (namespace, profile id), or nullopt when its blocks cannot be encoded
+  // What encoding a profile's blocks needs of it: the codec geometry, and the model's RoPE base
+  // (0: unknown), which the namespace's plans take through codec::CodecPlan::ForModel.
+  struct ProfileCodec {
+    codec::BlockGeometry geometry;
+    double rope_theta = 0.0;
+  };
+  // The ProfileCodec of (namespace, profile id), or nullopt when its blocks cannot be encoded
   // (an unknown profile, or a dtype the codec does not take).
-  using GeometryLookup =
-      std::function<std::optional<codec::BlockGeometry>(uint32_t ns, uint64_t profile_id)>;
+  using ProfileLookup =
+      std::function<std::optional<ProfileCodec>(uint32_t ns, uint64_t profile_id)>;
 
   // `store`, `registry` outlive the Tierer. `config.namespaces[i]` is namespace index i.
-  Tierer(BlockStore* store, const DaemonConfig& config, GeometryLookup geometry,
+  Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup profile,
          metrics::Registry* registry);
   ~Tierer();
 
@@ -178,7 +184,7 @@ class Tierer {
   void Run(uint32_t index);
 
   BlockStore* const store_;
-  const GeometryLookup geometry_;
+  const ProfileLookup profile_;
   const TiererConfig config_;
   const GpuTierConfig gpu_config_;
   std::vector<std::unique_ptr<NamespaceState>> namespaces_;

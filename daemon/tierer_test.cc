@@ -407,7 +407,7 @@ TEST_F(TiererTest, HighPriorityAndShortSequencesStayAtSaferLevels) {
   config_.namespaces[0].compression.min_seq_len_to_compress = 64;
   Tierer gated(
       store_.get(), config_,
-      [](uint32_t, uint64_t) { return std::optional<codec::BlockGeometry>(); }, &registry_);
+      [](uint32_t, uint64_t) { return std::optional<Tierer::ProfileCodec>(); }, &registry_);
   EXPECT_EQ(gated.AttributesFor(0, kTokens, true, 2, false).max_level, 0);   // 48 tokens
   EXPECT_EQ(gated.AttributesFor(0, kTokens, true, 3, false).max_level, 2);   // 64 tokens
   EXPECT_EQ(gated.AttributesFor(0, kTokens, true, -1, false).max_level, 2);  // unknown

@@ -415,6 +415,16 @@ absl::Status BlockGeometry::Validate() const {
   return absl::OkStatus();
 }
 
+bool RopeThetaValid(double rope_theta) {
+  return rope_theta == 0.0 || (rope_theta >= kMinRopeTheta && rope_theta <= kMaxRopeTheta);
+}
+
+CodecPlan CodecPlan::ForModel(double model_rope_theta) const {
+  CodecPlan p = *this;
+  if (p.rope_theta == 0.0) p.rope_theta = model_rope_theta;
+  return p;
+}
+
 CodecId CodecPlan::CodecFor(uint32_t layer, bool is_first_block) const {
   CodecId c = default_codec;
   for (const LayerRange& r : layer_ranges) {
@@ -486,7 +496,7 @@ absl::StatusOr<CodecPlan> ParseCodecPlan(std::string_view text_in) {
     } else if (key == "rope_theta") {
       double theta;
       if (have_rope) return bad("rope_theta given twice");
-      if (!absl::SimpleAtod(value, &theta) || !(theta >= 1.0 && theta <= 1e12)) {
+      if (!absl::SimpleAtod(value, &theta) || theta == 0.0 || !RopeThetaValid(theta)) {
         return bad("rope_theta must be a number from 1 to 1e12 (the model's RoPE base)");
       }
       have_rope = true;

@@ -83,7 +83,15 @@ struct CodecPlan {
   CodecId CodecFor(uint32_t layer, bool is_first_block) const;
   // The canonical text form; ParseCodecPlan(ToString()) gives back an equal plan.
   std::string ToString() const;
+  // This plan for a model whose RoPE base is `model_rope_theta` (0: unknown): the plan's own
+  // rope_theta when it names one (the operator's word wins), else the model's.
+  CodecPlan ForModel(double model_rope_theta) const;
 };
+
+// A RoPE base the codec takes: 0 (unknown), or a number from kMinRopeTheta to kMaxRopeTheta.
+inline constexpr double kMinRopeTheta = 1.0;
+inline constexpr double kMaxRopeTheta = 1e12;
+bool RopeThetaValid(double rope_theta);
 
 // Parses "int4" or "layers[0:4]=int8,default=int4,sink=int8,group=64" (and rope_theta=100000
 // for k4v3). kInvalidArgument naming the offending item on error.

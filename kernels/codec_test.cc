@@ -495,6 +495,19 @@ TEST(K4v3Test, PlanCarriesTheRopeBaseThroughItsTextForm) {
   EXPECT_GT(Fidelity(CodecId::kK4v3), Fidelity(CodecId::kStar));
 }
 
+// A plan for a model: the plan's own rope_theta wins; without one, the model's (0: unknown).
+TEST(K4v3Test, APlanTakesTheModelsRopeBaseOnlyWhenItNamesNone) {
+  EXPECT_EQ(Plan("k4v3").ForModel(500000).rope_theta, 500000.0);
+  EXPECT_EQ(Plan("k4v3").ForModel(0).rope_theta, 0.0);
+  EXPECT_EQ(Plan("k4v3,rope_theta=10000").ForModel(500000).rope_theta, 10000.0);
+  EXPECT_EQ(Plan("layers[0:2]=int8,default=k4v3").ForModel(1e6).ToString(),
+            "layers[0:2]=int8,default=k4v3,group=64,rope_theta=1000000");
+  for (double ok : {0.0, 1.0, 10000.0, 1e12}) EXPECT_TRUE(RopeThetaValid(ok)) << ok;
+  for (double bad : {-1.0, 0.5, 1.000001e12, std::nan(""), HUGE_VAL}) {
+    EXPECT_FALSE(RopeThetaValid(bad)) << bad;
+  }
+}
+
 TEST(K4v3Test, SinCosIsCloseToLibmAndExactAtZero) {
   float s, c;
   numeric::SinCosF32(0.0f, &s, &c);

@@ -511,7 +511,7 @@ class PyClient {
 
   Profile RegisterProfile(uint32_t num_layers, uint32_t num_kv_heads, uint32_t head_dim,
                           uint32_t tokens_per_block, const std::string& dtype,
-                          const std::string& fingerprint) {
+                          const std::string& fingerprint, double rope_theta) {
     v1::ModelProfile model;
     model.set_num_layers(num_layers);
     model.set_num_kv_heads(num_kv_heads);
@@ -529,6 +529,7 @@ class PyClient {
                             "bfloat16, float8_e4m3fn)");
     }
     model.set_fingerprint(fingerprint);
+    model.set_rope_theta(rope_theta);  // the daemon checks the range
     absl::StatusOr<Profile> profile;
     {
       py::gil_scoped_release release;
@@ -819,7 +820,9 @@ PYBIND11_MODULE(_proxima, m) {
            "posix/sysv shared memory), 'always' or 'never'")
       .def("register_profile", &PyClient::RegisterProfile, py::arg("num_layers"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("tokens_per_block"),
-           py::arg("dtype"), py::arg("fingerprint") = "")
+           py::arg("dtype"), py::arg("fingerprint") = "", py::arg("rope_theta") = 0.0,
+           "rope_theta: the model's RoPE base (Hugging Face config rope_theta; 0 = unknown), "
+           "which k4v3 levels quantize K with (proxima.engine.model_rope_theta reads it)")
       .def("register_buffer", &PyClient::RegisterBuffer, py::arg("address"), py::arg("length"),
            "Pieces of blocks may lie in [address, address + length); over UCX the buffer is "
            "registered once here, not on every call. ValueError on a null address, a zero "

@@ -1,7 +1,9 @@
 // Integration tests of the tierer through the real proximad: a namespace with a compression
 // hierarchy holds more real KV blocks (SmolLM2-135M) than its host tier holds raw, and Get,
 // GetStored and Decompress give back what the codec promises.
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -36,6 +38,7 @@ using ::proxima::testing::MetricValue;
 using ::proxima::testing::ProximactlPath;
 using ::proxima::testing::ProximadPath;
 using ::proxima::testing::RunCommand;
+using ::proxima::testing::StatusIs;
 using ::testing::HasSubstr;
 
 constexpr uint32_t kTokens = 16;
@@ -330,6 +333,69 @@ TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
     EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.4) << "block " << n;
   }
   EXPECT_GT(k4v3_blocks, 0);
+}
+
+// A k4v3 level that names no RoPE base takes the profile's (ModelProfile.rope_theta, as the vLLM
+// connector fills it from the model's config): the stored K segments carry that base's
+// frequencies (omega0 1, ratio theta^(-2/head_dim)), and a profile without one stores K un-turned
+// (omega0 0). Both come back within k4v3's error; the two are distinct profiles.
+TEST_F(TiersTest, AK4v3LevelWithoutARopeBaseTakesTheProfilesOne) {
+  auto d = DaemonProcess::Start(
+      {"tiers.host.capacity_bytes=4MiB",
+       "namespaces=[{name: default, compression: {enabled: true, levels: [k4v3], quality: "
+       "{max_attention_error: 0.3}}}]"});
+  ASSERT_OK(d.status());
+  auto c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  v1::ModelProfile with_base = model_;
+  with_base.set_rope_theta(100000);  // SmolLM2's
+  ASSERT_OK_AND_ASSIGN(Profile turned, c->RegisterProfile(with_base));
+  ASSERT_OK_AND_ASSIGN(Profile plain, c->RegisterProfile(model_));
+  EXPECT_NE(turned.id, plain.id);
+  constexpr uint32_t kBlocks = 24;
+  for (const Profile* p : {&turned, &plain}) {
+    const bool has_base = p == &turned;
+    SCOPED_TRACE(has_base ? "profile with rope_theta 100000" : "profile without rope_theta");
+    std::vector<BlockKey> keys = client::TestKeyChain(has_base ? 21 : 22, 0, kBlocks);
+    std::vector<std::vector<std::byte>> data;
+    for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 3 + 2));
+    for (uint32_t n = 0; n < kBlocks; ++n) {
+      std::vector<std::span<const std::byte>> one = {data[n]};
+      ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                           c->Put(*p, std::span<const BlockKey>(&keys[n], 1), one));
+      ASSERT_EQ(out[0], PutOutcome::kStored) << n;
+    }
+    ASSERT_OK_AND_ASSIGN(ReadBack back, ReadThreeWays(*c, *p, keys));
+    auto& [got, dec, found, found2, stored] = back;
+    int encoded = 0;
+    for (uint32_t n = 0; n < kBlocks; ++n) {
+      if (!found[n] || !stored[n].has_value() || stored[n]->level == 0) continue;
+      ++encoded;
+      const auto& bytes = stored[n]->bytes;
+      ASSERT_OK_AND_ASSIGN(
+          codec::BlockHeaderInfo info,
+          codec::InspectBlock(std::as_bytes(std::span(bytes.data(), bytes.size()))));
+      ASSERT_EQ(info.segments[0].codec, codec::CodecId::kK4v3);
+      float omega0, ratio;  // the K segment's payload header
+      std::memcpy(&omega0, bytes.data() + info.segments[0].offset, 4);
+      std::memcpy(&ratio, bytes.data() + info.segments[0].offset + 4, 4);
+      if (has_base) {
+        EXPECT_EQ(omega0, 1.0f) << n;
+        EXPECT_EQ(ratio, static_cast<float>(std::pow(100000.0, -2.0 / geometry_.head_dim))) << n;
+      } else {
+        EXPECT_EQ(omega0, 0.0f) << n;
+      }
+      ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums,
+                           codec::MeasureBlockError(geometry_, data[n], got[n]));
+      EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.4) << "block " << n;
+    }
+    EXPECT_GT(encoded, 0);
+  }
+  // A profile whose RoPE base is no RoPE base is refused, naming the field and the range.
+  v1::ModelProfile bad = model_;
+  bad.set_rope_theta(0.5);
+  EXPECT_THAT(c->RegisterProfile(bad).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("profile.rope_theta is 0.5")));
 }
 
 }  // namespace

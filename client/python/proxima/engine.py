@@ -72,6 +72,30 @@ class ProfileSpec:
     tokens_per_block: int
     dtype: str
     fingerprint: str
+    rope_theta: float = 0.0  # the model's RoPE base, 0 = unknown (model_rope_theta)
+
+
+def usable_rope_theta(value) -> float:
+    """`value` as a RoPE base the daemon takes (a number from 1 to 1e12), else 0.0 (unknown): a
+    profile with another value would be refused, and a missing base only costs k4v3 some of its
+    gain, never bytes."""
+    try:
+        theta = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return theta if 1.0 <= theta <= 1e12 else 0.0
+
+
+def model_rope_theta(hf_config) -> float:
+    """The RoPE base of a Hugging Face model config (`rope_theta`, or `rope_parameters
+    ["rope_theta"]` in newer transformers), for the daemon's k4v3 levels; 0.0 when it has none
+    (usable_rope_theta)."""
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:
+        params = getattr(hf_config, "rope_parameters", None)
+        if isinstance(params, dict):
+            theta = params.get("rope_theta")
+    return usable_rope_theta(theta)
 
 
 @dataclass
@@ -173,7 +197,8 @@ class Link:
                                     call_timeout=o.call_timeout, transport=o.transport,
                                     host_staging=o.host_staging)
             profile = client.register_profile(s.num_layers, s.num_kv_heads, s.head_dim,
-                                              s.tokens_per_block, s.dtype, s.fingerprint)
+                                              s.tokens_per_block, s.dtype, s.fingerprint,
+                                              s.rope_theta)
         except proxima.Error as e:
             with self._lock:
                 self._connecting = False

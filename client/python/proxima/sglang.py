@@ -25,7 +25,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
                                                   HiCacheStorageExtraInfo)
 
-from .engine import Link, LinkOptions, ProfileSpec
+from .engine import Link, LinkOptions, ProfileSpec, usable_rope_theta
 from .keys import block_key, scope_bytes
 
 
@@ -44,6 +44,9 @@ class ProximaHiCacheStorage(HiCacheStorage):
         self.scope = scope_bytes("sglang", self.options.namespace, model, *ranks)
         self.fingerprint = "{} tp={}/{} pp={}/{} cp={}/{}".format(
             model, ranks[1], ranks[0], ranks[3], ranks[2], ranks[5], ranks[4])[:256]
+        # The host pool does not know the model's config: its RoPE base comes from extra_config
+        # ("rope_theta", for the daemon's k4v3 levels; absent: unknown).
+        self.rope_theta = usable_rope_theta(extra.get("rope_theta"))
         self.link: Optional[Link] = None
         self.mem_pool_host = None
 
@@ -58,7 +61,7 @@ class ProximaHiCacheStorage(HiCacheStorage):
                                  "expected an MHA host pool (MLA pools are not supported)")
         spec = ProfileSpec(num_layers=p.layer_num, num_kv_heads=p.head_num, head_dim=p.head_dim,
                            tokens_per_block=p.page_size, dtype=_dtype_name(p.dtype),
-                           fingerprint=self.fingerprint)
+                           fingerprint=self.fingerprint, rope_theta=self.rope_theta)
         self.link = Link(self.options, spec)
         buf = p.kv_buffer
         self.link.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())

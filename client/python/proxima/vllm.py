@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from ._proxima import KV_LAYOUT_CUDA, KvLayout
-from .engine import Link, LinkOptions, ProfileSpec
+from .engine import Link, LinkOptions, ProfileSpec, model_rope_theta
 from .keys import block_key, scope_bytes
 from .staging import HostStaging
 
@@ -95,7 +95,8 @@ def profile_spec(vllm_config, ranks) -> ProfileSpec:
                        head_dim=m.get_head_size(),
                        tokens_per_block=vllm_config.cache_config.block_size,
                        dtype=_dtype_name(kv_cache_dtype(vllm_config)),
-                       fingerprint=fingerprint[:256])
+                       fingerprint=fingerprint[:256],
+                       rope_theta=model_rope_theta(m.hf_text_config))
 
 
 def key_scope(options: LinkOptions, vllm_config, ranks) -> bytes:

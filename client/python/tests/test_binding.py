@@ -56,6 +56,19 @@ def test_profile_block_size(client, profile):
     assert again.id == profile.id
 
 
+def test_profile_rope_theta_is_part_of_its_identity_and_checked(client, profile):
+    # The model's RoPE base (for k4v3 levels) names another profile; 0 is the plain one.
+    llama = client.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", "binding-test",
+                                    rope_theta=500000.0)
+    assert llama.id != profile.id and llama.block_bytes == profile.block_bytes
+    assert client.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", "binding-test",
+                                   rope_theta=0.0).id == profile.id
+    for bad in (float("nan"), 0.5, -10000.0, 1e13, float("inf")):
+        with pytest.raises(ValueError, match="profile.rope_theta is .*expected 0"):
+            client.register_profile(LAYERS, HEADS, DIM, TOKENS, "bf16", "binding-test",
+                                    rope_theta=bad)
+
+
 def test_put_get_single_piece_byte_exact(client, profile):
     src, dst = random_blocks(6, 1), np.zeros((6, BLOCK_BYTES), np.uint8)
     client.register_buffer(src.ctypes.data, src.nbytes)

@@ -11,7 +11,7 @@ import pytest
 from conftest import Daemon
 
 RKEYS = "proxima_ucx_rkeys_unpacked_total"
-from proxima.engine import Link, LinkOptions, ProfileSpec
+from proxima.engine import Link, LinkOptions, ProfileSpec, model_rope_theta, usable_rope_theta
 from proxima.keys import chain_keys, scope_bytes
 
 SPEC = ProfileSpec(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="fp16",
@@ -154,3 +154,14 @@ def test_options_from_config_and_environment(monkeypatch, tmp_path):
     assert (o.target, o.namespace, o.token, o.call_timeout) == ("unix:/env.sock", "team",
                                                                "tok-123", 7.5)
     assert LinkOptions.from_config({"target": "127.0.0.1:1"}).target == "127.0.0.1:1"
+
+
+def test_model_rope_theta_reads_both_config_forms_and_drops_unusable_values():
+    from types import SimpleNamespace as Config
+    assert model_rope_theta(Config(rope_theta=500000.0)) == 500000.0
+    assert model_rope_theta(Config(rope_theta=None, rope_parameters={"rope_theta": 1e6})) == 1e6
+    assert model_rope_theta(Config(rope_parameters={"rope_type": "default"})) == 0.0
+    assert model_rope_theta(Config()) == 0.0  # no RoPE (or an unknown config): unknown
+    for bad in (float("nan"), 0.5, -1.0, 1e13, "high", None):
+        assert usable_rope_theta(bad) == 0.0
+    assert usable_rope_theta("10000") == 10000.0
