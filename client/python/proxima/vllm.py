@@ -96,7 +96,8 @@ def profile_spec(vllm_config, ranks) -> ProfileSpec:
                        tokens_per_block=vllm_config.cache_config.block_size,
                        dtype=_dtype_name(kv_cache_dtype(vllm_config)),
                        fingerprint=fingerprint[:256],
-                       rope_theta=model_rope_theta(m.hf_text_config))
+                       rope_theta=model_rope_theta(getattr(m, "hf_text_config", None)
+                                                   or getattr(m, "hf_config", None)))
 
 
 def key_scope(options: LinkOptions, vllm_config, ranks) -> bytes:
