@@ -35,7 +35,8 @@ RKEYS = "proxima_ucx_rkeys_unpacked_total"
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
         "num_hidden_layers": LAYERS, "vocab_size": 256, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": DIM}
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "head_dim": DIM,
+        "rope_theta": 500000.0}
 HASH = get_hash_fn_by_name("sha256")
 init_none_hash(HASH)
 
@@ -68,6 +69,14 @@ def connector(model_config, target, role, layout="NHD", **extra):
     c = KVConnectorFactory.create_connector(config, role, kv_cache_config)
     assert isinstance(c, ProximaConnector)
     return c
+
+
+def test_the_profile_carries_the_models_rope_base(model_config):
+    # From the model's config.json, through vLLM's ModelConfig, for the daemon's k4v3 levels.
+    from proxima.vllm import profile_spec
+    config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=BLOCK),
+                        device_config=DeviceConfig(device="cpu"))
+    assert profile_spec(config, (0, 1, 0, 1)).rope_theta == 500000.0
 
 
 def kv_caches(layout, seed):
