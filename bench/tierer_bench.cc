@@ -17,9 +17,16 @@
 // hierarchy. The time until every block is at the deepest level gives their encode throughput
 // (raw bytes per second), printed as a ratio to the first thread count's. --sample_one_in sets
 // the quality guard's sampling (default 16, the daemon's), to see what its measurements cost.
+//
+// With --get_decode_threads=1,2,... it measures a Get of compressed blocks (`server.
+// decode_threads`): --blocks blocks are put and taken down to the deepest level as above, then
+// one Get asks for all of them raw (the daemon decodes each), --gets times; the median Get time
+// per thread count, and the decode throughput as a ratio to the first count's.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -59,8 +66,10 @@ uint32_t g_sample_one_in = 16;
 
 std::unique_ptr<TierService> MakeService(uint64_t capacity, const std::vector<std::string>& levels,
                                          double threshold, uint32_t threads,
-                                         proxima::metrics::Registry* registry) {
+                                         proxima::metrics::Registry* registry,
+                                         uint32_t decode_threads = 4) {
   DaemonConfig config;
+  config.server.decode_threads = decode_threads;
   config.host_tier.capacity_bytes = capacity;
   config.server.max_message_bytes = 64 << 20;
   config.tierer.threads = threads;
@@ -160,12 +169,16 @@ struct Drain {
 
 // The background workers' throughput: `blocks` puts into room for all of them, threshold 0.05,
 // then the workers start; the time until all `blocks` are at the hierarchy's deepest level.
+// `decode_threads` and `after` (called with the drained service and its blocks, e.g. to time Gets):
+// for RunGetDecode.
 Drain RunDrain(const proxima::codec::KvTensor& kv, uint32_t blocks,
-               const std::vector<std::string>& levels, uint32_t threads) {
+               const std::vector<std::string>& levels, uint32_t threads,
+               uint32_t decode_threads = 4,
+               const std::function<void(TierService&, const Stream&)>& after = nullptr) {
   proxima::metrics::Registry registry;
   const uint64_t raw = 2ull * kv.num_layers * kTokens * kv.num_kv_heads * kv.head_dim * 2;
-  std::unique_ptr<TierService> service =
-      MakeService(raw * blocks + (raw * blocks) / 8, levels, 0.05, threads, &registry);
+  std::unique_ptr<TierService> service = MakeService(raw * blocks + (raw * blocks) / 8, levels,
+                                                     0.05, threads, &registry, decode_threads);
   Stream stream(service.get(), kv);
   const proxima::daemon::BlockStore& store = service->store();
   const int deepest = static_cast<int>(levels.size());
@@ -190,7 +203,55 @@ Drain RunDrain(const proxima::codec::KvTensor& kv, uint32_t blocks,
                  static_cast<unsigned long long>(store.evictions()));
     std::exit(3);
   }
+  if (after) after(*service, stream);
   return d;
+}
+
+// One Get (raw) of every block of a drained tier, `gets` times with server.decode_threads =
+// `decode_threads`: the median milliseconds per Get. Every block must come back found and with
+// the bytes a local decode of its stored encoding gives (checked on the first Get).
+double RunGetDecode(const proxima::codec::KvTensor& kv, uint32_t blocks,
+                    const std::vector<std::string>& levels, uint32_t decode_threads,
+                    uint32_t gets) {
+  std::vector<double> ms;
+  RunDrain(kv, blocks, levels, 1, decode_threads, [&](TierService& service, const Stream& stream) {
+    proxima::v1::GetRequest raw, stored;
+    for (proxima::v1::GetRequest* r : {&raw, &stored}) {
+      r->set_namespace_name("default");
+      r->set_profile_id(stream.profile_id);
+      for (uint32_t n = 0; n < blocks; ++n) {
+        const proxima::daemon::BlockId id = stream.Id(n);
+        r->add_keys(id.key.data(), id.key.size());
+      }
+    }
+    stored.set_format(proxima::v1::BLOCK_FORMAT_STORED);
+    proxima::v1::GetResponse want;
+    if (!service.Get(stream.caller, stored, &want).ok()) std::exit(3);
+    for (uint32_t g = 0; g < gets; ++g) {
+      proxima::v1::GetResponse got;
+      const auto start = std::chrono::steady_clock::now();
+      if (!service.Get(stream.caller, raw, &got).ok()) std::exit(3);
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
+      if (g > 0) continue;
+      for (uint32_t n = 0; n < blocks; ++n) {
+        std::string local(got.results(n).data().size(), '\0');
+        const std::string& enc = want.results(n).data();
+        if (!got.results(n).found() || got.results(n).level() != 0 ||
+            !proxima::codec::DecodeBlock(
+                 std::as_bytes(std::span(enc.data(), enc.size())),
+                 std::as_writable_bytes(std::span(local.data(), local.size())))
+                 .ok() ||
+            local != got.results(n).data()) {
+          std::fprintf(stderr, "get_decode: block %u came back wrong\n", n);
+          std::exit(3);
+        }
+      }
+    }
+  });
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 }  // namespace
@@ -210,6 +271,29 @@ int main(int argc, char** argv) {
       Arg(argc, argv, "levels", "int8|int8;layers[0:2]=int8,default=int4,sink=int8|int8;int4");
   g_sample_one_in = std::stoul(Arg(argc, argv, "sample_one_in", "16"));
   const std::string drain_threads = Arg(argc, argv, "drain_threads", "");
+  const std::string get_decode_threads = Arg(argc, argv, "get_decode_threads", "");
+  if (!get_decode_threads.empty()) {
+    // One hierarchy (the first of --levels), each server.decode_threads in turn.
+    std::vector<std::string> levels =
+        absl::StrSplit(std::vector<std::string>(absl::StrSplit(hierarchies, '|'))[0], ';');
+    const uint32_t gets = std::stoul(Arg(argc, argv, "gets", "9"));
+    const uint64_t raw = 2ull * kv->num_layers * kTokens * kv->num_kv_heads * kv->head_dim * 2;
+    double base_ms = 0;
+    for (absl::string_view t : absl::StrSplit(get_decode_threads, ',')) {
+      const uint32_t threads = std::stoul(std::string(t));
+      const double ms = RunGetDecode(*kv, blocks, levels, threads, gets);
+      if (base_ms == 0) base_ms = ms;
+      std::printf(
+          "{\"bench\":\"get_decode\",\"levels\":\"%s\",\"decode_threads\":%u,\"blocks_per_get\":%u,"
+          "\"raw_bytes_per_get\":%llu,\"get_ms_p50\":%.3f,\"raw_gb_per_s\":%.3f,"
+          "\"speedup_vs_first\":%.3f}\n",
+          absl::StrJoin(levels, " > ").c_str(), threads, blocks,
+          static_cast<unsigned long long>(raw * blocks), ms, raw * blocks / (ms * 1e-3) / 1e9,
+          base_ms / ms);
+      std::fflush(stdout);
+    }
+    return 0;
+  }
   if (!drain_threads.empty()) {
     // Background workers: one hierarchy (the first of --levels), each thread count in turn.
     std::vector<std::string> levels =

@@ -38,6 +38,7 @@ server:
   shutdown_grace_seconds: 10       # on SIGTERM, time in-flight calls get to finish
   max_inflight_bytes_per_client: 256MiB  # request + response bytes one peer may hold at once
   max_connections: 1024            # client connections with calls running at once
+  decode_threads: 4                # threads one Get or Decompress decodes compressed blocks with
   tls:                             # TLS for server.listen (PEM files; "" = plaintext TCP)
     cert_file: ""                  # server certificate chain
     key_file: ""                   # its private key
@@ -879,12 +880,12 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
                   {"server", "tiers", "tierer", "index", "namespaces", "log", "ucx", "cluster"}));
 
   const YAML::Node server = root["server"];
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
-      server, "server",
-      {"listen", "unix_socket", "unix_socket_mode", "unix_socket_send_buffer", "metrics_listen",
-       "max_message_bytes",
-       "max_batch_blocks", "max_lookup_keys", "max_profiles_per_namespace",
-       "shutdown_grace_seconds", "max_inflight_bytes_per_client", "max_connections", "tls"}));
+  PROXIMA_RETURN_IF_ERROR(
+      r.CheckKeys(server, "server",
+                  {"listen", "unix_socket", "unix_socket_mode", "unix_socket_send_buffer",
+                   "metrics_listen", "max_message_bytes", "max_batch_blocks", "max_lookup_keys",
+                   "max_profiles_per_namespace", "shutdown_grace_seconds",
+                   "max_inflight_bytes_per_client", "max_connections", "decode_threads", "tls"}));
   if (server && server.IsMap()) {
     ServerConfig& s = c.server;
     PROXIMA_RETURN_IF_ERROR(r.String(server["listen"], "server.listen", &s.listen));
@@ -939,6 +940,9 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
     PROXIMA_RETURN_IF_ERROR(
         r.Uint(server["max_connections"], "server.max_connections", 1, 1 << 20, &v));
     s.max_connections = static_cast<uint32_t>(v);
+    v = s.decode_threads;
+    PROXIMA_RETURN_IF_ERROR(r.Uint(server["decode_threads"], "server.decode_threads", 1, 256, &v));
+    s.decode_threads = static_cast<uint32_t>(v);
     PROXIMA_RETURN_IF_ERROR(ParseTls(r, server["tls"], &s.tls));
   }
   if (c.server.listen.empty() && c.server.unix_socket.empty()) {
@@ -1171,6 +1175,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "max_inflight_bytes_per_client" << YAML::Value
     << c.server.max_inflight_bytes_per_client;
   e << YAML::Key << "max_connections" << YAML::Value << c.server.max_connections;
+  e << YAML::Key << "decode_threads" << YAML::Value << c.server.decode_threads;
   e << YAML::Key << "tls" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "cert_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.cert_file;
   e << YAML::Key << "key_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.key_file;

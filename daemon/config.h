@@ -46,6 +46,7 @@ struct ServerConfig {
   uint64_t max_inflight_bytes_per_client = 256ull << 20;  // request + response bytes one peer
                                                            // may hold in the daemon at once
   uint32_t max_connections = 1024;  // client connections with calls running at once
+  uint32_t decode_threads = 4;      // threads one Get or Decompress decodes stored blocks with
 };
 
 // Whether the host tier's arena is page-locked and registered with CUDA at start.

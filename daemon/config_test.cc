@@ -91,6 +91,8 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"server: {max_inflight_bytes_per_client: 1KiB}",
        {"server.max_inflight_bytes_per_client", "1KiB"}},
       {"server: {max_connections: 0}", {"server.max_connections", "'0'"}},
+      {"server: {decode_threads: 0}", {"server.decode_threads", "'0'", "1"}},
+      {"server: {decode_threads: 1000}", {"server.decode_threads", "'1000'", "256"}},
       {"namespaces: [{name: a, tokens: [{name: w}]}]",
        {"namespaces[0].tokens[0]", "exactly one of 'file'", "never written in the config"}},
       {"namespaces: [{name: a, tokens: [{name: w, file: /t, env: T}]}]",
@@ -151,13 +153,14 @@ TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
       ParseConfig("server: {tls: {cert_file: /etc/p/tls.crt, key_file: /etc/p/tls.key, "
-                  "client_ca_file: /etc/p/ca.crt}, max_connections: 7}\n"
+                  "client_ca_file: /etc/p/ca.crt}, max_connections: 7, decode_threads: 9}\n"
                   "namespaces: [{name: a, private_prefixes: true, tokens: ["
                   "{name: w, file: /etc/p/a.token}, {name: r, env: A_RO, access: read_only, "
                   "scope: w}]}]\n",
                   "test.yaml", {}));
   EXPECT_EQ(c.server.tls.client_ca_file, "/etc/p/ca.crt");
   EXPECT_EQ(c.server.max_connections, 7u);
+  EXPECT_EQ(c.server.decode_threads, 9u);
   ASSERT_EQ(c.namespaces[0].tokens.size(), 2u);
   EXPECT_EQ(c.namespaces[0].tokens[1].access, TokenAccess::kReadOnly);
   EXPECT_EQ(c.namespaces[0].tokens[1].scope, "w");

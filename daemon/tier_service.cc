@@ -11,6 +11,7 @@
 #include "common/crc32c.h"
 #include "common/credentials.h"
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status_macros.h"
 #include "kernels/device.h"
 
@@ -675,6 +676,56 @@ void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_i
   remote->Stored({ns, namespaces_[ns]->name, partition, profile_id, keys});
 }
 
+void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
+                              std::span<const size_t> which,
+                              std::vector<std::optional<BlockStore::ReadBlock>>& found) {
+  // Each block decodes into a buffer of its own; the stored bytes' pin is dropped after.
+  struct Decoded {
+    std::shared_ptr<std::string> raw;
+    absl::Status status;
+    uint32_t crc32c = 0;
+    uint64_t microseconds = 0;
+  };
+  std::vector<Decoded> decoded(which.size());
+  // Threads only where there is work enough to pay for starting them (tens of microseconds
+  // each): at least two blocks and 2 MiB of raw bytes per thread.
+  const uint64_t by_bytes = which.size() * block_bytes / (2ull << 20);
+  const int threads = static_cast<int>(std::min<uint64_t>(
+      {config_.server.decode_threads, std::max(1u, std::thread::hardware_concurrency()),
+       std::max<uint64_t>(1, by_bytes)}));
+  ParallelFor(which.size(), threads, [&](size_t j) {
+    const auto start = std::chrono::steady_clock::now();
+    Decoded& d = decoded[j];
+    d.raw = std::make_shared<std::string>(block_bytes, '\0');
+    std::span<std::byte> out =
+        std::as_writable_bytes(std::span<char>(d.raw->data(), d.raw->size()));
+    d.status = codec::DecodeBlock(found[which[j]]->bytes, out);
+    if (d.status.ok()) d.crc32c = Crc32c(out);
+    d.microseconds = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                               std::chrono::steady_clock::now() - start)
+                                               .count());
+  });
+  for (size_t j = 0; j < which.size(); ++j) {
+    std::optional<BlockStore::ReadBlock>& b = found[which[j]];
+    Decoded& d = decoded[j];
+    if (d.status.ok()) {
+      std::span<std::byte> out =
+          std::as_writable_bytes(std::span<char>(d.raw->data(), d.raw->size()));
+      b = BlockStore::ReadBlock{std::move(d.raw), out, d.crc32c, 0};
+      decodes_->Increment();
+      decode_microseconds_->Increment(d.microseconds);
+      continue;
+    }
+    decode_failures_->Increment();
+    const BlockId& id = ids[which[j]];
+    PROXIMA_LOG(kError) << "stored encoded block failed to decode; served as a miss"
+                        << log::Kv("namespace", namespaces_[id.namespace_index]->name)
+                        << log::Kv("profile_id", ProfileName(id.profile_id))
+                        << log::Kv("level", int(b->level)) << log::Kv("error", d.status.ToString());
+    b.reset();
+  }
+}
+
 absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& request,
                                     std::vector<std::optional<BlockStore::ReadBlock>>* blocks,
                                     bool inline_response) {
@@ -725,39 +776,21 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
       from_peer[missed[j]] = true;
     }
   }
+  // Stored encoded and asked for raw: decoded below, in parallel.
+  std::vector<size_t> to_decode;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const BlockId& id = ids[i];
-    std::optional<BlockStore::ReadBlock> b = std::move(found[i]);
+    std::optional<BlockStore::ReadBlock>& b = found[i];
     if (b && want_raw && b->level > 0 && check == BlockStore::CrcCheck::kByCaller &&
         !from_peer[i]) {
       // The client checks only the decoded bytes it receives, so the stored container is
       // checked here before it is decoded: read again with the daemon's check (a block that
       // fails is dropped, counted and reported as a miss).
-      b = store_->Read(id, BlockStore::CrcCheck::kHere);
+      b = store_->Read(ids[i], BlockStore::CrcCheck::kHere);
     }
-    if (b && want_raw && b->level > 0) {
-      // Decode into a buffer the entry owns; the stored bytes' pin is dropped after.
-      auto start = std::chrono::steady_clock::now();
-      auto raw = std::make_shared<std::string>(profile.block_bytes, '\0');
-      std::span<std::byte> out = std::as_writable_bytes(std::span<char>(raw->data(), raw->size()));
-      absl::Status status = codec::DecodeBlock(b->bytes, out);
-      if (status.ok()) {
-        b = BlockStore::ReadBlock{raw, out, Crc32c(out), 0};
-        decodes_->Increment();
-        decode_microseconds_->Increment(
-            static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                      std::chrono::steady_clock::now() - start)
-                                      .count()));
-      } else {
-        decode_failures_->Increment();
-        PROXIMA_LOG(kError) << "stored encoded block failed to decode; served as a miss"
-                            << log::Kv("namespace", namespaces_[id.namespace_index]->name)
-                            << log::Kv("profile_id", ProfileName(id.profile_id))
-                            << log::Kv("level", int(b->level))
-                            << log::Kv("error", status.ToString());
-        b.reset();
-      }
-    }
+    if (b && want_raw && b->level > 0) to_decode.push_back(i);
+  }
+  DecodeFound(ids, profile.block_bytes, to_decode, found);
+  for (std::optional<BlockStore::ReadBlock>& b : found) {
     blocks->push_back(std::move(b));
     if (blocks->back()) {
       ++hits;

@@ -248,6 +248,12 @@ class TierService {
                   std::span<const BlockKey> keys);
   // The codec geometry of a registered profile; nullopt when unknown or not encodable (fp8).
   std::optional<Tierer::ProfileCodec> ProfileCodecOf(uint32_t ns, uint64_t profile_id);
+  // GetBlocks' decode: found[i] for each i in `which` (stored encoded, checked) becomes its raw
+  // bytes (level 0, a buffer of its own) or, where it fails to decode, a miss (counted and
+  // logged). On up to server.decode_threads threads.
+  void DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
+                   std::span<const size_t> which,
+                   std::vector<std::optional<BlockStore::ReadBlock>>& found);
 
   // One configured token and who presenting it makes you.
   struct Token {

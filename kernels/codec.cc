@@ -19,6 +19,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/crc32c.h"
+#include "common/parallel.h"
 #include "common/status_macros.h"
 #include "kernels/internal/container.h"
 #include "kernels/internal/numeric.h"
@@ -328,26 +329,6 @@ void SealCrcs(std::span<std::byte> block, size_t table_end) {
       Crc32cExtend(crc, block.subspan(internal::kHeaderBytes, table_end - internal::kHeaderBytes));
   StoreLe<uint32_t>(block.data() + internal::kHeaderCrcOffset, crc);
   StoreLe<uint32_t>(block.data() + internal::kPayloadCrcOffset, Crc32c(block.subspan(table_end)));
-}
-
-template <typename Fn>
-void ParallelFor(size_t n, int num_threads, Fn fn) {
-  if (num_threads <= 0)
-    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  num_threads = static_cast<int>(std::min<size_t>(num_threads, n));
-  if (num_threads <= 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  std::vector<std::thread> threads;
-  threads.reserve(num_threads);
-  for (int t = 0; t < num_threads; ++t) {
-    threads.emplace_back([&] {
-      for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-    });
-  }
-  for (std::thread& t : threads) t.join();
 }
 
 }  // namespace
