@@ -77,8 +77,23 @@ class TiersTest : public ::testing::Test {
     std::vector<bool> found, found_decompressed;
     std::vector<std::optional<client::StoredBlock>> stored;
   };
+  // The tierer works in the background: a block it re-encodes between two of the reads would
+  // come back raw from one and decoded from another. So the reads wait until the host tier's
+  // blocks per level have not changed for 200 ms (at most 30 s).
   static absl::StatusOr<ReadBack> ReadThreeWays(Client& c, const Profile& p,
                                                 std::span<const BlockKey> keys) {
+    std::string last;
+    int same = 0;
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+         same < 4 && absl::Now() < deadline; absl::SleepFor(absl::Milliseconds(50))) {
+      PROXIMA_ASSIGN_OR_RETURN(v1::StatsResponse stats, c.Stats());
+      std::string levels;
+      for (const v1::LevelStats& l : stats.tiers(0).levels()) {
+        absl::StrAppend(&levels, l.level(), ":", l.blocks(), ";");
+      }
+      same = levels == last ? same + 1 : 0;
+      last = levels;
+    }
     ReadBack r;
     r.got.assign(keys.size(), std::vector<std::byte>(p.block_bytes));
     r.decompressed.assign(keys.size(), std::vector<std::byte>(p.block_bytes));
