@@ -63,6 +63,9 @@ constexpr uint32_t kTokens = 16;
 // A service over a host tier of `capacity` bytes with `levels` (empty = compression off).
 // `sample_one_in`: the quality guard's sampling (the daemon's default unless --sample_one_in).
 uint32_t g_sample_one_in = 16;
+// The quality guard's budget (--max_attention_error; the daemon's default unless given). k4v3
+// needs about 0.3 (docs/quality.md), or the guard steps every new encoding back.
+double g_max_attention_error = 0.12;
 
 std::unique_ptr<TierService> MakeService(uint64_t capacity, const std::vector<std::string>& levels,
                                          double threshold, uint32_t threads,
@@ -78,6 +81,7 @@ std::unique_ptr<TierService> MakeService(uint64_t capacity, const std::vector<st
   z.levels = levels;
   z.memory_pressure_threshold = threshold;
   z.sample_one_in = g_sample_one_in;
+  z.max_attention_error = g_max_attention_error;
   if (auto s = proxima::daemon::ResolveCompressionLevels("bench", "compression", &z); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     std::exit(2);
@@ -270,6 +274,7 @@ int main(int argc, char** argv) {
   const std::string hierarchies =
       Arg(argc, argv, "levels", "int8|int8;layers[0:2]=int8,default=int4,sink=int8|int8;int4");
   g_sample_one_in = std::stoul(Arg(argc, argv, "sample_one_in", "16"));
+  g_max_attention_error = std::stod(Arg(argc, argv, "max_attention_error", "0.12"));
   const std::string drain_threads = Arg(argc, argv, "drain_threads", "");
   const std::string get_decode_threads = Arg(argc, argv, "get_decode_threads", "");
   if (!get_decode_threads.empty()) {
