@@ -90,9 +90,9 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
     ASSERT_OK(tier.status());
     store_ = std::make_unique<BlockStore>(*std::move(tier), 8, std::span(counters_), 0.0,
                                           std::move(device_pools));
-    tierer_ = std::make_unique<Tierer>(store_.get(), config_,
-                                       testing::OneProfile(kProfile, blocks_->geometry()),
-                                       &registry_);
+    tierer_ = std::make_unique<Tierer>(
+        store_.get(), config_, testing::OneProfile(kProfile, blocks_->geometry(), rope_theta_),
+        &registry_);
   }
 
   BlockAttributes Attributes(uint32_t n, uint32_t ns) const {
@@ -129,6 +129,8 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
     return raw;
   }
 
+  void ExpectMoveDownEncodesLikeTheCpu(const std::vector<std::string>& levels);
+
   uint64_t DeviceBlocks() const {
     uint64_t n = 0;
     for (size_t d = 0; d < store_->num_devices(); ++d) n += store_->device_blocks(d);
@@ -140,6 +142,7 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
   metrics::Registry registry_;
   std::unique_ptr<RealBlocks> blocks_;
   uint64_t raw_ = 0;
+  double rope_theta_ = 0;  // the registered profile's RoPE base (set before Make)
   std::vector<HostBackedDeviceMemory*> stand_ins_;  // kHostBacked only
   std::unique_ptr<BlockStore> store_;
   std::unique_ptr<Tierer> tierer_;
@@ -221,8 +224,10 @@ TEST_P(GpuTierTest, TheColdestBlockMovesDownWithItsBytes) {
   EXPECT_EQ(counters_[1].bytes.load(), 4 * raw_);
 }
 
-TEST_P(GpuTierTest, MovingDownEncodesAtTheFirstLevelWithTheCpuCodecsBytes) {
-  ASSERT_NO_FATAL_FAILURE(Make(1, 8, 16, {"int4", "int2"}));
+// Six raw blocks of namespace a moved down from the pool in one device call come out encoded at
+// `level` (the first of `levels`, with the profile's RoPE base) with the CPU codec's bytes.
+void GpuTierTest::ExpectMoveDownEncodesLikeTheCpu(const std::vector<std::string>& levels) {
+  ASSERT_NO_FATAL_FAILURE(Make(1, 8, 16, levels));
   if (IsSkipped()) return;
   for (uint32_t n = 0; n < 6; ++n) ASSERT_TRUE(Put(n, 0));
   EXPECT_EQ(tierer_->MoveDown(0, 0, 6), 6u);
@@ -232,20 +237,33 @@ TEST_P(GpuTierTest, MovingDownEncodesAtTheFirstLevelWithTheCpuCodecsBytes) {
   if (!stand_ins_.empty()) {
     EXPECT_EQ(stand_ins_[0]->encode_batches.load(), 1u);  // one device call for the batch
   }
-  ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan plan, codec::ParseCodecPlan(levels[0]));
+  plan = plan.ForModel(rope_theta_);
   for (uint32_t n = 0; n < 6; ++n) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, 0));
     ASSERT_TRUE(r);
     EXPECT_EQ(r->level, 1);
     std::string expected;
-    ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), int4, n == 0, AsBytes(blocks_->Block(n)), {},
+    ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), plan, n == 0, AsBytes(blocks_->Block(n)), {},
                                  &expected));
-    EXPECT_TRUE(Same(S(r->bytes), expected)) << "block " << n;
+    EXPECT_TRUE(Same(S(r->bytes), expected)) << levels[0] << " block " << n;
   }
+}
+
+TEST_P(GpuTierTest, MovingDownEncodesAtTheFirstLevelWithTheCpuCodecsBytes) {
+  ASSERT_NO_FATAL_FAILURE(ExpectMoveDownEncodesLikeTheCpu({"int4", "int2"}));
+  if (IsSkipped()) return;
   // On the host they go on down the hierarchy like any block.
   std::vector<uint8_t> caps = {2, 0};
   EXPECT_TRUE(tierer_->CompressOne(caps));
   EXPECT_EQ(store_->level_blocks(2), 1u);
+}
+
+// k4v3 on the device (its CUDA kernels where a GPU is present), K turned with the profile's RoPE
+// base: the CPU codec's bytes.
+TEST_P(GpuTierTest, MovingDownToK4v3UsesTheProfilesRopeBaseAndTheCpuCodecsBytes) {
+  rope_theta_ = 100000;
+  ASSERT_NO_FATAL_FAILURE(ExpectMoveDownEncodesLikeTheCpu({"k4v3"}));
 }
 
 TEST_P(GpuTierTest, AHighPriorityBlockGoesDownRaw) {
