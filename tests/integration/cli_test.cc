@@ -140,6 +140,18 @@ TEST(ProximactlTest, CommandsWorkAndSpeakJson) {
   EXPECT_THAT(load.err, HasSubstr("calls"));  // progress lines
   CommandResult del = RunCommand({ProximactlPath(), "delete", t, "--count=6", "--json"});
   EXPECT_THAT(del.out, HasSubstr("\"deleted\":6"));
+  // The test profile's RoPE base (for k4v3 levels) is part of its identity, and checked: the
+  // same blocks put again under a RoPE base are another profile's, stored again.
+  CommandResult plain = RunCommand({ProximactlPath(), "put", t, "--count=2", "--json"});
+  EXPECT_THAT(plain.out, HasSubstr("\"stored\":2"));
+  CommandResult with_base =
+      RunCommand({ProximactlPath(), "put", t, "--count=2", "--rope_theta=500000", "--json"});
+  EXPECT_EQ(with_base.exit_code, 0) << with_base.err;
+  EXPECT_THAT(with_base.out, HasSubstr("\"stored\":2"));
+  CommandResult bad_base =
+      RunCommand({ProximactlPath(), "put", t, "--count=2", "--rope_theta=0.5", "--json"});
+  EXPECT_NE(bad_base.exit_code, 0);
+  EXPECT_THAT(bad_base.out + bad_base.err, HasSubstr("profile.rope_theta is 0.5"));
 }
 
 TEST(ProximactlTest, HealthServiceAnswersForTheServerAndForKVTier) {

@@ -63,6 +63,8 @@ ABSL_FLAG(uint32_t, head_dim, 128, "test profile: head_dim");
 ABSL_FLAG(uint32_t, tokens_per_block, 16, "test profile: tokens_per_block");
 ABSL_FLAG(std::string, dtype, "bf16", "test profile: fp16 | bf16 | fp8");
 ABSL_FLAG(std::string, model, "proximactl-test", "test profile: fingerprint");
+ABSL_FLAG(double, rope_theta, 0,
+          "test profile: the model's RoPE base for k4v3 levels (0 = unknown; else 1 to 1e12)");
 ABSL_FLAG(uint64_t, seed, 1, "test chain: which chain of test blocks");
 ABSL_FLAG(uint64_t, first, 0, "test chain: index of the first block");
 ABSL_FLAG(uint64_t, count, 8, "test chain: number of blocks");
@@ -225,6 +227,7 @@ absl::StatusOr<proxima::v1::ModelProfile> ProfileFromFlags() {
   else if (dtype == "fp8") p.set_dtype(proxima::v1::DTYPE_FP8_E4M3);
   else return absl::InvalidArgumentError("--dtype=" + dtype + ": expected fp16, bf16 or fp8");
   p.set_fingerprint(absl::GetFlag(FLAGS_model));
+  p.set_rope_theta(absl::GetFlag(FLAGS_rope_theta));  // the daemon checks the range
   return p;
 }
 
