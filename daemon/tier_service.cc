@@ -690,9 +690,11 @@ void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes
   // Threads only where there is work enough to pay for starting them (tens of microseconds
   // each): at least two blocks and 2 MiB of raw bytes per thread.
   const uint64_t by_bytes = which.size() * block_bytes / (2ull << 20);
-  const int threads = static_cast<int>(std::min<uint64_t>(
-      {config_.server.decode_threads, std::max(1u, std::thread::hardware_concurrency()),
-       std::max<uint64_t>(1, by_bytes)}));
+  const int threads = by_bytes < 2
+                          ? 1
+                          : static_cast<int>(std::min<uint64_t>(
+                                {config_.server.decode_threads,
+                                 std::max(1u, std::thread::hardware_concurrency()), by_bytes}));
   ParallelFor(which.size(), threads, [&](size_t j) {
     const auto start = std::chrono::steady_clock::now();
     Decoded& d = decoded[j];
