@@ -1041,6 +1041,27 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
   return c;
 }
 
+std::vector<std::string> ConfigWarnings(const DaemonConfig& config) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < config.namespaces.size(); ++i) {
+    const CompressionConfig& z = config.namespaces[i].compression;
+    if (!z.enabled) continue;
+    for (size_t l = 0; l < z.plans.size(); ++l) {
+      if (z.plans[l].default_codec != codec::CodecId::kK4v3 ||
+          z.max_attention_error > kK4v3TypicalAttentionError * 1.25) {
+        continue;
+      }
+      out.push_back(absl::StrCat("namespaces[", i, "].compression.levels[", l,
+                                 "] is k4v3, whose attention-output error on "
+                                 "real KV is about ",
+                                 kK4v3TypicalAttentionError,
+                                 ", but quality.max_attention_error is ", z.max_attention_error,
+                                 ": the quality guard will step its encodings back to the level "
+                                 "before; set quality.max_attention_error to about 0.3 to use it"));
+    }
+  }
+  return out;
+}
 
 absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_view path,
                                       CompressionConfig* c) {

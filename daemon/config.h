@@ -231,6 +231,14 @@ absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_vie
 // Renders `config` back as YAML (what the daemon runs with; proximad --print_config).
 std::string ConfigToYaml(const DaemonConfig& config);
 
+// Settings that are valid but will not do what they appear to ask, one sentence each naming the
+// keys (e.g. a k4v3 level under a quality budget its own error exceeds, so the guard would step
+// every encoding back). proximad logs them at start and --check_config prints them.
+std::vector<std::string> ConfigWarnings(const DaemonConfig& config);
+
+// k4v3's attention-output error on real KV (relative L2, docs/quality.md): about 0.20.
+inline constexpr double kK4v3TypicalAttentionError = 0.2;
+
 }  // namespace proxima::daemon
 
 #endif  // PROXIMA_DAEMON_CONFIG_H_

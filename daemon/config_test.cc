@@ -149,6 +149,23 @@ TEST(ConfigTest, ComplexKeysAreAnErrorNotACrash) {
                        AllOf(HasSubstr("f.yaml"), HasSubstr("expected a plain name"))));
 }
 
+// A k4v3 level under a quality budget its own error exceeds: a warning naming the keys; none
+// with a budget that fits it, or for other codecs.
+TEST(ConfigTest, WarnsWhenAK4v3LevelsErrorExceedsTheQualityBudget) {
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("namespaces: [{name: a, compression: {enabled: true, levels: [int4, k4v3]}},\n"
+                  "  {name: b, compression: {enabled: true, levels: [k4v3], quality: "
+                  "{max_attention_error: 0.3}}},\n"
+                  "  {name: c, compression: {enabled: true, levels: [int8, int4]}}]\n",
+                  "test.yaml", {}));
+  std::vector<std::string> warnings = ConfigWarnings(c);
+  ASSERT_EQ(warnings.size(), 1u) << ::testing::PrintToString(warnings);
+  EXPECT_THAT(warnings[0],
+              AllOf(HasSubstr("namespaces[0].compression.levels[1] is k4v3"),
+                    HasSubstr("quality.max_attention_error is 0.12"), HasSubstr("about 0.3")));
+}
+
 TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,

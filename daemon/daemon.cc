@@ -59,6 +59,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                           << log::Kv("memory_limit_bytes", memory.bytes)
                           << log::Kv("limit_source", memory.source);
   }
+  for (const std::string& w : ConfigWarnings(config)) PROXIMA_LOG(kWarning) << w;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
   if (config.ucx.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->ucx_,

@@ -102,6 +102,9 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_check_config)) {
     std::fputs(proxima::daemon::ConfigToYaml(*config).c_str(), stdout);
+    for (const std::string& w : proxima::daemon::ConfigWarnings(*config)) {
+      std::fprintf(stderr, "proximad: warning: %s\n", w.c_str());
+    }
     return 0;
   }
   proxima::log::Level level;

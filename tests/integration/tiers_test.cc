@@ -294,6 +294,12 @@ TEST_F(TiersTest, AnUnknownCodecInALevelStopsTheDaemonAtStart) {
   EXPECT_THAT(r.err, HasSubstr("namespaces[0].compression.levels[1]"));
   EXPECT_THAT(r.err, HasSubstr("rope_theta=0"));
   EXPECT_THAT(r.err, HasSubstr("from 1 to 1e12"));
+  // Valid but self-defeating: a k4v3 level under the default quality budget starts, with a
+  // warning that the guard will step it back.
+  r = RunCommand({ProximadPath(), "--check_config",
+                  "--set=namespaces=[{name: a, compression: {enabled: true, levels: [k4v3]}}]"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("warning: namespaces[0].compression.levels[0] is k4v3"));
 }
 
 // k4v3 through the real daemon: the tierer encodes it on the CPU (no CUDA kernel), each stored
