@@ -679,9 +679,11 @@ void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_i
 void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
                               std::span<const size_t> which,
                               std::vector<std::optional<BlockStore::ReadBlock>>& found) {
-  // Each block decodes into a buffer of its own; the stored bytes' pin is dropped after.
+  // Each block decodes into a buffer of its own (not zero-filled first: a decode that succeeds
+  // writes every byte, and a failed one's buffer is dropped); the stored bytes' pin is dropped
+  // after.
   struct Decoded {
-    std::shared_ptr<std::string> raw;
+    std::shared_ptr<std::byte[]> raw;
     absl::Status status;
     uint32_t crc32c = 0;
     uint64_t microseconds = 0;
@@ -698,9 +700,8 @@ void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes
   ParallelFor(which.size(), threads, [&](size_t j) {
     const auto start = std::chrono::steady_clock::now();
     Decoded& d = decoded[j];
-    d.raw = std::make_shared<std::string>(block_bytes, '\0');
-    std::span<std::byte> out =
-        std::as_writable_bytes(std::span<char>(d.raw->data(), d.raw->size()));
+    d.raw = std::make_shared_for_overwrite<std::byte[]>(block_bytes);
+    std::span<std::byte> out(d.raw.get(), block_bytes);
     d.status = codec::DecodeBlock(found[which[j]]->bytes, out);
     if (d.status.ok()) d.crc32c = Crc32c(out);
     d.microseconds = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -711,8 +712,7 @@ void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes
     std::optional<BlockStore::ReadBlock>& b = found[which[j]];
     Decoded& d = decoded[j];
     if (d.status.ok()) {
-      std::span<std::byte> out =
-          std::as_writable_bytes(std::span<char>(d.raw->data(), d.raw->size()));
+      std::span<const std::byte> out(d.raw.get(), block_bytes);
       b = BlockStore::ReadBlock{std::move(d.raw), out, d.crc32c, 0};
       decodes_->Increment();
       decode_microseconds_->Increment(d.microseconds);
