@@ -24,8 +24,6 @@ namespace proxima::codec::k4v3 {
 namespace nm = ::proxima::codec::numeric;
 using internal::SegmentJob;
 
-constexpr uint8_t kCodec = 7;  // CodecId::kK4v3
-constexpr uint32_t kKHeaderBytes = 8;  // K payload: f32 omega0, f32 ratio, then int4's payload
 // The largest head_dim the per-row item functions take (their row scratch is a local array);
 // the CUDA host wrapper leaves larger ones to the CPU codec.
 constexpr uint32_t kMaxRowDim = 256;
