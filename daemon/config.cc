@@ -39,6 +39,7 @@ server:
   max_inflight_bytes_per_client: 256MiB  # request + response bytes one peer may hold at once
   max_connections: 1024            # client connections with calls running at once
   decode_threads: 4                # threads one Get or Decompress decodes compressed blocks with
+  decode_buffer_cache_bytes: 128MiB  # decoded-block buffers kept for reuse by later Gets (0: none)
   tls:                             # TLS for server.listen (PEM files; "" = plaintext TCP)
     cert_file: ""                  # server certificate chain
     key_file: ""                   # its private key
@@ -880,12 +881,12 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
                   {"server", "tiers", "tierer", "index", "namespaces", "log", "ucx", "cluster"}));
 
   const YAML::Node server = root["server"];
-  PROXIMA_RETURN_IF_ERROR(
-      r.CheckKeys(server, "server",
-                  {"listen", "unix_socket", "unix_socket_mode", "unix_socket_send_buffer",
-                   "metrics_listen", "max_message_bytes", "max_batch_blocks", "max_lookup_keys",
-                   "max_profiles_per_namespace", "shutdown_grace_seconds",
-                   "max_inflight_bytes_per_client", "max_connections", "decode_threads", "tls"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+      server, "server",
+      {"listen", "unix_socket", "unix_socket_mode", "unix_socket_send_buffer", "metrics_listen",
+       "max_message_bytes", "max_batch_blocks", "max_lookup_keys", "max_profiles_per_namespace",
+       "shutdown_grace_seconds", "max_inflight_bytes_per_client", "max_connections",
+       "decode_threads", "decode_buffer_cache_bytes", "tls"}));
   if (server && server.IsMap()) {
     ServerConfig& s = c.server;
     PROXIMA_RETURN_IF_ERROR(r.String(server["listen"], "server.listen", &s.listen));
@@ -943,6 +944,9 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
     v = s.decode_threads;
     PROXIMA_RETURN_IF_ERROR(r.Uint(server["decode_threads"], "server.decode_threads", 1, 256, &v));
     s.decode_threads = static_cast<uint32_t>(v);
+    PROXIMA_RETURN_IF_ERROR(r.Size(server["decode_buffer_cache_bytes"],
+                                   "server.decode_buffer_cache_bytes", 0, 1ull << 40,
+                                   &s.decode_buffer_cache_bytes));
     PROXIMA_RETURN_IF_ERROR(ParseTls(r, server["tls"], &s.tls));
   }
   if (c.server.listen.empty() && c.server.unix_socket.empty()) {
@@ -1197,6 +1201,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
     << c.server.max_inflight_bytes_per_client;
   e << YAML::Key << "max_connections" << YAML::Value << c.server.max_connections;
   e << YAML::Key << "decode_threads" << YAML::Value << c.server.decode_threads;
+  e << YAML::Key << "decode_buffer_cache_bytes" << YAML::Value
+    << c.server.decode_buffer_cache_bytes;
   e << YAML::Key << "tls" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "cert_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.cert_file;
   e << YAML::Key << "key_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.key_file;

@@ -47,6 +47,8 @@ struct ServerConfig {
                                                            // may hold in the daemon at once
   uint32_t max_connections = 1024;  // client connections with calls running at once
   uint32_t decode_threads = 4;      // threads one Get or Decompress decodes stored blocks with
+  // Decoded-block buffers kept for the next Get once a response is sent (daemon/buffer_cache.h).
+  uint64_t decode_buffer_cache_bytes = 128ull << 20;
 };
 
 // Whether the host tier's arena is page-locked and registered with CUDA at start.

@@ -93,6 +93,8 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"server: {max_connections: 0}", {"server.max_connections", "'0'"}},
       {"server: {decode_threads: 0}", {"server.decode_threads", "'0'", "1"}},
       {"server: {decode_threads: 1000}", {"server.decode_threads", "'1000'", "256"}},
+      {"server: {decode_buffer_cache_bytes: 2TiB}", {"server.decode_buffer_cache_bytes", "2TiB"}},
+      {"server: {decode_buffer_cache_bytes: -1}", {"server.decode_buffer_cache_bytes", "'-1'"}},
       {"namespaces: [{name: a, tokens: [{name: w}]}]",
        {"namespaces[0].tokens[0]", "exactly one of 'file'", "never written in the config"}},
       {"namespaces: [{name: a, tokens: [{name: w, file: /t, env: T}]}]",
@@ -170,7 +172,8 @@ TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
       ParseConfig("server: {tls: {cert_file: /etc/p/tls.crt, key_file: /etc/p/tls.key, "
-                  "client_ca_file: /etc/p/ca.crt}, max_connections: 7, decode_threads: 9}\n"
+                  "client_ca_file: /etc/p/ca.crt}, max_connections: 7, decode_threads: 9, "
+                  "decode_buffer_cache_bytes: 0}\n"
                   "namespaces: [{name: a, private_prefixes: true, tokens: ["
                   "{name: w, file: /etc/p/a.token}, {name: r, env: A_RO, access: read_only, "
                   "scope: w}]}]\n",
@@ -178,6 +181,7 @@ TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   EXPECT_EQ(c.server.tls.client_ca_file, "/etc/p/ca.crt");
   EXPECT_EQ(c.server.max_connections, 7u);
   EXPECT_EQ(c.server.decode_threads, 9u);
+  EXPECT_EQ(c.server.decode_buffer_cache_bytes, 0u);
   ASSERT_EQ(c.namespaces[0].tokens.size(), 2u);
   EXPECT_EQ(c.namespaces[0].tokens[1].access, TokenAccess::kReadOnly);
   EXPECT_EQ(c.namespaces[0].tokens[1].scope, "w");

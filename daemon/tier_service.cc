@@ -298,7 +298,9 @@ absl::StatusOr<TierService::Scope> TierService::Authorize(const Caller& caller,
 TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> tier,
                          std::vector<std::unique_ptr<DeviceMemory>> devices,
                          metrics::Registry* registry)
-    : config_(config), start_time_(absl::Now()) {
+    : config_(config),
+      start_time_(absl::Now()),
+      decode_buffers_(config.server.decode_buffer_cache_bytes) {
   token_reloads_ = registry->AddCounter(
       "proxima_token_reloads_total",
       "Successful re-reads of the token files and variables (SIGHUP); a failed one keeps the "
@@ -404,6 +406,19 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
   decode_failures_ =
       registry->AddCounter("proxima_get_decode_failures_total",
                            "Stored encoded blocks that failed to decode (served as misses)");
+  BufferCache* buffers = &decode_buffers_;
+  registry->AddGauge("proxima_get_decode_buffers_kept_bytes",
+                     "Decoded-block buffers kept for reuse by later Gets "
+                     "(server.decode_buffer_cache_bytes)",
+                     {}, [buffers] { return static_cast<double>(buffers->kept_bytes()); });
+  registry->AddCounterFunction(
+      "proxima_get_decode_buffers_total",
+      "Output buffers of the daemon's decodes: reused (kept from an earlier Get) or allocated",
+      {{"source", "reused"}}, [buffers] { return static_cast<double>(buffers->reused()); });
+  registry->AddCounterFunction(
+      "proxima_get_decode_buffers_total",
+      "Output buffers of the daemon's decodes: reused (kept from an earlier Get) or allocated",
+      {{"source", "allocated"}}, [buffers] { return static_cast<double>(buffers->allocated()); });
   registry->AddCounterFunction(
       "proxima_crc_failures_total",
       "Stored blocks that failed their CRC32C check on read (dropped; monotonic)", {},
@@ -679,9 +694,9 @@ void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_i
 void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
                               std::span<const size_t> which,
                               std::vector<std::optional<BlockStore::ReadBlock>>& found) {
-  // Each block decodes into a buffer of its own (not zero-filled first: a decode that succeeds
-  // writes every byte, and a failed one's buffer is dropped); the stored bytes' pin is dropped
-  // after.
+  // Each block decodes into a buffer of its own, reused from earlier Gets where one is kept (not
+  // zero-filled: a decode that succeeds writes every byte, and a failed one's buffer is dropped);
+  // the stored bytes' pin is dropped after.
   struct Decoded {
     std::shared_ptr<std::byte[]> raw;
     absl::Status status;
@@ -700,7 +715,7 @@ void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes
   ParallelFor(which.size(), threads, [&](size_t j) {
     const auto start = std::chrono::steady_clock::now();
     Decoded& d = decoded[j];
-    d.raw = std::make_shared_for_overwrite<std::byte[]>(block_bytes);
+    d.raw = decode_buffers_.Take(block_bytes);
     std::span<std::byte> out(d.raw.get(), block_bytes);
     d.status = codec::DecodeBlock(found[which[j]]->bytes, out);
     if (d.status.ok()) d.crc32c = Crc32c(out);

@@ -32,6 +32,7 @@
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "daemon/block_store.h"
+#include "daemon/buffer_cache.h"
 #include "daemon/cluster/remote_blocks.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
@@ -249,8 +250,8 @@ class TierService {
   // The codec geometry of a registered profile; nullopt when unknown or not encodable (fp8).
   std::optional<Tierer::ProfileCodec> ProfileCodecOf(uint32_t ns, uint64_t profile_id);
   // GetBlocks' decode: found[i] for each i in `which` (stored encoded, checked) becomes its raw
-  // bytes (level 0, a buffer of its own) or, where it fails to decode, a miss (counted and
-  // logged). On up to server.decode_threads threads.
+  // bytes (level 0, a buffer of its own from decode_buffers_) or, where it fails to decode, a
+  // miss (counted and logged). On up to server.decode_threads threads.
   void DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
                    std::span<const size_t> which,
                    std::vector<std::optional<BlockStore::ReadBlock>>& found);
@@ -295,6 +296,7 @@ class TierService {
   metrics::Counter* decodes_ = nullptr;
   metrics::Counter* decode_microseconds_ = nullptr;
   metrics::Counter* decode_failures_ = nullptr;
+  BufferCache decode_buffers_;  // DecodeFound's output buffers, reused once responses are sent
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
   std::atomic<RemoteBlocks*> remote_{nullptr};

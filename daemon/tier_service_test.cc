@@ -374,17 +374,18 @@ TEST(TierServiceAuthConfigTest, TokenErrorsNameTheKeyNotTheToken) {
                              ::testing::Not(HasSubstr("duplicated-token")))));
 }
 
-
-// A block the tierer encoded, read back raw by a client that checks CRC32C itself
-// (client_verifies_crc32c): the client sees only the decoded bytes and their fresh CRC32C, so
-// the daemon must still check the stored container before decoding it. A corrupt container is
-// dropped, counted and reported as a miss, not decoded into wrong bytes.
-TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenTheClientVerifies) {
+// A service whose namespace "z" holds two real 16-token blocks (keys 'k'..., 'l'...) that the
+// tierer encoded at int8.
+struct CompressedService {
+  std::unique_ptr<TierService> service;
+  uint64_t profile_id = 0;
+  uint64_t block_bytes = 0;
+};
+void MakeCompressedService(metrics::Registry* registry, CompressedService* out) {
   absl::StatusOr<codec::KvTensor> kv = codec::ReadKvFile(PROXIMA_TEST_KV_FILE);
   ASSERT_OK(kv.status());
   constexpr uint32_t kTokens = 16;
   const codec::BlockGeometry shape = kv->BlockShape(kTokens);
-  metrics::Registry registry;
   DaemonConfig config;
   config.host_tier.capacity_bytes = 16 << 20;  // far below the tierer's pressure threshold
   config.namespaces = {{"z"}};
@@ -392,8 +393,8 @@ TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenT
   config.namespaces[0].compression.levels = {"int8"};
   ASSERT_OK(ResolveCompressionLevels("test", "namespaces[0].compression",
                                      &config.namespaces[0].compression));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> service,
-                       TierService::Create(config, &registry));
+  ASSERT_OK_AND_ASSIGN(out->service, TierService::Create(config, registry));
+  TierService& service = *out->service;
   const Caller anonymous = Caller::Anonymous();
   v1::RegisterProfileRequest reg;
   reg.set_namespace_name("z");
@@ -404,8 +405,10 @@ TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenT
   profile->set_tokens_per_block(kTokens);
   profile->set_dtype(v1::DTYPE_BF16);
   v1::RegisterProfileResponse registered;
-  ASSERT_OK(service->RegisterProfile(anonymous, reg, &registered));
+  ASSERT_OK(service.RegisterProfile(anonymous, reg, &registered));
   ASSERT_EQ(registered.block_bytes(), shape.RawBytes());
+  out->profile_id = registered.profile_id();
+  out->block_bytes = registered.block_bytes();
 
   v1::PutRequest put;
   put.set_namespace_name("z");
@@ -420,42 +423,102 @@ TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenT
     block->set_position(b);
   }
   v1::PutResponse put_response;
-  ASSERT_OK(service->Put(anonymous, put, &put_response));
+  ASSERT_OK(service.Put(anonymous, put, &put_response));
   const uint8_t caps[] = {1};
-  ASSERT_TRUE(service->tierer().CompressOne(caps));
-  ASSERT_TRUE(service->tierer().CompressOne(caps));
-  ASSERT_EQ(service->store().level_blocks(1), 2u);
+  ASSERT_TRUE(service.tierer().CompressOne(caps));
+  ASSERT_TRUE(service.tierer().CompressOne(caps));
+  ASSERT_EQ(service.store().level_blocks(1), 2u);
+}
 
+v1::GetRequest RawGetOf(uint64_t profile_id, std::initializer_list<char> keys) {
   v1::GetRequest get;
   get.set_namespace_name("z");
-  get.set_profile_id(registered.profile_id());
-  get.add_keys(std::string(32, 'k'));
-  get.add_keys(std::string(32, 'l'));
+  get.set_profile_id(profile_id);
+  for (char k : keys) get.add_keys(std::string(32, k));
   get.set_format(v1::BLOCK_FORMAT_RAW);
   get.set_client_verifies_crc32c(true);
+  return get;
+}
+
+// A block the tierer encoded, read back raw by a client that checks CRC32C itself
+// (client_verifies_crc32c): the client sees only the decoded bytes and their fresh CRC32C, so
+// the daemon must still check the stored container before decoding it. A corrupt container is
+// dropped, counted and reported as a miss, not decoded into wrong bytes.
+TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenTheClientVerifies) {
+  metrics::Registry registry;
+  CompressedService c;
+  ASSERT_NO_FATAL_FAILURE(MakeCompressedService(&registry, &c));
+  TierService& service = *c.service;
+  const Caller anonymous = Caller::Anonymous();
+  const v1::GetRequest get = RawGetOf(c.profile_id, {'k', 'l'});
   // Intact: both decoded, each with the CRC32C of the bytes sent.
   std::vector<std::optional<BlockStore::ReadBlock>> blocks;
-  ASSERT_OK(service->GetBlocks(anonymous, get, &blocks));
+  ASSERT_OK(service.GetBlocks(anonymous, get, &blocks));
   ASSERT_EQ(blocks.size(), 2u);
   for (const auto& b : blocks) {
     ASSERT_TRUE(b.has_value());
     EXPECT_EQ(b->level, 0);
-    EXPECT_EQ(b->bytes.size(), shape.RawBytes());
+    EXPECT_EQ(b->bytes.size(), c.block_bytes);
     EXPECT_EQ(b->crc32c, Crc32c(b->bytes));
   }
   blocks.clear();
 
   // Corrupt the stored container of the first block.
-  BlockId id{0, registered.profile_id(), {}};
+  BlockId id{0, c.profile_id, {}};
   std::memset(id.key.data(), 'k', id.key.size());
-  ASSERT_TRUE(service->store().CorruptForTesting(id, 100));
-  ASSERT_OK(service->GetBlocks(anonymous, get, &blocks));
+  ASSERT_TRUE(service.store().CorruptForTesting(id, 100));
+  ASSERT_OK(service.GetBlocks(anonymous, get, &blocks));
   ASSERT_EQ(blocks.size(), 2u);
   EXPECT_FALSE(blocks[0].has_value());  // a miss, not wrong bytes
   ASSERT_TRUE(blocks[1].has_value());   // the other block is untouched
   EXPECT_EQ(blocks[1]->crc32c, Crc32c(blocks[1]->bytes));
-  EXPECT_EQ(service->store().crc_failures(), 1u);
-  EXPECT_FALSE(service->store().Contains(id));
+  EXPECT_EQ(service.store().crc_failures(), 1u);
+  EXPECT_FALSE(service.store().Contains(id));
+}
+
+// A Get's decoded blocks land in buffers that earlier Gets' responses let go of
+// (server.decode_buffer_cache_bytes): a reused buffer holds exactly the new block's bytes, never
+// a byte of the block it held before, and a buffer still referenced by a response in flight is
+// never handed out.
+TEST(TierServiceCompressionTest, DecodeBuffersAreReusedOnlyOnceReleasedAndHoldOnlyTheNewBlock) {
+  metrics::Registry registry;
+  CompressedService c;
+  ASSERT_NO_FATAL_FAILURE(MakeCompressedService(&registry, &c));
+  TierService& service = *c.service;
+  const Caller anonymous = Caller::Anonymous();
+  auto bytes_of = [](const std::optional<BlockStore::ReadBlock>& b) {
+    return std::string(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
+  };
+  std::vector<std::optional<BlockStore::ReadBlock>> first;
+  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, {'k', 'l'}), &first));
+  ASSERT_TRUE(first[0].has_value() && first[1].has_value());
+  const std::string k = bytes_of(first[0]), l = bytes_of(first[1]);
+  ASSERT_NE(k, l);
+  EXPECT_THAT(registry.RenderText(),
+              HasSubstr("proxima_get_decode_buffers_total{source=\"allocated\"} 2"));
+
+  // While `first` still holds both buffers, a Get gets new ones.
+  std::vector<std::optional<BlockStore::ReadBlock>> second;
+  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, {'l'}), &second));
+  EXPECT_NE(second[0]->bytes.data(), first[0]->bytes.data());
+  EXPECT_NE(second[0]->bytes.data(), first[1]->bytes.data());
+  EXPECT_EQ(bytes_of(second[0]), l);
+  second.clear();
+  first.clear();  // the "responses" are sent: three buffers kept
+
+  // In the other order: each block comes back whole in a buffer that held another block.
+  std::vector<std::optional<BlockStore::ReadBlock>> third;
+  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, {'l', 'k'}), &third));
+  ASSERT_TRUE(third[0].has_value() && third[1].has_value());
+  EXPECT_EQ(bytes_of(third[0]), l);
+  EXPECT_EQ(bytes_of(third[1]), k);
+  EXPECT_EQ(third[0]->crc32c, Crc32c(third[0]->bytes));
+  EXPECT_EQ(third[1]->crc32c, Crc32c(third[1]->bytes));
+  const std::string metrics = registry.RenderText();
+  EXPECT_THAT(metrics, HasSubstr("proxima_get_decode_buffers_total{source=\"reused\"} 2"));
+  EXPECT_THAT(metrics, HasSubstr("proxima_get_decode_buffers_total{source=\"allocated\"} 3"));
+  EXPECT_THAT(metrics,
+              HasSubstr(absl::StrCat("proxima_get_decode_buffers_kept_bytes ", c.block_bytes)));
 }
 
 }  // namespace
