@@ -77,18 +77,30 @@ struct SegmentKernels {
   void (*decode_int8)(const SegmentShape&, const std::byte*, std::byte*);
   void (*encode_intn)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
   void (*decode_intn)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
+  internal::K4v3TurnFn turn_k4v3;
+  internal::K4v3ValueEncodeFn encode_k4v3_value;
+  internal::K4v3ValueDecodeFn decode_k4v3_value;
+
+  internal::K4v3Kernels K4v3() const {
+    return {encode_intn, decode_intn, turn_k4v3, encode_k4v3_value, decode_k4v3_value};
+  }
 };
 
 const SegmentKernels& KernelsFor(CpuPath path) {
   namespace in = internal;
-  static constexpr SegmentKernels kScalar{in::EncodeFp8Scalar,  in::DecodeFp8Scalar,
-                                          in::EncodeInt8Scalar, in::DecodeInt8Scalar,
-                                          in::EncodeIntNScalar, in::DecodeIntNScalar};
-  static constexpr SegmentKernels kAvx2{in::EncodeFp8Avx2,  in::DecodeFp8Avx2,  in::EncodeInt8Avx2,
-                                        in::DecodeInt8Avx2, in::EncodeIntNAvx2, in::DecodeIntNAvx2};
-  static constexpr SegmentKernels kAvx512{in::EncodeFp8Avx512,  in::DecodeFp8Avx512,
-                                          in::EncodeInt8Avx512, in::DecodeInt8Avx512,
-                                          in::EncodeIntNAvx512, in::DecodeIntNAvx512};
+  static constexpr SegmentKernels kScalar{
+      in::EncodeFp8Scalar,  in::DecodeFp8Scalar,       in::EncodeInt8Scalar,
+      in::DecodeInt8Scalar, in::EncodeIntNScalar,      in::DecodeIntNScalar,
+      in::TurnK4v3Scalar,   in::EncodeK4v3ValueScalar, in::DecodeK4v3ValueScalar};
+  static constexpr SegmentKernels kAvx2{
+      in::EncodeFp8Avx2,  in::DecodeFp8Avx2,       in::EncodeInt8Avx2,
+      in::DecodeInt8Avx2, in::EncodeIntNAvx2,      in::DecodeIntNAvx2,
+      in::TurnK4v3Avx2,   in::EncodeK4v3ValueAvx2, in::DecodeK4v3ValueAvx2};
+  // k4v3's own kernels are AVX2 on the AVX-512 path too (its K quantiser is AVX-512's int4).
+  static constexpr SegmentKernels kAvx512{
+      in::EncodeFp8Avx512,  in::DecodeFp8Avx512,     in::EncodeInt8Avx512,
+      in::DecodeInt8Avx512, in::EncodeIntNAvx512,    in::DecodeIntNAvx512,
+      in::TurnK4v3Avx2,     in::EncodeK4v3ValueAvx2, in::DecodeK4v3ValueAvx2};
   switch (path == CpuPath::kAuto ? BestCpuPath() : path) {
     case CpuPath::kAvx512:
       return kAvx512;
@@ -172,8 +184,7 @@ absl::Status EncodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
       return absl::OkStatus();
     }
     case CodecId::kK4v3:
-      internal::EncodeK4v3(shape, internal::K4v3RopeFor(rope_theta, shape.dim), k.encode_intn, in,
-                           p);
+      internal::EncodeK4v3(shape, internal::K4v3RopeFor(rope_theta, shape.dim), k.K4v3(), in, p);
       return absl::OkStatus();
     case CodecId::kLossless:
       break;
@@ -212,7 +223,7 @@ absl::Status DecodeSegment(CpuPath path, CodecId codec, const SegmentShape& shap
       return absl::OkStatus();
     case CodecId::kK4v3:
       PROXIMA_RETURN_IF_ERROR(internal::ValidateK4v3(shape, p));
-      internal::DecodeK4v3(shape, k.decode_intn, p, out);
+      internal::DecodeK4v3(shape, k.K4v3(), p, out);
       return absl::OkStatus();
   }
   return absl::InvalidArgumentError("unknown codec");

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -755,22 +756,28 @@ const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& ro
 }
 
 // Turns every (token, head) vector of a K segment: pair j of token t by -t * w_j (`inverse`
-// false: into the block's RoPE frame) or +t * w_j (back), rounding each result to the dtype
-// (k4v3::TurnPairF32, with the table's sines and cosines).
-template <uint8_t kDt>
-void RotateKPairsT(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
-                   const std::byte* in, std::byte* out) {
-  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = RopePairs(D);
+// false: into the block's RoPE frame) or +t * w_j (back), with the path's turn kernel over the
+// table's sines and cosines.
+void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, K4v3TurnFn turn, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  const uint32_t half = RopePairs(shape.dim);
   if (half == 0) {
     std::memcpy(out, in, 2 * shape.Elements());
     return;
   }
   RopeTable local;
-  const RopeTable& table = RopeTableFor(T, half, rope, &local);
+  const RopeTable& table = RopeTableFor(shape.tokens, half, rope, &local);
+  turn(shape, table.cos.data(), table.sin.data(), inverse, in, out);
+}
+
+template <uint8_t kDt>
+void TurnK4v3T(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+               const std::byte* in, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = D / 2;
   const float sign = inverse ? -1.0f : 1.0f;
   for (uint32_t t = 0; t < T; ++t) {
-    const float* sn = table.sin.data() + size_t{t} * half;
-    const float* cs = table.cos.data() + size_t{t} * half;
+    const float* sn = sin + size_t{t} * half;
+    const float* cs = cos + size_t{t} * half;
     for (uint32_t h = 0; h < H; ++h) {
       const size_t base = (size_t{t} * H + h) * D;
       for (uint32_t j = 0; j < half; ++j) {
@@ -783,12 +790,6 @@ void RotateKPairsT(const SegmentShape& shape, const K4v3Rope& rope, bool inverse
       }
     }
   }
-}
-
-void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, bool inverse,
-                  const std::byte* in, std::byte* out) {
-  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return,
-                         RotateKPairsT<kDt>(shape, rope, inverse, in, out));
 }
 
 // 3-bit codes of one vector of D values, D a multiple of 8 or not: whole groups of 8 codes are
@@ -855,14 +856,19 @@ void DecodeK4v3ValueT(const SegmentShape& shape, const std::byte* payload, std::
   }
 }
 
-void EncodeK4v3Value(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+}  // namespace
+
+void TurnK4v3Scalar(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                    const std::byte* in, std::byte* out) {
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return,
+                         TurnK4v3T<kDt>(shape, cos, sin, inverse, in, out));
+}
+void EncodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, EncodeK4v3ValueT<kDt>(shape, in, payload));
 }
-void DecodeK4v3Value(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+void DecodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeK4v3ValueT<kDt>(shape, payload, out));
 }
-
-}  // namespace
 
 K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim) {
   K4v3Rope r;
@@ -879,31 +885,33 @@ float K4v3HadamardNorm(uint32_t dim) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
 }
 
-void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, IntNEncodeFn encode_int4,
+void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, const K4v3Kernels& kernels,
                 const std::byte* in, std::byte* payload) {
   if (shape.is_value) {
-    EncodeK4v3Value(shape, in, payload);
+    kernels.encode_value(shape, in, payload);
     return;
   }
   StoreF32(payload, 0, rope.omega0);
   StoreF32(payload, 1, rope.ratio);
-  std::vector<uint16_t> turned(shape.Elements());
-  auto* t = reinterpret_cast<std::byte*>(turned.data());
-  RotateKPairs(shape, rope, /*inverse=*/false, in, t);
-  encode_int4(shape, 4, t, payload + kK4v3KHeaderBytes);
+  // Scratch every element of which the turn (encode) or int4's decoder writes first.
+  const auto turned = std::make_unique_for_overwrite<uint16_t[]>(shape.Elements());
+  auto* t = reinterpret_cast<std::byte*>(turned.get());
+  RotateKPairs(shape, rope, kernels.turn, /*inverse=*/false, in, t);
+  kernels.encode_int4(shape, 4, t, payload + kK4v3KHeaderBytes);
 }
 
-void DecodeK4v3(const SegmentShape& shape, IntNDecodeFn decode_int4, const std::byte* payload,
+void DecodeK4v3(const SegmentShape& shape, const K4v3Kernels& kernels, const std::byte* payload,
                 std::byte* out) {
   if (shape.is_value) {
-    DecodeK4v3Value(shape, payload, out);
+    kernels.decode_value(shape, payload, out);
     return;
   }
   const K4v3Rope rope{LoadF32(payload, 0), LoadF32(payload, 1)};
-  std::vector<uint16_t> turned(shape.Elements());
-  auto* t = reinterpret_cast<std::byte*>(turned.data());
-  decode_int4(shape, 4, payload + kK4v3KHeaderBytes, t);
-  RotateKPairs(shape, rope, /*inverse=*/true, t, out);
+  // Scratch every element of which the turn (encode) or int4's decoder writes first.
+  const auto turned = std::make_unique_for_overwrite<uint16_t[]>(shape.Elements());
+  auto* t = reinterpret_cast<std::byte*>(turned.get());
+  kernels.decode_int4(shape, 4, payload + kK4v3KHeaderBytes, t);
+  RotateKPairs(shape, rope, kernels.turn, /*inverse=*/true, t, out);
 }
 
 absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload) {

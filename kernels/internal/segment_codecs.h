@@ -145,8 +145,9 @@ absl::Status DecodeLossless(const SegmentShape& shape, std::span<const std::byte
 
 // ---- k4v3 (segment_codecs.cc): K at 4 bits in the block's own RoPE frame, V at 3 bits
 // after a signed Hadamard rotation (docs/format.md: k4v3). The K part quantizes with the int4
-// kernels of the caller's CPU path, so it runs at their speed and gives their bytes; the
-// rotations are scalar.
+// kernels of the caller's CPU path, so it runs at their speed and gives their bytes; K's pair
+// turns and V's rows run on that path's k4v3 kernels (K4v3Kernels), every one bit-identical to
+// the scalar ones.
 inline constexpr size_t kK4v3KHeaderBytes = 8;  // f32 omega0, f32 ratio
 
 // The RoPE frequencies a K segment is un-rotated with: pair j turns by omega0 * ratio^j radians
@@ -163,10 +164,35 @@ float K4v3HadamardNorm(uint32_t dim);
 
 using IntNEncodeFn = void (*)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
 using IntNDecodeFn = void (*)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
-void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, IntNEncodeFn encode_int4,
+// Turns every pair (j, j + dim/2) of a K segment's (token t, head) vectors by the angle whose
+// cosine is cos[t * dim/2 + j] and sine sin[t * dim/2 + j] (negated when `inverse`: back out of
+// the block's frame), k4v3::TurnPairF32 rounded to the dtype. REQUIRES: dim even.
+using K4v3TurnFn = void (*)(const SegmentShape& shape, const float* cos, const float* sin,
+                            bool inverse, const std::byte* in, std::byte* out);
+// A V segment: its row scales and 3-bit codes (payload), or back.
+using K4v3ValueEncodeFn = void (*)(const SegmentShape&, const std::byte* in, std::byte* payload);
+using K4v3ValueDecodeFn = void (*)(const SegmentShape&, const std::byte* payload, std::byte* out);
+struct K4v3Kernels {
+  IntNEncodeFn encode_int4;
+  IntNDecodeFn decode_int4;
+  K4v3TurnFn turn;
+  K4v3ValueEncodeFn encode_value;
+  K4v3ValueDecodeFn decode_value;
+};
+void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, const K4v3Kernels& kernels,
                 const std::byte* in, std::byte* payload);
-void DecodeK4v3(const SegmentShape& shape, IntNDecodeFn decode_int4, const std::byte* payload,
+void DecodeK4v3(const SegmentShape& shape, const K4v3Kernels& kernels, const std::byte* payload,
                 std::byte* out);
+// The scalar k4v3 kernels (the reference), and the AVX2 ones (simd_avx2.cc; only call when
+// CpuHasAvx2(); dims they do not take whole vectors of go to the scalar ones).
+void TurnK4v3Scalar(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                    const std::byte* in, std::byte* out);
+void EncodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void TurnK4v3Avx2(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                  const std::byte* in, std::byte* out);
+void EncodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* payload, std::byte* out);
 absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload);
 
 // ---- ISA isolation of the SIMD paths. simd_avx2.cc and simd_avx512.cc are compiled with

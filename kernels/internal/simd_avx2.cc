@@ -1,6 +1,6 @@
-// AVX2 + F16C fast path for fp8, int8 and int4/int2 (compiled with -mavx2 -mf16c, called only
-// after CpuHasAvx2() said yes at run time). Every lane performs the scalar reference's
-// operations in the same order (no FMA: this file is built with -ffp-contract=off), the
+// AVX2 + F16C fast path for fp8, int8, int4/int2 and k4v3's own kernels (compiled with -mavx2
+// -mf16c, called only after CpuHasAvx2() said yes at run time). Every lane performs the scalar
+// reference's operations in the same order (no FMA: this file is built with -ffp-contract=off), the
 // per-group scales included (8 groups or rows at a time), so the bytes are identical to the
 // scalar path. Segments whose head_dim is not a multiple of 8 take the scalar
 // path wholesale.
@@ -551,6 +551,185 @@ void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::by
   }
 }
 
+// ---------------------------------------------------------------- k4v3
+
+// k4v3::Flip for elements d0 .. d0 + 7: +-1.0f (-1 where bit 31 of d * 0x9E3779B1 is set).
+inline __m256 Flip8(uint32_t d0) {
+  const __m256i d = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(d0)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i m = _mm256_mullo_epi32(d, _mm256_set1_epi32(static_cast<int>(0x9E3779B1u)));
+  const __m256i sign = _mm256_and_si256(m, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_castsi256_ps(sign));
+}
+
+// The first three stages of k4v3::Fwht (len 1, 2, 4) on the 8 elements of one vector: lanes
+// without bit `len` get a + b, the others a - b (a the lane without the bit, b the one with),
+// the operations k4v3::Fwht performs on them.
+inline __m256 FwhtIn8(__m256 x) {
+  __m256 y = _mm256_permute_ps(x, 0xB1);  // lanes 1 0 3 2
+  x = _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xAA);
+  y = _mm256_permute_ps(x, 0x4E);  // lanes 2 3 0 1
+  x = _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xCC);
+  y = _mm256_permute2f128_ps(x, x, 0x01);  // the other half
+  return _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xF0);
+}
+
+// k4v3::Fwht of n floats (n a power of two >= 8) in place.
+inline void FwhtAvx2(float* u, uint32_t n) {
+  for (uint32_t i = 0; i < n; i += 8) _mm256_store_ps(u + i, FwhtIn8(_mm256_load_ps(u + i)));
+  for (uint32_t len = 8; len < n; len <<= 1) {
+    for (uint32_t i = 0; i < n; i += 2 * len) {
+      for (uint32_t k = i; k < i + len; k += 8) {
+        const __m256 a = _mm256_load_ps(u + k), b = _mm256_load_ps(u + k + len);
+        _mm256_store_ps(u + k, _mm256_add_ps(a, b));
+        _mm256_store_ps(u + k + len, _mm256_sub_ps(a, b));
+      }
+    }
+  }
+}
+
+// Largest dim the AVX2 V kernels take (their rows live in a stack buffer); wider ones go scalar.
+constexpr uint32_t kK4v3MaxDim = 256;
+// Rows whose scales are computed together (one lane each).
+constexpr uint32_t kK4v3RowGroup = 8;
+
+// Eight 3-bit codes (int32 lanes) as 24 bits, LSB first (k4v3::Pack8).
+inline uint32_t Pack3x8(__m256i q) {
+  __m256i s = _mm256_sllv_epi32(q, _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+  __m128i x = _mm_or_si128(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0xB1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+}
+
+// Largest int32 lane.
+inline int32_t HorizontalMaxInt(__m256i v) {
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));
+  return _mm_cvtsi128_si32(m);
+}
+
+// EncodeK4v3ValueScalar for dims 8 .. kK4v3MaxDim: each row transformed in 8-lane vectors, the
+// row scales of kK4v3RowGroup rows at once (RoundUpDtype8), then each row's codes.
+template <uint8_t kDt>
+void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t D = shape.dim;
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  const size_t code_bytes = 3 * size_t{D} / 8;  // per row: D is a multiple of 8
+  const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
+  const __m256 inf = _mm256_set1_ps(kInf);
+  std::byte* codes = payload + 2 * rows;
+  alignas(32) float u[kK4v3RowGroup * kK4v3MaxDim];
+  for (size_t r0 = 0; r0 < rows; r0 += kK4v3RowGroup) {
+    const uint32_t g = rows - r0 < kK4v3RowGroup ? static_cast<uint32_t>(rows - r0) : kK4v3RowGroup;
+    alignas(32) int32_t amax_bits[kK4v3RowGroup] = {};
+    for (uint32_t l = 0; l < g; ++l) {
+      const std::byte* row = in + 2 * (r0 + l) * D;
+      float* v = u + l * D;
+      for (uint32_t d = 0; d < D; d += 8) {
+        const __m256 x = Load8<kDt>(row, d);
+        const __m256 finite =
+            _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), inf, _CMP_LT_OQ);
+        _mm256_store_ps(v + d, _mm256_mul_ps(_mm256_and_ps(x, finite), Flip8(d)));
+      }
+      FwhtAvx2(v, D);
+      __m256i mx = _mm256_setzero_si256();
+      for (uint32_t d = 0; d < D; d += 8) {
+        const __m256 y = _mm256_mul_ps(_mm256_load_ps(v + d), norm);
+        _mm256_store_ps(v + d, y);
+        __m256i a = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF));
+        a = _mm256_and_si256(a, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a));
+        mx = _mm256_max_epi32(mx, a);
+      }
+      amax_bits[l] = HorizontalMaxInt(mx);
+    }
+    // k4v3::ScaleFromMaxBits of the group's rows (lanes past g: scale 0, unused).
+    const __m256 amax =
+        _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax_bits)));
+    const __m256i scale = RoundUpDtype8<kDt>(_mm256_div_ps(amax, _mm256_set1_ps(3.5f)));
+    const __m256 f = FromDtype8<kDt>(scale);
+    alignas(32) float divisor[kK4v3RowGroup];
+    _mm256_store_ps(divisor, _mm256_blendv_ps(f, _mm256_set1_ps(1.0f),
+                                              _mm256_cmp_ps(f, _mm256_setzero_ps(), _CMP_EQ_OQ)));
+    alignas(16) uint16_t scales[kK4v3RowGroup];
+    _mm_store_si128(reinterpret_cast<__m128i*>(scales), Narrow16(scale));
+    std::memcpy(payload + 2 * r0, scales, 2 * g);
+    for (uint32_t l = 0; l < g; ++l) {
+      const float* v = u + l * D;
+      const __m256 div = _mm256_set1_ps(divisor[l]);
+      std::byte* out = codes + (r0 + l) * code_bytes;
+      for (uint32_t d = 0; d < D; d += 8) {
+        const __m256 q =
+            _mm256_add_ps(_mm256_div_ps(_mm256_load_ps(v + d), div), _mm256_set1_ps(3.5f));
+        const uint32_t w = Pack3x8(ClampRound(q, _mm256_setzero_ps(), _mm256_set1_ps(7.0f)));
+        std::memcpy(out + 3 * (d / 8), &w, 3);  // little-endian: the low 3 bytes
+      }
+    }
+  }
+}
+
+template <uint8_t kDt>
+void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t D = shape.dim;
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  const size_t code_bytes = 3 * size_t{D} / 8;
+  const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
+  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+  const std::byte* codes = payload + 2 * rows;
+  alignas(32) float u[kK4v3MaxDim];
+  for (size_t r = 0; r < rows; ++r) {
+    uint16_t scale;
+    std::memcpy(&scale, payload + 2 * r, 2);
+    const __m256 step = _mm256_mul_ps(Broadcast<kDt>(scale), norm);
+    const std::byte* in = codes + r * code_bytes;
+    for (uint32_t d = 0; d < D; d += 8) {
+      // The three bytes into a register directly: a 3-byte memcpy into a word read back at once
+      // stalls on store forwarding (most of this loop's time, in perf).
+      const auto* b = reinterpret_cast<const uint8_t*>(in + 3 * (d / 8));
+      const uint32_t word = uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16;
+      const __m256i q =
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                           _mm256_set1_epi32(7));
+      _mm256_store_ps(u + d, _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(3.5f)));
+    }
+    FwhtAvx2(u, D);
+    std::byte* row = out + 2 * r * D;
+    for (uint32_t d = 0; d < D; d += 8) {
+      Store8<kDt>(row, d, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(u + d), step), Flip8(d)));
+    }
+  }
+}
+
+// TurnK4v3Scalar for dims that are multiples of 16 (8 pairs per vector).
+template <uint8_t kDt>
+void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = D / 2;
+  const __m256 sign = _mm256_set1_ps(inverse ? -1.0f : 1.0f);
+  const __m256 lo = _mm256_set1_ps(-3.40282347e+38f), hi = _mm256_set1_ps(3.40282347e+38f);
+  auto clamp = [&](__m256 x) {  // numeric::ClampQ(x, -FLT_MAX, FLT_MAX): NaN -> 0
+    x = _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q));
+    return _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  };
+  for (uint32_t t = 0; t < T; ++t) {
+    const float* sn = sin + size_t{t} * half;
+    const float* cs = cos + size_t{t} * half;
+    for (uint32_t h = 0; h < H; ++h) {
+      const size_t base = (size_t{t} * H + h) * D;
+      for (uint32_t j = 0; j < half; j += 8) {
+        const __m256 x1 = clamp(Load8<kDt>(in, base + j));
+        const __m256 x2 = clamp(Load8<kDt>(in, base + j + half));
+        const __m256 c = _mm256_loadu_ps(cs + j);
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sn + j), sign);
+        Store8<kDt>(out, base + j, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
+        Store8<kDt>(out, base + j + half,
+                    _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- entry points (dtype dispatch)
@@ -592,6 +771,27 @@ void DecodeIntNAvx2(const SegmentShape& shape, uint32_t bits, const std::byte* p
   });
 }
 
+void TurnK4v3Avx2(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  if (shape.dim % 16 != 0) return TurnK4v3Scalar(shape, cos, sin, inverse, in, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, TurnK4v3Scalar(shape, cos, sin, inverse, in, out),
+                         TurnK4v3Impl<kDt>(shape, cos, sin, inverse, in, out));
+}
+void EncodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  if (shape.dim < 8 || shape.dim > kK4v3MaxDim || shape.dim % 8 != 0) {
+    return EncodeK4v3ValueScalar(shape, in, payload);
+  }
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeK4v3ValueScalar(shape, in, payload),
+                         EncodeK4v3ValueImpl<kDt>(shape, in, payload));
+}
+void DecodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  if (shape.dim < 8 || shape.dim > kK4v3MaxDim || shape.dim % 8 != 0) {
+    return DecodeK4v3ValueScalar(shape, payload, out);
+  }
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeK4v3ValueScalar(shape, payload, out),
+                         DecodeK4v3ValueImpl<kDt>(shape, payload, out));
+}
+
 #else  // built without AVX2: CpuHasAvx2() may still say yes, so forward to scalar.
 
 void EncodeFp8Avx2(const SegmentShape& s, const std::byte* in, std::byte* p) {
@@ -611,6 +811,16 @@ void EncodeIntNAvx2(const SegmentShape& s, uint32_t bits, const std::byte* in, s
 }
 void DecodeIntNAvx2(const SegmentShape& s, uint32_t bits, const std::byte* p, std::byte* out) {
   DecodeIntNScalar(s, bits, p, out);
+}
+void TurnK4v3Avx2(const SegmentShape& s, const float* cos, const float* sin, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  TurnK4v3Scalar(s, cos, sin, inverse, in, out);
+}
+void EncodeK4v3ValueAvx2(const SegmentShape& s, const std::byte* in, std::byte* p) {
+  EncodeK4v3ValueScalar(s, in, p);
+}
+void DecodeK4v3ValueAvx2(const SegmentShape& s, const std::byte* p, std::byte* out) {
+  DecodeK4v3ValueScalar(s, p, out);
 }
 
 #endif
