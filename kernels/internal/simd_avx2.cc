@@ -141,26 +141,37 @@ inline __m256i FloatToE4m3x8(__m256 y) {
   return _mm256_or_si256(sign, _mm256_blendv_epi8(normal, sub, is_sub));
 }
 
+// Lane k's bit offset in 8 packed `bits`-bit values: k * bits.
+template <uint32_t bits>
+inline __m256i LaneShifts() {
+  return _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits);
+}
+
 // Packs 8 lanes of `bits`-bit values into bits bytes (8 * bits / 8), LSB first.
 template <uint32_t bits>
 inline uint32_t PackLanes(__m256i q) {
-  const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
-                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  __m256i s = _mm256_sllv_epi32(q, shifts);
+  __m256i s = _mm256_sllv_epi32(q, LaneShifts<bits>());
   __m128i x = _mm_or_si128(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
   x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0x4E));
   x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0xB1));
   return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
 }
 
+// The 8 `bits`-bit values packed at element i (a multiple of 8) as floats.
 template <uint32_t bits>
 inline __m256 UnpackLanes(const std::byte* packed, size_t i) {
   uint32_t word = 0;
-  std::memcpy(&word, packed + i * bits / 8, bits);  // 8 lanes * bits / 8 bytes
-  const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
-                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
-                               _mm256_set1_epi32((1 << bits) - 1));
+  if constexpr (bits == 3) {
+    // Three bytes into a register directly: a 3-byte memcpy into a word read back at once stalls
+    // on store forwarding (most of k4v3's decode loop, in perf).
+    const auto* b = reinterpret_cast<const uint8_t*>(packed + i * bits / 8);
+    word = uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16;
+  } else {
+    std::memcpy(&word, packed + i * bits / 8, bits);  // 8 lanes * bits / 8 bytes
+  }
+  __m256i q = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), LaneShifts<bits>()),
+      _mm256_set1_epi32((1 << bits) - 1));
   return _mm256_cvtepi32_ps(q);
 }
 
@@ -593,15 +604,6 @@ constexpr uint32_t kK4v3MaxDim = 256;
 // Rows whose scales are computed together (one lane each).
 constexpr uint32_t kK4v3RowGroup = 8;
 
-// Eight 3-bit codes (int32 lanes) as 24 bits, LSB first (k4v3::Pack8).
-inline uint32_t Pack3x8(__m256i q) {
-  __m256i s = _mm256_sllv_epi32(q, _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
-  __m128i x = _mm_or_si128(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0x4E));
-  x = _mm_or_si128(x, _mm_shuffle_epi32(x, 0xB1));
-  return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
-}
-
 // Largest int32 lane.
 inline int32_t HorizontalMaxInt(__m256i v) {
   __m128i m = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -662,7 +664,7 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
       for (uint32_t d = 0; d < D; d += 8) {
         const __m256 q =
             _mm256_add_ps(_mm256_div_ps(_mm256_load_ps(v + d), div), _mm256_set1_ps(3.5f));
-        const uint32_t w = Pack3x8(ClampRound(q, _mm256_setzero_ps(), _mm256_set1_ps(7.0f)));
+        const uint32_t w = PackLanes<3>(ClampRound(q, _mm256_setzero_ps(), _mm256_set1_ps(7.0f)));
         std::memcpy(out + 3 * (d / 8), &w, 3);  // little-endian: the low 3 bytes
       }
     }
@@ -675,7 +677,6 @@ void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, st
   const size_t rows = size_t{shape.tokens} * shape.heads;
   const size_t code_bytes = 3 * size_t{D} / 8;
   const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
-  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
   const std::byte* codes = payload + 2 * rows;
   alignas(32) float u[kK4v3MaxDim];
   for (size_t r = 0; r < rows; ++r) {
@@ -684,14 +685,8 @@ void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, st
     const __m256 step = _mm256_mul_ps(Broadcast<kDt>(scale), norm);
     const std::byte* in = codes + r * code_bytes;
     for (uint32_t d = 0; d < D; d += 8) {
-      // The three bytes into a register directly: a 3-byte memcpy into a word read back at once
-      // stalls on store forwarding (most of this loop's time, in perf).
-      const auto* b = reinterpret_cast<const uint8_t*>(in + 3 * (d / 8));
-      const uint32_t word = uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16;
-      const __m256i q =
-          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
-                           _mm256_set1_epi32(7));
-      _mm256_store_ps(u + d, _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(3.5f)));
+      // k4v3::Level: the code minus 3.5.
+      _mm256_store_ps(u + d, _mm256_sub_ps(UnpackLanes<3>(in, d), _mm256_set1_ps(3.5f)));
     }
     FwhtAvx2(u, D);
     std::byte* row = out + 2 * r * D;
