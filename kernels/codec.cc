@@ -96,11 +96,10 @@ const SegmentKernels& KernelsFor(CpuPath path) {
       in::EncodeFp8Avx2,  in::DecodeFp8Avx2,       in::EncodeInt8Avx2,
       in::DecodeInt8Avx2, in::EncodeIntNAvx2,      in::DecodeIntNAvx2,
       in::TurnK4v3Avx2,   in::EncodeK4v3ValueAvx2, in::DecodeK4v3ValueAvx2};
-  // k4v3's own kernels are AVX2 on the AVX-512 path too (its K quantiser is AVX-512's int4).
   static constexpr SegmentKernels kAvx512{
-      in::EncodeFp8Avx512,  in::DecodeFp8Avx512,     in::EncodeInt8Avx512,
-      in::DecodeInt8Avx512, in::EncodeIntNAvx512,    in::DecodeIntNAvx512,
-      in::TurnK4v3Avx2,     in::EncodeK4v3ValueAvx2, in::DecodeK4v3ValueAvx2};
+      in::EncodeFp8Avx512,  in::DecodeFp8Avx512,       in::EncodeInt8Avx512,
+      in::DecodeInt8Avx512, in::EncodeIntNAvx512,      in::DecodeIntNAvx512,
+      in::TurnK4v3Avx512,   in::EncodeK4v3ValueAvx512, in::DecodeK4v3ValueAvx512};
   switch (path == CpuPath::kAuto ? BestCpuPath() : path) {
     case CpuPath::kAvx512:
       return kAvx512;

@@ -193,6 +193,12 @@ void TurnK4v3Avx2(const SegmentShape& shape, const float* cos, const float* sin,
                   const std::byte* in, std::byte* out);
 void EncodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
 void DecodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+// The AVX-512 ones (simd_avx512.cc; only call when CpuHasAvx512(); the dims they do not take
+// whole 16-lane vectors of go to the AVX2 ones).
+void TurnK4v3Avx512(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                    const std::byte* in, std::byte* out);
+void EncodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* in, std::byte* payload);
+void DecodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* payload, std::byte* out);
 absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload);
 
 // ---- ISA isolation of the SIMD paths. simd_avx2.cc and simd_avx512.cc are compiled with

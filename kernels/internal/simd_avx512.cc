@@ -1,10 +1,10 @@
-// AVX-512 fast path for fp8, int8 and int4/int2, 16 lanes (compiled with -mavx512f -mavx512bw
-// -mavx512vl -mf16c, called only after CpuHasAvx512() said yes at run time). Like the AVX2 path
-// (simd_avx2.cc), every lane performs the scalar reference's operations in the same order (no
-// FMA: this file is built with -ffp-contract=off), the per-group scales included (16 groups or
-// rows at a time, with mask registers where the AVX2 path blends), so the bytes are identical to
-// the scalar path.
-// Segments whose head_dim is not a multiple of 16 go to the AVX2 entry points wholesale.
+// AVX-512 fast path for fp8, int8, int4/int2 and k4v3's own kernels, 16 lanes (compiled with
+// -mavx512f -mavx512bw -mavx512vl -mf16c, called only after CpuHasAvx512() said yes at run time).
+// Like the AVX2 path (simd_avx2.cc), every lane performs the scalar reference's operations in the
+// same order (no FMA: this file is built with -ffp-contract=off), the per-group scales included (16
+// groups or rows at a time, with mask registers where the AVX2 path blends), so the bytes are
+// identical to the scalar path. Segments whose head_dim is not a multiple of 16 go to the AVX2
+// entry points wholesale.
 //
 // Lane order by construction: every narrowing is a vpmov* truncation (whole register, lane order
 // kept), int4/int2 packing combines neighbouring elements with vpmaddubsw/vpmaddwd inside one
@@ -516,6 +516,194 @@ bool Fits(const SegmentShape& shape) {
   return shape.dim % kLanes == 0 && shape.group % kLanes == 0;
 }
 
+// ---------------------------------------------------------------- k4v3
+
+// k4v3::Flip for elements d0 .. d0 + 15: +-1.0f (-1 where bit 31 of d * 0x9E3779B1 is set).
+inline __m512 Flip16(uint32_t d0) {
+  const __m512i d =
+      _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(d0)),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i m = _mm512_mullo_epi32(d, _mm512_set1_epi32(static_cast<int>(0x9E3779B1u)));
+  const __m512i sign = _mm512_and_si512(m, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_set1_epi32(0x3F800000), sign));  // 1.0f
+}
+
+// The first four stages of k4v3::Fwht (len 1, 2, 4, 8) on the 16 elements of one vector: lanes
+// without bit `len` get a + b, the others a - b (a the lane without the bit, b the one with),
+// the operations k4v3::Fwht performs on them.
+inline __m512 FwhtIn16(__m512 x) {
+  __m512 y = _mm512_permute_ps(x, 0xB1);  // lanes 1 0 3 2 in each 128 bits
+  x = _mm512_mask_blend_ps(0xAAAA, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
+  y = _mm512_permute_ps(x, 0x4E);  // lanes 2 3 0 1 in each 128 bits
+  x = _mm512_mask_blend_ps(0xCCCC, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
+  y = _mm512_shuffle_f32x4(x, x, 0xB1);  // 128-bit blocks 1 0 3 2
+  x = _mm512_mask_blend_ps(0xF0F0, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
+  y = _mm512_shuffle_f32x4(x, x, 0x4E);  // 128-bit blocks 2 3 0 1
+  return _mm512_mask_blend_ps(0xFF00, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
+}
+
+// k4v3::Fwht of n floats (n a power of two >= 16) in place (64-byte aligned).
+inline void FwhtAvx512(float* u, uint32_t n) {
+  for (uint32_t i = 0; i < n; i += 16) _mm512_store_ps(u + i, FwhtIn16(_mm512_load_ps(u + i)));
+  for (uint32_t len = 16; len < n; len <<= 1) {
+    for (uint32_t i = 0; i < n; i += 2 * len) {
+      for (uint32_t k = i; k < i + len; k += 16) {
+        const __m512 a = _mm512_load_ps(u + k), b = _mm512_load_ps(u + k + len);
+        _mm512_store_ps(u + k, _mm512_add_ps(a, b));
+        _mm512_store_ps(u + k + len, _mm512_sub_ps(a, b));
+      }
+    }
+  }
+}
+
+// Dims the AVX-512 V kernels take: multiples of 16 up to 256 (their rows live on the stack).
+constexpr uint32_t kK4v3MaxDim = 256;
+bool K4v3ValueFits(uint32_t dim) { return dim % kLanes == 0 && dim <= kK4v3MaxDim; }
+
+// Sixteen 3-bit codes (int32 lanes) as 48 bits, LSB first (k4v3::Pack8 twice).
+inline uint64_t Pack3x16(__m512i q) {
+  const __m512i s = _mm512_sllv_epi32(
+      q, _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21));
+  // OR of lanes 0-7 and of lanes 8-15: fold the 128-bit blocks, then within each.
+  const __m256i x = _mm512_castsi512_si256(s), h = _mm512_extracti64x4_epi64(s, 1);
+  __m128i a = _mm_or_si128(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  __m128i b = _mm_or_si128(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  a = _mm_or_si128(a, _mm_shuffle_epi32(a, 0x4E));
+  b = _mm_or_si128(b, _mm_shuffle_epi32(b, 0x4E));
+  a = _mm_or_si128(a, _mm_shuffle_epi32(a, 0xB1));
+  b = _mm_or_si128(b, _mm_shuffle_epi32(b, 0xB1));
+  return static_cast<uint64_t>(static_cast<uint32_t>(_mm_cvtsi128_si32(a))) |
+         static_cast<uint64_t>(static_cast<uint32_t>(_mm_cvtsi128_si32(b))) << 24;
+}
+
+// The sixteen 3-bit codes at element i (a multiple of 16) of a packed row, as floats.
+inline __m512 Unpack3x16(const std::byte* packed, size_t i) {
+  const std::byte* p = packed + 3 * i / 8;
+  uint32_t lo;
+  uint16_t hi;
+  std::memcpy(&lo, p, 4);  // one load each: no store-forwarding stall
+  std::memcpy(&hi, p + 4, 2);
+  const uint64_t w = lo | uint64_t{hi} << 32;
+  const __m512i word =
+      _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(static_cast<int>(w & 0xFFFFFF))),
+                         _mm256_set1_epi32(static_cast<int>(w >> 24)), 1);
+  const __m512i q = _mm512_and_si512(
+      _mm512_srlv_epi32(word,
+                        _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21)),
+      _mm512_set1_epi32(7));
+  return _mm512_cvtepi32_ps(q);
+}
+
+// EncodeK4v3ValueScalar for K4v3ValueFits dims: each row in 16-lane vectors, the row scales of
+// 16 rows at once (RoundUpDtype16), then each row's codes.
+template <uint8_t kDt>
+void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  const uint32_t D = shape.dim;
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  const size_t code_bytes = 3 * size_t{D} / 8;  // per row: D is a multiple of 16
+  const __m512 norm = _mm512_set1_ps(K4v3HadamardNorm(D));
+  const __m512 inf = _mm512_set1_ps(kInf);
+  std::byte* codes = payload + 2 * rows;
+  alignas(64) float u[kLanes * kK4v3MaxDim];
+  for (size_t r0 = 0; r0 < rows; r0 += kLanes) {
+    const uint32_t g = rows - r0 < kLanes ? static_cast<uint32_t>(rows - r0) : kLanes;
+    alignas(64) int32_t amax_bits[kLanes] = {};
+    for (uint32_t l = 0; l < g; ++l) {
+      const std::byte* row = in + 2 * (r0 + l) * D;
+      float* v = u + l * D;
+      for (uint32_t d = 0; d < D; d += kLanes) {
+        const __m512 x = Load16<kDt>(row, d);
+        const __m512 finite =
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(Abs(x), inf, _CMP_LT_OQ), x);  // else 0
+        _mm512_store_ps(v + d, _mm512_mul_ps(finite, Flip16(d)));
+      }
+      FwhtAvx512(v, D);
+      __m512i mx = _mm512_setzero_si512();
+      for (uint32_t d = 0; d < D; d += kLanes) {
+        const __m512 y = _mm512_mul_ps(_mm512_load_ps(v + d), norm);
+        _mm512_store_ps(v + d, y);
+        const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
+        const __mmask16 finite = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x7F800000), a);
+        mx = _mm512_max_epi32(mx, _mm512_maskz_mov_epi32(finite, a));
+      }
+      amax_bits[l] = _mm512_reduce_max_epi32(mx);
+    }
+    // k4v3::ScaleFromMaxBits of the group's rows (lanes past g: scale 0, unused).
+    const __m512 amax = _mm512_castsi512_ps(_mm512_load_si512(amax_bits));
+    const __m512i scale = RoundUpDtype16<kDt>(_mm512_div_ps(amax, _mm512_set1_ps(3.5f)));
+    const __m512 f = FromDtype16<kDt>(scale);
+    alignas(64) float divisor[kLanes];
+    _mm512_store_ps(divisor,
+                    _mm512_mask_mov_ps(f, _mm512_cmp_ps_mask(f, _mm512_setzero_ps(), _CMP_EQ_OQ),
+                                       _mm512_set1_ps(1.0f)));
+    Store16Partial(payload + 2 * r0, _mm512_cvtepi32_epi16(scale), g);
+    for (uint32_t l = 0; l < g; ++l) {
+      const float* v = u + l * D;
+      const __m512 div = _mm512_set1_ps(divisor[l]);
+      std::byte* out = codes + (r0 + l) * code_bytes;
+      for (uint32_t d = 0; d < D; d += kLanes) {
+        const __m512 q =
+            _mm512_add_ps(_mm512_div_ps(_mm512_load_ps(v + d), div), _mm512_set1_ps(3.5f));
+        const uint64_t w = Pack3x16(ClampRound(q, _mm512_setzero_ps(), _mm512_set1_ps(7.0f)));
+        std::memcpy(out + 3 * d / 8, &w, 6);  // little-endian: the low 6 bytes
+      }
+    }
+  }
+}
+
+template <uint8_t kDt>
+void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  const uint32_t D = shape.dim;
+  const size_t rows = size_t{shape.tokens} * shape.heads;
+  const size_t code_bytes = 3 * size_t{D} / 8;
+  const __m512 norm = _mm512_set1_ps(K4v3HadamardNorm(D));
+  const std::byte* codes = payload + 2 * rows;
+  alignas(64) float u[kK4v3MaxDim];
+  for (size_t r = 0; r < rows; ++r) {
+    uint16_t scale;
+    std::memcpy(&scale, payload + 2 * r, 2);
+    const __m512 step = _mm512_mul_ps(Broadcast<kDt>(scale), norm);
+    const std::byte* in = codes + r * code_bytes;
+    for (uint32_t d = 0; d < D; d += kLanes) {
+      // k4v3::Level: the code minus 3.5.
+      _mm512_store_ps(u + d, _mm512_sub_ps(Unpack3x16(in, d), _mm512_set1_ps(3.5f)));
+    }
+    FwhtAvx512(u, D);
+    std::byte* row = out + 2 * r * D;
+    for (uint32_t d = 0; d < D; d += kLanes) {
+      Store16<kDt>(row, d, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(u + d), step), Flip16(d)));
+    }
+  }
+}
+
+// TurnK4v3Scalar for dims that are multiples of 32 (16 pairs per vector).
+template <uint8_t kDt>
+void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                  const std::byte* in, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = D / 2;
+  const __m512 sign = _mm512_set1_ps(inverse ? -1.0f : 1.0f);
+  const __m512 lo = _mm512_set1_ps(-3.40282347e+38f), hi = _mm512_set1_ps(3.40282347e+38f);
+  for (uint32_t t = 0; t < T; ++t) {
+    const float* sn = sin + size_t{t} * half;
+    const float* cs = cos + size_t{t} * half;
+    for (uint32_t h = 0; h < H; ++h) {
+      const size_t base = (size_t{t} * H + h) * D;
+      for (uint32_t j = 0; j < half; j += kLanes) {
+        // numeric::ClampQ(x, -FLT_MAX, FLT_MAX): NaN -> 0, +-Inf -> +-FLT_MAX.
+        const __m512 x1 =
+            _mm512_min_ps(_mm512_max_ps(NanToZero(Load16<kDt>(in, base + j)), lo), hi);
+        const __m512 x2 =
+            _mm512_min_ps(_mm512_max_ps(NanToZero(Load16<kDt>(in, base + j + half)), lo), hi);
+        const __m512 c = _mm512_loadu_ps(cs + j);
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sn + j), sign);
+        Store16<kDt>(out, base + j, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+        Store16<kDt>(out, base + j + half,
+                     _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- entry points (dtype dispatch)
@@ -563,6 +751,23 @@ void DecodeIntNAvx512(const SegmentShape& shape, uint32_t bits, const std::byte*
   });
 }
 
+void TurnK4v3Avx512(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
+                    const std::byte* in, std::byte* out) {
+  if (shape.dim % (2 * kLanes) != 0) return TurnK4v3Avx2(shape, cos, sin, inverse, in, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, TurnK4v3Scalar(shape, cos, sin, inverse, in, out),
+                         TurnK4v3Impl<kDt>(shape, cos, sin, inverse, in, out));
+}
+void EncodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  if (!K4v3ValueFits(shape.dim)) return EncodeK4v3ValueAvx2(shape, in, payload);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeK4v3ValueScalar(shape, in, payload),
+                         EncodeK4v3ValueImpl<kDt>(shape, in, payload));
+}
+void DecodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  if (!K4v3ValueFits(shape.dim)) return DecodeK4v3ValueAvx2(shape, payload, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeK4v3ValueScalar(shape, payload, out),
+                         DecodeK4v3ValueImpl<kDt>(shape, payload, out));
+}
+
 #else  // built without AVX-512: CpuHasAvx512() may still say yes, so forward to the AVX2 path.
 
 void EncodeFp8Avx512(const SegmentShape& s, const std::byte* in, std::byte* p) {
@@ -582,6 +787,16 @@ void EncodeIntNAvx512(const SegmentShape& s, uint32_t bits, const std::byte* in,
 }
 void DecodeIntNAvx512(const SegmentShape& s, uint32_t bits, const std::byte* p, std::byte* out) {
   DecodeIntNAvx2(s, bits, p, out);
+}
+void TurnK4v3Avx512(const SegmentShape& s, const float* cos, const float* sin, bool inverse,
+                    const std::byte* in, std::byte* out) {
+  TurnK4v3Avx2(s, cos, sin, inverse, in, out);
+}
+void EncodeK4v3ValueAvx512(const SegmentShape& s, const std::byte* in, std::byte* p) {
+  EncodeK4v3ValueAvx2(s, in, p);
+}
+void DecodeK4v3ValueAvx512(const SegmentShape& s, const std::byte* p, std::byte* out) {
+  DecodeK4v3ValueAvx2(s, p, out);
 }
 
 #endif
