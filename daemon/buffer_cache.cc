@@ -10,12 +10,9 @@
 namespace proxima::daemon {
 
 struct BufferCache::State {
+  // No destructor of its own: ~BufferCache frees what is kept and closes the state first, so
+  // nothing is kept by the time the last buffer lets go of it.
   explicit State(uint64_t max) : max_bytes(max) {}
-  ~State() {
-    for (auto& [bytes, list] : kept) {
-      for (std::byte* p : list) delete[] p;
-    }
-  }
 
   // Keeps `p` (of `bytes` bytes) for reuse, or frees it.
   void GiveBack(std::byte* p, size_t bytes) {
