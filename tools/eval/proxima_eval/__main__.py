@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     ev.add_argument("--prefix", type=int, nargs="+", default=[512, 2048])
     ev.add_argument("--suffix", type=int, default=256)
     ev.add_argument("--windows", type=int, default=4, help="max prose windows per prefix length")
+    ev.add_argument("--corpus", default="licenses", choices=["licenses", "handbook"],
+                    help="prose: Debian's licence texts (21 windows at prefix 512) or The Debian "
+                         "Administrator's Handbook (hundreds; scripts/eval-setup.sh --handbook)")
     ev.add_argument("--generated", type=int, default=4, help="greedy continuations (prefix 512)")
     ev.add_argument("--tokens-per-block", type=int, default=64)
     ev.add_argument("--plans", nargs="*", default=None, help="plan names (default: all)")

@@ -190,11 +190,21 @@ def load_generated(model, tok, length: int, count: int, path: Optional[str]) -> 
     return generated_samples(model, tok, length, count)
 
 
-def prose_samples(tok, length: int, max_windows: int) -> List[Sample]:
-    out = []
-    for name, text in corpus.prose_texts().items():
-        for j, w in enumerate(corpus.windows(tok.encode(text), length, max_windows)):
-            out.append(Sample("prose", f"{name}#{j}", w))
+def prose_samples(tok, length: int, max_windows: int, corpus_name: str = "licenses"
+                  ) -> List[Sample]:
+    """Windows of `length` tokens. From the licences: text by text, in order (the figures in
+    docs/quality.md were measured so). From the handbook: round-robin over its pages (each
+    page's first window, then each page's second, ...), so that a sample of N windows spreads
+    over as many pages, and so topics, as it can."""
+    per_text = []
+    for name, text in corpus.texts(corpus_name).items():
+        ws = corpus.windows(tok.encode(text), length, max_windows)
+        per_text.append([Sample("prose", f"{name}#{j}", w) for j, w in enumerate(ws)])
+    if corpus_name == "licenses":
+        out = [s for ws in per_text for s in ws]
+    else:
+        out = [ws[j] for j in range(max((len(ws) for ws in per_text), default=0))
+               for ws in per_text if j < len(ws)]
     return out[:max_windows]
 
 
@@ -252,7 +262,9 @@ def main(model, tok, args) -> int:
     rows = []
     for P in args.prefix:
         length = P + args.suffix
-        groups = {"prose": prose_samples(tok, length, args.windows)}
+        # Rows say which prose they measured: "prose" (the licences, as always) or "handbook".
+        prose = "prose" if args.corpus == "licenses" else args.corpus
+        groups = {prose: prose_samples(tok, length, args.windows, args.corpus)}
         if args.generated and P <= 512:
             groups["generated"] = load_generated(model, tok, length, args.generated,
                                                  args.continuations)

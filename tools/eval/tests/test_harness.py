@@ -112,3 +112,36 @@ def test_table_row_format():
            "| 1.50e-03 | 99.10% | 0.1000 | n/a | 0.0500 |" in t
     row["ppl_rel_change_ci95"] = (0.001, 0.0123)
     assert "| +0.500% | +0.10% .. +1.23% | 1.50e-03 |" in harness.format_table([row])
+
+
+def test_handbook_paragraphs_skip_listings_and_navigation():
+    from proxima_eval import corpus
+    page = ('<html><body><ul class="docnav"><li>Prev</li></ul><div class="section">'
+            '<div class="para">APT is a <code class="command">vast</code>\n\t project.</div>'
+            '<div class="para">Run this:<div class="informalexample"><pre class="screen">'
+            '$ apt update</pre></div> and wait &amp; see.</div>'
+            '<div class="note"><p>not a paragraph</p></div><div class="para"> </div>'
+            '</div></body></html>')
+    assert corpus.html_paragraphs(page) == "APT is a vast project.\nRun this: and wait & see."
+
+
+def test_unknown_corpus_is_refused_by_name():
+    from proxima_eval import corpus
+    with pytest.raises(ValueError, match="'novels'.*licenses, handbook"):
+        corpus.texts("novels")
+
+
+def test_handbook_windows_go_round_robin_over_pages(monkeypatch):
+    from proxima_eval import corpus
+
+    class _Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    monkeypatch.setattr(corpus, "handbook_texts",
+                        lambda: {"a": "a" * 12, "b": "b" * 4, "c": "c" * 8})
+    got = harness.prose_samples(_Chars(), 4, 5, "handbook")
+    assert [s.name for s in got] == ["a#0", "b#0", "c#0", "a#1", "c#1"]
+    assert all(len(s.tokens) == 4 and s.source == "prose" for s in got)
+    monkeypatch.setattr(corpus, "prose_texts", lambda: {"x": "x" * 8, "y": "y" * 8})
+    assert [s.name for s in harness.prose_samples(_Chars(), 4, 3)] == ["x#0", "x#1", "y#0"]
