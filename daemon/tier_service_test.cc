@@ -381,7 +381,10 @@ struct CompressedService {
   uint64_t profile_id = 0;
   uint64_t block_bytes = 0;
 };
-void MakeCompressedService(metrics::Registry* registry, CompressedService* out) {
+// A service whose namespace "z" holds `blocks` real 16-token blocks of SmolLM2 KV under keys of
+// 32 'k's, 'l's, ..., all encoded at int8 by the tierer.
+void MakeCompressedService(metrics::Registry* registry, CompressedService* out,
+                           uint32_t blocks = 2) {
   absl::StatusOr<codec::KvTensor> kv = codec::ReadKvFile(PROXIMA_TEST_KV_FILE);
   ASSERT_OK(kv.status());
   constexpr uint32_t kTokens = 16;
@@ -413,7 +416,8 @@ void MakeCompressedService(metrics::Registry* registry, CompressedService* out) 
   v1::PutRequest put;
   put.set_namespace_name("z");
   put.set_profile_id(registered.profile_id());
-  for (uint32_t b = 0; b < 2; ++b) {
+  ASSERT_LE(blocks * kTokens, kv->num_tokens);
+  for (uint32_t b = 0; b < blocks; ++b) {
     v1::PutBlock* block = put.add_blocks();
     block->set_key(std::string(32, static_cast<char>('k' + b)));
     std::string data(shape.RawBytes(), '\0');
@@ -425,12 +429,12 @@ void MakeCompressedService(metrics::Registry* registry, CompressedService* out) 
   v1::PutResponse put_response;
   ASSERT_OK(service.Put(anonymous, put, &put_response));
   const uint8_t caps[] = {1};
-  ASSERT_TRUE(service.tierer().CompressOne(caps));
-  ASSERT_TRUE(service.tierer().CompressOne(caps));
-  ASSERT_EQ(service.store().level_blocks(1), 2u);
+  for (uint32_t b = 0; b < blocks; ++b) ASSERT_TRUE(service.tierer().CompressOne(caps));
+  ASSERT_EQ(service.store().level_blocks(1), blocks);
 }
 
-v1::GetRequest RawGetOf(uint64_t profile_id, std::initializer_list<char> keys) {
+// A raw Get of the blocks whose keys are 32 of each character of `keys`.
+v1::GetRequest RawGetOf(uint64_t profile_id, std::string_view keys) {
   v1::GetRequest get;
   get.set_namespace_name("z");
   get.set_profile_id(profile_id);
@@ -450,7 +454,7 @@ TEST(TierServiceCompressionTest, EncodedBlockIsCrcCheckedBeforeDecodingEvenWhenT
   ASSERT_NO_FATAL_FAILURE(MakeCompressedService(&registry, &c));
   TierService& service = *c.service;
   const Caller anonymous = Caller::Anonymous();
-  const v1::GetRequest get = RawGetOf(c.profile_id, {'k', 'l'});
+  const v1::GetRequest get = RawGetOf(c.profile_id, "kl");
   // Intact: both decoded, each with the CRC32C of the bytes sent.
   std::vector<std::optional<BlockStore::ReadBlock>> blocks;
   ASSERT_OK(service.GetBlocks(anonymous, get, &blocks));
@@ -490,7 +494,7 @@ TEST(TierServiceCompressionTest, DecodeBuffersAreReusedOnlyOnceReleasedAndHoldOn
     return std::string(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size());
   };
   std::vector<std::optional<BlockStore::ReadBlock>> first;
-  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, {'k', 'l'}), &first));
+  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, "kl"), &first));
   ASSERT_TRUE(first[0].has_value() && first[1].has_value());
   const std::string k = bytes_of(first[0]), l = bytes_of(first[1]);
   ASSERT_NE(k, l);
@@ -499,7 +503,7 @@ TEST(TierServiceCompressionTest, DecodeBuffersAreReusedOnlyOnceReleasedAndHoldOn
 
   // While `first` still holds both buffers, a Get gets new ones.
   std::vector<std::optional<BlockStore::ReadBlock>> second;
-  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, {'l'}), &second));
+  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, "l"), &second));
   EXPECT_NE(second[0]->bytes.data(), first[0]->bytes.data());
   EXPECT_NE(second[0]->bytes.data(), first[1]->bytes.data());
   EXPECT_EQ(bytes_of(second[0]), l);
@@ -508,7 +512,7 @@ TEST(TierServiceCompressionTest, DecodeBuffersAreReusedOnlyOnceReleasedAndHoldOn
 
   // In the other order: each block comes back whole in a buffer that held another block.
   std::vector<std::optional<BlockStore::ReadBlock>> third;
-  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, {'l', 'k'}), &third));
+  ASSERT_OK(service.GetBlocks(anonymous, RawGetOf(c.profile_id, "lk"), &third));
   ASSERT_TRUE(third[0].has_value() && third[1].has_value());
   EXPECT_EQ(bytes_of(third[0]), l);
   EXPECT_EQ(bytes_of(third[1]), k);
@@ -519,6 +523,48 @@ TEST(TierServiceCompressionTest, DecodeBuffersAreReusedOnlyOnceReleasedAndHoldOn
   EXPECT_THAT(metrics, HasSubstr("proxima_get_decode_buffers_total{source=\"allocated\"} 3"));
   EXPECT_THAT(metrics,
               HasSubstr(absl::StrCat("proxima_get_decode_buffers_kept_bytes ", c.block_bytes)));
+}
+
+// A Get of enough encoded blocks decodes them on several threads (server.decode_threads; two
+// blocks and 2 MiB of raw bytes per thread): each block lands whole in its own buffer, with its
+// own CRC32C, also when the buffers are reused from the Get before. Run under ThreadSanitizer
+// by scripts/sanitize.sh thread.
+TEST(TierServiceCompressionTest, ManyBlocksDecodeOnSeveralThreadsEachIntoItsOwnBuffer) {
+  metrics::Registry registry;
+  CompressedService c;
+  constexpr uint32_t kBlocks = 16;  // 16 x 368,640 bytes: two threads' worth
+  ASSERT_NO_FATAL_FAILURE(MakeCompressedService(&registry, &c, kBlocks));
+  ASSERT_GE(kBlocks * c.block_bytes, 4u << 20);
+  TierService& service = *c.service;
+  std::string keys;
+  for (uint32_t b = 0; b < kBlocks; ++b) keys.push_back(static_cast<char>('k' + b));
+  // What each block decodes to, one block per Get (one thread).
+  std::vector<std::string> expected;
+  for (char k : keys) {
+    std::vector<std::optional<BlockStore::ReadBlock>> one;
+    ASSERT_OK(service.GetBlocks(Caller::Anonymous(), RawGetOf(c.profile_id, {&k, 1}), &one));
+    ASSERT_TRUE(one[0].has_value());
+    expected.emplace_back(reinterpret_cast<const char*>(one[0]->bytes.data()),
+                          one[0]->bytes.size());
+  }
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::optional<BlockStore::ReadBlock>> all;
+    ASSERT_OK(service.GetBlocks(Caller::Anonymous(), RawGetOf(c.profile_id, keys), &all));
+    ASSERT_EQ(all.size(), kBlocks);
+    for (uint32_t b = 0; b < kBlocks; ++b) {
+      ASSERT_TRUE(all[b].has_value()) << b;
+      EXPECT_EQ(std::string_view(reinterpret_cast<const char*>(all[b]->bytes.data()),
+                                 all[b]->bytes.size()),
+                expected[b])
+          << "block " << b << ", round " << round;
+      EXPECT_EQ(all[b]->crc32c, Crc32c(all[b]->bytes)) << b;
+    }
+  }
+  // The single Gets took one buffer again and again (15 reused), the first round that one and
+  // 15 new, the second and third rounds all 16 from the round before.
+  EXPECT_THAT(registry.RenderText(),
+              HasSubstr(absl::StrCat("proxima_get_decode_buffers_total{source=\"reused\"} ",
+                                     kBlocks + 2 * kBlocks)));
 }
 
 }  // namespace
