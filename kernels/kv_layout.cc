@@ -112,14 +112,17 @@ template <bool kScatter>
 void CopyBlocks(const PagedLayout& l, std::span<const uint64_t> ids,
                 std::span<const std::byte* const> blocks) {
   const uint64_t run = internal::ContiguousRun(l);
-  const size_t segment_bytes =
-      size_t{l.tokens_per_block} * l.num_kv_heads * l.head_dim * l.element_size;
-  for (size_t i = 0; i < ids.size(); ++i) {
+  const uint32_t n = l.blocks_per_canonical;
+  for (size_t i = 0; i < blocks.size(); ++i) {
     std::byte* canonical = const_cast<std::byte*>(blocks[i]);
-    for (size_t layer = 0; layer < l.layers.size(); ++layer) {
-      for (int kv = 0; kv < 2; ++kv) {
-        CopySegment<kScatter>(l, run, internal::SegmentBase(l, layer, kv, ids[i]),
-                              canonical + (2 * layer + kv) * segment_bytes);
+    for (uint32_t part = 0; part < n; ++part) {
+      const uint64_t id = ids[i * n + part];
+      if (id == kNoBlock) continue;
+      for (size_t layer = 0; layer < l.layers.size(); ++layer) {
+        for (int kv = 0; kv < 2; ++kv) {
+          CopySegment<kScatter>(l, run, internal::SegmentBase(l, layer, kv, id),
+                                internal::CanonicalSegment(l, canonical, layer, kv, part));
+        }
       }
     }
   }
@@ -128,7 +131,7 @@ void CopyBlocks(const PagedLayout& l, std::span<const uint64_t> ids,
 }  // namespace
 
 size_t PagedLayout::BlockBytes() const {
-  return 2 * layers.size() * size_t{tokens_per_block} * num_kv_heads * head_dim * element_size;
+  return 2 * layers.size() * size_t{blocks_per_canonical} * internal::SegmentBytes(*this);
 }
 
 absl::Status PagedLayout::Validate() const {
@@ -140,14 +143,16 @@ absl::Status PagedLayout::Validate() const {
                                                    {"head_dim", head_dim},
                                                    {"tokens_per_block", tokens_per_block},
                                                    {"num_blocks", num_blocks},
-                                                   {"layers", layers.size()}};
+                                                   {"layers", layers.size()},
+                                                   {"blocks_per_canonical", blocks_per_canonical}};
   for (const auto& [name, value] : dims) {
     if (value == 0 || value >= kMaxDimension) {
       return absl::InvalidArgumentError(
           absl::StrCat("kv layout: ", name, " ", value, ": expected 1 to 2^32-1"));
     }
   }
-  if (u128{2} * layers.size() * tokens_per_block * num_kv_heads * head_dim * element_size >
+  if (u128{2} * layers.size() * blocks_per_canonical * tokens_per_block * num_kv_heads * head_dim *
+          element_size >
       kMaxBytes) {
     return absl::InvalidArgumentError("kv layout: block size exceeds 2^62 bytes");
   }
@@ -213,23 +218,29 @@ namespace internal {
 absl::Status ValidateCall(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                           std::span<const std::byte* const> blocks, bool scatter) {
   PROXIMA_RETURN_IF_ERROR(layout.Validate());
-  if (blocks.size() != block_ids.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv layout: ", block_ids.size(), " block ids but ", blocks.size(), " block pointers"));
+  const uint32_t n = layout.blocks_per_canonical;
+  if (u128{blocks.size()} * n != block_ids.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv layout: ", block_ids.size(), " block ids for ", blocks.size(),
+                     " block pointers: expected ", n, " ids per pointer (blocks_per_canonical)"));
   }
   for (size_t i = 0; i < block_ids.size(); ++i) {
-    if (block_ids[i] >= layout.num_blocks) {
+    if (block_ids[i] >= layout.num_blocks && block_ids[i] != kNoBlock) {
       return absl::InvalidArgumentError(absl::StrCat("kv layout: block id ", block_ids[i],
                                                      " (index ", i, "): expected < num_blocks ",
-                                                     layout.num_blocks));
+                                                     layout.num_blocks, " or kNoBlock"));
     }
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
     if (blocks[i] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv layout: block pointer ", i, " (block id ", block_ids[i], ") is null"));
+      return absl::InvalidArgumentError(absl::StrCat("kv layout: block pointer ", i, " (block id ",
+                                                     block_ids[i * n], n > 1 ? ", ..." : "",
+                                                     ") is null"));
     }
   }
   if (scatter) {
     std::vector<uint64_t> sorted(block_ids.begin(), block_ids.end());
+    std::erase(sorted, kNoBlock);
     std::sort(sorted.begin(), sorted.end());
     auto dup = std::adjacent_find(sorted.begin(), sorted.end());
     if (dup != sorted.end()) {
@@ -247,6 +258,15 @@ uint64_t ContiguousRun(const PagedLayout& l) {
   run *= l.num_kv_heads;
   if (l.tokens_per_block > 1 && l.strides.token != static_cast<int64_t>(run)) return run;
   return run * l.tokens_per_block;
+}
+
+size_t SegmentBytes(const PagedLayout& l) {
+  return size_t{l.tokens_per_block} * l.num_kv_heads * l.head_dim * l.element_size;
+}
+
+std::byte* CanonicalSegment(const PagedLayout& l, std::byte* canonical, size_t layer, int kv,
+                            uint32_t part) {
+  return canonical + ((2 * layer + kv) * l.blocks_per_canonical + part) * SegmentBytes(l);
 }
 
 std::byte* SegmentBase(const PagedLayout& l, size_t layer, int kv, uint64_t block_id) {
@@ -276,11 +296,14 @@ absl::Status ScatterBlocks(const PagedLayout& layout, std::span<const uint64_t> 
 
 namespace {
 
-// Pointers to the blocks of a back-to-back buffer, after checking its size.
-absl::StatusOr<std::vector<std::byte*>> BlocksOf(const PagedLayout& layout, size_t n,
+// Pointers to the canonical blocks of a back-to-back buffer for `ids` paged block ids, after
+// checking its size (a count of ids that is not a multiple of blocks_per_canonical is refused
+// by ValidateCall after).
+absl::StatusOr<std::vector<std::byte*>> BlocksOf(const PagedLayout& layout, size_t ids,
                                                  const std::byte* data, size_t size) {
   PROXIMA_RETURN_IF_ERROR(layout.Validate());  // BlockBytes() is meaningful
   const size_t bb = layout.BlockBytes();
+  const size_t n = ids / layout.blocks_per_canonical;
   if (n > 0 && (data == nullptr || size / bb < n)) {
     return absl::InvalidArgumentError(absl::StrCat("kv layout: block buffer of ", size,
                                                    " bytes at ", AddressString(data), " for ", n,

@@ -54,6 +54,12 @@ struct PagedTensor {
   size_t v_size_bytes = 0;
 };
 
+// A paged block id that names no block: in a call, the part of a canonical block it stands for
+// is neither read nor written (a gather leaves those canonical bytes as they were; a scatter
+// does not write them anywhere). For a canonical block that spans several paged blocks of which
+// the engine already holds some (blocks_per_canonical).
+inline constexpr uint64_t kNoBlock = ~uint64_t{0};
+
 struct PagedLayout {
   uint32_t element_size = 2;  // bytes: 2 (bf16/fp16), 1 (fp8), 4 (fp32)
   uint32_t num_kv_heads = 0;
@@ -62,9 +68,15 @@ struct PagedLayout {
   uint64_t num_blocks = 0;  // blocks in each paged tensor: valid ids are [0, num_blocks)
   AxisStrides strides;      // shared by every layer (vLLM allocates them alike)
   std::vector<PagedTensor> layers;
+  // Paged blocks per canonical block, n >= 1: canonical block i is made of the paged blocks
+  // block_ids[i * n], ..., block_ids[i * n + n - 1] of a call, its tokens
+  // n * tokens_per_block long, token t of the j-th of them at canonical token
+  // j * tokens_per_block + t. An engine's small pages (vLLM's 16 tokens) stored as one larger
+  // Proxima block, whose codec metadata weighs less per token.
+  uint32_t blocks_per_canonical = 1;
 
-  // Bytes of one canonical block: 2 * layers * tokens_per_block * num_kv_heads * head_dim *
-  // element_size.
+  // Bytes of one canonical block: 2 * layers * blocks_per_canonical * tokens_per_block *
+  // num_kv_heads * head_dim * element_size.
   size_t BlockBytes() const;
   // OK when every field is usable: non-zero dimensions, element size 1, 2 or 4, non-negative
   // strides with no two (kv, block, token, head, dim) positions on the same element, non-null
@@ -73,17 +85,20 @@ struct PagedLayout {
   absl::Status Validate() const;
 };
 
-// Copies block `block_ids[i]` of every layer into `dst_blocks[i]` (BlockBytes() bytes, canonical
-// layout). Validates the layout, the ids (< num_blocks) and the pointers first.
+// Copies the paged blocks of every layer into canonical blocks (BlockBytes() bytes each):
+// `dst_blocks[i]` gets block_ids[i * n .. i * n + n - 1] (n = blocks_per_canonical; n = 1: block
+// `block_ids[i]`). Validates the layout, the ids (< num_blocks, or kNoBlock), their count
+// (dst_blocks.size() * n) and the pointers first.
 absl::Status GatherBlocks(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                           std::span<std::byte* const> dst_blocks);
-// The reverse: canonical `src_blocks[i]` into block `block_ids[i]` of every layer. Ids must be
-// distinct (two writes to one block would race on the GPU and be order-dependent here).
+// The reverse: canonical `src_blocks[i]` into its paged blocks of every layer. Ids other than
+// kNoBlock must be distinct (two writes to one block would race on the GPU and be
+// order-dependent here).
 absl::Status ScatterBlocks(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                            std::span<const std::byte* const> src_blocks);
 
-// The same with the canonical blocks back to back in one buffer: block i at i * BlockBytes().
-// kInvalidArgument when the buffer is smaller than block_ids.size() * BlockBytes().
+// The same with the canonical blocks back to back in one buffer: block i at i * BlockBytes(),
+// block_ids.size() / n of them. kInvalidArgument when the buffer is smaller.
 absl::Status GatherBlocksToBuffer(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                                   std::span<std::byte> dst);
 absl::Status ScatterBlocksFromBuffer(const PagedLayout& layout, std::span<const uint64_t> block_ids,
@@ -101,10 +116,16 @@ absl::Status ScatterBlocksCuda(const PagedLayout& layout, std::span<const uint64
 // Whether the *Cuda entry points were built: gpu::BuiltWithCuda() (kernels/device.h).
 
 namespace internal {
-// Checks shared by the CPU and CUDA paths: the layout, the ids, the pointers, distinct ids for
-// scatter.
+// Checks shared by the CPU and CUDA paths: the layout, the ids and their count, the pointers,
+// distinct ids for scatter.
 absl::Status ValidateCall(const PagedLayout& layout, std::span<const uint64_t> block_ids,
                           std::span<const std::byte* const> blocks, bool scatter);
+// Bytes of one (layer, K|V) segment of one paged block: tokens_per_block * num_kv_heads *
+// head_dim * element_size.
+size_t SegmentBytes(const PagedLayout& layout);
+// Where segment (layer, kv) of the `part`-th paged block of a canonical block starts in it.
+std::byte* CanonicalSegment(const PagedLayout& layout, std::byte* canonical, size_t layer, int kv,
+                            uint32_t part);
 // Elements, in canonical [token][head][dim] order, that are contiguous in the paged tensor from
 // every (token, head, 0) run start: head_dim when the dim stride is 1, times num_kv_heads when
 // heads follow contiguously, times tokens_per_block when tokens do too; 1 otherwise.

@@ -21,20 +21,26 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
 absl::Status CopyCuda(const PagedLayout& l, std::span<const uint64_t> ids,
                       std::span<const std::byte* const> blocks, bool scatter, cudaStream_t stream) {
   PROXIMA_RETURN_IF_ERROR(internal::ValidateCall(l, ids, blocks, scatter));
-  if (ids.empty()) return absl::OkStatus();
   const uint64_t es = l.element_size;
-  const uint64_t segment_bytes = uint64_t{l.tokens_per_block} * l.num_kv_heads * l.head_dim * es;
+  const uint32_t n = l.blocks_per_canonical;
   std::vector<cuda::SegmentPair> pairs;
   pairs.reserve(ids.size() * l.layers.size() * 2);
-  uint64_t alignment = 0;  // OR of every address and byte stride: its lowest bit bounds the unit
-  for (size_t i = 0; i < ids.size(); ++i) {
-    auto* canonical = reinterpret_cast<unsigned char*>(const_cast<std::byte*>(blocks[i]));
+  // OR of every address and byte stride: its lowest bit bounds the unit. The canonical segments
+  // follow each other SegmentBytes() apart.
+  uint64_t alignment = internal::SegmentBytes(l);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    auto* canonical = const_cast<std::byte*>(blocks[i]);
     alignment |= reinterpret_cast<uintptr_t>(canonical);
-    for (size_t layer = 0; layer < l.layers.size(); ++layer) {
-      for (int kv = 0; kv < 2; ++kv) {
-        auto* paged = reinterpret_cast<unsigned char*>(internal::SegmentBase(l, layer, kv, ids[i]));
-        alignment |= reinterpret_cast<uintptr_t>(paged);
-        pairs.push_back({paged, canonical + (2 * layer + kv) * segment_bytes});
+    for (uint32_t part = 0; part < n; ++part) {
+      const uint64_t id = ids[i * n + part];
+      if (id == kNoBlock) continue;
+      for (size_t layer = 0; layer < l.layers.size(); ++layer) {
+        for (int kv = 0; kv < 2; ++kv) {
+          auto* paged = reinterpret_cast<unsigned char*>(internal::SegmentBase(l, layer, kv, id));
+          alignment |= reinterpret_cast<uintptr_t>(paged);
+          pairs.push_back({paged, reinterpret_cast<unsigned char*>(
+                                      internal::CanonicalSegment(l, canonical, layer, kv, part))});
+        }
       }
     }
   }
@@ -64,6 +70,7 @@ absl::Status CopyCuda(const PagedLayout& l, std::span<const uint64_t> ids,
     shape.units_per_row = l.head_dim;
     shape.unit_stride = l.strides.dim * static_cast<int64_t>(es);
   }
+  if (pairs.empty()) return absl::OkStatus();  // no ids, or only kNoBlock
   void* dev = nullptr;
   const size_t bytes = pairs.size() * sizeof(cuda::SegmentPair);
   PROXIMA_RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(&dev, bytes, stream), "cudaMallocAsync"));

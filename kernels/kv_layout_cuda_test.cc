@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -87,22 +88,28 @@ TEST(KvLayoutCudaTest, GatherMatchesCpu) {
 #if PROXIMA_WITH_CUDA
   std::mt19937_64 rng(12);
   for (const Spec& spec : Specs()) {
-    SCOPED_TRACE(spec.ToString());
-    PagedKv kv(spec);
-    DeviceKv dev(kv);
-    const size_t bb = kv.layout.BlockBytes();
-    std::vector<uint64_t> ids;
-    for (int i = 0; i < 9; ++i) ids.push_back(rng() % spec.num_blocks);
-    std::vector<std::byte> want(ids.size() * bb);
-    std::vector<std::byte*> want_ptrs;
-    for (size_t i = 0; i < ids.size(); ++i) want_ptrs.push_back(want.data() + i * bb);
-    ASSERT_OK(GatherBlocks(kv.layout, ids, want_ptrs));
-    DeviceBuffer out(std::vector<std::byte>(ids.size() * bb, std::byte{0x77}));
-    std::vector<std::byte*> out_ptrs;
-    for (size_t i = 0; i < ids.size(); ++i) out_ptrs.push_back(out.get() + i * bb);
-    ASSERT_OK(GatherBlocksCuda(dev.layout, ids, out_ptrs, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(out.ToHost(), want);
+    // One paged block per canonical block, and three (one part of them kNoBlock: not read).
+    for (uint32_t n : {1u, 3u}) {
+      SCOPED_TRACE(absl::StrCat(spec.ToString(), " blocks_per_canonical=", n));
+      PagedKv kv(spec);
+      kv.layout.blocks_per_canonical = n;
+      DeviceKv dev(kv);
+      const size_t bb = kv.layout.BlockBytes();
+      std::vector<uint64_t> ids;
+      for (int i = 0; i < 9; ++i) ids.push_back(rng() % spec.num_blocks);
+      if (n > 1) ids[4] = kNoBlock;
+      const size_t blocks = ids.size() / n;
+      std::vector<std::byte> want(blocks * bb, std::byte{0x77});
+      std::vector<std::byte*> want_ptrs;
+      for (size_t i = 0; i < blocks; ++i) want_ptrs.push_back(want.data() + i * bb);
+      ASSERT_OK(GatherBlocks(kv.layout, ids, want_ptrs));
+      DeviceBuffer out(std::vector<std::byte>(blocks * bb, std::byte{0x77}));
+      std::vector<std::byte*> out_ptrs;
+      for (size_t i = 0; i < blocks; ++i) out_ptrs.push_back(out.get() + i * bb);
+      ASSERT_OK(GatherBlocksCuda(dev.layout, ids, out_ptrs, nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(out.ToHost(), want);
+    }
   }
 #endif
 }
@@ -112,25 +119,31 @@ TEST(KvLayoutCudaTest, ScatterMatchesCpuEveryByte) {
 #if PROXIMA_WITH_CUDA
   std::mt19937_64 rng(13);
   for (const Spec& spec : Specs()) {
-    SCOPED_TRACE(spec.ToString());
-    PagedKv kv(spec);
-    DeviceKv dev(kv);
-    const size_t bb = kv.layout.BlockBytes();
-    std::vector<uint64_t> ids(spec.num_blocks);
-    for (uint64_t i = 0; i < ids.size(); ++i) ids[i] = i;
-    std::shuffle(ids.begin(), ids.end(), rng);
-    ids.resize(std::min<size_t>(ids.size(), 7));
-    std::vector<std::byte> src(ids.size() * bb);
-    for (std::byte& b : src) b = static_cast<std::byte>(rng());
-    std::vector<const std::byte*> src_ptrs;
-    for (size_t i = 0; i < ids.size(); ++i) src_ptrs.push_back(src.data() + i * bb);
-    ASSERT_OK(ScatterBlocks(kv.layout, ids, src_ptrs));
-    DeviceBuffer dsrc(src);
-    std::vector<const std::byte*> dsrc_ptrs;
-    for (size_t i = 0; i < ids.size(); ++i) dsrc_ptrs.push_back(dsrc.get() + i * bb);
-    ASSERT_OK(ScatterBlocksCuda(dev.layout, ids, dsrc_ptrs, nullptr));
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(dev.ToHost(), kv.buffers);  // padding and other blocks untouched too
+    // One paged block per canonical block, and three (the first part kNoBlock: not written).
+    for (uint32_t n : {1u, 3u}) {
+      SCOPED_TRACE(absl::StrCat(spec.ToString(), " blocks_per_canonical=", n));
+      PagedKv kv(spec);
+      kv.layout.blocks_per_canonical = n;
+      DeviceKv dev(kv);
+      const size_t bb = kv.layout.BlockBytes();
+      std::vector<uint64_t> ids(spec.num_blocks);
+      for (uint64_t i = 0; i < ids.size(); ++i) ids[i] = i;
+      std::shuffle(ids.begin(), ids.end(), rng);
+      ids.resize(std::min<size_t>(ids.size(), 7) / n * n);
+      if (n > 1 && !ids.empty()) ids[0] = kNoBlock;
+      const size_t blocks = ids.size() / n;
+      std::vector<std::byte> src(blocks * bb);
+      for (std::byte& b : src) b = static_cast<std::byte>(rng());
+      std::vector<const std::byte*> src_ptrs;
+      for (size_t i = 0; i < blocks; ++i) src_ptrs.push_back(src.data() + i * bb);
+      ASSERT_OK(ScatterBlocks(kv.layout, ids, src_ptrs));
+      DeviceBuffer dsrc(src);
+      std::vector<const std::byte*> dsrc_ptrs;
+      for (size_t i = 0; i < blocks; ++i) dsrc_ptrs.push_back(dsrc.get() + i * bb);
+      ASSERT_OK(ScatterBlocksCuda(dev.layout, ids, dsrc_ptrs, nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(dev.ToHost(), kv.buffers);  // padding and other blocks untouched too
+    }
   }
 #endif
 }

@@ -164,6 +164,81 @@ TEST(KvLayoutTest, OneBufferOfBlocksEqualsAPointerPerBlock) {
   }
 }
 
+// Canonical block i of a grouped layout (blocks_per_canonical = n) as the one-block layout's
+// blocks of its n ids make it: segment (layer, kv) of each in turn, tokens one after the other.
+// kNoBlock parts keep `fill`.
+std::vector<std::byte> GroupedByHand(const PagedLayout& one, std::span<const uint64_t> ids,
+                                     uint32_t n, std::byte fill) {
+  const size_t bb = one.BlockBytes(), seg = internal::SegmentBytes(one);
+  const size_t blocks = ids.size() / n;
+  std::vector<std::byte> out(blocks * n * bb, fill);
+  std::vector<std::byte> each(bb);
+  std::vector<std::byte*> dst = {each.data()};
+  for (size_t i = 0; i < blocks; ++i) {
+    for (uint32_t part = 0; part < n; ++part) {
+      const uint64_t id = ids[i * n + part];
+      if (id == kNoBlock) continue;
+      EXPECT_OK(GatherBlocks(one, std::span<const uint64_t>(&id, 1), dst));
+      for (size_t s = 0; s < 2 * one.layers.size(); ++s) {  // (layer, kv) segments in order
+        std::memcpy(out.data() + i * n * bb + (s * n + part) * seg, each.data() + s * seg, seg);
+      }
+    }
+  }
+  return out;
+}
+
+TEST(KvLayoutTest, GroupedGatherLaysEachPagedBlockAtItsTokensOfTheCanonicalBlock) {
+  std::mt19937_64 rng(5);
+  for (const Spec& spec : AllSpecs()) {
+    SCOPED_TRACE(spec.ToString());
+    PagedKv kv(spec);
+    for (uint32_t n : {2u, 3u}) {
+      PagedLayout l = kv.layout;
+      l.blocks_per_canonical = n;
+      ASSERT_EQ(l.BlockBytes(), n * kv.layout.BlockBytes());
+      // Two canonical blocks of random ids (repeats allowed in a gather), one part not read.
+      std::vector<uint64_t> ids(2 * n);
+      for (uint64_t& id : ids) id = rng() % spec.num_blocks;
+      ids[rng() % ids.size()] = kNoBlock;
+      std::vector<std::byte> got(2 * l.BlockBytes(), std::byte{0xAA});
+      ASSERT_OK(GatherBlocks(l, ids, Pointers(got, 2, l.BlockBytes())));
+      ASSERT_EQ(got, GroupedByHand(kv.layout, ids, n, std::byte{0xAA})) << "n=" << n;
+    }
+  }
+}
+
+TEST(KvLayoutTest, GroupedScatterWritesBackWhatGatherReadAndSkipsNoBlock) {
+  std::mt19937_64 rng(6);
+  for (const Spec& spec : AllSpecs()) {
+    if (spec.num_blocks < 4) continue;
+    SCOPED_TRACE(spec.ToString());
+    PagedKv from(spec);
+    PagedKv to(spec);
+    for (auto& buffer : to.buffers) std::fill(buffer.begin(), buffer.end(), std::byte{0});
+    PagedLayout src = from.layout, dst = to.layout;
+    src.blocks_per_canonical = dst.blocks_per_canonical = 2;
+    const size_t bb = src.BlockBytes();
+    const std::vector<uint64_t> ids = RandomIds(rng, spec.num_blocks, 4);
+    std::vector<std::byte> staging(2 * bb);
+    ASSERT_OK(GatherBlocksToBuffer(src, ids, std::span<std::byte>(staging)));
+    // The first part of the first canonical block is one the engine already has: not written.
+    std::vector<uint64_t> into = {kNoBlock, ids[1], ids[2], ids[3]};
+    ASSERT_OK(ScatterBlocksFromBuffer(dst, into, std::span<const std::byte>(staging)));
+    std::vector<std::byte> again(2 * bb, std::byte{0x77});
+    ASSERT_OK(GatherBlocksToBuffer(dst, into, std::span<std::byte>(again)));
+    const size_t seg = internal::SegmentBytes(src);
+    for (size_t i = 0; i < 2 * bb; ++i) {
+      const bool skipped = i < bb && (i / seg) % 2 == 0;  // part 0 of the first block
+      ASSERT_EQ(again[i], skipped ? std::byte{0x77} : staging[i]) << "byte " << i;
+    }
+    // Block ids[0] of the target tensors was never written: still all zeros.
+    std::vector<std::byte> first(to.layout.BlockBytes(), std::byte{0x77});
+    ASSERT_OK(GatherBlocksToBuffer(to.layout, std::span<const uint64_t>(ids.data(), 1),
+                                   std::span<std::byte>(first)));
+    ASSERT_EQ(first, std::vector<std::byte>(first.size(), std::byte{0}));
+  }
+}
+
 TEST(KvLayoutTest, EmptyBatchIsANoOp) {
   PagedKv kv(Spec{});
   EXPECT_OK(GatherBlocks(kv.layout, {}, {}));
@@ -289,13 +364,29 @@ TEST_F(KvLayoutBadInputTest, NullPointers) {
 TEST_F(KvLayoutBadInputTest, BlockIdsOutOfRangeOrMismatched) {
   EXPECT_THAT(Gather(kv_.layout, {0, 6}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("block id 6 (index 1): expected < num_blocks 6")));
+                       HasSubstr("block id 6 (index 1): expected < num_blocks 6 or kNoBlock")));
   std::vector<std::byte> out(kv_.layout.BlockBytes());
   std::vector<std::byte*> dst = {out.data()};
   std::vector<uint64_t> ids = {0, 1};
-  EXPECT_THAT(
-      GatherBlocks(kv_.layout, ids, dst),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("2 block ids but 1 block pointers")));
+  EXPECT_THAT(GatherBlocks(kv_.layout, ids, dst),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("2 block ids for 1 block pointers: expected 1 ids per pointer")));
+  // Three paged blocks per canonical block: ids come in threes.
+  PagedLayout l = kv_.layout;
+  l.blocks_per_canonical = 3;
+  std::vector<std::byte> big(l.BlockBytes());
+  std::vector<std::byte*> one = {big.data()};
+  std::vector<uint64_t> four = {0, 1, 2, 3};
+  EXPECT_THAT(GatherBlocks(l, four, one),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("4 block ids for 1 block pointers: expected 3 ids per pointer "
+                                 "(blocks_per_canonical)")));
+  std::vector<std::byte> buffer(2 * l.BlockBytes());
+  EXPECT_THAT(GatherBlocksToBuffer(l, four, std::span<std::byte>(buffer)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("4 block ids for 1")));
+  l.blocks_per_canonical = 0;
+  EXPECT_THAT(Gather(l), StatusIs(absl::StatusCode::kInvalidArgument,
+                                  HasSubstr("blocks_per_canonical 0: expected 1 to 2^32-1")));
 }
 
 TEST_F(KvLayoutBadInputTest, BlockBufferTooSmallOrNull) {
@@ -319,6 +410,15 @@ TEST_F(KvLayoutBadInputTest, ScatterOfOneBlockTwice) {
   EXPECT_THAT(ScatterBlocks(kv_.layout, ids, Const(Pointers(src, 2, bb))),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block id 4 appears twice")));
   EXPECT_EQ(kv_.buffers, before);  // nothing written
+  // kNoBlock may appear any number of times; a real id twice is still refused.
+  PagedLayout l = kv_.layout;
+  l.blocks_per_canonical = 2;
+  std::vector<std::byte> grouped(2 * l.BlockBytes());
+  std::vector<uint64_t> skips = {kNoBlock, 1, kNoBlock, 2};
+  EXPECT_OK(ScatterBlocks(l, skips, Const(Pointers(grouped, 2, l.BlockBytes()))));
+  std::vector<uint64_t> twice = {kNoBlock, 3, 3, kNoBlock};
+  EXPECT_THAT(ScatterBlocks(l, twice, Const(Pointers(grouped, 2, l.BlockBytes()))),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("block id 3 appears twice")));
 }
 
 TEST_F(KvLayoutBadInputTest, CudaPathValidatesTheSameOrSaysWhyNot) {

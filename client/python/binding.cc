@@ -694,8 +694,10 @@ class PyKvLayout {
   PyKvLayout(const std::vector<LayerTuple>& layers,
              const std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>& strides,
              uint64_t num_blocks, uint32_t num_kv_heads, uint32_t head_dim,
-             uint32_t tokens_per_block, uint32_t element_size, bool device)
+             uint32_t tokens_per_block, uint32_t element_size, bool device,
+             uint32_t blocks_per_canonical)
       : device_(device) {
+    layout_.blocks_per_canonical = blocks_per_canonical;
     layout_.element_size = element_size;
     layout_.num_kv_heads = num_kv_heads;
     layout_.head_dim = head_dim;
@@ -714,7 +716,7 @@ class PyKvLayout {
   bool device() const { return device_; }
 
   void Gather(const std::vector<uint64_t>& ids, const py::object& blocks, uintptr_t stream) {
-    std::vector<std::byte*> ptrs = Pointers(blocks, ids.size());
+    std::vector<std::byte*> ptrs = Pointers(blocks, ids.size() / layout_.blocks_per_canonical);
     absl::Status st;
     {
       py::gil_scoped_release release;
@@ -726,7 +728,7 @@ class PyKvLayout {
   }
 
   void Scatter(const std::vector<uint64_t>& ids, const py::object& blocks, uintptr_t stream) {
-    std::vector<std::byte*> p = Pointers(blocks, ids.size());
+    std::vector<std::byte*> p = Pointers(blocks, ids.size() / layout_.blocks_per_canonical);
     std::vector<const std::byte*> ptrs(p.begin(), p.end());
     absl::Status st;
     {
@@ -739,7 +741,9 @@ class PyKvLayout {
   }
 
  private:
-  // `blocks`: one address per block, or one int: blocks back to back from that address.
+  // `blocks`: one address per canonical block, or one int: `n` blocks back to back from that
+  // address (a count of ids that is not a multiple of blocks_per_canonical is refused by the
+  // call).
   std::vector<std::byte*> Pointers(const py::object& blocks, size_t n) const {
     std::vector<std::byte*> out;
     if (py::isinstance<py::int_>(blocks)) {
@@ -881,25 +885,32 @@ PYBIND11_MODULE(_proxima, m) {
       });
 
   m.attr("KV_LAYOUT_CUDA") = proxima::gpu::BuiltWithCuda();
+  m.attr("KV_NO_BLOCK") = proxima::kv_layout::kNoBlock;
   py::class_<PyKvLayout>(m, "KvLayout",
                          "Paged KV tensors (addresses and element strides) and gather/scatter "
                          "of canonical blocks [layer][k|v][token][head][dim]")
       .def(py::init<const std::vector<PyKvLayout::LayerTuple>&,
                     const std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>&, uint64_t,
-                    uint32_t, uint32_t, uint32_t, uint32_t, bool>(),
+                    uint32_t, uint32_t, uint32_t, uint32_t, bool, uint32_t>(),
            py::arg("layers"), py::arg("strides"), py::arg("num_blocks"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("tokens_per_block"), py::arg("element_size"),
-           py::arg("device") = false,
+           py::arg("device") = false, py::arg("blocks_per_canonical") = 1,
            "layers: per layer (k_address, v_address or 0, k_size_bytes or 0, v_size_bytes or 0); "
            "strides: element strides of the (kv, block, token, head, dim) axes; device: the "
-           "addresses are CUDA device memory and the CUDA kernel copies")
+           "addresses are CUDA device memory and the CUDA kernel copies; blocks_per_canonical: "
+           "paged blocks (of tokens_per_block tokens) per canonical block, their tokens one "
+           "after the other")
       .def_property_readonly("block_bytes", &PyKvLayout::block_bytes)
       .def_property_readonly("device", &PyKvLayout::device)
       .def("gather", &PyKvLayout::Gather, py::arg("block_ids"), py::arg("blocks"),
            py::arg("stream") = 0,
-           "Copies paged block block_ids[i] of every layer into canonical block i: blocks is a "
-           "list of addresses or one address (blocks back to back). device=True: enqueued on "
-           "`stream` (a cudaStream_t as int, 0 = default stream), not synchronised")
+           "Copies paged blocks block_ids[i*n:(i+1)*n] (n = blocks_per_canonical) of every "
+           "layer into canonical block i; an id of KV_NO_BLOCK leaves its part of the canonical "
+           "block as it was. blocks is a list of addresses or one address (blocks back to back). "
+           "device=True: enqueued on `stream` (a cudaStream_t as int, 0 = default stream), not "
+           "synchronised")
       .def("scatter", &PyKvLayout::Scatter, py::arg("block_ids"), py::arg("blocks"),
-           py::arg("stream") = 0, "The reverse of gather; block ids must be distinct");
+           py::arg("stream") = 0,
+           "The reverse of gather; block ids other than KV_NO_BLOCK (not written) must be "
+           "distinct");
 }

@@ -23,6 +23,9 @@ Paged KV caches (vLLM's tensors) to canonical blocks and back, by addresses and 
     kv.gather(block_ids, dst_address)   # blocks back to back, or a list of addresses
     kv.scatter(block_ids, src_addresses)
 
+With blocks_per_canonical=n, n paged blocks make one canonical block (n * tokens_per_block
+tokens): ids come n per canonical block, and KV_NO_BLOCK stands for a part not to copy.
+
 Engines: `proxima.vllm` (a vLLM KV connector) and `proxima.sglang` (a HiCache storage backend).
 The STAR-KV codec is `proxima.codec` (the module tools/eval uses, built from the same source).
 """
@@ -33,13 +36,13 @@ import os as _os
 # of it), named by the test harness; an installed package carries them beside this file.
 __path__ += [d for d in _os.environ.get("PROXIMA_EXTENSION_DIRS", "").split(_os.pathsep) if d]
 
-from ._proxima import (KEY_BYTES, KV_LAYOUT_CUDA, Buffer, Error, Handle, KvLayout, Profile,
-                       Unavailable)
+from ._proxima import (KEY_BYTES, KV_LAYOUT_CUDA, KV_NO_BLOCK, Buffer, Error, Handle, KvLayout,
+                       Profile, Unavailable)
 from ._proxima import Client as _Client
 from .keys import block_key, chain_keys
 
-__all__ = ["Buffer", "Client", "Error", "Handle", "KEY_BYTES", "KV_LAYOUT_CUDA", "KvLayout",
-           "Profile", "Unavailable", "block_key", "chain_keys"]
+__all__ = ["Buffer", "Client", "Error", "Handle", "KEY_BYTES", "KV_LAYOUT_CUDA", "KV_NO_BLOCK",
+           "KvLayout", "Profile", "Unavailable", "block_key", "chain_keys"]
 
 
 class Client(_Client):

@@ -80,6 +80,44 @@ def test_gather_matches_numpy_and_scatter_round_trips(order, pad, dtype):
                                       before_pad[layer])
 
 
+@pytest.mark.parametrize("order", ["nhd", "hnd_block_first"])
+def test_several_paged_blocks_make_one_canonical_block(order):
+    """blocks_per_canonical=3: each canonical block holds 3 paged blocks' tokens one after the
+    other ([layer][kv][3 * TOKENS][head][dim]); KV_NO_BLOCK parts are neither read nor
+    written."""
+    tensors = [paged(ORDERS[order], np.uint16, seed=10 + l) for l in range(LAYERS)]
+    fulls, logicals = zip(*tensors)
+    one = layout_of(logicals, fulls)
+    layers = [(lg.ctypes.data, 0, f.nbytes, 0) for lg, f in zip(logicals, fulls)]
+    kv = proxima.KvLayout(layers=layers, strides=strides_of(logicals[0]), num_blocks=BLOCKS,
+                          num_kv_heads=HEADS, head_dim=DIM, tokens_per_block=TOKENS,
+                          element_size=2, blocks_per_canonical=3)
+    assert kv.block_bytes == 3 * one.block_bytes
+    ids = [7, 0, 3, 9, 2, 5]
+    out = np.zeros((2, LAYERS, 2, 3 * TOKENS, HEADS, DIM), dtype=np.uint16)
+    kv.gather(ids, out.ctypes.data)
+    per_block = reference(logicals, ids)  # [6][layer][kv][token][head][dim]
+    want = per_block.reshape(2, 3, LAYERS, 2, TOKENS, HEADS, DIM).transpose(0, 2, 3, 1, 4, 5, 6)
+    np.testing.assert_array_equal(out, want.reshape(out.shape))
+    # A part not to copy: left as it was in the gather, not written by the scatter.
+    again = np.full_like(out, 0x7777)
+    kv.gather([7, proxima.KV_NO_BLOCK, 3, 9, 2, 5], again.ctypes.data)
+    np.testing.assert_array_equal(again[0, :, :, TOKENS:2 * TOKENS], 0x7777)
+    np.testing.assert_array_equal(again[0, :, :, :TOKENS], out[0, :, :, :TOKENS])
+    np.testing.assert_array_equal(again[1], out[1])
+    before = [lg.copy() for lg in logicals]
+    kv.scatter([1, proxima.KV_NO_BLOCK, 4, 6, 8, proxima.KV_NO_BLOCK], out.ctypes.data)
+    for layer, lg in enumerate(logicals):
+        np.testing.assert_array_equal(lg[:, 1], per_block[0, layer])
+        np.testing.assert_array_equal(lg[:, 4], per_block[2, layer])
+        np.testing.assert_array_equal(lg[:, 6], per_block[3, layer])
+        np.testing.assert_array_equal(lg[:, 8], per_block[4, layer])
+        for b in (0, 2, 3, 5, 7, 9):
+            np.testing.assert_array_equal(lg[:, b], before[layer][:, b])
+    with pytest.raises(ValueError, match="4 block ids for 1 block pointers: expected 3"):
+        kv.gather([0, 1, 2, 3], out.ctypes.data)
+
+
 def test_separate_k_and_v_tensors():
     rng = np.random.default_rng(5)
     pairs = [(rng.integers(0, 2**16, size=(BLOCKS, TOKENS, HEADS, DIM)).astype(np.uint16),
@@ -105,7 +143,7 @@ def test_bad_input_is_a_value_error_naming_the_value():
         kv.gather([0, 10], out.ctypes.data)
     with pytest.raises(ValueError, match="block id 3 appears twice"):
         kv.scatter([3, 3], out.ctypes.data)
-    with pytest.raises(ValueError, match="2 block ids but 1 block pointers"):
+    with pytest.raises(ValueError, match="2 block ids for 1 block pointers"):
         kv.gather([0, 1], [out.ctypes.data])
     with pytest.raises(ValueError, match="block pointer 1 .* is null"):
         kv.gather([0, 1], [out.ctypes.data, 0])
