@@ -30,6 +30,7 @@ class HostStaging:
         self._shape = tuple(shape)
         self._dtype = dtype
         self._pin = pin
+        self.blocks = self._shape[0]  # blocks the buffer holds (its first dimension)
         self.nbytes = math.prod(self._shape) * torch.empty((), dtype=dtype).element_size()
         self._heap: Optional[torch.Tensor] = None  # made on first use
         self._ucx_buffer = None  # the proxima.Buffer of the connection last seen

@@ -6,15 +6,28 @@ request (on any worker, after any restart) that shares the prefix.
         "kv_connector_extra_config": {"target": "unix:/run/proxima/proximad.sock",
                                       "namespace": "default"}}'
 
+Proxima blocks of 64 tokens: vLLM's pages are small (16 tokens by default), and a codec's
+metadata (scales, minimums per group of tokens) weighs more per token the fewer tokens a block
+has (the trace replay holds 3.2-3.3x raw's blocks with k4v3 at 16 tokens, 4.1x at 64:
+docs/benchmarks.md), and every block costs a key, a lookup entry and a share of a call. So the connector stores
+`block_tokens` tokens per Proxima block (kv_connector_extra_config or PROXIMA_BLOCK_TOKENS; a
+multiple of vLLM's block_size; default the smallest multiple >= 64), made of block_tokens /
+block_size consecutive vLLM blocks of a request ("a group"). Only whole groups are stored and
+loaded: up to block_tokens - block_size more tokens of a prompt's tail are recomputed than with
+one Proxima block per vLLM block (block_tokens = block_size gives that back).
+
 Keys: vLLM's own block hashes (request.block_hashes, which chain the hashes of the blocks before
-them), scoped by namespace, model, revision, KV dtype and tensor/pipeline rank (proxima.keys).
+them; a group's key is its last block's hash), scoped by namespace, model, revision, KV dtype and
+tensor/pipeline rank (proxima.keys).
 Workers and restarts agree only when vLLM's hashes do: set PYTHONHASHSEED to the same value on
 every process and use a deterministic --prefix-caching-hash-algo (sha256 or sha256_cbor), see
 docs/python.md.
 
-Scheduler side: get_num_new_matched_tokens asks proximad once (one Lookup of the blocks past the
-local prefix-cache hit) and claims the blocks found; update_state_after_alloc records where they
-go; build_connector_meta lists, per step, the blocks to load and the newly full blocks to save.
+Scheduler side: get_num_new_matched_tokens asks proximad once (one Lookup of the groups from the
+one the local prefix-cache hit ends in) and claims the tokens of the groups found past that hit;
+update_state_after_alloc records where they go; build_connector_meta lists, per step, the groups
+to load (a group's blocks the local cache already holds are not written: proxima.KV_NO_BLOCK)
+and the newly full groups to save.
 Worker side: register_kv_caches reads each layer's KV tensor layout from its shape and strides
 (the dimension order is matched against vLLM's known layouts, never assumed), start_load_kv gets
 the blocks and scatters them into the paged tensors before the forward pass, wait_for_save
@@ -34,6 +47,7 @@ through get_block_ids_with_load_errors() so vLLM recomputes them, saves are drop
 (get_kv_connector_stats-like counters on .link.counters) and logged once.
 """
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -43,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from ._proxima import KV_LAYOUT_CUDA, KvLayout
+from ._proxima import KV_LAYOUT_CUDA, KV_NO_BLOCK, KvLayout
 from .engine import Link, LinkOptions, ProfileSpec, model_rope_theta
 from .keys import block_key, scope_bytes
 from .staging import HostStaging
@@ -62,7 +76,25 @@ KNOWN_LAYOUTS = (
 # [block][head][2 * token][dim], K in the first block_size rows and V in the rest: in memory,
 # this order.
 CPU_ATTN_LAYOUT = ("block", "head", "kv", "token", "dim")
-STAGING_BLOCKS = 32  # blocks per put/get call through the staging buffer
+STAGING_BLOCKS = 32  # vLLM blocks per put/get call through the staging buffer (whole groups)
+DEFAULT_BLOCK_TOKENS = 64  # tokens per Proxima block: the smallest multiple of block_size >= this
+
+
+def block_tokens(extra: Optional[dict], block_size: int) -> int:
+    """Tokens per Proxima block: `block_tokens` of the connector's extra config (or
+    PROXIMA_BLOCK_TOKENS), a positive multiple of vLLM's block_size; by default the smallest
+    multiple of it that is >= DEFAULT_BLOCK_TOKENS."""
+    value = (extra or {}).get("block_tokens", os.environ.get("PROXIMA_BLOCK_TOKENS"))
+    if value is None:
+        return -(-DEFAULT_BLOCK_TOKENS // block_size) * block_size
+    try:
+        tokens = int(value)
+    except (TypeError, ValueError):
+        tokens = 0
+    if tokens <= 0 or tokens % block_size or str(value).strip() != str(tokens):
+        raise ValueError(f"proxima.vllm: block_tokens {value!r}: expected a positive multiple of "
+                         f"vLLM's block_size {block_size}")
+    return tokens
 
 
 def _dtype_name(dtype) -> str:
@@ -86,14 +118,16 @@ def parallel_ranks(vllm_config) -> Tuple[int, int, int, int]:
     return rank % tp, tp, (rank // tp) % pp, pp
 
 
-def profile_spec(vllm_config, ranks) -> ProfileSpec:
+def profile_spec(vllm_config, ranks, tokens_per_block: Optional[int] = None) -> ProfileSpec:
+    """The profile proximad keeps this shard's blocks under; `tokens_per_block`: tokens per
+    Proxima block (block_tokens), vLLM's block_size when not given."""
     m = vllm_config.model_config
     p = vllm_config.parallel_config
     tp_rank, tp, pp_rank, pp = ranks
     fingerprint = f"{m.model}@{m.revision or ''} tp={tp}/{tp_rank} pp={pp}/{pp_rank}"
     return ProfileSpec(num_layers=m.get_num_layers(p), num_kv_heads=m.get_num_kv_heads(p),
                        head_dim=m.get_head_size(),
-                       tokens_per_block=vllm_config.cache_config.block_size,
+                       tokens_per_block=tokens_per_block or vllm_config.cache_config.block_size,
                        dtype=_dtype_name(kv_cache_dtype(vllm_config)),
                        fingerprint=fingerprint[:256],
                        rope_theta=model_rope_theta(getattr(m, "hf_text_config", None)
@@ -145,10 +179,11 @@ def logical_view(t: torch.Tensor, block_size: int, num_heads: int, head_dim: int
 
 
 def kv_layout(views: Sequence[torch.Tensor], block_size: int, num_heads: int,
-              head_dim: int) -> Optional[KvLayout]:
+              head_dim: int, group: int = 1) -> Optional[KvLayout]:
     """The KvLayout of the logical [kv][block][token][head][dim] views of every layer (their data
-    pointers and strides as vLLM made them), or None when the C++ path cannot take them: layers
-    with different strides or block counts, or CUDA tensors in a module built without CUDA."""
+    pointers and strides as vLLM made them), `group` vLLM blocks per Proxima block, or None when
+    the C++ path cannot take them: layers with different strides or block counts, or CUDA
+    tensors in a module built without CUDA."""
     first = views[0]
     if any(v.stride() != first.stride() or v.shape != first.shape or v.device != first.device or
            v.dtype != first.dtype for v in views):
@@ -165,13 +200,14 @@ def kv_layout(views: Sequence[torch.Tensor], block_size: int, num_heads: int,
         layers.append((v.data_ptr(), 0, size, 0))
     return KvLayout(layers=layers, strides=tuple(first.stride()), num_blocks=first.shape[1],
                     num_kv_heads=num_heads, head_dim=head_dim, tokens_per_block=block_size,
-                    element_size=first.element_size(), device=first.is_cuda)
+                    element_size=first.element_size(), device=first.is_cuda,
+                    blocks_per_canonical=group)
 
 
 @dataclass
 class _Transfer:
-    block_ids: List[int]
-    keys: List[bytes]
+    block_ids: List[int]  # vLLM block ids, `group` per key (KV_NO_BLOCK: not to write)
+    keys: List[bytes]  # one per Proxima block
 
 
 @dataclass
@@ -182,12 +218,14 @@ class ProximaConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _RequestState:
+    """Counts in groups (Proxima blocks of `group` vLLM blocks) unless named blocks."""
     request: Any
-    keys: List[bytes] = field(default_factory=list)  # of request.block_hashes, as computed
-    block_ids: List[int] = field(default_factory=list)
-    first_unsaved: int = 0  # blocks before this are in proximad or were computed elsewhere
-    first_hit: int = 0  # first block past the local prefix-cache hit, as last matched
-    load: Optional[Tuple[int, int]] = None  # (first block, count) to load, once allocated
+    keys: List[bytes] = field(default_factory=list)  # of the groups' last block hashes, as computed
+    block_ids: List[int] = field(default_factory=list)  # vLLM's, of the request
+    first_unsaved: int = 0  # groups before this are in proximad or were computed elsewhere
+    first_hit: int = 0  # the group the local prefix-cache hit ends in, as last matched
+    local_blocks: int = 0  # vLLM blocks of that local hit
+    load: Optional[Tuple[int, int]] = None  # (first group, count) to load, once allocated
 
 
 class ProximaConnector(KVConnectorBase_V1):
@@ -196,8 +234,10 @@ class ProximaConnector(KVConnectorBase_V1):
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
         self.options = LinkOptions.from_config(extra)
         self.block_size = vllm_config.cache_config.block_size
+        self.block_tokens = block_tokens(extra, self.block_size)
+        self.group = self.block_tokens // self.block_size  # vLLM blocks per Proxima block
         self.ranks = parallel_ranks(vllm_config)
-        self.spec = profile_spec(vllm_config, self.ranks)
+        self.spec = profile_spec(vllm_config, self.ranks, self.block_tokens)
         self.scope = key_scope(self.options, vllm_config, self.ranks)
         self.link = Link(self.options, self.spec)
         # Scheduler side.
@@ -212,10 +252,20 @@ class ProximaConnector(KVConnectorBase_V1):
             self.link.connected(wait=True)  # the worker connects once its caches are known
 
     def _keys(self, state: _RequestState, upto: int) -> List[bytes]:
+        """The keys of the request's first `upto` groups (fewer when vLLM has hashed fewer full
+        blocks): each group's is its last block's hash, which chains all before it."""
         hashes = state.request.block_hashes
-        while len(state.keys) < min(upto, len(hashes)):
-            state.keys.append(block_key(self.scope, hashes[len(state.keys)]))
+        while len(state.keys) < min(upto, len(hashes) // self.group):
+            last = (len(state.keys) + 1) * self.group - 1
+            state.keys.append(block_key(self.scope, hashes[last]))
         return state.keys[:upto]
+
+    def _group_ids(self, state: _RequestState, first: int, count: int, skip: int = 0) -> List[int]:
+        """vLLM block ids of groups first..first+count-1, the first `skip` as KV_NO_BLOCK."""
+        g = self.group
+        ids = list(state.block_ids[first * g:(first + count) * g])
+        ids[:skip] = [KV_NO_BLOCK] * min(skip, len(ids))
+        return ids
 
     # ---------------- scheduler side
 
@@ -223,16 +273,20 @@ class ProximaConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None or state.request is not request:
             state = self._requests[request.request_id] = _RequestState(request)
-        local = num_computed_tokens // self.block_size
+        local = num_computed_tokens // self.block_size  # vLLM blocks the local cache holds
+        first = local // self.group  # the group that local hit ends in (or the next one)
         # Never the whole prompt: vLLM computes at least its last token.
-        claimable = (request.num_tokens - 1) // self.block_size
-        state.first_unsaved = max(state.first_unsaved, local)
-        if claimable <= local:
+        claimable = (request.num_tokens - 1) // self.block_tokens
+        # A group wholly inside the local hit is not saved again; one it ends in is, unless found.
+        state.first_unsaved = max(state.first_unsaved, first)
+        if claimable <= first:
             return 0, False
-        hits = self.link.lookup(self._keys(state, claimable)[local:])
-        state.first_unsaved = max(state.first_unsaved, local + hits)
-        state.first_hit = local
-        return hits * self.block_size, False
+        hits = self.link.lookup(self._keys(state, claimable)[first:])
+        state.first_unsaved = max(state.first_unsaved, first + hits)
+        state.first_hit, state.local_blocks = first, local
+        if not hits:
+            return 0, False
+        return (first + hits) * self.block_tokens - num_computed_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         # Called once the request got its blocks (all of them, the local hits first); a load is
@@ -241,8 +295,11 @@ class ProximaConnector(KVConnectorBase_V1):
         if state is None:
             return
         state.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        count = num_external_tokens // self.block_size
-        state.load = (state.first_hit, count) if count else None
+        if not num_external_tokens:
+            state.load = None
+            return
+        end = (state.local_blocks * self.block_size + num_external_tokens) // self.block_tokens
+        state.load = (state.first_hit, end - state.first_hit)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = ProximaConnectorMetadata()
@@ -272,15 +329,19 @@ class ProximaConnector(KVConnectorBase_V1):
             if state.load is not None:
                 first, count = state.load
                 keys = self._keys(state, first + count)[first:]
-                meta.loads.append(_Transfer(state.block_ids[first:first + count], keys))
+                # The blocks of the first group that the local cache holds are not written.
+                skip = state.local_blocks - first * self.group
+                meta.loads.append(_Transfer(self._group_ids(state, first, count, skip), keys))
                 state.load = None
             if req_id not in computed_after:
                 continue
-            full = min(computed_after[req_id] // self.block_size,
-                       len(state.request.block_hashes), len(state.block_ids))
+            full = min(computed_after[req_id] // self.block_tokens,
+                       len(state.request.block_hashes) // self.group,
+                       len(state.block_ids) // self.group)
             if full > state.first_unsaved:
-                keys = self._keys(state, full)[state.first_unsaved:]
-                meta.saves.append(_Transfer(state.block_ids[state.first_unsaved:full], keys))
+                first = state.first_unsaved
+                keys = self._keys(state, full)[first:]
+                meta.saves.append(_Transfer(self._group_ids(state, first, full - first), keys))
                 state.first_unsaved = full
         return meta
 
@@ -294,16 +355,19 @@ class ProximaConnector(KVConnectorBase_V1):
         # "NHD" or "HND", as the engine core resolved it, when this vLLM says.
         hint = getattr(self._kv_cache_config, "kv_cache_layout", None)
         s = self.spec
-        self._layers = [logical_view(t, s.tokens_per_block, s.num_kv_heads, s.head_dim, hint)
+        self._layers = [logical_view(t, self.block_size, s.num_kv_heads, s.head_dim, hint)
                         for t in kv_caches.values()]
         if len(self._layers) != s.num_layers:
             raise ValueError(f"proxima.vllm: {len(self._layers)} KV tensors; expected one per "
                              f"layer, {s.num_layers}")
         first = self._layers[0]
-        shape = (STAGING_BLOCKS, s.num_layers, 2, s.tokens_per_block, s.num_kv_heads, s.head_dim)
+        # Whole Proxima blocks (groups), STAGING_BLOCKS vLLM blocks' worth, at least one.
+        shape = (max(1, STAGING_BLOCKS // self.group), s.num_layers, 2, s.tokens_per_block,
+                 s.num_kv_heads, s.head_dim)
         # Before the link connects: its clients allocate the staging memory as they connect.
         self._staging = HostStaging(self.link, shape, first.dtype, pin=first.is_cuda)
-        self._kv_layout = kv_layout(self._layers, s.tokens_per_block, s.num_kv_heads, s.head_dim)
+        self._kv_layout = kv_layout(self._layers, self.block_size, s.num_kv_heads, s.head_dim,
+                                    self.group)
         if self._kv_layout is not None and self._kv_layout.device:
             self._device_staging = torch.empty(shape, dtype=first.dtype, device=first.device)
         self.link.connected(wait=True)
@@ -315,10 +379,13 @@ class ProximaConnector(KVConnectorBase_V1):
         return [[(base + i * block_bytes, block_bytes)] for i in range(n)]
 
     def _chunks(self, transfers: Sequence[_Transfer]):
+        """(vLLM block ids, keys) of up to a staging buffer's worth of Proxima blocks at a time;
+        `group` ids per key."""
         ids = [b for t in transfers for b in t.block_ids]
         keys = [k for t in transfers for k in t.keys]
-        for i in range(0, len(ids), STAGING_BLOCKS):
-            yield ids[i:i + STAGING_BLOCKS], keys[i:i + STAGING_BLOCKS]
+        n, g = self._staging.blocks, self.group
+        for i in range(0, len(keys), n):
+            yield ids[i * g:(i + n) * g], keys[i:i + n]
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
@@ -330,15 +397,18 @@ class ProximaConnector(KVConnectorBase_V1):
             if conn is None:  # the daemon is down: the blocks fail (counted), nothing to stage
                 self._staging.release()
                 self.link.get(keys, [], via=None)
-                self._load_errors.update(ids)
+                self._load_errors.update(b for b in ids if b != KV_NO_BLOCK)
                 continue
             staging = self._staging.tensor(conn)
-            found = self.link.get(keys, self._staged_blocks(staging, len(ids)), via=conn)
-            ok = [b for b, f in zip(ids, found) if f]
-            self._load_errors.update(b for b, f in zip(ids, found) if not f)
-            if not ok:
+            found = self.link.get(keys, self._staged_blocks(staging, len(keys)), via=conn)
+            g = self.group
+            groups = [ids[i * g:(i + 1) * g] for i in range(len(keys))]
+            self._load_errors.update(b for group, f in zip(groups, found) if not f
+                                     for b in group if b != KV_NO_BLOCK)
+            rows = [i for i, f in enumerate(found) if f]
+            if not rows:
                 continue
-            self._scatter(staging, ok, [i for i, f in enumerate(found) if f], len(ids))
+            self._scatter(staging, [b for i in rows for b in groups[i]], rows, len(keys))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv has loaded every layer
@@ -360,15 +430,19 @@ class ProximaConnector(KVConnectorBase_V1):
                 continue
             staging = self._staging.tensor(conn)
             self._gather(staging, ids)
-            self.link.put(keys, self._staged_blocks(staging, len(ids)), via=conn)
+            self.link.put(keys, self._staged_blocks(staging, len(keys)), via=conn)
 
     def _gather(self, staging: torch.Tensor, ids: List[int]) -> None:
-        """Paged blocks `ids` of every layer into staging rows 0..len(ids)-1."""
-        n = len(ids)
+        """Paged blocks `ids` of every layer into staging rows 0..len(ids)/group-1, `group` of
+        them per row, their tokens one after the other."""
+        g = self.group
+        n = len(ids) // g
         if self._kv_layout is None:
             for layer, view in enumerate(self._layers):
                 index = torch.tensor(ids, device=view.device)
-                staging[:n, layer].copy_(view[:, index].transpose(0, 1))
+                x = view[:, index]  # [kv][n * g][token][head][dim]
+                x = x.reshape(2, n, g * self.block_size, *x.shape[3:]).transpose(0, 1)
+                staging[:n, layer].copy_(x)
         elif self._device_staging is None:
             self._kv_layout.gather(ids, staging.data_ptr())
         else:
@@ -378,13 +452,18 @@ class ProximaConnector(KVConnectorBase_V1):
 
     def _scatter(self, staging: torch.Tensor, ids: List[int], rows: List[int],
                  staged: int) -> None:
-        """Staging rows `rows` into paged blocks `ids` of every layer."""
+        """Staging rows `rows` into paged blocks `ids` (`group` per row; KV_NO_BLOCK: that part
+        of the row is not written) of every layer."""
         if self._kv_layout is None:
-            index_rows = torch.tensor(rows)
+            g, bs = self.group, self.block_size
+            parts = [(row, p, ids[j * g + p]) for j, row in enumerate(rows) for p in range(g)
+                     if ids[j * g + p] != KV_NO_BLOCK]
             for layer, view in enumerate(self._layers):
-                index = torch.tensor(ids, device=view.device)
-                src = staging[index_rows, layer].to(view.device)  # [n][kv][token][head][dim]
-                view[:, index] = src.transpose(0, 1)
+                index = torch.tensor([b for _, _, b in parts], device=view.device)
+                # [parts][kv][token][head][dim]: each part's tokens of its staging row
+                src = torch.stack([staging[row, layer, :, p * bs:(p + 1) * bs]
+                                   for row, p, _ in parts])
+                view[:, index] = src.to(view.device).transpose(0, 1)
             return
         bb = self._kv_layout.block_bytes
         if self._device_staging is None:

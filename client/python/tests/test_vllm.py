@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from conftest import Daemon  # noqa: E402
+from proxima import KV_NO_BLOCK  # noqa: E402
 from proxima.vllm import ProximaConnector  # noqa: E402
 
 BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS = 4, 3, 2, 16, 40
@@ -55,6 +56,9 @@ def model_config(model_dir):
 
 
 def connector(model_config, target, role, layout="NHD", **extra):
+    """A connector made by vLLM's factory. One Proxima block per vLLM block unless the test
+    says otherwise (block_tokens; None: the connector's default)."""
+    extra = {k: v for k, v in {"block_tokens": BLOCK, **extra}.items() if v is not None}
     config = VllmConfig(
         model_config=model_config, cache_config=CacheConfig(block_size=BLOCK),
         device_config=DeviceConfig(device="cpu"),
@@ -191,6 +195,69 @@ def test_second_request_loads_the_prefix_the_first_saved(daemon, model_config, l
     # A third prompt sharing 2 blocks; the local prefix cache already has the first one.
     r3 = request(f"third-{layout}", tokens[:8] + [7] * 9)
     assert s2.get_num_new_matched_tokens(r3, 4) == (4, False)
+
+
+def test_proxima_blocks_are_64_tokens_of_whole_vllm_blocks_by_default(daemon, model_config):
+    c = connector(model_config, daemon.target, KVConnectorRole.WORKER, block_tokens=None)
+    assert (c.block_tokens, c.group, c.spec.tokens_per_block) == (64, 64 // BLOCK, 64)
+    c = connector(model_config, daemon.target, KVConnectorRole.WORKER, block_tokens=12)
+    assert (c.block_tokens, c.group, c.spec.tokens_per_block) == (12, 3, 12)
+    for bad in (6, 0, -4, "12x", 2.5):
+        with pytest.raises(ValueError, match=f"block_tokens {bad!r}: expected a positive "
+                           f"multiple of vLLM's block_size {BLOCK}"):
+            connector(model_config, daemon.target, KVConnectorRole.WORKER, block_tokens=bad)
+
+
+@pytest.mark.parametrize("save_path,load_path", [("kv_layout", "kv_layout"),
+                                                  ("torch", "kv_layout"),
+                                                  ("kv_layout", "torch")])
+def test_groups_of_blocks_are_saved_whole_and_loaded_past_the_local_hit(daemon, model_config,
+                                                                        save_path, load_path):
+    """block_tokens=12: three vLLM blocks per Proxima block. A 30-token prompt has 7 full
+    blocks: 2 whole groups are saved (blocks 0-5), block 6 is not (its group is not full). A
+    second engine whose local prefix cache holds the first block claims the other 20 tokens of
+    the two groups and loads them; its first block is not written. Torch's gather and scatter
+    (the fallback) each meet the C++ path on the other side."""
+    path = f"{save_path}-{load_path}"
+    first = {"kv_layout-kv_layout": 800, "torch-kv_layout": 850, "kv_layout-torch": 900}[path]
+    tokens = list(range(first, first + 30))
+    s1 = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, block_tokens=12)
+    w1 = connector(model_config, daemon.target, KVConnectorRole.WORKER, block_tokens=12)
+    src = kv_caches("NHD", seed=11)
+    w1.register_kv_caches(src)
+    r1 = request(f"group-{path}-1", tokens)
+    assert s1.get_num_new_matched_tokens(r1, 0) == (0, False)
+    s1.update_state_after_alloc(r1, blocks(range(0, 8)), 0)
+    meta = schedule_new(s1, r1, range(0, 8))
+    assert [(t.block_ids, len(t.keys)) for t in meta.saves] == [([0, 1, 2, 3, 4, 5], 2)]
+    if save_path == "torch":
+        w1._kv_layout = None
+    assert run_worker_step(w1, meta) == set()
+    assert w1.link.counters.blocks_saved == 2
+
+    s2 = connector(model_config, daemon.target, KVConnectorRole.SCHEDULER, block_tokens=12)
+    w2 = connector(model_config, daemon.target, KVConnectorRole.WORKER, block_tokens=12)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    w2.register_kv_caches(dst)
+    if load_path == "torch":
+        w2._kv_layout = None
+    r2 = request(f"group-{path}-2", tokens)
+    assert s2.get_num_new_matched_tokens(r2, BLOCK) == (2 * 12 - BLOCK, False)
+    s2.update_state_after_alloc(r2, blocks(range(20, 28)), 2 * 12 - BLOCK)
+    meta = schedule_new(s2, r2, range(20, 28), num_computed=24)
+    assert [t.block_ids for t in meta.loads] == [[KV_NO_BLOCK, 21, 22, 23, 24, 25]]
+    assert not meta.saves  # both groups are in proximad; block 6's group is not full
+    assert run_worker_step(w2, meta) == set()
+    for i in range(1, 6):
+        assert torch.equal(block_of(dst, "NHD", 20 + i).view(torch.int16),
+                           block_of(src, "NHD", i).view(torch.int16)), i
+    for untouched in (20, 26, 27):  # the local hit's block, and blocks past the groups
+        assert not block_of(dst, "NHD", untouched).any(), untouched
+
+    # A prompt whose only whole group the local hit already covers claims nothing (17 tokens:
+    # one group of 12 claimable; 4 blocks held locally).
+    r3 = request(f"group-{path}-3", tokens[:17])
+    assert s2.get_num_new_matched_tokens(r3, 4 * BLOCK) == (0, False)
 
 
 def test_dead_daemon_misses_reports_failed_loads_drops_saves(daemon, model_config, tmp_path):
