@@ -716,7 +716,7 @@ class PyKvLayout {
   bool device() const { return device_; }
 
   void Gather(const std::vector<uint64_t>& ids, const py::object& blocks, uintptr_t stream) {
-    std::vector<std::byte*> ptrs = Pointers(blocks, ids.size() / layout_.blocks_per_canonical);
+    std::vector<std::byte*> ptrs = Pointers(blocks, ids.size());
     absl::Status st;
     {
       py::gil_scoped_release release;
@@ -728,7 +728,7 @@ class PyKvLayout {
   }
 
   void Scatter(const std::vector<uint64_t>& ids, const py::object& blocks, uintptr_t stream) {
-    std::vector<std::byte*> p = Pointers(blocks, ids.size() / layout_.blocks_per_canonical);
+    std::vector<std::byte*> p = Pointers(blocks, ids.size());
     std::vector<const std::byte*> ptrs(p.begin(), p.end());
     absl::Status st;
     {
@@ -741,10 +741,11 @@ class PyKvLayout {
   }
 
  private:
-  // `blocks`: one address per canonical block, or one int: `n` blocks back to back from that
-  // address (a count of ids that is not a multiple of blocks_per_canonical is refused by the
-  // call).
-  std::vector<std::byte*> Pointers(const py::object& blocks, size_t n) const {
+  // `blocks`: one address per canonical block, or one int: the canonical blocks of `ids` paged
+  // block ids back to back from that address (a count of ids that is not a multiple of
+  // blocks_per_canonical is refused by the call).
+  std::vector<std::byte*> Pointers(const py::object& blocks, size_t ids) const {
+    const size_t n = ids / layout_.blocks_per_canonical;
     std::vector<std::byte*> out;
     if (py::isinstance<py::int_>(blocks)) {
       const uintptr_t base = blocks.cast<uintptr_t>();

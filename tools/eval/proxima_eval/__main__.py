@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from . import corpus
+
 _DEFAULT_CONT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "testdata", "continuations_smollm2.json")
 
@@ -26,7 +28,7 @@ def main(argv=None) -> int:
     ev.add_argument("--prefix", type=int, nargs="+", default=[512, 2048])
     ev.add_argument("--suffix", type=int, default=256)
     ev.add_argument("--windows", type=int, default=4, help="max prose windows per prefix length")
-    ev.add_argument("--corpus", default="licenses", choices=["licenses", "handbook"],
+    ev.add_argument("--corpus", default="licenses", choices=corpus.CORPORA,
                     help="prose: Debian's licence texts (21 windows at prefix 512) or The Debian "
                          "Administrator's Handbook (hundreds; scripts/eval-setup.sh --handbook)")
     ev.add_argument("--generated", type=int, default=4, help="greedy continuations (prefix 512)")
