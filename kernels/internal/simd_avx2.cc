@@ -206,6 +206,32 @@ inline uint32_t PackLanes(__m256i q) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
 }
 
+// Packs 32 lanes of `bits`-bit values (q0: elements 0-7, ..., q3: 24-31) into 32 * bits / 8
+// bytes at dst, LSB first as PackLanes does: narrowed to bytes, then adjacent bytes merged by
+// multiply-adds (b0 + 16 b1 for 4 bits; b0 + 4 b1, then pairs of those + 16x, for 2 bits).
+template <uint32_t bits>
+inline void Pack32(std::byte* dst, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+  static_assert(bits == 4 || bits == 2);
+  // packus keeps each 128-bit lane's order: bytes come out as 4-element groups 0 2 4 6 1 3 5 7.
+  const __m256i b = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3)),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if constexpr (bits == 4) {
+    const __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));  // 16 x (b0 + 16 b1)
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(p));
+  } else {
+    const __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x0401));   // 16 x (b0 + 4 b1)
+    const __m256i d = _mm256_madd_epi16(w, _mm256_set1_epi32(0x00100001));  // 8 x (w0 + 16 w1)
+    const __m256i n = _mm256_packus_epi16(_mm256_packus_epi32(d, d), _mm256_setzero_si256());
+    // Bytes 0-3 of each 128-bit lane hold 4 codes bytes each.
+    const uint64_t lo = static_cast<uint32_t>(_mm256_extract_epi32(n, 0));
+    const uint64_t hi = static_cast<uint32_t>(_mm256_extract_epi32(n, 4));
+    const uint64_t out = lo | hi << 32;
+    std::memcpy(dst, &out, 8);
+  }
+}
+
 // The 8 `bits`-bit values packed at element i (a multiple of 8) as floats.
 template <uint32_t bits>
 inline __m256 UnpackLanes(const std::byte* packed, size_t i) {
@@ -525,21 +551,47 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
     mn = _mm256_min_ps(_mm256_blendv_ps(inf, x, finite), mn);
     mx = _mm256_max_ps(_mm256_blendv_ps(ninf, x, finite), mx);
   };
+  // Quantizes the contiguous elements [i, i + n) (n a multiple of 8) whose 8-lane blocks take
+  // their minimum and divisor from mf[c] and dv[c] (c counted from 0 at i; `step` 1) or all from
+  // mf[0] and dv[0] (`step` 0): 32 at a time through Pack32, the rest 8 at a time.
+  auto quantize_run = [&](size_t i, uint32_t n, const __m256* mf, const __m256* dv, uint32_t step) {
+    uint32_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+      const uint32_t c = (k / 8) * step;
+      auto q = [&](uint32_t v) {  // the v-th 8 lanes (written out below: an array spilled)
+        const __m256 x = _mm256_div_ps(
+            _mm256_sub_ps(Load8<kDt>(in, i + k + 8 * v), mf[c + v * step]), dv[c + v * step]);
+        return ClampRound(x, zero, qmax);
+      };
+      Pack32<bits>(packed + (i + k) * bits / 8, q(0), q(1), q(2), q(3));
+    }
+    for (; k < n; k += 8) quantize8(i + k, mf[(k / 8) * step], dv[(k / 8) * step]);
+  };
   if (!shape.is_value) {
+    // Per group of tokens and head: each 8-channel column's extremes and parameters, then the
+    // group's rows quantized whole (contiguous channels, so Pack32 applies), kColumns columns
+    // (256 channels) at a time.
+    constexpr uint32_t kColumns = 32;
+    __m256 col_min[kColumns], col_div[kColumns];
     for (uint32_t j = 0; j < l.num_groups; ++j) {
       const uint32_t t0 = j * l.group_len, len = MinU32(l.group_len, T - t0);
       for (uint32_t h = 0; h < H; ++h) {
-        for (uint32_t d = 0; d < D; d += 8) {
-          __m256 mn = inf, mx = ninf;
-          for (uint32_t t = t0; t < t0 + len; ++t) {
-            accumulate(Load8<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
+        for (uint32_t d0 = 0; d0 < D; d0 += 8 * kColumns) {
+          const uint32_t width = MinU32(8 * kColumns, D - d0);
+          for (uint32_t d = d0; d < d0 + width; d += 8) {
+            __m256 mn = inf, mx = ninf;
+            for (uint32_t t = t0; t < t0 + len; ++t) {
+              accumulate(Load8<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
+            }
+            const IntNParams8 p = IntNGroupParams8<kDt>(mn, mx, qmax);
+            const size_t m = (size_t{j} * H + h) * D + d;
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + 2 * m), p.scale);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(mins + 2 * m), p.min);
+            col_min[(d - d0) / 8] = p.min_f;
+            col_div[(d - d0) / 8] = p.divisor;
           }
-          const IntNParams8 p = IntNGroupParams8<kDt>(mn, mx, qmax);
-          const size_t m = (size_t{j} * H + h) * D + d;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + 2 * m), p.scale);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(mins + 2 * m), p.min);
           for (uint32_t t = t0; t < t0 + len; ++t) {
-            quantize8((size_t{t} * H + h) * D + d, p.min_f, p.divisor);
+            quantize_run((size_t{t} * H + h) * D + d0, width, col_min, col_div, 1);
           }
         }
       }
@@ -585,7 +637,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
       for (int k = 0; k < lanes; ++k) {
         const uint32_t d0 = j * g_len, len = MinU32(g_len, D - d0);
         const __m256 mf = _mm256_set1_ps(minf[k]), dv = _mm256_set1_ps(divv[k]);
-        for (uint32_t d = d0; d < d0 + len; d += 8) quantize8(row * D + d, mf, dv);
+        quantize_run(row * D + d0, len, &mf, &dv, 0);
         if (++j == l.num_groups) j = 0, ++row;
       }
     }
