@@ -123,6 +123,13 @@ inline __m256i ClampRound(__m256 v, __m256 lo, __m256 hi) {
   return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// ClampRound(v, 0, hi) without the NaN mask: maxps answers its second operand when one is NaN,
+// so a NaN lane becomes the lower bound 0, as ClampQ's NaN -> 0 has it.
+inline __m256i ClampRoundFromZero(__m256 v, __m256 hi) {
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), hi);
+  return _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // |x| of 16 dtype values as bits in 16-bit lanes, Inf and NaN lanes as 0: non-negative finite
 // bf16 and fp16 values order as their bits do, so integer maxima of these are the float maxima
 // FiniteAbs finds, 16 lanes at a time and without widening.
@@ -132,6 +139,73 @@ inline __m256i FiniteAbsBits16(__m256i v) {
   const __m256i a = _mm256_and_si256(v, _mm256_set1_epi16(0x7FFF));
   return _mm256_and_si256(a, _mm256_cmpgt_epi16(inf, a));
 }
+
+// Finite minimum and maximum of 16 dtype lanes at a time on the dtype's bits: a bf16 or fp16
+// value with its magnitude bits flipped when negative orders as a signed 16-bit integer does as
+// a float (-0 just below +0, which IntNGroupParams8's "+ 0" makes one). Lanes that never saw a
+// finite value come out as +Inf / -Inf, as the float accumulation leaves them.
+template <uint8_t kDt>
+struct Extremes16 {
+  __m256i mn = _mm256_set1_epi16(0x7FFF), mx = _mm256_set1_epi16(-0x8000);
+  void Add(__m256i v) {
+    const __m256i max_finite = _mm256_set1_epi16(kDt == numeric::kDtypeBf16 ? 0x7F7F : 0x7BFF);
+    const __m256i not_finite =
+        _mm256_cmpgt_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7FFF)), max_finite);
+    const __m256i s = Sortable(v);
+    mn = _mm256_min_epi16(mn, _mm256_blendv_epi8(s, _mm256_set1_epi16(0x7FFF), not_finite));
+    mx = _mm256_max_epi16(mx, _mm256_blendv_epi8(s, _mm256_set1_epi16(-0x8000), not_finite));
+  }
+  // The minimum and maximum over all 16 lanes as floats.
+  void GetAll(float* mn_f, float* mx_f) const {
+    __m128i a = _mm_min_epi16(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+    __m128i b = _mm_max_epi16(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+    a = _mm_min_epi16(a, _mm_srli_si128(a, 8));
+    b = _mm_max_epi16(b, _mm_srli_si128(b, 8));
+    a = _mm_min_epi16(a, _mm_srli_si128(a, 4));
+    b = _mm_max_epi16(b, _mm_srli_si128(b, 4));
+    a = _mm_min_epi16(a, _mm_srli_si128(a, 2));
+    b = _mm_max_epi16(b, _mm_srli_si128(b, 2));
+    const int16_t lo = static_cast<int16_t>(_mm_extract_epi16(a, 0));
+    const int16_t hi = static_cast<int16_t>(_mm_extract_epi16(b, 0));
+    if (lo > hi) {  // no finite value
+      *mn_f = kInf;
+      *mx_f = -kInf;
+      return;
+    }
+    auto to_float = [](int16_t v) {
+      const uint16_t bits = static_cast<uint16_t>(v ^ ((v >> 15) & 0x7FFF));
+      return _mm256_cvtss_f32(Broadcast<kDt>(bits));
+    };
+    *mn_f = to_float(lo);
+    *mx_f = to_float(hi);
+  }
+  // Lanes 0-7 (half 0) or 8-15 (half 1) of the minimum and maximum as floats.
+  void Get(int half, __m256* mn_f, __m256* mx_f) const {
+    const __m256i empty = _mm256_cmpgt_epi16(mn, mx);
+    *mn_f = ToFloat(Sortable(mn), empty, half, kInf);
+    *mx_f = ToFloat(Sortable(mx), empty, half, -kInf);
+  }
+
+ private:
+  // Its own inverse.
+  static __m256i Sortable(__m256i v) {
+    return _mm256_xor_si256(v,
+                            _mm256_and_si256(_mm256_srai_epi16(v, 15), _mm256_set1_epi16(0x7FFF)));
+  }
+  static __m256 ToFloat(__m256i bits, __m256i empty, int half, float if_empty) {
+    const __m128i b = half == 0 ? _mm256_castsi256_si128(bits) : _mm256_extracti128_si256(bits, 1);
+    const __m128i e =
+        half == 0 ? _mm256_castsi256_si128(empty) : _mm256_extracti128_si256(empty, 1);
+    __m256 f;
+    if constexpr (kDt == numeric::kDtypeBf16) {
+      f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    } else {
+      f = _mm256_cvtph_ps(b);
+    }
+    return _mm256_blendv_ps(f, _mm256_set1_ps(if_empty),
+                            _mm256_castsi256_ps(_mm256_cvtepi16_epi32(e)));
+  }
+};
 
 // Largest of 16 unsigned 16-bit lanes.
 inline uint16_t HorizontalMaxU16(__m256i v) {
@@ -534,7 +608,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
   if (D % 8 != 0) return EncodeIntNScalar(shape, bits, in, payload);
   const IntNLayout l = IntNLayoutFor(shape, bits);
   const float qmax_f = static_cast<float>((1u << bits) - 1);
-  const __m256 zero = _mm256_setzero_ps(), qmax = _mm256_set1_ps(qmax_f);
+  const __m256 qmax = _mm256_set1_ps(qmax_f);
   const __m256 inf = _mm256_set1_ps(kInf), ninf = _mm256_set1_ps(-kInf);
   std::byte* scales = payload;
   std::byte* mins = payload + 2 * l.meta_count;
@@ -542,7 +616,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
   if (l.packed_bytes > 0) packed[l.packed_bytes - 1] = std::byte{0};
   auto quantize8 = [&](size_t i, __m256 min_f, __m256 div) {
     __m256 v = _mm256_div_ps(_mm256_sub_ps(Load8<kDt>(in, i), min_f), div);
-    uint32_t word = PackLanes<bits>(ClampRound(v, zero, qmax));
+    uint32_t word = PackLanes<bits>(ClampRoundFromZero(v, qmax));
     std::memcpy(packed + i * bits / 8, &word, bits);
   };
   // Running min/max over finite lanes, argument order matching std::min(mn, x)/std::max(mx, x).
@@ -561,7 +635,7 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
       auto q = [&](uint32_t v) {  // the v-th 8 lanes (written out below: an array spilled)
         const __m256 x = _mm256_div_ps(
             _mm256_sub_ps(Load8<kDt>(in, i + k + 8 * v), mf[c + v * step]), dv[c + v * step]);
-        return ClampRound(x, zero, qmax);
+        return ClampRoundFromZero(x, qmax);
       };
       Pack32<bits>(packed + (i + k) * bits / 8, q(0), q(1), q(2), q(3));
     }
@@ -578,17 +652,34 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
       for (uint32_t h = 0; h < H; ++h) {
         for (uint32_t d0 = 0; d0 < D; d0 += 8 * kColumns) {
           const uint32_t width = MinU32(8 * kColumns, D - d0);
-          for (uint32_t d = d0; d < d0 + width; d += 8) {
-            __m256 mn = inf, mx = ninf;
-            for (uint32_t t = t0; t < t0 + len; ++t) {
-              accumulate(Load8<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
-            }
+          // The column of 8 channels at d from its extremes.
+          auto column = [&](uint32_t d, __m256 mn, __m256 mx) {
             const IntNParams8 p = IntNGroupParams8<kDt>(mn, mx, qmax);
             const size_t m = (size_t{j} * H + h) * D + d;
             _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + 2 * m), p.scale);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(mins + 2 * m), p.min);
             col_min[(d - d0) / 8] = p.min_f;
             col_div[(d - d0) / 8] = p.divisor;
+          };
+          uint32_t d = d0;
+          for (; d + 16 <= d0 + width; d += 16) {  // two columns from 16-lane extremes
+            Extremes16<kDt> e;
+            for (uint32_t t = t0; t < t0 + len; ++t) {
+              e.Add(_mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(in + 2 * ((size_t{t} * H + h) * D + d))));
+            }
+            __m256 mn, mx;
+            e.Get(0, &mn, &mx);
+            column(d, mn, mx);
+            e.Get(1, &mn, &mx);
+            column(d + 8, mn, mx);
+          }
+          if (d < d0 + width) {  // width % 16 == 8
+            __m256 mn = inf, mx = ninf;
+            for (uint32_t t = t0; t < t0 + len; ++t) {
+              accumulate(Load8<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
+            }
+            column(d, mn, mx);
           }
           for (uint32_t t = t0; t < t0 + len; ++t) {
             quantize_run((size_t{t} * H + h) * D + d0, width, col_min, col_div, 1);
@@ -611,9 +702,20 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
       size_t r = row;
       uint32_t jj = j;
       for (int k = 0; k < 8; ++k) {
+        const uint32_t len = k < lanes ? MinU32(g_len, D - jj * g_len) : 0;
+        if (len > 0 && len % 16 == 0) {
+          Extremes16<kDt> e;
+          const std::byte* group = in + 2 * (r * D + size_t{jj} * g_len);
+          for (uint32_t d = 0; d < len; d += 16) {
+            e.Add(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 2 * d)));
+          }
+          e.GetAll(&mnv[k], &mxv[k]);
+          if (++jj == l.num_groups) jj = 0, ++r;
+          continue;
+        }
         __m256 mn = inf, mx = ninf;
         if (k < lanes) {
-          const uint32_t d0 = jj * g_len, len = MinU32(g_len, D - d0);
+          const uint32_t d0 = jj * g_len;
           for (uint32_t d = d0; d < d0 + len; d += 8) accumulate(Load8<kDt>(in, r * D + d), mn, mx);
           if (++jj == l.num_groups) jj = 0, ++r;
         }
@@ -785,7 +887,7 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
       for (uint32_t d = 0; d < D; d += 8) {
         const __m256 q =
             _mm256_add_ps(_mm256_div_ps(_mm256_load_ps(v + d), div), _mm256_set1_ps(3.5f));
-        const uint32_t w = PackLanes<3>(ClampRound(q, _mm256_setzero_ps(), _mm256_set1_ps(7.0f)));
+        const uint32_t w = PackLanes<3>(ClampRoundFromZero(q, _mm256_set1_ps(7.0f)));
         std::memcpy(out + 3 * (d / 8), &w, 3);  // little-endian: the low 3 bytes
       }
     }
