@@ -846,6 +846,8 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
   const __m256 inf = _mm256_set1_ps(kInf);
   std::byte* codes = payload + 2 * rows;
   alignas(32) float u[kK4v3RowGroup * kK4v3MaxDim];
+  alignas(32) float flips[kK4v3MaxDim];
+  for (uint32_t d = 0; d < D; d += 8) _mm256_store_ps(flips + d, Flip8(d));
   for (size_t r0 = 0; r0 < rows; r0 += kK4v3RowGroup) {
     const uint32_t g = rows - r0 < kK4v3RowGroup ? static_cast<uint32_t>(rows - r0) : kK4v3RowGroup;
     alignas(32) int32_t amax_bits[kK4v3RowGroup] = {};
@@ -856,7 +858,7 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
         const __m256 x = Load8<kDt>(row, d);
         const __m256 finite =
             _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), inf, _CMP_LT_OQ);
-        _mm256_store_ps(v + d, _mm256_mul_ps(_mm256_and_ps(x, finite), Flip8(d)));
+        _mm256_store_ps(v + d, _mm256_mul_ps(_mm256_and_ps(x, finite), _mm256_load_ps(flips + d)));
       }
       FwhtAvx2(v, D);
       __m256i mx = _mm256_setzero_si256();
@@ -902,6 +904,8 @@ void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, st
   const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
   const std::byte* codes = payload + 2 * rows;
   alignas(32) float u[kK4v3MaxDim];
+  alignas(32) float flips[kK4v3MaxDim];
+  for (uint32_t d = 0; d < D; d += 8) _mm256_store_ps(flips + d, Flip8(d));
   for (size_t r = 0; r < rows; ++r) {
     uint16_t scale;
     std::memcpy(&scale, payload + 2 * r, 2);
@@ -914,7 +918,9 @@ void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, st
     FwhtAvx2(u, D);
     std::byte* row = out + 2 * r * D;
     for (uint32_t d = 0; d < D; d += 8) {
-      Store8<kDt>(row, d, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(u + d), step), Flip8(d)));
+      Store8<kDt>(
+          row, d,
+          _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(u + d), step), _mm256_load_ps(flips + d)));
     }
   }
 }
