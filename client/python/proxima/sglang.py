@@ -6,7 +6,8 @@
             "module_path": "proxima.sglang", "class_name": "ProximaHiCacheStorage",
             "target": "unix:/run/proxima/proximad.sock", "namespace": "default"}'
 
-One SGLang page is one Proxima block. The zero-copy v1 interface (batch_exists, batch_get_v1,
+One SGLang page is one Proxima block (pages under 64 tokens compress poorly: a warning says so
+at registration). The zero-copy v1 interface (batch_exists, batch_get_v1,
 batch_set_v1) moves pages between the host pool and proximad straight from the pool's memory:
 each page is the scatter/gather list that the pool's get_page_buffer_meta() names (2 pieces per
 page in the page_first layouts, 2 per layer in layer_first). The generic interface (get, set,
@@ -18,6 +19,7 @@ A dead daemon never stops the server: lookups find nothing, gets fail, sets are 
 counted and logged once (proxima.engine.Link); get_stats() returns the counters.
 """
 import contextlib
+import logging
 from typing import Any, List, Optional
 
 import torch
@@ -27,6 +29,12 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from .engine import Link, LinkOptions, ProfileSpec, usable_rope_theta
 from .keys import block_key, scope_bytes
+
+logger = logging.getLogger("proxima")
+
+# Pages shorter than this store as blocks the daemon's 4-bit levels compress well below their
+# 64-token ratio (docs/python.md, "SGLang": k4v3 4.1x at 64 tokens, 3.4x at 16, 0.8x at 1).
+GOOD_PAGE_TOKENS = 64
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -59,6 +67,12 @@ class ProximaHiCacheStorage(HiCacheStorage):
             if not hasattr(p, attr):
                 raise ValueError(f"proxima.sglang: host pool {type(p).__name__} has no {attr}; "
                                  "expected an MHA host pool (MLA pools are not supported)")
+        if p.page_size < GOOD_PAGE_TOKENS:
+            logger.warning(
+                "proxima.sglang: pages of %d tokens are stored one per Proxima block, and "
+                "proximad's 4-bit levels compress short blocks poorly (k4v3: 4.1x at 64 tokens, "
+                "3.4x at 16, under 1x at 1, where blocks stay at fp8 at best); launch SGLang with "
+                "--page-size %d or larger for the full ratio", p.page_size, GOOD_PAGE_TOKENS)
         spec = ProfileSpec(num_layers=p.layer_num, num_kv_heads=p.head_num, head_dim=p.head_dim,
                            tokens_per_block=p.page_size, dtype=_dtype_name(p.dtype),
                            fingerprint=self.fingerprint, rope_theta=self.rope_theta)

@@ -16,13 +16,14 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 PAGE, LAYERS, HEADS, DIM = 4, 3, 2, 8
 
 
-def host_pool(layout):
-    device = MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
+def host_pool(layout, page=PAGE):
+    size = max(64, 2 * page)
+    device = MHATokenToKVPool(size=size, page_size=page, dtype=torch.bfloat16, head_num=HEADS,
                               head_dim=DIM, layer_num=LAYERS, device="cpu",
                               enable_memory_saver=False, enable_alt_stream=False)
     pool = MHATokenToKVPoolHost(device._mha_buffer_info(), host_to_device_ratio=2.0,
-                                host_size=0, page_size=PAGE, layout=layout, pin_memory=False,
-                                device="cpu", device_capacity_tokens=64, start_layer=0,
+                                host_size=0, page_size=page, layout=layout, pin_memory=False,
+                                device="cpu", device_capacity_tokens=size, start_layer=0,
                                 end_layer=LAYERS)
     torch.manual_seed(0)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape).to(pool.kv_buffer.dtype))
@@ -138,3 +139,19 @@ def test_dead_daemon_does_not_stop_the_server(tmp_path):
     assert b.batch_set(keys, [pool.get_data_page(0), pool.get_data_page(PAGE)]) is False
     stats = b.get_stats()
     assert stats["blocks_save_dropped"] == 4 and stats["blocks_load_failed"] == 2
+
+
+def test_short_pages_are_warned_about_at_registration(daemon, caplog):
+    """Pages under 64 tokens are one Proxima block each, which the 4-bit levels compress poorly:
+    registering such a pool says so (with the flag that fixes it); a 64-token pool does not."""
+    with caplog.at_level("WARNING", logger="proxima"):
+        backend(daemon.target, host_pool("layer_first"), model="short/pages")
+    warned = [r.getMessage() for r in caplog.records if "--page-size 64" in r.getMessage()]
+    assert len(warned) == 1 and f"pages of {PAGE} tokens" in warned[0], caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="proxima"):
+        b = backend(daemon.target, host_pool("layer_first", page=64), model="long/pages")
+    assert not [r for r in caplog.records if "--page-size" in r.getMessage()], caplog.text
+    keys = ["long-0", "long-1"]
+    assert b.batch_set_v1(keys, torch.arange(0, 2 * 64)) == [True, True]
+    assert b.batch_exists(keys) == 2
