@@ -298,7 +298,7 @@ inline void Pack32(std::byte* dst, __m256i q0, __m256i q1, __m256i q2, __m256i q
     const __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x0401));   // 16 x (b0 + 4 b1)
     const __m256i d = _mm256_madd_epi16(w, _mm256_set1_epi32(0x00100001));  // 8 x (w0 + 16 w1)
     const __m256i n = _mm256_packus_epi16(_mm256_packus_epi32(d, d), _mm256_setzero_si256());
-    // Bytes 0-3 of each 128-bit lane hold 4 codes bytes each.
+    // Bytes 0-3 of each 128-bit lane are 4 output bytes (4 codes each).
     const uint64_t lo = static_cast<uint32_t>(_mm256_extract_epi32(n, 0));
     const uint64_t hi = static_cast<uint32_t>(_mm256_extract_epi32(n, 4));
     const uint64_t out = lo | hi << 32;
@@ -632,7 +632,8 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
     uint32_t k = 0;
     for (; k + 32 <= n; k += 32) {
       const uint32_t c = (k / 8) * step;
-      auto q = [&](uint32_t v) {  // the v-th 8 lanes (written out below: an array spilled)
+      // The v-th 8 lanes (a lambda called four times: an array of the four went to the stack).
+      auto q = [&](uint32_t v) {
         const __m256 x = _mm256_div_ps(
             _mm256_sub_ps(Load8<kDt>(in, i + k + 8 * v), mf[c + v * step]), dv[c + v * step]);
         return ClampRoundFromZero(x, qmax);
