@@ -324,6 +324,25 @@ inline __m256 UnpackLanes(const std::byte* packed, size_t i) {
   return _mm256_cvtepi32_ps(q);
 }
 
+// The 16 `bits`-bit values packed at element i (a multiple of 8) as floats (lo: the first 8).
+// 4 bits: the 8 bytes widened to 32-bit lanes, their low and high nibbles interleaved.
+template <uint32_t bits>
+inline void Unpack16(const std::byte* packed, size_t i, __m256* lo, __m256* hi) {
+  if constexpr (bits == 4) {
+    const __m256i w =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + i / 2)));
+    const __m256i even = _mm256_and_si256(w, _mm256_set1_epi32(0xF));  // codes 0 2 4 .. 14
+    const __m256i odd = _mm256_srli_epi32(w, 4);                       // codes 1 3 5 .. 15
+    const __m256i a = _mm256_unpacklo_epi32(even, odd);                // 0-3 | 8-11
+    const __m256i b = _mm256_unpackhi_epi32(even, odd);                // 4-7 | 12-15
+    *lo = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x20));
+    *hi = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x31));
+  } else {
+    *lo = UnpackLanes<bits>(packed, i);
+    *hi = UnpackLanes<bits>(packed, i + 8);
+  }
+}
+
 // Smallest lane (no NaN lanes; which of -0 and +0 comes out does not matter to the callers,
 // which add +0 before using it).
 inline float HorizontalMin(__m256 v) {
@@ -759,9 +778,19 @@ void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::by
     for (uint32_t t = 0; t < T; ++t) {
       const size_t mbase = size_t{t / l.group_len} * H * D;
       for (uint32_t h = 0; h < H; ++h) {
-        for (uint32_t d = 0; d < D; d += 8) {
-          size_t i = (size_t{t} * H + h) * D + d;
-          size_t m = mbase + size_t{h} * D + d;
+        uint32_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+          const size_t i = (size_t{t} * H + h) * D + d;
+          const size_t m = mbase + size_t{h} * D + d;
+          __m256 lo, hi;
+          Unpack16<bits>(packed, i, &lo, &hi);
+          Store16<kDt>(
+              out, i, _mm256_add_ps(_mm256_mul_ps(lo, Load8<kDt>(scales, m)), Load8<kDt>(mins, m)),
+              _mm256_add_ps(_mm256_mul_ps(hi, Load8<kDt>(scales, m + 8)), Load8<kDt>(mins, m + 8)));
+        }
+        if (d < D) {  // D % 16 == 8
+          const size_t i = (size_t{t} * H + h) * D + d;
+          const size_t m = mbase + size_t{h} * D + d;
           __m256 x =
               _mm256_add_ps(_mm256_mul_ps(UnpackLanes<bits>(packed, i), Load8<kDt>(scales, m)),
                             Load8<kDt>(mins, m));
@@ -776,8 +805,16 @@ void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::by
         const size_t m = row * l.num_groups + j;
         const __m256 scale = Broadcast<kDt>(Get16(scales, m));
         const __m256 mn = Broadcast<kDt>(Get16(mins, m));
-        for (uint32_t d = d0; d < d0 + len; d += 8) {
-          size_t i = row * D + d;
+        uint32_t d = d0;
+        for (; d + 16 <= d0 + len; d += 16) {
+          const size_t i = row * D + d;
+          __m256 lo, hi;
+          Unpack16<bits>(packed, i, &lo, &hi);
+          Store16<kDt>(out, i, _mm256_add_ps(_mm256_mul_ps(lo, scale), mn),
+                       _mm256_add_ps(_mm256_mul_ps(hi, scale), mn));
+        }
+        if (d < d0 + len) {  // len % 16 == 8
+          const size_t i = row * D + d;
           Store8<kDt>(out, i,
                       _mm256_add_ps(_mm256_mul_ps(UnpackLanes<bits>(packed, i), scale), mn));
         }
