@@ -846,10 +846,9 @@ inline __m256 FwhtIn8(__m256 x) {
   return _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xF0);
 }
 
-// k4v3::Fwht of n floats (n a power of two >= 8) in place.
-inline void FwhtAvx2(float* u, uint32_t n) {
-  for (uint32_t i = 0; i < n; i += 8) _mm256_store_ps(u + i, FwhtIn8(_mm256_load_ps(u + i)));
-  for (uint32_t len = 8; len < n; len <<= 1) {
+// k4v3::Fwht's stages across vectors (len 8, 16, ..., below `below`) of n floats in place.
+inline void FwhtAcrossAvx2(float* u, uint32_t n, uint32_t below) {
+  for (uint32_t len = 8; len < below; len <<= 1) {
     for (uint32_t i = 0; i < n; i += 2 * len) {
       for (uint32_t k = i; k < i + len; k += 8) {
         const __m256 a = _mm256_load_ps(u + k), b = _mm256_load_ps(u + k + len);
@@ -858,6 +857,26 @@ inline void FwhtAvx2(float* u, uint32_t n) {
       }
     }
   }
+}
+
+// k4v3::Fwht of n floats (n a power of two >= 8) in place.
+inline void FwhtAvx2(float* u, uint32_t n) {
+  for (uint32_t i = 0; i < n; i += 8) _mm256_store_ps(u + i, FwhtIn8(_mm256_load_ps(u + i)));
+  FwhtAcrossAvx2(u, n, n);
+}
+
+// UnpackLanes<3> of the group of 8 codes whose 3 bytes start at p, from a 16-byte load (16
+// bytes must be readable there): each lane takes the one or two bytes holding its code and
+// shifts it down.
+inline __m256 Unpack3Wide(const std::byte* p) {
+  const __m256i v =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // Code j sits at bit 3j: byte 3j / 8, shifted down by 3j % 8.
+  const __m256i pick = _mm256_setr_epi8(0, 1, -1, -1, 0, 1, -1, -1, 0, 1, -1, -1, 1, 2, -1, -1, 1,
+                                        2, -1, -1, 1, 2, -1, -1, 2, -1, -1, -1, 2, -1, -1, -1);
+  const __m256i q =
+      _mm256_srlv_epi32(_mm256_shuffle_epi8(v, pick), _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(7)));
 }
 
 // Largest dim the AVX2 V kernels take (their rows live in a stack buffer); wider ones go scalar.
@@ -936,11 +955,12 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
 
 template <uint8_t kDt>
 void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
-  const uint32_t D = shape.dim;
+  const uint32_t D = shape.dim, half = D / 2;
   const size_t rows = size_t{shape.tokens} * shape.heads;
   const size_t code_bytes = 3 * size_t{D} / 8;
   const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
   const std::byte* codes = payload + 2 * rows;
+  const size_t code_total = rows * code_bytes;  // groups with 16 bytes left: Unpack3Wide
   alignas(32) float u[kK4v3MaxDim];
   alignas(32) float flips[kK4v3MaxDim];
   for (uint32_t d = 0; d < D; d += 8) _mm256_store_ps(flips + d, Flip8(d));
@@ -949,16 +969,34 @@ void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, st
     std::memcpy(&scale, payload + 2 * r, 2);
     const __m256 step = _mm256_mul_ps(Broadcast<kDt>(scale), norm);
     const std::byte* in = codes + r * code_bytes;
-    for (uint32_t d = 0; d < D; d += 8) {
-      // k4v3::Level: the code minus 3.5.
-      _mm256_store_ps(u + d, _mm256_sub_ps(UnpackLanes<3>(in, d), _mm256_set1_ps(3.5f)));
-    }
-    FwhtAvx2(u, D);
     std::byte* row = out + 2 * r * D;
+    // k4v3::Level (the code minus 3.5), then k4v3::Fwht's stages: the first three in each
+    // vector as the codes are unpacked, the last one fused with the scaling and the stores.
     for (uint32_t d = 0; d < D; d += 8) {
-      Store8<kDt>(
-          row, d,
-          _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(u + d), step), _mm256_load_ps(flips + d)));
+      const size_t at = r * code_bytes + 3 * (d / 8);
+      const __m256 c = at + 16 <= code_total ? Unpack3Wide(codes + at) : UnpackLanes<3>(in, d);
+      _mm256_store_ps(u + d, FwhtIn8(_mm256_sub_ps(c, _mm256_set1_ps(3.5f))));
+    }
+    auto output = [&](uint32_t d, __m256 x) {  // x * step * k4v3::Flip
+      return _mm256_mul_ps(_mm256_mul_ps(x, step), _mm256_load_ps(flips + d));
+    };
+    if (D == 8) {
+      Store8<kDt>(row, 0, output(0, _mm256_load_ps(u)));
+      continue;
+    }
+    FwhtAcrossAvx2(u, D, half);  // all but the last stage
+    uint32_t k = 0;
+    for (; k + 16 <= half; k += 16) {
+      const __m256 a0 = _mm256_load_ps(u + k), b0 = _mm256_load_ps(u + k + half);
+      const __m256 a1 = _mm256_load_ps(u + k + 8), b1 = _mm256_load_ps(u + k + 8 + half);
+      Store16<kDt>(row, k, output(k, _mm256_add_ps(a0, b0)), output(k + 8, _mm256_add_ps(a1, b1)));
+      Store16<kDt>(row, k + half, output(k + half, _mm256_sub_ps(a0, b0)),
+                   output(k + 8 + half, _mm256_sub_ps(a1, b1)));
+    }
+    if (k < half) {  // half == 8
+      const __m256 a = _mm256_load_ps(u + k), b = _mm256_load_ps(u + k + half);
+      Store8<kDt>(row, k, output(k, _mm256_add_ps(a, b)));
+      Store8<kDt>(row, k + half, output(k + half, _mm256_sub_ps(a, b)));
     }
   }
 }
