@@ -12,10 +12,12 @@
 #                                move (a TCP stream over tcp, memcpy over shm); tcp and shm
 #   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
 #   scripts/bench.sh cluster     2 MiB get served one hop away (daemon to daemon) vs served locally
+#   scripts/bench.sh call_floor  one small call to proximad vs an empty in-process gRPC call and a
+#                                thread wake-up (what a call costs below the daemon)
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | transfer | sim | cluster)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | transfer | sim | cluster | call_floor)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -29,6 +31,7 @@ case "$NAME" in
   transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
   sim) export PROXIMA_TARGETS="proxima_placement_sim" ;;
   cluster) export PROXIMA_TARGETS="proximad proximactl" ;;
+  call_floor) export PROXIMA_TARGETS="proximad call_floor_bench" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -56,6 +59,7 @@ case "$NAME" in
          --trace=../shared/data/mooncake_conversation_trace.jsonl "$@" ;;
   cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
              --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, transfer, sim, cluster)" >&2
+  call_floor) exec ./build-bench/bench/call_floor_bench "$@" ;;
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, transfer, sim, cluster, call_floor)" >&2
      exit 2 ;;
 esac
