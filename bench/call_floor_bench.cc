@@ -39,6 +39,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+pid_t g_daemon = 0;  // proximad, once started: stopped before a failed run exits
+
 struct Percentiles {
   double p50 = 0, p90 = 0;
 };
@@ -52,6 +54,10 @@ Percentiles Time(const std::function<bool()>& call) {
     const auto start = Clock::now();
     if (!call()) {
       std::fprintf(stderr, "call failed; stopping\n");
+      if (g_daemon > 0) {
+        kill(g_daemon, SIGTERM);
+        waitpid(g_daemon, nullptr, 0);
+      }
       std::exit(1);
     }
     if (i >= 500) {
@@ -134,10 +140,10 @@ int main(int argc, char** argv) {
 
   setenv("UCX_TLS", absl::GetFlag(FLAGS_ucx_tls).c_str(), 1);
   const std::string socket = dir + "/proximad.sock";
-  const pid_t daemon = proxima::bench::Spawn(
-      {absl::GetFlag(FLAGS_proximad), "--set=server.unix_socket=" + socket,
-       "--set=server.listen=", "--set=server.metrics_listen="},
-      dir + "/proximad.log");
+  const pid_t daemon = g_daemon =
+      proxima::bench::Spawn({absl::GetFlag(FLAGS_proximad), "--set=server.unix_socket=" + socket,
+                             "--set=server.listen=", "--set=server.metrics_listen="},
+                            dir + "/proximad.log");
   const std::string target = "unix:" + socket;
   int exit_code = 0;
   for (int i = 0; i < 100 && access(socket.c_str(), F_OK) != 0; ++i) {

@@ -134,10 +134,14 @@ inline __m256i ClampRoundFromZero(__m256 v, __m256 hi) {
 // bf16 and fp16 values order as their bits do, so integer maxima of these are the float maxima
 // FiniteAbs finds, 16 lanes at a time and without widening.
 template <uint8_t kDt>
+inline __m256i NotFinite16(__m256i abs_bits) {  // all ones where |x|'s bits are Inf or NaN
+  return _mm256_cmpgt_epi16(abs_bits,
+                            _mm256_set1_epi16(kDt == numeric::kDtypeBf16 ? 0x7F7F : 0x7BFF));
+}
+template <uint8_t kDt>
 inline __m256i FiniteAbsBits16(__m256i v) {
-  const __m256i inf = _mm256_set1_epi16(kDt == numeric::kDtypeBf16 ? 0x7F80 : 0x7C00);
   const __m256i a = _mm256_and_si256(v, _mm256_set1_epi16(0x7FFF));
-  return _mm256_and_si256(a, _mm256_cmpgt_epi16(inf, a));
+  return _mm256_andnot_si256(NotFinite16<kDt>(a), a);
 }
 
 // Finite minimum and maximum of 16 dtype lanes at a time on the dtype's bits: a bf16 or fp16
@@ -148,9 +152,7 @@ template <uint8_t kDt>
 struct Extremes16 {
   __m256i mn = _mm256_set1_epi16(0x7FFF), mx = _mm256_set1_epi16(-0x8000);
   void Add(__m256i v) {
-    const __m256i max_finite = _mm256_set1_epi16(kDt == numeric::kDtypeBf16 ? 0x7F7F : 0x7BFF);
-    const __m256i not_finite =
-        _mm256_cmpgt_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7FFF)), max_finite);
+    const __m256i not_finite = NotFinite16<kDt>(_mm256_and_si256(v, _mm256_set1_epi16(0x7FFF)));
     const __m256i s = Sortable(v);
     mn = _mm256_min_epi16(mn, _mm256_blendv_epi8(s, _mm256_set1_epi16(0x7FFF), not_finite));
     mx = _mm256_max_epi16(mx, _mm256_blendv_epi8(s, _mm256_set1_epi16(-0x8000), not_finite));
@@ -232,19 +234,13 @@ inline __m256i E4m3AsFp16(__m256i w) {
                          _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3F80)));
 }
 
-// numeric::E4m3ToFloat of 16 codes (lo: the first 8): F16C converts exactly, and the factor of
-// 2^8 is exact too.
+// numeric::E4m3ToFloat of 16 codes (lo: the first 8; a caller with 8 codes uses lo alone): F16C
+// converts exactly, and the factor of 2^8 is exact too.
 inline void E4m3ToFloat16(__m128i codes, __m256* lo, __m256* hi) {
   const __m256i h = E4m3AsFp16(_mm256_cvtepu8_epi16(codes));
   const __m256 k = _mm256_set1_ps(256.0f);
   *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k);
   *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k);
-}
-
-// numeric::E4m3ToFloat of the 8 codes in the low 8 bytes of `codes`.
-inline __m256 E4m3ToFloat8(__m128i codes) {
-  const __m256i h = E4m3AsFp16(_mm256_cvtepu8_epi16(codes));
-  return _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_set1_ps(256.0f));
 }
 
 // numeric::FloatToE4m3 of 8 clamped, non-NaN floats, as 32-bit lanes. The subnormal code
@@ -529,8 +525,10 @@ void DecodeFp8Impl(const SegmentShape& shape, const std::byte* payload, std::byt
         Store16<kDt>(out, base + d, _mm256_mul_ps(lo, scale), _mm256_mul_ps(hi, scale));
       }
       if (d < D) {  // D % 16 == 8
-        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + base + d));
-        Store8<kDt>(out, base + d, _mm256_mul_ps(E4m3ToFloat8(c8), scale));
+        __m256 lo, unused;
+        E4m3ToFloat16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + base + d)), &lo,
+                      &unused);
+        Store8<kDt>(out, base + d, _mm256_mul_ps(lo, scale));
       }
     }
   }

@@ -32,6 +32,8 @@
 #include <string_view>
 #include <vector>
 
+#include "bench/args.h"
+
 namespace {
 
 [[noreturn]] void Fail(int code, const char* what) {
@@ -106,16 +108,6 @@ bool Wait(ucp_worker_h worker, ucs_status_ptr_t request) {
 
 void IgnorePeerError(void*, ucp_ep_h, ucs_status_t) {}
 
-std::string Flag(int argc, char** argv, std::string_view name, const char* fallback) {
-  const std::string prefix = "--" + std::string(name) + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::string_view(argv[i]).substr(0, prefix.size()) == prefix) {
-      return argv[i] + prefix.size();
-    }
-  }
-  return fallback;
-}
-
 // The target: a registered buffer, its address and key sent to `out`, then progress forever.
 [[noreturn]] void RunTarget(int out, size_t bytes) {
   ucp_context_h context = MakeContext();
@@ -185,9 +177,10 @@ std::string Flag(int argc, char** argv, std::string_view name, const char* fallb
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string op = Flag(argc, argv, "op", "put");
-  const size_t bytes = std::strtoull(Flag(argc, argv, "bytes", "8192").c_str(), nullptr, 10);
-  const int rounds = std::atoi(Flag(argc, argv, "rounds", "10").c_str());
+  const std::string op = proxima::bench::Arg(argc, argv, "op", "put");
+  const size_t bytes =
+      std::strtoull(proxima::bench::Arg(argc, argv, "bytes", "8192").c_str(), nullptr, 10);
+  const int rounds = std::atoi(proxima::bench::Arg(argc, argv, "rounds", "10").c_str());
   bool control = false;
   for (int i = 1; i < argc; ++i) control = control || std::string_view(argv[i]) == "--control";
   if ((op != "put" && op != "get") || bytes == 0 || rounds <= 0) {
