@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <list>
+#include <random>
 #include <string_view>
 #include <type_traits>
 
@@ -27,6 +28,16 @@ constexpr size_t kPeerBlobPadding = 4096;
 constexpr size_t kMaxWorkerAddressBytes = 64 * 1024;
 // After a deadline forces an endpoint closed, how long its operations get to complete.
 constexpr absl::Duration kAbortGrace = absl::Seconds(5);
+// Send()'s messages: their active-message id, and the header each carries.
+constexpr unsigned kMessageAmId = 1;
+constexpr uint32_t kMessageMagic = 0x50584d31;  // "PXM1"
+struct MessageHeader {
+  uint32_t magic = kMessageMagic;
+  uint32_t slot = 0;
+  uint64_t transfer = 0;
+};
+// How often arriving messages look for uncollected inboxes to drop.
+constexpr absl::Duration kStaleCheckEvery = absl::Seconds(1);
 // How long ~Worker progresses outstanding closes before giving up on them.
 constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
 // How long the progress thread keeps polling after its last event before it sleeps.
@@ -203,6 +214,7 @@ struct Worker::TransferState {
   // mappings) and `keep_alive` stay held until it has.
   std::vector<std::byte*> mapped;
   bool wants_crc = false;  // a kGet asks for its CRC32C: the caller reads `local` after
+  std::vector<MessageHeader> headers;  // Send()'s, one per message (UCX reads them until done)
   proxima::Notification done;
 };
 
@@ -360,7 +372,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, 
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.name = w->name_.c_str();
   ucs_status_t s = ucp_init(&params, config, &w->context_);
   ucp_config_release(config);
@@ -382,6 +394,16 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, 
   if (s != UCS_OK) return FromUcs(s, "ucp_worker_query");
   w->address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(w->worker_, attr.address);
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  handler.id = kMessageAmId;
+  handler.flags = UCP_AM_FLAG_WHOLE_MSG;
+  handler.cb = &Worker::OnMessage;
+  handler.arg = w.get();
+  s = ucp_worker_set_am_recv_handler(w->worker_, &handler);
+  if (s != UCS_OK) return FromUcs(s, "ucp_worker_set_am_recv_handler");
+  w->next_transfer_id_ = std::random_device{}() | (uint64_t{std::random_device{}()} << 32);
   Worker* raw = w.get();
   w->thread_ = std::thread([raw] { raw->ProgressLoop(); });
   // Probes tell which memory domains this context packs rkeys for, and their key sizes: a
@@ -439,6 +461,15 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, 
 }
 
 Worker::~Worker() {
+  {
+    // Uncollected messages: released by the progress thread before it stops.
+    absl::flat_hash_map<uint64_t, Inbox> parked;
+    {
+      proxima::MutexLock lock(&parked_mu_);
+      parked.swap(parked_);
+      parked_bytes_ = 0;
+    }
+  }
   if (thread_.joinable()) {
     Post([this] {
       // Copy: closing erases from endpoints_.
@@ -990,17 +1021,6 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = &Worker::OnOpDone;
     param.user_data = st.get();
-    auto track = [this, &st](ucs_status_ptr_t r) {
-      if (r == nullptr) return;
-      if (UCS_PTR_IS_ERR(r)) {
-        if (st->result.ok()) {
-          st->result = FromUcs(UCS_PTR_STATUS(r),
-                               absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
-        }
-        return;
-      }
-      ++st->pending;
-    };
     for (size_t i = 0; st->result.ok() && i < st->ops.size(); ++i) {
       const Op& op = st->ops[i];
       ucp_request_param_t p = param;
@@ -1008,13 +1028,13 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = op.local_memh->memh();
       }
-      track(op.kind == Op::kGet ? ucp_get_nbx(ep, op.local, op.length, op.remote_address,
+      Track(st.get(), op.kind == Op::kGet ? ucp_get_nbx(ep, op.local, op.length, op.remote_address,
                                               st->rkeys[op.rkey].get(), &p)
                                 : ucp_put_nbx(ep, op.local, op.length, op.remote_address,
                                               st->rkeys[op.rkey].get(), &p));
     }
     // The flush completes after every operation above has completed at the peer too.
-    if (st->result.ok()) track(ucp_ep_flush_nbx(ep, &param));
+    if (st->result.ok()) Track(st.get(), ucp_ep_flush_nbx(ep, &param));
     FinishOp(st.get(), UCS_OK);
   });
   if (st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
@@ -1034,6 +1054,22 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
     st->keep_alive.reset();
     return absl::OkStatus();
   }
+  return AbandonAfterDeadline(endpoint, *st);
+}
+
+void Worker::Track(TransferState* st, ucs_status_ptr_t r) {
+  if (r == nullptr) return;
+  if (UCS_PTR_IS_ERR(r)) {
+    if (st->result.ok()) {
+      st->result =
+          FromUcs(UCS_PTR_STATUS(r), absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
+    }
+    return;
+  }
+  ++st->pending;
+}
+
+absl::Status Worker::AbandonAfterDeadline(Endpoint& endpoint, TransferState& st) {
   // Past the deadline: close the endpoint by force, which completes what is in flight.
   std::shared_ptr<Endpoint::State> ep = endpoint.state_;
   Post([this, ep] {
@@ -1046,7 +1082,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
     }
     CloseOnWorker(ep, /*force=*/true);
   });
-  if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
+  if (!st.done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
     PROXIMA_LOG(kWarning) << "UCX transfer still outstanding after its endpoint was closed; its "
                              "buffers stay allocated until it completes"
                           << log::Kv("endpoint", endpoint.id());
@@ -1054,6 +1090,178 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   return absl::UnavailableError(
       absl::StrCat("UCX transfer on endpoint ", endpoint.id(),
                    " did not finish before the call's deadline; the endpoint is closed"));
+}
+
+absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Message> messages,
+                          std::shared_ptr<const void> keep_alive, absl::Time deadline) {
+  if (transfer == 0) return absl::InvalidArgumentError("UCX messages for transfer 0");
+  PROXIMA_RETURN_IF_ERROR(endpoint.health());
+  if (messages.empty()) return absl::OkStatus();
+  auto st = std::make_shared<TransferState>();
+  st->worker = this;
+  st->endpoint = endpoint.state_;
+  st->keep_alive = std::move(keep_alive);
+  st->headers.resize(messages.size());
+  for (size_t i = 0; i < messages.size(); ++i) {
+    st->headers[i].slot = messages[i].slot;
+    st->headers[i].transfer = transfer;
+  }
+  Post([this, st, messages = std::move(messages)] {
+    ucp_ep_h ep = st->endpoint->ep;
+    st->pending = 1;  // released at the end of this task
+    in_flight_.push_back(st);
+    if (ep == nullptr) {
+      proxima::MutexLock lock(&st->endpoint->mu);
+      st->result = absl::UnavailableError(st->endpoint->failure);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.cb.send = &Worker::OnOpDone;
+    param.user_data = st.get();
+    // Eager only: a rendezvous message has the receiver ask the sender for the bytes, and the
+    // sender answer; eager bytes just arrive.
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    for (size_t i = 0; st->result.ok() && i < messages.size(); ++i) {
+      Track(st.get(), ucp_am_send_nbx(ep, kMessageAmId, &st->headers[i], sizeof(MessageHeader),
+                                      messages[i].bytes.data(), messages[i].bytes.size(), &param));
+    }
+    FinishOp(st.get(), UCS_OK);
+  });
+  if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
+    return AbandonAfterDeadline(endpoint, *st);
+  }
+  return st->result;
+}
+
+uint64_t Worker::NewTransferId() {
+  uint64_t id = 0;
+  while (id == 0) id = next_transfer_id_.fetch_add(1);
+  return id;
+}
+
+uint64_t Worker::parked_bytes() const {
+  proxima::MutexLock lock(&parked_mu_);
+  return parked_bytes_;
+}
+
+Parcel::~Parcel() {
+  if (ucx_data_ == nullptr) return;
+  Worker* w = worker_;
+  void* data = ucx_data_;
+  w->Post([w, data] { ucp_am_data_release(w->worker_, data); });
+}
+
+void Worker::DropStaleLocked(absl::Time now, std::vector<std::shared_ptr<Parcel>>* dropped) {
+  last_stale_check_ = now;
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    auto current = it++;
+    Inbox& inbox = current->second;
+    if (inbox.waiter != nullptr || now - inbox.opened < kParkedFor) continue;
+    for (auto& [slot, parcel] : inbox.slots) {
+      parked_bytes_ -= parcel->bytes().size();
+      messages_dropped_.fetch_add(1);
+      dropped->push_back(std::move(parcel));
+    }
+    parked_.erase(current);
+  }
+  absl::erase_if(collected_, [now](const auto& entry) { return now - entry.second >= kParkedFor; });
+}
+
+ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_length, void* data,
+                               size_t length, const ucp_am_recv_param_t* param) {
+  auto* w = static_cast<Worker*>(arg);
+  MessageHeader h;
+  // A rendezvous message is left unread (no Send() sends one): UCX then drops it.
+  if (header_length != sizeof h || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    w->messages_dropped_.fetch_add(1);
+    return UCS_OK;
+  }
+  std::memcpy(&h, header, sizeof h);
+  if (h.magic != kMessageMagic || h.transfer == 0) {
+    w->messages_dropped_.fetch_add(1);
+    return UCS_OK;
+  }
+  std::vector<std::shared_ptr<Parcel>> dropped;  // destroyed after the lock is released
+  std::shared_ptr<proxima::Notification> waiter;
+  ucs_status_t keep = UCS_OK;
+  {
+    proxima::MutexLock lock(&w->parked_mu_);
+    const absl::Time now = absl::Now();
+    if (now - w->last_stale_check_ >= kStaleCheckEvery) w->DropStaleLocked(now, &dropped);
+    if (w->collected_.contains(h.transfer)) {  // a late message: its collector is gone
+      w->messages_dropped_.fetch_add(1);
+      return UCS_OK;
+    }
+    auto [it, opened] = w->parked_.try_emplace(h.transfer);
+    if (opened) it->second.opened = now;
+    Inbox& inbox = it->second;
+    if (w->parked_bytes_ + length > kMaxParkedBytes || inbox.slots.contains(h.slot)) {
+      w->messages_dropped_.fetch_add(1);
+      if (opened) w->parked_.erase(it);
+      return UCS_OK;
+    }
+    auto parcel = std::shared_ptr<Parcel>(new Parcel(w));
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0) {
+      parcel->ucx_data_ = data;  // UCX keeps the descriptor until ucp_am_data_release
+      keep = UCS_INPROGRESS;
+      parcel->bytes_ = std::span(static_cast<const std::byte*>(data), length);
+    } else {
+      const auto* bytes = static_cast<const std::byte*>(data);
+      parcel->copy_.assign(bytes, bytes + length);
+      parcel->bytes_ = parcel->copy_;
+    }
+    inbox.slots.emplace(h.slot, std::move(parcel));
+    w->parked_bytes_ += length;
+    waiter = inbox.waiter;
+  }
+  if (waiter != nullptr) waiter->Notify();
+  return keep;
+}
+
+std::vector<std::shared_ptr<const Parcel>> Worker::Collect(uint64_t transfer,
+                                                           std::span<const uint32_t> slots,
+                                                           absl::Time deadline) {
+  std::vector<std::shared_ptr<const Parcel>> out(slots.size());
+  std::vector<std::shared_ptr<Parcel>> dropped;  // destroyed after the lock is released
+  for (;;) {
+    std::shared_ptr<proxima::Notification> arrived;
+    {
+      proxima::MutexLock lock(&parked_mu_);
+      auto it = parked_.find(transfer);
+      size_t have = 0;
+      if (it != parked_.end()) {
+        for (uint32_t slot : slots) have += it->second.slots.contains(slot) ? 1 : 0;
+      }
+      const absl::Time now = absl::Now();
+      if (have == slots.size() || now >= deadline) {
+        collected_[transfer] = now;
+        if (it == parked_.end()) break;
+        Inbox& inbox = it->second;
+        for (size_t i = 0; i < slots.size(); ++i) {
+          auto found = inbox.slots.find(slots[i]);
+          if (found == inbox.slots.end()) continue;
+          parked_bytes_ -= found->second->bytes().size();
+          out[i] = std::move(found->second);
+          inbox.slots.erase(found);
+        }
+        for (auto& [slot, parcel] : inbox.slots) {
+          parked_bytes_ -= parcel->bytes().size();
+          messages_dropped_.fetch_add(1);
+          dropped.push_back(std::move(parcel));
+        }
+        parked_.erase(it);
+        break;
+      }
+      if (it == parked_.end()) {
+        it = parked_.try_emplace(transfer).first;
+        it->second.opened = absl::Now();
+      }
+      arrived = it->second.waiter = std::make_shared<proxima::Notification>();
+    }
+    arrived->WaitForNotificationUntil(absl::ToChronoTime(deadline));
+  }
+  return out;
 }
 
 }  // namespace proxima::ucx

@@ -27,6 +27,15 @@
 //    registration id), the calling thread looks them up and maps the addresses itself, and the
 //    progress thread is not involved at all; the key's last reference is still released on the
 //    progress thread.
+//  - Send() and Collect() move bytes as messages instead (UCX active messages, always eager):
+//    the sender names a transfer id and a slot per message; the receiver's worker keeps what
+//    arrives (parked, without copying where UCX allows it) until Collect() takes the slots of a
+//    transfer. Unlike the one-sided operations, nothing on either side answers the other from
+//    inside UCX: over transports that emulate one-sided operations with messages (tcp), the
+//    target of a put or get answers its initiator from a UCX handler, and UCX aborts the whole
+//    process when that initiator has died (docs/cluster.md; tools/ucx_repro). A message to or
+//    from a dead peer only fails, or is never collected. Daemons move blocks between each other
+//    this way.
 //
 // Thread-safe: every public method may be called from any thread except the progress thread.
 #ifndef PROXIMA_COMMON_UCX_H_
@@ -49,6 +58,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -132,6 +142,32 @@ class Endpoint {
   std::shared_ptr<State> state_;
 };
 
+// The bytes of one message as they arrived (Worker::Collect): held in UCX's receive descriptor,
+// or in a copy where UCX does not let them be held. Released (on the worker's progress thread)
+// when the last handle is dropped; every handle must be dropped before the Worker.
+class Parcel {
+ public:
+  ~Parcel();
+  Parcel(const Parcel&) = delete;
+  Parcel& operator=(const Parcel&) = delete;
+
+  std::span<const std::byte> bytes() const { return bytes_; }
+
+ private:
+  friend class Worker;
+  explicit Parcel(Worker* worker) : worker_(worker) {}
+  Worker* const worker_;
+  void* ucx_data_ = nullptr;  // UCX's descriptor, when held
+  std::vector<std::byte> copy_;
+  std::span<const std::byte> bytes_;
+};
+
+// One message of a Send: `bytes` for slot `slot` of the transfer.
+struct Message {
+  uint32_t slot = 0;
+  std::span<const std::byte> bytes;
+};
+
 // One one-sided operation of a Transfer.
 struct Op {
   enum Kind { kGet, kPut } kind = kGet;  // kGet: remote -> local; kPut: local -> remote
@@ -206,6 +242,32 @@ class Worker {
                         absl::Time deadline, std::span<const uint64_t> registration_ids = {},
                         bool* copied_here = nullptr);
 
+  // Sends each message to the peer's worker, for `transfer` (nonzero, chosen by the receiver:
+  // NewTransferId) at its slot, and waits until UCX no longer needs the bytes (sent; not
+  // necessarily received: the receiver collects them). `keep_alive` owns the bytes, as for
+  // Transfer. UNAVAILABLE when the peer failed or the deadline passed (the endpoint is then
+  // closed); INVALID_ARGUMENT for transfer 0.
+  absl::Status Send(Endpoint& endpoint, uint64_t transfer, std::vector<Message> messages,
+                    std::shared_ptr<const void> keep_alive, absl::Time deadline);
+
+  // A transfer id for peers to Send() to this worker: random, nonzero.
+  uint64_t NewTransferId();
+
+  // Waits (until `deadline`) for the messages of `transfer` at `slots` and takes them: one entry
+  // per slot, null for one that did not arrive in time. Messages of the transfer at other slots,
+  // and any that arrive later, are dropped. Messages nobody collects are dropped after
+  // kParkedFor; past kMaxParkedBytes of uncollected bytes, new messages are dropped.
+  std::vector<std::shared_ptr<const Parcel>> Collect(uint64_t transfer,
+                                                     std::span<const uint32_t> slots,
+                                                     absl::Time deadline);
+  static constexpr absl::Duration kParkedFor = absl::Seconds(30);
+  static constexpr uint64_t kMaxParkedBytes = uint64_t{1} << 30;
+
+  // Bytes of messages that arrived and are not collected yet, and messages dropped on arrival
+  // (malformed, a slot that already arrived, over kMaxParkedBytes) or uncollected (since start).
+  uint64_t parked_bytes() const;
+  uint64_t messages_dropped() const { return messages_dropped_.load(); }
+
   // The shared-memory transport ("posix", "sysv") that one of the endpoint's lanes runs over,
   // "" when none does (tcp, or a peer on another host). UCX 1.13's posix and sysv domains reach
   // only memory UCX allocated: a one-sided operation on a peer's ordinary memory over such an
@@ -235,7 +297,14 @@ class Worker {
  private:
   friend class Registration;
   friend class Endpoint;
+  friend class Parcel;
   struct TransferState;
+  // Messages of one transfer that arrived and are not collected yet.
+  struct Inbox {
+    absl::Time opened;
+    absl::flat_hash_map<uint32_t, std::shared_ptr<Parcel>> slots;
+    std::shared_ptr<proxima::Notification> waiter;  // a Collect() waiting, notified on arrival
+  };
 
   Worker(std::string name, int copy_helpers) : name_(std::move(name)), copy_pool_(copy_helpers) {}
   void ProgressLoop();
@@ -268,6 +337,20 @@ class Worker {
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnOpDone(void* request, ucs_status_t status, void* user_data);
   void FinishOp(TransferState* state, ucs_status_t status);
+  // Counts `request` (from a *_nbx call) as pending in `state`, or records its error.
+  // Progress thread.
+  void Track(TransferState* state, ucs_status_ptr_t request);
+  // After a transfer's deadline passed: closes its endpoint by force, which completes what is
+  // in flight, and waits (bounded) for that. Returns the UNAVAILABLE status to hand back.
+  absl::Status AbandonAfterDeadline(Endpoint& endpoint, TransferState& state);
+  // The active-message handler of Send()'s messages. Progress thread.
+  static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param);
+  // Drops inboxes opened more than kParkedFor ago with nobody waiting (their parcels go to
+  // `dropped`, destroyed by the caller outside parked_mu_), and forgets transfers collected
+  // that long ago.
+  void DropStaleLocked(absl::Time now, std::vector<std::shared_ptr<Parcel>>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(parked_mu_);
 
   const std::string name_;
   ucp_context_h context_ = nullptr;
@@ -295,6 +378,14 @@ class Worker {
   std::atomic<uint64_t> direct_transfers_{0};
   std::atomic<uint64_t> direct_bytes_{0};
   CopyPool copy_pool_;  // direct transfers' copies (thread-safe)
+  mutable proxima::Mutex parked_mu_;
+  absl::flat_hash_map<uint64_t, Inbox> parked_ ABSL_GUARDED_BY(parked_mu_);
+  // Transfers collected in the last kParkedFor, and when: their late messages are dropped.
+  absl::flat_hash_map<uint64_t, absl::Time> collected_ ABSL_GUARDED_BY(parked_mu_);
+  uint64_t parked_bytes_ ABSL_GUARDED_BY(parked_mu_) = 0;
+  absl::Time last_stale_check_ ABSL_GUARDED_BY(parked_mu_);
+  std::atomic<uint64_t> messages_dropped_{0};
+  std::atomic<uint64_t> next_transfer_id_{1};  // seeded at random in Create()
   std::atomic<uint64_t> next_registration_id_{1};
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned
   // from a probe registration in Create(), read-only afterwards).

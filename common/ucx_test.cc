@@ -424,6 +424,123 @@ TEST_P(UcxTest, ConnectDisconnectCyclesLeaveNothingBehind) {
   EXPECT_EQ(a_->live_registrations(), 0);
 }
 
+// Messages arrive whole at their slots, whatever their size (one UCX fragment or many), and a
+// collector takes exactly the slots it asks for; the rest of the transfer is dropped.
+TEST_P(UcxTest, MessagesArriveWholeAtTheirSlotsAndAreCollectedOnce) {
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const uint64_t transfer = b_->NewTransferId();
+  ASSERT_NE(transfer, 0u);
+  EXPECT_NE(b_->NewTransferId(), transfer);
+  const std::vector<size_t> sizes = {0, 100, (64 << 10) + 3, 3 << 20};
+  const std::vector<uint32_t> slots = {0, 5, 2, 7};
+  std::vector<std::vector<std::byte>> payloads;
+  std::vector<Message> messages;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    payloads.push_back(Pattern(sizes[i], static_cast<uint8_t>(i + 1)));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) messages.push_back({slots[i], payloads[i]});
+  std::vector<std::byte> extra = Pattern(1000, 9);
+  messages.push_back({9, extra});        // never collected: dropped with the transfer
+  messages.push_back({5, payloads[0]});  // a second message for slot 5: dropped on arrival
+  ASSERT_OK(a_->Send(**ep, transfer, messages, nullptr, absl::Now() + absl::Seconds(10)));
+
+  std::vector<std::shared_ptr<const Parcel>> got =
+      b_->Collect(transfer, slots, absl::Now() + absl::Seconds(10));
+  ASSERT_EQ(got.size(), slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    ASSERT_NE(got[i], nullptr) << "slot " << slots[i];
+    EXPECT_TRUE(std::equal(got[i]->bytes().begin(), got[i]->bytes().end(), payloads[i].begin(),
+                           payloads[i].end()))
+        << "slot " << slots[i] << ": " << got[i]->bytes().size() << " bytes";
+  }
+  // Collected: nothing of the transfer stays parked; a second collect finds nothing.
+  for (int i = 0; i < 200 && b_->messages_dropped() < 2; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(b_->messages_dropped(), 2u);
+  EXPECT_EQ(b_->parked_bytes(), 0u);
+  const uint32_t five[] = {5};
+  std::vector<std::shared_ptr<const Parcel>> again =
+      b_->Collect(transfer, five, absl::Now() + absl::Milliseconds(50));
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0], nullptr);
+  got.clear();  // released on b_'s progress thread
+  EXPECT_THAT(a_->Send(**ep, 0, messages, nullptr, absl::Now() + absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("transfer 0")));
+}
+
+// Several senders at once, each to its own transfer, with a collector waiting before the bytes
+// arrive: every message lands at its own slot, byte-exact.
+TEST_P(UcxTest, ConcurrentTransfersOfMessagesStayApart) {
+  constexpr int kSenders = 4;
+  constexpr int kMessages = 6;
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  std::vector<uint64_t> transfers;
+  for (int t = 0; t < kSenders; ++t) transfers.push_back(b_->NewTransferId());
+  std::vector<std::vector<std::vector<std::byte>>> payloads(kSenders);
+  for (int t = 0; t < kSenders; ++t) {
+    for (int m = 0; m < kMessages; ++m) {
+      payloads[t].push_back(Pattern((m + 1) * 70000 + t, static_cast<uint8_t>(t * 16 + m)));
+    }
+  }
+  std::vector<std::vector<std::shared_ptr<const Parcel>>> got(kSenders);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kSenders; ++t) {
+    threads.emplace_back([&, t] {  // collectors first: they wait for the messages
+      std::vector<uint32_t> slots(kMessages);
+      std::iota(slots.begin(), slots.end(), 0u);
+      got[t] = b_->Collect(transfers[t], slots, absl::Now() + absl::Seconds(20));
+    });
+  }
+  std::vector<absl::Status> sent(kSenders);
+  for (int t = 0; t < kSenders; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<Message> messages;
+      for (int m = kMessages - 1; m >= 0; --m) {
+        messages.push_back({static_cast<uint32_t>(m), payloads[t][m]});
+      }
+      sent[t] = a_->Send(**ep, transfers[t], messages, nullptr, absl::Now() + absl::Seconds(20));
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kSenders; ++t) {
+    ASSERT_OK(sent[t]);
+    ASSERT_EQ(got[t].size(), static_cast<size_t>(kMessages));
+    for (int m = 0; m < kMessages; ++m) {
+      ASSERT_NE(got[t][m], nullptr) << "transfer " << t << " slot " << m;
+      EXPECT_TRUE(std::equal(got[t][m]->bytes().begin(), got[t][m]->bytes().end(),
+                             payloads[t][m].begin(), payloads[t][m].end()))
+          << "transfer " << t << " slot " << m;
+    }
+  }
+  EXPECT_EQ(b_->parked_bytes(), 0u);
+  EXPECT_EQ(b_->messages_dropped(), 0u);
+}
+
+// Messages to a peer that is gone fail the send (never a hang, a success or a crash), and a
+// collector whose sender never sends gets nothing by its deadline.
+TEST_P(UcxTest, MessagesToAPeerThatDisappearedFail) {
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const uint64_t transfer = b_->NewTransferId();
+  const uint32_t zero[] = {0};
+  const absl::Time before = absl::Now();
+  std::vector<std::shared_ptr<const Parcel>> none =
+      b_->Collect(transfer, zero, absl::Now() + absl::Milliseconds(100));
+  EXPECT_EQ(none[0], nullptr);
+  EXPECT_GE(absl::Now() - before, absl::Milliseconds(100));
+  b_.reset();
+  std::vector<std::byte> bytes = Pattern(4 << 20, 1);
+  absl::Status s = absl::OkStatus();
+  // The first send may still leave into the socket before the failure is seen; the peer's
+  // failure shows within a few.
+  for (int i = 0; i < 20 && s.ok(); ++i) {
+    s = a_->Send(**ep, transfer, {{0, bytes}}, nullptr, absl::Now() + absl::Seconds(3));
+  }
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+  EXPECT_THAT((*ep)->health(), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+}
+
 // The endpoint names the shared-memory transport that reaches only allocated memory (posix,
 // sysv) when one of its lanes runs over it, and nothing over tcp.
 TEST_P(UcxTest, SharedMemoryTransportIsNamedFromTheEndpointsLanes) {
