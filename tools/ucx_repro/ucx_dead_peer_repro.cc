@@ -1,29 +1,38 @@
-// ucx_dead_peer_repro: produces, on demand, the UCX abort that keeps daemon-to-daemon transfers
-// over UCX opt-in (docs/cluster.md, "It is not the default"): the *target* of a one-sided
-// operation that UCX emulates with messages (tcp) answers an initiator that died after its
-// request arrived, the answer fails with "Endpoint timeout", and UCX treats that as fatal and
-// aborts the target's process (ucp_request.inl, "Fatal: unexpected error").
+// ucx_dead_peer_repro: produces, on demand, the UCX abort that made one-sided transfers between
+// daemons unsafe (docs/cluster.md, "UCX between daemons"): the *target* of a one-sided operation
+// that UCX emulates with messages (tcp) answers an initiator that died after its request
+// arrived, the answer fails with "Endpoint timeout", and UCX treats that as fatal and aborts the
+// target's process (ucp_request.inl, "Fatal: unexpected error"). And shows that active messages,
+// which daemons send instead, do not.
 //
 // The window is made wide instead of waited for: a target process registers a buffer and
 // progresses its worker; an initiator process connects and wires up with one flushed put while
-// the target runs; the target is then stopped (SIGSTOP), the initiator posts a put (or a get) of
-// --bytes, waits until the request has left (a put: completed locally; a get: a few progress
-// calls) and exits; then the target is continued. It reads the request and the closed
-// connection in one progress call and answers a peer that is gone.
+// the target runs; the target is then stopped (SIGSTOP), the initiator posts its operation of
+// --bytes, waits until the request has left (a put or an eager message: completed locally; a
+// get or a rendezvous message: a few progress calls) and exits; then the target is continued. It
+// reads the request and the closed connection in one progress call and answers a peer that is
+// gone, if the protocol makes it answer.
 //
-//   UCX_TLS=tcp ucx_dead_peer_repro [--op=put|get] [--bytes=8192] [--rounds=10] [--control]
+//   UCX_TLS=tcp ucx_dead_peer_repro [--op=put|get|am|am-rndv|am-to-dead|am-rndv-to-dead]
+//                                   [--bytes=8192] [--rounds=10] [--control]
 //
+// put, get: one-sided operations (the target aborts). am, am-rndv: an eager or a rendezvous
+// active message (the target, whose handler copies it or asks for its bytes, lives).
+// am-to-dead, am-rndv-to-dead: the other way round, the long-lived process sends eight messages
+// to a receiver that exits on the first one (after asking for its bytes, for rendezvous).
 // --control: the initiator waits for its operation to complete at the target (a flush) before
 // it exits, the same steps otherwise: the target then survives every round.
 //
 // Exit status: 10 when the target died (the line before says how), 0 when it survived every
 // round, 2-9 for a setup failure. Not part of the test suite: it exists to tell whether a UCX
-// build still aborts (docs/cluster.md lists the versions tried).
+// build still aborts, and whether a protocol is exposed (docs/cluster.md lists the results).
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -44,7 +53,7 @@ namespace {
 ucp_context_h MakeContext() {
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
   ucp_config_t* config = nullptr;
   if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) Fail(2, "ucp_config_read");
   ucp_context_h context = nullptr;
@@ -108,8 +117,81 @@ bool Wait(ucp_worker_h worker, ucs_status_ptr_t request) {
 
 void IgnorePeerError(void*, ucp_ep_h, ucs_status_t) {}
 
+// The target's active-message handler: copies an eager message into the buffer, or starts
+// receiving a rendezvous one into it (the request is left to complete or fail on its own).
+struct AmTarget {
+  ucp_worker_h worker;
+  char* buffer;
+  size_t capacity;
+};
+
+void OnReceived(void* request, ucs_status_t status, size_t length, void*) {
+  std::fprintf(stderr, "rendezvous receive of %zu bytes ended: %s\n", length,
+               ucs_status_string(status));
+  ucp_request_free(request);
+}
+
+ucs_status_t OnAm(void* arg, const void*, size_t, void* data, size_t length,
+                  const ucp_am_recv_param_t* param) {
+  auto* target = static_cast<AmTarget*>(arg);
+  const size_t n = length < target->capacity ? length : target->capacity;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    ucp_request_param_t receive{};
+    receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+    receive.cb.recv_am = OnReceived;
+    std::fprintf(stderr, "target: rendezvous message of %zu bytes\n", length);
+    ucs_status_ptr_t request =
+        ucp_am_recv_data_nbx(target->worker, data, target->buffer, n, &receive);
+    if (!UCS_PTR_IS_PTR(request)) {
+      std::fprintf(stderr, "target: rendezvous receive ended at once: %s\n",
+                   ucs_status_string(UCS_PTR_STATUS(request)));
+    }
+    return UCS_OK;
+  }
+  std::fprintf(stderr, "target: eager message of %zu bytes\n", length);
+  std::memcpy(target->buffer, data, n);
+  return UCS_OK;
+}
+
 // The target: a registered buffer, its address and key sent to `out`, then progress forever.
-[[noreturn]] void RunTarget(int out, size_t bytes) {
+// Reverse rounds (--op=am-to-dead, am-rndv-to-dead): the target connects to the worker address
+// that arrived on `in` and sends it kSends messages of `bytes`, while that receiver exits on the
+// first one it sees; every send must end (done or failed) and the target must live on.
+constexpr int kSends = 8;
+
+void SendToDying(ucp_worker_h worker, const std::string& address, size_t bytes, bool rndv) {
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep_params.err_handler.cb = IgnorePeerError;
+  ucp_ep_h ep = nullptr;
+  if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) Fail(5, "ucp_ep_create");
+  std::vector<char> local(bytes, 'y');
+  ucp_request_param_t am{};
+  am.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  am.flags = rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  std::vector<ucs_status_ptr_t> sends;
+  for (int i = 0; i < kSends; ++i) {
+    sends.push_back(ucp_am_send_nbx(ep, 1, nullptr, 0, local.data(), bytes, &am));
+  }
+  int ok = 0, failed = 0;
+  for (ucs_status_ptr_t request : sends) {
+    if (Wait(worker, request)) {
+      ++ok;
+    } else {
+      ++failed;
+    }
+  }
+  std::fprintf(stderr, "target: %d sends to the dying receiver completed, %d failed\n", ok, failed);
+  ucp_request_param_t close{};
+  close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  Wait(worker, ucp_ep_close_nbx(ep, &close));
+}
+
+[[noreturn]] void RunTarget(int out, int in, size_t bytes, bool rndv) {
   ucp_context_h context = MakeContext();
   ucp_worker_h worker = MakeWorker(context);
   std::vector<char> buffer(bytes + 4096);
@@ -127,18 +209,80 @@ void IgnorePeerError(void*, ucp_ep_h, ucs_status_t) {}
   if (ucp_worker_get_address(worker, &address, &address_bytes) != UCS_OK) {
     Fail(4, "ucp_worker_get_address");
   }
+  static AmTarget am{worker, buffer.data(), buffer.size()};
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  handler.id = 1;
+  handler.cb = OnAm;
+  handler.arg = &am;
+  if (ucp_worker_set_am_recv_handler(worker, &handler) != UCS_OK) Fail(4, "am handler");
   const uint64_t base = reinterpret_cast<uintptr_t>(buffer.data());
   SendBlob(out, address, address_bytes);
   SendBlob(out, rkey, rkey_bytes);
   SendBlob(out, &base, sizeof base);
-  while (true) ucp_worker_progress(worker);
+  fcntl(in, F_SETFL, O_NONBLOCK);
+  while (true) {
+    ucp_worker_progress(worker);
+    uint64_t n = 0;
+    if (read(in, &n, sizeof n) != sizeof n) continue;  // nothing yet (a length comes whole)
+    fcntl(in, F_SETFL, 0);
+    std::string peer(n, '\0');
+    ReadAll(in, peer.data(), n);
+    fcntl(in, F_SETFL, O_NONBLOCK);
+    SendToDying(worker, peer, bytes, rndv);
+  }
+}
+
+// A receiver that exits inside its handler for the first message (a rendezvous one after
+// asking for its data), from a reverse round.
+bool dying = false;
+
+ucs_status_t ExitOnAm(void* arg, const void*, size_t, void* data, size_t length,
+                      const ucp_am_recv_param_t* param) {
+  auto* receiver = static_cast<AmTarget*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    ucp_request_param_t receive{};
+    receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+    receive.cb.recv_am = OnReceived;
+    ucp_am_recv_data_nbx(receiver->worker, data, receiver->buffer,
+                         std::min(length, receiver->capacity), &receive);
+    dying = true;  // the loop lets the request leave, then exits
+    return UCS_OK;
+  }
+  _exit(0);
+}
+
+[[noreturn]] void RunDyingReceiver(size_t bytes, int ready) {
+  ucp_context_h context = MakeContext();
+  ucp_worker_h worker = MakeWorker(context);
+  std::vector<char> buffer(bytes);
+  static AmTarget am;
+  am = AmTarget{worker, buffer.data(), buffer.size()};
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  handler.id = 1;
+  handler.cb = ExitOnAm;
+  handler.arg = &am;
+  if (ucp_worker_set_am_recv_handler(worker, &handler) != UCS_OK) Fail(4, "am handler");
+  ucp_address_t* address = nullptr;
+  size_t address_bytes = 0;
+  if (ucp_worker_get_address(worker, &address, &address_bytes) != UCS_OK) {
+    Fail(4, "ucp_worker_get_address");
+  }
+  SendBlob(ready, address, address_bytes);
+  while (!dying) ucp_worker_progress(worker);
+  for (int i = 0; i < 100; ++i) ucp_worker_progress(worker);
+  _exit(0);
 }
 
 // The initiator: connects, wires up, tells the parent (ready), waits for the target to be
 // stopped (go), posts the operation, lets it leave and exits.
-[[noreturn]] void RunInitiator(const std::string& address, const std::string& rkey,
-                               uint64_t base, size_t bytes, bool get, bool control, int ready,
+[[noreturn]] void RunInitiator(const std::string& address, const std::string& rkey, uint64_t base,
+                               size_t bytes, const std::string& kind, bool control, int ready,
                                int go) {
+  const bool get = kind == "get";
   ucp_context_h context = MakeContext();
   ucp_worker_h worker = MakeWorker(context);
   ucp_ep_params_t ep_params{};
@@ -160,6 +304,23 @@ void IgnorePeerError(void*, ucp_ep_h, ucs_status_t) {}
   char token = 1;
   WriteAll(ready, &token, 1);
   ReadAll(go, &token, 1);  // the target is stopped now
+  ucp_request_param_t am{};
+  am.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  am.flags = kind == "am-rndv" ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  if (kind == "am" || kind == "am-rndv") {
+    ucs_status_ptr_t request = ucp_am_send_nbx(ep, 1, nullptr, 0, local.data(), bytes, &am);
+    if (control) {
+      if (!Wait(worker, request) || !Wait(worker, ucp_ep_flush_nbx(ep, &params))) {
+        Fail(7, "am");
+      }
+    } else if (kind == "am") {
+      if (!Wait(worker, request)) Fail(7, "ucp_am_send_nbx");
+    } else {
+      if (UCS_PTR_IS_ERR(request)) Fail(7, "ucp_am_send_nbx");
+      for (int i = 0; i < 1000; ++i) ucp_worker_progress(worker);  // the RTS leaves
+    }
+    _exit(0);
+  }
   if (control) {  // the answer arrives once the parent continues the target
     ucs_status_ptr_t op = get ? ucp_get_nbx(ep, local.data(), bytes, base, remote_key, &params)
                               : ucp_put_nbx(ep, local.data(), bytes, base, remote_key, &params);
@@ -183,27 +344,54 @@ int main(int argc, char** argv) {
   const int rounds = std::atoi(proxima::bench::Arg(argc, argv, "rounds", "10").c_str());
   bool control = false;
   for (int i = 1; i < argc; ++i) control = control || std::string_view(argv[i]) == "--control";
-  if ((op != "put" && op != "get") || bytes == 0 || rounds <= 0) {
+  const bool reverse = op == "am-to-dead" || op == "am-rndv-to-dead";
+  if ((op != "put" && op != "get" && op != "am" && op != "am-rndv" && !reverse) || bytes == 0 ||
+      rounds <= 0) {
     std::fprintf(stderr,
-                 "usage: UCX_TLS=tcp %s [--op=put|get] [--bytes=N>0] [--rounds=N>0] [--control]\n",
+                 "usage: UCX_TLS=tcp %s [--op=put|get|am|am-rndv|am-to-dead|am-rndv-to-dead] "
+                 "[--bytes=N>0] [--rounds=N>0] [--control]\n",
                  argv[0]);
     return 2;
   }
-  int info[2];
-  if (pipe(info) != 0) Fail(3, "pipe");
+  int info[2], peers[2];
+  if (pipe(info) != 0 || pipe(peers) != 0) Fail(3, "pipe");
   const pid_t target = fork();
-  if (target == 0) RunTarget(info[1], bytes);
+  if (target == 0) RunTarget(info[1], peers[0], bytes, op == "am-rndv-to-dead");
   const std::string address = ReceiveBlob(info[0]);
   const std::string rkey = ReceiveBlob(info[0]);
   uint64_t base = 0;
   std::memcpy(&base, ReceiveBlob(info[0]).data(), sizeof base);
 
-  for (int round = 0; round < rounds; ++round) {
+  for (int round = 0; reverse && round < rounds; ++round) {
+    int ready[2];
+    if (pipe(ready) != 0) Fail(3, "pipe");
+    const pid_t receiver = fork();
+    if (receiver == 0) RunDyingReceiver(bytes, ready[1]);
+    const std::string peer = ReceiveBlob(ready[0]);
+    SendBlob(peers[1], peer.data(), peer.size());
+    int receiver_status = 0;
+    waitpid(receiver, &receiver_status, 0);
+    close(ready[0]);
+    close(ready[1]);
+    usleep(500000);  // the target sees the connection close and ends its sends
+    int target_status = 0;
+    const bool target_died = waitpid(target, &target_status, WNOHANG) == target;
+    std::printf(
+        "round %d: %s, %d sends of %zu bytes, receiver exited %d; target %s\n", round, op.c_str(),
+        kSends, bytes,
+        WIFEXITED(receiver_status) ? WEXITSTATUS(receiver_status) : -WTERMSIG(receiver_status),
+        !target_died                 ? "alive"
+        : WIFSIGNALED(target_status) ? strsignal(WTERMSIG(target_status))
+                                     : "exited");
+    std::fflush(stdout);
+    if (target_died) return 10;
+  }
+  for (int round = 0; !reverse && round < rounds; ++round) {
     int ready[2], go[2];
     if (pipe(ready) != 0 || pipe(go) != 0) Fail(3, "pipe");
     const pid_t initiator = fork();
     if (initiator == 0) {
-      RunInitiator(address, rkey, base, bytes, op == "get", control, ready[1], go[0]);
+      RunInitiator(address, rkey, base, bytes, op, control, ready[1], go[0]);
     }
     char token = 0;
     ReadAll(ready[0], &token, 1);
