@@ -5,7 +5,7 @@ the peer hop over UCX and over gRPC, in one run on loopback.
 
 Starts three proximad, A, B and C, from the same binary as one cluster (static peers, a peer
 token, the UCX data plane on): B fetches from peers over UCX (cluster.transport auto: the
-holder writes the blocks into B's receive buffer), C over gRPC (cluster.transport grpc: the
+holder sends the blocks to B's worker as UCX messages), C over gRPC (cluster.transport grpc: the
 bytes come inline in the peer's answer). Puts --blocks test blocks of 2 MiB on A with
 `proximactl put`; then, interleaved --repeats times, `proximactl get` of all of them through A
 (local: the baseline), through B and through C (every block a remote hit: home lookup +

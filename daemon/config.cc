@@ -99,10 +99,9 @@ cluster:                           # daemons of many nodes sharing their tiers (
     cert_file: ""                  # client cert presented to peers; "" = server.tls.cert_file
     key_file: ""                   # its private key; "" = server.tls.key_file
     server_name: ""                # name checked in peers' certs; "" = the peer address's host
-  transport: grpc                  # block bytes between daemons: grpc | auto (UCX when
-                                   # ucx.enabled and no server.tls) | ucx (also with TLS);
-                                   # UCX only over RDMA transports (docs/cluster.md)
-  receive_pool_bytes: 256MiB       # over UCX: registered receive buffers kept for reuse
+  transport: auto                  # fetched block bytes between daemons: auto (UCX messages
+                                   # when ucx.enabled and no server.tls) | grpc | ucx (also
+                                   # with TLS); spilled bytes always go inline
   spill:                           # cold blocks move to peers with room when this node is full
     enabled: true
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller
@@ -687,8 +686,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
     return r.Error("cluster.transport", out->transport,
                    "auto (UCX between daemons when ucx.enabled and no server.tls), grpc or ucx");
   }
-  PROXIMA_RETURN_IF_ERROR(r.Size(node["receive_pool_bytes"], "cluster.receive_pool_bytes", 0,
-                                 1ull << 40, &out->receive_pool_bytes));
+  // receive_pool_bytes (registered receive buffers of one-sided UCX fetches) is accepted and
+  // ignored, so that configs written for older versions still load.
   if (const YAML::Node spill = node["spill"]) {
     PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
                                         {"enabled", "threshold", "accept_below", "candidates",
@@ -1305,7 +1304,6 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "server_name" << YAML::Value << YAML::DoubleQuoted << k.tls.server_name;
   e << YAML::EndMap;
   e << YAML::Key << "transport" << YAML::Value << k.transport;
-  e << YAML::Key << "receive_pool_bytes" << YAML::Value << k.receive_pool_bytes;
   e << YAML::Key << "spill" << YAML::Value << YAML::BeginMap;
   e << YAML::Key << "enabled" << YAML::Value << k.spill_enabled;
   e << YAML::Key << "threshold" << YAML::Value << k.spill_threshold;

@@ -168,17 +168,12 @@ struct ClusterConfig {
   std::string peer_token_file;
   std::string peer_token_env;
   PeerTlsConfig tls;  // how this daemon calls its peers when server.tls is set
-  // How fetched and spilled block bytes move between daemons: "grpc" (inline in the gRPC
-  // messages; the default), "auto" (over UCX when this daemon runs the UCX data plane,
-  // ucx.enabled, without server.tls, and the other daemon can reach it) or "ucx" (UCX also
-  // with server.tls: UCX does not encrypt, for a trusted data network). Not UCX by default:
-  // over UCX transports that emulate RMA (tcp, posix/sysv shared memory) UCX 1.13 aborts the
-  // target process when its peer dies mid-transfer (docs/cluster.md).
-  std::string transport = "grpc";
-  // Over UCX, the most bytes of registered receive buffers (of remote gets) kept idle for reuse
-  // by later gets; 0 allocates and registers a buffer per call. A buffer larger than this is
-  // allocated for its call alone.
-  uint64_t receive_pool_bytes = 256ull << 20;
+  // How fetched block bytes move between daemons: "auto" (the default: as UCX messages when
+  // this daemon runs the UCX data plane, ucx.enabled, without server.tls, and the other daemon
+  // can reach it; inline otherwise), "grpc" (always inline in the gRPC messages) or "ucx" (UCX
+  // also with server.tls: UCX does not encrypt, for a trusted data network). Spilled bytes
+  // always travel inline.
+  std::string transport = "auto";
   // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at
   // or below `spill_accept_below`. A block goes to the first of its key's `spill_candidates`

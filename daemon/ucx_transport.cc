@@ -119,8 +119,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
   registry->AddGauge("proxima_ucx_endpoints", "UCX endpoints alive in the daemon's worker", {},
                      [w] { return static_cast<double>(w->live_endpoints()); });
   registry->AddGauge("proxima_ucx_registrations",
-                     "UCX memory registrations alive in the daemon (the host tier arena, and the "
-                     "cluster's receive buffers)",
+                     "UCX memory registrations alive in the daemon (the host tier arena)",
                      {}, [w] { return static_cast<double>(w->live_registrations()); });
   registry->AddCounterFunction("proxima_ucx_peer_failures_total",
                                "UCX endpoints that failed because their peer did (monotonic)", {},

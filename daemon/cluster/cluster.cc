@@ -23,9 +23,6 @@ constexpr size_t kMaxQueuedKeys = 1u << 20;
 constexpr uint64_t kMaxSpillRoundBytes = 64ull << 20;
 // How long a peer that answered full (or failed a StoreBlocks) is left alone.
 constexpr absl::Duration kPeerFullBackoff = absl::Seconds(1);
-// How long past a failed fetch's deadline its UCX receive buffer is kept: the holder's transfer
-// stops at that deadline (its endpoint is closed by force), so nothing writes into it after.
-constexpr absl::Duration kQuarantine = absl::Seconds(10);
 // The spiller's wake-up period when no put wakes it.
 constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
 // How often the record sender looks for blocks that left the local tiers (evicted, spilled)
@@ -196,8 +193,7 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
   // the operator asks for UCX by name.
   if (ucx != nullptr &&
       (c.transport == "ucx" || (c.transport == "auto" && !config.server.tls.enabled()))) {
-    cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), ucx->arena(),
-                                              c.receive_pool_bytes, registry);
+    cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), registry);
   }
   cluster->service_ = std::make_unique<PeerService>(
       core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
@@ -601,19 +597,10 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
       1, std::min<uint64_t>(core_->max_batch_blocks(),
                             (config_.server.max_message_bytes - 4096) / per_block));
   std::vector<std::unique_ptr<Call>> calls = CallsPerHolder<Call>(blocks, holders, self_, per_call);
-  // With UCX: one receive buffer per call (from the receive pool), a slot per block, that the
-  // holder writes into.
-  std::vector<std::shared_ptr<const PeerUcx::ReceiveBuffer>> buffers(calls.size());
+  // With UCX: the holders send the blocks as messages of one transfer per call, a slot per block.
+  std::vector<uint64_t> transfers(calls.size(), 0);
   for (size_t k = 0; k < calls.size() && ucx_ != nullptr; ++k) {
-    absl::StatusOr<std::shared_ptr<const PeerUcx::ReceiveBuffer>> b =
-        ucx_->NewReceiveBuffer(calls[k]->which.size(), per_block);
-    if (b.ok()) {
-      buffers[k] = *std::move(b);
-      ucx_->Describe(*buffers[k], &calls[k]->request);
-    } else {
-      PROXIMA_LOG(kWarning) << "no UCX receive buffer; fetching inline"
-                            << log::Kv("error", b.status().ToString());
-    }
+    transfers[k] = ucx_->Describe(per_block, &calls[k]->request);
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncFetchBlocks, /*skip_suspects=*/true);
   uint64_t hits = 0;
@@ -621,18 +608,22 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   uint64_t ucx_bytes = 0;
   for (size_t k = 0; k < calls.size(); ++k) {
     const auto& call = calls[k];
-    if (!call->status.ok() && buffers[k] != nullptr) {
-      // The holder may still be writing into this buffer (our side gave up first): keep it
-      // out of the pool until its transfer has surely stopped (the holder's deadline is this
-      // call's).
-      ucx_->Quarantine(std::move(buffers[k]), std::max(deadline, absl::Now()) + kQuarantine);
+    const bool answered =
+        call->status.ok() && call->response.blocks_size() == static_cast<int>(call->which.size());
+    // The blocks sent as messages: collected by the deadline (they left before the answer did).
+    // A failed call's transfer is closed, so that what its holder sent is dropped.
+    const bool by_ucx = answered && call->response.ucx_sent() && transfers[k] != 0;
+    std::vector<uint32_t> slots;
+    for (int j = 0; by_ucx && j < call->response.blocks_size(); ++j) {
+      const v1::FetchedBlock& b = call->response.blocks(j);
+      if (b.found() && b.data().empty() && b.size() > 0) slots.push_back(static_cast<uint32_t>(j));
     }
-    if (!call->status.ok() ||
-        call->response.blocks_size() != static_cast<int>(call->which.size())) {
+    std::vector<std::shared_ptr<const ucx::Parcel>> parcels;
+    if (transfers[k] != 0) parcels = ucx_->Collect(transfers[k], slots, deadline);
+    if (!answered) {
       peer_call_failures_->Increment();
       continue;
     }
-    const bool by_ucx = call->response.ucx_written() && buffers[k] != nullptr;
     std::vector<BlockKey> missed;
     for (size_t j = 0; j < call->which.size(); ++j) {
       v1::FetchedBlock* b = call->response.mutable_blocks(static_cast<int>(j));
@@ -641,28 +632,34 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
         missed.push_back(blocks.keys[i]);
         continue;
       }
-      // The bytes: inline in the answer, or (empty `data`) in this block's slot of the receive
-      // buffer. The holder's word for the size is checked against the slot before it is used.
-      const bool in_slot = by_ucx && b->data().empty() && b->size() > 0;
-      const uint64_t size = in_slot ? b->size() : b->data().size();
+      // The bytes: inline in the answer, or (empty `data`) in the message sent for its slot. The
+      // holder's word for the size is checked against the message.
+      const bool in_message = by_ucx && b->data().empty() && b->size() > 0;
+      std::shared_ptr<const ucx::Parcel> parcel;
+      if (in_message) {
+        auto at = std::lower_bound(slots.begin(), slots.end(), static_cast<uint32_t>(j));
+        parcel = parcels[at - slots.begin()];
+      }
+      const uint64_t size = in_message ? b->size() : b->data().size();
       const bool size_ok = b->level() < static_cast<uint32_t>(kMaxLevels) &&
                            (b->level() > 0 ? size <= per_block : size == blocks.block_bytes) &&
-                           (!in_slot || size <= buffers[k]->slot_bytes());
+                           (!in_message || (parcel != nullptr && parcel->bytes().size() == size));
       std::span<const std::byte> got;
       if (size_ok) {
-        got = in_slot ? buffers[k]->Slot(j, size)
-                      : std::as_bytes(std::span<const char>(b->data().data(), size));
+        got = in_message ? parcel->bytes()
+                         : std::as_bytes(std::span<const char>(b->data().data(), size));
       }
       if (!size_ok || Crc32c(got) != b->crc32c()) {
         crc_failures_->Increment();
-        PROXIMA_LOG(kError) << "block fetched from a peer failed its CRC32C or size check; "
-                               "served as a miss"
+        PROXIMA_LOG(kError) << "block fetched from a peer failed its CRC32C or size check (or "
+                               "its UCX message did not arrive); served as a miss"
                             << log::Kv("peer", call->peer) << log::Kv("level", b->level())
-                            << log::Kv("bytes", size) << log::Kv("ucx", in_slot);
+                            << log::Kv("bytes", size) << log::Kv("ucx", in_message)
+                            << log::Kv("arrived", parcel != nullptr);
         continue;
       }
-      if (in_slot) {
-        out[i] = RemoteBlock{buffers[k], got, b->crc32c(), static_cast<uint8_t>(b->level())};
+      if (in_message) {
+        out[i] = RemoteBlock{parcel, got, b->crc32c(), static_cast<uint8_t>(b->level())};
         ucx_bytes += size;
       } else {
         auto data = std::make_shared<const std::string>(std::move(*b->mutable_data()));
@@ -856,11 +853,6 @@ Cluster::SpillRound Cluster::SpillOnce() {
       set->set_partition(id.partition);
       set->set_profile_id(id.profile_id);
       p.call->request.set_block_bytes(*block_bytes);
-      // Over UCX unless this peer could not pull from us: it then takes the blocks straight
-      // from our arena while we hold them pinned.
-      if (ucx_ != nullptr && !rooms_[p.call->peer].inline_only) {
-        ucx_->DescribeArena(&p.call->request);
-      }
       pending.push_back(std::move(p));
       it = open.insert_or_assign(key, pending.size() - 1).first;
     }
@@ -868,12 +860,7 @@ Cluster::SpillRound Cluster::SpillOnce() {
     p.call->request.mutable_blocks()->add_keys(reinterpret_cast<const char*>(id.key.data()),
                                                kKeyBytes);
     v1::SpilledBlock* b = p.call->request.add_data();
-    if (p.call->request.ucx_worker_address().empty()) {
-      b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
-    } else {
-      b->set_ucx_address(reinterpret_cast<uint64_t>(c->block.bytes.data()));
-      b->set_size(c->block.bytes.size());
-    }
+    b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
     b->set_crc32c(c->block.crc32c);
     b->set_level(c->block.level);
     p.bytes += c->block.bytes.size();
@@ -884,7 +871,6 @@ Cluster::SpillRound Cluster::SpillOnce() {
   const absl::Time deadline = now + peer_deadline_;
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks);
   bool moved = false;
-  bool retry_inline = false;
   for (size_t k = 0; k < calls.size(); ++k) {
     const Call& call = *calls[k];
     std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
@@ -897,16 +883,7 @@ Cluster::SpillRound Cluster::SpillOnce() {
     }
     PeerRoom& room = rooms_[call.peer];
     room.bytes = answered ? call.response.room_bytes() : 0;
-    if (!answered && call.status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
-        !call.request.ucx_worker_address().empty()) {
-      // It cannot pull from us over UCX: inline from the next round on, no back-off.
-      room.inline_only = true;
-      room.bytes = UINT64_MAX;
-      retry_inline = true;
-      PROXIMA_LOG(kInfo) << "spilling to a peer inline: it cannot pull over UCX"
-                         << log::Kv("peer", call.peer)
-                         << log::Kv("error", call.status.error_message());
-    } else if (!answered || call.response.full() || room.bytes == 0) {
+    if (!answered || call.response.full() || room.bytes == 0) {
       room.bytes = 0;
       room.retry_at = now + kPeerFullBackoff;
     }
@@ -925,8 +902,7 @@ Cluster::SpillRound Cluster::SpillOnce() {
     }
   }
   for (const BlockStore::Candidate& c : stay) store.Release(c);
-  // A peer that refused a UCX pull takes the bytes inline in the next round, at once.
-  return moved || retry_inline ? SpillRound::kMoved : SpillRound::kStuck;
+  return moved ? SpillRound::kMoved : SpillRound::kStuck;
 }
 
 }  // namespace proxima::daemon::cluster

@@ -30,7 +30,7 @@
 // The record sender keeps, per key, only the latest of "record" and "forget" queued for it, and
 // sends one round at a time, so a home sees a key's changes in the order they happened.
 //
-// Block bytes of fetches travel over UCX between daemons that both run the UCX data plane
+// Block bytes of fetches travel as UCX messages between daemons that both run the UCX data plane
 // (PeerUcx; cluster.transport auto), inline in the gRPC answers otherwise; spills over gRPC.
 //
 // Thread-safe. Threads: Membership's, one record sender, and (cluster.spill.enabled) one spiller.
@@ -201,7 +201,6 @@ class Cluster final : public RemoteBlocks {
     uint64_t bytes = UINT64_MAX;  // what it said it would still keep (unknown: unlimited)
     absl::Time retry_at;          // after a refusal or a failed call: left alone until then,
                                   // then sent one block
-    bool inline_only = false;     // it could not pull over UCX: send it the bytes inline
   };
   absl::flat_hash_map<std::string, PeerRoom> rooms_;
   // Peers left alone after a failed or timed-out call, until when (CallAll).

@@ -151,22 +151,23 @@ absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
   for (size_t i = 0; i < ids.size(); ++i) {
     (*blocks)[i] = core_->store().Read(ids[i], BlockStore::CrcCheck::kHere);
   }
-  // Over UCX when the reader offers a receive buffer and this daemon runs the UCX data plane:
-  // every found block that fits its slot; the others (and all of them when the reader's worker
-  // cannot be reached) inline.
+  // Over UCX when the reader names its worker and this daemon runs the UCX data plane: every
+  // found block no larger than the reader takes; the others (and all of them when the reader's
+  // worker cannot be reached) inline.
   std::vector<bool> by_ucx(ids.size(), false);
-  if (ucx_ != nullptr && !request.ucx_worker_address().empty()) {
+  if (ucx_ != nullptr && !request.ucx_worker().empty()) {
     for (size_t i = 0; i < ids.size(); ++i) {
-      by_ucx[i] = (*blocks)[i] && (*blocks)[i]->bytes.size() <= request.ucx_slot_bytes();
+      by_ucx[i] = (*blocks)[i] && !(*blocks)[i]->bytes.empty() &&
+                  (*blocks)[i]->bytes.size() <= request.ucx_max_block_bytes();
     }
-    absl::Status written = ucx_->Write(request, blocks, by_ucx, deadline);
-    if (absl::IsFailedPrecondition(written)) {
-      PROXIMA_LOG(kDebug) << "answering a fetch inline" << log::Kv("error", written.ToString());
+    absl::Status sent = ucx_->Write(request, blocks, by_ucx, deadline);
+    if (absl::IsFailedPrecondition(sent)) {
+      PROXIMA_LOG(kDebug) << "answering a fetch inline" << log::Kv("error", sent.ToString());
       std::fill(by_ucx.begin(), by_ucx.end(), false);
-    } else if (!written.ok()) {
-      return written;
+    } else if (!sent.ok()) {
+      return sent;
     } else {
-      response->set_ucx_written(true);
+      response->set_ucx_sent(true);
     }
   }
   uint64_t bytes = kMessageOverhead;
@@ -192,7 +193,7 @@ absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
 }
 
 absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
-                                     v1::StoreBlocksResponse* response, absl::Time deadline) {
+                                     v1::StoreBlocksResponse* response) {
   PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
   if (request.data_size() != static_cast<int>(ids.size())) {
@@ -218,16 +219,12 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
           "-byte blocks; nothing was stored"));
     }
   }
-  const bool by_ucx = !request.ucx_worker_address().empty();
-  if (by_ucx && ucx_ == nullptr) {
+  if (!request.ucx_worker_address().empty()) {
+    // An older sender offering its arena for one-sided gets.
     return absl::FailedPreconditionError(
-        "StoreBlocks over UCX, but this daemon does not take peers' blocks over UCX "
-        "(ucx.enabled, cluster.transport); send the bytes inline");
+        "StoreBlocks names a UCX worker to pull from, but this daemon takes spilled blocks "
+        "inline only; send the bytes in the request");
   }
-  // The size of block i: of its inline bytes, or (UCX) as the sender states it.
-  auto size_of = [&](const v1::SpilledBlock& b) -> uint64_t {
-    return by_ucx ? b.size() : b.data().size();
-  };
   // Every block is checked before any is kept: a request with one bad block stores none.
   for (int i = 0; i < request.data_size(); ++i) {
     const v1::SpilledBlock& b = request.data(i);
@@ -236,7 +233,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                                                      b.level(), "; levels are 0 to ",
                                                      kMaxLevels - 1));
     }
-    const uint64_t size = size_of(b);
+    const uint64_t size = b.data().size();
     if (b.level() == 0 ? size != request.block_bytes()
                        : size == 0 || size > request.block_bytes() + kMessageOverhead) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -245,44 +242,32 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                          : absl::StrCat("1 to block_bytes + ", kMessageOverhead, " = ",
                                         request.block_bytes() + kMessageOverhead)));
     }
-    if (by_ucx && !b.data().empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("StoreBlocks data[", i, "] carries bytes in a request over UCX"));
+    const std::span<const std::byte> bytes = AsBytes(b.data());
+    const uint32_t crc = Crc32c(bytes);
+    if (crc != b.crc32c()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "StoreBlocks data[%d].crc32c is 0x%08x but its bytes have CRC32C 0x%08x; nothing "
+          "was stored",
+          i, b.crc32c(), crc));
     }
-    if (!by_ucx) {
-      const std::span<const std::byte> bytes = AsBytes(b.data());
-      const uint32_t crc = Crc32c(bytes);
-      if (crc != b.crc32c()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "StoreBlocks data[%d].crc32c is 0x%08x but its bytes have CRC32C 0x%08x; nothing "
-            "was stored",
-            i, b.crc32c(), crc));
-      }
-      PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(i, b.level(), bytes, request.block_bytes()));
-    }
+    PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(i, b.level(), bytes, request.block_bytes()));
   }
   // Which blocks to keep, in room this node has to spare (never evicting for them), and their
-  // tier memory; visible only once all of them have arrived and passed their checks.
+  // tier memory; visible only once all of them are copied.
   BlockStore& store = core_->store();
   const double limit = accept_below_ * static_cast<double>(store.capacity_bytes());
-  auto pending = std::make_shared<std::vector<BlockStore::PendingBlock>>();
+  std::vector<BlockStore::PendingBlock> pending;
   std::vector<size_t> keep;  // request index of each pending block
-  std::vector<PeerUcx::Pull> pulls;
   uint64_t reserved = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     const v1::SpilledBlock& b = request.data(static_cast<int>(i));
     bool stored = store.Contains(ids[i]);
-    const uint64_t size = size_of(b);
+    const uint64_t size = b.data().size();
     if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
       if (std::optional<BlockStore::PendingBlock> p = store.ReserveCompacting(size)) {
-        std::span<std::byte> dst = p->bytes().first(size);
-        if (by_ucx) {
-          pulls.push_back({b.ucx_address(), dst});
-        } else {
-          std::memcpy(dst.data(), b.data().data(), size);
-        }
-        pending->push_back(*std::move(p));
+        std::memcpy(p->bytes().data(), b.data().data(), size);
+        pending.push_back(*std::move(p));
         keep.push_back(i);
         reserved += size;
         stored = true;
@@ -291,29 +276,12 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     if (!stored) response->set_full(true);
     response->add_stored(stored);
   }
-  if (!pulls.empty()) {
-    PROXIMA_RETURN_IF_ERROR(ucx_->Read(request.ucx_worker_address(), request.ucx_rkey(),
-                                       request.ucx_registration_id(), pulls, pending, deadline));
-    for (size_t j = 0; j < keep.size(); ++j) {
-      const uint32_t want = request.data(static_cast<int>(keep[j])).crc32c();
-      const uint32_t got = Crc32c(pulls[j].local);
-      if (got != want) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "StoreBlocks data[%d].crc32c is 0x%08x but the bytes pulled over UCX have CRC32C "
-            "0x%08x; nothing was stored",
-            keep[j], want, got));
-      }
-      PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(static_cast<int>(keep[j]),
-                                                    request.data(static_cast<int>(keep[j])).level(),
-                                                    pulls[j].local, request.block_bytes()));
-    }
-  }
   std::vector<BlockKey> kept;
   for (size_t j = 0; j < keep.size(); ++j) {
     const v1::SpilledBlock& b = request.data(static_cast<int>(keep[j]));
     BlockAttributes attributes;
     attributes.from_peer = true;
-    store.Commit(ids[keep[j]], std::move((*pending)[j]), b.crc32c(), attributes,
+    store.Commit(ids[keep[j]], std::move(pending[j]), b.crc32c(), attributes,
                  static_cast<uint8_t>(b.level()));
     kept.push_back(ids[keep[j]].key);
   }
@@ -376,10 +344,8 @@ grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
 grpc::Status PeerService::StoreBlocks(grpc::ServerContext* context,
                                       const v1::StoreBlocksRequest* request,
                                       v1::StoreBlocksResponse* response) {
-  const absl::Time deadline = CallDeadline(*context);
-  return Handle(context, request, response, [this, deadline](const auto& r, auto* out) {
-    return ServeStore(r, out, deadline);
-  });
+  return Handle(context, request, response,
+                [this](const auto& r, auto* out) { return ServeStore(r, out); });
 }
 
 grpc::Status PeerService::DeleteBlocks(grpc::ServerContext* context,

@@ -35,7 +35,7 @@ class PeerService final : public v1::Peer::Service {
   // `core`, `records`, `remote` and `registry` must outlive the service. `self` is this daemon's
   // node id. Blocks peers spill here are kept while the host tier stays at or below
   // `accept_below` of its capacity (0: never), and `remote` tells their homes (Stored).
-  // `ucx` (null without the UCX data plane) writes fetched blocks into readers' buffers.
+  // `ucx` (null without the UCX data plane) sends fetched blocks to readers as UCX messages.
   PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
               std::string self, std::string token, uint64_t max_message_bytes,
               double accept_below, metrics::Registry* registry);
@@ -58,15 +58,13 @@ class PeerService final : public v1::Peer::Service {
                            v1::RecordLocationsResponse* response);
   absl::Status ServeLookup(const v1::LookupLocationsRequest& request,
                            v1::LookupLocationsResponse* response);
-  // `deadline`: the call's (a UCX transfer must land before it).
+  // `deadline`: the call's (UCX sends must be done before it).
   absl::Status ServeFetch(const v1::FetchBlocksRequest& request,
                           v1::FetchBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
   absl::Status ServeDelete(const v1::DeleteBlocksRequest& request,
                            v1::DeleteBlocksResponse* response);
-  absl::Status ServeStore(const v1::StoreBlocksRequest& request,
-                          v1::StoreBlocksResponse* response,
-                          absl::Time deadline = absl::InfiniteFuture());
+  absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response);
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;

@@ -33,8 +33,8 @@ struct RemoteBlockSet {
   uint64_t block_bytes = 0;  // raw block size of the profile (a raw block fetched must have it)
 };
 
-// A block read from another node: its stored bytes (kept valid by `pin`: the received message
-// or UCX receive buffer), checked against `crc32c` on arrival.
+// A block read from another node: its stored bytes (kept valid by `pin`: the gRPC answer they
+// came inline in, or the UCX message), checked against `crc32c` on arrival.
 struct RemoteBlock {
   std::shared_ptr<const void> pin;
   std::span<const std::byte> bytes;

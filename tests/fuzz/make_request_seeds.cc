@@ -87,11 +87,11 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
     proxima::v1::StoreBlocksRequest bad_crc = store;
     bad_crc.mutable_data(1)->set_crc32c(bad_crc.data(1).crc32c() ^ 1);
     WritePeer(peer_dir, kStore, bad_crc);
-    proxima::v1::StoreBlocksRequest over_ucx;  // this daemon takes no blocks over UCX
+    proxima::v1::StoreBlocksRequest over_ucx;  // an older sender's: spills come inline only
     set(over_ucx.mutable_blocks(), {'f'});
     over_ucx.set_block_bytes(512);
     over_ucx.set_ucx_worker_address("worker");
-    over_ucx.add_data()->set_size(512);
+    over_ucx.add_data();
     WritePeer(peer_dir, kStore, over_ucx);
     proxima::v1::RecordLocationsRequest record;
     set(record.mutable_blocks(), {'a', 'x'});
@@ -105,8 +105,9 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
     proxima::v1::FetchBlocksRequest fetch;
     set(fetch.mutable_blocks(), {'a', 'e', 'z'});
     WritePeer(peer_dir, kFetch, fetch);
-    fetch.set_ucx_worker_address("worker");
-    fetch.set_ucx_slot_bytes(512);
+    fetch.set_ucx_worker("worker");
+    fetch.set_ucx_transfer(7);
+    fetch.set_ucx_max_block_bytes(512);
     WritePeer(peer_dir, kFetch, fetch);
     proxima::v1::DeleteBlocksRequest del;
     set(del.mutable_blocks(), {'b'});

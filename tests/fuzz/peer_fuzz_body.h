@@ -116,7 +116,7 @@ inline bool RunPeerInput(const uint8_t* data, size_t size) {
       status = service.ServeFetch(req, &resp);
       keys = static_cast<size_t>(req.blocks().keys_size());
       if (status.ok()) {
-        if (static_cast<size_t>(resp.blocks_size()) != keys || resp.ucx_written()) std::abort();
+        if (static_cast<size_t>(resp.blocks_size()) != keys || resp.ucx_sent()) std::abort();
         for (const v1::FetchedBlock& b : resp.blocks()) {
           // Found inline: the stored bytes and their CRC32C (no UCX without a UCX worker).
           if (b.found() && Crc32c(std::as_bytes(std::span<const char>(

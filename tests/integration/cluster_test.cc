@@ -277,8 +277,8 @@ TEST_F(ClusterTest, BlocksTheHolderEvictsStopCountingInLookupsFromTheOtherNodes)
 }
 
 TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
-  // cluster.transport auto with the UCX data plane on: the holder writes fetched blocks into the
-  // reader daemon's receive buffer; with grpc they come inline in the answer.
+  // cluster.transport auto with the UCX data plane on: the holder sends fetched blocks to the
+  // reader daemon as UCX messages; with grpc they come inline in the answer.
   for (const std::string transport : {"auto", "grpc"}) {
     SCOPED_TRACE(transport);
     daemons_.clear();
@@ -302,26 +302,18 @@ TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
       EXPECT_EQ(Metric(1, "proxima_cluster_ucx_endpoints"), 0);  // B only received
       EXPECT_EQ(Metric(0, "proxima_cluster_ucx_endpoints"), 1);  // A keeps its endpoint to B
 
-      // B's receive pool: more gets of the 12 blocks (one FetchBlocks call each, a buffer of 16
-      // slots) reuse the one buffer, a get of 3 blocks takes a second size class (4 slots); A,
-      // the holder, unpacks the key of each of B's buffers once, not once per call.
-      const std::string allocated = "proxima_cluster_receive_buffers_total{outcome=\"allocated\"}";
-      const std::string reused = "proxima_cluster_receive_buffers_total{outcome=\"reused\"}";
-      EXPECT_EQ(Metric(1, allocated), 1);
-      EXPECT_EQ(Metric(1, reused), 0);
-      const double unpacked = Metric(0, "proxima_ucx_rkeys_unpacked_total");
+      // More gets, of all 12 blocks and of 3: every message is collected, none dropped, none
+      // left parked.
       constexpr int kMore = 10;
       for (int i = 0; i < kMore; ++i) {
         ASSERT_EQ(GetAndCheck(*b, p, 3, 0, kBlocks), kBlocks) << "get " << i;
       }
       for (int i = 0; i < 3; ++i) ASSERT_EQ(GetAndCheck(*b, p, 3, 4, 3), 3u);
-      EXPECT_EQ(Metric(1, allocated), 2);
-      EXPECT_EQ(Metric(1, reused), kMore + 2);
-      EXPECT_EQ(Metric(0, "proxima_ucx_rkeys_unpacked_total") - unpacked, 1);
-      EXPECT_EQ(Metric(1, "proxima_cluster_receive_pool_idle_bytes"),
-                (16 + 4) * (p.block_bytes + 4096));
       EXPECT_EQ(Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
                 (1 + kMore) * kBlocks * p.block_bytes + 3 * 3 * p.block_bytes);
+      EXPECT_EQ(Metric(1, "proxima_cluster_ucx_parked_bytes"), 0);
+      EXPECT_EQ(Metric(1, "proxima_cluster_ucx_messages_dropped_total"), 0);
+      EXPECT_EQ(Metric(0, "proxima_cluster_ucx_endpoints"), 1);  // the one endpoint, reused
     } else {
       EXPECT_EQ(by_ucx, -1);  // no UCX between daemons: the series does not exist
       EXPECT_EQ(inline_bytes, kBlocks * p.block_bytes);
@@ -341,7 +333,7 @@ void AsPeer(grpc::ClientContext* context) {
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
 }
 
-TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
+TEST_F(ClusterTest, AFetchNamingABadUcxWorkerIsRefusedOrAnsweredInline) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(1, {"ucx.enabled=true", "cluster.transport=auto"}));
   auto worker = MustConnect(daemons_[0]->tcp_target());
   ASSERT_TRUE(worker);
@@ -349,37 +341,37 @@ TEST_F(ClusterTest, AFetchNamingABadUcxBufferIsRefusedOrAnsweredInline) {
   Blocks blocks = MakeBlocks(4, 0, 2, p.block_bytes);
   ASSERT_OK(worker->Put(p, blocks.keys, blocks.spans()).status());
   auto stub = PeerStub(daemons_[0]->tcp_target());
-  auto fetch = [&](const std::string& address, const std::string& rkey, uint64_t slot,
+  auto fetch = [&](const std::string& address, uint64_t transfer, uint64_t max_block_bytes,
                    v1::FetchBlocksResponse* response) {
     v1::FetchBlocksRequest r;
     r.mutable_blocks()->set_namespace_name("default");
     r.mutable_blocks()->set_profile_id(p.id);
     for (const auto& k : blocks.keys) r.mutable_blocks()->add_keys(std::string(k.begin(), k.end()));
-    r.set_ucx_worker_address(address);
-    r.set_ucx_rkey(rkey);
-    r.set_ucx_address(4096);
-    r.set_ucx_slot_bytes(slot);
+    r.set_ucx_worker(address);
+    r.set_ucx_transfer(transfer);
+    r.set_ucx_max_block_bytes(max_block_bytes);
     grpc::ClientContext context;
     AsPeer(&context);
+    response->Clear();
     return stub->FetchBlocks(&context, r, response);
   };
   v1::FetchBlocksResponse response;
-  // A worker address that does not connect: the blocks come inline instead.
-  grpc::Status s = fetch("not a worker address", "rkey", p.block_bytes, &response);
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_FALSE(response.ucx_written());
-  ASSERT_EQ(response.blocks_size(), 2);
-  for (const v1::FetchedBlock& b : response.blocks()) {
-    EXPECT_TRUE(b.found());
-    EXPECT_EQ(b.data().size(), p.block_bytes);
+  // A worker address that does not connect, or blocks larger than the reader takes as messages:
+  // the blocks come inline instead.
+  for (const auto& [address, max_block_bytes] : std::vector<std::pair<std::string, uint64_t>>{
+           {"not a worker address", p.block_bytes}, {"not a worker address", 1}}) {
+    grpc::Status s = fetch(address, 7, max_block_bytes, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(response.blocks_size(), 2);
+    for (const v1::FetchedBlock& b : response.blocks()) {
+      EXPECT_TRUE(b.found());
+      EXPECT_EQ(b.data().size(), p.block_bytes);
+    }
   }
-  // A buffer that cannot exist, or no rkey: refused.
-  s = fetch("w", "rkey", uint64_t{1} << 63, &response);
+  // No transfer to send to: refused.
+  grpc::Status s = fetch("w", 0, p.block_bytes, &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("64-bit address space"));
-  s = fetch("w", "", p.block_bytes, &response);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("ucx_rkey is 0 bytes"));
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("ucx_transfer is 0"));
   // The daemon serves on, every block intact.
   EXPECT_EQ(GetAndCheck(*worker, p, 4, 0, 2), 2u);
 }
@@ -522,12 +514,9 @@ TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
        grpc::StatusCode::INVALID_ARGUMENT, "keys[0] is 5 bytes"},
       {"an unknown namespace", [](auto& r) { r.mutable_blocks()->set_namespace_name("nope"); },
        grpc::StatusCode::NOT_FOUND, "nope"},
-      {"UCX delivery to a daemon without UCX",
-       [](auto& r) {
-         r.set_ucx_worker_address("worker");
-         r.set_ucx_rkey("rkey");
-       },
-       grpc::StatusCode::FAILED_PRECONDITION, "send the bytes inline"},
+      {"an older sender offering its arena over UCX",
+       [](auto& r) { r.set_ucx_worker_address("worker"); }, grpc::StatusCode::FAILED_PRECONDITION,
+       "send the bytes in the request"},
   };
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.what);
@@ -562,8 +551,10 @@ TEST_F(ClusterTest, APeerTokenThatIsAlsoATenantTokenIsRefusedAtStart) {
 }
 
 TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
-  // With the UCX data plane on (the workers' transport) and the peers on their default
-  // transport (gRPC; see docs/cluster.md on why UCX between daemons is opt-in).
+  // With the UCX data plane on and the peers on their default transport (auto): fetched blocks
+  // move between the daemons as UCX messages, so the holder dies while it sends them. Run with
+  // UCX_TLS=tcp too (docs/cluster.md): over tcp, one-sided transfers let a dying holder abort
+  // its reader; messages must not.
   ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"ucx.enabled=true"}));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3));
   constexpr size_t kBlocks = 16;
@@ -638,6 +629,9 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     EXPECT_EQ(WaitLookup(*c, p, kOnB, kBlocks, kBlocks), kBlocks);
     EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks);
     EXPECT_EQ(Metric(node, "proxima_cluster_fetch_crc_failures_total"), 0);
+    // The fetches moved as UCX messages (the premise).
+    EXPECT_GT(Metric(node, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
+              0);
   }
   // A restarts (same port, empty tiers): it rejoins, and serves new puts to the others.
   ASSERT_OK(daemons_[0]->Restart());
@@ -773,8 +767,8 @@ TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
 
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
-  // A and B run the UCX data plane: B pulls A's spilled blocks straight from A's arena. C does
-  // not: A's first spill to C over UCX is refused, and A sends C the bytes inline after that.
+  // A and B run the UCX data plane, C does not: spilled bytes go inline to both, and reads of
+  // spilled blocks come back over UCX from B, inline from C.
   ASSERT_NO_FATAL_FAILURE(StartCluster(
       3,
       // Puts wait for the spiller when A is full; 5 s rather than the default 0.5 s, so that a
@@ -820,11 +814,9 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
   const double kept_c = Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}");
   EXPECT_GT(kept_b, 0);
   EXPECT_GT(kept_c, 0);
-  // B's came over UCX (pulled), C's inline.
-  EXPECT_EQ(Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
-            kept_b * p.block_bytes);
-  EXPECT_EQ(Metric(2, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"), -1);
-  EXPECT_THAT(daemons_[0]->Log(), ::testing::HasSubstr("spilling to a peer inline"));
+  // Spilled bytes travel inline, whether or not the receiver runs UCX.
+  EXPECT_EQ(Metric(0, "proxima_cluster_spill_bytes_total{direction=\"out\"}"),
+            (kept_b + kept_c) * p.block_bytes);
   // Every block is still found and read byte-exact, from the node that spilled it and from a
   // third one; the coldest (first) blocks now live on B and C.
   EXPECT_EQ(WaitLookup(*a, p, 1, kBlocks, kBlocks), kBlocks);
