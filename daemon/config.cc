@@ -99,9 +99,9 @@ cluster:                           # daemons of many nodes sharing their tiers (
     cert_file: ""                  # client cert presented to peers; "" = server.tls.cert_file
     key_file: ""                   # its private key; "" = server.tls.key_file
     server_name: ""                # name checked in peers' certs; "" = the peer address's host
-  transport: auto                  # fetched block bytes between daemons: auto (UCX messages
-                                   # when ucx.enabled and no server.tls) | grpc | ucx (also
-                                   # with TLS); spilled bytes always go inline
+  transport: auto                  # fetched and spilled block bytes between daemons: auto
+                                   # (UCX messages when ucx.enabled and no server.tls) | grpc
+                                   # | ucx (also with TLS)
   spill:                           # cold blocks move to peers with room when this node is full
     enabled: true
     threshold: 0.9                 # spill the coldest blocks while the host tier is fuller

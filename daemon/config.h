@@ -168,11 +168,10 @@ struct ClusterConfig {
   std::string peer_token_file;
   std::string peer_token_env;
   PeerTlsConfig tls;  // how this daemon calls its peers when server.tls is set
-  // How fetched block bytes move between daemons: "auto" (the default: as UCX messages when
-  // this daemon runs the UCX data plane, ucx.enabled, without server.tls, and the other daemon
-  // can reach it; inline otherwise), "grpc" (always inline in the gRPC messages) or "ucx" (UCX
-  // also with server.tls: UCX does not encrypt, for a trusted data network). Spilled bytes
-  // always travel inline.
+  // How fetched and spilled block bytes move between daemons: "auto" (the default: as UCX
+  // messages when this daemon runs the UCX data plane, ucx.enabled, without server.tls, and the
+  // other daemon can reach it; inline otherwise), "grpc" (always inline in the gRPC messages) or
+  // "ucx" (UCX also with server.tls: UCX does not encrypt, for a trusted data network).
   std::string transport = "auto";
   // Spill (docs/cluster.md): while the host tier is fuller than `spill_threshold` (a share of
   // its capacity), its coldest blocks move to peers; a peer keeps them only while it stays at

@@ -23,6 +23,8 @@ constexpr size_t kMaxQueuedKeys = 1u << 20;
 constexpr uint64_t kMaxSpillRoundBytes = 64ull << 20;
 // How long a peer that answered full (or failed a StoreBlocks) is left alone.
 constexpr absl::Duration kPeerFullBackoff = absl::Seconds(1);
+// How long a peer whose UCX worker failed a spill gets its spilled blocks inline instead.
+constexpr absl::Duration kUcxRetryAfter = absl::Seconds(30);
 // The spiller's wake-up period when no put wakes it.
 constexpr auto kSpillPeriod = std::chrono::milliseconds(250);
 // How often the record sender looks for blocks that left the local tiers (evicted, spilled)
@@ -808,6 +810,7 @@ Cluster::SpillRound Cluster::SpillOnce() {
     std::unique_ptr<Call> call;
     std::vector<BlockStore::Candidate> blocks;
     uint64_t bytes = 0;
+    std::string ucx_worker;  // the peer's, when the blocks go as UCX messages
   };
   // (target, namespace, partition, profile) -> the call being filled for it.
   absl::flat_hash_map<std::tuple<size_t, uint32_t, uint32_t, uint64_t>, size_t> open;
@@ -853,6 +856,13 @@ Cluster::SpillRound Cluster::SpillOnce() {
       set->set_partition(id.partition);
       set->set_profile_id(id.profile_id);
       p.call->request.set_block_bytes(*block_bytes);
+      // As UCX messages when the peer named its worker in an earlier answer.
+      if (ucx_ != nullptr) {
+        auto room = rooms_.find(p.call->peer);
+        if (room != rooms_.end() && room->second.ucx_retry_at <= now) {
+          p.ucx_worker = room->second.ucx_worker;
+        }
+      }
       pending.push_back(std::move(p));
       it = open.insert_or_assign(key, pending.size() - 1).first;
     }
@@ -860,15 +870,40 @@ Cluster::SpillRound Cluster::SpillOnce() {
     p.call->request.mutable_blocks()->add_keys(reinterpret_cast<const char*>(id.key.data()),
                                                kKeyBytes);
     v1::SpilledBlock* b = p.call->request.add_data();
-    b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
+    if (p.ucx_worker.empty()) {
+      b->set_data(reinterpret_cast<const char*>(c->block.bytes.data()), c->block.bytes.size());
+    } else {
+      b->set_ucx_size(c->block.bytes.size());
+    }
     b->set_crc32c(c->block.crc32c);
     b->set_level(c->block.level);
     p.bytes += c->block.bytes.size();
     p.blocks.push_back(*std::move(c));
   }
+  const absl::Time deadline = now + peer_deadline_;
+  // The blocks of UCX calls leave first, as messages of a transfer the call then names; a peer
+  // whose worker cannot be reached gets them inline this round and for kUcxRetryAfter.
+  for (Pending& p : pending) {
+    if (p.ucx_worker.empty()) continue;
+    std::vector<std::span<const std::byte>> bytes;
+    for (const BlockStore::Candidate& c : p.blocks) bytes.push_back(c.block.bytes);
+    absl::StatusOr<uint64_t> transfer = ucx_->Push(p.ucx_worker, bytes, deadline);
+    if (transfer.ok()) {
+      p.call->request.set_ucx_transfer(*transfer);
+      continue;
+    }
+    PROXIMA_LOG(kInfo) << "spilling to a peer inline: its UCX worker did not take the blocks"
+                       << log::Kv("peer", p.call->peer)
+                       << log::Kv("error", transfer.status().ToString());
+    rooms_[p.call->peer].ucx_retry_at = now + kUcxRetryAfter;
+    for (size_t j = 0; j < p.blocks.size(); ++j) {
+      const std::span<const std::byte> b = p.blocks[j].block.bytes;
+      p.call->request.mutable_data(static_cast<int>(j))
+          ->set_data(reinterpret_cast<const char*>(b.data()), b.size());
+    }
+  }
   std::vector<std::unique_ptr<Call>> calls;
   for (Pending& p : pending) calls.push_back(std::move(p.call));
-  const absl::Time deadline = now + peer_deadline_;
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks);
   bool moved = false;
   for (size_t k = 0; k < calls.size(); ++k) {
@@ -883,6 +918,11 @@ Cluster::SpillRound Cluster::SpillOnce() {
     }
     PeerRoom& room = rooms_[call.peer];
     room.bytes = answered ? call.response.room_bytes() : 0;
+    if (answered) room.ucx_worker = call.response.ucx_worker();
+    if (!answered && call.request.ucx_transfer() != 0) {
+      // Over UCX and refused (a receiver without UCX for peers) or lost: inline for a while.
+      room.ucx_retry_at = now + kUcxRetryAfter;
+    }
     if (!answered || call.response.full() || room.bytes == 0) {
       room.bytes = 0;
       room.retry_at = now + kPeerFullBackoff;

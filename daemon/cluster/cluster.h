@@ -30,8 +30,8 @@
 // The record sender keeps, per key, only the latest of "record" and "forget" queued for it, and
 // sends one round at a time, so a home sees a key's changes in the order they happened.
 //
-// Block bytes of fetches travel as UCX messages between daemons that both run the UCX data plane
-// (PeerUcx; cluster.transport auto), inline in the gRPC answers otherwise; spills over gRPC.
+// Block bytes of fetches and spills travel as UCX messages between daemons that both run the
+// UCX data plane (PeerUcx; cluster.transport auto), inline in the gRPC messages otherwise.
 //
 // Thread-safe. Threads: Membership's, one record sender, and (cluster.spill.enabled) one spiller.
 #ifndef PROXIMA_DAEMON_CLUSTER_CLUSTER_H_
@@ -201,6 +201,8 @@ class Cluster final : public RemoteBlocks {
     uint64_t bytes = UINT64_MAX;  // what it said it would still keep (unknown: unlimited)
     absl::Time retry_at;          // after a refusal or a failed call: left alone until then,
                                   // then sent one block
+    std::string ucx_worker;       // its UCX worker, when it takes spilled blocks as messages
+    absl::Time ucx_retry_at;      // after a failed UCX spill: inline until then
   };
   absl::flat_hash_map<std::string, PeerRoom> rooms_;
   // Peers left alone after a failed or timed-out call, until when (CallAll).

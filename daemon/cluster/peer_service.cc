@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -14,6 +15,10 @@
 
 namespace proxima::daemon::cluster {
 namespace {
+
+// How long before a call's deadline a StoreBlocks still waiting for UCX messages gives up, to
+// answer in time (at most a quarter of the time left).
+constexpr absl::Duration kAnswerMargin = absl::Milliseconds(200);
 
 // A peer call's deadline: every call between daemons carries one (cluster.peer_deadline); one
 // without is held to a minute.
@@ -193,7 +198,7 @@ absl::Status PeerService::ServeFetch(const v1::FetchBlocksRequest& request,
 }
 
 absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
-                                     v1::StoreBlocksResponse* response) {
+                                     v1::StoreBlocksResponse* response, absl::Time deadline) {
   PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
   if (request.data_size() != static_cast<int>(ids.size())) {
@@ -223,7 +228,49 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     // An older sender offering its arena for one-sided gets.
     return absl::FailedPreconditionError(
         "StoreBlocks names a UCX worker to pull from, but this daemon takes spilled blocks "
-        "inline only; send the bytes in the request");
+        "inline or as UCX messages only; send the bytes in the request");
+  }
+  const bool by_ucx = request.ucx_transfer() != 0;
+  if (by_ucx && ucx_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "StoreBlocks over UCX, but this daemon takes spilled blocks inline only (ucx.enabled, "
+        "cluster.transport); send the bytes in the request");
+  }
+  // The blocks' bytes: inline, or the messages the sender sent for the transfer before this
+  // call (kept alive by `parcels` until they are copied).
+  std::vector<std::span<const std::byte>> data(ids.size());
+  std::vector<std::shared_ptr<const ucx::Parcel>> parcels;
+  if (by_ucx) {
+    std::vector<uint32_t> slots(ids.size());
+    std::iota(slots.begin(), slots.end(), 0u);
+    // The sender sent them before it called: they are here or on their way. Waiting stops short
+    // of the deadline, so that the sender hears why rather than a bare DEADLINE_EXCEEDED.
+    const absl::Time now = absl::Now();
+    const absl::Time wait_until =
+        deadline - std::min(kAnswerMargin, std::max(deadline - now, absl::ZeroDuration()) / 4);
+    parcels = ucx_->Collect(request.ucx_transfer(), slots, wait_until);
+  }
+  for (int i = 0; i < request.data_size(); ++i) {
+    const v1::SpilledBlock& b = request.data(i);
+    if (!by_ucx) {
+      data[i] = AsBytes(b.data());
+      continue;
+    }
+    if (!b.data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StoreBlocks data[", i, "] carries bytes in a request over UCX"));
+    }
+    if (parcels[i] == nullptr) {
+      return absl::UnavailableError(
+          absl::StrCat("StoreBlocks data[", i, "] did not arrive as a UCX message of transfer ",
+                       request.ucx_transfer(), " before the call's deadline; nothing was stored"));
+    }
+    data[i] = parcels[i]->bytes();
+    if (data[i].size() != b.ucx_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("StoreBlocks data[", i, "].ucx_size is ",
+                                                     b.ucx_size(), " but its UCX message is ",
+                                                     data[i].size(), " bytes; nothing was stored"));
+    }
   }
   // Every block is checked before any is kept: a request with one bad block stores none.
   for (int i = 0; i < request.data_size(); ++i) {
@@ -233,7 +280,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                                                      b.level(), "; levels are 0 to ",
                                                      kMaxLevels - 1));
     }
-    const uint64_t size = b.data().size();
+    const uint64_t size = data[i].size();
     if (b.level() == 0 ? size != request.block_bytes()
                        : size == 0 || size > request.block_bytes() + kMessageOverhead) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -242,7 +289,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                          : absl::StrCat("1 to block_bytes + ", kMessageOverhead, " = ",
                                         request.block_bytes() + kMessageOverhead)));
     }
-    const std::span<const std::byte> bytes = AsBytes(b.data());
+    const std::span<const std::byte> bytes = data[i];
     const uint32_t crc = Crc32c(bytes);
     if (crc != b.crc32c()) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -260,13 +307,12 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   std::vector<size_t> keep;  // request index of each pending block
   uint64_t reserved = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const v1::SpilledBlock& b = request.data(static_cast<int>(i));
     bool stored = store.Contains(ids[i]);
-    const uint64_t size = b.data().size();
+    const uint64_t size = data[i].size();
     if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
       if (std::optional<BlockStore::PendingBlock> p = store.ReserveCompacting(size)) {
-        std::memcpy(p->bytes().data(), b.data().data(), size);
+        std::memcpy(p->bytes().data(), data[i].data(), size);
         pending.push_back(*std::move(p));
         keep.push_back(i);
         reserved += size;
@@ -287,11 +333,13 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   }
   const double room = limit - static_cast<double>(store.used_bytes());
   response->set_room_bytes(room > 0 ? static_cast<uint64_t>(room) : 0);
+  if (ucx_ != nullptr) response->set_ucx_worker(ucx_->address());
   spill_kept_->Increment(kept.size());
   spill_refused_->Increment(ids.size() - static_cast<size_t>(std::count(
                                              response->stored().begin(),
                                              response->stored().end(), true)));
   spill_bytes_in_->Increment(reserved);
+  if (by_ucx) ucx_->CountIn(reserved);
   if (!kept.empty()) {
     // This node holds them now: their homes learn it as after a local put.
     remote_->Stored({ids[0].namespace_index, request.blocks().namespace_name(), ids[0].partition,
@@ -344,8 +392,10 @@ grpc::Status PeerService::FetchBlocks(grpc::ServerContext* context,
 grpc::Status PeerService::StoreBlocks(grpc::ServerContext* context,
                                       const v1::StoreBlocksRequest* request,
                                       v1::StoreBlocksResponse* response) {
-  return Handle(context, request, response,
-                [this](const auto& r, auto* out) { return ServeStore(r, out); });
+  const absl::Time deadline = CallDeadline(*context);
+  return Handle(context, request, response, [this, deadline](const auto& r, auto* out) {
+    return ServeStore(r, out, deadline);
+  });
 }
 
 grpc::Status PeerService::DeleteBlocks(grpc::ServerContext* context,

@@ -35,7 +35,8 @@ class PeerService final : public v1::Peer::Service {
   // `core`, `records`, `remote` and `registry` must outlive the service. `self` is this daemon's
   // node id. Blocks peers spill here are kept while the host tier stays at or below
   // `accept_below` of its capacity (0: never), and `remote` tells their homes (Stored).
-  // `ucx` (null without the UCX data plane) sends fetched blocks to readers as UCX messages.
+  // `ucx` (null without the UCX data plane) sends fetched blocks to readers as UCX messages, and
+  // takes spilled blocks that come as UCX messages.
   PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
               std::string self, std::string token, uint64_t max_message_bytes,
               double accept_below, metrics::Registry* registry);
@@ -64,7 +65,9 @@ class PeerService final : public v1::Peer::Service {
                           absl::Time deadline = absl::InfiniteFuture());
   absl::Status ServeDelete(const v1::DeleteBlocksRequest& request,
                            v1::DeleteBlocksResponse* response);
-  absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response);
+  // `deadline`: the call's (a spill's UCX messages must have arrived by then).
+  absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response,
+                          absl::Time deadline = absl::InfiniteFuture());
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;

@@ -75,23 +75,41 @@ absl::Status PeerUcx::Write(
     return absl::InvalidArgumentError("FetchBlocks names a UCX worker but ucx_transfer is 0");
   }
   std::vector<ucx::Message> messages;
-  uint64_t bytes = 0;
   for (size_t i = 0; i < blocks->size(); ++i) {
     const auto& b = (*blocks)[i];
-    if (!send[i] || !b) continue;
-    messages.push_back({static_cast<uint32_t>(i), b->bytes});
-    bytes += b->bytes.size();
+    if (send[i] && b) messages.push_back({static_cast<uint32_t>(i), b->bytes});
   }
   if (messages.empty()) return absl::OkStatus();
-  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = EndpointTo(request.ucx_worker(), deadline);
+  return SendTo(request.ucx_worker(), request.ucx_transfer(), std::move(messages),
+                std::move(blocks), deadline);
+}
+
+absl::StatusOr<uint64_t> PeerUcx::Push(const std::string& address,
+                                       std::span<const std::span<const std::byte>> blocks,
+                                       absl::Time deadline) {
+  std::vector<ucx::Message> messages;
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    messages.push_back({static_cast<uint32_t>(j), blocks[j]});
+  }
+  const uint64_t transfer = worker_->NewTransferId();
+  PROXIMA_RETURN_IF_ERROR(SendTo(address, transfer, std::move(messages), nullptr, deadline));
+  return transfer;
+}
+
+absl::Status PeerUcx::SendTo(const std::string& address, uint64_t transfer,
+                             std::vector<ucx::Message> messages,
+                             std::shared_ptr<const void> keep_alive, absl::Time deadline) {
+  uint64_t bytes = 0;
+  for (const ucx::Message& m : messages) bytes += m.bytes.size();
+  absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = EndpointTo(address, deadline);
   if (!ep.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot reach the peer's UCX worker: ", ep.status().message()));
   }
   absl::Status sent =
-      worker_->Send(**ep, request.ucx_transfer(), std::move(messages), std::move(blocks), deadline);
+      worker_->Send(**ep, transfer, std::move(messages), std::move(keep_alive), deadline);
   if (!sent.ok()) {
-    Drop(request.ucx_worker());
+    Drop(address);
     return absl::UnavailableError(absl::StrCat("sending blocks over UCX: ", sent.message()));
   }
   bytes_out_->Increment(bytes);

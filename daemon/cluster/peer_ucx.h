@@ -13,11 +13,14 @@
 //   reader   collects the slots the answer names (by the call's deadline) and serves each block
 //            from the message it arrived in, after checking its CRC32C as for bytes that came
 //            inline.
+//   spill    the same the other way round: a receiver names its worker in its StoreBlocks
+//            answers; the sender's later rounds to it send each block as a message of a
+//            transfer of the sender's choosing (Push) before the StoreBlocks call that names
+//            the transfer, and the receiver collects them and checks them as inline bytes.
 //
 // A holder that cannot reach the reader's worker answers inline; a send that fails or runs past
 // the call's deadline fails the call (UNAVAILABLE), and the reader counts its blocks as misses.
-// Endpoints to readers are kept and reused, and dropped once they fail. Spilled blocks travel
-// inline in StoreBlocks (docs/decisions.md).
+// Endpoints to peers are kept and reused, and dropped once they fail.
 //
 // Thread-safe.
 #ifndef PROXIMA_DAEMON_CLUSTER_PEER_UCX_H_
@@ -34,6 +37,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/mutex.h"
 #include "common/ucx.h"
@@ -71,6 +75,16 @@ class PeerUcx {
                      std::shared_ptr<const std::vector<std::optional<BlockStore::ReadBlock>>> blocks,
                      const std::vector<bool>& send, absl::Time deadline);
 
+  // Spill receiver: this daemon's worker address (StoreBlocksResponse.ucx_worker).
+  const std::string& address() const { return worker_->address(); }
+  // Spill sender: sends `blocks[j]` (pinned by the caller until this returns) as slot j of a
+  // new transfer to the worker at `address`, by `deadline`, and returns the transfer's id
+  // (sequential from a random start: unique at the receiver, whose own ids start elsewhere).
+  // Errors as Write().
+  absl::StatusOr<uint64_t> Push(const std::string& address,
+                                std::span<const std::span<const std::byte>> blocks,
+                                absl::Time deadline);
+
   // Counts bytes that arrived as messages.
   void CountIn(uint64_t bytes) { bytes_in_->Increment(bytes); }
 
@@ -78,6 +92,10 @@ class PeerUcx {
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> EndpointTo(const std::string& address,
                                                             absl::Time deadline);
   void Drop(const std::string& address);
+  // Sends `messages` for `transfer` to the worker at `address` (Write and Push).
+  absl::Status SendTo(const std::string& address, uint64_t transfer,
+                      std::vector<ucx::Message> messages, std::shared_ptr<const void> keep_alive,
+                      absl::Time deadline);
 
   ucx::Worker* const worker_;
   metrics::Counter* bytes_in_ = nullptr;

@@ -93,6 +93,12 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
     over_ucx.set_ucx_worker_address("worker");
     over_ucx.add_data();
     WritePeer(peer_dir, kStore, over_ucx);
+    proxima::v1::StoreBlocksRequest pushed;  // blocks sent as UCX messages: none come here
+    set(pushed.mutable_blocks(), {'f'});
+    pushed.set_block_bytes(512);
+    pushed.set_ucx_transfer(9);
+    pushed.add_data()->set_ucx_size(512);
+    WritePeer(peer_dir, kStore, pushed);
     proxima::v1::RecordLocationsRequest record;
     set(record.mutable_blocks(), {'a', 'x'});
     record.set_holder("peer-2:7070");

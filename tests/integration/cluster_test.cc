@@ -21,6 +21,7 @@
 #include "client/test_pattern.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
+#include "common/ucx.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proxima/v1/peer.grpc.pb.h"
@@ -517,6 +518,8 @@ TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
       {"an older sender offering its arena over UCX",
        [](auto& r) { r.set_ucx_worker_address("worker"); }, grpc::StatusCode::FAILED_PRECONDITION,
        "send the bytes in the request"},
+      {"UCX messages to a daemon without UCX", [](auto& r) { r.set_ucx_transfer(5); },
+       grpc::StatusCode::FAILED_PRECONDITION, "inline only"},
   };
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.what);
@@ -534,6 +537,106 @@ TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
   EXPECT_FALSE(response.full());
   EXPECT_EQ(GetAndCheck(*worker, p, 7, 0, 2), 2u);
   EXPECT_EQ(Metric(0, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"), 2);
+}
+
+// A spill's blocks sent as UCX messages (what a peer does once this daemon named its worker in
+// a StoreBlocks answer), from a real UCX worker in the test: kept when they check out, and held
+// to the same checks as inline bytes, plus the message's own size and arrival.
+TEST_F(ClusterTest, SpilledBlocksSentAsUcxMessagesAreCheckedLikeInlineOnes) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(1, {"ucx.enabled=true"}));
+  auto worker = MustConnect(daemons_[0]->tcp_target());
+  ASSERT_TRUE(worker);
+  ASSERT_OK_AND_ASSIGN(Profile p, worker->RegisterProfile(TestModel()));
+  auto stub = PeerStub(daemons_[0]->tcp_target());
+  auto send = [&](const v1::StoreBlocksRequest& r, v1::StoreBlocksResponse* response,
+                  absl::Duration deadline = absl::Seconds(5)) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kPeerToken));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    response->Clear();
+    return stub->StoreBlocks(&context, r, response);
+  };
+  // Blocks `first`, `first` + 1 of chain `seed`, as a StoreBlocks request: inline, or (by_ucx)
+  // with their sizes only.
+  auto request = [&](const Blocks& blocks, bool by_ucx) {
+    v1::StoreBlocksRequest r;
+    r.mutable_blocks()->set_namespace_name("default");
+    r.mutable_blocks()->set_profile_id(p.id);
+    r.set_block_bytes(p.block_bytes);
+    for (size_t i = 0; i < blocks.keys.size(); ++i) {
+      r.mutable_blocks()->add_keys(std::string(blocks.keys[i].begin(), blocks.keys[i].end()));
+      v1::SpilledBlock* b = r.add_data();
+      if (by_ucx) {
+        b->set_ucx_size(blocks.spans()[i].size());
+      } else {
+        b->set_data(std::string(reinterpret_cast<const char*>(blocks.spans()[i].data()),
+                                blocks.spans()[i].size()));
+      }
+      b->set_crc32c(Crc32c(blocks.spans()[i]));
+    }
+    return r;
+  };
+  // An inline spill first: the answer names the daemon's UCX worker.
+  Blocks first = MakeBlocks(7, 0, 2, p.block_bytes);
+  v1::StoreBlocksResponse response;
+  ASSERT_TRUE(send(request(first, false), &response).ok());
+  ASSERT_FALSE(response.ucx_worker().empty());
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ucx::Worker> peer, ucx::Worker::Create("test-peer"));
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Endpoint> ep,
+                       peer->Connect(response.ucx_worker(), absl::Now() + absl::Seconds(10)));
+  // Sends `blocks` as the messages of a new transfer and returns its id.
+  auto push = [&](const Blocks& blocks) {
+    const uint64_t transfer = peer->NewTransferId();
+    std::vector<ucx::Message> messages;
+    for (size_t i = 0; i < blocks.keys.size(); ++i) {
+      messages.push_back({static_cast<uint32_t>(i), blocks.spans()[i]});
+    }
+    EXPECT_OK(peer->Send(*ep, transfer, messages, nullptr, absl::Now() + absl::Seconds(10)));
+    return transfer;
+  };
+
+  struct Bad {
+    std::string what;
+    std::function<void(v1::StoreBlocksRequest&)> spoil;
+    bool sent = true;  // whether the messages are sent at all
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {"a CRC that does not match the message",
+       [](auto& r) { r.mutable_data(1)->set_crc32c(r.data(1).crc32c() ^ 1); }, true,
+       grpc::StatusCode::INVALID_ARGUMENT, "data[1].crc32c"},
+      {"a size that is not the message's",
+       [](auto& r) { r.mutable_data(0)->set_ucx_size(r.data(0).ucx_size() - 1); }, true,
+       grpc::StatusCode::INVALID_ARGUMENT, "data[0].ucx_size"},
+      {"bytes inline too", [](auto& r) { r.mutable_data(1)->set_data("x"); }, true,
+       grpc::StatusCode::INVALID_ARGUMENT, "carries bytes in a request over UCX"},
+      {"messages never sent", [](auto&) {}, false, grpc::StatusCode::UNAVAILABLE, "did not arrive"},
+  };
+  uint64_t seed = 20;
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    Blocks blocks = MakeBlocks(++seed, 0, 2, p.block_bytes);
+    v1::StoreBlocksRequest r = request(blocks, true);
+    r.set_ucx_transfer(b.sent ? push(blocks) : peer->NewTransferId());
+    b.spoil(r);
+    grpc::Status s = send(r, &response, absl::Seconds(1));
+    EXPECT_EQ(s.error_code(), b.code) << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr(b.message));
+    EXPECT_THAT(worker->Lookup(p, blocks.keys), IsOkAndHolds(0u)) << "a block was kept";
+  }
+  // Good ones are kept and read back byte-exact; what the failed calls' messages left is gone.
+  Blocks good = MakeBlocks(8, 0, 2, p.block_bytes);
+  v1::StoreBlocksRequest r = request(good, true);
+  r.set_ucx_transfer(push(good));
+  ASSERT_TRUE(send(r, &response).ok());
+  EXPECT_THAT(response.stored(), ::testing::ElementsAre(true, true));
+  EXPECT_EQ(GetAndCheck(*worker, p, 8, 0, 2), 2u);
+  EXPECT_EQ(GetAndCheck(*worker, p, 7, 0, 2), 2u);
+  EXPECT_EQ(Metric(0, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
+            2 * p.block_bytes);
+  EXPECT_EQ(Metric(0, "proxima_cluster_ucx_parked_bytes"), 0);
+  ep.reset();
 }
 
 TEST_F(ClusterTest, APeerTokenThatIsAlsoATenantTokenIsRefusedAtStart) {
@@ -767,8 +870,8 @@ TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
 
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
-  // A and B run the UCX data plane, C does not: spilled bytes go inline to both, and reads of
-  // spilled blocks come back over UCX from B, inline from C.
+  // A and B run the UCX data plane, C does not: A spills to B as UCX messages once B has named
+  // its worker (in its first answer), to C inline.
   ASSERT_NO_FATAL_FAILURE(StartCluster(
       3,
       // Puts wait for the spiller when A is full; 5 s rather than the default 0.5 s, so that a
@@ -814,7 +917,13 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
   const double kept_c = Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}");
   EXPECT_GT(kept_b, 0);
   EXPECT_GT(kept_c, 0);
-  // Spilled bytes travel inline, whether or not the receiver runs UCX.
+  // B runs UCX and names its worker in its answers: after the first round to it (inline), A
+  // sends it the blocks as UCX messages. C takes them inline only.
+  const double b_by_ucx =
+      Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}");
+  EXPECT_GT(b_by_ucx, 0);
+  EXPECT_LT(b_by_ucx, kept_b * p.block_bytes);
+  EXPECT_EQ(Metric(2, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"), -1);
   EXPECT_EQ(Metric(0, "proxima_cluster_spill_bytes_total{direction=\"out\"}"),
             (kept_b + kept_c) * p.block_bytes);
   // Every block is still found and read byte-exact, from the node that spilled it and from a
