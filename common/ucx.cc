@@ -996,13 +996,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   std::vector<uint64_t> ids(registration_ids.begin(), registration_ids.end());
   ids.resize(rkeys.size(), 0);
   Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids)] {
-    ucp_ep_h ep = st->endpoint->ep;
-    st->pending = 1;  // released at the end of this task
-    in_flight_.push_back(st);
-    if (ep == nullptr) {
-      proxima::MutexLock lock(&st->endpoint->mu);
-      st->result = absl::UnavailableError(st->endpoint->failure);
-    }
+    ucp_ep_h ep = Begin(st);
     for (size_t i = 0; st->result.ok() && i < rkeys.size(); ++i) {
       absl::StatusOr<UnpackedRkey> rkey = UnpackRkey(*st->endpoint, rkeys[i], ids[i]);
       if (!rkey.ok()) {
@@ -1057,6 +1051,17 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   return AbandonAfterDeadline(endpoint, *st);
 }
 
+ucp_ep_h Worker::Begin(const std::shared_ptr<TransferState>& st) {
+  st->pending = 1;  // released by the caller's FinishOp(st, UCS_OK) at the end of its task
+  in_flight_.push_back(st);
+  ucp_ep_h ep = st->endpoint->ep;
+  if (ep == nullptr) {
+    proxima::MutexLock lock(&st->endpoint->mu);
+    st->result = absl::UnavailableError(st->endpoint->failure);
+  }
+  return ep;
+}
+
 void Worker::Track(TransferState* st, ucs_status_ptr_t r) {
   if (r == nullptr) return;
   if (UCS_PTR_IS_ERR(r)) {
@@ -1107,13 +1112,7 @@ absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Mes
     st->headers[i].transfer = transfer;
   }
   Post([this, st, messages = std::move(messages)] {
-    ucp_ep_h ep = st->endpoint->ep;
-    st->pending = 1;  // released at the end of this task
-    in_flight_.push_back(st);
-    if (ep == nullptr) {
-      proxima::MutexLock lock(&st->endpoint->mu);
-      st->result = absl::UnavailableError(st->endpoint->failure);
-    }
+    ucp_ep_h ep = Begin(st);
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;

@@ -337,6 +337,10 @@ class Worker {
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnOpDone(void* request, ucs_status_t status, void* user_data);
   void FinishOp(TransferState* state, ucs_status_t status);
+  // Starts running `state` on the progress thread: in flight, one pending count held until the
+  // task's closing FinishOp(state, UCS_OK); its endpoint's handle, null (and the result
+  // UNAVAILABLE) when the endpoint has closed.
+  ucp_ep_h Begin(const std::shared_ptr<TransferState>& state);
   // Counts `request` (from a *_nbx call) as pending in `state`, or records its error.
   // Progress thread.
   void Track(TransferState* state, ucs_status_ptr_t request);

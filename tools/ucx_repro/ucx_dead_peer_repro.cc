@@ -97,6 +97,8 @@ void SendBlob(int fd, const void* data, uint64_t n) {
   WriteAll(fd, data, n);
 }
 
+void SendBlob(int fd, const std::string& blob) { SendBlob(fd, blob.data(), blob.size()); }
+
 std::string ReceiveBlob(int fd) {
   uint64_t n = 0;
   ReadAll(fd, &n, sizeof n);
@@ -124,6 +126,28 @@ struct AmTarget {
   char* buffer;
   size_t capacity;
 };
+
+std::string WorkerAddress(ucp_worker_h worker) {
+  ucp_address_t* address = nullptr;
+  size_t bytes = 0;
+  if (ucp_worker_get_address(worker, &address, &bytes) != UCS_OK) {
+    Fail(4, "ucp_worker_get_address");
+  }
+  std::string out(reinterpret_cast<const char*>(address), bytes);
+  ucp_worker_release_address(worker, address);
+  return out;
+}
+
+// Makes `cb` (with `target`) the worker's handler of active message 1.
+void SetAmHandler(ucp_worker_h worker, ucp_am_recv_callback_t cb, AmTarget* target) {
+  ucp_am_handler_param_t handler{};
+  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  handler.id = 1;
+  handler.cb = cb;
+  handler.arg = target;
+  if (ucp_worker_set_am_recv_handler(worker, &handler) != UCS_OK) Fail(4, "am handler");
+}
 
 void OnReceived(void* request, ucs_status_t status, size_t length, void*) {
   std::fprintf(stderr, "rendezvous receive of %zu bytes ended: %s\n", length,
@@ -204,21 +228,10 @@ void SendToDying(ucp_worker_h worker, const std::string& address, size_t bytes, 
   void* rkey = nullptr;
   size_t rkey_bytes = 0;
   if (ucp_rkey_pack(context, memh, &rkey, &rkey_bytes) != UCS_OK) Fail(4, "ucp_rkey_pack");
-  ucp_address_t* address = nullptr;
-  size_t address_bytes = 0;
-  if (ucp_worker_get_address(worker, &address, &address_bytes) != UCS_OK) {
-    Fail(4, "ucp_worker_get_address");
-  }
   static AmTarget am{worker, buffer.data(), buffer.size()};
-  ucp_am_handler_param_t handler{};
-  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  handler.id = 1;
-  handler.cb = OnAm;
-  handler.arg = &am;
-  if (ucp_worker_set_am_recv_handler(worker, &handler) != UCS_OK) Fail(4, "am handler");
+  SetAmHandler(worker, OnAm, &am);
   const uint64_t base = reinterpret_cast<uintptr_t>(buffer.data());
-  SendBlob(out, address, address_bytes);
+  SendBlob(out, WorkerAddress(worker));
   SendBlob(out, rkey, rkey_bytes);
   SendBlob(out, &base, sizeof base);
   fcntl(in, F_SETFL, O_NONBLOCK);
@@ -259,19 +272,8 @@ ucs_status_t ExitOnAm(void* arg, const void*, size_t, void* data, size_t length,
   std::vector<char> buffer(bytes);
   static AmTarget am;
   am = AmTarget{worker, buffer.data(), buffer.size()};
-  ucp_am_handler_param_t handler{};
-  handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                       UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  handler.id = 1;
-  handler.cb = ExitOnAm;
-  handler.arg = &am;
-  if (ucp_worker_set_am_recv_handler(worker, &handler) != UCS_OK) Fail(4, "am handler");
-  ucp_address_t* address = nullptr;
-  size_t address_bytes = 0;
-  if (ucp_worker_get_address(worker, &address, &address_bytes) != UCS_OK) {
-    Fail(4, "ucp_worker_get_address");
-  }
-  SendBlob(ready, address, address_bytes);
+  SetAmHandler(worker, ExitOnAm, &am);
+  SendBlob(ready, WorkerAddress(worker));
   while (!dying) ucp_worker_progress(worker);
   for (int i = 0; i < 100; ++i) ucp_worker_progress(worker);
   _exit(0);
