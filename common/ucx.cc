@@ -1,5 +1,6 @@
 #include "common/ucx.h"
 
+#include <poll.h>
 #include <sys/shm.h>
 
 #include <algorithm>
@@ -394,6 +395,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, 
   if (s != UCS_OK) return FromUcs(s, "ucp_worker_query");
   w->address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(w->worker_, attr.address);
+  if (ucp_worker_get_efd(w->worker_, &w->event_fd_) != UCS_OK) w->event_fd_ = -1;
   ucp_am_handler_param_t handler{};
   handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                        UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -551,7 +553,13 @@ void Worker::ProgressLoop() {
       proxima::MutexLock lock(&mu_);
       if (!tasks_.empty() || stop_) continue;
     }
-    if (s == UCS_OK) {
+    if (s == UCS_OK && sends_in_flight_ > 0 && event_fd_ >= 0) {
+      // A send waiting for room (a shared-memory FIFO the peer has not drained yet) is resumed
+      // by progress alone: no event tells this worker that room appeared, and an eager message
+      // brings no answer that would. Wake up at least every millisecond while one is in flight.
+      pollfd events{event_fd_, POLLIN, 0};
+      poll(&events, 1, /*timeout_ms=*/1);
+    } else if (s == UCS_OK) {
       ucp_worker_wait(worker_);  // woken by network events or ucp_worker_signal()
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -838,6 +846,7 @@ void Worker::FinishOp(TransferState* st, ucs_status_t status) {
     st->result = FromUcs(status, absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
   }
   if (--st->pending > 0) return;
+  if (!st->headers.empty()) --sends_in_flight_;
   if (absl::IsUnavailable(st->result)) {
     // The peer is gone or unreachable: later transfers on this endpoint fail fast.
     proxima::MutexLock lock(&st->endpoint->mu);
@@ -1113,6 +1122,7 @@ absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Mes
   }
   Post([this, st, messages = std::move(messages)] {
     ucp_ep_h ep = Begin(st);
+    ++sends_in_flight_;  // until FinishOp's last count
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;

@@ -370,6 +370,8 @@ class Worker {
   std::vector<std::shared_ptr<TransferState>> in_flight_;
   std::vector<std::shared_ptr<Endpoint::State>> endpoints_;
   int closing_ = 0;                         // ep close requests not yet completed
+  int sends_in_flight_ = 0;                 // Send()s whose messages UCX still holds
+  int event_fd_ = -1;                       // the worker's event fd (ucp_worker_get_efd)
   bool peer_handling_unsupported_ = false;  // the transports in use cannot detect failed peers
   // Endpoints without peer error handling whose peer stopped answering (see Endpoint::State).
   std::vector<std::shared_ptr<Endpoint::State>> abandoned_;

@@ -517,6 +517,39 @@ TEST_P(UcxTest, ConcurrentTransfersOfMessagesStayApart) {
   EXPECT_EQ(b_->messages_dropped(), 0u);
 }
 
+// Far more bytes than a shared-memory FIFO holds, in one Send: the sender waits for room again
+// and again, and no answer from the receiver wakes it (eager messages bring none); every
+// message still arrives, well before the deadline.
+TEST_P(UcxTest, MessagesFarLargerThanTheTransportsQueueAllArrive) {
+  constexpr int kMessages = 48;
+  constexpr size_t kBytes = 1 << 20;
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  for (int round = 0; round < 3; ++round) {
+    const uint64_t transfer = b_->NewTransferId();
+    std::vector<std::byte> bytes = Pattern(kBytes, static_cast<uint8_t>(round));
+    std::vector<Message> messages;
+    std::vector<uint32_t> slots;
+    for (int m = 0; m < kMessages; ++m) {
+      messages.push_back({static_cast<uint32_t>(m), bytes});
+      slots.push_back(static_cast<uint32_t>(m));
+    }
+    std::vector<std::shared_ptr<const Parcel>> got;
+    std::thread collector(
+        [&] { got = b_->Collect(transfer, slots, absl::Now() + absl::Seconds(20)); });
+    const absl::Time start = absl::Now();
+    ASSERT_OK(a_->Send(**ep, transfer, messages, nullptr, absl::Now() + absl::Seconds(20)));
+    collector.join();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "round " << round;
+    ASSERT_EQ(got.size(), static_cast<size_t>(kMessages));
+    for (int m = 0; m < kMessages; ++m) {
+      ASSERT_NE(got[m], nullptr) << "round " << round << " slot " << m;
+      EXPECT_TRUE(
+          std::equal(got[m]->bytes().begin(), got[m]->bytes().end(), bytes.begin(), bytes.end()));
+    }
+  }
+}
+
 // Messages to a peer that is gone fail the send (never a hang, a success or a crash), and a
 // collector whose sender never sends gets nothing by its deadline.
 TEST_P(UcxTest, MessagesToAPeerThatDisappearedFail) {
