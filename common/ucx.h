@@ -255,8 +255,9 @@ class Worker {
 
   // Waits (until `deadline`) for the messages of `transfer` at `slots` and takes them: one entry
   // per slot, null for one that did not arrive in time. Messages of the transfer at other slots,
-  // and any that arrive later, are dropped. Messages nobody collects are dropped after
-  // kParkedFor; past kMaxParkedBytes of uncollected bytes, new messages are dropped.
+  // and any that arrive later, are dropped. Messages nobody collects are dropped once older than
+  // kParkedFor (looked for as later messages arrive); past kMaxParkedBytes of uncollected bytes,
+  // new messages are dropped.
   std::vector<std::shared_ptr<const Parcel>> Collect(uint64_t transfer,
                                                      std::span<const uint32_t> slots,
                                                      absl::Time deadline);
