@@ -241,14 +241,18 @@ absl::Status Client::CallWithSession(Call&& call) {
   }
   PROXIMA_LOG(kInfo) << "proximad forgot this client's UCX session (restart?); opening a new one"
                      << log::Kv("target", options_.target);
-  PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
-  return call(deadline);
+  status = OpenUcxSession(deadline);
+  if (status.ok()) status = call(deadline);
+  if (absl::IsUnavailable(status)) ucx_session_stale_.store(true);
+  return status;
 }
 
 template <typename Req, typename Resp, typename Method>
-absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* response, Method method) {
+absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* response, Method method,
+                             const std::function<absl::Status(Req&, absl::Time)>& prepare) {
   return CallWithSession([&](absl::Time deadline) {
     return CallWithProfile(profile, [&] {
+      if (prepare) PROXIMA_RETURN_IF_ERROR(prepare(request, deadline));
       grpc::ClientContext context;
       PrepareContext(&context, deadline - absl::Now());
       request.set_session_id(ucx_session_.load());
@@ -291,7 +295,30 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
   grpc::ClientContext context;
   PrepareContext(&context, deadline - absl::Now());
   PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
+  // PutUcx messages go over an endpoint of this worker's own to the daemon's worker. Without
+  // one (an older daemon, or its worker not reachable from here) the daemon pulls the bytes.
+  std::shared_ptr<ucx::Endpoint> daemon_ep;
+  // Not over shared memory, where the daemon maps this client's UCX-allocated memory itself
+  // (host staging) and where UCX 1.13 cannot open a second endpoint between the two workers:
+  // the daemon's endpoint here runs without peer error handling, and one of this worker's own
+  // with it breaks UCX's endpoint matching ("asymmetric endpoint configuration").
+  if (!response.worker_address().empty() && response.shared_memory_transport().empty()) {
+    absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep =
+        ucx_worker_->Connect(response.worker_address(), deadline);
+    if (ep.ok()) {
+      daemon_ep = *std::move(ep);
+    } else {
+      PROXIMA_LOG(kWarning) << "cannot reach proximad's UCX worker; it pulls this client's puts"
+                            << log::Kv("target", options_.target)
+                            << log::Kv("reason", ep.status().message());
+    }
+  }
+  {
+    proxima::MutexLock lock(&daemon_ep_mu_);
+    daemon_ep_.swap(daemon_ep);  // the old one (if any) is closed as `daemon_ep` goes
+  }
   ucx_session_.store(response.session_id());
+  ucx_shared_memory_.store(!response.shared_memory_transport().empty());
   ucx_session_stale_.store(false);
   stage_host_memory_.store(
       options_.host_staging == HostStaging::kAlways ||
@@ -310,7 +337,31 @@ void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
   stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
 }
 
-Client::~Client() { CloseUcxSession(ucx_session_.load(), absl::Seconds(2)); }
+Client::~Client() {
+  CloseUcxSession(ucx_session_.load(), absl::Seconds(2));
+  proxima::MutexLock lock(&daemon_ep_mu_);
+  daemon_ep_.reset();  // before the worker
+}
+
+template <typename Seg>
+std::shared_ptr<ucx::Endpoint> Client::MessageEndpointFor(std::span<const Seg> blocks, size_t begin,
+                                                          size_t end) {
+  std::shared_ptr<ucx::Endpoint> ep;
+  {
+    proxima::MutexLock lock(&daemon_ep_mu_);
+    ep = daemon_ep_;
+  }
+  if (ep == nullptr || !ucx_shared_memory_.load()) return ep;
+  // Over shared memory the daemon copies out of memory UCX allocated (mapped into it) itself,
+  // faster than messages and without any UCX operation on this process's memory.
+  for (size_t i = begin; i < end; ++i) {
+    for (const auto& seg : blocks[i]) {
+      std::shared_ptr<ucx::Registration> r = FindRegistration(seg.data(), seg.size());
+      if (r == nullptr || !r->allocated()) return ep;
+    }
+  }
+  return nullptr;
+}
 
 absl::StatusOr<MemoryRegion> Client::RegisterMemory(void* data, size_t size) {
   if (transport_ != Transport::kUcx) return MemoryRegion();
@@ -419,7 +470,26 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
     v1::PutUcxRequest request;
     request.set_profile_id(profile.id);
     std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
-    PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, blocks, begin, end, true, crcs, &request, &held));
+    std::function<absl::Status(v1::PutUcxRequest&, absl::Time)> send_messages;
+    if (MessageEndpointFor(blocks, begin, end) != nullptr) {
+      request.set_namespace_name(options_.namespace_name);
+      request.set_message_block_bytes(profile.block_bytes);
+      for (size_t i = begin; i < end; ++i) {
+        v1::UcxBlock* block = request.add_blocks();
+        block->set_key(KeyString(keys[i]));
+        uint32_t crc = 0;
+        if (crcs.empty()) {
+          for (const auto& seg : blocks[i]) crc = Crc32cExtend(crc, seg);
+        }
+        block->set_crc32c(crcs.empty() ? crc : crcs[i]);
+      }
+      send_messages = [this, blocks, begin, end](v1::PutUcxRequest& r, absl::Time deadline) {
+        return SendPutMessages(blocks, begin, end, &r, deadline);
+      };
+    } else {
+      PROXIMA_RETURN_IF_ERROR(
+          BuildUcxRequest(keys, blocks, begin, end, true, crcs, &request, &held));
+    }
     if (options.high_priority) request.set_priority(v1::PRIORITY_HIGH);
     for (size_t i = begin; i < end; ++i) {
       v1::UcxBlock* block = request.mutable_blocks(static_cast<int>(i - begin));
@@ -429,7 +499,8 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
       if (!options.importance.empty()) block->set_importance(options.importance[i]);
     }
     v1::PutResponse response;
-    PROXIMA_RETURN_IF_ERROR(CallUcx(profile, request, &response, &v1::KVTier::Stub::PutUcx));
+    PROXIMA_RETURN_IF_ERROR(
+        CallUcx(profile, request, &response, &v1::KVTier::Stub::PutUcx, send_messages));
     if (response.outcomes_size() != static_cast<int>(end - begin)) {
       return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
                                               " outcomes for ", end - begin, " blocks"));
@@ -443,6 +514,45 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
   return outcomes;
 }
 
+absl::Status Client::SendPutMessages(std::span<const ConstSegments> blocks, size_t begin,
+                                     size_t end, v1::PutUcxRequest* request, absl::Time deadline) {
+  std::shared_ptr<ucx::Endpoint> ep;
+  {
+    proxima::MutexLock lock(&daemon_ep_mu_);
+    ep = daemon_ep_;
+  }
+  if (ep == nullptr) {  // the session was re-opened with a daemon that takes no messages
+    return absl::UnavailableError(
+        "proximad's UCX worker is not reachable from this client any more; the call is retried "
+        "on the next session");
+  }
+  // A block in several segments is gathered into one buffer: one message per block.
+  auto gathered = std::make_shared<std::vector<std::vector<std::byte>>>();
+  std::vector<ucx::Message> messages;
+  messages.reserve(end - begin);
+  for (size_t i = begin; i < end; ++i) {
+    const uint32_t slot = static_cast<uint32_t>(i - begin);
+    if (blocks[i].size() == 1) {
+      messages.push_back({slot, blocks[i][0]});
+      continue;
+    }
+    std::vector<std::byte>& buffer = gathered->emplace_back();
+    for (const auto& seg : blocks[i]) buffer.insert(buffer.end(), seg.begin(), seg.end());
+    messages.push_back({slot, buffer});
+  }
+  const uint64_t transfer = ucx_worker_->NewTransferId();
+  request->set_ucx_transfer(transfer);
+  absl::Status sent = ucx_worker_->Send(*ep, transfer, std::move(messages), gathered, deadline);
+  if (absl::IsUnavailable(sent)) {
+    // The daemon's worker is gone: most often a daemon that restarted, which no longer knows this
+    // session either. Said as the daemon would, so that the session is opened again (with an
+    // endpoint to the new worker) and the call retried once (CallWithSession).
+    return absl::NotFoundError(absl::StrCat("UCX session's endpoint to proximad's worker failed (",
+                                            sent.message(), "); opening a new session"));
+  }
+  return sent;
+}
+
 absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey> keys,
                                 std::span<const Segments> out, size_t begin, size_t end,
                                 bool client_verifies, std::vector<bool>* found,
@@ -453,10 +563,37 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
   std::vector<std::shared_ptr<ucx::Registration>> held;
   PROXIMA_RETURN_IF_ERROR(BuildUcxRequest(keys, out, begin, end, false, {}, &request, &held));
   v1::GetUcxResponse response;
-  PROXIMA_RETURN_IF_ERROR(CallUcx(profile, request, &response, &v1::KVTier::Stub::GetUcx));
+  // Where the daemon cannot copy into this memory itself, it sends the blocks as messages of a
+  // transfer named afresh for each attempt of the call (only the last one's are collected).
+  std::vector<uint64_t> transfers;
+  absl::Status called = CallUcx(profile, request, &response, &v1::KVTier::Stub::GetUcx,
+                                std::function<absl::Status(v1::GetUcxRequest&, absl::Time)>(
+                                    [this, &transfers](v1::GetUcxRequest& r, absl::Time) {
+                                      transfers.push_back(ucx_worker_->NewTransferId());
+                                      r.set_ucx_transfer(transfers.back());
+                                      return absl::OkStatus();
+                                    }));
+  const bool as_messages = called.ok() && response.sent_as_messages();
+  for (size_t t = 0; t + (as_messages ? 1 : 0) < transfers.size(); ++t) {
+    ucx_worker_->Collect(transfers[t], {}, absl::Now());  // drops whatever came of them
+  }
+  PROXIMA_RETURN_IF_ERROR(called);
   if (response.results_size() != static_cast<int>(end - begin)) {
+    if (as_messages) ucx_worker_->Collect(transfers.back(), {}, absl::Now());
     return absl::InternalError(absl::StrCat("proximad answered ", response.results_size(),
                                             " results for ", end - begin, " blocks"));
+  }
+  std::vector<std::shared_ptr<const ucx::Parcel>> parcels(end - begin);
+  if (as_messages) {
+    std::vector<uint32_t> slots;
+    for (size_t i = begin; i < end; ++i) {
+      if (response.results(static_cast<int>(i - begin)).found()) {
+        slots.push_back(static_cast<uint32_t>(i - begin));
+      }
+    }
+    std::vector<std::shared_ptr<const ucx::Parcel>> arrived =
+        ucx_worker_->Collect(transfers.back(), slots, absl::Now() + options_.call_timeout);
+    for (size_t k = 0; k < slots.size(); ++k) parcels[slots[k]] = std::move(arrived[k]);
   }
   for (size_t i = begin; i < end; ++i) {
     const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
@@ -466,7 +603,22 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
       continue;
     }
     uint32_t crc = 0;
-    for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
+    if (as_messages) {
+      // A message that did not arrive, or of the wrong size, is asked for again like a block
+      // damaged on its way.
+      const ucx::Parcel* parcel = parcels[i - begin].get();
+      if (parcel == nullptr || parcel->bytes().size() != profile.block_bytes) {
+        mismatched->push_back(i);
+        continue;
+      }
+      size_t offset = 0;
+      for (const auto& seg : out[i]) {
+        crc = Crc32cCopy(seg, parcel->bytes().subspan(offset, seg.size()), crc);
+        offset += seg.size();
+      }
+    } else {
+      for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
+    }
     if (crc == r.crc32c()) {
       (*found)[i] = true;
     } else {

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -39,6 +40,7 @@ class CopyQueue;
 class PinnedBuffer;
 }  // namespace proxima::gpu
 namespace proxima::ucx {
+class Endpoint;
 class Registration;
 class Worker;
 }  // namespace proxima::ucx
@@ -301,8 +303,17 @@ class Client {
   absl::Status CallWithSession(Call&& call);
   // A PutUcx or GetUcx call (`method`, e.g. &v1::KVTier::Stub::GetUcx) through CallWithSession
   // and CallWithProfile, with the current session id set in `request`.
+  // `prepare` (may be empty) runs before each attempt of the call (a retry included), with the
+  // call's deadline: what must happen once per attempt, such as sending a PutUcx's messages.
   template <typename Req, typename Resp, typename Method>
-  absl::Status CallUcx(const Profile& profile, Req& request, Resp* response, Method method);
+  absl::Status CallUcx(const Profile& profile, Req& request, Resp* response, Method method,
+                       const std::function<absl::Status(Req&, absl::Time)>& prepare = {});
+  // The endpoint to the daemon's worker over which a PutUcx of blocks[begin, end) sends its
+  // bytes as messages; null when the daemon pulls them instead: it maps every segment (a
+  // shared-memory session and memory UCX allocated), or it takes no messages.
+  template <typename Seg>
+  std::shared_ptr<ucx::Endpoint> MessageEndpointFor(std::span<const Seg> blocks, size_t begin,
+                                                    size_t end);
   // Fills request regions and blocks for keys[begin, end) over UCX; `held` keeps every
   // registration used alive for the call. With `with_crc` each block carries its CRC32C:
   // crcs[i] where given (one per key), else computed over the block's bytes.
@@ -331,6 +342,10 @@ class Client {
                                                  std::span<const uint32_t> crcs = {});
   absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
                                            std::span<const Segments> out);
+  // Sends blocks[begin, end) as messages to the daemon's worker, block i at slot i - begin of a
+  // new transfer, and names the transfer in `request`.
+  absl::Status SendPutMessages(std::span<const ConstSegments> blocks, size_t begin, size_t end,
+                               v1::PutUcxRequest* request, absl::Time deadline);
   // One GetUcx call for blocks [begin, end) of `keys`/`out`: sets (*found)[i] for each block
   // written whose bytes match the CRC32C the daemon sent, and appends to `mismatched` the
   // indices of those that do not.
@@ -412,6 +427,13 @@ class Client {
   std::atomic<uint64_t> ucx_session_{0};
   proxima::Mutex ucx_reopen_mu_;  // held by the one thread re-establishing the session
   std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
+  // The session runs over a shared-memory transport (ConnectUcxResponse.shared_memory_transport).
+  std::atomic<bool> ucx_shared_memory_{false};
+  // This worker's endpoint to the daemon's (ConnectUcxResponse.worker_address), which PutUcx
+  // messages go over; replaced with each session, null when the daemon takes no messages or its
+  // worker cannot be reached from here. Dropped before the worker.
+  proxima::Mutex daemon_ep_mu_;
+  std::shared_ptr<ucx::Endpoint> daemon_ep_ ABSL_GUARDED_BY(daemon_ep_mu_);
   proxima::Mutex regions_mu_;
   std::vector<std::weak_ptr<ucx::Registration>> regions_ ABSL_GUARDED_BY(regions_mu_);
   // GPU staging (client_staging.cc). check_device_memory_: options_.device_memory and a GPU

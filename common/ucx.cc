@@ -947,7 +947,10 @@ bool Worker::TryDirect(Endpoint& endpoint, std::span<const std::string> packed_r
 absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                               std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
                               absl::Time deadline, std::span<const uint64_t> registration_ids,
-                              bool* copied_here) {
+                              bool* copied_here, bool mapped_only) {
+  if (mapped_only && copied_here == nullptr) {
+    return absl::InternalError("Transfer with mapped_only needs copied_here");
+  }
   if (copied_here != nullptr) *copied_here = false;
   PROXIMA_RETURN_IF_ERROR(endpoint.health());
   if (!registration_ids.empty() && registration_ids.size() != packed_rkeys.size()) {
@@ -1004,7 +1007,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
   std::vector<std::string> rkeys(packed_rkeys.begin(), packed_rkeys.end());
   std::vector<uint64_t> ids(registration_ids.begin(), registration_ids.end());
   ids.resize(rkeys.size(), 0);
-  Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids)] {
+  Post([this, st, rkeys = std::move(rkeys), ids = std::move(ids), mapped_only] {
     ucp_ep_h ep = Begin(st);
     for (size_t i = 0; st->result.ok() && i < rkeys.size(); ++i) {
       absl::StatusOr<UnpackedRkey> rkey = UnpackRkey(*st->endpoint, rkeys[i], ids[i]);
@@ -1016,7 +1019,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       st->rkeys.push_back(*std::move(rkey));
     }
     if (st->result.ok()) st->mapped = MapDirect(st->ops, st->rkeys);
-    if (!st->mapped.empty()) {  // the caller copies; nothing for UCX to do
+    if (!st->mapped.empty() || mapped_only) {  // the caller copies, or nothing moves
       FinishOp(st.get(), UCS_OK);
       return;
     }
@@ -1050,6 +1053,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
       if (copied_here != nullptr) *copied_here = true;
       return absl::OkStatus();
     }
+    if (mapped_only) return absl::OkStatus();  // not mapped: nothing moved
     for (const Op& op : st->ops) {
       if (op.crc32c == nullptr || op.kind == Op::kPut) continue;
       *op.crc32c = Crc32cExtend(*op.crc32c, std::span(op.local, op.length));

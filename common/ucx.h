@@ -236,11 +236,15 @@ class Worker {
   // unpacked for later transfers naming the same id and bytes (unpacking can be costly: over shared
   // memory it maps the peer's segment, whose every page then faults again). Keys without one (0)
   // are unpacked for this transfer only. `copied_here` (may be null) is set on success: whether the
-  // calling thread copied the bytes itself (every remote buffer mapped here).
+  // calling thread copied the bytes itself (every remote buffer mapped here). `mapped_only`:
+  // copy through mapped memory or not at all: when some remote buffer is not mapped here,
+  // nothing moves, no UCX operation is posted, and Transfer returns OK with *copied_here false
+  // (REQUIRES copied_here then). Callers that must never be the initiator of a one-sided
+  // operation over an emulating transport use it and move the bytes as messages otherwise.
   absl::Status Transfer(Endpoint& endpoint, std::span<const std::string> packed_rkeys,
                         std::vector<Op> ops, std::shared_ptr<const void> keep_alive,
                         absl::Time deadline, std::span<const uint64_t> registration_ids = {},
-                        bool* copied_here = nullptr);
+                        bool* copied_here = nullptr, bool mapped_only = false);
 
   // Sends each message to the peer's worker, for `transfer` (nonzero, chosen by the receiver:
   // NewTransferId) at its slot, and waits until UCX no longer needs the bytes (sent; not

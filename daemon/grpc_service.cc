@@ -466,6 +466,14 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
       }
     }
   }
+  if constexpr (std::is_same_v<Req, v1::PutUcxRequest>) {
+    if (request->ucx_transfer() != 0) {  // blocks sent as messages: no segments to add up
+      const uint64_t blocks = static_cast<uint64_t>(request->blocks_size());
+      const uint64_t room = std::numeric_limits<uint64_t>::max() - charged;
+      const uint64_t each = request->message_block_bytes();
+      charged += blocks != 0 && each > room / blocks ? room : blocks * each;
+    }
+  }
   return Handle(
       method, context, charged, nullptr,
       [ucx, response, deadline,

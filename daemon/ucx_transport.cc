@@ -101,6 +101,42 @@ absl::Status PlanBlocks(const char* method,
   return absl::OkStatus();
 }
 
+// Checks a PutUcx request whose bytes came as messages: keys only, no regions or segments.
+absl::Status PlanMessageBlocks(const v1::PutUcxRequest& request, uint32_t max_blocks) {
+  const auto& blocks = request.blocks();
+  if (blocks.empty()) return absl::InvalidArgumentError("PutUcx has no blocks");
+  if (static_cast<uint32_t>(blocks.size()) > max_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "PutUcx has ", blocks.size(), " blocks; the limit is ", max_blocks, " per call"));
+  }
+  if (!request.regions().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PutUcx names ucx_transfer ", request.ucx_transfer(), " and ", request.regions_size(),
+        " regions; blocks sent as messages come with no regions"));
+  }
+  for (int b = 0; b < blocks.size(); ++b) {
+    if (blocks[b].key().size() != kKeyBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PutUcx blocks[", b, "].key is ", blocks[b].key().size(),
+                       " bytes; keys are exactly ", kKeyBytes, " bytes"));
+    }
+    if (!blocks[b].segments().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PutUcx blocks[", b, "] has ", blocks[b].segments_size(),
+                       " segments and the request names ucx_transfer ", request.ucx_transfer(),
+                       "; blocks sent as messages come with no segments"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Collect's margin: messages are waited for until this much before the transfer deadline, so a
+// missing one is reported as such rather than as a missed deadline.
+absl::Time CollectDeadline(absl::Time transfer_deadline) {
+  const absl::Duration left = transfer_deadline - absl::Now();
+  return transfer_deadline - std::min(absl::Milliseconds(200), left / 4);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConfig& config,
@@ -140,6 +176,14 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
       "256 KiB pieces of such copies that the daemon's copy helpers (ucx.copy_threads) made "
       "beside the call's own thread (monotonic)",
       {}, [w] { return static_cast<double>(w->pieces_copied_by_helpers()); });
+  const std::string by_messages_help =
+      "PutUcx / GetUcx calls whose bytes moved as UCX messages between the client's worker and "
+      "the daemon's rather than by one-sided operations or copies through mapped memory "
+      "(monotonic)";
+  t->put_by_messages_ = registry->AddCounter("proxima_ucx_calls_by_messages_total",
+                                             by_messages_help, {{"op", "put"}});
+  t->get_by_messages_ = registry->AddCounter("proxima_ucx_calls_by_messages_total",
+                                             by_messages_help, {{"op", "get"}});
   t->bytes_in_ = metrics::TransferBytes(registry, "ucx", "in");
   t->bytes_out_ = metrics::TransferBytes(registry, "ucx", "out");
   PROXIMA_LOG(kInfo) << "UCX data plane ready" << log::Kv("arena_bytes", arena.size())
@@ -235,6 +279,7 @@ absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxReq
   absl::StatusOr<std::string> shm =
       worker_->SharedMemoryTransport(**ep, TransferDeadline(deadline));
   if (shm.ok()) response->set_shared_memory_transport(*shm);
+  response->set_worker_address(worker_->address());
   if (shm.ok() && !shm->empty()) {
     proxima::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
@@ -294,12 +339,22 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
       core_->ResolveProfile(caller, request.namespace_name(), request.profile_id(),
                             TierService::Need::kWrite, "PutUcx"));
   const RegisteredProfile& profile = target.profile;
+  const uint64_t transfer = request.ucx_transfer();
   std::vector<std::vector<Segment>> segments;
   std::vector<std::string> rkeys;
   std::vector<uint64_t> registration_ids;
-  PROXIMA_RETURN_IF_ERROR(PlanBlocks("PutUcx", request.regions(), request.blocks(),
-                                     core_->max_batch_blocks(), profile.block_bytes, &segments,
-                                     &rkeys, &registration_ids));
+  if (transfer != 0) {
+    PROXIMA_RETURN_IF_ERROR(PlanMessageBlocks(request, core_->max_batch_blocks()));
+    if (request.message_block_bytes() != profile.block_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PutUcx message_block_bytes is ", request.message_block_bytes(),
+                       "; the profile's blocks are ", profile.block_bytes, " bytes"));
+    }
+  } else {
+    PROXIMA_RETURN_IF_ERROR(PlanBlocks("PutUcx", request.regions(), request.blocks(),
+                                       core_->max_batch_blocks(), profile.block_bytes, &segments,
+                                       &rkeys, &registration_ids));
+  }
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep,
                            FindSession(caller, request.session_id()));
   std::vector<BlockKey> keys(request.blocks_size());
@@ -317,6 +372,35 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
                                        request.priority() == v1::PRIORITY_HIGH};
   const absl::Time transfer_deadline = TransferDeadline(deadline);
   uint64_t pulled = 0;
+  bool collected = false;
+  // The bytes came as messages: each block is copied out of its message (checked as it is
+  // copied) into the memory reserved for it.
+  auto take = [this, &pulled, &collected, transfer, transfer_deadline](
+                  std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
+                  std::span<uint32_t> crcs, std::shared_ptr<const void>) -> absl::Status {
+    std::vector<uint32_t> slots(blocks.begin(), blocks.end());
+    std::vector<std::shared_ptr<const ucx::Parcel>> parcels =
+        worker_->Collect(transfer, slots, CollectDeadline(transfer_deadline));
+    collected = true;
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      if (parcels[j] == nullptr) {
+        return absl::UnavailableError(absl::StrCat(
+            "PutUcx blocks[", blocks[j], "] (of ucx_transfer ", transfer,
+            "): its UCX message did not arrive before the call's deadline; nothing was stored"));
+      }
+      if (parcels[j]->bytes().size() != dst[j].size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("PutUcx blocks[", blocks[j], "] arrived as a UCX message of ",
+                         parcels[j]->bytes().size(), " bytes; the profile's blocks are ",
+                         dst[j].size(), " bytes; nothing was stored"));
+      }
+    }
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      crcs[j] = Crc32cCopy(dst[j], parcels[j]->bytes());
+      pulled += dst[j].size();
+    }
+    return absl::OkStatus();
+  };
   auto pull = [this, &segments, &pulled, &ep, &rkeys, &registration_ids, transfer_deadline](
                   std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
                   std::span<uint32_t> crcs, std::shared_ptr<const void> owner) -> absl::Status {
@@ -336,8 +420,16 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
     return worker_->Transfer(*ep, rkeys, std::move(ops), std::move(owner), transfer_deadline,
                              registration_ids);
   };
-  absl::Status status = core_->PutPulled(target, keys, crcs, hints, pull, response);
-  if (absl::IsUnavailable(status)) DropSession(request.session_id());
+  absl::Status status;
+  if (transfer != 0) {
+    status = core_->PutPulled(target, keys, crcs, hints, take, response);
+    // Blocks already stored, or refused for room, were not collected: their messages go now.
+    if (!collected) worker_->Collect(transfer, {}, absl::Now());
+    if (status.ok()) put_by_messages_->Increment();
+  } else {
+    status = core_->PutPulled(target, keys, crcs, hints, pull, response);
+    if (absl::IsUnavailable(status)) DropSession(request.session_id());
+  }
   if (status.ok()) bytes_in_->Increment(pulled);
   return status;
 }
@@ -386,12 +478,30 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
     pushed += block->bytes.size();
   }
   bool copied_here = false;
+  bool as_messages = false;
+  const uint64_t transfer = request.ucx_transfer();
   if (!ops.empty()) {
+    // A client that takes messages gets them wherever this daemon cannot copy into its memory
+    // itself: the daemon is then never the initiator of a one-sided operation on a client, whose
+    // UCX would abort if this daemon died mid-operation (docs/operations.md).
     absl::Status status =
         worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline),
-                          registration_ids, &copied_here);
+                          registration_ids, &copied_here, /*mapped_only=*/transfer != 0);
+    if (status.ok() && transfer != 0 && !copied_here) {
+      std::vector<ucx::Message> messages;
+      for (size_t b = 0; b < blocks->size(); ++b) {
+        if ((*blocks)[b]) messages.push_back({static_cast<uint32_t>(b), (*blocks)[b]->bytes});
+      }
+      status =
+          worker_->Send(*ep, transfer, std::move(messages), blocks, TransferDeadline(deadline));
+      as_messages = true;
+    }
     if (absl::IsUnavailable(status)) DropSession(request.session_id());
     PROXIMA_RETURN_IF_ERROR(status);
+  }
+  if (as_messages) {
+    response->set_sent_as_messages(true);
+    get_by_messages_->Increment();
   }
   for (size_t b = 0; b < blocks->size(); ++b) {
     const auto& block = (*blocks)[b];

@@ -2,12 +2,22 @@
 // a client opens a session (ConnectUcx, its worker address and a probe buffer the daemon reads
 // before it answers, so a session exists only where bytes move), then PutUcx / GetUcx name its
 // registered buffers (packed rkeys, addresses, scatter/gather lists) and the daemon moves the
-// bytes with one-sided operations on its own ucx::Worker:
+// bytes on its own ucx::Worker:
 //
-//  - put: tier memory is reserved for each new block, the bytes are pulled with UCX gets, every
-//    block's size and CRC32C are checked, and only then are the blocks committed (visible);
-//  - get: each found block (pinned) is written into the client's segments with UCX puts, the
-//    endpoint is flushed, and only then does the call answer.
+//  - put: tier memory is reserved for each new block and filled, every block's size and CRC32C
+//    are checked, and only then are the blocks committed (visible). The bytes come as UCX
+//    messages the client sent before the call (PutUcxRequest.ucx_transfer: the libproxima
+//    default wherever the daemon does not map the client's memory), or the daemon copies them
+//    out of client memory it maps over shared memory, or (older clients) pulls them with UCX
+//    gets;
+//  - get: each found block (pinned) is copied into the client's segments where the daemon maps
+//    them, else sent as one UCX message per block when the client asked for that
+//    (GetUcxRequest.ucx_transfer), else (older clients) written with UCX puts; only then does
+//    the call answer.
+//
+// Messages keep the daemon from being the initiator of a one-sided operation on a client's
+// memory: over tcp, UCX 1.13 aborts the target of such an operation (the client) when the
+// initiator (this daemon) dies mid-operation (docs/operations.md).
 //
 // Every call is authenticated by the gRPC layer and runs as its Caller: PutUcx and GetUcx pass
 // through TierService's Authorize() like Put and Get (namespace, read-only tokens, private
@@ -110,6 +120,8 @@ class UcxTransport {
   TierService* const core_;
   std::unique_ptr<ucx::Worker> worker_;
   std::shared_ptr<ucx::Registration> arena_;
+  metrics::Counter* put_by_messages_ = nullptr;
+  metrics::Counter* get_by_messages_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
 

@@ -48,6 +48,7 @@ using ::proxima::testing::DaemonProcess;
 using ::proxima::testing::StatusIs;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // 4 layers x 16 tokens x 8 heads x 128 dim x bf16 x (K, V) = 256 KiB blocks; 64 KiB per layer.
 v1::ModelProfile TestModel(uint32_t tokens = 16) {
@@ -80,6 +81,25 @@ int OpenFds(pid_t pid) {
   while (readdir(dir) != nullptr) ++n;
   closedir(dir);
   return n;
+}
+
+// The pid of a running process (other than this one) with `argument` among its arguments, or -1.
+pid_t ProcessWithArgument(const std::string& argument) {
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return -1;
+  pid_t found = -1;
+  while (dirent* e = readdir(proc)) {
+    pid_t pid = 0;
+    if (!absl::SimpleAtoi(e->d_name, &pid) || pid == getpid()) continue;
+    std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"), std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (absl::string_view arg : absl::StrSplit(cmdline, '\0')) {
+      if (arg == argument) found = pid;
+    }
+    if (found > 0) break;
+  }
+  closedir(proc);
+  return found;
 }
 
 class UcxIntegrationTest : public ::testing::TestWithParam<const char*> {
@@ -168,6 +188,12 @@ TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline)
   EXPECT_EQ(MetricValue(m, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"out\"}"),
             (kBlocks - 1 + 1) * p.block_bytes);
   EXPECT_EQ(MetricValue(m, "proxima_requests_total{method=\"PutUcx\",code=\"OK\"}"), 6);
+  // Over tcp every call's bytes moved as messages (the daemon never the initiator of a one-sided
+  // operation on the client); over shared memory the client staged them in memory UCX allocated,
+  // which the daemon copied itself.
+  const bool tcp = std::string(GetParam()) == "tcp";
+  EXPECT_EQ(MetricValue(m, "proxima_ucx_calls_by_messages_total{op=\"put\"}"), tcp ? 6 : 0);
+  EXPECT_EQ(MetricValue(m, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), tcp ? 4 : 0);
 
   // Closing the client closes its session and endpoint; the arena stays registered.
   region = client::MemoryRegion();
@@ -525,13 +551,16 @@ class RawUcxTest : public UcxIntegrationTest {
     UcxIntegrationTest::TearDown();
   }
 
-  absl::StatusOr<uint64_t> OpenSession(const std::string& address) {
+  // `daemon_worker` (may be null): the daemon's worker address from the answer.
+  absl::StatusOr<uint64_t> OpenSession(const std::string& address,
+                                       std::string* daemon_worker = nullptr) {
     v1::ConnectUcxRequest req;
     req.set_worker_address(address);
     v1::ConnectUcxResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     PROXIMA_RETURN_IF_ERROR(client::FromGrpc(stub_->ConnectUcx(&ctx, req, &resp)));
+    if (daemon_worker != nullptr) *daemon_worker = resp.worker_address();
     return resp.session_id();
   }
   absl::Status CloseSession(uint64_t id) {
@@ -561,10 +590,10 @@ class RawUcxTest : public UcxIntegrationTest {
     b->set_crc32c(Crc32c(std::span(src_).first(block_bytes_)));
     return req;
   }
-  absl::Status Put(const v1::PutUcxRequest& req) {
+  absl::Status Put(const v1::PutUcxRequest& req, int deadline_seconds = 20) {
     v1::PutResponse resp;
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_seconds));
     return client::FromGrpc(stub_->PutUcx(&ctx, req, &resp));
   }
   uint32_t Present(const BlockKey& key) {
@@ -886,6 +915,156 @@ TEST_P(RawUcxTest, GetSaysTheCrcWasCheckedOnlyWhereTheDaemonCopiedTheBlockItself
   ASSERT_OK(CloseSession(session));
 }
 
+TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
+  // PutUcx with ucx_transfer: the client sends each block as a UCX message to the daemon's
+  // worker first. Every way such a call can be wrong gets a clear error and stores nothing;
+  // a block already stored stays intact; a good call stores byte-exact blocks.
+  if (std::string(GetParam()) != "tcp") {
+    GTEST_SKIP() << "over shared memory a client does not open its own endpoint to the daemon's "
+                    "worker (UCX 1.13 cannot match it with the daemon's, which runs without peer "
+                    "error handling there); the daemon maps the client's memory instead";
+  }
+  RegisterSource(3);
+  std::string daemon_worker;
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address(), &daemon_worker));
+  ASSERT_FALSE(daemon_worker.empty());
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Endpoint> ep,
+                       worker_->Connect(daemon_worker, absl::Now() + absl::Seconds(10)));
+  const std::vector<BlockKey> keys = client::TestKeyChain(3, 0, 3);
+  auto block = [&](size_t i) {
+    return std::span<const std::byte>(src_).subspan(i * block_bytes_, block_bytes_);
+  };
+  // A PutUcx naming a fresh transfer for blocks `which` of the source (no regions, no segments).
+  auto request = [&](std::vector<size_t> which, uint64_t transfer) {
+    v1::PutUcxRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.set_session_id(session);
+    req.set_ucx_transfer(transfer);
+    req.set_message_block_bytes(block_bytes_);
+    for (size_t i : which) {
+      v1::UcxBlock* b = req.add_blocks();
+      b->set_key(std::string(reinterpret_cast<const char*>(keys[i].data()), keys[i].size()));
+      b->set_crc32c(Crc32c(block(i)));
+    }
+    return req;
+  };
+  auto send = [&](uint64_t transfer, std::vector<ucx::Message> messages) {
+    return worker_->Send(*ep, transfer, std::move(messages), nullptr,
+                         absl::Now() + absl::Seconds(10));
+  };
+  const uint64_t message_calls_before =
+      Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"put\"}");
+
+  // Block 0 stored the right way first: nothing below may disturb it.
+  uint64_t t = worker_->NewTransferId();
+  ASSERT_OK(send(t, {{0, block(0)}}));
+  ASSERT_OK(Put(request({0}, t)));
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"put\"}"),
+            message_calls_before + 1);
+
+  // Never sent: the daemon waits until shortly before the deadline and says which block.
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(Put(request({1}, worker_->NewTransferId()), 2),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("blocks[0] (of ucx_transfer")));
+  EXPECT_LE(absl::Now() - start, absl::Seconds(3));
+  // One of two arrived.
+  t = worker_->NewTransferId();
+  ASSERT_OK(send(t, {{0, block(1)}}));
+  EXPECT_THAT(Put(request({1, 2}, t), 2),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("blocks[1] (of ucx_transfer")));
+  // A message shorter than a block.
+  t = worker_->NewTransferId();
+  ASSERT_OK(send(t, {{0, block(1).first(block_bytes_ - 8)}}));
+  EXPECT_THAT(Put(request({1}, t)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("message of ", block_bytes_ - 8, " bytes"))));
+  // Bytes that do not match the declared CRC32C (block 2's bytes under block 1's key and CRC).
+  t = worker_->NewTransferId();
+  ASSERT_OK(send(t, {{0, block(2)}}));
+  EXPECT_THAT(Put(request({1}, t)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
+  // The same slot twice: the first copy counts, the second is dropped on arrival.
+  t = worker_->NewTransferId();
+  ASSERT_OK(send(t, {{0, block(2)}, {0, block(1)}}));
+  EXPECT_THAT(Put(request({1}, t)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
+  // Malformed requests, refused before anything is collected.
+  v1::PutUcxRequest req = request({1}, worker_->NewTransferId());
+  req.set_message_block_bytes(block_bytes_ / 2);
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("message_block_bytes is")));
+  req = OneBlockPut(session, keys[1]);
+  req.set_ucx_transfer(worker_->NewTransferId());
+  req.set_message_block_bytes(block_bytes_);
+  EXPECT_THAT(Put(req), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("blocks sent as messages come with no regions")));
+  EXPECT_EQ(Present(keys[1]), 0u);
+  EXPECT_EQ(Present(keys[2]), 0u);
+
+  // Then both the right way, with block 0 again (already present: its message is dropped).
+  t = worker_->NewTransferId();
+  ASSERT_OK(send(t, {{0, block(0)}, {1, block(1)}, {2, block(2)}}));
+  v1::PutResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ASSERT_OK(client::FromGrpc(stub_->PutUcx(&ctx, request({0, 1, 2}, t), &resp)));
+  }
+  ASSERT_EQ(resp.outcomes_size(), 3);
+  EXPECT_EQ(resp.outcomes(0), v1::PUT_OUTCOME_ALREADY_PRESENT);
+  EXPECT_EQ(resp.outcomes(1), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(resp.outcomes(2), v1::PUT_OUTCOME_STORED);
+
+  // Read back as messages (GetUcx with ucx_transfer): every byte as stored.
+  v1::GetUcxRequest get;
+  get.set_namespace_name("default");
+  get.set_profile_id(profile_id_);
+  get.set_session_id(session);
+  std::vector<std::byte> dst(3 * block_bytes_);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> dst_reg,
+                       worker_->Register(dst.data(), dst.size()));
+  v1::UcxRegion* r = get.add_regions();
+  r->set_rkey(dst_reg->packed_rkey());
+  r->set_address(reinterpret_cast<uint64_t>(dst.data()));
+  r->set_length(dst.size());
+  for (size_t i = 0; i < 3; ++i) {
+    v1::UcxBlock* b = get.add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(keys[i].data()), keys[i].size()));
+    v1::UcxSegment* seg = b->add_segments();
+    seg->set_address(reinterpret_cast<uint64_t>(dst.data() + i * block_bytes_));
+    seg->set_length(block_bytes_);
+  }
+  const uint64_t get_transfer = worker_->NewTransferId();
+  get.set_ucx_transfer(get_transfer);
+  v1::GetUcxResponse got;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    ASSERT_OK(client::FromGrpc(stub_->GetUcx(&ctx, get, &got)));
+  }
+  EXPECT_TRUE(got.sent_as_messages());
+  const std::vector<uint32_t> slots = {0, 1, 2};
+  std::vector<std::shared_ptr<const ucx::Parcel>> parcels =
+      worker_->Collect(get_transfer, slots, absl::Now() + absl::Seconds(10));
+  ASSERT_EQ(got.results_size(), 3);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(got.results(i).found());
+    EXPECT_FALSE(got.results(i).crc32c_checked());
+    EXPECT_EQ(got.results(i).crc32c(), Crc32c(block(i)));
+    ASSERT_NE(parcels[i], nullptr) << i;
+    ASSERT_EQ(parcels[i]->bytes().size(), block_bytes_);
+    EXPECT_EQ(std::memcmp(parcels[i]->bytes().data(), block(i).data(), block_bytes_), 0) << i;
+  }
+  // Nothing was written into the segments: the bytes came as messages only.
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), std::byte{0}), static_cast<ptrdiff_t>(dst.size()));
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 1);
+  parcels.clear();
+  dst_reg.reset();
+  ep.reset();
+  ASSERT_OK(CloseSession(session));
+}
+
 TEST_P(RawUcxTest, BufferRewrittenDuringTheTransferIsNeverVisibleHalfWritten) {
   // A client that deregisters and reuses its buffer while the daemon pulls it: the daemon
   // either pulled the old bytes completely (stored, byte-exact) or refuses the request.
@@ -1081,6 +1260,49 @@ TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadli
   c.reset();
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
+}
+
+TEST_P(UcxIntegrationTest, ADaemonKilledMidTransferNeverTakesItsClientDown) {
+  // The daemon SIGKILLed while a client moves blocks over UCX: the client's calls fail, and the
+  // client lives on. Before blocks moved as messages, a daemon that died while it wrote a Get
+  // into the client's buffer (one-sided puts, emulated over tcp) made the client's UCX abort the
+  // whole process ("Endpoint timeout" answering the dead initiator). As in
+  // tools/ucx_repro/ucx_dead_peer_repro, the client is stopped (SIGSTOP) while the daemon sends,
+  // the daemon is killed, and the client continued: it then reads what was in flight and the
+  // closed connection at once, the case that aborted.
+  if (std::string(GetParam()) != "tcp") {
+    GTEST_SKIP() << "UCX 1.13's shared-memory transports have no peer failure detection; over "
+                    "them the daemon copies through mapped memory and posts no operation";
+  }
+  for (int round = 0; round < 3; ++round) {
+    if (round > 0) ASSERT_OK(daemon_->Restart());
+    const std::string target = daemon_->tcp_target();
+    const absl::Time start = absl::Now();
+    const absl::Duration stop_at = absl::Milliseconds(800 + 250 * round);
+    pid_t client = -1;
+    bool done = false;
+    testing::CommandResult r = testing::RunCommand(
+        {testing::ProximactlPath(), "load", "--target=" + target, "--transport=ucx", "--clients=2",
+         "--duration=3", "--timeout=2", "--tokens_per_block=256", "--batch=8", "--working_set=16",
+         "--get_fraction=0.8"},
+        absl::Seconds(40), [&] {
+          if (done || absl::Now() - start < stop_at) return false;
+          done = true;
+          client = ProcessWithArgument("--target=" + target);
+          if (client <= 0) return false;
+          kill(client, SIGSTOP);
+          absl::SleepFor(absl::Milliseconds(100));  // the daemon keeps sending meanwhile
+          daemon_->Signal(SIGKILL);
+          daemon_->WaitExit(absl::Seconds(10));
+          absl::SleepFor(absl::Milliseconds(200));
+          kill(client, SIGCONT);
+          return false;
+        });
+    ASSERT_GT(client, 0) << "round " << round << ": proximactl load was not found running";
+    // Exit status 1: its calls failed once the daemon was gone; -1 would be a signal (abort).
+    EXPECT_EQ(r.exit_code, 1) << "round " << round << "\n" << r.out << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("Fatal"))) << "round " << round;
+  }
 }
 
 TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
