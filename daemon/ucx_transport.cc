@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/copy_pool.h"
 #include "common/crc32c.h"
@@ -176,6 +177,17 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
       "256 KiB pieces of such copies that the daemon's copy helpers (ucx.copy_threads) made "
       "beside the call's own thread (monotonic)",
       {}, [w] { return static_cast<double>(w->pieces_copied_by_helpers()); });
+  // Messages from clients (PutUcx) and from peer daemons (fetches, spills) wait in the worker
+  // until a call collects them.
+  registry->AddGauge("proxima_ucx_parked_bytes",
+                     "Bytes of blocks that arrived as UCX messages (from clients' puts, or peers' "
+                     "fetch answers and spills) and wait for their call to collect them",
+                     {}, [w] { return static_cast<double>(w->parked_bytes()); });
+  registry->AddCounterFunction(
+      "proxima_ucx_messages_dropped_total",
+      "UCX messages dropped: malformed, late (their call had ended), a slot sent twice, never "
+      "collected within 30 s, or past the worker's limit of uncollected bytes (monotonic)",
+      {}, [w] { return static_cast<double>(w->messages_dropped()); });
   const std::string by_messages_help =
       "PutUcx / GetUcx calls whose bytes moved as UCX messages between the client's worker and "
       "the daemon's rather than by one-sided operations or copies through mapped memory "
@@ -334,12 +346,18 @@ absl::Status UcxTransport::Disconnect(const Caller& caller, const v1::Disconnect
 
 absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& request,
                                v1::PutResponse* response, absl::Time deadline) {
+  const uint64_t transfer = request.ucx_transfer();
+  // However the call ends, the messages of its transfer that no step took are dropped now
+  // (and any arriving later on arrival), not held until they expire.
+  bool collected = false;
+  absl::Cleanup drop_uncollected = [this, transfer, &collected] {
+    if (transfer != 0 && !collected) worker_->Collect(transfer, {}, absl::Now());
+  };
   PROXIMA_ASSIGN_OR_RETURN(
       TierService::ResolvedProfile target,
       core_->ResolveProfile(caller, request.namespace_name(), request.profile_id(),
                             TierService::Need::kWrite, "PutUcx"));
   const RegisteredProfile& profile = target.profile;
-  const uint64_t transfer = request.ucx_transfer();
   std::vector<std::vector<Segment>> segments;
   std::vector<std::string> rkeys;
   std::vector<uint64_t> registration_ids;
@@ -372,7 +390,6 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
                                        request.priority() == v1::PRIORITY_HIGH};
   const absl::Time transfer_deadline = TransferDeadline(deadline);
   uint64_t pulled = 0;
-  bool collected = false;
   // The bytes came as messages: each block is copied out of its message (checked as it is
   // copied) into the memory reserved for it.
   auto take = [this, &pulled, &collected, transfer, transfer_deadline](
@@ -388,15 +405,14 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
             "PutUcx blocks[", blocks[j], "] (of ucx_transfer ", transfer,
             "): its UCX message did not arrive before the call's deadline; nothing was stored"));
       }
-      if (parcels[j]->bytes().size() != dst[j].size()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("PutUcx blocks[", blocks[j], "] arrived as a UCX message of ",
-                         parcels[j]->bytes().size(), " bytes; the profile's blocks are ",
-                         dst[j].size(), " bytes; nothing was stored"));
+      if (parcels[j]->size() != dst[j].size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "PutUcx blocks[", blocks[j], "] arrived as a UCX message of ", parcels[j]->size(),
+            " bytes; the profile's blocks are ", dst[j].size(), " bytes; nothing was stored"));
       }
     }
     for (size_t j = 0; j < blocks.size(); ++j) {
-      crcs[j] = Crc32cCopy(dst[j], parcels[j]->bytes());
+      crcs[j] = parcels[j]->CopyTo(dst[j]);
       pulled += dst[j].size();
     }
     return absl::OkStatus();
@@ -423,8 +439,6 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
   absl::Status status;
   if (transfer != 0) {
     status = core_->PutPulled(target, keys, crcs, hints, take, response);
-    // Blocks already stored, or refused for room, were not collected: their messages go now.
-    if (!collected) worker_->Collect(transfer, {}, absl::Now());
     if (status.ok()) put_by_messages_->Increment();
   } else {
     status = core_->PutPulled(target, keys, crcs, hints, pull, response);

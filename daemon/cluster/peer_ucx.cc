@@ -17,15 +17,6 @@ PeerUcx::PeerUcx(ucx::Worker* worker, metrics::Registry* registry) : worker_(wor
                        proxima::MutexLock lock(&mu_);
                        return static_cast<double>(endpoints_.size());
                      });
-  registry->AddGauge("proxima_cluster_ucx_parked_bytes",
-                     "Bytes of blocks that arrived from peers as UCX messages and wait for their "
-                     "fetch to collect them",
-                     {}, [worker] { return static_cast<double>(worker->parked_bytes()); });
-  registry->AddCounterFunction(
-      "proxima_cluster_ucx_messages_dropped_total",
-      "UCX messages from peers dropped: malformed, late (their fetch had ended), a slot sent "
-      "twice, or past the worker's limit of uncollected bytes",
-      {}, [worker] { return static_cast<double>(worker->messages_dropped()); });
 }
 
 uint64_t PeerUcx::Describe(uint64_t max_block_bytes, v1::FetchBlocksRequest* request) {

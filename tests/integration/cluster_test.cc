@@ -312,8 +312,8 @@ TEST_F(ClusterTest, RemoteGetsMoveOverUcxWhenBothDaemonsRunIt) {
       for (int i = 0; i < 3; ++i) ASSERT_EQ(GetAndCheck(*b, p, 3, 4, 3), 3u);
       EXPECT_EQ(Metric(1, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
                 (1 + kMore) * kBlocks * p.block_bytes + 3 * 3 * p.block_bytes);
-      EXPECT_EQ(Metric(1, "proxima_cluster_ucx_parked_bytes"), 0);
-      EXPECT_EQ(Metric(1, "proxima_cluster_ucx_messages_dropped_total"), 0);
+      EXPECT_EQ(Metric(1, "proxima_ucx_parked_bytes"), 0);
+      EXPECT_EQ(Metric(1, "proxima_ucx_messages_dropped_total"), 0);
       EXPECT_EQ(Metric(0, "proxima_cluster_ucx_endpoints"), 1);  // the one endpoint, reused
     } else {
       EXPECT_EQ(by_ucx, -1);  // no UCX between daemons: the series does not exist
@@ -635,7 +635,7 @@ TEST_F(ClusterTest, SpilledBlocksSentAsUcxMessagesAreCheckedLikeInlineOnes) {
   EXPECT_EQ(GetAndCheck(*worker, p, 7, 0, 2), 2u);
   EXPECT_EQ(Metric(0, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
             2 * p.block_bytes);
-  EXPECT_EQ(Metric(0, "proxima_cluster_ucx_parked_bytes"), 0);
+  EXPECT_EQ(Metric(0, "proxima_ucx_parked_bytes"), 0);
   ep.reset();
 }
 
