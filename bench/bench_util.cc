@@ -195,8 +195,10 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
   std::vector<std::unique_ptr<proxima::client::Client>> conns(clients);
   proxima::client::Profile profile;
   for (int c = 0; c < clients; ++c) {
-    auto client = proxima::client::Client::Connect(
-        {.target = target, .transport = transport, .host_staging = shape.host_staging});
+    auto client = proxima::client::Client::Connect({.target = target,
+                                                    .transport = transport,
+                                                    .host_staging = shape.host_staging,
+                                                    .ucx_messages = shape.ucx_messages});
     if (!client.ok()) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
       std::exit(1);

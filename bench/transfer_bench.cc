@@ -62,6 +62,9 @@ ABSL_FLAG(int, latency_gets, 200,
 ABSL_FLAG(std::string, proximad, PROXIMAD_PATH, "proximad binary");
 ABSL_FLAG(std::string, redis_server, "/usr/bin/redis-server", "redis-server binary");
 ABSL_FLAG(std::string, ucx_perftest, "/usr/bin/ucx_perftest", "ucx_perftest binary");
+ABSL_FLAG(bool, ucx_messages, true,
+          "the clients' ClientOptions::ucx_messages: false makes the daemon move their bytes with "
+          "one-sided operations, as before 2026-12-04 (for an A/B)");
 ABSL_FLAG(std::string, buffers, "heap,heap-direct,ucx",
           "the UCX clients' block buffers, comma-separated: heap (ordinary memory registered "
           "with RegisterMemory, the client's default host_staging: staged over posix/sysv), "
@@ -151,8 +154,10 @@ proxima::client::HostStaging StagingOf(const std::string& kind) {
 std::pair<double, double> GetLatency(const std::string& target, Transport transport,
                                      bool ucx_buffer, proxima::client::HostStaging staging) {
   constexpr uint64_t kBytes = 2 << 20;
-  auto c = proxima::client::Client::Connect(
-      {.target = target, .transport = transport, .host_staging = staging});
+  auto c = proxima::client::Client::Connect({.target = target,
+                                             .transport = transport,
+                                             .host_staging = staging,
+                                             .ucx_messages = absl::GetFlag(FLAGS_ucx_messages)});
   if (!c.ok()) return {-1, -1};
   auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
   if (!profile.ok()) return {-1, -1};
@@ -272,6 +277,7 @@ int main(int argc, char** argv) {
             LoadShape s = shape;
             s.ucx_buffers = buffer_kinds[k] == "ucx";
             s.host_staging = StagingOf(buffer_kinds[k]);
+            s.ucx_messages = absl::GetFlag(FLAGS_ucx_messages);
             s.key_seed = ++runs;
             ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
           }

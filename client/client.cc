@@ -346,6 +346,7 @@ Client::~Client() {
 template <typename Seg>
 std::shared_ptr<ucx::Endpoint> Client::MessageEndpointFor(std::span<const Seg> blocks, size_t begin,
                                                           size_t end) {
+  if (!options_.ucx_messages) return nullptr;
   std::shared_ptr<ucx::Endpoint> ep;
   {
     proxima::MutexLock lock(&daemon_ep_mu_);
@@ -569,6 +570,7 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
   absl::Status called = CallUcx(profile, request, &response, &v1::KVTier::Stub::GetUcx,
                                 std::function<absl::Status(v1::GetUcxRequest&, absl::Time)>(
                                     [this, &transfers](v1::GetUcxRequest& r, absl::Time) {
+                                      if (!options_.ucx_messages) return absl::OkStatus();
                                       transfers.push_back(ucx_worker_->NewTransferId());
                                       r.set_ucx_transfer(transfers.back());
                                       return absl::OkStatus();
@@ -607,13 +609,13 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
       // A message that did not arrive, or of the wrong size, is asked for again like a block
       // damaged on its way.
       const ucx::Parcel* parcel = parcels[i - begin].get();
-      if (parcel == nullptr || parcel->bytes().size() != profile.block_bytes) {
+      if (parcel == nullptr || parcel->size() != profile.block_bytes) {
         mismatched->push_back(i);
         continue;
       }
       size_t offset = 0;
       for (const auto& seg : out[i]) {
-        crc = Crc32cCopy(seg, parcel->bytes().subspan(offset, seg.size()), crc);
+        crc = parcel->CopyTo(seg, offset, crc);
         offset += seg.size();
       }
     } else {

@@ -123,6 +123,15 @@ struct ClientOptions {
   // kAlways: over every UCX transport. kNever: never.
   HostStaging host_staging = HostStaging::kAuto;
   size_t host_staging_bytes = size_t{16} << 20;
+  // Over UCX, where proximad does not map this process's memory (tcp, UCX's default transports),
+  // block bytes move as UCX messages: this process sends a put's blocks to the daemon's worker,
+  // and the daemon sends a get's blocks back, which are copied into their segments here. False:
+  // the daemon reads and writes the segments with one-sided operations instead, as before
+  // 2026-12-04, faster for large blocks over tcp (docs/benchmarks.md, UCX run 20) but exposed to
+  // a UCX abort of this whole process when the daemon dies in the middle of one
+  // (docs/operations.md, "UCX 1.13 and peer death"). Keep true unless a daemon restart may take
+  // this process down.
+  bool ucx_messages = true;
 };
 
 // A registered model profile: pass it to every block call.
@@ -222,7 +231,9 @@ class Client {
                                                                     std::span<const BlockKey> keys);
 
   // Put and Get of blocks given as scatter/gather lists (see Segments). Over inline, blocks of
-  // several segments are gathered into (scattered from) a contiguous buffer; over UCX the daemon
+  // several segments are gathered into (scattered from) a contiguous buffer; over UCX each block
+  // moves as one message gathered here from its segments (scattered here into them), or, where
+  // the daemon maps this process's memory (shared memory) or ucx_messages is false, the daemon
   // reads (writes) the segments directly.
   absl::StatusOr<std::vector<PutOutcome>> PutScattered(const Profile& profile,
                                                        std::span<const BlockKey> keys,

@@ -1262,6 +1262,52 @@ TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadli
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
 }
 
+TEST_P(UcxIntegrationTest, OneSidedTransfersRemainAnOptionAndStayByteExact) {
+  // ClientOptions::ucx_messages = false: the daemon reads and writes this client's buffers with
+  // one-sided operations (or copies through mapped memory), as before messages; no call moves
+  // its bytes as messages, and every byte round-trips, scattered blocks included.
+  ClientOptions options;
+  options.target = daemon_->tcp_target();
+  options.transport = Transport::kUcx;
+  options.host_staging = client::HostStaging::kNever;
+  options.ucx_messages = false;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr size_t kBlocks = 6;
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  const std::vector<BlockKey> keys = client::TestKeyChain(31, 0, kBlocks);
+  // Each block in two segments, the halves swapped in memory.
+  const size_t half = p.block_bytes / 2;
+  std::vector<client::ConstSegments> put(kBlocks);
+  std::vector<client::Segments> get(kBlocks);
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::vector<std::byte> block(p.block_bytes);
+    client::FillTestBlock(31, i, block);
+    std::byte* at = cache.data() + i * p.block_bytes;
+    std::memcpy(at + half, block.data(), half);
+    std::memcpy(at, block.data() + half, p.block_bytes - half);
+    put[i] = {std::span<const std::byte>(at + half, half),
+              std::span<const std::byte>(at, p.block_bytes - half)};
+    get[i] = {std::span<std::byte>(at + half, half),
+              std::span<std::byte>(at, p.block_bytes - half)};
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->PutScattered(p, keys, put));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  std::fill(cache.begin(), cache.end(), std::byte{0});
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->GetScattered(p, keys, get));
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::vector<std::byte> back(p.block_bytes);
+    std::memcpy(back.data(), cache.data() + i * p.block_bytes + half, half);
+    std::memcpy(back.data() + half, cache.data() + i * p.block_bytes, p.block_bytes - half);
+    EXPECT_TRUE(found[i] && client::IsTestBlock(31, i, back)) << i;
+  }
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"put\"}"), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 0);
+  EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
+            0);
+}
+
 TEST_P(UcxIntegrationTest, ADaemonKilledMidTransferNeverTakesItsClientDown) {
   // The daemon SIGKILLed while a client moves blocks over UCX: the client's calls fail, and the
   // client lives on. Before blocks moved as messages, a daemon that died while it wrote a Get
