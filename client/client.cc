@@ -527,23 +527,31 @@ absl::Status Client::SendPutMessages(std::span<const ConstSegments> blocks, size
         "proximad's UCX worker is not reachable from this client any more; the call is retried "
         "on the next session");
   }
-  // A block in several segments is gathered into one buffer: one message per block.
-  auto gathered = std::make_shared<std::vector<std::vector<std::byte>>>();
+  // A block in several segments is gathered into one buffer: one message per block. A block in
+  // registered memory is sent naming its registration.
+  struct Held {
+    std::vector<std::vector<std::byte>> gathered;
+    std::vector<std::shared_ptr<ucx::Registration>> registrations;
+  };
+  auto held = std::make_shared<Held>();
   std::vector<ucx::Message> messages;
   messages.reserve(end - begin);
   for (size_t i = begin; i < end; ++i) {
     const uint32_t slot = static_cast<uint32_t>(i - begin);
     if (blocks[i].size() == 1) {
-      messages.push_back({slot, blocks[i][0]});
+      std::shared_ptr<ucx::Registration> r =
+          FindRegistration(blocks[i][0].data(), blocks[i][0].size());
+      messages.push_back({slot, blocks[i][0], r.get()});
+      if (r != nullptr) held->registrations.push_back(std::move(r));
       continue;
     }
-    std::vector<std::byte>& buffer = gathered->emplace_back();
+    std::vector<std::byte>& buffer = held->gathered.emplace_back();
     for (const auto& seg : blocks[i]) buffer.insert(buffer.end(), seg.begin(), seg.end());
     messages.push_back({slot, buffer});
   }
   const uint64_t transfer = ucx_worker_->NewTransferId();
   request->set_ucx_transfer(transfer);
-  absl::Status sent = ucx_worker_->Send(*ep, transfer, std::move(messages), gathered, deadline);
+  absl::Status sent = ucx_worker_->Send(*ep, transfer, std::move(messages), held, deadline);
   if (absl::IsUnavailable(sent)) {
     // The daemon's worker is gone: most often a daemon that restarted, which no longer knows this
     // session either. Said as the daemon would, so that the session is opened again (with an

@@ -31,24 +31,9 @@ constexpr size_t kMaxWorkerAddressBytes = 64 * 1024;
 constexpr absl::Duration kAbortGrace = absl::Seconds(5);
 // Send()'s messages: their active-message id, and the header each carries.
 constexpr unsigned kMessageAmId = 1;
-// Each piece of a message carries where it lies in the whole: `size` bytes in pieces of
-// `piece_bytes`, this one at `offset` (a multiple of piece_bytes).
-constexpr uint32_t kMessageMagic = 0x50584d32;  // "PXM2"
+constexpr uint32_t kMessageMagic = 0x50584d31;  // "PXM1"
 struct MessageHeader {
   uint32_t magic = kMessageMagic;
-  uint32_t slot = 0;
-  uint64_t transfer = 0;
-  uint64_t size = 0;
-  uint64_t offset = 0;
-  uint32_t piece_bytes = 0;
-  uint32_t reserved = 0;
-};
-// Most pieces one message may come in (bounds the receiver's bookkeeping per message).
-constexpr uint64_t kMaxPiecesPerMessage = uint64_t{1} << 16;
-// Stop 40's header: a whole message in one piece. Still taken, from daemons of that version.
-constexpr uint32_t kWholeMessageMagic = 0x50584d31;  // "PXM1"
-struct WholeMessageHeader {
-  uint32_t magic = kWholeMessageMagic;
   uint32_t slot = 0;
   uint64_t transfer = 0;
 };
@@ -1134,26 +1119,12 @@ absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Mes
   st->worker = this;
   st->endpoint = endpoint.state_;
   st->keep_alive = std::move(keep_alive);
-  // One header and one UCX message per piece.
-  struct PieceOf {
-    const std::byte* data;
-    size_t length;
-  };
-  std::vector<PieceOf> pieces;
-  for (const Message& m : messages) {
-    const size_t size = m.bytes.size();
-    for (size_t offset = 0; offset < size || (size == 0 && offset == 0); offset += kPieceBytes) {
-      MessageHeader& h = st->headers.emplace_back();
-      h.slot = m.slot;
-      h.transfer = transfer;
-      h.size = size;
-      h.offset = offset;
-      h.piece_bytes = kPieceBytes;
-      pieces.push_back({m.bytes.data() + offset, std::min<size_t>(kPieceBytes, size - offset)});
-      if (size == 0) break;
-    }
+  st->headers.resize(messages.size());
+  for (size_t i = 0; i < messages.size(); ++i) {
+    st->headers[i].slot = messages[i].slot;
+    st->headers[i].transfer = transfer;
   }
-  Post([this, st, pieces = std::move(pieces)] {
+  Post([this, st, messages = std::move(messages)] {
     ucp_ep_h ep = Begin(st);
     ++sends_in_flight_;  // until FinishOp's last count
     ucp_request_param_t param{};
@@ -1164,9 +1135,14 @@ absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Mes
     // Eager only: a rendezvous message has the receiver ask the sender for the bytes, and the
     // sender answer; eager bytes just arrive.
     param.flags = UCP_AM_SEND_FLAG_EAGER;
-    for (size_t i = 0; st->result.ok() && i < pieces.size(); ++i) {
+    for (size_t i = 0; st->result.ok() && i < messages.size(); ++i) {
+      ucp_request_param_t p = param;
+      if (messages[i].memh != nullptr) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = messages[i].memh->memh();
+      }
       Track(st.get(), ucp_am_send_nbx(ep, kMessageAmId, &st->headers[i], sizeof(MessageHeader),
-                                      pieces[i].data, pieces[i].length, &param));
+                                      messages[i].bytes.data(), messages[i].bytes.size(), &p));
     }
     FinishOp(st.get(), UCS_OK);
   });
@@ -1188,41 +1164,14 @@ uint64_t Worker::parked_bytes() const {
 }
 
 Parcel::~Parcel() {
-  std::vector<void*> held;
-  for (const Piece& p : pieces_) {
-    if (p.ucx_data != nullptr) held.push_back(p.ucx_data);
-  }
-  if (held.empty()) return;
+  if (ucx_data_ == nullptr) return;
   Worker* w = worker_;
-  w->Post([w, held = std::move(held)] {
-    for (void* data : held) ucp_am_data_release(w->worker_, data);
-  });
-}
-
-std::span<const std::byte> Parcel::bytes() const {
-  if (pieces_.size() == 1) return {pieces_[0].data, pieces_[0].length};
-  if (!is_assembled_) {
-    assembled_.resize(size_);
-    CopyTo(assembled_);
-    is_assembled_ = true;
-  }
-  return assembled_;
+  void* data = ucx_data_;
+  w->Post([w, data] { ucp_am_data_release(w->worker_, data); });
 }
 
 uint32_t Parcel::CopyTo(std::span<std::byte> dst, size_t offset, uint32_t crc) const {
-  const size_t end = offset + dst.size();
-  // Pieces are sorted and of piece_bytes_ each (the last may be shorter): start at the one
-  // holding `offset`.
-  for (size_t i = piece_bytes_ == 0 ? 0 : offset / piece_bytes_; i < pieces_.size(); ++i) {
-    const Piece& p = pieces_[i];
-    if (p.offset >= end) break;
-    const size_t from = std::max<size_t>(offset, p.offset);
-    const size_t to = std::min<size_t>(end, p.offset + p.length);
-    if (from >= to) continue;
-    crc = Crc32cCopy(dst.subspan(from - offset, to - from),
-                     std::span(p.data + (from - p.offset), to - from), crc);
-  }
-  return crc;
+  return Crc32cCopy(dst, bytes_.subspan(offset, dst.size()), crc);
 }
 
 void Worker::DropStaleLocked(absl::Time now, std::vector<std::shared_ptr<Parcel>>* dropped) {
@@ -1232,7 +1181,7 @@ void Worker::DropStaleLocked(absl::Time now, std::vector<std::shared_ptr<Parcel>
     Inbox& inbox = current->second;
     if (inbox.waiter != nullptr || now - inbox.opened < kParkedFor) continue;
     for (auto& [slot, parcel] : inbox.slots) {
-      parked_bytes_ -= parcel->received_;
+      parked_bytes_ -= parcel->bytes().size();
       messages_dropped_.fetch_add(1);
       dropped->push_back(std::move(parcel));
     }
@@ -1246,31 +1195,12 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
   auto* w = static_cast<Worker*>(arg);
   MessageHeader h;
   // A rendezvous message is left unread (no Send() sends one): UCX then drops it.
-  bool well_formed = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0;
-  if (well_formed && header_length == sizeof(MessageHeader)) {
-    std::memcpy(&h, header, sizeof h);
-    well_formed = h.magic == kMessageMagic;
-  } else if (well_formed && header_length == sizeof(WholeMessageHeader)) {
-    WholeMessageHeader whole;
-    std::memcpy(&whole, header, sizeof whole);
-    well_formed = whole.magic == kWholeMessageMagic;
-    h.slot = whole.slot;
-    h.transfer = whole.transfer;
-    h.size = length;
-    h.piece_bytes =
-        static_cast<uint32_t>(std::min<size_t>(std::max<size_t>(length, 1), UINT32_MAX));
-  } else {
-    well_formed = false;
+  if (header_length != sizeof h || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    w->messages_dropped_.fetch_add(1);
+    return UCS_OK;
   }
-  // A piece lies where its header says, exactly: pieces never overlap, and all of them together
-  // cover the message, or it never completes.
-  well_formed =
-      well_formed && h.transfer != 0 && h.size <= kMaxParkedBytes &&
-      (h.size == 0 ? h.offset == 0 && length == 0
-                   : h.piece_bytes != 0 && (h.size - 1) / h.piece_bytes < kMaxPiecesPerMessage &&
-                         h.offset % h.piece_bytes == 0 && h.offset < h.size &&
-                         length == std::min<uint64_t>(h.piece_bytes, h.size - h.offset));
-  if (!well_formed) {
+  std::memcpy(&h, header, sizeof h);
+  if (h.magic != kMessageMagic || h.transfer == 0) {
     w->messages_dropped_.fetch_add(1);
     return UCS_OK;
   }
@@ -1288,40 +1218,24 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
     auto [it, opened] = w->parked_.try_emplace(h.transfer);
     if (opened) it->second.opened = now;
     Inbox& inbox = it->second;
-    auto [at, first] = inbox.slots.try_emplace(h.slot);
-    if (first) at->second.reset(new Parcel(w, h.size, h.piece_bytes));
-    Parcel& parcel = *at->second;
-    const size_t index = h.size == 0 ? 0 : h.offset / h.piece_bytes;
-    if (first) parcel.have_.assign(h.size == 0 ? 1 : (h.size - 1) / h.piece_bytes + 1, false);
-    // Past the limit, a piece of another message than the parcel's (a slot sent twice), or
-    // one that already arrived: dropped, and the first copy stands.
-    if (w->parked_bytes_ + length > kMaxParkedBytes || parcel.size_ != h.size ||
-        parcel.piece_bytes_ != h.piece_bytes || parcel.have_[index]) {
+    if (w->parked_bytes_ + length > kMaxParkedBytes || inbox.slots.contains(h.slot)) {
       w->messages_dropped_.fetch_add(1);
-      if (first) inbox.slots.erase(at);
       if (opened) w->parked_.erase(it);
       return UCS_OK;
     }
-    Parcel::Piece& piece = parcel.pieces_.emplace_back();
-    piece.offset = h.offset;
-    piece.length = length;
+    auto parcel = std::shared_ptr<Parcel>(new Parcel(w));
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0) {
-      piece.ucx_data = data;  // UCX keeps the descriptor until ucp_am_data_release
-      piece.data = static_cast<const std::byte*>(data);
+      parcel->ucx_data_ = data;  // UCX keeps the descriptor until ucp_am_data_release
       keep = UCS_INPROGRESS;
+      parcel->bytes_ = std::span(static_cast<const std::byte*>(data), length);
     } else {
       const auto* bytes = static_cast<const std::byte*>(data);
-      piece.copy.assign(bytes, bytes + length);
-      piece.data = piece.copy.data();
+      parcel->copy_.assign(bytes, bytes + length);
+      parcel->bytes_ = parcel->copy_;
     }
-    parcel.have_[index] = true;
-    parcel.received_ += length;
+    inbox.slots.emplace(h.slot, std::move(parcel));
     w->parked_bytes_ += length;
-    if (parcel.complete()) {
-      std::sort(parcel.pieces_.begin(), parcel.pieces_.end(),
-                [](const Parcel::Piece& a, const Parcel::Piece& b) { return a.offset < b.offset; });
-      waiter = inbox.waiter;
-    }
+    waiter = inbox.waiter;
   }
   if (waiter != nullptr) waiter->Notify();
   return keep;
@@ -1339,10 +1253,7 @@ std::vector<std::shared_ptr<const Parcel>> Worker::Collect(uint64_t transfer,
       auto it = parked_.find(transfer);
       size_t have = 0;
       if (it != parked_.end()) {
-        for (uint32_t slot : slots) {
-          auto found = it->second.slots.find(slot);
-          have += found != it->second.slots.end() && found->second->complete() ? 1 : 0;
-        }
+        for (uint32_t slot : slots) have += it->second.slots.contains(slot) ? 1 : 0;
       }
       const absl::Time now = absl::Now();
       if (have == slots.size() || now >= deadline) {
@@ -1351,13 +1262,13 @@ std::vector<std::shared_ptr<const Parcel>> Worker::Collect(uint64_t transfer,
         Inbox& inbox = it->second;
         for (size_t i = 0; i < slots.size(); ++i) {
           auto found = inbox.slots.find(slots[i]);
-          if (found == inbox.slots.end() || !found->second->complete()) continue;
-          parked_bytes_ -= found->second->received_;
+          if (found == inbox.slots.end()) continue;
+          parked_bytes_ -= found->second->bytes().size();
           out[i] = std::move(found->second);
           inbox.slots.erase(found);
         }
-        for (auto& [slot, parcel] : inbox.slots) {  // not asked for, or incomplete
-          parked_bytes_ -= parcel->received_;
+        for (auto& [slot, parcel] : inbox.slots) {
+          parked_bytes_ -= parcel->bytes().size();
           messages_dropped_.fetch_add(1);
           dropped.push_back(std::move(parcel));
         }

@@ -142,52 +142,37 @@ class Endpoint {
   std::shared_ptr<State> state_;
 };
 
-// The bytes of one message as they arrived (Worker::Collect), in the pieces Send() cut it into:
-// each held in UCX's receive descriptor, or in a copy where UCX does not let it be held.
-// Released (on the worker's progress thread) when the last handle is dropped; every handle must
-// be dropped before the Worker. Not thread-safe: one consumer at a time.
+// The bytes of one message as they arrived (Worker::Collect): held in UCX's receive descriptor,
+// or in a copy where UCX does not let them be held. Released (on the worker's progress thread)
+// when the last handle is dropped; every handle must be dropped before the Worker.
 class Parcel {
  public:
   ~Parcel();
   Parcel(const Parcel&) = delete;
   Parcel& operator=(const Parcel&) = delete;
 
-  // The message's length.
-  size_t size() const { return size_; }
-  // The whole message, contiguous: the piece itself for a message of one piece; else assembled
-  // here on the first call (one copy, kept with the parcel).
-  std::span<const std::byte> bytes() const;
-  // Copies bytes [offset, offset + dst.size()) of the message into `dst` straight from its
-  // pieces, folding their CRC32C into `crc` (Crc32cCopy), and returns it. REQUIRES: the range
-  // lies within size().
+  std::span<const std::byte> bytes() const { return bytes_; }
+  size_t size() const { return bytes_.size(); }
+  // Copies bytes [offset, offset + dst.size()) of the message into `dst`, folding their CRC32C
+  // into `crc` (Crc32cCopy), and returns it. REQUIRES: the range lies within size().
   uint32_t CopyTo(std::span<std::byte> dst, size_t offset = 0, uint32_t crc = 0) const;
 
  private:
   friend class Worker;
-  struct Piece {
-    uint64_t offset = 0;
-    const std::byte* data = nullptr;
-    size_t length = 0;
-    void* ucx_data = nullptr;     // UCX's descriptor, when held
-    std::vector<std::byte> copy;  // else the bytes
-  };
-  Parcel(Worker* worker, uint64_t size, uint32_t piece_bytes)
-      : worker_(worker), size_(size), piece_bytes_(piece_bytes) {}
-  bool complete() const { return received_ == size_ && !pieces_.empty(); }
+  explicit Parcel(Worker* worker) : worker_(worker) {}
   Worker* const worker_;
-  const uint64_t size_;
-  const uint32_t piece_bytes_;
-  uint64_t received_ = 0;
-  std::vector<Piece> pieces_;                 // sorted by offset once complete
-  std::vector<bool> have_;                    // per piece index (offset / piece_bytes_)
-  mutable std::vector<std::byte> assembled_;  // bytes() of a message of several pieces
-  mutable bool is_assembled_ = false;
+  void* ucx_data_ = nullptr;  // UCX's descriptor, when held
+  std::vector<std::byte> copy_;
+  std::span<const std::byte> bytes_;
 };
 
 // One message of a Send: `bytes` for slot `slot` of the transfer.
 struct Message {
   uint32_t slot = 0;
   std::span<const std::byte> bytes;
+  // A registration of this worker covering `bytes`, if the caller has one: UCX then need not
+  // look the memory up in its registration cache.
+  const Registration* memh = nullptr;
 };
 
 // One one-sided operation of a Transfer.
@@ -270,12 +255,9 @@ class Worker {
 
   // Sends each message to the peer's worker, for `transfer` (nonzero, chosen by the receiver:
   // NewTransferId) at its slot, and waits until UCX no longer needs the bytes (sent; not
-  // necessarily received: the receiver collects them). A message longer than kPieceBytes goes
-  // in pieces of that size, each one UCX message that fits one tcp segment: the receiver holds
-  // UCX's descriptors instead of having UCX assemble the whole message into memory it
-  // allocates (fresh pages, faulted in, for every large message), and copies from the pieces.
-  // `keep_alive` owns the bytes, as for Transfer. UNAVAILABLE when the peer failed or the deadline
-  // passed (the endpoint is then closed); INVALID_ARGUMENT for transfer 0.
+  // necessarily received: the receiver collects them). `keep_alive` owns the bytes, as for
+  // Transfer. UNAVAILABLE when the peer failed or the deadline passed (the endpoint is then
+  // closed); INVALID_ARGUMENT for transfer 0.
   absl::Status Send(Endpoint& endpoint, uint64_t transfer, std::vector<Message> messages,
                     std::shared_ptr<const void> keep_alive, absl::Time deadline);
 
@@ -291,7 +273,6 @@ class Worker {
                                                      std::span<const uint32_t> slots,
                                                      absl::Time deadline);
   static constexpr absl::Duration kParkedFor = absl::Seconds(30);
-  static constexpr uint32_t kPieceBytes = 60 * 1024;
   static constexpr uint64_t kMaxParkedBytes = uint64_t{1} << 30;
 
   // Bytes of messages that arrived and are not collected yet, and messages dropped on arrival

@@ -504,7 +504,10 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
     if (status.ok() && transfer != 0 && !copied_here) {
       std::vector<ucx::Message> messages;
       for (size_t b = 0; b < blocks->size(); ++b) {
-        if ((*blocks)[b]) messages.push_back({static_cast<uint32_t>(b), (*blocks)[b]->bytes});
+        if ((*blocks)[b]) {
+          messages.push_back(
+              {static_cast<uint32_t>(b), (*blocks)[b]->bytes, ArenaCovering((*blocks)[b]->bytes)});
+        }
       }
       status =
           worker_->Send(*ep, transfer, std::move(messages), blocks, TransferDeadline(deadline));
