@@ -13,11 +13,15 @@
 // reads the request and the closed connection in one progress call and answers a peer that is
 // gone, if the protocol makes it answer.
 //
-//   UCX_TLS=tcp ucx_dead_peer_repro [--op=put|get|am|am-rndv|am-to-dead|am-rndv-to-dead]
-//                                   [--bytes=8192] [--rounds=10] [--control]
+//   UCX_TLS=tcp ucx_dead_peer_repro [--op=put|get|am|am-rndv|am-rndv-mid|am-to-dead|
+//                                        am-rndv-to-dead] [--bytes=8192] [--rounds=10]
+//                                   [--mid_us=3000] [--control]
 //
 // put, get: one-sided operations (the target aborts). am, am-rndv: an eager or a rendezvous
 // active message (the target, whose handler copies it or asks for its bytes, lives).
+// am-rndv-mid: the target is not stopped; it asks for the bytes of a rendezvous message at once,
+// they start to flow into its buffer, and the initiator is killed (SIGKILL) --mid_us after it
+// was told to send (choose --bytes large enough that the transfer is still under way then).
 // am-to-dead, am-rndv-to-dead: the other way round, the long-lived process sends eight messages
 // to a receiver that exits on the first one (after asking for its bytes, for rendezvous).
 // --control: the initiator waits for its operation to complete at the target (a flush) before
@@ -283,7 +287,7 @@ ucs_status_t ExitOnAm(void* arg, const void*, size_t, void* data, size_t length,
 // stopped (go), posts the operation, lets it leave and exits.
 [[noreturn]] void RunInitiator(const std::string& address, const std::string& rkey, uint64_t base,
                                size_t bytes, const std::string& kind, bool control, int ready,
-                               int go) {
+                               int go, int mid_us) {
   const bool get = kind == "get";
   ucp_context_h context = MakeContext();
   ucp_worker_h worker = MakeWorker(context);
@@ -308,7 +312,13 @@ ucs_status_t ExitOnAm(void* arg, const void*, size_t, void* data, size_t length,
   ReadAll(go, &token, 1);  // the target is stopped now
   ucp_request_param_t am{};
   am.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  am.flags = kind == "am-rndv" ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  const bool rndv = kind == "am-rndv" || kind == "am-rndv-mid";
+  am.flags = rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  if (kind == "am-rndv-mid") {  // the target runs: it asks for the bytes, and they start to flow
+    ucs_status_ptr_t request = ucp_am_send_nbx(ep, 1, nullptr, 0, local.data(), bytes, &am);
+    if (UCS_PTR_IS_ERR(request)) Fail(7, "ucp_am_send_nbx");
+    while (true) ucp_worker_progress(worker);  // until the parent kills this process
+  }
   if (kind == "am" || kind == "am-rndv") {
     ucs_status_ptr_t request = ucp_am_send_nbx(ep, 1, nullptr, 0, local.data(), bytes, &am);
     if (control) {
@@ -344,14 +354,17 @@ int main(int argc, char** argv) {
   const size_t bytes =
       std::strtoull(proxima::bench::Arg(argc, argv, "bytes", "8192").c_str(), nullptr, 10);
   const int rounds = std::atoi(proxima::bench::Arg(argc, argv, "rounds", "10").c_str());
+  const int mid_us = std::atoi(proxima::bench::Arg(argc, argv, "mid_us", "3000").c_str());
   bool control = false;
   for (int i = 1; i < argc; ++i) control = control || std::string_view(argv[i]) == "--control";
   const bool reverse = op == "am-to-dead" || op == "am-rndv-to-dead";
-  if ((op != "put" && op != "get" && op != "am" && op != "am-rndv" && !reverse) || bytes == 0 ||
+  const bool mid = op == "am-rndv-mid";
+  if ((op != "put" && op != "get" && op != "am" && op != "am-rndv" && !mid && !reverse) ||
+      bytes == 0 ||
       rounds <= 0) {
     std::fprintf(stderr,
-                 "usage: UCX_TLS=tcp %s [--op=put|get|am|am-rndv|am-to-dead|am-rndv-to-dead] "
-                 "[--bytes=N>0] [--rounds=N>0] [--control]\n",
+                 "usage: UCX_TLS=tcp %s [--op=put|get|am|am-rndv|am-rndv-mid|am-to-dead|"
+                 "am-rndv-to-dead] [--bytes=N>0] [--rounds=N>0] [--mid_us=N] [--control]\n",
                  argv[0]);
     return 2;
   }
@@ -393,15 +406,19 @@ int main(int argc, char** argv) {
     if (pipe(ready) != 0 || pipe(go) != 0) Fail(3, "pipe");
     const pid_t initiator = fork();
     if (initiator == 0) {
-      RunInitiator(address, rkey, base, bytes, op, control, ready[1], go[0]);
+      RunInitiator(address, rkey, base, bytes, op, control, ready[1], go[0], mid_us);
     }
     char token = 0;
     ReadAll(ready[0], &token, 1);
-    kill(target, SIGSTOP);
+    if (!mid) kill(target, SIGSTOP);
     usleep(20000);  // the stop has taken effect
     WriteAll(go[1], &token, 1);
     int initiator_status = 0;
-    if (control) {  // the initiator waits for the target's answer: continue the target first
+    if (mid) {
+      usleep(mid_us);
+      kill(initiator, SIGKILL);
+      waitpid(initiator, &initiator_status, 0);
+    } else if (control) {  // the initiator waits for the target's answer: continue the target first
       usleep(20000);
       kill(target, SIGCONT);
       waitpid(initiator, &initiator_status, 0);
