@@ -13,12 +13,14 @@
 // reads the request and the closed connection in one progress call and answers a peer that is
 // gone, if the protocol makes it answer.
 //
-//   UCX_TLS=tcp ucx_dead_peer_repro [--op=put|get|am|am-rndv|am-rndv-mid|am-to-dead|
-//                                        am-rndv-to-dead] [--bytes=8192] [--rounds=10]
+//   UCX_TLS=tcp ucx_dead_peer_repro [--op=put|get|am|am-rndv|am-rndv-mid|am-rndv-decline|
+//                                        am-rndv-release|am-to-dead|am-rndv-to-dead] [--bytes=8192] [--rounds=10]
 //                                   [--mid_us=3000] [--control]
 //
 // put, get: one-sided operations (the target aborts). am, am-rndv: an eager or a rendezvous
 // active message (the target, whose handler copies it or asks for its bytes, lives).
+// am-rndv-decline, am-rndv-release: as am-rndv, but the target does not want the bytes: its
+// handler declines the message, or holds it and releases it after that progress call.
 // am-rndv-mid: the target is not stopped; it asks for the bytes of a rendezvous message at once,
 // they start to flow into its buffer, and the initiator is killed (SIGKILL) --mid_us after it
 // was told to send (choose --bytes large enough that the transfer is still under way then).
@@ -159,10 +161,24 @@ void OnReceived(void* request, ucs_status_t status, size_t length, void*) {
   ucp_request_free(request);
 }
 
+// What the target does with a rendezvous message: receive it (am-rndv), decline it from its
+// handler (am-rndv-decline: UCX then tells the sender itself), or hold it and release it after
+// the progress call that brought it (am-rndv-release: ucp_am_data_release).
+enum class RndvMode { kReceive, kDecline, kRelease };
+RndvMode rndv_mode = RndvMode::kReceive;
+void* held = nullptr;  // kRelease: the descriptor to release
+
 ucs_status_t OnAm(void* arg, const void*, size_t, void* data, size_t length,
                   const ucp_am_recv_param_t* param) {
   auto* target = static_cast<AmTarget*>(arg);
   const size_t n = length < target->capacity ? length : target->capacity;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 && rndv_mode != RndvMode::kReceive) {
+    std::fprintf(stderr, "target: rendezvous message of %zu bytes, %s\n", length,
+                 rndv_mode == RndvMode::kDecline ? "declined" : "held");
+    if (rndv_mode == RndvMode::kDecline) return UCS_OK;
+    held = data;
+    return UCS_INPROGRESS;
+  }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     ucp_request_param_t receive{};
     receive.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
@@ -241,6 +257,10 @@ void SendToDying(ucp_worker_h worker, const std::string& address, size_t bytes, 
   fcntl(in, F_SETFL, O_NONBLOCK);
   while (true) {
     ucp_worker_progress(worker);
+    if (held != nullptr) {
+      ucp_am_data_release(worker, held);
+      held = nullptr;
+    }
     uint64_t n = 0;
     if (read(in, &n, sizeof n) != sizeof n) continue;  // nothing yet (a length comes whole)
     fcntl(in, F_SETFL, 0);
@@ -312,20 +332,20 @@ ucs_status_t ExitOnAm(void* arg, const void*, size_t, void* data, size_t length,
   ReadAll(go, &token, 1);  // the target is stopped now
   ucp_request_param_t am{};
   am.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  const bool rndv = kind == "am-rndv" || kind == "am-rndv-mid";
+  const bool rndv = kind.starts_with("am-rndv");
   am.flags = rndv ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
   if (kind == "am-rndv-mid") {  // the target runs: it asks for the bytes, and they start to flow
     ucs_status_ptr_t request = ucp_am_send_nbx(ep, 1, nullptr, 0, local.data(), bytes, &am);
     if (UCS_PTR_IS_ERR(request)) Fail(7, "ucp_am_send_nbx");
     while (true) ucp_worker_progress(worker);  // until the parent kills this process
   }
-  if (kind == "am" || kind == "am-rndv") {
+  if (kind == "am" || rndv) {
     ucs_status_ptr_t request = ucp_am_send_nbx(ep, 1, nullptr, 0, local.data(), bytes, &am);
     if (control) {
       if (!Wait(worker, request) || !Wait(worker, ucp_ep_flush_nbx(ep, &params))) {
         Fail(7, "am");
       }
-    } else if (kind == "am") {
+    } else if (!rndv) {
       if (!Wait(worker, request)) Fail(7, "ucp_am_send_nbx");
     } else {
       if (UCS_PTR_IS_ERR(request)) Fail(7, "ucp_am_send_nbx");
@@ -359,12 +379,15 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) control = control || std::string_view(argv[i]) == "--control";
   const bool reverse = op == "am-to-dead" || op == "am-rndv-to-dead";
   const bool mid = op == "am-rndv-mid";
-  if ((op != "put" && op != "get" && op != "am" && op != "am-rndv" && !mid && !reverse) ||
+  if (op == "am-rndv-decline") rndv_mode = RndvMode::kDecline;
+  if (op == "am-rndv-release") rndv_mode = RndvMode::kRelease;
+  if ((op != "put" && op != "get" && op != "am" && op != "am-rndv" && !mid &&
+       op != "am-rndv-decline" && op != "am-rndv-release" && !reverse) ||
       bytes == 0 ||
       rounds <= 0) {
     std::fprintf(stderr,
-                 "usage: UCX_TLS=tcp %s [--op=put|get|am|am-rndv|am-rndv-mid|am-to-dead|"
-                 "am-rndv-to-dead] [--bytes=N>0] [--rounds=N>0] [--mid_us=N] [--control]\n",
+                 "usage: UCX_TLS=tcp %s [--op=put|get|am|am-rndv|am-rndv-mid|am-rndv-decline|"
+                 "am-rndv-release|am-to-dead|am-rndv-to-dead] [--bytes=N>0] [--rounds=N>0] [--mid_us=N] [--control]\n",
                  argv[0]);
     return 2;
   }
