@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -219,7 +220,26 @@ struct Worker::TransferState {
   proxima::Notification done;
 };
 
+struct Sending::State {
+  Worker* worker = nullptr;
+  std::shared_ptr<Worker::TransferState> transfer;
+};
+
 namespace {
+
+// What a failed TransferState was, for its status: a transfer or send on endpoint
+// `endpoint_id`, or a Receive (0: no endpoint; endpoint ids start at 1).
+std::string Describe(uint64_t endpoint_id) {
+  return endpoint_id != 0 ? absl::StrCat("UCX transfer on endpoint ", endpoint_id)
+                          : std::string("UCX receive of rendezvous messages");
+}
+
+// What a parcel counts toward Worker::kMaxParkedBytes: its bytes, or for a pending one (the
+// bytes are still at the sender) an estimate of the descriptor UCX keeps for it.
+constexpr uint64_t kPendingParcelBytes = 256;
+uint64_t ParkedBytes(const Parcel& parcel) {
+  return parcel.pending() ? kPendingParcelBytes : parcel.size();
+}
 
 // Where the remote bytes of every operation lie in this process, when UCX has mapped all of them
 // (ucp_rkey_ptr: a peer's shared memory segment); empty when any is not mapped (tcp, cma, a
@@ -842,12 +862,10 @@ void Worker::OnOpDone(void* request, ucs_status_t status, void* user_data) {
 }
 
 void Worker::FinishOp(TransferState* st, ucs_status_t status) {
-  if (status != UCS_OK && st->result.ok()) {
-    st->result = FromUcs(status, absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
-  }
+  if (status != UCS_OK && st->result.ok()) st->result = FromUcs(status, Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
   if (--st->pending > 0) return;
   if (!st->headers.empty()) --sends_in_flight_;
-  if (absl::IsUnavailable(st->result)) {
+  if (absl::IsUnavailable(st->result) && st->endpoint != nullptr) {
     // The peer is gone or unreachable: later transfers on this endpoint fail fast.
     proxima::MutexLock lock(&st->endpoint->mu);
     if (st->endpoint->failure.empty()) st->endpoint->failure = std::string(st->result.message());
@@ -1061,7 +1079,7 @@ absl::Status Worker::Transfer(Endpoint& endpoint, std::span<const std::string> p
     st->keep_alive.reset();
     return absl::OkStatus();
   }
-  return AbandonAfterDeadline(endpoint, *st);
+  return AbandonAfterDeadline(*st);
 }
 
 ucp_ep_h Worker::Begin(const std::shared_ptr<TransferState>& st) {
@@ -1078,18 +1096,15 @@ ucp_ep_h Worker::Begin(const std::shared_ptr<TransferState>& st) {
 void Worker::Track(TransferState* st, ucs_status_ptr_t r) {
   if (r == nullptr) return;
   if (UCS_PTR_IS_ERR(r)) {
-    if (st->result.ok()) {
-      st->result =
-          FromUcs(UCS_PTR_STATUS(r), absl::StrCat("UCX transfer on endpoint ", st->endpoint->id));
-    }
+    if (st->result.ok()) st->result = FromUcs(UCS_PTR_STATUS(r), Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
     return;
   }
   ++st->pending;
 }
 
-absl::Status Worker::AbandonAfterDeadline(Endpoint& endpoint, TransferState& st) {
+absl::Status Worker::AbandonAfterDeadline(TransferState& st) {
   // Past the deadline: close the endpoint by force, which completes what is in flight.
-  std::shared_ptr<Endpoint::State> ep = endpoint.state_;
+  std::shared_ptr<Endpoint::State> ep = st.endpoint;
   Post([this, ep] {
     {
       proxima::MutexLock lock(&ep->mu);
@@ -1103,21 +1118,36 @@ absl::Status Worker::AbandonAfterDeadline(Endpoint& endpoint, TransferState& st)
   if (!st.done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
     PROXIMA_LOG(kWarning) << "UCX transfer still outstanding after its endpoint was closed; its "
                              "buffers stay allocated until it completes"
-                          << log::Kv("endpoint", endpoint.id());
+                          << log::Kv("endpoint", ep->id);
   }
   return absl::UnavailableError(
-      absl::StrCat("UCX transfer on endpoint ", endpoint.id(),
+      absl::StrCat("UCX transfer on endpoint ", ep->id,
                    " did not finish before the call's deadline; the endpoint is closed"));
 }
 
 absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Message> messages,
                           std::shared_ptr<const void> keep_alive, absl::Time deadline) {
+  PROXIMA_ASSIGN_OR_RETURN(
+      std::unique_ptr<Sending> sending,
+      StartSend(endpoint, transfer, std::move(messages), std::move(keep_alive)));
+  return sending->Wait(deadline);
+}
+
+absl::StatusOr<std::unique_ptr<Sending>> Worker::StartSend(Endpoint& endpoint, uint64_t transfer,
+                                                           std::vector<Message> messages,
+                                                           std::shared_ptr<const void> keep_alive) {
   if (transfer == 0) return absl::InvalidArgumentError("UCX messages for transfer 0");
   PROXIMA_RETURN_IF_ERROR(endpoint.health());
-  if (messages.empty()) return absl::OkStatus();
   auto st = std::make_shared<TransferState>();
   st->worker = this;
   st->endpoint = endpoint.state_;
+  auto sending = std::make_shared<Sending::State>();
+  sending->worker = this;
+  sending->transfer = st;
+  if (messages.empty()) {
+    st->done.Notify();
+    return std::unique_ptr<Sending>(new Sending(std::move(sending)));
+  }
   st->keep_alive = std::move(keep_alive);
   st->headers.resize(messages.size());
   for (size_t i = 0; i < messages.size(); ++i) {
@@ -1132,11 +1162,10 @@ absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Mes
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &Worker::OnOpDone;
     param.user_data = st.get();
-    // Eager only: a rendezvous message has the receiver ask the sender for the bytes, and the
-    // sender answer; eager bytes just arrive.
-    param.flags = UCP_AM_SEND_FLAG_EAGER;
     for (size_t i = 0; st->result.ok() && i < messages.size(); ++i) {
       ucp_request_param_t p = param;
+      // Eager unless asked: a rendezvous message completes only once the receiver has taken it.
+      p.flags = messages[i].rendezvous ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
       if (messages[i].memh != nullptr) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = messages[i].memh->memh();
@@ -1146,10 +1175,96 @@ absl::Status Worker::Send(Endpoint& endpoint, uint64_t transfer, std::vector<Mes
     }
     FinishOp(st.get(), UCS_OK);
   });
+  return std::unique_ptr<Sending>(new Sending(std::move(sending)));
+}
+
+Sending::~Sending() = default;
+
+absl::Status Sending::Wait(absl::Time deadline) {
+  Worker::TransferState& st = *state_->transfer;
+  if (!st.done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
+    return state_->worker->AbandonAfterDeadline(st);
+  }
+  return st.result;
+}
+
+absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parcels,
+                             std::span<const std::span<std::byte>> dst,
+                             std::span<const Registration* const> memh,
+                             std::shared_ptr<const void> keep_alive, absl::Time deadline) {
+  if (dst.size() != parcels.size() || (!memh.empty() && memh.size() != parcels.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX Receive: ", parcels.size(),
+                                                   " messages, ", dst.size(), " destinations and ",
+                                                   memh.size(), " registrations"));
+  }
+  for (size_t i = 0; i < parcels.size(); ++i) {
+    const Parcel* parcel = parcels[i].get();
+    if (parcel == nullptr || !parcel->pending() || parcel->ucx_data_ == nullptr ||
+        parcel->worker_ != this) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UCX Receive: message ", i, " is not a rendezvous message of this worker left to take"));
+    }
+    if (dst[i].size() != parcel->size()) {
+      return absl::InvalidArgumentError(absl::StrCat("UCX Receive: message ", i, " is ",
+                                                     parcel->size(), " bytes; its destination is ",
+                                                     dst[i].size(), " bytes"));
+    }
+  }
+  if (parcels.empty()) return absl::OkStatus();
+  auto st = std::make_shared<TransferState>();
+  st->worker = this;
+  st->keep_alive = std::move(keep_alive);
+  struct Target {
+    void* descriptor;
+    std::span<std::byte> dst;
+    ucp_mem_h memh;
+  };
+  std::vector<Target> targets;
+  targets.reserve(parcels.size());
+  for (size_t i = 0; i < parcels.size(); ++i) {
+    targets.push_back({parcels[i]->ucx_data_, dst[i],
+                       memh.empty() || memh[i] == nullptr ? nullptr : memh[i]->memh()});
+    parcels[i]->ucx_data_ = nullptr;  // taken: UCX frees it once the bytes have moved
+  }
+  Post([this, st, targets = std::move(targets)] {
+    st->pending = 1;  // released by the FinishOp(st, UCS_OK) below
+    in_flight_.push_back(st);
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.recv_am = &Worker::OnReceived;
+    param.user_data = st.get();
+    for (const Target& t : targets) {
+      if (!st->result.ok()) {  // nothing more is asked for: the rest tell their senders so
+        ucp_am_data_release(worker_, t.descriptor);
+        continue;
+      }
+      ucp_request_param_t p = param;
+      if (t.memh != nullptr) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = t.memh;
+      }
+      Track(st.get(),
+            ucp_am_recv_data_nbx(worker_, t.descriptor, t.dst.data(), t.dst.size(), &p));
+    }
+    FinishOp(st.get(), UCS_OK);
+  });
   if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
-    return AbandonAfterDeadline(endpoint, *st);
+    return absl::UnavailableError(absl::StrCat(
+        "the bytes of ", parcels.size(),
+        " UCX rendezvous messages did not all arrive before the call's deadline"));
+  }
+  if (st->result.ok()) {
+    uint64_t moved = 0;
+    for (const auto& d : dst) moved += d.size();
+    rendezvous_bytes_.fetch_add(moved);
   }
   return st->result;
+}
+
+void Worker::OnReceived(void* request, ucs_status_t status, size_t, void* user_data) {
+  auto* st = static_cast<TransferState*>(user_data);
+  ucp_request_free(request);
+  st->worker->FinishOp(st, status);
 }
 
 uint64_t Worker::NewTransferId() {
@@ -1171,6 +1286,7 @@ Parcel::~Parcel() {
 }
 
 uint32_t Parcel::CopyTo(std::span<std::byte> dst, size_t offset, uint32_t crc) const {
+  assert(!pending_ && offset + dst.size() <= size_);
   return Crc32cCopy(dst, bytes_.subspan(offset, dst.size()), crc);
 }
 
@@ -1181,7 +1297,7 @@ void Worker::DropStaleLocked(absl::Time now, std::vector<std::shared_ptr<Parcel>
     Inbox& inbox = current->second;
     if (inbox.waiter != nullptr || now - inbox.opened < kParkedFor) continue;
     for (auto& [slot, parcel] : inbox.slots) {
-      parked_bytes_ -= parcel->bytes().size();
+      parked_bytes_ -= ParkedBytes(*parcel);
       messages_dropped_.fetch_add(1);
       dropped->push_back(std::move(parcel));
     }
@@ -1194,8 +1310,9 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
                                size_t length, const ucp_am_recv_param_t* param) {
   auto* w = static_cast<Worker*>(arg);
   MessageHeader h;
-  // A rendezvous message is left unread (no Send() sends one): UCX then drops it.
-  if (header_length != sizeof h || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+  // A message dropped here is released by UCX when this returns UCS_OK; for a rendezvous one,
+  // UCX then tells its sender, whose send completes.
+  if (header_length != sizeof h) {
     w->messages_dropped_.fetch_add(1);
     return UCS_OK;
   }
@@ -1204,6 +1321,7 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
     w->messages_dropped_.fetch_add(1);
     return UCS_OK;
   }
+  const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   std::vector<std::shared_ptr<Parcel>> dropped;  // destroyed after the lock is released
   std::shared_ptr<proxima::Notification> waiter;
   ucs_status_t keep = UCS_OK;
@@ -1218,13 +1336,19 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
     auto [it, opened] = w->parked_.try_emplace(h.transfer);
     if (opened) it->second.opened = now;
     Inbox& inbox = it->second;
-    if (w->parked_bytes_ + length > kMaxParkedBytes || inbox.slots.contains(h.slot)) {
+    const uint64_t cost = rendezvous ? kPendingParcelBytes : length;
+    if (w->parked_bytes_ + cost > kMaxParkedBytes || inbox.slots.contains(h.slot)) {
       w->messages_dropped_.fetch_add(1);
       if (opened) w->parked_.erase(it);
       return UCS_OK;
     }
     auto parcel = std::shared_ptr<Parcel>(new Parcel(w));
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0) {
+    parcel->size_ = length;
+    if (rendezvous) {  // only the header is here: `data` is UCX's handle for the bytes
+      parcel->ucx_data_ = data;
+      parcel->pending_ = true;
+      keep = UCS_INPROGRESS;
+    } else if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0) {
       parcel->ucx_data_ = data;  // UCX keeps the descriptor until ucp_am_data_release
       keep = UCS_INPROGRESS;
       parcel->bytes_ = std::span(static_cast<const std::byte*>(data), length);
@@ -1234,7 +1358,7 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
       parcel->bytes_ = parcel->copy_;
     }
     inbox.slots.emplace(h.slot, std::move(parcel));
-    w->parked_bytes_ += length;
+    w->parked_bytes_ += cost;
     waiter = inbox.waiter;
   }
   if (waiter != nullptr) waiter->Notify();
@@ -1243,7 +1367,8 @@ ucs_status_t Worker::OnMessage(void* arg, const void* header, size_t header_leng
 
 std::vector<std::shared_ptr<const Parcel>> Worker::Collect(uint64_t transfer,
                                                            std::span<const uint32_t> slots,
-                                                           absl::Time deadline) {
+                                                           absl::Time deadline,
+                                                           const Endpoint* sender) {
   std::vector<std::shared_ptr<const Parcel>> out(slots.size());
   std::vector<std::shared_ptr<Parcel>> dropped;  // destroyed after the lock is released
   for (;;) {
@@ -1256,19 +1381,20 @@ std::vector<std::shared_ptr<const Parcel>> Worker::Collect(uint64_t transfer,
         for (uint32_t slot : slots) have += it->second.slots.contains(slot) ? 1 : 0;
       }
       const absl::Time now = absl::Now();
-      if (have == slots.size() || now >= deadline) {
+      const bool sender_gone = sender != nullptr && !sender->health().ok();
+      if (have == slots.size() || now >= deadline || sender_gone) {
         collected_[transfer] = now;
         if (it == parked_.end()) break;
         Inbox& inbox = it->second;
         for (size_t i = 0; i < slots.size(); ++i) {
           auto found = inbox.slots.find(slots[i]);
           if (found == inbox.slots.end()) continue;
-          parked_bytes_ -= found->second->bytes().size();
+          parked_bytes_ -= ParkedBytes(*found->second);
           out[i] = std::move(found->second);
           inbox.slots.erase(found);
         }
         for (auto& [slot, parcel] : inbox.slots) {
-          parked_bytes_ -= parcel->bytes().size();
+          parked_bytes_ -= ParkedBytes(*parcel);
           messages_dropped_.fetch_add(1);
           dropped.push_back(std::move(parcel));
         }
@@ -1281,7 +1407,9 @@ std::vector<std::shared_ptr<const Parcel>> Worker::Collect(uint64_t transfer,
       }
       arrived = it->second.waiter = std::make_shared<proxima::Notification>();
     }
-    arrived->WaitForNotificationUntil(absl::ToChronoTime(deadline));
+    const absl::Time wake =
+        sender != nullptr ? std::min(deadline, absl::Now() + kSenderCheckEvery) : deadline;
+    arrived->WaitForNotificationUntil(absl::ToChronoTime(wake));
   }
   return out;
 }

@@ -27,15 +27,19 @@
 //    registration id), the calling thread looks them up and maps the addresses itself, and the
 //    progress thread is not involved at all; the key's last reference is still released on the
 //    progress thread.
-//  - Send() and Collect() move bytes as messages instead (UCX active messages, always eager):
-//    the sender names a transfer id and a slot per message; the receiver's worker keeps what
-//    arrives (parked, without copying where UCX allows it) until Collect() takes the slots of a
+//  - Send() and Collect() move bytes as messages instead (UCX active messages): the sender
+//    names a transfer id and a slot per message; the receiver's worker keeps what arrives
+//    (parked, without copying where UCX allows it) until Collect() takes the slots of a
 //    transfer. Unlike the one-sided operations, nothing on either side answers the other from
 //    inside UCX: over transports that emulate one-sided operations with messages (tcp), the
 //    target of a put or get answers its initiator from a UCX handler, and UCX aborts the whole
 //    process when that initiator has died (docs/cluster.md; tools/ucx_repro). A message to or
 //    from a dead peer only fails, or is never collected. Daemons move blocks between each other
-//    this way.
+//    this way. Messages are eager (the bytes arrive with them) unless the sender asks for
+//    rendezvous (StartSend): then only a header arrives, and the receiver, once it has collected
+//    it and knows where the bytes belong, has UCX move them straight there (Receive); UCX's
+//    protocol for that ends with an error, not an abort, when either side dies mid-way
+//    (tools/ucx_repro --op=am-rndv*).
 //
 // Thread-safe: every public method may be called from any thread except the progress thread.
 #ifndef PROXIMA_COMMON_UCX_H_
@@ -142,28 +146,38 @@ class Endpoint {
   std::shared_ptr<State> state_;
 };
 
-// The bytes of one message as they arrived (Worker::Collect): held in UCX's receive descriptor,
-// or in a copy where UCX does not let them be held. Released (on the worker's progress thread)
-// when the last handle is dropped; every handle must be dropped before the Worker.
+// One message as it arrived (Worker::Collect). An eager message's bytes are here: held in UCX's
+// receive descriptor, or in a copy where UCX does not let them be held. A rendezvous message's
+// bytes are still at the sender (pending()): Worker::Receive moves them straight into the
+// receiver's memory. Released (on the worker's progress thread) when the last handle is dropped;
+// a pending message dropped unreceived tells its sender, whose send then completes. Every handle
+// must be dropped before the Worker.
 class Parcel {
  public:
   ~Parcel();
   Parcel(const Parcel&) = delete;
   Parcel& operator=(const Parcel&) = delete;
 
+  // The message's length, whether its bytes are here or not.
+  size_t size() const { return size_; }
+  // Whether the bytes are still at the sender (a rendezvous message): bytes() is then empty.
+  bool pending() const { return pending_; }
   std::span<const std::byte> bytes() const { return bytes_; }
-  size_t size() const { return bytes_.size(); }
   // Copies bytes [offset, offset + dst.size()) of the message into `dst`, folding their CRC32C
-  // into `crc` (Crc32cCopy), and returns it. REQUIRES: the range lies within size().
+  // into `crc` (Crc32cCopy), and returns it. REQUIRES: !pending(), the range within size().
   uint32_t CopyTo(std::span<std::byte> dst, size_t offset = 0, uint32_t crc = 0) const;
 
  private:
   friend class Worker;
   explicit Parcel(Worker* worker) : worker_(worker) {}
   Worker* const worker_;
-  void* ucx_data_ = nullptr;  // UCX's descriptor, when held
+  // UCX's descriptor, when held (an eager message's bytes, or a pending message's handle). A
+  // Receive takes it: UCX frees it once the bytes have moved.
+  mutable void* ucx_data_ = nullptr;
   std::vector<std::byte> copy_;
   std::span<const std::byte> bytes_;
+  size_t size_ = 0;
+  bool pending_ = false;
 };
 
 // One message of a Send: `bytes` for slot `slot` of the transfer.
@@ -173,6 +187,30 @@ struct Message {
   // A registration of this worker covering `bytes`, if the caller has one: UCX then need not
   // look the memory up in its registration cache.
   const Registration* memh = nullptr;
+  // Rendezvous: only the message's header travels now; the receiver moves the bytes when it has
+  // decided where they go (Worker::Receive), and the send completes only then, or when the
+  // receiver drops the message. Eager (false): the bytes travel at once and the receiver holds
+  // them until it collects them (a copy more, into memory UCX allocates per message).
+  bool rendezvous = false;
+};
+
+// The messages of a Worker::StartSend on their way.
+class Sending {
+ public:
+  ~Sending();
+  Sending(const Sending&) = delete;
+  Sending& operator=(const Sending&) = delete;
+
+  // Waits until UCX no longer needs the bytes: each message sent, or, for a rendezvous one,
+  // received or dropped by the receiver. Past `deadline` the endpoint is closed by force
+  // (UNAVAILABLE), which ends what is in flight. The status of Worker::Send.
+  absl::Status Wait(absl::Time deadline);
+
+ private:
+  friend class Worker;
+  struct State;
+  explicit Sending(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
 };
 
 // One one-sided operation of a Transfer.
@@ -257,9 +295,30 @@ class Worker {
   // NewTransferId) at its slot, and waits until UCX no longer needs the bytes (sent; not
   // necessarily received: the receiver collects them). `keep_alive` owns the bytes, as for
   // Transfer. UNAVAILABLE when the peer failed or the deadline passed (the endpoint is then
-  // closed); INVALID_ARGUMENT for transfer 0.
+  // closed); INVALID_ARGUMENT for transfer 0. REQUIRES: no message is a rendezvous one (its send
+  // would wait for a receiver that has not been told yet: use StartSend).
   absl::Status Send(Endpoint& endpoint, uint64_t transfer, std::vector<Message> messages,
                     std::shared_ptr<const void> keep_alive, absl::Time deadline);
+  // Send's first half: posts the messages and returns; Sending::Wait is the second. The caller
+  // tells the receiver about the transfer in between (a rendezvous message completes only once
+  // the receiver has taken its bytes). Errors found before anything was posted (transfer 0, the
+  // endpoint already failed) are returned here.
+  absl::StatusOr<std::unique_ptr<Sending>> StartSend(Endpoint& endpoint, uint64_t transfer,
+                                                     std::vector<Message> messages,
+                                                     std::shared_ptr<const void> keep_alive);
+
+  // Moves the bytes of pending (rendezvous) messages from their senders into `dst`, one span per
+  // parcel, each exactly the parcel's size(), and waits for them until `deadline`. `memh` (may
+  // be null), one per parcel or empty: a registration of this worker covering the span.
+  // `keep_alive` owns the destinations: UCX may still write into them after a deadline passed,
+  // so it is released only when UCX is done with them. Each parcel is consumed (its handle no
+  // longer tells the sender anything when dropped). UNAVAILABLE when a sender failed mid-way or
+  // the deadline passed (the destinations' bytes are then undefined); INVALID_ARGUMENT when a
+  // parcel is not pending or its span's size differs.
+  absl::Status Receive(std::span<const std::shared_ptr<const Parcel>> parcels,
+                       std::span<const std::span<std::byte>> dst,
+                       std::span<const Registration* const> memh,
+                       std::shared_ptr<const void> keep_alive, absl::Time deadline);
 
   // A transfer id for peers to Send() to this worker: random, nonzero.
   uint64_t NewTransferId();
@@ -269,16 +328,23 @@ class Worker {
   // and any that arrive later, are dropped. Messages nobody collects are dropped once older than
   // kParkedFor (looked for as later messages arrive); past kMaxParkedBytes of uncollected bytes,
   // new messages are dropped.
+  // `sender` (may be null): an endpoint to the peer that sends the messages; once it has failed,
+  // waiting ends early (checked every kSenderCheckEvery): what is missing will not come.
   std::vector<std::shared_ptr<const Parcel>> Collect(uint64_t transfer,
                                                      std::span<const uint32_t> slots,
-                                                     absl::Time deadline);
+                                                     absl::Time deadline,
+                                                     const Endpoint* sender = nullptr);
+  static constexpr absl::Duration kSenderCheckEvery = absl::Milliseconds(50);
   static constexpr absl::Duration kParkedFor = absl::Seconds(30);
   static constexpr uint64_t kMaxParkedBytes = uint64_t{1} << 30;
 
-  // Bytes of messages that arrived and are not collected yet, and messages dropped on arrival
+  // Bytes of messages that arrived and are not collected yet (a pending one counts 256, an
+  // estimate of the descriptor UCX keeps for it), and messages dropped on arrival
   // (malformed, a slot that already arrived, over kMaxParkedBytes) or uncollected (since start).
   uint64_t parked_bytes() const;
   uint64_t messages_dropped() const { return messages_dropped_.load(); }
+  // Bytes that Receive() moved from rendezvous messages' senders (since start).
+  uint64_t rendezvous_bytes() const { return rendezvous_bytes_.load(); }
 
   // The shared-memory transport ("posix", "sysv") that one of the endpoint's lanes runs over,
   // "" when none does (tcp, or a peer on another host). UCX 1.13's posix and sysv domains reach
@@ -310,6 +376,7 @@ class Worker {
   friend class Registration;
   friend class Endpoint;
   friend class Parcel;
+  friend class Sending;
   struct TransferState;
   // Messages of one transfer that arrived and are not collected yet.
   struct Inbox {
@@ -348,6 +415,8 @@ class Worker {
   void CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool force);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnOpDone(void* request, ucs_status_t status, void* user_data);
+  // Completion of one of Receive()'s ucp_am_recv_data_nbx. Progress thread.
+  static void OnReceived(void* request, ucs_status_t status, size_t length, void* user_data);
   void FinishOp(TransferState* state, ucs_status_t status);
   // Starts running `state` on the progress thread: in flight, one pending count held until the
   // task's closing FinishOp(state, UCS_OK); its endpoint's handle, null (and the result
@@ -358,7 +427,7 @@ class Worker {
   void Track(TransferState* state, ucs_status_ptr_t request);
   // After a transfer's deadline passed: closes its endpoint by force, which completes what is
   // in flight, and waits (bounded) for that. Returns the UNAVAILABLE status to hand back.
-  absl::Status AbandonAfterDeadline(Endpoint& endpoint, TransferState& state);
+  absl::Status AbandonAfterDeadline(TransferState& state);
   // The active-message handler of Send()'s messages. Progress thread.
   static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);
@@ -403,6 +472,7 @@ class Worker {
   uint64_t parked_bytes_ ABSL_GUARDED_BY(parked_mu_) = 0;
   absl::Time last_stale_check_ ABSL_GUARDED_BY(parked_mu_);
   std::atomic<uint64_t> messages_dropped_{0};
+  std::atomic<uint64_t> rendezvous_bytes_{0};
   std::atomic<uint64_t> next_transfer_id_{1};  // seeded at random in Create()
   std::atomic<uint64_t> next_registration_id_{1};
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned

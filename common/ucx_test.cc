@@ -565,6 +565,88 @@ TEST_P(UcxTest, MessagesFarLargerThanTheTransportsQueueAllArrive) {
   }
 }
 
+// Rendezvous messages: only their headers arrive before the receiver asks for the bytes, which
+// then land where it says, byte-exact; the send completes only then. Ones the receiver does not
+// want (dropped by a collect, late, or released unreceived) end their sends promptly, and the
+// endpoint stays usable.
+TEST_P(UcxTest, RendezvousMessagesLandWhereTheReceiverSaysAndUnwantedOnesEndTheirSends) {
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const std::vector<size_t> sizes = {1, 100000, 3 << 20};
+  std::vector<std::vector<std::byte>> payloads;
+  std::vector<Message> messages;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    payloads.push_back(Pattern(sizes[i], static_cast<uint8_t>(i + 3)));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    messages.push_back({static_cast<uint32_t>(i), payloads[i], nullptr, /*rendezvous=*/true});
+  }
+  uint64_t transfer = b_->NewTransferId();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Sending> sending,
+                       a_->StartSend(**ep, transfer, messages, nullptr));
+  const std::vector<uint32_t> slots = {0, 1, 2};
+  std::vector<std::shared_ptr<const Parcel>> got =
+      b_->Collect(transfer, slots, absl::Now() + absl::Seconds(10));
+  ASSERT_EQ(got.size(), slots.size());
+  std::vector<std::vector<std::byte>> dst;
+  std::vector<std::span<std::byte>> spans;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_NE(got[i], nullptr) << i;
+    EXPECT_TRUE(got[i]->pending()) << i;
+    EXPECT_EQ(got[i]->size(), sizes[i]) << i;
+    EXPECT_TRUE(got[i]->bytes().empty()) << i;
+    dst.emplace_back(sizes[i], std::byte{0xee});
+  }
+  for (auto& d : dst) spans.push_back(d);
+  // A destination of the wrong size is refused before anything moves; the messages stay
+  // receivable.
+  std::vector<std::span<std::byte>> short_spans = spans;
+  short_spans[2] = short_spans[2].first(sizes[2] - 1);
+  EXPECT_THAT(b_->Receive(got, short_spans, {}, nullptr, absl::Now() + absl::Seconds(10)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination is")));
+  ASSERT_OK(b_->Receive(got, spans, {}, nullptr, absl::Now() + absl::Seconds(20)));
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(dst[i], payloads[i]) << i;
+  ASSERT_OK(sending->Wait(absl::Now() + absl::Seconds(10)));
+  // Taken once: a second Receive of the same messages is refused.
+  EXPECT_THAT(b_->Receive(got, spans, {}, nullptr, absl::Now() + absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("left to take")));
+  got.clear();
+
+  // Unwanted: slot 1 collected and dropped unreceived, slot 2 dropped by the collect, slot 0
+  // arriving after the collect (the transfer is closed by then). Each send still ends, well
+  // before its deadline, and the endpoint stays usable.
+  transfer = b_->NewTransferId();
+  ASSERT_OK_AND_ASSIGN(sending,
+                       a_->StartSend(**ep, transfer, {messages[1], messages[2]}, nullptr));
+  const uint32_t one[] = {1};
+  got = b_->Collect(transfer, one, absl::Now() + absl::Seconds(10));
+  ASSERT_NE(got[0], nullptr);
+  EXPECT_TRUE(got[0]->pending());
+  got.clear();
+  absl::Time start = absl::Now();
+  EXPECT_OK(sending->Wait(absl::Now() + absl::Seconds(20)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_OK_AND_ASSIGN(sending, a_->StartSend(**ep, transfer, {messages[0]}, nullptr));
+  start = absl::Now();
+  EXPECT_OK(sending->Wait(absl::Now() + absl::Seconds(20)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_OK((*ep)->health());
+  EXPECT_EQ(b_->parked_bytes(), 0u);
+  EXPECT_GE(b_->messages_dropped(), 2u);  // slot 2 with the collect, slot 0 on arrival
+
+  // An eager message is not Receive()d: its bytes are here already.
+  transfer = b_->NewTransferId();
+  ASSERT_OK(a_->Send(**ep, transfer, {{0, payloads[1]}}, nullptr, absl::Now() + absl::Seconds(10)));
+  const uint32_t zero[] = {0};
+  got = b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+  ASSERT_NE(got[0], nullptr);
+  EXPECT_FALSE(got[0]->pending());
+  std::vector<std::byte> out(payloads[1].size());
+  const std::span<std::byte> out_span[] = {out};
+  EXPECT_THAT(b_->Receive(got, out_span, {}, nullptr, absl::Now() + absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a rendezvous")));
+}
+
 // Messages to a peer that is gone fail the send (never a hang, a success or a crash), and a
 // collector whose sender never sends gets nothing by its deadline.
 TEST_P(UcxTest, MessagesToAPeerThatDisappearedFail) {

@@ -265,6 +265,11 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
           absl::StrCat("StoreBlocks data[", i, "] did not arrive as a UCX message of transfer ",
                        request.ucx_transfer(), " before the call's deadline; nothing was stored"));
     }
+    if (parcels[i]->pending()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StoreBlocks data[", i, "] arrived as a rendezvous UCX message; peers send "
+                       "spilled blocks eager; nothing was stored"));
+    }
     data[i] = parcels[i]->bytes();
     if (data[i].size() != b.ucx_size()) {
       return absl::InvalidArgumentError(absl::StrCat("StoreBlocks data[", i, "].ucx_size is ",
