@@ -65,6 +65,9 @@ ABSL_FLAG(std::string, ucx_perftest, "/usr/bin/ucx_perftest", "ucx_perftest bina
 ABSL_FLAG(bool, ucx_messages, true,
           "the clients' ClientOptions::ucx_messages: false makes the daemon move their bytes with "
           "one-sided operations, as before 2026-12-04 (for an A/B)");
+ABSL_FLAG(int64_t, ucx_rendezvous_bytes, -1,
+          "the clients' ClientOptions::ucx_rendezvous_bytes (-1: the default): puts of blocks of "
+          "at least this size go as rendezvous messages, smaller ones eager (for an A/B)");
 ABSL_FLAG(std::string, buffers, "heap,heap-direct,ucx",
           "the UCX clients' block buffers, comma-separated: heap (ordinary memory registered "
           "with RegisterMemory, the client's default host_staging: staged over posix/sysv), "
@@ -151,13 +154,20 @@ proxima::client::HostStaging StagingOf(const std::string& kind) {
                                : proxima::client::HostStaging::kAuto;
 }
 
+size_t RendezvousBytes() {
+  const int64_t flag = absl::GetFlag(FLAGS_ucx_rendezvous_bytes);
+  return flag < 0 ? proxima::client::ClientOptions{}.ucx_rendezvous_bytes
+                  : static_cast<size_t>(flag);
+}
+
 std::pair<double, double> GetLatency(const std::string& target, Transport transport,
                                      bool ucx_buffer, proxima::client::HostStaging staging) {
   constexpr uint64_t kBytes = 2 << 20;
   auto c = proxima::client::Client::Connect({.target = target,
                                              .transport = transport,
                                              .host_staging = staging,
-                                             .ucx_messages = absl::GetFlag(FLAGS_ucx_messages)});
+                                             .ucx_messages = absl::GetFlag(FLAGS_ucx_messages),
+                                             .ucx_rendezvous_bytes = RendezvousBytes()});
   if (!c.ok()) return {-1, -1};
   auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
   if (!profile.ok()) return {-1, -1};
@@ -278,6 +288,7 @@ int main(int argc, char** argv) {
             s.ucx_buffers = buffer_kinds[k] == "ucx";
             s.host_staging = StagingOf(buffer_kinds[k]);
             s.ucx_messages = absl::GetFlag(FLAGS_ucx_messages);
+            s.ucx_rendezvous_bytes = RendezvousBytes();
             s.key_seed = ++runs;
             ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
           }

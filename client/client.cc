@@ -472,6 +472,9 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
     request.set_profile_id(profile.id);
     std::vector<std::shared_ptr<ucx::Registration>> held;  // until the daemon answered
     std::function<absl::Status(v1::PutUcxRequest&, absl::Time)> send_messages;
+    // Rendezvous sends of each attempt of the call, and that attempt's deadline.
+    std::vector<std::unique_ptr<ucx::Sending>> in_flight;
+    absl::Time sends_deadline = absl::InfinitePast();
     if (MessageEndpointFor(blocks, begin, end) != nullptr) {
       request.set_namespace_name(options_.namespace_name);
       request.set_message_block_bytes(profile.block_bytes);
@@ -484,8 +487,10 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
         }
         block->set_crc32c(crcs.empty() ? crc : crcs[i]);
       }
-      send_messages = [this, blocks, begin, end](v1::PutUcxRequest& r, absl::Time deadline) {
-        return SendPutMessages(blocks, begin, end, &r, deadline);
+      send_messages = [this, blocks, begin, end, &in_flight, &sends_deadline](
+                          v1::PutUcxRequest& r, absl::Time deadline) {
+        sends_deadline = std::max(sends_deadline, deadline);
+        return SendPutMessages(blocks, begin, end, &r, deadline, &in_flight);
       };
     } else {
       PROXIMA_RETURN_IF_ERROR(
@@ -500,8 +505,15 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
       if (!options.importance.empty()) block->set_importance(options.importance[i]);
     }
     v1::PutResponse response;
-    PROXIMA_RETURN_IF_ERROR(
-        CallUcx(profile, request, &response, &v1::KVTier::Stub::PutUcx, send_messages));
+    absl::Status called =
+        CallUcx(profile, request, &response, &v1::KVTier::Stub::PutUcx, send_messages);
+    // Whatever the call's outcome, UCX reads the blocks' bytes until each rendezvous send has
+    // ended: the daemon took the bytes, dropped the message (a failed call drops its transfer's
+    // messages at once) or is gone. A send that has not ended by its attempt's deadline has its
+    // endpoint closed by force. The call's answer is what counts: the daemon stored a block only
+    // once all its bytes had arrived and matched their CRC32C.
+    for (auto& sending : in_flight) sending->Wait(sends_deadline).IgnoreError();
+    PROXIMA_RETURN_IF_ERROR(called);
     if (response.outcomes_size() != static_cast<int>(end - begin)) {
       return absl::InternalError(absl::StrCat("proximad answered ", response.outcomes_size(),
                                               " outcomes for ", end - begin, " blocks"));
@@ -516,7 +528,8 @@ absl::StatusOr<std::vector<PutOutcome>> Client::PutUcx(const Profile& profile,
 }
 
 absl::Status Client::SendPutMessages(std::span<const ConstSegments> blocks, size_t begin,
-                                     size_t end, v1::PutUcxRequest* request, absl::Time deadline) {
+                                     size_t end, v1::PutUcxRequest* request, absl::Time deadline,
+                                     std::vector<std::unique_ptr<ucx::Sending>>* in_flight) {
   std::shared_ptr<ucx::Endpoint> ep;
   {
     proxima::MutexLock lock(&daemon_ep_mu_);
@@ -549,9 +562,20 @@ absl::Status Client::SendPutMessages(std::span<const ConstSegments> blocks, size
     for (const auto& seg : blocks[i]) buffer.insert(buffer.end(), seg.begin(), seg.end());
     messages.push_back({slot, buffer});
   }
+  // Every block of a profile has the same size: the batch is all rendezvous or all eager.
+  const bool rendezvous =
+      !messages.empty() && messages.front().bytes.size() >= options_.ucx_rendezvous_bytes;
+  for (ucx::Message& m : messages) m.rendezvous = rendezvous;
   const uint64_t transfer = ucx_worker_->NewTransferId();
   request->set_ucx_transfer(transfer);
-  absl::Status sent = ucx_worker_->Send(*ep, transfer, std::move(messages), held, deadline);
+  absl::StatusOr<std::unique_ptr<ucx::Sending>> sending =
+      ucx_worker_->StartSend(*ep, transfer, std::move(messages), held);
+  absl::Status sent = sending.status();
+  if (sent.ok() && rendezvous) {
+    in_flight->push_back(*std::move(sending));
+  } else if (sent.ok()) {
+    sent = (*sending)->Wait(deadline);
+  }
   if (absl::IsUnavailable(sent)) {
     // The daemon's worker is gone: most often a daemon that restarted, which no longer knows this
     // session either. Said as the daemon would, so that the session is opened again (with an
@@ -614,10 +638,10 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
     }
     uint32_t crc = 0;
     if (as_messages) {
-      // A message that did not arrive, or of the wrong size, is asked for again like a block
-      // damaged on its way.
+      // A message that did not arrive, of the wrong size, or sent rendezvous (a daemon sends a
+      // get's blocks eager) is asked for again like a block damaged on its way.
       const ucx::Parcel* parcel = parcels[i - begin].get();
-      if (parcel == nullptr || parcel->size() != profile.block_bytes) {
+      if (parcel == nullptr || parcel->pending() || parcel->size() != profile.block_bytes) {
         mismatched->push_back(i);
         continue;
       }

@@ -42,6 +42,7 @@ class PinnedBuffer;
 namespace proxima::ucx {
 class Endpoint;
 class Registration;
+class Sending;
 class Worker;
 }  // namespace proxima::ucx
 namespace proxima::wire {
@@ -132,6 +133,12 @@ struct ClientOptions {
   // (docs/operations.md, "UCX 1.13 and peer death"). Keep true unless a daemon restart may take
   // this process down.
   bool ucx_messages = true;
+  // With ucx_messages, blocks of at least this many bytes are put as rendezvous messages: only a
+  // header travels with the call, and the daemon, once it has reserved tier memory for a block,
+  // has UCX move the bytes straight into it (one copy fewer than an eager message, which UCX
+  // assembles in memory of its own first; docs/benchmarks.md, UCX run 21). Smaller blocks go
+  // eager, whose bytes travel before the call. 0: every block rendezvous.
+  size_t ucx_rendezvous_bytes = size_t{1} << 20;
 };
 
 // A registered model profile: pass it to every block call.
@@ -354,9 +361,12 @@ class Client {
   absl::StatusOr<std::vector<bool>> GetUcx(const Profile& profile, std::span<const BlockKey> keys,
                                            std::span<const Segments> out);
   // Sends blocks[begin, end) as messages to the daemon's worker, block i at slot i - begin of a
-  // new transfer, and names the transfer in `request`.
+  // new transfer, and names the transfer in `request`. Eager messages are sent before this
+  // returns; rendezvous ones (ucx_rendezvous_bytes) complete only once the daemon, told by the
+  // call, has taken them: their sends are appended to `in_flight`, to wait for after the call.
   absl::Status SendPutMessages(std::span<const ConstSegments> blocks, size_t begin, size_t end,
-                               v1::PutUcxRequest* request, absl::Time deadline);
+                               v1::PutUcxRequest* request, absl::Time deadline,
+                               std::vector<std::unique_ptr<ucx::Sending>>* in_flight);
   // One GetUcx call for blocks [begin, end) of `keys`/`out`: sets (*found)[i] for each block
   // written whose bytes match the CRC32C the daemon sent, and appends to `mismatched` the
   // indices of those that do not.

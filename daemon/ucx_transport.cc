@@ -181,8 +181,15 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
   // until a call collects them.
   registry->AddGauge("proxima_ucx_parked_bytes",
                      "Bytes of blocks that arrived as UCX messages (from clients' puts, or peers' "
-                     "fetch answers and spills) and wait for their call to collect them",
+                     "fetch answers and spills) and wait for their call to collect them; a "
+                     "rendezvous message, whose bytes are still at its sender, counts 256",
                      {}, [w] { return static_cast<double>(w->parked_bytes()); });
+  registry->AddCounterFunction(
+      "proxima_ucx_rendezvous_bytes_total",
+      "Bytes of rendezvous UCX messages (clients' puts of blocks of at least "
+      "ucx_rendezvous_bytes) that UCX moved straight into the memory the daemon reserved for "
+      "them; eager messages' bytes are not counted (monotonic)",
+      {}, [w] { return static_cast<double>(w->rendezvous_bytes()); });
   registry->AddCounterFunction(
       "proxima_ucx_messages_dropped_total",
       "UCX messages dropped: malformed, late (their call had ended), a slot sent twice, never "
@@ -391,28 +398,55 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
   const absl::Time transfer_deadline = TransferDeadline(deadline);
   uint64_t pulled = 0;
   // The bytes came as messages: each block is copied out of its message (checked as it is
-  // copied) into the memory reserved for it.
-  auto take = [this, &pulled, &collected, transfer, transfer_deadline](
+  // copied) into the memory reserved for it, or, sent as a rendezvous message, moved there by
+  // UCX from the client's memory and checked where it landed.
+  // Waiting for messages ends early when the client's endpoint fails: a client killed after
+  // its call left but before all its messages did holds no reservation until the deadline.
+  auto take = [this, &pulled, &collected, &ep, transfer, transfer_deadline](
                   std::span<const size_t> blocks, std::span<const std::span<std::byte>> dst,
-                  std::span<uint32_t> crcs, std::shared_ptr<const void>) -> absl::Status {
+                  std::span<uint32_t> crcs, std::shared_ptr<const void> owner) -> absl::Status {
     std::vector<uint32_t> slots(blocks.begin(), blocks.end());
     std::vector<std::shared_ptr<const ucx::Parcel>> parcels =
-        worker_->Collect(transfer, slots, CollectDeadline(transfer_deadline));
+        worker_->Collect(transfer, slots, CollectDeadline(transfer_deadline), ep.get());
     collected = true;
+    std::vector<std::shared_ptr<const ucx::Parcel>> pending;
+    std::vector<std::span<std::byte>> pending_dst;
+    std::vector<const ucx::Registration*> pending_memh;
     for (size_t j = 0; j < blocks.size(); ++j) {
       if (parcels[j] == nullptr) {
+        const absl::Status health = ep->health();
         return absl::UnavailableError(absl::StrCat(
             "PutUcx blocks[", blocks[j], "] (of ucx_transfer ", transfer,
-            "): its UCX message did not arrive before the call's deadline; nothing was stored"));
+            "): its UCX message did not arrive ",
+            health.ok() ? "before the call's deadline"
+                        : absl::StrCat("before the client's endpoint failed (", health.message(),
+                                       ")"),
+            "; nothing was stored"));
       }
       if (parcels[j]->size() != dst[j].size()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "PutUcx blocks[", blocks[j], "] arrived as a UCX message of ", parcels[j]->size(),
             " bytes; the profile's blocks are ", dst[j].size(), " bytes; nothing was stored"));
       }
+      if (parcels[j]->pending()) {
+        pending.push_back(parcels[j]);
+        pending_dst.push_back(dst[j]);
+        // A block bound for a GPU pool lands in host memory of the call's own, outside the
+        // arena's registration (TierService::PutPulled).
+        pending_memh.push_back(ArenaCovering(dst[j]));
+      }
+    }
+    if (!pending.empty()) {
+      absl::Status received = worker_->Receive(pending, pending_dst, pending_memh,
+                                               std::move(owner), transfer_deadline);
+      if (!received.ok()) {
+        return absl::Status(received.code(),
+                            absl::StrCat("PutUcx ucx_transfer ", transfer, ": ", received.message(),
+                                         "; nothing was stored"));
+      }
     }
     for (size_t j = 0; j < blocks.size(); ++j) {
-      crcs[j] = parcels[j]->CopyTo(dst[j]);
+      crcs[j] = parcels[j]->pending() ? Crc32c(dst[j]) : parcels[j]->CopyTo(dst[j]);
       pulled += dst[j].size();
     }
     return absl::OkStatus();

@@ -917,8 +917,10 @@ TEST_P(RawUcxTest, GetSaysTheCrcWasCheckedOnlyWhereTheDaemonCopiedTheBlockItself
 
 TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   // PutUcx with ucx_transfer: the client sends each block as a UCX message to the daemon's
-  // worker first. Every way such a call can be wrong gets a clear error and stores nothing;
-  // a block already stored stays intact; a good call stores byte-exact blocks.
+  // worker first (eager: the bytes travel at once; rendezvous: the daemon has UCX move them into
+  // the memory it reserved once the call names them). Every way such a call can be wrong gets a
+  // clear error and stores nothing; a block already stored stays intact; a good call stores
+  // byte-exact blocks; every rendezvous send ends promptly, taken or not.
   if (std::string(GetParam()) != "tcp") {
     GTEST_SKIP() << "over shared memory a client does not open its own endpoint to the daemon's "
                     "worker (UCX 1.13 cannot match it with the daemon's, which runs without peer "
@@ -1002,15 +1004,57 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   EXPECT_EQ(Present(keys[1]), 0u);
   EXPECT_EQ(Present(keys[2]), 0u);
 
-  // Then both the right way, with block 0 again (already present: its message is dropped).
+  // Rendezvous: the send ends once the daemon took the bytes or dropped the message, never
+  // later, and the endpoint stays usable.
+  auto start_rendezvous = [&](uint64_t transfer, std::vector<ucx::Message> messages) {
+    for (ucx::Message& m : messages) m.rendezvous = true;
+    return worker_->StartSend(*ep, transfer, std::move(messages), nullptr);
+  };
+  auto ends_promptly = [&](ucx::Sending& sending) {
+    const absl::Time begin = absl::Now();
+    EXPECT_OK(sending.Wait(absl::Now() + absl::Seconds(20)));
+    EXPECT_LE(absl::Now() - begin, absl::Seconds(3));
+  };
+  // Bytes that do not match the declared CRC32C: taken into the reserved memory, found wrong
+  // there, nothing stored.
   t = worker_->NewTransferId();
-  ASSERT_OK(send(t, {{0, block(0)}, {1, block(1)}, {2, block(2)}}));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ucx::Sending> sending,
+                       start_rendezvous(t, {{0, block(2)}}));
+  EXPECT_THAT(Put(request({1}, t)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing was stored")));
+  ends_promptly(*sending);
+  // A call refused before anything is collected: its messages are dropped and their senders
+  // told.
+  t = worker_->NewTransferId();
+  ASSERT_OK_AND_ASSIGN(sending, start_rendezvous(t, {{0, block(1)}}));
+  req = request({1}, t);
+  req.set_message_block_bytes(block_bytes_ / 2);
+  EXPECT_THAT(Put(req),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("message_block_bytes is")));
+  ends_promptly(*sending);
+  // A message shorter than a block: refused before its bytes move.
+  t = worker_->NewTransferId();
+  ASSERT_OK_AND_ASSIGN(sending, start_rendezvous(t, {{0, block(1).first(block_bytes_ - 8)}}));
+  EXPECT_THAT(Put(request({1}, t)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr(absl::StrCat("message of ", block_bytes_ - 8, " bytes"))));
+  ends_promptly(*sending);
+  EXPECT_OK(ep->health());
+  EXPECT_EQ(Present(keys[1]), 0u);
+  EXPECT_EQ(Present(keys[2]), 0u);
+
+  // Then both the right way, rendezvous, with block 0 again (already present: its message is
+  // dropped unreceived).
+  t = worker_->NewTransferId();
+  ASSERT_OK_AND_ASSIGN(sending,
+                       start_rendezvous(t, {{0, block(0)}, {1, block(1)}, {2, block(2)}}));
   v1::PutResponse resp;
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     ASSERT_OK(client::FromGrpc(stub_->PutUcx(&ctx, request({0, 1, 2}, t), &resp)));
   }
+  ends_promptly(*sending);
   ASSERT_EQ(resp.outcomes_size(), 3);
   EXPECT_EQ(resp.outcomes(0), v1::PUT_OUTCOME_ALREADY_PRESENT);
   EXPECT_EQ(resp.outcomes(1), v1::PUT_OUTCOME_STORED);
@@ -1059,6 +1103,7 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   // Nothing was written into the segments: the bytes came as messages only.
   EXPECT_EQ(std::count(dst.begin(), dst.end(), std::byte{0}), static_cast<ptrdiff_t>(dst.size()));
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 1);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_parked_bytes"), 0);  // nothing left behind
   parcels.clear();
   dst_reg.reset();
   ep.reset();
@@ -1262,35 +1307,40 @@ TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadli
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_endpoints", 0), 0);
 }
 
-TEST_P(UcxIntegrationTest, OneSidedTransfersRemainAnOptionAndStayByteExact) {
-  // ClientOptions::ucx_messages = false: the daemon reads and writes this client's buffers with
-  // one-sided operations (or copies through mapped memory), as before messages; no call moves
-  // its bytes as messages, and every byte round-trips, scattered blocks included.
-  ClientOptions options;
-  options.target = daemon_->tcp_target();
+// Puts and gets six blocks of the chain of `seed` through a client with `options` (host staging
+// never), over UCX, and checks every byte read back. Scattered: each block in two segments,
+// the halves swapped in memory; else each block one segment of a registered buffer.
+// `block_bytes` (may be null): set to the profile's block size.
+void ScatteredRoundTrip(const std::string& target, ClientOptions options, uint64_t seed,
+                        bool scattered, uint64_t* block_bytes = nullptr) {
+  options.target = target;
   options.transport = Transport::kUcx;
   options.host_staging = client::HostStaging::kNever;
-  options.ucx_messages = false;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  if (block_bytes != nullptr) *block_bytes = p.block_bytes;
   constexpr size_t kBlocks = 6;
   std::vector<std::byte> cache(kBlocks * p.block_bytes);
   ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
-  const std::vector<BlockKey> keys = client::TestKeyChain(31, 0, kBlocks);
-  // Each block in two segments, the halves swapped in memory.
-  const size_t half = p.block_bytes / 2;
+  const std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, kBlocks);
+  const size_t half = scattered ? p.block_bytes / 2 : 0;
   std::vector<client::ConstSegments> put(kBlocks);
   std::vector<client::Segments> get(kBlocks);
   for (size_t i = 0; i < kBlocks; ++i) {
     std::vector<std::byte> block(p.block_bytes);
-    client::FillTestBlock(31, i, block);
+    client::FillTestBlock(seed, i, block);
     std::byte* at = cache.data() + i * p.block_bytes;
     std::memcpy(at + half, block.data(), half);
     std::memcpy(at, block.data() + half, p.block_bytes - half);
-    put[i] = {std::span<const std::byte>(at + half, half),
-              std::span<const std::byte>(at, p.block_bytes - half)};
-    get[i] = {std::span<std::byte>(at + half, half),
-              std::span<std::byte>(at, p.block_bytes - half)};
+    if (scattered) {
+      put[i] = {std::span<const std::byte>(at + half, half),
+                std::span<const std::byte>(at, p.block_bytes - half)};
+      get[i] = {std::span<std::byte>(at + half, half),
+                std::span<std::byte>(at, p.block_bytes - half)};
+    } else {
+      put[i] = {std::span<const std::byte>(at, p.block_bytes)};
+      get[i] = {std::span<std::byte>(at, p.block_bytes)};
+    }
   }
   ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->PutScattered(p, keys, put));
   EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
@@ -1298,14 +1348,40 @@ TEST_P(UcxIntegrationTest, OneSidedTransfersRemainAnOptionAndStayByteExact) {
   ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->GetScattered(p, keys, get));
   for (size_t i = 0; i < kBlocks; ++i) {
     std::vector<std::byte> back(p.block_bytes);
-    std::memcpy(back.data(), cache.data() + i * p.block_bytes + half, half);
-    std::memcpy(back.data() + half, cache.data() + i * p.block_bytes, p.block_bytes - half);
-    EXPECT_TRUE(found[i] && client::IsTestBlock(31, i, back)) << i;
+    std::memcpy(back.data(), cache.data() + i * p.block_bytes + half, p.block_bytes - half);
+    std::memcpy(back.data() + (p.block_bytes - half), cache.data() + i * p.block_bytes, half);
+    EXPECT_TRUE(found[i] && client::IsTestBlock(seed, i, back)) << i;
   }
+}
+
+TEST_P(UcxIntegrationTest, OneSidedTransfersRemainAnOptionAndStayByteExact) {
+  // ClientOptions::ucx_messages = false: the daemon reads and writes this client's buffers with
+  // one-sided operations (or copies through mapped memory), as before messages; no call moves
+  // its bytes as messages, and every byte round-trips, scattered blocks included.
+  ClientOptions options;
+  options.ucx_messages = false;
+  ScatteredRoundTrip(daemon_->tcp_target(), options, 31, /*scattered=*/true);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"put\"}"), 0);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 0);
   EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
             0);
+}
+
+TEST_P(UcxIntegrationTest, RendezvousPutsLandByteExact) {
+  // ClientOptions::ucx_rendezvous_bytes = 0: every put's blocks go as rendezvous messages, which
+  // the daemon has UCX move into the tier memory it reserved (over tcp; over shared memory the
+  // client sends no messages): scattered blocks (gathered into one message each) and blocks in
+  // one registered segment, every byte round-trips and nothing stays parked.
+  ClientOptions options;
+  options.ucx_rendezvous_bytes = 0;
+  uint64_t block_bytes = 0;
+  ScatteredRoundTrip(daemon_->tcp_target(), options, 32, /*scattered=*/true, &block_bytes);
+  ScatteredRoundTrip(daemon_->tcp_target(), options, 33, /*scattered=*/false);
+  const bool tcp = std::string(GetParam()) == "tcp";
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"put\"}"), tcp ? 2 : 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_bytes_total"), tcp ? 12 * block_bytes : 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_parked_bytes"), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_messages_dropped_total"), 0);
 }
 
 TEST_P(UcxIntegrationTest, ADaemonKilledMidTransferNeverTakesItsClientDown) {
