@@ -161,18 +161,6 @@ case "$MODE" in
       --ucx_perftest="$PWD/$DIR/bin/ucx_perftest" --redis_server="$PWD/$DIR/bin/redis-server" \
       --transports="posix+self,tcp" --sizes=2097152,16777216 --clients=1,4,8 \
       --bytes_per_client=134217728 --latency_gets=100 --buffers=ucx,heap
-    # Out-of-bounds accesses and races in the kernels (Firecracker machines run compute-sanitizer).
-    if command -v compute-sanitizer >/dev/null; then
-      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test \
-        kernels/kernels_crc32c_cuda_test; do
-        step "memcheck-$(basename "$t")" 150 compute-sanitizer --tool memcheck \
-          --error-exitcode 3 "$DIR/$t"
-      done
-      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test; do
-        step "racecheck-$(basename "$t")" 150 compute-sanitizer --tool racecheck \
-          --error-exitcode 3 "$DIR/$t"
-      done
-    fi
     # The Python package with torch on the GPU (the vLLM connector's GPU half), when prepare
     # built the binding for this machine's python3. The carried libstdc++ stays out of the way of
     # the one torch was built against.
@@ -222,6 +210,19 @@ case "$MODE" in
       return $rc
     }
     step gpu-tier 90 bash -c "$(declare -f gpu_tier); DIR=$DIR; gpu_tier"
+    # Out-of-bounds accesses and races in the kernels (Firecracker machines run compute-sanitizer),
+    # last: the slowest steps, so a run cut short by its time limit still has the rest.
+    if command -v compute-sanitizer >/dev/null; then
+      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test \
+        kernels/kernels_crc32c_cuda_test; do
+        step "memcheck-$(basename "$t")" 150 compute-sanitizer --tool memcheck \
+          --error-exitcode 3 "$DIR/$t"
+      done
+      for t in kernels/kernels_kv_layout_cuda_test kernels/kernels_codec_cuda_test; do
+        step "racecheck-$(basename "$t")" 150 compute-sanitizer --tool racecheck \
+          --error-exitcode 3 "$DIR/$t"
+      done
+    fi
     exit $status
     ;;
   profile)
