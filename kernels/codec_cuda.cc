@@ -5,16 +5,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "kernels/crc32c_cuda.h"
+#include "kernels/device.h"
 #include "kernels/internal/codec_launch.h"
 #include "kernels/internal/container.h"
 #include "kernels/internal/k4v3_math.h"
@@ -67,6 +70,51 @@ absl::Status EnqueueCrcs(const std::vector<gpu::DeviceSpan>& spans, std::vector<
   return status;
 }
 
+// Copies an encode call's payloads, back to back in device memory at `dev` (block b's at
+// [offset[b], offset[b + 1])), into `results` (block b's after its first `table_end` bytes, which
+// the caller sized). A copy from device memory into pageable memory is staged by the driver and
+// ran at about 0.6 GB/s into fresh strings on an H200 host (the GPU tier's encoded moves,
+// docs/benchmarks.md), so the bytes go through a pinned buffer of this thread's in chunks of
+// kPayloadChunkBytes (portable: any device may copy into it), straight to the strings only where
+// pinned memory cannot be had. Waits for `stream`.
+constexpr size_t kPayloadChunkBytes = size_t{4} << 20;
+
+absl::Status CopyPayloadsToHost(const uint8_t* dev, const std::vector<uint64_t>& offset,
+                                size_t table_end, std::vector<std::string>* results,
+                                cudaStream_t stream) {
+  thread_local std::unique_ptr<gpu::PinnedBuffer> staging;
+  if (staging == nullptr) {
+    absl::StatusOr<std::unique_ptr<gpu::PinnedBuffer>> b =
+        gpu::PinnedBuffer::Allocate(kPayloadChunkBytes);
+    if (b.ok()) staging = *std::move(b);
+  }
+  const size_t blocks = offset.size() - 1;
+  if (staging == nullptr) {
+    for (size_t b = 0; b < blocks; ++b) {
+      PROXIMA_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync((*results)[b].data() + table_end, dev + offset[b],
+                          offset[b + 1] - offset[b], cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync(payload)"));
+    }
+    return CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
+  size_t first = 0;  // the first block not yet wholly copied
+  for (uint64_t c0 = 0; c0 < offset.back(); c0 += kPayloadChunkBytes) {
+    const uint64_t c1 = std::min<uint64_t>(offset.back(), c0 + kPayloadChunkBytes);
+    PROXIMA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(staging->data(), dev + c0, c1 - c0, cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync(payloads)"));
+    PROXIMA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize"));
+    for (size_t b = first; b < blocks && offset[b] < c1; ++b) {
+      const uint64_t lo = std::max(offset[b], c0), hi = std::min(offset[b + 1], c1);
+      std::memcpy((*results)[b].data() + table_end + (lo - offset[b]), staging->data() + (lo - c0),
+                  hi - lo);
+      if (offset[b + 1] <= c1) first = b + 1;
+    }
+  }
+  return absl::OkStatus();
+}
+
 // One dtype's decode jobs by kind (cuda::DecodeRun): the fast path per codec, and the
 // per-element path.
 struct DecodeBatch {
@@ -108,17 +156,18 @@ struct EncodeBatch {
   }
 };
 
-// k4v3's jobs of one dtype (internal::MakeK4v3Jobs): K jobs' turns and V jobs' rows.
+// k4v3's jobs of one dtype (internal::MakeK4v3Jobs): K jobs' turns and V jobs' rows, and the
+// most threads a job of each needs (K: one per (token, pair); V: a team of TeamSize(dim) per row).
 struct K4v3Batch {
   std::vector<SegmentJob> turns, values;
   uint64_t max_pairs = 0, max_rows = 0;
   void Add(const SegmentJob& j) {
     if (j.is_value) {
       values.push_back(j);
-      max_rows = std::max(max_rows, j.units);
+      max_rows = std::max(max_rows, j.units * k4v3::TeamSize(j.dim));
     } else {
       turns.push_back(j);
-      max_pairs = std::max(max_pairs, j.units);
+      max_pairs = std::max(max_pairs, j.units / j.heads);
     }
   }
 };
@@ -507,15 +556,13 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   timer.KernelsEnd();
   std::vector<std::string> results(jobs.size());
   if (status.ok()) {
-    for (size_t b = 0; b < jobs.size() && status.ok(); ++b) {
+    for (size_t b = 0; b < jobs.size(); ++b) {
       const int first = jobs[b].is_first_block ? 1 : 0;
       results[b] = header[first];
       results[b].resize(table_end + payload_bytes(first));
-      status = CudaStatus(cudaMemcpyAsync(results[b].data() + table_end,
-                                          static_cast<uint8_t*>(dev_out) + block_offset[b],
-                                          payload_bytes(first), cudaMemcpyDeviceToHost, stream),
-                          "cudaMemcpyAsync(payload)");
     }
+    status = CopyPayloadsToHost(static_cast<const uint8_t*>(dev_out), block_offset, table_end,
+                                &results, stream);
   }
   cudaFreeAsync(dev_out, stream);
   if (scratch != nullptr) cudaFreeAsync(scratch, stream);

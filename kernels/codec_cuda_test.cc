@@ -164,6 +164,26 @@ TEST(CodecCudaTest, EncodeMatchesCpuBitForBit) {
   }
 }
 
+// A batch whose payloads outrun the pinned buffer they are copied out through (4 MiB chunks):
+// blocks that straddle a chunk's end, and chunks that hold several blocks, come back as the CPU
+// encodes them. 24 blocks of 32 layers x 8 heads x 128 x 16 tokens (2 MiB raw, about 1 MiB of
+// int8 each, 270 KiB of int2, so both a block over several chunks and many blocks per chunk).
+TEST(CodecCudaTest, APayloadLargerThanTheCopyBufferComesBackWhole) {
+  PROXIMA_SKIP_WITHOUT_GPU();
+  const BlockGeometry g{32, 8, 128, 16, DType::kBf16};
+  std::vector<std::vector<std::byte>> raws;
+  for (int b = 0; b < 24; ++b) raws.push_back(MakeBlock(g, Pattern::kKvLike, 90 + b));
+  for (const char* text : {"int8", "int2,group=64", "k4v3,rope_theta=500000"}) {
+    ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));
+    ASSERT_OK_AND_ASSIGN(std::vector<std::string> out, EncodeOnGpu(g, plan, raws));
+    for (size_t b = 0; b < raws.size(); ++b) {
+      std::string cpu;
+      ASSERT_OK(EncodeBlock(g, plan, b == 0, raws[b], {}, &cpu));
+      ASSERT_EQ(cpu, out[b]) << text << " block " << b;
+    }
+  }
+}
+
 // k4v3 on the GPU (head_dim a power of two from 8 to 256): encode and decode give the CPU's
 // bytes, alone and mixed with int4 and int8 layers in one call, with and without a RoPE base,
 // on K-like and adversarial values (NaN, Inf, subnormals, outliers).
@@ -172,7 +192,8 @@ TEST(CodecCudaTest, K4v3EncodeAndDecodeMatchCpuBitForBit) {
   for (DType dtype : {DType::kBf16, DType::kFp16}) {
     for (BlockGeometry g :
          {BlockGeometry{3, 3, 64, 16, dtype}, BlockGeometry{2, 8, 128, 64, dtype},
-          BlockGeometry{2, 2, 8, 33, dtype}, BlockGeometry{1, 2, 256, 20, dtype}}) {
+          BlockGeometry{2, 2, 8, 33, dtype}, BlockGeometry{1, 2, 256, 20, dtype},
+          BlockGeometry{1, 3, 16, 24, dtype}, BlockGeometry{1, 2, 32, 7, dtype}}) {
       for (const char* text : {"k4v3", "k4v3,rope_theta=100000", "k4v3,rope_theta=500000,group=32",
                                "layers[0:1]=int8,default=k4v3,sink=int4,rope_theta=10000"}) {
         ASSERT_OK_AND_ASSIGN(CodecPlan plan, ParseCodecPlan(text));

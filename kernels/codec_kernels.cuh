@@ -464,29 +464,89 @@ __global__ void __launch_bounds__(kThreads, 6) EncodeHeadsKernel(const SegmentJo
 // ------------------------------------------------------------------------------------ k4v3
 
 // K jobs: every pair of the job turned (kInverse false: raw -> turned, and the payload's header
-// written; true: turned -> raw). One thread per pair; int4's kernels run before (decode) or after
-// (encode) on the same stream.
+// written; true: turned -> raw). One thread per (token, pair), over every head; int4's kernels run
+// before (decode) or after (encode) on the same stream.
 template <uint8_t kDt, bool kInverse>
 __global__ void __launch_bounds__(kThreads) K4v3TurnKernel(const SegmentJob* jobs) {
   const SegmentJob j = jobs[blockIdx.x];
   if (!kInverse && blockIdx.y == 0 && threadIdx.x == 0) k4v3::WriteKHeader(j);
-  for (uint64_t e = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; e < j.units;
-       e += uint64_t{gridDim.y} * blockDim.x) {
-    k4v3::TurnPair<kDt>(j, e, kInverse);
+  const uint64_t items = j.units / j.heads;
+  for (uint64_t q = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; q < items;
+       q += uint64_t{gridDim.y} * blockDim.x) {
+    k4v3::TurnPairs<kDt>(j, q, kInverse);
   }
 }
 
-// V jobs: one thread per (token, head) row, encoded (kEncode) or decoded.
+// The transform's stages over a team's lanes (k4v3_math.h: TeamStage, then LaneStages), the
+// exchanges as shuffles among the team's lanes (`mask`, width kT).
+template <uint32_t kT, uint32_t kPerLane>
+__device__ __forceinline__ void TeamFwht(float* u, uint32_t lane, unsigned mask) {
+#pragma unroll
+  for (uint32_t len = 1; len < kT; len <<= 1) {
+#pragma unroll
+    for (uint32_t k = 0; k < kPerLane; ++k) {
+      const float theirs = __shfl_xor_sync(mask, u[k], len, kT);
+      u[k] = k4v3::TeamStage(u[k], theirs, lane, len);
+    }
+  }
+  k4v3::LaneStages(u, kPerLane);
+}
+
+// The V rows of one job with head_dim kDim, a team of TeamSize(kDim) lanes per (token, head) row,
+// encoded (kEncode) or decoded. The team size divides 32, so a team never straddles warps; a
+// team's lanes run its rows in step (their loop bound is the team's) and shuffle only among
+// themselves.
+template <uint8_t kDt, bool kEncode, uint32_t kDim>
+__device__ __forceinline__ void K4v3Rows(const SegmentJob& j) {
+  constexpr uint32_t kT = k4v3::TeamSize(kDim);
+  constexpr uint32_t kPerLane = kDim / kT;
+  const uint32_t lane = threadIdx.x % kT;
+  const unsigned mask =
+      kT == 32 ? 0xFFFFFFFFu : ((1u << kT) - 1u) << ((threadIdx.x % 32) & ~(kT - 1u));
+  const uint32_t teams = blockDim.x / kT;
+  float u[k4v3::kMaxPerLane];  // the first kPerLane used
+  for (uint64_t r = uint64_t{blockIdx.y} * teams + threadIdx.x / kT; r < j.units;
+       r += uint64_t{gridDim.y} * teams) {
+    if constexpr (kEncode) {
+      k4v3::LoadValueLane<kDt>(j, r, lane, kT, kPerLane, u);
+      TeamFwht<kT, kPerLane>(u, lane, mask);
+      int32_t amax = k4v3::LaneAbsBits(u, kPerLane, j.hadamard_norm);
+#pragma unroll
+      for (uint32_t len = 1; len < kT; len <<= 1) {
+        const int32_t other = __shfl_xor_sync(mask, amax, len, kT);
+        amax = other > amax ? other : amax;
+      }
+      float divisor;
+      const uint16_t scale = k4v3::ScaleFromMaxBits<kDt>(amax, &divisor);
+      if (lane == 0) k4v3::StoreRowScale(j, r, scale);
+#pragma unroll
+      for (uint32_t k = 0; k < kPerLane; ++k) {
+        uint32_t w = k4v3::LaneCodeBits(u[k], divisor, lane);
+#pragma unroll
+        for (uint32_t len = 1; len < 8; len <<= 1) w |= __shfl_xor_sync(mask, w, len, kT);
+        if (lane % 8 == 0) k4v3::StoreCodeWord(j, r, kDim, k4v3::LaneElement(lane, kT, k), w);
+      }
+    } else {
+      k4v3::LoadLevelsLane(j, r, lane, kT, kPerLane, u);
+      TeamFwht<kT, kPerLane>(u, lane, mask);
+      k4v3::StoreValueLane<kDt>(j, r, lane, kT, kPerLane, u);
+    }
+  }
+}
+
+// V jobs, specialised per head_dim (a power of two from 8 to k4v3::kMaxRowDim, which the host
+// wrapper checks; a job's dim is the same for its whole CUDA block).
 template <uint8_t kDt, bool kEncode>
 __global__ void __launch_bounds__(kThreads) K4v3ValuesKernel(const SegmentJob* jobs) {
   const SegmentJob j = jobs[blockIdx.x];
-  for (uint64_t r = uint64_t{blockIdx.y} * blockDim.x + threadIdx.x; r < j.units;
-       r += uint64_t{gridDim.y} * blockDim.x) {
-    if constexpr (kEncode) {
-      k4v3::EncodeValueRow<kDt>(j, r);
-    } else {
-      k4v3::DecodeValueRow<kDt>(j, r);
-    }
+  switch (j.dim) {
+    case 8: K4v3Rows<kDt, kEncode, 8>(j); break;
+    case 16: K4v3Rows<kDt, kEncode, 16>(j); break;
+    case 32: K4v3Rows<kDt, kEncode, 32>(j); break;
+    case 64: K4v3Rows<kDt, kEncode, 64>(j); break;
+    case 128: K4v3Rows<kDt, kEncode, 128>(j); break;
+    case 256: K4v3Rows<kDt, kEncode, 256>(j); break;
+    default: break;
   }
 }
 

@@ -5,6 +5,8 @@
 // of the same functions is checked by kernels_codec_cuda_test on a machine with a GPU.
 #include "kernels/internal/vec_codec.h"
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -241,6 +243,54 @@ void WithDtype(DType dtype, Fn fn) {
   }
 }
 
+// The transform as K4v3ValuesKernel's team runs it (TeamFwht), lane l's shuffle partner read
+// from the lanes' values before the stage.
+using Lanes = std::vector<std::array<float, k4v3::kMaxPerLane>>;
+void TeamFwhtOverLanes(Lanes& u, uint32_t per_lane) {
+  const auto T = static_cast<uint32_t>(u.size());
+  for (uint32_t len = 1; len < T; len <<= 1) {
+    const Lanes before = u;
+    for (uint32_t l = 0; l < T; ++l) {
+      for (uint32_t k = 0; k < per_lane; ++k) {
+        u[l][k] = k4v3::TeamStage(before[l][k], before[l ^ len][k], l, len);
+      }
+    }
+  }
+  for (auto& lane : u) k4v3::LaneStages(lane.data(), per_lane);
+}
+
+// Row r of a V job encoded as the kernel's team encodes it: the maximum and the OR of codes over
+// lanes that the kernel takes with shuffles.
+template <uint8_t kDt>
+void EncodeRowAsTeam(const internal::SegmentJob& j, uint64_t r) {
+  const uint32_t T = k4v3::TeamSize(j.dim), per_lane = j.dim / T;
+  Lanes u(T);
+  for (uint32_t l = 0; l < T; ++l) k4v3::LoadValueLane<kDt>(j, r, l, T, per_lane, u[l].data());
+  TeamFwhtOverLanes(u, per_lane);
+  int32_t amax = 0;
+  for (uint32_t l = 0; l < T; ++l) {
+    amax = std::max(amax, k4v3::LaneAbsBits(u[l].data(), per_lane, j.hadamard_norm));
+  }
+  float divisor;
+  k4v3::StoreRowScale(j, r, k4v3::ScaleFromMaxBits<kDt>(amax, &divisor));
+  for (uint32_t k = 0; k < per_lane; ++k) {
+    for (uint32_t first = 0; first < T; first += 8) {
+      uint32_t w = 0;
+      for (uint32_t l = first; l < first + 8; ++l) w |= k4v3::LaneCodeBits(u[l][k], divisor, l);
+      k4v3::StoreCodeWord(j, r, j.dim, k4v3::LaneElement(first, T, k), w);
+    }
+  }
+}
+
+template <uint8_t kDt>
+void DecodeRowAsTeam(const internal::SegmentJob& j, uint64_t r) {
+  const uint32_t T = k4v3::TeamSize(j.dim), per_lane = j.dim / T;
+  Lanes u(T);
+  for (uint32_t l = 0; l < T; ++l) k4v3::LoadLevelsLane(j, r, l, T, per_lane, u[l].data());
+  TeamFwhtOverLanes(u, per_lane);
+  for (uint32_t l = 0; l < T; ++l) k4v3::StoreValueLane<kDt>(j, r, l, T, per_lane, u[l].data());
+}
+
 class K4v3ItemsTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(K4v3ItemsTest, EncodeItemsWriteTheCpuCodecsPayload) {
@@ -270,14 +320,12 @@ TEST_P(K4v3ItemsTest, EncodeItemsWriteTheCpuCodecsPayload) {
           ASSERT_EQ(jobs.main.payload_bytes, info.segments[s].bytes);
           WithDtype(dtype, [&](auto dt) {
             if (jobs.main.is_value) {
-              for (uint64_t r = 0; r < jobs.main.units; ++r) {
-                k4v3::EncodeValueRow<dt()>(jobs.main, r);
-              }
+              for (uint64_t r = 0; r < jobs.main.units; ++r) EncodeRowAsTeam<dt()>(jobs.main, r);
               return;
             }
             k4v3::WriteKHeader(jobs.main);  // K4v3TurnKernel, then int4's fused kernel
-            for (uint64_t e = 0; e < jobs.main.units; ++e) {
-              k4v3::TurnPair<dt()>(jobs.main, e, /*inverse=*/false);
+            for (uint64_t q = 0; q < jobs.main.units / jobs.main.heads; ++q) {
+              k4v3::TurnPairs<dt()>(jobs.main, q, /*inverse=*/false);
             }
             ASSERT_EQ(jobs.int4.vec, 1);
             EncodeAll<dt()>(jobs.int4);
@@ -317,15 +365,13 @@ TEST_P(K4v3ItemsTest, DecodeItemsGiveTheCpuDecodersValues) {
               got.data() + s * g.SegmentElements(), turned.data());
           WithDtype(dtype, [&](auto dt) {
             if (jobs.main.is_value) {
-              for (uint64_t r = 0; r < jobs.main.units; ++r) {
-                k4v3::DecodeValueRow<dt()>(jobs.main, r);
-              }
+              for (uint64_t r = 0; r < jobs.main.units; ++r) DecodeRowAsTeam<dt()>(jobs.main, r);
               return;
             }
             ASSERT_EQ(jobs.int4.vec, 1);
             DecodeAll<dt()>(jobs.int4, turned.data());  // int4's kernel, then the turn back
-            for (uint64_t e = 0; e < jobs.main.units; ++e) {
-              k4v3::TurnPair<dt()>(jobs.main, e, /*inverse=*/true);
+            for (uint64_t q = 0; q < jobs.main.units / jobs.main.heads; ++q) {
+              k4v3::TurnPairs<dt()>(jobs.main, q, /*inverse=*/true);
             }
           });
         }

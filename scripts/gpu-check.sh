@@ -146,7 +146,7 @@ case "$MODE" in
     # The GPU tier's put, get and move down (raw, and encoded on the GPU) vs the device's copies.
     step gpu_tier_bench 120 "$DIR/bench/gpu_tier_bench" \
       --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv --pool_mb=1024 \
-      --levels="raw;int8;int4"
+      --levels="${GPU_TIER_LEVELS:-raw;int8;int4}"
     # The CPU codec paths on this machine's CPU: bit identity of every path it has (AVX-512 here
     # when the CPU has it) and their speed against memcpy, one thread.
     step cpu-simd-test 120 "$DIR/kernels/kernels_simd_test"

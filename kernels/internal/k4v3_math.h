@@ -160,61 +160,144 @@ PXK_HD void WriteKHeader(const SegmentJob& j) {
   vec::StoreLe(j.payload + 4, nm::FloatBits(j.ratio), 4);
 }
 
-// Pair e of a K job, e < tokens * heads * dim / 2 (pair j = e % (dim / 2) of row e / (dim / 2)):
-// `inverse` false turns raw into turned (encode), true turned into raw (decode).
+// Pair p of token t of a K job, in every head (the angle depends on t and p alone, so it is
+// computed once for all heads): q = t * (dim / 2) + p < tokens * dim / 2. `inverse` false turns
+// raw into turned (encode), true turned into raw (decode). Neighbouring q touch neighbouring
+// elements of a row, so a warp's loads and stores are contiguous.
 template <uint8_t kDt>
-PXK_HD void TurnPair(const SegmentJob& j, uint64_t e, bool inverse) {
+PXK_HD void TurnPairs(const SegmentJob& j, uint64_t q, bool inverse) {
   const uint32_t half = j.dim / 2;
-  const uint64_t row = e / half;
-  const uint32_t p = static_cast<uint32_t>(e % half);
-  const uint32_t t = static_cast<uint32_t>(row / j.heads);
+  const uint32_t t = static_cast<uint32_t>(q / half);
+  const uint32_t p = static_cast<uint32_t>(q % half);
   float s, c;
   nm::SinCosF32(Angle(t, Omega(j.omega0, j.ratio, p)), &s, &c);
   if (inverse) s = -s;
   const uint16_t* in = inverse ? j.turned : j.raw;
   uint16_t* out = inverse ? j.raw : j.turned;
-  const uint64_t i = row * j.dim + p;
-  float y1, y2;
-  TurnPairF32(nm::DtypeToFloat(kDt, in[i]), nm::DtypeToFloat(kDt, in[i + half]), c, s, &y1, &y2);
-  out[i] = nm::FloatToDtype(kDt, y1);
-  out[i + half] = nm::FloatToDtype(kDt, y2);
-}
-
-// Row r (a (token, head) vector) of a V job: its scale at payload[2r] and its 3 * dim / 8 bytes of
-// codes after all tokens * heads scales.
-template <uint8_t kDt>
-PXK_HD void EncodeValueRow(const SegmentJob& j, uint64_t r) {
-  const uint32_t D = j.dim;
-  const uint64_t rows = uint64_t{j.tokens} * j.heads;
-  float u[kMaxRowDim];
-  const uint16_t* in = j.raw + r * D;
-  for (uint32_t d = 0; d < D; ++d) u[d] = ValueIn<kDt>(in[d], d);
-  Fwht(u, D);
-  float divisor;
-  vec::St16(j.payload, r, RowScale<kDt>(u, D, j.hadamard_norm, &divisor));
-  uint8_t* codes = j.payload + 2 * rows + r * (3 * D / 8);
-  for (uint32_t d = 0; d < D; d += 8) {
-    uint8_t c[8];
-    for (uint32_t k = 0; k < 8; ++k) c[k] = Code(u[d + k], divisor);
-    Pack8(c, codes + 3 * (d / 8));
+  for (uint32_t h = 0; h < j.heads; ++h) {
+    const uint64_t i = (uint64_t{t} * j.heads + h) * j.dim + p;
+    float y1, y2;
+    TurnPairF32(nm::DtypeToFloat(kDt, in[i]), nm::DtypeToFloat(kDt, in[i + half]), c, s, &y1,
+                &y2);
+    out[i] = nm::FloatToDtype(kDt, y1);
+    out[i + half] = nm::FloatToDtype(kDt, y2);
   }
 }
 
-template <uint8_t kDt>
-PXK_HD void DecodeValueRow(const SegmentJob& j, uint64_t r) {
-  const uint32_t D = j.dim;
-  const uint64_t rows = uint64_t{j.tokens} * j.heads;
-  float u[kMaxRowDim];
-  const uint8_t* codes = j.payload + 2 * rows + r * (3 * D / 8);
-  for (uint32_t d = 0; d < D; d += 8) {
-    uint8_t c[8];
-    Unpack8(codes + 3 * (d / 8), c);
-    for (uint32_t k = 0; k < 8; ++k) u[d + k] = Level(c[k]);
+// ---- V rows by teams of lanes. A row (a (token, head) vector of D elements) is coded by a team
+// of T = TeamSize(D) lanes of one warp; lane l holds elements d = l + T * k for k < D / T (at most
+// kMaxPerLane), so the team's loads and stores of each k are contiguous. The transform is Fwht's
+// butterfly network stage by stage: the stages of len < T pair lane l with lane l ^ len
+// (exchanged between lanes: TeamStage), those of len >= T pair a lane's own elements
+// (LaneStages). Every element sees the operations Fwht gives it, so the bytes are the CPU
+// codec's. The kernels exchange with warp shuffles; kernels/vec_codec_test.cc runs the same
+// functions over arrays of lanes.
+
+constexpr uint32_t kMaxPerLane = kMaxRowDim / 32;
+
+PXK_HD constexpr uint32_t TeamSize(uint32_t D) { return D < 32 ? D : 32; }
+
+// Lane `lane`'s element k, and its element index in the row.
+PXK_HD uint32_t LaneElement(uint32_t lane, uint32_t T, uint32_t k) { return lane + T * k; }
+
+// Stage `len` < T of the transform for one value: `mine` is this lane's, `theirs` that of lane
+// lane ^ len; the lower lane of the pair keeps the sum, the upper the difference.
+PXK_HD float TeamStage(float mine, float theirs, uint32_t lane, uint32_t len) {
+  return (lane & len) == 0 ? PXK_ADD(mine, theirs) : PXK_SUB(theirs, mine);
+}
+
+// The stages of len = T * m (m = 1, 2, 4, .. < per_lane) over one lane's elements, in order.
+PXK_HD void LaneStages(float* u, uint32_t per_lane) {
+PXK_UNROLL
+  for (uint32_t m = 1; m < kMaxPerLane; m <<= 1) {
+    if (m >= per_lane) break;
+PXK_UNROLL
+    for (uint32_t k = 0; k < kMaxPerLane; ++k) {
+      if (k < per_lane && (k & m) == 0) {
+        const float x = u[k], y = u[k | m];
+        u[k] = PXK_ADD(x, y);
+        u[k | m] = PXK_SUB(x, y);
+      }
+    }
   }
-  Fwht(u, D);
+}
+
+// The functions below take the team's shape (T lanes of per_lane elements: the row is T *
+// per_lane = j.dim long) as arguments, so that a kernel specialised for one head_dim passes
+// constants and its loops unroll without guards.
+
+// V encode, before the transform: the lane's inputs (ValueIn) of row r.
+template <uint8_t kDt>
+PXK_HD void LoadValueLane(const SegmentJob& j, uint64_t r, uint32_t lane, uint32_t T,
+                          uint32_t per_lane, float* u) {
+  const uint16_t* in = j.raw + r * (T * per_lane);
+PXK_UNROLL
+  for (uint32_t k = 0; k < kMaxPerLane; ++k) {
+    if (k < per_lane) u[k] = ValueIn<kDt>(in[LaneElement(lane, T, k)], LaneElement(lane, T, k));
+  }
+}
+
+// V encode, after the transform: normalises the lane's elements and returns the largest of their
+// NormaliseAbsBits (the team's maximum of these is RowScale's).
+PXK_HD int32_t LaneAbsBits(float* u, uint32_t per_lane, float norm) {
+  int32_t amax_bits = 0;
+PXK_UNROLL
+  for (uint32_t k = 0; k < kMaxPerLane; ++k) {
+    if (k < per_lane) {
+      const int32_t a = NormaliseAbsBits(&u[k], norm);
+      amax_bits = a > amax_bits ? a : amax_bits;
+    }
+  }
+  return amax_bits;
+}
+
+// V encode: element k's code, placed where Pack8 puts it in its group of eight's 24-bit word; the
+// OR of the eight lanes lane & ~7 .. lane | 7 is the word (T is a multiple of 8).
+PXK_HD uint32_t LaneCodeBits(float u, float divisor, uint32_t lane) {
+  return uint32_t{Code(u, divisor)} << (3 * (lane % 8));
+}
+
+// V encode: row r's scale, and the word of the group of eight that starts at element d.
+PXK_HD void StoreRowScale(const SegmentJob& j, uint64_t r, uint16_t scale) {
+  vec::St16(j.payload, r, scale);
+}
+PXK_HD void StoreCodeWord(const SegmentJob& j, uint64_t r, uint32_t D, uint32_t d, uint32_t w) {
+  const uint64_t rows = uint64_t{j.tokens} * j.heads;
+  uint8_t* p = j.payload + 2 * rows + r * (3 * D / 8) + 3 * (d / 8);
+  p[0] = static_cast<uint8_t>(w);
+  p[1] = static_cast<uint8_t>(w >> 8);
+  p[2] = static_cast<uint8_t>(w >> 16);
+}
+
+// V decode, before the transform: the levels of the lane's codes in row r.
+PXK_HD void LoadLevelsLane(const SegmentJob& j, uint64_t r, uint32_t lane, uint32_t T,
+                           uint32_t per_lane, float* u) {
+  const uint64_t rows = uint64_t{j.tokens} * j.heads;
+  const uint8_t* codes = j.payload + 2 * rows + r * (3 * (T * per_lane) / 8);
+PXK_UNROLL
+  for (uint32_t k = 0; k < kMaxPerLane; ++k) {
+    if (k < per_lane) {
+      const uint32_t d = LaneElement(lane, T, k);
+      const uint8_t* p = codes + 3 * (d / 8);
+      const uint32_t w = uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16;
+      u[k] = Level(static_cast<uint8_t>((w >> (3 * (d % 8))) & 7u));
+    }
+  }
+}
+
+// V decode, after the transform: the lane's values of row r (ValueOut).
+template <uint8_t kDt>
+PXK_HD void StoreValueLane(const SegmentJob& j, uint64_t r, uint32_t lane, uint32_t T,
+                           uint32_t per_lane, const float* u) {
   const float step = PXK_MUL(nm::DtypeToFloat(kDt, vec::Ld16(j.payload, r)), j.hadamard_norm);
-  uint16_t* out = j.raw + r * D;
-  for (uint32_t d = 0; d < D; ++d) out[d] = ValueOut<kDt>(u[d], step, d);
+  uint16_t* out = j.raw + r * (T * per_lane);
+PXK_UNROLL
+  for (uint32_t k = 0; k < kMaxPerLane; ++k) {
+    if (k < per_lane) {
+      const uint32_t d = LaneElement(lane, T, k);
+      out[d] = ValueOut<kDt>(u[k], step, d);
+    }
+  }
 }
 
 }  // namespace proxima::codec::k4v3

@@ -17,6 +17,13 @@
 #else
 #define PXK_HD inline
 #endif
+// Full unrolling of a loop with a constant trip count in device code (its array indices become
+// registers); nothing on the host, whose compilers decide for themselves.
+#if defined(__CUDA_ARCH__)
+#define PXK_UNROLL _Pragma("unroll")
+#else
+#define PXK_UNROLL
+#endif
 
 namespace proxima::codec::numeric {
 
