@@ -44,6 +44,8 @@ constexpr absl::Duration kStaleCheckEvery = absl::Seconds(1);
 constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
 // How long the progress thread keeps polling after its last event before it sleeps.
 constexpr absl::Duration kSpinAfterActivity = absl::Microseconds(200);
+// The longest an idle worker sleeps between progress calls when no event wakes it.
+constexpr int kIdleWakeMs = 10;
 // Remote keys kept unpacked per endpoint (Endpoint::State::rkeys).
 constexpr size_t kRkeyCacheSize = 32;
 
@@ -573,14 +575,17 @@ void Worker::ProgressLoop() {
       proxima::MutexLock lock(&mu_);
       if (!tasks_.empty() || stop_) continue;
     }
-    if (s == UCS_OK && sends_in_flight_ > 0 && event_fd_ >= 0) {
-      // A send waiting for room (a shared-memory FIFO the peer has not drained yet) is resumed
-      // by progress alone: no event tells this worker that room appeared, and an eager message
-      // brings no answer that would. Wake up at least every millisecond while one is in flight.
+    if (s == UCS_OK && event_fd_ >= 0) {
+      // Woken by network events or ucp_worker_signal(), but never asleep for long: a send
+      // waiting for room (a shared-memory FIFO the peer has not drained yet) is resumed by
+      // progress alone, since no event tells this worker that room appeared and an eager message
+      // brings no answer that would (every millisecond while one is in flight); and whatever
+      // else a lost wake-up would leave waiting is progressed within kIdleWakeMs (a send over
+      // posix stalled until its deadline under load without this, docs/reliability.md).
       pollfd events{event_fd_, POLLIN, 0};
-      poll(&events, 1, /*timeout_ms=*/1);
+      poll(&events, 1, sends_in_flight_ > 0 ? 1 : kIdleWakeMs);
     } else if (s == UCS_OK) {
-      ucp_worker_wait(worker_);  // woken by network events or ucp_worker_signal()
+      ucp_worker_wait(worker_);
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -862,7 +867,9 @@ void Worker::OnOpDone(void* request, ucs_status_t status, void* user_data) {
 }
 
 void Worker::FinishOp(TransferState* st, ucs_status_t status) {
-  if (status != UCS_OK && st->result.ok()) st->result = FromUcs(status, Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
+  if (status != UCS_OK && st->result.ok()) {
+    st->result = FromUcs(status, Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
+  }
   if (--st->pending > 0) return;
   if (!st->headers.empty()) --sends_in_flight_;
   if (absl::IsUnavailable(st->result) && st->endpoint != nullptr) {
@@ -1096,7 +1103,10 @@ ucp_ep_h Worker::Begin(const std::shared_ptr<TransferState>& st) {
 void Worker::Track(TransferState* st, ucs_status_ptr_t r) {
   if (r == nullptr) return;
   if (UCS_PTR_IS_ERR(r)) {
-    if (st->result.ok()) st->result = FromUcs(UCS_PTR_STATUS(r), Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
+    if (st->result.ok()) {
+      st->result =
+          FromUcs(UCS_PTR_STATUS(r), Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
+    }
     return;
   }
   ++st->pending;
