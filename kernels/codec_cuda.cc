@@ -160,26 +160,26 @@ struct EncodeBatch {
 // most threads a job of each needs (K: one per (token, pair); V: a team of TeamSize(dim) per row).
 struct K4v3Batch {
   std::vector<SegmentJob> turns, values;
-  uint64_t max_pairs = 0, max_rows = 0;
+  uint64_t max_turn_threads = 0, max_row_threads = 0;
   void Add(const SegmentJob& j) {
     if (j.is_value) {
       values.push_back(j);
-      max_rows = std::max(max_rows, j.units * k4v3::TeamSize(j.dim));
+      max_row_threads = std::max(max_row_threads, j.units * k4v3::TeamSize(j.dim));
     } else {
       turns.push_back(j);
-      max_pairs = std::max(max_pairs, j.units / j.heads);
+      max_turn_threads = std::max(max_turn_threads, j.units / j.heads);
     }
   }
 };
 
 // Uploads `jobs` (all of `dtype`) and launches `step` over them; the device copy is freed in
 // stream order.
-absl::Status LaunchK4v3Jobs(const std::vector<SegmentJob>& jobs, uint64_t max_units,
+absl::Status LaunchK4v3Jobs(const std::vector<SegmentJob>& jobs, uint64_t max_threads,
                             cuda::K4v3Step step, uint8_t dtype, cudaStream_t stream) {
   if (jobs.empty()) return absl::OkStatus();
   PROXIMA_ASSIGN_OR_RETURN(SegmentJob * dev, UploadJobs(jobs, stream));
   const absl::Status status = CudaStatus(
-      cuda::LaunchK4v3(dev, static_cast<uint32_t>(jobs.size()), max_units, step, dtype, stream),
+      cuda::LaunchK4v3(dev, static_cast<uint32_t>(jobs.size()), max_threads, step, dtype, stream),
       "k4v3 kernel launch");
   cudaFreeAsync(dev, stream);
   return status;
@@ -358,10 +358,12 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
   // After int4's kernels on the same stream: k4v3's turns back, and its V rows.
   for (const auto& [dtype, k] : k4v3_by_dtype) {
     if (status.ok()) {
-      status = LaunchK4v3Jobs(k.turns, k.max_pairs, cuda::K4v3Step::kTurnBack, dtype, stream);
+      status =
+          LaunchK4v3Jobs(k.turns, k.max_turn_threads, cuda::K4v3Step::kTurnBack, dtype, stream);
     }
     if (status.ok()) {
-      status = LaunchK4v3Jobs(k.values, k.max_rows, cuda::K4v3Step::kDecodeValues, dtype, stream);
+      status =
+          LaunchK4v3Jobs(k.values, k.max_row_threads, cuda::K4v3Step::kDecodeValues, dtype, stream);
     }
   }
   timer.CrcBegin();
@@ -529,11 +531,11 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
   } else {
     timer.KernelsBegin();
     // k4v3's K turns first: their output is the input of its int4 jobs in the batch.
-    status = LaunchK4v3Jobs(k4v3_batch.turns, k4v3_batch.max_pairs, cuda::K4v3Step::kTurnIn, dtype,
-                            stream);
+    status = LaunchK4v3Jobs(k4v3_batch.turns, k4v3_batch.max_turn_threads,
+                            cuda::K4v3Step::kTurnIn, dtype, stream);
     if (status.ok()) {
-      status = LaunchK4v3Jobs(k4v3_batch.values, k4v3_batch.max_rows, cuda::K4v3Step::kEncodeValues,
-                              dtype, stream);
+      status = LaunchK4v3Jobs(k4v3_batch.values, k4v3_batch.max_row_threads,
+                              cuda::K4v3Step::kEncodeValues, dtype, stream);
     }
     if (status.ok()) {
       status =

@@ -86,10 +86,10 @@ cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_
   return cudaGetLastError();
 }
 
-cudaError_t LaunchK4v3(const internal::SegmentJob* jobs, uint32_t num_jobs, uint64_t max_units,
+cudaError_t LaunchK4v3(const internal::SegmentJob* jobs, uint32_t num_jobs, uint64_t max_threads,
                        K4v3Step step, uint8_t dtype, cudaStream_t stream) {
   if (num_jobs == 0) return cudaSuccess;
-  const dim3 grid = Grid(num_jobs, max_units);
+  const dim3 grid = Grid(num_jobs, max_threads);
   PROXIMA_DISPATCH_DTYPE(dtype, kDt, return cudaErrorInvalidValue, {
     switch (step) {
       case K4v3Step::kTurnIn:

@@ -43,9 +43,9 @@ cudaError_t LaunchEncodeSegments(const internal::SegmentJob* jobs, uint32_t num_
 
 // k4v3 (kernels/internal/k4v3_math.h), over jobs of internal::MakeK4v3Jobs: the K jobs' turn into
 // the block's frame (before int4's encode kernels), or back (after int4's decode kernels); or the
-// V jobs' rows. `max_units`: the largest `units` (pairs or rows) of the jobs.
+// V jobs' rows. `max_threads`: the most threads a job needs (K4v3Batch in kernels/codec_cuda.cc).
 enum class K4v3Step : uint8_t { kTurnIn, kTurnBack, kEncodeValues, kDecodeValues };
-cudaError_t LaunchK4v3(const internal::SegmentJob* jobs, uint32_t num_jobs, uint64_t max_units,
+cudaError_t LaunchK4v3(const internal::SegmentJob* jobs, uint32_t num_jobs, uint64_t max_threads,
                        K4v3Step step, uint8_t dtype, cudaStream_t stream);
 
 }  // namespace proxima::codec::cuda

@@ -24,8 +24,8 @@ namespace proxima::codec::k4v3 {
 namespace nm = ::proxima::codec::numeric;
 using internal::SegmentJob;
 
-// The largest head_dim the per-row item functions take (their row scratch is a local array);
-// the CUDA host wrapper leaves larger ones to the CPU codec.
+// The largest head_dim the V kernel takes (a team's lanes hold at most kMaxPerLane elements each,
+// in registers); the CUDA host wrapper leaves larger ones to the CPU codec.
 constexpr uint32_t kMaxRowDim = 256;
 
 // Frequency of pair j: omega0 * ratio^j as the running product w_0 = omega0, w_j = w_(j-1) * ratio.
@@ -177,8 +177,7 @@ PXK_HD void TurnPairs(const SegmentJob& j, uint64_t q, bool inverse) {
   for (uint32_t h = 0; h < j.heads; ++h) {
     const uint64_t i = (uint64_t{t} * j.heads + h) * j.dim + p;
     float y1, y2;
-    TurnPairF32(nm::DtypeToFloat(kDt, in[i]), nm::DtypeToFloat(kDt, in[i + half]), c, s, &y1,
-                &y2);
+    TurnPairF32(nm::DtypeToFloat(kDt, in[i]), nm::DtypeToFloat(kDt, in[i + half]), c, s, &y1, &y2);
     out[i] = nm::FloatToDtype(kDt, y1);
     out[i + half] = nm::FloatToDtype(kDt, y2);
   }
@@ -208,10 +207,10 @@ PXK_HD float TeamStage(float mine, float theirs, uint32_t lane, uint32_t len) {
 
 // The stages of len = T * m (m = 1, 2, 4, .. < per_lane) over one lane's elements, in order.
 PXK_HD void LaneStages(float* u, uint32_t per_lane) {
-PXK_UNROLL
+  PXK_UNROLL
   for (uint32_t m = 1; m < kMaxPerLane; m <<= 1) {
     if (m >= per_lane) break;
-PXK_UNROLL
+    PXK_UNROLL
     for (uint32_t k = 0; k < kMaxPerLane; ++k) {
       if (k < per_lane && (k & m) == 0) {
         const float x = u[k], y = u[k | m];
@@ -231,7 +230,7 @@ template <uint8_t kDt>
 PXK_HD void LoadValueLane(const SegmentJob& j, uint64_t r, uint32_t lane, uint32_t T,
                           uint32_t per_lane, float* u) {
   const uint16_t* in = j.raw + r * (T * per_lane);
-PXK_UNROLL
+  PXK_UNROLL
   for (uint32_t k = 0; k < kMaxPerLane; ++k) {
     if (k < per_lane) u[k] = ValueIn<kDt>(in[LaneElement(lane, T, k)], LaneElement(lane, T, k));
   }
@@ -241,7 +240,7 @@ PXK_UNROLL
 // NormaliseAbsBits (the team's maximum of these is RowScale's).
 PXK_HD int32_t LaneAbsBits(float* u, uint32_t per_lane, float norm) {
   int32_t amax_bits = 0;
-PXK_UNROLL
+  PXK_UNROLL
   for (uint32_t k = 0; k < kMaxPerLane; ++k) {
     if (k < per_lane) {
       const int32_t a = NormaliseAbsBits(&u[k], norm);
@@ -274,7 +273,7 @@ PXK_HD void LoadLevelsLane(const SegmentJob& j, uint64_t r, uint32_t lane, uint3
                            uint32_t per_lane, float* u) {
   const uint64_t rows = uint64_t{j.tokens} * j.heads;
   const uint8_t* codes = j.payload + 2 * rows + r * (3 * (T * per_lane) / 8);
-PXK_UNROLL
+  PXK_UNROLL
   for (uint32_t k = 0; k < kMaxPerLane; ++k) {
     if (k < per_lane) {
       const uint32_t d = LaneElement(lane, T, k);
@@ -291,7 +290,7 @@ PXK_HD void StoreValueLane(const SegmentJob& j, uint64_t r, uint32_t lane, uint3
                            uint32_t per_lane, const float* u) {
   const float step = PXK_MUL(nm::DtypeToFloat(kDt, vec::Ld16(j.payload, r)), j.hadamard_norm);
   uint16_t* out = j.raw + r * (T * per_lane);
-PXK_UNROLL
+  PXK_UNROLL
   for (uint32_t k = 0; k < kMaxPerLane; ++k) {
     if (k < per_lane) {
       const uint32_t d = LaneElement(lane, T, k);
