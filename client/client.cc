@@ -605,6 +605,8 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
                                       if (!options_.ucx_messages) return absl::OkStatus();
                                       transfers.push_back(ucx_worker_->NewTransferId());
                                       r.set_ucx_transfer(transfers.back());
+                                      r.set_ucx_rendezvous_bytes(
+                                          std::max<uint64_t>(1, options_.ucx_rendezvous_bytes));
                                       return absl::OkStatus();
                                     }));
   const bool as_messages = called.ok() && response.sent_as_messages();
@@ -628,6 +630,7 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
     std::vector<std::shared_ptr<const ucx::Parcel>> arrived =
         ucx_worker_->Collect(transfers.back(), slots, absl::Now() + options_.call_timeout);
     for (size_t k = 0; k < slots.size(); ++k) parcels[slots[k]] = std::move(arrived[k]);
+    PROXIMA_RETURN_IF_ERROR(ReceiveGetMessages(profile, out, begin, parcels));
   }
   for (size_t i = begin; i < end; ++i) {
     const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
@@ -638,16 +641,16 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
     }
     uint32_t crc = 0;
     if (as_messages) {
-      // A message that did not arrive, of the wrong size, or sent rendezvous (a daemon sends a
-      // get's blocks eager) is asked for again like a block damaged on its way.
+      // A message that did not arrive or of the wrong size is asked for again like a block
+      // damaged on its way. A rendezvous one (pending) has landed in the segments by now.
       const ucx::Parcel* parcel = parcels[i - begin].get();
-      if (parcel == nullptr || parcel->pending() || parcel->size() != profile.block_bytes) {
+      if (parcel == nullptr || parcel->size() != profile.block_bytes) {
         mismatched->push_back(i);
         continue;
       }
       size_t offset = 0;
       for (const auto& seg : out[i]) {
-        crc = parcel->CopyTo(seg, offset, crc);
+        crc = parcel->pending() ? Crc32cExtend(crc, seg) : parcel->CopyTo(seg, offset, crc);
         offset += seg.size();
       }
     } else {
@@ -657,6 +660,64 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
       (*found)[i] = true;
     } else {
       mismatched->push_back(i);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::ReceiveGetMessages(const Profile& profile, std::span<const Segments> out,
+                                        size_t begin,
+                                        std::span<std::shared_ptr<const ucx::Parcel>> parcels) {
+  // Each rendezvous message's bytes move from the daemon's memory straight into the block's
+  // segment where it has one; a block of several segments lands in a buffer of its own and is
+  // scattered from there. A message of the wrong size is left for the caller's check.
+  struct Held {
+    std::vector<std::vector<std::byte>> gathered;
+    std::vector<std::shared_ptr<ucx::Registration>> registrations;
+  };
+  auto held = std::make_shared<Held>();
+  std::vector<std::shared_ptr<const ucx::Parcel>> pending;
+  std::vector<std::span<std::byte>> dst;
+  std::vector<const ucx::Registration*> memh;
+  // Blocks received into a buffer of their own: (index into parcels, index into gathered).
+  std::vector<std::pair<size_t, size_t>> scattered;
+  for (size_t k = 0; k < parcels.size(); ++k) {
+    const std::shared_ptr<const ucx::Parcel>& parcel = parcels[k];
+    if (parcel == nullptr || !parcel->pending() || parcel->size() != profile.block_bytes) continue;
+    const Segments& segments = out[begin + k];
+    if (segments.size() == 1) {
+      std::shared_ptr<ucx::Registration> r =
+          FindRegistration(segments[0].data(), segments[0].size());
+      dst.push_back(segments[0]);
+      memh.push_back(r.get());
+      if (r != nullptr) held->registrations.push_back(std::move(r));
+    } else {
+      scattered.emplace_back(k, held->gathered.size());
+      held->gathered.emplace_back(parcel->size());
+      dst.push_back(held->gathered.back());
+      memh.push_back(nullptr);
+    }
+    pending.push_back(parcel);
+  }
+  if (pending.empty()) return absl::OkStatus();
+  std::shared_ptr<ucx::Endpoint> ep;
+  {
+    proxima::MutexLock lock(&daemon_ep_mu_);
+    ep = daemon_ep_;
+  }
+  // Past the deadline the endpoint to the daemon (where this client has one) is closed by force,
+  // so that nothing more lands in the caller's memory once this returns.
+  absl::Status received = ucx_worker_->Receive(pending, dst, memh, held,
+                                               absl::Now() + options_.call_timeout, ep.get());
+  if (!received.ok()) {
+    if (absl::IsUnavailable(received)) ucx_session_stale_.store(true);
+    return absl::Status(received.code(), absl::StrCat("GetUcx: ", received.message()));
+  }
+  for (const auto& [k, g] : scattered) {
+    size_t offset = 0;
+    for (const auto& seg : out[begin + k]) {
+      std::memcpy(seg.data(), held->gathered[g].data() + offset, seg.size());
+      offset += seg.size();
     }
   }
   return absl::OkStatus();

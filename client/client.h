@@ -41,6 +41,7 @@ class PinnedBuffer;
 }  // namespace proxima::gpu
 namespace proxima::ucx {
 class Endpoint;
+class Parcel;
 class Registration;
 class Sending;
 class Worker;
@@ -133,11 +134,13 @@ struct ClientOptions {
   // (docs/operations.md, "UCX 1.13 and peer death"). Keep true unless a daemon restart may take
   // this process down.
   bool ucx_messages = true;
-  // With ucx_messages, blocks of at least this many bytes are put as rendezvous messages: only a
-  // header travels with the call, and the daemon, once it has reserved tier memory for a block,
-  // has UCX move the bytes straight into it (one copy fewer than an eager message, which UCX
-  // assembles in memory of its own first; docs/benchmarks.md, UCX run 21). Smaller blocks go
-  // eager, whose bytes travel before the call. 0: every block rendezvous.
+  // With ucx_messages, blocks of at least this many bytes move as rendezvous messages: only a
+  // header travels with the call, and the receiver, once it knows where a block goes, has UCX
+  // move the bytes straight there (one copy fewer than an eager message, which UCX assembles in
+  // memory of its own first; docs/benchmarks.md, UCX runs 21 and 23). A put's blocks land in the
+  // tier memory the daemon reserved for them; a get's in this process's segments, after the
+  // daemon answered. Smaller blocks go eager, whose bytes travel before the put's call or before
+  // the get's answer. 0: every block rendezvous.
   size_t ucx_rendezvous_bytes = size_t{1} << 20;
 };
 
@@ -374,6 +377,13 @@ class Client {
                           std::span<const Segments> out, size_t begin, size_t end,
                           bool client_verifies, std::vector<bool>* found,
                           std::vector<size_t>* mismatched);
+  // Has UCX move the bytes of the rendezvous messages among `parcels` (a GetUcx's, parcel k for
+  // block begin + k of `out`) into their blocks' segments, and waits for them (call_timeout).
+  // Eager parcels, missing ones and ones of the wrong size are left for the caller. UNAVAILABLE
+  // when the daemon failed mid-way or the time ran out (the endpoint to it is then closed).
+  absl::Status ReceiveGetMessages(const Profile& profile, std::span<const Segments> out,
+                                  size_t begin,
+                                  std::span<std::shared_ptr<const ucx::Parcel>> parcels);
   // InvalidArgument unless `options` has no hints or one per key.
   static absl::Status CheckPutOptions(size_t keys, const PutOptions& options);
   // How a call's blocks move: as they are, through the pinned GPU staging halves (a segment in

@@ -219,6 +219,13 @@ struct Worker::TransferState {
   std::vector<std::byte*> mapped;
   bool wants_crc = false;  // a kGet asks for its CRC32C: the caller reads `local` after
   std::vector<MessageHeader> headers;  // Send()'s, one per message (UCX reads them until done)
+  uint64_t rendezvous_bytes = 0;       // of Send()'s messages, those sent rendezvous
+  // Sending::Detach: past `detach_deadline` the progress thread closes the endpoint by force.
+  // Progress thread only.
+  bool detached = false;
+  absl::Time detach_deadline = absl::InfiniteFuture();
+  // Receive()'s `sender`: closed by force when the deadline passes.
+  std::shared_ptr<Endpoint::State> sender;
   proxima::Notification done;
 };
 
@@ -556,6 +563,7 @@ void Worker::ProgressLoop() {
     const bool had_tasks = !batch.empty();
     for (auto& task : batch) task();
     batch.clear();
+    if (detached_ > 0) CloseExpiredDetached();
     if (stop) {
       if (stop_deadline == absl::InfiniteFuture()) stop_deadline = absl::Now() + kShutdownGrace;
       if ((closing_ == 0 && in_flight_.empty()) || absl::Now() > stop_deadline) break;
@@ -584,7 +592,7 @@ void Worker::ProgressLoop() {
       // posix stalled until its deadline under load without this, docs/reliability.md).
       pollfd events{event_fd_, POLLIN, 0};
       poll(&events, 1, sends_in_flight_ > 0 ? 1 : kIdleWakeMs);
-    } else if (s == UCS_OK) {
+    } else if (s == UCS_OK && detached_ == 0) {  // (a detached send's deadline needs a clock)
       ucp_worker_wait(worker_);
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -871,7 +879,11 @@ void Worker::FinishOp(TransferState* st, ucs_status_t status) {
     st->result = FromUcs(status, Describe(st->endpoint != nullptr ? st->endpoint->id : 0));
   }
   if (--st->pending > 0) return;
-  if (!st->headers.empty()) --sends_in_flight_;
+  if (!st->headers.empty()) {
+    --sends_in_flight_;
+    if (st->detached) --detached_;
+    if (st->result.ok()) rendezvous_sent_bytes_.fetch_add(st->rendezvous_bytes);
+  }
   if (absl::IsUnavailable(st->result) && st->endpoint != nullptr) {
     // The peer is gone or unreachable: later transfers on this endpoint fail fast.
     proxima::MutexLock lock(&st->endpoint->mu);
@@ -1112,19 +1124,41 @@ void Worker::Track(TransferState* st, ucs_status_ptr_t r) {
   ++st->pending;
 }
 
+void Worker::CloseAfterDeadline(const std::shared_ptr<Endpoint::State>& ep) {
+  {
+    proxima::MutexLock lock(&ep->mu);
+    if (ep->failure.empty()) {
+      ep->failure =
+          absl::StrCat("endpoint ", ep->id, " closed: a transfer did not finish before its deadline");
+    }
+  }
+  CloseOnWorker(ep, /*force=*/true);
+}
+
+void Worker::CloseExpiredDetached() {
+  const absl::Time now = absl::Now();
+  if (now < next_detached_check_) return;
+  next_detached_check_ = now + absl::Milliseconds(5);
+  // Collected first: closing completes requests, and their FinishOp edits in_flight_.
+  std::vector<std::shared_ptr<Endpoint::State>> expired;
+  for (const std::shared_ptr<TransferState>& st : in_flight_) {
+    if (!st->detached || st->detach_deadline > now) continue;
+    st->detached = false;
+    --detached_;
+    expired.push_back(st->endpoint);
+  }
+  for (const std::shared_ptr<Endpoint::State>& ep : expired) {
+    PROXIMA_LOG(kWarning) << "UCX peer did not take its rendezvous messages before their "
+                             "deadline; closing the endpoint"
+                          << log::Kv("endpoint", ep->id);
+    CloseAfterDeadline(ep);
+  }
+}
+
 absl::Status Worker::AbandonAfterDeadline(TransferState& st) {
   // Past the deadline: close the endpoint by force, which completes what is in flight.
   std::shared_ptr<Endpoint::State> ep = st.endpoint;
-  Post([this, ep] {
-    {
-      proxima::MutexLock lock(&ep->mu);
-      if (ep->failure.empty()) {
-        ep->failure = absl::StrCat("endpoint ", ep->id,
-                                   " closed: a transfer did not finish before its deadline");
-      }
-    }
-    CloseOnWorker(ep, /*force=*/true);
-  });
+  Post([this, ep] { CloseAfterDeadline(ep); });
   if (!st.done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
     PROXIMA_LOG(kWarning) << "UCX transfer still outstanding after its endpoint was closed; its "
                              "buffers stay allocated until it completes"
@@ -1163,6 +1197,7 @@ absl::StatusOr<std::unique_ptr<Sending>> Worker::StartSend(Endpoint& endpoint, u
   for (size_t i = 0; i < messages.size(); ++i) {
     st->headers[i].slot = messages[i].slot;
     st->headers[i].transfer = transfer;
+    if (messages[i].rendezvous) st->rendezvous_bytes += messages[i].bytes.size();
   }
   Post([this, st, messages = std::move(messages)] {
     ucp_ep_h ep = Begin(st);
@@ -1190,6 +1225,18 @@ absl::StatusOr<std::unique_ptr<Sending>> Worker::StartSend(Endpoint& endpoint, u
 
 Sending::~Sending() = default;
 
+void Sending::Detach(absl::Time deadline) {
+  Worker* w = state_->worker;
+  // Runs after StartSend's task (the progress thread runs tasks in order): still pending means
+  // still in flight.
+  w->Post([w, st = state_->transfer, deadline] {
+    if (st->pending <= 0 || st->detached) return;
+    st->detached = true;
+    st->detach_deadline = deadline;
+    ++w->detached_;
+  });
+}
+
 absl::Status Sending::Wait(absl::Time deadline) {
   Worker::TransferState& st = *state_->transfer;
   if (!st.done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
@@ -1201,7 +1248,8 @@ absl::Status Sending::Wait(absl::Time deadline) {
 absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parcels,
                              std::span<const std::span<std::byte>> dst,
                              std::span<const Registration* const> memh,
-                             std::shared_ptr<const void> keep_alive, absl::Time deadline) {
+                             std::shared_ptr<const void> keep_alive, absl::Time deadline,
+                             Endpoint* sender) {
   if (dst.size() != parcels.size() || (!memh.empty() && memh.size() != parcels.size())) {
     return absl::InvalidArgumentError(absl::StrCat("UCX Receive: ", parcels.size(),
                                                    " messages, ", dst.size(), " destinations and ",
@@ -1224,6 +1272,7 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
   auto st = std::make_shared<TransferState>();
   st->worker = this;
   st->keep_alive = std::move(keep_alive);
+  if (sender != nullptr) st->sender = sender->state_;
   struct Target {
     void* descriptor;
     std::span<std::byte> dst;
@@ -1259,9 +1308,18 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
     FinishOp(st.get(), UCS_OK);
   });
   if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
+    if (st->sender != nullptr) {
+      Post([this, ep = st->sender] { CloseAfterDeadline(ep); });
+      if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
+        PROXIMA_LOG(kWarning) << "UCX receive still outstanding after its sender's endpoint was "
+                                 "closed"
+                              << log::Kv("endpoint", st->sender->id);
+      }
+    }
     return absl::UnavailableError(absl::StrCat(
         "the bytes of ", parcels.size(),
-        " UCX rendezvous messages did not all arrive before the call's deadline"));
+        " UCX rendezvous messages did not all arrive before the call's deadline",
+        st->sender != nullptr ? "; the endpoint to their sender is closed" : ""));
   }
   if (st->result.ok()) {
     uint64_t moved = 0;

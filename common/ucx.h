@@ -205,6 +205,14 @@ class Sending {
   // received or dropped by the receiver. Past `deadline` the endpoint is closed by force
   // (UNAVAILABLE), which ends what is in flight. The status of Worker::Send.
   absl::Status Wait(absl::Time deadline);
+  // Leaves the sends to the worker instead of waiting: the handle may be dropped, and if UCX
+  // still holds any of the messages at `deadline` (a receiver that neither took nor dropped a
+  // rendezvous message), the progress thread closes the endpoint by force, which ends them and
+  // releases the bytes' keep-alive. An endpoint without peer error handling (UCX 1.13's shared
+  // memory) cannot be closed so: its sends then end only when the receiver acts. For a sender
+  // that answers first and lets the receiver take the bytes after (a daemon's rendezvous gets).
+  // Call at most once, instead of Wait.
+  void Detach(absl::Time deadline);
 
  private:
   friend class Worker;
@@ -314,11 +322,15 @@ class Worker {
   // so it is released only when UCX is done with them. Each parcel is consumed (its handle no
   // longer tells the sender anything when dropped). UNAVAILABLE when a sender failed mid-way or
   // the deadline passed (the destinations' bytes are then undefined); INVALID_ARGUMENT when a
-  // parcel is not pending or its span's size differs.
+  // parcel is not pending or its span's size differs. `sender` (may be null): an endpoint to the
+  // peer that sent the parcels; past the deadline it is closed by force, which stops the bytes
+  // still on their way (use it where `keep_alive` cannot own the destinations: after that, UCX
+  // writes no more into them once Receive has returned).
   absl::Status Receive(std::span<const std::shared_ptr<const Parcel>> parcels,
                        std::span<const std::span<std::byte>> dst,
                        std::span<const Registration* const> memh,
-                       std::shared_ptr<const void> keep_alive, absl::Time deadline);
+                       std::shared_ptr<const void> keep_alive, absl::Time deadline,
+                       Endpoint* sender = nullptr);
 
   // A transfer id for peers to Send() to this worker: random, nonzero.
   uint64_t NewTransferId();
@@ -345,6 +357,8 @@ class Worker {
   uint64_t messages_dropped() const { return messages_dropped_.load(); }
   // Bytes that Receive() moved from rendezvous messages' senders (since start).
   uint64_t rendezvous_bytes() const { return rendezvous_bytes_.load(); }
+  // Bytes of rendezvous messages this worker sent that their receivers took (since start).
+  uint64_t rendezvous_sent_bytes() const { return rendezvous_sent_bytes_.load(); }
 
   // The shared-memory transport ("posix", "sysv") that one of the endpoint's lanes runs over,
   // "" when none does (tcp, or a peer on another host). UCX 1.13's posix and sysv domains reach
@@ -428,6 +442,10 @@ class Worker {
   // After a transfer's deadline passed: closes its endpoint by force, which completes what is
   // in flight, and waits (bounded) for that. Returns the UNAVAILABLE status to hand back.
   absl::Status AbandonAfterDeadline(TransferState& state);
+  // The progress-thread half of that: marks the endpoint failed and closes it by force.
+  void CloseAfterDeadline(const std::shared_ptr<Endpoint::State>& endpoint);
+  // Closes by force the endpoints of detached sends past their deadline. Progress thread.
+  void CloseExpiredDetached();
   // The active-message handler of Send()'s messages. Progress thread.
   static ucs_status_t OnMessage(void* arg, const void* header, size_t header_length, void* data,
                                 size_t length, const ucp_am_recv_param_t* param);
@@ -452,6 +470,8 @@ class Worker {
   std::vector<std::shared_ptr<Endpoint::State>> endpoints_;
   int closing_ = 0;                         // ep close requests not yet completed
   int sends_in_flight_ = 0;                 // Send()s whose messages UCX still holds
+  int detached_ = 0;                        // of those, detached ones (Sending::Detach)
+  absl::Time next_detached_check_;          // when ProgressLoop next looks at their deadlines
   int event_fd_ = -1;                       // the worker's event fd (ucp_worker_get_efd)
   bool peer_handling_unsupported_ = false;  // the transports in use cannot detect failed peers
   // Endpoints without peer error handling whose peer stopped answering (see Endpoint::State).
@@ -473,6 +493,7 @@ class Worker {
   absl::Time last_stale_check_ ABSL_GUARDED_BY(parked_mu_);
   std::atomic<uint64_t> messages_dropped_{0};
   std::atomic<uint64_t> rendezvous_bytes_{0};
+  std::atomic<uint64_t> rendezvous_sent_bytes_{0};
   std::atomic<uint64_t> next_transfer_id_{1};  // seeded at random in Create()
   std::atomic<uint64_t> next_registration_id_{1};
   // Packed key size per memory domain this context packs rkeys for, -1 for the others (learned

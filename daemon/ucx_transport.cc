@@ -191,6 +191,17 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
       "them; eager messages' bytes are not counted (monotonic)",
       {}, [w] { return static_cast<double>(w->rendezvous_bytes()); });
   registry->AddCounterFunction(
+      "proxima_ucx_rendezvous_sent_bytes_total",
+      "Bytes of blocks GetUcx sent as rendezvous UCX messages (clients' gets of blocks of at "
+      "least their ucx_rendezvous_bytes) whose sends ended without error: the client had UCX "
+      "move them from the daemon's memory into its own, or dropped them unread (monotonic)",
+      {}, [w] { return static_cast<double>(w->rendezvous_sent_bytes()); });
+  registry->AddGauge(
+      "proxima_ucx_rendezvous_get_held_bytes",
+      "Bytes of found blocks the daemon keeps pinned for GetUcx rendezvous messages their client "
+      "has not taken or dropped yet",
+      {}, [held = t->rendezvous_get_held_] { return static_cast<double>(held->load()); });
+  registry->AddCounterFunction(
       "proxima_ucx_messages_dropped_total",
       "UCX messages dropped: malformed, late (their call had ended), a slot sent twice, never "
       "collected within 30 s, or past the worker's limit of uncollected bytes (monotonic)",
@@ -482,6 +493,61 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
   return status;
 }
 
+absl::Status UcxTransport::SendGetMessages(
+    ucx::Endpoint& ep, const v1::GetUcxRequest& request,
+    std::shared_ptr<std::vector<std::optional<BlockStore::ReadBlock>>> blocks, uint64_t bytes,
+    absl::Time deadline) {
+  // Every block of a profile has the same size: the found blocks go all rendezvous or all eager.
+  const uint64_t threshold = request.ucx_rendezvous_bytes();
+  bool rendezvous = false;
+  for (const auto& block : *blocks) {
+    if (block) {
+      rendezvous = threshold != 0 && block->bytes.size() >= threshold;
+      break;
+    }
+  }
+  // Rendezvous holds the blocks pinned after the answer: only where the endpoint can be closed
+  // by force should the client never take them (not over UCX 1.13's shared memory, whose
+  // endpoints run without peer error handling), and only while few bytes are held so.
+  if (rendezvous && OverSharedMemory(request.session_id())) rendezvous = false;
+  if (rendezvous && rendezvous_get_held_->fetch_add(bytes) + bytes > kMaxRendezvousGetBytes) {
+    rendezvous_get_held_->fetch_sub(bytes);
+    rendezvous = false;
+  }
+  std::vector<ucx::Message> messages;
+  for (size_t b = 0; b < blocks->size(); ++b) {
+    if ((*blocks)[b]) {
+      messages.push_back({static_cast<uint32_t>(b), (*blocks)[b]->bytes,
+                          ArenaCovering((*blocks)[b]->bytes), rendezvous});
+    }
+  }
+  if (!rendezvous) {
+    return worker_->Send(ep, request.ucx_transfer(), std::move(messages), std::move(blocks),
+                         TransferDeadline(deadline));
+  }
+  // The blocks stay pinned (and counted as held) until UCX lets go of them: each message taken
+  // or dropped by the client, or its endpoint closed.
+  struct Held {
+    Held(std::shared_ptr<std::vector<std::optional<BlockStore::ReadBlock>>> b,
+         std::shared_ptr<std::atomic<uint64_t>> c, uint64_t n)
+        : blocks(std::move(b)), counter(std::move(c)), bytes(n) {}
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+    ~Held() { counter->fetch_sub(bytes); }
+    std::shared_ptr<std::vector<std::optional<BlockStore::ReadBlock>>> blocks;
+    std::shared_ptr<std::atomic<uint64_t>> counter;
+    uint64_t bytes;
+  };
+  auto held = std::make_shared<Held>(std::move(blocks), rendezvous_get_held_, bytes);
+  PROXIMA_ASSIGN_OR_RETURN(
+      std::unique_ptr<ucx::Sending> sending,
+      worker_->StartSend(ep, request.ucx_transfer(), std::move(messages), std::move(held)));
+  // The client takes the bytes once answered; it has until the call's deadline and the grace.
+  sending->Detach(std::min(deadline, absl::Now() + ucx::Worker::kParkedFor) +
+                  kRendezvousGetGrace);
+  return absl::OkStatus();
+}
+
 absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& request,
                                v1::GetUcxResponse* response, absl::Time deadline) {
   PROXIMA_ASSIGN_OR_RETURN(
@@ -536,15 +602,7 @@ absl::Status UcxTransport::Get(const Caller& caller, const v1::GetUcxRequest& re
         worker_->Transfer(*ep, rkeys, std::move(ops), blocks, TransferDeadline(deadline),
                           registration_ids, &copied_here, /*mapped_only=*/transfer != 0);
     if (status.ok() && transfer != 0 && !copied_here) {
-      std::vector<ucx::Message> messages;
-      for (size_t b = 0; b < blocks->size(); ++b) {
-        if ((*blocks)[b]) {
-          messages.push_back(
-              {static_cast<uint32_t>(b), (*blocks)[b]->bytes, ArenaCovering((*blocks)[b]->bytes)});
-        }
-      }
-      status =
-          worker_->Send(*ep, transfer, std::move(messages), blocks, TransferDeadline(deadline));
+      status = SendGetMessages(*ep, request, blocks, pushed, deadline);
       as_messages = true;
     }
     if (absl::IsUnavailable(status)) DropSession(request.session_id());

@@ -13,7 +13,9 @@
 //  - get: each found block (pinned) is copied into the client's segments where the daemon maps
 //    them, else sent as one UCX message per block when the client asked for that
 //    (GetUcxRequest.ucx_transfer), else (older clients) written with UCX puts; only then does
-//    the call answer.
+//    the call answer. Large blocks' messages go rendezvous (GetUcxRequest.ucx_rendezvous_bytes):
+//    the call answers first and the blocks stay pinned until the client has taken them, within
+//    bounds of time (kRendezvousGetGrace) and bytes (kMaxRendezvousGetBytes).
 //
 // Messages keep the daemon from being the initiator of a one-sided operation on a client's
 // memory: over tcp, UCX 1.13 aborts the target of such an operation (the client) when the
@@ -33,12 +35,15 @@
 #ifndef PROXIMA_DAEMON_UCX_TRANSPORT_H_
 #define PROXIMA_DAEMON_UCX_TRANSPORT_H_
 
-#include <cstdint>
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -60,6 +65,13 @@ class UcxTransport {
   static constexpr int kMaxSegmentsPerBlock = 4096;
   // Largest ConnectUcx probe buffer.
   static constexpr uint64_t kMaxProbeBytes = 4096;
+  // A GetUcx's blocks sent as rendezvous messages stay pinned until the client takes or drops
+  // them; past the call's deadline (at most kParkedFor from the call) and this grace, the
+  // session's endpoint is closed by force, which releases them.
+  static constexpr absl::Duration kRendezvousGetGrace = absl::Seconds(5);
+  // Most bytes of blocks pinned for rendezvous gets not yet taken, over all sessions; a get
+  // that would pass it sends its blocks eager (their bytes leave before the call answers).
+  static constexpr uint64_t kMaxRendezvousGetBytes = uint64_t{1} << 30;
 
   // Starts the worker and registers the arena of `core`'s host tier. `core` and `registry` must
   // outlive the transport.
@@ -111,6 +123,14 @@ class UcxTransport {
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> FindSession(const Caller& caller,
                                                              uint64_t session_id);
   void DropSession(uint64_t session_id);
+  // GetUcx's found `blocks` (`bytes` in all) as messages of request.ucx_transfer to the client's
+  // worker at `ep`: eager, sent before this returns, or rendezvous (blocks of at least
+  // request.ucx_rendezvous_bytes, while kMaxRendezvousGetBytes allows), started and left to the
+  // worker, which closes the endpoint if the client has not taken them in time.
+  absl::Status SendGetMessages(
+      ucx::Endpoint& ep, const v1::GetUcxRequest& request,
+      std::shared_ptr<std::vector<std::optional<BlockStore::ReadBlock>>> blocks, uint64_t bytes,
+      absl::Time deadline);
   // Reads the request's probe buffer over `endpoint` and checks its CRC32C: FAILED_PRECONDITION
   // when bytes do not move between the two sides (e.g. memory domains the other side lacks).
   absl::Status Probe(ucx::Endpoint& endpoint, const v1::ConnectUcxRequest& request,
@@ -124,6 +144,10 @@ class UcxTransport {
   metrics::Counter* get_by_messages_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
+  // Bytes of blocks pinned for rendezvous gets not yet taken (kMaxRendezvousGetBytes); shared
+  // with the sends' keep-alives, which may be released after the transport.
+  std::shared_ptr<std::atomic<uint64_t>> rendezvous_get_held_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
 
   mutable proxima::Mutex mu_;
   absl::flat_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);

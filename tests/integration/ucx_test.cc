@@ -1105,6 +1105,52 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 1);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_parked_bytes"), 0);  // nothing left behind
   parcels.clear();
+
+  // Read back as rendezvous messages (ucx_rendezvous_bytes): the answer comes first, then UCX
+  // moves each block straight into the segment this side names, byte-exact; the daemon holds the
+  // blocks until then and no longer.
+  auto rendezvous_get = [&](int deadline_seconds) -> std::vector<std::shared_ptr<const ucx::Parcel>> {
+    const uint64_t transfer = worker_->NewTransferId();
+    get.set_ucx_transfer(transfer);
+    get.set_ucx_rendezvous_bytes(1);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_seconds));
+    EXPECT_OK(client::FromGrpc(stub_->GetUcx(&ctx, get, &got)));
+    EXPECT_TRUE(got.sent_as_messages());
+    return worker_->Collect(transfer, slots, absl::Now() + absl::Seconds(10));
+  };
+  const uint64_t rendezvous_sent_before = Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total");
+  parcels = rendezvous_get(20);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes"), 3 * block_bytes_);
+  std::vector<std::span<std::byte>> spans;
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_NE(parcels[i], nullptr) << i;
+    EXPECT_TRUE(parcels[i]->pending()) << i;
+    spans.push_back(std::span(dst).subspan(i * block_bytes_, block_bytes_));
+  }
+  ASSERT_OK(worker_->Receive(parcels, spans, {}, nullptr, absl::Now() + absl::Seconds(10)));
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::memcmp(spans[i].data(), block(i).data(), block_bytes_), 0) << i;
+    EXPECT_EQ(got.results(i).crc32c(), Crc32c(block(i)));
+  }
+  parcels.clear();
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes", 0), 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total"),
+            rendezvous_sent_before + 3 * block_bytes_);
+  // Collected and held but never taken: the daemon lets go of the blocks once the call's
+  // deadline and kRendezvousGetGrace (5 s) have passed, closing the session's endpoint.
+  const absl::Time held_from = absl::Now();
+  parcels = rendezvous_get(1);
+  ASSERT_NE(parcels[0], nullptr);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes"), 3 * block_bytes_);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes", 0,
+                          absl::Seconds(20)),
+            0);
+  EXPECT_GE(absl::Now() - held_from, absl::Seconds(5));
+  parcels.clear();
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total"),
+            rendezvous_sent_before + 3 * block_bytes_);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(Present(keys[i]), 1u) << i;  // still stored
   dst_reg.reset();
   ep.reset();
   ASSERT_OK(CloseSession(session));
@@ -1367,11 +1413,14 @@ TEST_P(UcxIntegrationTest, OneSidedTransfersRemainAnOptionAndStayByteExact) {
             0);
 }
 
-TEST_P(UcxIntegrationTest, RendezvousPutsLandByteExact) {
+TEST_P(UcxIntegrationTest, RendezvousPutsAndGetsLandByteExact) {
   // ClientOptions::ucx_rendezvous_bytes = 0: every put's blocks go as rendezvous messages, which
   // the daemon has UCX move into the tier memory it reserved (over tcp; over shared memory the
-  // client sends no messages): scattered blocks (gathered into one message each) and blocks in
-  // one registered segment, every byte round-trips and nothing stays parked.
+  // client sends no messages), and every get's come back so, moved into the client's segments
+  // after the answer (over tcp; over shared memory the daemon sends eager: its endpoints there
+  // cannot be closed by force should a client never take them): scattered blocks (gathered into
+  // one message each, received into a buffer and scattered) and blocks in one registered
+  // segment, every byte round-trips, nothing stays parked and no block stays held.
   ClientOptions options;
   options.ucx_rendezvous_bytes = 0;
   uint64_t block_bytes = 0;
@@ -1380,6 +1429,10 @@ TEST_P(UcxIntegrationTest, RendezvousPutsLandByteExact) {
   const bool tcp = std::string(GetParam()) == "tcp";
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"put\"}"), tcp ? 2 : 0);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_bytes_total"), tcp ? 12 * block_bytes : 0);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 2);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total"),
+            tcp ? 12 * block_bytes : 0);
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes", 0), 0);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_parked_bytes"), 0);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_messages_dropped_total"), 0);
 }
