@@ -200,7 +200,9 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
                                                     .host_staging = shape.host_staging,
                                                     .ucx_messages = shape.ucx_messages,
                                                     .ucx_rendezvous_bytes =
-                                                        shape.ucx_rendezvous_bytes});
+                                                        shape.ucx_rendezvous_bytes,
+                                                    .ucx_rendezvous_get_bytes =
+                                                        shape.ucx_rendezvous_get_bytes});
     if (!client.ok()) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
       std::exit(1);

@@ -55,9 +55,11 @@ struct LoadShape {
   bool ucx_buffers = false;
   // RunProxima over UCX: the clients' ClientOptions::host_staging (heap buffers only).
   client::HostStaging host_staging = client::HostStaging::kAuto;
-  // RunProxima over UCX: the clients' ClientOptions::ucx_messages and ucx_rendezvous_bytes.
+  // RunProxima over UCX: the clients' ClientOptions::ucx_messages, ucx_rendezvous_bytes and
+  // ucx_rendezvous_get_bytes.
   bool ucx_messages = true;
   size_t ucx_rendezvous_bytes = client::ClientOptions{}.ucx_rendezvous_bytes;
+  size_t ucx_rendezvous_get_bytes = client::ClientOptions{}.ucx_rendezvous_get_bytes;
   // RunProxima: which test chains the clients store (client i stores chain key_seed << 16 | i).
   // Give every run on one daemon its own: a put of blocks already stored moves no bytes.
   uint64_t key_seed = 0;

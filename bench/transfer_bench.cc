@@ -68,6 +68,9 @@ ABSL_FLAG(bool, ucx_messages, true,
 ABSL_FLAG(int64_t, ucx_rendezvous_bytes, -1,
           "the clients' ClientOptions::ucx_rendezvous_bytes (-1: the default): puts of blocks of "
           "at least this size go as rendezvous messages, smaller ones eager (for an A/B)");
+ABSL_FLAG(int64_t, ucx_rendezvous_get_bytes, -1,
+          "the clients' ClientOptions::ucx_rendezvous_get_bytes (-1: the default): gets of "
+          "blocks of at least this size come as rendezvous messages, smaller ones eager (A/B)");
 ABSL_FLAG(std::string, buffers, "heap,heap-direct,ucx",
           "the UCX clients' block buffers, comma-separated: heap (ordinary memory registered "
           "with RegisterMemory, the client's default host_staging: staged over posix/sysv), "
@@ -154,10 +157,18 @@ proxima::client::HostStaging StagingOf(const std::string& kind) {
                                : proxima::client::HostStaging::kAuto;
 }
 
-size_t RendezvousBytes() {
-  const int64_t flag = absl::GetFlag(FLAGS_ucx_rendezvous_bytes);
-  return flag < 0 ? proxima::client::ClientOptions{}.ucx_rendezvous_bytes
-                  : static_cast<size_t>(flag);
+// A rendezvous threshold flag's value, or `default_bytes` for -1.
+size_t RendezvousBytes(const absl::Flag<int64_t>& flag, size_t default_bytes) {
+  const int64_t value = absl::GetFlag(flag);
+  return value < 0 ? default_bytes : static_cast<size_t>(value);
+}
+size_t PutRendezvousBytes() {
+  return RendezvousBytes(FLAGS_ucx_rendezvous_bytes,
+                         proxima::client::ClientOptions{}.ucx_rendezvous_bytes);
+}
+size_t GetRendezvousBytes() {
+  return RendezvousBytes(FLAGS_ucx_rendezvous_get_bytes,
+                         proxima::client::ClientOptions{}.ucx_rendezvous_get_bytes);
 }
 
 std::pair<double, double> GetLatency(const std::string& target, Transport transport,
@@ -167,7 +178,8 @@ std::pair<double, double> GetLatency(const std::string& target, Transport transp
                                              .transport = transport,
                                              .host_staging = staging,
                                              .ucx_messages = absl::GetFlag(FLAGS_ucx_messages),
-                                             .ucx_rendezvous_bytes = RendezvousBytes()});
+                                             .ucx_rendezvous_bytes = PutRendezvousBytes(),
+                                             .ucx_rendezvous_get_bytes = GetRendezvousBytes()});
   if (!c.ok()) return {-1, -1};
   auto profile = (*c)->RegisterProfile(proxima::bench::BenchModel(kBytes));
   if (!profile.ok()) return {-1, -1};
@@ -288,7 +300,8 @@ int main(int argc, char** argv) {
             s.ucx_buffers = buffer_kinds[k] == "ucx";
             s.host_staging = StagingOf(buffer_kinds[k]);
             s.ucx_messages = absl::GetFlag(FLAGS_ucx_messages);
-            s.ucx_rendezvous_bytes = RendezvousBytes();
+            s.ucx_rendezvous_bytes = PutRendezvousBytes();
+            s.ucx_rendezvous_get_bytes = GetRendezvousBytes();
             s.key_seed = ++runs;
             ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
           }

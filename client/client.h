@@ -134,14 +134,17 @@ struct ClientOptions {
   // (docs/operations.md, "UCX 1.13 and peer death"). Keep true unless a daemon restart may take
   // this process down.
   bool ucx_messages = true;
-  // With ucx_messages, blocks of at least this many bytes move as rendezvous messages: only a
-  // header travels with the call, and the receiver, once it knows where a block goes, has UCX
-  // move the bytes straight there (one copy fewer than an eager message, which UCX assembles in
-  // memory of its own first; docs/benchmarks.md, UCX runs 21 and 23). A put's blocks land in the
-  // tier memory the daemon reserved for them; a get's in this process's segments, after the
-  // daemon answered. Smaller blocks go eager, whose bytes travel before the put's call or before
-  // the get's answer. 0: every block rendezvous.
+  // With ucx_messages, a put's blocks of at least this many bytes move as rendezvous messages:
+  // only a header travels with the call, and the daemon, once it has reserved tier memory for a
+  // block, has UCX move the bytes straight into it (one copy fewer than an eager message, which
+  // UCX assembles in memory of its own first; docs/benchmarks.md, UCX run 21). Smaller blocks go
+  // eager, whose bytes travel before the call. 0: every block rendezvous.
   size_t ucx_rendezvous_bytes = size_t{1} << 20;
+  // The same for a get's blocks: the daemon answers first, then UCX moves each block from the
+  // daemon's memory straight into its segment here (not over shared memory, where the daemon
+  // sends eager). Larger than for puts: below 8 MiB rendezvous gets won nothing over tcp
+  // (docs/benchmarks.md, UCX run 23). 0: every block rendezvous.
+  size_t ucx_rendezvous_get_bytes = size_t{8} << 20;
 };
 
 // A registered model profile: pass it to every block call.

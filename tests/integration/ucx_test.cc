@@ -1414,15 +1414,17 @@ TEST_P(UcxIntegrationTest, OneSidedTransfersRemainAnOptionAndStayByteExact) {
 }
 
 TEST_P(UcxIntegrationTest, RendezvousPutsAndGetsLandByteExact) {
-  // ClientOptions::ucx_rendezvous_bytes = 0: every put's blocks go as rendezvous messages, which
-  // the daemon has UCX move into the tier memory it reserved (over tcp; over shared memory the
-  // client sends no messages), and every get's come back so, moved into the client's segments
-  // after the answer (over tcp; over shared memory the daemon sends eager: its endpoints there
-  // cannot be closed by force should a client never take them): scattered blocks (gathered into
-  // one message each, received into a buffer and scattered) and blocks in one registered
-  // segment, every byte round-trips, nothing stays parked and no block stays held.
+  // ClientOptions::ucx_rendezvous_bytes and ucx_rendezvous_get_bytes = 0: every put's blocks go
+  // as rendezvous messages, which the daemon has UCX move into the tier memory it reserved (over
+  // tcp; over shared memory the client sends no messages), and every get's come back so, moved
+  // into the client's segments after the answer (over tcp; over shared memory the daemon sends
+  // eager: its endpoints there cannot be closed by force should a client never take them):
+  // scattered blocks (gathered into one message each, received into a buffer and scattered) and
+  // blocks in one registered segment, every byte round-trips, nothing stays parked and no block
+  // stays held.
   ClientOptions options;
   options.ucx_rendezvous_bytes = 0;
+  options.ucx_rendezvous_get_bytes = 0;
   uint64_t block_bytes = 0;
   ScatteredRoundTrip(daemon_->tcp_target(), options, 32, /*scattered=*/true, &block_bytes);
   ScatteredRoundTrip(daemon_->tcp_target(), options, 33, /*scattered=*/false);
@@ -1458,7 +1460,7 @@ TEST_P(UcxIntegrationTest, ADaemonKilledMidTransferNeverTakesItsClientDown) {
     bool done = false;
     testing::CommandResult r = testing::RunCommand(
         {testing::ProximactlPath(), "load", "--target=" + target, "--transport=ucx", "--clients=2",
-         "--duration=3", "--timeout=2", "--tokens_per_block=256", "--batch=8", "--working_set=16",
+         "--duration=3", "--timeout=2", "--tokens_per_block=512", "--batch=8", "--working_set=16",
          "--get_fraction=0.8"},
         absl::Seconds(40), [&] {
           if (done || absl::Now() - start < stop_at) return false;
