@@ -771,6 +771,12 @@ void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool f
     keys.swap(state->rkeys);
   }
   if (state->ep == nullptr) return;
+  // A graceful close waits for what is in flight, and a detached send (Sending::Detach) waits
+  // for a receiver that may never act: an endpoint dropped with one closes by force (else the
+  // close never completes, and ucp_worker_destroy later asserts on the outstanding request).
+  for (size_t i = 0; !force && i < in_flight_.size(); ++i) {
+    force = in_flight_[i]->detached && in_flight_[i]->endpoint == state;
+  }
   if (force && !state->detects_peer_failure) {
     // Forcing needs peer error handling. Leave the endpoint (and what is in flight on it) to
     // ucp_worker_destroy; it stays counted in live_endpoints().

@@ -707,6 +707,28 @@ TEST_P(UcxTest, ADetachedRendezvousSendEndsWhenTakenOrAtItsDeadline) {
   EXPECT_THAT((*ep)->health(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
   EXPECT_EQ(a_->rendezvous_sent_bytes(), sent_before + expected.size());  // not counted
   got.clear();
+
+  // The endpoint dropped while a detached send waits for its receiver: it closes by force (a
+  // graceful close would wait for that receiver), and the bytes are released at once.
+  ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  payload = std::make_shared<std::vector<std::byte>>(expected);
+  released = payload;
+  transfer = b_->NewTransferId();
+  ASSERT_OK_AND_ASSIGN(
+      sending,
+      a_->StartSend(**ep, transfer, {{0, *payload, nullptr, /*rendezvous=*/true}}, payload));
+  sending->Detach(absl::Now() + absl::Seconds(60));
+  sending.reset();
+  payload.reset();
+  got = b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+  ASSERT_NE(got[0], nullptr);
+  ep->reset();
+  for (absl::Time end = absl::Now() + absl::Seconds(10); !released.expired() && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(released.expired()) << "the dropped endpoint's detached send still holds its bytes";
+  got.clear();
 }
 
 // Messages to a peer that is gone fail the send (never a hang, a success or a crash), and a

@@ -1151,9 +1151,30 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total"),
             rendezvous_sent_before + 3 * block_bytes_);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(Present(keys[i]), 1u) << i;  // still stored
+  // That session's endpoint is closed: its next call fails and drops it (the client library
+  // then opens a new one).
+  {
+    get.set_ucx_transfer(worker_->NewTransferId());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    EXPECT_THAT(client::FromGrpc(stub_->GetUcx(&ctx, get, &got)),
+                StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
+  }
+  EXPECT_THAT(Put(request({0}, worker_->NewTransferId())),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("UCX session")));
+  // A daemon stopped (SIGTERM) while a client holds rendezvous messages it has not taken shuts
+  // down cleanly: the worker closes the endpoint by force, which ends the sends.
+  ASSERT_OK_AND_ASSIGN(session, OpenSession(worker_->address()));
+  get.set_session_id(session);
+  parcels = rendezvous_get(20);
+  ASSERT_NE(parcels[0], nullptr);
+  EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes"), 3 * block_bytes_);
+  daemon_->Signal(SIGTERM);
+  EXPECT_EQ(daemon_->WaitExit(absl::Seconds(30)), 0) << daemon_->Log();
+  EXPECT_THAT(daemon_->Log(), Not(HasSubstr("Assertion")));
+  parcels.clear();
   dst_reg.reset();
   ep.reset();
-  ASSERT_OK(CloseSession(session));
 }
 
 TEST_P(RawUcxTest, BufferRewrittenDuringTheTransferIsNeverVisibleHalfWritten) {
