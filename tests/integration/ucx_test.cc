@@ -1460,6 +1460,84 @@ TEST_P(UcxIntegrationTest, RendezvousPutsAndGetsLandByteExact) {
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_messages_dropped_total"), 0);
 }
 
+TEST_P(UcxIntegrationTest, AGetWhoseBytesStopMidWayFailsAndNothingLandsAfterIt) {
+  // A rendezvous get whose daemon stops (SIGSTOP) after it answered, while the blocks move into
+  // the caller's buffer: the Get fails UNAVAILABLE within the call's deadline plus the receive's
+  // own, and once it has returned nothing more lands in that buffer, even after the daemon
+  // resumes (the client closed its endpoint by force). The next Get re-opens the session and is
+  // byte-exact.
+  if (std::string(GetParam()) != "tcp") {
+    GTEST_SKIP() << "over shared memory the daemon sends gets eager: their bytes have all "
+                    "arrived before it answers";
+  }
+  ClientOptions options;
+  options.target = daemon_->tcp_target();
+  options.transport = Transport::kUcx;
+  options.call_timeout = absl::Seconds(2);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel(1024)));  // 16 MiB blocks
+  ASSERT_GE(p.block_bytes, options.ucx_rendezvous_get_bytes);
+  constexpr size_t kBlocks = 8;
+  std::vector<std::byte> cache(kBlocks * p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(client::MemoryRegion region, c->RegisterMemory(cache.data(), cache.size()));
+  const std::vector<BlockKey> keys = client::TestKeyChain(61, 0, kBlocks);
+  std::vector<std::span<const std::byte>> in;
+  std::vector<std::span<std::byte>> out;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+    client::FillTestBlock(61, i, b);
+    in.push_back(b);
+    out.push_back(b);
+  }
+  ASSERT_OK(c->Put(p, keys, in).status());
+
+  bool exercised = false;  // a round stopped the daemon while the client was receiving
+  for (int round = 0; round < 5 && !exercised; ++round) {
+    std::fill(cache.begin(), cache.end(), std::byte{0});
+    // Stops the daemon as soon as it holds blocks for this get: it has answered, or is about to.
+    std::atomic<bool> stopped{false};
+    std::thread stopper([&] {
+      const absl::Time end = absl::Now() + absl::Seconds(10);
+      while (absl::Now() < end && Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes") <= 0) {
+      }
+      if (absl::Now() < end) {
+        daemon_->Signal(SIGSTOP);
+        stopped = true;
+      }
+    });
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<bool>> got = c->Get(p, keys, out);
+    stopper.join();
+    ASSERT_TRUE(stopped) << "round " << round << ": the daemon never held blocks for the get";
+    EXPECT_LE(absl::Now() - start, 2 * options.call_timeout + absl::Seconds(2)) << round;
+    if (got.ok()) {  // every byte moved before the stop: not this round
+      daemon_->Signal(SIGCONT);
+      continue;
+    }
+    // Stopped before its answer left, the call itself misses its deadline; after, the receive
+    // does (UNAVAILABLE, naming the rendezvous messages).
+    EXPECT_TRUE(absl::IsUnavailable(got.status()) || absl::IsDeadlineExceeded(got.status()))
+        << round << ": " << got.status();
+    exercised = absl::IsUnavailable(got.status()) &&
+                absl::StrContains(got.status().message(), "rendezvous");
+    // Whatever the call left in the buffer is overwritten; the daemon resumes, and what it still
+    // had to send must not reach the buffer any more.
+    std::fill(cache.begin(), cache.end(), std::byte{0x5a});
+    daemon_->Signal(SIGCONT);
+    absl::SleepFor(absl::Seconds(1));
+    EXPECT_EQ(std::count(cache.begin(), cache.end(), std::byte{0x5a}),
+              static_cast<ptrdiff_t>(cache.size()))
+        << "round " << round << ": bytes landed after the Get had returned";
+    EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes", 0), 0) << round;
+  }
+  EXPECT_TRUE(exercised) << "no round stopped the daemon while the client was receiving";
+  // Back to normal: the session re-opens, and every block comes back byte-exact.
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+  for (size_t i = 0; i < kBlocks; ++i) {
+    EXPECT_TRUE(found[i] && client::IsTestBlock(61, i, out[i])) << i;
+  }
+}
+
 TEST_P(UcxIntegrationTest, ADaemonKilledMidTransferNeverTakesItsClientDown) {
   // The daemon SIGKILLed while a client moves blocks over UCX: the client's calls fail, and the
   // client lives on. Before blocks moved as messages, a daemon that died while it wrote a Get
