@@ -620,6 +620,7 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
                                             " results for ", end - begin, " blocks"));
   }
   std::vector<std::shared_ptr<const ucx::Parcel>> parcels(end - begin);
+  std::vector<uint32_t> received_crcs(end - begin, 0);  // of rendezvous messages, once received
   if (as_messages) {
     std::vector<uint32_t> slots;
     for (size_t i = begin; i < end; ++i) {
@@ -630,7 +631,7 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
     std::vector<std::shared_ptr<const ucx::Parcel>> arrived =
         ucx_worker_->Collect(transfers.back(), slots, absl::Now() + options_.call_timeout);
     for (size_t k = 0; k < slots.size(); ++k) parcels[slots[k]] = std::move(arrived[k]);
-    PROXIMA_RETURN_IF_ERROR(ReceiveGetMessages(profile, out, begin, parcels));
+    PROXIMA_RETURN_IF_ERROR(ReceiveGetMessages(profile, out, begin, parcels, received_crcs));
   }
   for (size_t i = begin; i < end; ++i) {
     const v1::GetUcxResult& r = response.results(static_cast<int>(i - begin));
@@ -642,16 +643,21 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
     uint32_t crc = 0;
     if (as_messages) {
       // A message that did not arrive or of the wrong size is asked for again like a block
-      // damaged on its way. A rendezvous one (pending) has landed in the segments by now.
+      // damaged on its way. A rendezvous one (pending) has landed in the segments by now, and
+      // its CRC32C was taken there.
       const ucx::Parcel* parcel = parcels[i - begin].get();
       if (parcel == nullptr || parcel->size() != profile.block_bytes) {
         mismatched->push_back(i);
         continue;
       }
-      size_t offset = 0;
-      for (const auto& seg : out[i]) {
-        crc = parcel->pending() ? Crc32cExtend(crc, seg) : parcel->CopyTo(seg, offset, crc);
-        offset += seg.size();
+      if (parcel->pending()) {
+        crc = received_crcs[i - begin];
+      } else {
+        size_t offset = 0;
+        for (const auto& seg : out[i]) {
+          crc = parcel->CopyTo(seg, offset, crc);
+          offset += seg.size();
+        }
       }
     } else {
       for (const auto& seg : out[i]) crc = Crc32cExtend(crc, seg);
@@ -667,20 +673,21 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
 
 absl::Status Client::ReceiveGetMessages(const Profile& profile, std::span<const Segments> out,
                                         size_t begin,
-                                        std::span<std::shared_ptr<const ucx::Parcel>> parcels) {
+                                        std::span<std::shared_ptr<const ucx::Parcel>> parcels,
+                                        std::span<uint32_t> crcs) {
   // Each rendezvous message's bytes move from the daemon's memory straight into the block's
   // segment where it has one; a block of several segments lands in a buffer of its own and is
-  // scattered from there. A message of the wrong size is left for the caller's check.
+  // scattered from there, its CRC32C taken as it is copied. A message of the wrong size is left
+  // for the caller's check.
   struct Held {
-    std::vector<std::vector<std::byte>> gathered;
+    std::vector<std::unique_ptr<std::byte[]>> gathered;  // not zeroed: UCX writes all of it
     std::vector<std::shared_ptr<ucx::Registration>> registrations;
   };
   auto held = std::make_shared<Held>();
   std::vector<std::shared_ptr<const ucx::Parcel>> pending;
   std::vector<std::span<std::byte>> dst;
   std::vector<const ucx::Registration*> memh;
-  // Blocks received into a buffer of their own: (index into parcels, index into gathered).
-  std::vector<std::pair<size_t, size_t>> scattered;
+  std::vector<size_t> blocks;  // parcels' index of each pending one
   for (size_t k = 0; k < parcels.size(); ++k) {
     const std::shared_ptr<const ucx::Parcel>& parcel = parcels[k];
     if (parcel == nullptr || !parcel->pending() || parcel->size() != profile.block_bytes) continue;
@@ -692,12 +699,12 @@ absl::Status Client::ReceiveGetMessages(const Profile& profile, std::span<const 
       memh.push_back(r.get());
       if (r != nullptr) held->registrations.push_back(std::move(r));
     } else {
-      scattered.emplace_back(k, held->gathered.size());
-      held->gathered.emplace_back(parcel->size());
-      dst.push_back(held->gathered.back());
+      held->gathered.emplace_back(new std::byte[parcel->size()]);
+      dst.push_back({held->gathered.back().get(), parcel->size()});
       memh.push_back(nullptr);
     }
     pending.push_back(parcel);
+    blocks.push_back(k);
   }
   if (pending.empty()) return absl::OkStatus();
   std::shared_ptr<ucx::Endpoint> ep;
@@ -713,12 +720,19 @@ absl::Status Client::ReceiveGetMessages(const Profile& profile, std::span<const 
     if (absl::IsUnavailable(received)) ucx_session_stale_.store(true);
     return absl::Status(received.code(), absl::StrCat("GetUcx: ", received.message()));
   }
-  for (const auto& [k, g] : scattered) {
-    size_t offset = 0;
-    for (const auto& seg : out[begin + k]) {
-      std::memcpy(seg.data(), held->gathered[g].data() + offset, seg.size());
-      offset += seg.size();
+  for (size_t j = 0; j < pending.size(); ++j) {
+    const Segments& segments = out[begin + blocks[j]];
+    if (segments.size() == 1) {
+      crcs[blocks[j]] = Crc32c(segments[0]);
+      continue;
     }
+    uint32_t crc = 0;
+    const std::byte* from = dst[j].data();
+    for (const auto& seg : segments) {
+      crc = Crc32cCopy(seg, {from, seg.size()}, crc);
+      from += seg.size();
+    }
+    crcs[blocks[j]] = crc;
   }
   return absl::OkStatus();
 }

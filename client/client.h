@@ -381,12 +381,14 @@ class Client {
                           bool client_verifies, std::vector<bool>* found,
                           std::vector<size_t>* mismatched);
   // Has UCX move the bytes of the rendezvous messages among `parcels` (a GetUcx's, parcel k for
-  // block begin + k of `out`) into their blocks' segments, and waits for them (call_timeout).
-  // Eager parcels, missing ones and ones of the wrong size are left for the caller. UNAVAILABLE
-  // when the daemon failed mid-way or the time ran out (the endpoint to it is then closed).
+  // block begin + k of `out`) into their blocks' segments, waits for them (call_timeout), and
+  // sets crcs[k] to the CRC32C of the bytes that landed. Eager parcels, missing ones and ones of
+  // the wrong size are left for the caller. UNAVAILABLE when the daemon failed mid-way or the
+  // time ran out (the endpoint to it is then closed).
   absl::Status ReceiveGetMessages(const Profile& profile, std::span<const Segments> out,
                                   size_t begin,
-                                  std::span<std::shared_ptr<const ucx::Parcel>> parcels);
+                                  std::span<std::shared_ptr<const ucx::Parcel>> parcels,
+                                  std::span<uint32_t> crcs);
   // InvalidArgument unless `options` has no hints or one per key.
   static absl::Status CheckPutOptions(size_t keys, const PutOptions& options);
   // How a call's blocks move: as they are, through the pinned GPU staging halves (a segment in

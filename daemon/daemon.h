@@ -44,6 +44,8 @@ class Daemon {
 
   // The core the gRPC service calls (for in-process tests, e.g. of corruption in tier memory).
   TierService& core() { return *core_; }
+  // The UCX data plane, or null with ucx.enabled: false (for in-process tests).
+  UcxTransport* ucx() { return ucx_.get(); }
   // The cluster part, or null when cluster.enabled is false.
   cluster::Cluster* cluster() { return cluster_.get(); }
 

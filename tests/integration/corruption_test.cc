@@ -49,6 +49,11 @@ struct Path {
   client::Transport transport;
   const char* ucx_tls;  // UCX_TLS for the daemon and the client (both in this process), or null
   const char* name;
+  // The caller's ordinary buffers move through host staging (UCX over shared memory).
+  bool staged = false;
+  // Every get's blocks come as rendezvous messages (ClientOptions::ucx_rendezvous_get_bytes 0),
+  // moved straight into the caller's buffers and checked there.
+  bool rendezvous_gets = false;
 };
 
 void PrintTo(const Path& path, std::ostream* os) { *os << path.name; }
@@ -69,9 +74,10 @@ class CorruptionTest : public ::testing::TestWithParam<Path> {
     client::ClientOptions options;
     options.target = absl::StrCat("127.0.0.1:", daemon_->tcp_port());
     options.transport = GetParam().transport;
+    if (GetParam().rendezvous_gets) options.ucx_rendezvous_get_bytes = 0;
     ASSERT_OK_AND_ASSIGN(client_, Client::Connect(options));
     ASSERT_EQ(client_->transport(), GetParam().transport) << client_->transport_detail();
-    if (GetParam().ucx_tls != nullptr) {
+    if (GetParam().staged) {
       ASSERT_THAT(client_->transport_detail(), ::testing::HasSubstr("host staging"));
     }
     ASSERT_OK_AND_ASSIGN(profile_, client_->RegisterProfile(SmallModel()));
@@ -122,10 +128,11 @@ TEST_P(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
   }
   // The first answer carried the stored bytes without the daemon's check (the client verifies):
   // written straight into the caller's buffers, the corrupt block's buffer holds them, one bit
-  // off the block that was put; through host staging the client checks the half before copying
-  // out, so that buffer is never written.
+  // off the block that was put (a rendezvous get's bytes land there too, and are checked there);
+  // through host staging the client checks the half before copying out, so that buffer is never
+  // written.
   std::vector<std::byte> expected(profile_.block_bytes);
-  if (GetParam().ucx_tls == nullptr) {
+  if (!GetParam().staged) {
     client::FillTestBlock(kSeed, 3, expected);
     expected[12345] ^= std::byte{0x01};
   }
@@ -137,6 +144,17 @@ TEST_P(CorruptionTest, CorruptBlockIsAMissTheRestOfTheBatchArrivesIntact) {
   EXPECT_EQ(client_->crc_failures(), 0u);
   ASSERT_OK_AND_ASSIGN(size_t prefix, client_->Lookup(profile_, keys));
   EXPECT_EQ(prefix, 3u);  // block 3 is gone, so the chain's present prefix ends there
+  if (GetParam().rendezvous_gets) {
+    // The path under test was taken: the 8 blocks of the first ask came rendezvous (the second
+    // ask sent nothing: the daemon found both blocks corrupt). The daemon counts a send once it
+    // has seen it end, which can be just after the client's Get returned.
+    const uint64_t expected_bytes = 8 * profile_.block_bytes;
+    for (absl::Time end = absl::Now() + absl::Seconds(5);
+         daemon_->ucx()->worker().rendezvous_sent_bytes() < expected_bytes && absl::Now() < end;) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(daemon_->ucx()->worker().rendezvous_sent_bytes(), expected_bytes);
+  }
 
   // The dropped blocks can be stored again, and then read back intact.
   ASSERT_OK(client_->Put(profile_, std::span(keys).subspan(3, 1), std::span(in).subspan(3, 1))
@@ -178,7 +196,10 @@ INSTANTIATE_TEST_SUITE_P(Transports, CorruptionTest,
                          ::testing::Values(Path{client::Transport::kInline, nullptr, "inline"},
                                            Path{client::Transport::kUcx, nullptr, "ucx"},
                                            Path{client::Transport::kUcx, "posix,self",
-                                                "ucx_shm_host_staging"}),
+                                                "ucx_shm_host_staging", /*staged=*/true},
+                                           Path{client::Transport::kUcx, "tcp",
+                                                "ucx_tcp_rendezvous_gets", false,
+                                                /*rendezvous_gets=*/true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
