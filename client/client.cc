@@ -540,13 +540,9 @@ absl::Status Client::SendPutMessages(std::span<const ConstSegments> blocks, size
         "proximad's UCX worker is not reachable from this client any more; the call is retried "
         "on the next session");
   }
-  // A block in several segments is gathered into one buffer: one message per block. A block in
-  // registered memory is sent naming its registration.
-  struct Held {
-    std::vector<std::vector<std::byte>> gathered;
-    std::vector<std::shared_ptr<ucx::Registration>> registrations;
-  };
-  auto held = std::make_shared<Held>();
+  // One message per block: a block in several segments goes in pieces, which UCX gathers as it
+  // sends. A block in registered memory is sent naming its registration.
+  auto held = std::make_shared<std::vector<std::shared_ptr<ucx::Registration>>>();
   std::vector<ucx::Message> messages;
   messages.reserve(end - begin);
   for (size_t i = begin; i < end; ++i) {
@@ -555,16 +551,16 @@ absl::Status Client::SendPutMessages(std::span<const ConstSegments> blocks, size
       std::shared_ptr<ucx::Registration> r =
           FindRegistration(blocks[i][0].data(), blocks[i][0].size());
       messages.push_back({slot, blocks[i][0], r.get()});
-      if (r != nullptr) held->registrations.push_back(std::move(r));
+      if (r != nullptr) held->push_back(std::move(r));
       continue;
     }
-    std::vector<std::byte>& buffer = held->gathered.emplace_back();
-    for (const auto& seg : blocks[i]) buffer.insert(buffer.end(), seg.begin(), seg.end());
-    messages.push_back({slot, buffer});
+    ucx::Message& m = messages.emplace_back();
+    m.slot = slot;
+    m.pieces.assign(blocks[i].begin(), blocks[i].end());
   }
   // Every block of a profile has the same size: the batch is all rendezvous or all eager.
   const bool rendezvous =
-      !messages.empty() && messages.front().bytes.size() >= options_.ucx_rendezvous_bytes;
+      !messages.empty() && messages.front().size() >= options_.ucx_rendezvous_bytes;
   for (ucx::Message& m : messages) m.rendezvous = rendezvous;
   const uint64_t transfer = ucx_worker_->NewTransferId();
   request->set_ucx_transfer(transfer);
@@ -676,32 +672,23 @@ absl::Status Client::ReceiveGetMessages(const Profile& profile, std::span<const 
                                         std::span<std::shared_ptr<const ucx::Parcel>> parcels,
                                         std::span<uint32_t> crcs) {
   // Each rendezvous message's bytes move from the daemon's memory straight into the block's
-  // segment where it has one; a block of several segments lands in a buffer of its own and is
-  // scattered from there, its CRC32C taken as it is copied. A message of the wrong size is left
-  // for the caller's check.
-  struct Held {
-    std::vector<std::unique_ptr<std::byte[]>> gathered;  // not zeroed: UCX writes all of it
-    std::vector<std::shared_ptr<ucx::Registration>> registrations;
-  };
-  auto held = std::make_shared<Held>();
+  // segments (UCX scatters a block of several as the bytes arrive). A message of the wrong size
+  // is left for the caller's check.
+  auto held = std::make_shared<std::vector<std::shared_ptr<ucx::Registration>>>();
   std::vector<std::shared_ptr<const ucx::Parcel>> pending;
-  std::vector<std::span<std::byte>> dst;
-  std::vector<const ucx::Registration*> memh;
+  std::vector<ucx::Destination> dst;
   std::vector<size_t> blocks;  // parcels' index of each pending one
   for (size_t k = 0; k < parcels.size(); ++k) {
     const std::shared_ptr<const ucx::Parcel>& parcel = parcels[k];
     if (parcel == nullptr || !parcel->pending() || parcel->size() != profile.block_bytes) continue;
     const Segments& segments = out[begin + k];
+    ucx::Destination& d = dst.emplace_back();
+    d.pieces.assign(segments.begin(), segments.end());
     if (segments.size() == 1) {
       std::shared_ptr<ucx::Registration> r =
           FindRegistration(segments[0].data(), segments[0].size());
-      dst.push_back(segments[0]);
-      memh.push_back(r.get());
-      if (r != nullptr) held->registrations.push_back(std::move(r));
-    } else {
-      held->gathered.emplace_back(new std::byte[parcel->size()]);
-      dst.push_back({held->gathered.back().get(), parcel->size()});
-      memh.push_back(nullptr);
+      d.memh = r.get();
+      if (r != nullptr) held->push_back(std::move(r));
     }
     pending.push_back(parcel);
     blocks.push_back(k);
@@ -714,24 +701,15 @@ absl::Status Client::ReceiveGetMessages(const Profile& profile, std::span<const 
   }
   // Past the deadline the endpoint to the daemon (where this client has one) is closed by force,
   // so that nothing more lands in the caller's memory once this returns.
-  absl::Status received = ucx_worker_->Receive(pending, dst, memh, held,
-                                               absl::Now() + options_.call_timeout, ep.get());
+  absl::Status received =
+      ucx_worker_->Receive(pending, dst, held, absl::Now() + options_.call_timeout, ep.get());
   if (!received.ok()) {
     if (absl::IsUnavailable(received)) ucx_session_stale_.store(true);
     return absl::Status(received.code(), absl::StrCat("GetUcx: ", received.message()));
   }
   for (size_t j = 0; j < pending.size(); ++j) {
-    const Segments& segments = out[begin + blocks[j]];
-    if (segments.size() == 1) {
-      crcs[blocks[j]] = Crc32c(segments[0]);
-      continue;
-    }
     uint32_t crc = 0;
-    const std::byte* from = dst[j].data();
-    for (const auto& seg : segments) {
-      crc = Crc32cCopy(seg, {from, seg.size()}, crc);
-      from += seg.size();
-    }
+    for (const auto& seg : out[begin + blocks[j]]) crc = Crc32cExtend(crc, seg);
     crcs[blocks[j]] = crc;
   }
   return absl::OkStatus();

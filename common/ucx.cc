@@ -220,6 +220,8 @@ struct Worker::TransferState {
   bool wants_crc = false;  // a kGet asks for its CRC32C: the caller reads `local` after
   std::vector<MessageHeader> headers;  // Send()'s, one per message (UCX reads them until done)
   uint64_t rendezvous_bytes = 0;       // of Send()'s messages, those sent rendezvous
+  // The IOV arrays of messages sent or received in pieces (UCX reads them until done).
+  std::vector<std::vector<ucp_dt_iov_t>> iovs;
   // Sending::Detach: past `detach_deadline` the progress thread closes the endpoint by force.
   // Progress thread only.
   bool detached = false;
@@ -1203,7 +1205,7 @@ absl::StatusOr<std::unique_ptr<Sending>> Worker::StartSend(Endpoint& endpoint, u
   for (size_t i = 0; i < messages.size(); ++i) {
     st->headers[i].slot = messages[i].slot;
     st->headers[i].transfer = transfer;
-    if (messages[i].rendezvous) st->rendezvous_bytes += messages[i].bytes.size();
+    if (messages[i].rendezvous) st->rendezvous_bytes += messages[i].size();
   }
   Post([this, st, messages = std::move(messages)] {
     ucp_ep_h ep = Begin(st);
@@ -1217,16 +1219,39 @@ absl::StatusOr<std::unique_ptr<Sending>> Worker::StartSend(Endpoint& endpoint, u
       ucp_request_param_t p = param;
       // Eager unless asked: a rendezvous message completes only once the receiver has taken it.
       p.flags = messages[i].rendezvous ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
-      if (messages[i].memh != nullptr) {
+      const void* buffer = messages[i].bytes.data();
+      size_t count = messages[i].bytes.size();
+      if (!messages[i].pieces.empty()) {  // gathered by UCX as it sends
+        std::vector<ucp_dt_iov_t>& iov = st->iovs.emplace_back();
+        for (std::span<const std::byte> piece : messages[i].pieces) {
+          iov.push_back({const_cast<std::byte*>(piece.data()), piece.size()});
+        }
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        p.datatype = ucp_dt_make_iov();
+        buffer = iov.data();
+        count = iov.size();
+      } else if (messages[i].memh != nullptr) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = messages[i].memh->memh();
       }
       Track(st.get(), ucp_am_send_nbx(ep, kMessageAmId, &st->headers[i], sizeof(MessageHeader),
-                                      messages[i].bytes.data(), messages[i].bytes.size(), &p));
+                                      buffer, count, &p));
     }
     FinishOp(st.get(), UCS_OK);
   });
   return std::unique_ptr<Sending>(new Sending(std::move(sending)));
+}
+
+size_t Message::size() const {
+  size_t n = bytes.size();
+  for (std::span<const std::byte> piece : pieces) n += piece.size();
+  return n;
+}
+
+size_t Destination::size() const {
+  size_t n = 0;
+  for (std::span<std::byte> piece : pieces) n += piece.size();
+  return n;
 }
 
 Sending::~Sending() = default;
@@ -1252,14 +1277,12 @@ absl::Status Sending::Wait(absl::Time deadline) {
 }
 
 absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parcels,
-                             std::span<const std::span<std::byte>> dst,
-                             std::span<const Registration* const> memh,
+                             std::span<const Destination> dst,
                              std::shared_ptr<const void> keep_alive, absl::Time deadline,
                              Endpoint* sender) {
-  if (dst.size() != parcels.size() || (!memh.empty() && memh.size() != parcels.size())) {
+  if (dst.size() != parcels.size()) {
     return absl::InvalidArgumentError(absl::StrCat("UCX Receive: ", parcels.size(),
-                                                   " messages, ", dst.size(), " destinations and ",
-                                                   memh.size(), " registrations"));
+                                                   " messages and ", dst.size(), " destinations"));
   }
   for (size_t i = 0; i < parcels.size(); ++i) {
     const Parcel* parcel = parcels[i].get();
@@ -1281,14 +1304,26 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
   if (sender != nullptr) st->sender = sender->state_;
   struct Target {
     void* descriptor;
-    std::span<std::byte> dst;
+    void* buffer;  // the bytes, or the IOV array (st->iovs) of a destination in pieces
+    size_t count;  // bytes, or IOV entries
+    bool iov;
     ucp_mem_h memh;
   };
   std::vector<Target> targets;
   targets.reserve(parcels.size());
   for (size_t i = 0; i < parcels.size(); ++i) {
-    targets.push_back({parcels[i]->ucx_data_, dst[i],
-                       memh.empty() || memh[i] == nullptr ? nullptr : memh[i]->memh()});
+    Target t{parcels[i]->ucx_data_, nullptr, 0, dst[i].pieces.size() > 1, nullptr};
+    if (t.iov) {
+      std::vector<ucp_dt_iov_t>& iov = st->iovs.emplace_back();
+      for (std::span<std::byte> piece : dst[i].pieces) iov.push_back({piece.data(), piece.size()});
+      t.buffer = iov.data();
+      t.count = iov.size();
+    } else if (!dst[i].pieces.empty()) {
+      t.buffer = dst[i].pieces[0].data();
+      t.count = dst[i].pieces[0].size();
+      if (dst[i].memh != nullptr) t.memh = dst[i].memh->memh();
+    }
+    targets.push_back(t);
     parcels[i]->ucx_data_ = nullptr;  // taken: UCX frees it once the bytes have moved
   }
   Post([this, st, targets = std::move(targets)] {
@@ -1304,12 +1339,14 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
         continue;
       }
       ucp_request_param_t p = param;
-      if (t.memh != nullptr) {
+      if (t.iov) {  // scattered by UCX as the bytes arrive
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        p.datatype = ucp_dt_make_iov();
+      } else if (t.memh != nullptr) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = t.memh;
       }
-      Track(st.get(),
-            ucp_am_recv_data_nbx(worker_, t.descriptor, t.dst.data(), t.dst.size(), &p));
+      Track(st.get(), ucp_am_recv_data_nbx(worker_, t.descriptor, t.buffer, t.count, &p));
     }
     FinishOp(st.get(), UCS_OK);
   });
@@ -1329,7 +1366,7 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
   }
   if (st->result.ok()) {
     uint64_t moved = 0;
-    for (const auto& d : dst) moved += d.size();
+    for (const Destination& d : dst) moved += d.size();
     rendezvous_bytes_.fetch_add(moved);
   }
   return st->result;

@@ -192,6 +192,21 @@ struct Message {
   // receiver drops the message. Eager (false): the bytes travel at once and the receiver holds
   // them until it collects them (a copy more, into memory UCX allocates per message).
   bool rendezvous = false;
+  // Instead of `bytes` (then empty): the message is these pieces in order, e.g. a block spread
+  // over one buffer per layer. UCX gathers them as it sends (an IOV datatype), with no copy
+  // here; `memh` is not used.
+  std::vector<std::span<const std::byte>> pieces;
+  // The message's length: `bytes`, or its pieces together.
+  size_t size() const;
+};
+
+// Where Worker::Receive puts one message: one span, or several in order that UCX scatters the
+// bytes into as they arrive (an IOV datatype). `memh` (may be null): a registration of the
+// receiving worker covering a single span; not used for several.
+struct Destination {
+  std::vector<std::span<std::byte>> pieces;
+  const Registration* memh = nullptr;
+  size_t size() const;
 };
 
 // The messages of a Worker::StartSend on their way.
@@ -315,22 +330,19 @@ class Worker {
                                                      std::vector<Message> messages,
                                                      std::shared_ptr<const void> keep_alive);
 
-  // Moves the bytes of pending (rendezvous) messages from their senders into `dst`, one span per
-  // parcel, each exactly the parcel's size(), and waits for them until `deadline`. `memh` (may
-  // be null), one per parcel or empty: a registration of this worker covering the span.
-  // `keep_alive` owns the destinations: UCX may still write into them after a deadline passed,
+  // Moves the bytes of pending (rendezvous) messages from their senders into `dst`, one
+  // destination per parcel, each exactly the parcel's size(), and waits for them until
+  // `deadline`. `keep_alive` owns the destinations: UCX may still write into them after a deadline passed,
   // so it is released only when UCX is done with them. Each parcel is consumed (its handle no
   // longer tells the sender anything when dropped). UNAVAILABLE when a sender failed mid-way or
   // the deadline passed (the destinations' bytes are then undefined); INVALID_ARGUMENT when a
-  // parcel is not pending or its span's size differs. `sender` (may be null): an endpoint to the
+  // parcel is not pending or its destination's size differs. `sender` (may be null): an endpoint to the
   // peer that sent the parcels; past the deadline it is closed by force, which stops the bytes
   // still on their way (use it where `keep_alive` cannot own the destinations: after that, UCX
   // writes no more into them once Receive has returned).
   absl::Status Receive(std::span<const std::shared_ptr<const Parcel>> parcels,
-                       std::span<const std::span<std::byte>> dst,
-                       std::span<const Registration* const> memh,
-                       std::shared_ptr<const void> keep_alive, absl::Time deadline,
-                       Endpoint* sender = nullptr);
+                       std::span<const Destination> dst, std::shared_ptr<const void> keep_alive,
+                       absl::Time deadline, Endpoint* sender = nullptr);
 
   // A transfer id for peers to Send() to this worker: random, nonzero.
   uint64_t NewTransferId();

@@ -589,7 +589,7 @@ TEST_P(UcxTest, RendezvousMessagesLandWhereTheReceiverSaysAndUnwantedOnesEndThei
       b_->Collect(transfer, slots, absl::Now() + absl::Seconds(10));
   ASSERT_EQ(got.size(), slots.size());
   std::vector<std::vector<std::byte>> dst;
-  std::vector<std::span<std::byte>> spans;
+  std::vector<Destination> spans;
   for (size_t i = 0; i < sizes.size(); ++i) {
     ASSERT_NE(got[i], nullptr) << i;
     EXPECT_TRUE(got[i]->pending()) << i;
@@ -597,18 +597,18 @@ TEST_P(UcxTest, RendezvousMessagesLandWhereTheReceiverSaysAndUnwantedOnesEndThei
     EXPECT_TRUE(got[i]->bytes().empty()) << i;
     dst.emplace_back(sizes[i], std::byte{0xee});
   }
-  for (auto& d : dst) spans.push_back(d);
+  for (auto& d : dst) spans.push_back({{d}});
   // A destination of the wrong size is refused before anything moves; the messages stay
   // receivable.
-  std::vector<std::span<std::byte>> short_spans = spans;
-  short_spans[2] = short_spans[2].first(sizes[2] - 1);
-  EXPECT_THAT(b_->Receive(got, short_spans, {}, nullptr, absl::Now() + absl::Seconds(10)),
+  std::vector<Destination> short_spans = spans;
+  short_spans[2].pieces[0] = short_spans[2].pieces[0].first(sizes[2] - 1);
+  EXPECT_THAT(b_->Receive(got, short_spans, nullptr, absl::Now() + absl::Seconds(10)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination is")));
-  ASSERT_OK(b_->Receive(got, spans, {}, nullptr, absl::Now() + absl::Seconds(20)));
+  ASSERT_OK(b_->Receive(got, spans, nullptr, absl::Now() + absl::Seconds(20)));
   for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(dst[i], payloads[i]) << i;
   ASSERT_OK(sending->Wait(absl::Now() + absl::Seconds(10)));
   // Taken once: a second Receive of the same messages is refused.
-  EXPECT_THAT(b_->Receive(got, spans, {}, nullptr, absl::Now() + absl::Seconds(1)),
+  EXPECT_THAT(b_->Receive(got, spans, nullptr, absl::Now() + absl::Seconds(1)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("left to take")));
   got.clear();
 
@@ -642,9 +642,52 @@ TEST_P(UcxTest, RendezvousMessagesLandWhereTheReceiverSaysAndUnwantedOnesEndThei
   ASSERT_NE(got[0], nullptr);
   EXPECT_FALSE(got[0]->pending());
   std::vector<std::byte> out(payloads[1].size());
-  const std::span<std::byte> out_span[] = {out};
-  EXPECT_THAT(b_->Receive(got, out_span, {}, nullptr, absl::Now() + absl::Seconds(1)),
+  const Destination out_span[] = {{{out}}};
+  EXPECT_THAT(b_->Receive(got, out_span, nullptr, absl::Now() + absl::Seconds(1)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not a rendezvous")));
+}
+
+// A message sent in pieces (Message::pieces: UCX gathers them) arrives as one message, eager or
+// rendezvous; a rendezvous one is received into pieces of another split (Destination: UCX
+// scatters it), byte-exact, many pieces included.
+TEST_P(UcxTest, MessagesInPiecesAreGatheredAndScatteredByUcx) {
+  auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(ep.status());
+  const std::vector<std::byte> payload = Pattern(3 << 20, 11);
+  // Sent in 3 uneven pieces; received in 64 even ones.
+  const std::span<const std::byte> whole(payload);
+  const std::vector<std::span<const std::byte>> sent = {
+      whole.first(1000), whole.subspan(1000, (1 << 20) - 1000), whole.subspan(1 << 20)};
+  const uint32_t zero[] = {0};
+  for (bool rendezvous : {false, true}) {
+    Message m;
+    m.pieces = sent;
+    m.rendezvous = rendezvous;
+    EXPECT_EQ(m.size(), payload.size());
+    const uint64_t transfer = b_->NewTransferId();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Sending> sending,
+                         a_->StartSend(**ep, transfer, {m}, nullptr));
+    std::vector<std::shared_ptr<const Parcel>> got =
+        b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+    ASSERT_NE(got[0], nullptr) << rendezvous;
+    ASSERT_EQ(got[0]->size(), payload.size()) << rendezvous;
+    ASSERT_EQ(got[0]->pending(), rendezvous);
+    std::vector<std::byte> out(payload.size(), std::byte{0xee});
+    if (rendezvous) {
+      Destination d;
+      for (size_t at = 0; at < out.size(); at += out.size() / 64) {
+        d.pieces.push_back(std::span(out).subspan(at, out.size() / 64));
+      }
+      EXPECT_EQ(d.size(), out.size());
+      const Destination dst[] = {d};
+      ASSERT_OK(b_->Receive(got, dst, nullptr, absl::Now() + absl::Seconds(20)));
+    } else {
+      got[0]->CopyTo(out);
+    }
+    EXPECT_EQ(out, payload) << rendezvous;
+    got.clear();
+    ASSERT_OK(sending->Wait(absl::Now() + absl::Seconds(10)));
+  }
 }
 
 // A detached rendezvous send (Sending::Detach) is left to the worker: taken in time, it ends
@@ -669,8 +712,8 @@ TEST_P(UcxTest, ADetachedRendezvousSendEndsWhenTakenOrAtItsDeadline) {
   ASSERT_NE(got[0], nullptr);
   ASSERT_TRUE(got[0]->pending());
   std::vector<std::byte> dst(payload->size());
-  const std::span<std::byte> dst_span[] = {dst};
-  ASSERT_OK(b_->Receive(got, dst_span, {}, nullptr, absl::Now() + absl::Seconds(10)));
+  const Destination dst_span[] = {{{dst}}};
+  ASSERT_OK(b_->Receive(got, dst_span, nullptr, absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(dst, *payload);
   got.clear();
   const std::vector<std::byte> expected = *payload;

@@ -421,8 +421,7 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
         worker_->Collect(transfer, slots, CollectDeadline(transfer_deadline), ep.get());
     collected = true;
     std::vector<std::shared_ptr<const ucx::Parcel>> pending;
-    std::vector<std::span<std::byte>> pending_dst;
-    std::vector<const ucx::Registration*> pending_memh;
+    std::vector<ucx::Destination> pending_dst;
     for (size_t j = 0; j < blocks.size(); ++j) {
       if (parcels[j] == nullptr) {
         const absl::Status health = ep->health();
@@ -441,15 +440,14 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
       }
       if (parcels[j]->pending()) {
         pending.push_back(parcels[j]);
-        pending_dst.push_back(dst[j]);
         // A block bound for a GPU pool lands in host memory of the call's own, outside the
         // arena's registration (TierService::PutPulled).
-        pending_memh.push_back(ArenaCovering(dst[j]));
+        pending_dst.push_back({{dst[j]}, ArenaCovering(dst[j])});
       }
     }
     if (!pending.empty()) {
-      absl::Status received = worker_->Receive(pending, pending_dst, pending_memh,
-                                               std::move(owner), transfer_deadline);
+      absl::Status received =
+          worker_->Receive(pending, pending_dst, std::move(owner), transfer_deadline);
       if (!received.ok()) {
         return absl::Status(received.code(),
                             absl::StrCat("PutUcx ucx_transfer ", transfer, ": ", received.message(),

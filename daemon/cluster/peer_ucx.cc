@@ -91,7 +91,7 @@ absl::Status PeerUcx::SendTo(const std::string& address, uint64_t transfer,
                              std::vector<ucx::Message> messages,
                              std::shared_ptr<const void> keep_alive, absl::Time deadline) {
   uint64_t bytes = 0;
-  for (const ucx::Message& m : messages) bytes += m.bytes.size();
+  for (const ucx::Message& m : messages) bytes += m.size();
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = EndpointTo(address, deadline);
   if (!ep.ok()) {
     return absl::FailedPreconditionError(

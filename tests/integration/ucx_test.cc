@@ -1122,15 +1122,15 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   const uint64_t rendezvous_sent_before = Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total");
   parcels = rendezvous_get(20);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes"), 3 * block_bytes_);
-  std::vector<std::span<std::byte>> spans;
+  std::vector<ucx::Destination> spans;
   for (size_t i = 0; i < 3; ++i) {
     ASSERT_NE(parcels[i], nullptr) << i;
     EXPECT_TRUE(parcels[i]->pending()) << i;
-    spans.push_back(std::span(dst).subspan(i * block_bytes_, block_bytes_));
+    spans.push_back({{std::span(dst).subspan(i * block_bytes_, block_bytes_)}});
   }
-  ASSERT_OK(worker_->Receive(parcels, spans, {}, nullptr, absl::Now() + absl::Seconds(10)));
+  ASSERT_OK(worker_->Receive(parcels, spans, nullptr, absl::Now() + absl::Seconds(10)));
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(std::memcmp(spans[i].data(), block(i).data(), block_bytes_), 0) << i;
+    EXPECT_EQ(std::memcmp(dst.data() + i * block_bytes_, block(i).data(), block_bytes_), 0) << i;
     EXPECT_EQ(got.results(i).crc32c(), Crc32c(block(i)));
   }
   parcels.clear();
