@@ -185,9 +185,29 @@ v1::ModelProfile BenchModel(uint64_t block_bytes) {
   return model;
 }
 
+namespace {
+
+// Each block cut into `pieces` equal consecutive spans (the last takes the remainder).
+template <typename Byte>
+std::vector<std::vector<std::span<Byte>>> CutInPieces(std::span<const std::span<Byte>> blocks,
+                                                      int pieces) {
+  std::vector<std::vector<std::span<Byte>>> out;
+  for (std::span<Byte> block : blocks) {
+    std::vector<std::span<Byte>>& cut = out.emplace_back();
+    const size_t each = block.size() / pieces;
+    for (int k = 0; k < pieces; ++k) {
+      cut.push_back(block.subspan(k * each, k + 1 < pieces ? each : block.size() - k * each));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 Result RunProxima(const std::string& target, pid_t server, const LoadShape& shape,
                   client::Transport transport) {
   const int clients = shape.clients, batch = shape.batch, rounds = shape.rounds;
+  const int pieces = std::max(shape.segments_per_block, 1);
   const uint64_t block_bytes = shape.block_bytes;
   const size_t blocks_per_client = shape.blocks_per_client;
   std::atomic<uint64_t> errors{0};
@@ -249,7 +269,9 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
         std::memcpy(data[i].data(), blocks[id].data() + (b + i) * block_bytes, block_bytes);
         spans.emplace_back(data[i]);
       }
-      auto r = conns[id]->Put(profile, std::span(keys[id]).subspan(b, n), spans);
+      auto r = pieces > 1 ? conns[id]->PutScattered(profile, std::span(keys[id]).subspan(b, n),
+                                                    CutInPieces<const std::byte>(spans, pieces))
+                          : conns[id]->Put(profile, std::span(keys[id]).subspan(b, n), spans);
       if (!r.ok()) ++errors;
     }
   });
@@ -259,7 +281,10 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
       for (size_t b = 0; b < blocks_per_client; b += batch) {
         size_t n = std::min<size_t>(batch, blocks_per_client - b);
         std::vector<std::span<std::byte>> spans(data.begin(), data.begin() + n);
-        auto found = conns[id]->Get(profile, std::span(keys[id]).subspan(b, n), spans);
+        auto found = pieces > 1
+                         ? conns[id]->GetScattered(profile, std::span(keys[id]).subspan(b, n),
+                                                   CutInPieces<std::byte>(spans, pieces))
+                         : conns[id]->Get(profile, std::span(keys[id]).subspan(b, n), spans);
         if (!found.ok()) {
           ++errors;
           continue;

@@ -60,6 +60,9 @@ struct LoadShape {
   bool ucx_messages = true;
   size_t ucx_rendezvous_bytes = client::ClientOptions{}.ucx_rendezvous_bytes;
   size_t ucx_rendezvous_get_bytes = client::ClientOptions{}.ucx_rendezvous_get_bytes;
+  // RunProxima: each block in this many equal pieces (PutScattered / GetScattered), as an engine
+  // that keeps one buffer per layer hands its blocks over; 1: one span per block.
+  int segments_per_block = 1;
   // RunProxima: which test chains the clients store (client i stores chain key_seed << 16 | i).
   // Give every run on one daemon its own: a put of blocks already stored moves no bytes.
   uint64_t key_seed = 0;

@@ -18,10 +18,13 @@
 // p50/p99 latency of a single 2 MiB Get over UCX (each buffer kind) and inline. One JSON object
 // per line:
 //   {"bench":"transfer","metric":"get_throughput","transport":"tcp","buffers":"heap",
-//    "block_bytes":2097152,"clients":1,"value":1.1,"unit":"GB/s","baselines":{"ucx_perftest":1.3,
+//    "block_bytes":2097152,"segments_per_block":1,"clients":1,"value":1.1,"unit":"GB/s",
+//    "baselines":{"ucx_perftest":1.3,
 //    "inline":0.5,"redis":0.7,"tcp_stream":1.5},"ratio_perftest":0.85,"ratio_inline":2.2,
 //    "ratio_redis":1.6,"ratio_tcp_stream":0.73}
 // (tcp_stream on tcp lines; memcpy and ratio_memcpy in their place on shared-memory lines).
+// --segments_per_block=N hands the UCX clients' blocks over in N pieces each (the baselines move
+// whole blocks).
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -68,6 +71,9 @@ ABSL_FLAG(bool, ucx_messages, true,
 ABSL_FLAG(int64_t, ucx_rendezvous_bytes, -1,
           "the clients' ClientOptions::ucx_rendezvous_bytes (-1: the default): puts of blocks of "
           "at least this size go as rendezvous messages, smaller ones eager (for an A/B)");
+ABSL_FLAG(int, segments_per_block, 1,
+          "each Proxima block handed over in this many equal pieces (PutScattered / "
+          "GetScattered), as an engine with one buffer per layer does; 1: one span per block");
 ABSL_FLAG(int64_t, ucx_rendezvous_get_bytes, -1,
           "the clients' ClientOptions::ucx_rendezvous_get_bytes (-1: the default): gets of "
           "blocks of at least this size come as rendezvous messages, smaller ones eager (A/B)");
@@ -140,12 +146,12 @@ void PrintThroughput(const char* metric, const std::string& transport, const std
   }
   std::printf(
       "{\"bench\":\"transfer\",\"metric\":\"%s\",\"transport\":\"%s\",\"buffers\":\"%s\","
-      "\"block_bytes\":%llu,"
+      "\"block_bytes\":%llu,\"segments_per_block\":%d,"
       "\"clients\":%d,\"value\":%.3f,\"unit\":\"GB/s\",\"baselines\":{\"ucx_perftest\":%.3f,"
       "\"inline\":%.3f,\"redis\":%.3f%s},\"ratio_perftest\":%.3f,\"ratio_inline\":%.3f,"
       "\"ratio_redis\":%.3f%s}\n",
       metric, transport.c_str(), buffers.c_str(), static_cast<unsigned long long>(block_bytes),
-      clients, value, perftest, inline_gbps, redis, baseline.c_str(), value / perftest,
+      absl::GetFlag(FLAGS_segments_per_block), clients, value, perftest, inline_gbps, redis, baseline.c_str(), value / perftest,
       value / inline_gbps, value / redis, ratio.c_str());
   std::fflush(stdout);
 }
@@ -302,6 +308,7 @@ int main(int argc, char** argv) {
             s.ucx_messages = absl::GetFlag(FLAGS_ucx_messages);
             s.ucx_rendezvous_bytes = PutRendezvousBytes();
             s.ucx_rendezvous_get_bytes = GetRendezvousBytes();
+            s.segments_per_block = absl::GetFlag(FLAGS_segments_per_block);
             s.key_seed = ++runs;
             ucx_runs[k].push_back(proxima::bench::RunProxima(target, daemon, s, Transport::kUcx));
           }

@@ -245,9 +245,10 @@ class Client {
 
   // Put and Get of blocks given as scatter/gather lists (see Segments). Over inline, blocks of
   // several segments are gathered into (scattered from) a contiguous buffer; over UCX each block
-  // moves as one message gathered here from its segments (scattered here into them), or, where
-  // the daemon maps this process's memory (shared memory) or ucx_messages is false, the daemon
-  // reads (writes) the segments directly.
+  // moves as one message that UCX gathers from its segments as it sends (and, for a rendezvous
+  // get, scatters into them as the bytes arrive; an eager get's message is copied into them
+  // here), or, where the daemon maps this process's memory (shared memory) or ucx_messages is
+  // false, the daemon reads (writes) the segments directly.
   absl::StatusOr<std::vector<PutOutcome>> PutScattered(const Profile& profile,
                                                        std::span<const BlockKey> keys,
                                                        std::span<const ConstSegments> blocks,
