@@ -696,32 +696,41 @@ TEST_P(UcxTest, MessagesInPiecesAreGatheredAndScatteredByUcx) {
 TEST_P(UcxTest, ADetachedRendezvousSendEndsWhenTakenOrAtItsDeadline) {
   auto ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
   ASSERT_OK(ep.status());
-  auto payload = std::make_shared<std::vector<std::byte>>(Pattern(2 << 20, 9));
-  std::weak_ptr<std::vector<std::byte>> released = payload;
+  const std::vector<std::byte> expected = Pattern(2 << 20, 9);
   const uint32_t zero[] = {0};
   const uint64_t sent_before = a_->rendezvous_sent_bytes();
+  // Sends a copy of `expected` rendezvous over `ep`, detached with `deadline`, keeping nothing
+  // of it here but `released` (expires once UCX lets go of the bytes); returns the receiver's
+  // collected parcel.
+  std::weak_ptr<std::vector<std::byte>> released;
+  auto send_detached = [&](Endpoint& on, absl::Time deadline) {
+    auto payload = std::make_shared<std::vector<std::byte>>(expected);
+    released = payload;
+    const uint64_t transfer = b_->NewTransferId();
+    absl::StatusOr<std::unique_ptr<Sending>> sending =
+        a_->StartSend(on, transfer, {{0, *payload, nullptr, /*rendezvous=*/true}}, payload);
+    EXPECT_OK(sending.status());
+    if (sending.ok()) (*sending)->Detach(deadline);
+    return b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+  };
+  auto wait_released = [&](absl::Duration timeout) {
+    for (absl::Time end = absl::Now() + timeout; !released.expired() && absl::Now() < end;) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return released.expired();
+  };
 
-  uint64_t transfer = b_->NewTransferId();
-  ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<Sending> sending,
-      a_->StartSend(**ep, transfer, {{0, *payload, nullptr, /*rendezvous=*/true}}, payload));
-  sending->Detach(absl::Now() + absl::Seconds(20));
-  sending.reset();
+  // Taken in time: ends as a waited-for send does.
   std::vector<std::shared_ptr<const Parcel>> got =
-      b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+      send_detached(**ep, absl::Now() + absl::Seconds(20));
   ASSERT_NE(got[0], nullptr);
   ASSERT_TRUE(got[0]->pending());
-  std::vector<std::byte> dst(payload->size());
+  std::vector<std::byte> dst(expected.size());
   const Destination dst_span[] = {{{dst}}};
   ASSERT_OK(b_->Receive(got, dst_span, nullptr, absl::Now() + absl::Seconds(10)));
-  EXPECT_EQ(dst, *payload);
+  EXPECT_EQ(dst, expected);
   got.clear();
-  const std::vector<std::byte> expected = *payload;
-  payload.reset();
-  for (absl::Time end = absl::Now() + absl::Seconds(10); !released.expired() && absl::Now() < end;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_TRUE(released.expired()) << "the taken send still holds its bytes";
+  EXPECT_TRUE(wait_released(absl::Seconds(10))) << "the taken send still holds its bytes";
   EXPECT_EQ(a_->rendezvous_sent_bytes(), sent_before + expected.size());
   EXPECT_OK((*ep)->health());
 
@@ -730,22 +739,10 @@ TEST_P(UcxTest, ADetachedRendezvousSendEndsWhenTakenOrAtItsDeadline) {
   // closed by force: the send then waits for its receiver, which is why a daemon detaches
   // rendezvous sends only over transports that have it.)
   if (std::string(GetParam()) != "tcp") return;
-  payload = std::make_shared<std::vector<std::byte>>(expected);
-  released = payload;
-  transfer = b_->NewTransferId();
-  ASSERT_OK_AND_ASSIGN(
-      sending,
-      a_->StartSend(**ep, transfer, {{0, *payload, nullptr, /*rendezvous=*/true}}, payload));
   const absl::Time start = absl::Now();
-  sending->Detach(start + absl::Milliseconds(300));
-  sending.reset();
-  payload.reset();
-  got = b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+  got = send_detached(**ep, start + absl::Milliseconds(300));
   ASSERT_NE(got[0], nullptr);
-  for (absl::Time end = absl::Now() + absl::Seconds(15); !released.expired() && absl::Now() < end;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_TRUE(released.expired()) << "the send past its deadline still holds its bytes";
+  EXPECT_TRUE(wait_released(absl::Seconds(15))) << "the send past its deadline still holds its bytes";
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
   EXPECT_THAT((*ep)->health(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
   EXPECT_EQ(a_->rendezvous_sent_bytes(), sent_before + expected.size());  // not counted
@@ -755,22 +752,11 @@ TEST_P(UcxTest, ADetachedRendezvousSendEndsWhenTakenOrAtItsDeadline) {
   // graceful close would wait for that receiver), and the bytes are released at once.
   ep = a_->Connect(b_->address(), absl::Now() + absl::Seconds(10));
   ASSERT_OK(ep.status());
-  payload = std::make_shared<std::vector<std::byte>>(expected);
-  released = payload;
-  transfer = b_->NewTransferId();
-  ASSERT_OK_AND_ASSIGN(
-      sending,
-      a_->StartSend(**ep, transfer, {{0, *payload, nullptr, /*rendezvous=*/true}}, payload));
-  sending->Detach(absl::Now() + absl::Seconds(60));
-  sending.reset();
-  payload.reset();
-  got = b_->Collect(transfer, zero, absl::Now() + absl::Seconds(10));
+  got = send_detached(**ep, absl::Now() + absl::Seconds(60));
   ASSERT_NE(got[0], nullptr);
   ep->reset();
-  for (absl::Time end = absl::Now() + absl::Seconds(10); !released.expired() && absl::Now() < end;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  EXPECT_TRUE(released.expired()) << "the dropped endpoint's detached send still holds its bytes";
+  EXPECT_TRUE(wait_released(absl::Seconds(10)))
+      << "the dropped endpoint's detached send still holds its bytes";
   got.clear();
 }
 
