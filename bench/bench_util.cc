@@ -215,14 +215,13 @@ Result RunProxima(const std::string& target, pid_t server, const LoadShape& shap
   std::vector<std::unique_ptr<proxima::client::Client>> conns(clients);
   proxima::client::Profile profile;
   for (int c = 0; c < clients; ++c) {
-    auto client = proxima::client::Client::Connect({.target = target,
-                                                    .transport = transport,
-                                                    .host_staging = shape.host_staging,
-                                                    .ucx_messages = shape.ucx_messages,
-                                                    .ucx_rendezvous_bytes =
-                                                        shape.ucx_rendezvous_bytes,
-                                                    .ucx_rendezvous_get_bytes =
-                                                        shape.ucx_rendezvous_get_bytes});
+    auto client = proxima::client::Client::Connect(
+        {.target = target,
+         .transport = transport,
+         .host_staging = shape.host_staging,
+         .ucx_messages = shape.ucx_messages,
+         .ucx_rendezvous_bytes = shape.ucx_rendezvous_bytes,
+         .ucx_rendezvous_get_bytes = shape.ucx_rendezvous_get_bytes});
     if (!client.ok()) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
       std::exit(1);

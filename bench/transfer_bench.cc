@@ -151,8 +151,8 @@ void PrintThroughput(const char* metric, const std::string& transport, const std
       "\"inline\":%.3f,\"redis\":%.3f%s},\"ratio_perftest\":%.3f,\"ratio_inline\":%.3f,"
       "\"ratio_redis\":%.3f%s}\n",
       metric, transport.c_str(), buffers.c_str(), static_cast<unsigned long long>(block_bytes),
-      absl::GetFlag(FLAGS_segments_per_block), clients, value, perftest, inline_gbps, redis, baseline.c_str(), value / perftest,
-      value / inline_gbps, value / redis, ratio.c_str());
+      absl::GetFlag(FLAGS_segments_per_block), clients, value, perftest, inline_gbps, redis,
+      baseline.c_str(), value / perftest, value / inline_gbps, value / redis, ratio.c_str());
   std::fflush(stdout);
 }
 

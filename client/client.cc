@@ -601,8 +601,8 @@ absl::Status Client::GetUcxOnce(const Profile& profile, std::span<const BlockKey
                                       if (!options_.ucx_messages) return absl::OkStatus();
                                       transfers.push_back(ucx_worker_->NewTransferId());
                                       r.set_ucx_transfer(transfers.back());
-                                      r.set_ucx_rendezvous_bytes(std::max<uint64_t>(
-                                          1, options_.ucx_rendezvous_get_bytes));
+                                      r.set_ucx_rendezvous_bytes(
+                                          std::max<uint64_t>(1, options_.ucx_rendezvous_get_bytes));
                                       return absl::OkStatus();
                                     }));
   const bool as_messages = called.ok() && response.sent_as_messages();

@@ -1136,8 +1136,8 @@ void Worker::CloseAfterDeadline(const std::shared_ptr<Endpoint::State>& ep) {
   {
     proxima::MutexLock lock(&ep->mu);
     if (ep->failure.empty()) {
-      ep->failure =
-          absl::StrCat("endpoint ", ep->id, " closed: a transfer did not finish before its deadline");
+      ep->failure = absl::StrCat("endpoint ", ep->id,
+                                 " closed: a transfer did not finish before its deadline");
     }
   }
   CloseOnWorker(ep, /*force=*/true);
@@ -1359,10 +1359,10 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
                               << log::Kv("endpoint", st->sender->id);
       }
     }
-    return absl::UnavailableError(absl::StrCat(
-        "the bytes of ", parcels.size(),
-        " UCX rendezvous messages did not all arrive before the call's deadline",
-        st->sender != nullptr ? "; the endpoint to their sender is closed" : ""));
+    return absl::UnavailableError(
+        absl::StrCat("the bytes of ", parcels.size(),
+                     " UCX rendezvous messages did not all arrive before the call's deadline",
+                     st->sender != nullptr ? "; the endpoint to their sender is closed" : ""));
   }
   if (st->result.ok()) {
     uint64_t moved = 0;

@@ -332,12 +332,12 @@ class Worker {
 
   // Moves the bytes of pending (rendezvous) messages from their senders into `dst`, one
   // destination per parcel, each exactly the parcel's size(), and waits for them until
-  // `deadline`. `keep_alive` owns the destinations: UCX may still write into them after a deadline passed,
-  // so it is released only when UCX is done with them. Each parcel is consumed (its handle no
-  // longer tells the sender anything when dropped). UNAVAILABLE when a sender failed mid-way or
+  // `deadline`. `keep_alive` owns the destinations: UCX may still write into them after a deadline
+  // passed, so it is released only when UCX is done with them. Each parcel is consumed (its handle
+  // no longer tells the sender anything when dropped). UNAVAILABLE when a sender failed mid-way or
   // the deadline passed (the destinations' bytes are then undefined); INVALID_ARGUMENT when a
-  // parcel is not pending or its destination's size differs. `sender` (may be null): an endpoint to the
-  // peer that sent the parcels; past the deadline it is closed by force, which stops the bytes
+  // parcel is not pending or its destination's size differs. `sender` (may be null): an endpoint to
+  // the peer that sent the parcels; past the deadline it is closed by force, which stops the bytes
   // still on their way (use it where `keep_alive` cannot own the destinations: after that, UCX
   // writes no more into them once Receive has returned).
   absl::Status Receive(std::span<const std::shared_ptr<const Parcel>> parcels,

@@ -742,7 +742,8 @@ TEST_P(UcxTest, ADetachedRendezvousSendEndsWhenTakenOrAtItsDeadline) {
   const absl::Time start = absl::Now();
   got = send_detached(**ep, start + absl::Milliseconds(300));
   ASSERT_NE(got[0], nullptr);
-  EXPECT_TRUE(wait_released(absl::Seconds(15))) << "the send past its deadline still holds its bytes";
+  EXPECT_TRUE(wait_released(absl::Seconds(15)))
+      << "the send past its deadline still holds its bytes";
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
   EXPECT_THAT((*ep)->health(), StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
   EXPECT_EQ(a_->rendezvous_sent_bytes(), sent_before + expected.size());  // not counted

@@ -541,8 +541,7 @@ absl::Status UcxTransport::SendGetMessages(
       std::unique_ptr<ucx::Sending> sending,
       worker_->StartSend(ep, request.ucx_transfer(), std::move(messages), std::move(held)));
   // The client takes the bytes once answered; it has until the call's deadline and the grace.
-  sending->Detach(std::min(deadline, absl::Now() + ucx::Worker::kParkedFor) +
-                  kRendezvousGetGrace);
+  sending->Detach(std::min(deadline, absl::Now() + ucx::Worker::kParkedFor) + kRendezvousGetGrace);
   return absl::OkStatus();
 }
 

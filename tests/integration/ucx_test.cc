@@ -1109,7 +1109,8 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   // Read back as rendezvous messages (ucx_rendezvous_bytes): the answer comes first, then UCX
   // moves each block straight into the segment this side names, byte-exact; the daemon holds the
   // blocks until then and no longer.
-  auto rendezvous_get = [&](int deadline_seconds) -> std::vector<std::shared_ptr<const ucx::Parcel>> {
+  auto rendezvous_get =
+      [&](int deadline_seconds) -> std::vector<std::shared_ptr<const ucx::Parcel>> {
     const uint64_t transfer = worker_->NewTransferId();
     get.set_ucx_transfer(transfer);
     get.set_ucx_rendezvous_bytes(1);
@@ -1119,7 +1120,8 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
     EXPECT_TRUE(got.sent_as_messages());
     return worker_->Collect(transfer, slots, absl::Now() + absl::Seconds(10));
   };
-  const uint64_t rendezvous_sent_before = Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total");
+  const uint64_t rendezvous_sent_before =
+      Metric(*daemon_, "proxima_ucx_rendezvous_sent_bytes_total");
   parcels = rendezvous_get(20);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes"), 3 * block_bytes_);
   std::vector<ucx::Destination> spans;
@@ -1143,8 +1145,7 @@ TEST_P(RawUcxTest, BlocksSentAsMessagesAreCheckedAndABadOneStoresNothing) {
   parcels = rendezvous_get(1);
   ASSERT_NE(parcels[0], nullptr);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes"), 3 * block_bytes_);
-  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes", 0,
-                          absl::Seconds(20)),
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_rendezvous_get_held_bytes", 0, absl::Seconds(20)),
             0);
   EXPECT_GE(absl::Now() - held_from, absl::Seconds(5));
   parcels.clear();
