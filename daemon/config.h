@@ -132,6 +132,10 @@ struct UcxConfig {
   // Threads that help a call copy its blocks over shared memory (common/copy_pool.h); -1 is
   // "auto" (one fewer than the cores, at most 3).
   int copy_threads = -1;
+  // Most bytes of found blocks pinned for GetUcx rendezvous messages their clients have not taken
+  // yet, over all sessions (UcxTransport); a get that would pass it sends eager. 0: every get
+  // eager.
+  uint64_t rendezvous_get_max_bytes = uint64_t{1} << 30;
 };
 
 // TLS of the calls this daemon makes to its cluster peers (cluster.tls). Peers are reached at

@@ -353,16 +353,29 @@ TEST(ConfigTest, UcxSection) {
   EXPECT_TRUE(d.ucx.enabled);
   EXPECT_EQ(d.ucx.max_sessions, 1024u);
   EXPECT_EQ(d.ucx.copy_threads, -1);  // auto
+  EXPECT_EQ(d.ucx.rendezvous_get_max_bytes, uint64_t{1} << 30);
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
-      ParseConfig("ucx: {enabled: false, max_sessions: 8, copy_threads: 2}\n", "x", {}));
+      ParseConfig("ucx: {enabled: false, max_sessions: 8, copy_threads: 2, "
+                  "rendezvous_get_max_bytes: 256MiB}\n",
+                  "x", {}));
   EXPECT_FALSE(c.ucx.enabled);
   EXPECT_EQ(c.ucx.max_sessions, 8u);
   EXPECT_EQ(c.ucx.copy_threads, 2);
+  EXPECT_EQ(c.ucx.rendezvous_get_max_bytes, uint64_t{256} << 20);
   ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
   EXPECT_FALSE(again.ucx.enabled);
   EXPECT_EQ(again.ucx.max_sessions, 8u);
   EXPECT_EQ(again.ucx.copy_threads, 2);
+  EXPECT_EQ(again.ucx.rendezvous_get_max_bytes, uint64_t{256} << 20);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig off, ParseConfig("", "x", {"ucx.rendezvous_get_max_bytes=0"}));
+  EXPECT_EQ(off.ucx.rendezvous_get_max_bytes, 0u);
+  for (const char* bad : {"ucx.rendezvous_get_max_bytes=lots", "ucx.rendezvous_get_max_bytes=-1"}) {
+    EXPECT_THAT(ParseConfig("", "x", {bad}).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("'ucx.rendezvous_get_max_bytes'"), HasSubstr("a size"))))
+        << bad;
+  }
   ASSERT_OK_AND_ASSIGN(DaemonConfig rendered_auto, ParseConfig(ConfigToYaml(d), "rendered", {}));
   EXPECT_EQ(rendered_auto.ucx.copy_threads, -1);
   ASSERT_OK_AND_ASSIGN(DaemonConfig none, ParseConfig("", "x", {"ucx.copy_threads=0"}));

@@ -474,9 +474,22 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
       charged += blocks != 0 && each > room / blocks ? room : blocks * each;
     }
   }
+  // A PutUcx's blocks sent as messages are on their way or parked here before the call runs: a
+  // call refused before it runs (draining, authentication, the in-flight limit) drops them when
+  // it ends, so that the client's rendezvous sends end then rather than at its deadline (a call
+  // that ran has dropped what it did not take already; dropping again is a no-op).
+  std::shared_ptr<void> drop_messages;
+  if constexpr (std::is_same_v<Req, v1::PutUcxRequest>) {
+    if (ucx != nullptr && request->ucx_transfer() != 0) {
+      drop_messages.reset(static_cast<void*>(nullptr),
+                          [ucx, transfer = request->ucx_transfer()](void*) {
+                            ucx->DropMessages(transfer);
+                          });
+    }
+  }
   return Handle(
       method, context, charged, nullptr,
-      [ucx, response, deadline,
+      [ucx, response, deadline, drop_messages = std::move(drop_messages),
        call = std::forward<Call>(call)](const Caller& caller) mutable -> absl::Status {
         if (ucx == nullptr) {
           return absl::FailedPreconditionError(

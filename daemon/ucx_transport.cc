@@ -369,7 +369,7 @@ absl::Status UcxTransport::Put(const Caller& caller, const v1::PutUcxRequest& re
   // (and any arriving later on arrival), not held until they expire.
   bool collected = false;
   absl::Cleanup drop_uncollected = [this, transfer, &collected] {
-    if (transfer != 0 && !collected) worker_->Collect(transfer, {}, absl::Now());
+    if (transfer != 0 && !collected) DropMessages(transfer);
   };
   PROXIMA_ASSIGN_OR_RETURN(
       TierService::ResolvedProfile target,
@@ -508,7 +508,8 @@ absl::Status UcxTransport::SendGetMessages(
   // by force should the client never take them (not over UCX 1.13's shared memory, whose
   // endpoints run without peer error handling), and only while few bytes are held so.
   if (rendezvous && OverSharedMemory(request.session_id())) rendezvous = false;
-  if (rendezvous && rendezvous_get_held_->fetch_add(bytes) + bytes > kMaxRendezvousGetBytes) {
+  if (rendezvous &&
+      rendezvous_get_held_->fetch_add(bytes) + bytes > config_.rendezvous_get_max_bytes) {
     rendezvous_get_held_->fetch_sub(bytes);
     rendezvous = false;
   }

@@ -15,7 +15,7 @@
 //    (GetUcxRequest.ucx_transfer), else (older clients) written with UCX puts; only then does
 //    the call answer. Large blocks' messages go rendezvous (GetUcxRequest.ucx_rendezvous_bytes):
 //    the call answers first and the blocks stay pinned until the client has taken them, within
-//    bounds of time (kRendezvousGetGrace) and bytes (kMaxRendezvousGetBytes).
+//    bounds of time (kRendezvousGetGrace) and bytes (ucx.rendezvous_get_max_bytes).
 //
 // Messages keep the daemon from being the initiator of a one-sided operation on a client's
 // memory: over tcp, UCX 1.13 aborts the target of such an operation (the client) when the
@@ -67,11 +67,9 @@ class UcxTransport {
   static constexpr uint64_t kMaxProbeBytes = 4096;
   // A GetUcx's blocks sent as rendezvous messages stay pinned until the client takes or drops
   // them; past the call's deadline (at most kParkedFor from the call) and this grace, the
-  // session's endpoint is closed by force, which releases them.
+  // session's endpoint is closed by force, which releases them. How many bytes may be pinned so
+  // at once: UcxConfig::rendezvous_get_max_bytes (past it gets go eager).
   static constexpr absl::Duration kRendezvousGetGrace = absl::Seconds(5);
-  // Most bytes of blocks pinned for rendezvous gets not yet taken, over all sessions; a get
-  // that would pass it sends its blocks eager (their bytes leave before the call answers).
-  static constexpr uint64_t kMaxRendezvousGetBytes = uint64_t{1} << 30;
 
   // Starts the worker and registers the arena of `core`'s host tier. `core` and `registry` must
   // outlive the transport.
@@ -89,6 +87,10 @@ class UcxTransport {
                    v1::PutResponse* response, absl::Time deadline);
   absl::Status Get(const Caller& caller, const v1::GetUcxRequest& request,
                    v1::GetUcxResponse* response, absl::Time deadline);
+
+  // Drops the messages of `transfer` that arrived (or arrive later) for a PutUcx that will not
+  // take them; a rendezvous one's sender is told, and its send ends.
+  void DropMessages(uint64_t transfer) { worker_->Collect(transfer, {}, absl::Now()); }
 
   int64_t sessions() const;
   const ucx::Worker& worker() const { return *worker_; }
@@ -125,7 +127,7 @@ class UcxTransport {
   void DropSession(uint64_t session_id);
   // GetUcx's found `blocks` (`bytes` in all) as messages of request.ucx_transfer to the client's
   // worker at `ep`: eager, sent before this returns, or rendezvous (blocks of at least
-  // request.ucx_rendezvous_bytes, while kMaxRendezvousGetBytes allows), started and left to the
+  // request.ucx_rendezvous_bytes, while ucx.rendezvous_get_max_bytes allows), started and left to the
   // worker, which closes the endpoint if the client has not taken them in time.
   absl::Status SendGetMessages(
       ucx::Endpoint& ep, const v1::GetUcxRequest& request,
@@ -144,7 +146,7 @@ class UcxTransport {
   metrics::Counter* get_by_messages_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* bytes_out_ = nullptr;
-  // Bytes of blocks pinned for rendezvous gets not yet taken (kMaxRendezvousGetBytes); shared
+  // Bytes of blocks pinned for rendezvous gets not yet taken (ucx.rendezvous_get_max_bytes); shared
   // with the sends' keep-alives, which may be released after the transport.
   std::shared_ptr<std::atomic<uint64_t>> rendezvous_get_held_ =
       std::make_shared<std::atomic<uint64_t>>(0);

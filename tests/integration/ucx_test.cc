@@ -1584,6 +1584,52 @@ TEST_P(UcxIntegrationTest, ADaemonKilledMidTransferNeverTakesItsClientDown) {
   }
 }
 
+TEST(UcxLimitsTest, RendezvousGetsStayWithinTheDaemonsLimit) {
+  // ucx.rendezvous_get_max_bytes bounds the bytes of blocks pinned for rendezvous gets: a get
+  // whose blocks would pass it comes eager instead (and still byte-exact); 0 turns rendezvous
+  // gets off. 8 blocks of 256 KiB per get, every block rendezvous on the client's side.
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  for (const char* limit : {"4MiB", "1MiB", "0"}) {
+    ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=64MiB",
+                                                            "server.max_batch_blocks=8",
+                                                            absl::StrCat("ucx.rendezvous_get_max_bytes=",
+                                                                         limit)}));
+    ClientOptions options;
+    options.target = daemon->tcp_target();
+    options.transport = Transport::kUcx;
+    options.ucx_rendezvous_get_bytes = 0;
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+    ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+    constexpr size_t kBlocks = 8;  // 2 MiB a get
+    std::vector<std::byte> cache(kBlocks * p.block_bytes);
+    ASSERT_OK_AND_ASSIGN(client::MemoryRegion region,
+                         c->RegisterMemory(cache.data(), cache.size()));
+    std::vector<std::span<const std::byte>> in;
+    std::vector<std::span<std::byte>> out;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      std::span<std::byte> b(cache.data() + i * p.block_bytes, p.block_bytes);
+      client::FillTestBlock(71, i, b);
+      in.push_back(b);
+      out.push_back(b);
+    }
+    const std::vector<BlockKey> keys = client::TestKeyChain(71, 0, kBlocks);
+    ASSERT_OK(c->Put(p, keys, in).status());
+    std::fill(cache.begin(), cache.end(), std::byte{0});
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, out));
+    for (size_t i = 0; i < kBlocks; ++i) {
+      EXPECT_TRUE(found[i] && client::IsTestBlock(71, i, out[i])) << limit << " " << i;
+    }
+    EXPECT_EQ(WaitForMetric(*daemon, "proxima_ucx_rendezvous_get_held_bytes", 0), 0) << limit;
+    EXPECT_EQ(Metric(*daemon, "proxima_ucx_calls_by_messages_total{op=\"get\"}"), 1) << limit;
+    // 4 MiB holds the get's 2 MiB: rendezvous. 1 MiB and 0 do not: eager.
+    EXPECT_EQ(Metric(*daemon, "proxima_ucx_rendezvous_sent_bytes_total"),
+              std::string(limit) == "4MiB" ? kBlocks * p.block_bytes : 0)
+        << limit;
+  }
+  unsetenv("UCX_TLS");
+}
+
 TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
   // server.max_inflight_bytes_per_client bounds what one client holds in the daemon over UCX
   // too: a PutUcx or GetUcx is charged the block bytes it moves, like an inline call's message.
@@ -1629,9 +1675,14 @@ TEST(UcxLimitsTest, UcxBlockBytesAreChargedToTheClientsInflightLimit) {
   std::vector<std::byte> one(big.block_bytes);
   client::FillTestBlock(32, 0, one);
   std::vector<std::span<const std::byte>> one_in = {one};
+  // Its rendezvous message (2 MiB) is dropped when the call is refused: the Put returns at once,
+  // not when the client's wait for its send reaches the call's deadline (30 s).
+  const absl::Time start = absl::Now();
   EXPECT_THAT(c->Put(big, client::TestKeyChain(32, 0, 1), one_in).status(),
               StatusIs(absl::StatusCode::kResourceExhausted,
                        HasSubstr("server.max_inflight_bytes_per_client = 1048576")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(WaitForMetric(*daemon, "proxima_ucx_parked_bytes", 0), 0);
   EXPECT_EQ(Metric(*daemon, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
             kBlocks * p.block_bytes);
   unsetenv("UCX_TLS");
