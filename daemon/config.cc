@@ -519,8 +519,8 @@ absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
       out->copy_threads = static_cast<int>(n);
     }
   }
-  PROXIMA_RETURN_IF_ERROR(r.Size(ucx["rendezvous_get_max_bytes"], "ucx.rendezvous_get_max_bytes",
-                                 0, uint64_t{1} << 50, &out->rendezvous_get_max_bytes));
+  PROXIMA_RETURN_IF_ERROR(r.Size(ucx["rendezvous_get_max_bytes"], "ucx.rendezvous_get_max_bytes", 0,
+                                 uint64_t{1} << 50, &out->rendezvous_get_max_bytes));
   return absl::OkStatus();
 }
 

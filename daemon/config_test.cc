@@ -354,11 +354,10 @@ TEST(ConfigTest, UcxSection) {
   EXPECT_EQ(d.ucx.max_sessions, 1024u);
   EXPECT_EQ(d.ucx.copy_threads, -1);  // auto
   EXPECT_EQ(d.ucx.rendezvous_get_max_bytes, uint64_t{1} << 30);
-  ASSERT_OK_AND_ASSIGN(
-      DaemonConfig c,
-      ParseConfig("ucx: {enabled: false, max_sessions: 8, copy_threads: 2, "
-                  "rendezvous_get_max_bytes: 256MiB}\n",
-                  "x", {}));
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c,
+                       ParseConfig("ucx: {enabled: false, max_sessions: 8, copy_threads: 2, "
+                                   "rendezvous_get_max_bytes: 256MiB}\n",
+                                   "x", {}));
   EXPECT_FALSE(c.ucx.enabled);
   EXPECT_EQ(c.ucx.max_sessions, 8u);
   EXPECT_EQ(c.ucx.copy_threads, 2);

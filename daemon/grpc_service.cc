@@ -481,10 +481,8 @@ grpc::ServerUnaryReactor* KvTierGrpcService::HandleUcx(Method method,
   std::shared_ptr<void> drop_messages;
   if constexpr (std::is_same_v<Req, v1::PutUcxRequest>) {
     if (ucx != nullptr && request->ucx_transfer() != 0) {
-      drop_messages.reset(static_cast<void*>(nullptr),
-                          [ucx, transfer = request->ucx_transfer()](void*) {
-                            ucx->DropMessages(transfer);
-                          });
+      auto drop = [ucx, transfer = request->ucx_transfer()](void*) { ucx->DropMessages(transfer); };
+      drop_messages.reset(static_cast<void*>(nullptr), drop);
     }
   }
   return Handle(

@@ -127,8 +127,8 @@ class UcxTransport {
   void DropSession(uint64_t session_id);
   // GetUcx's found `blocks` (`bytes` in all) as messages of request.ucx_transfer to the client's
   // worker at `ep`: eager, sent before this returns, or rendezvous (blocks of at least
-  // request.ucx_rendezvous_bytes, while ucx.rendezvous_get_max_bytes allows), started and left to the
-  // worker, which closes the endpoint if the client has not taken them in time.
+  // request.ucx_rendezvous_bytes, while ucx.rendezvous_get_max_bytes allows), started and left to
+  // the worker, which closes the endpoint if the client has not taken them in time.
   absl::Status SendGetMessages(
       ucx::Endpoint& ep, const v1::GetUcxRequest& request,
       std::shared_ptr<std::vector<std::optional<BlockStore::ReadBlock>>> blocks, uint64_t bytes,

@@ -1591,10 +1591,10 @@ TEST(UcxLimitsTest, RendezvousGetsStayWithinTheDaemonsLimit) {
   setenv("UCX_TLS", "tcp", 1);
   setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   for (const char* limit : {"4MiB", "1MiB", "0"}) {
-    ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=64MiB",
-                                                            "server.max_batch_blocks=8",
-                                                            absl::StrCat("ucx.rendezvous_get_max_bytes=",
-                                                                         limit)}));
+    ASSERT_OK_AND_ASSIGN(
+        auto daemon,
+        DaemonProcess::Start({"tiers.host.capacity_bytes=64MiB", "server.max_batch_blocks=8",
+                              absl::StrCat("ucx.rendezvous_get_max_bytes=", limit)}));
     ClientOptions options;
     options.target = daemon->tcp_target();
     options.transport = Transport::kUcx;
