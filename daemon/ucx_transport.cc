@@ -193,8 +193,9 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConf
   registry->AddCounterFunction(
       "proxima_ucx_rendezvous_sent_bytes_total",
       "Bytes of blocks GetUcx sent as rendezvous UCX messages (clients' gets of blocks of at "
-      "least their ucx_rendezvous_bytes) whose sends ended without error: the client had UCX "
-      "move them from the daemon's memory into its own, or dropped them unread (monotonic)",
+      "least their ucx_rendezvous_get_bytes, over tcp) whose sends ended without error: the "
+      "client had UCX move them from the daemon's memory into its own, or dropped them unread "
+      "(monotonic)",
       {}, [w] { return static_cast<double>(w->rendezvous_sent_bytes()); });
   registry->AddGauge(
       "proxima_ucx_rendezvous_get_held_bytes",
