@@ -245,6 +245,19 @@ std::string Describe(uint64_t endpoint_id) {
                           : std::string("UCX receive of rendezvous messages");
 }
 
+// The IOV array describing `pieces`, kept in `iovs` (a TransferState's, which UCX reads until
+// the operation completes).
+template <typename Byte>
+ucp_dt_iov_t* KeepIov(std::vector<std::vector<ucp_dt_iov_t>>& iovs,
+                      std::span<const std::span<Byte>> pieces) {
+  std::vector<ucp_dt_iov_t>& iov = iovs.emplace_back();
+  iov.reserve(pieces.size());
+  for (std::span<Byte> piece : pieces) {
+    iov.push_back({const_cast<std::byte*>(piece.data()), piece.size()});
+  }
+  return iov.data();
+}
+
 // What a parcel counts toward Worker::kMaxParkedBytes: its bytes, or for a pending one (the
 // bytes are still at the sender) an estimate of the descriptor UCX keeps for it.
 constexpr uint64_t kPendingParcelBytes = 256;
@@ -1163,15 +1176,19 @@ void Worker::CloseExpiredDetached() {
   }
 }
 
-absl::Status Worker::AbandonAfterDeadline(TransferState& st) {
-  // Past the deadline: close the endpoint by force, which completes what is in flight.
-  std::shared_ptr<Endpoint::State> ep = st.endpoint;
+void Worker::CloseAndAwait(TransferState& st, const std::shared_ptr<Endpoint::State>& ep) {
   Post([this, ep] { CloseAfterDeadline(ep); });
   if (!st.done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
     PROXIMA_LOG(kWarning) << "UCX transfer still outstanding after its endpoint was closed; its "
                              "buffers stay allocated until it completes"
                           << log::Kv("endpoint", ep->id);
   }
+}
+
+absl::Status Worker::AbandonAfterDeadline(TransferState& st) {
+  // Past the deadline: close the endpoint by force, which completes what is in flight.
+  const std::shared_ptr<Endpoint::State>& ep = st.endpoint;
+  CloseAndAwait(st, ep);
   return absl::UnavailableError(
       absl::StrCat("UCX transfer on endpoint ", ep->id,
                    " did not finish before the call's deadline; the endpoint is closed"));
@@ -1222,14 +1239,10 @@ absl::StatusOr<std::unique_ptr<Sending>> Worker::StartSend(Endpoint& endpoint, u
       const void* buffer = messages[i].bytes.data();
       size_t count = messages[i].bytes.size();
       if (!messages[i].pieces.empty()) {  // gathered by UCX as it sends
-        std::vector<ucp_dt_iov_t>& iov = st->iovs.emplace_back();
-        for (std::span<const std::byte> piece : messages[i].pieces) {
-          iov.push_back({const_cast<std::byte*>(piece.data()), piece.size()});
-        }
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
         p.datatype = ucp_dt_make_iov();
-        buffer = iov.data();
-        count = iov.size();
+        buffer = KeepIov(st->iovs, std::span(messages[i].pieces));
+        count = messages[i].pieces.size();
       } else if (messages[i].memh != nullptr) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
         p.memh = messages[i].memh->memh();
@@ -1314,10 +1327,8 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
   for (size_t i = 0; i < parcels.size(); ++i) {
     Target t{parcels[i]->ucx_data_, nullptr, 0, dst[i].pieces.size() > 1, nullptr};
     if (t.iov) {
-      std::vector<ucp_dt_iov_t>& iov = st->iovs.emplace_back();
-      for (std::span<std::byte> piece : dst[i].pieces) iov.push_back({piece.data(), piece.size()});
-      t.buffer = iov.data();
-      t.count = iov.size();
+      t.buffer = KeepIov(st->iovs, std::span(dst[i].pieces));
+      t.count = dst[i].pieces.size();
     } else if (!dst[i].pieces.empty()) {
       t.buffer = dst[i].pieces[0].data();
       t.count = dst[i].pieces[0].size();
@@ -1351,14 +1362,7 @@ absl::Status Worker::Receive(std::span<const std::shared_ptr<const Parcel>> parc
     FinishOp(st.get(), UCS_OK);
   });
   if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(deadline))) {
-    if (st->sender != nullptr) {
-      Post([this, ep = st->sender] { CloseAfterDeadline(ep); });
-      if (!st->done.WaitForNotificationUntil(absl::ToChronoTime(absl::Now() + kAbortGrace))) {
-        PROXIMA_LOG(kWarning) << "UCX receive still outstanding after its sender's endpoint was "
-                                 "closed"
-                              << log::Kv("endpoint", st->sender->id);
-      }
-    }
+    if (st->sender != nullptr) CloseAndAwait(*st, st->sender);
     return absl::UnavailableError(
         absl::StrCat("the bytes of ", parcels.size(),
                      " UCX rendezvous messages did not all arrive before the call's deadline",

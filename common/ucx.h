@@ -454,6 +454,9 @@ class Worker {
   // After a transfer's deadline passed: closes its endpoint by force, which completes what is
   // in flight, and waits (bounded) for that. Returns the UNAVAILABLE status to hand back.
   absl::Status AbandonAfterDeadline(TransferState& state);
+  // Has the progress thread close `endpoint` by force (CloseAfterDeadline), which completes
+  // what `state` has in flight on it, and waits (bounded) for that.
+  void CloseAndAwait(TransferState& state, const std::shared_ptr<Endpoint::State>& endpoint);
   // The progress-thread half of that: marks the endpoint failed and closes it by force.
   void CloseAfterDeadline(const std::shared_ptr<Endpoint::State>& endpoint);
   // Closes by force the endpoints of detached sends past their deadline. Progress thread.
