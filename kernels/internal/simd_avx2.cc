@@ -823,44 +823,55 @@ void DecodeIntNImpl(const SegmentShape& shape, const std::byte* payload, std::by
 
 // ---------------------------------------------------------------- k4v3
 
-// k4v3::Flip for elements d0 .. d0 + 7: +-1.0f (-1 where bit 31 of d * 0x9E3779B1 is set).
-inline __m256 Flip8(uint32_t d0) {
+// k4v3::Flip for elements d0 .. d0 + 7 as sign bits: bit 31 set where Flip is -1 (bit 31 of
+// d * 0x9E3779B1). XOR with them is the multiplication by Flip for every float but NaN, which
+// neither V kernel flips (encode zeroes non-finite values first; decode never makes a NaN).
+inline __m256 FlipBits8(uint32_t d0) {
   const __m256i d = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(d0)),
                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i m = _mm256_mullo_epi32(d, _mm256_set1_epi32(static_cast<int>(0x9E3779B1u)));
-  const __m256i sign = _mm256_and_si256(m, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_castsi256_ps(sign));
+  return _mm256_castsi256_ps(_mm256_and_si256(m, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
 }
 
-// The first three stages of k4v3::Fwht (len 1, 2, 4) on the 8 elements of one vector: lanes
-// without bit `len` get a + b, the others a - b (a the lane without the bit, b the one with),
-// the operations k4v3::Fwht performs on them.
+// The FlipBits8 of a row of D = 8 * kN elements, made once per segment.
+template <uint32_t kN>
+struct FlipRow {
+  FlipRow() {
+    for (uint32_t k = 0; k < kN; ++k) bits[k] = FlipBits8(8 * k);
+  }
+  __m256 bits[kN];
+};
+
+// One stage of k4v3::Fwht inside a vector: `partner` holds each lane's partner (the lane whose
+// index differs in bit `len`), `with_bit` the sign bit in the lanes with that bit. Lanes without
+// it get a + b, the others (-b) + a = a - b (a the lane without the bit, b the one with): the
+// same rounding as k4v3::Fwht's.
+inline __m256 FwhtLanes(__m256 x, __m256 partner, __m256 with_bit) {
+  return _mm256_add_ps(_mm256_xor_ps(x, with_bit), partner);
+}
+
+// The first three stages of k4v3::Fwht (len 1, 2, 4) on the 8 elements of one vector.
 inline __m256 FwhtIn8(__m256 x) {
-  __m256 y = _mm256_permute_ps(x, 0xB1);  // lanes 1 0 3 2
-  x = _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xAA);
-  y = _mm256_permute_ps(x, 0x4E);  // lanes 2 3 0 1
-  x = _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xCC);
-  y = _mm256_permute2f128_ps(x, x, 0x01);  // the other half
-  return _mm256_blend_ps(_mm256_add_ps(x, y), _mm256_sub_ps(y, x), 0xF0);
+  const __m256 m = _mm256_set1_ps(-0.0f), z = _mm256_setzero_ps();
+  x = FwhtLanes(x, _mm256_permute_ps(x, 0xB1), _mm256_blend_ps(z, m, 0xAA));  // lanes 1 0 3 2
+  x = FwhtLanes(x, _mm256_permute_ps(x, 0x4E), _mm256_blend_ps(z, m, 0xCC));  // lanes 2 3 0 1
+  return FwhtLanes(x, _mm256_permute2f128_ps(x, x, 0x01), _mm256_blend_ps(z, m, 0xF0));
 }
 
-// k4v3::Fwht's stages across vectors (len 8, 16, ..., below `below`) of n floats in place.
-inline void FwhtAcrossAvx2(float* u, uint32_t n, uint32_t below) {
-  for (uint32_t len = 8; len < below; len <<= 1) {
-    for (uint32_t i = 0; i < n; i += 2 * len) {
-      for (uint32_t k = i; k < i + len; k += 8) {
-        const __m256 a = _mm256_load_ps(u + k), b = _mm256_load_ps(u + k + len);
-        _mm256_store_ps(u + k, _mm256_add_ps(a, b));
-        _mm256_store_ps(u + k + len, _mm256_sub_ps(a, b));
+// k4v3::Fwht of a row of 8 * kN floats held in registers (as far as they go): the stages inside
+// each vector, then those across vectors (len 8, 16, ..).
+template <uint32_t kN>
+inline void FwhtRow(__m256 (&v)[kN]) {
+  for (uint32_t k = 0; k < kN; ++k) v[k] = FwhtIn8(v[k]);
+  for (uint32_t m = 1; m < kN; m <<= 1) {
+    for (uint32_t i = 0; i < kN; i += 2 * m) {
+      for (uint32_t k = i; k < i + m; ++k) {
+        const __m256 a = v[k], b = v[k + m];
+        v[k] = _mm256_add_ps(a, b);
+        v[k + m] = _mm256_sub_ps(a, b);
       }
     }
   }
-}
-
-// k4v3::Fwht of n floats (n a power of two >= 8) in place.
-inline void FwhtAvx2(float* u, uint32_t n) {
-  for (uint32_t i = 0; i < n; i += 8) _mm256_store_ps(u + i, FwhtIn8(_mm256_load_ps(u + i)));
-  FwhtAcrossAvx2(u, n, n);
 }
 
 // UnpackLanes<3> of the group of 8 codes whose 3 bytes start at p, from a 16-byte load (16
@@ -877,8 +888,9 @@ inline __m256 Unpack3Wide(const std::byte* p) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(7)));
 }
 
-// Largest dim the AVX2 V kernels take (their rows live in a stack buffer); wider ones go scalar.
-constexpr uint32_t kK4v3MaxDim = 256;
+// The V kernels take dims 8 * kN for kN = 1, 2, .., 32 (powers of two, as k4v3's dims are);
+// a row lives in kN registers as far as they go.
+bool K4v3ValueFits(uint32_t dim) { return dim >= 8 && dim <= 256 && (dim & (dim - 1)) == 0; }
 // Rows whose scales are computed together (one lane each).
 constexpr uint32_t kK4v3RowGroup = 8;
 
@@ -890,36 +902,60 @@ inline int32_t HorizontalMaxInt(__m256i v) {
   return _mm_cvtsi128_si32(m);
 }
 
-// EncodeK4v3ValueScalar for dims 8 .. kK4v3MaxDim: each row transformed in 8-lane vectors, the
-// row scales of kK4v3RowGroup rows at once (RoundUpDtype8), then each row's codes.
+// Store8 and Store16 of floats none of which is NaN (bf16: the rounding without the NaN case).
 template <uint8_t kDt>
-void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
-  const uint32_t D = shape.dim;
+inline void Store8NotNan(std::byte* p, size_t i, __m256 v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m256i r = ToDtype8<kDt>(v);
+    const __m256i packed = _mm256_packus_epi32(r, r);  // as Store8
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  } else {
+    Store8<kDt>(p, i, v);
+  }
+}
+template <uint8_t kDt>
+inline void Store16NotNan(std::byte* p, size_t i, __m256 lo, __m256 hi) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m256i out = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(ToDtype8<kDt>(lo), ToDtype8<kDt>(hi)), 0xD8);  // as Store16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i), out);
+  } else {
+    Store16<kDt>(p, i, lo, hi);
+  }
+}
+
+// EncodeK4v3ValueScalar for rows of D = 8 * kN: each row in registers from its load to its
+// transform's end, the row scales of kK4v3RowGroup rows at once (RoundUpDtype8), then each row's
+// codes.
+template <uint8_t kDt, uint32_t kN>
+void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  constexpr uint32_t D = 8 * kN;
+  constexpr size_t code_bytes = 3 * kN;  // per row
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const size_t code_bytes = 3 * size_t{D} / 8;  // per row: D is a multiple of 8
   const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
   const __m256 inf = _mm256_set1_ps(kInf);
+  const FlipRow<kN> flips;
   std::byte* codes = payload + 2 * rows;
-  alignas(32) float u[kK4v3RowGroup * kK4v3MaxDim];
-  alignas(32) float flips[kK4v3MaxDim];
-  for (uint32_t d = 0; d < D; d += 8) _mm256_store_ps(flips + d, Flip8(d));
+  alignas(32) float u[kK4v3RowGroup * D];
   for (size_t r0 = 0; r0 < rows; r0 += kK4v3RowGroup) {
     const uint32_t g = rows - r0 < kK4v3RowGroup ? static_cast<uint32_t>(rows - r0) : kK4v3RowGroup;
     alignas(32) int32_t amax_bits[kK4v3RowGroup] = {};
     for (uint32_t l = 0; l < g; ++l) {
       const std::byte* row = in + 2 * (r0 + l) * D;
-      float* v = u + l * D;
-      for (uint32_t d = 0; d < D; d += 8) {
-        const __m256 x = Load8<kDt>(row, d);
+      __m256 v[kN];
+      for (uint32_t k = 0; k < kN; ++k) {
+        // k4v3::ValueIn: non-finite -> 0, then the flip.
+        const __m256 x = Load8<kDt>(row, 8 * k);
         const __m256 finite =
             _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), inf, _CMP_LT_OQ);
-        _mm256_store_ps(v + d, _mm256_mul_ps(_mm256_and_ps(x, finite), _mm256_load_ps(flips + d)));
+        v[k] = _mm256_xor_ps(_mm256_and_ps(x, finite), flips.bits[k]);
       }
-      FwhtAvx2(v, D);
+      FwhtRow(v);
       __m256i mx = _mm256_setzero_si256();
-      for (uint32_t d = 0; d < D; d += 8) {
-        const __m256 y = _mm256_mul_ps(_mm256_load_ps(v + d), norm);
-        _mm256_store_ps(v + d, y);
+      for (uint32_t k = 0; k < kN; ++k) {
+        const __m256 y = _mm256_mul_ps(v[k], norm);
+        _mm256_store_ps(u + l * D + 8 * k, y);
         __m256i a = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF));
         a = _mm256_and_si256(a, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a));
         mx = _mm256_max_epi32(mx, a);
@@ -941,61 +977,87 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
       const float* v = u + l * D;
       const __m256 div = _mm256_set1_ps(divisor[l]);
       std::byte* out = codes + (r0 + l) * code_bytes;
-      for (uint32_t d = 0; d < D; d += 8) {
+      for (uint32_t k = 0; k < kN; ++k) {
         const __m256 q =
-            _mm256_add_ps(_mm256_div_ps(_mm256_load_ps(v + d), div), _mm256_set1_ps(3.5f));
+            _mm256_add_ps(_mm256_div_ps(_mm256_load_ps(v + 8 * k), div), _mm256_set1_ps(3.5f));
         const uint32_t w = PackLanes<3>(ClampRoundFromZero(q, _mm256_set1_ps(7.0f)));
-        std::memcpy(out + 3 * (d / 8), &w, 3);  // little-endian: the low 3 bytes
+        std::memcpy(out + 3 * k, &w, 3);  // little-endian: the low 3 bytes
       }
     }
   }
 }
 
-template <uint8_t kDt>
-void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
-  const uint32_t D = shape.dim, half = D / 2;
+// DecodeK4v3ValueScalar for rows of D = 8 * kN, each row in registers (as far as they go) from
+// its codes to its stores.
+template <uint8_t kDt, uint32_t kN>
+void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  constexpr uint32_t D = 8 * kN;
+  constexpr size_t code_bytes = 3 * kN;
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const size_t code_bytes = 3 * size_t{D} / 8;
   const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
+  const FlipRow<kN> flips;
   const std::byte* codes = payload + 2 * rows;
   const size_t code_total = rows * code_bytes;  // groups with 16 bytes left: Unpack3Wide
-  alignas(32) float u[kK4v3MaxDim];
-  alignas(32) float flips[kK4v3MaxDim];
-  for (uint32_t d = 0; d < D; d += 8) _mm256_store_ps(flips + d, Flip8(d));
   for (size_t r = 0; r < rows; ++r) {
     uint16_t scale;
     std::memcpy(&scale, payload + 2 * r, 2);
     const __m256 step = _mm256_mul_ps(Broadcast<kDt>(scale), norm);
     const std::byte* in = codes + r * code_bytes;
-    std::byte* row = out + 2 * r * D;
-    // k4v3::Level (the code minus 3.5), then k4v3::Fwht's stages: the first three in each
-    // vector as the codes are unpacked, the last one fused with the scaling and the stores.
-    for (uint32_t d = 0; d < D; d += 8) {
-      const size_t at = r * code_bytes + 3 * (d / 8);
-      const __m256 c = at + 16 <= code_total ? Unpack3Wide(codes + at) : UnpackLanes<3>(in, d);
-      _mm256_store_ps(u + d, FwhtIn8(_mm256_sub_ps(c, _mm256_set1_ps(3.5f))));
+    __m256 v[kN];
+    for (uint32_t k = 0; k < kN; ++k) {
+      // k4v3::Level: the code minus 3.5.
+      const size_t at = r * code_bytes + 3 * k;
+      const __m256 c = at + 16 <= code_total ? Unpack3Wide(codes + at) : UnpackLanes<3>(in, 8 * k);
+      v[k] = _mm256_sub_ps(c, _mm256_set1_ps(3.5f));
     }
-    auto output = [&](uint32_t d, __m256 x) {  // x * step * k4v3::Flip
-      return _mm256_mul_ps(_mm256_mul_ps(x, step), _mm256_load_ps(flips + d));
+    FwhtRow(v);
+    // k4v3::ValueOut: times the step, then the flip. Never NaN: the levels' transform is finite,
+    // the step a finite scale times the norm.
+    auto output = [&](uint32_t k) {
+      return _mm256_xor_ps(_mm256_mul_ps(v[k], step), flips.bits[k]);
     };
-    if (D == 8) {
-      Store8<kDt>(row, 0, output(0, _mm256_load_ps(u)));
-      continue;
+    std::byte* row = out + 2 * r * D;
+    if constexpr (kN == 1) {
+      Store8NotNan<kDt>(row, 0, output(0));
+    } else {
+      for (uint32_t k = 0; k < kN; k += 2) Store16NotNan<kDt>(row, 8 * k, output(k), output(k + 1));
     }
-    FwhtAcrossAvx2(u, D, half);  // all but the last stage
-    uint32_t k = 0;
-    for (; k + 16 <= half; k += 16) {
-      const __m256 a0 = _mm256_load_ps(u + k), b0 = _mm256_load_ps(u + k + half);
-      const __m256 a1 = _mm256_load_ps(u + k + 8), b1 = _mm256_load_ps(u + k + 8 + half);
-      Store16<kDt>(row, k, output(k, _mm256_add_ps(a0, b0)), output(k + 8, _mm256_add_ps(a1, b1)));
-      Store16<kDt>(row, k + half, output(k + half, _mm256_sub_ps(a0, b0)),
-                   output(k + 8 + half, _mm256_sub_ps(a1, b1)));
-    }
-    if (k < half) {  // half == 8
-      const __m256 a = _mm256_load_ps(u + k), b = _mm256_load_ps(u + k + half);
-      Store8<kDt>(row, k, output(k, _mm256_add_ps(a, b)));
-      Store8<kDt>(row, k + half, output(k + half, _mm256_sub_ps(a, b)));
-    }
+  }
+}
+
+// The V kernels for the row length: D = 8 * kN.
+template <uint8_t kDt>
+void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  switch (shape.dim / 8) {
+    case 1:
+      return EncodeK4v3ValueRows<kDt, 1>(shape, in, payload);
+    case 2:
+      return EncodeK4v3ValueRows<kDt, 2>(shape, in, payload);
+    case 4:
+      return EncodeK4v3ValueRows<kDt, 4>(shape, in, payload);
+    case 8:
+      return EncodeK4v3ValueRows<kDt, 8>(shape, in, payload);
+    case 16:
+      return EncodeK4v3ValueRows<kDt, 16>(shape, in, payload);
+    default:
+      return EncodeK4v3ValueRows<kDt, 32>(shape, in, payload);
+  }
+}
+template <uint8_t kDt>
+void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  switch (shape.dim / 8) {
+    case 1:
+      return DecodeK4v3ValueRows<kDt, 1>(shape, payload, out);
+    case 2:
+      return DecodeK4v3ValueRows<kDt, 2>(shape, payload, out);
+    case 4:
+      return DecodeK4v3ValueRows<kDt, 4>(shape, payload, out);
+    case 8:
+      return DecodeK4v3ValueRows<kDt, 8>(shape, payload, out);
+    case 16:
+      return DecodeK4v3ValueRows<kDt, 16>(shape, payload, out);
+    default:
+      return DecodeK4v3ValueRows<kDt, 32>(shape, payload, out);
   }
 }
 
@@ -1004,7 +1066,8 @@ template <uint8_t kDt>
 void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
                   const std::byte* in, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = D / 2;
-  const __m256 sign = _mm256_set1_ps(inverse ? -1.0f : 1.0f);
+  // The direction's sign on the sines (exact: a sign flip; the table holds no NaN).
+  const __m256 sign = _mm256_set1_ps(inverse ? -0.0f : 0.0f);
   const __m256 lo = _mm256_set1_ps(-3.40282347e+38f), hi = _mm256_set1_ps(3.40282347e+38f);
   auto clamp = [&](__m256 x) {  // numeric::ClampQ(x, -FLT_MAX, FLT_MAX): NaN -> 0
     x = _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_ORD_Q));
@@ -1013,16 +1076,17 @@ void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin,
   for (uint32_t t = 0; t < T; ++t) {
     const float* sn = sin + size_t{t} * half;
     const float* cs = cos + size_t{t} * half;
-    for (uint32_t h = 0; h < H; ++h) {
-      const size_t base = (size_t{t} * H + h) * D;
-      for (uint32_t j = 0; j < half; j += 8) {
-        const __m256 x1 = clamp(Load8<kDt>(in, base + j));
-        const __m256 x2 = clamp(Load8<kDt>(in, base + j + half));
-        const __m256 c = _mm256_loadu_ps(cs + j);
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(sn + j), sign);
-        Store8<kDt>(out, base + j, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
-        Store8<kDt>(out, base + j + half,
-                    _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
+    for (uint32_t j = 0; j < half; j += 8) {
+      // The angle depends on the token and the pair alone: the same c and s for every head.
+      const __m256 c = _mm256_loadu_ps(cs + j);
+      const __m256 s = _mm256_xor_ps(_mm256_loadu_ps(sn + j), sign);
+      for (uint32_t h = 0; h < H; ++h) {
+        const size_t i = (size_t{t} * H + h) * D + j;
+        const __m256 x1 = clamp(Load8<kDt>(in, i));
+        const __m256 x2 = clamp(Load8<kDt>(in, i + half));
+        // k4v3::TurnPairF32 never makes a NaN (its inputs are clamped first).
+        Store8NotNan<kDt>(out, i, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
+        Store8NotNan<kDt>(out, i + half, _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
       }
     }
   }
@@ -1076,16 +1140,12 @@ void TurnK4v3Avx2(const SegmentShape& shape, const float* cos, const float* sin,
                          TurnK4v3Impl<kDt>(shape, cos, sin, inverse, in, out));
 }
 void EncodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
-  if (shape.dim < 8 || shape.dim > kK4v3MaxDim || shape.dim % 8 != 0) {
-    return EncodeK4v3ValueScalar(shape, in, payload);
-  }
+  if (!K4v3ValueFits(shape.dim)) return EncodeK4v3ValueScalar(shape, in, payload);
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeK4v3ValueScalar(shape, in, payload),
                          EncodeK4v3ValueImpl<kDt>(shape, in, payload));
 }
 void DecodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
-  if (shape.dim < 8 || shape.dim > kK4v3MaxDim || shape.dim % 8 != 0) {
-    return DecodeK4v3ValueScalar(shape, payload, out);
-  }
+  if (!K4v3ValueFits(shape.dim)) return DecodeK4v3ValueScalar(shape, payload, out);
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeK4v3ValueScalar(shape, payload, out),
                          DecodeK4v3ValueImpl<kDt>(shape, payload, out));
 }

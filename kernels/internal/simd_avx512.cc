@@ -1,9 +1,10 @@
 // AVX-512 fast path for fp8, int8, int4/int2 and k4v3's own kernels, 16 lanes (compiled with
 // -mavx512f -mavx512bw -mavx512vl -mf16c, called only after CpuHasAvx512() said yes at run time).
 // Like the AVX2 path (simd_avx2.cc), every lane performs the scalar reference's operations in the
-// same order (no FMA: this file is built with -ffp-contract=off), the per-group scales included (16
-// groups or rows at a time, with mask registers where the AVX2 path blends), so the bytes are
-// identical to the scalar path. Segments whose head_dim is not a multiple of 16 go to the AVX2
+// same order (no contracted FMA: this file is built with -ffp-contract=off; the one explicit FMA,
+// k4v3's in-vector transform stages, multiplies by +-1, exactly, so it rounds once as the scalar
+// add or subtract does), the per-group scales included (16 groups or rows at a time, with mask
+// registers where the AVX2 path blends), so the bytes are identical to the scalar path. Segments whose head_dim is not a multiple of 16 go to the AVX2
 // entry points wholesale.
 //
 // Lane order by construction: every narrowing is a vpmov* truncation (whole register, lane order
@@ -518,47 +519,69 @@ bool Fits(const SegmentShape& shape) {
 
 // ---------------------------------------------------------------- k4v3
 
-// k4v3::Flip for elements d0 .. d0 + 15: +-1.0f (-1 where bit 31 of d * 0x9E3779B1 is set).
-inline __m512 Flip16(uint32_t d0) {
+// k4v3::Flip for elements d0 .. d0 + 15 as sign bits: bit 31 set where Flip is -1 (bit 31 of
+// d * 0x9E3779B1). XOR with them is the multiplication by Flip for every float but NaN, which
+// neither V kernel flips (encode zeroes non-finite values first; decode never makes a NaN).
+inline __m512 FlipBits16(uint32_t d0) {
   const __m512i d =
       _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(d0)),
                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m512i m = _mm512_mullo_epi32(d, _mm512_set1_epi32(static_cast<int>(0x9E3779B1u)));
-  const __m512i sign = _mm512_and_si512(m, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_set1_epi32(0x3F800000), sign));  // 1.0f
+  return _mm512_castsi512_ps(_mm512_and_si512(m, _mm512_set1_epi32(static_cast<int>(0x80000000u))));
 }
 
-// The first four stages of k4v3::Fwht (len 1, 2, 4, 8) on the 16 elements of one vector: lanes
-// without bit `len` get a + b, the others a - b (a the lane without the bit, b the one with),
-// the operations k4v3::Fwht performs on them.
+// The FlipBits16 of a row of D = 16 * kN elements, made once per segment.
+template <uint32_t kN>
+struct FlipRow {
+  FlipRow() {
+    for (uint32_t k = 0; k < kN; ++k) bits[k] = FlipBits16(16 * k);
+  }
+  __m512 bits[kN];
+};
+
+// x with the sign bits of `bits` flipped (vpxord: vxorps on 512 bits needs AVX512DQ).
+inline __m512 XorBits(__m512 x, __m512 bits) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_castps_si512(bits)));
+}
+
+// One stage of k4v3::Fwht inside a vector: `partner` holds each lane's partner (the lane whose
+// index differs in bit `len`); lanes without that bit get a + b, the others a - b (a the lane
+// without the bit, b the one with). As x * sign + partner with sign = -1 in the lanes with the
+// bit: the product is exact (a sign flip), so the FMA's one rounding is that of a + b or a - b.
+inline __m512 FwhtLanes(__m512 x, __m512 partner, __mmask16 with_bit) {
+  const __m512 sign = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), with_bit, _mm512_set1_ps(-1.0f));
+  return _mm512_fmadd_ps(x, sign, partner);
+}
+
+// The first four stages of k4v3::Fwht (len 1, 2, 4, 8) on the 16 elements of one vector.
 inline __m512 FwhtIn16(__m512 x) {
-  __m512 y = _mm512_permute_ps(x, 0xB1);  // lanes 1 0 3 2 in each 128 bits
-  x = _mm512_mask_blend_ps(0xAAAA, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
-  y = _mm512_permute_ps(x, 0x4E);  // lanes 2 3 0 1 in each 128 bits
-  x = _mm512_mask_blend_ps(0xCCCC, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
-  y = _mm512_shuffle_f32x4(x, x, 0xB1);  // 128-bit blocks 1 0 3 2
-  x = _mm512_mask_blend_ps(0xF0F0, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
-  y = _mm512_shuffle_f32x4(x, x, 0x4E);  // 128-bit blocks 2 3 0 1
-  return _mm512_mask_blend_ps(0xFF00, _mm512_add_ps(x, y), _mm512_sub_ps(y, x));
+  x = FwhtLanes(x, _mm512_permute_ps(x, 0xB1), 0xAAAA);           // lanes 1 0 3 2 in each 128 bits
+  x = FwhtLanes(x, _mm512_permute_ps(x, 0x4E), 0xCCCC);           // lanes 2 3 0 1 in each 128 bits
+  x = FwhtLanes(x, _mm512_shuffle_f32x4(x, x, 0xB1), 0xF0F0);     // 128-bit blocks 1 0 3 2
+  return FwhtLanes(x, _mm512_shuffle_f32x4(x, x, 0x4E), 0xFF00);  // 128-bit blocks 2 3 0 1
 }
 
-// k4v3::Fwht of n floats (n a power of two >= 16) in place (64-byte aligned).
-inline void FwhtAvx512(float* u, uint32_t n) {
-  for (uint32_t i = 0; i < n; i += 16) _mm512_store_ps(u + i, FwhtIn16(_mm512_load_ps(u + i)));
-  for (uint32_t len = 16; len < n; len <<= 1) {
-    for (uint32_t i = 0; i < n; i += 2 * len) {
-      for (uint32_t k = i; k < i + len; k += 16) {
-        const __m512 a = _mm512_load_ps(u + k), b = _mm512_load_ps(u + k + len);
-        _mm512_store_ps(u + k, _mm512_add_ps(a, b));
-        _mm512_store_ps(u + k + len, _mm512_sub_ps(a, b));
+// k4v3::Fwht of a row of 16 * kN floats held in registers: the stages inside each vector, then
+// those across vectors (len 16, 32, ..).
+template <uint32_t kN>
+inline void FwhtRow(__m512 (&v)[kN]) {
+  for (uint32_t k = 0; k < kN; ++k) v[k] = FwhtIn16(v[k]);
+  for (uint32_t m = 1; m < kN; m <<= 1) {
+    for (uint32_t i = 0; i < kN; i += 2 * m) {
+      for (uint32_t k = i; k < i + m; ++k) {
+        const __m512 a = v[k], b = v[k + m];
+        v[k] = _mm512_add_ps(a, b);
+        v[k + m] = _mm512_sub_ps(a, b);
       }
     }
   }
 }
 
-// Dims the AVX-512 V kernels take: multiples of 16 up to 256 (their rows live on the stack).
-constexpr uint32_t kK4v3MaxDim = 256;
-bool K4v3ValueFits(uint32_t dim) { return dim % kLanes == 0 && dim <= kK4v3MaxDim; }
+// The V kernels take dims 16 * kN for kN = 1, 2, 4, 8, 16 (k4v3's dims are powers of two; a row
+// lives in kN registers).
+bool K4v3ValueFits(uint32_t dim) {
+  return dim % kLanes == 0 && dim <= 16 * kLanes && (dim & (dim - 1)) == 0;
+}
 
 // Sixteen 3-bit codes (int32 lanes) as 48 bits, LSB first (k4v3::Pack8 twice).
 inline uint64_t Pack3x16(__m512i q) {
@@ -576,9 +599,8 @@ inline uint64_t Pack3x16(__m512i q) {
          static_cast<uint64_t>(static_cast<uint32_t>(_mm_cvtsi128_si32(b))) << 24;
 }
 
-// The sixteen 3-bit codes at element i (a multiple of 16) of a packed row, as floats.
-inline __m512 Unpack3x16(const std::byte* packed, size_t i) {
-  const std::byte* p = packed + 3 * i / 8;
+// The sixteen 3-bit codes whose 6 bytes start at p, as floats, reading those 6 bytes only.
+inline __m512 Unpack3x16(const std::byte* p) {
   uint32_t lo;
   uint16_t hi;
   std::memcpy(&lo, p, 4);  // one load each: no store-forwarding stall
@@ -594,34 +616,62 @@ inline __m512 Unpack3x16(const std::byte* packed, size_t i) {
   return _mm512_cvtepi32_ps(q);
 }
 
-// EncodeK4v3ValueScalar for K4v3ValueFits dims: each row in 16-lane vectors, the row scales of
-// 16 rows at once (RoundUpDtype16), then each row's codes.
+// Unpack3x16 from one 16-byte load (16 bytes must be readable at p): the load sits in every
+// 128-bit block, each lane picks the two bytes holding its code (code j is at bit 3j: byte
+// 3j / 8) and shifts it down by 3j % 8.
+inline __m512 Unpack3x16Wide(const std::byte* p) {
+  const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // Lane j: bytes b, b + 1 of the load, then two zero bytes (index 0x80), b = 3j / 8.
+  auto pick = [](int b) { return static_cast<int>(0x80800000u | (b + 1) << 8 | b); };
+  const __m512i picks =
+      _mm512_setr_epi32(pick(0), pick(0), pick(0), pick(1), pick(1), pick(1), pick(2), pick(2),
+                        pick(3), pick(3), pick(3), pick(4), pick(4), pick(4), pick(5), pick(5));
+  const __m512i q =
+      _mm512_srlv_epi32(_mm512_shuffle_epi8(v, picks),
+                        _mm512_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1, 4, 7, 2, 5));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(7)));
+}
+
+// Store16 of 16 floats none of which is NaN (bf16: the rounding without the NaN lanes' case).
 template <uint8_t kDt>
-void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
-  const uint32_t D = shape.dim;
+inline void Store16NotNan(std::byte* p, size_t i, __m512 v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i),
+                        _mm512_cvtepi32_epi16(ToDtype16<kDt>(v)));
+  } else {
+    Store16<kDt>(p, i, v);
+  }
+}
+
+// EncodeK4v3ValueScalar for rows of D = 16 * kN: each row in kN registers from its load to its
+// transform's end, the row scales of 16 rows at once (RoundUpDtype16), then each row's codes.
+template <uint8_t kDt, uint32_t kN>
+void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  constexpr uint32_t D = kLanes * kN;
+  constexpr size_t code_bytes = 3 * D / 8;  // per row
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const size_t code_bytes = 3 * size_t{D} / 8;  // per row: D is a multiple of 16
   const __m512 norm = _mm512_set1_ps(K4v3HadamardNorm(D));
   const __m512 inf = _mm512_set1_ps(kInf);
+  const FlipRow<kN> flips;
   std::byte* codes = payload + 2 * rows;
-  alignas(64) float u[kLanes * kK4v3MaxDim];
+  alignas(64) float u[kLanes * D];
   for (size_t r0 = 0; r0 < rows; r0 += kLanes) {
     const uint32_t g = rows - r0 < kLanes ? static_cast<uint32_t>(rows - r0) : kLanes;
     alignas(64) int32_t amax_bits[kLanes] = {};
     for (uint32_t l = 0; l < g; ++l) {
       const std::byte* row = in + 2 * (r0 + l) * D;
-      float* v = u + l * D;
-      for (uint32_t d = 0; d < D; d += kLanes) {
-        const __m512 x = Load16<kDt>(row, d);
-        const __m512 finite =
-            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(Abs(x), inf, _CMP_LT_OQ), x);  // else 0
-        _mm512_store_ps(v + d, _mm512_mul_ps(finite, Flip16(d)));
+      __m512 v[kN];
+      for (uint32_t k = 0; k < kN; ++k) {
+        // k4v3::ValueIn: non-finite -> 0, then the flip.
+        const __m512 x = Load16<kDt>(row, kLanes * k);
+        const __m512 finite = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(Abs(x), inf, _CMP_LT_OQ), x);
+        v[k] = XorBits(finite, flips.bits[k]);
       }
-      FwhtAvx512(v, D);
+      FwhtRow(v);
       __m512i mx = _mm512_setzero_si512();
-      for (uint32_t d = 0; d < D; d += kLanes) {
-        const __m512 y = _mm512_mul_ps(_mm512_load_ps(v + d), norm);
-        _mm512_store_ps(v + d, y);
+      for (uint32_t k = 0; k < kN; ++k) {
+        const __m512 y = _mm512_mul_ps(v[k], norm);
+        _mm512_store_ps(u + l * D + kLanes * k, y);
         const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
         const __mmask16 finite = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x7F800000), a);
         mx = _mm512_max_epi32(mx, _mm512_maskz_mov_epi32(finite, a));
@@ -641,38 +691,80 @@ void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::by
       const float* v = u + l * D;
       const __m512 div = _mm512_set1_ps(divisor[l]);
       std::byte* out = codes + (r0 + l) * code_bytes;
-      for (uint32_t d = 0; d < D; d += kLanes) {
+      for (uint32_t k = 0; k < kN; ++k) {
         const __m512 q =
-            _mm512_add_ps(_mm512_div_ps(_mm512_load_ps(v + d), div), _mm512_set1_ps(3.5f));
+            _mm512_add_ps(_mm512_div_ps(_mm512_load_ps(v + kLanes * k), div), _mm512_set1_ps(3.5f));
         const uint64_t w = Pack3x16(ClampRound(q, _mm512_setzero_ps(), _mm512_set1_ps(7.0f)));
-        std::memcpy(out + 3 * d / 8, &w, 6);  // little-endian: the low 6 bytes
+        std::memcpy(out + 6 * k, &w, 6);  // little-endian: the low 6 bytes
       }
     }
   }
 }
 
-template <uint8_t kDt>
-void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
-  const uint32_t D = shape.dim;
+// DecodeK4v3ValueScalar for rows of D = 16 * kN, each row in kN registers from its codes to its
+// stores.
+template <uint8_t kDt, uint32_t kN>
+void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  constexpr uint32_t D = kLanes * kN;
+  constexpr size_t code_bytes = 3 * D / 8;
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const size_t code_bytes = 3 * size_t{D} / 8;
   const __m512 norm = _mm512_set1_ps(K4v3HadamardNorm(D));
+  const FlipRow<kN> flips;
   const std::byte* codes = payload + 2 * rows;
-  alignas(64) float u[kK4v3MaxDim];
+  // Rows whose codes are followed by at least 10 more bytes of codes: Unpack3x16Wide throughout.
+  const size_t wide_rows = rows * code_bytes >= code_bytes + 10
+                               ? (rows * code_bytes - 10 - code_bytes) / code_bytes + 1
+                               : 0;
   for (size_t r = 0; r < rows; ++r) {
     uint16_t scale;
     std::memcpy(&scale, payload + 2 * r, 2);
     const __m512 step = _mm512_mul_ps(Broadcast<kDt>(scale), norm);
     const std::byte* in = codes + r * code_bytes;
-    for (uint32_t d = 0; d < D; d += kLanes) {
+    __m512 v[kN];
+    for (uint32_t k = 0; k < kN; ++k) {
       // k4v3::Level: the code minus 3.5.
-      _mm512_store_ps(u + d, _mm512_sub_ps(Unpack3x16(in, d), _mm512_set1_ps(3.5f)));
+      const __m512 c = r < wide_rows ? Unpack3x16Wide(in + 6 * k) : Unpack3x16(in + 6 * k);
+      v[k] = _mm512_sub_ps(c, _mm512_set1_ps(3.5f));
     }
-    FwhtAvx512(u, D);
+    FwhtRow(v);
     std::byte* row = out + 2 * r * D;
-    for (uint32_t d = 0; d < D; d += kLanes) {
-      Store16<kDt>(row, d, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(u + d), step), Flip16(d)));
+    for (uint32_t k = 0; k < kN; ++k) {
+      // k4v3::ValueOut: times the step, then the flip. Never NaN: the levels' transform is
+      // finite, the step a finite scale times the norm.
+      Store16NotNan<kDt>(row, kLanes * k, XorBits(_mm512_mul_ps(v[k], step), flips.bits[k]));
     }
+  }
+}
+
+// The V kernels for the row length: D = 16 * kN.
+template <uint8_t kDt>
+void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  switch (shape.dim / kLanes) {
+    case 1:
+      return EncodeK4v3ValueRows<kDt, 1>(shape, in, payload);
+    case 2:
+      return EncodeK4v3ValueRows<kDt, 2>(shape, in, payload);
+    case 4:
+      return EncodeK4v3ValueRows<kDt, 4>(shape, in, payload);
+    case 8:
+      return EncodeK4v3ValueRows<kDt, 8>(shape, in, payload);
+    default:
+      return EncodeK4v3ValueRows<kDt, 16>(shape, in, payload);
+  }
+}
+template <uint8_t kDt>
+void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
+  switch (shape.dim / kLanes) {
+    case 1:
+      return DecodeK4v3ValueRows<kDt, 1>(shape, payload, out);
+    case 2:
+      return DecodeK4v3ValueRows<kDt, 2>(shape, payload, out);
+    case 4:
+      return DecodeK4v3ValueRows<kDt, 4>(shape, payload, out);
+    case 8:
+      return DecodeK4v3ValueRows<kDt, 8>(shape, payload, out);
+    default:
+      return DecodeK4v3ValueRows<kDt, 16>(shape, payload, out);
   }
 }
 
@@ -681,24 +773,29 @@ template <uint8_t kDt>
 void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
                   const std::byte* in, std::byte* out) {
   const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = D / 2;
-  const __m512 sign = _mm512_set1_ps(inverse ? -1.0f : 1.0f);
+  // The direction's sign on the sines (exact: a sign flip; the table holds no NaN).
+  const __m512 sign =
+      _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(inverse ? 0x80000000u : 0u)));
   const __m512 lo = _mm512_set1_ps(-3.40282347e+38f), hi = _mm512_set1_ps(3.40282347e+38f);
+  // numeric::ClampQ(x, -FLT_MAX, FLT_MAX): NaN -> 0, +-Inf -> +-FLT_MAX.
+  auto clamp = [&](__m512 x) {
+    return _mm512_min_ps(_mm512_maskz_max_ps(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), x, lo), hi);
+  };
   for (uint32_t t = 0; t < T; ++t) {
     const float* sn = sin + size_t{t} * half;
     const float* cs = cos + size_t{t} * half;
-    for (uint32_t h = 0; h < H; ++h) {
-      const size_t base = (size_t{t} * H + h) * D;
-      for (uint32_t j = 0; j < half; j += kLanes) {
-        // numeric::ClampQ(x, -FLT_MAX, FLT_MAX): NaN -> 0, +-Inf -> +-FLT_MAX.
-        const __m512 x1 =
-            _mm512_min_ps(_mm512_max_ps(NanToZero(Load16<kDt>(in, base + j)), lo), hi);
-        const __m512 x2 =
-            _mm512_min_ps(_mm512_max_ps(NanToZero(Load16<kDt>(in, base + j + half)), lo), hi);
-        const __m512 c = _mm512_loadu_ps(cs + j);
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sn + j), sign);
-        Store16<kDt>(out, base + j, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
-        Store16<kDt>(out, base + j + half,
-                     _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+    for (uint32_t j = 0; j < half; j += kLanes) {
+      // The angle depends on the token and the pair alone: the same c and s for every head.
+      const __m512 c = _mm512_loadu_ps(cs + j);
+      const __m512 s = XorBits(_mm512_loadu_ps(sn + j), sign);
+      for (uint32_t h = 0; h < H; ++h) {
+        const size_t i = (size_t{t} * H + h) * D + j;
+        const __m512 x1 = clamp(Load16<kDt>(in, i));
+        const __m512 x2 = clamp(Load16<kDt>(in, i + half));
+        // k4v3::TurnPairF32 never makes a NaN (its inputs are clamped first).
+        Store16NotNan<kDt>(out, i, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+        Store16NotNan<kDt>(out, i + half,
+                           _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
       }
     }
   }
