@@ -80,26 +80,29 @@ struct SegmentKernels {
   internal::K4v3TurnFn turn_k4v3;
   internal::K4v3ValueEncodeFn encode_k4v3_value;
   internal::K4v3ValueDecodeFn decode_k4v3_value;
+  internal::K4v3KeyDecodeFn decode_k4v3_key;
 
   internal::K4v3Kernels K4v3() const {
-    return {encode_intn, decode_intn, turn_k4v3, encode_k4v3_value, decode_k4v3_value};
+    return {encode_intn, turn_k4v3, encode_k4v3_value, decode_k4v3_value, decode_k4v3_key};
   }
 };
 
 const SegmentKernels& KernelsFor(CpuPath path) {
   namespace in = internal;
-  static constexpr SegmentKernels kScalar{
-      in::EncodeFp8Scalar,  in::DecodeFp8Scalar,       in::EncodeInt8Scalar,
-      in::DecodeInt8Scalar, in::EncodeIntNScalar,      in::DecodeIntNScalar,
-      in::TurnK4v3Scalar,   in::EncodeK4v3ValueScalar, in::DecodeK4v3ValueScalar};
+  static constexpr SegmentKernels kScalar{in::EncodeFp8Scalar,       in::DecodeFp8Scalar,
+                                          in::EncodeInt8Scalar,      in::DecodeInt8Scalar,
+                                          in::EncodeIntNScalar,      in::DecodeIntNScalar,
+                                          in::TurnK4v3Scalar,        in::EncodeK4v3ValueScalar,
+                                          in::DecodeK4v3ValueScalar, in::DecodeK4v3KeyScalar};
   static constexpr SegmentKernels kAvx2{
-      in::EncodeFp8Avx2,  in::DecodeFp8Avx2,       in::EncodeInt8Avx2,
-      in::DecodeInt8Avx2, in::EncodeIntNAvx2,      in::DecodeIntNAvx2,
-      in::TurnK4v3Avx2,   in::EncodeK4v3ValueAvx2, in::DecodeK4v3ValueAvx2};
-  static constexpr SegmentKernels kAvx512{
-      in::EncodeFp8Avx512,  in::DecodeFp8Avx512,       in::EncodeInt8Avx512,
-      in::DecodeInt8Avx512, in::EncodeIntNAvx512,      in::DecodeIntNAvx512,
-      in::TurnK4v3Avx512,   in::EncodeK4v3ValueAvx512, in::DecodeK4v3ValueAvx512};
+      in::EncodeFp8Avx2,       in::DecodeFp8Avx2,    in::EncodeInt8Avx2, in::DecodeInt8Avx2,
+      in::EncodeIntNAvx2,      in::DecodeIntNAvx2,   in::TurnK4v3Avx2,   in::EncodeK4v3ValueAvx2,
+      in::DecodeK4v3ValueAvx2, in::DecodeK4v3KeyAvx2};
+  static constexpr SegmentKernels kAvx512{in::EncodeFp8Avx512,       in::DecodeFp8Avx512,
+                                          in::EncodeInt8Avx512,      in::DecodeInt8Avx512,
+                                          in::EncodeIntNAvx512,      in::DecodeIntNAvx512,
+                                          in::TurnK4v3Avx512,        in::EncodeK4v3ValueAvx512,
+                                          in::DecodeK4v3ValueAvx512, in::DecodeK4v3KeyAvx512};
   switch (path == CpuPath::kAuto ? BestCpuPath() : path) {
     case CpuPath::kAvx512:
       return kAvx512;

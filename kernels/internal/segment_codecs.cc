@@ -755,10 +755,9 @@ const RopeTable& RopeTableFor(uint32_t tokens, uint32_t half, const K4v3Rope& ro
   return table;
 }
 
-// Turns every (token, head) vector of a K segment: pair j of token t by -t * w_j (`inverse`
-// false: into the block's RoPE frame) or +t * w_j (back), with the path's turn kernel over the
-// table's sines and cosines.
-void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, K4v3TurnFn turn, bool inverse,
+// Turns every (token, head) vector of a K segment: pair j of token t by -t * w_j (into the
+// block's RoPE frame), with the path's turn kernel over the table's sines and cosines.
+void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, K4v3TurnFn turn,
                   const std::byte* in, std::byte* out) {
   const uint32_t half = RopePairs(shape.dim);
   if (half == 0) {
@@ -767,7 +766,7 @@ void RotateKPairs(const SegmentShape& shape, const K4v3Rope& rope, K4v3TurnFn tu
   }
   RopeTable local;
   const RopeTable& table = RopeTableFor(shape.tokens, half, rope, &local);
-  turn(shape, table.cos.data(), table.sin.data(), inverse, in, out);
+  turn(shape, table.cos.data(), table.sin.data(), /*inverse=*/false, in, out);
 }
 
 template <uint8_t kDt>
@@ -869,6 +868,14 @@ void EncodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* in, std::
 void DecodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, return, DecodeK4v3ValueT<kDt>(shape, payload, out));
 }
+void DecodeK4v3KeyScalar(const SegmentShape& shape, const float* cos, const float* sin,
+                         const std::byte* payload, std::byte* out) {
+  // Scratch every element of which int4's decoder writes first.
+  const auto decoded = std::make_unique_for_overwrite<uint16_t[]>(shape.Elements());
+  auto* t = reinterpret_cast<std::byte*>(decoded.get());
+  DecodeIntNScalar(shape, 4, payload, t);
+  TurnK4v3Scalar(shape, cos, sin, /*inverse=*/true, t, out);
+}
 
 K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim) {
   K4v3Rope r;
@@ -893,10 +900,10 @@ void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, const K4v3Kerne
   }
   StoreF32(payload, 0, rope.omega0);
   StoreF32(payload, 1, rope.ratio);
-  // Scratch every element of which the turn (encode) or int4's decoder writes first.
+  // Scratch every element of which the turn writes first.
   const auto turned = std::make_unique_for_overwrite<uint16_t[]>(shape.Elements());
   auto* t = reinterpret_cast<std::byte*>(turned.get());
-  RotateKPairs(shape, rope, kernels.turn, /*inverse=*/false, in, t);
+  RotateKPairs(shape, rope, kernels.turn, in, t);
   kernels.encode_int4(shape, 4, t, payload + kK4v3KHeaderBytes);
 }
 
@@ -906,12 +913,16 @@ void DecodeK4v3(const SegmentShape& shape, const K4v3Kernels& kernels, const std
     kernels.decode_value(shape, payload, out);
     return;
   }
+  const std::byte* int4 = payload + kK4v3KHeaderBytes;
+  const uint32_t half = RopePairs(shape.dim);
+  if (half == 0) {  // nothing to turn back
+    DecodeIntNScalar(shape, 4, int4, out);
+    return;
+  }
   const K4v3Rope rope{LoadF32(payload, 0), LoadF32(payload, 1)};
-  // Scratch every element of which the turn (encode) or int4's decoder writes first.
-  const auto turned = std::make_unique_for_overwrite<uint16_t[]>(shape.Elements());
-  auto* t = reinterpret_cast<std::byte*>(turned.get());
-  kernels.decode_int4(shape, 4, payload + kK4v3KHeaderBytes, t);
-  RotateKPairs(shape, rope, kernels.turn, /*inverse=*/true, t, out);
+  RopeTable local;
+  const RopeTable& table = RopeTableFor(shape.tokens, half, rope, &local);
+  kernels.decode_key(shape, table.cos.data(), table.sin.data(), int4, out);
 }
 
 absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload) {

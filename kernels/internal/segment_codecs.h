@@ -172,12 +172,17 @@ using K4v3TurnFn = void (*)(const SegmentShape& shape, const float* cos, const f
 // A V segment: its row scales and 3-bit codes (payload), or back.
 using K4v3ValueEncodeFn = void (*)(const SegmentShape&, const std::byte* in, std::byte* payload);
 using K4v3ValueDecodeFn = void (*)(const SegmentShape&, const std::byte* payload, std::byte* out);
+// A K segment's decode: int4's decoder of `payload` (the int4 payload after the K header), then
+// the turn back out of the block's frame (K4v3TurnFn with `inverse`), the bytes those two give
+// (the SIMD paths do both in one pass, rounding to the dtype in between). REQUIRES: dim even.
+using K4v3KeyDecodeFn = void (*)(const SegmentShape& shape, const float* cos, const float* sin,
+                                 const std::byte* payload, std::byte* out);
 struct K4v3Kernels {
   IntNEncodeFn encode_int4;
-  IntNDecodeFn decode_int4;
   K4v3TurnFn turn;
   K4v3ValueEncodeFn encode_value;
   K4v3ValueDecodeFn decode_value;
+  K4v3KeyDecodeFn decode_key;
 };
 void EncodeK4v3(const SegmentShape& shape, const K4v3Rope& rope, const K4v3Kernels& kernels,
                 const std::byte* in, std::byte* payload);
@@ -189,16 +194,22 @@ void TurnK4v3Scalar(const SegmentShape& shape, const float* cos, const float* si
                     const std::byte* in, std::byte* out);
 void EncodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* in, std::byte* payload);
 void DecodeK4v3ValueScalar(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void DecodeK4v3KeyScalar(const SegmentShape& shape, const float* cos, const float* sin,
+                         const std::byte* payload, std::byte* out);
 void TurnK4v3Avx2(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
                   const std::byte* in, std::byte* out);
 void EncodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* in, std::byte* payload);
 void DecodeK4v3ValueAvx2(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void DecodeK4v3KeyAvx2(const SegmentShape& shape, const float* cos, const float* sin,
+                       const std::byte* payload, std::byte* out);
 // The AVX-512 ones (simd_avx512.cc; only call when CpuHasAvx512(); the dims they do not take
 // whole 16-lane vectors of go to the AVX2 ones).
 void TurnK4v3Avx512(const SegmentShape& shape, const float* cos, const float* sin, bool inverse,
                     const std::byte* in, std::byte* out);
 void EncodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* in, std::byte* payload);
 void DecodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* payload, std::byte* out);
+void DecodeK4v3KeyAvx512(const SegmentShape& shape, const float* cos, const float* sin,
+                         const std::byte* payload, std::byte* out);
 absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload);
 
 // ---- ISA isolation of the SIMD paths. simd_avx2.cc and simd_avx512.cc are compiled with

@@ -801,6 +801,59 @@ void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin,
   }
 }
 
+// numeric::DtypeToFloat(numeric::FloatToDtype(x)) of 16 non-NaN floats: what a dtype store and
+// load give back.
+template <uint8_t kDt>
+inline __m512 RoundToDtype16(__m512 x) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// DecodeK4v3KeyScalar for dims that are multiples of 32 (16 pairs per vector), in one pass: each
+// pair's two elements are dequantized as int4's decoder does (code * scale + min, rounded to the
+// dtype), turned back and stored.
+template <uint8_t kDt>
+void DecodeK4v3KeyImpl(const SegmentShape& shape, const float* cos, const float* sin,
+                       const std::byte* payload, std::byte* out) {
+  const uint32_t T = shape.tokens, H = shape.heads, D = shape.dim, half = D / 2;
+  const IntNLayout l = IntNLayoutFor(shape, 4);
+  const std::byte* scales = payload;
+  const std::byte* mins = payload + 2 * l.meta_count;
+  const std::byte* packed = payload + 4 * l.meta_count;
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 lo = _mm512_set1_ps(-3.40282347e+38f), hi = _mm512_set1_ps(3.40282347e+38f);
+  // Element i (parameters at m) as int4's decoder leaves it, then numeric::ClampQ(x, -FLT_MAX,
+  // FLT_MAX) as k4v3::TurnPairF32 takes it (never NaN: the scale and minimum are finite).
+  auto value = [&](size_t i, size_t m) {
+    const __m512 x = _mm512_add_ps(_mm512_mul_ps(UnpackLanes<4>(packed, i), Load16<kDt>(scales, m)),
+                                   Load16<kDt>(mins, m));
+    return _mm512_min_ps(_mm512_max_ps(RoundToDtype16<kDt>(x), lo), hi);
+  };
+  for (uint32_t t = 0; t < T; ++t) {
+    const size_t mbase = size_t{t / l.group_len} * H * D;
+    const float* sn = sin + size_t{t} * half;
+    const float* cs = cos + size_t{t} * half;
+    for (uint32_t j = 0; j < half; j += kLanes) {
+      const __m512 c = _mm512_loadu_ps(cs + j);
+      const __m512 s = XorBits(_mm512_loadu_ps(sn + j), sign);  // back: the negated angle
+      for (uint32_t h = 0; h < H; ++h) {
+        const size_t i = (size_t{t} * H + h) * D + j, m = mbase + size_t{h} * D + j;
+        const __m512 x1 = value(i, m), x2 = value(i + half, m + half);
+        Store16NotNan<kDt>(out, i, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+        Store16NotNan<kDt>(out, i + half,
+                           _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- entry points (dtype dispatch)
@@ -854,6 +907,12 @@ void TurnK4v3Avx512(const SegmentShape& shape, const float* cos, const float* si
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, TurnK4v3Scalar(shape, cos, sin, inverse, in, out),
                          TurnK4v3Impl<kDt>(shape, cos, sin, inverse, in, out));
 }
+void DecodeK4v3KeyAvx512(const SegmentShape& shape, const float* cos, const float* sin,
+                         const std::byte* payload, std::byte* out) {
+  if (shape.dim % (2 * kLanes) != 0) return DecodeK4v3KeyAvx2(shape, cos, sin, payload, out);
+  PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, DecodeK4v3KeyScalar(shape, cos, sin, payload, out),
+                         DecodeK4v3KeyImpl<kDt>(shape, cos, sin, payload, out));
+}
 void EncodeK4v3ValueAvx512(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   if (!K4v3ValueFits(shape.dim)) return EncodeK4v3ValueAvx2(shape, in, payload);
   PROXIMA_DISPATCH_DTYPE(shape.dtype, kDt, EncodeK4v3ValueScalar(shape, in, payload),
@@ -888,6 +947,10 @@ void DecodeIntNAvx512(const SegmentShape& s, uint32_t bits, const std::byte* p, 
 void TurnK4v3Avx512(const SegmentShape& s, const float* cos, const float* sin, bool inverse,
                     const std::byte* in, std::byte* out) {
   TurnK4v3Avx2(s, cos, sin, inverse, in, out);
+}
+void DecodeK4v3KeyAvx512(const SegmentShape& s, const float* cos, const float* sin,
+                         const std::byte* p, std::byte* out) {
+  DecodeK4v3KeyAvx2(s, cos, sin, p, out);
 }
 void EncodeK4v3ValueAvx512(const SegmentShape& s, const std::byte* in, std::byte* p) {
   EncodeK4v3ValueAvx2(s, in, p);
