@@ -50,24 +50,27 @@ inline __m256 Load8(const std::byte* p, size_t i) {
   return _mm256_cvtph_ps(h);
 }
 
-// numeric::FloatToDtype's bf16 rounding of 8 floats (NaN -> quiet NaN), as 32-bit lanes.
-inline __m256i Bf16Bits8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
-  __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r =
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
-  return _mm256_blendv_epi8(r, q, is_nan);
+// numeric::FloatToDtype of 8 non-NaN floats, as 32-bit lanes.
+template <uint8_t kDt>
+inline __m256i ToDtype8(__m256 v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
+                             16);
+  } else {
+    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 }
 
-// Stores 8 floats as dtype values, rounding exactly like numeric::FloatToDtype.
+// Stores 8 floats as dtype values, rounding exactly like numeric::FloatToDtype. None may be NaN:
+// the stores are the decoders', whose values never are (the validated metadata is finite, every
+// code stands for a finite level).
 template <uint8_t kDt>
 inline void Store8(std::byte* p, size_t i, __m256 v) {
   __m128i out;
   if constexpr (kDt == numeric::kDtypeBf16) {
-    __m256i r = Bf16Bits8(v);
+    __m256i r = ToDtype8<kDt>(v);
     __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..3 r0..3 | r4..7 r4..7
     out = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
   } else {
@@ -76,13 +79,14 @@ inline void Store8(std::byte* p, size_t i, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i), out);
 }
 
-// Stores 16 floats (lo: the first 8) as dtype values with one 32-byte store, as Store8 rounds.
+// Stores 16 floats (lo: the first 8, none NaN) as dtype values with one 32-byte store, as Store8
+// rounds.
 template <uint8_t kDt>
 inline void Store16(std::byte* p, size_t i, __m256 lo, __m256 hi) {
   __m256i out;
   if constexpr (kDt == numeric::kDtypeBf16) {
     // packus interleaves the halves by 128-bit lane (lo0-3 hi0-3 | lo4-7 hi4-7); 0xD8 reorders.
-    out = _mm256_permute4x64_epi64(_mm256_packus_epi32(Bf16Bits8(lo), Bf16Bits8(hi)), 0xD8);
+    out = _mm256_permute4x64_epi64(_mm256_packus_epi32(ToDtype8<kDt>(lo), ToDtype8<kDt>(hi)), 0xD8);
   } else {
     out = _mm256_set_m128i(_mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                            _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -351,19 +355,6 @@ inline float HorizontalMin(__m256 v) {
 // 32-bit lanes holding 16-bit values -> 8 packed 16-bit values.
 inline __m128i Narrow16(__m256i v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08));
-}
-
-// numeric::FloatToDtype of 8 non-NaN floats, as 32-bit lanes.
-template <uint8_t kDt>
-inline __m256i ToDtype8(__m256 v) {
-  if constexpr (kDt == numeric::kDtypeBf16) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
-                             16);
-  } else {
-    return _mm256_cvtepu16_epi32(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
 }
 
 // numeric::DtypeToFloat of 8 dtype values held in 32-bit lanes.
@@ -902,29 +893,6 @@ inline int32_t HorizontalMaxInt(__m256i v) {
   return _mm_cvtsi128_si32(m);
 }
 
-// Store8 and Store16 of floats none of which is NaN (bf16: the rounding without the NaN case).
-template <uint8_t kDt>
-inline void Store8NotNan(std::byte* p, size_t i, __m256 v) {
-  if constexpr (kDt == numeric::kDtypeBf16) {
-    const __m256i r = ToDtype8<kDt>(v);
-    const __m256i packed = _mm256_packus_epi32(r, r);  // as Store8
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
-                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
-  } else {
-    Store8<kDt>(p, i, v);
-  }
-}
-template <uint8_t kDt>
-inline void Store16NotNan(std::byte* p, size_t i, __m256 lo, __m256 hi) {
-  if constexpr (kDt == numeric::kDtypeBf16) {
-    const __m256i out = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(ToDtype8<kDt>(lo), ToDtype8<kDt>(hi)), 0xD8);  // as Store16
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i), out);
-  } else {
-    Store16<kDt>(p, i, lo, hi);
-  }
-}
-
 // EncodeK4v3ValueScalar for rows of D = 8 * kN: each row in registers from its load to its
 // transform's end, the row scales of kK4v3RowGroup rows at once (RoundUpDtype8), then each row's
 // codes.
@@ -1018,9 +986,9 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
     };
     std::byte* row = out + 2 * r * D;
     if constexpr (kN == 1) {
-      Store8NotNan<kDt>(row, 0, output(0));
+      Store8<kDt>(row, 0, output(0));
     } else {
-      for (uint32_t k = 0; k < kN; k += 2) Store16NotNan<kDt>(row, 8 * k, output(k), output(k + 1));
+      for (uint32_t k = 0; k < kN; k += 2) Store16<kDt>(row, 8 * k, output(k), output(k + 1));
     }
   }
 }
@@ -1085,8 +1053,8 @@ void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin,
         const __m256 x1 = clamp(Load8<kDt>(in, i));
         const __m256 x2 = clamp(Load8<kDt>(in, i + half));
         // k4v3::TurnPairF32 never makes a NaN (its inputs are clamped first).
-        Store8NotNan<kDt>(out, i, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
-        Store8NotNan<kDt>(out, i + half, _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
+        Store8<kDt>(out, i, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
+        Store8<kDt>(out, i + half, _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
       }
     }
   }
@@ -1137,8 +1105,8 @@ void DecodeK4v3KeyImpl(const SegmentShape& shape, const float* cos, const float*
       for (uint32_t h = 0; h < H; ++h) {
         const size_t i = (size_t{t} * H + h) * D + j, m = mbase + size_t{h} * D + j;
         const __m256 x1 = value(i, m), x2 = value(i + half, m + half);
-        Store8NotNan<kDt>(out, i, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
-        Store8NotNan<kDt>(out, i + half, _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
+        Store8<kDt>(out, i, _mm256_add_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
+        Store8<kDt>(out, i + half, _mm256_sub_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, s)));
       }
     }
   }

@@ -38,7 +38,6 @@ constexpr uint32_t kHeadChunk = 32;
 constexpr float kInf = __builtin_huge_valf();
 constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-
 // Loads 16 dtype values (any alignment) as floats (numeric::DtypeToFloat per lane).
 template <uint8_t kDt>
 inline __m512 Load16(const std::byte* p, size_t i) {
@@ -60,20 +59,28 @@ inline __m512 Broadcast(uint16_t v) {
   }
 }
 
-// Stores 16 floats as dtype values, rounding exactly like numeric::FloatToDtype.
+// numeric::FloatToDtype of 16 non-NaN floats, as 32-bit lanes.
+template <uint8_t kDt>
+inline __m512i ToDtype16(__m512 v) {
+  if constexpr (kDt == numeric::kDtypeBf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
+                             16);
+  } else {
+    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// Stores 16 floats as dtype values, rounding exactly like numeric::FloatToDtype. None may be NaN:
+// the stores are the decoders', whose values never are (the validated metadata is finite, every
+// code stands for a finite level).
 template <uint8_t kDt>
 inline void Store16(std::byte* p, size_t i, __m512 v) {
   __m256i out;
   if constexpr (kDt == numeric::kDtypeBf16) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-    const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
     // Every lane is below 2^16, so vpmovdw's truncation is exact; it keeps lane order.
-    out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, r, q));
+    out = _mm512_cvtepi32_epi16(ToDtype16<kDt>(v));
   } else {
     out = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
@@ -188,19 +195,6 @@ inline void Accumulate(__m512 x, __m512& mn, __m512& mx) {
   const __mmask16 finite = _mm512_cmp_ps_mask(Abs(x), _mm512_set1_ps(kInf), _CMP_LT_OQ);
   mn = _mm512_mask_min_ps(mn, finite, x, mn);
   mx = _mm512_mask_max_ps(mx, finite, x, mx);
-}
-
-// numeric::FloatToDtype of 16 non-NaN floats, as 32-bit lanes.
-template <uint8_t kDt>
-inline __m512i ToDtype16(__m512 v) {
-  if constexpr (kDt == numeric::kDtypeBf16) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
-                             16);
-  } else {
-    return _mm512_cvtepu16_epi32(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
 }
 
 // numeric::DtypeToFloat of 16 dtype values held in 32-bit lanes.
@@ -632,17 +626,6 @@ inline __m512 Unpack3x16Wide(const std::byte* p) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(7)));
 }
 
-// Store16 of 16 floats none of which is NaN (bf16: the rounding without the NaN lanes' case).
-template <uint8_t kDt>
-inline void Store16NotNan(std::byte* p, size_t i, __m512 v) {
-  if constexpr (kDt == numeric::kDtypeBf16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i),
-                        _mm512_cvtepi32_epi16(ToDtype16<kDt>(v)));
-  } else {
-    Store16<kDt>(p, i, v);
-  }
-}
-
 // EncodeK4v3ValueScalar for rows of D = 16 * kN: each row in kN registers from its load to its
 // transform's end, the row scales of 16 rows at once (RoundUpDtype16), then each row's codes.
 template <uint8_t kDt, uint32_t kN>
@@ -731,7 +714,7 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
     for (uint32_t k = 0; k < kN; ++k) {
       // k4v3::ValueOut: times the step, then the flip. Never NaN: the levels' transform is
       // finite, the step a finite scale times the norm.
-      Store16NotNan<kDt>(row, kLanes * k, XorBits(_mm512_mul_ps(v[k], step), flips.bits[k]));
+      Store16<kDt>(row, kLanes * k, XorBits(_mm512_mul_ps(v[k], step), flips.bits[k]));
     }
   }
 }
@@ -793,9 +776,8 @@ void TurnK4v3Impl(const SegmentShape& shape, const float* cos, const float* sin,
         const __m512 x1 = clamp(Load16<kDt>(in, i));
         const __m512 x2 = clamp(Load16<kDt>(in, i + half));
         // k4v3::TurnPairF32 never makes a NaN (its inputs are clamped first).
-        Store16NotNan<kDt>(out, i, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
-        Store16NotNan<kDt>(out, i + half,
-                           _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+        Store16<kDt>(out, i, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+        Store16<kDt>(out, i + half, _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
       }
     }
   }
@@ -846,9 +828,8 @@ void DecodeK4v3KeyImpl(const SegmentShape& shape, const float* cos, const float*
       for (uint32_t h = 0; h < H; ++h) {
         const size_t i = (size_t{t} * H + h) * D + j, m = mbase + size_t{h} * D + j;
         const __m512 x1 = value(i, m), x2 = value(i + half, m + half);
-        Store16NotNan<kDt>(out, i, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
-        Store16NotNan<kDt>(out, i + half,
-                           _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
+        Store16<kDt>(out, i, _mm512_add_ps(_mm512_mul_ps(x1, c), _mm512_mul_ps(x2, s)));
+        Store16<kDt>(out, i + half, _mm512_sub_ps(_mm512_mul_ps(x2, c), _mm512_mul_ps(x1, s)));
       }
     }
   }
