@@ -4,13 +4,13 @@
 // same order (no contracted FMA: this file is built with -ffp-contract=off; the one explicit FMA,
 // k4v3's in-vector transform stages, multiplies by +-1, exactly, so it rounds once as the scalar
 // add or subtract does), the per-group scales included (16 groups or rows at a time, with mask
-// registers where the AVX2 path blends), so the bytes are identical to the scalar path. Segments whose head_dim is not a multiple of 16 go to the AVX2
-// entry points wholesale.
+// registers where the AVX2 path blends), so the bytes are identical to the scalar path. Segments
+// whose head_dim is not a multiple of 16 go to the AVX2 entry points wholesale.
 //
 // Lane order by construction: every narrowing is a vpmov* truncation (whole register, lane order
 // kept), int4/int2 packing combines neighbouring elements with vpmaddubsw/vpmaddwd inside one
-// 128-bit register, and the one cross-lane permute (int4 unpacking) names its source dwords
-// explicitly. No per-128-bit-lane pack (vpackus*) touches a wider register here.
+// 128-bit register, and the cross-lane permutes (int4 unpacking, Pack64's reordering after its
+// per-128-bit-lane packs) name their source dwords explicitly.
 //
 // ISA isolation: everything but the entry points has internal linkage, and this file calls no
 // inline function of the shared headers and no std template, so it emits no link-once code that
@@ -160,6 +160,26 @@ inline void PackLanes(std::byte* p, __m512i q) {
     const uint32_t out =
         static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_cvtepi32_epi8(d)));  // dword k -> byte k
     std::memcpy(p, &out, 4);
+  }
+}
+
+// Packs 64 lanes of `bits`-bit values (q0: elements 0-15, .., q3: 48-63; 0 <= q < 2^bits) LSB
+// first, as PackLanes does 16 at a time: 32 bytes for int4, 16 for int2, written to p. The packs
+// work per 128-bit lane (lane k of the bytes holds elements 4k..4k+3 of q0, then of q1, q2, q3);
+// the permute puts the dwords back in element order.
+template <uint32_t bits>
+inline void Pack64(std::byte* p, __m512i q0, __m512i q1, __m512i q2, __m512i q3) {
+  static_assert(bits == 4 || bits == 2);
+  const __m512i b = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+      _mm512_packus_epi16(_mm512_packus_epi32(q0, q1), _mm512_packus_epi32(q2, q3)));
+  if constexpr (bits == 4) {
+    const __m512i w = _mm512_maddubs_epi16(b, _mm512_set1_epi16(0x1001));  // 32 x (b0 + 16 b1)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi16_epi8(w));
+  } else {
+    const __m512i w = _mm512_maddubs_epi16(b, _mm512_set1_epi16(0x0401));   // 32 x (b0 + 4 b1)
+    const __m512i d = _mm512_madd_epi16(w, _mm512_set1_epi32(0x00100001));  // 16 x (w0 + 16 w1)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(d));
   }
 }
 
@@ -406,21 +426,49 @@ void EncodeIntNImpl(const SegmentShape& shape, const std::byte* in, std::byte* p
     const __m512 v = _mm512_div_ps(_mm512_sub_ps(Load16<kDt>(in, i), min_f), div);
     PackLanes<bits>(packed + i * bits / 8, ClampRound(v, zero, qmax));
   };
-  if (!shape.is_value) {  // K: groups along tokens, 16 channels at a time
+  if (!shape.is_value) {
+    // K: groups along tokens. Per group of tokens and head, the extremes and parameters of each
+    // 16-channel column (four columns' running extremes at once: independent chains), then the
+    // group's token rows quantized whole, 64 contiguous channels per Pack64; kColumns columns
+    // (256 channels) at a time.
+    constexpr uint32_t kColumns = 16;
+    __m512 col_min[kColumns], col_div[kColumns];
     for (uint32_t j = 0; j < l.num_groups; ++j) {
       const uint32_t t0 = j * l.group_len, len = MinU32(l.group_len, T - t0);
       for (uint32_t h = 0; h < H; ++h) {
-        for (uint32_t d = 0; d < D; d += kLanes) {
-          __m512 mn = inf, mx = ninf;
-          for (uint32_t t = t0; t < t0 + len; ++t) {
-            Accumulate(Load16<kDt>(in, (size_t{t} * H + h) * D + d), mn, mx);
+        for (uint32_t d0 = 0; d0 < D; d0 += kLanes * kColumns) {
+          const uint32_t columns = MinU32(kColumns, (D - d0) / kLanes);
+          for (uint32_t c0 = 0; c0 < columns; c0 += 4) {
+            const uint32_t n = MinU32(4, columns - c0);
+            __m512 mn[4] = {inf, inf, inf, inf}, mx[4] = {ninf, ninf, ninf, ninf};
+            for (uint32_t t = t0; t < t0 + len; ++t) {
+              const size_t row = (size_t{t} * H + h) * D + d0 + kLanes * c0;
+              for (uint32_t c = 0; c < n; ++c) {
+                Accumulate(Load16<kDt>(in, row + kLanes * c), mn[c], mx[c]);
+              }
+            }
+            for (uint32_t c = 0; c < n; ++c) {
+              const IntNParams16 p = IntNGroupParams16<kDt>(mn[c], mx[c], qmax);
+              const size_t m = (size_t{j} * H + h) * D + d0 + kLanes * (c0 + c);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(scales + 2 * m), p.scale);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(mins + 2 * m), p.min);
+              col_min[c0 + c] = p.min_f;
+              col_div[c0 + c] = p.divisor;
+            }
           }
-          const IntNParams16 p = IntNGroupParams16<kDt>(mn, mx, qmax);
-          const size_t m = (size_t{j} * H + h) * D + d;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(scales + 2 * m), p.scale);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(mins + 2 * m), p.min);
           for (uint32_t t = t0; t < t0 + len; ++t) {
-            quantize16((size_t{t} * H + h) * D + d, p.min_f, p.divisor);
+            const size_t i = (size_t{t} * H + h) * D + d0;
+            auto q = [&](uint32_t c) {  // column c's codes
+              const __m512 v = _mm512_div_ps(
+                  _mm512_sub_ps(Load16<kDt>(in, i + kLanes * c), col_min[c]), col_div[c]);
+              return ClampRound(v, zero, qmax);
+            };
+            uint32_t c = 0;
+            for (; c + 4 <= columns; c += 4) {
+              Pack64<bits>(packed + (i + kLanes * c) * bits / 8, q(c), q(c + 1), q(c + 2),
+                           q(c + 3));
+            }
+            for (; c < columns; ++c) PackLanes<bits>(packed + (i + kLanes * c) * bits / 8, q(c));
           }
         }
       }
