@@ -765,36 +765,32 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
   }
 }
 
-// The V kernels for the row length: D = 16 * kN.
-template <uint8_t kDt>
-void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
-  switch (shape.dim / kLanes) {
+// Calls f.template operator()<kN>() for the row length D = 16 * kN (kN = 1, 2, 4, 8, 16: the
+// dims K4v3ValueFits takes).
+template <typename F>
+void WithRowVectors(uint32_t dim, F&& f) {
+  switch (dim / kLanes) {
     case 1:
-      return EncodeK4v3ValueRows<kDt, 1>(shape, in, payload);
+      return f.template operator()<1>();
     case 2:
-      return EncodeK4v3ValueRows<kDt, 2>(shape, in, payload);
+      return f.template operator()<2>();
     case 4:
-      return EncodeK4v3ValueRows<kDt, 4>(shape, in, payload);
+      return f.template operator()<4>();
     case 8:
-      return EncodeK4v3ValueRows<kDt, 8>(shape, in, payload);
+      return f.template operator()<8>();
     default:
-      return EncodeK4v3ValueRows<kDt, 16>(shape, in, payload);
+      return f.template operator()<16>();
   }
 }
 template <uint8_t kDt>
+void EncodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
+  WithRowVectors(shape.dim,
+                 [&]<uint32_t kN>() { EncodeK4v3ValueRows<kDt, kN>(shape, in, payload); });
+}
+template <uint8_t kDt>
 void DecodeK4v3ValueImpl(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
-  switch (shape.dim / kLanes) {
-    case 1:
-      return DecodeK4v3ValueRows<kDt, 1>(shape, payload, out);
-    case 2:
-      return DecodeK4v3ValueRows<kDt, 2>(shape, payload, out);
-    case 4:
-      return DecodeK4v3ValueRows<kDt, 4>(shape, payload, out);
-    case 8:
-      return DecodeK4v3ValueRows<kDt, 8>(shape, payload, out);
-    default:
-      return DecodeK4v3ValueRows<kDt, 16>(shape, payload, out);
-  }
+  WithRowVectors(shape.dim,
+                 [&]<uint32_t kN>() { DecodeK4v3ValueRows<kDt, kN>(shape, payload, out); });
 }
 
 // TurnK4v3Scalar for dims that are multiples of 32 (16 pairs per vector).
