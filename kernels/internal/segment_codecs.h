@@ -163,7 +163,6 @@ bool K4v3DimOk(uint32_t head_dim);
 float K4v3HadamardNorm(uint32_t dim);
 
 using IntNEncodeFn = void (*)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
-using IntNDecodeFn = void (*)(const SegmentShape&, uint32_t, const std::byte*, std::byte*);
 // Turns every pair (j, j + dim/2) of a K segment's (token t, head) vectors by the angle whose
 // cosine is cos[t * dim/2 + j] and sine sin[t * dim/2 + j] (negated when `inverse`: back out of
 // the block's frame), k4v3::TurnPairF32 rounded to the dtype. REQUIRES: dim even.
