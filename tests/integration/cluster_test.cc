@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -51,16 +52,42 @@ constexpr absl::Duration kPeerDeadline = absl::Milliseconds(1000);
 
 // A TCP port that was free a moment ago (the daemons need their ports before they start, to list
 // each other as peers).
-int FreePort() {
+// Binds a loopback TCP socket to `port` (0: one the kernel picks) and returns the port bound, or
+// 0 when the bind fails.
+int BindLoopback(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  int bound = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    bound = ntohs(addr.sin_port);
+  }
   close(fd);
-  return ntohs(addr.sin_port);
+  return bound;
+}
+
+// A port for one daemon of a cluster, chosen before any of them starts (each lists the others):
+// a free one below the kernel's ephemeral range (net.ipv4.ip_local_port_range), picked at
+// random. A port from the ephemeral range can be handed out, before its daemon binds it, to any
+// process that binds port 0 (the daemons of the tests running beside this one) or connects out
+// (its source port); that daemon's bind then fails with "address in use" (seen once in CI:
+// AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt, whose nodes saw a peer at that port
+// answer before its daemon had started: another test's daemon, most likely).
+int FreePort() {
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  if (low > 10000 + 1000) {
+    static std::mt19937 rng(std::random_device{}());
+    std::uniform_int_distribution<int> pick(10000, low - 1);
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      if (const int port = BindLoopback(pick(rng)); port != 0) return port;
+    }
+  }
+  return BindLoopback(0);  // no room below the ephemeral range: one from it
 }
 
 class ClusterTest : public ::testing::Test {
