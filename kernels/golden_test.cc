@@ -5,8 +5,9 @@
 // This is what holds an aarch64 build (scripts/aarch64.sh, under qemu) to the x86 bytes: a
 // cluster may mix the two, and a worker decodes what any daemon encoded.
 //
-// Regenerate (only when the format changes on purpose, with a format version bump), from the
-// repository root:
+// Regenerate only when encoded bytes change on purpose: a format change (with a format version
+// bump), or an encoder's choice that the format leaves open and every decoder reads alike (e.g.
+// k4v3's V scale divisor, docs/decisions.md), from the repository root:
 //   PROXIMA_WRITE_GOLDEN=kernels/testdata/golden_encodings.txt
 //   build/kernels/kernels_codec_test --gtest_filter='GoldenTest.*'   (with that variable set)
 #include <cstdio>

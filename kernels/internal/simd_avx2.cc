@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "kernels/dtype_dispatch.h"
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/segment_codecs.h"
 #include "kernels/internal/simd_bytes.h"
 
@@ -933,7 +934,8 @@ void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::by
     // k4v3::ScaleFromMaxBits of the group's rows (lanes past g: scale 0, unused).
     const __m256 amax =
         _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(amax_bits)));
-    const __m256i scale = RoundUpDtype8<kDt>(_mm256_div_ps(amax, _mm256_set1_ps(3.5f)));
+    const __m256i scale =
+        RoundUpDtype8<kDt>(_mm256_div_ps(amax, _mm256_set1_ps(k4v3::kScaleDivisor)));
     const __m256 f = FromDtype8<kDt>(scale);
     alignas(32) float divisor[kK4v3RowGroup];
     _mm256_store_ps(divisor, _mm256_blendv_ps(f, _mm256_set1_ps(1.0f),

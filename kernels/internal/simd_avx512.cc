@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "kernels/dtype_dispatch.h"
+#include "kernels/internal/k4v3_math.h"
 #include "kernels/internal/segment_codecs.h"
 #include "kernels/internal/simd_bytes.h"
 
@@ -709,7 +710,8 @@ void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::by
     }
     // k4v3::ScaleFromMaxBits of the group's rows (lanes past g: scale 0, unused).
     const __m512 amax = _mm512_castsi512_ps(_mm512_load_si512(amax_bits));
-    const __m512i scale = RoundUpDtype16<kDt>(_mm512_div_ps(amax, _mm512_set1_ps(3.5f)));
+    const __m512i scale =
+        RoundUpDtype16<kDt>(_mm512_div_ps(amax, _mm512_set1_ps(k4v3::kScaleDivisor)));
     const __m512 f = FromDtype16<kDt>(scale);
     alignas(64) float divisor[kLanes];
     _mm512_store_ps(divisor,
