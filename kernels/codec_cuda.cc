@@ -245,6 +245,9 @@ class CallTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// The most bytes of one segment's metadata (or of a block's header) requested ahead at a time.
+constexpr size_t kMaxPrefetchBytes = 4096;
+
 }  // namespace
 
 absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* stream,
@@ -264,8 +267,19 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
   uint64_t turned_bytes = 0;
   std::vector<gpu::DeviceSpan> payloads(jobs.size());  // checked against `expected` on the GPU
   std::vector<uint32_t> expected(jobs.size());
+  // The checks below read a few hundred bytes at the start of every segment, tens of kilobytes
+  // apart in host memory that is usually not in cache (blocks just received): one cache miss
+  // after another. So the next block's header and the metadata of the segment kPrefetchAhead
+  // further on are requested before each check.
+  constexpr uint32_t kPrefetchAhead = 4;
+  auto prefetch = [](const std::byte* p, size_t bytes) {
+    for (size_t at = 0; at < std::min<size_t>(bytes, kMaxPrefetchBytes); at += 64) {
+      __builtin_prefetch(p + at);
+    }
+  };
   for (size_t b = 0; b < jobs.size(); ++b) {
     const CudaDecodeJob& job = jobs[b];
+    if (b + 1 < jobs.size()) prefetch(jobs[b + 1].encoded_host.data(), kMaxPrefetchBytes);
     PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, InspectBlockHeader(job.encoded_host));
     if (job.encoded_device == nullptr || job.raw_device == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("block ", b, ": null device pointer"));
@@ -274,7 +288,15 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
     const size_t payload_offset = info.segments[0].offset;  // 2 * num_layers >= 2 segments
     payloads[b] = {job.encoded_device + payload_offset, info.encoded_bytes - payload_offset};
     expected[b] = info.payload_crc;
+    auto prefetch_segment = [&](uint32_t s) {
+      const SegmentInfo& seg = info.segments[s];
+      prefetch(job.encoded_host.data() + seg.offset,
+               internal::LeadingMetadataBytes(
+                   seg.codec, internal::SegmentShapeFor(info.geometry, s, seg.group_size)));
+    };
+    for (uint32_t s = 0; s < kPrefetchAhead && s < info.segments.size(); ++s) prefetch_segment(s);
     for (uint32_t s = 0; s < info.segments.size(); ++s) {
+      if (s + kPrefetchAhead < info.segments.size()) prefetch_segment(s + kPrefetchAhead);
       const SegmentInfo& seg = info.segments[s];
       const SegmentShape sh = internal::SegmentShapeFor(info.geometry, s, seg.group_size);
       const std::byte* host = job.encoded_host.data() + seg.offset;

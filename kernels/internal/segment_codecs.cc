@@ -157,6 +157,25 @@ size_t FixedPayloadBytes(CodecId codec, const SegmentShape& shape) {
   return 0;
 }
 
+size_t LeadingMetadataBytes(CodecId codec, const SegmentShape& shape) {
+  switch (codec) {
+    case CodecId::kFp8:
+    case CodecId::kInt8:
+      return FixedPayloadBytes(codec, shape) - shape.Elements();
+    case CodecId::kInt4:
+    case CodecId::kInt2:
+      return 4 * IntNLayoutFor(shape, codec == CodecId::kInt4 ? 4 : 2).meta_count;
+    case CodecId::kK4v3:
+      return shape.is_value ? 2 * size_t{shape.tokens} * shape.heads
+                            : kK4v3KHeaderBytes + LeadingMetadataBytes(CodecId::kInt4, shape);
+    case CodecId::kRaw:
+    case CodecId::kLossless:
+    case CodecId::kStar:
+      return 0;
+  }
+  return 0;
+}
+
 // ---------------------------------------------------------------- validation
 
 absl::Status ValidateFp8(const SegmentShape& shape, const std::byte* payload) {

@@ -96,6 +96,10 @@ inline IntNGroup IntNGroupParams(uint8_t dtype, float mn, float mx, float qmax) 
 
 // Payload size of a fixed-size codec (every codec but lossless).
 size_t FixedPayloadBytes(CodecId codec, const SegmentShape& shape);
+// How many bytes at the start of a segment's payload its Validate* function reads (the scales,
+// minimums and RoPE frequencies before the codes); 0 where the checks read elsewhere (star's are
+// spread over its heads) or nothing (raw, lossless). For fetching them ahead of the checks.
+size_t LeadingMetadataBytes(CodecId codec, const SegmentShape& shape);
 
 // Unaligned little-endian access; payloads sit at arbitrary offsets.
 inline uint16_t Load16(const std::byte* p, size_t i) {
