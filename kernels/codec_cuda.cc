@@ -279,7 +279,9 @@ absl::Status DecodeBlocksCuda(std::span<const CudaDecodeJob> jobs, CUstream_st* 
   };
   for (size_t b = 0; b < jobs.size(); ++b) {
     const CudaDecodeJob& job = jobs[b];
-    if (b + 1 < jobs.size()) prefetch(jobs[b + 1].encoded_host.data(), kMaxPrefetchBytes);
+    if (b + 1 < jobs.size()) {
+      prefetch(jobs[b + 1].encoded_host.data(), jobs[b + 1].encoded_host.size());
+    }
     PROXIMA_ASSIGN_OR_RETURN(BlockHeaderInfo info, InspectBlockHeader(job.encoded_host));
     if (job.encoded_device == nullptr || job.raw_device == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("block ", b, ": null device pointer"));
