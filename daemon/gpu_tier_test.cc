@@ -8,6 +8,7 @@
 // cannot be produced for real (a failing copy or encode) are tested over the stand-in only.
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -91,9 +92,12 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
     store_ = std::make_unique<BlockStore>(*std::move(tier), 8, std::span(counters_), 0.0,
                                           std::move(device_pools));
     tierer_ = std::make_unique<Tierer>(
-        store_.get(), config_, testing::OneProfile(kProfile, blocks_->geometry(), rope_theta_),
-        &registry_);
+        store_.get(), config_, testing::OneProfile(kProfile, Geometry(), rope_theta_), &registry_);
   }
+
+  // The registered profile's geometry: the real blocks', or `geometry_` (the same bytes read
+  // with other dims) when a test sets it before Make.
+  codec::BlockGeometry Geometry() const { return geometry_.value_or(blocks_->geometry()); }
 
   BlockAttributes Attributes(uint32_t n, uint32_t ns) const {
     return tierer_->AttributesFor(ns, testing::kTestTokens, true, n, false);
@@ -143,6 +147,7 @@ class GpuTierTest : public ::testing::TestWithParam<MemoryKind> {
   std::unique_ptr<RealBlocks> blocks_;
   uint64_t raw_ = 0;
   double rope_theta_ = 0;  // the registered profile's RoPE base (set before Make)
+  std::optional<codec::BlockGeometry> geometry_;    // see Geometry()
   std::vector<HostBackedDeviceMemory*> stand_ins_;  // kHostBacked only
   std::unique_ptr<BlockStore> store_;
   std::unique_ptr<Tierer> tierer_;
@@ -238,14 +243,14 @@ void GpuTierTest::ExpectMoveDownEncodesLikeTheCpu(const std::vector<std::string>
     EXPECT_EQ(stand_ins_[0]->encode_batches.load(), 1u);  // one device call for the batch
   }
   ASSERT_OK_AND_ASSIGN(codec::CodecPlan plan, codec::ParseCodecPlan(levels[0]));
-  plan = plan.ForModel(rope_theta_);
+  plan = plan.ForModel(rope_theta_).ForGeometry(Geometry());
   for (uint32_t n = 0; n < 6; ++n) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, 0));
     ASSERT_TRUE(r);
     EXPECT_EQ(r->level, 1);
     std::string expected;
-    ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), plan, n == 0, AsBytes(blocks_->Block(n)), {},
-                                 &expected));
+    ASSERT_OK(
+        codec::EncodeBlock(Geometry(), plan, n == 0, AsBytes(blocks_->Block(n)), {}, &expected));
     EXPECT_TRUE(Same(S(r->bytes), expected)) << levels[0] << " block " << n;
   }
 }
@@ -264,6 +269,26 @@ TEST_P(GpuTierTest, MovingDownEncodesAtTheFirstLevelWithTheCpuCodecsBytes) {
 TEST_P(GpuTierTest, MovingDownToK4v3UsesTheProfilesRopeBaseAndTheCpuCodecsBytes) {
   rope_theta_ = 100000;
   ASSERT_NO_FATAL_FAILURE(ExpectMoveDownEncodesLikeTheCpu({"k4v3"}));
+}
+
+// A head dim that is not a power of two (k4v3 needs one): the k4v3 level's blocks go down as
+// int4, encoded on the device, instead of raw (which is how they went: the device and then the
+// CPU codec refused the plan).
+TEST_P(GpuTierTest, MovingDownToK4v3WithAHeadDimItCannotTakeEncodesInt4) {
+  rope_theta_ = 100000;
+  blocks_ = std::make_unique<RealBlocks>(kLayers);
+  codec::BlockGeometry g = blocks_->geometry();
+  g.num_kv_heads = 2;  // the same bytes as 2 heads of 96 channels instead of 3 of 64
+  g.head_dim = 96;
+  geometry_ = g;
+  ASSERT_NO_FATAL_FAILURE(ExpectMoveDownEncodesLikeTheCpu({"k4v3"}));
+  if (IsSkipped()) return;
+  EXPECT_EQ(tierer_->k4v3_as_int4(), 6u);
+  std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(3, 0));
+  ASSERT_TRUE(r);
+  ASSERT_OK_AND_ASSIGN(codec::BlockHeaderInfo info, codec::InspectBlock(r->bytes));
+  EXPECT_EQ(info.geometry, g);
+  for (const codec::SegmentInfo& seg : info.segments) EXPECT_EQ(seg.codec, codec::CodecId::kInt4);
 }
 
 TEST_P(GpuTierTest, AHighPriorityBlockGoesDownRaw) {

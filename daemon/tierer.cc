@@ -82,6 +82,10 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup prof
       "proxima_tierer_levels_passed_over_total",
       "Intermediate hierarchy levels not encoded because a block went straight to a deeper "
       "one (the room needed was more than the next level frees)");
+  k4v3_as_int4_ = registry->AddCounter(
+      "proxima_tierer_k4v3_as_int4_total",
+      "Blocks encoded at a k4v3 level with int4 in k4v3's place: their head dim is not a power "
+      "of two, which k4v3 needs");
   const char* moves_help =
       "Blocks the tierer moved from a GPU pool down to the host tier, by the "
       "encoding they went down in";
@@ -267,19 +271,38 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
   }
 }
 
-uint8_t Tierer::TargetLevel(const BlockStore::Candidate& c, const codec::BlockGeometry& geometry,
+codec::CodecPlan Tierer::PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile,
+                                 bool* substituted) const {
+  NamespaceState& state = *namespaces_[ns];
+  bool swapped = false;
+  codec::CodecPlan plan = state.policy.plans[level - 1]
+                              .ForModel(profile.rope_theta)
+                              .ForGeometry(profile.geometry, &swapped);
+  if (swapped && !state.warned_k4v3_as_int4.exchange(true, std::memory_order_relaxed)) {
+    PROXIMA_LOG(kWarning) << "tierer: k4v3 needs a power-of-two head_dim; this namespace's "
+                             "blocks of another are encoded with int4 in its place (logged once)"
+                          << log::Kv("namespace", state.name) << log::Kv("level", int(level))
+                          << log::Kv("head_dim", profile.geometry.head_dim)
+                          << log::Kv("plan", plan.ToString());
+  }
+  if (substituted != nullptr) *substituted = swapped;
+  return plan;
+}
+
+uint8_t Tierer::TargetLevel(const BlockStore::Candidate& c, const ProfileCodec& profile,
                             uint8_t deepest, uint64_t room) const {
-  const std::vector<codec::CodecPlan>& plans = namespaces_[c.id.namespace_index]->policy.plans;
+  const uint32_t ns = c.id.namespace_index;
+  const codec::BlockGeometry& geometry = profile.geometry;
   const bool first = c.attributes.is_first_block;
   const uint64_t now = c.block.bytes.size();
   uint8_t to = c.block.level + 1;
   if (room == 0) return to;
-  std::optional<size_t> at = codec::EncodedBytes(geometry, plans[to - 1], first);
+  std::optional<size_t> at = codec::EncodedBytes(geometry, PlanFor(ns, to, profile), first);
   while (to < deepest && at && *at < now && now - *at < room) {
     // Level `to` shrinks the block but would not free the room; the next one is taken only when
     // it is smaller still (one level at a time otherwise, so that the no-gain check sees each
     // level as successive steps would).
-    std::optional<size_t> next = codec::EncodedBytes(geometry, plans[to], first);
+    std::optional<size_t> next = codec::EncodedBytes(geometry, PlanFor(ns, to + 1, profile), first);
     if (!next || *next >= *at) break;
     ++to;
     at = next;
@@ -305,7 +328,7 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
   if (profile) geometry = profile->geometry;
   // ColdestCompressible hands out only blocks below both their own deepest level and the cap.
   const uint8_t deepest = std::min(c->attributes.max_level, caps[ns]);
-  const uint8_t to = geometry ? TargetLevel(*c, *geometry, deepest, room) : from + 1;
+  const uint8_t to = geometry ? TargetLevel(*c, *profile, deepest, room) : from + 1;
   auto start = std::chrono::steady_clock::now();
   // The source: the raw block, or the previous level decoded.
   std::string decoded;
@@ -320,8 +343,9 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
     source = AsBytes(decoded);
   }
   std::string encoded;
+  bool as_int4 = false;
   if (status.ok()) {
-    status = codec::EncodeBlock(*geometry, state.policy.plans[to - 1].ForModel(profile->rope_theta),
+    status = codec::EncodeBlock(*geometry, PlanFor(ns, to, *profile, &as_int4),
                                 c->attributes.is_first_block, source, {}, &encoded);
   }
   if (status.ok() && encoded.size() >= c->block.bytes.size()) {
@@ -358,6 +382,7 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
       std::chrono::duration_cast<std::chrono::microseconds>(elapsed).count()));
   encodes_.fetch_add(1, std::memory_order_relaxed);
   encoded_blocks_[to]->Increment();
+  if (as_int4) k4v3_as_int4_->Increment();
   if (to > from + 1) levels_passed_over_->Increment(to - from - 1);
   encode_bytes_in_->Increment(source.size());
   encode_bytes_out_->Increment(encoded.size());
@@ -458,7 +483,8 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     const std::optional<ProfileCodec> profile = profile_(ns, key.second);
     if (!profile) continue;  // profile no longer known: raw
     const codec::BlockGeometry* geometry = &profile->geometry;
-    const codec::CodecPlan plan = state.policy.plans[0].ForModel(profile->rope_theta);
+    bool as_int4 = false;
+    const codec::CodecPlan plan = PlanFor(ns, 1, *profile, &as_int4);
     std::vector<DeviceMemory::EncodeJob> jobs;
     for (size_t i : members) {
       if (candidates[i].device_bytes != geometry->RawBytes()) continue;  // not a raw block: raw
@@ -504,6 +530,7 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
       (*levels)[i] = 1;
       encodes_.fetch_add(1, std::memory_order_relaxed);
       encoded_blocks_[1]->Increment();
+      if (as_int4) k4v3_as_int4_->Increment();
       encode_bytes_in_->Increment(candidates[i].device_bytes);
       encode_bytes_out_->Increment(job.out->size());
       std::string raw;

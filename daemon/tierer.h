@@ -139,6 +139,9 @@ class Tierer {
   uint64_t no_gain() const { return no_gain_->value(); }
   // Intermediate levels passed over by encoding blocks straight to a deeper one.
   uint64_t levels_passed_over() const { return levels_passed_over_->value(); }
+  // Blocks encoded at a k4v3 level with int4 in k4v3's place (their head dim is not a power of
+  // two: codec::CodecPlan::ForGeometry).
+  uint64_t k4v3_as_int4() const { return k4v3_as_int4_->value(); }
   // Background workers running now (0 before Start(), after Stop(), and when no namespace
   // compresses). Call from the thread that calls Start() and Stop().
   size_t workers() const { return workers_.size(); }
@@ -154,6 +157,7 @@ class Tierer {
     std::atomic<uint64_t> encodings{0};  // counts toward sampling
     std::atomic<uint64_t> step_backs{0};
     std::atomic<bool> warned_no_gain{false};
+    std::atomic<bool> warned_k4v3_as_int4{false};
   };
 
   // Full caps: every namespace at its quality-guard cap (the put path may compress any).
@@ -161,9 +165,15 @@ class Tierer {
   // Caps for namespaces over their pressure threshold at `pressure`, else 0. `room`, when
   // given, is set to the bytes above the lowest of those thresholds.
   std::vector<uint8_t> CapsUnderPressure(double pressure, uint64_t* room = nullptr) const;
+  // The plan that blocks of `profile` in namespace `ns` are encoded with at `level` (1 = the
+  // first of the hierarchy): the level's plan with the model's RoPE base, for the profile's
+  // geometry (int4 in k4v3's place where the head dim is not a power of two: `substituted`, may
+  // be null; logged once per namespace).
+  codec::CodecPlan PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile,
+                           bool* substituted = nullptr) const;
   // The level CompressOne encodes the candidate to: see CompressOne's `room`.
-  uint8_t TargetLevel(const BlockStore::Candidate& c, const codec::BlockGeometry& geometry,
-                      uint8_t deepest, uint64_t room) const;
+  uint8_t TargetLevel(const BlockStore::Candidate& c, const ProfileCodec& profile, uint8_t deepest,
+                      uint64_t room) const;
   void RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums);
   // The quality guard's sample: one encoding in the namespace's `sample_one_in` is decoded and
   // measured against its source. `source` gives the raw bytes (called only when sampled).
@@ -203,6 +213,7 @@ class Tierer {
   metrics::Counter* evictions_for_put_ = nullptr;
   metrics::Counter* no_gain_ = nullptr;
   metrics::Counter* levels_passed_over_ = nullptr;
+  metrics::Counter* k4v3_as_int4_ = nullptr;
   metrics::Counter* device_moves_raw_ = nullptr;
   metrics::Counter* device_moves_encoded_ = nullptr;
   metrics::Counter* device_move_drops_ = nullptr;

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -69,9 +70,10 @@ class TiererTest : public ::testing::Test {
 
   // (Re)creates the tierer over the store from `config_` (after a test changed it).
   void MakeTierer() {
-    tierer_ = std::make_unique<Tierer>(store_.get(), config_,
-                                       testing::OneProfile(kProfile, blocks_->geometry()),
-                                       &registry_);
+    tierer_ = std::make_unique<Tierer>(
+        store_.get(), config_,
+        testing::OneProfile(kProfile, geometry_.value_or(blocks_->geometry()), rope_theta_),
+        &registry_);
   }
 
   // What TierService does for one block: reserve through the tierer, copy, commit.
@@ -90,6 +92,10 @@ class TiererTest : public ::testing::Test {
   }
 
   uint32_t tokens_ = kTokens;
+  // The registered profile's geometry and RoPE base when a test sets them (before MakeTierer):
+  // the real blocks' bytes read with other dims.
+  std::optional<codec::BlockGeometry> geometry_;
+  double rope_theta_ = 0.0;
   DaemonConfig config_;
   NamespaceCounters counters_[2];
   metrics::Registry registry_;
@@ -180,6 +186,47 @@ TEST_F(TiererTest, ALevelThatDoesNotShrinkABlockIsSkippedAndNothingIsLostOutOfOr
                          codec::MeasureBlockError(blocks_->geometry(), B(blocks_->Block(n)),
                                                   B(RawOf(*r, blocks_->geometry()))));
     EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.2) << n;
+  }
+}
+
+// k4v3 needs a power-of-two head dim (its V rotation); a model with another (Phi-3's 96, say)
+// in a namespace with a k4v3 level has that level's blocks encoded as int4, which k4v3's K is
+// without the turn, instead of each refused block being evicted (which is what happened: the
+// tier held fewer blocks than with no compression at all). Logged once, counted in a metric.
+TEST_F(TiererTest, AK4v3LevelEncodesInt4WhereTheHeadDimIsNotAPowerOfTwo) {
+  const uint64_t capacity = 10 * RawBytes() + 4096;
+  Make(capacity, {"int8", "k4v3,sink=int8"});
+  // The same real bytes as 2 heads of 96 channels instead of 3 of 64.
+  codec::BlockGeometry g = blocks_->geometry();
+  g.num_kv_heads = 2;
+  g.head_dim = 96;
+  ASSERT_EQ(g.RawBytes(), blocks_->geometry().RawBytes());
+  geometry_ = g;
+  rope_theta_ = 100000;
+  MakeTierer();
+  for (uint32_t n = 0; n < 24; ++n) {
+    ASSERT_EQ(Put(n), PutOutcome::kStored) << n;
+    tierer_->RelievePressure();
+    ASSERT_LE(store_->used_bytes(), capacity);
+  }
+  EXPECT_EQ(tierer_->encode_failures(), 0u);
+  EXPECT_EQ(store_->evictions(), 0u);  // 24 raw blocks' worth in the room of 10, as int8 > int4
+  EXPECT_EQ(store_->blocks(), 24u);
+  EXPECT_GT(store_->level_blocks(2), 0u);
+  EXPECT_EQ(tierer_->k4v3_as_int4(), store_->level_blocks(2));
+  for (uint32_t n = 0; n < 24; ++n) {
+    std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
+    ASSERT_TRUE(r) << n;
+    if (r->level == 2) {
+      ASSERT_OK_AND_ASSIGN(codec::BlockHeaderInfo info, codec::InspectBlock(r->bytes));
+      for (const codec::SegmentInfo& seg : info.segments) {
+        // The sink block keeps int8 (the plan's sink floor), the others are int4.
+        EXPECT_EQ(seg.codec, n == 0 ? codec::CodecId::kInt8 : codec::CodecId::kInt4) << n;
+      }
+    }
+    ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums,
+                         codec::MeasureBlockError(g, B(blocks_->Block(n)), B(RawOf(*r, g))));
+    EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.2) << "block " << n << " level " << int(r->level);
   }
 }
 

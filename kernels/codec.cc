@@ -419,6 +419,23 @@ CodecPlan CodecPlan::ForModel(double model_rope_theta) const {
   return p;
 }
 
+CodecPlan CodecPlan::ForGeometry(const BlockGeometry& geometry, bool* substituted) const {
+  CodecPlan p = *this;
+  bool changed = false;
+  if (!internal::K4v3DimOk(geometry.head_dim)) {
+    auto swap = [&changed](CodecId& c) {
+      if (c != CodecId::kK4v3) return;
+      c = CodecId::kInt4;
+      changed = true;
+    };
+    swap(p.default_codec);
+    for (LayerRange& r : p.layer_ranges) swap(r.codec);
+    if (p.sink_codec) swap(*p.sink_codec);
+  }
+  if (substituted != nullptr) *substituted = changed;
+  return p;
+}
+
 CodecId CodecPlan::CodecFor(uint32_t layer, bool is_first_block) const {
   CodecId c = default_codec;
   for (const LayerRange& r : layer_ranges) {

@@ -508,6 +508,32 @@ TEST(K4v3Test, APlanTakesTheModelsRopeBaseOnlyWhenItNamesNone) {
   }
 }
 
+// A plan for a block geometry: k4v3 needs a power-of-two head dim; for any other, int4 with the
+// same group takes its place wherever the plan names it, and the plan then encodes.
+TEST(K4v3Test, APlanForAHeadDimK4v3CannotTakeHasInt4InItsPlace) {
+  const CodecPlan plan =
+      Plan("layers[0:1]=int8,layers[1:2]=k4v3,default=k4v3,sink=k4v3,group=32,rope_theta=10000");
+  bool substituted = true;
+  EXPECT_EQ(plan.ForGeometry(BlockGeometry{3, 2, 64, 16, DType::kBf16}, &substituted).ToString(),
+            plan.ToString());
+  EXPECT_FALSE(substituted);
+  for (uint32_t dim : {96u, 80u, 3u}) {
+    const BlockGeometry g{3, 2, dim, 16, DType::kBf16};
+    EXPECT_FALSE(EncodedBytes(g, plan, false).has_value()) << dim;  // the plan as it is: refused
+    const CodecPlan p = plan.ForGeometry(g, &substituted);
+    EXPECT_TRUE(substituted) << dim;
+    EXPECT_EQ(p.ToString(),
+              "layers[0:1]=int8,layers[1:2]=int4,default=int4,sink=int4,group=32,"
+              "rope_theta=10000");
+    EXPECT_TRUE(EncodedBytes(g, p, true).has_value()) << dim;
+  }
+  // A plan without k4v3 is left alone whatever the geometry.
+  EXPECT_EQ(
+      Plan("int8").ForGeometry(BlockGeometry{1, 1, 96, 16, DType::kBf16}, &substituted).ToString(),
+      Plan("int8").ToString());
+  EXPECT_FALSE(substituted);
+}
+
 TEST(K4v3Test, SinCosIsCloseToLibmAndExactAtZero) {
   float s, c;
   numeric::SinCosF32(0.0f, &s, &c);
