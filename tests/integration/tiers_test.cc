@@ -361,6 +361,63 @@ TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
   EXPECT_GT(k4v3_blocks, 0);
 }
 
+// A model whose head dim is not a power of two (the same real bytes registered as 2 heads of 96
+// instead of 3 of 64) in a namespace with a k4v3 level: the daemon stores int4 in k4v3's place
+// and keeps the blocks, where it evicted each one it tried to bring to the level (k4v3 refuses
+// such a head dim); the blocks come back within int4's error, and the metric counts them.
+TEST_F(TiersTest, AK4v3LevelStoresInt4ForAHeadDimThatIsNotAPowerOfTwo) {
+  auto d =
+      DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB",
+                            "namespaces=[{name: default, compression: {enabled: true, levels: "
+                            "['k4v3,rope_theta=100000'], quality: {max_attention_error: 0.3}}}]"});
+  ASSERT_OK(d.status());
+  auto c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  v1::ModelProfile wide = model_;
+  wide.set_num_kv_heads(2);
+  wide.set_head_dim(96);
+  codec::BlockGeometry g = geometry_;
+  g.num_kv_heads = 2;
+  g.head_dim = 96;
+  ASSERT_EQ(g.RawBytes(), geometry_.RawBytes());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(wide));
+  constexpr uint32_t kBlocks = 30;
+  std::vector<BlockKey> keys = client::TestKeyChain(11, 0, kBlocks);
+  std::vector<std::vector<std::byte>> data;
+  for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 5 + 2));
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    std::vector<std::span<const std::byte>> one = {data[n]};
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                         c->Put(p, std::span<const BlockKey>(&keys[n], 1), one));
+    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
+  }
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+  // 4 MiB holds 11 raw blocks; int4 is about a third of one.
+  EXPECT_GE(stats.tiers(0).blocks(), 2 * ((4ull << 20) / p.block_bytes)) << stats.DebugString();
+
+  ASSERT_OK_AND_ASSIGN(ReadBack back, ReadThreeWays(*c, p, keys));
+  auto& [got, dec, found, found2, stored] = back;
+  int int4_blocks = 0;
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    if (!found[n] || !found2[n] || !stored[n].has_value()) continue;  // evicted meanwhile
+    EXPECT_EQ(dec[n], got[n]) << n;
+    if (stored[n]->level == 0) continue;  // still raw
+    ++int4_blocks;
+    const auto& bytes = stored[n]->bytes;
+    ASSERT_OK_AND_ASSIGN(codec::BlockHeaderInfo info,
+                         codec::InspectBlock(std::as_bytes(std::span(bytes.data(), bytes.size()))));
+    EXPECT_EQ(info.geometry, g);
+    for (const codec::SegmentInfo& seg : info.segments) {
+      EXPECT_EQ(seg.codec, codec::CodecId::kInt4) << n;
+    }
+    ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums, codec::MeasureBlockError(g, data[n], got[n]));
+    EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.3) << "block " << n;
+  }
+  EXPECT_GT(int4_blocks, 0);
+  ASSERT_OK_AND_ASSIGN(std::string metrics, (*d)->ScrapeMetrics());
+  EXPECT_GE(MetricValue(metrics, "proxima_tierer_k4v3_as_int4_total"), int4_blocks);
+}
+
 // A k4v3 level that names no RoPE base takes the profile's (ModelProfile.rope_theta, as the vLLM
 // connector fills it from the model's config): the stored K segments carry that base's
 // frequencies (omega0 1, ratio theta^(-2/head_dim)), and a profile without one stores K un-turned
