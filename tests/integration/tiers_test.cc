@@ -70,6 +70,22 @@ class TiersTest : public ::testing::Test {
     return raw;
   }
 
+  // Puts blocks Block(n * stride + offset) under keys[n], one call per block as a worker's steps
+  // would, each of which must be stored; returns the blocks put.
+  std::vector<std::vector<std::byte>> PutOneByOne(Client& c, const Profile& p,
+                                                  std::span<const BlockKey> keys, uint32_t stride,
+                                                  uint32_t offset) const {
+    std::vector<std::vector<std::byte>> data;
+    for (uint32_t n = 0; n < keys.size(); ++n) data.push_back(Block(n * stride + offset));
+    for (uint32_t n = 0; n < keys.size(); ++n) {
+      std::vector<std::span<const std::byte>> one = {data[n]};
+      absl::StatusOr<std::vector<PutOutcome>> out = c.Put(p, keys.subspan(n, 1), one);
+      EXPECT_TRUE(out.ok() && (*out)[0] == PutOutcome::kStored)
+          << "block " << n << ": " << out.status();
+    }
+    return data;
+  }
+
   // Every key read back three ways: Get (the daemon decodes), Decompress, and GetStored (the
   // encoding as stored, for the caller to decode).
   struct ReadBack {
@@ -307,29 +323,24 @@ TEST_F(TiersTest, AnUnknownCodecInALevelStopsTheDaemonAtStart) {
   EXPECT_THAT(r.err, HasSubstr("warning: namespaces[0].compression.levels[0] is k4v3"));
 }
 
+// The default namespace with one k4v3 level (SmolLM2's RoPE base) and a quality budget it keeps.
+constexpr char kK4v3Namespace[] =
+    "namespaces=[{name: default, compression: {enabled: true, levels: "
+    "['k4v3,rope_theta=100000'], quality: {max_attention_error: 0.3}}}]";
+
 // k4v3 through the real daemon: the tierer encodes it on the CPU (no CUDA kernel), each stored
 // block is smaller than int4's encoding of it, and the blocks come back through Get,
 // Decompress and the stored encoding alike, within k4v3's error.
 TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
   // 4 MiB holds 11 raw blocks of 368,640 bytes.
-  auto d =
-      DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB",
-                            "namespaces=[{name: default, compression: {enabled: true, levels: "
-                            "['k4v3,rope_theta=100000'], quality: {max_attention_error: 0.3}}}]"});
+  auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB", kK4v3Namespace});
   ASSERT_OK(d.status());
   auto c = Connect(**d);
   ASSERT_NE(c, nullptr);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
   constexpr uint32_t kBlocks = 40;
   std::vector<BlockKey> keys = client::TestKeyChain(9, 0, kBlocks);
-  std::vector<std::vector<std::byte>> data;
-  for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 5 + 1));
-  for (uint32_t n = 0; n < kBlocks; ++n) {
-    std::vector<std::span<const std::byte>> one = {data[n]};
-    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
-                         c->Put(p, std::span<const BlockKey>(&keys[n], 1), one));
-    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
-  }
+  const std::vector<std::vector<std::byte>> data = PutOneByOne(*c, p, keys, 5, 1);
   ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
   EXPECT_LE(stats.tiers(0).used_bytes(), stats.tiers(0).capacity_bytes());
   EXPECT_GE(stats.tiers(0).blocks(), 2 * ((4ull << 20) / p.block_bytes)) << stats.DebugString();
@@ -366,10 +377,7 @@ TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
 // and keeps the blocks, where it evicted each one it tried to bring to the level (k4v3 refuses
 // such a head dim); the blocks come back within int4's error, and the metric counts them.
 TEST_F(TiersTest, AK4v3LevelStoresInt4ForAHeadDimThatIsNotAPowerOfTwo) {
-  auto d =
-      DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB",
-                            "namespaces=[{name: default, compression: {enabled: true, levels: "
-                            "['k4v3,rope_theta=100000'], quality: {max_attention_error: 0.3}}}]"});
+  auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB", kK4v3Namespace});
   ASSERT_OK(d.status());
   auto c = Connect(**d);
   ASSERT_NE(c, nullptr);
@@ -383,14 +391,7 @@ TEST_F(TiersTest, AK4v3LevelStoresInt4ForAHeadDimThatIsNotAPowerOfTwo) {
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(wide));
   constexpr uint32_t kBlocks = 30;
   std::vector<BlockKey> keys = client::TestKeyChain(11, 0, kBlocks);
-  std::vector<std::vector<std::byte>> data;
-  for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 5 + 2));
-  for (uint32_t n = 0; n < kBlocks; ++n) {
-    std::vector<std::span<const std::byte>> one = {data[n]};
-    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
-                         c->Put(p, std::span<const BlockKey>(&keys[n], 1), one));
-    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
-  }
+  const std::vector<std::vector<std::byte>> data = PutOneByOne(*c, p, keys, 5, 2);
   ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
   // 4 MiB holds 11 raw blocks; int4 is about a third of one.
   EXPECT_GE(stats.tiers(0).blocks(), 2 * ((4ull << 20) / p.block_bytes)) << stats.DebugString();
@@ -440,14 +441,7 @@ TEST_F(TiersTest, AK4v3LevelWithoutARopeBaseTakesTheProfilesOne) {
     const bool has_base = p == &turned;
     SCOPED_TRACE(has_base ? "profile with rope_theta 100000" : "profile without rope_theta");
     std::vector<BlockKey> keys = client::TestKeyChain(has_base ? 21 : 22, 0, kBlocks);
-    std::vector<std::vector<std::byte>> data;
-    for (uint32_t n = 0; n < kBlocks; ++n) data.push_back(Block(n * 3 + 2));
-    for (uint32_t n = 0; n < kBlocks; ++n) {
-      std::vector<std::span<const std::byte>> one = {data[n]};
-      ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
-                           c->Put(*p, std::span<const BlockKey>(&keys[n], 1), one));
-      ASSERT_EQ(out[0], PutOutcome::kStored) << n;
-    }
+    const std::vector<std::vector<std::byte>> data = PutOneByOne(*c, *p, keys, 3, 2);
     ASSERT_OK_AND_ASSIGN(ReadBack back, ReadThreeWays(*c, *p, keys));
     auto& [got, dec, found, found2, stored] = back;
     int encoded = 0;
