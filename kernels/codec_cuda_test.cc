@@ -6,6 +6,10 @@
 #include "kernels/codec_cuda.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
@@ -15,7 +19,9 @@
 #include "kernels/device.h"
 #include "kernels/error_metrics.h"
 #include "kernels/internal/gpu_testing.h"
+#include "kernels/internal/make_segment_job.h"
 #include "kernels/internal/test_blocks.h"
+#include "tests/fuzz/codec_encode_fuzz_body.h"
 
 #if PROXIMA_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -266,6 +272,78 @@ TEST(CodecCudaTest, StarEncodeStaysWithinTheCpuErrorBound) {
     EXPECT_LE(Finish(eg).k_rel_l2, Finish(ec).k_rel_l2 * 1.05 + 0.01);
     EXPECT_LE(Finish(eg).v_rel_l2, Finish(ec).v_rel_l2 * 1.05 + 0.01);
   }
+}
+
+// The codec_encode fuzz corpus (tests/fuzz/corpus/codec_encode: the geometries, plans and values
+// with which the fuzzer reached new code on the CPU: odd and wide head dims, partial groups,
+// NaN / Inf / subnormal mixes) through the GPU: each block the GPU encodes comes out as the
+// CPU's bytes (star, which may differ, only encodes), and each block the CPU wrote decodes on the
+// GPU to the CPU's bytes. What the GPU leaves to the CPU (lossless, k4v3 outside head dims 8 to
+// 256) says kUnimplemented both ways.
+TEST(CodecCudaTest, FuzzCorpusBlocksEncodeAndDecodeAsOnTheCpu) {
+  PROXIMA_SKIP_WITHOUT_GPU();
+  // The environment's PROXIMA_FUZZ_CORPUS_ROOT first: scripts/gpu-check.sh runs this binary on
+  // the GPU machine, from another checkout than the one whose path was compiled in.
+  const char* env = std::getenv("PROXIMA_FUZZ_CORPUS_ROOT");
+  const std::filesystem::path dir =
+      std::filesystem::path(env != nullptr && env[0] != '\0' ? env : PROXIMA_FUZZ_CORPUS_ROOT) /
+      "codec_encode";
+  ASSERT_TRUE(std::filesystem::is_directory(dir)) << dir;
+  int compared = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    std::ifstream f(entry.path(), std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    const std::string data = ss.str();
+    const std::optional<fuzz::EncodeCase> c =
+        fuzz::MakeEncodeCase(reinterpret_cast<const uint8_t*>(data.data()), data.size());
+    if (!c.has_value() || !c->valid) continue;
+    const BlockGeometry& g = c->geometry;
+    const std::string name = entry.path().filename().string() + " (" + c->plan.ToString() + ")";
+    bool gpu_takes = true, has_star = false;
+    for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
+      const CodecId codec = c->plan.CodecFor(layer, c->is_first_block);
+      if (codec == CodecId::kLossless ||
+          (codec == CodecId::kK4v3 && !internal::K4v3GpuDimOk(g.head_dim))) {
+        gpu_takes = false;
+      }
+      has_star |= codec == CodecId::kStar;
+    }
+    std::string cpu;
+    ASSERT_OK(EncodeBlock(g, c->plan, c->is_first_block, c->raw_bytes(), c->importance, &cpu));
+
+    DeviceBuffer raw_dev(g.RawBytes());
+    ASSERT_EQ(cudaMemcpy(raw_dev.ptr, c->raw.data(), g.RawBytes(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    DeviceBuffer importance_dev(std::max<size_t>(1, c->importance.size() * sizeof(float)));
+    if (!c->importance.empty()) {
+      ASSERT_EQ(cudaMemcpy(importance_dev.ptr, c->importance.data(),
+                           c->importance.size() * sizeof(float), cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    std::string gpu;
+    const CudaEncodeJob job{
+        raw_dev.get(), c->is_first_block, &gpu,
+        c->importance.empty() ? nullptr : static_cast<const float*>(importance_dev.ptr)};
+    const absl::Status encoded = EncodeBlocksCuda(g, c->plan, std::span(&job, 1), nullptr);
+    absl::StatusOr<std::vector<std::vector<std::byte>>> decoded = DecodeOnGpu(g, {cpu});
+    if (!gpu_takes) {
+      EXPECT_EQ(encoded.code(), absl::StatusCode::kUnimplemented) << name << ": " << encoded;
+      EXPECT_EQ(decoded.status().code(), absl::StatusCode::kUnimplemented)
+          << name << ": " << decoded.status();
+      continue;
+    }
+    ASSERT_OK(encoded) << name;
+    if (!has_star) {
+      EXPECT_EQ(gpu, cpu) << name;
+    }
+    ASSERT_OK(decoded) << name;
+    std::vector<std::byte> cpu_out(g.RawBytes());
+    ASSERT_OK(DecodeBlock(std::as_bytes(std::span<const char>(cpu)), cpu_out));
+    EXPECT_EQ((*decoded)[0], cpu_out) << name;
+    ++compared;
+  }
+  EXPECT_GE(compared, 32);  // the seeds alone give 32 blocks the GPU takes
 }
 
 #endif  // PROXIMA_WITH_CUDA

@@ -4,6 +4,7 @@
 # reproducer lands in build-asan/fuzz/.
 #
 #   scripts/fuzz.sh codec_decode 30
+#   scripts/fuzz.sh codec_encode 30   # block values, geometries and plans into the encoders
 #   scripts/fuzz.sh request 30        # KVTier requests handled in process by the daemon's code
 #   scripts/fuzz.sh config_parse 30   # proximad's YAML config and --set overrides
 #   scripts/fuzz.sh peer 30           # proxima.v1.Peer calls from another daemon, in process
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
-  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, request, config_parse, peer)" >&2
+  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, codec_encode, request, config_parse, peer)" >&2
   exit 2
 fi
 target=$1
@@ -32,6 +33,9 @@ out=$root/build-asan/fuzz
 mkdir -p "$out/corpus-$target"
 # New inputs go to the scratch corpus (first dir); the checked-in corpus is only read.
 echo "fuzzing $target for ${seconds}s"
+# codec_encode's inputs are cycled to fill a block, so longer ones add nothing but time.
+max_len=262144
+[[ $target == codec_encode ]] && max_len=4096
 "$root/build-asan/tests/fuzz/${target}_fuzzer" -max_total_time="$seconds" -timeout=10 \
-  -rss_limit_mb=2048 -max_len=262144 -print_final_stats=1 -artifact_prefix="$out/" \
+  -rss_limit_mb=2048 -max_len="$max_len" -print_final_stats=1 -artifact_prefix="$out/" \
   "$out/corpus-$target" "$root/tests/fuzz/corpus/$target"

@@ -115,6 +115,8 @@ case "$MODE" in
     export PROXIMAD="$PWD/$DIR/daemon/proximad"  # for the tests that start the daemon
     # Real KV for the tests (they were built with this checkout's path compiled in).
     export PROXIMA_TEST_KV_FILE="$PWD/tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv"
+    # The codec_encode fuzz corpus, which CodecCudaTest replays through the GPU.
+    export PROXIMA_FUZZ_CORPUS_ROOT="$PWD/tests/fuzz/corpus"
     { nvidia-smi || echo "nvidia-smi not available"; nvcc --version || true
       grep -m1 'model name' /proc/cpuinfo
       { grep -o -w 'avx512[a-z0-9_]*' /proc/cpuinfo || echo "no avx512"; } | sort -u | tr '\n' ' '

@@ -32,10 +32,11 @@ step ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeou
 # scripts/sanitize.sh by hand.
 step ./scripts/sanitize.sh address ci
 # Bounded fuzzing (libFuzzer + ASan + UBSan, harnesses built in build-asan/ over the libraries
-# just built there) of the codec's block decoder, of KVTier request handling (in process), of
-# config parsing and of the calls another daemon of the cluster makes (in process), each over its
-# kept corpus.
+# just built there) of the codec's block decoder and its encoders, of KVTier request handling
+# (in process), of config parsing and of the calls another daemon of the cluster makes (in
+# process), each over its kept corpus.
 step ./scripts/fuzz.sh codec_decode 30
+step ./scripts/fuzz.sh codec_encode 20
 step ./scripts/fuzz.sh request 20
 step ./scripts/fuzz.sh config_parse 15
 step ./scripts/fuzz.sh peer 15
