@@ -86,15 +86,58 @@ def usable_rope_theta(value) -> float:
     return theta if 1.0 <= theta <= 1e12 else 0.0
 
 
+# k4v3 turns each block's keys back by its RoPE (docs/format.md, "k4v3"): rotate-half pairs
+# (j, j + head_dim/2) over every channel, at the base's own frequencies. A model whose RoPE is laid
+# out otherwise is better told nothing (K is then quantized as int4 quantizes it) than a base that
+# turns the wrong channels, at the wrong rates, which widens K's groups instead.
+# Model types whose RoPE pairs adjacent channels (GPT-J style) in vLLM and Hugging Face.
+INTERLEAVED_ROPE_MODEL_TYPES = frozenset({"gptj", "cohere", "cohere2", "chatglm", "glm", "glm4"})
+# Frequency scalings that keep the fast pairs (those a block's tokens turn through) at the base's
+# own frequencies, rescaling only slow ones; any other (linear, dynamic, longrope, ...) moves them.
+SCALINGS_KEEPING_FAST_PAIRS = frozenset({"default", "llama3", "yarn"})
+
+
+def _rotary_fraction(hf_config, params: dict) -> float:
+    """The share of a head's channels that RoPE turns, as the config states it (1.0 when it
+    states none): partial_rotary_factor, rotary_pct (GPT-NeoX) or rotary_dim (GPT-J)."""
+    for value in (getattr(hf_config, "partial_rotary_factor", None),
+                  params.get("partial_rotary_factor"), getattr(hf_config, "rotary_pct", None)):
+        if value is not None:
+            return float(value)
+    rotary_dim = getattr(hf_config, "rotary_dim", None)
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is None:
+        hidden = getattr(hf_config, "hidden_size", None)
+        heads = getattr(hf_config, "num_attention_heads", None)
+        head_dim = hidden // heads if hidden and heads else None
+    if rotary_dim is not None and head_dim:
+        return float(rotary_dim) / float(head_dim)
+    return 1.0
+
+
 def model_rope_theta(hf_config) -> float:
     """The RoPE base of a Hugging Face model config (`rope_theta`, or `rope_parameters
     ["rope_theta"]` in newer transformers), for the daemon's k4v3 levels; 0.0 when it has none
-    (usable_rope_theta)."""
+    (usable_rope_theta), and when its RoPE is not the one k4v3 turns keys back by: partial
+    (a rotary factor, pct or dim below the whole head), interleaved (INTERLEAVED_ROPE_MODEL_TYPES)
+    or scaled in a way that moves the fast pairs (a scaling outside SCALINGS_KEEPING_FAST_PAIRS)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    params = params if isinstance(params, dict) else {}
     theta = getattr(hf_config, "rope_theta", None)
     if theta is None:
-        params = getattr(hf_config, "rope_parameters", None)
-        if isinstance(params, dict):
-            theta = params.get("rope_theta")
+        theta = params.get("rope_theta")
+    if getattr(hf_config, "model_type", None) in INTERLEAVED_ROPE_MODEL_TYPES:
+        return 0.0
+    try:
+        if _rotary_fraction(hf_config, params) < 1.0:
+            return 0.0
+    except (TypeError, ValueError):
+        return 0.0  # a factor that is no number: unknown
+    scaling = getattr(hf_config, "rope_scaling", None)
+    for spec in (scaling if isinstance(scaling, dict) else {}, params):
+        kind = spec.get("rope_type", spec.get("type"))
+        if kind is not None and kind not in SCALINGS_KEEPING_FAST_PAIRS:
+            return 0.0
     return usable_rope_theta(theta)
 
 

@@ -165,3 +165,35 @@ def test_model_rope_theta_reads_both_config_forms_and_drops_unusable_values():
     for bad in (float("nan"), 0.5, -1.0, 1e13, "high", None):
         assert usable_rope_theta(bad) == 0.0
     assert usable_rope_theta("10000") == 10000.0
+
+
+def test_model_rope_theta_is_unknown_for_a_rope_k4v3_does_not_turn_keys_by():
+    from types import SimpleNamespace as Config
+    # Full rotate-half RoPE, plain or with a scaling that keeps the fast pairs: the base.
+    assert model_rope_theta(Config(model_type="llama", rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0})) == 5e5
+    assert model_rope_theta(Config(model_type="qwen2", rope_theta=1e6,
+                                   rope_scaling={"type": "yarn", "factor": 4.0})) == 1e6
+    assert model_rope_theta(Config(model_type="phi3", rope_theta=1e4,
+                                   partial_rotary_factor=1.0)) == 1e4
+    assert model_rope_theta(Config(rope_theta=1e4, rotary_dim=128, head_dim=128)) == 1e4
+    # Partial RoPE, in each way configs say it (Phi-2, Phi-4-mini, GPT-NeoX, GPT-J, and
+    # transformers' rope_parameters).
+    assert model_rope_theta(Config(model_type="phi", rope_theta=1e4,
+                                   partial_rotary_factor=0.4)) == 0.0
+    assert model_rope_theta(Config(rope_theta=1e4, partial_rotary_factor=0.75)) == 0.0
+    assert model_rope_theta(Config(model_type="gpt_neox", rotary_emb_base=1e4, rope_theta=1e4,
+                                   rotary_pct=0.25)) == 0.0
+    assert model_rope_theta(Config(rope_theta=1e4, rotary_dim=64, hidden_size=4096,
+                                   num_attention_heads=16)) == 0.0
+    assert model_rope_theta(Config(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5})) == 0.0
+    # Interleaved pairs (GPT-J style), even over every channel.
+    assert model_rope_theta(Config(model_type="cohere", rope_theta=8e6)) == 0.0
+    # Scalings that move the fast pairs too.
+    for kind in ("linear", "dynamic", "longrope", "su"):
+        assert model_rope_theta(Config(rope_theta=1e4, rope_scaling={"type": kind,
+                                                                     "factor": 2.0})) == 0.0
+        assert model_rope_theta(Config(rope_parameters={"rope_type": kind,
+                                                        "rope_theta": 1e4})) == 0.0
+    assert model_rope_theta(Config(rope_theta=1e4, partial_rotary_factor="most")) == 0.0
