@@ -18,8 +18,6 @@ namespace proxima::bench {
 
 // 127.0.0.1:port (port 0: any).
 sockaddr_in LoopbackAddress(int port);
-// A free TCP port on 127.0.0.1 (bound and released).
-int FreePort();
 // Starts argv[0] with stdout and stderr appended to `log`; the child inherits the environment.
 pid_t Spawn(const std::vector<std::string>& argv, const std::string& log);
 // Runs `fn(client_index)` on every client thread at once; returns the wall seconds.

@@ -20,6 +20,7 @@ Usage: cluster_bench.py --proximad=PATH --proximactl=PATH [--blocks=N] [--repeat
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,10 +38,30 @@ PROFILE = ["--layers=32", "--kv_heads=8", "--head_dim=128", "--tokens_per_block=
            "--dtype=bf16", "--transport=inline"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """`n` distinct free loopback ports, picked at random below the kernel's ephemeral range, as
+    common/testing/free_port.h picks them (a port from that range can be taken, before its daemon
+    binds it, by any process's outgoing connection); from the ephemeral range when there is no
+    room below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports = []
+    while len(ports) < n:
+        candidates = [random.randrange(10000, low) for _ in range(100)] if low > 11000 else []
+        for port in candidates + [0]:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                port = s.getsockname()[1]
+            if port not in ports:
+                ports.append(port)
+            break
+    return ports
 
 
 def ctl(proximactl, port, *args):
@@ -64,7 +85,7 @@ def main():
     try:
         with open(d + "/peer.token", "w") as f:
             f.write("bench-peer-" + os.urandom(16).hex() + "\n")
-        ports = [free_port(), free_port(), free_port()]
+        ports = free_ports(3)
         peers = ["127.0.0.1:%d" % p for p in ports]
         for name, me, transport in zip(("a", "b", "c"), peers, ("auto", "auto", "grpc")):
             proc, _ = start(a.proximad, d, name, [

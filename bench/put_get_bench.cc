@@ -24,6 +24,7 @@
 #include "bench/bench_util.h"
 #include "client/client.h"
 #include "common/log.h"
+#include "common/testing/free_port.h"
 
 ABSL_FLAG(int, clients, 4, "concurrent clients, one connection each");
 ABSL_FLAG(std::string, sizes, "262144,2097152", "block sizes in bytes, comma-separated");
@@ -65,7 +66,8 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   char tmpl[] = "/tmp/proxima-bench-XXXXXX";
   std::string dir = mkdtemp(tmpl);
-  const int redis_port = proxima::bench::FreePort(), proxima_port = proxima::bench::FreePort();
+  const std::vector<int> ports = proxima::testing::FreeLoopbackPorts(2);
+  const int redis_port = ports[0], proxima_port = ports[1];
   pid_t redis = proxima::bench::Spawn(
       {absl::GetFlag(FLAGS_redis_server), "--port", std::to_string(redis_port), "--bind",
        "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir},

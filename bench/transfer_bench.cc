@@ -51,6 +51,7 @@
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/log.h"
+#include "common/testing/free_port.h"
 
 ABSL_FLAG(std::string, transports, "tcp,posix+self",
           "UCX_TLS values to measure, comma-separated ('+' stands for ',' inside one value)");
@@ -103,7 +104,7 @@ std::string ReadFile(const std::string& path) {
 // row holds: iterations, p50 latency, average latency, overall latency, average bandwidth,
 // overall bandwidth (MB/s, 2^20 bytes), message rates.
 double PerftestGbps(const std::string& dir, const std::string& test, uint64_t size) {
-  const int port = proxima::bench::FreePort();
+  const int port = proxima::testing::FreeLoopbackPort();
   const std::string server_log = dir + "/perftest-server.log";
   const std::string client_log = dir + "/perftest-client.log";
   pid_t server = proxima::bench::Spawn(
@@ -222,12 +223,13 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   char tmpl[] = "/tmp/proxima-transfer-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
-  const int redis_port = proxima::bench::FreePort();
+  // Redis and the TCP stream server listen side by side: their ports from one call.
+  const std::vector<int> ports = proxima::testing::FreeLoopbackPorts(2);
+  const int redis_port = ports[0], stream_port = ports[1];
   pid_t redis = proxima::bench::Spawn(
       {absl::GetFlag(FLAGS_redis_server), "--port", std::to_string(redis_port), "--bind",
        "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir},
       dir + "/redis.log");
-  const int stream_port = proxima::bench::FreePort();
   pid_t stream_server =
       proxima::bench::Spawn({"/proc/self/exe", absl::StrCat("--serve_tcp_stream=", stream_port)},
                             dir + "/tcp_stream.log");
@@ -260,7 +262,7 @@ int main(int argc, char** argv) {
                       : proxima::bench::RunMemcpy(shape);
     };
     setenv("UCX_TLS", tls.c_str(), 1);  // for proximad, ucx_perftest and this process's clients
-    const int port = proxima::bench::FreePort();
+    const int port = proxima::testing::FreeLoopbackPort();
     const uint64_t capacity = static_cast<uint64_t>(per_client) * max_clients * 2;
     pid_t daemon = proxima::bench::Spawn(
         {absl::GetFlag(FLAGS_proximad), "--set=server.listen=127.0.0.1:" + std::to_string(port),

@@ -1,9 +1,7 @@
 // Cluster integration tests: three real proximad processes on loopback, each with its own ports,
 // joined by static peer lists (cluster.peers), driven through libproxima as workers would.
 #include <grpcpp/grpcpp.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,7 +10,6 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -21,6 +18,7 @@
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/crc32c.h"
+#include "common/testing/free_port.h"
 #include "common/testing/status_matchers.h"
 #include "common/ucx.h"
 #include "gmock/gmock.h"
@@ -38,6 +36,7 @@ using ::proxima::client::Profile;
 using ::proxima::client::PutOutcome;
 using ::proxima::testing::Blocks;
 using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::FreeLoopbackPort;
 using ::proxima::testing::GetAndCheck;
 using ::proxima::testing::IsOkAndHolds;
 using ::proxima::testing::MakeBlocks;
@@ -49,46 +48,6 @@ using ::proxima::testing::TestPki;
 constexpr char kPeerToken[] = "cluster-test-peer-token-0123456789";
 // cluster.peer_deadline of these tests: the most any call may spend on peers.
 constexpr absl::Duration kPeerDeadline = absl::Milliseconds(1000);
-
-// A TCP port that was free a moment ago (the daemons need their ports before they start, to list
-// each other as peers).
-// Binds a loopback TCP socket to `port` (0: one the kernel picks) and returns the port bound, or
-// 0 when the bind fails.
-int BindLoopback(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  int bound = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    socklen_t len = sizeof(addr);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    bound = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return bound;
-}
-
-// A port for one daemon of a cluster, chosen before any of them starts (each lists the others):
-// a free one below the kernel's ephemeral range (net.ipv4.ip_local_port_range), picked at
-// random. A port from the ephemeral range can be handed out, before its daemon binds it, to any
-// process that binds port 0 (the daemons of the tests running beside this one) or connects out
-// (its source port); that daemon's bind then fails with "address in use" (seen once in CI:
-// AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt, whose nodes saw a peer at that port
-// answer before its daemon had started: another test's daemon, most likely).
-int FreePort() {
-  int low = 32768;
-  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
-  if (low > 10000 + 1000) {
-    static std::mt19937 rng(std::random_device{}());
-    std::uniform_int_distribution<int> pick(10000, low - 1);
-    for (int attempt = 0; attempt < 100; ++attempt) {
-      if (const int port = BindLoopback(pick(rng)); port != 0) return port;
-    }
-  }
-  return BindLoopback(0);  // no room below the ephemeral range: one from it
-}
 
 class ClusterTest : public ::testing::Test {
  protected:
@@ -103,8 +62,9 @@ class ClusterTest : public ::testing::Test {
     std::vector<std::string> peers;
     for (int i = 0; i < n; ++i) {
       // A port freed a moment ago can come back from the next bind: each node needs its own.
-      int port = FreePort();
-      while (std::find(ports_.begin(), ports_.end(), port) != ports_.end()) port = FreePort();
+      int port = FreeLoopbackPort();
+      while (std::find(ports_.begin(), ports_.end(), port) != ports_.end())
+        port = FreeLoopbackPort();
       ports_.push_back(port);
       peers.push_back(absl::StrCat("127.0.0.1:", ports_.back()));
     }
@@ -671,7 +631,7 @@ TEST_F(ClusterTest, APeerTokenThatIsAlsoATenantTokenIsRefusedAtStart) {
   dir_ = mkdtemp(tmpl);
   token_file_ = dir_ + "/token";
   std::ofstream(token_file_) << kPeerToken << "\n";
-  const std::string self = absl::StrCat("127.0.0.1:", FreePort());
+  const std::string self = absl::StrCat("127.0.0.1:", FreeLoopbackPort());
   auto d = DaemonProcess::Start(
       {"server.listen=" + self, "cluster.enabled=true", "cluster.advertise=" + self,
        "cluster.peers=[" + self + "]", "cluster.peer_token={file: " + token_file_ + "}",
@@ -1133,7 +1093,7 @@ TEST_F(ClusterTlsTest, BadPeerTlsSettingsStopTheStartNamingTheKey) {
   dir_ = mkdtemp(tmpl);
   token_file_ = dir_ + "/peer-token";
   std::ofstream(token_file_) << kPeerToken << "\n";
-  const std::string self = absl::StrCat("127.0.0.1:", FreePort());
+  const std::string self = absl::StrCat("127.0.0.1:", FreeLoopbackPort());
   const std::vector<std::string> cluster = {
       "server.listen=" + self, "cluster.enabled=true", "cluster.advertise=" + self,
       "cluster.peers=[" + self + "]", "cluster.peer_token={file: " + token_file_ + "}"};
