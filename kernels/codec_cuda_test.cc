@@ -6,10 +6,6 @@
 #include "kernels/codec_cuda.h"
 
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
@@ -22,6 +18,7 @@
 #include "kernels/internal/make_segment_job.h"
 #include "kernels/internal/test_blocks.h"
 #include "tests/fuzz/codec_encode_fuzz_body.h"
+#include "tests/fuzz/corpus_replay.h"
 
 #if PROXIMA_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -282,24 +279,13 @@ TEST(CodecCudaTest, StarEncodeStaysWithinTheCpuErrorBound) {
 // 256) says kUnimplemented both ways.
 TEST(CodecCudaTest, FuzzCorpusBlocksEncodeAndDecodeAsOnTheCpu) {
   PROXIMA_SKIP_WITHOUT_GPU();
-  // The environment's PROXIMA_FUZZ_CORPUS_ROOT first: scripts/gpu-check.sh runs this binary on
-  // the GPU machine, from another checkout than the one whose path was compiled in.
-  const char* env = std::getenv("PROXIMA_FUZZ_CORPUS_ROOT");
-  const std::filesystem::path dir =
-      std::filesystem::path(env != nullptr && env[0] != '\0' ? env : PROXIMA_FUZZ_CORPUS_ROOT) /
-      "codec_encode";
-  ASSERT_TRUE(std::filesystem::is_directory(dir)) << dir;
   int compared = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    std::ifstream f(entry.path(), std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    const std::string data = ss.str();
+  for (const auto& [path, data] : fuzz_testing::ReadCorpus("codec_encode")) {
     const std::optional<fuzz::EncodeCase> c =
         fuzz::MakeEncodeCase(reinterpret_cast<const uint8_t*>(data.data()), data.size());
     if (!c.has_value() || !c->valid) continue;
     const BlockGeometry& g = c->geometry;
-    const std::string name = entry.path().filename().string() + " (" + c->plan.ToString() + ")";
+    const std::string name = path.filename().string() + " (" + c->plan.ToString() + ")";
     bool gpu_takes = true, has_star = false;
     for (uint32_t layer = 0; layer < g.num_layers; ++layer) {
       const CodecId codec = c->plan.CodecFor(layer, c->is_first_block);

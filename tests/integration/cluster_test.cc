@@ -37,6 +37,7 @@ using ::proxima::client::PutOutcome;
 using ::proxima::testing::Blocks;
 using ::proxima::testing::DaemonProcess;
 using ::proxima::testing::FreeLoopbackPort;
+using ::proxima::testing::FreeLoopbackPorts;
 using ::proxima::testing::GetAndCheck;
 using ::proxima::testing::IsOkAndHolds;
 using ::proxima::testing::MakeBlocks;
@@ -59,15 +60,9 @@ class ClusterTest : public ::testing::Test {
     dir_ = mkdtemp(tmpl);
     token_file_ = dir_ + "/peer-token";
     std::ofstream(token_file_) << kPeerToken << "\n";
+    ports_ = FreeLoopbackPorts(n);  // distinct: each node needs its own
     std::vector<std::string> peers;
-    for (int i = 0; i < n; ++i) {
-      // A port freed a moment ago can come back from the next bind: each node needs its own.
-      int port = FreeLoopbackPort();
-      while (std::find(ports_.begin(), ports_.end(), port) != ports_.end())
-        port = FreeLoopbackPort();
-      ports_.push_back(port);
-      peers.push_back(absl::StrCat("127.0.0.1:", ports_.back()));
-    }
+    for (int port : ports_) peers.push_back(absl::StrCat("127.0.0.1:", port));
     for (int i = 0; i < n; ++i) {
       std::vector<std::string> sets = {
           absl::StrCat("server.listen=", peers[i]),
