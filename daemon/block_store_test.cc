@@ -365,6 +365,58 @@ TEST_F(BlockStoreTest, ThreadsRacingForTheColdestCompressibleBlockEachGetOne) {
   EXPECT_FALSE(store->ColdestCompressible(caps).has_value());
 }
 
+// The tierer encodes a candidate outside the shard lock. When the worker deletes the key and puts
+// it again (other bytes) meanwhile, no way of handing the candidate back may touch the new block:
+// an encoding of the old bytes committed over it would be returned under the new block's key.
+// (A soak that deletes and re-puts keys under compression, tests/soak, reaches this window only
+// by chance.)
+TEST_F(BlockStoreTest, ACandidateWhoseKeyWasDeletedAndPutAgainLeavesTheNewBlockAlone) {
+  auto store = MakeStore(1 << 20);
+  BlockAttributes compressible;
+  compressible.max_level = 2;
+  const std::vector<uint8_t> caps = {2, 0};
+  auto commit = [&](const std::string& data) {
+    std::optional<BlockStore::PendingBlock> p = store->TryReserve(data.size());
+    ASSERT_TRUE(p.has_value());
+    std::memcpy(p->bytes().data(), data.data(), data.size());
+    ASSERT_EQ(store->Commit(Id(1), *std::move(p), Crc32c(B(data)), compressible),
+              PutOutcome::kStored);
+  };
+  const std::string old_bytes = Payload(1, 8192), new_bytes = Payload(2, 8192);
+  commit(old_bytes);
+  std::optional<BlockStore::Candidate> c = store->ColdestCompressible(caps);
+  ASSERT_TRUE(c.has_value());
+  ASSERT_TRUE(store->Delete(Id(1)));
+  commit(new_bytes);
+
+  const std::string encoded = Payload(3, 1024);  // "the old bytes at level 1"
+  std::optional<BlockStore::PendingBlock> e = store->TryReserve(encoded.size());
+  ASSERT_TRUE(e.has_value());
+  std::memcpy(e->bytes().data(), encoded.data(), encoded.size());
+  EXPECT_FALSE(store->Replace(*c, *std::move(e), Crc32c(B(encoded)), 1));
+  EXPECT_EQ(store->ReplaceInPlace(*c, B(encoded), 1), BlockStore::InPlace::kGone);
+  EXPECT_FALSE(store->EvictCandidate(*c));
+  store->KeepAtLevel(*c);
+  store->Release(*c);
+  c.reset();
+
+  std::optional<BlockStore::ReadBlock> now = store->Read(Id(1));
+  ASSERT_TRUE(now.has_value());
+  EXPECT_EQ(now->level, 0);
+  EXPECT_TRUE(std::string(reinterpret_cast<const char*>(now->bytes.data()), now->bytes.size()) ==
+              new_bytes)
+      << "the key holds other bytes than its last put's";
+  now.reset();
+  EXPECT_EQ(store->level_blocks(0), 1u);
+  EXPECT_EQ(store->level_blocks(1), 0u);
+  EXPECT_EQ(store->used_bytes(), new_bytes.size());  // the encoding's room was given back
+  // KeepAtLevel of the old candidate left the new block compressible.
+  std::optional<BlockStore::Candidate> again = store->ColdestCompressible(caps);
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->block.level, 0);
+  store->Release(*again);
+}
+
 TEST_F(BlockStoreTest, APinnedBlockOutlivesEvictionAndDeletion) {
   auto store = MakeStore(64 << 10);
   std::string a = Payload(1, 32 << 10);
