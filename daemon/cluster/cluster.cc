@@ -1,6 +1,7 @@
 #include "daemon/cluster/cluster.h"
 
 #include <algorithm>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -101,6 +102,28 @@ std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
       call->peer = holder;
       call->which.assign(which.begin() + first,
                          which.begin() + std::min(which.size(), first + per_call));
+      FillSet(blocks, call->which, call->request.mutable_blocks());
+      calls.push_back(std::move(call));
+    }
+  }
+  return calls;
+}
+
+// Calls to every node of `live` but `self`, each asking about every key, at most `per_call`
+// keys a call.
+template <typename Call>
+std::vector<std::unique_ptr<Call>> CallsToEveryPeer(const RemoteBlockSet& blocks,
+                                                    const LiveSet& live, const std::string& self,
+                                                    size_t per_call) {
+  std::vector<std::unique_ptr<Call>> calls;
+  for (size_t n = 0; n < live.nodes.size(); ++n) {
+    if (live.id(n) == self) continue;
+    for (size_t first = 0; first < blocks.keys.size(); first += per_call) {
+      auto call = std::make_unique<Call>();
+      call->peer = live.id(n);
+      for (size_t i = first; i < std::min(blocks.keys.size(), first + per_call); ++i) {
+        call->which.push_back(i);
+      }
       FillSet(blocks, call->which, call->request.mutable_blocks());
       calls.push_back(std::move(call));
     }
@@ -250,6 +273,10 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "proxima_cluster_spill_sent_blocks_total",
       "Cold blocks this node spilled to peers, by outcome",
       {{"outcome", "no_peer_room"}});  // no candidate peer had room (or answered)
+  spill_withdrawn_ = registry->AddCounter(
+      "proxima_cluster_spill_withdrawn_blocks_total",
+      "Spilled blocks whose key was deleted here while they were on the way: the peer was asked "
+      "to delete its copy");
   for (auto [counter, outcome] : {std::pair{&put_waits_room_, "room"},
                                    std::pair{&put_waits_none_, "no_room"},
                                    std::pair{&put_waits_timeout_, "timeout"}}) {
@@ -551,10 +578,13 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   std::shared_ptr<const LiveSet> live = membership_->Live();
   if (live->nodes.size() < 2 || blocks.keys.empty()) return deleted;
   const absl::Time deadline = absl::Now() + peer_deadline_;
-  std::vector<std::string> holders = Locate(blocks, *live, deadline);
+  // Every live peer, not only the holders the homes name: a home learns of a holder's copy in
+  // the background after its put, so a delete right after a put (or of a block a peer took
+  // from a spill just now) would find no record and leave the copy to be read again
+  // (docs/decisions.md, "A delete reaches every live peer").
   using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
   std::vector<std::unique_ptr<Call>> calls =
-      CallsPerHolder<Call>(blocks, holders, self_, core_->max_batch_blocks());
+      CallsToEveryPeer<Call>(blocks, *live, self_, core_->max_batch_blocks());
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {
     if (!call->status.ok() ||
@@ -906,9 +936,14 @@ Cluster::SpillRound Cluster::SpillOnce() {
   for (Pending& p : pending) calls.push_back(std::move(p.call));
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks);
   bool moved = false;
+  // Per call, the keys deleted here while their blocks were on the way to the peer: the peer's
+  // copies go too (a delete that reached the peer before they did found nothing there).
+  using DeleteCall = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
+  std::vector<std::unique_ptr<DeleteCall>> withdrawals;
   for (size_t k = 0; k < calls.size(); ++k) {
     const Call& call = *calls[k];
     std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
+    DeleteCall* withdrawal = nullptr;
     const bool answered =
         call.status.ok() && call.response.stored_size() == static_cast<int>(blocks.size());
     if (!answered) {
@@ -935,13 +970,31 @@ Cluster::SpillRound Cluster::SpillOnce() {
       }
       // The peer holds it now and tells its home. A reader that pinned it meanwhile keeps this
       // copy here as well (both are the same bytes).
-      store.EvictCandidate(blocks[j], /*count=*/false);
+      if (!store.EvictCandidate(blocks[j], /*count=*/false) && !store.Contains(blocks[j].id)) {
+        if (withdrawal == nullptr) {
+          withdrawal = withdrawals.emplace_back(std::make_unique<DeleteCall>()).get();
+          withdrawal->peer = call.peer;
+          *withdrawal->request.mutable_blocks() = call.request.blocks();
+          withdrawal->request.mutable_blocks()->clear_keys();
+        }
+        withdrawal->request.mutable_blocks()->add_keys(
+            reinterpret_cast<const char*>(blocks[j].id.key.data()), kKeyBytes);
+      }
       spilled_blocks_->Increment();
       spill_bytes_out_->Increment(blocks[j].block.bytes.size());
       moved = true;
     }
   }
   for (const BlockStore::Candidate& c : stay) store.Release(c);
+  if (!withdrawals.empty()) {
+    spill_withdrawn_->Increment(std::accumulate(
+        withdrawals.begin(), withdrawals.end(), uint64_t{0},
+        [](uint64_t n, const auto& w) { return n + w->request.blocks().keys_size(); }));
+    CallAll(withdrawals, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncDeleteBlocks);
+    for (const auto& w : withdrawals) {
+      if (!w->status.ok()) peer_call_failures_->Increment();
+    }
+  }
   return moved ? SpillRound::kMoved : SpillRound::kStuck;
 }
 

@@ -9,7 +9,9 @@
 //            LookupLocations call per home, in parallel (one hop).
 //   get      local first; then holders from the homes, then FetchBlocks from each holder, in
 //            parallel; the bytes are checked against their CRC32C on arrival.
-//   delete   local first; then DeleteBlocks at the holders the homes name, in parallel.
+//   delete   local first; then DeleteBlocks at every live peer, in parallel (a home may not know
+//            of a copy yet: records travel in the background). A spill whose key is deleted
+//            here while its blocks are on the way asks the peer to delete its copies after.
 //   evict    blocks that leave the local tiers otherwise (evicted, spilled, dropped for a bad
 //            CRC32C) are logged by the store; the record sender tells their homes to drop the
 //            records naming this node, so lookups elsewhere stop counting them.
@@ -166,6 +168,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* spilled_blocks_ = nullptr;
   metrics::Counter* spill_no_room_ = nullptr;
+  metrics::Counter* spill_withdrawn_ = nullptr;
   metrics::Counter* spill_bytes_out_ = nullptr;
   metrics::Counter* put_waits_room_ = nullptr;
   metrics::Counter* put_waits_none_ = nullptr;

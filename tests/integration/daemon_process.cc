@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
@@ -116,6 +117,22 @@ std::string ProximadPath() {
   return env != nullptr && *env != '\0' ? env : PROXIMAD_PATH;
 }
 std::string ProximactlPath() { return PROXIMACTL_PATH; }
+
+std::vector<std::string> ClusterSets(const std::vector<int>& ports, size_t node,
+                                     const std::string& token_file, absl::Duration peer_deadline) {
+  std::vector<std::string> peers;
+  for (int port : ports) peers.push_back(absl::StrCat("127.0.0.1:", port));
+  return {absl::StrCat("server.listen=", peers[node]),
+          "ucx.enabled=false",
+          "cluster.enabled=true",
+          absl::StrCat("cluster.advertise=", peers[node]),
+          absl::StrCat("cluster.peers=[", absl::StrJoin(peers, ", "), "]"),
+          absl::StrCat("cluster.peer_token={file: ", token_file, "}"),
+          "cluster.health_interval=100ms",
+          "cluster.health_timeout=100ms",
+          "cluster.failures_before_down=2",
+          absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(peer_deadline), "ms")};
+}
 
 CommandResult RunCommand(const std::vector<std::string>& argv, absl::Duration deadline,
                          const std::function<bool()>& kill_when) {

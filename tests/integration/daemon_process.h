@@ -32,6 +32,13 @@ CommandResult RunCommand(const std::vector<std::string>& argv,
 std::string ProximadPath();
 std::string ProximactlPath();
 
+// The --set overrides that make daemons on 127.0.0.1:`ports` one cluster, for node `node`: it
+// listens on and advertises its own port, lists every port as a static peer, takes the peer
+// token from `token_file`, checks peers' health every 100 ms (down after 2 failures) and gives
+// peer calls `peer_deadline`. The UCX data plane is off; an override after these turns it on.
+std::vector<std::string> ClusterSets(const std::vector<int>& ports, size_t node,
+                                     const std::string& token_file, absl::Duration peer_deadline);
+
 class DaemonProcess {
  public:
   // Starts proximad with `sets` as --set overrides on top of a test baseline (port 0, a Unix
