@@ -618,8 +618,11 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   std::vector<std::optional<RemoteBlock>> out(blocks.keys.size());
   std::shared_ptr<const LiveSet> live = membership_->Live();
   if (live->nodes.size() < 2 || blocks.keys.empty()) return out;
-  const absl::Time deadline = absl::Now() + peer_deadline_;
-  std::vector<std::string> holders = Locate(blocks, *live, deadline);
+  const absl::Time now = absl::Now();
+  const absl::Time deadline = now + peer_deadline_;
+  // The homes get half the budget: a home that hangs then costs its own keys, and the blocks
+  // whose homes answered are still fetched in the half left.
+  std::vector<std::string> holders = Locate(blocks, *live, now + peer_deadline_ / 2);
 
   using Call = PeerCall<v1::FetchBlocksRequest, v1::FetchBlocksResponse>;
   // Requests sized so that each answer fits server.max_message_bytes (stored bytes are at most

@@ -7,8 +7,9 @@
 //            background and batched per home, that this node holds it.
 //   lookup   the local prefix first; then the rest of the chain from the keys' homes, one
 //            LookupLocations call per home, in parallel (one hop).
-//   get      local first; then holders from the homes, then FetchBlocks from each holder, in
-//            parallel; the bytes are checked against their CRC32C on arrival.
+//   get      local first; then holders from the homes (within half of the call's peer budget,
+//            so that a hung home costs only its own keys), then FetchBlocks from each holder,
+//            in parallel; the bytes are checked against their CRC32C on arrival.
 //   delete   local first; then DeleteBlocks at every live peer, in parallel (a home may not know
 //            of a copy yet: records travel in the background). A spill whose key is deleted
 //            here while its blocks are on the way asks the peer to delete its copies after.

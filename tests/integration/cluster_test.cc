@@ -862,6 +862,35 @@ TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
   EXPECT_EQ(WaitLookup(*b, p, 31, kBlocks, kBlocks), kBlocks);
 }
 
+// A get that misses locally asks the keys' homes where the blocks are, then fetches them from
+// their holders, both under one cluster.peer_deadline. When one home hangs, asking it must not
+// spend the whole budget: the blocks whose homes answered are still fetched in the time left,
+// and only the hung home's keys miss. (Before, the first get after C hung missed every block of
+// A's chain, whatever its home.)
+TEST_F(ClusterTest, AGetFetchesTheBlocksWhoseHomesAnswerWhenAnotherHomeHangs) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"cluster.health_interval=10s", "cluster.health_timeout=1s",
+                       "cluster.failures_before_down=3"}));  // C stays in the live set throughout
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  constexpr size_t kBlocks = 24;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(32, kBlocks, &clients));
+  daemons_[2]->Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
+  const absl::Time start = absl::Now();
+  const size_t got = GetAndCheck(*clients.b, clients.p, 32, 0, kBlocks);
+  const absl::Duration took = absl::Now() - start;
+  daemons_[2]->Signal(SIGCONT);
+  std::cout << "a get of 24 blocks while one of their homes hangs: " << got << " found in " << took
+            << "\n";
+  EXPECT_GE(took, kPeerDeadline * 0.4);  // the premise: C was asked and did not answer
+  // About two thirds of the keys have A or B for their home (24 keys: at least 6 but for odds
+  // of about 1 in 10^6).
+  EXPECT_GE(got, 6u) << "the blocks whose homes answered were not fetched";
+  EXPECT_LT(got, kBlocks);  // C's keys miss
+  EXPECT_LT(took, kPeerDeadline * 1.5);
+}
+
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
   // A and B run the UCX data plane, C does not: A spills to B as UCX messages once B has named
