@@ -222,7 +222,8 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
   }
   cluster->service_ = std::make_unique<PeerService>(
       core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
-      config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry);
+      config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry,
+      2 * cluster->peer_deadline_ + absl::Seconds(1));
   return cluster;
 }
 
@@ -575,6 +576,9 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
 
 std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   std::vector<bool> deleted(blocks.keys.size(), false);
+  std::vector<BlockId> ids;
+  for (size_t i = 0; i < blocks.keys.size(); ++i) ids.push_back(IdOf(blocks, i));
+  service_->NoteDeleted(ids);  // a peer's spill of them may be on its way here
   std::shared_ptr<const LiveSet> live = membership_->Live();
   if (live->nodes.size() < 2 || blocks.keys.empty()) return deleted;
   const absl::Time deadline = absl::Now() + peer_deadline_;

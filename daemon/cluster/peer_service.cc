@@ -74,7 +74,7 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
 PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
                          PeerUcx* ucx, std::string self, std::string token,
                          uint64_t max_message_bytes, double accept_below,
-                         metrics::Registry* registry)
+                         metrics::Registry* registry, absl::Duration recent_delete_window)
     : core_(core),
       records_(records),
       remote_(remote),
@@ -82,7 +82,9 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
       self_(std::move(self)),
       token_(std::move(token)),
       max_message_bytes_(max_message_bytes),
-      accept_below_(accept_below) {
+      accept_below_(accept_below),
+      // Deletes are rare; 64K keys bound the set to a few MiB.
+      recent_deletes_(recent_delete_window, 1u << 16) {
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
@@ -93,6 +95,9 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
   spill_refused_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
                                         "Blocks peers spilled to this node, by outcome",
                                         {{"outcome", "no_room"}});
+  spill_declined_deleted_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
+                                                 "Blocks peers spilled to this node, by outcome",
+                                                 {{"outcome", "deleted_recently"}});
   spill_bytes_in_ = registry->AddCounter("proxima_cluster_spill_bytes_total",
                                          "Block bytes spilled between daemons, by direction",
                                          {{"direction", "in"}});
@@ -311,8 +316,16 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   std::vector<BlockStore::PendingBlock> pending;
   std::vector<size_t> keep;  // request index of each pending block
   uint64_t reserved = 0;
+  uint64_t declined = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     bool stored = store.Contains(ids[i]);
+    if (!stored && recent_deletes_.Contains(ids[i])) {
+      // Deleted here after the sender took it for this spill: the sender keeps it, and the
+      // Delete, which reaches every node, removes it there. Not a lack of room.
+      response->add_stored(false);
+      ++declined;
+      continue;
+    }
     const uint64_t size = data[i].size();
     if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
@@ -340,9 +353,10 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   response->set_room_bytes(room > 0 ? static_cast<uint64_t>(room) : 0);
   if (ucx_ != nullptr) response->set_ucx_worker(ucx_->address());
   spill_kept_->Increment(kept.size());
-  spill_refused_->Increment(ids.size() - static_cast<size_t>(std::count(
-                                             response->stored().begin(),
-                                             response->stored().end(), true)));
+  spill_declined_deleted_->Increment(declined);
+  spill_refused_->Increment(
+      ids.size() - declined -
+      static_cast<size_t>(std::count(response->stored().begin(), response->stored().end(), true)));
   spill_bytes_in_->Increment(reserved);
   if (by_ucx) ucx_->CountIn(reserved);
   if (!kept.empty()) {
@@ -357,6 +371,7 @@ absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
                                       v1::DeleteBlocksResponse* response) {
   PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
+  recent_deletes_.Add(ids);  // present here or not: a spill of them may still be on its way
   std::vector<BlockKey> gone;
   for (const BlockId& id : ids) {
     const bool deleted = core_->store().Delete(id);

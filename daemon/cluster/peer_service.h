@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/cluster/location_table.h"
 #include "daemon/cluster/peer_ucx.h"
+#include "daemon/cluster/recent_deletes.h"
 #include "daemon/cluster/remote_blocks.h"
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
@@ -37,9 +38,12 @@ class PeerService final : public v1::Peer::Service {
   // `accept_below` of its capacity (0: never), and `remote` tells their homes (Stored).
   // `ucx` (null without the UCX data plane) sends fetched blocks to readers as UCX messages, and
   // takes spilled blocks that come as UCX messages.
+  // `recent_delete_window`: how long a deleted key's spills are declined (NoteDeleted); at least
+  // twice the peers' call deadline, so that it outlasts a Delete's skew between the nodes plus a
+  // spill call.
   PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
-              std::string self, std::string token, uint64_t max_message_bytes,
-              double accept_below, metrics::Registry* registry);
+              std::string self, std::string token, uint64_t max_message_bytes, double accept_below,
+              metrics::Registry* registry, absl::Duration recent_delete_window = absl::Seconds(5));
 
   grpc::Status RecordLocations(grpc::ServerContext* context,
                                const v1::RecordLocationsRequest* request,
@@ -69,6 +73,11 @@ class PeerService final : public v1::Peer::Service {
   absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
 
+  // Keys a worker's Delete on this node just removed (or asked every node to): a peer's spill of
+  // one of them that arrives within the recent-delete window is declined (RecentDeletes).
+  // Deletes that peers send (DeleteBlocks) are noted by ServeDelete itself.
+  void NoteDeleted(std::span<const BlockId> ids) { recent_deletes_.Add(ids); }
+
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;
   template <typename Req, typename Resp, typename Serve>
@@ -87,7 +96,9 @@ class PeerService final : public v1::Peer::Service {
   metrics::Counter* served_bytes_ = nullptr;
   metrics::Counter* spill_kept_ = nullptr;
   metrics::Counter* spill_refused_ = nullptr;
+  metrics::Counter* spill_declined_deleted_ = nullptr;
   metrics::Counter* spill_bytes_in_ = nullptr;
+  RecentDeletes recent_deletes_;
 };
 
 }  // namespace proxima::daemon::cluster

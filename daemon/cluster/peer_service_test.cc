@@ -142,5 +142,52 @@ TEST_F(PeerServiceTest, AContainerOfAnotherBlockSizeIsRefused) {
   EXPECT_TRUE(Read('e', unknown));
 }
 
+// A spill of a key deleted here a moment ago (the Delete reached this node before the spilled
+// copy did) is declined, not kept, and not counted as a lack of room: the sender keeps the
+// block, where the same Delete removes it. A Delete sent by a peer counts as much as one of this
+// node's workers. Once the window is over, the key is taken again (a put after the delete).
+TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclined) {
+  v1::DeleteBlocksRequest del;
+  del.mutable_blocks()->set_namespace_name("open");
+  del.mutable_blocks()->set_profile_id(profile_id_);
+  del.mutable_blocks()->add_keys(std::string(kKeyBytes, 'a'));  // not here (yet)
+  v1::DeleteBlocksResponse deleted;
+  ASSERT_OK(service_->ServeDelete(del, &deleted));
+  EXPECT_THAT(deleted.deleted(), ::testing::ElementsAre(false));
+  BlockId b{0, profile_id_, {}, 0};
+  std::memset(b.key.data(), 'b', kKeyBytes);
+  const std::vector<BlockId> by_worker = {b};
+  service_->NoteDeleted(by_worker);
+
+  v1::StoreBlocksRequest r = Request({'a', 'b', 'c'}, 512);
+  for (int i = 0; i < 3; ++i) *r.add_data() = Spilled(raw_, 0);
+  v1::StoreBlocksResponse resp;
+  ASSERT_OK(service_->ServeStore(r, &resp));
+  EXPECT_THAT(resp.stored(), ::testing::ElementsAre(false, false, true));
+  EXPECT_FALSE(resp.full());
+  EXPECT_FALSE(Read('a'));
+  EXPECT_FALSE(Read('b'));
+  EXPECT_TRUE(Read('c'));
+  const std::string text = registry_.RenderText();
+  EXPECT_THAT(
+      text,
+      HasSubstr("proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"} 2"));
+  EXPECT_THAT(text,
+              HasSubstr("proxima_cluster_spill_received_blocks_total{outcome=\"no_room\"} 0"));
+
+  // The window (a short one here) over, the same spill is kept.
+  metrics::Registry other;
+  PeerService later(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20, 0.75,
+                    &other, absl::Milliseconds(1));
+  later.NoteDeleted(by_worker);
+  absl::SleepFor(absl::Milliseconds(5));
+  v1::StoreBlocksRequest again = Request({'b'}, 512);
+  *again.add_data() = Spilled(raw_, 0);
+  v1::StoreBlocksResponse kept;
+  ASSERT_OK(later.ServeStore(again, &kept));
+  EXPECT_THAT(kept.stored(), ::testing::ElementsAre(true));
+  EXPECT_TRUE(Read('b'));
+}
+
 }  // namespace
 }  // namespace proxima::daemon::cluster

@@ -615,6 +615,8 @@ int Main() {
           ",\"spilled_blocks_withdrawn\":",
           metric("proxima_cluster_spill_withdrawn_blocks_total", 0, nodes),
           ",\"remote_get_hits\":", metric("proxima_cluster_remote_get_hits_total", 0, nodes),
+          ",\"peer_call_failures\":", metric("proxima_cluster_peer_call_failures_total", 0, nodes),
+          ",\"peer_calls_skipped\":", metric("proxima_cluster_peer_calls_skipped_total", 0, nodes),
           ",\"read_after_delete\":", rec.found_after_delete(true),
           ",\"counted_by_lookup_after_delete\":", rec.found_after_delete(false));
     }
