@@ -133,6 +133,18 @@ class ClusterTest : public ::testing::Test {
     ASSERT_EQ(WaitLookup(*out->b, out->p, seed, count, count), count);
   }
 
+  // Three nodes whose health checks keep a hung peer in the live set for the whole test;
+  // PutChainThroughA(), then C hangs (SIGSTOP; the test sends SIGCONT).
+  void PutChainThroughAThenHangC(uint64_t seed, size_t count, TwoClients* out) {
+    ASSERT_NO_FATAL_FAILURE(
+        StartCluster(3, {"cluster.health_interval=10s", "cluster.health_timeout=1s",
+                         "cluster.failures_before_down=3"}));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    ASSERT_NO_FATAL_FAILURE(PutChainThroughA(seed, count, out));
+    daemons_[2]->Signal(SIGSTOP);
+    absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
+  }
+
   std::string dir_;
   std::string token_file_;
   std::vector<int> ports_;
@@ -832,18 +844,12 @@ TEST_F(ClusterTest, CallsWaitingOnAHungPeerDoNotHoldUpTheNodesOtherCalls) {
 // waits for cluster.peer_deadline: the peer is then left alone for a second, and the lookups
 // after answer at once (its keys as misses) instead of each waiting the whole deadline.
 TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster(3, {"cluster.health_interval=10s", "cluster.health_timeout=1s",
-                       "cluster.failures_before_down=3"}));  // C stays in the live set throughout
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
   constexpr size_t kBlocks = 24;
   TwoClients clients;
-  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(31, kBlocks, &clients));
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughAThenHangC(31, kBlocks, &clients));
   // Plain references, not a structured binding: lambdas below capture them (clang 14).
   std::unique_ptr<Client>& b = clients.b;
   const Profile& p = clients.p;
-  daemons_[2]->Signal(SIGSTOP);
-  absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
   auto timed_lookup = [&] {
     const absl::Time start = absl::Now();
     (void)b->Lookup(p, client::TestKeyChain(31, 0, kBlocks));
@@ -868,15 +874,9 @@ TEST_F(ClusterTest, AfterOneCallTimesOutOnAHungPeerTheNextOnesDoNotWaitForIt) {
 // and only the hung home's keys miss. (Before, the first get after C hung missed every block of
 // A's chain, whatever its home.)
 TEST_F(ClusterTest, AGetFetchesTheBlocksWhoseHomesAnswerWhenAnotherHomeHangs) {
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster(3, {"cluster.health_interval=10s", "cluster.health_timeout=1s",
-                       "cluster.failures_before_down=3"}));  // C stays in the live set throughout
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
   constexpr size_t kBlocks = 24;
   TwoClients clients;
-  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(32, kBlocks, &clients));
-  daemons_[2]->Signal(SIGSTOP);
-  absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughAThenHangC(32, kBlocks, &clients));
   const absl::Time start = absl::Now();
   const size_t got = GetAndCheck(*clients.b, clients.p, 32, 0, kBlocks);
   const absl::Duration took = absl::Now() - start;

@@ -139,6 +139,17 @@ double Percentile(std::vector<double>& v, double q) {
   return v[k];
 }
 
+// Records a request that started at `start`: its latency, or its error. False on an error.
+bool Recorded(Recorder* rec, Op op, Clock::time_point start, const absl::Status& status) {
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  if (!status.ok()) {
+    rec->Error(status);
+    return false;
+  }
+  rec->Record(op, ms);
+  return true;
+}
+
 // One client: 8 chains; each step picks an operation (put 20%, get 45%, lookup 30%, delete 5%)
 // on a random chain and a random batch of 4 blocks in it.
 void RunClient(int id, const std::string& target, const v1::ModelProfile& model,
@@ -199,12 +210,7 @@ void RunClient(int id, const std::string& target, const v1::ModelProfile& model,
       case kNumOps:
         break;
     }
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    if (!status.ok()) {
-      rec->Error(status);
-      continue;
-    }
-    rec->Record(op, ms);
+    if (!Recorded(rec, op, start, status)) continue;
     for (size_t i = 0; i < found.size(); ++i) {
       if (found[i] && !client::IsTestBlock(seed, first + i, data[i])) rec->WrongBytes();
     }
@@ -435,12 +441,7 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
       case kNumOps:
         break;
     }
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    if (!status.ok()) {
-      rec->Error(status);
-      continue;
-    }
-    rec->Record(op, ms);
+    Recorded(rec, op, start, status);
   }
 }
 
