@@ -38,6 +38,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/mutex.h"
@@ -499,6 +501,20 @@ int Main() {
     }
     targets.push_back((*daemon)->tcp_target());
     daemons.push_back(*std::move(daemon));
+  }
+  // A cluster's traffic starts once every node sees every node live: before, its lookups and
+  // gets would miss what other nodes hold.
+  for (const auto& d : daemons) {
+    const absl::Time give_up = absl::Now() + absl::Seconds(30);
+    while (nodes > 1) {
+      absl::StatusOr<std::string> m = d->ScrapeMetrics();
+      if (m.ok() && testing::MetricValue(*m, "proxima_cluster_live_nodes") == nodes) break;
+      if (absl::Now() > give_up) {
+        std::fprintf(stderr, "the %d daemons did not all see each other live within 30 s\n", nodes);
+        return 2;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
   }
   const v1::ModelProfile model = testing::TestModel();  // 256 KiB blocks
   std::atomic<bool> stop{false};
