@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <span>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -85,6 +86,22 @@ void RunAll(const std::vector<Call*>& calls, Prepare prepare) {
   }
 }
 
+// Calls to `peer` about the keys `which` (indices into the caller's keys), at most `per_call`
+// keys a call, their block sets filled, appended to `calls`.
+template <typename Call>
+void AppendCalls(const RemoteBlockSet& blocks, const std::string& peer,
+                 std::span<const size_t> which, size_t per_call,
+                 std::vector<std::unique_ptr<Call>>* calls) {
+  for (size_t first = 0; first < which.size(); first += per_call) {
+    auto call = std::make_unique<Call>();
+    call->peer = peer;
+    call->which.assign(which.begin() + first,
+                       which.begin() + std::min(which.size(), first + per_call));
+    FillSet(blocks, call->which, call->request.mutable_blocks());
+    calls->push_back(std::move(call));
+  }
+}
+
 // One call per holder (other than `self`) that `holders` names, of at most `per_call` keys
 // each: their indices into the caller's keys in `which`, their block set filled.
 template <typename Call>
@@ -96,16 +113,7 @@ std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
     if (!holders[i].empty() && holders[i] != self) per_holder[holders[i]].push_back(i);
   }
   std::vector<std::unique_ptr<Call>> calls;
-  for (auto& [holder, which] : per_holder) {
-    for (size_t first = 0; first < which.size(); first += per_call) {
-      auto call = std::make_unique<Call>();
-      call->peer = holder;
-      call->which.assign(which.begin() + first,
-                         which.begin() + std::min(which.size(), first + per_call));
-      FillSet(blocks, call->which, call->request.mutable_blocks());
-      calls.push_back(std::move(call));
-    }
-  }
+  for (auto& [holder, which] : per_holder) AppendCalls(blocks, holder, which, per_call, &calls);
   return calls;
 }
 
@@ -115,18 +123,11 @@ template <typename Call>
 std::vector<std::unique_ptr<Call>> CallsToEveryPeer(const RemoteBlockSet& blocks,
                                                     const LiveSet& live, const std::string& self,
                                                     size_t per_call) {
+  std::vector<size_t> all(blocks.keys.size());
+  std::iota(all.begin(), all.end(), size_t{0});
   std::vector<std::unique_ptr<Call>> calls;
   for (size_t n = 0; n < live.nodes.size(); ++n) {
-    if (live.id(n) == self) continue;
-    for (size_t first = 0; first < blocks.keys.size(); first += per_call) {
-      auto call = std::make_unique<Call>();
-      call->peer = live.id(n);
-      for (size_t i = first; i < std::min(blocks.keys.size(), first + per_call); ++i) {
-        call->which.push_back(i);
-      }
-      FillSet(blocks, call->which, call->request.mutable_blocks());
-      calls.push_back(std::move(call));
-    }
+    if (live.id(n) != self) AppendCalls(blocks, live.id(n), all, per_call, &calls);
   }
   return calls;
 }

@@ -452,7 +452,7 @@ int Main() {
   const int report_s = std::max(1, absl::GetFlag(FLAGS_report_s));
   const int warmup_s = std::min(absl::GetFlag(FLAGS_warmup_s), duration_s / 2);
   const uint64_t capacity = absl::GetFlag(FLAGS_capacity_bytes);
-  std::vector<std::string> sets = {absl::StrCat("tiers.host.capacity_bytes=", capacity)};
+  std::vector<std::string> sets;  // every node's; each has its capacity besides
   // --levels: real KV blocks, checked against what the codec makes of them.
   const std::vector<std::string> levels =
       absl::StrSplit(absl::GetFlag(FLAGS_levels), ';', absl::SkipWhitespace());
@@ -485,8 +485,8 @@ int Main() {
   }
   for (int i = 0; i < nodes; ++i) {
     std::vector<std::string> node_sets = sets;
+    node_sets.push_back(absl::StrCat("tiers.host.capacity_bytes=", capacity * (i + 1)));
     if (nodes > 1) {
-      node_sets[0] = absl::StrCat("tiers.host.capacity_bytes=", capacity * (i + 1));
       for (std::string& set :
            testing::ClusterSets(ports, i, cluster_dir + "/peer-token", absl::Seconds(2))) {
         node_sets.push_back(std::move(set));
