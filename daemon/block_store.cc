@@ -9,10 +9,13 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/crc32c.h"
 #include "common/log.h"
 
 namespace proxima::daemon {
+
+std::string ProfileName(uint64_t profile_id) { return absl::StrFormat("0x%016x", profile_id); }
 
 // The bytes of one block in the tier. Freed when the last reference goes: the index holds one,
 // and each reader holds one while it copies (the pin).

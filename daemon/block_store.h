@@ -75,6 +75,9 @@ namespace proxima::daemon {
 inline constexpr size_t kKeyBytes = 32;
 using BlockKey = std::array<uint8_t, kKeyBytes>;
 
+// How logs, errors and metric labels name a profile id: "0x" and 16 hex digits.
+std::string ProfileName(uint64_t profile_id);
+
 struct BlockId {
   uint32_t namespace_index = 0;  // position in the daemon's namespace list
   uint64_t profile_id = 0;

@@ -379,11 +379,29 @@ TEST_P(GpuTierTest, TheQualityGuardSamplesDeviceEncodings) {
   if (IsSkipped()) return;
   for (uint32_t n = 0; n < 6; ++n) ASSERT_TRUE(Put(n, 0));
   ASSERT_EQ(tierer_->MoveDown(0, 0, 6), 6u);
-  std::optional<double> error = tierer_->sampled_attention_error(0, 1);
+  std::optional<double> error = tierer_->sampled_attention_error(0, kProfile, 1);
   ASSERT_TRUE(error);
   // int4 on real KV: about 0.11 (docs/quality.md); far from zero and from noise.
   EXPECT_GT(*error, 0.01);
   EXPECT_LT(*error, 0.3);
+}
+
+TEST_P(GpuTierTest, AModelTheGuardSteppedBackToRawMovesDownRaw) {
+  // int2 on real KV (about 0.5) is over the default budget (0.12): after the first batch's three
+  // samples, the model's deepest level is 0, and its next blocks go down raw.
+  ASSERT_NO_FATAL_FAILURE(Make(1, 8, 16, {"int2"}, /*sample_one_in=*/1));
+  if (IsSkipped()) return;
+  for (uint32_t n = 0; n < 6; ++n) ASSERT_TRUE(Put(n, 0));
+  ASSERT_EQ(tierer_->MoveDown(0, 0, 3), 3u);
+  EXPECT_EQ(tierer_->level_cap(0, kProfile), 0);
+  EXPECT_EQ(tierer_->step_backs(0), 1u);
+  ASSERT_EQ(tierer_->MoveDown(0, 0, 3), 3u);
+  for (uint32_t n = 0; n < 6; ++n) {
+    std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, 0));
+    ASSERT_TRUE(r) << n;
+    EXPECT_EQ(r->level, n < 3 ? 1 : 0) << n;
+  }
+  for (uint32_t n = 3; n < 6; ++n) EXPECT_TRUE(Same(ReadRaw(n, 0), blocks_->Block(n))) << n;
 }
 
 // Readers, puts and the background workers at once, on pools and a host tier far too small for

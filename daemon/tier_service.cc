@@ -36,8 +36,6 @@ uint64_t AppendOutcome(PutOutcome o, v1::PutResponse* response) {
 
 constexpr size_t kMaxFingerprintBytes = 256;
 
-std::string ProfileName(uint64_t id) { return absl::StrFormat("0x%016x", id); }
-
 absl::Status CheckDim(const char* field, uint64_t value, uint64_t max) {
   if (value == 0 || value > max) {
     return absl::InvalidArgumentError(
@@ -453,7 +451,7 @@ std::optional<Tierer::ProfileCodec> TierService::ProfileCodecOf(uint32_t ns, uin
       return std::nullopt;  // fp8 blocks stay raw: the codec takes 16-bit inputs
   }
   if (!g.Validate().ok()) return std::nullopt;
-  return Tierer::ProfileCodec{g, p->profile.rope_theta()};
+  return Tierer::ProfileCodec{g, p->profile.rope_theta(), p->profile.fingerprint()};
 }
 
 absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) const {
@@ -535,6 +533,7 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
   }
   uint64_t id = ProfileId(request.profile());
   Namespace& n = *namespaces_[ns];
+  bool added = false;
   {
     proxima::MutexLock lock(&n.mu);
     if (!n.profiles.contains(id)) {
@@ -545,10 +544,16 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
                          config_.server.max_profiles_per_namespace));
       }
       n.profiles.emplace(id, RegisteredProfile{request.profile(), block_bytes});
+      added = true;
       PROXIMA_LOG(kInfo) << "profile registered" << log::Kv("namespace", n.name)
                          << log::Kv("profile_id", ProfileName(id))
                          << log::Kv("block_bytes", block_bytes)
                          << log::Kv("fingerprint", request.profile().fingerprint());
+    }
+  }
+  if (added) {  // its quality guard's series show from now on (outside n.mu: the lookup takes it)
+    if (std::optional<Tierer::ProfileCodec> codec = ProfileCodecOf(ns, id)) {
+      tierer_->AddModel(ns, id, *codec);
     }
   }
   response->set_profile_id(id);

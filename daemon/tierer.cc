@@ -27,35 +27,25 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup prof
     : store_(store),
       profile_(std::move(profile)),
       config_(config.tierer),
-      gpu_config_(config.gpu_tier) {
-  quality_.resize(config.namespaces.size());
+      gpu_config_(config.gpu_tier),
+      registry_(registry) {
   for (size_t i = 0; i < config.namespaces.size(); ++i) {
     auto ns = std::make_unique<NamespaceState>();
     ns->name = config.namespaces[i].name;
     ns->policy = config.namespaces[i].compression;
-    const uint8_t cap =
-        static_cast<uint8_t>(std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
-    caps_.push_back(std::make_unique<std::atomic<uint8_t>>(cap));
+    ns->depth = static_cast<uint8_t>(std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
+    caps_.push_back(std::make_unique<std::atomic<uint8_t>>(ns->depth));
     NamespaceState* state = ns.get();
     metrics::Labels labels = {{"namespace", ns->name}};
     registry->AddCounterFunction("proxima_quality_step_backs_total",
-                                 "Times the quality guard lowered the namespace's deepest level",
+                                 "Times the quality guard lowered the deepest level of one of "
+                                 "the namespace's models",
                                  labels, [state] { return double(state->step_backs.load()); });
     std::atomic<uint8_t>* cap_ptr = caps_.back().get();
     registry->AddGauge("proxima_compression_level_cap",
-                       "Deepest hierarchy level new encodings of the namespace may reach", labels,
-                       [cap_ptr] { return double(cap_ptr->load()); });
-    for (size_t level = 1; level <= ns->policy.plans.size() && level < kMaxLevels; ++level) {
-      const uint32_t n = static_cast<uint32_t>(i);
-      const int l = static_cast<int>(level);
-      registry->AddGauge(
-          "proxima_quality_attention_error",
-          "Relative L2 error of attention outputs over the sampled encodings (NaN: none yet)",
-          {{"namespace", ns->name}, {"level", absl::StrCat(level)}}, [this, n, l] {
-            std::optional<double> e = sampled_attention_error(n, l);
-            return e ? *e : std::numeric_limits<double>::quiet_NaN();
-          });
-    }
+                       "Deepest hierarchy level new encodings of every model of the namespace may "
+                       "reach (the lowest of proxima_compression_model_level_cap)",
+                       labels, [cap_ptr] { return double(cap_ptr->load()); });
     namespaces_.push_back(std::move(ns));
   }
   for (int level = 1; level < kMaxLevels; ++level) {
@@ -214,8 +204,8 @@ BlockAttributes Tierer::AttributesFor(uint32_t ns, uint32_t tokens_per_block, bo
 }
 
 std::vector<uint8_t> Tierer::AllCaps() const {
-  std::vector<uint8_t> caps(caps_.size());
-  for (size_t i = 0; i < caps_.size(); ++i) caps[i] = caps_[i]->load(std::memory_order_relaxed);
+  std::vector<uint8_t> caps(namespaces_.size());
+  for (size_t i = 0; i < caps.size(); ++i) caps[i] = namespaces_[i]->depth;
   return caps;
 }
 
@@ -325,9 +315,23 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
   const uint8_t from = c->block.level;
   const std::optional<ProfileCodec> profile = profile_(ns, c->id.profile_id);
   std::optional<codec::BlockGeometry> geometry;
-  if (profile) geometry = profile->geometry;
-  // ColdestCompressible hands out only blocks below both their own deepest level and the cap.
-  const uint8_t deepest = std::min(c->attributes.max_level, caps[ns]);
+  ModelGuard* guard = nullptr;
+  if (profile) {
+    geometry = profile->geometry;
+    guard = &GuardFor(ns, c->id.profile_id, *profile);
+  }
+  // ColdestCompressible hands out only blocks below both their own deepest level and the
+  // namespace's cap; the quality guard may hold the block's model at a shallower level.
+  uint8_t deepest = std::min(c->attributes.max_level, caps[ns]);
+  if (guard != nullptr) {
+    deepest = std::min(deepest, guard->cap.load(std::memory_order_relaxed));
+    if (from >= deepest) {
+      // Its model was stepped back to this block's level or above it: the block stays here
+      // for good (caps are never raised) and leaves by eviction in its turn.
+      store_->KeepAtLevel(*c);
+      return true;
+    }
+  }
   const uint8_t to = geometry ? TargetLevel(*c, *profile, deepest, room) : from + 1;
   auto start = std::chrono::steady_clock::now();
   // The source: the raw block, or the previous level decoded.
@@ -376,7 +380,7 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
     return true;
   }
   SampleQuality(
-      ns, to, *geometry, [&] { return std::optional(source); }, encoded);
+      *guard, to, *geometry, [&] { return std::optional(source); }, encoded);
   auto elapsed = std::chrono::steady_clock::now() - start;
   encode_seconds_->Increment(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(elapsed).count()));
@@ -408,11 +412,11 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
   return true;
 }
 
-void Tierer::SampleQuality(uint32_t ns, uint8_t level, const codec::BlockGeometry& geometry,
+void Tierer::SampleQuality(ModelGuard& guard, uint8_t level, const codec::BlockGeometry& geometry,
                            const std::function<std::optional<std::span<const std::byte>>()>& source,
                            const std::string& encoded) {
-  NamespaceState& state = *namespaces_[ns];
-  if (state.encodings.fetch_add(1, std::memory_order_relaxed) % state.policy.sample_one_in != 0) {
+  const NamespaceState& state = *namespaces_[guard.ns];
+  if (guard.encodings.fetch_add(1, std::memory_order_relaxed) % state.policy.sample_one_in != 0) {
     return;
   }
   std::optional<std::span<const std::byte>> from = source();
@@ -421,7 +425,7 @@ void Tierer::SampleQuality(uint32_t ns, uint8_t level, const codec::BlockGeometr
   std::span<std::byte> out = std::as_writable_bytes(std::span<char>(check.data(), check.size()));
   if (!codec::DecodeBlock(AsBytes(encoded), out).ok()) return;
   absl::StatusOr<codec::ErrorSums> sums = codec::MeasureBlockError(geometry, *from, out);
-  if (sums.ok()) RecordQuality(ns, level, *sums);
+  if (sums.ok()) RecordQuality(guard, level, *sums);
 }
 
 std::optional<BlockStore::PendingBlock> Tierer::ReserveOnDevice(uint64_t bytes) {
@@ -474,7 +478,7 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
   for (size_t i = 0; i < candidates.size(); ++i) {
     const BlockStore::Candidate& c = candidates[i];
     const uint32_t ns = c.id.namespace_index;
-    if (c.attributes.max_level == 0 || level_cap(ns) == 0) continue;  // stays raw
+    if (c.attributes.max_level == 0 || namespaces_[ns]->depth == 0) continue;  // stays raw
     groups[{ns, c.id.profile_id}].push_back(i);
   }
   for (const auto& [key, members] : groups) {
@@ -482,6 +486,8 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     NamespaceState& state = *namespaces_[ns];
     const std::optional<ProfileCodec> profile = profile_(ns, key.second);
     if (!profile) continue;  // profile no longer known: raw
+    ModelGuard& guard = GuardFor(ns, key.second, *profile);
+    if (guard.cap.load(std::memory_order_relaxed) == 0) continue;  // stepped back to raw
     const codec::BlockGeometry* geometry = &profile->geometry;
     bool as_int4 = false;
     const codec::CodecPlan plan = PlanFor(ns, 1, *profile, &as_int4);
@@ -535,7 +541,7 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
       encode_bytes_out_->Increment(job.out->size());
       std::string raw;
       SampleQuality(
-          ns, 1, *geometry,
+          guard, 1, *geometry,
           [&]() -> std::optional<std::span<const std::byte>> {
             if (!copy_out(job, &raw).ok()) return std::nullopt;
             return AsBytes(raw);
@@ -602,26 +608,75 @@ size_t Tierer::MoveDown(size_t device, uint64_t room, size_t max_blocks) {
   return left;
 }
 
-void Tierer::RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums) {
-  NamespaceState& state = *namespaces_[ns];
+Tierer::ModelGuard& Tierer::GuardFor(uint32_t ns, uint64_t profile_id,
+                                     const ProfileCodec& profile) {
+  ModelGuard* guard = nullptr;
+  {
+    proxima::MutexLock lock(&mu_);
+    std::unique_ptr<ModelGuard>& slot = guards_[{ns, profile_id}];
+    if (slot != nullptr) return *slot;
+    slot = std::make_unique<ModelGuard>();
+    guard = slot.get();
+    guard->ns = ns;
+    guard->profile_id = profile_id;
+    guard->model = profile.model;
+    guard->cap.store(namespaces_[ns]->depth, std::memory_order_relaxed);
+  }
+  // Its series, registered outside `mu_`: a scrape holds the registry's lock while it reads
+  // gauges, which take `mu_`.
+  const NamespaceState& state = *namespaces_[ns];
+  const std::string profile_name = ProfileName(profile_id);
+  registry_->AddGauge(
+      "proxima_compression_model_level_cap",
+      "Deepest hierarchy level new encodings of the model (registered profile) may reach: the "
+      "namespace's depth, lowered by the quality guard",
+      {{"namespace", state.name}, {"profile", profile_name}, {"model", guard->model}},
+      [guard] { return double(guard->cap.load(std::memory_order_relaxed)); });
+  for (int level = 1; level <= state.depth; ++level) {
+    registry_->AddGauge(
+        "proxima_quality_attention_error",
+        "Relative L2 error of attention outputs over the model's sampled encodings at the level "
+        "(NaN: none yet)",
+        {{"namespace", state.name},
+         {"profile", profile_name},
+         {"model", guard->model},
+         {"level", absl::StrCat(level)}},
+        [this, ns, profile_id, level] {
+          std::optional<double> e = sampled_attention_error(ns, profile_id, level);
+          return e ? *e : std::numeric_limits<double>::quiet_NaN();
+        });
+  }
+  return *guard;
+}
+
+void Tierer::RecordQuality(ModelGuard& guard, uint8_t level, const codec::ErrorSums& sums) {
+  NamespaceState& state = *namespaces_[guard.ns];
   double error = 0;
   {
     proxima::MutexLock lock(&mu_);
-    Quality& q = quality_[ns][level];
+    Quality& q = guard.quality[level];
     q.sums.Add(sums);
     ++q.samples;
     if (q.samples < kMinQualitySamples) return;
     error = codec::Finish(q.sums).attn_rel_l2;
   }
   if (error <= state.policy.max_attention_error) return;
-  // Lower the cap below `level`, once (a concurrent sample may have done it already).
-  uint8_t cap = caps_[ns]->load(std::memory_order_relaxed);
+  // Lower the model's cap below `level`, once (a concurrent sample may have done it already),
+  // and the namespace's lowest cap with it.
+  uint8_t cap = guard.cap.load(std::memory_order_relaxed);
   while (cap >= level) {
-    if (caps_[ns]->compare_exchange_weak(cap, level - 1, std::memory_order_relaxed)) {
+    if (guard.cap.compare_exchange_weak(cap, level - 1, std::memory_order_relaxed)) {
       state.step_backs.fetch_add(1, std::memory_order_relaxed);
-      PROXIMA_LOG(kWarning) << "quality guard: namespace over its error budget; new encodings "
-                               "step back a level"
-                            << log::Kv("namespace", state.name) << log::Kv("level", int(level))
+      std::atomic<uint8_t>& lowest = *caps_[guard.ns];
+      uint8_t now = lowest.load(std::memory_order_relaxed);
+      while (now > level - 1 &&
+             !lowest.compare_exchange_weak(now, level - 1, std::memory_order_relaxed)) {
+      }
+      PROXIMA_LOG(kWarning) << "quality guard: a model of the namespace is over its error "
+                               "budget; its new encodings step back a level"
+                            << log::Kv("namespace", state.name)
+                            << log::Kv("profile_id", ProfileName(guard.profile_id))
+                            << log::Kv("model", guard.model) << log::Kv("level", int(level))
                             << log::Kv("plan", state.policy.plans[level - 1].ToString())
                             << log::Kv("attention_error", error)
                             << log::Kv("budget", state.policy.max_attention_error)
@@ -631,9 +686,23 @@ void Tierer::RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& s
   }
 }
 
-std::optional<double> Tierer::sampled_attention_error(uint32_t ns, int level) const {
+void Tierer::AddModel(uint32_t ns, uint64_t profile_id, const ProfileCodec& profile) {
+  if (namespaces_[ns]->depth > 0) GuardFor(ns, profile_id, profile);
+}
+
+uint8_t Tierer::level_cap(uint32_t ns, uint64_t profile_id) const {
   proxima::MutexLock lock(&mu_);
-  const Quality& q = quality_[ns][level];
+  auto it = guards_.find({ns, profile_id});
+  if (it == guards_.end()) return namespaces_[ns]->depth;
+  return it->second->cap.load(std::memory_order_relaxed);
+}
+
+std::optional<double> Tierer::sampled_attention_error(uint32_t ns, uint64_t profile_id,
+                                                      int level) const {
+  proxima::MutexLock lock(&mu_);
+  auto it = guards_.find({ns, profile_id});
+  if (it == guards_.end()) return std::nullopt;
+  const Quality& q = it->second->quality[level];
   if (q.samples == 0) return std::nullopt;
   return codec::Finish(q.sums).attn_rel_l2;
 }

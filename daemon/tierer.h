@@ -13,11 +13,14 @@
 // by the host tier's own Reserve (which compresses or evicts host blocks as for a put), and
 // committed there as the host's newest blocks.
 //
-// Quality guard: one encoding in `sample_one_in` per namespace is decoded again and its error
-// measured against the bytes it was encoded from (kernels/error_metrics.h). The errors are
-// aggregated per (namespace, level); when a level's attention-output error exceeds the
-// namespace's budget, the namespace's deepest level drops below it: new encodings stop one
-// level earlier (logged and counted), and blocks already there stay until evicted.
+// Quality guard: one encoding in `sample_one_in` of each model (registered profile) of a
+// namespace is decoded again and its error measured against the bytes it was encoded from
+// (kernels/error_metrics.h). The errors are aggregated per (namespace, model, level): models that
+// share a namespace compress differently, and a pooled figure would let one model's large error
+// hide behind another's small one (or step back a model that is within budget). When a level's
+// attention-output error exceeds the namespace's budget, that model's deepest level drops below
+// it: its new encodings stop one level earlier (logged and counted), its blocks already there
+// stay until evicted, and the namespace's other models keep their levels.
 //
 // Thread-safe. The background workers (`tierer.threads`) run between Start() and Stop() (or
 // destruction); Reserve() may be called from any thread. Lock order: `mu_` is never held while
@@ -35,9 +38,11 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "common/mutex.h"
 #include "daemon/block_store.h"
 #include "daemon/config.h"
@@ -54,6 +59,7 @@ class Tierer {
   struct ProfileCodec {
     codec::BlockGeometry geometry;
     double rope_theta = 0.0;
+    std::string model;  // the profile's fingerprint (may be empty): the guard's logs and metrics
   };
   // The ProfileCodec of (namespace, profile id), or nullopt when its blocks cannot be encoded
   // (an unknown profile, or a dtype the codec does not take).
@@ -126,12 +132,19 @@ class Tierer {
   // be compressed (what each worker does each wake-up). For tests.
   void RelievePressure();
 
-  // The deepest level new encodings of namespace `ns` may reach now (the quality guard lowers
-  // it; 0 = none).
+  // Starts the quality guard of a newly registered profile of namespace `ns`, so that its metric
+  // series show before its first encoding (otherwise it starts at that encoding). Nothing for a
+  // namespace that does not compress.
+  void AddModel(uint32_t ns, uint64_t profile_id, const ProfileCodec& profile);
+  // The deepest level new encodings of every model of namespace `ns` may reach now: the lowest
+  // of its models' caps (the quality guard lowers them; 0 = none).
   uint8_t level_cap(uint32_t ns) const { return caps_[ns]->load(std::memory_order_relaxed); }
-  // Aggregated attention-output error of the sampled encodings of (ns, level), or nullopt when
-  // none was sampled.
-  std::optional<double> sampled_attention_error(uint32_t ns, int level) const;
+  // The deepest level new encodings of profile `profile_id` of namespace `ns` may reach now.
+  uint8_t level_cap(uint32_t ns, uint64_t profile_id) const;
+  // Aggregated attention-output error of profile `profile_id`'s sampled encodings at `level` in
+  // namespace `ns`, or nullopt when none was sampled.
+  std::optional<double> sampled_attention_error(uint32_t ns, uint64_t profile_id, int level) const;
+  // Times the quality guard lowered the cap of one of the namespace's models.
   uint64_t step_backs(uint32_t ns) const;
   uint64_t encodes() const { return encodes_.load(std::memory_order_relaxed); }
   uint64_t encode_failures() const { return encode_failures_.load(std::memory_order_relaxed); }
@@ -154,13 +167,14 @@ class Tierer {
   struct NamespaceState {
     std::string name;
     CompressionConfig policy;
-    std::atomic<uint64_t> encodings{0};  // counts toward sampling
+    uint8_t depth = 0;  // levels of its hierarchy (kMaxLevels - 1 at most)
     std::atomic<uint64_t> step_backs{0};
     std::atomic<bool> warned_no_gain{false};
     std::atomic<bool> warned_k4v3_as_int4{false};
   };
 
-  // Full caps: every namespace at its quality-guard cap (the put path may compress any).
+  // Full caps: every namespace at its hierarchy's depth (the put path may compress any; the
+  // quality guard's caps, per model, are applied to each candidate by CompressOne).
   std::vector<uint8_t> AllCaps() const;
   // Caps for namespaces over their pressure threshold at `pressure`, else 0. `room`, when
   // given, is set to the bytes above the lowest of those thresholds.
@@ -174,10 +188,25 @@ class Tierer {
   // The level CompressOne encodes the candidate to: see CompressOne's `room`.
   uint8_t TargetLevel(const BlockStore::Candidate& c, const ProfileCodec& profile, uint8_t deepest,
                       uint64_t room) const;
-  void RecordQuality(uint32_t ns, uint8_t level, const codec::ErrorSums& sums);
-  // The quality guard's sample: one encoding in the namespace's `sample_one_in` is decoded and
-  // measured against its source. `source` gives the raw bytes (called only when sampled).
-  void SampleQuality(uint32_t ns, uint8_t level, const codec::BlockGeometry& geometry,
+  // The quality guard's state for one model of a namespace: its samples per level (under `mu_`),
+  // the deepest level its new encodings may reach, and its count toward sampling.
+  struct ModelGuard {
+    uint32_t ns = 0;
+    uint64_t profile_id = 0;
+    std::string model;
+    std::array<Quality, kMaxLevels> quality;
+    std::atomic<uint8_t> cap{0};
+    std::atomic<uint64_t> encodings{0};
+  };
+  // The guard of (ns, profile_id), made (with its metric series) the first time the profile's
+  // blocks are encoded. Guards live as long as the Tierer (profiles are never unregistered, and
+  // a namespace holds at most server.max_profiles_per_namespace).
+  ModelGuard& GuardFor(uint32_t ns, uint64_t profile_id, const ProfileCodec& profile);
+  void RecordQuality(ModelGuard& guard, uint8_t level, const codec::ErrorSums& sums);
+  // The quality guard's sample: one encoding in the namespace's `sample_one_in` of the model is
+  // decoded and measured against its source. `source` gives the raw bytes (called only when
+  // sampled).
+  void SampleQuality(ModelGuard& guard, uint8_t level, const codec::BlockGeometry& geometry,
                      const std::function<std::optional<std::span<const std::byte>>()>& source,
                      const std::string& encoded);
   // MoveDown's candidates, encoded on their device where their namespace compresses: `encoded`
@@ -197,11 +226,14 @@ class Tierer {
   const ProfileLookup profile_;
   const TiererConfig config_;
   const GpuTierConfig gpu_config_;
+  metrics::Registry* const registry_;
   std::vector<std::unique_ptr<NamespaceState>> namespaces_;
+  // Per namespace: the lowest cap of its models (level_cap(ns)); only ever lowered.
   std::vector<std::unique_ptr<std::atomic<uint8_t>>> caps_;
 
   mutable proxima::Mutex mu_;
-  std::vector<std::array<Quality, kMaxLevels>> quality_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::pair<uint32_t, uint64_t>, std::unique_ptr<ModelGuard>> guards_
+      ABSL_GUARDED_BY(mu_);
 
   // Metrics.
   std::atomic<uint64_t> encodes_{0};

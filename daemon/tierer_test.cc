@@ -23,8 +23,8 @@ using testing::RealBlocks;
 constexpr uint64_t kProfile = 42;
 constexpr uint32_t kTokens = 16;
 
-BlockId Id(uint32_t n, uint32_t ns = 0) {
-  BlockId id{ns, kProfile, {}};
+BlockId Id(uint32_t n, uint32_t ns = 0, uint64_t profile = kProfile) {
+  BlockId id{ns, profile, {}};
   std::memcpy(id.key.data(), &n, sizeof(n));
   return id;
 }
@@ -483,10 +483,11 @@ TEST_F(TiererTest, QualityGuardStepsBackWhenTheBudgetIsExceeded) {
   ASSERT_TRUE(tierer_->CompressOne(caps));
   EXPECT_EQ(tierer_->step_backs(0), 1u);
   EXPECT_EQ(tierer_->level_cap(0), 1);
-  ASSERT_TRUE(tierer_->sampled_attention_error(0, 1));
-  EXPECT_LT(*tierer_->sampled_attention_error(0, 1), 0.05);  // int8 is well within
-  ASSERT_TRUE(tierer_->sampled_attention_error(0, 2));
-  EXPECT_GT(*tierer_->sampled_attention_error(0, 2), 0.12);
+  EXPECT_EQ(tierer_->level_cap(0, kProfile), 1);
+  ASSERT_TRUE(tierer_->sampled_attention_error(0, kProfile, 1));
+  EXPECT_LT(*tierer_->sampled_attention_error(0, kProfile, 1), 0.05);  // int8 is well within
+  ASSERT_TRUE(tierer_->sampled_attention_error(0, kProfile, 2));
+  EXPECT_GT(*tierer_->sampled_attention_error(0, kProfile, 2), 0.12);
   // New encodings stop at int8: the other five blocks go there and no further.
   std::vector<uint8_t> guarded = {tierer_->level_cap(0), 0};
   int more = 0;
@@ -495,6 +496,86 @@ TEST_F(TiererTest, QualityGuardStepsBackWhenTheBudgetIsExceeded) {
   EXPECT_EQ(store_->level_blocks(2), 3u);
   EXPECT_EQ(store_->level_blocks(1), 5u);
   EXPECT_EQ(tierer_->step_backs(0), 1u);
+}
+
+TEST_F(TiererTest, QualityGuardJudgesEachModelOfANamespaceOnItsOwn) {
+  // Two models share namespace "a": SmolLM2's real KV, whose int2 error (about 0.5) is over the
+  // budget, and a model whose blocks int2 holds exactly (every element 16.0: all-equal groups),
+  // with outputs 16 times larger. Pooled, the exact model's samples would drown the other's
+  // error (about 0.5 / 16) and let every SmolLM2 block go to int2; judged per model, SmolLM2
+  // steps back to int8 and the exact model keeps int2.
+  constexpr uint64_t kFlat = 43;
+  Make(64 * RawBytes(), {"int8", "int2"}, 4, /*budget=*/0.12, /*sample_one_in=*/1);
+  const codec::BlockGeometry g = blocks_->geometry();
+  tierer_ = std::make_unique<Tierer>(
+      store_.get(), config_,
+      [g](uint32_t, uint64_t profile) -> std::optional<Tierer::ProfileCodec> {
+        if (profile == kProfile) return Tierer::ProfileCodec{g, 0.0, "smollm2"};
+        if (profile == kFlat) return Tierer::ProfileCodec{g, 0.0, "flat"};
+        return std::nullopt;
+      },
+      &registry_);
+  std::string flat(g.RawBytes(), '\0');
+  for (size_t i = 0; i + 1 < flat.size(); i += 2) {  // bf16 16.0 = 0x4180, little-endian
+    flat[i] = static_cast<char>(0x80);
+    flat[i + 1] = static_cast<char>(0x41);
+  }
+  constexpr uint32_t kEach = 8;
+  auto data = [&](uint32_t n, uint64_t profile) {
+    return profile == kFlat ? flat : blocks_->Block(n);
+  };
+  for (uint32_t n = 0; n < kEach; ++n) {  // interleaved, so that both are sampled throughout
+    for (uint64_t profile : {kFlat, kProfile}) {
+      const std::string bytes = data(n, profile);
+      std::optional<BlockStore::PendingBlock> p = tierer_->Reserve(bytes.size());
+      ASSERT_TRUE(p);
+      std::memcpy(p->bytes().data(), bytes.data(), bytes.size());
+      ASSERT_EQ(store_->Commit(Id(n, 0, profile), *std::move(p), Crc32c(B(bytes)),
+                               tierer_->AttributesFor(0, kTokens, true, n + 1, false)),
+                PutOutcome::kStored);
+    }
+  }
+  // Coldest first, one level at a time: each block goes to int8, then int2. SmolLM2's third
+  // int2 sample tips its guard; its later blocks stop at int8.
+  std::vector<uint8_t> caps = {2, 0};
+  while (tierer_->CompressOne(caps)) {
+  }
+  EXPECT_EQ(tierer_->step_backs(0), 1u);
+  EXPECT_EQ(tierer_->level_cap(0, kProfile), 1);
+  EXPECT_EQ(tierer_->level_cap(0, kFlat), 2);
+  EXPECT_EQ(tierer_->level_cap(0), 1);  // the lowest of the two
+  ASSERT_TRUE(tierer_->sampled_attention_error(0, kProfile, 2));
+  EXPECT_GT(*tierer_->sampled_attention_error(0, kProfile, 2), 0.12);
+  ASSERT_TRUE(tierer_->sampled_attention_error(0, kFlat, 2));
+  EXPECT_EQ(*tierer_->sampled_attention_error(0, kFlat, 2), 0.0);
+  int smollm2_at_int2 = 0;
+  for (uint32_t n = 0; n < kEach; ++n) {
+    for (uint64_t profile : {kFlat, kProfile}) {
+      std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n, 0, profile));
+      ASSERT_TRUE(r) << n;
+      if (profile == kFlat) {
+        EXPECT_EQ(r->level, 2) << n;
+        EXPECT_EQ(RawOf(*r, g), flat) << n;
+      } else {
+        EXPECT_GE(r->level, 1) << n;
+        smollm2_at_int2 += r->level == 2;
+      }
+    }
+  }
+  EXPECT_EQ(smollm2_at_int2, 3);  // the three sampled before the step-back
+  // Each model's guard shows in the metrics, named by its profile id and fingerprint.
+  const std::string text = registry_.RenderText();
+  EXPECT_NE(text.find("proxima_compression_model_level_cap{namespace=\"a\",profile=\""
+                      "0x000000000000002a\",model=\"smollm2\"} 1"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("proxima_compression_model_level_cap{namespace=\"a\",profile=\""
+                      "0x000000000000002b\",model=\"flat\"} 2"),
+            std::string::npos);
+  EXPECT_NE(text.find("proxima_compression_level_cap{namespace=\"a\"} 1"), std::string::npos);
+  EXPECT_NE(text.find("proxima_quality_attention_error{namespace=\"a\",profile=\""
+                      "0x000000000000002b\",model=\"flat\",level=\"2\"} 0"),
+            std::string::npos);
 }
 
 // tierer.threads workers share the background work: each takes its own coldest block, and

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
@@ -473,6 +474,76 @@ TEST_F(TiersTest, AK4v3LevelWithoutARopeBaseTakesTheProfilesOne) {
   bad.set_rope_theta(0.5);
   EXPECT_THAT(c->RegisterProfile(bad).status(),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("profile.rope_theta is 0.5")));
+}
+
+// The quality guard judges each model of a namespace on its own: SmolLM2's int2 error (about 0.5)
+// is over the default budget (0.12), so its deepest level steps back to int8, while a second
+// model in the same namespace, whose blocks int2 holds exactly, keeps int2.
+TEST_F(TiersTest, TheQualityGuardStepsBackOnlyTheModelOverItsBudget) {
+  auto d = DaemonProcess::Start(
+      {"tiers.host.capacity_bytes=4MiB",
+       "namespaces=[{name: default, compression: {enabled: true, levels: [int8, int2], "
+       "trigger: {memory_pressure_threshold: 0.3}, quality: {sample_one_in: 1}}}]"});
+  ASSERT_OK(d.status());
+  auto c = Connect(**d);
+  ASSERT_NE(c, nullptr);
+  v1::ModelProfile flat_model = model_;
+  flat_model.set_fingerprint("test/every-element-16");
+  ASSERT_OK_AND_ASSIGN(Profile smol, c->RegisterProfile(model_));
+  ASSERT_OK_AND_ASSIGN(Profile flat, c->RegisterProfile(flat_model));
+  std::vector<std::byte> flat_block(flat.block_bytes);
+  for (size_t i = 0; i + 1 < flat_block.size(); i += 2) {  // bf16 16.0 = 0x4180, little-endian
+    flat_block[i] = std::byte{0x80};
+    flat_block[i + 1] = std::byte{0x41};
+  }
+  constexpr uint32_t kBlocks = 16;
+  const std::vector<BlockKey> smol_keys = client::TestKeyChain(31, 0, kBlocks);
+  const std::vector<BlockKey> flat_keys = client::TestKeyChain(32, 0, kBlocks);
+  std::vector<std::vector<std::byte>> smol_data;
+  for (uint32_t n = 0; n < kBlocks; ++n) smol_data.push_back(Block(n * 13));
+  for (uint32_t n = 0; n < kBlocks; ++n) {  // interleaved, one block per call
+    for (const Profile* p : {&smol, &flat}) {
+      const std::vector<std::byte>& bytes = p == &smol ? smol_data[n] : flat_block;
+      std::vector<std::span<const std::byte>> one = {bytes};
+      const std::vector<BlockKey>& keys = p == &smol ? smol_keys : flat_keys;
+      ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                           c->Put(*p, std::span<const BlockKey>(&keys[n], 1), one));
+      ASSERT_EQ(out[0], PutOutcome::kStored) << n;
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(ReadBack smol_back, ReadThreeWays(*c, smol, smol_keys));
+  ASSERT_OK_AND_ASSIGN(ReadBack flat_back, ReadThreeWays(*c, flat, flat_keys));
+  ASSERT_OK_AND_ASSIGN(std::string metrics, (*d)->ScrapeMetrics());
+  auto cap_of = [&](const Profile& p, const std::string& model) {
+    return MetricValue(metrics, absl::StrFormat("proxima_compression_model_level_cap{namespace="
+                                                "\"default\",profile=\"0x%016x\",model=\"%s\"}",
+                                                p.id, model));
+  };
+  EXPECT_EQ(cap_of(smol, model_.fingerprint()), 1) << metrics;
+  EXPECT_EQ(cap_of(flat, flat_model.fingerprint()), 2) << metrics;
+  EXPECT_EQ(MetricValue(metrics, "proxima_compression_level_cap{namespace=\"default\"}"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_quality_step_backs_total{namespace=\"default\"}"), 1);
+  // What is stored agrees: every flat block still held is at int2 and comes back exact; SmolLM2
+  // blocks at int2 are only those encoded before its third int2 sample tipped the guard.
+  int flat_held = 0, smol_at_int2 = 0, smol_at_int8 = 0;
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    if (flat_back.found[n]) {
+      ++flat_held;
+      ASSERT_TRUE(flat_back.stored[n].has_value());
+      EXPECT_EQ(flat_back.stored[n]->level, 2) << n;
+      EXPECT_EQ(flat_back.got[n], flat_block) << n;
+    }
+    if (smol_back.found[n] && smol_back.stored[n].has_value()) {
+      smol_at_int2 += smol_back.stored[n]->level == 2;
+      smol_at_int8 += smol_back.stored[n]->level == 1;
+      ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums,
+                           codec::MeasureBlockError(geometry_, smol_data[n], smol_back.got[n]));
+      if (smol_back.stored[n]->level == 1) EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.05) << n;
+    }
+  }
+  EXPECT_GT(flat_held, 0);
+  // Three samples tip the guard (a block or two more may be in an encoder as they do).
+  EXPECT_GT(smol_at_int8, smol_at_int2);
 }
 
 }  // namespace
