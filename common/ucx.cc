@@ -393,6 +393,8 @@ Endpoint::~Endpoint() {
   }
 }
 
+bool Endpoint::detects_peer_failure() const { return state_->detects_peer_failure; }
+
 absl::Status Endpoint::health() const {
   proxima::MutexLock lock(&state_->mu);
   if (state_->failure.empty()) return absl::OkStatus();
@@ -858,16 +860,23 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
         p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
         p.err_handler.cb = &Worker::OnEndpointError;
         p.err_handler.arg = state.get();
-        *status = peer_handling_unsupported_ ? UCS_ERR_UNREACHABLE
-                                             : ucp_ep_create(worker_, &p, &state->ep);
+        const std::string remote(address->begin(), address->end());
+        const bool known_without = without_peer_handling_.contains(remote);
+        *status = known_without ? UCS_ERR_UNREACHABLE : ucp_ep_create(worker_, &p, &state->ep);
         if (*status == UCS_ERR_UNREACHABLE) {
-          peer_handling_unsupported_ = true;  // don't ask again (UCX logs an error each time)
-          // UCX 1.13's shared-memory transports cannot detect a failed peer; without peer
-          // error handling they connect, and transfer deadlines bound what a dead peer costs.
+          // UCX 1.13's shared-memory transports cannot detect a failed peer; without peer error
+          // handling they connect, and transfer deadlines bound what a dead peer costs. Decided
+          // for this remote worker alone: an address that does not answer (a peer that restarted
+          // since) fails the same way, and must not take peer error handling away from this
+          // worker's endpoints to every other peer.
           p.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
           p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
           *status = ucp_ep_create(worker_, &p, &state->ep);
           state->detects_peer_failure = false;
+          if (*status == UCS_OK && !known_without) {
+            if (without_peer_handling_.size() >= kMaxRemembered) without_peer_handling_.clear();
+            without_peer_handling_.insert(remote);
+          }
         }
         if (*status != UCS_OK) {
           state->ep = nullptr;

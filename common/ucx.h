@@ -63,6 +63,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -135,6 +136,10 @@ class Endpoint {
   // OK while usable; UNAVAILABLE naming the cause once the peer failed or the endpoint was closed.
   absl::Status health() const;
   uint64_t id() const { return id_; }
+  // Whether UCX reports the peer's failure on this endpoint (peer error handling). False where
+  // the transports that reach the peer cannot detect one (UCX 1.13's shared memory alone): a
+  // dead peer then shows only as transfers that miss their deadlines.
+  bool detects_peer_failure() const;
 
  private:
   friend class Worker;
@@ -488,7 +493,13 @@ class Worker {
   int detached_ = 0;                        // of those, detached ones (Sending::Detach)
   absl::Time next_detached_check_;          // when ProgressLoop next looks at their deadlines
   int event_fd_ = -1;                       // the worker's event fd (ucp_worker_get_efd)
-  bool peer_handling_unsupported_ = false;  // the transports in use cannot detect failed peers
+  // Worker addresses that took an endpoint only without peer error handling (their transports
+  // cannot detect a failed peer, e.g. shared memory alone): later endpoints to them skip the
+  // attempt with it (UCX logs an error each time). Per address, never for the whole worker: one
+  // worker's endpoints to the same peer must not mix error modes (docs/decisions.md, "Peer error
+  // handling is decided per remote worker"). Progress thread only; cleared past kMaxRemembered.
+  absl::flat_hash_set<std::string> without_peer_handling_;
+  static constexpr size_t kMaxRemembered = 4096;
   // Endpoints without peer error handling whose peer stopped answering (see Endpoint::State).
   std::vector<std::shared_ptr<Endpoint::State>> abandoned_;
 

@@ -843,6 +843,42 @@ TEST(LaneTransportTest, ReadsTheTransportOfEachLane) {
   EXPECT_EQ(LaneTransport("", kNames), "");
 }
 
+// Every transport at once (UCX's default), as proximad runs on a node: an endpoint to a worker
+// that is gone (a peer that restarted since it gave its address) cannot be made, and must leave
+// the next endpoints, to live peers, with peer error handling. When the failed attempt took it
+// away from the whole worker, a daemon's later endpoints to a restarted peer had none while the
+// peer's own endpoints back had it, and the restarted peer aborted in UCX on the first message
+// (an assertion on the endpoint id; found by proxima_soak --kill_every_s).
+TEST(UcxWorkerTest, AnAddressThatIsGoneLeavesPeerErrorHandlingForOtherPeers) {
+  unsetenv("UCX_TLS");
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  auto a = Worker::Create("ucx-test-a");
+  auto b = Worker::Create("ucx-test-b");
+  auto gone = Worker::Create("ucx-test-gone");
+  ASSERT_OK(a.status());
+  ASSERT_OK(b.status());
+  ASSERT_OK(gone.status());
+  {
+    auto before = (*a)->Connect((*b)->address(), absl::Now() + absl::Seconds(10));
+    ASSERT_OK(before.status());
+    if (!(*before)->detects_peer_failure()) {
+      GTEST_SKIP() << "this UCX reaches a live peer without peer error handling";
+    }
+  }
+  const std::string stale = (*gone)->address();
+  gone->reset();
+  absl::StatusOr<std::shared_ptr<Endpoint>> to_stale =
+      (*a)->Connect(stale, absl::Now() + absl::Seconds(3));
+  if (to_stale.ok()) to_stale->reset();
+  auto after = (*a)->Connect((*b)->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(after.status());
+  EXPECT_TRUE((*after)->detects_peer_failure())
+      << "after an attempt to a gone worker (" << to_stale.status() << ")";
+  auto back = (*b)->Connect((*a)->address(), absl::Now() + absl::Seconds(10));
+  ASSERT_OK(back.status());
+  EXPECT_TRUE((*back)->detects_peer_failure());
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
                          ::testing::Values("tcp", "posix,self", "sysv,self", "sysv,cma,self"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
