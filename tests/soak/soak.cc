@@ -15,6 +15,12 @@
 // After a delete the key is put again with other content, so an encoding of the old content
 // that lands after the delete shows as wrong bytes.
 //
+// --nodes=N makes the daemons a cluster, each request going to a random node. --kill_every_s adds
+// node loss: every so often a node other than node 0 is killed (SIGKILL) mid-traffic and started
+// again, empty, --down_s later. Requests to it from its kill until every node sees it live again
+// may fail with UNAVAILABLE (counted, with how long after that they still failed); no other
+// request may fail, no answer may be wrong, and every node must see every node live at the end.
+//
 // Every --report_s seconds it prints one JSON line: throughput per operation, p50/p99 latency,
 // the daemon's RSS, errors and wrong bytes in that interval. At the end, one summary line and
 // the verdict: errors and wrong bytes must be zero, and RSS must be flat after warm-up (the
@@ -24,6 +30,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -66,6 +73,18 @@ ABSL_FLAG(int, nodes, 1,
           "daemons (--levels): more than one makes them a cluster on loopback, with the UCX data "
           "plane on; node i's host tier is (i + 1) x --capacity_bytes, so the smaller ones spill; "
           "each request goes to a random node");
+
+ABSL_FLAG(int, kill_every_s, 0,
+          "with --nodes > 1: every this many seconds, SIGKILL a random node other than node 0 "
+          "mid-traffic and start it again --down_s later (0: never)");
+ABSL_FLAG(std::vector<std::string>, set, {},
+          "config overrides given to every daemon, as proximad's --set (comma-separated)");
+ABSL_FLAG(std::string, client_transport, "auto",
+          "how the soak's clients move block bytes (--levels): auto, ucx or inline");
+ABSL_FLAG(int, down_s, 2, "seconds a node killed by --kill_every_s stays down");
+ABSL_FLAG(int, reconnect_grace_s, 2,
+          "--kill_every_s: how long after a restarted node is live again on every node a request "
+          "to it may still fail with UNAVAILABLE (its client reconnecting)");
 
 namespace proxima {
 namespace {
@@ -116,6 +135,17 @@ class Recorder {
     found_after_delete_[read].fetch_add(1, std::memory_order_relaxed);
   }
   uint64_t found_after_delete(bool read) const { return found_after_delete_[read].load(); }
+  // A request to a node that failed with UNAVAILABLE while the node was down (--kill_every_s),
+  // or `after_up` after it was live again.
+  void Unavailable(Clock::duration after_up) {
+    unavailable_.fetch_add(1, std::memory_order_relaxed);
+    const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(after_up).count();
+    int64_t prev = unavailable_after_up_ms_.load();
+    while (ms > prev && !unavailable_after_up_ms_.compare_exchange_weak(prev, ms)) {
+    }
+  }
+  uint64_t unavailable() const { return unavailable_.load(); }
+  int64_t unavailable_after_up_ms() const { return unavailable_after_up_ms_.load(); }
   std::vector<uint64_t> stored_levels() {
     proxima::MutexLock lock(&mu_);
     return stored_levels_;
@@ -132,6 +162,44 @@ class Recorder {
   Interval current_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> stored_levels_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> found_after_delete_[2] = {0, 0};
+  std::atomic<uint64_t> unavailable_{0};
+  std::atomic<int64_t> unavailable_after_up_ms_{0};
+};
+
+// When each node was down (--kill_every_s): from its kill until every node saw it live again.
+class Outages {
+ public:
+  explicit Outages(size_t nodes, Clock::duration grace) : windows_(nodes), grace_(grace) {}
+  void Down(size_t node) {
+    proxima::MutexLock lock(&mu_);
+    windows_[node].push_back({Clock::now(), Clock::time_point::max()});
+  }
+  void Up(size_t node) {
+    proxima::MutexLock lock(&mu_);
+    windows_[node].back().second = Clock::now();
+  }
+  // Whether a request to `node` over [start, end] met one of its outages (or the grace after
+  // it); `after_up` is how long after the nearest such outage ended the request ended (0 when
+  // it ended within one).
+  bool Met(size_t node, Clock::time_point start, Clock::time_point end,
+           Clock::duration* after_up) const {
+    proxima::MutexLock lock(&mu_);
+    bool met = false;
+    for (const auto& [down, up] : windows_[node]) {
+      if (end < down || (up != Clock::time_point::max() && start > up + grace_)) continue;
+      const Clock::duration late =
+          up != Clock::time_point::max() && end > up ? end - up : Clock::duration(0);
+      *after_up = met ? std::min(*after_up, late) : late;
+      met = true;
+    }
+    return met;
+  }
+
+ private:
+  mutable proxima::Mutex mu_;
+  std::vector<std::vector<std::pair<Clock::time_point, Clock::time_point>>> windows_
+      ABSL_GUARDED_BY(mu_);
+  const Clock::duration grace_;
 };
 
 double Percentile(std::vector<double>& v, double q) {
@@ -257,9 +325,12 @@ uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
 // must never come back. A cluster forgets deleted blocks asynchronously (docs/cluster.md: a copy
 // no home knows of stays until evicted), and a content-addressed key always names the same bytes:
 // there, keys keep their content and a deleted block found again is counted, not a failure.
+//
+// `outages` (null without --kill_every_s): a request that fails with UNAVAILABLE through a node
+// while it was down is counted there, not as an error.
 void RunCompressedClient(int id, const std::vector<std::string>& targets,
-                         testing::CodecOracle* oracle, std::atomic<bool>* stop,
-                         std::atomic<int64_t>* budget, Recorder* rec) {
+                         testing::CodecOracle* oracle, const Outages* outages,
+                         std::atomic<bool>* stop, std::atomic<int64_t>* budget, Recorder* rec) {
   const bool cluster = targets.size() > 1;
   // conns[node][ns], profiles[node][ns][model]
   std::vector<std::array<std::unique_ptr<Client>, 2>> conns(targets.size());
@@ -270,6 +341,10 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
       options.target = targets[node];
       options.namespace_name = kNamespaces[ns];
       options.call_timeout = absl::Seconds(10);
+      const std::string transport = absl::GetFlag(FLAGS_client_transport);
+      options.transport = transport == "ucx"      ? client::Transport::kUcx
+                          : transport == "inline" ? client::Transport::kInline
+                                                  : client::Transport::kAuto;
       absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(options);
       if (!connected.ok()) {
         rec->Error(connected.status());
@@ -443,6 +518,12 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
       case kNumOps:
         break;
     }
+    Clock::duration after_up;
+    if (outages != nullptr && absl::IsUnavailable(status) &&
+        outages->Met(node, start, Clock::now(), &after_up)) {
+      rec->Unavailable(after_up);
+      continue;
+    }
     Recorded(rec, op, start, status);
   }
 }
@@ -452,7 +533,8 @@ int Main() {
   const int report_s = std::max(1, absl::GetFlag(FLAGS_report_s));
   const int warmup_s = std::min(absl::GetFlag(FLAGS_warmup_s), duration_s / 2);
   const uint64_t capacity = absl::GetFlag(FLAGS_capacity_bytes);
-  std::vector<std::string> sets;  // every node's; each has its capacity besides
+  std::vector<std::string> sets = absl::GetFlag(FLAGS_set);  // every node's; each has its own
+                                                             // capacity besides
   // --levels: real KV blocks, checked against what the codec makes of them.
   const std::vector<std::string> levels =
       absl::StrSplit(absl::GetFlag(FLAGS_levels), ';', absl::SkipWhitespace());
@@ -502,20 +584,31 @@ int Main() {
     targets.push_back((*daemon)->tcp_target());
     daemons.push_back(*std::move(daemon));
   }
+  // Whether every node sees every node live within `timeout`.
+  auto all_live = [&](absl::Duration timeout) {
+    const absl::Time give_up = absl::Now() + timeout;
+    for (const auto& d : daemons) {
+      while (true) {
+        absl::StatusOr<std::string> m = d->ScrapeMetrics();
+        if (m.ok() && testing::MetricValue(*m, "proxima_cluster_live_nodes") == nodes) break;
+        if (absl::Now() > give_up) return false;
+        absl::SleepFor(absl::Milliseconds(20));
+      }
+    }
+    return true;
+  };
   // A cluster's traffic starts once every node sees every node live: before, its lookups and
   // gets would miss what other nodes hold.
-  for (const auto& d : daemons) {
-    const absl::Time give_up = absl::Now() + absl::Seconds(30);
-    while (nodes > 1) {
-      absl::StatusOr<std::string> m = d->ScrapeMetrics();
-      if (m.ok() && testing::MetricValue(*m, "proxima_cluster_live_nodes") == nodes) break;
-      if (absl::Now() > give_up) {
-        std::fprintf(stderr, "the %d daemons did not all see each other live within 30 s\n", nodes);
-        return 2;
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
+  if (nodes > 1 && !all_live(absl::Seconds(30))) {
+    std::fprintf(stderr, "the %d daemons did not all see each other live within 30 s\n", nodes);
+    return 2;
   }
+  const int kill_every_s = absl::GetFlag(FLAGS_kill_every_s);
+  if (kill_every_s > 0 && nodes < 2) {
+    std::fprintf(stderr, "--kill_every_s needs --nodes of 2 or more (node 0 is never killed)\n");
+    return 2;
+  }
+  Outages outages(nodes, std::chrono::seconds(absl::GetFlag(FLAGS_reconnect_grace_s)));
   const v1::ModelProfile model = testing::TestModel();  // 256 KiB blocks
   std::atomic<bool> stop{false};
   const int64_t max_requests = absl::GetFlag(FLAGS_max_requests);
@@ -524,15 +617,65 @@ int Main() {
   std::vector<std::thread> clients;
   for (int i = 0; i < absl::GetFlag(FLAGS_clients); ++i) {
     if (oracle) {
-      clients.emplace_back(RunCompressedClient, i, targets, oracle.get(), &stop, &budget, &rec);
+      clients.emplace_back(RunCompressedClient, i, targets, oracle.get(),
+                           kill_every_s > 0 ? &outages : nullptr, &stop, &budget, &rec);
     } else {
       clients.emplace_back(RunClient, i, targets[0], model, &stop, &budget, &rec);
     }
   }
-  // The daemons' RSS together; an error when one is gone.
+  // Node loss (--kill_every_s): a node other than node 0, killed mid-traffic, started again
+  // (empty) --down_s later; its outage lasts until every node sees it live again.
+  std::atomic<bool> stop_killing{false};
+  int kills = 0;
+  int64_t slowest_rejoin_ms = 0;
+  std::string kill_failure;  // set by the killer; read after it is joined
+  std::thread killer;
+  if (kill_every_s > 0) {
+    killer = std::thread([&] {
+      std::mt19937_64 rng(7);
+      auto sleep_unless_stopped = [&](int seconds) {
+        const Clock::time_point until = Clock::now() + std::chrono::seconds(seconds);
+        while (Clock::now() < until && !stop_killing.load()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        return !stop_killing.load();
+      };
+      while (sleep_unless_stopped(kill_every_s)) {
+        const size_t victim = 1 + rng() % (nodes - 1);
+        outages.Down(victim);
+        daemons[victim]->Signal(SIGKILL);
+        daemons[victim]->WaitExit(absl::Seconds(10));
+        sleep_unless_stopped(absl::GetFlag(FLAGS_down_s));
+        const Clock::time_point restart = Clock::now();
+        absl::Status started = daemons[victim]->Restart();
+        const bool live = started.ok() && all_live(absl::Seconds(30));
+        outages.Up(victim);
+        if (!live) {
+          kill_failure = started.ok() ? absl::StrCat("node ", victim,
+                                                     " was not live on every node within 30 s "
+                                                     "of its restart")
+                                      : started.ToString();
+          for (size_t i = 0; i < daemons.size(); ++i) {
+            const std::string log = daemons[i]->Log();
+            std::fprintf(stderr, "node %zu's log, last 6 KiB:\n%s\n", i,
+                         log.substr(log.size() > 6144 ? log.size() - 6144 : 0).c_str());
+          }
+          return;
+        }
+        ++kills;
+        slowest_rejoin_ms = std::max<int64_t>(
+            slowest_rejoin_ms,
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - restart).count());
+      }
+    });
+  }
+  // The daemons' RSS together (with --kill_every_s, node 0's alone: the others restart); an
+  // error when one is gone.
+  const size_t watched = kill_every_s > 0 ? 1 : daemons.size();
   auto resident = [&]() -> absl::StatusOr<uint64_t> {
     uint64_t sum = 0;
-    for (const auto& d : daemons) {
+    for (size_t i = 0; i < watched; ++i) {
+      const auto& d = daemons[i];
       absl::StatusOr<uint64_t> rss = d->ResidentBytes();
       if (!rss.ok()) return rss.status();
       sum += *rss;
@@ -553,7 +696,9 @@ int Main() {
       if (!rss.ok()) {
         std::fprintf(stderr, "proximad is gone: %s\n", rss.status().ToString().c_str());
         stop.store(true);
+        stop_killing.store(true);
         for (auto& c : clients) c.join();
+        if (killer.joinable()) killer.join();
         return 1;
       }
       interval_rss = std::max(interval_rss, *rss);
@@ -584,7 +729,11 @@ int Main() {
     rss_max = std::max(rss_max, interval_rss);
   }
   stop.store(true);
+  stop_killing.store(true);
   for (auto& c : clients) c.join();
+  if (killer.joinable()) killer.join();
+  // After node loss, every node must see every node live again (the last one restarted too).
+  const bool rejoined = kill_every_s == 0 || (kill_failure.empty() && all_live(absl::Seconds(30)));
 
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   const int64_t growth_mib =
@@ -599,7 +748,7 @@ int Main() {
   }
   const bool pass = total_errors == 0 && total_wrong == 0 && rss_after_warmup > 0 &&
                     growth_mib <= absl::GetFlag(FLAGS_rss_growth_mib) && total_ops > 0 &&
-                    every_level;
+                    every_level && rejoined && (kill_every_s == 0 || kills > 0);
   std::string summary =
       absl::StrCat("{\"bench\":\"soak\",\"summary\":true,\"seconds\":", elapsed,
                    ",\"clients\":", absl::GetFlag(FLAGS_clients), ",\"requests\":", total_ops,
@@ -637,6 +786,12 @@ int Main() {
           ",\"read_after_delete\":", rec.found_after_delete(true),
           ",\"counted_by_lookup_after_delete\":", rec.found_after_delete(false));
     }
+    if (kill_every_s > 0) {
+      absl::StrAppend(&summary, ",\"kills\":", kills, ",\"slowest_rejoin_ms\":", slowest_rejoin_ms,
+                      ",\"unavailable_while_down\":", rec.unavailable(),
+                      ",\"unavailable_after_up_ms\":", rec.unavailable_after_up_ms(),
+                      ",\"rejoined\":", rejoined ? "true" : "false");
+    }
   }
   for (int op = 0; op < num_ops; ++op) {
     absl::StrAppend(&summary, ",\"", kOpNames[op], "_p99_ms\":", Percentile(all_ms[op], 0.99));
@@ -650,6 +805,10 @@ int Main() {
   std::printf("%s\n", summary.c_str());
   if (!first_error.empty()) std::fprintf(stderr, "first error: %s\n", first_error.c_str());
   if (!first_wrong.empty()) std::fprintf(stderr, "first wrong answer: %s\n", first_wrong.c_str());
+  if (!kill_failure.empty()) std::fprintf(stderr, "node loss: %s\n", kill_failure.c_str());
+  if (kill_every_s > 0 && kills == 0) {
+    std::fprintf(stderr, "no node was killed: give --duration_s more than --kill_every_s\n");
+  }
   if (!cluster_dir.empty()) std::filesystem::remove_all(cluster_dir);
   if (!every_level) {
     std::fprintf(stderr,
