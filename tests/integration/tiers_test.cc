@@ -122,6 +122,17 @@ class TiersTest : public ::testing::Test {
     return r;
   }
 
+  // Starts proximad with `sets` (kept in daemon_) and returns a client of it (kept in client_);
+  // null, with the test failed, when either cannot be had.
+  Client* StartWithClient(std::vector<std::string> sets) {
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(std::move(sets));
+    EXPECT_OK(d.status());
+    if (!d.ok()) return nullptr;
+    daemon_ = *std::move(d);
+    client_ = Connect(*daemon_);
+    return client_.get();
+  }
+
   std::unique_ptr<Client> Connect(const DaemonProcess& d) {
     ClientOptions o;
     o.target = d.tcp_target();
@@ -134,16 +145,16 @@ class TiersTest : public ::testing::Test {
   codec::KvTensor tensor_;
   codec::BlockGeometry geometry_;
   v1::ModelProfile model_;
+  std::unique_ptr<DaemonProcess> daemon_;  // StartWithClient's
+  std::unique_ptr<Client> client_;
 };
 
 TEST_F(TiersTest, CompressedNamespaceHoldsMoreBlocksThanItsRawCapacity) {
   // 4 MiB holds 11 raw blocks of 368,640 bytes.
-  auto d = DaemonProcess::Start(
+  Client* c = StartWithClient(
       {"tiers.host.capacity_bytes=4MiB",
        "namespaces=[{name: default, compression: {enabled: true, levels: [int8, "
        "'layers[0:2]=int8,default=int4,sink=int8'], trigger: {memory_pressure_threshold: 0.7}}}]"});
-  ASSERT_OK(d.status());
-  auto c = Connect(**d);
   ASSERT_NE(c, nullptr);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
   ASSERT_EQ(p.block_bytes, geometry_.RawBytes());
@@ -229,7 +240,7 @@ TEST_F(TiersTest, CompressedNamespaceHoldsMoreBlocksThanItsRawCapacity) {
       << settled_stats.DebugString();
   EXPECT_GT(levels_seen, 0);
 
-  ASSERT_OK_AND_ASSIGN(std::string metrics, (*d)->ScrapeMetrics());
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon_->ScrapeMetrics());
   EXPECT_THAT(metrics, HasSubstr("proxima_tier_level_blocks{tier=\"host\",level=\"2\"}"));
   EXPECT_THAT(metrics, HasSubstr("proxima_tierer_encodes_total{level=\"1\"}"));
   EXPECT_THAT(metrics, HasSubstr("proxima_quality_attention_error{namespace=\"default\""));
@@ -334,9 +345,7 @@ constexpr char kK4v3Namespace[] =
 // Decompress and the stored encoding alike, within k4v3's error.
 TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
   // 4 MiB holds 11 raw blocks of 368,640 bytes.
-  auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB", kK4v3Namespace});
-  ASSERT_OK(d.status());
-  auto c = Connect(**d);
+  Client* c = StartWithClient({"tiers.host.capacity_bytes=4MiB", kK4v3Namespace});
   ASSERT_NE(c, nullptr);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
   constexpr uint32_t kBlocks = 40;
@@ -378,9 +387,7 @@ TEST_F(TiersTest, AK4v3LevelStoresLessThanInt4AndComesBackWithinItsError) {
 // and keeps the blocks, where it evicted each one it tried to bring to the level (k4v3 refuses
 // such a head dim); the blocks come back within int4's error, and the metric counts them.
 TEST_F(TiersTest, AK4v3LevelStoresInt4ForAHeadDimThatIsNotAPowerOfTwo) {
-  auto d = DaemonProcess::Start({"tiers.host.capacity_bytes=4MiB", kK4v3Namespace});
-  ASSERT_OK(d.status());
-  auto c = Connect(**d);
+  Client* c = StartWithClient({"tiers.host.capacity_bytes=4MiB", kK4v3Namespace});
   ASSERT_NE(c, nullptr);
   v1::ModelProfile wide = model_;
   wide.set_num_kv_heads(2);
@@ -416,7 +423,7 @@ TEST_F(TiersTest, AK4v3LevelStoresInt4ForAHeadDimThatIsNotAPowerOfTwo) {
     EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.3) << "block " << n;
   }
   EXPECT_GT(int4_blocks, 0);
-  ASSERT_OK_AND_ASSIGN(std::string metrics, (*d)->ScrapeMetrics());
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon_->ScrapeMetrics());
   EXPECT_GE(MetricValue(metrics, "proxima_tierer_k4v3_as_int4_total"), int4_blocks);
 }
 
@@ -425,12 +432,10 @@ TEST_F(TiersTest, AK4v3LevelStoresInt4ForAHeadDimThatIsNotAPowerOfTwo) {
 // frequencies (omega0 1, ratio theta^(-2/head_dim)), and a profile without one stores K un-turned
 // (omega0 0). Both come back within k4v3's error; the two are distinct profiles.
 TEST_F(TiersTest, AK4v3LevelWithoutARopeBaseTakesTheProfilesOne) {
-  auto d = DaemonProcess::Start(
+  Client* c = StartWithClient(
       {"tiers.host.capacity_bytes=4MiB",
        "namespaces=[{name: default, compression: {enabled: true, levels: [k4v3], quality: "
        "{max_attention_error: 0.3}}}]"});
-  ASSERT_OK(d.status());
-  auto c = Connect(**d);
   ASSERT_NE(c, nullptr);
   v1::ModelProfile with_base = model_;
   with_base.set_rope_theta(100000);  // SmolLM2's
@@ -480,12 +485,10 @@ TEST_F(TiersTest, AK4v3LevelWithoutARopeBaseTakesTheProfilesOne) {
 // is over the default budget (0.12), so its deepest level steps back to int8, while a second
 // model in the same namespace, whose blocks int2 holds exactly, keeps int2.
 TEST_F(TiersTest, TheQualityGuardStepsBackOnlyTheModelOverItsBudget) {
-  auto d = DaemonProcess::Start(
+  Client* c = StartWithClient(
       {"tiers.host.capacity_bytes=4MiB",
        "namespaces=[{name: default, compression: {enabled: true, levels: [int8, int2], "
        "trigger: {memory_pressure_threshold: 0.3}, quality: {sample_one_in: 1}}}]"});
-  ASSERT_OK(d.status());
-  auto c = Connect(**d);
   ASSERT_NE(c, nullptr);
   v1::ModelProfile flat_model = model_;
   flat_model.set_fingerprint("test/every-element-16");
@@ -513,7 +516,7 @@ TEST_F(TiersTest, TheQualityGuardStepsBackOnlyTheModelOverItsBudget) {
   }
   ASSERT_OK_AND_ASSIGN(ReadBack smol_back, ReadThreeWays(*c, smol, smol_keys));
   ASSERT_OK_AND_ASSIGN(ReadBack flat_back, ReadThreeWays(*c, flat, flat_keys));
-  ASSERT_OK_AND_ASSIGN(std::string metrics, (*d)->ScrapeMetrics());
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon_->ScrapeMetrics());
   auto cap_of = [&](const Profile& p, const std::string& model) {
     return MetricValue(metrics, absl::StrFormat("proxima_compression_model_level_cap{namespace="
                                                 "\"default\",profile=\"0x%016x\",model=\"%s\"}",
