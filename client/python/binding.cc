@@ -26,6 +26,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -61,6 +62,38 @@ namespace {
 
 PyObject* g_error = nullptr;        // proxima.Error (RuntimeError)
 PyObject* g_unavailable = nullptr;  // proxima.Unavailable (proxima.Error, ConnectionError)
+unsigned long g_main_thread = 0;    // threading.main_thread().ident: where Python finalizes
+
+// Releases the GIL for its scope (what py::gil_scoped_release does), and is safe on a thread
+// that comes back while the interpreter is exiting. Python stops such a thread inside
+// PyEval_RestoreThread with pthread_exit, whose unwinding out of a destructor (noexcept) is
+// std::terminate: a process that ran a call on a daemon thread could abort at exit ("terminate
+// called without an active exception"). Such a thread waits here instead, as Python 3.14's own
+// threads do, until the process ends. (A thread that finds the interpreter exiting only between
+// the check and the restore still takes Python's way out; noexcept(false) lets that unwind
+// leave the calls that are not destructors.)
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  ~GilReleased() noexcept(false) {
+    if (Finalizing() && PyThread_get_thread_ident() != g_main_thread) {
+      while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+    }
+    PyEval_RestoreThread(state_);
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  static bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+  }
+  PyThreadState* state_;
+};
 
 [[noreturn]] void Throw(const absl::Status& status) {
   const std::string what(status.ToString());
@@ -318,7 +351,7 @@ class Operation {
   // or raises its error; TimeoutError when it has not completed in time.
   py::object Wait(std::optional<double> timeout) {
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       std::unique_lock<std::mutex> lock(mu_);
       auto ready = [&] { return result_.has_value(); };
       if (timeout.has_value()) {
@@ -400,7 +433,7 @@ class PyBuffer {
       : session_(std::move(session)), region_(std::move(region)), length_(region_.bytes().size()) {}
   ~PyBuffer() {
     Parts parts = Take();
-    py::gil_scoped_release release;  // deregistration waits for the UCX thread
+    GilReleased release;  // deregistration waits for the UCX thread
     parts.Drop();
   }
   PyBuffer(const PyBuffer&) = delete;
@@ -420,7 +453,7 @@ class PyBuffer {
       throw py::error_already_set();
     }
     Parts parts = Take();
-    py::gil_scoped_release release;
+    GilReleased release;
     parts.Drop();
   }
 
@@ -496,7 +529,7 @@ class PyClient {
     if (async_threads == 0) throw py::value_error("async_threads is 0; expected at least 1");
     absl::StatusOr<std::unique_ptr<Client>> client;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       client = Client::Connect(options);
     }
     session_ = std::make_shared<Session>();
@@ -504,7 +537,7 @@ class PyClient {
     workers_ = std::make_unique<Workers>(async_threads);
   }
   ~PyClient() {
-    py::gil_scoped_release release;  // queued calls finish without needing the GIL
+    GilReleased release;  // queued calls finish without needing the GIL
     workers_.reset();
     session_.reset();  // the registrations, then the Client, unless a Buffer still holds them
   }
@@ -532,7 +565,7 @@ class PyClient {
     model.set_rope_theta(rope_theta);  // the daemon checks the range
     absl::StatusOr<Profile> profile;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       profile = session_->client->RegisterProfile(model);
     }
     return ValueOrThrow(std::move(profile));
@@ -545,7 +578,7 @@ class PyClient {
     const uint64_t serial = registry.Reserve("register_buffer", address, length, /*owned=*/false);
     absl::StatusOr<MemoryRegion> region;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       region = session_->client->RegisterMemory(reinterpret_cast<void*>(address), length);
     }
     if (!region.ok()) {
@@ -553,14 +586,14 @@ class PyClient {
       Throw(region.status());
     }
     MemoryRegion stale = registry.SetRegion(address, serial, *std::move(region));
-    py::gil_scoped_release release;
+    GilReleased release;
     stale = MemoryRegion();  // unregistered meanwhile by another thread
   }
   // False when no buffer was registered at `address`. A call in flight keeps its registration.
   bool UnregisterBuffer(uintptr_t address) {
     std::optional<MemoryRegion> region = session_->registry.Remove(address, /*owned=*/false);
     if (!region.has_value()) return false;
-    py::gil_scoped_release release;
+    GilReleased release;
     region.reset();
     return true;
   }
@@ -568,7 +601,7 @@ class PyClient {
     if (length == 0) throw py::value_error("alloc_buffer(0): expected a length > 0");
     absl::StatusOr<MemoryRegion> allocated;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       allocated = session_->client->AllocateMemory(length);
     }
     MemoryRegion region = ValueOrThrow(std::move(allocated));
@@ -576,7 +609,7 @@ class PyClient {
       session_->registry.Reserve("alloc_buffer", reinterpret_cast<uintptr_t>(region.bytes().data()),
                                  length, /*owned=*/true);
     } catch (const py::value_error&) {  // a registered buffer covers memory since freed
-      py::gil_scoped_release release;
+      GilReleased release;
       region = MemoryRegion();
       throw;
     }
@@ -621,7 +654,7 @@ class PyClient {
   std::string StatsJson() {
     absl::StatusOr<std::string> json;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       absl::StatusOr<v1::StatsResponse> stats = session_->client->Stats();
       json = stats.ok() ? StatsToJson(*stats) : absl::StatusOr<std::string>(stats.status());
     }
@@ -672,7 +705,7 @@ class PyClient {
   py::object RunNow(const Call& call) {
     absl::StatusOr<Result> result;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       result = call();
     }
     return ToPython(ValueOrThrow(std::move(result)));
@@ -719,7 +752,7 @@ class PyKvLayout {
     std::vector<std::byte*> ptrs = Pointers(blocks, ids.size());
     absl::Status st;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       st = device_ ? kv_layout::GatherBlocksCuda(layout_, ids, ptrs,
                                                  reinterpret_cast<CUstream_st*>(stream))
                    : kv_layout::GatherBlocks(layout_, ids, ptrs);
@@ -732,7 +765,7 @@ class PyKvLayout {
     std::vector<const std::byte*> ptrs(p.begin(), p.end());
     absl::Status st;
     {
-      py::gil_scoped_release release;
+      GilReleased release;
       st = device_ ? kv_layout::ScatterBlocksCuda(layout_, ids, ptrs,
                                                   reinterpret_cast<CUstream_st*>(stream))
                    : kv_layout::ScatterBlocks(layout_, ids, ptrs);
@@ -772,6 +805,8 @@ PYBIND11_MODULE(_proxima, m) {
   using namespace proxima::client;
   m.doc() = "libproxima for Python: plain-integer addresses, GIL released during calls";
   m.attr("KEY_BYTES") = kKeyBytes;
+  g_main_thread =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   static py::exception<void> error_type(m, "Error", PyExc_RuntimeError);
   g_error = error_type.ptr();

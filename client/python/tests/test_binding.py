@@ -523,6 +523,65 @@ def test_buffer_with_torch_frombuffer(client, profile):
     buf.close()
 
 
+_EXITS_MID_CALL = r"""
+import os, signal, socket, sys, threading, time
+import proxima
+mode, target, daemon_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+keys = proxima.chain_keys(proxima.keys.scope_bytes("test", "exit"), range(4))
+started = threading.Event()
+
+def work():
+    try:
+        if mode == "connect":  # to a socket that listens but never answers
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+            started.set()
+            proxima.Client(f"127.0.0.1:{s.getsockname()[1]}", connect_timeout=1.0)
+        c = proxima.Client(target, call_timeout=0.5)
+        p = c.register_profile(2, 2, 8, 4, "bf16", "exit-test")
+        os.kill(daemon_pid, signal.SIGSTOP)  # answers nothing: the calls below time out
+        if mode == "call":
+            started.set()
+            c.lookup(p, keys)
+        else:  # "close": the client's end waits for its call, then closes its session (2 s)
+            c.lookup_async(p, keys)
+            started.set()
+            del c
+    except proxima.Error:
+        pass
+
+threading.Thread(target=work, daemon=True).start()
+assert started.wait(10)
+time.sleep(0.2)
+
+class SlowExit:  # holds the interpreter's exit open until the calls above have returned
+    def __del__(self, sleep=time.sleep):
+        sleep(4)
+
+sys.modules["_slow_exit"] = SlowExit()
+"""
+
+
+@pytest.mark.parametrize("mode", ["connect", "call", "close"])
+def test_python_exiting_while_a_daemon_thread_is_in_a_call_does_not_abort(mode):
+    """A daemon thread is inside a call (connecting, a blocking call, a client's end waiting for
+    its call in flight) when the main thread exits. The call returns while the interpreter is
+    finalizing; Python then stops the thread in PyEval_RestoreThread with pthread_exit, which
+    unwinding out of pybind11's gil_scoped_release destructor turned into std::terminate: the
+    process aborted after its work was done ("terminate called without an active exception")."""
+    d = Daemon()
+    try:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(proxima.__file__)),
+             os.environ.get("PYTHONPATH", "")]))
+        r = subprocess.run([sys.executable, "-c", _EXITS_MID_CALL, mode, d.target,
+                            str(d.proc.pid)], env=env, capture_output=True, timeout=60)
+        assert r.returncode == 0 and b"terminate" not in r.stderr, (r.returncode, r.stderr)
+    finally:
+        d.kill()
+
+
 _WRITER = r"""
 import sys
 import numpy as np
