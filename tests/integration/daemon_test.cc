@@ -1,13 +1,17 @@
 // Integration tests: the real proximad binary on loopback, driven through libproxima, raw gRPC
 // stubs and proximactl.
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
@@ -119,6 +123,36 @@ TEST(DaemonIntegrationTest, ConcurrentClientsEachGetTheirOwnBytes) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(failures.load(), 0);
+}
+
+TEST(DaemonIntegrationTest, TheHarnessRestartWaitsOutAPortHeldForAWhileAndNamesItsHolder) {
+  // DaemonProcess::Restart (the tests' harness) on a port something else listens on for a
+  // second: it logs the holder (its /proc/net/tcp line) and starts once the port is free.
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
+  const int port = daemon->tcp_port();
+  daemon->Signal(SIGKILL);
+  ASSERT_EQ(daemon->WaitExit(absl::Seconds(10)), -1);
+  const int holder = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(holder, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << errno;
+  ASSERT_EQ(listen(holder, 1), 0) << errno;
+  std::thread release([holder] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    close(holder);
+  });
+  ::testing::internal::CaptureStderr();
+  const absl::Status restarted = daemon->Restart();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  release.join();
+  ASSERT_OK(restarted);
+  EXPECT_EQ(daemon->tcp_port(), port);
+  EXPECT_THAT(log, AllOf(HasSubstr(absl::StrCat("port ", port, " in use")), HasSubstr("LISTEN")));
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_NE(c, nullptr);
+  EXPECT_OK(c->RegisterProfile(TestModel()).status());
 }
 
 TEST(DaemonIntegrationTest, RestartForgetsBlocksAndClientsCarryOn) {
