@@ -4,7 +4,7 @@
 //
 //   codec_bench --kv_file=smollm2.pkv [--tokens_per_block=64] [--threads=N] [--min_time_s=0.3]
 //               [--working_set_mb=64] [--codecs="int8;int4,group=64;..."]
-//               [--paths=avx512,avx2,scalar]
+//               [--paths=avx512,avx2,scalar] [--head_dim=N]
 //
 // Single-thread encode/decode is measured on every CPU path in --paths that this machine can run
 // (default: all of avx512, avx2 and scalar; a path it cannot run prints a "skipped_path" line),
@@ -14,7 +14,9 @@
 // threads, path, data ("file:<name>" or "synthetic"). Single-thread throughput is measured in
 // thread CPU time (memcpy too), multi-thread throughput in wall time. Without --kv_file the blocks
 // are synthetic and no error figures are printed (synthetic error numbers say nothing about real
-// KV).
+// KV). --head_dim=N reads each token's channels of all KV heads as heads of N channels (the same
+// bytes; e.g. 96 for SmolLM2's 3 heads of 64 as 2 of 96): a head dim the file's model lacks,
+// measured on its real values (the data field then says so).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -47,6 +49,7 @@ struct Options {
       // The default KV file is SmolLM2-135M's, whose RoPE base is 100000.
       "k4v3,rope_theta=100000";
   std::string paths = "avx512,avx2,scalar";
+  uint32_t head_dim = 0;  // 0: the file's
 };
 
 bool Flag(const char* arg, const char* name, std::string* value) {
@@ -150,6 +153,19 @@ int Run(const Options& opt) {
         return 1;
     }
     data = "file:" + opt.kv_file.substr(opt.kv_file.find_last_of('/') + 1);
+    if (opt.head_dim != 0 && opt.head_dim != g.head_dim) {
+      const uint32_t channels = g.num_kv_heads * g.head_dim;
+      if (channels % opt.head_dim != 0) {
+        std::fprintf(stderr,
+                     "codec_bench: --head_dim=%u: the file's %u heads of %u channels "
+                     "cannot be read as heads of %u\n",
+                     opt.head_dim, g.num_kv_heads, g.head_dim, opt.head_dim);
+        return 1;
+      }
+      g.num_kv_heads = channels / opt.head_dim;
+      g.head_dim = opt.head_dim;
+      data += ", heads of " + std::to_string(opt.head_dim);
+    }
   } else {
     // SmolLM2-135M geometry, synthetic values.
     g = BlockGeometry{30, 3, 64, opt.tokens_per_block, DType::kBf16};
@@ -279,12 +295,14 @@ int main(int argc, char** argv) {
       opt.codecs = v;
     } else if (proxima::codec::Flag(argv[i], "--paths", &v)) {
       opt.paths = v;
+    } else if (proxima::codec::Flag(argv[i], "--head_dim", &v)) {
+      opt.head_dim = static_cast<uint32_t>(std::stoul(v));
     } else {
       std::fprintf(
           stderr,
           "usage: %s [--kv_file=PATH] [--tokens_per_block=64] [--threads=N] "
           "[--min_time_s=0.3] [--max_blocks=64] [--working_set_mb=0] [--codecs=PLAN;PLAN;...] "
-          "[--paths=avx512,avx2,scalar]\n",
+          "[--paths=avx512,avx2,scalar] [--head_dim=N]\n",
           argv[0]);
       return 2;
     }

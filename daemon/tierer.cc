@@ -72,10 +72,6 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup prof
       "proxima_tierer_levels_passed_over_total",
       "Intermediate hierarchy levels not encoded because a block went straight to a deeper "
       "one (the room needed was more than the next level frees)");
-  k4v3_as_int4_ = registry->AddCounter(
-      "proxima_tierer_k4v3_as_int4_total",
-      "Blocks encoded at a k4v3 level with int4 in k4v3's place: their head dim is not a power "
-      "of two, which k4v3 needs");
   const char* moves_help =
       "Blocks the tierer moved from a GPU pool down to the host tier, by the "
       "encoding they went down in";
@@ -261,22 +257,8 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
   }
 }
 
-codec::CodecPlan Tierer::PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile,
-                                 bool* substituted) const {
-  NamespaceState& state = *namespaces_[ns];
-  bool swapped = false;
-  codec::CodecPlan plan = state.policy.plans[level - 1]
-                              .ForModel(profile.rope_theta)
-                              .ForGeometry(profile.geometry, &swapped);
-  if (swapped && !state.warned_k4v3_as_int4.exchange(true, std::memory_order_relaxed)) {
-    PROXIMA_LOG(kWarning) << "tierer: k4v3 needs a power-of-two head_dim; this namespace's "
-                             "blocks of another are encoded with int4 in its place (logged once)"
-                          << log::Kv("namespace", state.name) << log::Kv("level", int(level))
-                          << log::Kv("head_dim", profile.geometry.head_dim)
-                          << log::Kv("plan", plan.ToString());
-  }
-  if (substituted != nullptr) *substituted = swapped;
-  return plan;
+codec::CodecPlan Tierer::PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile) const {
+  return namespaces_[ns]->policy.plans[level - 1].ForModel(profile.rope_theta);
 }
 
 uint8_t Tierer::TargetLevel(const BlockStore::Candidate& c, const ProfileCodec& profile,
@@ -347,10 +329,9 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
     source = AsBytes(decoded);
   }
   std::string encoded;
-  bool as_int4 = false;
   if (status.ok()) {
-    status = codec::EncodeBlock(*geometry, PlanFor(ns, to, *profile, &as_int4),
-                                c->attributes.is_first_block, source, {}, &encoded);
+    status = codec::EncodeBlock(*geometry, PlanFor(ns, to, *profile), c->attributes.is_first_block,
+                                source, {}, &encoded);
   }
   if (status.ok() && encoded.size() >= c->block.bytes.size()) {
     // The next level does not shrink this block: with few tokens per block, per-group metadata
@@ -386,7 +367,6 @@ bool Tierer::CompressOne(std::span<const uint8_t> caps, uint64_t room) {
       std::chrono::duration_cast<std::chrono::microseconds>(elapsed).count()));
   encodes_.fetch_add(1, std::memory_order_relaxed);
   encoded_blocks_[to]->Increment();
-  if (as_int4) k4v3_as_int4_->Increment();
   if (to > from + 1) levels_passed_over_->Increment(to - from - 1);
   encode_bytes_in_->Increment(source.size());
   encode_bytes_out_->Increment(encoded.size());
@@ -489,8 +469,7 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     ModelGuard& guard = GuardFor(ns, key.second, *profile);
     if (guard.cap.load(std::memory_order_relaxed) == 0) continue;  // stepped back to raw
     const codec::BlockGeometry* geometry = &profile->geometry;
-    bool as_int4 = false;
-    const codec::CodecPlan plan = PlanFor(ns, 1, *profile, &as_int4);
+    const codec::CodecPlan plan = PlanFor(ns, 1, *profile);
     std::vector<DeviceMemory::EncodeJob> jobs;
     for (size_t i : members) {
       if (candidates[i].device_bytes != geometry->RawBytes()) continue;  // not a raw block: raw
@@ -536,7 +515,6 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
       (*levels)[i] = 1;
       encodes_.fetch_add(1, std::memory_order_relaxed);
       encoded_blocks_[1]->Increment();
-      if (as_int4) k4v3_as_int4_->Increment();
       encode_bytes_in_->Increment(candidates[i].device_bytes);
       encode_bytes_out_->Increment(job.out->size());
       std::string raw;

@@ -152,9 +152,6 @@ class Tierer {
   uint64_t no_gain() const { return no_gain_->value(); }
   // Intermediate levels passed over by encoding blocks straight to a deeper one.
   uint64_t levels_passed_over() const { return levels_passed_over_->value(); }
-  // Blocks encoded at a k4v3 level with int4 in k4v3's place (their head dim is not a power of
-  // two: codec::CodecPlan::ForGeometry).
-  uint64_t k4v3_as_int4() const { return k4v3_as_int4_->value(); }
   // Background workers running now (0 before Start(), after Stop(), and when no namespace
   // compresses). Call from the thread that calls Start() and Stop().
   size_t workers() const { return workers_.size(); }
@@ -170,7 +167,6 @@ class Tierer {
     uint8_t depth = 0;  // levels of its hierarchy (kMaxLevels - 1 at most)
     std::atomic<uint64_t> step_backs{0};
     std::atomic<bool> warned_no_gain{false};
-    std::atomic<bool> warned_k4v3_as_int4{false};
   };
 
   // Full caps: every namespace at its hierarchy's depth (the put path may compress any; the
@@ -180,11 +176,8 @@ class Tierer {
   // given, is set to the bytes above the lowest of those thresholds.
   std::vector<uint8_t> CapsUnderPressure(double pressure, uint64_t* room = nullptr) const;
   // The plan that blocks of `profile` in namespace `ns` are encoded with at `level` (1 = the
-  // first of the hierarchy): the level's plan with the model's RoPE base, for the profile's
-  // geometry (int4 in k4v3's place where the head dim is not a power of two: `substituted`, may
-  // be null; logged once per namespace).
-  codec::CodecPlan PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile,
-                           bool* substituted = nullptr) const;
+  // first of the hierarchy): the level's plan with the model's RoPE base.
+  codec::CodecPlan PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile) const;
   // The level CompressOne encodes the candidate to: see CompressOne's `room`.
   uint8_t TargetLevel(const BlockStore::Candidate& c, const ProfileCodec& profile, uint8_t deepest,
                       uint64_t room) const;
@@ -245,7 +238,6 @@ class Tierer {
   metrics::Counter* evictions_for_put_ = nullptr;
   metrics::Counter* no_gain_ = nullptr;
   metrics::Counter* levels_passed_over_ = nullptr;
-  metrics::Counter* k4v3_as_int4_ = nullptr;
   metrics::Counter* device_moves_raw_ = nullptr;
   metrics::Counter* device_moves_encoded_ = nullptr;
   metrics::Counter* device_move_drops_ = nullptr;

@@ -189,20 +189,19 @@ TEST_F(TiererTest, ALevelThatDoesNotShrinkABlockIsSkippedAndNothingIsLostOutOfOr
   }
 }
 
-// k4v3 needs a power-of-two head dim (its V rotation); a model with another (Phi-3's 96, say)
-// in a namespace with a k4v3 level has that level's blocks encoded as int4, which k4v3's K is
-// without the turn, instead of each refused block being evicted (which is what happened: the
-// tier held fewer blocks than with no compression at all). Logged once, counted in a metric.
-TEST_F(TiererTest, AK4v3LevelEncodesInt4WhereTheHeadDimIsNotAPowerOfTwo) {
+// A model whose head dim is not a power of two (Phi-3's 96, say) in a namespace with a k4v3
+// level: k4v3 takes it (V's transform runs on 96's chunks, 64 and 32). Before stop 49 such
+// blocks were encoded int4 in k4v3's place, and before stop 46 each was evicted.
+TEST_F(TiererTest, AK4v3LevelEncodesK4v3WhereTheHeadDimIsNotAPowerOfTwo) {
   const uint64_t capacity = 10 * RawBytes() + 4096;
   Make(capacity, {"int8", "k4v3,sink=int8"});
-  // The same real bytes as 2 heads of 96 channels instead of 3 of 64.
+  // The same real bytes as 2 heads of 96 channels instead of 3 of 64. No RoPE base: these 96
+  // channels' RoPE pairs are not (j, j + 48), so k4v3's turn would only widen K's groups.
   codec::BlockGeometry g = blocks_->geometry();
   g.num_kv_heads = 2;
   g.head_dim = 96;
   ASSERT_EQ(g.RawBytes(), blocks_->geometry().RawBytes());
   geometry_ = g;
-  rope_theta_ = 100000;
   MakeTierer();
   for (uint32_t n = 0; n < 24; ++n) {
     ASSERT_EQ(Put(n), PutOutcome::kStored) << n;
@@ -210,23 +209,23 @@ TEST_F(TiererTest, AK4v3LevelEncodesInt4WhereTheHeadDimIsNotAPowerOfTwo) {
     ASSERT_LE(store_->used_bytes(), capacity);
   }
   EXPECT_EQ(tierer_->encode_failures(), 0u);
-  EXPECT_EQ(store_->evictions(), 0u);  // 24 raw blocks' worth in the room of 10, as int8 > int4
+  EXPECT_EQ(store_->evictions(), 0u);  // 24 raw blocks' worth in the room of 10
   EXPECT_EQ(store_->blocks(), 24u);
   EXPECT_GT(store_->level_blocks(2), 0u);
-  EXPECT_EQ(tierer_->k4v3_as_int4(), store_->level_blocks(2));
   for (uint32_t n = 0; n < 24; ++n) {
     std::optional<BlockStore::ReadBlock> r = store_->Read(Id(n));
     ASSERT_TRUE(r) << n;
     if (r->level == 2) {
       ASSERT_OK_AND_ASSIGN(codec::BlockHeaderInfo info, codec::InspectBlock(r->bytes));
       for (const codec::SegmentInfo& seg : info.segments) {
-        // The sink block keeps int8 (the plan's sink floor), the others are int4.
-        EXPECT_EQ(seg.codec, n == 0 ? codec::CodecId::kInt8 : codec::CodecId::kInt4) << n;
+        // The sink block keeps int8 (the plan's sink floor), the others are k4v3.
+        EXPECT_EQ(seg.codec, n == 0 ? codec::CodecId::kInt8 : codec::CodecId::kK4v3) << n;
       }
     }
+    // k4v3 without a RoPE base: 0.20-0.21 here, as at SmolLM2's own 64 (docs/quality.md).
     ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums,
                          codec::MeasureBlockError(g, B(blocks_->Block(n)), B(RawOf(*r, g))));
-    EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.2) << "block " << n << " level " << int(r->level);
+    EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.25) << "block " << n << " level " << int(r->level);
   }
 }
 

@@ -310,10 +310,6 @@ absl::StatusOr<BlockHeaderInfo> ParseHeader(std::span<const std::byte> enc, CrcC
     seg.offset = offset;
     offset += seg.bytes;
     const SegmentShape shape = internal::SegmentShapeFor(g, s, seg.group_size);
-    if (seg.codec == CodecId::kK4v3 && !internal::K4v3DimOk(g.head_dim)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "segment ", s, ": k4v3 needs a power-of-two head_dim, the block has ", g.head_dim));
-    }
     if (seg.codec == CodecId::kLossless) {
       if (seg.bytes < 1 + shape.Elements()) {  // at least the mode byte and verbatim plane B
         return absl::InvalidArgumentError(absl::StrCat("segment ", s, ": lossless too short"));
@@ -416,23 +412,6 @@ bool RopeThetaValid(double rope_theta) {
 CodecPlan CodecPlan::ForModel(double model_rope_theta) const {
   CodecPlan p = *this;
   if (p.rope_theta == 0.0) p.rope_theta = model_rope_theta;
-  return p;
-}
-
-CodecPlan CodecPlan::ForGeometry(const BlockGeometry& geometry, bool* substituted) const {
-  CodecPlan p = *this;
-  bool changed = false;
-  if (!internal::K4v3DimOk(geometry.head_dim)) {
-    auto swap = [&changed](CodecId& c) {
-      if (c != CodecId::kK4v3) return;
-      c = CodecId::kInt4;
-      changed = true;
-    };
-    swap(p.default_codec);
-    for (LayerRange& r : p.layer_ranges) swap(r.codec);
-    if (p.sink_codec) swap(*p.sink_codec);
-  }
-  if (substituted != nullptr) *substituted = changed;
   return p;
 }
 
@@ -595,7 +574,7 @@ std::optional<size_t> ContainerBytes(const BlockGeometry& geometry, const CodecP
 
 std::optional<size_t> EncodedBytes(const BlockGeometry& geometry, const CodecPlan& plan,
                                    bool is_first_block) {
-  if (!geometry.Validate().ok() || !internal::ValidPlanFor(geometry, plan, is_first_block).ok()) {
+  if (!geometry.Validate().ok() || !internal::ValidPlan(plan).ok()) {
     return std::nullopt;
   }
   return ContainerBytes(geometry, plan, is_first_block, std::nullopt);
@@ -615,7 +594,7 @@ absl::Status EncodeBlockWithPath(CpuPath path, const BlockGeometry& geometry, co
     return absl::InvalidArgumentError(absl::StrCat(
         "importance has ", importance.size(), " values, expected ", geometry.tokens_per_block));
   }
-  PROXIMA_RETURN_IF_ERROR(internal::ValidPlanFor(geometry, plan, is_first_block));
+  PROXIMA_RETURN_IF_ERROR(internal::ValidPlan(plan));
   const uint32_t num_segments = 2 * geometry.num_layers;
   const size_t seg_raw = geometry.SegmentElements() * 2;
   const size_t table_end = internal::kHeaderBytes + internal::kSegmentEntryBytes * num_segments;
@@ -716,18 +695,9 @@ bool IsGroupedCodec(CodecId c) {
   return c == CodecId::kInt4 || c == CodecId::kInt2 || c == CodecId::kK4v3;
 }
 
-absl::Status ValidPlanFor(const BlockGeometry& geometry, const CodecPlan& plan,
-                          bool is_first_block) {
+absl::Status ValidPlan(const CodecPlan& plan) {
   if (plan.group_size != 32 && plan.group_size != 64 && plan.group_size != 128) {
     return absl::InvalidArgumentError("codec plan group size must be 32, 64 or 128");
-  }
-  if (!internal::K4v3DimOk(geometry.head_dim)) {
-    for (uint32_t layer = 0; layer < geometry.num_layers; ++layer) {
-      if (plan.CodecFor(layer, is_first_block) == CodecId::kK4v3) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "k4v3 needs a power-of-two head_dim; this profile's is ", geometry.head_dim));
-      }
-    }
   }
   return absl::OkStatus();
 }

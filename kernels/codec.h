@@ -86,11 +86,6 @@ struct CodecPlan {
   // This plan for a model whose RoPE base is `model_rope_theta` (0: unknown): the plan's own
   // rope_theta when it names one (the operator's word wins), else the model's.
   CodecPlan ForModel(double model_rope_theta) const;
-  // This plan for blocks of `geometry`: where the geometry is one k4v3 cannot encode (a head dim
-  // that is not a power of two, which its V rotation needs), int4 with the same group in k4v3's
-  // place (default, layer ranges and sink alike; int4 is k4v3's K without the turn, and V at 4
-  // bits instead of 3); otherwise the plan as it is. `substituted` (may be null) tells which.
-  CodecPlan ForGeometry(const BlockGeometry& geometry, bool* substituted = nullptr) const;
 };
 
 // A RoPE base the codec takes: 0 (unknown), or a number from kMinRopeTheta to kMaxRopeTheta.

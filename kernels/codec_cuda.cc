@@ -416,9 +416,7 @@ absl::Status EncodeBlocksCuda(const BlockGeometry& geometry, const CodecPlan& pl
                               CudaCallTiming* timing) {
   CallTimer timer(timing, stream);
   PROXIMA_RETURN_IF_ERROR(geometry.Validate());
-  for (bool first : {false, true}) {
-    PROXIMA_RETURN_IF_ERROR(internal::ValidPlanFor(geometry, plan, first));
-  }
+  PROXIMA_RETURN_IF_ERROR(internal::ValidPlan(plan));
   if (jobs.empty()) return absl::OkStatus();
   const internal::K4v3Rope rope = internal::K4v3RopeFor(plan.rope_theta, geometry.head_dim);
   const uint32_t num_segments = 2 * geometry.num_layers;

@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <random>
 
 #include "common/bytes.h"
 #include "common/crc32c.h"
@@ -319,11 +320,8 @@ TEST(ContainerTest, EncodedBytesIsTheEncodersSizeWithoutEncoding) {
   CodecPlan bad_group = Plan("int4");
   bad_group.group_size = 48;
   EXPECT_FALSE(EncodedBytes(g, bad_group, false).has_value());
-  // k4v3 needs a power-of-two head_dim; a sink level that covers it on the first block does not
-  // make the other blocks encodable.
-  EXPECT_FALSE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3"), false).has_value());
-  EXPECT_TRUE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3,sink=int8"), true).has_value());
-  EXPECT_FALSE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3,sink=int8"), false).has_value());
+  // k4v3 takes a head_dim that is not a power of two (V's transform runs on its chunks).
+  EXPECT_TRUE(EncodedBytes(Geo(2, 2, 48, 8), Plan("k4v3"), false).has_value());
 }
 
 TEST(ContainerTest, RejectsBadArguments) {
@@ -508,32 +506,6 @@ TEST(K4v3Test, APlanTakesTheModelsRopeBaseOnlyWhenItNamesNone) {
   }
 }
 
-// A plan for a block geometry: k4v3 needs a power-of-two head dim; for any other, int4 with the
-// same group takes its place wherever the plan names it, and the plan then encodes.
-TEST(K4v3Test, APlanForAHeadDimK4v3CannotTakeHasInt4InItsPlace) {
-  const CodecPlan plan =
-      Plan("layers[0:1]=int8,layers[1:2]=k4v3,default=k4v3,sink=k4v3,group=32,rope_theta=10000");
-  bool substituted = true;
-  EXPECT_EQ(plan.ForGeometry(BlockGeometry{3, 2, 64, 16, DType::kBf16}, &substituted).ToString(),
-            plan.ToString());
-  EXPECT_FALSE(substituted);
-  for (uint32_t dim : {96u, 80u, 3u}) {
-    const BlockGeometry g{3, 2, dim, 16, DType::kBf16};
-    EXPECT_FALSE(EncodedBytes(g, plan, false).has_value()) << dim;  // the plan as it is: refused
-    const CodecPlan p = plan.ForGeometry(g, &substituted);
-    EXPECT_TRUE(substituted) << dim;
-    EXPECT_EQ(p.ToString(),
-              "layers[0:1]=int8,layers[1:2]=int4,default=int4,sink=int4,group=32,"
-              "rope_theta=10000");
-    EXPECT_TRUE(EncodedBytes(g, p, true).has_value()) << dim;
-  }
-  // A plan without k4v3 is left alone whatever the geometry.
-  EXPECT_EQ(
-      Plan("int8").ForGeometry(BlockGeometry{1, 1, 96, 16, DType::kBf16}, &substituted).ToString(),
-      Plan("int8").ToString());
-  EXPECT_FALSE(substituted);
-}
-
 TEST(K4v3Test, SinCosIsCloseToLibmAndExactAtZero) {
   float s, c;
   numeric::SinCosF32(0.0f, &s, &c);
@@ -607,8 +579,13 @@ TEST(K4v3Test, LargeRopeTablesAreBuiltPerCallWithTheSameResult) {
 // within half a step of the rotated value (checked through the decoder, which rotates back:
 // the error's L2 norm per vector is at most half a step times sqrt(D), plus output rounding).
 TEST(K4v3Test, ValueErrorPerVectorIsBoundedByItsStep) {
-  for (DType dtype : {DType::kBf16, DType::kFp16}) {
-    BlockGeometry g = Geo(1, 3, 64, 16, dtype);
+  // Powers of two (one transform chunk) and other dims (several: 96 is 64 + 32, 100 is
+  // 64 + 32 + 4, 5 is 4 + 1), each chunk orthonormal, so the bound is the same.
+  for (auto [dtype, dim] :
+       {std::pair{DType::kBf16, 64u}, std::pair{DType::kFp16, 64u}, std::pair{DType::kBf16, 96u},
+        std::pair{DType::kFp16, 80u}, std::pair{DType::kBf16, 100u}, std::pair{DType::kBf16, 5u}}) {
+    SCOPED_TRACE(dim);
+    BlockGeometry g = Geo(1, 3, dim, 16, dtype);
     std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 9);
     std::string enc = Encode(g, Plan("k4v3"), raw);
     std::vector<std::byte> dec = Decode(enc, g.RawBytes());
@@ -636,22 +613,77 @@ TEST(K4v3Test, ValueErrorPerVectorIsBoundedByItsStep) {
   }
 }
 
-TEST(K4v3Test, HeadDimThatIsNotAPowerOfTwoIsRefusedBothWays) {
-  BlockGeometry g = Geo(1, 2, 48, 8);
-  std::vector<std::byte> raw = MakeBlock(g, Pattern::kKvLike, 4);
-  std::string enc;
-  EXPECT_THAT(EncodeBlock(g, Plan("k4v3"), false, raw, {}, &enc),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two head_dim")));
-  // A hand-made block: an int4 block of this geometry relabelled k4v3, sizes made to match.
-  BlockGeometry p2 = Geo(1, 2, 64, 8);
-  std::string ok = Encode(p2, Plan("k4v3"), MakeBlock(p2, Pattern::kKvLike, 4));
-  std::string bad = ok;
-  const uint32_t dim = 48;
-  std::memcpy(bad.data() + 20, &dim, 4);  // head_dim in the header
-  internal::ResealBlockForFuzzing(std::as_writable_bytes(std::span<char>(bad.data(), bad.size())));
-  std::vector<std::byte> out(g.RawBytes());
-  EXPECT_THAT(DecodeBlock(AsBytes(bad), out),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power-of-two head_dim")));
+// The V transform of a head_dim that is not a power of two, as docs/format.md defines it: on
+// the chunks of the dim's binary decomposition, largest first (96: [0, 64) and [64, 96)), each
+// normalised by 1/sqrt of its own length. A hand-made V payload (a scale and codes) decodes to
+// what this test computes from the definition, element for element; a change that moves a chunk
+// boundary, reorders the chunks or shares one normalisation fails it.
+TEST(K4v3Test, ValueTransformOfADimThatIsNotAPowerOfTwoIsTheChunkedOneOfTheFormat) {
+  for (uint32_t D : {96u, 80u, 100u, 12u, 5u}) {
+    SCOPED_TRACE(D);
+    const BlockGeometry g = Geo(1, 1, D, 2);
+    std::string enc = Encode(g, Plan("k4v3"), MakeBlock(g, Pattern::kKvLike, 6));
+    ASSERT_OK_AND_ASSIGN(BlockHeaderInfo info, InspectBlock(AsBytes(enc)));
+    const SegmentInfo& v = info.segments[1];
+    // Rows' scales 1.5 and -0.25 (bf16 0x3FC0, 0xBE80), then random 3-bit codes.
+    const uint16_t scales[2] = {0x3FC0, 0xBE80};
+    std::memcpy(enc.data() + v.offset, scales, 4);
+    std::mt19937 rng(D);
+    std::vector<uint8_t> codes(2 * D);
+    for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % 8);
+    std::vector<uint8_t> packed((3 * codes.size() + 7) / 8, 0);
+    for (size_t i = 0; i < codes.size(); ++i) {
+      for (int b = 0; b < 3; ++b) {
+        if ((codes[i] >> b) & 1)
+          packed[(3 * i + b) / 8] |= static_cast<uint8_t>(1u << ((3 * i + b) % 8));
+      }
+    }
+    ASSERT_EQ(v.bytes, 4 + packed.size());
+    std::memcpy(enc.data() + v.offset + 4, packed.data(), packed.size());
+    internal::ResealBlockForFuzzing(
+        std::as_writable_bytes(std::span<char>(enc.data(), enc.size())));
+    const std::vector<std::byte> dec = Decode(enc, g.RawBytes());
+    for (uint32_t row = 0; row < 2; ++row) {
+      const float scale = numeric::Bf16ToFloat(scales[row]);
+      for (uint32_t o = 0, len = 0; o < D; o += len) {
+        len = 1;
+        while (2 * len <= D - o) len *= 2;  // the largest power of two that fits what is left
+        std::vector<float> u(len);
+        for (uint32_t k = 0; k < len; ++k) u[k] = static_cast<float>(codes[row * D + o + k]) - 3.5f;
+        for (uint32_t h = 1; h < len; h *= 2) {  // unnormalised Walsh-Hadamard (exact here)
+          for (uint32_t i = 0; i < len; i += 2 * h) {
+            for (uint32_t k = i; k < i + h; ++k) {
+              const float a = u[k], b = u[k + h];
+              u[k] = a + b;
+              u[k + h] = a - b;
+            }
+          }
+        }
+        const float step = scale * static_cast<float>(1.0 / std::sqrt(static_cast<double>(len)));
+        for (uint32_t k = 0; k < len; ++k) {
+          const uint32_t d = o + k;
+          const float flip = ((d * 0x9E3779B1u) >> 31) != 0 ? -1.0f : 1.0f;
+          const uint16_t want = numeric::FloatToBf16((u[k] * step) * flip);
+          uint16_t got;
+          std::memcpy(&got, dec.data() + 2 * (size_t{g.SegmentElements()} + row * D + d), 2);
+          ASSERT_EQ(got, want) << "row " << row << " element " << d << " (chunk at " << o << ")";
+        }
+      }
+    }
+  }
+}
+
+// k4v3 at a head_dim that is not a power of two is smaller than int4 at the same group, as at
+// a power of two (K: int4 in the RoPE frame; V: 3 bits and one scale per vector).
+TEST(K4v3Test, ADimThatIsNotAPowerOfTwoCompressesBeyondInt4) {
+  for (uint32_t D : {96u, 80u}) {
+    const BlockGeometry g = Geo(4, 2, D, 64);
+    const std::optional<size_t> k4v3 = EncodedBytes(g, Plan("k4v3,rope_theta=10000"), false);
+    const std::optional<size_t> int4 = EncodedBytes(g, Plan("int4"), false);
+    ASSERT_TRUE(k4v3.has_value() && int4.has_value()) << D;
+    EXPECT_LT(static_cast<double>(*k4v3), 0.9 * static_cast<double>(*int4)) << D;
+    EXPECT_GT(static_cast<double>(g.RawBytes()) / static_cast<double>(*k4v3), 4.0) << D;
+  }
 }
 
 // Payload values a decoder must refuse even under valid CRCs: RoPE frequencies out of range or

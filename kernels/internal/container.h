@@ -26,11 +26,9 @@ inline constexpr size_t kMaxRawBytes = size_t{1} << 30;
 // Codecs whose segment table entries carry a group size (k4v3: both segments; its V ignores it).
 bool IsGroupedCodec(CodecId c);
 
-// What a plan needs of the geometry beyond Validate(), for every encoder (CPU and CUDA): a group
-// size of 32, 64 or 128, and for k4v3 (when any layer of a block at this position uses it) a
-// power-of-two head_dim.
-absl::Status ValidPlanFor(const BlockGeometry& geometry, const CodecPlan& plan,
-                          bool is_first_block);
+// What every encoder (CPU and CUDA) needs of a plan: a group size of 32, 64 or 128. (Every codec
+// takes every geometry that Validate() takes.)
+absl::Status ValidPlan(const CodecPlan& plan);
 
 // Recomputes both CRC fields of `block` in place when it is long enough to hold the header and
 // the segment table its header claims (otherwise leaves it alone). Lets the fuzzer reach the

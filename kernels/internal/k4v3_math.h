@@ -82,6 +82,16 @@ PXK_HD void Fwht(float* u, uint32_t n) {
   }
 }
 
+// V's transform runs on the chunks of a row's binary decomposition, largest first: D = 96 is
+// [0, 64) and [64, 96), D = 100 is 64, 32 and 4; a power of two is one chunk, the whole row.
+// The length of the chunk that starts at `offset` (the largest power of two <= D - offset).
+PXK_HD uint32_t ChunkAt(uint32_t D, uint32_t offset) {
+  const uint32_t rest = D - offset;
+  uint32_t len = 1;
+  while (len <= rest / 2) len <<= 1;
+  return len;
+}
+
 // V encode, element d's input to the transform: the value (non-finite -> 0), sign-flipped.
 template <uint8_t kDt>
 PXK_HD float ValueIn(uint16_t v, uint32_t d) {
@@ -116,18 +126,6 @@ PXK_HD uint16_t ScaleFromMaxBits(int32_t amax_bits, float* divisor) {
   const float f = nm::DtypeToFloat(kDt, scale);
   *divisor = f == 0.0f ? 1.0f : f;
   return scale;
-}
-
-// V encode of one row after the transform: normalises u (D floats) in place and returns the row's
-// dtype scale (ScaleFromMaxBits).
-template <uint8_t kDt>
-PXK_HD uint16_t RowScale(float* u, uint32_t D, float norm, float* divisor) {
-  int32_t amax_bits = 0;
-  for (uint32_t d = 0; d < D; ++d) {
-    const int32_t a = NormaliseAbsBits(&u[d], norm);
-    amax_bits = a > amax_bits ? a : amax_bits;
-  }
-  return ScaleFromMaxBits<kDt>(amax_bits, divisor);
 }
 
 // The 3-bit code of a normalised element.

@@ -76,9 +76,10 @@ inline SegmentJob MakeSegmentJob(CodecId codec, const SegmentShape& sh, uint8_t*
 }
 
 // k4v3 on the GPU (kernels/internal/k4v3_math.h) takes head_dim a power of two from 8 (so V's rows
-// of codes start on byte boundaries) to k4v3::kMaxRowDim; the CPU codec takes the others.
+// of codes start on byte boundaries, and a row is one transform chunk) to k4v3::kMaxRowDim; the
+// CPU codec takes the others.
 inline bool K4v3GpuDimOk(uint32_t head_dim) {
-  return K4v3DimOk(head_dim) && head_dim >= 8 && head_dim <= k4v3::kMaxRowDim;
+  return (head_dim & (head_dim - 1)) == 0 && head_dim >= 8 && head_dim <= k4v3::kMaxRowDim;
 }
 
 // The jobs of one k4v3 segment. V: `main` alone codes rows between `raw` and `payload`. K: `main`

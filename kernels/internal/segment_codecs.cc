@@ -829,29 +829,47 @@ void Unpack3(const std::byte* buf, size_t first, uint32_t n, uint8_t* codes) {
   for (; d < n; ++d) codes[d] = static_cast<uint8_t>(GetBits(buf, first + d, 3));
 }
 
-// One vector's scratch (floats, 3-bit codes) for V's encoder and decoder.
+// One vector's scratch (floats, 3-bit codes) for V's encoder and decoder, and the chunks of its
+// transform (k4v3::ChunkAt) with their normalisations (K4v3HadamardNorm of each chunk's length).
 struct K4v3Rows {
-  explicit K4v3Rows(uint32_t dim) : u(dim), codes(dim) {}
+  explicit K4v3Rows(uint32_t dim) : u(dim), codes(dim) {
+    for (uint32_t o = 0; o < dim; o += chunks.back().len) {
+      const uint32_t len = k4v3::ChunkAt(dim, o);
+      chunks.push_back({o, len, K4v3HadamardNorm(len)});
+    }
+  }
+  struct Chunk {
+    uint32_t offset;
+    uint32_t len;
+    float norm;
+  };
   std::vector<float> u;
   std::vector<uint8_t> codes;
+  std::vector<Chunk> chunks;
 };
 
 // V, one (token, head) vector at a time through a float row (the payload and the segment may sit
-// at any byte offset: Load16/Store16), with the arithmetic of kernels/internal/k4v3_math.h.
+// at any byte offset: Load16/Store16), with the arithmetic of kernels/internal/k4v3_math.h, chunk
+// by chunk (one chunk, the whole row, for a power-of-two head_dim).
 template <uint8_t kDt>
 void EncodeK4v3ValueT(const SegmentShape& shape, const std::byte* in, std::byte* payload) {
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const float norm = K4v3HadamardNorm(D);
   std::byte* codes = payload + 2 * rows;
   std::memset(codes, 0, CeilDiv(3 * rows * D, 8));
   K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
     const std::byte* row = in + 2 * r * D;
     for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::ValueIn<kDt>(Load16(row, d), d);
-    k4v3::Fwht(w.u.data(), D);
+    int32_t amax_bits = 0;
+    for (const K4v3Rows::Chunk& c : w.chunks) {
+      k4v3::Fwht(w.u.data() + c.offset, c.len);
+      for (uint32_t d = c.offset; d < c.offset + c.len; ++d) {
+        amax_bits = std::max(amax_bits, k4v3::NormaliseAbsBits(&w.u[d], c.norm));
+      }
+    }
     float divisor;
-    Store16(payload, r, k4v3::RowScale<kDt>(w.u.data(), D, norm, &divisor));
+    Store16(payload, r, k4v3::ScaleFromMaxBits<kDt>(amax_bits, &divisor));
     for (uint32_t d = 0; d < D; ++d) w.codes[d] = k4v3::Code(w.u[d], divisor);
     Pack3(w.codes.data(), r * D, D, codes);
   }
@@ -861,16 +879,20 @@ template <uint8_t kDt>
 void DecodeK4v3ValueT(const SegmentShape& shape, const std::byte* payload, std::byte* out) {
   const uint32_t D = shape.dim;
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const float norm = K4v3HadamardNorm(D);
   const std::byte* codes = payload + 2 * rows;
   K4v3Rows w(D);
   for (size_t r = 0; r < rows; ++r) {
-    const float step = DtypeToFloat(kDt, Load16(payload, r)) * norm;
+    const float scale = DtypeToFloat(kDt, Load16(payload, r));
     Unpack3(codes, r * D, D, w.codes.data());
     for (uint32_t d = 0; d < D; ++d) w.u[d] = k4v3::Level(w.codes[d]);
-    k4v3::Fwht(w.u.data(), D);
     std::byte* row = out + 2 * r * D;
-    for (uint32_t d = 0; d < D; ++d) Store16(row, d, k4v3::ValueOut<kDt>(w.u[d], step, d));
+    for (const K4v3Rows::Chunk& c : w.chunks) {
+      k4v3::Fwht(w.u.data() + c.offset, c.len);
+      const float step = scale * c.norm;
+      for (uint32_t d = c.offset; d < c.offset + c.len; ++d) {
+        Store16(row, d, k4v3::ValueOut<kDt>(w.u[d], step, d));
+      }
+    }
   }
 }
 
@@ -904,8 +926,6 @@ K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim) {
   }
   return r;
 }
-
-bool K4v3DimOk(uint32_t head_dim) { return head_dim != 0 && (head_dim & (head_dim - 1)) == 0; }
 
 float K4v3HadamardNorm(uint32_t dim) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
@@ -945,10 +965,6 @@ void DecodeK4v3(const SegmentShape& shape, const K4v3Kernels& kernels, const std
 }
 
 absl::Status ValidateK4v3(const SegmentShape& shape, const std::byte* payload) {
-  if (!K4v3DimOk(shape.dim)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("k4v3: head_dim ", shape.dim, " is not a power of two"));
-  }
   if (!shape.is_value) {
     const float omega0 = LoadF32(payload, 0), ratio = LoadF32(payload, 1);
     // Written as negations so that NaN fails them too.

@@ -161,8 +161,6 @@ struct K4v3Rope {
   float ratio = 1.0f;
 };
 K4v3Rope K4v3RopeFor(double rope_theta, uint32_t head_dim);
-// k4v3 needs a power-of-two head_dim (V's Hadamard rotation).
-bool K4v3DimOk(uint32_t head_dim);
 // V's normalisation: 1/sqrt(dim), rounded once from double.
 float K4v3HadamardNorm(uint32_t dim);
 

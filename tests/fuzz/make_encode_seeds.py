@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of the codec_encode fuzz target (tests/fuzz/codec_encode_fuzz_body.h
 describes the input): every codec on both dtypes at two shapes, with the value modes, plan
-ranges, sink codecs and group sizes spread over them, and a few shapes at the edges (a head dim
-k4v3 refuses, a partial last group, the widest dims). Rerun when the input layout changes:
+ranges, sink codecs and group sizes spread over them, and a few shapes at the edges (k4v3 on a
+head dim that is not a power of two, a partial last group, the widest dims). Rerun when the input layout changes:
     python3 tests/fuzz/make_encode_seeds.py tests/fuzz/corpus/codec_encode
 """
 import random
@@ -34,7 +34,7 @@ def main():
                                     NONE if k % 2 else (codec + 3) % 8,
                                     NONE if k % 5 else 3, k % 3, k % 5, dim, tokens, 2, 2))
     extras = [
-        header(0, 0, 0, 1, 7, NONE, NONE, 1, 1, 24, 16, 1, 1),     # k4v3 on a dim it refuses
+        header(0, 0, 0, 1, 7, NONE, NONE, 1, 1, 24, 16, 1, 1),     # k4v3 on dim 24 (V in chunks of 16 and 8)
         header(1, 0, 0, 1, 7, NONE, NONE, 1, 3, 128, 64, 1, 1),    # k4v3, RoPE base 1e5
         header(0, 1, 0, 2, 7, 3, 4, 0, 2, 256, 9, 1, 2),           # k4v3 at 256, sink int4
         header(0, 0, 0, 1, 4, NONE, NONE, 2, 0, 3, 130, 3, 1),     # int4 g128, odd dim

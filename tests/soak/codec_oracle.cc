@@ -103,8 +103,7 @@ void CodecOracle::Compute(size_t model, uint32_t content, bool first, Entry* e) 
 void CodecOracle::Walk(size_t model, bool first, uint8_t level, const std::string& from, Entry* e) {
   const Model& m = models_[model];
   for (uint8_t to = level + 1; to <= plans_.size(); ++to) {
-    const codec::CodecPlan plan =
-        plans_[to - 1].ForModel(m.profile.rope_theta()).ForGeometry(m.geometry);
+    const codec::CodecPlan plan = plans_[to - 1].ForModel(m.profile.rope_theta());
     std::string encoded;
     absl::Status s = codec::EncodeBlock(m.geometry, plan, first, AsBytes(from), {}, &encoded);
     encodings_.fetch_add(1, std::memory_order_relaxed);

@@ -5,7 +5,7 @@
 // put raw may sit at level 0 (its own bytes) or at any level it may reach, got there by one of
 // the paths the tierer takes (straight from raw to a deeper level, or level after level, each
 // step encoding the previous one's decoded bytes: daemon/tierer.cc CompressOne), each step with
-// the plan the tierer takes for the block's model (CodecPlan::ForModel, then ForGeometry) and its
+// the plan the tierer takes for the block's model (CodecPlan::ForModel) and its
 // first-block flag. The oracle enumerates those paths once per (model, content, first-block) and
 // keeps a hash of every encoding and every decoding on them, so a soak can check each Get,
 // Decompress and GetStored answer for exact equality with one of them instead of within an

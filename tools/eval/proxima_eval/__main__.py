@@ -33,6 +33,9 @@ def main(argv=None) -> int:
                          "Administrator's Handbook (hundreds; scripts/eval-setup.sh --handbook)")
     ev.add_argument("--generated", type=int, default=4, help="greedy continuations (prefix 512)")
     ev.add_argument("--tokens-per-block", type=int, default=64)
+    ev.add_argument("--codec-head-dim", type=int, default=0,
+                    help="hand the codec each token's KV channels as vectors of this many "
+                         "(e.g. 96: SmolLM2's 3 heads of 64 as 2 of 96); 0: the model's heads")
     ev.add_argument("--plans", nargs="*", default=None, help="plan names (default: all)")
     ev.add_argument("--table", default=None, help="write the markdown table here")
     ev.add_argument("--backend", default="kernels", choices=["kernels", "raw"],

@@ -175,6 +175,37 @@ class KernelsBackend:
                                                np.ascontiguousarray(decoded_bits, np.uint16)))
 
 
+class RegroupedBackend:
+    """Another backend that is handed each token's K (and V) channels of all KV heads read as
+    vectors of `head_dim` channels: the model's [.., H, D] as [.., H*D/head_dim, head_dim], the
+    same bytes in the same order. It measures a codec at a head dim the model does not have on
+    the model's real values (e.g. SmolLM2's 3 heads of 64 as 2 heads of 96); the vectors then
+    span the model's head boundaries, and K's RoPE pairs are not those of the new head dim (so a
+    RoPE base in the plan would be wrong for them)."""
+
+    def __init__(self, inner, head_dim: int):
+        self.inner = inner
+        self.head_dim = head_dim
+        self.name = f"{inner.name}+heads-of-{head_dim}"
+
+    def available_codecs(self) -> List[str]:
+        return self.inner.available_codecs()
+
+    def _view(self, bits: np.ndarray) -> np.ndarray:
+        L, two, T, H, D = bits.shape
+        if (H * D) % self.head_dim:
+            raise ValueError(f"{H} heads of {D} channels cannot be read as heads of "
+                             f"{self.head_dim}")
+        return bits.reshape(L, two, T, H * D // self.head_dim, self.head_dim)
+
+    def roundtrip(self, block_bits: np.ndarray, plan: CodecPlan, is_first_block: bool):
+        dec, n = self.inner.roundtrip(self._view(block_bits), plan, is_first_block)
+        return np.asarray(dec).reshape(block_bits.shape), n
+
+    def error_sums(self, orig_bits, decoded_bits) -> Optional[Dict[str, float]]:
+        return self.inner.error_sums(self._view(orig_bits), self._view(decoded_bits))
+
+
 def load_backend(name: str):
     if name == "raw":
         return RawBackend()

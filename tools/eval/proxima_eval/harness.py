@@ -24,7 +24,7 @@ import numpy as np
 
 from . import corpus, metrics
 from .bf16 import bf16_bits_to_fp32, fp32_to_bf16_bits
-from .codecs import DEFAULT_PLANS, CodecPlan, load_backend
+from .codecs import DEFAULT_PLANS, CodecPlan, RegroupedBackend, load_backend
 from .llama import KVCache
 
 
@@ -251,6 +251,8 @@ def main(model, tok, args) -> int:
     except ImportError as e:
         print(json.dumps(dict(error=f"codec backend {args.backend!r} not available: {e}")))
         return 3
+    if getattr(args, "codec_head_dim", 0):
+        backend = RegroupedBackend(backend, args.codec_head_dim)
     specs = args.plans or DEFAULT_PLANS
     plans = [CodecPlan.parse(s) for s in specs]
     have = set(backend.available_codecs())

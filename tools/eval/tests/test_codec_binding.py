@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from proxima_eval import kvdump
-from proxima_eval.codecs import DEFAULT_PLANS, CodecPlan, KernelsBackend
+from proxima_eval.codecs import DEFAULT_PLANS, CodecPlan, KernelsBackend, RegroupedBackend
 
 pc = pytest.importorskip("proxima_codec_py")
 
@@ -54,3 +54,21 @@ def test_bad_input_raises_not_crashes(block):
     blob = pc.encode_block(block, "int4", False)
     with pytest.raises((ValueError, RuntimeError)):
         pc.decode_block(blob[:-7], list(block.shape))
+
+
+def test_regrouped_heads_reach_the_codec_as_the_other_head_dim(block):
+    """--codec-head-dim 96: the codec encodes SmolLM2's 3 heads of 64 as 2 heads of 96 (its
+    header says so), the decoded block comes back in the model's shape, and k4v3 at 96 (V's
+    transform in chunks of 64 and 32) compresses beyond int4 there too."""
+    be = RegroupedBackend(KernelsBackend(pc), 96)
+    sizes = {}
+    for spec in ("raw", "int4", "k4v3"):
+        dec, sizes[spec] = be.roundtrip(block, CodecPlan.parse(spec), False)
+        assert dec.shape == block.shape
+        if spec == "raw":
+            np.testing.assert_array_equal(dec, block)
+    blob = bytes(pc.encode_block(be._view(block), "k4v3", False))
+    assert int.from_bytes(blob[20:24], "little") == 96  # the header's head_dim
+    assert sizes["k4v3"] < 0.9 * sizes["int4"] < sizes["raw"]
+    with pytest.raises(ValueError, match="cannot be read as heads of 80"):
+        RegroupedBackend(KernelsBackend(pc), 80).roundtrip(block, CodecPlan.parse("raw"), False)
