@@ -301,8 +301,10 @@ TEST_P(SimdIdentityTest, EncodeAndDecodeMatchScalarBitForBit) {
 // to the AVX2 path (8, 24, 40: multiples of 8 only), token counts with a partial last int4/int2
 // group (33, 100), more heads than the fp8 encoders keep in registers at once (40 > 32), and a
 // dim past the 256 channels whose K parameters the AVX2 int4/int2 encoder holds at once (264);
-// every row length of the AVX-512 k4v3 V kernels, which keep a row in registers (16 to 256); and
-// a dim past the 256 channels whose K parameters the AVX-512 int4/int2 encoder holds (272).
+// every row length of the AVX-512 k4v3 V kernels, which keep a row in registers (16 to 256); a
+// dim past the 256 channels whose K parameters the AVX-512 int4/int2 encoder holds (272); and
+// the dims that are not powers of two whose k4v3 V rows the AVX2 kernels transform in chunks
+// (48, 80, 96, 112).
 INSTANTIATE_TEST_SUITE_P(
     Shapes, SimdIdentityTest,
     ::testing::Combine(::testing::ValuesIn(kSimdPaths),
@@ -312,7 +314,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          SimdCase{1, 48, 40}, SimdCase{2, 80, 32},
                                          SimdCase{1, 40, 16}, SimdCase{40, 16, 8},
                                          SimdCase{2, 264, 20}, SimdCase{3, 32, 12},
-                                         SimdCase{1, 256, 9}, SimdCase{1, 272, 9})),
+                                         SimdCase{1, 256, 9}, SimdCase{1, 272, 9},
+                                         SimdCase{2, 96, 16}, SimdCase{1, 112, 9})),
     [](const ::testing::TestParamInfo<SimdParam>& info) {
       const SimdCase c = std::get<1>(info.param);  // no structured binding: macro argument
       return std::string(CpuPathName(std::get<0>(info.param))) + "_h" + std::to_string(c.heads) +

@@ -850,21 +850,39 @@ inline __m256 FwhtIn8(__m256 x) {
   return FwhtLanes(x, _mm256_permute2f128_ps(x, x, 0x01), _mm256_blend_ps(z, m, 0xF0));
 }
 
-// k4v3::Fwht of a row of 8 * kN floats held in registers (as far as they go): the stages inside
-// each vector, then those across vectors (len 8, 16, ..).
+// k4v3's V transform of a row of 8 * kN floats held in registers (as far as they go): k4v3::Fwht
+// on each chunk of the row (k4v3::ChunkAt: kN's binary decomposition in vectors, as 8 * kN's in
+// elements is 8 times it), the stages inside each vector, then those across the chunk's vectors
+// (len 8, 16, ..).
 template <uint32_t kN>
 inline void FwhtRow(__m256 (&v)[kN]) {
   for (uint32_t k = 0; k < kN; ++k) v[k] = FwhtIn8(v[k]);
-  for (uint32_t m = 1; m < kN; m <<= 1) {
-    for (uint32_t i = 0; i < kN; i += 2 * m) {
-      for (uint32_t k = i; k < i + m; ++k) {
-        const __m256 a = v[k], b = v[k + m];
-        v[k] = _mm256_add_ps(a, b);
-        v[k + m] = _mm256_sub_ps(a, b);
+  for (uint32_t c = 0, len = 0; c < kN; c += len) {
+    len = k4v3::ChunkAt(kN, c);
+    for (uint32_t m = 1; m < len; m <<= 1) {
+      for (uint32_t i = c; i < c + len; i += 2 * m) {
+        for (uint32_t k = i; k < i + m; ++k) {
+          const __m256 a = v[k], b = v[k + m];
+          v[k] = _mm256_add_ps(a, b);
+          v[k + m] = _mm256_sub_ps(a, b);
+        }
       }
     }
   }
 }
+
+// The normalisation of each vector of a row of 8 * kN elements: K4v3HadamardNorm of the length
+// of the chunk that holds it, made once per segment.
+template <uint32_t kN>
+struct NormRow {
+  NormRow() {
+    for (uint32_t c = 0, len = 0; c < kN; c += len) {
+      len = k4v3::ChunkAt(kN, c);
+      for (uint32_t k = c; k < c + len; ++k) norm[k] = _mm256_set1_ps(K4v3HadamardNorm(8 * len));
+    }
+  }
+  __m256 norm[kN];
+};
 
 // UnpackLanes<3> of the group of 8 codes whose 3 bytes start at p, from a 16-byte load (16
 // bytes must be readable there): each lane takes the one or two bytes holding its code and
@@ -880,9 +898,26 @@ inline __m256 Unpack3Wide(const std::byte* p) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(7)));
 }
 
-// The V kernels take dims 8 * kN for kN = 1, 2, .., 32 (powers of two, as k4v3's dims are);
-// a row lives in kN registers as far as they go.
-bool K4v3ValueFits(uint32_t dim) { return dim >= 8 && dim <= 256 && (dim & (dim - 1)) == 0; }
+// The V kernels take dims 8 * kN for the powers of two kN = 1, 2, .., 32 and for the head dims
+// 48, 80, 96 and 112 (kN = 6, 10, 12, 14; in chunks); a row lives in kN registers as far as they
+// go. The scalar path takes the others.
+bool K4v3ValueFits(uint32_t dim) {
+  switch (dim) {
+    case 8:
+    case 16:
+    case 32:
+    case 64:
+    case 128:
+    case 256:
+    case 48:
+    case 80:
+    case 96:
+    case 112:
+      return true;
+    default:
+      return false;
+  }
+}
 // Rows whose scales are computed together (one lane each).
 constexpr uint32_t kK4v3RowGroup = 8;
 
@@ -902,7 +937,7 @@ void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::by
   constexpr uint32_t D = 8 * kN;
   constexpr size_t code_bytes = 3 * kN;  // per row
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
+  const NormRow<kN> norms;
   const __m256 inf = _mm256_set1_ps(kInf);
   const FlipRow<kN> flips;
   std::byte* codes = payload + 2 * rows;
@@ -923,7 +958,7 @@ void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::by
       FwhtRow(v);
       __m256i mx = _mm256_setzero_si256();
       for (uint32_t k = 0; k < kN; ++k) {
-        const __m256 y = _mm256_mul_ps(v[k], norm);
+        const __m256 y = _mm256_mul_ps(v[k], norms.norm[k]);
         _mm256_store_ps(u + l * D + 8 * k, y);
         __m256i a = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF));
         a = _mm256_and_si256(a, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a));
@@ -964,14 +999,14 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
   constexpr uint32_t D = 8 * kN;
   constexpr size_t code_bytes = 3 * kN;
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const __m256 norm = _mm256_set1_ps(K4v3HadamardNorm(D));
+  const NormRow<kN> norms;
   const FlipRow<kN> flips;
   const std::byte* codes = payload + 2 * rows;
   const size_t code_total = rows * code_bytes;  // groups with 16 bytes left: Unpack3Wide
   for (size_t r = 0; r < rows; ++r) {
     uint16_t scale;
     std::memcpy(&scale, payload + 2 * r, 2);
-    const __m256 step = _mm256_mul_ps(Broadcast<kDt>(scale), norm);
+    const __m256 scale_f = Broadcast<kDt>(scale);
     const std::byte* in = codes + r * code_bytes;
     __m256 v[kN];
     for (uint32_t k = 0; k < kN; ++k) {
@@ -981,9 +1016,10 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
       v[k] = _mm256_sub_ps(c, _mm256_set1_ps(3.5f));
     }
     FwhtRow(v);
-    // k4v3::ValueOut: times the step, then the flip. Never NaN: the levels' transform is finite,
-    // the step a finite scale times the norm.
+    // k4v3::ValueOut: times the step (the scale times the vector's chunk's norm), then the flip.
+    // Never NaN: the levels' transform is finite, the step a finite scale times the norm.
     auto output = [&](uint32_t k) {
+      const __m256 step = _mm256_mul_ps(scale_f, norms.norm[k]);
       return _mm256_xor_ps(_mm256_mul_ps(v[k], step), flips.bits[k]);
     };
     std::byte* row = out + 2 * r * D;
@@ -995,8 +1031,7 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
   }
 }
 
-// Calls f.template operator()<kN>() for the row length D = 8 * kN (kN = 1, 2, 4, 8, 16, 32: the
-// dims K4v3ValueFits takes).
+// Calls f.template operator()<kN>() for the row length D = 8 * kN (the dims K4v3ValueFits takes).
 template <typename F>
 void WithRowVectors(uint32_t dim, F&& f) {
   switch (dim / 8) {
@@ -1006,6 +1041,14 @@ void WithRowVectors(uint32_t dim, F&& f) {
       return f.template operator()<2>();
     case 4:
       return f.template operator()<4>();
+    case 6:
+      return f.template operator()<6>();
+    case 10:
+      return f.template operator()<10>();
+    case 12:
+      return f.template operator()<12>();
+    case 14:
+      return f.template operator()<14>();
     case 8:
       return f.template operator()<8>();
     case 16:
