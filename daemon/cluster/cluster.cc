@@ -820,6 +820,9 @@ Cluster::SpillRound Cluster::SpillOnce() {
   const uint64_t used = store.used_bytes();
   if (static_cast<double>(used) <= limit) return SpillRound::kIdle;
   std::shared_ptr<const LiveSet> live = membership_->Live();
+  // What was known of a peer that left the live set (its room, its UCX worker) is stale when it
+  // comes back: it may have restarted empty, with another worker.
+  absl::erase_if(rooms_, [&live](const auto& room) { return !live->Contains(room.first); });
   if (live->nodes.size() < 2) return SpillRound::kStuck;
   const absl::Time now = absl::Now();
   // The bytes each live peer may be sent this round: what it said it has room for; one block
@@ -961,7 +964,13 @@ Cluster::SpillRound Cluster::SpillOnce() {
     }
     PeerRoom& room = rooms_[call.peer];
     room.bytes = answered ? call.response.room_bytes() : 0;
-    if (answered) room.ucx_worker = call.response.ucx_worker();
+    if (answered) {
+      // A peer that names another worker than before has restarted (between two health checks,
+      // or the live set would have dropped its room): failing to reach its old worker says
+      // nothing of the new one, so UCX is tried again from the next round.
+      if (call.response.ucx_worker() != room.ucx_worker) room.ucx_retry_at = absl::InfinitePast();
+      room.ucx_worker = call.response.ucx_worker();
+    }
     if (!answered && call.request.ucx_transfer() != 0) {
       // Over UCX and refused (a receiver without UCX for peers) or lost: inline for a while.
       room.ucx_retry_at = now + kUcxRetryAfter;

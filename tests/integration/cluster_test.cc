@@ -989,6 +989,45 @@ TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTh
   EXPECT_EQ(Metric(0, "proxima_cluster_fetch_crc_failures_total"), 0);
 }
 
+// A peer that restarts between two spill rounds comes back with another UCX worker. The spiller
+// kept the old worker's address: its first round after the restart fails to reach it and goes
+// inline, and the answer names the new worker. The next rounds go to the new worker over UCX
+// (before stop 49 they went inline for 30 s, kUcxRetryAfter, as after a failure of UCX itself).
+TEST_F(ClusterTest, SpillsReachARestartedPeersNewUcxWorkerAtOnce) {
+  constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(2, {"tiers.host.capacity_bytes=8MiB",
+                       "cluster.spill={threshold: 0.9, accept_below: 0.75, put_wait: 5s}",
+                       "cluster.transport=auto", "ucx.enabled=true"}));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2));
+  const std::string ucx_in =
+      "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}";
+  // Puts of `count` blocks of chain `seed` through A, then until A is back under its threshold.
+  auto fill_a = [&](uint64_t seed, size_t count) {
+    auto a = MustConnect(daemons_[0]->tcp_target());
+    ASSERT_TRUE(a);
+    ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+    for (size_t first = 0; first < count; first += 4) {
+      Blocks blocks = MakeBlocks(seed, first, 4, p.block_bytes);
+      ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+    }
+    const absl::Time settled = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < settled) {
+      absl::StatusOr<v1::StatsResponse> s = a->Stats();
+      if (s.ok() && s->tiers(0).used_bytes() <= 0.9 * kCapacity) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  };
+  ASSERT_NO_FATAL_FAILURE(fill_a(1, 40));
+  ASSERT_GT(Metric(1, ucx_in), 0) << "no spill reached B over UCX before its restart";
+
+  ASSERT_OK(daemons_[1]->Restart());  // SIGKILL, then the same ports, empty, another UCX worker
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2)) << "node " << i;
+  ASSERT_NO_FATAL_FAILURE(fill_a(2, 40));
+  EXPECT_GT(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"), 0);
+  EXPECT_GT(Metric(1, ucx_in), 0) << "every spill to the restarted B went inline";
+}
+
 // Daemons with server.tls (mTLS: server.tls.client_ca_file) call each other over TLS, verifying
 // the peer's server certificate and presenting their own as a client certificate. Certificates
 // are made at test time; workers use the (plaintext) Unix sockets.
