@@ -850,15 +850,24 @@ inline __m256 FwhtIn8(__m256 x) {
   return FwhtLanes(x, _mm256_permute2f128_ps(x, x, 0x01), _mm256_blend_ps(z, m, 0xF0));
 }
 
+// k4v3::ChunkAt, restated here with internal linkage (this file calls nothing inline from the
+// shared headers: "ISA isolation" in segment_codecs.h): the length of the chunk of an n-long row
+// that starts at `offset`, the largest power of two <= n - offset.
+constexpr uint32_t ChunkAt(uint32_t n, uint32_t offset) {
+  uint32_t len = 1;
+  while (len <= (n - offset) / 2) len <<= 1;
+  return len;
+}
+
 // k4v3's V transform of a row of 8 * kN floats held in registers (as far as they go): k4v3::Fwht
-// on each chunk of the row (k4v3::ChunkAt: kN's binary decomposition in vectors, as 8 * kN's in
+// on each chunk of the row (ChunkAt: kN's binary decomposition in vectors, as 8 * kN's in
 // elements is 8 times it), the stages inside each vector, then those across the chunk's vectors
 // (len 8, 16, ..).
 template <uint32_t kN>
 inline void FwhtRow(__m256 (&v)[kN]) {
   for (uint32_t k = 0; k < kN; ++k) v[k] = FwhtIn8(v[k]);
   for (uint32_t c = 0, len = 0; c < kN; c += len) {
-    len = k4v3::ChunkAt(kN, c);
+    len = ChunkAt(kN, c);
     for (uint32_t m = 1; m < len; m <<= 1) {
       for (uint32_t i = c; i < c + len; i += 2 * m) {
         for (uint32_t k = i; k < i + m; ++k) {
@@ -877,7 +886,7 @@ template <uint32_t kN>
 struct NormRow {
   NormRow() {
     for (uint32_t c = 0, len = 0; c < kN; c += len) {
-      len = k4v3::ChunkAt(kN, c);
+      len = ChunkAt(kN, c);
       for (uint32_t k = c; k < c + len; ++k) norm[k] = _mm256_set1_ps(K4v3HadamardNorm(8 * len));
     }
   }
