@@ -602,26 +602,67 @@ inline __m512 FwhtIn16(__m512 x) {
   return FwhtLanes(x, _mm512_shuffle_f32x4(x, x, 0x4E), 0xFF00);  // 128-bit blocks 2 3 0 1
 }
 
-// k4v3::Fwht of a row of 16 * kN floats held in registers: the stages inside each vector, then
-// those across vectors (len 16, 32, ..).
+// k4v3::ChunkAt, restated here with internal linkage (this file calls nothing inline from the
+// shared headers: "ISA isolation" in segment_codecs.h): the length of the chunk of an n-long row
+// that starts at `offset`, the largest power of two <= n - offset.
+constexpr uint32_t ChunkAt(uint32_t n, uint32_t offset) {
+  uint32_t len = 1;
+  while (len <= (n - offset) / 2) len <<= 1;
+  return len;
+}
+
+// k4v3's V transform of a row of 16 * kN floats held in registers: k4v3::Fwht on each chunk of
+// the row (ChunkAt: kN's binary decomposition in vectors, 16 times it in elements, for the dims
+// K4v3ValueFits takes), the stages inside each vector, then those across the chunk's vectors
+// (len 16, 32, ..).
 template <uint32_t kN>
 inline void FwhtRow(__m512 (&v)[kN]) {
   for (uint32_t k = 0; k < kN; ++k) v[k] = FwhtIn16(v[k]);
-  for (uint32_t m = 1; m < kN; m <<= 1) {
-    for (uint32_t i = 0; i < kN; i += 2 * m) {
-      for (uint32_t k = i; k < i + m; ++k) {
-        const __m512 a = v[k], b = v[k + m];
-        v[k] = _mm512_add_ps(a, b);
-        v[k + m] = _mm512_sub_ps(a, b);
+  for (uint32_t c = 0, len = 0; c < kN; c += len) {
+    len = ChunkAt(kN, c);
+    for (uint32_t m = 1; m < len; m <<= 1) {
+      for (uint32_t i = c; i < c + len; i += 2 * m) {
+        for (uint32_t k = i; k < i + m; ++k) {
+          const __m512 a = v[k], b = v[k + m];
+          v[k] = _mm512_add_ps(a, b);
+          v[k + m] = _mm512_sub_ps(a, b);
+        }
       }
     }
   }
 }
 
-// The V kernels take dims 16 * kN for kN = 1, 2, 4, 8, 16 (k4v3's dims are powers of two; a row
-// lives in kN registers).
+// The normalisation of each vector of a row of 16 * kN elements: K4v3HadamardNorm of the length
+// of the chunk that holds it, made once per segment.
+template <uint32_t kN>
+struct NormRow {
+  NormRow() {
+    for (uint32_t c = 0, len = 0; c < kN; c += len) {
+      len = ChunkAt(kN, c);
+      for (uint32_t k = c; k < c + len; ++k) norm[k] = _mm512_set1_ps(K4v3HadamardNorm(16 * len));
+    }
+  }
+  __m512 norm[kN];
+};
+
+// The V kernels take dims 16 * kN for the powers of two kN = 1, 2, 4, 8, 16 and for the head
+// dims 48, 80, 96 and 112 (kN = 3, 5, 6, 7; in chunks of at least 16); a row lives in kN
+// registers. The AVX2 path takes the others it can.
 bool K4v3ValueFits(uint32_t dim) {
-  return dim % kLanes == 0 && dim <= 16 * kLanes && (dim & (dim - 1)) == 0;
+  switch (dim) {
+    case 16:
+    case 32:
+    case 64:
+    case 128:
+    case 256:
+    case 48:
+    case 80:
+    case 96:
+    case 112:
+      return true;
+    default:
+      return false;
+  }
 }
 
 // Sixteen 3-bit codes (int32 lanes) as 48 bits, LSB first (k4v3::Pack8 twice).
@@ -680,7 +721,7 @@ void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::by
   constexpr uint32_t D = kLanes * kN;
   constexpr size_t code_bytes = 3 * D / 8;  // per row
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const __m512 norm = _mm512_set1_ps(K4v3HadamardNorm(D));
+  const NormRow<kN> norms;
   const __m512 inf = _mm512_set1_ps(kInf);
   const FlipRow<kN> flips;
   std::byte* codes = payload + 2 * rows;
@@ -700,7 +741,7 @@ void EncodeK4v3ValueRows(const SegmentShape& shape, const std::byte* in, std::by
       FwhtRow(v);
       __m512i mx = _mm512_setzero_si512();
       for (uint32_t k = 0; k < kN; ++k) {
-        const __m512 y = _mm512_mul_ps(v[k], norm);
+        const __m512 y = _mm512_mul_ps(v[k], norms.norm[k]);
         _mm512_store_ps(u + l * D + kLanes * k, y);
         const __m512i a = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
         const __mmask16 finite = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x7F800000), a);
@@ -739,7 +780,7 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
   constexpr uint32_t D = kLanes * kN;
   constexpr size_t code_bytes = 3 * D / 8;
   const size_t rows = size_t{shape.tokens} * shape.heads;
-  const __m512 norm = _mm512_set1_ps(K4v3HadamardNorm(D));
+  const NormRow<kN> norms;
   const FlipRow<kN> flips;
   const std::byte* codes = payload + 2 * rows;
   // Rows whose codes are followed by at least 10 more bytes of codes: Unpack3x16Wide throughout.
@@ -749,7 +790,7 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
   for (size_t r = 0; r < rows; ++r) {
     uint16_t scale;
     std::memcpy(&scale, payload + 2 * r, 2);
-    const __m512 step = _mm512_mul_ps(Broadcast<kDt>(scale), norm);
+    const __m512 scale_f = Broadcast<kDt>(scale);
     const std::byte* in = codes + r * code_bytes;
     __m512 v[kN];
     for (uint32_t k = 0; k < kN; ++k) {
@@ -760,15 +801,16 @@ void DecodeK4v3ValueRows(const SegmentShape& shape, const std::byte* payload, st
     FwhtRow(v);
     std::byte* row = out + 2 * r * D;
     for (uint32_t k = 0; k < kN; ++k) {
-      // k4v3::ValueOut: times the step, then the flip. Never NaN: the levels' transform is
-      // finite, the step a finite scale times the norm.
+      // k4v3::ValueOut: times the step (the scale times the vector's chunk's norm), then the
+      // flip. Never NaN: the levels' transform is finite, the step a finite scale times the norm.
+      const __m512 step = _mm512_mul_ps(scale_f, norms.norm[k]);
       Store16<kDt>(row, kLanes * k, XorBits(_mm512_mul_ps(v[k], step), flips.bits[k]));
     }
   }
 }
 
-// Calls f.template operator()<kN>() for the row length D = 16 * kN (kN = 1, 2, 4, 8, 16: the
-// dims K4v3ValueFits takes).
+// Calls f.template operator()<kN>() for the row length D = 16 * kN (the dims K4v3ValueFits
+// takes).
 template <typename F>
 void WithRowVectors(uint32_t dim, F&& f) {
   switch (dim / kLanes) {
@@ -776,8 +818,16 @@ void WithRowVectors(uint32_t dim, F&& f) {
       return f.template operator()<1>();
     case 2:
       return f.template operator()<2>();
+    case 3:
+      return f.template operator()<3>();
     case 4:
       return f.template operator()<4>();
+    case 5:
+      return f.template operator()<5>();
+    case 6:
+      return f.template operator()<6>();
+    case 7:
+      return f.template operator()<7>();
     case 8:
       return f.template operator()<8>();
     default:
