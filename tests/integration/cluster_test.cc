@@ -54,9 +54,11 @@ constexpr absl::Duration kPeerDeadline = absl::Milliseconds(1000);
 class ClusterTest : public ::testing::Test {
  protected:
   // Starts `n` daemons that list each other (and themselves) as peers; `extra` applies to
-  // every node, `node_sets(i)` (when given) to node i only.
+  // every node, `node_sets(i)` (when given) to node i only, and `node_ucx_tls(i)` (when given
+  // and not null) is node i's UCX_TLS.
   void StartCluster(int n, std::vector<std::string> extra = {},
-                    std::function<std::vector<std::string>(int)> node_sets = nullptr) {
+                    std::function<std::vector<std::string>(int)> node_sets = nullptr,
+                    std::function<const char*(int)> node_ucx_tls = nullptr) {
     char tmpl[] = "/tmp/proxima-cluster-XXXXXX";
     dir_ = mkdtemp(tmpl);
     token_file_ = dir_ + "/peer-token";
@@ -69,7 +71,13 @@ class ClusterTest : public ::testing::Test {
         std::vector<std::string> own = node_sets(i);
         sets.insert(sets.end(), own.begin(), own.end());
       }
+      const char* ucx_tls = node_ucx_tls ? node_ucx_tls(i) : nullptr;
+      const char* inherited = getenv("UCX_TLS");
+      const std::string before = inherited != nullptr ? inherited : "";
+      if (ucx_tls != nullptr) setenv("UCX_TLS", ucx_tls, 1);  // the child inherits it
       auto d = DaemonProcess::Start(sets);
+      if (ucx_tls != nullptr && inherited != nullptr) setenv("UCX_TLS", before.c_str(), 1);
+      if (ucx_tls != nullptr && inherited == nullptr) unsetenv("UCX_TLS");
       ASSERT_OK(d.status());
       daemons_.push_back(*std::move(d));
     }
@@ -1026,6 +1034,52 @@ TEST_F(ClusterTest, SpillsReachARestartedPeersNewUcxWorkerAtOnce) {
   ASSERT_NO_FATAL_FAILURE(fill_a(2, 40));
   EXPECT_GT(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"), 0);
   EXPECT_GT(Metric(1, ucx_in), 0) << "every spill to the restarted B went inline";
+}
+
+TEST_F(ClusterTest, DaemonsOnDifferentUcxTransportsShareBlocksOverWhatTheyHaveInCommon) {
+  // Node 0 has shared memory only, node 1 tcp only, node 2 every transport (UCX's default):
+  // 0 and 1 share no UCX transport, 2 shares one with each.
+  const std::vector<const char*> tls = {"posix,self", "tcp", "all"};
+  ASSERT_NO_FATAL_FAILURE(StartCluster(3, {"ucx.enabled=true", "cluster.transport=auto"}, nullptr,
+                                       [&](int i) { return tls[i]; }));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  constexpr size_t kBlocks = 6;
+  std::vector<std::unique_ptr<Client>> clients;
+  Profile p;
+  for (int i = 0; i < 3; ++i) {
+    clients.push_back(MustConnect(daemons_[i]->tcp_target()));
+    ASSERT_TRUE(clients.back());
+    ASSERT_OK_AND_ASSIGN(p, clients.back()->RegisterProfile(TestModel()));
+    Blocks blocks = MakeBlocks(30 + i, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(clients.back()->Put(p, blocks.keys, blocks.spans()).status());
+  }
+  for (int round = 0; round < 3; ++round) {
+    for (int reader = 0; reader < 3; ++reader) {
+      for (int holder = 0; holder < 3; ++holder) {
+        if (holder == reader) continue;
+        SCOPED_TRACE(absl::StrCat("round ", round, ", node ", reader, " reads node ", holder));
+        ASSERT_EQ(WaitLookup(*clients[reader], p, 30 + holder, kBlocks, kBlocks), kBlocks);
+        EXPECT_EQ(GetAndCheck(*clients[reader], p, 30 + holder, 0, kBlocks), kBlocks);
+      }
+    }
+  }
+  // Every block a node read from another came over UCX where the two share a transport, and
+  // inline where they share none (0 and 1): the failed UCX attempt cost nothing but the fallback.
+  const double per_holder = 3 * kBlocks * p.block_bytes;  // three rounds of one chain
+  const std::string ucx_in =
+      "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}";
+  const std::string grpc_in =
+      "proxima_transfer_bytes_total{transport=\"peer_grpc\",direction=\"in\"}";
+  EXPECT_EQ(Metric(0, ucx_in), per_holder);   // from node 2
+  EXPECT_EQ(Metric(0, grpc_in), per_holder);  // from node 1
+  EXPECT_EQ(Metric(1, ucx_in), per_holder);   // from node 2
+  EXPECT_EQ(Metric(1, grpc_in), per_holder);  // from node 0
+  EXPECT_EQ(Metric(2, ucx_in), 2 * per_holder);
+  EXPECT_EQ(Metric(2, grpc_in), 0);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(Metric(i, "proxima_cluster_fetch_crc_failures_total"), 0) << "node " << i;
+    EXPECT_EQ(Metric(i, "proxima_cluster_live_nodes"), 3) << "node " << i;
+  }
 }
 
 // Daemons with server.tls (mTLS: server.tls.client_ca_file) call each other over TLS, verifying
