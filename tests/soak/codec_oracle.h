@@ -45,7 +45,7 @@ class CodecOracle {
                                                              uint32_t tokens, uint32_t contents);
 
   // The models blocks are put as: the dump's own geometry with its RoPE base, and the same bytes
-  // read as heads of 1.5x the head dim (not a power of two: k4v3 levels encode int4 there).
+  // read as heads of 1.5x the head dim (not a power of two: k4v3 rotates V in chunks there).
   size_t num_models() const { return models_.size(); }
   const v1::ModelProfile& model(size_t m) const { return models_[m].profile; }
   uint64_t block_bytes() const { return models_[0].geometry.RawBytes(); }
