@@ -158,6 +158,10 @@ void Cluster::CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time dead
   RunAll(started, [&](Call* call, grpc::CompletionQueue* cq) {
     call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
     AddAuth(&call->context, deadline);
+    // Background work waits for a connection until its deadline: its channel may still be
+    // backing off from the peer's restart when the peer is live again (and a record or
+    // hand-off that fails is not sent again). A worker's call fails fast instead.
+    if (!skip_suspects) call->context.set_wait_for_ready(true);
     return ((*call->stub).*method)(&call->context, call->request, cq);
   });
   // A peer that did not answer in time (with at least half the peer deadline to do it), or
@@ -205,7 +209,15 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
                            Membership::Create(MembershipOptions::FromConfig(config), registry));
   Cluster* self = cluster.get();
   cluster->membership_->OnChange([self](const std::string& peer, bool live) {
-    if (live) return;
+    if (live) {
+      // It may have kept this node's records as their home until it restarted, unnoticed.
+      {
+        std::lock_guard<std::mutex> lock(self->queue_mu_);
+        self->rejoin_to_.push_back(peer);
+      }
+      self->queue_cv_.notify_one();
+      return;
+    }
     const size_t dropped = self->records_.DropHolder(peer);
     self->records_dropped_->Increment(dropped);
     PROXIMA_LOG(kInfo) << "location records of a lost peer dropped" << log::Kv("peer", peer)
@@ -225,6 +237,13 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
       core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
       config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry,
       2 * cluster->peer_deadline_ + absl::Seconds(1));
+  cluster->service_->OnRejoin([self](const std::string& node) {
+    {
+      std::lock_guard<std::mutex> lock(self->queue_mu_);
+      self->announce_to_.push_back(node);
+    }
+    self->queue_cv_.notify_one();
+  });
   return cluster;
 }
 
@@ -399,10 +418,15 @@ void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
 
 void Cluster::RunSender() {
   while (true) {
+    std::vector<std::string> rejoin_to, announce_to;
     {
       std::unique_lock<std::mutex> lock(queue_mu_);
-      queue_cv_.wait_for(lock, kDeparturePeriod, [this] { return stopping_ || !queue_.empty(); });
+      queue_cv_.wait_for(lock, kDeparturePeriod, [this] {
+        return stopping_ || !queue_.empty() || !rejoin_to_.empty() || !announce_to_.empty();
+      });
       if (stopping_) return;
+      rejoin_to.swap(rejoin_to_);
+      announce_to.swap(announce_to_);
     }
     {
       std::lock_guard<std::mutex> lock(tell_mu_);
@@ -414,6 +438,8 @@ void Cluster::RunSender() {
                     [](const PlacementNode& a, const PlacementNode& b) { return a.id == b.id; })) {
       Reannounce(*live);
     }
+    for (const std::string& node : announce_to) AnnounceTo(*live, node);
+    if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     SendQueued();
   }
 }
@@ -431,6 +457,42 @@ void Cluster::SendQueued() {
 void Cluster::Reannounce(const LiveSet& live) {
   const std::vector<PlacementNode> before = std::exchange(announced_for_, live.nodes);
   if (live.nodes.size() < 2) return;  // alone: every key's home is here, nothing to tell
+  const uint64_t records = AnnounceChanged(live, before);
+  if (records > 0) {
+    PROXIMA_LOG(kInfo) << "live set changed; location records sent to the blocks' new homes"
+                       << log::Kv("live_nodes", live.nodes.size()) << log::Kv("records", records);
+  }
+}
+
+void Cluster::AnnounceTo(const LiveSet& live, const std::string& node) {
+  if (node == self_ || !live.Contains(node)) return;  // not live here: Reannounce will do it
+  // As if `node` had left and come back: the keys whose home it is are the ones whose home
+  // differs without it.
+  std::vector<PlacementNode> without;
+  for (const PlacementNode& n : live.nodes) {
+    if (n.id != node) without.push_back(n);
+  }
+  const uint64_t records = AnnounceChanged(live, without);
+  PROXIMA_LOG(kInfo) << "a peer rejoined; location records of the blocks it is home to sent to it"
+                     << log::Kv("peer", node) << log::Kv("records", records);
+}
+
+void Cluster::SendRejoins(const std::vector<std::string>& peers) {
+  using Call = PeerCall<v1::RejoinRequest, v1::RejoinResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  for (const std::string& peer : peers) {
+    auto call = std::make_unique<Call>();
+    call->peer = peer;
+    call->request.set_node(self_);
+    calls.push_back(std::move(call));
+  }
+  CallAll(calls, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncRejoin);
+  for (const auto& call : calls) {
+    if (!call->status.ok()) peer_call_failures_->Increment();
+  }
+}
+
+uint64_t Cluster::AnnounceChanged(const LiveSet& live, const std::vector<PlacementNode>& before) {
   BlockStore& store = core_->store();
   uint64_t records = 0;
   for (size_t shard = 0; shard < store.num_shards(); ++shard) {
@@ -479,10 +541,7 @@ void Cluster::Reannounce(const LiveSet& live) {
     if (full) SendQueued();
   }
   reannounced_->Increment(records);
-  if (records > 0) {
-    PROXIMA_LOG(kInfo) << "live set changed; location records sent to the blocks' new homes"
-                       << log::Kv("live_nodes", live.nodes.size()) << log::Kv("records", records);
-  }
+  return records;
 }
 
 void Cluster::SendAll(absl::flat_hash_map<BatchKey, Intents> batches) {

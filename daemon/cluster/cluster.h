@@ -126,13 +126,23 @@ class Cluster final : public RemoteBlocks {
   // The live set differs from the one the local blocks were last announced for: records of the
   // blocks whose home changed go to their new homes (sender thread).
   void Reannounce(const LiveSet& live);
+  // A peer rejoined (Peer.Rejoin): the records of the local blocks whose home `node` is go to
+  // it (sender thread). Nothing when it is not in `live` (Reannounce does it when it joins).
+  void AnnounceTo(const LiveSet& live, const std::string& node);
+  // Records of the local blocks whose home under `live` differs from their home under
+  // `before`, to their new homes (and a forget to the old one while it is live); returns how
+  // many records were queued.
+  uint64_t AnnounceChanged(const LiveSet& live, const std::vector<PlacementNode>& before);
+  // Tells `peers`, which just entered this node's live set, that this node rejoined.
+  void SendRejoins(const std::vector<std::string>& peers);
   void SendAll(absl::flat_hash_map<BatchKey, Intents> batches);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
   // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
   // each with the stub's PrepareAsync `method`; returns when all have finished. A peer whose
   // call fails or times out is suspect for kSuspectFor; with `skip_suspects` (the calls a
   // worker waits for: lookups, fetches, deletes) a call to a suspect peer is not made but
-  // answered UNAVAILABLE at once. Records and spills are background work: they always try.
+  // answered UNAVAILABLE at once. Records and spills are background work: they always try,
+  // and wait for the peer's connection (wait_for_ready) until the deadline.
   template <typename Call, typename Method>
   void CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method,
                bool skip_suspects = false);
@@ -184,6 +194,10 @@ class Cluster final : public RemoteBlocks {
   absl::flat_hash_map<BatchKey, Intents> queue_;                 // guarded by queue_mu_
   size_t queued_keys_ = 0;                                       // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
+  // Peers that entered the live set, to be sent Rejoin; peers whose Rejoin came in, to be sent
+  // the records they are home to. Both guarded by queue_mu_, taken by the sender thread.
+  std::vector<std::string> rejoin_to_;
+  std::vector<std::string> announce_to_;
   std::thread sender_;
   // The live set's node ids the local blocks' records were last sent for (sender thread only;
   // empty before the first round: every block put while alone is announced then).

@@ -386,6 +386,23 @@ absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status PeerService::ServeRejoin(const v1::RejoinRequest& request) {
+  constexpr size_t kMaxNodeId = 1024;
+  if (request.node().empty() || request.node().size() > kMaxNodeId) {
+    return absl::InvalidArgumentError(absl::StrCat("Rejoin node is ", request.node().size(),
+                                                   " bytes; expected a node id of 1 to ",
+                                                   kMaxNodeId));
+  }
+  if (on_rejoin_) on_rejoin_(request.node());
+  return absl::OkStatus();
+}
+
+grpc::Status PeerService::Rejoin(grpc::ServerContext* context, const v1::RejoinRequest* request,
+                                 v1::RejoinResponse* response) {
+  return Handle(context, request, response,
+                [this](const auto& r, auto*) { return ServeRejoin(r); });
+}
+
 grpc::Status PeerService::RecordLocations(grpc::ServerContext* context,
                                                        const v1::RecordLocationsRequest* request,
                                                        v1::RecordLocationsResponse* response) {

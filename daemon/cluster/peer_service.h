@@ -11,6 +11,7 @@
 #ifndef PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_
 #define PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,12 @@ class PeerService final : public v1::Peer::Service {
                            v1::StoreBlocksResponse* response) override;
   grpc::Status DeleteBlocks(grpc::ServerContext* context, const v1::DeleteBlocksRequest* request,
                             v1::DeleteBlocksResponse* response) override;
+  grpc::Status Rejoin(grpc::ServerContext* context, const v1::RejoinRequest* request,
+                      v1::RejoinResponse* response) override;
+
+  // Called with the node id of each Rejoin (set before the service serves).
+  using RejoinFn = std::function<void(const std::string& node)>;
+  void OnRejoin(RejoinFn fn) { on_rejoin_ = std::move(fn); }
 
   // The bodies, transport aside (the handlers authenticate, then call these).
   absl::Status ServeRecord(const v1::RecordLocationsRequest& request,
@@ -69,6 +76,7 @@ class PeerService final : public v1::Peer::Service {
                           absl::Time deadline = absl::InfiniteFuture());
   absl::Status ServeDelete(const v1::DeleteBlocksRequest& request,
                            v1::DeleteBlocksResponse* response);
+  absl::Status ServeRejoin(const v1::RejoinRequest& request);
   // `deadline`: the call's (a spill's UCX messages must have arrived by then).
   absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
@@ -99,6 +107,7 @@ class PeerService final : public v1::Peer::Service {
   metrics::Counter* spill_declined_deleted_ = nullptr;
   metrics::Counter* spill_bytes_in_ = nullptr;
   RecentDeletes recent_deletes_;
+  RejoinFn on_rejoin_;
 };
 
 }  // namespace proxima::daemon::cluster

@@ -1082,6 +1082,36 @@ TEST_F(ClusterTest, DaemonsOnDifferentUcxTransportsShareBlocksOverWhatTheyHaveIn
   }
 }
 
+TEST_F(ClusterTest, AHomeRestartedBeforeItsPeersNoticeGetsTheirRecordsBack) {
+  // Health checks every 5 s, 3 failures before down: node 0's restart (SIGKILL, then the same
+  // address at once) goes unnoticed by nodes 1 and 2, which keep it in their live sets. It was
+  // home to about a third of node 1's keys and lost those records with its memory; when it
+  // rejoins, nodes 1 and 2 send them again (Peer.Rejoin), or a lookup of node 1's chain from
+  // node 2 would stop at the first key homed at node 0.
+  constexpr size_t kBlocks = 24;
+  constexpr uint64_t kSeed = 60;
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"cluster.health_interval=5s", "cluster.health_timeout=1s",
+                       "cluster.failures_before_down=3"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  auto b = MustConnect(daemons_[1]->tcp_target());
+  auto c = MustConnect(daemons_[2]->tcp_target());
+  ASSERT_TRUE(b && c);
+  ASSERT_OK_AND_ASSIGN(Profile p, b->RegisterProfile(TestModel()));
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(b->Put(p, blocks.keys, blocks.spans()).status());
+  ASSERT_EQ(WaitLookup(*c, p, kSeed, kBlocks, kBlocks), kBlocks);
+
+  const double left_before = Metric(1, "proxima_cluster_peer_transitions_total{to=\"down\"}");
+  ASSERT_OK(daemons_[0]->Restart());
+  ASSERT_TRUE(WaitLive(0, 3));
+  EXPECT_EQ(WaitLookup(*c, p, kSeed, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*c, p, kSeed, 0, kBlocks), kBlocks);
+  // The premise: node 1 never saw node 0 leave.
+  EXPECT_EQ(Metric(1, "proxima_cluster_peer_transitions_total{to=\"down\"}"), left_before);
+}
+
 // Daemons with server.tls (mTLS: server.tls.client_ca_file) call each other over TLS, verifying
 // the peer's server certificate and presenting their own as a client certificate. Certificates
 // are made at test time; workers use the (plaintext) Unix sockets.
