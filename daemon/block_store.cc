@@ -117,6 +117,8 @@ namespace {
 // How far from an LRU list's tail eviction looks for a block no reader pins. Evicting a pinned
 // block frees nothing until its reader is done, so it would only lose the block.
 constexpr int kEvictionScan = 8;
+// How far a hand-off scan looks from a list's hot end (past the blocks it could not place).
+constexpr int kHandoffScan = 4096;
 }  // namespace
 
 void BlockStore::UnlinkFromSegment(Shard& shard, Shard::Entry& entry, uint64_t size) {
@@ -133,18 +135,29 @@ void BlockStore::Resized(const Shard::Entry& entry, uint64_t old_size) {
   protected_bytes_.fetch_add(entry.block->size - old_size, std::memory_order_relaxed);
 }
 
-std::optional<BlockId> BlockStore::UnpinnedTail(const Shard& shard, uint8_t segment,
-                                                uint64_t* stamp, bool for_spill) const {
-  int scanned = 0;
+std::optional<BlockId> BlockStore::Unpinned(const Shard& shard, uint8_t segment, Take take,
+                                            uint64_t* stamp) const {
   const std::list<BlockId>& list = shard.lru[segment];
-  for (auto it = list.rbegin(); it != list.rend() && scanned < kEvictionScan; ++it, ++scanned) {
-    const Shard::Entry& entry = shard.map.find(*it)->second;
-    if (for_spill && (entry.busy || entry.attributes.from_peer)) continue;
+  auto usable = [&](const BlockId& id) {
+    const Shard::Entry& entry = shard.map.find(id)->second;
+    if (take != Take::kEvict && entry.busy) return false;
+    if (take == Take::kSpill && entry.attributes.from_peer) return false;
     // The index holds one reference; readers take theirs under the shard lock held here.
-    if (entry.block.use_count() == 1) {
-      *stamp = entry.stamp;
-      return *it;
+    if (entry.block.use_count() != 1) return false;
+    *stamp = entry.stamp;
+    return true;
+  };
+  if (take == Take::kHandoff) {
+    // Blocks a hand-off could not place stay busy at the hot end until it ends: look past them.
+    int scanned = 0;
+    for (auto it = list.begin(); it != list.end() && scanned < kHandoffScan; ++it, ++scanned) {
+      if (usable(*it)) return *it;
     }
+    return std::nullopt;
+  }
+  int scanned = 0;
+  for (auto it = list.rbegin(); it != list.rend() && scanned < kEvictionScan; ++it, ++scanned) {
+    if (usable(*it)) return *it;
   }
   return std::nullopt;
 }
@@ -159,7 +172,7 @@ bool BlockStore::EvictOneFrom(uint8_t segment) {
   for (auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
     uint64_t stamp = 0;
-    if (UnpinnedTail(*shard, segment, &stamp) && stamp < oldest) {
+    if (Unpinned(*shard, segment, Take::kEvict, &stamp) && stamp < oldest) {
       oldest = stamp;
       victim = shard.get();
     }
@@ -169,7 +182,7 @@ bool BlockStore::EvictOneFrom(uint8_t segment) {
   {
     proxima::MutexLock lock(&victim->mu);
     uint64_t stamp = 0;
-    std::optional<BlockId> id = UnpinnedTail(*victim, segment, &stamp);
+    std::optional<BlockId> id = Unpinned(*victim, segment, Take::kEvict, &stamp);
     if (!id) return true;  // raced with a delete or a reader; the caller retries
     Shard::Entry& e = victim->map.find(*id)->second;
     if (e.attributes.second_chance) {  // an important block: passed over once
@@ -551,23 +564,36 @@ bool BlockStore::EvictCandidate(const Candidate& candidate, bool count) {
 }
 
 std::optional<BlockStore::Candidate> BlockStore::ColdestSpillable() {
-  for (uint8_t segment : {kProbation, kProtected}) {
-    // As EvictOneFrom: the shard whose oldest eligible block is oldest, then that block again
-    // under its lock (it may have moved meanwhile: the caller asks again).
+  return TakeCandidate(Take::kSpill);
+}
+
+std::optional<BlockStore::Candidate> BlockStore::HottestForHandoff() {
+  return TakeCandidate(Take::kHandoff);
+}
+
+std::optional<BlockStore::Candidate> BlockStore::TakeCandidate(Take take) {
+  const bool hottest = take == Take::kHandoff;
+  const std::array<uint8_t, 2> segments = hottest ? std::array<uint8_t, 2>{kProtected, kProbation}
+                                                  : std::array<uint8_t, 2>{kProbation, kProtected};
+  for (uint8_t segment : segments) {
+    // As EvictOneFrom: the shard whose eligible block at that end is the oldest (the newest for
+    // a hand-off), then that block again under its lock (it may have moved meanwhile: the
+    // caller asks again).
     Shard* best = nullptr;
-    uint64_t oldest = std::numeric_limits<uint64_t>::max();
+    uint64_t best_stamp = 0;
     for (auto& shard : shards_) {
       proxima::MutexLock lock(&shard->mu);
       uint64_t stamp = 0;
-      if (UnpinnedTail(*shard, segment, &stamp, /*for_spill=*/true) && stamp < oldest) {
-        oldest = stamp;
+      if (!Unpinned(*shard, segment, take, &stamp)) continue;
+      if (best == nullptr || (hottest ? stamp > best_stamp : stamp < best_stamp)) {
+        best_stamp = stamp;
         best = shard.get();
       }
     }
     if (best == nullptr) continue;
     proxima::MutexLock lock(&best->mu);
     uint64_t stamp = 0;
-    std::optional<BlockId> id = UnpinnedTail(*best, segment, &stamp, /*for_spill=*/true);
+    std::optional<BlockId> id = Unpinned(*best, segment, take, &stamp);
     if (!id) return std::nullopt;
     Shard::Entry& e = best->map.find(*id)->second;
     e.busy = true;

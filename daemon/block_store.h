@@ -245,6 +245,10 @@ class BlockStore {
   // ColdestCompressible's are: hand it back with EvictCandidate() or Release(). nullopt when
   // there is none near the tails.
   std::optional<Candidate> ColdestSpillable();
+  // For a node that is leaving (cluster.spill.handoff): the most recently used host block no
+  // reader pins and none has taken, protected first, blocks peers spilled here included; taken
+  // as ColdestSpillable's are. nullopt when there is none.
+  std::optional<Candidate> HottestForHandoff();
 
   // Evicts the globally least recently used probation block that no reader pins (a protected
   // one when probation has none), or passes over an important block once. False when there is
@@ -362,12 +366,18 @@ class BlockStore {
   // returns the removed block so the caller drops it outside the lock.
   BlockRef Unlink(Shard& shard, const BlockId& id, const StoredBlock* expected)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
-  // The least recently used block among the last few of `shard`'s `segment` list that no
-  // reader pins, and its stamp; nullopt when there is none. `for_spill`: only blocks that are
-  // not busy and did not come from a peer.
-  std::optional<BlockId> UnpinnedTail(const Shard& shard, uint8_t segment, uint64_t* stamp,
-                                      bool for_spill = false) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Which blocks a scan of a segment's list looks for.
+  enum class Take : uint8_t {
+    kEvict,    // from the cold end, among the last few: any block no reader pins
+    kSpill,    // the same, not busy and not spilled here by a peer
+    kHandoff,  // from the hot end: not pinned, not busy (from a peer or not)
+  };
+  // The first block of `shard`'s `segment` list that `take` looks for, and its stamp; nullopt
+  // when there is none.
+  std::optional<BlockId> Unpinned(const Shard& shard, uint8_t segment, Take take,
+                                  uint64_t* stamp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // ColdestSpillable (kSpill) and HottestForHandoff (kHandoff).
+  std::optional<Candidate> TakeCandidate(Take take);
   // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
   bool EvictOneFrom(uint8_t segment);
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
@@ -413,7 +423,8 @@ class BlockStore {
   std::vector<std::unique_ptr<Shard>> shards_;
   const uint64_t protected_max_bytes_;
   std::atomic<uint64_t> protected_bytes_{0};
-  std::atomic<uint64_t> clock_{0};
+  // Recency stamps of use; 0 is left to blocks peers spilled here (older than any use here).
+  std::atomic<uint64_t> clock_{1};
   std::atomic<uint64_t> blocks_{0};
   std::atomic<uint64_t> evictions_{0};
   std::atomic<uint64_t> crc_failures_{0};

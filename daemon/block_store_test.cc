@@ -234,6 +234,49 @@ TEST_F(BlockStoreTest, SpillCandidatesAreTheColdestOwnBlocksAndLeaveUncounted) {
   EXPECT_FALSE(store->ColdestSpillable().has_value());
 }
 
+// A node that is leaving hands its blocks to peers most recently used first: blocks read again
+// (protected) before the rest, blocks peers spilled here included (kept at the cold end until
+// read here); busy and pinned ones are passed over.
+TEST_F(BlockStoreTest, AHandOffTakesTheMostRecentlyUsedBlocksFirstSpilledOnesToo) {
+  const size_t kBlock = 4096;
+  auto store = MakeStore(16 * kBlock, /*shards=*/8, /*protected_share=*/0.5);
+  for (uint32_t i = 0; i < 5; ++i) {
+    ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
+  }
+  const std::string spilled = Payload(100, kBlock);
+  std::optional<BlockStore::PendingBlock> p = store->TryReserve(spilled.size());
+  ASSERT_TRUE(p.has_value());
+  std::memcpy(p->bytes().data(), spilled.data(), spilled.size());
+  BlockAttributes from_peer;
+  from_peer.from_peer = true;
+  ASSERT_EQ(store->Commit(Id(100), *std::move(p), Crc32c(B(spilled)), from_peer, /*level=*/0),
+            PutOutcome::kStored);
+  std::string out;
+  ASSERT_TRUE(ReadInto(*store, Id(1), &out));  // read again: protected
+  ASSERT_TRUE(ReadInto(*store, Id(3), &out));  // the same, more recently
+
+  std::vector<BlockStore::Candidate> taken;
+  auto next = [&]() -> std::optional<BlockId> {
+    std::optional<BlockStore::Candidate> c = store->HottestForHandoff();
+    if (!c) return std::nullopt;
+    taken.push_back(*c);
+    return c->id;
+  };
+  EXPECT_EQ(next(), Id(3));
+  EXPECT_EQ(next(), Id(1));
+  std::optional<BlockStore::ReadBlock> pin = store->Read(Id(4));  // a reader holds 4
+  ASSERT_TRUE(pin.has_value());
+  EXPECT_EQ(next(), Id(2));
+  pin.reset();
+  EXPECT_EQ(next(), Id(4));
+  EXPECT_EQ(next(), Id(0));
+  EXPECT_EQ(next(), Id(100));       // a peer's block waits at the cold end, but goes too
+  EXPECT_EQ(next(), std::nullopt);  // every block is taken (busy)
+  for (const BlockStore::Candidate& c : taken) store->Release(c);
+  taken.clear();
+  EXPECT_TRUE(store->HottestForHandoff().has_value());  // released: candidates again
+}
+
 // The cluster tells a block's home when the block leaves this node, so the store logs every way
 // a block leaves other than Delete (whose caller tells the homes itself), in order, once.
 TEST_F(BlockStoreTest, BlocksThatLeaveOtherThanByDeleteAreLoggedOnceEach) {

@@ -110,6 +110,8 @@ cluster:                           # daemons of many nodes sharing their tiers (
     candidates: 3                  # a block goes to the first of its key's N best nodes with room
     put_wait: 500ms                # a put into a full tier waits this long at most for a spill
                                    # round before it evicts; 0 = evict at once
+    handoff: 10s                   # at shutdown, after the drain, send blocks to peers with
+                                   # room for up to this long, hottest first; 0 = off
 )";
 
 // Walks a YAML tree and produces errors that name the full dotted key.
@@ -693,9 +695,9 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
   // receive_pool_bytes (registered receive buffers of one-sided UCX fetches) is accepted and
   // ignored, so that configs written for older versions still load.
   if (const YAML::Node spill = node["spill"]) {
-    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
-                                        {"enabled", "threshold", "accept_below", "candidates",
-                                         "put_wait"}));
+    PROXIMA_RETURN_IF_ERROR(
+        r.CheckKeys(spill, "cluster.spill",
+                    {"enabled", "threshold", "accept_below", "candidates", "put_wait", "handoff"}));
     if (spill.IsMap()) {
       PROXIMA_RETURN_IF_ERROR(
           r.Bool(spill["enabled"], "cluster.spill.enabled", &out->spill_enabled));
@@ -707,6 +709,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                                      &out->spill_candidates));
       PROXIMA_RETURN_IF_ERROR(Duration(r, spill["put_wait"], "cluster.spill.put_wait", 0, 60,
                                        &out->spill_put_wait_seconds));
+      PROXIMA_RETURN_IF_ERROR(Duration(r, spill["handoff"], "cluster.spill.handoff", 0, 600,
+                                       &out->spill_handoff_seconds));
     }
   }
   if (out->spill_accept_below >= out->spill_threshold) {
@@ -1315,6 +1319,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "accept_below" << YAML::Value << k.spill_accept_below;
   e << YAML::Key << "candidates" << YAML::Value << k.spill_candidates;
   e << YAML::Key << "put_wait" << YAML::Value << seconds(k.spill_put_wait_seconds);
+  e << YAML::Key << "handoff" << YAML::Value << seconds(k.spill_handoff_seconds);
   e << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::EndMap;

@@ -184,11 +184,15 @@ struct ClusterConfig {
   // full (nothing left to compress) waits up to `spill_put_wait_seconds` for a spill round to
   // move cold blocks to peers before it evicts any; 0 = puts never wait (they evict at once,
   // and a burst faster than the spiller evicts blocks a peer had room for).
+  // A node that shuts down (SIGTERM) spends up to `spill_handoff_seconds`, once its calls have
+  // finished, sending its blocks to peers with room, most recently used first, so that they
+  // outlive it (a rolling upgrade, a drain); 0 = it leaves them behind.
   bool spill_enabled = true;
   double spill_threshold = 0.9;
   double spill_accept_below = 0.75;
   uint32_t spill_candidates = 3;
   double spill_put_wait_seconds = 0.5;
+  double spill_handoff_seconds = 10;
 };
 
 struct DaemonConfig {

@@ -417,6 +417,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(d.cluster.spill_accept_below, 0.75);
   EXPECT_EQ(d.cluster.spill_candidates, 3u);
   EXPECT_EQ(d.cluster.spill_put_wait_seconds, 0.5);
+  EXPECT_EQ(d.cluster.spill_handoff_seconds, 10);
   EXPECT_EQ(d.cluster.transport, "auto");
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
@@ -434,7 +435,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                   "  peer_token: {file: /etc/proxima/peer-token}\n"
                   "  receive_pool_bytes: 64MiB\n"
                   "  spill: {enabled: false, threshold: 0.95, accept_below: 0.5, candidates: 2,\n"
-                  "          put_wait: 0}\n",
+                  "          put_wait: 0, handoff: 2m}\n",
                   "c", {}));
   EXPECT_TRUE(c.cluster.enabled);
   EXPECT_EQ(c.cluster.advertise, "10.0.0.7:50051");
@@ -457,6 +458,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(again.cluster.spill_accept_below, 0.5);
   EXPECT_EQ(again.cluster.spill_candidates, 2u);
   EXPECT_EQ(again.cluster.spill_put_wait_seconds, 0);
+  EXPECT_EQ(again.cluster.spill_handoff_seconds, 120);
   // --set works on the section like on any other.
   ASSERT_OK_AND_ASSIGN(DaemonConfig s,
                        ParseConfig("", "s",
@@ -516,6 +518,8 @@ TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"cluster: {spill: {candidates: 0}}", {"cluster.spill.candidates", "[1, 64]"}},
       {"cluster: {spill: {put_wait: -1s}}", {"cluster.spill.put_wait", "-1s"}},
       {"cluster: {spill: {put_wait: soon}}", {"cluster.spill.put_wait", "soon"}},
+      {"cluster: {spill: {handoff: 11m}}", {"cluster.spill.handoff", "11m"}},
+      {"cluster: {spill: {handoff: -1}}", {"cluster.spill.handoff", "-1"}},
       {"cluster: {spill: {ratio: 2}}", {"cluster.spill.ratio", "unknown"}},
       {"cluster: {spill: 3}", {"cluster.spill"}},
       {"cluster: {transport: rdma}", {"cluster.transport", "rdma", "auto", "grpc or ucx"}},

@@ -201,6 +201,15 @@ void Daemon::Shutdown() {
   server_->Shutdown(deadline);
   server_->Wait();
   if (cluster_) {  // no call runs anymore: the core may let go of the cluster
+    if (config_.cluster.spill_enabled && config_.cluster.spill_handoff_seconds > 0) {
+      // The blocks outlive this process on peers with room (a rolling upgrade, a drain).
+      const absl::Time start = absl::Now();
+      const cluster::Cluster::Handoff h =
+          cluster_->HandOff(absl::Seconds(config_.cluster.spill_handoff_seconds));
+      PROXIMA_LOG(kInfo) << "handed blocks off to peers before exit" << log::Kv("blocks", h.blocks)
+                         << log::Kv("bytes", h.bytes) << log::Kv("left_blocks", h.left_blocks)
+                         << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+    }
     core_->SetRemote(nullptr);
     cluster_->Stop();
   }

@@ -11,7 +11,8 @@
 #   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC, Redis and the bare
 #                                move (a TCP stream over tcp, memcpy over shm); tcp and shm
 #   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
-#   scripts/bench.sh cluster     2 MiB get served one hop away (daemon to daemon) vs served locally
+#   scripts/bench.sh cluster     2 MiB get served one hop away (daemon to daemon) vs served locally; the hand-off
+#                                of a stopped daemon's blocks to its peers vs that one-hop get
 #   scripts/bench.sh call_floor  one small call to proximad vs an empty in-process gRPC call and a
 #                                thread wake-up (what a call costs below the daemon)
 # Extra arguments go to the benchmark binary.

@@ -819,15 +819,16 @@ void Cluster::RunSpiller() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(queue_mu_);
-      spill_cv_.wait_for(lock, kSpillPeriod, [this] { return stopping_ || spill_wanted_; });
-      if (stopping_) return;
+      spill_cv_.wait_for(lock, kSpillPeriod,
+                         [this] { return stopping_ || spiller_stopping_ || spill_wanted_; });
+      if (stopping_ || spiller_stopping_) return;
       spill_wanted_ = false;
     }
     SpillRound round = SpillRound::kMoved;
     while (round == SpillRound::kMoved) {
       {
         std::lock_guard<std::mutex> lock(queue_mu_);
-        if (stopping_) return;
+        if (stopping_ || spiller_stopping_) return;
         spill_round_running_ = true;
       }
       round = SpillOnce();
@@ -846,7 +847,7 @@ void Cluster::RunSpiller() {
 bool Cluster::MakeRoom() {
   if (!config_.cluster.spill_enabled || config_.cluster.spill_put_wait_seconds <= 0) return false;
   std::unique_lock<std::mutex> lock(queue_mu_);
-  if (stopping_) return false;
+  if (stopping_ || spiller_stopping_) return false;
   // The last round found no peer with room, and the spiller leaves full peers alone for a
   // while: evict now rather than wait for a round that cannot help.
   if (last_round_ == SpillRound::kStuck && !spill_round_running_ &&
@@ -861,8 +862,8 @@ bool Cluster::MakeRoom() {
   spill_cv_.notify_one();
   const bool done = spill_done_cv_.wait_for(
       lock, std::chrono::duration<double>(config_.cluster.spill_put_wait_seconds),
-      [&] { return stopping_ || spill_rounds_ >= until; });
-  if (!done || stopping_) {
+      [&] { return stopping_ || spiller_stopping_ || spill_rounds_ >= until; });
+  if (!done || stopping_ || spiller_stopping_) {
     put_waits_timeout_->Increment();
     return false;
   }
@@ -872,12 +873,33 @@ bool Cluster::MakeRoom() {
   return room;
 }
 
-Cluster::SpillRound Cluster::SpillOnce() {
+Cluster::Handoff Cluster::HandOff(absl::Duration budget) {
+  BlockStore& store = core_->store();
+  Handoff result;
+  if (config_.cluster.spill_enabled && budget > absl::ZeroDuration()) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      spiller_stopping_ = true;
+    }
+    spill_cv_.notify_all();
+    spill_done_cv_.notify_all();
+    if (spiller_.joinable()) spiller_.join();  // its rooms_ are this thread's from here on
+    HandoffState state;
+    state.until = absl::Now() + budget;
+    while (absl::Now() < state.until && SpillOnce(&state) == SpillRound::kMoved) {
+    }
+    result = state.moved;
+  }
+  result.left_blocks = store.host_blocks();
+  return result;
+}
+
+Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
   BlockStore& store = core_->store();
   const double capacity = static_cast<double>(store.capacity_bytes());
   const double limit = config_.cluster.spill_threshold * capacity;
   const uint64_t used = store.used_bytes();
-  if (static_cast<double>(used) <= limit) return SpillRound::kIdle;
+  if (handoff == nullptr && static_cast<double>(used) <= limit) return SpillRound::kIdle;
   std::shared_ptr<const LiveSet> live = membership_->Live();
   // What was known of a peer that left the live set (its room, its UCX worker) is stale when it
   // comes back: it may have restarted empty, with another worker.
@@ -892,7 +914,9 @@ Cluster::SpillRound Cluster::SpillOnce() {
     if (i == live->self) continue;
     auto room = rooms_.find(live->id(i));
     if (room == rooms_.end()) {
-      budget[i] = UINT64_MAX;
+      // Unknown: a spill sends what it has. A hand-off, which may move the whole tier, sends
+      // one block first, so that the rest goes over UCX when the answer names a UCX worker.
+      budget[i] = handoff != nullptr ? 1 : UINT64_MAX;
     } else if (room->second.retry_at <= now) {
       budget[i] = room->second.bytes > 0 ? room->second.bytes : 1;  // 1: a single block
     }
@@ -901,8 +925,11 @@ Cluster::SpillRound Cluster::SpillOnce() {
   if (!any_peer) return SpillRound::kStuck;
   // Down to a little under the threshold (1/64 of the tier), so that not every put starts a
   // round of its own.
-  const uint64_t want = std::min<uint64_t>(
-      kMaxSpillRoundBytes, static_cast<uint64_t>(static_cast<double>(used) - limit + capacity / 64));
+  const uint64_t want = handoff != nullptr
+                            ? kMaxSpillRoundBytes
+                            : std::min<uint64_t>(kMaxSpillRoundBytes,
+                                                 static_cast<uint64_t>(static_cast<double>(used) -
+                                                                       limit + capacity / 64));
   const uint64_t max_call_bytes = config_.server.max_message_bytes - 64 * 1024;
 
   using Call = PeerCall<v1::StoreBlocksRequest, v1::StoreBlocksResponse>;
@@ -918,7 +945,8 @@ Cluster::SpillRound Cluster::SpillOnce() {
   std::vector<BlockStore::Candidate> stay;  // no peer takes them now: released at the end
   uint64_t taken = 0;
   while (taken < want) {
-    std::optional<BlockStore::Candidate> c = store.ColdestSpillable();
+    std::optional<BlockStore::Candidate> c =
+        handoff != nullptr ? store.HottestForHandoff() : store.ColdestSpillable();
     if (!c) break;
     taken += c->block.bytes.size();
     const BlockId& id = c->id;
@@ -940,7 +968,14 @@ Cluster::SpillRound Cluster::SpillOnce() {
     }
     if (target >= live->nodes.size()) {
       spill_no_room_->Increment();
+      // A hand-off goes on past the blocks none of whose peers may take more this round (a
+      // peer sent its first block, or full): the next round may place them.
+      if (handoff != nullptr) taken -= c->block.bytes.size();
       stay.push_back(*std::move(c));
+      if (handoff != nullptr &&
+          std::all_of(budget.begin(), budget.end(), [](uint64_t b) { return b == 0; })) {
+        break;  // no peer may take more this round
+      }
       continue;
     }
     const auto key = std::make_tuple(target, id.namespace_index, id.partition, id.profile_id);
@@ -980,7 +1015,8 @@ Cluster::SpillRound Cluster::SpillOnce() {
     p.bytes += c->block.bytes.size();
     p.blocks.push_back(*std::move(c));
   }
-  const absl::Time deadline = now + peer_deadline_;
+  const absl::Time deadline =
+      handoff != nullptr ? std::min(now + peer_deadline_, handoff->until) : now + peer_deadline_;
   // The blocks of UCX calls leave first, as messages of a transfer the call then names; a peer
   // whose worker cannot be reached gets them inline this round and for kUcxRetryAfter.
   for (Pending& p : pending) {
@@ -1018,8 +1054,11 @@ Cluster::SpillRound Cluster::SpillOnce() {
         call.status.ok() && call.response.stored_size() == static_cast<int>(blocks.size());
     if (!answered) {
       peer_call_failures_->Increment();
-      PROXIMA_LOG(kDebug) << "spill to a peer failed" << log::Kv("peer", call.peer)
-                          << log::Kv("error", call.status.error_message());
+      // A hand-off's failures are worth a line each: the blocks may leave with the process.
+      ::proxima::log::Line(handoff != nullptr ? log::Level::kWarning : log::Level::kDebug, __FILE__,
+                           __LINE__)
+          << (handoff != nullptr ? "hand-off to a peer failed" : "spill to a peer failed")
+          << log::Kv("peer", call.peer) << log::Kv("error", call.status.error_message());
     }
     PeerRoom& room = rooms_[call.peer];
     room.bytes = answered ? call.response.room_bytes() : 0;
@@ -1041,7 +1080,7 @@ Cluster::SpillRound Cluster::SpillOnce() {
     for (size_t j = 0; j < blocks.size(); ++j) {
       if (!answered || !call.response.stored(static_cast<int>(j))) {
         spill_no_room_->Increment();
-        store.Release(blocks[j]);
+        stay.push_back(blocks[j]);
         continue;
       }
       // The peer holds it now and tells its home. A reader that pinned it meanwhile keeps this
@@ -1058,6 +1097,10 @@ Cluster::SpillRound Cluster::SpillOnce() {
       }
       spilled_blocks_->Increment();
       spill_bytes_out_->Increment(blocks[j].block.bytes.size());
+      if (handoff != nullptr) {
+        ++handoff->moved.blocks;
+        handoff->moved.bytes += blocks[j].block.bytes.size();
+      }
       moved = true;
     }
   }

@@ -85,6 +85,19 @@ class Cluster final : public RemoteBlocks {
   // Stops the threads. Calls still running finish within their deadline.
   void Stop();
 
+  // What a hand-off moved, and the host blocks it left behind.
+  struct Handoff {
+    uint64_t blocks = 0;
+    uint64_t bytes = 0;
+    uint64_t left_blocks = 0;
+  };
+  // For a node shutting down once its calls have finished (cluster.spill.handoff): stops the
+  // spiller, then sends the host tier's blocks to peers with room (as spills: a peer keeps them
+  // only below its cluster.spill.accept_below, and tells their homes), most recently used
+  // first, blocks peers spilled here included, until none is left, no peer takes any more, or
+  // `budget` has passed. GPU tier blocks stay. Nothing is sent with spill off.
+  Handoff HandOff(absl::Duration budget);
+
   void Stored(const RemoteBlockSet& blocks) override;
   void Removed(const RemoteBlockSet& blocks) override;
   size_t LookupChain(const RemoteBlockSet& blocks) override;
@@ -149,12 +162,18 @@ class Cluster final : public RemoteBlocks {
   // Wakes the spiller when the host tier is over cluster.spill.threshold.
   void WakeSpillerIfFull();
   void RunSpiller();
+  // A hand-off in progress: its end, and what it moved.
+  struct HandoffState {
+    absl::Time until;
+    Handoff moved;
+  };
   // One spill round: up to kMaxSpillRoundBytes of the coldest blocks to peers with room.
   // kMoved when some block left or a peer is to be sent them inline next (the caller goes on
   // while the tier is still over the threshold), kIdle when the tier is not over it, kStuck
-  // when no peer took any.
+  // when no peer took any. With `handoff`: the hottest blocks, whatever the tier's fill, each
+  // call by handoff->until.
   enum class SpillRound { kIdle, kMoved, kStuck };
-  SpillRound SpillOnce();
+  SpillRound SpillOnce(HandoffState* handoff = nullptr);
 
   const DaemonConfig config_;
   const std::string self_;
@@ -206,6 +225,7 @@ class Cluster final : public RemoteBlocks {
   // The spiller: woken by puts that leave the tier over the threshold (and every 250 ms).
   std::condition_variable spill_cv_;  // with queue_mu_
   bool spill_wanted_ = false;         // guarded by queue_mu_
+  bool spiller_stopping_ = false;     // HandOff: the spiller thread ends; guarded by queue_mu_
   // Spill rounds, for puts that wait on them (MakeRoom): each round's end is signalled on
   // spill_done_cv_ (with queue_mu_).
   std::condition_variable spill_done_cv_;

@@ -398,10 +398,13 @@ def test_ports_probes_and_grace_agree_with_config():
         assert mounts["socket-dir"] == sock_dir
         assert vols["socket-dir"]["hostPath"]["path"] == sock_dir
         assert mounts["config"] == "/etc/proxima"
-        # preStop + drain must fit in the termination grace period.
+        # preStop + drain + the cluster's hand-off must fit in the termination grace period.
         pre = c["lifecycle"]["preStop"]["exec"]["command"][-1]
         pre_s = int(re.fullmatch(r"sleep (\d+)", pre).group(1))
-        assert pre_s + cfg["server"]["shutdown_grace_seconds"] < pod["terminationGracePeriodSeconds"]
+        handoff = str(cfg.get("cluster", {}).get("spill", {}).get("handoff", "10s"))
+        handoff_s = float(re.fullmatch(r"([0-9.]+)s?", handoff).group(1))
+        assert pre_s + cfg["server"]["shutdown_grace_seconds"] + handoff_s < \
+            pod["terminationGracePeriodSeconds"]
         # Memory limit above the host tier's capacity.
         limit = c["resources"]["limits"]["memory"]
         assert limit.endswith("Gi") and cfg["tiers"]["host"]["capacity_bytes"].endswith("GiB")

@@ -1112,6 +1112,151 @@ TEST_F(ClusterTest, AHomeRestartedBeforeItsPeersNoticeGetsTheirRecordsBack) {
   EXPECT_EQ(Metric(1, "proxima_cluster_peer_transitions_total{to=\"down\"}"), left_before);
 }
 
+// The count a daemon's log gives for `key` on its hand-off line ("handed blocks off to peers
+// before exit ... blocks=N"), or -1 when there is no such line.
+int64_t HandoffCount(const std::string& log, const std::string& key) {
+  const size_t line = log.find("handed blocks off to peers before exit");
+  if (line == std::string::npos) return -1;
+  const size_t at = log.find(" " + key + "=", line);
+  if (at == std::string::npos) return -1;
+  return std::strtoll(log.c_str() + at + key.size() + 2, nullptr, 10);
+}
+
+TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt) {
+  // SIGTERM node 0 holding 20 blocks; its two peers have room for all of them. With the
+  // hand-off off (0s) they are gone with it; on, node 1 reads every one byte-exact after node 0
+  // has exited, and so does node 0's worker once it is back (empty, one hop away).
+  constexpr size_t kBlocks = 20;
+  for (const std::string handoff : {"0s", "10s"}) {
+    SCOPED_TRACE("cluster.spill.handoff=" + handoff);
+    daemons_.clear();
+    ports_.clear();
+    ASSERT_NO_FATAL_FAILURE(StartCluster(
+        3, {"ucx.enabled=true", "cluster.transport=auto",
+            "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: " + handoff + "}"}));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    const uint64_t seed = handoff == "0s" ? 40 : 41;
+    TwoClients clients;
+    ASSERT_NO_FATAL_FAILURE(PutChainThroughA(seed, kBlocks, &clients));
+    {
+      auto c = MustConnect(daemons_[2]->tcp_target());
+      ASSERT_TRUE(c);
+      ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    }
+    const Profile p = clients.p;
+    clients.a.reset();
+    daemons_[0]->Signal(SIGTERM);
+    ASSERT_EQ(daemons_[0]->WaitExit(absl::Seconds(30)), 0) << daemons_[0]->Log();
+    const std::string log = daemons_[0]->Log();
+    ASSERT_TRUE(WaitLive(1, 2));
+    if (handoff == "0s") {
+      EXPECT_EQ(HandoffCount(log, "blocks"), -1) << log;
+      EXPECT_EQ(GetAndCheck(*clients.b, p, seed, 0, kBlocks), 0u);
+      continue;
+    }
+    EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+    EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
+    EXPECT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
+    EXPECT_EQ(GetAndCheck(*clients.b, p, seed, 0, kBlocks), kBlocks);
+    EXPECT_EQ(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}") +
+                  Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"),
+              kBlocks);
+
+    ASSERT_OK(daemons_[0]->Restart());
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    auto a = MustConnect(daemons_[0]->tcp_target());
+    ASSERT_TRUE(a);
+    ASSERT_OK(a->RegisterProfile(TestModel()).status());
+    EXPECT_EQ(WaitLookup(*a, p, seed, kBlocks, kBlocks), kBlocks);
+    EXPECT_EQ(GetAndCheck(*a, p, seed, 0, kBlocks), kBlocks);
+  }
+}
+
+TEST_F(ClusterTest, ARollingRestartOfEveryNodeKeepsTheBlocksOnTheOthers) {
+  // A DaemonSet update: each node in turn is stopped (SIGTERM) and started again, empty. Each
+  // hands its blocks, those peers handed it before included, to the two that are up.
+  constexpr size_t kBlocks = 12;
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"ucx.enabled=true", "cluster.transport=auto",
+                       "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  Profile p;
+  for (int i = 0; i < 3; ++i) {
+    auto c = MustConnect(daemons_[i]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK_AND_ASSIGN(p, c->RegisterProfile(TestModel()));
+    Blocks blocks = MakeBlocks(50 + i, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(c->Put(p, blocks.keys, blocks.spans()).status());
+  }
+  for (int node = 0; node < 3; ++node) {
+    SCOPED_TRACE(absl::StrCat("node ", node, " restarted"));
+    daemons_[node]->Signal(SIGTERM);
+    ASSERT_EQ(daemons_[node]->WaitExit(absl::Seconds(30)), 0) << daemons_[node]->Log();
+    EXPECT_GT(HandoffCount(daemons_[node]->Log(), "blocks"), 0) << daemons_[node]->Log();
+    EXPECT_EQ(HandoffCount(daemons_[node]->Log(), "left_blocks"), 0) << daemons_[node]->Log();
+    ASSERT_OK(daemons_[node]->Restart());
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    auto c = MustConnect(daemons_[node]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  }
+  for (int reader = 0; reader < 3; ++reader) {
+    auto c = MustConnect(daemons_[reader]->tcp_target());
+    ASSERT_TRUE(c);
+    for (int chain = 0; chain < 3; ++chain) {
+      SCOPED_TRACE(absl::StrCat("node ", reader, " reads chain ", chain));
+      EXPECT_EQ(WaitLookup(*c, p, 50 + chain, kBlocks, kBlocks), kBlocks);
+      EXPECT_EQ(GetAndCheck(*c, p, 50 + chain, 0, kBlocks), kBlocks);
+    }
+  }
+}
+
+TEST_F(ClusterTest, AHandOffWithRoomForSomeBlocksSendsTheMostRecentlyUsedFirst) {
+  // Node 0 holds 24 blocks, 8 of them read twice since they were put (hot); its peers keep
+  // peers' blocks up to half of 4 MiB each, 16 blocks between them. The 8 hot blocks all go,
+  // and the hand-off stops when the peers are full, leaving the rest behind.
+  constexpr size_t kBlocks = 24, kHot = 8, kHotFirst = 10;
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3,
+                   {"ucx.enabled=true", "cluster.transport=auto",
+                    "cluster.spill={threshold: 0.9, accept_below: 0.5, handoff: 10s}"},
+                   [](int i) {
+                     return i == 0 ? std::vector<std::string>{}
+                                   : std::vector<std::string>{"tiers.host.capacity_bytes=4MiB"};
+                   }));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  constexpr uint64_t kSeed = 42;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(kSeed, kBlocks, &clients));
+  {
+    auto c = MustConnect(daemons_[2]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  }
+  const Profile p = clients.p;
+  for (int read = 0; read < 2; ++read) {
+    ASSERT_EQ(GetAndCheck(*clients.a, p, kSeed, kHotFirst, kHot), kHot);
+  }
+  clients.a.reset();
+  daemons_[0]->Signal(SIGTERM);
+  ASSERT_EQ(daemons_[0]->WaitExit(absl::Seconds(30)), 0) << daemons_[0]->Log();
+  const std::string log = daemons_[0]->Log();
+  const int64_t moved = HandoffCount(log, "blocks");
+  EXPECT_GE(moved, static_cast<int64_t>(kHot)) << log;
+  EXPECT_LT(moved, static_cast<int64_t>(kBlocks)) << log;
+  EXPECT_EQ(HandoffCount(log, "left_blocks"), static_cast<int64_t>(kBlocks) - moved) << log;
+  ASSERT_TRUE(WaitLive(1, 2));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  size_t hot = 0;
+  while (absl::Now() < deadline) {  // records reach the blocks' new homes in the background
+    hot = GetAndCheck(*clients.b, p, kSeed, kHotFirst, kHot);
+    if (hot == kHot) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(hot, kHot);
+  EXPECT_EQ(GetAndCheck(*clients.b, p, kSeed, 0, kBlocks), static_cast<size_t>(moved));
+}
+
 // Daemons with server.tls (mTLS: server.tls.client_ca_file) call each other over TLS, verifying
 // the peer's server certificate and presenting their own as a client certificate. Certificates
 // are made at test time; workers use the (plaintext) Unix sockets.
