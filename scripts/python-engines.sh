@@ -9,15 +9,24 @@
 #
 #   scripts/python-engines.sh            # install (idempotent) and run the tests
 #   VENV=/path scripts/python-engines.sh # another environment (default .venv-engines)
+#   VLLM_VERSION=0.34.0 VLLM_NO_DEPS=1 scripts/python-engines.sh
+#       # another vLLM, installed without its dependencies over the pinned one's (0.34.0 pins a
+#       # flashinfer-python that PyPI lacks; docs/python.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-engines}
-VLLM_VERSION=0.33.0     # pinned: the versions proxima.vllm and proxima.sglang were checked with
+PINNED_VLLM=0.33.0      # pinned: the versions proxima.vllm and proxima.sglang were checked with
+VLLM_VERSION=${VLLM_VERSION:-$PINNED_VLLM}
 SGLANG_VERSION=0.5.23
 
 if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
-"${PIP[@]}" "vllm==$VLLM_VERSION" pytest numpy
+if [ "${VLLM_NO_DEPS:-0}" = 1 ]; then
+  "${PIP[@]}" "vllm==$PINNED_VLLM" pytest numpy
+  "${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
+else
+  "${PIP[@]}" "vllm==$VLLM_VERSION" pytest numpy
+fi
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
 "${PIP[@]}" ipython gguf
 

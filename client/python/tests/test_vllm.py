@@ -5,6 +5,7 @@ paged KV tensors on the CPU in two layouts; driven through the calls the schedul
 worker make, checked byte for byte. The host staging buffer is memory the worker's client
 allocated over UCX (reallocated with a new client after a daemon restart), a heap tensor over
 inline."""
+import inspect
 import json
 import time
 
@@ -117,10 +118,17 @@ def request(rid, tokens):
                    block_hasher=get_request_block_hasher(BLOCK, HASH))
 
 
+def new_request_data(req, block_ids):
+    """NewRequestData as vLLM's scheduler makes it (0.34 added the prefill token ids)."""
+    if "prefill_token_ids" in inspect.signature(NewRequestData.from_request).parameters:
+        return NewRequestData.from_request(req, block_ids, req.prefill_token_ids)
+    return NewRequestData.from_request(req, block_ids)
+
+
 def schedule_new(sched, req, block_ids, num_computed=0):
     """One scheduler step that schedules the rest of `req`'s prompt on `block_ids`."""
     out = SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [NewRequestData.from_request(req, (list(block_ids),))]
+    out.scheduled_new_reqs = [new_request_data(req, (list(block_ids),))]
     out.scheduled_new_reqs[0].num_computed_tokens = num_computed
     out.num_scheduled_tokens = {req.request_id: req.num_tokens - num_computed}
     out.total_num_scheduled_tokens = req.num_tokens - num_computed
