@@ -51,6 +51,17 @@ class BlockStoreTest : public ::testing::Test {
   PutOutcome Put(BlockStore& s, const BlockId& id, const std::string& data) {
     return s.Put(id, B(data), Crc32c(B(data)));
   }
+  // Stores `data` as a block a peer spilled here (from_peer), at `level`, as the peer service
+  // does; kNoSpace when there is no room for it.
+  PutOutcome CommitFromPeer(BlockStore& s, const BlockId& id, const std::string& data,
+                            uint8_t level) {
+    std::optional<BlockStore::PendingBlock> p = s.TryReserve(data.size());
+    if (!p) return PutOutcome::kNoSpace;
+    std::memcpy(p->bytes().data(), data.data(), data.size());
+    BlockAttributes from_peer;
+    from_peer.from_peer = true;
+    return s.Commit(id, *std::move(p), Crc32c(B(data)), from_peer, level);
+  }
   NamespaceCounters counters_[2];
 };
 
@@ -187,13 +198,7 @@ TEST_F(BlockStoreTest, SpillCandidatesAreTheColdestOwnBlocksAndLeaveUncounted) {
   auto store = MakeStore(64 * kBlock);
   // A block a peer spilled here, committed at the level it arrived at: never a spill candidate.
   const std::string spilled = Payload(100, kBlock / 2);
-  std::optional<BlockStore::PendingBlock> p = store->TryReserve(spilled.size());
-  ASSERT_TRUE(p.has_value());
-  std::memcpy(p->bytes().data(), spilled.data(), spilled.size());
-  BlockAttributes from_peer;
-  from_peer.from_peer = true;
-  EXPECT_EQ(store->Commit(Id(100), *std::move(p), Crc32c(B(spilled)), from_peer, /*level=*/2),
-            PutOutcome::kStored);
+  EXPECT_EQ(CommitFromPeer(*store, Id(100), spilled, /*level=*/2), PutOutcome::kStored);
   EXPECT_EQ(store->level_blocks(2), 1u);
   EXPECT_EQ(store->level_bytes(2), spilled.size());
   std::optional<BlockStore::ReadBlock> r = store->Read(Id(100));
@@ -243,13 +248,7 @@ TEST_F(BlockStoreTest, AHandOffTakesTheMostRecentlyUsedBlocksFirstSpilledOnesToo
   for (uint32_t i = 0; i < 5; ++i) {
     ASSERT_EQ(Put(*store, Id(i), Payload(i, kBlock)), PutOutcome::kStored);
   }
-  const std::string spilled = Payload(100, kBlock);
-  std::optional<BlockStore::PendingBlock> p = store->TryReserve(spilled.size());
-  ASSERT_TRUE(p.has_value());
-  std::memcpy(p->bytes().data(), spilled.data(), spilled.size());
-  BlockAttributes from_peer;
-  from_peer.from_peer = true;
-  ASSERT_EQ(store->Commit(Id(100), *std::move(p), Crc32c(B(spilled)), from_peer, /*level=*/0),
+  ASSERT_EQ(CommitFromPeer(*store, Id(100), Payload(100, kBlock), /*level=*/0),
             PutOutcome::kStored);
   std::string out;
   ASSERT_TRUE(ReadInto(*store, Id(1), &out));  // read again: protected

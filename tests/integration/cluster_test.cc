@@ -141,6 +141,19 @@ class ClusterTest : public ::testing::Test {
     ASSERT_EQ(WaitLookup(*out->b, out->p, seed, count, count), count);
   }
 
+  // Registers TestModel() on `node` through a client of its own.
+  void RegisterOn(int node) {
+    auto c = MustConnect(daemons_[node]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  }
+  // Stops `node` as an orchestrator does (SIGTERM); expects it to exit 0 and returns its log.
+  std::string StopGracefully(int node) {
+    daemons_[node]->Signal(SIGTERM);
+    EXPECT_EQ(daemons_[node]->WaitExit(absl::Seconds(30)), 0) << daemons_[node]->Log();
+    return daemons_[node]->Log();
+  }
+
   // Three nodes whose health checks keep a hung peer in the live set for the whole test;
   // PutChainThroughA(), then C hangs (SIGSTOP; the test sends SIGCONT).
   void PutChainThroughAThenHangC(uint64_t seed, size_t count, TwoClients* out) {
@@ -1138,16 +1151,10 @@ TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt)
     const uint64_t seed = handoff == "0s" ? 40 : 41;
     TwoClients clients;
     ASSERT_NO_FATAL_FAILURE(PutChainThroughA(seed, kBlocks, &clients));
-    {
-      auto c = MustConnect(daemons_[2]->tcp_target());
-      ASSERT_TRUE(c);
-      ASSERT_OK(c->RegisterProfile(TestModel()).status());
-    }
+    ASSERT_NO_FATAL_FAILURE(RegisterOn(2));
     const Profile p = clients.p;
     clients.a.reset();
-    daemons_[0]->Signal(SIGTERM);
-    ASSERT_EQ(daemons_[0]->WaitExit(absl::Seconds(30)), 0) << daemons_[0]->Log();
-    const std::string log = daemons_[0]->Log();
+    const std::string log = StopGracefully(0);
     ASSERT_TRUE(WaitLive(1, 2));
     if (handoff == "0s") {
       EXPECT_EQ(HandoffCount(log, "blocks"), -1) << log;
@@ -1190,15 +1197,12 @@ TEST_F(ClusterTest, ARollingRestartOfEveryNodeKeepsTheBlocksOnTheOthers) {
   }
   for (int node = 0; node < 3; ++node) {
     SCOPED_TRACE(absl::StrCat("node ", node, " restarted"));
-    daemons_[node]->Signal(SIGTERM);
-    ASSERT_EQ(daemons_[node]->WaitExit(absl::Seconds(30)), 0) << daemons_[node]->Log();
-    EXPECT_GT(HandoffCount(daemons_[node]->Log(), "blocks"), 0) << daemons_[node]->Log();
-    EXPECT_EQ(HandoffCount(daemons_[node]->Log(), "left_blocks"), 0) << daemons_[node]->Log();
+    const std::string log = StopGracefully(node);
+    EXPECT_GT(HandoffCount(log, "blocks"), 0) << log;
+    EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
     ASSERT_OK(daemons_[node]->Restart());
     for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
-    auto c = MustConnect(daemons_[node]->tcp_target());
-    ASSERT_TRUE(c);
-    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    ASSERT_NO_FATAL_FAILURE(RegisterOn(node));
   }
   for (int reader = 0; reader < 3; ++reader) {
     auto c = MustConnect(daemons_[reader]->tcp_target());
@@ -1228,19 +1232,13 @@ TEST_F(ClusterTest, AHandOffWithRoomForSomeBlocksSendsTheMostRecentlyUsedFirst) 
   constexpr uint64_t kSeed = 42;
   TwoClients clients;
   ASSERT_NO_FATAL_FAILURE(PutChainThroughA(kSeed, kBlocks, &clients));
-  {
-    auto c = MustConnect(daemons_[2]->tcp_target());
-    ASSERT_TRUE(c);
-    ASSERT_OK(c->RegisterProfile(TestModel()).status());
-  }
+  ASSERT_NO_FATAL_FAILURE(RegisterOn(2));
   const Profile p = clients.p;
   for (int read = 0; read < 2; ++read) {
     ASSERT_EQ(GetAndCheck(*clients.a, p, kSeed, kHotFirst, kHot), kHot);
   }
   clients.a.reset();
-  daemons_[0]->Signal(SIGTERM);
-  ASSERT_EQ(daemons_[0]->WaitExit(absl::Seconds(30)), 0) << daemons_[0]->Log();
-  const std::string log = daemons_[0]->Log();
+  const std::string log = StopGracefully(0);
   const int64_t moved = HandoffCount(log, "blocks");
   EXPECT_GE(moved, static_cast<int64_t>(kHot)) << log;
   EXPECT_LT(moved, static_cast<int64_t>(kBlocks)) << log;
