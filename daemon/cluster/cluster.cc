@@ -136,7 +136,7 @@ std::vector<std::unique_ptr<Call>> CallsToEveryPeer(const RemoteBlockSet& blocks
 
 template <typename Call, typename Method>
 void Cluster::CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method,
-                      bool skip_suspects) {
+                      bool skip_suspects, bool wait_for_ready) {
   const absl::Time start = absl::Now();
   std::vector<Call*> started;
   {
@@ -158,10 +158,9 @@ void Cluster::CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time dead
   RunAll(started, [&](Call* call, grpc::CompletionQueue* cq) {
     call->stub = v1::Peer::NewStub(membership_->Channel(call->peer));
     AddAuth(&call->context, deadline);
-    // Background work waits for a connection until its deadline: its channel may still be
-    // backing off from the peer's restart when the peer is live again (and a record or
-    // hand-off that fails is not sent again). A worker's call fails fast instead.
-    if (!skip_suspects) call->context.set_wait_for_ready(true);
+    // The peer's channel may still be backing off from its restart when health checks
+    // already count it live again.
+    if (wait_for_ready) call->context.set_wait_for_ready(true);
     return ((*call->stub).*method)(&call->context, call->request, cq);
   });
   // A peer that did not answer in time (with at least half the peer deadline to do it), or
@@ -486,7 +485,8 @@ void Cluster::SendRejoins(const std::vector<std::string>& peers) {
     call->request.set_node(self_);
     calls.push_back(std::move(call));
   }
-  CallAll(calls, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncRejoin);
+  CallAll(calls, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncRejoin,
+          /*skip_suspects=*/false, /*wait_for_ready=*/true);
   for (const auto& call : calls) {
     if (!call->status.ok()) peer_call_failures_->Increment();
   }
@@ -572,7 +572,8 @@ void Cluster::SendAll(absl::flat_hash_map<BatchKey, Intents> batches) {
       }
     }
   }
-  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncRecordLocations);
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncRecordLocations, /*skip_suspects=*/false,
+          /*wait_for_ready=*/true);
   for (const auto& call : calls) {
     if (call->status.ok()) {
       (call->request.forget() ? forgets_sent_ : records_sent_)
@@ -1040,7 +1041,9 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
   }
   std::vector<std::unique_ptr<Call>> calls;
   for (Pending& p : pending) calls.push_back(std::move(p.call));
-  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks);
+  // A spill that fails is tried again next round; a hand-off may have no next round.
+  CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncStoreBlocks, /*skip_suspects=*/false,
+          /*wait_for_ready=*/handoff != nullptr);
   bool moved = false;
   // Per call, the keys deleted here while their blocks were on the way to the peer: the peer's
   // copies go too (a delete that reached the peer before they did found nothing there).
@@ -1109,7 +1112,8 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     spill_withdrawn_->Increment(std::accumulate(
         withdrawals.begin(), withdrawals.end(), uint64_t{0},
         [](uint64_t n, const auto& w) { return n + w->request.blocks().keys_size(); }));
-    CallAll(withdrawals, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncDeleteBlocks);
+    CallAll(withdrawals, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncDeleteBlocks,
+            /*skip_suspects=*/false, /*wait_for_ready=*/true);
     for (const auto& w : withdrawals) {
       if (!w->status.ok()) peer_call_failures_->Increment();
     }

@@ -154,11 +154,13 @@ class Cluster final : public RemoteBlocks {
   // each with the stub's PrepareAsync `method`; returns when all have finished. A peer whose
   // call fails or times out is suspect for kSuspectFor; with `skip_suspects` (the calls a
   // worker waits for: lookups, fetches, deletes) a call to a suspect peer is not made but
-  // answered UNAVAILABLE at once. Records and spills are background work: they always try,
-  // and wait for the peer's connection (wait_for_ready) until the deadline.
+  // answered UNAVAILABLE at once. Records and spills are background work: they always try.
+  // With `wait_for_ready`, a call waits for the peer's connection until its deadline instead of
+  // failing at once while the channel is not connected: for the calls whose loss is not made
+  // up by a later round (records, rejoins, a spill's withdrawals, a hand-off).
   template <typename Call, typename Method>
   void CallAll(std::vector<std::unique_ptr<Call>>& calls, absl::Time deadline, Method method,
-               bool skip_suspects = false);
+               bool skip_suspects = false, bool wait_for_ready = false);
   // Wakes the spiller when the host tier is over cluster.spill.threshold.
   void WakeSpillerIfFull();
   void RunSpiller();

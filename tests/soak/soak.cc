@@ -82,6 +82,9 @@ ABSL_FLAG(std::vector<std::string>, set, {},
 ABSL_FLAG(std::string, client_transport, "auto",
           "how the soak's clients move block bytes (--levels): auto, ucx or inline");
 ABSL_FLAG(int, down_s, 2, "seconds a node killed by --kill_every_s stays down");
+ABSL_FLAG(std::string, kill_signal, "KILL",
+          "--kill_every_s: KILL (the node dies at once) or TERM (it drains, hands its blocks to "
+          "its peers, cluster.spill.handoff, and exits)");
 ABSL_FLAG(int, reconnect_grace_s, 2,
           "--kill_every_s: how long after a restarted node is live again on every node a request "
           "to it may still fail with UNAVAILABLE (its client reconnecting)");
@@ -604,6 +607,13 @@ int Main() {
     return 2;
   }
   const int kill_every_s = absl::GetFlag(FLAGS_kill_every_s);
+  const std::string kill_signal_name = absl::GetFlag(FLAGS_kill_signal);
+  if (kill_signal_name != "KILL" && kill_signal_name != "TERM") {
+    std::fprintf(stderr, "--kill_signal is '%s'; expected KILL or TERM\n",
+                 kill_signal_name.c_str());
+    return 2;
+  }
+  const int kill_signal = kill_signal_name == "TERM" ? SIGTERM : SIGKILL;
   if (kill_every_s > 0 && nodes < 2) {
     std::fprintf(stderr, "--kill_every_s needs --nodes of 2 or more (node 0 is never killed)\n");
     return 2;
@@ -627,6 +637,8 @@ int Main() {
   // (empty) --down_s later; its outage lasts until every node sees it live again.
   std::atomic<bool> stop_killing{false};
   int kills = 0;
+  uint64_t handed_off = 0;   // blocks the TERMed nodes handed to their peers
+  uint64_t left_behind = 0;  // and those they could not
   int64_t slowest_rejoin_ms = 0;
   std::string kill_failure;  // set by the killer; read after it is joined
   std::thread killer;
@@ -643,8 +655,21 @@ int Main() {
       while (sleep_unless_stopped(kill_every_s)) {
         const size_t victim = 1 + rng() % (nodes - 1);
         outages.Down(victim);
-        daemons[victim]->Signal(SIGKILL);
-        daemons[victim]->WaitExit(absl::Seconds(10));
+        daemons[victim]->Signal(kill_signal);
+        // A TERM drains (server.shutdown_grace_seconds) and hands off (cluster.spill.handoff).
+        daemons[victim]->WaitExit(absl::Seconds(kill_signal == SIGTERM ? 60 : 10));
+        if (kill_signal == SIGTERM) {  // what its hand-off moved, from its last log line of it
+          const std::string log = daemons[victim]->Log();
+          const std::string line = "handed blocks off to peers before exit blocks=";
+          const size_t at = log.rfind(line);
+          if (at != std::string::npos) {
+            handed_off += std::strtoull(log.c_str() + at + line.size(), nullptr, 10);
+            const size_t left = log.find(" left_blocks=", at);
+            if (left != std::string::npos) {
+              left_behind += std::strtoull(log.c_str() + left + 13, nullptr, 10);
+            }
+          }
+        }
         sleep_unless_stopped(absl::GetFlag(FLAGS_down_s));
         const Clock::time_point restart = Clock::now();
         absl::Status started = daemons[victim]->Restart();
@@ -787,7 +812,10 @@ int Main() {
           ",\"counted_by_lookup_after_delete\":", rec.found_after_delete(false));
     }
     if (kill_every_s > 0) {
-      absl::StrAppend(&summary, ",\"kills\":", kills, ",\"slowest_rejoin_ms\":", slowest_rejoin_ms,
+      absl::StrAppend(&summary, ",\"kills\":", kills, ",\"kill_signal\":\"", kill_signal_name,
+                      "\",\"handed_off_blocks\":", handed_off,
+                      ",\"left_behind_blocks\":", left_behind,
+                      ",\"slowest_rejoin_ms\":", slowest_rejoin_ms,
                       ",\"unavailable_while_down\":", rec.unavailable(),
                       ",\"unavailable_after_up_ms\":", rec.unavailable_after_up_ms(),
                       ",\"rejoined\":", rejoined ? "true" : "false");
