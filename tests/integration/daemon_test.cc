@@ -126,8 +126,9 @@ TEST(DaemonIntegrationTest, ConcurrentClientsEachGetTheirOwnBytes) {
 }
 
 TEST(DaemonIntegrationTest, TheHarnessRestartWaitsOutAPortHeldForAWhileAndNamesItsHolder) {
-  // DaemonProcess::Restart (the tests' harness) on a port something else listens on for a
-  // second: it logs the holder (its /proc/net/tcp line) and starts once the port is free.
+  // DaemonProcess::Restart (the tests' harness) on a port something else listens on until the
+  // restarted daemon has failed to bind it once: it logs the holder (its /proc/net/tcp line)
+  // and starts once the port is free.
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
   const int port = daemon->tcp_port();
   daemon->Signal(SIGKILL);
@@ -139,8 +140,17 @@ TEST(DaemonIntegrationTest, TheHarnessRestartWaitsOutAPortHeldForAWhileAndNamesI
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   ASSERT_EQ(bind(holder, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << errno;
   ASSERT_EQ(listen(holder, 1), 0) << errno;
-  std::thread release([holder] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  // Released a second after the daemon's log shows a failed bind, not after a fixed time from
+  // now: under qemu a daemon can take longer to start than such a time (a run with 1.2 s never
+  // saw the port in use).
+  DaemonProcess* d = daemon.get();
+  std::thread release([holder, d] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(8);
+    while (absl::Now() < deadline && !absl::StrContains(d->Log(), "address in use")) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    // The harness lists the port's sockets right after that failure: held a while longer.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
     close(holder);
   });
   ::testing::internal::CaptureStderr();
