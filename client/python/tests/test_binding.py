@@ -577,6 +577,8 @@ def test_python_exiting_while_a_daemon_thread_is_in_a_call_does_not_abort(mode):
              os.environ.get("PYTHONPATH", "")]))
         r = subprocess.run([sys.executable, "-c", _EXITS_MID_CALL, mode, d.target,
                             str(d.proc.pid)], env=env, capture_output=True, timeout=60)
+        if r.returncode != 0 or b"terminate" in r.stderr:
+            print(r.stderr.decode(errors="replace"))  # whole, where the assertion truncates it
         assert r.returncode == 0 and b"terminate" not in r.stderr, (r.returncode, r.stderr)
     finally:
         d.kill()
