@@ -472,8 +472,11 @@ void Cluster::AnnounceTo(const LiveSet& live, const std::string& node) {
     if (n.id != node) without.push_back(n);
   }
   const uint64_t records = AnnounceChanged(live, without);
-  PROXIMA_LOG(kInfo) << "a peer rejoined; location records of the blocks it is home to sent to it"
-                     << log::Kv("peer", node) << log::Kv("records", records);
+  if (records > 0) {
+    PROXIMA_LOG(kInfo) << "a peer rejoined; location records of the blocks it is home to sent "
+                          "to it"
+                       << log::Kv("peer", node) << log::Kv("records", records);
+  }
 }
 
 void Cluster::SendRejoins(const std::vector<std::string>& peers) {
@@ -1057,11 +1060,13 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
         call.status.ok() && call.response.stored_size() == static_cast<int>(blocks.size());
     if (!answered) {
       peer_call_failures_->Increment();
-      // A hand-off's failures are worth a line each: the blocks may leave with the process.
-      ::proxima::log::Line(handoff != nullptr ? log::Level::kWarning : log::Level::kDebug, __FILE__,
-                           __LINE__)
-          << (handoff != nullptr ? "hand-off to a peer failed" : "spill to a peer failed")
-          << log::Kv("peer", call.peer) << log::Kv("error", call.status.error_message());
+      if (handoff != nullptr) {  // worth a line each: the blocks may leave with the process
+        PROXIMA_LOG(kWarning) << "hand-off to a peer failed" << log::Kv("peer", call.peer)
+                              << log::Kv("error", call.status.error_message());
+      } else {
+        PROXIMA_LOG(kDebug) << "spill to a peer failed" << log::Kv("peer", call.peer)
+                            << log::Kv("error", call.status.error_message());
+      }
     }
     PeerRoom& room = rooms_[call.peer];
     room.bytes = answered ? call.response.room_bytes() : 0;

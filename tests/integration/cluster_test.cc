@@ -492,6 +492,36 @@ TEST_F(ClusterTest, PeerCallsNeedThePeerToken) {
   EXPECT_EQ(Metric(0, "proxima_cluster_peer_calls_unauthenticated_total"), 2);
 }
 
+TEST_F(ClusterTest, ARejoinNeedsThePeerTokenAndANodeId) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(1));
+  auto stub = PeerStub(daemons_[0]->tcp_target());
+  v1::RejoinRequest request;
+  request.set_node("127.0.0.1:1");
+  {
+    grpc::ClientContext context;  // no token
+    v1::RejoinResponse response;
+    EXPECT_EQ(stub->Rejoin(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  for (const std::string node : {std::string(), std::string(1025, 'n')}) {
+    request.set_node(node);
+    grpc::ClientContext context;
+    AsPeer(&context);
+    v1::RejoinResponse response;
+    grpc::Status s = stub->Rejoin(&context, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << node.size();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr(absl::StrCat("Rejoin node is ", node.size(),
+                                                                     " bytes; expected")));
+  }
+  // A node this daemon does not count live: answered, and nothing is sent anywhere.
+  request.set_node("127.0.0.1:1");
+  grpc::ClientContext context;
+  AsPeer(&context);
+  v1::RejoinResponse response;
+  EXPECT_TRUE(stub->Rejoin(&context, request, &response).ok());
+  EXPECT_EQ(Metric(0, "proxima_cluster_peer_calls_unauthenticated_total"), 1);
+}
+
 TEST_F(ClusterTest, StoreBlocksChecksEveryBlockBeforeKeepingAny) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(1));
   auto worker = MustConnect(daemons_[0]->tcp_target());
