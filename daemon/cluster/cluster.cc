@@ -209,10 +209,12 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
   Cluster* self = cluster.get();
   cluster->membership_->OnChange([self](const std::string& peer, bool live) {
     if (live) {
-      // It may have kept this node's records as their home until it restarted, unnoticed.
       {
         std::lock_guard<std::mutex> lock(self->queue_mu_);
+        // It may have kept this node's records as their home until it restarted, unnoticed.
         self->rejoin_to_.push_back(peer);
+        // It may have left and come back while the sender was busy, unseen by Reannounce.
+        self->announce_to_.push_back(peer);
       }
       self->queue_cv_.notify_one();
       return;
@@ -236,6 +238,10 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
       core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
       config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry,
       2 * cluster->peer_deadline_ + absl::Seconds(1));
+  cluster->service_->SetIsLive(
+      [self](const std::string& node) { return self->membership_->Live()->Contains(node); });
+  cluster->service_->OnLeave(
+      [self](const std::string& node) { return self->membership_->MarkLeft(node); });
   cluster->service_->OnRejoin([self](const std::string& node) {
     {
       std::lock_guard<std::mutex> lock(self->queue_mu_);
@@ -399,7 +405,9 @@ std::vector<Cluster::Batch> Cluster::BatchesFor(const RemoteBlockSet& blocks, bo
 void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
-    if (stopping_) return;
+    // Leaving: its peers dropped this node and the records naming it; one naming it now would
+    // outlive it, and could replace the record of the peer its hand-off gives the block to.
+    if (stopping_ || (leaving_ && !batch.forget)) return;
     if (queued_keys_ + keys.size() > kMaxQueuedKeys) {
       records_dropped_->Increment(keys.size());
       return;
@@ -418,6 +426,7 @@ void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
 void Cluster::RunSender() {
   while (true) {
     std::vector<std::string> rejoin_to, announce_to;
+    bool leaving = false;
     {
       std::unique_lock<std::mutex> lock(queue_mu_);
       queue_cv_.wait_for(lock, kDeparturePeriod, [this] {
@@ -426,18 +435,30 @@ void Cluster::RunSender() {
       if (stopping_) return;
       rejoin_to.swap(rejoin_to_);
       announce_to.swap(announce_to_);
+      leaving = leaving_;
     }
     {
       std::lock_guard<std::mutex> lock(tell_mu_);
       ForgetDepartures();
     }
-    std::shared_ptr<const LiveSet> live = membership_->Live();
-    if (!std::equal(live->nodes.begin(), live->nodes.end(), announced_for_.begin(),
-                    announced_for_.end(),
-                    [](const PlacementNode& a, const PlacementNode& b) { return a.id == b.id; })) {
-      Reannounce(*live);
+    if (leaving) {  // no more records of this node's blocks, nor asking peers for theirs
+      SendQueued();
+      continue;
     }
-    for (const std::string& node : announce_to) AnnounceTo(*live, node);
+    std::shared_ptr<const LiveSet> live = membership_->Live();
+    const std::vector<PlacementNode> before = announced_for_;
+    const bool changed =
+        !std::equal(live->nodes.begin(), live->nodes.end(), before.begin(), before.end(),
+                    [](const PlacementNode& a, const PlacementNode& b) { return a.id == b.id; });
+    if (changed) Reannounce(*live);
+    for (const std::string& node : announce_to) {
+      // A node Reannounce just saw join has had its records; one in both sets may have left
+      // and come back between two rounds (or restarted unnoticed: its Rejoin).
+      const bool covered =
+          changed && std::none_of(before.begin(), before.end(),
+                                  [&node](const PlacementNode& n) { return n.id == node; });
+      if (!covered) AnnounceTo(*live, node);
+    }
     if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     SendQueued();
   }
@@ -477,6 +498,45 @@ void Cluster::AnnounceTo(const LiveSet& live, const std::string& node) {
                           "to it"
                        << log::Kv("peer", node) << log::Kv("records", records);
   }
+}
+
+Cluster::Leaving Cluster::TellPeersLeaving() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    leaving_ = true;
+    // The records queued name this node (see Enqueue); its forgets may still go.
+    queued_keys_ = 0;
+    for (auto& [batch, intents] : queue_) {
+      absl::erase_if(intents, [](const auto& intent) { return !intent.second; });
+      queued_keys_ += intents.size();
+    }
+    absl::erase_if(queue_, [](const auto& batch) { return batch.second.empty(); });
+  }
+  using Call = PeerCall<v1::LeaveRequest, v1::LeaveResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  for (size_t i = 0; i < live->nodes.size(); ++i) {
+    if (i == live->self) continue;
+    auto call = std::make_unique<Call>();
+    call->peer = live->id(i);
+    call->request.set_node(self_);
+    calls.push_back(std::move(call));
+  }
+  // Fails fast on a peer that cannot be reached: its health checks will tell it instead.
+  CallAll(calls, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncLeave);
+  Leaving result;
+  for (const auto& call : calls) {
+    if (call->status.ok()) {
+      ++result.told;
+    } else {
+      ++result.failed;
+      peer_call_failures_->Increment();
+      PROXIMA_LOG(kWarning) << "could not tell a peer this node is leaving"
+                            << log::Kv("peer", call->peer)
+                            << log::Kv("error", call->status.error_message());
+    }
+  }
+  return result;
 }
 
 void Cluster::SendRejoins(const std::vector<std::string>& peers) {

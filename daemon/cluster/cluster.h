@@ -85,6 +85,18 @@ class Cluster final : public RemoteBlocks {
   // Stops the threads. Calls still running finish within their deadline.
   void Stop();
 
+  // Peers told that this node is leaving, and those the call failed for.
+  struct Leaving {
+    uint64_t told = 0;
+    uint64_t failed = 0;
+  };
+  // For a node starting to shut down: tells every live peer (Peer.Leave) to drop this node from
+  // its live set now, rather than after its health checks fail. From here on this node sends no
+  // location record naming itself (its peers dropped those; one sent now could replace the
+  // record of the peer a hand-off moves the block to), only forgets. Waits at most
+  // cluster.peer_deadline.
+  Leaving TellPeersLeaving();
+
   // What a hand-off moved, and the host blocks it left behind.
   struct Handoff {
     uint64_t blocks = 0;
@@ -139,8 +151,9 @@ class Cluster final : public RemoteBlocks {
   // The live set differs from the one the local blocks were last announced for: records of the
   // blocks whose home changed go to their new homes (sender thread).
   void Reannounce(const LiveSet& live);
-  // A peer rejoined (Peer.Rejoin): the records of the local blocks whose home `node` is go to
-  // it (sender thread). Nothing when it is not in `live` (Reannounce does it when it joins).
+  // A peer rejoined (Peer.Rejoin) or joined the live set: the records of the local blocks whose
+  // home `node` is go to it (sender thread). Nothing when it is not in `live` (its join, when
+  // it comes, queues it again).
   void AnnounceTo(const LiveSet& live, const std::string& node);
   // Records of the local blocks whose home under `live` differs from their home under
   // `before`, to their new homes (and a forget to the old one while it is live); returns how
@@ -215,8 +228,10 @@ class Cluster final : public RemoteBlocks {
   absl::flat_hash_map<BatchKey, Intents> queue_;                 // guarded by queue_mu_
   size_t queued_keys_ = 0;                                       // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
-  // Peers that entered the live set, to be sent Rejoin; peers whose Rejoin came in, to be sent
-  // the records they are home to. Both guarded by queue_mu_, taken by the sender thread.
+  bool leaving_ = false;  // TellPeersLeaving was called; guarded by queue_mu_
+  // Peers that entered the live set, to be sent Rejoin; peers that entered it or whose Rejoin
+  // came in, to be sent the records they are home to. Both guarded by queue_mu_, taken by the
+  // sender thread.
   std::vector<std::string> rejoin_to_;
   std::vector<std::string> announce_to_;
   std::thread sender_;

@@ -180,7 +180,7 @@ std::shared_ptr<grpc::Channel> Membership::NewChannel(const std::string& peer) c
 void Membership::SetKnown(const std::vector<std::string>& dns_peers) {
   std::vector<std::string> known = options_.static_peers;
   known.insert(known.end(), dns_peers.begin(), dns_peers.end());
-  std::vector<std::string> gone;
+  std::vector<std::pair<std::string, bool>> gone;
   {
     proxima::MutexLock lock(&mu_);
     absl::flat_hash_map<std::string, Peer> next;
@@ -194,16 +194,12 @@ void Membership::SetKnown(const std::vector<std::string>& dns_peers) {
       }
     }
     for (const auto& [id, peer] : peers_) {
-      if (!next.contains(id) && peer.live) gone.push_back(id);
+      if (!next.contains(id) && peer.live) gone.emplace_back(id, false);
     }
     peers_ = std::move(next);
     Publish();
   }
-  for (const std::string& id : gone) {
-    PROXIMA_LOG(kInfo) << "peer no longer in cluster.peers or DNS; left the live set"
-                       << log::Kv("peer", id);
-    if (on_change_) on_change_(id, false);
-  }
+  Announce(gone, "no longer in cluster.peers or DNS");
 }
 
 void Membership::Publish() {
@@ -244,6 +240,7 @@ std::shared_ptr<grpc::Channel> Membership::Channel(const std::string& peer) {
 
 void Membership::CheckOnce() {
   std::vector<std::unique_ptr<HealthCall>> checks;
+  std::vector<uint64_t> epochs;  // of each check's peer when it started
   {
     proxima::MutexLock lock(&mu_);
     for (const auto& [id, peer] : peers_) {
@@ -251,6 +248,7 @@ void Membership::CheckOnce() {
       c->id = id;
       c->channel = peer.channel;
       checks.push_back(std::move(c));
+      epochs.push_back(peer.epoch);
     }
   }
   if (checks.empty()) return;
@@ -261,10 +259,13 @@ void Membership::CheckOnce() {
   std::vector<const HealthCall*> to_explain;  // failed checks whose cause is looked into
   {
     proxima::MutexLock lock(&mu_);
-    for (const auto& c : checks) {
+    for (size_t i = 0; i < checks.size(); ++i) {
+      const auto& c = checks[i];
       auto it = peers_.find(c->id);
       if (it == peers_.end()) continue;  // dropped by DNS meanwhile
       Peer& peer = it->second;
+      // It said it is leaving since: an answer from before says nothing of the next process.
+      if (peer.epoch != epochs[i]) continue;
       if (c->serving()) {
         peer.failures = 0;
         peer.last_error.clear();
@@ -306,10 +307,41 @@ void Membership::CheckOnce() {
                           << log::Kv("error", reason)
                           << log::Kv("tls", options_.tls.enabled() ? "on" : "off");
   }
+  Announce(changes, "failed its health checks");
+}
+
+absl::Status Membership::MarkLeft(const std::string& peer) {
+  std::vector<std::pair<std::string, bool>> changes;
+  {
+    proxima::MutexLock lock(&mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "node '", peer, "' is not a peer of this daemon (cluster.peers, cluster.dns_name)"));
+    }
+    Peer& p = it->second;
+    ++p.epoch;
+    p.failures = options_.failures_before_down;
+    if (p.live) {
+      p.live = false;
+      changes.emplace_back(peer, false);
+      Publish();
+    }
+  }
+  Announce(changes, "said it is shutting down");
+  return absl::OkStatus();
+}
+
+void Membership::Announce(const std::vector<std::pair<std::string, bool>>& changes,
+                          const char* why_left) {
   for (const auto& [id, live] : changes) {
     (live ? came_up_ : went_down_)->Increment();
-    PROXIMA_LOG(kInfo) << (live ? "peer joined the live set" : "peer left the live set")
-                       << log::Kv("peer", id);
+    if (live) {
+      PROXIMA_LOG(kInfo) << "peer joined the live set" << log::Kv("peer", id);
+    } else {
+      PROXIMA_LOG(kInfo) << "peer left the live set" << log::Kv("peer", id)
+                         << log::Kv("reason", why_left);
+    }
     if (on_change_) on_change_(id, live);
   }
 }

@@ -6,8 +6,9 @@
 // (grpc.health.v1, service "proxima.v1.KVTier"), all in parallel, each with the
 // cluster.health_timeout deadline. A peer joins the live set on its first SERVING answer and
 // leaves it after cluster.failures_before_down consecutive failures (no answer, an error, or
-// NOT_SERVING from a draining daemon); it rejoins on its next success. This daemon
-// (cluster.advertise) is always live and never checked.
+// NOT_SERVING from a draining daemon); it rejoins on its next success. A peer that says it is
+// shutting down (Peer.Leave: MarkLeft) leaves at once, and checks that were under way then do not
+// bring it back. This daemon (cluster.advertise) is always live and never checked.
 //
 // Live() is the snapshot placement runs on: the same live set on two daemons gives every key the
 // same home. Membership also owns the one gRPC channel per peer that every peer call uses.
@@ -121,6 +122,10 @@ class Membership {
 
   // One round of health checks, now (the checker thread calls it every health_interval).
   void CheckOnce();
+  // `peer` said it is shutting down: it leaves the live set now (on_change runs, as after failed
+  // checks) rather than after failures_before_down checks, and rejoins on the first check that
+  // starts after this call and succeeds. NotFound when `peer` is not a known peer.
+  absl::Status MarkLeft(const std::string& peer);
   // One DNS resolution, now. Keeps the previous records when it fails.
   void ResolveOnce();
 
@@ -130,6 +135,7 @@ class Membership {
     uint32_t failures = 0;  // consecutive
     bool live = false;
     std::string last_error;  // the failure last logged; cleared by a success
+    uint64_t epoch = 0;      // MarkLeft bumps it: a check started before counts for nothing
   };
 
   explicit Membership(MembershipOptions options) : options_(std::move(options)) {}
@@ -138,6 +144,9 @@ class Membership {
   // Rebuilds the known set from the static list and `dns_peers`.
   void SetKnown(const std::vector<std::string>& dns_peers);
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts, logs and reports (on_change) peers that joined (true) or left the live set. Without
+  // mu_ held: on_change may call back into Live().
+  void Announce(const std::vector<std::pair<std::string, bool>>& changes, const char* why_left);
   std::shared_ptr<grpc::Channel> NewChannel(const std::string& peer) const;
   // Why each of these health checks failed, for the log: (peer, reason). A check that only says
   // that its deadline passed is explained by the error of a fresh connection attempt (a TLS

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -134,32 +136,98 @@ TEST(MembershipTest, NotServingIsAFailure) {
   EXPECT_FALSE(m->Live()->Contains(a.address()));
 }
 
+// A listening socket that never speaks HTTP/2: connections are accepted by the kernel, and
+// every health check of it ends at its deadline.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (fd_ < 0 || bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        listen(fd_, 16) != 0 || getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return;
+    }
+    address_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  }
+  ~SilentListener() {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool ok() const { return !address_.empty(); }
+  const std::string& address() const { return address_; }
+
+ private:
+  int fd_ = -1;
+  std::string address_;
+};
+
 TEST(MembershipTest, APeerThatNeverAnswersCostsOneTimeoutPerRound) {
-  // A listening socket that never speaks HTTP/2: connections are accepted by the kernel, and
-  // every health check must end at its deadline.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(fd, 16), 0);
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string silent = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  SilentListener silent;
+  ASSERT_TRUE(silent.ok());
   HealthServer a;
   ASSERT_TRUE(a.ok());
   metrics::Registry registry;
-  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(Options({silent, a.address()}), &registry));
+  ASSERT_OK_AND_ASSIGN(auto m,
+                       Membership::Create(Options({silent.address(), a.address()}), &registry));
   for (int round = 0; round < 2; ++round) {
     const absl::Time start = absl::Now();
     m->CheckOnce();
     const absl::Duration took = absl::Now() - start;
     EXPECT_LT(took, absl::Milliseconds(300 + 400)) << "round " << round;
   }
-  EXPECT_FALSE(m->Live()->Contains(silent));
+  EXPECT_FALSE(m->Live()->Contains(silent.address()));
   EXPECT_TRUE(m->Live()->Contains(a.address()));
-  close(fd);
+}
+
+TEST(MembershipTest, APeerThatSaysItIsLeavingLeavesAtOnceAndRejoinsOnItsNextCheck) {
+  HealthServer a, b;
+  ASSERT_TRUE(a.ok() && b.ok());
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(Options({a.address(), b.address()}), &registry));
+  std::vector<std::pair<std::string, bool>> changes;
+  m->OnChange([&changes](const std::string& peer, bool live) { changes.emplace_back(peer, live); });
+  m->CheckOnce();
+  ASSERT_EQ(m->Live()->nodes.size(), 3u);
+  changes.clear();
+  ASSERT_OK(m->MarkLeft(a.address()));
+  EXPECT_FALSE(m->Live()->Contains(a.address()));
+  EXPECT_TRUE(m->Live()->Contains(b.address()));
+  EXPECT_THAT(changes, ElementsAre(Pair(a.address(), false)));
+  EXPECT_EQ(Metric(registry, "proxima_cluster_peer_transitions_total{to=\"down\"}"), 1);
+  // Saying it twice changes nothing more.
+  ASSERT_OK(m->MarkLeft(a.address()));
+  EXPECT_EQ(changes.size(), 1u);
+  EXPECT_THAT(m->MarkLeft("127.0.0.1:9"),
+              ::proxima::testing::StatusIs(absl::StatusCode::kNotFound,
+                                           HasSubstr("'127.0.0.1:9' is not a peer")));
+  // The next process at that address answers its checks: back at once.
+  m->CheckOnce();
+  EXPECT_TRUE(m->Live()->Contains(a.address()));
+  EXPECT_EQ(changes.back(), std::make_pair(a.address(), true));
+}
+
+TEST(MembershipTest, AnAnswerFromBeforeAPeerLeftDoesNotBringItBack) {
+  // A round of checks lasts until its silent peer's deadline (1 s); `a` answers SERVING at once,
+  // then says it is leaving while the round still runs. That answer came from the process on its
+  // way out: `a` stays out until a check that starts after the leave.
+  SilentListener silent;
+  HealthServer a;
+  ASSERT_TRUE(silent.ok() && a.ok());
+  metrics::Registry registry;
+  MembershipOptions o = Options({silent.address(), a.address()});
+  o.health_timeout = absl::Seconds(1);
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(o, &registry));
+  m->CheckOnce();
+  ASSERT_TRUE(m->Live()->Contains(a.address()));
+  std::thread round([&m] { m->CheckOnce(); });
+  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_OK(m->MarkLeft(a.address()));
+  round.join();
+  EXPECT_FALSE(m->Live()->Contains(a.address()));
+  m->CheckOnce();
+  EXPECT_TRUE(m->Live()->Contains(a.address()));
 }
 
 TEST(MembershipTest, DnsRecordsArePeersAndTheBackgroundThreadsCheckThem) {

@@ -46,6 +46,20 @@ absl::Status CheckSpilledContainer(int i, uint32_t level, std::span<const std::b
   return absl::OkStatus();
 }
 
+// The node id a Rejoin or Leave names: a peer's cluster.advertise, not this daemon's own.
+absl::Status CheckCallerNode(const char* call, const std::string& node, const std::string& self) {
+  constexpr size_t kMaxNodeId = 1024;
+  if (node.empty() || node.size() > kMaxNodeId) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        call, " node is ", node.size(), " bytes; expected a node id of 1 to ", kMaxNodeId));
+  }
+  if (node == self) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(call, " node '", node, "' is this daemon's own id; expected a peer's"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
@@ -88,6 +102,10 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
+  records_not_live_ = registry->AddCounter(
+      "proxima_cluster_location_records_refused_total",
+      "Location records not kept here as home: their holder was not in this node's live set "
+      "(leaving, or not yet seen to join; it sends them again when it is)");
   served_bytes_ = metrics::TransferBytes(registry, "peer_grpc", "out");
   spill_kept_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
                                      "Blocks peers spilled to this node, by outcome",
@@ -132,9 +150,11 @@ absl::Status PeerService::ServeRecord(const v1::RecordLocationsRequest& request,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_lookup_keys()));
   if (request.forget()) {
     response->set_changed(static_cast<uint32_t>(records_->Forget(ids, request.holder())));
-  } else {
+  } else if (!is_live_ || is_live_(request.holder())) {
     records_->Record(ids, request.holder());
     response->set_changed(static_cast<uint32_t>(ids.size()));
+  } else {
+    records_not_live_->Increment(ids.size());
   }
   return absl::OkStatus();
 }
@@ -387,20 +407,25 @@ absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
 }
 
 absl::Status PeerService::ServeRejoin(const v1::RejoinRequest& request) {
-  constexpr size_t kMaxNodeId = 1024;
-  if (request.node().empty() || request.node().size() > kMaxNodeId) {
-    return absl::InvalidArgumentError(absl::StrCat("Rejoin node is ", request.node().size(),
-                                                   " bytes; expected a node id of 1 to ",
-                                                   kMaxNodeId));
-  }
+  PROXIMA_RETURN_IF_ERROR(CheckCallerNode("Rejoin", request.node(), self_));
   if (on_rejoin_) on_rejoin_(request.node());
   return absl::OkStatus();
+}
+
+absl::Status PeerService::ServeLeave(const v1::LeaveRequest& request) {
+  PROXIMA_RETURN_IF_ERROR(CheckCallerNode("Leave", request.node(), self_));
+  return on_leave_ ? on_leave_(request.node()) : absl::OkStatus();
 }
 
 grpc::Status PeerService::Rejoin(grpc::ServerContext* context, const v1::RejoinRequest* request,
                                  v1::RejoinResponse* response) {
   return Handle(context, request, response,
                 [this](const auto& r, auto*) { return ServeRejoin(r); });
+}
+
+grpc::Status PeerService::Leave(grpc::ServerContext* context, const v1::LeaveRequest* request,
+                                v1::LeaveResponse* response) {
+  return Handle(context, request, response, [this](const auto& r, auto*) { return ServeLeave(r); });
 }
 
 grpc::Status PeerService::RecordLocations(grpc::ServerContext* context,

@@ -61,9 +61,22 @@ class PeerService final : public v1::Peer::Service {
   grpc::Status Rejoin(grpc::ServerContext* context, const v1::RejoinRequest* request,
                       v1::RejoinResponse* response) override;
 
+  grpc::Status Leave(grpc::ServerContext* context, const v1::LeaveRequest* request,
+                     v1::LeaveResponse* response) override;
+
   // Called with the node id of each Rejoin (set before the service serves).
   using RejoinFn = std::function<void(const std::string& node)>;
   void OnRejoin(RejoinFn fn) { on_rejoin_ = std::move(fn); }
+  // Whether `node` is in this daemon's live set: a record naming a holder that is not is not
+  // kept (set before the service serves; unset, every record is). A holder this daemon does not
+  // count live is never read from, and its record could replace a live holder's; one that has
+  // just joined sends its records again when this daemon sees it join (Peer.Rejoin).
+  using IsLiveFn = std::function<bool(const std::string& node)>;
+  void SetIsLive(IsLiveFn fn) { is_live_ = std::move(fn); }
+  // Called with the node id of each Leave; its error is the call's (set before the service
+  // serves).
+  using LeaveFn = std::function<absl::Status(const std::string& node)>;
+  void OnLeave(LeaveFn fn) { on_leave_ = std::move(fn); }
 
   // The bodies, transport aside (the handlers authenticate, then call these).
   absl::Status ServeRecord(const v1::RecordLocationsRequest& request,
@@ -77,6 +90,7 @@ class PeerService final : public v1::Peer::Service {
   absl::Status ServeDelete(const v1::DeleteBlocksRequest& request,
                            v1::DeleteBlocksResponse* response);
   absl::Status ServeRejoin(const v1::RejoinRequest& request);
+  absl::Status ServeLeave(const v1::LeaveRequest& request);
   // `deadline`: the call's (a spill's UCX messages must have arrived by then).
   absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
@@ -101,6 +115,7 @@ class PeerService final : public v1::Peer::Service {
   const uint64_t max_message_bytes_;
   const double accept_below_;
   metrics::Counter* unauthenticated_ = nullptr;
+  metrics::Counter* records_not_live_ = nullptr;
   metrics::Counter* served_bytes_ = nullptr;
   metrics::Counter* spill_kept_ = nullptr;
   metrics::Counter* spill_refused_ = nullptr;
@@ -108,6 +123,8 @@ class PeerService final : public v1::Peer::Service {
   metrics::Counter* spill_bytes_in_ = nullptr;
   RecentDeletes recent_deletes_;
   RejoinFn on_rejoin_;
+  LeaveFn on_leave_;
+  IsLiveFn is_live_;
 };
 
 }  // namespace proxima::daemon::cluster
