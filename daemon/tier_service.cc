@@ -1043,6 +1043,9 @@ absl::Status TierService::Stats(const Caller& caller, const v1::StatsRequest&,
       raw->set_bytes(store_->device_pool(d).used_bytes());
     }
     response->set_crc_failures(store_->crc_failures());
+    if (const RemoteBlocks* remote = remote_.load(); remote != nullptr) {
+      remote->Describe(response->mutable_cluster());
+    }
   }
   for (size_t i = 0; i < namespaces_.size(); ++i) {
     const Namespace& n = *namespaces_[i];

@@ -500,6 +500,18 @@ void Cluster::AnnounceTo(const LiveSet& live, const std::string& node) {
   }
 }
 
+void Cluster::Describe(v1::ClusterStats* out) const {
+  out->set_self(self_);
+  for (const Membership::PeerState& state : membership_->Peers()) {
+    v1::PeerStats* peer = out->add_peers();
+    peer->set_id(state.id);
+    peer->set_live(state.live);
+    peer->set_failed_checks(state.failures);
+    peer->set_last_error(state.last_error);
+  }
+  out->set_location_records(records_.size());
+}
+
 Cluster::Leaving Cluster::TellPeersLeaving() {
   {
     std::lock_guard<std::mutex> lock(queue_mu_);

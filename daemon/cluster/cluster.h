@@ -116,6 +116,7 @@ class Cluster final : public RemoteBlocks {
   std::vector<std::optional<RemoteBlock>> Fetch(const RemoteBlockSet& blocks) override;
   std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override;
   bool MakeRoom() override;
+  void Describe(v1::ClusterStats* out) const override;
 
  private:
   // Records (or forgets) for one home, one namespace/partition/profile.

@@ -23,6 +23,7 @@ class CountingRemote final : public RemoteBlocks {
   std::vector<bool> DeleteRemote(const RemoteBlockSet& blocks) override {
     return std::vector<bool>(blocks.keys.size(), false);
   }
+  void Describe(v1::ClusterStats*) const override {}
 
   size_t stored = 0;   // keys reported held here
   size_t removed = 0;  // keys reported gone from here

@@ -231,6 +231,19 @@ std::vector<std::string> Membership::KnownPeers() const {
   return out;
 }
 
+std::vector<Membership::PeerState> Membership::Peers() const {
+  std::vector<PeerState> out;
+  {
+    proxima::MutexLock lock(&mu_);
+    for (const auto& [id, peer] : peers_) {
+      out.push_back({id, peer.live, peer.failures, peer.last_error});
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const PeerState& a, const PeerState& b) { return a.id < b.id; });
+  return out;
+}
+
 std::shared_ptr<grpc::Channel> Membership::Channel(const std::string& peer) {
   proxima::MutexLock lock(&mu_);
   auto it = peers_.find(peer);
@@ -269,6 +282,7 @@ void Membership::CheckOnce() {
       if (c->serving()) {
         peer.failures = 0;
         peer.last_error.clear();
+        peer.said_leaving = false;
         if (!peer.live) {
           peer.live = true;
           changes.emplace_back(c->id, true);
@@ -279,7 +293,10 @@ void Membership::CheckOnce() {
       ++peer.failures;
       // At the 1st, 2nd, 4th, 8th... failure of a run: often enough to see a cause change (a
       // peer that was down now fails TLS), rarely enough to cost nothing for a long-dead peer.
-      if ((peer.failures & (peer.failures - 1)) == 0) to_explain.push_back(c.get());
+      // Not for a peer that said it is leaving: its checks fail until it is back, as expected.
+      if (!peer.said_leaving && (peer.failures & (peer.failures - 1)) == 0) {
+        to_explain.push_back(c.get());
+      }
       if (peer.live && peer.failures >= options_.failures_before_down) {
         peer.live = false;
         changes.emplace_back(c->id, false);
@@ -321,7 +338,8 @@ absl::Status Membership::MarkLeft(const std::string& peer) {
     }
     Peer& p = it->second;
     ++p.epoch;
-    p.failures = options_.failures_before_down;
+    p.last_error = "said it is shutting down";
+    p.said_leaving = true;
     if (p.live) {
       p.live = false;
       changes.emplace_back(peer, false);

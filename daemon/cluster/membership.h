@@ -116,6 +116,14 @@ class Membership {
   std::shared_ptr<const LiveSet> Live() const;
   // Every peer currently known (static and DNS), self excluded, sorted.
   std::vector<std::string> KnownPeers() const;
+  // The same peers with what the checks found of each.
+  struct PeerState {
+    std::string id;
+    bool live = false;
+    uint32_t failures = 0;   // consecutive failed checks
+    std::string last_error;  // the last failure's cause, or why it left; "" after a success
+  };
+  std::vector<PeerState> Peers() const;
   // The channel to `peer` (created on first use, kept while it is known).
   std::shared_ptr<grpc::Channel> Channel(const std::string& peer);
   const std::string& self() const { return options_.self; }
@@ -124,7 +132,9 @@ class Membership {
   void CheckOnce();
   // `peer` said it is shutting down: it leaves the live set now (on_change runs, as after failed
   // checks) rather than after failures_before_down checks, and rejoins on the first check that
-  // starts after this call and succeeds. NotFound when `peer` is not a known peer.
+  // starts after this call and succeeds; until then its failed checks are counted, not logged,
+  // and its last_error stays "said it is shutting down". NotFound when `peer` is not a known
+  // peer.
   absl::Status MarkLeft(const std::string& peer);
   // One DNS resolution, now. Keeps the previous records when it fails.
   void ResolveOnce();
@@ -136,6 +146,7 @@ class Membership {
     bool live = false;
     std::string last_error;  // the failure last logged; cleared by a success
     uint64_t epoch = 0;      // MarkLeft bumps it: a check started before counts for nothing
+    bool said_leaving = false;  // MarkLeft: its failed checks are not logged until it is back
   };
 
   explicit Membership(MembershipOptions options) : options_(std::move(options)) {}

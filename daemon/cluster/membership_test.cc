@@ -202,10 +202,27 @@ TEST(MembershipTest, APeerThatSaysItIsLeavingLeavesAtOnceAndRejoinsOnItsNextChec
   EXPECT_THAT(m->MarkLeft("127.0.0.1:9"),
               ::proxima::testing::StatusIs(absl::StatusCode::kNotFound,
                                            HasSubstr("'127.0.0.1:9' is not a peer")));
+  std::vector<Membership::PeerState> peers = m->Peers();
+  ASSERT_EQ(peers.size(), 2u);
+  const bool a_first = peers[0].id == a.address();
+  EXPECT_FALSE(peers[a_first ? 0 : 1].live);
+  EXPECT_EQ(peers[a_first ? 0 : 1].last_error, "said it is shutting down");
+  EXPECT_TRUE(peers[a_first ? 1 : 0].live);
+  EXPECT_EQ(peers[a_first ? 1 : 0].last_error, "");
   // The next process at that address answers its checks: back at once.
   m->CheckOnce();
   EXPECT_TRUE(m->Live()->Contains(a.address()));
   EXPECT_EQ(changes.back(), std::make_pair(a.address(), true));
+  // One that is gone after it said so fails its checks quietly, keeping its reason.
+  ASSERT_OK(m->MarkLeft(b.address()));
+  b.Stop();
+  m->CheckOnce();
+  for (const Membership::PeerState& peer : m->Peers()) {
+    if (peer.id != b.address()) continue;
+    EXPECT_FALSE(peer.live);
+    EXPECT_EQ(peer.failures, 1u);
+    EXPECT_EQ(peer.last_error, "said it is shutting down");
+  }
 }
 
 TEST(MembershipTest, AnAnswerFromBeforeAPeerLeftDoesNotBringItBack) {

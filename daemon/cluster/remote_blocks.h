@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "daemon/block_store.h"
+#include "proxima/v1/kvtier.pb.h"
 
 namespace proxima::daemon {
 
@@ -71,6 +72,9 @@ class RemoteBlocks {
   // threshold now); false when no peer could take any (spilling off, no live peer, the last
   // round found no room) or the wait ran out: the caller evicts.
   virtual bool MakeRoom() { return false; }
+
+  // This node's view of the cluster: its id, its peers and their state, its records.
+  virtual void Describe(v1::ClusterStats* out) const = 0;
 };
 
 }  // namespace proxima::daemon

@@ -1238,9 +1238,23 @@ TEST_F(ClusterTest, ANodeShuttingDownLeavesItsPeersLiveSetsAtOnce) {
   EXPECT_EQ(WaitLookup(*c, p, kSeed, kBlocks, kBlocks), kBlocks);
   EXPECT_EQ(GetAndCheck(*c, p, kSeed, 0, kBlocks), kBlocks);
   EXPECT_LT(absl::Now() - stop, absl::Seconds(5)) << "slower than node 0's health checks";
-  EXPECT_THAT(daemons_[1]->Log(), ::testing::HasSubstr("peer left the live set peer=127.0.0.1:" +
-                                                       std::to_string(ports_[0]) +
+  const std::string node0 = absl::StrCat("127.0.0.1:", ports_[0]);
+  EXPECT_THAT(daemons_[1]->Log(), ::testing::HasSubstr("peer left the live set peer=" + node0 +
                                                        " reason=\"said it is shutting down\""));
+  // What node 1 tells an operator: its peers, which are live, and why node 0 is not.
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, b->Stats());
+  ASSERT_TRUE(stats.has_cluster());
+  EXPECT_EQ(stats.cluster().self(), absl::StrCat("127.0.0.1:", ports_[1]));
+  ASSERT_EQ(stats.cluster().peers_size(), 2);
+  for (const v1::PeerStats& peer : stats.cluster().peers()) {
+    EXPECT_EQ(peer.live(), peer.id() != node0) << peer.id();
+    EXPECT_EQ(peer.last_error(), peer.id() == node0 ? "said it is shutting down" : "");
+  }
+  testing::CommandResult ctl = testing::RunCommand(
+      {testing::ProximactlPath(), "stats", "--target=" + daemons_[1]->tcp_target(), "--timeout=5"});
+  EXPECT_EQ(ctl.exit_code, 0) << ctl.err;
+  EXPECT_THAT(ctl.out, ::testing::HasSubstr("1 of 2 peers live"));
+  EXPECT_THAT(ctl.out, ::testing::ContainsRegex(node0 + " +no +[0-9]+  said it is shutting down"));
 
   ASSERT_OK(daemons_[0]->Restart());
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;

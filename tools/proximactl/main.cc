@@ -96,11 +96,12 @@ struct Command {
 constexpr Command kCommands[] = {
     {"info", "show the daemon's version, limits and the transport in use", ""},
     {"health", "ask the standard gRPC health service; exit 0 only when SERVING", "service"},
-    {"stats", "show tier usage and per-namespace counters", ""},
+    {"stats", "show tier usage, per-namespace counters and, in a cluster, its peers", ""},
     {"put", "store test blocks --first..--first+--count of chain --seed",
      "seed first count layers kv_heads head_dim tokens_per_block dtype model"},
-    {"get", "read test blocks and check them byte for byte (blocks stored encoded are counted "
-            "apart: a lossy level does not give the exact bytes back)",
+    {"get",
+     "read test blocks and check them byte for byte (blocks stored encoded are counted "
+     "apart: a lossy level does not give the exact bytes back)",
      "seed first count layers kv_heads head_dim tokens_per_block dtype model format"},
     {"lookup", "count how many leading blocks of a test chain are stored",
      "seed first count layers kv_heads head_dim tokens_per_block dtype model"},
@@ -357,6 +358,19 @@ int CmdStats() {
                 static_cast<unsigned long long>(n.get_misses()),
                 static_cast<unsigned long long>(n.lookup_hits()),
                 static_cast<unsigned long long>(n.lookup_misses()));
+  }
+  if (stats->has_cluster()) {
+    const proxima::v1::ClusterStats& c = stats->cluster();
+    const auto live = std::count_if(c.peers().begin(), c.peers().end(),
+                                    [](const proxima::v1::PeerStats& p) { return p.live(); });
+    std::printf("cluster: this node %s, %lld of %d peers live, %llu location records kept here\n",
+                c.self().c_str(), static_cast<long long>(live), c.peers_size(),
+                static_cast<unsigned long long>(c.location_records()));
+    std::printf("%-24s %5s %13s  %s\n", "peer", "live", "failed_checks", "last_error");
+    for (const proxima::v1::PeerStats& p : c.peers()) {
+      std::printf("%-24s %5s %13u  %s\n", p.id().c_str(), p.live() ? "yes" : "no",
+                  p.failed_checks(), p.last_error().c_str());
+    }
   }
   return 0;
 }
