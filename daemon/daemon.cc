@@ -186,21 +186,21 @@ void Daemon::Shutdown() {
   PROXIMA_LOG(kInfo) << "draining: refusing new calls, finishing in-flight ones"
                      << log::Kv("grace_seconds", config_.server.shutdown_grace_seconds);
   server_->GetHealthCheckService()->SetServingStatus(false);
+  // Phase 1: answer new calls UNAVAILABLE (a clear, retryable status) while the running ones
+  // finish. Phase 2: stop the gRPC server, which cancels whatever is still left at the deadline.
+  service_->StartDraining();
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(config_.server.shutdown_grace_seconds * 1000));
   if (cluster_) {
     // Peers stop placing keys here now; what this node kept for them moves to the keys' next
-    // homes while it drains.
+    // homes while it drains. Within the grace: a peer that hangs costs drain time, not more.
     const cluster::Cluster::Leaving told = cluster_->TellPeersLeaving();
     if (told.told + told.failed > 0) {
       PROXIMA_LOG(kInfo) << "told peers this node is leaving" << log::Kv("peers", told.told)
                          << log::Kv("failed", told.failed);
     }
   }
-  // Phase 1: answer new calls UNAVAILABLE (a clear, retryable status) while the running ones
-  // finish. Phase 2: stop the gRPC server, which cancels whatever is still left at the deadline.
-  service_->StartDraining();
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(static_cast<int64_t>(
-                            config_.server.shutdown_grace_seconds * 1000));
   while (service_->in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
