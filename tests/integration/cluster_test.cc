@@ -154,6 +154,28 @@ class ClusterTest : public ::testing::Test {
     return daemons_[node]->Log();
   }
 
+  // Clients of nodes 1 (`b`) and 2 (`c`), with TestModel() registered on both (`p`).
+  struct NodeClients {
+    std::unique_ptr<Client> b, c;
+    Profile p;
+  };
+  // Three nodes whose health checks notice a lost peer only after 10 s or more (every 5 s, 3
+  // failures); blocks [0, count) of chain `seed` put through node 1 and found from node 2.
+  void PutChainThroughBWithSlowChecks(uint64_t seed, size_t count, NodeClients* out) {
+    ASSERT_NO_FATAL_FAILURE(
+        StartCluster(3, {"cluster.health_interval=5s", "cluster.health_timeout=1s",
+                         "cluster.failures_before_down=3"}));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    out->b = MustConnect(daemons_[1]->tcp_target());
+    out->c = MustConnect(daemons_[2]->tcp_target());
+    ASSERT_TRUE(out->b && out->c);
+    ASSERT_OK_AND_ASSIGN(out->p, out->b->RegisterProfile(TestModel()));
+    ASSERT_OK(out->c->RegisterProfile(TestModel()).status());
+    Blocks blocks = MakeBlocks(seed, 0, count, out->p.block_bytes);
+    ASSERT_OK(out->b->Put(out->p, blocks.keys, blocks.spans()).status());
+    ASSERT_EQ(WaitLookup(*out->c, out->p, seed, count, count), count);
+  }
+
   // Three nodes whose health checks keep a hung peer in the live set for the whole test;
   // PutChainThroughA(), then C hangs (SIGSTOP; the test sends SIGCONT).
   void PutChainThroughAThenHangC(uint64_t seed, size_t count, TwoClients* out) {
@@ -1186,18 +1208,10 @@ TEST_F(ClusterTest, AHomeRestartedBeforeItsPeersNoticeGetsTheirRecordsBack) {
   // node 2 would stop at the first key homed at node 0.
   constexpr size_t kBlocks = 24;
   constexpr uint64_t kSeed = 60;
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster(3, {"cluster.health_interval=5s", "cluster.health_timeout=1s",
-                       "cluster.failures_before_down=3"}));
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
-  auto b = MustConnect(daemons_[1]->tcp_target());
-  auto c = MustConnect(daemons_[2]->tcp_target());
-  ASSERT_TRUE(b && c);
-  ASSERT_OK_AND_ASSIGN(Profile p, b->RegisterProfile(TestModel()));
-  ASSERT_OK(c->RegisterProfile(TestModel()).status());
-  Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
-  ASSERT_OK(b->Put(p, blocks.keys, blocks.spans()).status());
-  ASSERT_EQ(WaitLookup(*c, p, kSeed, kBlocks, kBlocks), kBlocks);
+  NodeClients n;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughBWithSlowChecks(kSeed, kBlocks, &n));
+  Client* c = n.c.get();
+  const Profile p = n.p;
 
   const double left_before = Metric(1, "proxima_cluster_peer_transitions_total{to=\"down\"}");
   ASSERT_OK(daemons_[0]->Restart());
@@ -1215,18 +1229,11 @@ TEST_F(ClusterTest, ANodeShuttingDownLeavesItsPeersLiveSetsAtOnce) {
   // the chain node 1 holds through its new homes. Node 0 is back on its next check.
   constexpr size_t kBlocks = 32;
   constexpr uint64_t kSeed = 61;
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster(3, {"cluster.health_interval=5s", "cluster.health_timeout=1s",
-                       "cluster.failures_before_down=3"}));
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
-  auto b = MustConnect(daemons_[1]->tcp_target());
-  auto c = MustConnect(daemons_[2]->tcp_target());
-  ASSERT_TRUE(b && c);
-  ASSERT_OK_AND_ASSIGN(Profile p, b->RegisterProfile(TestModel()));
-  ASSERT_OK(c->RegisterProfile(TestModel()).status());
-  Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
-  ASSERT_OK(b->Put(p, blocks.keys, blocks.spans()).status());
-  ASSERT_EQ(WaitLookup(*c, p, kSeed, kBlocks, kBlocks), kBlocks);
+  NodeClients n;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughBWithSlowChecks(kSeed, kBlocks, &n));
+  Client* b = n.b.get();
+  Client* c = n.c.get();
+  const Profile p = n.p;
   const double homed_at_0 = Metric(0, "proxima_cluster_location_records");
   ASSERT_GT(homed_at_0, 0) << "the premise: node 0 is home to some of the chain";
 
