@@ -199,7 +199,7 @@ void Membership::SetKnown(const std::vector<std::string>& dns_peers) {
     peers_ = std::move(next);
     Publish();
   }
-  Announce(gone, "no longer in cluster.peers or DNS");
+  ReportChanges(gone, "no longer in cluster.peers or DNS");
 }
 
 void Membership::Publish() {
@@ -324,7 +324,7 @@ void Membership::CheckOnce() {
                           << log::Kv("error", reason)
                           << log::Kv("tls", options_.tls.enabled() ? "on" : "off");
   }
-  Announce(changes, "failed its health checks");
+  ReportChanges(changes, "failed its health checks");
 }
 
 absl::Status Membership::MarkLeft(const std::string& peer) {
@@ -346,12 +346,12 @@ absl::Status Membership::MarkLeft(const std::string& peer) {
       Publish();
     }
   }
-  Announce(changes, "said it is shutting down");
+  ReportChanges(changes, "said it is shutting down");
   return absl::OkStatus();
 }
 
-void Membership::Announce(const std::vector<std::pair<std::string, bool>>& changes,
-                          const char* why_left) {
+void Membership::ReportChanges(const std::vector<std::pair<std::string, bool>>& changes,
+                               const char* why_left) {
   for (const auto& [id, live] : changes) {
     (live ? came_up_ : went_down_)->Increment();
     if (live) {

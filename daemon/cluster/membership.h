@@ -157,7 +157,8 @@ class Membership {
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts, logs and reports (on_change) peers that joined (true) or left the live set. Without
   // mu_ held: on_change may call back into Live().
-  void Announce(const std::vector<std::pair<std::string, bool>>& changes, const char* why_left);
+  void ReportChanges(const std::vector<std::pair<std::string, bool>>& changes,
+                     const char* why_left);
   std::shared_ptr<grpc::Channel> NewChannel(const std::string& peer) const;
   // Why each of these health checks failed, for the log: (peer, reason). A check that only says
   // that its deadline passed is explained by the error of a fresh connection attempt (a TLS

@@ -102,7 +102,7 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
-  records_not_live_ = registry->AddCounter(
+  records_refused_ = registry->AddCounter(
       "proxima_cluster_location_records_refused_total",
       "Location records not kept here as home: their holder was not in this node's live set "
       "(leaving, or not yet seen to join; it sends them again when it is)");
@@ -154,7 +154,7 @@ absl::Status PeerService::ServeRecord(const v1::RecordLocationsRequest& request,
     records_->Record(ids, request.holder());
     response->set_changed(static_cast<uint32_t>(ids.size()));
   } else {
-    records_not_live_->Increment(ids.size());
+    records_refused_->Increment(ids.size());
   }
   return absl::OkStatus();
 }

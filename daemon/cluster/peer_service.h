@@ -115,7 +115,7 @@ class PeerService final : public v1::Peer::Service {
   const uint64_t max_message_bytes_;
   const double accept_below_;
   metrics::Counter* unauthenticated_ = nullptr;
-  metrics::Counter* records_not_live_ = nullptr;
+  metrics::Counter* records_refused_ = nullptr;
   metrics::Counter* served_bytes_ = nullptr;
   metrics::Counter* spill_kept_ = nullptr;
   metrics::Counter* spill_refused_ = nullptr;
