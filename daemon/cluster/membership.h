@@ -144,7 +144,8 @@ class Membership {
     std::shared_ptr<grpc::Channel> channel;
     uint32_t failures = 0;  // consecutive
     bool live = false;
-    std::string last_error;  // the failure last logged; cleared by a success
+    // The failure last logged, or "said it is shutting down" after MarkLeft; cleared by a success.
+    std::string last_error;
     uint64_t epoch = 0;      // MarkLeft bumps it: a check started before counts for nothing
     bool said_leaving = false;  // MarkLeft: its failed checks are not logged until it is back
   };
