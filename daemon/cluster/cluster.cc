@@ -1,6 +1,7 @@
 #include "daemon/cluster/cluster.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <span>
 #include <utility>
@@ -37,6 +38,27 @@ constexpr auto kDeparturePeriod = std::chrono::milliseconds(100);
 constexpr absl::Duration kSuspectFor = absl::Seconds(1);
 // Keys queued before a re-announcement (a live-set change) sends a round mid-walk.
 constexpr size_t kReannounceRoundKeys = 64u << 10;
+// A failed record or forget is sent again after kRecordRetryFirst, then after twice as long each
+// time up to kRecordRetryMax, and dropped (counted) once it first failed kRecordRetryFor ago: a
+// home that fails calls that long while health checks keep it live is not going to answer.
+constexpr absl::Duration kRecordRetryFirst = absl::Milliseconds(250);
+constexpr absl::Duration kRecordRetryMax = absl::Seconds(8);
+constexpr absl::Duration kRecordRetryFor = absl::Seconds(60);
+
+// A record call that failed so that the next one may not: the home did not answer in time, could
+// not be reached, or was too busy. Not a refusal (a bad token, an unknown namespace, ...).
+bool RetryRecordCall(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::UNKNOWN:
+      return true;
+    default:
+      return false;
+  }
+}
 
 void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
   out->set_namespace_name(blocks.namespace_name);
@@ -289,8 +311,12 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "evicted, spilled or dropped here, or found gone by a fetch");
   records_dropped_ = registry->AddCounter(
       "proxima_cluster_location_records_dropped_total",
-      "Location records dropped: holder left the live set, a fetch missed, or a queue or the "
-      "table was full");
+      "Location records dropped: holder left the live set, a fetch missed, a queue or the table "
+      "was full, or their home failed every call for 60 s");
+  records_retried_ = registry->AddCounter(
+      "proxima_cluster_location_records_retried_total",
+      "Location records and forgets sent again because their call to the home failed (timed "
+      "out, could not connect)");
   bytes_in_ = metrics::TransferBytes(registry, "peer_grpc", "in");
   spilled_blocks_ = registry->AddCounter("proxima_cluster_spill_sent_blocks_total",
                                          "Cold blocks this node spilled to peers, by outcome",
@@ -408,17 +434,22 @@ void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
     // Leaving: its peers dropped this node and the records naming it; one naming it now would
     // outlive it, and could replace the record of the peer its hand-off gives the block to.
     if (stopping_ || (leaving_ && !batch.forget)) return;
-    if (queued_keys_ + keys.size() > kMaxQueuedKeys) {
+    if (queued_keys_ + retry_keys_ + keys.size() > kMaxQueuedKeys) {
       records_dropped_->Increment(keys.size());
       return;
     }
     // The latest intent for a key replaces what is queued for it: a forget queued after a
-    // record (or the reverse) must not race it in the same round.
-    Intents& q = queue_[BatchKey{batch.home, batch.namespace_name, batch.partition,
-                                 batch.profile_id, batch.holder}];
+    // record (or the reverse) must not race it in the same round, nor a retry of the earlier.
+    const BatchKey batch_key{batch.home, batch.namespace_name, batch.partition, batch.profile_id,
+                             batch.holder};
+    Intents& q = queue_[batch_key];
     const size_t before = q.size();
     for (const BlockKey& key : keys) q[key] = batch.forget;
     queued_keys_ += q.size() - before;
+    if (auto retry = retry_.find(batch_key); retry != retry_.end()) {
+      for (const BlockKey& key : keys) retry_keys_ -= retry->second.intents.erase(key);
+      if (retry->second.intents.empty()) retry_.erase(retry);
+    }
   }
   queue_cv_.notify_one();
 }
@@ -466,12 +497,82 @@ void Cluster::RunSender() {
 
 void Cluster::SendQueued() {
   absl::flat_hash_map<BatchKey, Intents> batches;
+  absl::flat_hash_map<BatchKey, Retry> retried;
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     batches.swap(queue_);
     queued_keys_ = 0;
+    const absl::Time now = absl::Now();
+    for (auto it = retry_.begin(); it != retry_.end();) {
+      if (it->second.due > now) {
+        ++it;
+        continue;
+      }
+      retry_keys_ -= it->second.intents.size();
+      retried.insert(retry_.extract(it++));
+    }
   }
-  if (!batches.empty()) SendAll(std::move(batches));
+  if (!retried.empty()) {
+    // A home that left the live set gets this node's records again when it comes back
+    // (Reannounce, AnnounceTo); until then they would only wait on it.
+    std::shared_ptr<const LiveSet> live = membership_->Live();
+    uint64_t sent_again = 0;
+    for (const auto& [key, retry] : retried) {
+      if (!live->Contains(std::get<0>(key))) {
+        records_dropped_->Increment(retry.intents.size());
+        continue;
+      }
+      // Enqueue removed every key with a newer intent: none is in `batches`.
+      batches[key].insert(retry.intents.begin(), retry.intents.end());
+      sent_again += retry.intents.size();
+    }
+    records_retried_->Increment(sent_again);
+  }
+  if (batches.empty()) return;
+  absl::flat_hash_map<BatchKey, Intents> failed = SendAll(batches);
+  if (!failed.empty()) QueueRetries(std::move(failed), retried);
+}
+
+void Cluster::QueueRetries(absl::flat_hash_map<BatchKey, Intents> failed,
+                           const absl::flat_hash_map<BatchKey, Retry>& retried) {
+  const absl::Time now = absl::Now();
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  if (stopping_) return;
+  for (auto& [key, intents] : failed) {
+    auto before = retried.find(key);
+    Retry next{{}, now, now + kRecordRetryFirst, kRecordRetryFirst};
+    if (before != retried.end()) {
+      next.first_failed = before->second.first_failed;
+      next.backoff = std::min(2 * before->second.backoff, kRecordRetryMax);
+      next.due = now + next.backoff;
+    }
+    if (now - next.first_failed >= kRecordRetryFor) {
+      records_dropped_->Increment(intents.size());
+      PROXIMA_LOG(kWarning) << "location records not delivered: their home failed every call"
+                            << log::Kv("home", std::get<0>(key)) << log::Kv("keys", intents.size())
+                            << log::Kv("for", absl::FormatDuration(now - next.first_failed));
+      continue;
+    }
+    // A newer intent queued meanwhile replaces the failed one; leaving, this node sends no
+    // record naming itself (TellPeersLeaving).
+    auto queued = queue_.find(key);
+    absl::erase_if(intents, [&](const auto& intent) {
+      return (queued != queue_.end() && queued->second.contains(intent.first)) ||
+             (leaving_ && !intent.second);
+    });
+    if (intents.empty()) continue;
+    if (queued_keys_ + retry_keys_ + intents.size() > kMaxQueuedKeys) {
+      records_dropped_->Increment(intents.size());
+      continue;
+    }
+    auto [it, added] = retry_.try_emplace(key, std::move(next));
+    if (!added) {  // failed in an earlier round too, and not due yet: the earliest failure counts
+      it->second.first_failed = std::min(it->second.first_failed, next.first_failed);
+    }
+    const size_t had = it->second.intents.size();
+    for (const auto& [k, forget] : intents) it->second.intents.insert_or_assign(k, forget);
+    retry_keys_ += it->second.intents.size() - had;
+  }
 }
 
 void Cluster::Reannounce(const LiveSet& live) {
@@ -523,6 +624,12 @@ Cluster::Leaving Cluster::TellPeersLeaving() {
       queued_keys_ += intents.size();
     }
     absl::erase_if(queue_, [](const auto& batch) { return batch.second.empty(); });
+    retry_keys_ = 0;
+    for (auto& [batch, retry] : retry_) {
+      absl::erase_if(retry.intents, [](const auto& intent) { return !intent.second; });
+      retry_keys_ += retry.intents.size();
+    }
+    absl::erase_if(retry_, [](const auto& batch) { return batch.second.intents.empty(); });
   }
   using Call = PeerCall<v1::LeaveRequest, v1::LeaveResponse>;
   std::vector<std::unique_ptr<Call>> calls;
@@ -619,9 +726,11 @@ uint64_t Cluster::AnnounceChanged(const LiveSet& live, const std::vector<Placeme
   return records;
 }
 
-void Cluster::SendAll(absl::flat_hash_map<BatchKey, Intents> batches) {
+absl::flat_hash_map<Cluster::BatchKey, Cluster::Intents> Cluster::SendAll(
+    const absl::flat_hash_map<BatchKey, Intents>& batches) {
   using Call = PeerCall<v1::RecordLocationsRequest, v1::RecordLocationsResponse>;
   std::vector<std::unique_ptr<Call>> calls;
+  std::vector<const BatchKey*> batch_of;  // each call's
   const size_t max_keys = core_->max_lookup_keys();
   const absl::Time deadline = absl::Now() + peer_deadline_;
   for (const auto& [key, intents] : batches) {
@@ -644,21 +753,38 @@ void Cluster::SendAll(absl::flat_hash_map<BatchKey, Intents> batches) {
           set->add_keys(reinterpret_cast<const char*>(keys[i]->data()), kKeyBytes);
         }
         calls.push_back(std::move(call));
+        batch_of.push_back(&key);
       }
     }
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncRecordLocations, /*skip_suspects=*/false,
           /*wait_for_ready=*/true);
-  for (const auto& call : calls) {
-    if (call->status.ok()) {
-      (call->request.forget() ? forgets_sent_ : records_sent_)
-          ->Increment(call->request.blocks().keys_size());
-    } else {
-      peer_call_failures_->Increment();
-      PROXIMA_LOG(kDebug) << "location records not delivered" << log::Kv("home", call->peer)
-                          << log::Kv("error", call->status.error_message());
+  absl::flat_hash_map<BatchKey, Intents> failed;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const Call& call = *calls[c];
+    if (call.status.ok()) {
+      (call.request.forget() ? forgets_sent_ : records_sent_)
+          ->Increment(call.request.blocks().keys_size());
+      continue;
+    }
+    peer_call_failures_->Increment();
+    if (!RetryRecordCall(call.status.error_code())) {
+      PROXIMA_LOG(kWarning) << "location records refused by their home"
+                            << log::Kv("home", call.peer)
+                            << log::Kv("error", call.status.error_message());
+      continue;
+    }
+    PROXIMA_LOG(kDebug) << "location records not delivered; sent again later"
+                        << log::Kv("home", call.peer)
+                        << log::Kv("error", call.status.error_message());
+    Intents& again = failed[*batch_of[c]];
+    for (const std::string& k : call.request.blocks().keys()) {
+      BlockKey key;
+      std::memcpy(key.data(), k.data(), kKeyBytes);
+      again.emplace(key, call.request.forget());
     }
   }
+  return failed;
 }
 
 std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const LiveSet& live,

@@ -31,7 +31,9 @@
 // the call's absolute deadline. A peer that is down, slow, or answers wrongly is a miss. Records
 // naming a node that leaves the live set are dropped, and so is a record whose fetch missed.
 // The record sender keeps, per key, only the latest of "record" and "forget" queued for it, and
-// sends one round at a time, so a home sees a key's changes in the order they happened.
+// sends one round at a time, so a home sees a key's changes in the order they happened. One
+// whose call fails (the home did not answer in time or could not be reached) is sent again with
+// a backoff while the home stays live, unless a newer one for the key replaces it.
 //
 // Block bytes of fetches and spills travel as UCX messages between daemons that both run the
 // UCX data plane (PeerUcx; cluster.transport auto), inline in the gRPC messages otherwise.
@@ -147,7 +149,7 @@ class Cluster final : public RemoteBlocks {
   // later put of it queues its record (Stored).
   void ForgetDepartures();
   void RunSender();
-  // Sends what is queued now (one round).
+  // Sends what is queued now, and the retries that are due (one round).
   void SendQueued();
   // The live set differs from the one the local blocks were last announced for: records of the
   // blocks whose home changed go to their new homes (sender thread).
@@ -162,7 +164,23 @@ class Cluster final : public RemoteBlocks {
   uint64_t AnnounceChanged(const LiveSet& live, const std::vector<PlacementNode>& before);
   // Tells `peers`, which just entered this node's live set, that this node rejoined.
   void SendRejoins(const std::vector<std::string>& peers);
-  void SendAll(absl::flat_hash_map<BatchKey, Intents> batches);
+  // Sends `batches` to their homes; returns the intents whose call failed in a way that a later
+  // call may not (the home did not answer in time or could not be reached).
+  absl::flat_hash_map<BatchKey, Intents> SendAll(
+      const absl::flat_hash_map<BatchKey, Intents>& batches);
+  // Records and forgets whose call failed, to be sent again: with a backoff, while their home
+  // stays live, for kRecordRetryFor at most. A home that missed one would otherwise not learn of
+  // it until the live set changes or the block is put again.
+  struct Retry {
+    Intents intents;
+    absl::Time first_failed;
+    absl::Time due;
+    absl::Duration backoff;
+  };
+  // Queues `failed` (SendAll's) for a retry, but not the keys with a newer intent queued since;
+  // `retried` holds the retries this round sent (their first failure and backoff carry over).
+  void QueueRetries(absl::flat_hash_map<BatchKey, Intents> failed,
+                    const absl::flat_hash_map<BatchKey, Retry>& retried);
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
   // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
   // each with the stub's PrepareAsync `method`; returns when all have finished. A peer whose
@@ -211,6 +229,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* forgets_sent_ = nullptr;
   metrics::Counter* reannounced_ = nullptr;
   metrics::Counter* records_dropped_ = nullptr;
+  metrics::Counter* records_retried_ = nullptr;
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* spilled_blocks_ = nullptr;
   metrics::Counter* spill_no_room_ = nullptr;
@@ -228,6 +247,10 @@ class Cluster final : public RemoteBlocks {
   std::condition_variable queue_cv_;
   absl::flat_hash_map<BatchKey, Intents> queue_;                 // guarded by queue_mu_
   size_t queued_keys_ = 0;                                       // guarded by queue_mu_
+  // Failed records and forgets waiting to be sent again; a newer intent for a key queued in
+  // queue_ removes it here (Enqueue). Their keys count in kMaxQueuedKeys too.
+  absl::flat_hash_map<BatchKey, Retry> retry_;                   // guarded by queue_mu_
+  size_t retry_keys_ = 0;                                        // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
   bool leaving_ = false;  // TellPeersLeaving was called; guarded by queue_mu_
   // Peers that entered the live set, to be sent Rejoin; peers that entered it or whose Rejoin

@@ -1017,6 +1017,67 @@ TEST_F(ClusterTest, AGetFetchesTheBlocksWhoseHomesAnswerWhenAnotherHomeHangs) {
   EXPECT_LT(took, kPeerDeadline * 1.5);
 }
 
+// A home that misses location records (hung past cluster.peer_deadline, yet still live: its
+// health checks have not failed often enough) gets them once it answers again. Before, the
+// records were dropped with the failed call and a lookup from another node stopped at the first
+// key homed there until the live set changed or the blocks were put again. A block deleted
+// meanwhile is not recorded again by a late retry of its record.
+TEST_F(ClusterTest, RecordsAHungHomeMissedReachItOnceItAnswersAgain) {
+  constexpr size_t kBlocks = 48;  // [0, 24) kept, [24, 48) deleted after C answers again
+  constexpr size_t kKept = 24;
+  constexpr uint64_t kSeed = 71;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughAThenHangC(70, 4, &clients));
+  Client& a = *clients.a;
+  Client& b = *clients.b;
+  const Profile& p = clients.p;
+  const double failed_before = Metric(0, "proxima_cluster_peer_call_failures_total");
+  Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(a.Put(p, blocks.keys, blocks.spans()).status());
+  // The premise: A's record call to C failed (it waits cluster.peer_deadline for C).
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (Metric(0, "proxima_cluster_peer_call_failures_total") == failed_before &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  daemons_[2]->Signal(SIGCONT);
+  ASSERT_GT(Metric(0, "proxima_cluster_peer_call_failures_total"), failed_before);
+  const std::vector<client::BlockKey> deleted(blocks.keys.begin() + kKept, blocks.keys.end());
+  EXPECT_THAT(a.Delete(p, deleted), IsOkAndHolds(kBlocks - kKept));
+
+  EXPECT_EQ(WaitLookup(b, p, kSeed, kKept, kKept), kKept) << "C never got A's records";
+  EXPECT_EQ(GetAndCheck(b, p, kSeed, 0, kKept), kKept);
+  EXPECT_GT(Metric(0, "proxima_cluster_location_records_retried_total"), 0);
+  // C kept no record of a deleted block: past A's next retries (every 250 ms to 8 s) it still
+  // answers "" for each. And C counted live at A throughout (no re-announcement made up for it).
+  absl::SleepFor(absl::Seconds(3));
+  auto stub = PeerStub(daemons_[2]->tcp_target());
+  v1::LookupLocationsRequest lookup;
+  lookup.mutable_blocks()->set_namespace_name("default");
+  lookup.mutable_blocks()->set_profile_id(p.id);
+  for (const client::BlockKey& k : blocks.keys) {
+    lookup.mutable_blocks()->add_keys(std::string(k.begin(), k.end()));
+  }
+  grpc::ClientContext context;
+  AsPeer(&context);
+  v1::LookupLocationsResponse found;
+  ASSERT_TRUE(stub->LookupLocations(&context, lookup, &found).ok());
+  ASSERT_EQ(found.holders_size(), static_cast<int>(kBlocks));
+  const std::string holder_a = absl::StrCat("127.0.0.1:", ports_[0]);
+  size_t kept_at_c = 0;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    if (i >= kKept) {
+      EXPECT_EQ(found.holders(i), "") << "C names a holder of deleted block " << i;
+    } else if (!found.holders(i).empty()) {
+      EXPECT_EQ(found.holders(i), holder_a) << "block " << i;
+      ++kept_at_c;
+    }
+  }
+  EXPECT_GT(kept_at_c, 0u);  // C is home to about a third of the keys
+  EXPECT_EQ(Metric(0, "proxima_cluster_peer_transitions_total{to=\"down\"}"), 0);
+  EXPECT_THAT(b.Lookup(p, client::TestKeyChain(kSeed, kKept, kBlocks - kKept)), IsOkAndHolds(0u));
+}
+
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
   // A and B run the UCX data plane, C does not: A spills to B as UCX messages once B has named
