@@ -760,7 +760,7 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
       e.block = std::move(block);
       Locate(*e.block, id);
       std::list<BlockId>& probation = shard.lru[kProbation];
-      if (attributes.from_peer) {
+      if (attributes.from_peer && !attributes.handed_off) {
         // A peer's coldest block, kept in room this node has to spare: the first to go when
         // this node needs the room, unless it is read here first.
         probation.push_back(id);

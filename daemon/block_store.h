@@ -112,6 +112,8 @@ struct BlockAttributes {
   bool second_chance = false;   // the worker's importance hint: passed over once when coldest
   bool from_peer = false;       // spilled here by a peer (cluster): never spilled on again, and
                                 // committed as the coldest block (the first to be evicted)
+  bool handed_off = false;      // with from_peer: handed off by a peer that shut down, committed
+                                // as recently used (its workers go on reading it from here)
 };
 
 struct StoredBlock;

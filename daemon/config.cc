@@ -695,9 +695,9 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
   // receive_pool_bytes (registered receive buffers of one-sided UCX fetches) is accepted and
   // ignored, so that configs written for older versions still load.
   if (const YAML::Node spill = node["spill"]) {
-    PROXIMA_RETURN_IF_ERROR(
-        r.CheckKeys(spill, "cluster.spill",
-                    {"enabled", "threshold", "accept_below", "candidates", "put_wait", "handoff"}));
+    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(spill, "cluster.spill",
+                                        {"enabled", "threshold", "accept_below", "candidates",
+                                         "put_wait", "handoff", "handoff_evicts"}));
     if (spill.IsMap()) {
       PROXIMA_RETURN_IF_ERROR(
           r.Bool(spill["enabled"], "cluster.spill.enabled", &out->spill_enabled));
@@ -711,6 +711,8 @@ absl::Status ParseCluster(Reader& r, const YAML::Node& node, const TlsConfig& tl
                                        &out->spill_put_wait_seconds));
       PROXIMA_RETURN_IF_ERROR(Duration(r, spill["handoff"], "cluster.spill.handoff", 0, 600,
                                        &out->spill_handoff_seconds));
+      PROXIMA_RETURN_IF_ERROR(r.Bool(spill["handoff_evicts"], "cluster.spill.handoff_evicts",
+                                     &out->spill_handoff_evicts));
     }
   }
   if (out->spill_accept_below >= out->spill_threshold) {
@@ -1320,6 +1322,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "candidates" << YAML::Value << k.spill_candidates;
   e << YAML::Key << "put_wait" << YAML::Value << seconds(k.spill_put_wait_seconds);
   e << YAML::Key << "handoff" << YAML::Value << seconds(k.spill_handoff_seconds);
+  e << YAML::Key << "handoff_evicts" << YAML::Value << k.spill_handoff_evicts;
   e << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::EndMap;

@@ -186,13 +186,17 @@ struct ClusterConfig {
   // and a burst faster than the spiller evicts blocks a peer had room for).
   // A node that shuts down (SIGTERM) spends up to `spill_handoff_seconds`, once its calls have
   // finished, sending its blocks to peers with room, most recently used first, so that they
-  // outlive it (a rolling upgrade, a drain); 0 = it leaves them behind.
+  // outlive it (a rolling upgrade, a drain); 0 = it leaves them behind. With
+  // `spill_handoff_evicts`, this node makes room for a peer's hand-off by evicting its own least
+  // recently used blocks (as for a local put); without, it keeps them only below
+  // `spill_accept_below`.
   bool spill_enabled = true;
   double spill_threshold = 0.9;
   double spill_accept_below = 0.75;
   uint32_t spill_candidates = 3;
   double spill_put_wait_seconds = 0.5;
   double spill_handoff_seconds = 10;
+  bool spill_handoff_evicts = true;
 };
 
 struct DaemonConfig {

@@ -418,6 +418,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(d.cluster.spill_candidates, 3u);
   EXPECT_EQ(d.cluster.spill_put_wait_seconds, 0.5);
   EXPECT_EQ(d.cluster.spill_handoff_seconds, 10);
+  EXPECT_TRUE(d.cluster.spill_handoff_evicts);
   EXPECT_EQ(d.cluster.transport, "auto");
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
@@ -435,7 +436,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
                   "  peer_token: {file: /etc/proxima/peer-token}\n"
                   "  receive_pool_bytes: 64MiB\n"
                   "  spill: {enabled: false, threshold: 0.95, accept_below: 0.5, candidates: 2,\n"
-                  "          put_wait: 0, handoff: 2m}\n",
+                  "          put_wait: 0, handoff: 2m, handoff_evicts: false}\n",
                   "c", {}));
   EXPECT_TRUE(c.cluster.enabled);
   EXPECT_EQ(c.cluster.advertise, "10.0.0.7:50051");
@@ -459,6 +460,7 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   EXPECT_EQ(again.cluster.spill_candidates, 2u);
   EXPECT_EQ(again.cluster.spill_put_wait_seconds, 0);
   EXPECT_EQ(again.cluster.spill_handoff_seconds, 120);
+  EXPECT_FALSE(again.cluster.spill_handoff_evicts);
   // --set works on the section like on any other.
   ASSERT_OK_AND_ASSIGN(DaemonConfig s,
                        ParseConfig("", "s",

@@ -258,8 +258,10 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
   }
   cluster->service_ = std::make_unique<PeerService>(
       core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
-      config.server.max_message_bytes, c.spill_enabled ? c.spill_accept_below : 0.0, registry,
-      2 * cluster->peer_deadline_ + absl::Seconds(1));
+      config.server.max_message_bytes,
+      PeerService::Acceptance{c.spill_enabled ? c.spill_accept_below : 0.0,
+                              c.spill_enabled && c.spill_handoff_evicts},
+      registry, 2 * cluster->peer_deadline_ + absl::Seconds(1));
   cluster->service_->SetIsLive(
       [self](const std::string& node) { return self->membership_->Live()->Contains(node); });
   cluster->service_->OnLeave(
@@ -1086,6 +1088,13 @@ Cluster::Handoff Cluster::HandOff(absl::Duration budget) {
     spill_cv_.notify_all();
     spill_done_cv_.notify_all();
     if (spiller_.joinable()) spiller_.join();  // its rooms_ are this thread's from here on
+    // A peer's refusals of spills say nothing of its room for a hand-off, which it may make by
+    // evicting (cluster.spill.handoff_evicts): each peer is sent one block first, as an unknown
+    // one is, and its answer says how much more it takes. Its UCX worker stays known.
+    for (auto& [peer, room] : rooms_) {
+      room.bytes = 1;
+      room.retry_at = absl::InfinitePast();
+    }
     HandoffState state;
     state.until = absl::Now() + budget;
     while (absl::Now() < state.until && SpillOnce(&state) == SpillRound::kMoved) {
@@ -1193,6 +1202,7 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
       set->set_partition(id.partition);
       set->set_profile_id(id.profile_id);
       p.call->request.set_block_bytes(*block_bytes);
+      p.call->request.set_handoff(handoff != nullptr);
       // As UCX messages when the peer named its worker in an earlier answer.
       if (ucx_ != nullptr) {
         auto room = rooms_.find(p.call->peer);

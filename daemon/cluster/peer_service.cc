@@ -87,8 +87,8 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
 
 PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
                          PeerUcx* ucx, std::string self, std::string token,
-                         uint64_t max_message_bytes, double accept_below,
-                         metrics::Registry* registry, absl::Duration recent_delete_window)
+                         uint64_t max_message_bytes, Acceptance accept, metrics::Registry* registry,
+                         absl::Duration recent_delete_window)
     : core_(core),
       records_(records),
       remote_(remote),
@@ -96,7 +96,7 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
       self_(std::move(self)),
       token_(std::move(token)),
       max_message_bytes_(max_message_bytes),
-      accept_below_(accept_below),
+      accept_(accept),
       // Deletes are rare; 64K keys bound the set to a few MiB.
       recent_deletes_(recent_delete_window, 1u << 16) {
   unauthenticated_ = registry->AddCounter(
@@ -329,10 +329,12 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     }
     PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(i, b.level(), bytes, request.block_bytes()));
   }
-  // Which blocks to keep, in room this node has to spare (never evicting for them), and their
-  // tier memory; visible only once all of them are copied.
+  // Which blocks to keep, in room this node has to spare (never evicting for spilled ones; for
+  // a hand-off's as for a local put, when allowed), and their tier memory; visible only once
+  // all of them are copied.
   BlockStore& store = core_->store();
-  const double limit = accept_below_ * static_cast<double>(store.capacity_bytes());
+  const double limit = accept_.below * static_cast<double>(store.capacity_bytes());
+  const bool evict = request.handoff() && accept_.handoff_evicts;
   std::vector<BlockStore::PendingBlock> pending;
   std::vector<size_t> keep;  // request index of each pending block
   uint64_t reserved = 0;
@@ -347,7 +349,16 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       continue;
     }
     const uint64_t size = data[i].size();
-    if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
+    if (!stored && evict) {
+      // The leaving peer's most recently used blocks, against this node's least recently used.
+      if (std::optional<BlockStore::PendingBlock> p = store.Reserve(size)) {
+        std::memcpy(p->bytes().data(), data[i].data(), size);
+        pending.push_back(*std::move(p));
+        keep.push_back(i);
+        reserved += size;
+        stored = true;
+      }
+    } else if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
       if (std::optional<BlockStore::PendingBlock> p = store.ReserveCompacting(size)) {
         std::memcpy(p->bytes().data(), data[i].data(), size);
@@ -365,11 +376,14 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     const v1::SpilledBlock& b = request.data(static_cast<int>(keep[j]));
     BlockAttributes attributes;
     attributes.from_peer = true;
+    attributes.handed_off = request.handoff();
     store.Commit(ids[keep[j]], std::move(pending[j]), b.crc32c(), attributes,
                  static_cast<uint8_t>(b.level()));
     kept.push_back(ids[keep[j]].key);
   }
-  const double room = limit - static_cast<double>(store.used_bytes());
+  const double room = evict ? static_cast<double>(store.capacity_bytes()) -
+                                  static_cast<double>(store.protected_bytes())
+                            : limit - static_cast<double>(store.used_bytes());
   response->set_room_bytes(room > 0 ? static_cast<uint64_t>(room) : 0);
   if (ucx_ != nullptr) response->set_ucx_worker(ucx_->address());
   spill_kept_->Increment(kept.size());

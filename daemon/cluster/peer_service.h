@@ -34,16 +34,24 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
 
 class PeerService final : public v1::Peer::Service {
  public:
+  // Which blocks peers spill here this node keeps: while its host tier stays at or below
+  // `below` of its capacity (0: none); and blocks a peer hands off as it shuts down, as
+  // recently used, in room made by evicting this node's least recently used blocks when
+  // `handoff_evicts` (otherwise only below `below`, as spills).
+  struct Acceptance {
+    double below = 0;
+    bool handoff_evicts = false;
+  };
   // `core`, `records`, `remote` and `registry` must outlive the service. `self` is this daemon's
-  // node id. Blocks peers spill here are kept while the host tier stays at or below
-  // `accept_below` of its capacity (0: never), and `remote` tells their homes (Stored).
+  // node id. Blocks peers spill here are kept as `accept` says, and `remote` tells their homes
+  // (Stored).
   // `ucx` (null without the UCX data plane) sends fetched blocks to readers as UCX messages, and
   // takes spilled blocks that come as UCX messages.
   // `recent_delete_window`: how long a deleted key's spills are declined (NoteDeleted); at least
   // twice the peers' call deadline, so that it outlasts a Delete's skew between the nodes plus a
   // spill call.
   PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
-              std::string self, std::string token, uint64_t max_message_bytes, double accept_below,
+              std::string self, std::string token, uint64_t max_message_bytes, Acceptance accept,
               metrics::Registry* registry, absl::Duration recent_delete_window = absl::Seconds(5));
 
   grpc::Status RecordLocations(grpc::ServerContext* context,
@@ -113,7 +121,7 @@ class PeerService final : public v1::Peer::Service {
   const std::string self_;
   const std::string token_;
   const uint64_t max_message_bytes_;
-  const double accept_below_;
+  const Acceptance accept_;
   metrics::Counter* unauthenticated_ = nullptr;
   metrics::Counter* records_refused_ = nullptr;
   metrics::Counter* served_bytes_ = nullptr;

@@ -44,9 +44,9 @@ class PeerServiceTest : public ::testing::Test {
     v1::RegisterProfileResponse resp;
     ASSERT_OK(core_->RegisterProfile(Caller::Anonymous(), reg, &resp));
     profile_id_ = resp.profile_id();
-    service_ =
-        std::make_unique<PeerService>(core_.get(), &records_, &remote_, nullptr, "self:1", "token",
-                                      config.server.max_message_bytes, 0.75, &registry_);
+    service_ = std::make_unique<PeerService>(core_.get(), &records_, &remote_, nullptr, "self:1",
+                                             "token", config.server.max_message_bytes,
+                                             PeerService::Acceptance{0.75, true}, &registry_);
     raw_.resize(512);
     for (size_t i = 0; i < raw_.size(); ++i) raw_[i] = static_cast<char>((i * 13) % 97);
   }
@@ -177,8 +177,8 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclined) {
 
   // The window (a short one here) over, the same spill is kept.
   metrics::Registry other;
-  PeerService later(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20, 0.75,
-                    &other, absl::Milliseconds(1));
+  PeerService later(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
+                    PeerService::Acceptance{0.75, true}, &other, absl::Milliseconds(1));
   later.NoteDeleted(by_worker);
   absl::SleepFor(absl::Milliseconds(5));
   v1::StoreBlocksRequest again = Request({'b'}, 512);
@@ -187,6 +187,60 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclined) {
   ASSERT_OK(later.ServeStore(again, &kept));
   EXPECT_THAT(kept.stored(), ::testing::ElementsAre(true));
   EXPECT_TRUE(Read('b'));
+}
+
+// A full node (its own blocks up to its capacity) keeps no spilled block, but keeps the blocks a
+// peer hands off as it shuts down, evicting its own least recently used blocks for them, and
+// keeps them as recently used: the next local puts evict its older blocks, not these. With
+// handoff_evicts off, a hand-off is kept only below accept_below, as a spill.
+TEST_F(PeerServiceTest, AFullNodeMakesRoomForAHandOffButNotForASpill) {
+  BlockStore& store = core_->store();
+  auto local = [&](uint32_t i) {
+    BlockId id{0, profile_id_, {}, 0};
+    std::memset(id.key.data(), 0xee, kKeyBytes);
+    std::memcpy(id.key.data(), &i, sizeof(i));
+    return id;
+  };
+  const auto bytes = std::as_bytes(std::span<const char>(raw_.data(), raw_.size()));
+  uint32_t puts = 0;
+  auto put_local = [&](uint32_t n) {
+    for (uint32_t end = puts + n; puts < end; ++puts) store.Put(local(puts), bytes, Crc32c(bytes));
+  };
+  put_local(static_cast<uint32_t>(store.capacity_bytes() / raw_.size()) + 64);
+  ASSERT_GT(store.evictions(), 0u);  // the premise: full
+  const uint64_t evicted_before = store.evictions();
+
+  v1::StoreBlocksRequest spill = Request({'a', 'b', 'c', 'd'}, 512);
+  for (int i = 0; i < 4; ++i) *spill.add_data() = Spilled(raw_, 0);
+  v1::StoreBlocksResponse refused;
+  ASSERT_OK(service_->ServeStore(spill, &refused));
+  EXPECT_THAT(refused.stored(), ::testing::Each(false));
+  EXPECT_TRUE(refused.full());
+  EXPECT_EQ(store.evictions(), evicted_before);
+
+  metrics::Registry other;
+  PeerService no_evict(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
+                       PeerService::Acceptance{0.75, false}, &other);
+  v1::StoreBlocksRequest handoff = spill;
+  handoff.set_handoff(true);
+  ASSERT_OK(no_evict.ServeStore(handoff, &refused));
+  EXPECT_THAT(refused.stored(), ::testing::Each(false));
+  EXPECT_EQ(store.evictions(), evicted_before);
+
+  v1::StoreBlocksResponse kept;
+  ASSERT_OK(service_->ServeStore(handoff, &kept));
+  EXPECT_THAT(kept.stored(), ::testing::Each(true));
+  EXPECT_FALSE(kept.full());
+  EXPECT_GT(kept.room_bytes(), 0u);
+  EXPECT_GE(store.evictions(), evicted_before + 4);
+  EXPECT_TRUE(store.Contains(local(puts - 1)));  // this node's newest blocks stay
+  // Eight more local puts evict this node's oldest blocks, not the four handed off.
+  put_local(8);
+  for (char k : {'a', 'b', 'c', 'd'}) {
+    std::optional<BlockStore::ReadBlock> b = Read(k);
+    ASSERT_TRUE(b) << k;
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size()), raw_);
+  }
 }
 
 }  // namespace

@@ -1424,17 +1424,18 @@ TEST_F(ClusterTest, ARollingRestartOfEveryNodeKeepsTheBlocksOnTheOthers) {
 
 TEST_F(ClusterTest, AHandOffWithRoomForSomeBlocksSendsTheMostRecentlyUsedFirst) {
   // Node 0 holds 24 blocks, 8 of them read twice since they were put (hot); its peers keep
-  // peers' blocks up to half of 4 MiB each, 16 blocks between them. The 8 hot blocks all go,
-  // and the hand-off stops when the peers are full, leaving the rest behind.
+  // peers' blocks up to half of 4 MiB each, 16 blocks between them (they evict none of their
+  // own for a hand-off here). The 8 hot blocks all go, and the hand-off stops when the peers
+  // are full, leaving the rest behind.
   constexpr size_t kBlocks = 24, kHot = 8, kHotFirst = 10;
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster(3,
-                   {"ucx.enabled=true", "cluster.transport=auto",
-                    "cluster.spill={threshold: 0.9, accept_below: 0.5, handoff: 10s}"},
-                   [](int i) {
-                     return i == 0 ? std::vector<std::string>{}
-                                   : std::vector<std::string>{"tiers.host.capacity_bytes=4MiB"};
-                   }));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(
+      3,
+      {"ucx.enabled=true", "cluster.transport=auto",
+       "cluster.spill={threshold: 0.9, accept_below: 0.5, handoff: 10s, handoff_evicts: false}"},
+      [](int i) {
+        return i == 0 ? std::vector<std::string>{}
+                      : std::vector<std::string>{"tiers.host.capacity_bytes=4MiB"};
+      }));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
   constexpr uint64_t kSeed = 42;
   TwoClients clients;
@@ -1466,6 +1467,80 @@ TEST_F(ClusterTest, AHandOffWithRoomForSomeBlocksSendsTheMostRecentlyUsedFirst) 
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_EQ(all, static_cast<size_t>(moved));
+}
+
+TEST_F(ClusterTest, AHandOffToFullPeersPushesOutTheirLeastRecentlyUsedBlocks) {
+  // Three nodes with 4 MiB host tiers (16 blocks each). Node 0 holds 15 blocks, past its spill
+  // threshold; its peers are full of their own, 14 blocks each, 3 of them read twice since they
+  // were put (hot). Node 0's spills find no room (past accept_below), and its spiller leaves the
+  // peers alone for a while after each refusal. With handoff_evicts off, node 0's hand-off
+  // moves nothing; on, every block moves (the refusals of spills do not hold it back), the
+  // peers evict their own least recently used blocks for them and keep their hot ones, and a
+  // worker reads all 15 from node 1 after node 0 has exited.
+  constexpr size_t kBlocks = 15, kOwn = 14, kHot = 3;
+  for (const bool evicts : {false, true}) {
+    SCOPED_TRACE(absl::StrCat("cluster.spill.handoff_evicts=", evicts));
+    daemons_.clear();
+    ports_.clear();
+    ASSERT_NO_FATAL_FAILURE(StartCluster(
+        3, {"ucx.enabled=true", "cluster.transport=auto",
+            absl::StrCat("cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s, "
+                         "handoff_evicts: ",
+                         evicts ? "true" : "false", "}"),
+            "tiers.host.capacity_bytes=4MiB"}));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    const uint64_t seed = evicts ? 91 : 90;  // node 0's; node i's own: seed + 10 * i
+    TwoClients clients;
+    ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+    auto c = MustConnect(daemons_[2]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    const Profile p = clients.p;
+    Client* own[3] = {nullptr, clients.b.get(), c.get()};
+    for (int node = 1; node < 3; ++node) {
+      Blocks blocks = MakeBlocks(seed + 10 * node, 0, kOwn, p.block_bytes);
+      ASSERT_OK(own[node]->Put(p, blocks.keys, blocks.spans()).status());
+      for (int read = 0; read < 2; ++read) {
+        ASSERT_EQ(GetAndCheck(*own[node], p, seed + 10 * node, 0, kHot), kHot);
+      }
+    }
+    Blocks blocks = MakeBlocks(seed, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(clients.a->Put(p, blocks.keys, blocks.spans()).status());
+    ASSERT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
+    // The premise: node 0's spiller was refused.
+    const absl::Time refused_by = absl::Now() + absl::Seconds(10);
+    while (Metric(0, "proxima_cluster_spill_sent_blocks_total{outcome=\"no_peer_room\"}") <= 0 &&
+           absl::Now() < refused_by) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_GT(Metric(0, "proxima_cluster_spill_sent_blocks_total{outcome=\"no_peer_room\"}"), 0);
+    clients.a.reset();
+    const std::string log = StopGracefully(0);
+    ASSERT_TRUE(WaitLive(1, 2));
+    if (!evicts) {
+      EXPECT_EQ(HandoffCount(log, "blocks"), 0) << log;
+      EXPECT_EQ(HandoffCount(log, "left_blocks"), static_cast<int64_t>(kBlocks)) << log;
+      continue;
+    }
+    EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+    EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
+    // The peers' hot blocks stayed; of their other blocks, at least the 11 that did not fit
+    // went (15 + 28 blocks in room for 32).
+    size_t own_left = 0;
+    for (int node = 1; node < 3; ++node) {
+      EXPECT_EQ(GetAndCheck(*own[node], p, seed + 10 * node, 0, kHot), kHot) << "node " << node;
+      own_left += GetAndCheck(*own[node], p, seed + 10 * node, 0, kOwn);
+    }
+    EXPECT_LE(own_left, 2 * kOwn - 11);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    size_t got = 0;
+    while (absl::Now() < deadline) {  // records reach the blocks' homes in the background
+      got = GetAndCheck(*clients.b, p, seed, 0, kBlocks);
+      if (got == kBlocks) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(got, kBlocks);
+  }
 }
 
 // Daemons with server.tls (mTLS: server.tls.client_ca_file) call each other over TLS, verifying
