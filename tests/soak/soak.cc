@@ -138,6 +138,15 @@ class Recorder {
     found_after_delete_[read].fetch_add(1, std::memory_order_relaxed);
   }
   uint64_t found_after_delete(bool read) const { return found_after_delete_[read].load(); }
+  // Blocks a get (Get, Decompress, GetStored) that succeeded asked for, and how many it found.
+  void Gets(uint64_t asked, uint64_t found) {
+    gets_asked_.fetch_add(asked, std::memory_order_relaxed);
+    gets_found_.fetch_add(found, std::memory_order_relaxed);
+  }
+  double get_hit_ratio() const {
+    const uint64_t asked = gets_asked_.load();
+    return asked == 0 ? 0.0 : static_cast<double>(gets_found_.load()) / static_cast<double>(asked);
+  }
   // A request to a node that failed with UNAVAILABLE while the node was down (--kill_every_s),
   // or `after_up` after it was live again.
   void Unavailable(Clock::duration after_up) {
@@ -165,6 +174,8 @@ class Recorder {
   Interval current_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> stored_levels_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> found_after_delete_[2] = {0, 0};
+  std::atomic<uint64_t> gets_asked_{0};
+  std::atomic<uint64_t> gets_found_{0};
   std::atomic<uint64_t> unavailable_{0};
   std::atomic<int64_t> unavailable_after_up_ms_{0};
 };
@@ -472,6 +483,7 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
         absl::StatusOr<std::vector<bool>> r =
             op == kGet ? c.Get(profile, keys, out) : c.Decompress(profile, keys, out);
         status = r.status();
+        if (r.ok()) rec->Gets(kBatch, std::count(r->begin(), r->end(), true));
         for (size_t i = 0; r.ok() && i < kBatch; ++i) {
           if (!(*r)[i]) continue;
           const size_t j = first + i;
@@ -486,6 +498,10 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
         absl::StatusOr<std::vector<std::optional<client::StoredBlock>>> r =
             c.GetStored(profile, keys);
         status = r.status();
+        if (r.ok()) {
+          rec->Gets(kBatch, std::count_if(r->begin(), r->end(),
+                                          [](const auto& b) { return b.has_value(); }));
+        }
         for (size_t i = 0; r.ok() && i < kBatch; ++i) {
           if (!(*r)[i].has_value()) continue;
           const size_t j = first + i;
@@ -824,12 +840,12 @@ int Main() {
   for (int op = 0; op < num_ops; ++op) {
     absl::StrAppend(&summary, ",\"", kOpNames[op], "_p99_ms\":", Percentile(all_ms[op], 0.99));
   }
-  absl::StrAppend(&summary, ",\"capacity_mib\":", capacity >> 20,
-                  ",\"rss_after_warmup_mib\":", rss_after_warmup >> 20,
-                  ",\"rss_end_mib\":", rss_last >> 20, ",\"rss_max_mib\":", rss_max >> 20,
-                  ",\"rss_growth_mib\":", growth_mib, ",\"errors\":", total_errors,
-                  ",\"wrong_bytes\":", total_wrong, ",\"verdict\":\"", pass ? "pass" : "fail",
-                  "\"}");
+  absl::StrAppend(
+      &summary, ",\"get_hit_ratio\":", rec.get_hit_ratio(), ",\"capacity_mib\":", capacity >> 20,
+      ",\"rss_after_warmup_mib\":", rss_after_warmup >> 20, ",\"rss_end_mib\":", rss_last >> 20,
+      ",\"rss_max_mib\":", rss_max >> 20, ",\"rss_growth_mib\":", growth_mib,
+      ",\"errors\":", total_errors, ",\"wrong_bytes\":", total_wrong, ",\"verdict\":\"",
+      pass ? "pass" : "fail", "\"}");
   std::printf("%s\n", summary.c_str());
   if (!first_error.empty()) std::fprintf(stderr, "first error: %s\n", first_error.c_str());
   if (!first_wrong.empty()) std::fprintf(stderr, "first wrong answer: %s\n", first_wrong.c_str());
