@@ -349,24 +349,20 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       continue;
     }
     const uint64_t size = data[i].size();
+    std::optional<BlockStore::PendingBlock> p;
     if (!stored && evict) {
       // The leaving peer's most recently used blocks, against this node's least recently used.
-      if (std::optional<BlockStore::PendingBlock> p = store.Reserve(size)) {
-        std::memcpy(p->bytes().data(), data[i].data(), size);
-        pending.push_back(*std::move(p));
-        keep.push_back(i);
-        reserved += size;
-        stored = true;
-      }
+      p = store.Reserve(size);
     } else if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
-      if (std::optional<BlockStore::PendingBlock> p = store.ReserveCompacting(size)) {
-        std::memcpy(p->bytes().data(), data[i].data(), size);
-        pending.push_back(*std::move(p));
-        keep.push_back(i);
-        reserved += size;
-        stored = true;
-      }
+      p = store.ReserveCompacting(size);
+    }
+    if (p) {
+      std::memcpy(p->bytes().data(), data[i].data(), size);
+      pending.push_back(*std::move(p));
+      keep.push_back(i);
+      reserved += size;
+      stored = true;
     }
     if (!stored) response->set_full(true);
     response->add_stored(stored);
