@@ -339,8 +339,19 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   std::vector<size_t> keep;  // request index of each pending block
   uint64_t reserved = 0;
   uint64_t declined = 0;
+  // A hand-off's blocks already here, pinned until the end: the evictions that make room for the
+  // others must not take a block this answer says is held.
+  std::vector<BlockStore::ReadBlock> held;
   for (size_t i = 0; i < ids.size(); ++i) {
-    bool stored = store.Contains(ids[i]);
+    bool stored = false;
+    if (evict) {
+      std::optional<BlockStore::ReadBlock> here =
+          store.Read(ids[i], BlockStore::CrcCheck::kByCaller);
+      stored = here.has_value();
+      if (here) held.push_back(*std::move(here));
+    } else {
+      stored = store.Contains(ids[i]);
+    }
     if (!stored && recent_deletes_.Contains(ids[i])) {
       // Deleted here after the sender took it for this spill: the sender keeps it, and the
       // Delete, which reaches every node, removes it there. Not a lack of room.

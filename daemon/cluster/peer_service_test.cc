@@ -227,9 +227,24 @@ TEST_F(PeerServiceTest, AFullNodeMakesRoomForAHandOffButNotForASpill) {
   EXPECT_THAT(refused.stored(), ::testing::Each(false));
   EXPECT_EQ(store.evictions(), evicted_before);
 
+  // The hand-off also names, first, the block this node would evict first: it counts as held,
+  // and the evictions for the other four do not take it.
+  uint32_t oldest = 0;
+  while (!store.Contains(local(oldest))) ++oldest;
+  const BlockId held = local(oldest);
+  v1::StoreBlocksRequest with_held = Request({}, 512);
+  with_held.set_handoff(true);
+  with_held.mutable_blocks()->add_keys(reinterpret_cast<const char*>(held.key.data()), kKeyBytes);
+  *with_held.add_data() = Spilled(raw_, 0);
+  for (int i = 0; i < 4; ++i) {
+    with_held.mutable_blocks()->add_keys(handoff.blocks().keys(i));
+    *with_held.add_data() = handoff.data(i);
+  }
+  handoff = with_held;
   v1::StoreBlocksResponse kept;
   ASSERT_OK(service_->ServeStore(handoff, &kept));
   EXPECT_THAT(kept.stored(), ::testing::Each(true));
+  EXPECT_TRUE(store.Contains(held));
   EXPECT_FALSE(kept.full());
   EXPECT_GT(kept.room_bytes(), 0u);
   EXPECT_GE(store.evictions(), evicted_before + 4);

@@ -77,7 +77,8 @@ inline PeerFuzzState& PeerFuzz() {
     s->records = std::make_unique<cluster::LocationTable>(256);
     s->service = std::make_unique<cluster::PeerService>(
         s->core.get(), s->records.get(), &s->remote, /*ucx=*/nullptr, "self:1", "peer-token",
-        config.server.max_message_bytes, /*accept_below=*/0.75, &registry);
+        config.server.max_message_bytes,
+        cluster::PeerService::Acceptance{.below = 0.75, .handoff_evicts = true}, &registry);
     return s;
   }();
   return *state;
@@ -137,7 +138,8 @@ inline bool RunPeerInput(const uint8_t* data, size_t size) {
       status = service.ServeStore(req, &resp);
       keys = static_cast<size_t>(req.blocks().keys_size());
       if (!status.ok()) {
-        // A refused request stores nothing (ServeStore never evicts; nothing else runs).
+        // A refused request stores nothing and evicts nothing (every block is checked before
+        // any is reserved; nothing else runs).
         if (store.blocks() != blocks_before || store.used_bytes() != bytes_before) std::abort();
         break;
       }
