@@ -620,17 +620,16 @@ Cluster::Leaving Cluster::TellPeersLeaving() {
     std::lock_guard<std::mutex> lock(queue_mu_);
     leaving_ = true;
     // The records queued name this node (see Enqueue); its forgets may still go.
-    queued_keys_ = 0;
-    for (auto& [batch, intents] : queue_) {
+    // Keeps a batch's forgets and drops its records; returns how many intents it still holds.
+    auto keep_only_forgets = [](Intents& intents) {
       absl::erase_if(intents, [](const auto& intent) { return !intent.second; });
-      queued_keys_ += intents.size();
-    }
+      return intents.size();
+    };
+    queued_keys_ = 0;
+    for (auto& [batch, intents] : queue_) queued_keys_ += keep_only_forgets(intents);
     absl::erase_if(queue_, [](const auto& batch) { return batch.second.empty(); });
     retry_keys_ = 0;
-    for (auto& [batch, retry] : retry_) {
-      absl::erase_if(retry.intents, [](const auto& intent) { return !intent.second; });
-      retry_keys_ += retry.intents.size();
-    }
+    for (auto& [batch, retry] : retry_) retry_keys_ += keep_only_forgets(retry.intents);
     absl::erase_if(retry_, [](const auto& batch) { return batch.second.intents.empty(); });
   }
   using Call = PeerCall<v1::LeaveRequest, v1::LeaveResponse>;

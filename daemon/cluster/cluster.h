@@ -106,10 +106,11 @@ class Cluster final : public RemoteBlocks {
     uint64_t left_blocks = 0;
   };
   // For a node shutting down once its calls have finished (cluster.spill.handoff): stops the
-  // spiller, then sends the host tier's blocks to peers with room (as spills: a peer keeps them
-  // only below its cluster.spill.accept_below, and tells their homes), most recently used
-  // first, blocks peers spilled here included, until none is left, no peer takes any more, or
-  // `budget` has passed. GPU tier blocks stay. Nothing is sent with spill off.
+  // spiller, then sends the host tier's blocks to peers (as spills, except that a peer with
+  // cluster.spill.handoff_evicts makes room by evicting its least recently used blocks; each
+  // tells the blocks' homes), most recently used first, blocks peers spilled here included,
+  // until none is left, no peer takes any more, or `budget` has passed. GPU tier blocks stay.
+  // Nothing is sent with spill off.
   Handoff HandOff(absl::Duration budget);
 
   void Stored(const RemoteBlockSet& blocks) override;
