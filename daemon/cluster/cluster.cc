@@ -1096,9 +1096,16 @@ Cluster::Handoff Cluster::HandOff(absl::Duration budget) {
     }
     HandoffState state;
     state.until = absl::Now() + budget;
-    while (absl::Now() < state.until && SpillOnce(&state) == SpillRound::kMoved) {
+    SpillRound round = SpillRound::kMoved;
+    while (absl::Now() < state.until && store.host_blocks() > 0 &&
+           (round = SpillOnce(&state)) == SpillRound::kMoved) {
+      ++state.moved.rounds;
     }
     result = state.moved;
+    result.ended = store.host_blocks() == 0                ? "every block placed"
+                   : membership_->Live()->nodes.size() < 2 ? "no live peer"
+                   : round != SpillRound::kMoved           ? "no peer took more"
+                                                           : "budget spent";
   }
   result.left_blocks = store.host_blocks();
   return result;

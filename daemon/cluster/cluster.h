@@ -104,6 +104,10 @@ class Cluster final : public RemoteBlocks {
     uint64_t blocks = 0;
     uint64_t bytes = 0;
     uint64_t left_blocks = 0;
+    uint64_t rounds = 0;
+    // Why it stopped: "every block placed", "budget spent", "no peer took more" (every live
+    // peer refused or failed its last call), "no live peer", "spill off".
+    const char* ended = "spill off";
   };
   // For a node shutting down once its calls have finished (cluster.spill.handoff): stops the
   // spiller, then sends the host tier's blocks to peers (as spills, except that a peer with

@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -655,6 +656,7 @@ int Main() {
   int kills = 0;
   uint64_t handed_off = 0;   // blocks the TERMed nodes handed to their peers
   uint64_t left_behind = 0;  // and those they could not
+  std::map<std::string, int> handoff_ends;  // why each hand-off stopped -> how many times
   int64_t slowest_rejoin_ms = 0;
   std::string kill_failure;  // set by the killer; read after it is joined
   std::thread killer;
@@ -683,6 +685,11 @@ int Main() {
             const size_t left = log.find(" left_blocks=", at);
             if (left != std::string::npos) {
               left_behind += std::strtoull(log.c_str() + left + 13, nullptr, 10);
+            }
+            const size_t ended = log.find(" ended=\"", at);
+            if (ended != std::string::npos) {
+              const size_t from = ended + 8;
+              ++handoff_ends[log.substr(from, log.find('"', from) - from)];
             }
           }
         }
@@ -830,8 +837,12 @@ int Main() {
     if (kill_every_s > 0) {
       absl::StrAppend(&summary, ",\"kills\":", kills, ",\"kill_signal\":\"", kill_signal_name,
                       "\",\"handed_off_blocks\":", handed_off,
-                      ",\"left_behind_blocks\":", left_behind,
-                      ",\"slowest_rejoin_ms\":", slowest_rejoin_ms,
+                      ",\"left_behind_blocks\":", left_behind, ",\"handoff_ends\":{",
+                      absl::StrJoin(handoff_ends, ",",
+                                    [](std::string* out, const auto& end) {
+                                      absl::StrAppend(out, "\"", end.first, "\":", end.second);
+                                    }),
+                      "}", ",\"slowest_rejoin_ms\":", slowest_rejoin_ms,
                       ",\"unavailable_while_down\":", rec.unavailable(),
                       ",\"unavailable_after_up_ms\":", rec.unavailable_after_up_ms(),
                       ",\"rejoined\":", rejoined ? "true" : "false");
