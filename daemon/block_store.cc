@@ -563,6 +563,13 @@ bool BlockStore::EvictCandidate(const Candidate& candidate, bool count) {
   return true;
 }
 
+bool BlockStore::Indexed(const Candidate& candidate) {
+  Shard& shard = ShardFor(candidate.id);
+  proxima::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(candidate.id);
+  return it != shard.map.end() && it->second.block.get() == candidate.block.pin.get();
+}
+
 std::optional<BlockStore::Candidate> BlockStore::ColdestSpillable() {
   return TakeCandidate(Take::kSpill);
 }

@@ -230,6 +230,9 @@ class BlockStore {
   // true when it did. When a reader pins it, clears the busy mark and returns false.
   // `count`: false for a block that left for another node (a spill), not counted in evictions().
   bool EvictCandidate(const Candidate& candidate, bool count = true);
+  // Whether the index still holds the candidate's very block (not deleted, nor deleted and put
+  // again as another block).
+  bool Indexed(const Candidate& candidate);
 
   // The least recently used block in pool `device`'s memory, not being moved already, pinned
   // and marked busy as ColdestCompressible's are: hand it back with MoveToHost(),

@@ -11,6 +11,7 @@
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "daemon/cluster/recent_deletes.h"
 #include "daemon/placement.h"
 #include "proxima/v1/peer.grpc.pb.h"
 
@@ -841,7 +842,10 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   std::vector<bool> deleted(blocks.keys.size(), false);
   std::vector<BlockId> ids;
   for (size_t i = 0; i < blocks.keys.size(); ++i) ids.push_back(IdOf(blocks, i));
-  service_->NoteDeleted(ids);  // a peer's spill of them may be on its way here
+  // One id for this Delete on every node: a spill of a key put again after it names it, and is
+  // kept; a spill that was on its way here when it happened is declined.
+  const uint64_t delete_id = RecentDeletes::NewId();
+  service_->NoteDeleted(ids, delete_id);
   std::shared_ptr<const LiveSet> live = membership_->Live();
   if (live->nodes.size() < 2 || blocks.keys.empty()) return deleted;
   const absl::Time deadline = absl::Now() + peer_deadline_;
@@ -852,6 +856,7 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
   std::vector<std::unique_ptr<Call>> calls =
       CallsToEveryPeer<Call>(blocks, *live, self_, core_->max_batch_blocks());
+  for (const auto& call : calls) call->request.set_delete_id(delete_id);
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {
     if (!call->status.ok() ||
@@ -1230,6 +1235,9 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     }
     b->set_crc32c(c->block.crc32c);
     b->set_level(c->block.level);
+    // This copy is newer than any Delete of the key seen here (that Delete would have removed
+    // it): a receiver that saw the same last Delete keeps it.
+    b->set_after_delete(service_->LastDelete(id));
     p.bytes += c->block.bytes.size();
     p.blocks.push_back(*std::move(c));
   }
@@ -1306,8 +1314,10 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
         continue;
       }
       // The peer holds it now and tells its home. A reader that pinned it meanwhile keeps this
-      // copy here as well (both are the same bytes).
-      if (!store.EvictCandidate(blocks[j], /*count=*/false) && !store.Contains(blocks[j].id)) {
+      // copy here as well (both are the same bytes). A copy deleted here meanwhile (put again or
+      // not) is withdrawn: the peer may have kept it as newer than that Delete (after_delete was
+      // read after the block was taken).
+      if (!store.EvictCandidate(blocks[j], /*count=*/false) && !store.Indexed(blocks[j])) {
         if (withdrawal == nullptr) {
           withdrawal = withdrawals.emplace_back(std::make_unique<DeleteCall>()).get();
           withdrawal->peer = call.peer;

@@ -352,9 +352,11 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     } else {
       stored = store.Contains(ids[i]);
     }
-    if (!stored && recent_deletes_.Contains(ids[i])) {
-      // Deleted here after the sender took it for this spill: the sender keeps it, and the
-      // Delete, which reaches every node, removes it there. Not a lack of room.
+    if (!stored &&
+        recent_deletes_.Stale(ids[i], request.data(static_cast<int>(i)).after_delete())) {
+      // Deleted here by a Delete the sender had not seen when it sent the block: the sender
+      // keeps it, and the Delete, which reaches every node, removes it there. Not a lack of
+      // room.
       response->add_stored(false);
       ++declined;
       continue;
@@ -412,7 +414,9 @@ absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
                                       v1::DeleteBlocksResponse* response) {
   PROXIMA_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
-  recent_deletes_.Add(ids);  // present here or not: a spill of them may still be on its way
+  // Present here or not: a spill of them may still be on its way. A caller that names no
+  // Delete (a spill's withdrawal) gets an id of its own, which no spill names.
+  recent_deletes_.Add(ids, request.delete_id() != 0 ? request.delete_id() : RecentDeletes::NewId());
   std::vector<BlockKey> gone;
   for (const BlockId& id : ids) {
     const bool deleted = core_->store().Delete(id);

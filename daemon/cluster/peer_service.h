@@ -103,10 +103,16 @@ class PeerService final : public v1::Peer::Service {
   absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response,
                           absl::Time deadline = absl::InfiniteFuture());
 
-  // Keys a worker's Delete on this node just removed (or asked every node to): a peer's spill of
-  // one of them that arrives within the recent-delete window is declined (RecentDeletes).
-  // Deletes that peers send (DeleteBlocks) are noted by ServeDelete itself.
-  void NoteDeleted(std::span<const BlockId> ids) { recent_deletes_.Add(ids); }
+  // Keys a worker's Delete on this node just removed (or asked every node to), by the Delete
+  // `delete_id`: a peer's spill of one of them that arrives within the recent-delete window is
+  // declined unless its sender saw that Delete too (RecentDeletes). Deletes that peers send
+  // (DeleteBlocks) are noted by ServeDelete itself.
+  void NoteDeleted(std::span<const BlockId> ids, uint64_t delete_id) {
+    recent_deletes_.Add(ids, delete_id);
+  }
+  // The last Delete of `id` this node saw within the window (0: none), which a spill of this
+  // node's copy names (SpilledBlock.after_delete).
+  uint64_t LastDelete(const BlockId& id) const { return recent_deletes_.Last(id); }
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;

@@ -145,41 +145,61 @@ TEST_F(PeerServiceTest, AContainerOfAnotherBlockSizeIsRefused) {
 // A spill of a key deleted here a moment ago (the Delete reached this node before the spilled
 // copy did) is declined, not kept, and not counted as a lack of room: the sender keeps the
 // block, where the same Delete removes it. A Delete sent by a peer counts as much as one of this
-// node's workers. Once the window is over, the key is taken again (a put after the delete).
-TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclined) {
-  v1::DeleteBlocksRequest del;
-  del.mutable_blocks()->set_namespace_name("open");
-  del.mutable_blocks()->set_profile_id(profile_id_);
-  del.mutable_blocks()->add_keys(std::string(kKeyBytes, 'a'));  // not here (yet)
-  v1::DeleteBlocksResponse deleted;
-  ASSERT_OK(service_->ServeDelete(del, &deleted));
-  EXPECT_THAT(deleted.deleted(), ::testing::ElementsAre(false));
+// node's workers. A copy whose sender names that very Delete as the last it saw was put again
+// after it, and is kept. Once the window is over, the key is taken again.
+TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgainAfterIt) {
+  auto delete_here = [&](char key, uint64_t delete_id) {
+    v1::DeleteBlocksRequest del;
+    del.mutable_blocks()->set_namespace_name("open");
+    del.mutable_blocks()->set_profile_id(profile_id_);
+    del.mutable_blocks()->add_keys(std::string(kKeyBytes, key));  // not here (yet)
+    del.set_delete_id(delete_id);
+    v1::DeleteBlocksResponse deleted;
+    ASSERT_OK(service_->ServeDelete(del, &deleted));
+    EXPECT_THAT(deleted.deleted(), ::testing::ElementsAre(false));
+  };
+  delete_here('a', 41);
+  delete_here('d', 0);  // a withdrawal names no Delete
   BlockId b{0, profile_id_, {}, 0};
   std::memset(b.key.data(), 'b', kKeyBytes);
   const std::vector<BlockId> by_worker = {b};
-  service_->NoteDeleted(by_worker);
+  service_->NoteDeleted(by_worker, 42);
 
-  v1::StoreBlocksRequest r = Request({'a', 'b', 'c'}, 512);
-  for (int i = 0; i < 3; ++i) *r.add_data() = Spilled(raw_, 0);
+  v1::StoreBlocksRequest r = Request({'a', 'b', 'c', 'd'}, 512);
+  for (int i = 0; i < 4; ++i) *r.add_data() = Spilled(raw_, 0);
   v1::StoreBlocksResponse resp;
   ASSERT_OK(service_->ServeStore(r, &resp));
-  EXPECT_THAT(resp.stored(), ::testing::ElementsAre(false, false, true));
+  EXPECT_THAT(resp.stored(), ::testing::ElementsAre(false, false, true, false));
   EXPECT_FALSE(resp.full());
   EXPECT_FALSE(Read('a'));
   EXPECT_FALSE(Read('b'));
   EXPECT_TRUE(Read('c'));
+  EXPECT_FALSE(Read('d'));
   const std::string text = registry_.RenderText();
   EXPECT_THAT(
       text,
-      HasSubstr("proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"} 2"));
+      HasSubstr("proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"} 3"));
   EXPECT_THAT(text,
               HasSubstr("proxima_cluster_spill_received_blocks_total{outcome=\"no_room\"} 0"));
+
+  // Senders that saw a Delete: 'a' after the one this node saw (kept), 'b' after another one
+  // (declined: this node's Delete of it may be newer than the copy).
+  v1::StoreBlocksRequest after = Request({'a', 'b'}, 512);
+  *after.add_data() = Spilled(raw_, 0);
+  after.mutable_data(0)->set_after_delete(41);
+  *after.add_data() = Spilled(raw_, 0);
+  after.mutable_data(1)->set_after_delete(41);
+  v1::StoreBlocksResponse put_again;
+  ASSERT_OK(service_->ServeStore(after, &put_again));
+  EXPECT_THAT(put_again.stored(), ::testing::ElementsAre(true, false));
+  EXPECT_TRUE(Read('a'));
+  EXPECT_FALSE(Read('b'));
 
   // The window (a short one here) over, the same spill is kept.
   metrics::Registry other;
   PeerService later(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
                     PeerService::Acceptance{0.75, true}, &other, absl::Milliseconds(1));
-  later.NoteDeleted(by_worker);
+  later.NoteDeleted(by_worker, 43);
   absl::SleepFor(absl::Milliseconds(5));
   v1::StoreBlocksRequest again = Request({'b'}, 512);
   *again.add_data() = Spilled(raw_, 0);

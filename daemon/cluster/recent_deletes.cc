@@ -1,20 +1,32 @@
 #include "daemon/cluster/recent_deletes.h"
 
+#include <random>
+
 namespace proxima::daemon::cluster {
 
-void RecentDeletes::Add(std::span<const BlockId> ids, absl::Time now) {
+uint64_t RecentDeletes::NewId() {
+  static proxima::Mutex mu;
+  static std::mt19937_64* gen =
+      new std::mt19937_64(std::random_device{}() | (uint64_t{std::random_device{}()} << 32));
+  proxima::MutexLock lock(&mu);
+  uint64_t id = 0;
+  while (id == 0) id = (*gen)();
+  return id;
+}
+
+void RecentDeletes::Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now) {
   proxima::MutexLock lock(&mu_);
   for (const BlockId& id : ids) {
     order_.emplace_back(now, id);
-    latest_[id] = now;
+    latest_[id] = Entry{now, delete_id};
   }
   Trim(now);
 }
 
-bool RecentDeletes::Contains(const BlockId& id, absl::Time now) const {
+uint64_t RecentDeletes::Last(const BlockId& id, absl::Time now) const {
   proxima::MutexLock lock(&mu_);
   auto it = latest_.find(id);
-  return it != latest_.end() && now - it->second < window_;
+  return it != latest_.end() && now - it->second.at < window_ ? it->second.delete_id : 0;
 }
 
 size_t RecentDeletes::size() const {
@@ -26,7 +38,7 @@ void RecentDeletes::Trim(absl::Time now) {
   while (!order_.empty() && (now - order_.front().first >= window_ || order_.size() > max_keys_)) {
     auto it = latest_.find(order_.front().second);
     // A key deleted again later keeps its newer entry.
-    if (it != latest_.end() && it->second == order_.front().first) latest_.erase(it);
+    if (it != latest_.end() && it->second.at == order_.front().first) latest_.erase(it);
     order_.pop_front();
   }
 }

@@ -1,19 +1,26 @@
-// RecentDeletes: the keys deleted on this node in the last `window`, so that a peer's spill of one
-// of them that arrives after the Delete is declined instead of kept.
+// RecentDeletes: the keys deleted on this node in the last `window`, each with the id of its last
+// Delete, so that a peer's spill of one of them that arrives after the Delete is declined instead
+// of kept.
 //
 // A Delete reaches every live node in parallel (Cluster::DeleteRemote), and a spill is a call of
 // its own: the Delete can reach the receiver before the spilled copy lands there and the sender
 // after it let its copy go, and the copy would then outlive the Delete. Declined, the block
-// stays with its sender, where the Delete removes it (or, when the key was put again since,
-// keeps the new block). A late spill is the only thing the set turns away, so a key in it costs
-// at most a spill declined; never a block lost. Entries leave after `window` (longer than any
-// peer call), and the oldest first when more than `max_keys` are held.
+// stays with its sender, where the Delete removes it.
+//
+// A key put again after its Delete is not stale: the sender names, per block, the last Delete of
+// the key it saw (SpilledBlock.after_delete; its copy is newer, or that Delete would have removed
+// it), and the receiver declines only when its own last Delete of the key is another one, which
+// the sender had not seen. Without the ids, a block put again within the window was declined
+// too: harmless for a spill (the sender keeps it) but lost in a hand-off, whose sender exits.
+// Entries leave after `window` (longer than any peer call), and the oldest first when more than
+// `max_keys` are held.
 //
 // Thread-safe.
 #ifndef PROXIMA_DAEMON_CLUSTER_RECENT_DELETES_H_
 #define PROXIMA_DAEMON_CLUSTER_RECENT_DELETES_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <span>
 #include <utility>
@@ -30,13 +37,26 @@ class RecentDeletes {
  public:
   RecentDeletes(absl::Duration window, size_t max_keys) : window_(window), max_keys_(max_keys) {}
 
-  // Notes `ids` as deleted at `now`.
-  void Add(std::span<const BlockId> ids, absl::Time now = absl::Now());
-  // Whether `id` was deleted within the window before `now`.
-  bool Contains(const BlockId& id, absl::Time now = absl::Now()) const;
+  // A fresh, random, non-zero id for a Delete.
+  static uint64_t NewId();
+
+  // Notes `ids` as deleted at `now` by the Delete `delete_id` (non-zero).
+  void Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now = absl::Now());
+  // The id of the last Delete of `id` within the window before `now`; 0 when none.
+  uint64_t Last(const BlockId& id, absl::Time now = absl::Now()) const;
+  // Whether a copy of `id` whose sender last saw the Delete `after_delete` (0: none) may be stale
+  // here: this node saw a Delete of it within the window, and not that one.
+  bool Stale(const BlockId& id, uint64_t after_delete, absl::Time now = absl::Now()) const {
+    const uint64_t last = Last(id, now);
+    return last != 0 && last != after_delete;
+  }
   size_t size() const;
 
  private:
+  struct Entry {
+    absl::Time at;
+    uint64_t delete_id = 0;
+  };
   // Drops what is older than the window, and the oldest beyond max_keys_.
   void Trim(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -44,7 +64,7 @@ class RecentDeletes {
   const size_t max_keys_;
   mutable proxima::Mutex mu_;
   std::deque<std::pair<absl::Time, BlockId>> order_ ABSL_GUARDED_BY(mu_);  // oldest first
-  absl::flat_hash_map<BlockId, absl::Time> latest_ ABSL_GUARDED_BY(mu_);   // last delete per key
+  absl::flat_hash_map<BlockId, Entry> latest_ ABSL_GUARDED_BY(mu_);        // last delete per key
 };
 
 }  // namespace proxima::daemon::cluster

@@ -18,19 +18,19 @@ TEST(RecentDeletesTest, AKeyStaysForTheWindowAndADeleteAgainRenewsIt) {
   RecentDeletes recent(absl::Seconds(4), 100);
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   const std::vector<BlockId> first = {KeyId(1), KeyId(2)};
-  recent.Add(first, t0);
-  EXPECT_TRUE(recent.Contains(KeyId(1), t0 + absl::Seconds(3)));
-  EXPECT_FALSE(recent.Contains(KeyId(3), t0 + absl::Seconds(1)));
+  recent.Add(first, 11, t0);
+  EXPECT_EQ(recent.Last(KeyId(1), t0 + absl::Seconds(3)), 11u);
+  EXPECT_EQ(recent.Last(KeyId(3), t0 + absl::Seconds(1)), 0u);
   const std::vector<BlockId> again = {KeyId(1)};
-  recent.Add(again, t0 + absl::Seconds(3));
-  EXPECT_FALSE(recent.Contains(KeyId(2), t0 + absl::Seconds(4)));
-  EXPECT_TRUE(recent.Contains(KeyId(1), t0 + absl::Seconds(5)));  // renewed at t0 + 3
+  recent.Add(again, 12, t0 + absl::Seconds(3));
+  EXPECT_EQ(recent.Last(KeyId(2), t0 + absl::Seconds(4)), 0u);
+  EXPECT_EQ(recent.Last(KeyId(1), t0 + absl::Seconds(5)), 12u);  // renewed at t0 + 3
   const std::vector<BlockId> later = {KeyId(9)};
-  recent.Add(later, t0 + absl::Seconds(6));  // trims 1's first entry, keeps its second
-  EXPECT_TRUE(recent.Contains(KeyId(1), t0 + absl::Seconds(6)));
+  recent.Add(later, 13, t0 + absl::Seconds(6));  // trims 1's first entry, keeps its second
+  EXPECT_EQ(recent.Last(KeyId(1), t0 + absl::Seconds(6)), 12u);
   EXPECT_EQ(recent.size(), 2u);
-  recent.Add(later, t0 + absl::Seconds(8));
-  EXPECT_FALSE(recent.Contains(KeyId(1), t0 + absl::Seconds(8)));
+  recent.Add(later, 14, t0 + absl::Seconds(8));
+  EXPECT_EQ(recent.Last(KeyId(1), t0 + absl::Seconds(8)), 0u);
   EXPECT_EQ(recent.size(), 1u);
 }
 
@@ -39,12 +39,38 @@ TEST(RecentDeletesTest, PastItsBoundTheOldestKeysLeaveFirst) {
   const absl::Time t0 = absl::FromUnixSeconds(1000);
   for (uint32_t n = 0; n < 5; ++n) {
     const std::vector<BlockId> one = {KeyId(n)};
-    recent.Add(one, t0 + absl::Seconds(n));
+    recent.Add(one, 100 + n, t0 + absl::Seconds(n));
   }
   EXPECT_EQ(recent.size(), 3u);
-  EXPECT_FALSE(recent.Contains(KeyId(0), t0 + absl::Seconds(5)));
-  EXPECT_FALSE(recent.Contains(KeyId(1), t0 + absl::Seconds(5)));
-  EXPECT_TRUE(recent.Contains(KeyId(4), t0 + absl::Seconds(5)));
+  EXPECT_EQ(recent.Last(KeyId(0), t0 + absl::Seconds(5)), 0u);
+  EXPECT_EQ(recent.Last(KeyId(1), t0 + absl::Seconds(5)), 0u);
+  EXPECT_EQ(recent.Last(KeyId(4), t0 + absl::Seconds(5)), 104u);
+}
+
+// A copy is stale only against a Delete its sender had not seen: none seen here keeps it, the
+// same last Delete keeps it (the copy was put after it), another one (or a sender that names
+// none) declines it.
+TEST(RecentDeletesTest, ACopyIsStaleOnlyAgainstADeleteItsSenderHadNotSeen) {
+  RecentDeletes recent(absl::Seconds(4), 100);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  EXPECT_FALSE(recent.Stale(KeyId(1), 0, t0));
+  EXPECT_FALSE(recent.Stale(KeyId(1), 21, t0));
+  const std::vector<BlockId> one = {KeyId(1)};
+  recent.Add(one, 21, t0);
+  EXPECT_FALSE(recent.Stale(KeyId(1), 21, t0 + absl::Seconds(1)));
+  EXPECT_TRUE(recent.Stale(KeyId(1), 0, t0 + absl::Seconds(1)));
+  EXPECT_TRUE(recent.Stale(KeyId(1), 20, t0 + absl::Seconds(1)));
+  recent.Add(one, 22, t0 + absl::Seconds(2));  // deleted again: the sender saw only the first
+  EXPECT_TRUE(recent.Stale(KeyId(1), 21, t0 + absl::Seconds(3)));
+  EXPECT_FALSE(recent.Stale(KeyId(1), 0, t0 + absl::Seconds(7)));  // the window is over
+}
+
+TEST(RecentDeletesTest, NewIdsAreNonZeroAndDistinct) {
+  const uint64_t a = RecentDeletes::NewId();
+  const uint64_t b = RecentDeletes::NewId();
+  EXPECT_NE(a, 0u);
+  EXPECT_NE(b, 0u);
+  EXPECT_NE(a, b);
 }
 
 }  // namespace

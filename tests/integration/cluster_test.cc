@@ -1342,6 +1342,16 @@ int64_t HandoffCount(const std::string& log, const std::string& key) {
   return std::strtoll(log.c_str() + at + key.size() + 2, nullptr, 10);
 }
 
+// Why a daemon's hand-off stopped, from its log line (ended="..."); empty when there is none.
+std::string HandoffEnded(const std::string& log) {
+  const size_t line = log.find("handed blocks off to peers before exit");
+  if (line == std::string::npos) return "";
+  const size_t at = log.find(" ended=\"", line);
+  if (at == std::string::npos) return "";
+  const size_t from = at + 8;
+  return log.substr(from, log.find('"', from) - from);
+}
+
 TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt) {
   // SIGTERM node 0 holding 20 blocks; its two peers have room for all of them. With the
   // hand-off off (0s) they are gone with it; on, node 1 reads every one byte-exact after node 0
@@ -1370,6 +1380,7 @@ TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt)
     }
     EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
     EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
+    EXPECT_EQ(HandoffEnded(log), "every block placed") << log;
     EXPECT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
     EXPECT_EQ(GetAndCheck(*clients.b, p, seed, 0, kBlocks), kBlocks);
     EXPECT_EQ(Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}") +
@@ -1383,6 +1394,49 @@ TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt)
     ASSERT_OK(a->RegisterProfile(TestModel()).status());
     EXPECT_EQ(WaitLookup(*a, p, seed, kBlocks, kBlocks), kBlocks);
     EXPECT_EQ(GetAndCheck(*a, p, seed, 0, kBlocks), kBlocks);
+  }
+}
+
+TEST_F(ClusterTest, AHandOffKeepsBlocksPutAgainAfterTheirDelete) {
+  // Every node remembers recent Deletes and declines a peer's spill of a deleted key, in case
+  // the spill was on its way when the Delete came. A block put again after its Delete is no
+  // such copy: its sender names the Delete it saw, and the peers keep it. Before, they declined
+  // it for the whole window, and a node shutting down right after lost those blocks. One chain
+  // is deleted through node 0 itself, the other through node 1; both are put again on node 0,
+  // which is then stopped well within the window (a long peer_deadline makes it 21 s).
+  constexpr size_t kBlocks = 10;
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"ucx.enabled=true", "cluster.transport=auto", "cluster.peer_deadline=10s",
+                       "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughA(60, kBlocks, &clients));
+  const Profile p = clients.p;
+  Blocks second = MakeBlocks(61, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(clients.a->Put(p, second.keys, second.spans()).status());
+  ASSERT_EQ(WaitLookup(*clients.b, p, 61, kBlocks, kBlocks), kBlocks);
+  Blocks first = MakeBlocks(60, 0, kBlocks, p.block_bytes);
+  EXPECT_THAT(clients.a->Delete(p, first.keys), IsOkAndHolds(kBlocks));
+  EXPECT_THAT(clients.b->Delete(p, second.keys), IsOkAndHolds(kBlocks));
+  EXPECT_EQ(GetAndCheck(*clients.b, p, 60, 0, kBlocks), 0u);
+  EXPECT_EQ(GetAndCheck(*clients.b, p, 61, 0, kBlocks), 0u);
+  ASSERT_OK(clients.a->Put(p, first.keys, first.spans()).status());
+  ASSERT_OK(clients.a->Put(p, second.keys, second.spans()).status());
+  ASSERT_NO_FATAL_FAILURE(RegisterOn(2));
+  clients.a.reset();
+  const std::string log = StopGracefully(0);
+  ASSERT_TRUE(WaitLive(1, 2));
+  EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(2 * kBlocks)) << log;
+  EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
+  EXPECT_EQ(HandoffEnded(log), "every block placed") << log;
+  EXPECT_EQ(
+      Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}") +
+          Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}"),
+      0);
+  for (uint64_t seed : {60, 61}) {
+    SCOPED_TRACE(absl::StrCat("chain ", seed));
+    EXPECT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
+    EXPECT_EQ(GetAndCheck(*clients.b, p, seed, 0, kBlocks), kBlocks);
   }
 }
 
@@ -1520,6 +1574,7 @@ TEST_F(ClusterTest, AHandOffToFullPeersPushesOutTheirLeastRecentlyUsedBlocks) {
     if (!evicts) {
       EXPECT_EQ(HandoffCount(log, "blocks"), 0) << log;
       EXPECT_EQ(HandoffCount(log, "left_blocks"), static_cast<int64_t>(kBlocks)) << log;
+      EXPECT_EQ(HandoffEnded(log), "no peer took more") << log;
       continue;
     }
     EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
