@@ -39,16 +39,16 @@ constexpr auto kDeparturePeriod = std::chrono::milliseconds(100);
 constexpr absl::Duration kSuspectFor = absl::Seconds(1);
 // Keys queued before a re-announcement (a live-set change) sends a round mid-walk.
 constexpr size_t kReannounceRoundKeys = 64u << 10;
-// A failed record or forget is sent again after kRecordRetryFirst, then after twice as long each
-// time up to kRecordRetryMax, and dropped (counted) once it first failed kRecordRetryFor ago: a
-// home that fails calls that long while health checks keep it live is not going to answer.
+// A failed record or forget (or a Delete a peer missed) is sent again after kRecordRetryFirst,
+// then after twice as long each time up to kRecordRetryMax, and dropped (counted) once it first
+// failed kRecordRetryFor ago: a peer that fails calls that long is not going to answer.
 constexpr absl::Duration kRecordRetryFirst = absl::Milliseconds(250);
 constexpr absl::Duration kRecordRetryMax = absl::Seconds(8);
 constexpr absl::Duration kRecordRetryFor = absl::Seconds(60);
 
-// A record call that failed so that the next one may not: the home did not answer in time, could
-// not be reached, or was too busy. Not a refusal (a bad token, an unknown namespace, ...).
-bool RetryRecordCall(grpc::StatusCode code) {
+// A record or delete call that failed so that the next one may not: the peer did not answer in
+// time, could not be reached, or was too busy. Not a refusal (a bad token, an unknown namespace).
+bool RetryPeerCall(grpc::StatusCode code) {
   switch (code) {
     case grpc::StatusCode::UNAVAILABLE:
     case grpc::StatusCode::DEADLINE_EXCEEDED:
@@ -320,6 +320,14 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "proxima_cluster_location_records_retried_total",
       "Location records and forgets sent again because their call to the home failed (timed "
       "out, could not connect)");
+  deletes_retried_ = registry->AddCounter(
+      "proxima_cluster_deletes_retried_total",
+      "Keys of Deletes sent again to a peer that missed them (its call failed, or it was out of "
+      "the live set when the Delete ran)");
+  deletes_dropped_ = registry->AddCounter(
+      "proxima_cluster_deletes_dropped_total",
+      "Keys of Deletes given up on for a peer: no call reached it within 60 s, or the queues "
+      "were full");
   bytes_in_ = metrics::TransferBytes(registry, "peer_grpc", "in");
   spilled_blocks_ = registry->AddCounter("proxima_cluster_spill_sent_blocks_total",
                                          "Cold blocks this node spilled to peers, by outcome",
@@ -437,7 +445,7 @@ void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
     // Leaving: its peers dropped this node and the records naming it; one naming it now would
     // outlive it, and could replace the record of the peer its hand-off gives the block to.
     if (stopping_ || (leaving_ && !batch.forget)) return;
-    if (queued_keys_ + retry_keys_ + keys.size() > kMaxQueuedKeys) {
+    if (queued_keys_ + retry_keys_ + delete_retry_keys_ + keys.size() > kMaxQueuedKeys) {
       records_dropped_->Increment(keys.size());
       return;
     }
@@ -495,6 +503,79 @@ void Cluster::RunSender() {
     }
     if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     SendQueued();
+    SendDeleteRetries();
+  }
+}
+
+void Cluster::QueueDeleteRetry(DeleteRetry retry) {
+  const size_t keys = static_cast<size_t>(retry.request.blocks().keys_size());
+  const absl::Time now = absl::Now();
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    if (!stopping_ && now - retry.first_failed < kRecordRetryFor &&
+        queued_keys_ + retry_keys_ + delete_retry_keys_ + keys <= kMaxQueuedKeys) {
+      delete_retry_keys_ += keys;
+      delete_retries_.push_back(std::move(retry));
+      return;
+    }
+  }
+  deletes_dropped_->Increment(keys);
+  // A warning when the peer is live (it answers health checks, not Deletes); a peer that has
+  // been gone all along comes back empty, if at all.
+  log::Line(membership_->Live()->Contains(retry.peer) ? log::Level::kWarning : log::Level::kInfo,
+            __FILE__, __LINE__)
+      << "a Delete did not reach a peer; its copies of the keys may stay there"
+      << log::Kv("peer", retry.peer) << log::Kv("keys", keys)
+      << log::Kv("for", absl::FormatDuration(now - retry.first_failed));
+}
+
+void Cluster::SendDeleteRetries() {
+  const absl::Time now = absl::Now();
+  std::shared_ptr<const LiveSet> live = membership_->Live();
+  std::vector<DeleteRetry> due;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    // Due, and to a peer that is live now; one out of the live set waits for it to come back
+    // (or for its time to run out: then it goes, and is dropped below).
+    for (auto it = delete_retries_.begin(); it != delete_retries_.end();) {
+      const bool expired = now - it->first_failed >= kRecordRetryFor;
+      if (expired || (it->due <= now && live->Contains(it->peer))) {
+        delete_retry_keys_ -= static_cast<size_t>(it->request.blocks().keys_size());
+        due.push_back(std::move(*it));
+        it = delete_retries_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (due.empty()) return;
+  using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
+  std::vector<std::unique_ptr<Call>> calls;
+  std::vector<DeleteRetry*> of_call;
+  for (DeleteRetry& retry : due) {
+    if (now - retry.first_failed >= kRecordRetryFor) {
+      QueueDeleteRetry(std::move(retry));  // counts and logs it dropped
+      continue;
+    }
+    auto call = std::make_unique<Call>();
+    call->peer = retry.peer;
+    call->request = retry.request;
+    calls.push_back(std::move(call));
+    of_call.push_back(&retry);
+  }
+  CallAll(calls, now + peer_deadline_, &v1::Peer::Stub::PrepareAsyncDeleteBlocks,
+          /*skip_suspects=*/false, /*wait_for_ready=*/true);
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const Call& call = *calls[k];
+    DeleteRetry& retry = *of_call[k];
+    deletes_retried_->Increment(static_cast<uint64_t>(retry.request.blocks().keys_size()));
+    if (call.status.ok()) continue;
+    peer_call_failures_->Increment();
+    // A refusal (a peer restarted empty, which no longer knows the profile) will not change.
+    if (!RetryPeerCall(call.status.error_code())) continue;
+    retry.backoff = std::min(2 * retry.backoff, kRecordRetryMax);
+    retry.due = absl::Now() + retry.backoff;
+    QueueDeleteRetry(std::move(retry));
   }
 }
 
@@ -564,7 +645,7 @@ void Cluster::QueueRetries(absl::flat_hash_map<BatchKey, Intents> failed,
              (leaving_ && !intent.second);
     });
     if (intents.empty()) continue;
-    if (queued_keys_ + retry_keys_ + intents.size() > kMaxQueuedKeys) {
+    if (queued_keys_ + retry_keys_ + delete_retry_keys_ + intents.size() > kMaxQueuedKeys) {
       records_dropped_->Increment(intents.size());
       continue;
     }
@@ -770,7 +851,7 @@ absl::flat_hash_map<Cluster::BatchKey, Cluster::Intents> Cluster::SendAll(
       continue;
     }
     peer_call_failures_->Increment();
-    if (!RetryRecordCall(call.status.error_code())) {
+    if (!RetryPeerCall(call.status.error_code())) {
       PROXIMA_LOG(kWarning) << "location records refused by their home"
                             << log::Kv("home", call.peer)
                             << log::Kv("error", call.status.error_message());
@@ -846,14 +927,32 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   // kept; a spill that was on its way here when it happened is declined.
   const uint64_t delete_id = RecentDeletes::NewId();
   service_->NoteDeleted(ids, delete_id);
+  if (blocks.keys.empty()) return deleted;
   std::shared_ptr<const LiveSet> live = membership_->Live();
-  if (live->nodes.size() < 2 || blocks.keys.empty()) return deleted;
-  const absl::Time deadline = absl::Now() + peer_deadline_;
+  const absl::Time now = absl::Now();
+  const absl::Time deadline = now + peer_deadline_;
+  using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
+  {
+    // Known peers out of the live set get the Delete once they are back in it (within
+    // kRecordRetryFor): one cut off from this node alone may still serve other nodes.
+    std::vector<size_t> all(blocks.keys.size());
+    std::iota(all.begin(), all.end(), size_t{0});
+    std::vector<std::unique_ptr<Call>> later;
+    for (const std::string& peer : membership_->KnownPeers()) {
+      if (peer != self_ && !live->Contains(peer)) {
+        AppendCalls(blocks, peer, all, core_->max_batch_blocks(), &later);
+      }
+    }
+    for (auto& call : later) {
+      call->request.set_delete_id(delete_id);
+      QueueDeleteRetry({call->peer, std::move(call->request), now, now, kRecordRetryFirst});
+    }
+  }
+  if (live->nodes.size() < 2) return deleted;
   // Every live peer, not only the holders the homes name: a home learns of a holder's copy in
   // the background after its put, so a delete right after a put (or of a block a peer took
   // from a spill just now) would find no record and leave the copy to be read again
   // (docs/decisions.md, "A delete reaches every live peer").
-  using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
   std::vector<std::unique_ptr<Call>> calls =
       CallsToEveryPeer<Call>(blocks, *live, self_, core_->max_batch_blocks());
   for (const auto& call : calls) call->request.set_delete_id(delete_id);
@@ -862,6 +961,11 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
     if (!call->status.ok() ||
         call->response.deleted_size() != static_cast<int>(call->which.size())) {
       peer_call_failures_->Increment();
+      // Sent again in the background; the worker's answer counts what was deleted by now.
+      if (RetryPeerCall(call->status.error_code())) {
+        QueueDeleteRetry({call->peer, std::move(call->request), now,
+                          absl::Now() + kRecordRetryFirst, kRecordRetryFirst});
+      }
       continue;
     }
     for (size_t j = 0; j < call->which.size(); ++j) {

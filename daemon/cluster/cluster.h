@@ -186,6 +186,21 @@ class Cluster final : public RemoteBlocks {
   // `retried` holds the retries this round sent (their first failure and backoff carry over).
   void QueueRetries(absl::flat_hash_map<BatchKey, Intents> failed,
                     const absl::flat_hash_map<BatchKey, Retry>& retried);
+  // A Delete that did not reach a peer (its call failed, or the peer was out of the live set),
+  // sent again by the sender thread: at once when the peer is (back) in the live set, then with
+  // the records' backoff, for kRecordRetryFor at most. A peer that hung past peer_deadline, or
+  // was cut off from this node for a while, would otherwise go on serving the deleted blocks.
+  struct DeleteRetry {
+    std::string peer;
+    v1::DeleteBlocksRequest request;  // keeps its delete_id
+    absl::Time first_failed;
+    absl::Time due;
+    absl::Duration backoff;
+  };
+  // Queues `retry` unless it has run out of time or the queues are full (then counted dropped).
+  void QueueDeleteRetry(DeleteRetry retry);
+  // Sends the Delete retries that are due to peers now live (sender thread).
+  void SendDeleteRetries();
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
   // Runs `calls` to their peers in parallel (each with the peer token and `deadline`), starting
   // each with the stub's PrepareAsync `method`; returns when all have finished. A peer whose
@@ -239,6 +254,8 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* spilled_blocks_ = nullptr;
   metrics::Counter* spill_no_room_ = nullptr;
   metrics::Counter* spill_withdrawn_ = nullptr;
+  metrics::Counter* deletes_retried_ = nullptr;
+  metrics::Counter* deletes_dropped_ = nullptr;
   metrics::Counter* spill_bytes_out_ = nullptr;
   metrics::Counter* put_waits_room_ = nullptr;
   metrics::Counter* put_waits_none_ = nullptr;
@@ -256,6 +273,9 @@ class Cluster final : public RemoteBlocks {
   // queue_ removes it here (Enqueue). Their keys count in kMaxQueuedKeys too.
   absl::flat_hash_map<BatchKey, Retry> retry_;                   // guarded by queue_mu_
   size_t retry_keys_ = 0;                                        // guarded by queue_mu_
+  // Deletes peers missed, and their keys (which count in kMaxQueuedKeys too).
+  std::vector<DeleteRetry> delete_retries_;                      // guarded by queue_mu_
+  size_t delete_retry_keys_ = 0;                                 // guarded by queue_mu_
   bool stopping_ = false;                                        // guarded by queue_mu_
   bool leaving_ = false;  // TellPeersLeaving was called; guarded by queue_mu_
   // Peers that entered the live set, to be sent Rejoin; peers that entered it or whose Rejoin

@@ -1078,6 +1078,59 @@ TEST_F(ClusterTest, RecordsAHungHomeMissedReachItOnceItAnswersAgain) {
   EXPECT_THAT(b.Lookup(p, client::TestKeyChain(kSeed, kKept, kBlocks - kKept)), IsOkAndHolds(0u));
 }
 
+TEST_F(ClusterTest, ADeleteAPeerMissedReachesItOnceItAnswersAgain) {
+  // C holds a chain; a Delete through A does not reach C, which is stopped (SIGSTOP): either
+  // still in A's live set (slow health checks: the call times out) or already out of it (fast
+  // ones: no call is made). Once C runs again, A sends the Delete again, and C's copies go: B
+  // finds none of them, nor does C's own worker. Without the retries C kept serving them.
+  for (const bool c_leaves : {false, true}) {
+    SCOPED_TRACE(c_leaves ? "C out of A's live set" : "C in A's live set");
+    daemons_.clear();
+    ports_.clear();
+    ASSERT_NO_FATAL_FAILURE(
+        StartCluster(3, c_leaves ? std::vector<std::string>{"cluster.health_interval=200ms",
+                                                            "cluster.health_timeout=200ms",
+                                                            "cluster.failures_before_down=2"}
+                                 : std::vector<std::string>{"cluster.health_interval=10s",
+                                                            "cluster.health_timeout=1s",
+                                                            "cluster.failures_before_down=3"}));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    constexpr size_t kBlocks = 12;
+    const uint64_t seed = c_leaves ? 73 : 72;
+    TwoClients clients;
+    ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+    const Profile p = clients.p;
+    auto c = MustConnect(daemons_[2]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    Blocks blocks = MakeBlocks(seed, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(c->Put(p, blocks.keys, blocks.spans()).status());
+    ASSERT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
+    const double failed_before = Metric(0, "proxima_cluster_peer_call_failures_total");
+    daemons_[2]->Signal(SIGSTOP);
+    absl::SleepFor(absl::Milliseconds(200));  // every thread of C is stopped
+    if (c_leaves) ASSERT_TRUE(WaitLive(0, 2));
+    // Only C holds the blocks: none is deleted by the time the Delete answers.
+    EXPECT_THAT(clients.a->Delete(p, blocks.keys), IsOkAndHolds(0u));
+    if (!c_leaves) {
+      EXPECT_GT(Metric(0, "proxima_cluster_peer_call_failures_total"), failed_before);
+    }
+    daemons_[2]->Signal(SIGCONT);
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    // C's own worker reads C's store first: the copies are gone once the Delete lands there.
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    size_t at_c = kBlocks;
+    while ((at_c = GetAndCheck(*c, p, seed, 0, kBlocks)) != 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(at_c, 0u) << "C still holds deleted blocks";
+    EXPECT_EQ(GetAndCheck(*clients.b, p, seed, 0, kBlocks), 0u);
+    EXPECT_THAT(clients.b->Lookup(p, client::TestKeyChain(seed, 0, kBlocks)), IsOkAndHolds(0u));
+    EXPECT_GE(Metric(0, "proxima_cluster_deletes_retried_total"), kBlocks);
+    EXPECT_EQ(Metric(0, "proxima_cluster_deletes_dropped_total"), 0);
+  }
+}
+
 TEST_F(ClusterTest, AFullNodeSpillsItsColdestBlocksToPeersWithRoomAndNeverPastTheirShare) {
   constexpr uint64_t kCapacity = 8u << 20;  // 32 blocks of 256 KiB per node
   // A and B run the UCX data plane, C does not: A spills to B as UCX messages once B has named
@@ -1851,7 +1904,7 @@ TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveAL
         {"server.listen=" + peers[i], "ucx.enabled=false", "cluster.enabled=true",
          "cluster.advertise=" + peers[i],
          absl::StrCat("cluster.peers=[", absl::StrJoin(peers, ", "), "]"),
-         "cluster.peer_token={file: " + token + "}", "cluster.health_interval=100ms",
+         "cluster.peer_token={file: " + token + "}", "cluster.health_interval=200ms",
          "cluster.health_timeout=100ms", "cluster.failures_before_down=2",
          absl::StrCat("cluster.peer_deadline=", absl::ToInt64Milliseconds(kPeerDeadline), "ms")},
         net.Launcher(i));
