@@ -132,11 +132,12 @@ def handoff(a, d, procs):
     exit_s = time.time() - start_s
     log = open(d + "/ha.log").read()
     m = re.search(r"handed blocks off to peers before exit blocks=(\d+) bytes=(\d+) "
-                  r"left_blocks=(\d+) seconds=([0-9.e-]+)", log)
+                  r"left_blocks=(\d+) rounds=(\d+) ended=\"([^\"]*)\" seconds=([0-9.e-]+)", log)
     if not m:
         sys.exit("no hand-off line in A's log:\n" + log[-3000:])
-    moved, moved_bytes, left, seconds = (int(m.group(1)), int(m.group(2)), int(m.group(3)),
-                                         float(m.group(4)))
+    moved, moved_bytes, left, rounds, ended, seconds = (
+        int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5),
+        float(m.group(6)))
     wait_found(a, ports[1:2], 9, n)  # the receivers' records reach the homes without A
     g = ctl(a.proximactl, ports[1], "get", "--seed=9", "--count=%d" % n)
     if not g["ok"] or g["hits"] != n or g["wrong_bytes"] != 0:
@@ -147,7 +148,8 @@ def handoff(a, d, procs):
                       "config": "handoff_at_shutdown", "value": round(value, 3),
                       "baseline": "one_hop_remote_get_ucx", "baseline_value": round(base, 3),
                       "ratio": round(value / base, 3), "block_bytes": 2 << 20, "blocks": n,
-                      "moved_blocks": moved, "left_blocks": left,
+                      "moved_blocks": moved, "left_blocks": left, "rounds": rounds,
+                      "ended": ended,
                       "handoff_seconds": round(seconds, 4), "sigterm_to_exit_seconds":
                       round(exit_s, 3), "found_after": g["hits"], "repeats": a.repeats}),
           flush=True)

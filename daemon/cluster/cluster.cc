@@ -485,6 +485,7 @@ void Cluster::RunSender() {
     }
     if (leaving) {  // no more records of this node's blocks, nor asking peers for theirs
       SendQueued();
+      SendDeleteRetries();  // a Delete made here still reaches the peers that missed it
       continue;
     }
     std::shared_ptr<const LiveSet> live = membership_->Live();
