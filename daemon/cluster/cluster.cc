@@ -140,18 +140,15 @@ std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
   return calls;
 }
 
-// Calls to every node of `live` but `self`, each asking about every key, at most `per_call`
-// keys a call.
+// Calls to each of `peers`, each asking about every key, at most `per_call` keys a call.
 template <typename Call>
-std::vector<std::unique_ptr<Call>> CallsToEveryPeer(const RemoteBlockSet& blocks,
-                                                    const LiveSet& live, const std::string& self,
-                                                    size_t per_call) {
+std::vector<std::unique_ptr<Call>> CallsToPeers(const RemoteBlockSet& blocks,
+                                                std::span<const std::string> peers,
+                                                size_t per_call) {
   std::vector<size_t> all(blocks.keys.size());
   std::iota(all.begin(), all.end(), size_t{0});
   std::vector<std::unique_ptr<Call>> calls;
-  for (size_t n = 0; n < live.nodes.size(); ++n) {
-    if (live.id(n) != self) AppendCalls(blocks, live.id(n), all, per_call, &calls);
-  }
+  for (const std::string& peer : peers) AppendCalls(blocks, peer, all, per_call, &calls);
   return calls;
 }
 
@@ -520,6 +517,11 @@ void Cluster::QueueDeleteRetry(DeleteRetry retry) {
       return;
     }
   }
+  DropDeleteRetry(retry, now);
+}
+
+void Cluster::DropDeleteRetry(const DeleteRetry& retry, absl::Time now) {
+  const size_t keys = static_cast<size_t>(retry.request.blocks().keys_size());
   deletes_dropped_->Increment(keys);
   // A warning when the peer is live (it answers health checks, not Deletes); a peer that has
   // been gone all along comes back empty, if at all.
@@ -533,47 +535,43 @@ void Cluster::QueueDeleteRetry(DeleteRetry retry) {
 void Cluster::SendDeleteRetries() {
   const absl::Time now = absl::Now();
   std::shared_ptr<const LiveSet> live = membership_->Live();
-  std::vector<DeleteRetry> due;
+  std::vector<DeleteRetry> due, expired;
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
-    // Due, and to a peer that is live now; one out of the live set waits for it to come back
-    // (or for its time to run out: then it goes, and is dropped below).
+    // Due, and to a peer that is live now; one out of the live set waits for it to come back,
+    // or for its time to run out.
     for (auto it = delete_retries_.begin(); it != delete_retries_.end();) {
-      const bool expired = now - it->first_failed >= kRecordRetryFor;
-      if (expired || (it->due <= now && live->Contains(it->peer))) {
-        delete_retry_keys_ -= static_cast<size_t>(it->request.blocks().keys_size());
-        due.push_back(std::move(*it));
-        it = delete_retries_.erase(it);
-      } else {
+      const bool out_of_time = now - it->first_failed >= kRecordRetryFor;
+      if (!out_of_time && (it->due > now || !live->Contains(it->peer))) {
         ++it;
+        continue;
       }
+      delete_retry_keys_ -= static_cast<size_t>(it->request.blocks().keys_size());
+      (out_of_time ? expired : due).push_back(std::move(*it));
+      it = delete_retries_.erase(it);
     }
   }
+  for (const DeleteRetry& retry : expired) DropDeleteRetry(retry, now);
   if (due.empty()) return;
   using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
   std::vector<std::unique_ptr<Call>> calls;
-  std::vector<DeleteRetry*> of_call;
   for (DeleteRetry& retry : due) {
-    if (now - retry.first_failed >= kRecordRetryFor) {
-      QueueDeleteRetry(std::move(retry));  // counts and logs it dropped
-      continue;
-    }
     auto call = std::make_unique<Call>();
     call->peer = retry.peer;
-    call->request = retry.request;
+    call->request = std::move(retry.request);
     calls.push_back(std::move(call));
-    of_call.push_back(&retry);
   }
   CallAll(calls, now + peer_deadline_, &v1::Peer::Stub::PrepareAsyncDeleteBlocks,
           /*skip_suspects=*/false, /*wait_for_ready=*/true);
   for (size_t k = 0; k < calls.size(); ++k) {
-    const Call& call = *calls[k];
-    DeleteRetry& retry = *of_call[k];
-    deletes_retried_->Increment(static_cast<uint64_t>(retry.request.blocks().keys_size()));
+    Call& call = *calls[k];
+    deletes_retried_->Increment(static_cast<uint64_t>(call.request.blocks().keys_size()));
     if (call.status.ok()) continue;
     peer_call_failures_->Increment();
     // A refusal (a peer restarted empty, which no longer knows the profile) will not change.
     if (!RetryPeerCall(call.status.error_code())) continue;
+    DeleteRetry& retry = due[k];
+    retry.request = std::move(call.request);
     retry.backoff = std::min(2 * retry.backoff, kRecordRetryMax);
     retry.due = absl::Now() + retry.backoff;
     QueueDeleteRetry(std::move(retry));
@@ -933,29 +931,22 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   const absl::Time now = absl::Now();
   const absl::Time deadline = now + peer_deadline_;
   using Call = PeerCall<v1::DeleteBlocksRequest, v1::DeleteBlocksResponse>;
-  {
-    // Known peers out of the live set get the Delete once they are back in it (within
-    // kRecordRetryFor): one cut off from this node alone may still serve other nodes.
-    std::vector<size_t> all(blocks.keys.size());
-    std::iota(all.begin(), all.end(), size_t{0});
-    std::vector<std::unique_ptr<Call>> later;
-    for (const std::string& peer : membership_->KnownPeers()) {
-      if (peer != self_ && !live->Contains(peer)) {
-        AppendCalls(blocks, peer, all, core_->max_batch_blocks(), &later);
-      }
-    }
-    for (auto& call : later) {
-      call->request.set_delete_id(delete_id);
-      QueueDeleteRetry({call->peer, std::move(call->request), now, now, kRecordRetryFirst});
-    }
-  }
-  if (live->nodes.size() < 2) return deleted;
   // Every live peer, not only the holders the homes name: a home learns of a holder's copy in
   // the background after its put, so a delete right after a put (or of a block a peer took
   // from a spill just now) would find no record and leave the copy to be read again
-  // (docs/decisions.md, "A delete reaches every live peer").
+  // (docs/decisions.md, "A delete reaches every live peer"). Known peers out of the live set
+  // get it once they are back in it (within kRecordRetryFor): one cut off from this node alone
+  // may still serve other nodes.
+  std::vector<std::string> live_peers, absent;
+  for (std::string& peer : membership_->KnownPeers()) {
+    if (peer != self_) (live->Contains(peer) ? live_peers : absent).push_back(std::move(peer));
+  }
+  for (auto& call : CallsToPeers<Call>(blocks, absent, core_->max_batch_blocks())) {
+    call->request.set_delete_id(delete_id);
+    QueueDeleteRetry({call->peer, std::move(call->request), now, now, kRecordRetryFirst});
+  }
   std::vector<std::unique_ptr<Call>> calls =
-      CallsToEveryPeer<Call>(blocks, *live, self_, core_->max_batch_blocks());
+      CallsToPeers<Call>(blocks, live_peers, core_->max_batch_blocks());
   for (const auto& call : calls) call->request.set_delete_id(delete_id);
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {

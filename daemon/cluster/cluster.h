@@ -197,8 +197,10 @@ class Cluster final : public RemoteBlocks {
     absl::Time due;
     absl::Duration backoff;
   };
-  // Queues `retry` unless it has run out of time or the queues are full (then counted dropped).
+  // Queues `retry` unless it has run out of time or the queues are full (then dropped).
   void QueueDeleteRetry(DeleteRetry retry);
+  // Counts and logs a Delete given up on for its peer.
+  void DropDeleteRetry(const DeleteRetry& retry, absl::Time now);
   // Sends the Delete retries that are due to peers now live (sender thread).
   void SendDeleteRetries();
   void AddAuth(grpc::ClientContext* context, absl::Time deadline) const;
