@@ -17,7 +17,9 @@
 //
 // --nodes=N makes the daemons a cluster, each request going to a random node. --kill_every_s adds
 // node loss: every so often a node other than node 0 is killed (SIGKILL) mid-traffic and started
-// again, empty, --down_s later. Requests to it from its kill until every node sees it live again
+// again, empty, --down_s later (--kill_signal=TERM: stopped gracefully; STOP: hung for --down_s,
+// then resumed with its blocks, as a node stalled or cut off for a while). Requests to it from
+// its kill until every node sees it live again
 // may fail with UNAVAILABLE (counted, with how long after that they still failed); no other
 // request may fail, no answer may be wrong, and every node must see every node live at the end.
 //
@@ -84,8 +86,9 @@ ABSL_FLAG(std::string, client_transport, "auto",
           "how the soak's clients move block bytes (--levels): auto, ucx or inline");
 ABSL_FLAG(int, down_s, 2, "seconds a node killed by --kill_every_s stays down");
 ABSL_FLAG(std::string, kill_signal, "KILL",
-          "--kill_every_s: KILL (the node dies at once) or TERM (it drains, hands its blocks to "
-          "its peers, cluster.spill.handoff, and exits)");
+          "--kill_every_s: KILL (the node dies at once), TERM (it drains, hands its blocks to "
+          "its peers, cluster.spill.handoff, and exits) or STOP (it hangs for --down_s, SIGSTOP, "
+          "and then runs on with its blocks, SIGCONT: no restart)");
 ABSL_FLAG(int, reconnect_grace_s, 2,
           "--kill_every_s: how long after a restarted node is live again on every node a request "
           "to it may still fail with UNAVAILABLE (its client reconnecting)");
@@ -625,12 +628,14 @@ int Main() {
   }
   const int kill_every_s = absl::GetFlag(FLAGS_kill_every_s);
   const std::string kill_signal_name = absl::GetFlag(FLAGS_kill_signal);
-  if (kill_signal_name != "KILL" && kill_signal_name != "TERM") {
-    std::fprintf(stderr, "--kill_signal is '%s'; expected KILL or TERM\n",
+  if (kill_signal_name != "KILL" && kill_signal_name != "TERM" && kill_signal_name != "STOP") {
+    std::fprintf(stderr, "--kill_signal is '%s'; expected KILL, TERM or STOP\n",
                  kill_signal_name.c_str());
     return 2;
   }
-  const int kill_signal = kill_signal_name == "TERM" ? SIGTERM : SIGKILL;
+  const int kill_signal = kill_signal_name == "TERM"   ? SIGTERM
+                          : kill_signal_name == "STOP" ? SIGSTOP
+                                                       : SIGKILL;
   if (kill_every_s > 0 && nodes < 2) {
     std::fprintf(stderr, "--kill_every_s needs --nodes of 2 or more (node 0 is never killed)\n");
     return 2;
@@ -675,7 +680,9 @@ int Main() {
         outages.Down(victim);
         daemons[victim]->Signal(kill_signal);
         // A TERM drains (server.shutdown_grace_seconds) and hands off (cluster.spill.handoff).
-        daemons[victim]->WaitExit(absl::Seconds(kill_signal == SIGTERM ? 60 : 10));
+        if (kill_signal != SIGSTOP) {
+          daemons[victim]->WaitExit(absl::Seconds(kill_signal == SIGTERM ? 60 : 10));
+        }
         if (kill_signal == SIGTERM) {  // what its hand-off moved, from its last log line of it
           const std::string log = daemons[victim]->Log();
           const std::string line = "handed blocks off to peers before exit blocks=";
@@ -695,7 +702,14 @@ int Main() {
         }
         sleep_unless_stopped(absl::GetFlag(FLAGS_down_s));
         const Clock::time_point restart = Clock::now();
-        absl::Status started = daemons[victim]->Restart();
+        // A stopped node runs on where it was, with its blocks and its (now late) view of the
+        // cluster; a killed one starts again, empty.
+        absl::Status started = absl::OkStatus();
+        if (kill_signal == SIGSTOP) {
+          daemons[victim]->Signal(SIGCONT);
+        } else {
+          started = daemons[victim]->Restart();
+        }
         const bool live = started.ok() && all_live(absl::Seconds(30));
         outages.Up(victim);
         if (!live) {
