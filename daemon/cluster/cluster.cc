@@ -442,7 +442,7 @@ void Cluster::Enqueue(const Batch& batch, std::span<const BlockKey> keys) {
     // Leaving: its peers dropped this node and the records naming it; one naming it now would
     // outlive it, and could replace the record of the peer its hand-off gives the block to.
     if (stopping_ || (leaving_ && !batch.forget)) return;
-    if (queued_keys_ + retry_keys_ + delete_retry_keys_ + keys.size() > kMaxQueuedKeys) {
+    if (!RoomForKeys(keys.size())) {
       records_dropped_->Increment(keys.size());
       return;
     }
@@ -505,13 +505,16 @@ void Cluster::RunSender() {
   }
 }
 
+bool Cluster::RoomForKeys(size_t keys) const {
+  return queued_keys_ + retry_keys_ + delete_retry_keys_ + keys <= kMaxQueuedKeys;
+}
+
 void Cluster::QueueDeleteRetry(DeleteRetry retry) {
   const size_t keys = static_cast<size_t>(retry.request.blocks().keys_size());
   const absl::Time now = absl::Now();
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
-    if (!stopping_ && now - retry.first_failed < kRecordRetryFor &&
-        queued_keys_ + retry_keys_ + delete_retry_keys_ + keys <= kMaxQueuedKeys) {
+    if (!stopping_ && now - retry.first_failed < kRecordRetryFor && RoomForKeys(keys)) {
       delete_retry_keys_ += keys;
       delete_retries_.push_back(std::move(retry));
       return;
@@ -644,7 +647,7 @@ void Cluster::QueueRetries(absl::flat_hash_map<BatchKey, Intents> failed,
              (leaving_ && !intent.second);
     });
     if (intents.empty()) continue;
-    if (queued_keys_ + retry_keys_ + delete_retry_keys_ + intents.size() > kMaxQueuedKeys) {
+    if (!RoomForKeys(intents.size())) {
       records_dropped_->Increment(intents.size());
       continue;
     }

@@ -278,6 +278,9 @@ class Cluster final : public RemoteBlocks {
   // Deletes peers missed, and their keys (which count in kMaxQueuedKeys too).
   std::vector<DeleteRetry> delete_retries_;                      // guarded by queue_mu_
   size_t delete_retry_keys_ = 0;                                 // guarded by queue_mu_
+  // Whether `keys` more fit in kMaxQueuedKeys beside the queued records, their retries and the
+  // Delete retries; queue_mu_ held.
+  bool RoomForKeys(size_t keys) const;
   bool stopping_ = false;                                        // guarded by queue_mu_
   bool leaving_ = false;  // TellPeersLeaving was called; guarded by queue_mu_
   // Peers that entered the live set, to be sent Rejoin; peers that entered it or whose Rejoin
