@@ -132,7 +132,8 @@ def handoff(a, d, procs):
     exit_s = time.time() - start_s
     log = open(d + "/ha.log").read()
     m = re.search(r"handed blocks off to peers before exit blocks=(\d+) bytes=(\d+) "
-                  r"left_blocks=(\d+) rounds=(\d+) ended=\"([^\"]*)\" seconds=([0-9.e-]+)", log)
+                  r"left_blocks=(\d+) deleted_blocks=\d+ rounds=(\d+) ended=\"([^\"]*)\" "
+                  r"seconds=([0-9.e-]+)", log)
     if not m:
         sys.exit("no hand-off line in A's log:\n" + log[-3000:])
     moved, moved_bytes, left, rounds, ended, seconds = (

@@ -217,6 +217,7 @@ void Daemon::Shutdown() {
           cluster_->HandOff(absl::Seconds(config_.cluster.spill_handoff_seconds));
       PROXIMA_LOG(kInfo) << "handed blocks off to peers before exit" << log::Kv("blocks", h.blocks)
                          << log::Kv("bytes", h.bytes) << log::Kv("left_blocks", h.left_blocks)
+                         << log::Kv("deleted_blocks", h.deleted_blocks)
                          << log::Kv("rounds", h.rounds) << log::Kv("ended", h.ended)
                          << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
     }

@@ -46,6 +46,22 @@ constexpr absl::Duration kRecordRetryFirst = absl::Milliseconds(250);
 constexpr absl::Duration kRecordRetryMax = absl::Seconds(8);
 constexpr absl::Duration kRecordRetryFor = absl::Seconds(60);
 
+// How long a node declines a peer's spill or hand-off of a key deleted here unless the sender saw
+// that Delete (RecentDeletes): as long as a node that missed the Delete may still send a copy
+// older than it. A node missed it either because it hung (this node's peers send the Delete
+// again for kRecordRetryFor) or because it was leaving (its peers no longer send it Deletes while
+// it drains, for up to server.shutdown_grace_seconds, and hands off, for up to
+// cluster.spill.handoff); plus a Delete's skew between the nodes and a spill call (twice
+// peer_deadline, the slack RecentDeletes is given), and a second. The rest of a cluster is taken
+// to share this node's settings.
+absl::Duration RecentDeleteWindow(const DaemonConfig& config) {
+  const ClusterConfig& c = config.cluster;
+  const absl::Duration leaving = absl::Seconds(config.server.shutdown_grace_seconds) +
+                                 absl::Seconds(c.spill_enabled ? c.spill_handoff_seconds : 0);
+  return std::max(kRecordRetryFor, leaving) + 2 * absl::Seconds(c.peer_deadline_seconds) +
+         absl::Seconds(1);
+}
+
 // A record or delete call that failed so that the next one may not: the peer did not answer in
 // time, could not be reached, or was too busy. Not a refusal (a bad token, an unknown namespace).
 bool RetryPeerCall(grpc::StatusCode code) {
@@ -259,7 +275,7 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
       config.server.max_message_bytes,
       PeerService::Acceptance{c.spill_enabled ? c.spill_accept_below : 0.0,
                               c.spill_enabled && c.spill_handoff_evicts},
-      registry, 2 * cluster->peer_deadline_ + absl::Seconds(1));
+      registry, RecentDeleteWindow(config), 2 * cluster->peer_deadline_ + absl::Seconds(1));
   cluster->service_->SetIsLive(
       [self](const std::string& node) { return self->membership_->Live()->Contains(node); });
   cluster->service_->OnLeave(
@@ -333,6 +349,10 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "proxima_cluster_spill_sent_blocks_total",
       "Cold blocks this node spilled to peers, by outcome",
       {{"outcome", "no_peer_room"}});  // no candidate peer had room (or answered)
+  // The peer had seen a Delete of the key that this node had not: the copy was dropped here.
+  spill_deleted_on_peer_ = registry->AddCounter(
+      "proxima_cluster_spill_sent_blocks_total",
+      "Cold blocks this node spilled to peers, by outcome", {{"outcome", "deleted_on_peer"}});
   spill_withdrawn_ = registry->AddCounter(
       "proxima_cluster_spill_withdrawn_blocks_total",
       "Spilled blocks whose key was deleted here while they were on the way: the peer was asked "
@@ -1313,6 +1333,8 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
       set->set_profile_id(id.profile_id);
       p.call->request.set_block_bytes(*block_bytes);
       p.call->request.set_handoff(handoff != nullptr);
+      p.call->request.set_deletes_known_ms(static_cast<uint64_t>(
+          std::max<int64_t>(1, absl::ToInt64Milliseconds(service_->DeletesKnownFor()))));
       // As UCX messages when the peer named its worker in an earlier answer.
       if (ucx_ != nullptr) {
         auto room = rooms_.find(p.call->peer);
@@ -1406,7 +1428,24 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
       room.bytes = 0;
       room.retry_at = now + kPeerFullBackoff;
     }
+    // The blocks the peer declined for a Delete this node had not seen: older than it, so
+    // dropped here as that Delete would have done, not kept to be offered to another peer
+    // (which may not know of the Delete and keep them).
+    std::vector<bool> deleted_there(blocks.size(), false);
+    if (answered) {
+      for (uint32_t j : call.response.declined_deleted()) {
+        if (j < blocks.size()) deleted_there[j] = true;
+      }
+    }
     for (size_t j = 0; j < blocks.size(); ++j) {
+      if (answered && deleted_there[j] && !call.response.stored(static_cast<int>(j))) {
+        if (store.EvictCandidate(blocks[j], /*count=*/false)) {
+          spill_deleted_on_peer_->Increment();
+          if (handoff != nullptr) ++handoff->moved.deleted_blocks;
+          moved = true;
+        }
+        continue;
+      }
       if (!answered || !call.response.stored(static_cast<int>(j))) {
         spill_no_room_->Increment();
         stay.push_back(blocks[j]);

@@ -104,6 +104,9 @@ class Cluster final : public RemoteBlocks {
     uint64_t blocks = 0;
     uint64_t bytes = 0;
     uint64_t left_blocks = 0;
+    // Blocks a peer declined because it had seen a Delete of them this node had not (this
+    // node missed it, hung or leaving): dropped here, not left behind.
+    uint64_t deleted_blocks = 0;
     uint64_t rounds = 0;
     // Why it stopped: "every block placed", "budget spent", "no peer took more" (every live
     // peer refused or failed its last call), "no live peer", "spill off".
@@ -224,10 +227,10 @@ class Cluster final : public RemoteBlocks {
     Handoff moved;
   };
   // One spill round: up to kMaxSpillRoundBytes of the coldest blocks to peers with room.
-  // kMoved when some block left or a peer is to be sent them inline next (the caller goes on
-  // while the tier is still over the threshold), kIdle when the tier is not over it, kStuck
-  // when no peer took any. With `handoff`: the hottest blocks, whatever the tier's fill, each
-  // call by handoff->until.
+  // kMoved when some block left (or was dropped, deleted on the peer) or a peer is to be sent
+  // them inline next (the caller goes on while the tier is still over the threshold), kIdle
+  // when the tier is not over it, kStuck when no peer took any. With `handoff`: the hottest
+  // blocks, whatever the tier's fill, each call by handoff->until.
   enum class SpillRound { kIdle, kMoved, kStuck };
   SpillRound SpillOnce(HandoffState* handoff = nullptr);
 
@@ -255,6 +258,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* bytes_in_ = nullptr;
   metrics::Counter* spilled_blocks_ = nullptr;
   metrics::Counter* spill_no_room_ = nullptr;
+  metrics::Counter* spill_deleted_on_peer_ = nullptr;
   metrics::Counter* spill_withdrawn_ = nullptr;
   metrics::Counter* deletes_retried_ = nullptr;
   metrics::Counter* deletes_dropped_ = nullptr;

@@ -88,7 +88,7 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
 PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
                          PeerUcx* ucx, std::string self, std::string token,
                          uint64_t max_message_bytes, Acceptance accept, metrics::Registry* registry,
-                         absl::Duration recent_delete_window)
+                         absl::Duration recent_delete_window, absl::Duration recent_delete_slack)
     : core_(core),
       records_(records),
       remote_(remote),
@@ -98,7 +98,7 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
       max_message_bytes_(max_message_bytes),
       accept_(accept),
       // Deletes are rare; 64K keys bound the set to a few MiB.
-      recent_deletes_(recent_delete_window, 1u << 16) {
+      recent_deletes_(recent_delete_window, 1u << 16, recent_delete_slack) {
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
@@ -342,6 +342,9 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   // A hand-off's blocks already here, pinned until the end: the evictions that make room for the
   // others must not take a block this answer says is held.
   std::vector<BlockStore::ReadBlock> held;
+  const absl::Duration sender_reach = request.deletes_known_ms() > 0
+                                          ? absl::Milliseconds(request.deletes_known_ms())
+                                          : absl::InfiniteDuration();
   for (size_t i = 0; i < ids.size(); ++i) {
     bool stored = false;
     if (evict) {
@@ -352,12 +355,13 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     } else {
       stored = store.Contains(ids[i]);
     }
-    if (!stored &&
-        recent_deletes_.Stale(ids[i], request.data(static_cast<int>(i)).after_delete())) {
+    if (!stored && recent_deletes_.Stale(ids[i], request.data(static_cast<int>(i)).after_delete(),
+                                         sender_reach)) {
       // Deleted here by a Delete the sender had not seen when it sent the block: the sender
-      // keeps it, and the Delete, which reaches every node, removes it there. Not a lack of
-      // room.
+      // drops its copy (older than that Delete), as the Delete does when it reaches it. Not a
+      // lack of room.
       response->add_stored(false);
+      response->add_declined_deleted(static_cast<uint32_t>(i));
       ++declined;
       continue;
     }

@@ -47,12 +47,14 @@ class PeerService final : public v1::Peer::Service {
   // (Stored).
   // `ucx` (null without the UCX data plane) sends fetched blocks to readers as UCX messages, and
   // takes spilled blocks that come as UCX messages.
-  // `recent_delete_window`: how long a deleted key's spills are declined (NoteDeleted); at least
-  // twice the peers' call deadline, so that it outlasts a Delete's skew between the nodes plus a
-  // spill call.
+  // `recent_delete_window`: how long a deleted key's spills are declined (NoteDeleted): as long
+  // as a peer that missed the Delete may still send a copy older than it (Cluster's
+  // RecentDeleteWindow). `recent_delete_slack`: a Delete's skew between the nodes plus a spill
+  // call's transit (RecentDeletes).
   PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
               std::string self, std::string token, uint64_t max_message_bytes, Acceptance accept,
-              metrics::Registry* registry, absl::Duration recent_delete_window = absl::Seconds(5));
+              metrics::Registry* registry, absl::Duration recent_delete_window = absl::Seconds(5),
+              absl::Duration recent_delete_slack = absl::Seconds(5));
 
   grpc::Status RecordLocations(grpc::ServerContext* context,
                                const v1::RecordLocationsRequest* request,
@@ -113,6 +115,8 @@ class PeerService final : public v1::Peer::Service {
   // The last Delete of `id` this node saw within the window (0: none), which a spill of this
   // node's copy names (SpilledBlock.after_delete).
   uint64_t LastDelete(const BlockId& id) const { return recent_deletes_.Last(id); }
+  // How far back this node's memory of Deletes reaches now (StoreBlocksRequest.deletes_known_ms).
+  absl::Duration DeletesKnownFor() const { return recent_deletes_.Reach(); }
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;

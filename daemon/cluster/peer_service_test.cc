@@ -170,6 +170,8 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgai
   v1::StoreBlocksResponse resp;
   ASSERT_OK(service_->ServeStore(r, &resp));
   EXPECT_THAT(resp.stored(), ::testing::ElementsAre(false, false, true, false));
+  // The sender learns which ones were deleted here (it drops them), not refused for room.
+  EXPECT_THAT(resp.declined_deleted(), ::testing::ElementsAre(0u, 1u, 3u));
   EXPECT_FALSE(resp.full());
   EXPECT_FALSE(Read('a'));
   EXPECT_FALSE(Read('b'));
@@ -192,6 +194,7 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgai
   v1::StoreBlocksResponse put_again;
   ASSERT_OK(service_->ServeStore(after, &put_again));
   EXPECT_THAT(put_again.stored(), ::testing::ElementsAre(true, false));
+  EXPECT_THAT(put_again.declined_deleted(), ::testing::ElementsAre(1u));
   EXPECT_TRUE(Read('a'));
   EXPECT_FALSE(Read('b'));
 
@@ -206,7 +209,32 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgai
   v1::StoreBlocksResponse kept;
   ASSERT_OK(later.ServeStore(again, &kept));
   EXPECT_THAT(kept.stored(), ::testing::ElementsAre(true));
+  EXPECT_THAT(kept.declined_deleted(), ::testing::IsEmpty());
   EXPECT_TRUE(Read('b'));
+
+  // Within the window, a sender that started after the Delete (its memory of Deletes reaches
+  // back 1 ms, the Delete was 20 ms ago, the slack is 1 ms) had nothing to miss: kept. A sender
+  // that does not say how far back it knows is declined.
+  metrics::Registry third;
+  PeerService recent(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
+                     PeerService::Acceptance{0.75, true}, &third, absl::Seconds(60),
+                     absl::Milliseconds(1));
+  BlockId e{0, profile_id_, {}, 0};
+  std::memset(e.key.data(), 'e', kKeyBytes);
+  const std::vector<BlockId> deleted_e = {e};
+  recent.NoteDeleted(deleted_e, 44);
+  absl::SleepFor(absl::Milliseconds(20));
+  v1::StoreBlocksRequest unsaid = Request({'e'}, 512);
+  *unsaid.add_data() = Spilled(raw_, 0);
+  v1::StoreBlocksResponse declined_e;
+  ASSERT_OK(recent.ServeStore(unsaid, &declined_e));
+  EXPECT_THAT(declined_e.stored(), ::testing::ElementsAre(false));
+  v1::StoreBlocksRequest young = unsaid;
+  young.set_deletes_known_ms(1);
+  v1::StoreBlocksResponse kept_e;
+  ASSERT_OK(recent.ServeStore(young, &kept_e));
+  EXPECT_THAT(kept_e.stored(), ::testing::ElementsAre(true));
+  EXPECT_TRUE(Read('e'));
 }
 
 // A full node (its own blocks up to its capacity) keeps no spilled block, but keeps the blocks a

@@ -29,6 +29,15 @@ uint64_t RecentDeletes::Last(const BlockId& id, absl::Time now) const {
   return it != latest_.end() && now - it->second.at < window_ ? it->second.delete_id : 0;
 }
 
+bool RecentDeletes::Stale(const BlockId& id, uint64_t after_delete, absl::Duration sender_reach,
+                          absl::Time now) const {
+  proxima::MutexLock lock(&mu_);
+  auto it = latest_.find(id);
+  if (it == latest_.end()) return false;
+  const absl::Duration age = now - it->second.at;
+  return age < window_ && age <= sender_reach + slack_ && it->second.delete_id != after_delete;
+}
+
 size_t RecentDeletes::size() const {
   proxima::MutexLock lock(&mu_);
   return latest_.size();

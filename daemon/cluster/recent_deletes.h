@@ -12,13 +12,16 @@
 // it), and the receiver declines only when its own last Delete of the key is another one, which
 // the sender had not seen. Without the ids, a block put again within the window was declined
 // too: harmless for a spill (the sender keeps it) but lost in a hand-off, whose sender exits.
-// Entries leave after `window` (longer than any peer call), and the oldest first when more than
-// `max_keys` are held.
+// A node can also miss a Delete: hung while it was sent (its peers send it again for a while),
+// or leaving (its peers no longer send it Deletes while it drains and hands its blocks off).
+// Its copies then name an older Delete, or none, and are declined for as long as entries stay:
+// `window`, which covers both, and the oldest leave first when more than `max_keys` are held.
 //
 // Thread-safe.
 #ifndef PROXIMA_DAEMON_CLUSTER_RECENT_DELETES_H_
 #define PROXIMA_DAEMON_CLUSTER_RECENT_DELETES_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -35,7 +38,12 @@ namespace proxima::daemon::cluster {
 
 class RecentDeletes {
  public:
-  RecentDeletes(absl::Duration window, size_t max_keys) : window_(window), max_keys_(max_keys) {}
+  // `slack`: how much longer ago than a sender's reach (Stale) a Delete may have been noted
+  // here and still have reached the sender too (a Delete's skew between the nodes, a spill
+  // call's transit). `started`: when this node's memory of Deletes began (its start).
+  RecentDeletes(absl::Duration window, size_t max_keys, absl::Duration slack = absl::ZeroDuration(),
+                absl::Time started = absl::Now())
+      : window_(window), max_keys_(max_keys), slack_(slack), started_(started) {}
 
   // A fresh, random, non-zero id for a Delete.
   static uint64_t NewId();
@@ -44,12 +52,19 @@ class RecentDeletes {
   void Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now = absl::Now());
   // The id of the last Delete of `id` within the window before `now`; 0 when none.
   uint64_t Last(const BlockId& id, absl::Time now = absl::Now()) const;
-  // Whether a copy of `id` whose sender last saw the Delete `after_delete` (0: none) may be stale
-  // here: this node saw a Delete of it within the window, and not that one.
-  bool Stale(const BlockId& id, uint64_t after_delete, absl::Time now = absl::Now()) const {
-    const uint64_t last = Last(id, now);
-    return last != 0 && last != after_delete;
+  // How far back this node's memory of Deletes reaches at `now`: the window, or less when the
+  // node started more recently (it never saw the Deletes from before its start).
+  absl::Duration Reach(absl::Time now = absl::Now()) const {
+    return std::min(window_, now - started_);
   }
+  // Whether a copy of `id` whose sender last saw the Delete `after_delete` (0: none) may be stale
+  // here: this node saw a Delete of it within the window, not that one, and recently enough for
+  // the sender to have seen it: at most `sender_reach` (the sender's Reach() when it sent the
+  // copy) plus the slack ago. A Delete from before the sender started is older than any copy it
+  // made, and declining that copy would lose a block put again after the Delete.
+  bool Stale(const BlockId& id, uint64_t after_delete,
+             absl::Duration sender_reach = absl::InfiniteDuration(),
+             absl::Time now = absl::Now()) const;
   size_t size() const;
 
  private:
@@ -62,6 +77,8 @@ class RecentDeletes {
 
   const absl::Duration window_;
   const size_t max_keys_;
+  const absl::Duration slack_;
+  const absl::Time started_;
   mutable proxima::Mutex mu_;
   std::deque<std::pair<absl::Time, BlockId>> order_ ABSL_GUARDED_BY(mu_);  // oldest first
   absl::flat_hash_map<BlockId, Entry> latest_ ABSL_GUARDED_BY(mu_);        // last delete per key

@@ -53,16 +53,36 @@ TEST(RecentDeletesTest, PastItsBoundTheOldestKeysLeaveFirst) {
 TEST(RecentDeletesTest, ACopyIsStaleOnlyAgainstADeleteItsSenderHadNotSeen) {
   RecentDeletes recent(absl::Seconds(4), 100);
   const absl::Time t0 = absl::FromUnixSeconds(1000);
-  EXPECT_FALSE(recent.Stale(KeyId(1), 0, t0));
-  EXPECT_FALSE(recent.Stale(KeyId(1), 21, t0));
+  const absl::Duration any = absl::InfiniteDuration();  // a sender whose reach is not known
+  EXPECT_FALSE(recent.Stale(KeyId(1), 0, any, t0));
+  EXPECT_FALSE(recent.Stale(KeyId(1), 21, any, t0));
   const std::vector<BlockId> one = {KeyId(1)};
   recent.Add(one, 21, t0);
-  EXPECT_FALSE(recent.Stale(KeyId(1), 21, t0 + absl::Seconds(1)));
-  EXPECT_TRUE(recent.Stale(KeyId(1), 0, t0 + absl::Seconds(1)));
-  EXPECT_TRUE(recent.Stale(KeyId(1), 20, t0 + absl::Seconds(1)));
+  EXPECT_FALSE(recent.Stale(KeyId(1), 21, any, t0 + absl::Seconds(1)));
+  EXPECT_TRUE(recent.Stale(KeyId(1), 0, any, t0 + absl::Seconds(1)));
+  EXPECT_TRUE(recent.Stale(KeyId(1), 20, any, t0 + absl::Seconds(1)));
   recent.Add(one, 22, t0 + absl::Seconds(2));  // deleted again: the sender saw only the first
-  EXPECT_TRUE(recent.Stale(KeyId(1), 21, t0 + absl::Seconds(3)));
-  EXPECT_FALSE(recent.Stale(KeyId(1), 0, t0 + absl::Seconds(7)));  // the window is over
+  EXPECT_TRUE(recent.Stale(KeyId(1), 21, any, t0 + absl::Seconds(3)));
+  EXPECT_FALSE(recent.Stale(KeyId(1), 0, any, t0 + absl::Seconds(7)));  // the window is over
+}
+
+// A sender that started after the Delete never saw it, and its copy is newer than it: kept. One
+// that was up then (its memory reaches back past the Delete, give or take the slack) missed it:
+// declined.
+TEST(RecentDeletesTest, ADeleteFromBeforeTheSenderStartedDoesNotMakeItsCopyStale) {
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  RecentDeletes recent(absl::Seconds(60), 100, /*slack=*/absl::Seconds(2), t0);
+  const std::vector<BlockId> one = {KeyId(1)};
+  recent.Add(one, 31, t0 + absl::Seconds(10));
+  const absl::Time now = t0 + absl::Seconds(30);                    // the Delete was 20 s ago
+  EXPECT_FALSE(recent.Stale(KeyId(1), 0, absl::Seconds(5), now));   // up for 5 s
+  EXPECT_FALSE(recent.Stale(KeyId(1), 0, absl::Seconds(17), now));  // 17 + 2 < 20
+  EXPECT_TRUE(recent.Stale(KeyId(1), 0, absl::Seconds(18), now));   // within the slack
+  EXPECT_TRUE(recent.Stale(KeyId(1), 0, absl::Seconds(60), now));
+  EXPECT_FALSE(recent.Stale(KeyId(1), 31, absl::Seconds(60), now));  // it saw the Delete
+  // This node's own reach: since its start, up to the window.
+  EXPECT_EQ(recent.Reach(t0 + absl::Seconds(30)), absl::Seconds(30));
+  EXPECT_EQ(recent.Reach(t0 + absl::Seconds(90)), absl::Seconds(60));
 }
 
 TEST(RecentDeletesTest, NewIdsAreNonZeroAndDistinct) {

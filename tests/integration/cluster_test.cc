@@ -1493,6 +1493,61 @@ TEST_F(ClusterTest, AHandOffKeepsBlocksPutAgainAfterTheirDelete) {
   }
 }
 
+TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
+  // C holds two chains and hangs (SIGSTOP) long enough to leave the others' live sets; A deletes
+  // the chain C put last (A and B note the Delete; C misses it, and A keeps it to send C again),
+  // and a few seconds later C is stopped (SIGTERM, then SIGCONT): it leaves, so A never sends it
+  // the Delete again, and hands its blocks to A and B, naming no Delete of them. Both decline
+  // the deleted chain's copies, C drops each one declined instead of offering it elsewhere, and
+  // the other chain is handed off whole. Before, A and B remembered a Delete for twice
+  // peer_deadline plus a second (3 s here) and kept the copies that came later: B read back
+  // the deleted blocks. And with the first copies sent (the most recently used: the deleted
+  // chain's) declined, C took its peers for full and left the other chain behind.
+  constexpr size_t kBlocks = 12;
+  constexpr uint64_t kKept = 75, kDeleted = 74;
+  ASSERT_NO_FATAL_FAILURE(StartCluster(
+      3, {"ucx.enabled=true", "cluster.transport=auto", "cluster.health_interval=200ms",
+          "cluster.health_timeout=200ms", "cluster.failures_before_down=2",
+          "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  const Profile p = clients.p;
+  {
+    auto c = MustConnect(daemons_[2]->tcp_target());
+    ASSERT_TRUE(c);
+    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    for (uint64_t seed : {kKept, kDeleted}) {
+      Blocks blocks = MakeBlocks(seed, 0, kBlocks, p.block_bytes);
+      ASSERT_OK(c->Put(p, blocks.keys, blocks.spans()).status());
+      ASSERT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
+    }
+  }
+  daemons_[2]->Signal(SIGSTOP);
+  ASSERT_TRUE(WaitLive(0, 2));
+  ASSERT_TRUE(WaitLive(1, 2));
+  // Only C holds the blocks: none is deleted by the time the Delete answers.
+  EXPECT_THAT(clients.a->Delete(p, client::TestKeyChain(kDeleted, 0, kBlocks)), IsOkAndHolds(0u));
+  absl::SleepFor(4 * kPeerDeadline);  // past the window of before (2 x peer_deadline + 1 s)
+  daemons_[2]->Signal(SIGTERM);       // delivered when C runs again
+  daemons_[2]->Signal(SIGCONT);
+  EXPECT_EQ(daemons_[2]->WaitExit(absl::Seconds(30)), 0);
+  const std::string log = daemons_[2]->Log();
+  EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+  EXPECT_EQ(HandoffCount(log, "deleted_blocks"), static_cast<int64_t>(kBlocks)) << log;
+  EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
+  EXPECT_EQ(HandoffEnded(log), "every block placed") << log;
+  EXPECT_EQ(
+      Metric(0, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}") +
+          Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}"),
+      kBlocks);
+  EXPECT_EQ(GetAndCheck(*clients.a, p, kDeleted, 0, kBlocks), 0u);
+  EXPECT_EQ(GetAndCheck(*clients.b, p, kDeleted, 0, kBlocks), 0u);
+  EXPECT_THAT(clients.b->Lookup(p, client::TestKeyChain(kDeleted, 0, kBlocks)), IsOkAndHolds(0u));
+  EXPECT_EQ(WaitLookup(*clients.b, p, kKept, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*clients.b, p, kKept, 0, kBlocks), kBlocks);
+}
+
 TEST_F(ClusterTest, ARollingRestartOfEveryNodeKeepsTheBlocksOnTheOthers) {
   // A DaemonSet update: each node in turn is stopped (SIGTERM) and started again, empty. Each
   // hands its blocks, those peers handed it before included, to the two that are up.

@@ -661,6 +661,7 @@ int Main() {
   int kills = 0;
   uint64_t handed_off = 0;   // blocks the TERMed nodes handed to their peers
   uint64_t left_behind = 0;  // and those they could not
+  uint64_t deleted_on_peers = 0;            // and those a peer had seen deleted (dropped)
   std::map<std::string, int> handoff_ends;  // why each hand-off stopped -> how many times
   int64_t slowest_rejoin_ms = 0;
   std::string kill_failure;  // set by the killer; read after it is joined
@@ -692,6 +693,10 @@ int Main() {
             const size_t left = log.find(" left_blocks=", at);
             if (left != std::string::npos) {
               left_behind += std::strtoull(log.c_str() + left + 13, nullptr, 10);
+            }
+            const size_t deleted = log.find(" deleted_blocks=", at);
+            if (deleted != std::string::npos) {
+              deleted_on_peers += std::strtoull(log.c_str() + deleted + 16, nullptr, 10);
             }
             const size_t ended = log.find(" ended=\"", at);
             if (ended != std::string::npos) {
@@ -851,7 +856,8 @@ int Main() {
     if (kill_every_s > 0) {
       absl::StrAppend(&summary, ",\"kills\":", kills, ",\"kill_signal\":\"", kill_signal_name,
                       "\",\"handed_off_blocks\":", handed_off,
-                      ",\"left_behind_blocks\":", left_behind, ",\"handoff_ends\":{",
+                      ",\"left_behind_blocks\":", left_behind,
+                      ",\"deleted_on_peer_blocks\":", deleted_on_peers, ",\"handoff_ends\":{",
                       absl::StrJoin(handoff_ends, ",",
                                     [](std::string* out, const auto& end) {
                                       absl::StrAppend(out, "\"", end.first, "\":", end.second);
