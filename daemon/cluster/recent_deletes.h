@@ -5,7 +5,7 @@
 // A Delete reaches every live node in parallel (Cluster::DeleteRemote), and a spill is a call of
 // its own: the Delete can reach the receiver before the spilled copy lands there and the sender
 // after it let its copy go, and the copy would then outlive the Delete. Declined, the block
-// stays with its sender, where the Delete removes it.
+// stays with its sender, where the Delete removes it (or the sender, told so, drops it).
 //
 // A key put again after its Delete is not stale: the sender names, per block, the last Delete of
 // the key it saw (SpilledBlock.after_delete; its copy is newer, or that Delete would have removed
@@ -16,6 +16,9 @@
 // or leaving (its peers no longer send it Deletes while it drains and hands its blocks off).
 // Its copies then name an older Delete, or none, and are declined for as long as entries stay:
 // `window`, which covers both, and the oldest leave first when more than `max_keys` are held.
+// A node that started after a Delete never saw it either, but holds no copy older than it: a
+// sender says how far back its memory reaches (Reach), and only Deletes within that, give or
+// take `slack`, decline its copies.
 //
 // Thread-safe.
 #ifndef PROXIMA_DAEMON_CLUSTER_RECENT_DELETES_H_
