@@ -770,12 +770,19 @@ void Cluster::SendRejoins(const std::vector<std::string>& peers) {
     auto call = std::make_unique<Call>();
     call->peer = peer;
     call->request.set_node(self_);
+    // Started within the window: the Deletes made while this node was down, so that its
+    // blocks put again after them say so, and are not declined as older.
+    call->request.set_want_recent_deletes(service_->WantsRecentDeletes());
     calls.push_back(std::move(call));
   }
   CallAll(calls, absl::Now() + peer_deadline_, &v1::Peer::Stub::PrepareAsyncRejoin,
           /*skip_suspects=*/false, /*wait_for_ready=*/true);
   for (const auto& call : calls) {
-    if (!call->status.ok()) peer_call_failures_->Increment();
+    if (!call->status.ok()) {
+      peer_call_failures_->Increment();
+    } else if (call->request.want_recent_deletes()) {
+      service_->LearnDeletes(call->peer, call->response);
+    }
   }
 }
 

@@ -19,6 +19,9 @@ namespace {
 // How long before a call's deadline a StoreBlocks still waiting for UCX messages gives up, to
 // answer in time (at most a quarter of the time left).
 constexpr absl::Duration kAnswerMargin = absl::Milliseconds(200);
+// The most keys a node remembers recent Deletes of (RecentDeletes), and so the most a Rejoin
+// answer carries.
+constexpr size_t kMaxRecentDeletes = 1u << 16;
 
 // A peer call's deadline: every call between daemons carries one (cluster.peer_deadline); one
 // without is held to a minute.
@@ -97,8 +100,9 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
       token_(std::move(token)),
       max_message_bytes_(max_message_bytes),
       accept_(accept),
+      recent_delete_window_(recent_delete_window),
       // Deletes are rare; 64K keys bound the set to a few MiB.
-      recent_deletes_(recent_delete_window, 1u << 16, recent_delete_slack) {
+      recent_deletes_(recent_delete_window, kMaxRecentDeletes, recent_delete_slack) {
   unauthenticated_ = registry->AddCounter(
       "proxima_cluster_peer_calls_unauthenticated_total",
       "Peer calls refused for a missing or wrong cluster.peer_token");
@@ -116,6 +120,10 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
   spill_declined_deleted_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
                                                  "Blocks peers spilled to this node, by outcome",
                                                  {{"outcome", "deleted_recently"}});
+  deletes_learned_ = registry->AddCounter(
+      "proxima_cluster_recent_deletes_learned_total",
+      "Keys of recent Deletes this node learned from its peers after it started (Deletes made "
+      "while it was down, so that its blocks put again after them are not declined as older)");
   spill_bytes_in_ = registry->AddCounter("proxima_cluster_spill_bytes_total",
                                          "Block bytes spilled between daemons, by direction",
                                          {{"direction", "in"}});
@@ -435,10 +443,57 @@ absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status PeerService::ServeRejoin(const v1::RejoinRequest& request) {
+absl::Status PeerService::ServeRejoin(const v1::RejoinRequest& request,
+                                      v1::RejoinResponse* response) {
   PROXIMA_RETURN_IF_ERROR(CheckCallerNode("Rejoin", request.node(), self_));
   if (on_rejoin_) on_rejoin_(request.node());
+  if (!request.want_recent_deletes()) return absl::OkStatus();
+  const absl::Time now = absl::Now();
+  response->set_deletes_known_ms(
+      static_cast<uint64_t>(absl::ToInt64Milliseconds(recent_deletes_.Reach(now))));
+  // One set per (namespace, partition, profile).
+  absl::flat_hash_map<std::tuple<uint32_t, uint32_t, uint64_t>, v1::RecentDeleteSet*> sets;
+  for (const RecentDeletes::Noted& n : recent_deletes_.Snapshot(now)) {
+    v1::RecentDeleteSet*& set = sets[{n.id.namespace_index, n.id.partition, n.id.profile_id}];
+    if (set == nullptr) {
+      set = response->add_recent_deletes();
+      set->mutable_blocks()->set_namespace_name(core_->NamespaceName(n.id.namespace_index));
+      set->mutable_blocks()->set_partition(n.id.partition);
+      set->mutable_blocks()->set_profile_id(n.id.profile_id);
+    }
+    set->mutable_blocks()->add_keys(reinterpret_cast<const char*>(n.id.key.data()), kKeyBytes);
+    set->add_delete_ids(n.delete_id);
+    set->add_age_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(n.age)));
+  }
   return absl::OkStatus();
+}
+
+size_t PeerService::LearnDeletes(const std::string& peer, const v1::RejoinResponse& response) {
+  std::vector<RecentDeletes::Noted> noted;
+  for (const v1::RecentDeleteSet& set : response.recent_deletes()) {
+    absl::StatusOr<std::vector<BlockId>> ids =
+        ResolveBlockSet(*core_, set.blocks(), kMaxRecentDeletes);
+    if (ids.ok() && (set.delete_ids_size() != static_cast<int>(ids->size()) ||
+                     set.age_ms_size() != static_cast<int>(ids->size()))) {
+      ids = absl::InvalidArgumentError(absl::StrCat(
+          "recent_deletes has ", ids->size(), " keys but ", set.delete_ids_size(),
+          " delete_ids and ", set.age_ms_size(), " age_ms; expected one of each per key"));
+    }
+    if (!ids.ok()) {
+      PROXIMA_LOG(kWarning) << "a peer's recent Deletes not taken in" << log::Kv("peer", peer)
+                            << log::Kv("error", ids.status().ToString());
+      continue;
+    }
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const int k = static_cast<int>(i);
+      noted.push_back({(*ids)[i], set.delete_ids(k),
+                       absl::Milliseconds(std::min<uint64_t>(set.age_ms(k), INT64_MAX / 2))});
+    }
+  }
+  recent_deletes_.Learn(
+      noted, absl::Milliseconds(std::min<uint64_t>(response.deletes_known_ms(), INT64_MAX / 2)));
+  deletes_learned_->Increment(noted.size());
+  return noted.size();
 }
 
 absl::Status PeerService::ServeLeave(const v1::LeaveRequest& request) {
@@ -449,7 +504,7 @@ absl::Status PeerService::ServeLeave(const v1::LeaveRequest& request) {
 grpc::Status PeerService::Rejoin(grpc::ServerContext* context, const v1::RejoinRequest* request,
                                  v1::RejoinResponse* response) {
   return Handle(context, request, response,
-                [this](const auto& r, auto*) { return ServeRejoin(r); });
+                [this](const auto& r, auto* out) { return ServeRejoin(r, out); });
 }
 
 grpc::Status PeerService::Leave(grpc::ServerContext* context, const v1::LeaveRequest* request,

@@ -99,7 +99,7 @@ class PeerService final : public v1::Peer::Service {
                           absl::Time deadline = absl::InfiniteFuture());
   absl::Status ServeDelete(const v1::DeleteBlocksRequest& request,
                            v1::DeleteBlocksResponse* response);
-  absl::Status ServeRejoin(const v1::RejoinRequest& request);
+  absl::Status ServeRejoin(const v1::RejoinRequest& request, v1::RejoinResponse* response);
   absl::Status ServeLeave(const v1::LeaveRequest& request);
   // `deadline`: the call's (a spill's UCX messages must have arrived by then).
   absl::Status ServeStore(const v1::StoreBlocksRequest& request, v1::StoreBlocksResponse* response,
@@ -117,6 +117,12 @@ class PeerService final : public v1::Peer::Service {
   uint64_t LastDelete(const BlockId& id) const { return recent_deletes_.Last(id); }
   // How far back this node's memory of Deletes reaches now (StoreBlocksRequest.deletes_known_ms).
   absl::Duration DeletesKnownFor() const { return recent_deletes_.Reach(); }
+  // Whether this node started less than its recent-delete window ago and has not learned the
+  // Deletes from before its start from a peer (RejoinRequest.want_recent_deletes).
+  bool WantsRecentDeletes() const { return recent_deletes_.Reach() < recent_delete_window_; }
+  // Takes in the Deletes a peer's Rejoin answer carries; returns how many keys it learned of.
+  // A set naming a namespace this node does not serve, or malformed, is skipped (logged).
+  size_t LearnDeletes(const std::string& peer, const v1::RejoinResponse& response);
 
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;
@@ -138,7 +144,9 @@ class PeerService final : public v1::Peer::Service {
   metrics::Counter* spill_kept_ = nullptr;
   metrics::Counter* spill_refused_ = nullptr;
   metrics::Counter* spill_declined_deleted_ = nullptr;
+  metrics::Counter* deletes_learned_ = nullptr;
   metrics::Counter* spill_bytes_in_ = nullptr;
+  const absl::Duration recent_delete_window_;
   RecentDeletes recent_deletes_;
   RejoinFn on_rejoin_;
   LeaveFn on_leave_;

@@ -237,6 +237,54 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgai
   EXPECT_TRUE(Read('e'));
 }
 
+// A node that has just started asks its peers for the Deletes they remember (Rejoin): the
+// answer carries each key's last Delete by namespace, and the asking node takes them in, so its
+// blocks put again after them name them. Malformed sets, or sets of a namespace it does not
+// serve, are skipped.
+TEST_F(PeerServiceTest, ARejoiningNodeLearnsTheDeletesItsPeerRemembers) {
+  BlockId a{0, profile_id_, {}, 0};
+  std::memset(a.key.data(), 'a', kKeyBytes);
+  BlockId b = a;
+  std::memset(b.key.data(), 'b', kKeyBytes);
+  const std::vector<BlockId> ab = {a, b};
+  service_->NoteDeleted(ab, 51);
+
+  v1::RejoinRequest plain;
+  plain.set_node("peer:2");
+  v1::RejoinResponse none;
+  ASSERT_OK(service_->ServeRejoin(plain, &none));
+  EXPECT_EQ(none.recent_deletes_size(), 0);
+  v1::RejoinRequest want = plain;
+  want.set_want_recent_deletes(true);
+  v1::RejoinResponse answer;
+  ASSERT_OK(service_->ServeRejoin(want, &answer));
+  ASSERT_EQ(answer.recent_deletes_size(), 1);
+  EXPECT_EQ(answer.recent_deletes(0).blocks().namespace_name(), "open");
+  EXPECT_EQ(answer.recent_deletes(0).blocks().profile_id(), profile_id_);
+  EXPECT_EQ(answer.recent_deletes(0).blocks().keys_size(), 2);
+  EXPECT_THAT(answer.recent_deletes(0).delete_ids(), ::testing::ElementsAre(51u, 51u));
+
+  // A node started just now (its own memory reaches back a few ms; the window is 60 s).
+  metrics::Registry other;
+  PeerService young(core_.get(), &records_, &remote_, nullptr, "self:2", "token", 1 << 20,
+                    PeerService::Acceptance{0.75, true}, &other, absl::Seconds(60));
+  EXPECT_TRUE(young.WantsRecentDeletes());
+  EXPECT_EQ(young.LastDelete(a), 0u);
+  v1::RejoinResponse bad = answer;
+  bad.mutable_recent_deletes(0)->add_delete_ids(52);  // one more id than keys
+  v1::RecentDeleteSet* elsewhere = bad.add_recent_deletes();
+  *elsewhere = answer.recent_deletes(0);
+  elsewhere->mutable_blocks()->set_namespace_name("not-served-here");
+  EXPECT_EQ(young.LearnDeletes("peer:1", bad), 0u);
+  EXPECT_EQ(young.LastDelete(a), 0u);
+  answer.set_deletes_known_ms(60'000);  // as from a peer up for a minute or more
+  EXPECT_EQ(young.LearnDeletes("peer:1", answer), 2u);
+  EXPECT_EQ(young.LastDelete(a), 51u);
+  EXPECT_EQ(young.LastDelete(b), 51u);
+  EXPECT_FALSE(young.WantsRecentDeletes());  // the peer's memory reached back far enough
+  EXPECT_THAT(other.RenderText(), HasSubstr("proxima_cluster_recent_deletes_learned_total 2"));
+}
+
 // A full node (its own blocks up to its capacity) keeps no spilled block, but keeps the blocks a
 // peer hands off as it shuts down, evicting its own least recently used blocks for them, and
 // keeps them as recently used: the next local puts evict its older blocks, not these. With

@@ -1,5 +1,6 @@
 #include "daemon/cluster/recent_deletes.h"
 
+#include <algorithm>
 #include <random>
 
 namespace proxima::daemon::cluster {
@@ -36,6 +37,39 @@ bool RecentDeletes::Stale(const BlockId& id, uint64_t after_delete, absl::Durati
   if (it == latest_.end()) return false;
   const absl::Duration age = now - it->second.at;
   return age < window_ && age <= sender_reach + slack_ && it->second.delete_id != after_delete;
+}
+
+absl::Duration RecentDeletes::Reach(absl::Time now) const {
+  proxima::MutexLock lock(&mu_);
+  return std::min(window_, now - known_since_);
+}
+
+std::vector<RecentDeletes::Noted> RecentDeletes::Snapshot(absl::Time now) const {
+  proxima::MutexLock lock(&mu_);
+  std::vector<Noted> out;
+  out.reserve(latest_.size());
+  for (const auto& [id, entry] : latest_) {
+    if (now - entry.at < window_) out.push_back({id, entry.delete_id, now - entry.at});
+  }
+  return out;
+}
+
+void RecentDeletes::Learn(std::span<const Noted> noted, absl::Duration reach, absl::Time now) {
+  proxima::MutexLock lock(&mu_);
+  for (const Noted& n : noted) {
+    if (n.delete_id == 0 || n.age < absl::ZeroDuration() || n.age >= window_) continue;
+    const absl::Time at = now - n.age;
+    auto [it, added] = latest_.try_emplace(n.id, Entry{at, n.delete_id});
+    if (!added) {
+      if (it->second.at >= at) continue;  // this node's own is newer
+      it->second = Entry{at, n.delete_id};
+    }
+    // Out of time order in order_: Trim may keep an entry a little past the window (Last and
+    // Stale look at its time), or drop it early when max_keys_ is reached.
+    order_.emplace_back(at, n.id);
+  }
+  known_since_ = std::min(known_since_, now - std::min(reach, window_));
+  Trim(now);
 }
 
 size_t RecentDeletes::size() const {

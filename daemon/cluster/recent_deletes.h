@@ -30,6 +30,7 @@
 #include <deque>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -46,7 +47,7 @@ class RecentDeletes {
   // call's transit). `started`: when this node's memory of Deletes began (its start).
   RecentDeletes(absl::Duration window, size_t max_keys, absl::Duration slack = absl::ZeroDuration(),
                 absl::Time started = absl::Now())
-      : window_(window), max_keys_(max_keys), slack_(slack), started_(started) {}
+      : window_(window), max_keys_(max_keys), slack_(slack), known_since_(started) {}
 
   // A fresh, random, non-zero id for a Delete.
   static uint64_t NewId();
@@ -56,10 +57,23 @@ class RecentDeletes {
   // The id of the last Delete of `id` within the window before `now`; 0 when none.
   uint64_t Last(const BlockId& id, absl::Time now = absl::Now()) const;
   // How far back this node's memory of Deletes reaches at `now`: the window, or less when the
-  // node started more recently (it never saw the Deletes from before its start).
-  absl::Duration Reach(absl::Time now = absl::Now()) const {
-    return std::min(window_, now - started_);
-  }
+  // node started more recently (it never saw the Deletes from before its start) and has not
+  // learned them from a peer since (Learn).
+  absl::Duration Reach(absl::Time now = absl::Now()) const;
+
+  // A Delete noted here: for a node that has just started, which learns them from its peers.
+  struct Noted {
+    BlockId id;
+    uint64_t delete_id = 0;
+    absl::Duration age;  // how long ago it was noted
+  };
+  // What this node remembers at `now`: each key's last Delete within the window.
+  std::vector<Noted> Snapshot(absl::Time now = absl::Now()) const;
+  // Takes in a peer's Snapshot(), taken when the peer's memory reached back `reach`: each key
+  // whose Delete there is newer than the one noted here (or none) takes it, and this node's
+  // memory reaches back as far as the peer's from then on. Ages are the peer's: its clock runs
+  // at the same rate, and the call's transit makes them look younger by at most its deadline.
+  void Learn(std::span<const Noted> noted, absl::Duration reach, absl::Time now = absl::Now());
   // Whether a copy of `id` whose sender last saw the Delete `after_delete` (0: none) may be stale
   // here: this node saw a Delete of it within the window, not that one, and recently enough for
   // the sender to have seen it: at most `sender_reach` (the sender's Reach() when it sent the
@@ -81,10 +95,10 @@ class RecentDeletes {
   const absl::Duration window_;
   const size_t max_keys_;
   const absl::Duration slack_;
-  const absl::Time started_;
   mutable proxima::Mutex mu_;
   std::deque<std::pair<absl::Time, BlockId>> order_ ABSL_GUARDED_BY(mu_);  // oldest first
   absl::flat_hash_map<BlockId, Entry> latest_ ABSL_GUARDED_BY(mu_);        // last delete per key
+  absl::Time known_since_ ABSL_GUARDED_BY(mu_);  // Reach(): since its start or what it learned
 };
 
 }  // namespace proxima::daemon::cluster

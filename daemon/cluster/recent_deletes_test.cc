@@ -85,6 +85,38 @@ TEST(RecentDeletesTest, ADeleteFromBeforeTheSenderStartedDoesNotMakeItsCopyStale
   EXPECT_EQ(recent.Reach(t0 + absl::Seconds(90)), absl::Seconds(60));
 }
 
+// A node that has just started takes in a peer's memory: each key's newer Delete (its own stays
+// when newer), nothing malformed or past the window, and the peer's reach.
+TEST(RecentDeletesTest, ANodeLearnsAPeersNewerDeletesAndHowFarBackItKnows) {
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  RecentDeletes recent(absl::Seconds(60), 100, absl::ZeroDuration(),
+                       /*started=*/t0 + absl::Seconds(50));
+  const std::vector<BlockId> one = {KeyId(1)};
+  recent.Add(one, 5, t0 + absl::Seconds(50));
+  const absl::Time now = t0 + absl::Seconds(55);
+  EXPECT_EQ(recent.Reach(now), absl::Seconds(5));
+  const std::vector<RecentDeletes::Noted> peer = {
+      {KeyId(1), 4, absl::Seconds(20)},  // older than this node's own Delete of it
+      {KeyId(2), 7, absl::Seconds(10)},
+      {KeyId(3), 0, absl::Seconds(1)},   // no id
+      {KeyId(4), 8, absl::Seconds(70)},  // past the window
+  };
+  recent.Learn(peer, absl::Seconds(40), now);
+  EXPECT_EQ(recent.Last(KeyId(1), now), 5u);
+  EXPECT_EQ(recent.Last(KeyId(2), now), 7u);
+  EXPECT_EQ(recent.Last(KeyId(3), now), 0u);
+  EXPECT_EQ(recent.Last(KeyId(4), now), 0u);
+  EXPECT_EQ(recent.Reach(now), absl::Seconds(40));
+  // Key 2's Delete keeps its age: it leaves 50 s after it was learned, not 60.
+  EXPECT_EQ(recent.Last(KeyId(2), now + absl::Seconds(49)), 7u);
+  EXPECT_EQ(recent.Last(KeyId(2), now + absl::Seconds(51)), 0u);
+  const std::vector<RecentDeletes::Noted> snapshot = recent.Snapshot(now);
+  ASSERT_EQ(snapshot.size(), 2u);
+  for (const RecentDeletes::Noted& n : snapshot) {
+    EXPECT_EQ(n.age, n.delete_id == 5 ? absl::Seconds(5) : absl::Seconds(10));
+  }
+}
+
 TEST(RecentDeletesTest, NewIdsAreNonZeroAndDistinct) {
   const uint64_t a = RecentDeletes::NewId();
   const uint64_t b = RecentDeletes::NewId();

@@ -1385,19 +1385,21 @@ TEST_F(ClusterTest, ANodeShuttingDownLeavesItsPeersLiveSetsAtOnce) {
   EXPECT_EQ(WaitLookup(*a, p, kSeed, kBlocks, kBlocks), kBlocks);
 }
 
-// The count a daemon's log gives for `key` on its hand-off line ("handed blocks off to peers
-// before exit ... blocks=N"), or -1 when there is no such line.
+// The count a daemon's log gives for `key` on its last hand-off line ("handed blocks off to
+// peers before exit ... blocks=N"; a restarted daemon's log holds each run's), or -1 when there
+// is no such line.
 int64_t HandoffCount(const std::string& log, const std::string& key) {
-  const size_t line = log.find("handed blocks off to peers before exit");
+  const size_t line = log.rfind("handed blocks off to peers before exit");
   if (line == std::string::npos) return -1;
   const size_t at = log.find(" " + key + "=", line);
   if (at == std::string::npos) return -1;
   return std::strtoll(log.c_str() + at + key.size() + 2, nullptr, 10);
 }
 
-// Why a daemon's hand-off stopped, from its log line (ended="..."); empty when there is none.
+// Why a daemon's last hand-off stopped, from its log line (ended="..."); empty when there is
+// none.
 std::string HandoffEnded(const std::string& log) {
-  const size_t line = log.find("handed blocks off to peers before exit");
+  const size_t line = log.rfind("handed blocks off to peers before exit");
   if (line == std::string::npos) return "";
   const size_t at = log.find(" ended=\"", line);
   if (at == std::string::npos) return "";
@@ -1546,6 +1548,53 @@ TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
   EXPECT_THAT(clients.b->Lookup(p, client::TestKeyChain(kDeleted, 0, kBlocks)), IsOkAndHolds(0u));
   EXPECT_EQ(WaitLookup(*clients.b, p, kKept, kBlocks, kBlocks), kBlocks);
   EXPECT_EQ(GetAndCheck(*clients.b, p, kKept, 0, kBlocks), kBlocks);
+}
+
+TEST_F(ClusterTest, ANodeRestartedJustAfterADeleteLearnsItAndItsBlocksPutAgainAreKept) {
+  // A is stopped; B deletes a chain A never held (B and C note the Delete, and B would send it
+  // to A once A is back) and is killed (SIGKILL: its Delete for A goes with it); A starts again
+  // at once and learns the Deletes C remembers (Rejoin); a worker puts the chain on A, and A is
+  // stopped again: its hand-off to C names the Delete, and C keeps the blocks. Without the
+  // learning A names none, the Delete is within the slack (2 x peer_deadline + 1 s) before A's
+  // start, so C took the blocks for older than it and declined them: lost.
+  constexpr size_t kBlocks = 12;
+  constexpr uint64_t kSeed = 76;
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(3, {"ucx.enabled=true", "cluster.transport=auto",
+                       "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"}));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  const Profile p = clients.p;
+  auto c = MustConnect(daemons_[2]->tcp_target());
+  ASSERT_TRUE(c);
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  clients.a.reset();
+  StopGracefully(0);
+  EXPECT_THAT(clients.b->Delete(p, client::TestKeyChain(kSeed, 0, kBlocks)), IsOkAndHolds(0u));
+  daemons_[1]->Signal(SIGKILL);
+  daemons_[1]->WaitExit(absl::Seconds(10));
+  ASSERT_OK(daemons_[0]->Restart());
+  ASSERT_TRUE(WaitLive(0, 2));
+  ASSERT_TRUE(WaitLive(2, 2));
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (Metric(0, "proxima_cluster_recent_deletes_learned_total") < kBlocks &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(Metric(0, "proxima_cluster_recent_deletes_learned_total"), kBlocks);
+  {
+    auto a = MustConnect(daemons_[0]->tcp_target());
+    ASSERT_TRUE(a);
+    ASSERT_OK(a->RegisterProfile(TestModel()).status());
+    Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
+    ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+  }
+  const std::string log = StopGracefully(0);
+  EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+  EXPECT_EQ(HandoffCount(log, "deleted_blocks"), 0) << log;
+  EXPECT_EQ(HandoffEnded(log), "every block placed") << log;
+  EXPECT_EQ(GetAndCheck(*c, p, kSeed, 0, kBlocks), kBlocks);
 }
 
 TEST_F(ClusterTest, ARollingRestartOfEveryNodeKeepsTheBlocksOnTheOthers) {
