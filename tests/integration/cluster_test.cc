@@ -141,11 +141,33 @@ class ClusterTest : public ::testing::Test {
     ASSERT_EQ(WaitLookup(*out->b, out->p, seed, count, count), count);
   }
 
-  // Registers TestModel() on `node` through a client of its own.
-  void RegisterOn(int node) {
+  // A client of `node` with TestModel() registered; null (the test failed) when not.
+  std::unique_ptr<Client> RegisteredClient(int node) {
     auto c = MustConnect(daemons_[node]->tcp_target());
-    ASSERT_TRUE(c);
-    ASSERT_OK(c->RegisterProfile(TestModel()).status());
+    if (c == nullptr) {
+      ADD_FAILURE() << "no client of node " << node;
+      return nullptr;
+    }
+    absl::Status registered = c->RegisterProfile(TestModel()).status();
+    if (!registered.ok()) {
+      ADD_FAILURE() << "registering on node " << node << ": " << registered;
+      return nullptr;
+    }
+    return c;
+  }
+  // Registers TestModel() on `node` through a client of its own.
+  void RegisterOn(int node) { ASSERT_TRUE(RegisteredClient(node)); }
+  // Three live nodes over UCX that hand their blocks off at shutdown (10 s), with `extra`;
+  // clients of A and B (ConnectAB), and TestModel() registered on C as well.
+  void StartHandingOff(std::vector<std::string> extra, TwoClients* out) {
+    std::vector<std::string> sets = {
+        "ucx.enabled=true", "cluster.transport=auto",
+        "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    ASSERT_NO_FATAL_FAILURE(StartCluster(3, sets));
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+    ASSERT_NO_FATAL_FAILURE(ConnectAB(out));
+    ASSERT_NO_FATAL_FAILURE(RegisterOn(2));
   }
   // Stops `node` as an orchestrator does (SIGTERM); expects it to exit 0 and returns its log.
   std::string StopGracefully(int node) {
@@ -1100,9 +1122,8 @@ TEST_F(ClusterTest, ADeleteAPeerMissedReachesItOnceItAnswersAgain) {
     TwoClients clients;
     ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
     const Profile p = clients.p;
-    auto c = MustConnect(daemons_[2]->tcp_target());
+    auto c = RegisteredClient(2);
     ASSERT_TRUE(c);
-    ASSERT_OK(c->RegisterProfile(TestModel()).status());
     Blocks blocks = MakeBlocks(seed, 0, kBlocks, p.block_bytes);
     ASSERT_OK(c->Put(p, blocks.keys, blocks.spans()).status());
     ASSERT_EQ(WaitLookup(*clients.b, p, seed, kBlocks, kBlocks), kBlocks);
@@ -1507,18 +1528,15 @@ TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
   // chain's) declined, C took its peers for full and left the other chain behind.
   constexpr size_t kBlocks = 12;
   constexpr uint64_t kKept = 75, kDeleted = 74;
-  ASSERT_NO_FATAL_FAILURE(StartCluster(
-      3, {"ucx.enabled=true", "cluster.transport=auto", "cluster.health_interval=200ms",
-          "cluster.health_timeout=200ms", "cluster.failures_before_down=2",
-          "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"}));
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
   TwoClients clients;
-  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  ASSERT_NO_FATAL_FAILURE(
+      StartHandingOff({"cluster.health_interval=200ms", "cluster.health_timeout=200ms",
+                       "cluster.failures_before_down=2"},
+                      &clients));
   const Profile p = clients.p;
   {
-    auto c = MustConnect(daemons_[2]->tcp_target());
+    auto c = RegisteredClient(2);
     ASSERT_TRUE(c);
-    ASSERT_OK(c->RegisterProfile(TestModel()).status());
     for (uint64_t seed : {kKept, kDeleted}) {
       Blocks blocks = MakeBlocks(seed, 0, kBlocks, p.block_bytes);
       ASSERT_OK(c->Put(p, blocks.keys, blocks.spans()).status());
@@ -1559,16 +1577,11 @@ TEST_F(ClusterTest, ANodeRestartedJustAfterADeleteLearnsItAndItsBlocksPutAgainAr
   // start, so C took the blocks for older than it and declined them: lost.
   constexpr size_t kBlocks = 12;
   constexpr uint64_t kSeed = 76;
-  ASSERT_NO_FATAL_FAILURE(
-      StartCluster(3, {"ucx.enabled=true", "cluster.transport=auto",
-                       "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"}));
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
   TwoClients clients;
-  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  ASSERT_NO_FATAL_FAILURE(StartHandingOff({}, &clients));
   const Profile p = clients.p;
-  auto c = MustConnect(daemons_[2]->tcp_target());
+  auto c = RegisteredClient(2);
   ASSERT_TRUE(c);
-  ASSERT_OK(c->RegisterProfile(TestModel()).status());
   clients.a.reset();
   StopGracefully(0);
   EXPECT_THAT(clients.b->Delete(p, client::TestKeyChain(kSeed, 0, kBlocks)), IsOkAndHolds(0u));
@@ -1584,9 +1597,8 @@ TEST_F(ClusterTest, ANodeRestartedJustAfterADeleteLearnsItAndItsBlocksPutAgainAr
   }
   EXPECT_EQ(Metric(0, "proxima_cluster_recent_deletes_learned_total"), kBlocks);
   {
-    auto a = MustConnect(daemons_[0]->tcp_target());
+    auto a = RegisteredClient(0);
     ASSERT_TRUE(a);
-    ASSERT_OK(a->RegisterProfile(TestModel()).status());
     Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
     ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
   }
