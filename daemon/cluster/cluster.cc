@@ -582,6 +582,9 @@ void Cluster::SendDeleteRetries() {
     auto call = std::make_unique<Call>();
     call->peer = retry.peer;
     call->request = std::move(retry.request);
+    // The Delete was made when it first failed; the peer notes it as of then.
+    call->request.set_age_ms(static_cast<uint64_t>(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(now - retry.first_failed))));
     calls.push_back(std::move(call));
   }
   CallAll(calls, now + peer_deadline_, &v1::Peer::Stub::PrepareAsyncDeleteBlocks,

@@ -196,7 +196,7 @@ class Cluster final : public RemoteBlocks {
   struct DeleteRetry {
     std::string peer;
     v1::DeleteBlocksRequest request;  // keeps its delete_id
-    absl::Time first_failed;
+    absl::Time first_failed;          // when the Delete was made (its first calls)
     absl::Time due;
     absl::Duration backoff;
   };

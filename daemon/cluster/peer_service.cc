@@ -428,7 +428,9 @@ absl::Status PeerService::ServeDelete(const v1::DeleteBlocksRequest& request,
                            ResolveBlockSet(*core_, request.blocks(), core_->max_batch_blocks()));
   // Present here or not: a spill of them may still be on its way. A caller that names no
   // Delete (a spill's withdrawal) gets an id of its own, which no spill names.
-  recent_deletes_.Add(ids, request.delete_id() != 0 ? request.delete_id() : RecentDeletes::NewId());
+  recent_deletes_.Add(ids, request.delete_id() != 0 ? request.delete_id() : RecentDeletes::NewId(),
+                      absl::Now(),
+                      absl::Milliseconds(std::min<uint64_t>(request.age_ms(), INT64_MAX / 2)));
   std::vector<BlockKey> gone;
   for (const BlockId& id : ids) {
     const bool deleted = core_->store().Delete(id);

@@ -285,6 +285,26 @@ TEST_F(PeerServiceTest, ARejoiningNodeLearnsTheDeletesItsPeerRemembers) {
   EXPECT_THAT(other.RenderText(), HasSubstr("proxima_cluster_recent_deletes_learned_total 2"));
 }
 
+// A Delete sent again says how long ago it was made (DeleteBlocksRequest.age_ms): arriving after
+// a later Delete of the same key, it does not become the key's last, which spills name.
+TEST_F(PeerServiceTest, ADeleteSentAgainIsNotedAsOfWhenItWasMade) {
+  BlockId f{0, profile_id_, {}, 0};
+  std::memset(f.key.data(), 'f', kKeyBytes);
+  v1::DeleteBlocksRequest later;
+  later.mutable_blocks()->set_namespace_name("open");
+  later.mutable_blocks()->set_profile_id(profile_id_);
+  later.mutable_blocks()->add_keys(std::string(kKeyBytes, 'f'));
+  later.set_delete_id(72);
+  later.set_age_ms(500);
+  v1::DeleteBlocksRequest earlier = later;
+  earlier.set_delete_id(71);
+  earlier.set_age_ms(2'000);
+  v1::DeleteBlocksResponse out;
+  ASSERT_OK(service_->ServeDelete(later, &out));
+  ASSERT_OK(service_->ServeDelete(earlier, &out));
+  EXPECT_EQ(service_->LastDelete(f), 72u);
+}
+
 // A full node (its own blocks up to its capacity) keeps no spilled block, but keeps the blocks a
 // peer hands off as it shuts down, evicting its own least recently used blocks for them, and
 // keeps them as recently used: the next local puts evict its older blocks, not these. With

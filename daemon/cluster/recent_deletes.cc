@@ -15,11 +15,17 @@ uint64_t RecentDeletes::NewId() {
   return id;
 }
 
-void RecentDeletes::Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now) {
+void RecentDeletes::Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now,
+                        absl::Duration age) {
+  const absl::Time at = now - std::max(age, absl::ZeroDuration());
   proxima::MutexLock lock(&mu_);
   for (const BlockId& id : ids) {
-    order_.emplace_back(now, id);
-    latest_[id] = Entry{now, delete_id};
+    auto [it, added] = latest_.try_emplace(id, Entry{at, delete_id});
+    if (!added) {
+      if (it->second.at > at) continue;  // a later Delete is noted already
+      it->second = Entry{at, delete_id};
+    }
+    order_.emplace_back(at, id);
   }
   Trim(now);
 }

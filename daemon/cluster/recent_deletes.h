@@ -52,8 +52,11 @@ class RecentDeletes {
   // A fresh, random, non-zero id for a Delete.
   static uint64_t NewId();
 
-  // Notes `ids` as deleted at `now` by the Delete `delete_id` (non-zero).
-  void Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now = absl::Now());
+  // Notes `ids` as deleted by the Delete `delete_id` (non-zero), made `age` before `now`; a key
+  // whose last Delete noted here was made later keeps it (a Delete sent again may arrive after
+  // a later one).
+  void Add(std::span<const BlockId> ids, uint64_t delete_id, absl::Time now = absl::Now(),
+           absl::Duration age = absl::ZeroDuration());
   // The id of the last Delete of `id` within the window before `now`; 0 when none.
   uint64_t Last(const BlockId& id, absl::Time now = absl::Now()) const;
   // How far back this node's memory of Deletes reaches at `now`: the window, or less when the

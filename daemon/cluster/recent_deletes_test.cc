@@ -117,6 +117,24 @@ TEST(RecentDeletesTest, ANodeLearnsAPeersNewerDeletesAndHowFarBackItKnows) {
   }
 }
 
+// Two Deletes of a key sent again to a node that missed them go together and may arrive in
+// either order: each is noted as of when it was made, and the later made stays the last.
+TEST(RecentDeletesTest, ADeleteSentAgainArrivingAfterALaterOneDoesNotReplaceIt) {
+  RecentDeletes recent(absl::Seconds(60), 100);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  const std::vector<BlockId> one = {KeyId(1)};
+  recent.Add(one, 42, t0, /*age=*/absl::Seconds(1));  // made at t0 - 1 s
+  recent.Add(one, 41, t0, /*age=*/absl::Seconds(3));  // made at t0 - 3 s, arrives after
+  EXPECT_EQ(recent.Last(KeyId(1), t0), 42u);
+  recent.Add(one, 43, t0 + absl::Seconds(1));  // a new Delete: the last
+  EXPECT_EQ(recent.Last(KeyId(1), t0 + absl::Seconds(1)), 43u);
+  // It leaves the window as of when it was made.
+  const std::vector<BlockId> two = {KeyId(2)};
+  recent.Add(two, 44, t0, /*age=*/absl::Seconds(50));
+  EXPECT_EQ(recent.Last(KeyId(2), t0 + absl::Seconds(9)), 44u);
+  EXPECT_EQ(recent.Last(KeyId(2), t0 + absl::Seconds(11)), 0u);
+}
+
 TEST(RecentDeletesTest, NewIdsAreNonZeroAndDistinct) {
   const uint64_t a = RecentDeletes::NewId();
   const uint64_t b = RecentDeletes::NewId();
