@@ -100,7 +100,6 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
       token_(std::move(token)),
       max_message_bytes_(max_message_bytes),
       accept_(accept),
-      recent_delete_window_(recent_delete_window),
       // Deletes are rare; 64K keys bound the set to a few MiB.
       recent_deletes_(recent_delete_window, kMaxRecentDeletes, recent_delete_slack) {
   unauthenticated_ = registry->AddCounter(

@@ -119,7 +119,7 @@ class PeerService final : public v1::Peer::Service {
   absl::Duration DeletesKnownFor() const { return recent_deletes_.Reach(); }
   // Whether this node started less than its recent-delete window ago and has not learned the
   // Deletes from before its start from a peer (RejoinRequest.want_recent_deletes).
-  bool WantsRecentDeletes() const { return recent_deletes_.Reach() < recent_delete_window_; }
+  bool WantsRecentDeletes() const { return recent_deletes_.Reach() < recent_deletes_.window(); }
   // Takes in the Deletes a peer's Rejoin answer carries; returns how many keys it learned of.
   // A set naming a namespace this node does not serve, or malformed, is skipped (logged).
   size_t LearnDeletes(const std::string& peer, const v1::RejoinResponse& response);
@@ -146,7 +146,6 @@ class PeerService final : public v1::Peer::Service {
   metrics::Counter* spill_declined_deleted_ = nullptr;
   metrics::Counter* deletes_learned_ = nullptr;
   metrics::Counter* spill_bytes_in_ = nullptr;
-  const absl::Duration recent_delete_window_;
   RecentDeletes recent_deletes_;
   RejoinFn on_rejoin_;
   LeaveFn on_leave_;

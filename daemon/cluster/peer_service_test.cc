@@ -70,6 +70,15 @@ class PeerServiceTest : public ::testing::Test {
     return encoded;
   }
 
+  // Another service over the same store and records, with its own metrics, recent-delete
+  // window and slack (the fixture's has 5 s of each).
+  std::unique_ptr<PeerService> OtherService(metrics::Registry* registry, absl::Duration window,
+                                            absl::Duration slack = absl::Seconds(5)) {
+    return std::make_unique<PeerService>(core_.get(), &records_, &remote_, nullptr, "self:2",
+                                         "token", 1 << 20, PeerService::Acceptance{0.75, true},
+                                         registry, window, slack);
+  }
+
   std::optional<BlockStore::ReadBlock> Read(char key, uint64_t profile_id = 0) {
     BlockId id{0, profile_id != 0 ? profile_id : profile_id_, {}, 0};
     std::memset(id.key.data(), key, kKeyBytes);
@@ -200,8 +209,8 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgai
 
   // The window (a short one here) over, the same spill is kept.
   metrics::Registry other;
-  PeerService later(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
-                    PeerService::Acceptance{0.75, true}, &other, absl::Milliseconds(1));
+  std::unique_ptr<PeerService> later_service = OtherService(&other, absl::Milliseconds(1));
+  PeerService& later = *later_service;
   later.NoteDeleted(by_worker, 43);
   absl::SleepFor(absl::Milliseconds(5));
   v1::StoreBlocksRequest again = Request({'b'}, 512);
@@ -216,9 +225,9 @@ TEST_F(PeerServiceTest, ASpillOfAKeyDeletedHereJustBeforeIsDeclinedUnlessPutAgai
   // back 1 ms, the Delete was 20 ms ago, the slack is 1 ms) had nothing to miss: kept. A sender
   // that does not say how far back it knows is declined.
   metrics::Registry third;
-  PeerService recent(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
-                     PeerService::Acceptance{0.75, true}, &third, absl::Seconds(60),
-                     absl::Milliseconds(1));
+  std::unique_ptr<PeerService> recent_service =
+      OtherService(&third, absl::Seconds(60), absl::Milliseconds(1));
+  PeerService& recent = *recent_service;
   BlockId e{0, profile_id_, {}, 0};
   std::memset(e.key.data(), 'e', kKeyBytes);
   const std::vector<BlockId> deleted_e = {e};
@@ -266,8 +275,8 @@ TEST_F(PeerServiceTest, ARejoiningNodeLearnsTheDeletesItsPeerRemembers) {
 
   // A node started just now (its own memory reaches back a few ms; the window is 60 s).
   metrics::Registry other;
-  PeerService young(core_.get(), &records_, &remote_, nullptr, "self:2", "token", 1 << 20,
-                    PeerService::Acceptance{0.75, true}, &other, absl::Seconds(60));
+  std::unique_ptr<PeerService> young_service = OtherService(&other, absl::Seconds(60));
+  PeerService& young = *young_service;
   EXPECT_TRUE(young.WantsRecentDeletes());
   EXPECT_EQ(young.LastDelete(a), 0u);
   v1::RejoinResponse bad = answer;

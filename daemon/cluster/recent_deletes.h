@@ -86,6 +86,7 @@ class RecentDeletes {
              absl::Duration sender_reach = absl::InfiniteDuration(),
              absl::Time now = absl::Now()) const;
   size_t size() const;
+  absl::Duration window() const { return window_; }
 
  private:
   struct Entry {
