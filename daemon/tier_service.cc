@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -697,7 +698,7 @@ void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_i
 }
 
 void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
-                              std::span<const size_t> which,
+                              std::span<const size_t> which, const std::vector<bool>& from_peer,
                               std::vector<std::optional<BlockStore::ReadBlock>>& found) {
   // Each block decodes into a buffer of its own, reused from earlier Gets where one is kept (not
   // zero-filled: a decode that succeeds writes every byte, and a failed one's buffer is dropped);
@@ -740,9 +741,12 @@ void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes
     }
     decode_failures_->Increment();
     const BlockId& id = ids[which[j]];
-    PROXIMA_LOG(kError) << "stored encoded block failed to decode; served as a miss"
+    PROXIMA_LOG(kError) << "encoded block failed to decode; served as a miss"
                         << log::Kv("namespace", namespaces_[id.namespace_index]->name)
                         << log::Kv("profile_id", ProfileName(id.profile_id))
+                        << log::Kv("key", absl::BytesToHexString(absl::string_view(
+                                              reinterpret_cast<const char*>(id.key.data()), 8)))
+                        << log::Kv("from", from_peer[which[j]] ? "a peer" : "this node")
                         << log::Kv("level", int(b->level)) << log::Kv("error", d.status.ToString());
     b.reset();
   }
@@ -811,7 +815,7 @@ absl::Status TierService::GetBlocks(const Caller& caller, const v1::GetRequest& 
     }
     if (b && want_raw && b->level > 0) to_decode.push_back(i);
   }
-  DecodeFound(ids, profile.block_bytes, to_decode, found);
+  DecodeFound(ids, profile.block_bytes, to_decode, from_peer, found);
   for (std::optional<BlockStore::ReadBlock>& b : found) {
     blocks->push_back(std::move(b));
     if (blocks->back()) {

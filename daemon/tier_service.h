@@ -251,9 +251,10 @@ class TierService {
   std::optional<Tierer::ProfileCodec> ProfileCodecOf(uint32_t ns, uint64_t profile_id);
   // GetBlocks' decode: found[i] for each i in `which` (stored encoded, checked) becomes its raw
   // bytes (level 0, a buffer of its own from decode_buffers_) or, where it fails to decode, a
-  // miss (counted and logged). On up to server.decode_threads threads.
+  // miss (counted and logged; from_peer[i]: fetched from a peer, not stored here). On up to
+  // server.decode_threads threads.
   void DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes,
-                   std::span<const size_t> which,
+                   std::span<const size_t> which, const std::vector<bool>& from_peer,
                    std::vector<std::optional<BlockStore::ReadBlock>>& found);
 
   // One configured token and who presenting it makes you.

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 #include <span>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -75,6 +76,18 @@ bool RetryPeerCall(grpc::StatusCode code) {
     default:
       return false;
   }
+}
+
+// Whether a peer's answer to `call` holds one entry of `field` per key asked about. One that does
+// not comes from a broken peer (or one that is no proximad of this protocol): logged, naming the
+// peer and the counts, and the caller ignores the answer as a failed call.
+bool AnswerFits(const std::string& peer, std::string_view call, std::string_view field, int entries,
+                size_t keys) {
+  if (entries >= 0 && static_cast<size_t>(entries) == keys) return true;
+  PROXIMA_LOG(kWarning) << "a peer answered with other than one entry per key; answer ignored"
+                        << log::Kv("peer", peer) << log::Kv("call", call) << log::Kv("field", field)
+                        << log::Kv("entries", entries) << log::Kv("expected", keys);
+  return false;
 }
 
 void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
@@ -938,8 +951,8 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations, /*skip_suspects=*/true);
   for (const auto& call : calls) {
-    if (!call->status.ok() ||
-        call->response.holders_size() != static_cast<int>(call->which.size())) {
+    if (!call->status.ok() || !AnswerFits(call->peer, "LookupLocations", "holders",
+                                          call->response.holders_size(), call->which.size())) {
       peer_call_failures_->Increment();
       continue;  // its keys stay misses
     }
@@ -983,8 +996,8 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   for (const auto& call : calls) call->request.set_delete_id(delete_id);
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {
-    if (!call->status.ok() ||
-        call->response.deleted_size() != static_cast<int>(call->which.size())) {
+    if (!call->status.ok() || !AnswerFits(call->peer, "DeleteBlocks", "deleted",
+                                          call->response.deleted_size(), call->which.size())) {
       peer_call_failures_->Increment();
       // Sent again in the background; the worker's answer counts what was deleted by now.
       if (RetryPeerCall(call->status.error_code())) {
@@ -1045,7 +1058,8 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   for (size_t k = 0; k < calls.size(); ++k) {
     const auto& call = calls[k];
     const bool answered =
-        call->status.ok() && call->response.blocks_size() == static_cast<int>(call->which.size());
+        call->status.ok() && AnswerFits(call->peer, "FetchBlocks", "blocks",
+                                        call->response.blocks_size(), call->which.size());
     // The blocks sent as messages: collected by the deadline (they left before the answer did).
     // A failed call's transfer is closed, so that what its holder sent is dropped.
     const bool by_ucx = answered && call->response.ucx_sent() && transfers[k] != 0;
@@ -1410,7 +1424,8 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
     DeleteCall* withdrawal = nullptr;
     const bool answered =
-        call.status.ok() && call.response.stored_size() == static_cast<int>(blocks.size());
+        call.status.ok() &&
+        AnswerFits(call.peer, "StoreBlocks", "stored", call.response.stored_size(), blocks.size());
     if (!answered) {
       peer_call_failures_->Increment();
       if (handoff != nullptr) {  // worth a line each: the blocks may leave with the process
@@ -1444,7 +1459,13 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     std::vector<bool> deleted_there(blocks.size(), false);
     if (answered) {
       for (uint32_t j : call.response.declined_deleted()) {
-        if (j < blocks.size()) deleted_there[j] = true;
+        if (j < blocks.size()) {
+          deleted_there[j] = true;
+        } else {
+          PROXIMA_LOG(kWarning) << "a peer declined a block it was not sent; ignored"
+                                << log::Kv("peer", call.peer) << log::Kv("index", j)
+                                << log::Kv("sent", blocks.size());
+        }
       }
     }
     for (size_t j = 0; j < blocks.size(); ++j) {
