@@ -5,6 +5,7 @@
 #include <iterator>
 #include <limits>
 #include <numeric>
+#include <ranges>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -635,6 +636,20 @@ std::optional<BlockStore::PendingBlock> BlockStore::TryReserveOnDevice(uint64_t 
   return std::nullopt;
 }
 
+std::optional<uint64_t> BlockStore::ColdestStampOnDevice(size_t device) const {
+  std::optional<uint64_t> oldest;
+  for (const auto& shard : shards_) {
+    proxima::MutexLock lock(&shard->mu);
+    for (const BlockId& id : std::ranges::reverse_view(shard->on_device[device])) {
+      const Shard::Entry& e = shard->map.find(id)->second;
+      if (e.busy) continue;
+      if (!oldest || e.stamp < *oldest) oldest = e.stamp;
+      break;
+    }
+  }
+  return oldest;
+}
+
 std::optional<BlockStore::Candidate> BlockStore::ColdestOnDevice(size_t device) {
   // As ColdestCompressible: scan the tails for the oldest block not being moved, claim it under
   // its shard's lock, and scan again when another thread claimed it first.
@@ -673,7 +688,8 @@ std::optional<BlockStore::Candidate> BlockStore::ColdestOnDevice(size_t device) 
     const StoredBlock& b = *e.block;
     return Candidate{best_id,         ReadBlock{e.block, {}, b.crc32c, b.level},
                      e.attributes,    e.device,
-                     b.extent.offset, b.size};
+                     b.extent.offset, b.size,
+                     e.stamp};
   }
   return std::nullopt;
 }

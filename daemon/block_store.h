@@ -208,6 +208,7 @@ class BlockStore {
     int device = -1;             // >= 0: the block is raw in that device pool (devices order)
     uint64_t device_offset = 0;  // ... at this offset of its memory
     uint64_t device_bytes = 0;   // ... of this many bytes
+    uint64_t stamp = 0;          // its recency (ColdestOnDevice; larger: used more recently)
   };
   std::optional<Candidate> ColdestCompressible(std::span<const uint8_t> level_caps);
 
@@ -238,6 +239,9 @@ class BlockStore {
   // and marked busy as ColdestCompressible's are: hand it back with MoveToHost(),
   // EvictCandidate() or Release(). nullopt when the pool holds none.
   std::optional<Candidate> ColdestOnDevice(size_t device);
+  // The recency stamp of the block ColdestOnDevice(device) would take now (smaller: used less
+  // recently), without taking it; nullopt when the pool holds none it could take.
+  std::optional<uint64_t> ColdestStampOnDevice(size_t device) const;
   // Moves a device candidate's block down to the host tier: its bytes become `host` (written,
   // with CRC32C `crc32c`, at hierarchy `level`), it joins the host tier's recency lists at the
   // front (the protected segment when it was used again on the device), and its device extent

@@ -213,8 +213,21 @@ void Daemon::Shutdown() {
     if (config_.cluster.spill_enabled && config_.cluster.spill_handoff_seconds > 0) {
       // The blocks outlive this process on peers with room (a rolling upgrade, a drain).
       const absl::Time start = absl::Now();
+      const absl::Duration budget = absl::Seconds(config_.cluster.spill_handoff_seconds);
+      if (core_->store().num_devices() > 0) {
+        // A hand-off sends host tier blocks: the GPU tier's (the node's hottest) go down first,
+        // within the same budget.
+        const size_t moved = core_->tierer().DrainDevices(start + budget);
+        uint64_t left = 0;
+        for (size_t d = 0; d < core_->store().num_devices(); ++d) {
+          left += core_->store().device_blocks(d);
+        }
+        PROXIMA_LOG(kInfo) << "moved the GPU tier's blocks to the host tier to hand them off"
+                           << log::Kv("blocks", moved) << log::Kv("left_blocks", left)
+                           << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+      }
       const cluster::Cluster::Handoff h =
-          cluster_->HandOff(absl::Seconds(config_.cluster.spill_handoff_seconds));
+          cluster_->HandOff(std::max(absl::ZeroDuration(), budget - (absl::Now() - start)));
       PROXIMA_LOG(kInfo) << "handed blocks off to peers before exit" << log::Kv("blocks", h.blocks)
                          << log::Kv("bytes", h.bytes) << log::Kv("left_blocks", h.left_blocks)
                          << log::Kv("deleted_blocks", h.deleted_blocks)

@@ -229,6 +229,56 @@ TEST_P(GpuTierTest, TheColdestBlockMovesDownWithItsBytes) {
   EXPECT_EQ(counters_[1].bytes.load(), 4 * raw_);
 }
 
+TEST_P(GpuTierTest, DrainingThePoolsMovesEveryBlockDownTheHottestLast) {
+  // What a node does before it hands its blocks off at shutdown: a hand-off sends host tier
+  // blocks, most recently used first, so the pools' blocks go down and the hottest end newest.
+  ASSERT_NO_FATAL_FAILURE(Make(2, 4, 16));
+  if (IsSkipped()) return;
+  for (uint32_t n = 0; n < 8; ++n) ASSERT_TRUE(Put(n, 1)) << n;
+  ASSERT_EQ(DeviceBlocks(), 8u);
+  // Blocks 2 and 5 read last: the hottest, one in each pool.
+  ASSERT_TRUE(Same(ReadRaw(2, 1), blocks_->Block(2)));
+  ASSERT_TRUE(Same(ReadRaw(5, 1), blocks_->Block(5)));
+  EXPECT_EQ(tierer_->DrainDevices(absl::InfiniteFuture()), 8u);
+  EXPECT_EQ(DeviceBlocks(), 0u);
+  EXPECT_EQ(store_->host_blocks(), 8u);
+  EXPECT_EQ(store_->device_pool(0).used_bytes() + store_->device_pool(1).used_bytes(), 0u);
+  for (uint32_t n = 0; n < 8; ++n) EXPECT_TRUE(Same(ReadRaw(n, 1), blocks_->Block(n))) << n;
+  // The reads above made every block recently used again, in order: drain a fresh set to see
+  // the order a hand-off takes.
+  ASSERT_NO_FATAL_FAILURE(Make(2, 4, 16));
+  for (uint32_t n = 0; n < 8; ++n) ASSERT_TRUE(Put(n, 1)) << n;
+  ASSERT_TRUE(Same(ReadRaw(2, 1), blocks_->Block(2)));
+  ASSERT_TRUE(Same(ReadRaw(5, 1), blocks_->Block(5)));
+  ASSERT_EQ(tierer_->DrainDevices(absl::InfiniteFuture()), 8u);
+  std::vector<BlockId> first;
+  for (int i = 0; i < 2; ++i) {
+    std::optional<BlockStore::Candidate> c = store_->HottestForHandoff();
+    ASSERT_TRUE(c);
+    first.push_back(c->id);
+  }
+  EXPECT_THAT(first, ::testing::UnorderedElementsAre(PoolTestId(2, 1), PoolTestId(5, 1)));
+}
+
+TEST_P(GpuTierTest, DrainingIntoAFullHostTierPushesOutItsColdestBlocks) {
+  // One pool of 4 blocks over a host tier of 4: eight puts leave 0-3 moved down to the host
+  // tier and 4-7 in the pool; draining the pool makes room as a put does, evicting 0-3.
+  ASSERT_NO_FATAL_FAILURE(Make(1, 4, 4));
+  if (IsSkipped()) return;
+  for (uint32_t n = 0; n < 8; ++n) ASSERT_TRUE(Put(n, 1)) << n;
+  ASSERT_EQ(DeviceBlocks(), 4u);
+  ASSERT_EQ(store_->host_blocks(), 4u);
+  EXPECT_EQ(tierer_->DrainDevices(absl::InfiniteFuture()), 4u);
+  EXPECT_EQ(DeviceBlocks(), 0u);
+  for (uint32_t n = 4; n < 8; ++n) EXPECT_TRUE(Same(ReadRaw(n, 1), blocks_->Block(n))) << n;
+  for (uint32_t n = 0; n < 4; ++n) EXPECT_FALSE(store_->Contains(PoolTestId(n, 1))) << n;
+  // A deadline already past moves nothing.
+  ASSERT_NO_FATAL_FAILURE(Make(1, 4, 8));
+  for (uint32_t n = 0; n < 4; ++n) ASSERT_TRUE(Put(n, 1)) << n;
+  EXPECT_EQ(tierer_->DrainDevices(absl::InfinitePast()), 0u);
+  EXPECT_EQ(DeviceBlocks(), 4u);
+}
+
 // Six raw blocks of namespace a moved down from the pool in one device call come out encoded at
 // `level` (the first of `levels`, with the profile's RoPE base) with the CPU codec's bytes.
 void GpuTierTest::ExpectMoveDownEncodesLikeTheCpu(const std::vector<std::string>& levels) {

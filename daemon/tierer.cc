@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/log.h"
@@ -436,6 +437,34 @@ std::optional<BlockStore::PendingBlock> Tierer::ReserveOnDevice(uint64_t bytes) 
   }
 }
 
+size_t Tierer::DrainDevices(absl::Time deadline) {
+  // The pools' blocks in one order of recency across pools: next, from the pool whose coldest
+  // block is the coldest, its blocks used before the other pools' coldest (a batch at most).
+  constexpr size_t kBatch = 64;
+  size_t left = 0;
+  while (absl::Now() < deadline) {
+    std::optional<size_t> next;
+    uint64_t oldest = 0;
+    uint64_t second = std::numeric_limits<uint64_t>::max();
+    for (size_t d = 0; d < store_->num_devices(); ++d) {
+      const std::optional<uint64_t> stamp = store_->ColdestStampOnDevice(d);
+      if (!stamp) continue;
+      if (!next || *stamp < oldest) {
+        if (next) second = oldest;
+        next = d;
+        oldest = *stamp;
+      } else {
+        second = std::min(second, *stamp);
+      }
+    }
+    if (!next) break;
+    const size_t n = MoveDown(*next, 0, kBatch, second);
+    if (n == 0) break;  // nothing could move (a reader holds what is left)
+    left += n;
+  }
+  return left;
+}
+
 void Tierer::RelieveDevicePressure() {
   constexpr size_t kBatch = 64;  // blocks per device encode call in the background
   for (size_t d = 0; d < store_->num_devices(); ++d) {
@@ -529,12 +558,16 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
   }
 }
 
-size_t Tierer::MoveDown(size_t device, uint64_t room, size_t max_blocks) {
+size_t Tierer::MoveDown(size_t device, uint64_t room, size_t max_blocks, uint64_t up_to_stamp) {
   std::vector<BlockStore::Candidate> batch;
   uint64_t taken = 0;
   while (batch.size() < max_blocks && (room == 0 || batch.empty() || taken < room)) {
     std::optional<BlockStore::Candidate> c = store_->ColdestOnDevice(device);
     if (!c) break;
+    if (!batch.empty() && c->stamp > up_to_stamp) {
+      store_->Release(*c);
+      break;
+    }
     taken += c->device_bytes;
     batch.push_back(*std::move(c));
   }

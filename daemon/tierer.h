@@ -33,6 +33,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -43,6 +44,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "common/mutex.h"
 #include "daemon/block_store.h"
 #include "daemon/config.h"
@@ -102,10 +104,17 @@ class Tierer {
   // then puts it into the host tier).
   std::optional<BlockStore::PendingBlock> ReserveOnDevice(uint64_t bytes);
   // Moves pool `device`'s coldest blocks down to the host tier (see the class comment): at least
-  // one, at most `max_blocks`, and no more once `room` bytes have left (0: `max_blocks`). A block
-  // that the host tier cannot take (every host block pinned) is dropped. Returns how many blocks
-  // left the pool.
-  size_t MoveDown(size_t device, uint64_t room, size_t max_blocks);
+  // one, at most `max_blocks`, no more once `room` bytes have left (0: `max_blocks`), and after
+  // the first none used more recently than `up_to_stamp`. A block that the host tier cannot take
+  // (every host block pinned) is dropped. Returns how many blocks left the pool.
+  size_t MoveDown(size_t device, uint64_t room, size_t max_blocks,
+                  uint64_t up_to_stamp = std::numeric_limits<uint64_t>::max());
+  // At shutdown, before the blocks are handed off to peers (which reads the host tier alone):
+  // moves every pool's blocks down to the host tier as MoveDown does, the pools in turn, a batch
+  // at a time, coldest first (the hottest become the host tier's most recently used, the first a
+  // hand-off sends), until the pools are empty, nothing more can move, or `deadline`. Returns
+  // how many blocks left the pools.
+  size_t DrainDevices(absl::Time deadline);
   // Moves blocks down until every pool is under its pressure threshold (what the watcher does
   // each interval). For tests.
   void RelieveDevicePressure();

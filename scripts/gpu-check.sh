@@ -29,11 +29,13 @@ PACK=build-gpu-pack/build-gpu.tgz
 # The binaries that hold GPU tests (ctest label `gpu`), and the GPU benchmarks.
 GPU_TESTS=(kernels/kernels_device_test kernels/kernels_codec_cuda_test
   kernels/kernels_kv_layout_cuda_test kernels/kernels_crc32c_cuda_test daemon/daemon_test
-  tests/integration/gpu_staging_test tests/integration/integration_test)
+  tests/integration/gpu_staging_test tests/integration/integration_test
+  tests/integration/cluster_integration_test)
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries
 # (the GPU tier's run over the stand-in too: the same tests, side by side with the CUDA ones).
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*:*GpuTier*"
-  [tests/integration/integration_test]="TiersTest.AConfiguredGpuTier*")
+  [tests/integration/integration_test]="TiersTest.AConfiguredGpuTier*"
+  [tests/integration/cluster_integration_test]="*GpuTier*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench bench/gpu_tier_bench)
 # The codec's CPU paths are checked and timed on the GPU machine's CPU too (another CPU model
 # than the build machines': AVX-512 on an Intel or AMD server part).

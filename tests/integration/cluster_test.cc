@@ -1473,6 +1473,33 @@ TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt)
   }
 }
 
+TEST_F(ClusterTest, ANodeShuttingDownHandsOffItsGpuTierBlocksToo) {
+  // A GPU tier holds a node's hottest blocks, and a hand-off sends host tier blocks: they go
+  // down to the host tier first. Needs a GPU (scripts/gpu-check.sh runs it on one).
+  constexpr size_t kBlocks = 12;  // 3 MiB: all in A's 8 MiB pool, under its 0.8 threshold
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(StartHandingOff({"tiers.gpu.capacity_bytes_per_device=8MiB"}, &clients));
+  const std::string started = daemons_[0]->Log();
+  if (const size_t at = started.find("no GPU tier"); at != std::string::npos) {
+    GTEST_SKIP() << started.substr(at, started.find('\n', at) - at);
+  }
+  const Profile p = clients.p;
+  Blocks blocks = MakeBlocks(45, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(clients.a->Put(p, blocks.keys, blocks.spans()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, clients.a->Stats());
+  ASSERT_GE(stats.tiers_size(), 2) << stats.DebugString();
+  EXPECT_EQ(stats.tiers(1).blocks(), kBlocks) << stats.DebugString();
+  clients.a.reset();
+  const std::string log = StopGracefully(0);
+  EXPECT_THAT(log, ::testing::HasSubstr(absl::StrCat(
+                       "moved the GPU tier's blocks to the host tier to hand them off blocks=",
+                       kBlocks, " left_blocks=0")));
+  EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+  ASSERT_TRUE(WaitLive(1, 2));
+  EXPECT_EQ(WaitLookup(*clients.b, p, 45, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*clients.b, p, 45, 0, kBlocks), kBlocks);
+}
+
 TEST_F(ClusterTest, AHandOffKeepsBlocksPutAgainAfterTheirDelete) {
   // Every node remembers recent Deletes and declines a peer's spill of a deleted key, in case
   // the spill was on its way when the Delete came. A block put again after its Delete is no
