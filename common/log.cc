@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <limits>
 
 namespace proxima::log {
 namespace {
@@ -105,13 +106,32 @@ Line& Line::operator<<(const Kv& kv) {
 
 Line::~Line() {
   if (!enabled_) return;
-  std::string out = fields_ + message_.str() + pending_kvs_ + '\n';
+  std::string out = fields_ + message_.str() + pending_kvs_;
+  if (held_back_ > 0) out += " held_back=" + std::to_string(held_back_);
+  out += '\n';
   size_t off = 0;
   while (off < out.size()) {
     ssize_t n = ::write(STDERR_FILENO, out.data() + off, out.size() - off);
     if (n <= 0) break;
     off += static_cast<size_t>(n);
   }
+}
+
+Limiter::Limiter(std::chrono::steady_clock::duration period)
+    : period_ns_(std::chrono::duration_cast<std::chrono::nanoseconds>(period).count()),
+      next_ns_(std::numeric_limits<int64_t>::min()) {}
+
+bool Limiter::Allow(HeldBack* held_back) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  int64_t next = next_ns_.load(std::memory_order_relaxed);
+  if (now < next || !next_ns_.compare_exchange_strong(next, now + period_ns_)) {
+    held_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  held_back->lines = held_.exchange(0, std::memory_order_relaxed);
+  return true;
 }
 
 }  // namespace proxima::log

@@ -9,6 +9,9 @@
 #ifndef PROXIMA_COMMON_LOG_H_
 #define PROXIMA_COMMON_LOG_H_
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -36,6 +39,11 @@ struct Kv {
   std::string value;
 };
 
+// How many lines a Limiter held back before this one: written last, as held_back=N, when N > 0.
+struct HeldBack {
+  uint64_t lines = 0;
+};
+
 class Line {
  public:
   Line(Level level, const char* file, int line);
@@ -44,6 +52,10 @@ class Line {
   Line& operator=(const Line&) = delete;
 
   Line& operator<<(const Kv& kv);
+  Line& operator<<(HeldBack held) {
+    held_back_ = held.lines;
+    return *this;
+  }
   template <typename T>
   Line& operator<<(const T& value) {
     if (enabled_) message_ << value;
@@ -55,10 +67,42 @@ class Line {
   std::ostringstream message_;
   std::string fields_;
   std::string pending_kvs_;
+  uint64_t held_back_ = 0;
+};
+
+// Lets one line through per `period` and counts those it holds back, for an event that a
+// broken peer, client or disk can repeat on every call (a line per block would flood the log
+// and cost the daemon its time). Thread-safe.
+class Limiter {
+ public:
+  explicit Limiter(std::chrono::steady_clock::duration period);
+  // True when a line may be written now; it then sets `held_back` to the number of lines held
+  // back since the last one let through.
+  bool Allow(HeldBack* held_back);
+
+ private:
+  const int64_t period_ns_;
+  std::atomic<int64_t> next_ns_;
+  std::atomic<uint64_t> held_{0};
 };
 
 }  // namespace proxima::log
 
 #define PROXIMA_LOG(level) ::proxima::log::Line(::proxima::log::Level::level, __FILE__, __LINE__)
+
+// PROXIMA_LOG through `limiter` (a log::Limiter): the line is written only when the limiter lets
+// it through, and says how many it held back before it.
+#define PROXIMA_LOG_LIMITED(level, limiter)                                               \
+  if (::proxima::log::HeldBack proxima_log_held_; !(limiter).Allow(&proxima_log_held_)) { \
+  } else                                                                                  \
+    PROXIMA_LOG(level) << proxima_log_held_
+
+// PROXIMA_LOG at most once per `period_s` seconds from this statement.
+#define PROXIMA_LOG_EVERY(level, period_s)                                                 \
+  PROXIMA_LOG_LIMITED(                                                                     \
+      level, ([]() -> ::proxima::log::Limiter& {                                           \
+        static ::proxima::log::Limiter proxima_log_every_{std::chrono::seconds(period_s)}; \
+        return proxima_log_every_;                                                         \
+      }()))
 
 #endif  // PROXIMA_COMMON_LOG_H_

@@ -741,13 +741,15 @@ void TierService::DecodeFound(std::span<const BlockId> ids, uint64_t block_bytes
     }
     decode_failures_->Increment();
     const BlockId& id = ids[which[j]];
-    PROXIMA_LOG(kError) << "encoded block failed to decode; served as a miss"
-                        << log::Kv("namespace", namespaces_[id.namespace_index]->name)
-                        << log::Kv("profile_id", ProfileName(id.profile_id))
-                        << log::Kv("key", absl::BytesToHexString(absl::string_view(
-                                              reinterpret_cast<const char*>(id.key.data()), 8)))
-                        << log::Kv("from", from_peer[which[j]] ? "a peer" : "this node")
-                        << log::Kv("level", int(b->level)) << log::Kv("error", d.status.ToString());
+    PROXIMA_LOG_EVERY(kError, 10) << "encoded block failed to decode; served as a miss"
+                                  << log::Kv("namespace", namespaces_[id.namespace_index]->name)
+                                  << log::Kv("profile_id", ProfileName(id.profile_id))
+                                  << log::Kv("key",
+                                             absl::BytesToHexString(absl::string_view(
+                                                 reinterpret_cast<const char*>(id.key.data()), 8)))
+                                  << log::Kv("from", from_peer[which[j]] ? "a peer" : "this node")
+                                  << log::Kv("level", int(b->level))
+                                  << log::Kv("error", d.status.ToString());
     b.reset();
   }
 }

@@ -1,6 +1,7 @@
 #include "daemon/cluster/cluster.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <span>
@@ -78,15 +79,20 @@ bool RetryPeerCall(grpc::StatusCode code) {
   }
 }
 
+// At most one line per this period about a peer's bad answers or bytes, per kind: a broken peer
+// sends them on every call.
+constexpr std::chrono::seconds kBadPeerLogEvery(10);
+
 // Whether a peer's answer to `call` holds one entry of `field` per key asked about. One that does
-// not comes from a broken peer (or one that is no proximad of this protocol): logged, naming the
-// peer and the counts, and the caller ignores the answer as a failed call.
-bool AnswerFits(const std::string& peer, std::string_view call, std::string_view field, int entries,
-                size_t keys) {
+// not comes from a broken peer (or one that is no proximad of this protocol): logged through
+// `limiter`, naming the peer and the counts, and the caller ignores the answer as a failed call.
+bool AnswerFits(log::Limiter& limiter, const std::string& peer, std::string_view call,
+                std::string_view field, int entries, size_t keys) {
   if (entries >= 0 && static_cast<size_t>(entries) == keys) return true;
-  PROXIMA_LOG(kWarning) << "a peer answered with other than one entry per key; answer ignored"
-                        << log::Kv("peer", peer) << log::Kv("call", call) << log::Kv("field", field)
-                        << log::Kv("entries", entries) << log::Kv("expected", keys);
+  PROXIMA_LOG_LIMITED(kWarning, limiter)
+      << "a peer answered with other than one entry per key; answer ignored"
+      << log::Kv("peer", peer) << log::Kv("call", call) << log::Kv("field", field)
+      << log::Kv("entries", entries) << log::Kv("expected", keys);
   return false;
 }
 
@@ -951,7 +957,8 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations, /*skip_suspects=*/true);
   for (const auto& call : calls) {
-    if (!call->status.ok() || !AnswerFits(call->peer, "LookupLocations", "holders",
+    static log::Limiter bad_answers(kBadPeerLogEvery);
+    if (!call->status.ok() || !AnswerFits(bad_answers, call->peer, "LookupLocations", "holders",
                                           call->response.holders_size(), call->which.size())) {
       peer_call_failures_->Increment();
       continue;  // its keys stay misses
@@ -996,7 +1003,8 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   for (const auto& call : calls) call->request.set_delete_id(delete_id);
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {
-    if (!call->status.ok() || !AnswerFits(call->peer, "DeleteBlocks", "deleted",
+    static log::Limiter bad_answers(kBadPeerLogEvery);
+    if (!call->status.ok() || !AnswerFits(bad_answers, call->peer, "DeleteBlocks", "deleted",
                                           call->response.deleted_size(), call->which.size())) {
       peer_call_failures_->Increment();
       // Sent again in the background; the worker's answer counts what was deleted by now.
@@ -1057,8 +1065,9 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   uint64_t ucx_bytes = 0;
   for (size_t k = 0; k < calls.size(); ++k) {
     const auto& call = calls[k];
+    static log::Limiter bad_answers(kBadPeerLogEvery);
     const bool answered =
-        call->status.ok() && AnswerFits(call->peer, "FetchBlocks", "blocks",
+        call->status.ok() && AnswerFits(bad_answers, call->peer, "FetchBlocks", "blocks",
                                         call->response.blocks_size(), call->which.size());
     // The blocks sent as messages: collected by the deadline (they left before the answer did).
     // A failed call's transfer is closed, so that what its holder sent is dropped.
@@ -1101,11 +1110,11 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
       }
       if (!size_ok || Crc32c(got) != b->crc32c()) {
         crc_failures_->Increment();
-        PROXIMA_LOG(kError) << "block fetched from a peer failed its CRC32C or size check (or "
-                               "its UCX message did not arrive); served as a miss"
-                            << log::Kv("peer", call->peer) << log::Kv("level", b->level())
-                            << log::Kv("bytes", size) << log::Kv("ucx", in_message)
-                            << log::Kv("arrived", parcel != nullptr);
+        PROXIMA_LOG_EVERY(kError, 10)
+            << "block fetched from a peer failed its CRC32C or size check (or "
+               "its UCX message did not arrive); served as a miss"
+            << log::Kv("peer", call->peer) << log::Kv("level", b->level()) << log::Kv("bytes", size)
+            << log::Kv("ucx", in_message) << log::Kv("arrived", parcel != nullptr);
         continue;
       }
       if (in_message) {
@@ -1423,9 +1432,10 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     const Call& call = *calls[k];
     std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
     DeleteCall* withdrawal = nullptr;
+    static log::Limiter bad_answers(kBadPeerLogEvery);
     const bool answered =
-        call.status.ok() &&
-        AnswerFits(call.peer, "StoreBlocks", "stored", call.response.stored_size(), blocks.size());
+        call.status.ok() && AnswerFits(bad_answers, call.peer, "StoreBlocks", "stored",
+                                       call.response.stored_size(), blocks.size());
     if (!answered) {
       peer_call_failures_->Increment();
       if (handoff != nullptr) {  // worth a line each: the blocks may leave with the process
@@ -1458,14 +1468,21 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     // (which may not know of the Delete and keep them).
     std::vector<bool> deleted_there(blocks.size(), false);
     if (answered) {
+      uint32_t not_sent = 0, largest = 0;
       for (uint32_t j : call.response.declined_deleted()) {
         if (j < blocks.size()) {
           deleted_there[j] = true;
         } else {
-          PROXIMA_LOG(kWarning) << "a peer declined a block it was not sent; ignored"
-                                << log::Kv("peer", call.peer) << log::Kv("index", j)
-                                << log::Kv("sent", blocks.size());
+          ++not_sent;
+          largest = std::max(largest, j);
         }
+      }
+      if (not_sent > 0) {
+        static log::Limiter bad_declines(kBadPeerLogEvery);
+        PROXIMA_LOG_LIMITED(kWarning, bad_declines)
+            << "a peer declined blocks it was not sent; ignored" << log::Kv("peer", call.peer)
+            << log::Kv("indices", not_sent) << log::Kv("largest", largest)
+            << log::Kv("sent", blocks.size());
       }
     }
     for (size_t j = 0; j < blocks.size(); ++j) {
