@@ -1110,7 +1110,8 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
       }
       if (!size_ok || Crc32c(got) != b->crc32c()) {
         crc_failures_->Increment();
-        PROXIMA_LOG_EVERY(kError, 10)
+        static log::Limiter bad_blocks(kBadPeerLogEvery);
+        PROXIMA_LOG_LIMITED(kError, bad_blocks)
             << "block fetched from a peer failed its CRC32C or size check (or "
                "its UCX message did not arrive); served as a miss"
             << log::Kv("peer", call->peer) << log::Kv("level", b->level()) << log::Kv("bytes", size)
