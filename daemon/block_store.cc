@@ -5,7 +5,6 @@
 #include <iterator>
 #include <limits>
 #include <numeric>
-#include <ranges>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -640,8 +639,9 @@ std::optional<uint64_t> BlockStore::ColdestStampOnDevice(size_t device) const {
   std::optional<uint64_t> oldest;
   for (const auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
-    for (const BlockId& id : std::ranges::reverse_view(shard->on_device[device])) {
-      const Shard::Entry& e = shard->map.find(id)->second;
+    const std::list<BlockId>& list = shard->on_device[device];
+    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+      const Shard::Entry& e = shard->map.find(*it)->second;
       if (e.busy) continue;
       if (!oldest || e.stamp < *oldest) oldest = e.stamp;
       break;
