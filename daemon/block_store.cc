@@ -635,49 +635,41 @@ std::optional<BlockStore::PendingBlock> BlockStore::TryReserveOnDevice(uint64_t 
   return std::nullopt;
 }
 
-std::optional<uint64_t> BlockStore::ColdestStampOnDevice(size_t device) const {
-  std::optional<uint64_t> oldest;
+std::optional<BlockStore::DeviceTail> BlockStore::OldestOnDevice(size_t device) const {
+  constexpr int kMaxSkipped = 8;
+  std::optional<DeviceTail> oldest;
   for (const auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
     const std::list<BlockId>& list = shard->on_device[device];
-    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+    int skipped = 0;
+    for (auto it = list.rbegin(); it != list.rend() && skipped < kMaxSkipped; ++it) {
       const Shard::Entry& e = shard->map.find(*it)->second;
-      if (e.busy) continue;
-      if (!oldest || e.stamp < *oldest) oldest = e.stamp;
+      if (e.busy) {
+        ++skipped;
+        continue;
+      }
+      if (!oldest || e.stamp < oldest->stamp) oldest = DeviceTail{shard.get(), *it, e.stamp};
       break;
     }
   }
   return oldest;
 }
 
+std::optional<uint64_t> BlockStore::ColdestStampOnDevice(size_t device) const {
+  std::optional<DeviceTail> tail = OldestOnDevice(device);
+  if (!tail) return std::nullopt;
+  return tail->stamp;
+}
+
 std::optional<BlockStore::Candidate> BlockStore::ColdestOnDevice(size_t device) {
   // As ColdestCompressible: scan the tails for the oldest block not being moved, claim it under
   // its shard's lock, and scan again when another thread claimed it first.
   constexpr int kMaxRaces = 64;
-  constexpr int kMaxSkipped = 8;
   for (int race = 0; race < kMaxRaces; ++race) {
-    Shard* best = nullptr;
-    BlockId best_id;
-    uint64_t oldest = std::numeric_limits<uint64_t>::max();
-    for (auto& shard : shards_) {
-      proxima::MutexLock lock(&shard->mu);
-      const std::list<BlockId>& list = shard->on_device[device];
-      int skipped = 0;
-      for (auto it = list.rbegin(); it != list.rend() && skipped < kMaxSkipped; ++it) {
-        const Shard::Entry& e = shard->map.find(*it)->second;
-        if (e.busy) {
-          ++skipped;
-          continue;
-        }
-        if (e.stamp < oldest) {
-          oldest = e.stamp;
-          best = shard.get();
-          best_id = *it;
-        }
-        break;
-      }
-    }
-    if (best == nullptr) return std::nullopt;
+    std::optional<DeviceTail> tail = OldestOnDevice(device);
+    if (!tail) return std::nullopt;
+    Shard* best = tail->shard;
+    const BlockId& best_id = tail->id;
     proxima::MutexLock lock(&best->mu);
     auto it = best->map.find(best_id);
     if (it == best->map.end() || it->second.busy || it->second.device != static_cast<int>(device)) {

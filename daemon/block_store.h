@@ -387,6 +387,15 @@ class BlockStore {
                                   uint64_t* stamp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // ColdestSpillable (kSpill) and HottestForHandoff (kHandoff).
   std::optional<Candidate> TakeCandidate(Take take);
+  // The least recently used block of pool `device` not being moved (the last few of each
+  // shard's list looked at), with its shard and stamp, as the shards' locks saw it one at a
+  // time: ColdestOnDevice claims it, ColdestStampOnDevice reads its stamp.
+  struct DeviceTail {
+    Shard* shard;
+    BlockId id;
+    uint64_t stamp;
+  };
+  std::optional<DeviceTail> OldestOnDevice(size_t device) const;
   // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
   bool EvictOneFrom(uint8_t segment);
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
