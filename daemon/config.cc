@@ -48,6 +48,8 @@ tiers:
   host:
     capacity_bytes: 1GiB           # hard limit on stored block bytes in host memory
     pin_for_gpu: auto              # page-lock the arena for GPU copies: auto (if a GPU), on, off
+    snapshot_file: ""              # warm restart: blocks written here on SIGTERM, loaded at start
+    snapshot_seconds: 20s          # most time SIGTERM spends writing the snapshot (hottest first)
   gpu:
     capacity_bytes_per_device: 0   # device pool per visible GPU; 0 disables the GPU tier
     pressure_threshold: 0.8        # above it, a pool's coldest blocks move down to the host tier
@@ -967,7 +969,9 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
   PROXIMA_RETURN_IF_ERROR(r.CheckKeys(tiers, "tiers", {"host", "gpu"}));
   if (tiers && tiers.IsMap()) {
     const YAML::Node host = tiers["host"];
-    PROXIMA_RETURN_IF_ERROR(r.CheckKeys(host, "tiers.host", {"capacity_bytes", "pin_for_gpu"}));
+    PROXIMA_RETURN_IF_ERROR(
+        r.CheckKeys(host, "tiers.host",
+                    {"capacity_bytes", "pin_for_gpu", "snapshot_file", "snapshot_seconds"}));
     if (host && host.IsMap()) {
       PROXIMA_RETURN_IF_ERROR(r.Size(host["capacity_bytes"], "tiers.host.capacity_bytes", 1 << 20,
                                      1ull << 50, &c.host_tier.capacity_bytes));
@@ -982,6 +986,14 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
       } else {
         return r.Error("tiers.host.pin_for_gpu", pin, "auto, on or off");
       }
+      PROXIMA_RETURN_IF_ERROR(
+          r.String(host["snapshot_file"], "tiers.host.snapshot_file", &c.host_tier.snapshot_file));
+      if (!c.host_tier.snapshot_file.empty() && c.host_tier.snapshot_file[0] != '/') {
+        return r.Error("tiers.host.snapshot_file", c.host_tier.snapshot_file,
+                       "an absolute path (a file in a directory only proximad may write), or \"\"");
+      }
+      PROXIMA_RETURN_IF_ERROR(Duration(r, host["snapshot_seconds"], "tiers.host.snapshot_seconds",
+                                       0, 3600, &c.host_tier.snapshot_seconds));
     }
     PROXIMA_RETURN_IF_ERROR(ParseGpuTier(r, tiers["gpu"], &c.gpu_tier));
   }
@@ -1051,6 +1063,14 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
   }
   PROXIMA_RETURN_IF_ERROR(ParseUcxConfig(r, root["ucx"], &c.ucx));
   PROXIMA_RETURN_IF_ERROR(ParseCluster(r, root["cluster"], c.server.tls, &c.cluster));
+  if (c.cluster.enabled && !c.host_tier.snapshot_file.empty()) {
+    // Peers may delete keys while this node is down; its snapshot would bring them back. A
+    // node of a cluster hands its blocks off to its peers instead (cluster.spill.handoff).
+    return r.Error("tiers.host.snapshot_file", c.host_tier.snapshot_file,
+                   "\"\" since cluster.enabled is true: a restarted node would serve blocks its "
+                   "peers deleted while it was down (a cluster hands blocks off to peers at "
+                   "shutdown instead: cluster.spill.handoff)");
+  }
   return c;
 }
 
@@ -1222,7 +1242,9 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host" << YAML::Value
     << YAML::BeginMap << YAML::Key << "capacity_bytes" << YAML::Value << c.host_tier.capacity_bytes
     << YAML::Key << "pin_for_gpu" << YAML::Value << PinForGpuName(c.host_tier.pin_for_gpu)
-    << YAML::EndMap;
+    << YAML::Key << "snapshot_file" << YAML::Value << YAML::DoubleQuoted
+    << c.host_tier.snapshot_file << YAML::Key << "snapshot_seconds" << YAML::Value
+    << absl::StrCat(c.host_tier.snapshot_seconds, "s") << YAML::EndMap;
   e << YAML::Key << "gpu" << YAML::Value << YAML::BeginMap << YAML::Key
     << "capacity_bytes_per_device" << YAML::Value << c.gpu_tier.capacity_bytes_per_device
     << YAML::Key << "pressure_threshold" << YAML::Value << c.gpu_tier.pressure_threshold

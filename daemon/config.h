@@ -61,6 +61,11 @@ enum class PinForGpu {
 struct HostTierConfig {
   uint64_t capacity_bytes = 1ull << 30;  // hard limit on bytes of stored blocks
   PinForGpu pin_for_gpu = PinForGpu::kAuto;
+  // Warm restart (daemon/snapshot.h): on SIGTERM the tier's blocks are written to this file,
+  // hottest first, for at most `snapshot_seconds`; the next start loads them back and removes
+  // the file. "" (the default) turns it off. Refused with cluster.enabled (docs/decisions.md).
+  std::string snapshot_file;
+  double snapshot_seconds = 20;
 };
 
 enum class TokenAccess { kReadWrite, kReadOnly };

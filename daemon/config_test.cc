@@ -472,6 +472,36 @@ TEST(ConfigTest, ClusterIsOffByDefaultAndParsesEveryKey) {
   ASSERT_OK(ParseConfig("cluster: {receive_pool_bytes: lots}", "p", {}).status());
 }
 
+TEST(ConfigTest, SnapshotIsOffByDefaultAndRefusedInACluster) {
+  ASSERT_OK_AND_ASSIGN(DaemonConfig d, ParseConfig("", "d", {}));
+  EXPECT_EQ(d.host_tier.snapshot_file, "");
+  EXPECT_EQ(d.host_tier.snapshot_seconds, 20);
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig c,
+      ParseConfig("tiers: {host: {snapshot_file: /var/lib/proxima/snapshot, snapshot_seconds: 1m}}",
+                  "c", {}));
+  EXPECT_EQ(c.host_tier.snapshot_file, "/var/lib/proxima/snapshot");
+  EXPECT_EQ(c.host_tier.snapshot_seconds, 60);
+  ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
+  EXPECT_EQ(again.host_tier.snapshot_file, c.host_tier.snapshot_file);
+  EXPECT_EQ(again.host_tier.snapshot_seconds, 60);
+  EXPECT_THAT(ParseConfig("", "r", {"tiers.host.snapshot_file=snap"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tiers.host.snapshot_file"), HasSubstr("snap"),
+                             HasSubstr("an absolute path"))));
+  EXPECT_THAT(ParseConfig("", "r", {"tiers.host.snapshot_seconds=2h"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tiers.host.snapshot_seconds"), HasSubstr("2h"))));
+  EXPECT_THAT(
+      ParseConfig("", "k",
+                  {"cluster.enabled=true", "cluster.advertise=127.0.0.1:7001",
+                   "cluster.peers=[127.0.0.1:7002]", "cluster.peer_token={env: T}",
+                   "tiers.host.snapshot_file=/var/lib/proxima/snapshot"}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("tiers.host.snapshot_file"), HasSubstr("cluster.enabled is true"),
+                     HasSubstr("cluster.spill.handoff"))));
+}
+
 TEST(ConfigTest, ClusterErrorsNameTheKeyTheValueAndWhatIsAllowed) {
   const std::string on = "cluster: {enabled: true, advertise: 127.0.0.1:7001, "
                          "peers: [127.0.0.1:7002], peer_token: {file: /t}, ";

@@ -2,8 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -12,6 +16,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "daemon/memory_limit.h"
+#include "daemon/snapshot.h"
 #include "kernels/device.h"
 
 namespace proxima::daemon {
@@ -43,6 +48,46 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Tl
   return grpc::SslServerCredentials(options);
 }
 
+// The snapshot is written at shutdown: a directory it cannot be written to stops the start now,
+// not the shutdown later.
+absl::Status CheckSnapshotDirectory(const std::string& file) {
+  const std::string dir = file.substr(0, std::max<size_t>(file.rfind('/'), 1));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tiers.host.snapshot_file '", file, "': its directory '", dir,
+        "' is not one this process can write to (", std::strerror(errno),
+        "); create it, owned by proximad's user, or set tiers.host.snapshot_file to \"\""));
+  }
+  return absl::OkStatus();
+}
+
+// Loads the snapshot the previous run left (if any). A snapshot that cannot be read is logged and
+// the daemon starts empty: it is a cache.
+void LoadSnapshot(TierService& core, const std::string& file) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<snapshot::Loaded> loaded = snapshot::Load(core, file);
+  if (!loaded.ok()) {
+    PROXIMA_LOG(kError) << "snapshot not loaded: starting with empty tiers" << log::Kv("file", file)
+                        << log::Kv("error", loaded.status().ToString());
+    return;
+  }
+  if (!loaded->found) {
+    PROXIMA_LOG(kInfo) << "no snapshot to load: starting with empty tiers" << log::Kv("file", file);
+    return;
+  }
+  log::Line(loaded->complete && loaded->skipped == 0 ? log::Level::kInfo : log::Level::kWarning,
+            __FILE__, __LINE__)
+      << "loaded the blocks of the snapshot the last run wrote" << log::Kv("file", file)
+      << log::Kv("blocks", loaded->blocks) << log::Kv("bytes", loaded->bytes)
+      << log::Kv("profiles", loaded->profiles) << log::Kv("skipped", loaded->skipped)
+      << log::Kv("no_room_blocks", loaded->no_room) << log::Kv("complete", loaded->complete)
+      << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+  for (const std::string& p : loaded->problems) {
+    PROXIMA_LOG(kWarning) << "snapshot record not loaded" << log::Kv("file", file)
+                          << log::Kv("problem", p);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
@@ -61,6 +106,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   }
   for (const std::string& w : ConfigWarnings(config)) PROXIMA_LOG(kWarning) << w;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
+  if (!config.host_tier.snapshot_file.empty()) {
+    PROXIMA_RETURN_IF_ERROR(CheckSnapshotDirectory(config.host_tier.snapshot_file));
+    LoadSnapshot(*d->core_, config.host_tier.snapshot_file);
+  }
   if (config.ucx.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->ucx_,
                              UcxTransport::Create(config.ucx, d->core_.get(), &d->registry_));
@@ -214,18 +263,7 @@ void Daemon::Shutdown() {
       // The blocks outlive this process on peers with room (a rolling upgrade, a drain).
       const absl::Time start = absl::Now();
       const absl::Duration budget = absl::Seconds(config_.cluster.spill_handoff_seconds);
-      if (core_->store().num_devices() > 0) {
-        // A hand-off sends host tier blocks: the GPU tier's (the node's hottest) go down first,
-        // within the same budget.
-        const size_t moved = core_->tierer().DrainDevices(start + budget);
-        uint64_t left = 0;
-        for (size_t d = 0; d < core_->store().num_devices(); ++d) {
-          left += core_->store().device_blocks(d);
-        }
-        PROXIMA_LOG(kInfo) << "moved the GPU tier's blocks to the host tier to hand them off"
-                           << log::Kv("blocks", moved) << log::Kv("left_blocks", left)
-                           << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
-      }
+      DrainGpuTier(start + budget, "to hand them off");
       const cluster::Cluster::Handoff h =
           cluster_->HandOff(std::max(absl::ZeroDuration(), budget - (absl::Now() - start)));
       PROXIMA_LOG(kInfo) << "handed blocks off to peers before exit" << log::Kv("blocks", h.blocks)
@@ -237,9 +275,43 @@ void Daemon::Shutdown() {
     core_->SetRemote(nullptr);
     cluster_->Stop();
   }
+  if (!config_.host_tier.snapshot_file.empty()) {
+    // Never with a cluster (the config refuses it): a peer's Deletes would be missed.
+    const std::string& file = config_.host_tier.snapshot_file;
+    const absl::Time start = absl::Now();
+    const absl::Time until = start + absl::Seconds(config_.host_tier.snapshot_seconds);
+    DrainGpuTier(until, "to write them to the snapshot");
+    // The blocks hold still while they are written (one the tierer were encoding would be
+    // passed over).
+    core_->tierer().Stop();
+    absl::StatusOr<snapshot::Written> w = snapshot::Write(*core_, file, until);
+    if (w.ok()) {
+      log::Line(w->left_blocks == 0 ? log::Level::kInfo : log::Level::kWarning, __FILE__, __LINE__)
+          << "wrote the blocks to the snapshot for the next start" << log::Kv("file", file)
+          << log::Kv("blocks", w->blocks) << log::Kv("bytes", w->bytes)
+          << log::Kv("profiles", w->profiles) << log::Kv("left_blocks", w->left_blocks)
+          << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+    } else {
+      PROXIMA_LOG(kError) << "snapshot not written: the next start begins with empty tiers"
+                          << log::Kv("file", file) << log::Kv("error", w.status().ToString());
+    }
+  }
   if (metrics_) metrics_->Stop();
   unix_listener_.reset();  // removes the socket file
   PROXIMA_LOG(kInfo) << "shutdown complete";
+}
+
+void Daemon::DrainGpuTier(absl::Time deadline, absl::string_view why) {
+  if (core_->store().num_devices() == 0) return;
+  const absl::Time start = absl::Now();
+  const size_t moved = core_->tierer().DrainDevices(deadline);
+  uint64_t left = 0;
+  for (size_t d = 0; d < core_->store().num_devices(); ++d) {
+    left += core_->store().device_blocks(d);
+  }
+  PROXIMA_LOG(kInfo) << "moved the GPU tier's blocks to the host tier " << why
+                     << log::Kv("blocks", moved) << log::Kv("left_blocks", left)
+                     << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 }  // namespace proxima::daemon

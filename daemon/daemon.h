@@ -39,7 +39,8 @@ class Daemon {
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
 
   // Marks the health service NOT_SERVING, refuses new calls (UNAVAILABLE), gives in-flight calls
-  // up to server.shutdown_grace_seconds to finish, then cancels the rest and stops.
+  // up to server.shutdown_grace_seconds to finish, then cancels the rest and stops; then hands
+  // the blocks off to peers (cluster.spill.handoff) or writes them to tiers.host.snapshot_file.
   void Shutdown();
 
   // The core the gRPC service calls (for in-process tests, e.g. of corruption in tier memory).
@@ -51,6 +52,9 @@ class Daemon {
 
  private:
   Daemon() = default;
+  // Moves the GPU tier's blocks down to the host tier before they are handed off or written to
+  // the snapshot (both read the host tier alone), until `deadline`, and logs what it did.
+  void DrainGpuTier(absl::Time deadline, absl::string_view why);
 
   DaemonConfig config_;
   metrics::Registry registry_;

@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/parallel.h"
 #include "common/status_macros.h"
+#include "kernels/codec.h"
 #include "kernels/device.h"
 
 namespace proxima::daemon {
@@ -81,6 +82,33 @@ absl::StatusOr<uint64_t> ProfileBlockBytes(const v1::ModelProfile& p) {
   return 2ull * p.num_layers() * p.tokens_per_block() * p.num_kv_heads() * p.head_dim() * elem;
 }
 
+absl::Status CheckStoredSize(uint32_t level, uint64_t size, uint64_t block_bytes) {
+  if (level == 0 ? size == block_bytes : size > 0 && size <= block_bytes + kMessageOverhead) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("is ", size, " bytes at level ", level, "; expected ",
+                   level == 0 ? absl::StrCat("exactly block_bytes = ", block_bytes)
+                              : absl::StrCat("1 to block_bytes + ", kMessageOverhead, " = ",
+                                             block_bytes + kMessageOverhead)));
+}
+
+absl::Status CheckStoredContainer(uint32_t level, std::span<const std::byte> bytes,
+                                  uint64_t block_bytes) {
+  if (level == 0) return absl::OkStatus();
+  absl::StatusOr<codec::BlockHeaderInfo> info = codec::InspectBlock(bytes);
+  if (!info.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("is at level ", level,
+                                                   " but is not a valid STAR-KV block (",
+                                                   info.status().message(), ")"));
+  }
+  if (info->raw_bytes != block_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("decodes to ", info->raw_bytes,
+                                                   " bytes; expected block_bytes = ", block_bytes));
+  }
+  return absl::OkStatus();
+}
+
 uint64_t ProfileId(const v1::ModelProfile& p) {
   // FNV-1a over a fixed little-endian encoding of the fields: stable across builds and hosts,
   // unlike absl::Hash (seeded per process).
@@ -108,6 +136,21 @@ uint64_t ProfileId(const v1::ModelProfile& p) {
 }
 
 namespace {
+
+// The scope of each partition of namespace `ns`: "" (partition 0, the namespace's shared
+// blocks), then with private_prefixes each distinct token scope (a token's `scope`, else its
+// name) in config order, as partitions 1, 2, ...
+std::vector<std::string> ScopesOf(const NamespaceConfig& ns) {
+  std::vector<std::string> scopes = {""};
+  if (!ns.private_prefixes) return scopes;
+  for (const TokenConfig& t : ns.tokens) {
+    const std::string& scope = t.scope.empty() ? t.name : t.scope;
+    if (std::find(scopes.begin() + 1, scopes.end(), scope) == scopes.end()) {
+      scopes.push_back(scope);
+    }
+  }
+  return scopes;
+}
 
 // The host tier's arena, page-locked for GPU copies as tiers.host.pin_for_gpu says.
 absl::StatusOr<std::unique_ptr<HostTier>> MakeHostTier(const DaemonConfig& config) {
@@ -203,7 +246,7 @@ absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
   std::vector<std::string> where;  // config key of each token, for duplicate errors
   for (size_t n = 0; n < config.namespaces.size(); ++n) {
     const NamespaceConfig& ns = config.namespaces[n];
-    absl::flat_hash_map<std::string, uint32_t> partitions;  // scope -> partition (1, 2, ...)
+    const std::vector<std::string>& scopes = partition_scopes_[n];
     for (size_t i = 0; i < ns.tokens.size(); ++i) {
       const TokenConfig& t = ns.tokens[i];
       const std::string key = absl::StrCat("namespaces[", n, "].tokens[", i, "]");
@@ -223,9 +266,8 @@ absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
       token.caller.token_name = t.name;
       if (ns.private_prefixes) {
         const std::string& scope = t.scope.empty() ? t.name : t.scope;
-        auto [it, inserted] =
-            partitions.emplace(scope, static_cast<uint32_t>(partitions.size() + 1));
-        token.caller.partition = it->second;
+        token.caller.partition =
+            static_cast<uint32_t>(std::find(scopes.begin(), scopes.end(), scope) - scopes.begin());
       }
       tokens.push_back(std::move(token));
       where.push_back(key);
@@ -326,6 +368,7 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
     registry->AddGauge("proxima_namespace_bytes", "Bytes of blocks stored in the namespace", labels,
                        [c] { return static_cast<double>(c->bytes.load()); });
     namespaces_.push_back(std::move(ns));
+    partition_scopes_.push_back(ScopesOf(config.namespaces[i]));
   }
   std::vector<std::unique_ptr<DevicePool>> pools;
   for (std::unique_ptr<DeviceMemory>& memory : devices) {
@@ -523,8 +566,15 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
   // Reading needs a profile id too, so read-only tokens may register (it is idempotent).
   PROXIMA_ASSIGN_OR_RETURN(
       Scope scope, Authorize(caller, request.namespace_name(), Need::kRead, "RegisterProfile"));
-  const uint32_t ns = scope.namespace_index;
-  PROXIMA_ASSIGN_OR_RETURN(uint64_t block_bytes, ProfileBlockBytes(request.profile()));
+  PROXIMA_ASSIGN_OR_RETURN(const uint64_t id, AddProfile(scope.namespace_index, request.profile()));
+  PROXIMA_ASSIGN_OR_RETURN(const uint64_t block_bytes, ProfileBlockBytes(request.profile()));
+  response->set_profile_id(id);
+  response->set_block_bytes(block_bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> TierService::AddProfile(uint32_t ns, const v1::ModelProfile& profile) {
+  PROXIMA_ASSIGN_OR_RETURN(uint64_t block_bytes, ProfileBlockBytes(profile));
   const uint64_t max_block = config_.server.max_message_bytes - kMessageOverhead;
   if (block_bytes > max_block || block_bytes > store_->capacity_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -532,7 +582,7 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
         std::min(max_block, store_->capacity_bytes()),
         " bytes (server.max_message_bytes and tiers.host.capacity_bytes)"));
   }
-  uint64_t id = ProfileId(request.profile());
+  const uint64_t id = ProfileId(profile);
   Namespace& n = *namespaces_[ns];
   bool added = false;
   {
@@ -544,12 +594,12 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
                          " profiles; the limit is server.max_profiles_per_namespace = ",
                          config_.server.max_profiles_per_namespace));
       }
-      n.profiles.emplace(id, RegisteredProfile{request.profile(), block_bytes});
+      n.profiles.emplace(id, RegisteredProfile{profile, block_bytes});
       added = true;
       PROXIMA_LOG(kInfo) << "profile registered" << log::Kv("namespace", n.name)
                          << log::Kv("profile_id", ProfileName(id))
                          << log::Kv("block_bytes", block_bytes)
-                         << log::Kv("fingerprint", request.profile().fingerprint());
+                         << log::Kv("fingerprint", profile.fingerprint());
     }
   }
   if (added) {  // its quality guard's series show from now on (outside n.mu: the lookup takes it)
@@ -557,9 +607,31 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
       tierer_->AddModel(ns, id, *codec);
     }
   }
-  response->set_profile_id(id);
-  response->set_block_bytes(block_bytes);
-  return absl::OkStatus();
+  return id;
+}
+
+std::vector<std::pair<uint32_t, v1::ModelProfile>> TierService::Profiles() {
+  std::vector<std::pair<uint32_t, v1::ModelProfile>> out;
+  for (uint32_t ns = 0; ns < namespaces_.size(); ++ns) {
+    proxima::MutexLock lock(&namespaces_[ns]->mu);
+    for (const auto& [id, p] : namespaces_[ns]->profiles) out.emplace_back(ns, p.profile);
+  }
+  return out;
+}
+
+std::optional<std::string> TierService::PartitionScope(uint32_t ns, uint32_t partition) const {
+  if (ns >= partition_scopes_.size() || partition >= partition_scopes_[ns].size()) {
+    return std::nullopt;
+  }
+  return partition_scopes_[ns][partition];
+}
+
+std::optional<uint32_t> TierService::ScopePartition(uint32_t ns, const std::string& scope) const {
+  if (ns >= partition_scopes_.size()) return std::nullopt;
+  const std::vector<std::string>& scopes = partition_scopes_[ns];
+  const auto it = std::find(scopes.begin(), scopes.end(), scope);
+  if (it == scopes.end()) return std::nullopt;
+  return static_cast<uint32_t>(it - scopes.begin());
 }
 
 absl::Status TierService::Put(const Caller& caller, const v1::PutRequest& request,

@@ -47,6 +47,15 @@ namespace proxima::daemon {
 inline constexpr uint64_t kPerBlockOverhead = 64;
 inline constexpr uint64_t kMessageOverhead = 4096;
 
+// Whether `size` bytes stored at hierarchy `level` can be a block of a profile whose raw blocks
+// are `block_bytes`: exactly that at level 0, else 1 to block_bytes + kMessageOverhead (an
+// encoded container). INVALID_ARGUMENT reading "is N bytes at level L; expected ...".
+absl::Status CheckStoredSize(uint32_t level, uint64_t size, uint64_t block_bytes);
+// For level > 0: whether `bytes` is a STAR-KV container that decodes to `block_bytes` bytes
+// (its header only; decoding checks the rest). INVALID_ARGUMENT reading "is at level L but ...".
+absl::Status CheckStoredContainer(uint32_t level, std::span<const std::byte> bytes,
+                                  uint64_t block_bytes);
+
 // Geometry and raw block size of a registered profile.
 struct RegisteredProfile {
   v1::ModelProfile profile;
@@ -201,6 +210,19 @@ class TierService {
     return p.block_bytes;
   }
 
+  // Registers `profile` in namespace `ns` as RegisterProfile does (same checks and limit), with
+  // no caller to authorize: for profiles read back from a snapshot (daemon/snapshot.h). Returns
+  // its id.
+  absl::StatusOr<uint64_t> AddProfile(uint32_t ns, const v1::ModelProfile& profile);
+  // Every registered profile: (namespace index, profile).
+  std::vector<std::pair<uint32_t, v1::ModelProfile>> Profiles();
+
+  // The token scope that partition `partition` of namespace `ns` stands for ("" for partition
+  // 0, the namespace's shared blocks), or nullopt for a partition the config does not have; and
+  // back. Partition numbers follow the order of the config's tokens, so a snapshot names scopes.
+  std::optional<std::string> PartitionScope(uint32_t ns, uint32_t partition) const;
+  std::optional<uint32_t> ScopePartition(uint32_t ns, const std::string& scope) const;
+
   BlockStore& store() { return *store_; }
   Tierer& tierer() { return *tierer_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
@@ -287,6 +309,9 @@ class TierService {
   const DaemonConfig config_;
   const absl::Time start_time_;
   std::vector<std::unique_ptr<Namespace>> namespaces_;
+  // Per namespace, the scope of each partition (index): "" for 0, then the token scopes of a
+  // namespace with private_prefixes in config order (ScopesOf).
+  std::vector<std::vector<std::string>> partition_scopes_;
   // Replaced whole by ReloadTokens(); every call reads the current table.
   std::atomic<std::shared_ptr<const std::vector<Token>>> tokens_;
   metrics::Counter* token_reloads_ = nullptr;

@@ -34,7 +34,7 @@ GPU_TESTS=(kernels/kernels_device_test kernels/kernels_codec_cuda_test
 # gtest filter per binary (default: all of it): only the GPU-dependent tests of mixed binaries
 # (the GPU tier's run over the stand-in too: the same tests, side by side with the CUDA ones).
 declare -A GPU_FILTER=([daemon/daemon_test]="TierServicePinTest.*:*GpuTier*"
-  [tests/integration/integration_test]="TiersTest.AConfiguredGpuTier*"
+  [tests/integration/integration_test]="TiersTest.AConfiguredGpuTier*:*SnapshotKeepsTheGpuTier*"
   [tests/integration/cluster_integration_test]="*GpuTier*")
 GPU_BENCH=(bench/codec_gpu_bench bench/kv_layout_bench bench/crc32c_gpu_bench bench/gpu_tier_bench)
 # The codec's CPU paths are checked and timed on the GPU machine's CPU too (another CPU model

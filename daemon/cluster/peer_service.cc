@@ -11,7 +11,6 @@
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
-#include "kernels/codec.h"
 
 namespace proxima::daemon::cluster {
 namespace {
@@ -32,23 +31,6 @@ absl::Time CallDeadline(const grpc::ServerContext& context) {
 // An encoded block a peer spills here must be a whole STAR-KV container (header, segment table
 // and both CRC32Cs check out) of a block of `block_bytes` raw bytes, or this node would keep a
 // block that no reader can decode. Raw blocks (level 0) pass.
-absl::Status CheckSpilledContainer(int i, uint32_t level, std::span<const std::byte> bytes,
-                                   uint64_t block_bytes) {
-  if (level == 0) return absl::OkStatus();
-  absl::StatusOr<codec::BlockHeaderInfo> info = codec::InspectBlock(bytes);
-  if (!info.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "StoreBlocks data[", i, "] is at level ", level, " but is not a valid STAR-KV block (",
-        info.status().message(), "); nothing was stored"));
-  }
-  if (info->raw_bytes != block_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("StoreBlocks data[", i, "] decodes to ", info->raw_bytes,
-                     " bytes; expected block_bytes = ", block_bytes, "; nothing was stored"));
-  }
-  return absl::OkStatus();
-}
-
 // The node id a Rejoin or Leave names: a peer's cluster.advertise, not this daemon's own.
 absl::Status CheckCallerNode(const char* call, const std::string& node, const std::string& self) {
   constexpr size_t kMaxNodeId = 1024;
@@ -317,16 +299,11 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
                                                      b.level(), "; levels are 0 to ",
                                                      kMaxLevels - 1));
     }
-    const uint64_t size = data[i].size();
-    if (b.level() == 0 ? size != request.block_bytes()
-                       : size == 0 || size > request.block_bytes() + kMessageOverhead) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "StoreBlocks data[", i, "] is ", size, " bytes at level ", b.level(), "; expected ",
-          b.level() == 0 ? absl::StrCat("exactly block_bytes = ", request.block_bytes())
-                         : absl::StrCat("1 to block_bytes + ", kMessageOverhead, " = ",
-                                        request.block_bytes() + kMessageOverhead)));
-    }
     const std::span<const std::byte> bytes = data[i];
+    if (absl::Status s = CheckStoredSize(b.level(), bytes.size(), request.block_bytes()); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StoreBlocks data[", i, "] ", s.message(), "; nothing was stored"));
+    }
     const uint32_t crc = Crc32c(bytes);
     if (crc != b.crc32c()) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -334,7 +311,10 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
           "was stored",
           i, b.crc32c(), crc));
     }
-    PROXIMA_RETURN_IF_ERROR(CheckSpilledContainer(i, b.level(), bytes, request.block_bytes()));
+    if (absl::Status s = CheckStoredContainer(b.level(), bytes, request.block_bytes()); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StoreBlocks data[", i, "] ", s.message(), "; nothing was stored"));
+    }
   }
   // Which blocks to keep, in room this node has to spare (never evicting for spilled ones; for
   // a hand-off's as for a local put, when allowed), and their tier memory; visible only once

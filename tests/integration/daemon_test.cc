@@ -186,6 +186,93 @@ TEST(DaemonIntegrationTest, RestartForgetsBlocksAndClientsCarryOn) {
   EXPECT_THAT(daemon->Log(), HasSubstr("proximad serving"));
 }
 
+// tiers.host.snapshot_file: what a daemon held when SIGTERM stopped it, the next start serves
+// (profiles included); after a SIGKILL nothing, since a snapshot is read once.
+TEST(DaemonIntegrationTest, WithASnapshotARestartAfterSigtermKeepsTheBlocks) {
+  char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/snapshot";
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.snapshot_file=" + file}));
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  Blocks b = MakeBlocks(5, 0, 24, p.block_bytes);
+  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  c.reset();
+  daemon->Signal(SIGTERM);
+  ASSERT_EQ(daemon->WaitExit(absl::Seconds(30)), 0);
+  EXPECT_THAT(daemon->Log(), HasSubstr("wrote the blocks to the snapshot for the next start"));
+  ASSERT_EQ(access(file.c_str(), F_OK), 0);
+
+  ASSERT_OK(daemon->Restart());
+  EXPECT_NE(access(file.c_str(), F_OK), 0) << "a snapshot is read once";
+  EXPECT_THAT(daemon->Log(), HasSubstr(absl::StrCat(
+                                 "loaded the blocks of the snapshot the last run wrote file=", file,
+                                 " blocks=24 bytes=", 24 * p.block_bytes,
+                                 " profiles=1 skipped=0 no_room_blocks=0 complete=1")));
+  c = MustConnect(daemon->tcp_target());
+  EXPECT_EQ(GetAndCheck(*c, p, 5, 0, 24), 24u);
+  c.reset();
+
+  ASSERT_OK(daemon->Restart());  // SIGKILL: no snapshot
+  EXPECT_THAT(daemon->Log(), HasSubstr("no snapshot to load: starting with empty tiers"));
+  c = MustConnect(daemon->tcp_target());
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  EXPECT_EQ(GetAndCheck(*c, p, 5, 0, 24), 0u);
+  c.reset();
+  daemon.reset();
+  rmdir(dir);
+}
+
+TEST(DaemonIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
+  // The GPU tier holds a node's hottest blocks, and the snapshot reads the host tier: they go
+  // down to it first. Needs a GPU (scripts/gpu-check.sh runs it on one).
+  constexpr size_t kBlocks = 12;  // 3 MiB: all in the 16 MiB pool, under its 0.8 threshold
+  char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/snapshot";
+  ASSERT_OK_AND_ASSIGN(auto daemon,
+                       DaemonProcess::Start({"tiers.host.snapshot_file=" + file,
+                                             "tiers.gpu.capacity_bytes_per_device=16MiB"}));
+  const std::string started = daemon->Log();
+  if (const size_t at = started.find("no GPU tier"); at != std::string::npos) {
+    daemon.reset();
+    rmdir(dir);
+    GTEST_SKIP() << started.substr(at, started.find('\n', at) - at);
+  }
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  Blocks b = MakeBlocks(6, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+  ASSERT_GE(stats.tiers_size(), 2) << stats.DebugString();
+  EXPECT_EQ(stats.tiers(1).blocks(), kBlocks) << stats.DebugString();
+  c.reset();
+  daemon->Signal(SIGTERM);
+  ASSERT_EQ(daemon->WaitExit(absl::Seconds(30)), 0);
+  EXPECT_THAT(daemon->Log(),
+              HasSubstr(absl::StrCat("moved the GPU tier's blocks to the host tier to write them "
+                                     "to the snapshot blocks=",
+                                     kBlocks, " left_blocks=0")));
+  ASSERT_OK(daemon->Restart());
+  c = MustConnect(daemon->tcp_target());
+  EXPECT_EQ(GetAndCheck(*c, p, 6, 0, kBlocks), kBlocks);
+  c.reset();
+  daemon.reset();
+  rmdir(dir);
+}
+
+// The snapshot is written at shutdown; a directory it cannot be written to stops the start.
+TEST(DaemonIntegrationTest, ASnapshotFileInADirectoryThatCannotBeWrittenStopsTheStart) {
+  testing::CommandResult r = testing::RunCommand(
+      {testing::ProximadPath(), "--set=server.listen=127.0.0.1:0", "--set=server.unix_socket=",
+       "--set=server.metrics_listen=", "--set=tiers.host.capacity_bytes=16MiB",
+       "--set=tiers.host.snapshot_file=/proc/no-such-dir/snapshot"},
+      absl::Seconds(20));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("tiers.host.snapshot_file '/proc/no-such-dir/snapshot'"),
+                           HasSubstr("'/proc/no-such-dir' is not one this process can write to")));
+}
+
 class BadInputTest : public ::testing::Test {
  protected:
   void SetUp() override {

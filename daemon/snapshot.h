@@ -1,0 +1,68 @@
+// Snapshot: the warm restart of a proximad that is not part of a cluster
+// (tiers.host.snapshot_file). On SIGTERM, once no call runs, the daemon writes its registered
+// profiles and its host tier's blocks (the GPU tier's moved down first), most recently used
+// first, to a file, for at most tiers.host.snapshot_seconds; the next start reads them back
+// before it serves. A restart (an upgrade, a config change, a node drain and return) then keeps
+// the node's cache instead of sending every worker back to prefill.
+//
+// The file (docs/format.md, "Snapshot file") is a header, then records, each framed with its
+// kind, sizes and a CRC32C of its framing and metadata: the profiles, the blocks (metadata, then
+// the stored bytes, which carry their own CRC32C, encoded as the tier held them), and an end
+// record. It is written as `path`.tmp and renamed over `path` once complete and synced, so a
+// crash while writing leaves the previous state (no file), never a half-written one under the
+// name.
+//
+// Loading treats the file as hostile: a record that fails a check (framing CRC, an unknown
+// namespace, scope or profile, a size that cannot be the profile's, bytes failing their CRC32C or
+// not a STAR-KV container at the stated level) is skipped and reported; damaged framing ends the
+// read there; nothing loaded is ever other than what was written. The file is removed before it
+// is read: it is read once, so a daemon that crashes later never loads blocks its clients have
+// deleted since.
+#ifndef PROXIMA_DAEMON_SNAPSHOT_H_
+#define PROXIMA_DAEMON_SNAPSHOT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/tier_service.h"
+
+namespace proxima::daemon::snapshot {
+
+struct Written {
+  uint64_t profiles = 0;
+  uint64_t blocks = 0;
+  uint64_t bytes = 0;        // stored bytes of the blocks written
+  uint64_t left_blocks = 0;  // host tier blocks the deadline left out
+};
+
+// Writes every profile registered in `core` and its host tier's blocks, most recently used
+// first, until `deadline`, to `path` (see above). The blocks stay stored (taken as a hand-off
+// takes them, so not handed out to the tierer meanwhile). REQUIRES: no call runs on `core` (the
+// daemon has stopped serving). Errors name the path and the failing system call; `path` is then
+// left as it was and `path`.tmp removed.
+absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::Time deadline);
+
+struct Loaded {
+  bool found = false;     // there was a snapshot file
+  bool complete = false;  // it ended with its end record
+  uint64_t profiles = 0;
+  uint64_t blocks = 0;  // blocks stored from it
+  uint64_t bytes = 0;
+  uint64_t skipped = 0;  // block or profile records refused (`problems` says why)
+  uint64_t no_room = 0;  // blocks left out because the hotter ones filled the host tier
+  std::vector<std::string> problems;  // the first few reasons, each naming its record
+};
+
+// Reads the snapshot at `path` into `core` (no file: found = false) and removes the file. The
+// blocks go in coldest first, so the most recently used before the restart are again the most
+// recently used; where the host tier is now smaller, the coldest are left out. REQUIRES: `core`
+// serves no call yet. An error (the file cannot be read or removed, its header is not a
+// snapshot's of this version) loads nothing and names the path and what was expected.
+absl::StatusOr<Loaded> Load(TierService& core, const std::string& path);
+
+}  // namespace proxima::daemon::snapshot
+
+#endif  // PROXIMA_DAEMON_SNAPSHOT_H_
