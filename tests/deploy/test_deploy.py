@@ -315,6 +315,48 @@ def test_chart_wires_cluster_mode(binaries, tmp_path):
     assert "peer-token" not in {v["name"] for v in pod["volumes"]}
 
 
+def test_chart_wires_the_snapshot(binaries, tmp_path):
+    docs, _ = chart_docs(sets=["snapshot.enabled=true"])
+    for d in docs:
+        validate(d)
+    pod = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert "--set=tiers.host.snapshot_file=/var/lib/proxima/snapshot" in args
+    assert "--set=tiers.host.snapshot_seconds=10" in args
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["snapshot-dir"]["hostPath"] == {"path": "/var/lib/proxima",
+                                                  "type": "DirectoryOrCreate"}
+    init = pod["initContainers"][0]
+    for c in (container, init):
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["snapshot-dir"]["mountPath"] == "/var/lib/proxima"
+        assert not mounts["snapshot-dir"].get("readOnly", False)
+    assert "chown 10001:10001 /run/proxima /var/lib/proxima" in init["command"][-1]
+    assert "chmod 0700 /var/lib/proxima" in init["command"][-1]
+    # preStop + drain + the snapshot's write fit in the termination grace period.
+    cfg = yaml.safe_load(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    pre = container["lifecycle"]["preStop"]["exec"]["command"][-1]
+    pre_s = int(re.fullmatch(r"sleep (\d+)", pre).group(1))
+    assert pre_s + cfg["server"]["shutdown_grace_seconds"] + 10 < \
+        pod["terminationGracePeriodSeconds"]
+    # proximad accepts the rendered config with the rendered arguments (the directory here).
+    config = tmp_path / "proxima.yaml"
+    config.write_text(find(docs, "ConfigMap")["data"]["proxima.yaml"])
+    run_args = [a.replace("/var/lib/proxima", str(tmp_path))
+                 .replace("/etc/proxima/proxima.yaml", str(config)) for a in args]
+    check_config_accepted(config.read_text(), tmp_path, args=run_args)
+    # Never with cluster mode (a restarted node would bring back blocks deleted meanwhile).
+    with pytest.raises(helm_render.RenderError, match="snapshot.enabled and cluster.enabled"):
+        chart_docs(sets=["snapshot.enabled=true", "cluster.enabled=true",
+                         "cluster.peerTokenSecret=proxima-peer"])
+    # Off by default: no snapshot arguments, no volume, the socket directory alone.
+    pod = find(chart_docs()[0], "DaemonSet")["spec"]["template"]["spec"]
+    assert not any("snapshot" in a for a in pod["containers"][0]["args"])
+    assert "snapshot-dir" not in {v["name"] for v in pod["volumes"]}
+    assert "/var/lib/proxima" not in pod["initContainers"][0]["command"][-1]
+
+
 def test_chart_mounts_tls_and_token_secrets(binaries, tmp_path):
     sets = ["tls.secretName=proxima-tls", "tokens.secretName=proxima-tokens",
             "config.server.tls={cert_file: /etc/proxima-tls/tls.crt, "
