@@ -8,6 +8,8 @@
 #   scripts/bench.sh replay      Mooncake trace replay: hit ratio per memory budget, raw vs compressed
 #   scripts/bench.sh policy      temperature policies (LRU, FIFO, S3-FIFO, ARC) simulated on the trace
 #   scripts/bench.sh tierer      blocks held and put rate per compression hierarchy vs raw storage
+#   scripts/bench.sh snapshot    warm-restart snapshot write and load vs a plain write and read of
+#                                the same bytes on the same disk (--dir, --gib, --drop_caches=1)
 #   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC, Redis and the bare
 #                                move (a TCP stream over tcp, memcpy over shm); tcp and shm
 #   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
@@ -18,7 +20,7 @@
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | transfer | sim | cluster | call_floor)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | snapshot | transfer | sim | cluster | call_floor)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -29,6 +31,7 @@ case "$NAME" in
   replay) export PROXIMA_TARGETS="proximad proxima_replay" ;;
   policy) export PROXIMA_TARGETS="proxima_replay" ;;
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
+  snapshot) export PROXIMA_TARGETS="snapshot_bench" ;;
   transfer) export PROXIMA_TARGETS="proximad transfer_bench" ;;
   sim) export PROXIMA_TARGETS="proxima_placement_sim" ;;
   cluster) export PROXIMA_TARGETS="proximad proximactl" ;;
@@ -55,12 +58,13 @@ case "$NAME" in
   tierer) exec ./build-bench/bench/tierer_bench \
             --kv_file=tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf16.pkv "$@" ;;
   transfer) exec ./build-bench/bench/transfer_bench "$@" ;;
+  snapshot) exec ./build-bench/bench/snapshot_bench "$@" ;;
   # The whole trace (182,790 distinct blocks) at 10, 30, 100, 300 and 1,000 nodes.
   sim) exec ./build-bench/tools/sim/proxima_placement_sim \
          --trace=../shared/data/mooncake_conversation_trace.jsonl "$@" ;;
   cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
              --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
   call_floor) exec ./build-bench/bench/call_floor_bench "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, transfer, sim, cluster, call_floor)" >&2
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, snapshot, transfer, sim, cluster, call_floor)" >&2
      exit 2 ;;
 esac
