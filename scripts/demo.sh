@@ -18,14 +18,20 @@ SOCK="$RUN_DIR/proximad.sock"
 CTL="${RUN[*]} ./$BUILD/tools/proximactl/proximactl"
 # The default config, with the socket moved into a scratch directory so the demo needs no
 # /run/proxima and cannot clash with an installed daemon; TCP on port 0 for the same reason.
-"${RUN[@]}" "./$BUILD/daemon/proximad" --set "server.unix_socket=$SOCK" \
-  --set server.listen=127.0.0.1:0 --set server.metrics_listen=127.0.0.1:0 --port_file="$RUN_DIR/ports.json" \
-  2> "$RUN_DIR/proximad.log" &
-DAEMON=$!
+# A snapshot file there too: a restart after SIGTERM keeps the blocks (warm restart).
+start_daemon() {
+  rm -f "$RUN_DIR/ports.json"
+  "${RUN[@]}" "./$BUILD/daemon/proximad" --set "server.unix_socket=$SOCK" \
+    --set server.listen=127.0.0.1:0 --set server.metrics_listen=127.0.0.1:0 \
+    --set "tiers.host.snapshot_file=$RUN_DIR/snapshot" --port_file="$RUN_DIR/ports.json" \
+    2> "$RUN_DIR/proximad.log" &
+  DAEMON=$!
+  for _ in $(seq 100); do [ -s "$RUN_DIR/ports.json" ] && break; sleep 0.1; done
+  [ -s "$RUN_DIR/ports.json" ] || { cat "$RUN_DIR/proximad.log"; exit 1; }
+  METRICS_PORT=$(sed -E 's/.*"metrics_port":([0-9]+).*/\1/' "$RUN_DIR/ports.json")
+}
+start_daemon
 trap 'kill -TERM $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null; rm -rf "$RUN_DIR"' EXIT
-for _ in $(seq 100); do [ -s "$RUN_DIR/ports.json" ] && break; sleep 0.1; done
-[ -s "$RUN_DIR/ports.json" ] || { cat "$RUN_DIR/proximad.log"; exit 1; }
-METRICS_PORT=$(sed -E 's/.*"metrics_port":([0-9]+).*/\1/' "$RUN_DIR/ports.json")
 T="--target=unix:$SOCK"
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -39,14 +45,21 @@ step "The scheduler asks how much of a 16-block prompt with that prefix is cache
 $CTL lookup $T --seed=7 --count=16
 step "The worker loads the cached blocks (every byte is checked against what was stored)"
 $CTL get $T --seed=7 --count=16
+step "SIGTERM, then start again: the blocks were written to a snapshot and are read back (warm restart)"
+kill -TERM $DAEMON
+wait $DAEMON
+grep -o 'wrote the blocks to the snapshot.*' "$RUN_DIR/proximad.log"
+start_daemon
+grep -o 'loaded the blocks of the snapshot.*' "$RUN_DIR/proximad.log"
+$CTL get $T --seed=7 --count=12
 step "Load: 4 clients, 3 seconds of mixed gets and puts"
 $CTL load $T --clients=4 --duration=3
 step "proximactl stats"
 $CTL stats $T
 step "A few of the Prometheus metrics (http://127.0.0.1:$METRICS_PORT/metrics)"
 curl -s "http://127.0.0.1:$METRICS_PORT/metrics" | grep -E '^proxima_(tier_(used|capacity)_bytes|get_hits_total|get_misses_total|blocks_put_total|requests_total\{method="Get")' || true
-step "SIGTERM: proximad drains and exits"
+step "SIGTERM: proximad drains, writes its snapshot and exits"
 kill -TERM $DAEMON
 wait $DAEMON && echo "proximad exited 0"
-tail -n 2 "$RUN_DIR/proximad.log"
+tail -n 3 "$RUN_DIR/proximad.log"
 trap 'rm -rf "$RUN_DIR"' EXIT
