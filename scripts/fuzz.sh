@@ -8,6 +8,7 @@
 #   scripts/fuzz.sh request 30        # KVTier requests handled in process by the daemon's code
 #   scripts/fuzz.sh config_parse 30   # proximad's YAML config and --set overrides
 #   scripts/fuzz.sh peer 30           # proxima.v1.Peer calls from another daemon, in process
+#   scripts/fuzz.sh snapshot 30       # snapshot files (warm restart) into snapshot::Load
 #
 # The harness is a target (NAME_fuzzer) of the ASan + UBSan build in build-asan/, which is built
 # with clang and libFuzzer's coverage instrumentation (scripts/sanitize.sh): the harnesses and the
@@ -15,7 +16,7 @@
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
-  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, codec_encode, request, config_parse, peer)" >&2
+  echo "usage: $0 TARGET SECONDS   (targets: codec_decode, codec_encode, request, config_parse, peer, snapshot)" >&2
   exit 2
 fi
 target=$1

@@ -33,13 +33,14 @@ step ctest --test-dir build --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeou
 step ./scripts/sanitize.sh address ci
 # Bounded fuzzing (libFuzzer + ASan + UBSan, harnesses built in build-asan/ over the libraries
 # just built there) of the codec's block decoder and its encoders, of KVTier request handling
-# (in process), of config parsing and of the calls another daemon of the cluster makes (in
-# process), each over its kept corpus.
+# (in process), of config parsing, of the calls another daemon of the cluster makes (in
+# process) and of the warm-restart snapshot's reader, each over its kept corpus.
 step ./scripts/fuzz.sh codec_decode 30
 step ./scripts/fuzz.sh codec_encode 20
 step ./scripts/fuzz.sh request 20
 step ./scripts/fuzz.sh config_parse 15
 step ./scripts/fuzz.sh peer 15
+step ./scripts/fuzz.sh snapshot 15
 # proximad, proximactl and the unit tests cross-built for aarch64 (Grace / GH200 nodes) and run
 # under qemu-aarch64 (the recorded encodings of kernels/testdata/golden_encodings.txt included),
 # then the demo's workload against the aarch64 daemon.

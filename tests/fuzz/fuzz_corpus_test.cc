@@ -1,6 +1,6 @@
-// Replays the checked-in corpora of the request, peer and config_parse fuzz targets through their
-// bodies in the normal build, so every input the fuzzers kept stays a clean success-or-error
-// case (with isolation and round-trip checks) in builds that never run libFuzzer.
+// Replays the checked-in corpora of the request, peer, config_parse and snapshot fuzz targets
+// through their bodies in the normal build, so every input the fuzzers kept stays a clean
+// success-or-error case (with isolation and round-trip checks) in builds that never run libFuzzer.
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -10,6 +10,7 @@
 #include "tests/fuzz/corpus_replay.h"
 #include "tests/fuzz/peer_fuzz_body.h"
 #include "tests/fuzz/request_fuzz_body.h"
+#include "tests/fuzz/snapshot_fuzz_body.h"
 
 namespace proxima::daemon {
 namespace {
@@ -32,6 +33,12 @@ TEST(FuzzCorpusTest, EveryConfigInputParsesOrFailsCleanly) {
   auto [files, ok] = ReplayCorpus("config_parse", fuzz::RunConfigParseInput);
   EXPECT_GE(files, 5);
   EXPECT_GE(ok, 5);  // at least the seeds: valid configurations
+}
+
+TEST(FuzzCorpusTest, EverySnapshotInputLoadsOnlyCheckedBlocksOrFailsCleanly) {
+  auto [files, ok] = ReplayCorpus("snapshot", fuzz::RunSnapshotInput);
+  EXPECT_GE(files, 2);
+  EXPECT_GE(ok, 1);  // at least the seed with blocks
 }
 
 }  // namespace

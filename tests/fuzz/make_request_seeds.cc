@@ -1,21 +1,25 @@
-// Writes the seed corpora of the request and peer fuzz targets: valid requests of every method,
-// for every caller of the request harness (tests/fuzz/request_fuzz_body.h), in each namespace;
-// and the calls another daemon makes (tests/fuzz/peer_fuzz_body.h), valid ones and the refusals
-// a buggy peer meets. Rerun when the API changes:
+// Writes the seed corpora of the request, peer and snapshot fuzz targets: valid requests of every
+// method, for every caller of the request harness (tests/fuzz/request_fuzz_body.h), in each
+// namespace; the calls another daemon makes (tests/fuzz/peer_fuzz_body.h), valid ones and the
+// refusals a buggy peer meets; and snapshot files (tests/fuzz/snapshot_fuzz_body.h) of raw,
+// encoded and scoped blocks. Rerun when the API or the snapshot format changes:
 //   ninja -C build make_request_seeds && build/tests/fuzz/make_request_seeds
-//   tests/fuzz/corpus/request tests/fuzz/corpus/peer
+//   tests/fuzz/corpus/request tests/fuzz/corpus/peer tests/fuzz/corpus/snapshot
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <span>
 #include <string>
 
 #include "common/crc32c.h"
 #include "common/testing/tiny_profile.h"
+#include "daemon/snapshot.h"
 #include "daemon/tier_service.h"
 #include "kernels/codec.h"
 #include "proxima/v1/kvtier.pb.h"
 #include "proxima/v1/peer.pb.h"
+#include "tests/fuzz/snapshot_fuzz_body.h"
 
 namespace {
 
@@ -121,11 +125,66 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
   }
 }
 
+// Snapshot seeds: one of every kind of block (raw and int8 in "open", alice's and bob's in "p"),
+// and one of the profiles alone (a deadline that had passed).
+void WriteSnapshotSeeds(const std::string& snapshot_dir) {
+  using proxima::daemon::BlockId;
+  proxima::metrics::Registry registry;
+  auto core =
+      proxima::daemon::TierService::Create(proxima::daemon::fuzz::SnapshotFuzzConfig(), &registry);
+  if (!core.ok()) std::abort();
+  const proxima::v1::ModelProfile profile = SmallProfile();
+  const uint64_t id = proxima::daemon::ProfileId(profile);
+  for (uint32_t ns : {0u, 1u}) {
+    if (!(*core)->AddProfile(ns, profile).ok()) std::abort();
+  }
+  const proxima::codec::BlockGeometry geometry{profile.num_layers(), profile.num_kv_heads(),
+                                               profile.head_dim(), profile.tokens_per_block(),
+                                               proxima::codec::DType::kBf16};
+  std::string raw(512, '\0');
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<char>((i * 7) % 61);
+  std::string encoded;
+  if (!proxima::codec::EncodeBlock(geometry, *proxima::codec::ParseCodecPlan("int8"), false,
+                                   std::as_bytes(std::span<const char>(raw.data(), raw.size())), {},
+                                   &encoded)
+           .ok()) {
+    std::abort();
+  }
+  auto store = [&](uint32_t ns, uint32_t partition, char key, const std::string& bytes,
+                   uint8_t level) {
+    BlockId block{ns, id, {}, partition};
+    block.key.fill(static_cast<uint8_t>(key));
+    auto p = (*core)->store().Reserve(bytes.size());
+    if (!p) std::abort();
+    std::memcpy(p->bytes().data(), bytes.data(), bytes.size());
+    proxima::daemon::BlockAttributes attributes;
+    attributes.max_level = 2;
+    (*core)->store().Commit(
+        block, *std::move(p),
+        proxima::Crc32c(std::as_bytes(std::span<const char>(bytes.data(), bytes.size()))),
+        attributes, level);
+  };
+  store(0, 0, 'a', raw, 0);
+  store(0, 0, 'b', std::string(512, 'b'), 0);
+  store(0, 0, 'e', encoded, 1);
+  store(1, 1, 'a', raw, 0);
+  store(1, 2, 'a', std::string(512, 'z'), 0);
+  if (!proxima::daemon::snapshot::Write(**core, snapshot_dir + "/seed_blocks",
+                                        absl::InfiniteFuture())
+           .ok() ||
+      !proxima::daemon::snapshot::Write(**core, snapshot_dir + "/seed_profiles_only",
+                                        absl::InfinitePast())
+           .ok()) {
+    std::abort();
+  }
+  n += 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s REQUEST_OUT_DIR [PEER_OUT_DIR]\n", argv[0]);
+  if (argc < 2 || argc > 4) {
+    std::fprintf(stderr, "usage: %s REQUEST_OUT_DIR [PEER_OUT_DIR [SNAPSHOT_OUT_DIR]]\n", argv[0]);
     return 2;
   }
   dir = argv[1];
@@ -172,7 +231,8 @@ int main(int argc, char** argv) {
     Write(0, caller, proxima::v1::GetServerInfoRequest());
     Write(6, caller, proxima::v1::StatsRequest());
   }
-  if (argc == 3) WritePeerSeeds(argv[2], id);
+  if (argc >= 3) WritePeerSeeds(argv[2], id);
+  if (argc == 4) WriteSnapshotSeeds(argv[3]);
   std::printf("wrote %d seeds\n", n);
   return 0;
 }
