@@ -1406,26 +1406,19 @@ TEST_F(ClusterTest, ANodeShuttingDownLeavesItsPeersLiveSetsAtOnce) {
   EXPECT_EQ(WaitLookup(*a, p, kSeed, kBlocks, kBlocks), kBlocks);
 }
 
+constexpr char kHandoffLine[] = "handed blocks off to peers before exit";
+
 // The count a daemon's log gives for `key` on its last hand-off line ("handed blocks off to
-// peers before exit ... blocks=N"; a restarted daemon's log holds each run's), or -1 when there
-// is no such line.
+// peers before exit ... blocks=N"), or -1 when there is no such line.
 int64_t HandoffCount(const std::string& log, const std::string& key) {
-  const size_t line = log.rfind("handed blocks off to peers before exit");
-  if (line == std::string::npos) return -1;
-  const size_t at = log.find(" " + key + "=", line);
-  if (at == std::string::npos) return -1;
-  return std::strtoll(log.c_str() + at + key.size() + 2, nullptr, 10);
+  const std::optional<std::string> v = testing::LogValue(log, kHandoffLine, key);
+  return v ? std::strtoll(v->c_str(), nullptr, 10) : -1;
 }
 
 // Why a daemon's last hand-off stopped, from its log line (ended="..."); empty when there is
 // none.
 std::string HandoffEnded(const std::string& log) {
-  const size_t line = log.rfind("handed blocks off to peers before exit");
-  if (line == std::string::npos) return "";
-  const size_t at = log.find(" ended=\"", line);
-  if (at == std::string::npos) return "";
-  const size_t from = at + 8;
-  return log.substr(from, log.find('"', from) - from);
+  return testing::LogValue(log, kHandoffLine, "ended").value_or("");
 }
 
 TEST_F(ClusterTest, ANodeShuttingDownHandsItsBlocksToPeersWhichServeThemAfterIt) {

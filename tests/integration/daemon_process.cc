@@ -325,6 +325,22 @@ absl::Status DaemonProcess::Restart() {
 
 std::string DaemonProcess::Log() const { return ReadFile(dir_ + "/stderr.log"); }
 
+std::optional<std::string> LogValue(const std::string& log, const std::string& message,
+                                    const std::string& key) {
+  const size_t at = log.rfind(message);
+  if (at == std::string::npos) return std::nullopt;
+  const size_t end = std::min(log.find('\n', at), log.size());
+  const std::string_view line(log.data() + at + message.size(), end - at - message.size());
+  const size_t k = line.find(" " + key + "=");
+  if (k == std::string_view::npos) return std::nullopt;
+  std::string_view value = line.substr(k + key.size() + 2);
+  if (!value.empty() && value[0] == '"') {
+    value.remove_prefix(1);
+    return std::string(value.substr(0, value.find('"')));
+  }
+  return std::string(value.substr(0, value.find(' ')));
+}
+
 absl::StatusOr<std::string> DaemonProcess::ScrapeMetrics() const {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,13 @@ std::string ProximactlPath();
 // peer calls `peer_deadline`. The UCX data plane is off; an override after these turns it on.
 std::vector<std::string> ClusterSets(const std::vector<int>& ports, size_t node,
                                      const std::string& token_file, absl::Duration peer_deadline);
+
+// The value of `key` on the last line of `log` that holds `message` (a daemon's log line:
+// `... message key=value key="value" ...`; a restarted daemon's log holds every run's): the
+// value, without the quotes of a quoted one. nullopt when no line holds `message`, or that line
+// has no `key`.
+std::optional<std::string> LogValue(const std::string& log, const std::string& message,
+                                    const std::string& key);
 
 class DaemonProcess {
  public:

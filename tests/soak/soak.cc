@@ -686,22 +686,17 @@ int Main() {
         }
         if (kill_signal == SIGTERM) {  // what its hand-off moved, from its last log line of it
           const std::string log = daemons[victim]->Log();
-          const std::string line = "handed blocks off to peers before exit blocks=";
-          const size_t at = log.rfind(line);
-          if (at != std::string::npos) {
-            handed_off += std::strtoull(log.c_str() + at + line.size(), nullptr, 10);
-            const size_t left = log.find(" left_blocks=", at);
-            if (left != std::string::npos) {
-              left_behind += std::strtoull(log.c_str() + left + 13, nullptr, 10);
-            }
-            const size_t deleted = log.find(" deleted_blocks=", at);
-            if (deleted != std::string::npos) {
-              deleted_on_peers += std::strtoull(log.c_str() + deleted + 16, nullptr, 10);
-            }
-            const size_t ended = log.find(" ended=\"", at);
-            if (ended != std::string::npos) {
-              const size_t from = ended + 8;
-              ++handoff_ends[log.substr(from, log.find('"', from) - from)];
+          constexpr char kLine[] = "handed blocks off to peers before exit";
+          auto count = [&](const char* key) {
+            const std::optional<std::string> v = testing::LogValue(log, kLine, key);
+            return v ? std::strtoull(v->c_str(), nullptr, 10) : 0;
+          };
+          if (log.find(kLine) != std::string::npos) {
+            handed_off += count("blocks");
+            left_behind += count("left_blocks");
+            deleted_on_peers += count("deleted_blocks");
+            if (std::optional<std::string> ended = testing::LogValue(log, kLine, "ended")) {
+              ++handoff_ends[*ended];
             }
           }
         }
