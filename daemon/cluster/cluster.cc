@@ -520,10 +520,14 @@ void Cluster::RunSender() {
       ForgetDepartures();
     }
     if (leaving) {  // no more records of this node's blocks, nor asking peers for theirs
-      SendQueued();
       SendDeleteRetries();  // a Delete made here still reaches the peers that missed it
+      SendQueued();
       continue;
     }
+    // First the Deletes that peers missed: a node just back in the live set serves its copies of
+    // those keys until they land, and the records below (a whole re-announcement when the live
+    // set changed) can take this thread a while.
+    SendDeleteRetries();
     std::shared_ptr<const LiveSet> live = membership_->Live();
     const std::vector<PlacementNode> before = announced_for_;
     const bool changed =
@@ -540,7 +544,6 @@ void Cluster::RunSender() {
     }
     if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     SendQueued();
-    SendDeleteRetries();
   }
 }
 
