@@ -11,6 +11,7 @@
 #include <fstream>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "common/crc32c.h"
 #include "common/testing/tiny_profile.h"
@@ -50,8 +51,8 @@ proxima::v1::SpilledBlock Spilled(const std::string& data, uint32_t level) {
   return b;
 }
 
-void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
-  enum { kRecord, kLookup, kFetch, kStore, kDelete };
+// A raw block of SmallProfile() and its int8 encoding.
+std::pair<std::string, std::string> RawAndInt8() {
   const proxima::v1::ModelProfile profile = SmallProfile();
   const proxima::codec::BlockGeometry geometry{profile.num_layers(), profile.num_kv_heads(),
                                                profile.head_dim(), profile.tokens_per_block(),
@@ -65,6 +66,14 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
            .ok()) {
     std::abort();
   }
+  return {raw, encoded};
+}
+
+void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
+  enum { kRecord, kLookup, kFetch, kStore, kDelete };
+  const std::pair<std::string, std::string> blocks = RawAndInt8();
+  const std::string& raw = blocks.first;
+  const std::string& encoded = blocks.second;
   for (const std::string ns : {"open", "other", "missing"}) {
     auto set = [&](proxima::v1::PeerBlockSet* s, std::initializer_list<char> keys) {
       s->set_namespace_name(ns);
@@ -138,18 +147,9 @@ void WriteSnapshotSeeds(const std::string& snapshot_dir) {
   for (uint32_t ns : {0u, 1u}) {
     if (!(*core)->AddProfile(ns, profile).ok()) std::abort();
   }
-  const proxima::codec::BlockGeometry geometry{profile.num_layers(), profile.num_kv_heads(),
-                                               profile.head_dim(), profile.tokens_per_block(),
-                                               proxima::codec::DType::kBf16};
-  std::string raw(512, '\0');
-  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<char>((i * 7) % 61);
-  std::string encoded;
-  if (!proxima::codec::EncodeBlock(geometry, *proxima::codec::ParseCodecPlan("int8"), false,
-                                   std::as_bytes(std::span<const char>(raw.data(), raw.size())), {},
-                                   &encoded)
-           .ok()) {
-    std::abort();
-  }
+  const std::pair<std::string, std::string> blocks = RawAndInt8();
+  const std::string& raw = blocks.first;
+  const std::string& encoded = blocks.second;
   auto store = [&](uint32_t ns, uint32_t partition, char key, const std::string& bytes,
                    uint8_t level) {
     BlockId block{ns, id, {}, partition};
