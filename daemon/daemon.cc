@@ -108,7 +108,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
   if (!config.host_tier.snapshot_file.empty()) {
     PROXIMA_RETURN_IF_ERROR(CheckSnapshotDirectory(config.host_tier.snapshot_file));
-    LoadSnapshot(*d->core_, config.host_tier.snapshot_file);
   }
   if (config.ucx.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->ucx_,
@@ -150,8 +149,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                                                       &d->registry_));
     builder.RegisterService(d->cluster_->service());
   }
+  // The snapshot is read as late as can be before serving: a start that fails before this point
+  // (a bad certificate, a socket in use) leaves the file for the next one.
+  if (!config.host_tier.snapshot_file.empty()) {
+    LoadSnapshot(*d->core_, config.host_tier.snapshot_file);
+  }
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!config.server.listen.empty() && d->tcp_port_ == 0)) {
+    // The file is gone: the blocks it held go back into it (nothing was served).
+    d->WriteSnapshot("for the next start (this one failed)");
     return absl::UnavailableError(absl::StrCat(
         "cannot start the gRPC server on server.listen '", config.server.listen,
         "' (address in use, or not an address of this host?)"));
@@ -275,30 +281,32 @@ void Daemon::Shutdown() {
     core_->SetRemote(nullptr);
     cluster_->Stop();
   }
-  if (!config_.host_tier.snapshot_file.empty()) {
-    // Never with a cluster (the config refuses it): a peer's Deletes would be missed.
-    const std::string& file = config_.host_tier.snapshot_file;
-    const absl::Time start = absl::Now();
-    const absl::Time until = start + absl::Seconds(config_.host_tier.snapshot_seconds);
-    DrainGpuTier(until, "to write them to the snapshot");
-    // The blocks hold still while they are written (one the tierer were encoding would be
-    // passed over).
-    core_->tierer().Stop();
-    absl::StatusOr<snapshot::Written> w = snapshot::Write(*core_, file, until);
-    if (w.ok()) {
-      log::Line(w->left_blocks == 0 ? log::Level::kInfo : log::Level::kWarning, __FILE__, __LINE__)
-          << "wrote the blocks to the snapshot for the next start" << log::Kv("file", file)
-          << log::Kv("blocks", w->blocks) << log::Kv("bytes", w->bytes)
-          << log::Kv("profiles", w->profiles) << log::Kv("left_blocks", w->left_blocks)
-          << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
-    } else {
-      PROXIMA_LOG(kError) << "snapshot not written: the next start begins with empty tiers"
-                          << log::Kv("file", file) << log::Kv("error", w.status().ToString());
-    }
-  }
+  if (!config_.host_tier.snapshot_file.empty()) WriteSnapshot("for the next start");
   if (metrics_) metrics_->Stop();
   unix_listener_.reset();  // removes the socket file
   PROXIMA_LOG(kInfo) << "shutdown complete";
+}
+
+void Daemon::WriteSnapshot(absl::string_view why) {
+  // Never with a cluster (the config refuses it): a peer's Deletes would be missed.
+  const std::string& file = config_.host_tier.snapshot_file;
+  const absl::Time start = absl::Now();
+  const absl::Time until = start + absl::Seconds(config_.host_tier.snapshot_seconds);
+  DrainGpuTier(until, "to write them to the snapshot");
+  // The blocks hold still while they are written (one the tierer were encoding would be
+  // passed over).
+  core_->tierer().Stop();
+  absl::StatusOr<snapshot::Written> w = snapshot::Write(*core_, file, until);
+  if (w.ok()) {
+    log::Line(w->left_blocks == 0 ? log::Level::kInfo : log::Level::kWarning, __FILE__, __LINE__)
+        << "wrote the blocks to the snapshot " << why << log::Kv("file", file)
+        << log::Kv("blocks", w->blocks) << log::Kv("bytes", w->bytes)
+        << log::Kv("profiles", w->profiles) << log::Kv("left_blocks", w->left_blocks)
+        << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+  } else {
+    PROXIMA_LOG(kError) << "snapshot not written: the next start begins with empty tiers"
+                        << log::Kv("file", file) << log::Kv("error", w.status().ToString());
+  }
 }
 
 void Daemon::DrainGpuTier(absl::Time deadline, absl::string_view why) {

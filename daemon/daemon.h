@@ -55,6 +55,9 @@ class Daemon {
   // Moves the GPU tier's blocks down to the host tier before they are handed off or written to
   // the snapshot (both read the host tier alone), until `deadline`, and logs what it did.
   void DrainGpuTier(absl::Time deadline, absl::string_view why);
+  // Writes the tiers' blocks to tiers.host.snapshot_file (within tiers.host.snapshot_seconds)
+  // and logs it, `why` saying for what. REQUIRES: no call runs.
+  void WriteSnapshot(absl::string_view why);
 
   DaemonConfig config_;
   metrics::Registry registry_;

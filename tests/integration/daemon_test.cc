@@ -223,6 +223,52 @@ TEST(DaemonIntegrationTest, WithASnapshotARestartAfterSigtermKeepsTheBlocks) {
   rmdir(dir);
 }
 
+// A start that fails after reading the snapshot (its TCP port is taken) writes the blocks back:
+// they wait for the next start that serves.
+TEST(DaemonIntegrationTest, ASnapshotOutlivesAStartThatFails) {
+  char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/snapshot";
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.snapshot_file=" + file}));
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  Blocks b = MakeBlocks(8, 0, 8, p.block_bytes);
+  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  c.reset();
+  daemon->Signal(SIGTERM);
+  ASSERT_EQ(daemon->WaitExit(absl::Seconds(30)), 0);
+
+  const int held = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(held, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(held, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  testing::CommandResult r = testing::RunCommand(
+      {testing::ProximadPath(),
+       absl::StrCat("--set=server.listen=127.0.0.1:", ntohs(addr.sin_port)),
+       "--set=server.unix_socket=", "--set=server.metrics_listen=",
+       "--set=tiers.host.capacity_bytes=64MiB", "--set=tiers.host.snapshot_file=" + file},
+      absl::Seconds(30));
+  close(held);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("loaded the blocks of the snapshot the last run wrote"),
+                           HasSubstr("cannot start the gRPC server"),
+                           HasSubstr("wrote the blocks to the snapshot for the next start (this "
+                                     "one failed) file=" +
+                                     file + " blocks=8")));
+  EXPECT_EQ(access(file.c_str(), F_OK), 0);
+
+  ASSERT_OK(daemon->Restart());
+  c = MustConnect(daemon->tcp_target());
+  EXPECT_EQ(GetAndCheck(*c, p, 8, 0, 8), 8u);
+  c.reset();
+  daemon.reset();
+  rmdir(dir);
+}
+
 TEST(DaemonIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
   // The GPU tier holds a node's hottest blocks, and the snapshot reads the host tier: they go
   // down to it first. Needs a GPU (scripts/gpu-check.sh runs it on one).
