@@ -62,18 +62,18 @@ absl::Status CheckSnapshotDirectory(const std::string& file) {
 }
 
 // Loads the snapshot the previous run left (if any). A snapshot that cannot be read is logged and
-// the daemon starts empty: it is a cache.
-void LoadSnapshot(TierService& core, const std::string& file) {
+// the daemon starts empty: it is a cache. Returns whether it read one.
+bool LoadSnapshot(TierService& core, const std::string& file) {
   const absl::Time start = absl::Now();
   absl::StatusOr<snapshot::Loaded> loaded = snapshot::Load(core, file);
   if (!loaded.ok()) {
     PROXIMA_LOG(kError) << "snapshot not loaded: starting with empty tiers" << log::Kv("file", file)
                         << log::Kv("error", loaded.status().ToString());
-    return;
+    return false;
   }
   if (!loaded->found) {
     PROXIMA_LOG(kInfo) << "no snapshot to load: starting with empty tiers" << log::Kv("file", file);
-    return;
+    return false;
   }
   log::Line(loaded->complete && loaded->skipped == 0 ? log::Level::kInfo : log::Level::kWarning,
             __FILE__, __LINE__)
@@ -86,6 +86,7 @@ void LoadSnapshot(TierService& core, const std::string& file) {
     PROXIMA_LOG(kWarning) << "snapshot record not loaded" << log::Kv("file", file)
                           << log::Kv("problem", p);
   }
+  return true;
 }
 
 }  // namespace
@@ -151,13 +152,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   }
   // The snapshot is read as late as can be before serving: a start that fails before this point
   // (a bad certificate, a socket in use) leaves the file for the next one.
-  if (!config.host_tier.snapshot_file.empty()) {
-    LoadSnapshot(*d->core_, config.host_tier.snapshot_file);
-  }
+  const bool loaded = !config.host_tier.snapshot_file.empty() &&
+                      LoadSnapshot(*d->core_, config.host_tier.snapshot_file);
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!config.server.listen.empty() && d->tcp_port_ == 0)) {
-    // The file is gone: the blocks it held go back into it (nothing was served).
-    d->WriteSnapshot("for the next start (this one failed)");
+    // The file is gone: the blocks it held go back into it (nothing was served). A server that
+    // did start is shut down by ~Daemon, which writes them.
+    if (loaded && d->server_ == nullptr) d->WriteSnapshot("for the next start (this one failed)");
     return absl::UnavailableError(absl::StrCat(
         "cannot start the gRPC server on server.listen '", config.server.listen,
         "' (address in use, or not an address of this host?)"));
