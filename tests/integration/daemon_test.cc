@@ -186,57 +186,85 @@ TEST(DaemonIntegrationTest, RestartForgetsBlocksAndClientsCarryOn) {
   EXPECT_THAT(daemon->Log(), HasSubstr("proximad serving"));
 }
 
-// tiers.host.snapshot_file: what a daemon held when SIGTERM stopped it, the next start serves
-// (profiles included); after a SIGKILL nothing, since a snapshot is read once.
-TEST(DaemonIntegrationTest, WithASnapshotARestartAfterSigtermKeepsTheBlocks) {
-  char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  const std::string file = std::string(dir) + "/snapshot";
-  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.snapshot_file=" + file}));
-  auto c = MustConnect(daemon->tcp_target());
-  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
-  Blocks b = MakeBlocks(5, 0, 24, p.block_bytes);
-  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
-  c.reset();
-  daemon->Signal(SIGTERM);
-  ASSERT_EQ(daemon->WaitExit(absl::Seconds(30)), 0);
+// tiers.host.snapshot_file, in a directory of the test's own.
+class SnapshotIntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+    file_ = dir_ + "/snapshot";
+  }
+  void TearDown() override {
+    unlink(file_.c_str());
+    rmdir(dir_.c_str());
+  }
+
+  // Starts a daemon with the snapshot file and `sets`.
+  std::unique_ptr<DaemonProcess> StartDaemon(std::vector<std::string> sets = {}) {
+    sets.push_back("tiers.host.snapshot_file=" + file_);
+    absl::StatusOr<std::unique_ptr<DaemonProcess>> d = DaemonProcess::Start(sets);
+    EXPECT_OK(d.status());
+    return d.ok() ? *std::move(d) : nullptr;
+  }
+
+  // Puts blocks [0, count) of chain `seed` through `daemon`; returns their profile.
+  static Profile Put(DaemonProcess& daemon, uint64_t seed, size_t count) {
+    auto c = MustConnect(daemon.tcp_target());
+    absl::StatusOr<Profile> p = c->RegisterProfile(TestModel());
+    EXPECT_OK(p.status());
+    Blocks b = MakeBlocks(seed, 0, count, p->block_bytes);
+    EXPECT_OK(c->Put(*p, b.keys, b.spans()).status());
+    return *p;
+  }
+
+  // Stops `daemon` with SIGTERM; it must exit 0.
+  static void Stop(DaemonProcess& daemon) {
+    daemon.Signal(SIGTERM);
+    EXPECT_EQ(daemon.WaitExit(absl::Seconds(30)), 0);
+  }
+
+  // How many of blocks [0, count) of chain `seed` `daemon` serves (every byte checked).
+  static size_t Served(DaemonProcess& daemon, const Profile& p, uint64_t seed, size_t count) {
+    auto c = MustConnect(daemon.tcp_target());
+    EXPECT_OK(c->RegisterProfile(TestModel()).status());
+    return GetAndCheck(*c, p, seed, 0, count);
+  }
+
+  std::string dir_;
+  std::string file_;
+};
+
+// What a daemon held when SIGTERM stopped it, the next start serves (profiles included); after a
+// SIGKILL nothing, since a snapshot is read once.
+TEST_F(SnapshotIntegrationTest, ARestartAfterSigtermKeepsTheBlocks) {
+  std::unique_ptr<DaemonProcess> daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  const Profile p = Put(*daemon, 5, 24);
+  Stop(*daemon);
   EXPECT_THAT(daemon->Log(), HasSubstr("wrote the blocks to the snapshot for the next start"));
-  ASSERT_EQ(access(file.c_str(), F_OK), 0);
+  ASSERT_EQ(access(file_.c_str(), F_OK), 0);
 
   ASSERT_OK(daemon->Restart());
-  EXPECT_NE(access(file.c_str(), F_OK), 0) << "a snapshot is read once";
-  EXPECT_THAT(daemon->Log(), HasSubstr(absl::StrCat(
-                                 "loaded the blocks of the snapshot the last run wrote file=", file,
-                                 " blocks=24 bytes=", 24 * p.block_bytes,
-                                 " profiles=1 skipped=0 no_room_blocks=0 complete=1")));
-  c = MustConnect(daemon->tcp_target());
-  EXPECT_EQ(GetAndCheck(*c, p, 5, 0, 24), 24u);
-  c.reset();
+  EXPECT_NE(access(file_.c_str(), F_OK), 0) << "a snapshot is read once";
+  EXPECT_THAT(daemon->Log(),
+              HasSubstr(absl::StrCat("loaded the blocks of the snapshot the last run wrote file=",
+                                     file_, " blocks=24 bytes=", 24 * p.block_bytes,
+                                     " profiles=1 skipped=0 no_room_blocks=0 complete=1")));
+  EXPECT_EQ(Served(*daemon, p, 5, 24), 24u);
 
   ASSERT_OK(daemon->Restart());  // SIGKILL: no snapshot
   EXPECT_THAT(daemon->Log(), HasSubstr("no snapshot to load: starting with empty tiers"));
-  c = MustConnect(daemon->tcp_target());
-  ASSERT_OK(c->RegisterProfile(TestModel()).status());
-  EXPECT_EQ(GetAndCheck(*c, p, 5, 0, 24), 0u);
-  c.reset();
-  daemon.reset();
-  rmdir(dir);
+  EXPECT_EQ(Served(*daemon, p, 5, 24), 0u);
 }
 
 // A start that fails after reading the snapshot (its TCP port is taken) writes the blocks back:
 // they wait for the next start that serves.
-TEST(DaemonIntegrationTest, ASnapshotOutlivesAStartThatFails) {
-  char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  const std::string file = std::string(dir) + "/snapshot";
-  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.snapshot_file=" + file}));
-  auto c = MustConnect(daemon->tcp_target());
-  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
-  Blocks b = MakeBlocks(8, 0, 8, p.block_bytes);
-  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
-  c.reset();
-  daemon->Signal(SIGTERM);
-  ASSERT_EQ(daemon->WaitExit(absl::Seconds(30)), 0);
+TEST_F(SnapshotIntegrationTest, ASnapshotOutlivesAStartThatFails) {
+  std::unique_ptr<DaemonProcess> daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  const Profile p = Put(*daemon, 8, 8);
+  Stop(*daemon);
 
   const int held = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -250,7 +278,7 @@ TEST(DaemonIntegrationTest, ASnapshotOutlivesAStartThatFails) {
       {testing::ProximadPath(),
        absl::StrCat("--set=server.listen=127.0.0.1:", ntohs(addr.sin_port)),
        "--set=server.unix_socket=", "--set=server.metrics_listen=",
-       "--set=tiers.host.capacity_bytes=64MiB", "--set=tiers.host.snapshot_file=" + file},
+       "--set=tiers.host.capacity_bytes=64MiB", "--set=tiers.host.snapshot_file=" + file_},
       absl::Seconds(30));
   close(held);
   EXPECT_NE(r.exit_code, 0);
@@ -258,53 +286,38 @@ TEST(DaemonIntegrationTest, ASnapshotOutlivesAStartThatFails) {
                            HasSubstr("cannot start the gRPC server"),
                            HasSubstr("wrote the blocks to the snapshot for the next start (this "
                                      "one failed) file=" +
-                                     file + " blocks=8")));
-  EXPECT_EQ(access(file.c_str(), F_OK), 0);
+                                     file_ + " blocks=8")));
+  EXPECT_EQ(access(file_.c_str(), F_OK), 0);
 
   ASSERT_OK(daemon->Restart());
-  c = MustConnect(daemon->tcp_target());
-  EXPECT_EQ(GetAndCheck(*c, p, 8, 0, 8), 8u);
-  c.reset();
-  daemon.reset();
-  rmdir(dir);
+  EXPECT_EQ(Served(*daemon, p, 8, 8), 8u);
 }
 
-TEST(DaemonIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
+TEST_F(SnapshotIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
   // The GPU tier holds a node's hottest blocks, and the snapshot reads the host tier: they go
   // down to it first. Needs a GPU (scripts/gpu-check.sh runs it on one).
   constexpr size_t kBlocks = 12;  // 3 MiB: all in the 16 MiB pool, under its 0.8 threshold
-  char dir[] = "/tmp/proxima-it-snapshot-XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  const std::string file = std::string(dir) + "/snapshot";
-  ASSERT_OK_AND_ASSIGN(auto daemon,
-                       DaemonProcess::Start({"tiers.host.snapshot_file=" + file,
-                                             "tiers.gpu.capacity_bytes_per_device=16MiB"}));
+  std::unique_ptr<DaemonProcess> daemon =
+      StartDaemon({"tiers.gpu.capacity_bytes_per_device=16MiB"});
+  ASSERT_NE(daemon, nullptr);
   const std::string started = daemon->Log();
   if (const size_t at = started.find("no GPU tier"); at != std::string::npos) {
-    daemon.reset();
-    rmdir(dir);
     GTEST_SKIP() << started.substr(at, started.find('\n', at) - at);
   }
-  auto c = MustConnect(daemon->tcp_target());
-  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
-  Blocks b = MakeBlocks(6, 0, kBlocks, p.block_bytes);
-  ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
-  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
-  ASSERT_GE(stats.tiers_size(), 2) << stats.DebugString();
-  EXPECT_EQ(stats.tiers(1).blocks(), kBlocks) << stats.DebugString();
-  c.reset();
-  daemon->Signal(SIGTERM);
-  ASSERT_EQ(daemon->WaitExit(absl::Seconds(30)), 0);
+  const Profile p = Put(*daemon, 6, kBlocks);
+  {
+    auto c = MustConnect(daemon->tcp_target());
+    ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, c->Stats());
+    ASSERT_GE(stats.tiers_size(), 2) << stats.DebugString();
+    EXPECT_EQ(stats.tiers(1).blocks(), kBlocks) << stats.DebugString();
+  }
+  Stop(*daemon);
   EXPECT_THAT(daemon->Log(),
               HasSubstr(absl::StrCat("moved the GPU tier's blocks to the host tier to write them "
                                      "to the snapshot blocks=",
                                      kBlocks, " left_blocks=0")));
   ASSERT_OK(daemon->Restart());
-  c = MustConnect(daemon->tcp_target());
-  EXPECT_EQ(GetAndCheck(*c, p, 6, 0, kBlocks), kBlocks);
-  c.reset();
-  daemon.reset();
-  rmdir(dir);
+  EXPECT_EQ(Served(*daemon, p, 6, kBlocks), kBlocks);
 }
 
 // The snapshot is written at shutdown; a directory it cannot be written to stops the start.
