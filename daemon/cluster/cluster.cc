@@ -520,14 +520,10 @@ void Cluster::RunSender() {
       ForgetDepartures();
     }
     if (leaving) {  // no more records of this node's blocks, nor asking peers for theirs
-      SendDeleteRetries();  // a Delete made here still reaches the peers that missed it
       SendQueued();
+      SendDeleteRetries();  // a Delete made here still reaches the peers that missed it
       continue;
     }
-    // First the Deletes that peers missed: a node just back in the live set serves its copies of
-    // those keys until they land, and the records below (a whole re-announcement when the live
-    // set changed) can take this thread a while.
-    SendDeleteRetries();
     std::shared_ptr<const LiveSet> live = membership_->Live();
     const std::vector<PlacementNode> before = announced_for_;
     const bool changed =
@@ -544,6 +540,7 @@ void Cluster::RunSender() {
     }
     if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     SendQueued();
+    SendDeleteRetries();
   }
 }
 
