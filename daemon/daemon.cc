@@ -2,12 +2,9 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -46,19 +43,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Tl
   }
   options.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
   return grpc::SslServerCredentials(options);
-}
-
-// The snapshot is written at shutdown: a directory it cannot be written to stops the start now,
-// not the shutdown later.
-absl::Status CheckSnapshotDirectory(const std::string& file) {
-  const std::string dir = file.substr(0, std::max<size_t>(file.rfind('/'), 1));
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tiers.host.snapshot_file '", file, "': its directory '", dir,
-        "' is not one this process can write to (", std::strerror(errno),
-        "); create it, owned by proximad's user, or set tiers.host.snapshot_file to \"\""));
-  }
-  return absl::OkStatus();
 }
 
 // Loads the snapshot the previous run left (if any). A snapshot that cannot be read is logged and
@@ -108,7 +92,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   for (const std::string& w : ConfigWarnings(config)) PROXIMA_LOG(kWarning) << w;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
   if (!config.host_tier.snapshot_file.empty()) {
-    PROXIMA_RETURN_IF_ERROR(CheckSnapshotDirectory(config.host_tier.snapshot_file));
+    // Written at shutdown: a directory it cannot be written to stops the start, not the exit.
+    PROXIMA_RETURN_IF_ERROR(snapshot::CheckDirectory(config.host_tier.snapshot_file));
   }
   if (config.ucx.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->ucx_,

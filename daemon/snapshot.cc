@@ -106,6 +106,11 @@ bool ReadAt(int fd, uint64_t offset, std::span<std::byte> out, int* err) {
   return true;
 }
 
+// The directory that holds `path` (an absolute path).
+std::string DirectoryOf(const std::string& path) {
+  return path.substr(0, std::max<size_t>(path.rfind('/'), 1));
+}
+
 std::string RecordHeader(Kind kind, const std::string& meta, uint64_t data_bytes) {
   std::string h;
   Put32(h, kind);
@@ -117,6 +122,17 @@ std::string RecordHeader(Kind kind, const std::string& meta, uint64_t data_bytes
 }
 
 }  // namespace
+
+absl::Status CheckDirectory(const std::string& path) {
+  const std::string dir = DirectoryOf(path);
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tiers.host.snapshot_file '", path, "': its directory '", dir,
+        "' is not one this process can write to (", std::strerror(errno),
+        "); create it, owned by proximad's user, or set tiers.host.snapshot_file to \"\""));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::Time deadline) {
   const std::string tmp = path + ".tmp";
@@ -183,8 +199,7 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
     // The rename survives a power loss once the directory is synced. The file is complete and
     // in place either way (the next start reads it), so a directory that cannot be synced is
     // not an error.
-    const std::string dir = path.substr(0, std::max<size_t>(path.rfind('/'), 1));
-    Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    Fd dfd(::open(DirectoryOf(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (dfd.get() >= 0) ::fsync(dfd.get());
     return absl::OkStatus();
   }();

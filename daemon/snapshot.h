@@ -31,6 +31,11 @@
 
 namespace proxima::daemon::snapshot {
 
+// Whether this process can create the snapshot file `path` (its directory exists and is
+// writable): FAILED_PRECONDITION naming tiers.host.snapshot_file, the directory and why. The
+// daemon checks it at start, so that a bad directory stops the start, not the shutdown later.
+absl::Status CheckDirectory(const std::string& path);
+
 struct Written {
   uint64_t profiles = 0;
   uint64_t blocks = 0;

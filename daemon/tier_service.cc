@@ -246,7 +246,6 @@ absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
   std::vector<std::string> where;  // config key of each token, for duplicate errors
   for (size_t n = 0; n < config.namespaces.size(); ++n) {
     const NamespaceConfig& ns = config.namespaces[n];
-    const std::vector<std::string>& scopes = partition_scopes_[n];
     for (size_t i = 0; i < ns.tokens.size(); ++i) {
       const TokenConfig& t = ns.tokens[i];
       const std::string key = absl::StrCat("namespaces[", n, "].tokens[", i, "]");
@@ -266,8 +265,7 @@ absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
       token.caller.token_name = t.name;
       if (ns.private_prefixes) {
         const std::string& scope = t.scope.empty() ? t.name : t.scope;
-        token.caller.partition =
-            static_cast<uint32_t>(std::find(scopes.begin(), scopes.end(), scope) - scopes.begin());
+        token.caller.partition = *ScopePartition(static_cast<uint32_t>(n), scope);
       }
       tokens.push_back(std::move(token));
       where.push_back(key);
