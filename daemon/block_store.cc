@@ -605,7 +605,9 @@ std::optional<BlockStore::Candidate> BlockStore::TakeCandidate(Take take) {
     Shard::Entry& e = best->map.find(*id)->second;
     e.busy = true;
     const StoredBlock& b = *e.block;
-    return Candidate{*id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
+    Candidate c{*id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
+    c.reused = segment == kProtected;
+    return c;
   }
   return std::nullopt;
 }

@@ -209,6 +209,7 @@ class BlockStore {
     uint64_t device_offset = 0;  // ... at this offset of its memory
     uint64_t device_bytes = 0;   // ... of this many bytes
     uint64_t stamp = 0;          // its recency (ColdestOnDevice; larger: used more recently)
+    bool reused = false;         // in the protected segment (ColdestSpillable, HottestForHandoff)
   };
   std::optional<Candidate> ColdestCompressible(std::span<const uint8_t> level_caps);
 

@@ -92,8 +92,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   for (const std::string& w : ConfigWarnings(config)) PROXIMA_LOG(kWarning) << w;
   PROXIMA_ASSIGN_OR_RETURN(d->core_, TierService::Create(config, &d->registry_));
   if (!config.host_tier.snapshot_file.empty()) {
-    // Written at shutdown: a directory it cannot be written to stops the start, not the exit.
-    PROXIMA_RETURN_IF_ERROR(snapshot::CheckDirectory(config.host_tier.snapshot_file));
+    // Written at shutdown: a directory it cannot be written to, or a file another daemon
+    // holds, stops the start, not the exit.
+    PROXIMA_ASSIGN_OR_RETURN(d->snapshot_claim_,
+                             snapshot::ClaimFile(config.host_tier.snapshot_file));
   }
   if (config.ucx.enabled) {
     PROXIMA_ASSIGN_OR_RETURN(d->ucx_,

@@ -16,9 +16,10 @@
 #include "daemon/grpc_service.h"
 #include "daemon/metrics.h"
 #include "daemon/metrics_http.h"
+#include "daemon/snapshot.h"
 #include "daemon/tier_service.h"
-#include "daemon/unix_listener.h"
 #include "daemon/ucx_transport.h"
+#include "daemon/unix_listener.h"
 
 namespace grpc {
 class Server;
@@ -60,6 +61,9 @@ class Daemon {
   void WriteSnapshot(absl::string_view why);
 
   DaemonConfig config_;
+  // Held from the start to the end (after the snapshot is written); null without
+  // tiers.host.snapshot_file.
+  std::unique_ptr<snapshot::Claim> snapshot_claim_;
   metrics::Registry registry_;
   std::unique_ptr<TierService> core_;
   std::unique_ptr<UcxTransport> ucx_;  // null with ucx.enabled: false; outlived by core_

@@ -1,6 +1,7 @@
 #include "daemon/snapshot.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -123,15 +124,46 @@ std::string RecordHeader(Kind kind, const std::string& meta, uint64_t data_bytes
 
 }  // namespace
 
-absl::Status CheckDirectory(const std::string& path) {
+Claim::~Claim() { ::close(fd_); }  // closing the last descriptor of the lock drops it
+
+absl::StatusOr<std::unique_ptr<Claim>> ClaimFile(const std::string& path) {
   const std::string dir = DirectoryOf(path);
-  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+  const std::string lock = path + ".lock";
+  auto unwritable = [&](int err) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tiers.host.snapshot_file '", path, "': its directory '", dir,
-        "' is not one this process can write to (", std::strerror(errno),
+        "' is not one this process can write to (", std::strerror(err),
         "); create it, owned by proximad's user, or set tiers.host.snapshot_file to \"\""));
+  };
+  // The lock file alone could be writable in a directory that is not (the rename at shutdown
+  // needs the directory).
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) return unwritable(errno);
+  Fd fd(::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (fd.get() < 0) return unwritable(errno);
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tiers.host.snapshot_file '", path, "': cannot lock '", lock, "': ", std::strerror(err)));
+    }
+    // The holder wrote its pid when it took the lock (it may be taking it still: then unknown).
+    char pid[32] = {};
+    int read_err = 0;
+    ReadAt(fd.get(), 0, std::as_writable_bytes(std::span(pid, sizeof(pid) - 1)), &read_err);
+    std::string holder;
+    for (const char* c = pid; *c >= '0' && *c <= '9'; ++c) holder.push_back(*c);
+    if (holder.empty()) holder = "unknown";
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tiers.host.snapshot_file '", path, "' is in use by another proximad (pid ", holder,
+        ", which holds the lock '", lock, "'); give each proximad its own snapshot file"));
   }
-  return absl::OkStatus();
+  const std::string pid = absl::StrCat(::getpid(), "\n");
+  // The pid only names the holder in another start's error: a lock whose pid cannot be written
+  // still holds.
+  if (::ftruncate(fd.get(), 0) == 0) {
+    [[maybe_unused]] const ssize_t n = ::pwrite(fd.get(), pid.data(), pid.size(), 0);
+  }
+  return std::make_unique<Claim>(fd.Release());
 }
 
 absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::Time deadline) {
@@ -177,6 +209,7 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
       b.set_max_level(c->attributes.max_level);
       b.set_first_block(c->attributes.is_first_block);
       b.set_second_chance(c->attributes.second_chance);
+      b.set_reused(c->reused);
       const std::span<const std::byte> bytes = c->block.bytes;
       PROXIMA_RETURN_IF_ERROR(WriteAll(
           fd.get(), AsBytes(RecordHeader(kBlock, b.SerializeAsString(), bytes.size())), tmp));
@@ -266,6 +299,7 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
     uint32_t crc32c = 0;
     uint8_t level = 0;
     BlockAttributes attributes;
+    bool reused = false;
     size_t record = 0;
   };
   std::vector<Entry> entries;
@@ -368,6 +402,7 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
       e.attributes.max_level = static_cast<uint8_t>(b.max_level());
       e.attributes.is_first_block = b.first_block();
       e.attributes.second_chance = b.second_chance();
+      e.reused = b.reused();
       return absl::OkStatus();
     }();
     if (!ok.ok()) {
@@ -444,6 +479,9 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
         PutOutcome::kStored) {
       ++out.blocks;
       out.bytes += e.size;
+      // A block used again before the restart goes back to the protected segment, in the same
+      // order (the protected blocks come last here, coldest first).
+      if (e.reused) store.Touch(e.id);
     }
   }
   // The file was unlinked at the start: its last close gives its blocks back to the file system,

@@ -22,6 +22,7 @@
 #define PROXIMA_DAEMON_SNAPSHOT_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,10 +32,27 @@
 
 namespace proxima::daemon::snapshot {
 
-// Whether this process can create the snapshot file `path` (its directory exists and is
-// writable): FAILED_PRECONDITION naming tiers.host.snapshot_file, the directory and why. The
-// daemon checks it at start, so that a bad directory stops the start, not the shutdown later.
-absl::Status CheckDirectory(const std::string& path);
+// This daemon's hold on the snapshot file `path`: an exclusive lock (flock) on `path`.lock, which
+// names the holder's pid. Two daemons given the same file would write over each other's snapshot,
+// and the next start of either would read the other's blocks; the second one's start is refused
+// instead. The lock goes when the Claim is destroyed or the process ends, however it ends (a
+// SIGKILL included); the .lock file stays, empty of meaning once unlocked.
+class Claim {
+ public:
+  explicit Claim(int fd) : fd_(fd) {}
+  Claim(const Claim&) = delete;
+  Claim& operator=(const Claim&) = delete;
+  ~Claim();
+
+ private:
+  int fd_;
+};
+
+// Claims `path` for this process, at start, so that a bad directory stops the start, not the
+// shutdown later. FAILED_PRECONDITION naming tiers.host.snapshot_file when its directory is not
+// one this process can write to (naming the directory and why), or when another process holds
+// the file (naming its pid and the lock file).
+absl::StatusOr<std::unique_ptr<Claim>> ClaimFile(const std::string& path);
 
 struct Written {
   uint64_t profiles = 0;
@@ -63,7 +81,8 @@ struct Loaded {
 
 // Reads the snapshot at `path` into `core` (no file: found = false) and removes the file. The
 // blocks go in coldest first, so the most recently used before the restart are again the most
-// recently used; where the host tier is now smaller, the coldest are left out. REQUIRES: `core`
+// recently used, and those that were in the protected segment (used again) are again; where the
+// host tier is now smaller, the coldest are left out. REQUIRES: `core`
 // serves no call yet. An error (the file cannot be read or removed, its header is not a
 // snapshot's of this version) loads nothing and names the path and what was expected.
 absl::StatusOr<Loaded> Load(TierService& core, const std::string& path);

@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
@@ -85,6 +86,7 @@ class SnapshotTest : public ::testing::Test {
   void TearDown() override {
     ::unlink(path_.c_str());
     ::unlink((path_ + ".tmp").c_str());
+    ::unlink((path_ + ".lock").c_str());
     ::rmdir(dir_.c_str());
   }
 
@@ -263,6 +265,34 @@ TEST_F(SnapshotTest, TheMostRecentlyUsedComeBackMostRecentlyUsedAndFirstWhenTheT
   }
 }
 
+TEST_F(SnapshotTest, BlocksUsedAgainGoBackToTheProtectedSegmentAndOutliveAScanOfNewOnes) {
+  std::unique_ptr<TierService> before = Service(8 << 20);  // 16 blocks; protected: 3 (0.2)
+  const uint32_t a = before->NamespaceIndex("a").value();
+  ASSERT_OK(before->AddProfile(a, LargeProfile()).status());
+  const uint64_t profile = ProfileId(LargeProfile());
+  const uint64_t block_bytes = before->RegisteredBlockBytes(a, profile).value();
+  for (int n = 0; n < 8; ++n) Store(*before, {a, profile, Key(n), 0}, Pattern(n, block_bytes));
+  for (int n : {0, 1, 2}) ASSERT_TRUE(before->store().Touch({a, profile, Key(n), 0}));
+  ASSERT_EQ(before->store().protected_bytes(), 3 * block_bytes);
+  ASSERT_OK(snapshot::Write(*before, path_, absl::Now() + absl::Seconds(30)).status());
+
+  std::unique_ptr<TierService> after = Service(8 << 20);
+  ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+  EXPECT_EQ(l.blocks, 8u);
+  EXPECT_EQ(after->store().protected_bytes(), 3 * block_bytes);
+  // 16 new blocks, each put once (a long prompt nobody reads again): as before the restart, they
+  // push out the blocks used once, not the three used again.
+  for (int n = 100; n < 116; ++n) {
+    Store(*after, {a, profile, Key(n), 0}, Pattern(n, block_bytes));
+  }
+  for (int n : {0, 1, 2}) {
+    std::optional<std::pair<std::string, uint8_t>> s = Stored(*after, {a, profile, Key(n), 0});
+    ASSERT_TRUE(s.has_value()) << "block " << n << " was used again before the restart";
+    EXPECT_EQ(s->first, Pattern(n, block_bytes)) << "block " << n;
+  }
+  for (int n = 3; n < 8; ++n) EXPECT_FALSE(after->store().Contains({a, profile, Key(n), 0})) << n;
+}
+
 TEST_F(SnapshotTest, ADeadlineThatHasPassedWritesTheProfilesAndNoBlock) {
   std::unique_ptr<TierService> before = Filled();
   ASSERT_OK_AND_ASSIGN(snapshot::Written w, snapshot::Write(*before, path_, absl::InfinitePast()));
@@ -281,6 +311,25 @@ TEST_F(SnapshotTest, AnUnwritableDirectoryIsAnErrorNamingThePathAndLeavesNoFile)
               StatusIs(absl::StatusCode::kInternal,
                        AllOf(HasSubstr("no-such-dir/snapshot.tmp"), HasSubstr("No such file"))));
   EXPECT_EQ(CheckHeld(*before), blocks_.size());
+}
+
+TEST_F(SnapshotTest, OneDaemonAtATimeHoldsTheFileAndAnotherIsToldWhich) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<snapshot::Claim> first, snapshot::ClaimFile(path_));
+  const std::string pid = absl::StrCat(::getpid());
+  EXPECT_EQ(ReadFile(path_ + ".lock"), pid + "\n");
+  // flock locks belong to the open file, so a second claim in this process conflicts as another
+  // process's would.
+  EXPECT_THAT(snapshot::ClaimFile(path_),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("tiers.host.snapshot_file '" + path_ + "'"),
+                             HasSubstr("in use by another proximad (pid " + pid + ","),
+                             HasSubstr("'" + path_ + ".lock'"))));
+  first.reset();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<snapshot::Claim> second, snapshot::ClaimFile(path_));
+  EXPECT_THAT(snapshot::ClaimFile(dir_ + "/no-such-dir/snapshot"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("its directory '" + dir_ + "/no-such-dir'"),
+                             HasSubstr("is not one this process can write to"))));
 }
 
 TEST_F(SnapshotTest, AHeaderThatIsNotThisVersionsSnapshotLoadsNothingAndSaysWhy) {

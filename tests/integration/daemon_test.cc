@@ -197,6 +197,7 @@ class SnapshotIntegrationTest : public ::testing::Test {
   }
   void TearDown() override {
     unlink(file_.c_str());
+    unlink((file_ + ".lock").c_str());
     rmdir(dir_.c_str());
   }
 
@@ -291,6 +292,34 @@ TEST_F(SnapshotIntegrationTest, ASnapshotOutlivesAStartThatFails) {
 
   ASSERT_OK(daemon->Restart());
   EXPECT_EQ(Served(*daemon, p, 8, 8), 8u);
+}
+
+// Two daemons given one snapshot file would write over each other's blocks: the second start is
+// refused, naming the first's pid, for as long as the first runs (a SIGKILL frees the file too).
+TEST_F(SnapshotIntegrationTest, ASecondDaemonGivenTheSameFileIsRefusedWhileTheFirstRuns) {
+  std::unique_ptr<DaemonProcess> daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  const Profile p = Put(*daemon, 9, 6);
+  auto second = [&] {
+    return testing::RunCommand(
+        {testing::ProximadPath(), "--set=server.listen=127.0.0.1:0", "--set=server.unix_socket=",
+         "--set=server.metrics_listen=", "--set=tiers.host.capacity_bytes=16MiB",
+         "--set=tiers.host.snapshot_file=" + file_},
+        absl::Seconds(20));
+  };
+  testing::CommandResult r = second();
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("tiers.host.snapshot_file '", file_,
+                                            "' is in use by another proximad (pid ", daemon->pid(),
+                                            ", which holds the lock '", file_, ".lock')")));
+  EXPECT_EQ(Served(*daemon, p, 9, 6), 6u) << "the first daemon is unharmed";
+  // SIGKILL: its lock goes with it, so the next start takes the file; then that one holds it.
+  ASSERT_OK(daemon->Restart());
+  r = second();
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("(pid ", daemon->pid(), ",")));
+  Stop(*daemon);
+  EXPECT_EQ(access(file_.c_str(), F_OK), 0) << "the holder's snapshot is written";
 }
 
 TEST_F(SnapshotIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
