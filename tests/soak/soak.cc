@@ -23,6 +23,12 @@
 // may fail with UNAVAILABLE (counted, with how long after that they still failed); no other
 // request may fail, no answer may be wrong, and every node must see every node live at the end.
 //
+// With one node, --kill_every_s restarts that node (requests to it fail with UNAVAILABLE while it
+// is down, as above), and --snapshot gives it a snapshot file (tiers.host.snapshot_file): then a
+// TERM writes its blocks and the restart reads them back, each restart must load every block the
+// stop wrote and skip none, and every answer after it is checked as before: exact bytes, and no
+// block deleted before the stop may come back. Its RSS is not checked (the daemon restarts).
+//
 // Every --report_s seconds it prints one JSON line: throughput per operation, p50/p99 latency,
 // the daemon's RSS, errors and wrong bytes in that interval. At the end, one summary line and
 // the verdict: errors and wrong bytes must be zero, and RSS must be flat after warm-up (the
@@ -78,8 +84,11 @@ ABSL_FLAG(int, nodes, 1,
           "each request goes to a random node");
 
 ABSL_FLAG(int, kill_every_s, 0,
-          "with --nodes > 1: every this many seconds, SIGKILL a random node other than node 0 "
-          "mid-traffic and start it again --down_s later (0: never)");
+          "every this many seconds, SIGKILL a random node other than node 0 (with one node: "
+          "node 0) mid-traffic and start it again --down_s later (0: never)");
+ABSL_FLAG(bool, snapshot, false,
+          "with --nodes=1: the daemon keeps its blocks across its restarts in a snapshot file "
+          "(tiers.host.snapshot_file; use with --kill_signal=TERM)");
 ABSL_FLAG(std::vector<std::string>, set, {},
           "config overrides given to every daemon, as proximad's --set (comma-separated)");
 ABSL_FLAG(std::string, client_transport, "auto",
@@ -477,8 +486,12 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
         options.high_priority = high_priority(chain, first);
         absl::StatusOr<std::vector<client::PutOutcome>> r = c.Put(profile, keys, in, options);
         status = r.status();
-        for (size_t i = 0; r.ok() && i < kBatch; ++i) {
-          if ((*r)[i] != client::PutOutcome::kNoSpace) chain.blocks[first + i].maybe_stored = true;
+        for (size_t i = 0; i < kBatch; ++i) {
+          // A put that failed (its node went down under it) may have stored the block all the
+          // same.
+          if (!r.ok() || (*r)[i] != client::PutOutcome::kNoSpace) {
+            chain.blocks[first + i].maybe_stored = true;
+          }
         }
         break;
       }
@@ -579,6 +592,19 @@ int Main() {
                  nodes);
     return 2;
   }
+  const bool snapshot = absl::GetFlag(FLAGS_snapshot);
+  if (snapshot && (nodes > 1 || !oracle)) {
+    std::fprintf(stderr,
+                 "--snapshot needs --nodes=1 and --levels (a cluster hands its blocks "
+                 "off instead)\n");
+    return 2;
+  }
+  std::string snapshot_dir;
+  if (snapshot) {
+    char tmpl[] = "/tmp/proxima-soak-snapshot-XXXXXX";
+    snapshot_dir = mkdtemp(tmpl);
+    sets.push_back("tiers.host.snapshot_file=" + snapshot_dir + "/snapshot");
+  }
   std::vector<std::unique_ptr<testing::DaemonProcess>> daemons;
   std::vector<std::string> targets;
   std::string cluster_dir;
@@ -609,6 +635,7 @@ int Main() {
   }
   // Whether every node sees every node live within `timeout`.
   auto all_live = [&](absl::Duration timeout) {
+    if (nodes == 1) return true;  // no cluster; a (re)started daemon serves (DaemonProcess)
     const absl::Time give_up = absl::Now() + timeout;
     for (const auto& d : daemons) {
       while (true) {
@@ -636,8 +663,8 @@ int Main() {
   const int kill_signal = kill_signal_name == "TERM"   ? SIGTERM
                           : kill_signal_name == "STOP" ? SIGSTOP
                                                        : SIGKILL;
-  if (kill_every_s > 0 && nodes < 2) {
-    std::fprintf(stderr, "--kill_every_s needs --nodes of 2 or more (node 0 is never killed)\n");
+  if (kill_every_s > 0 && !oracle) {
+    std::fprintf(stderr, "--kill_every_s needs --levels\n");
     return 2;
   }
   Outages outages(nodes, std::chrono::seconds(absl::GetFlag(FLAGS_reconnect_grace_s)));
@@ -664,6 +691,8 @@ int Main() {
   uint64_t deleted_on_peers = 0;            // and those a peer had seen deleted (dropped)
   std::map<std::string, int> handoff_ends;  // why each hand-off stopped -> how many times
   int64_t slowest_rejoin_ms = 0;
+  uint64_t snapshot_written = 0;  // --snapshot: blocks the stops wrote
+  uint64_t snapshot_loaded = 0;   // and the restarts loaded
   std::string kill_failure;  // set by the killer; read after it is joined
   std::thread killer;
   if (kill_every_s > 0) {
@@ -677,7 +706,7 @@ int Main() {
         return !stop_killing.load();
       };
       while (sleep_unless_stopped(kill_every_s)) {
-        const size_t victim = 1 + rng() % (nodes - 1);
+        const size_t victim = nodes > 1 ? 1 + rng() % (nodes - 1) : 0;
         outages.Down(victim);
         daemons[victim]->Signal(kill_signal);
         // A TERM drains (server.shutdown_grace_seconds) and hands off (cluster.spill.handoff).
@@ -712,6 +741,27 @@ int Main() {
         }
         const bool live = started.ok() && all_live(absl::Seconds(30));
         outages.Up(victim);
+        if (live && snapshot && kill_signal == SIGTERM) {
+          // Every block the stop wrote came back, and no record was refused.
+          const std::string log = daemons[victim]->Log();
+          auto value = [&](const char* line, const char* key) {
+            return testing::LogValue(log, line, key).value_or("(none)");
+          };
+          constexpr char kWrote[] = "wrote the blocks to the snapshot for the next start";
+          constexpr char kLoaded[] = "loaded the blocks of the snapshot the last run wrote";
+          const std::string wrote = value(kWrote, "blocks");
+          const std::string loaded = value(kLoaded, "blocks");
+          if (wrote != loaded || value(kLoaded, "skipped") != "0" ||
+              value(kLoaded, "complete") != "1") {
+            kill_failure =
+                absl::StrCat("restart ", kills + 1, ": the stop wrote ", wrote,
+                             " blocks; the start loaded ", loaded, ", skipped ",
+                             value(kLoaded, "skipped"), ", complete ", value(kLoaded, "complete"));
+            return;
+          }
+          snapshot_written += std::strtoull(wrote.c_str(), nullptr, 10);
+          snapshot_loaded += std::strtoull(loaded.c_str(), nullptr, 10);
+        }
         if (!live) {
           kill_failure = started.ok() ? absl::StrCat("node ", victim,
                                                      " was not live on every node within 30 s "
@@ -731,9 +781,9 @@ int Main() {
       }
     });
   }
-  // The daemons' RSS together (with --kill_every_s, node 0's alone: the others restart); an
-  // error when one is gone.
-  const size_t watched = kill_every_s > 0 ? 1 : daemons.size();
+  // The daemons' RSS together (with --kill_every_s, node 0's alone: the others restart; none
+  // when node 0 restarts too); an error when one is gone.
+  const size_t watched = kill_every_s == 0 ? daemons.size() : nodes > 1 ? 1 : 0;
   auto resident = [&]() -> absl::StatusOr<uint64_t> {
     uint64_t sum = 0;
     for (size_t i = 0; i < watched; ++i) {
@@ -808,8 +858,9 @@ int Main() {
     stored_levels.resize(oracle->num_levels() + 1);
     for (uint64_t n : stored_levels) every_level = every_level && n > 0;
   }
-  const bool pass = total_errors == 0 && total_wrong == 0 && rss_after_warmup > 0 &&
-                    growth_mib <= absl::GetFlag(FLAGS_rss_growth_mib) && total_ops > 0 &&
+  const bool rss_flat =
+      watched == 0 || (rss_after_warmup > 0 && growth_mib <= absl::GetFlag(FLAGS_rss_growth_mib));
+  const bool pass = total_errors == 0 && total_wrong == 0 && rss_flat && total_ops > 0 &&
                     every_level && rejoined && (kill_every_s == 0 || kills > 0);
   std::string summary =
       absl::StrCat("{\"bench\":\"soak\",\"summary\":true,\"seconds\":", elapsed,
@@ -861,6 +912,10 @@ int Main() {
                       ",\"unavailable_while_down\":", rec.unavailable(),
                       ",\"unavailable_after_up_ms\":", rec.unavailable_after_up_ms(),
                       ",\"rejoined\":", rejoined ? "true" : "false");
+      if (snapshot) {
+        absl::StrAppend(&summary, ",\"snapshot_written_blocks\":", snapshot_written,
+                        ",\"snapshot_loaded_blocks\":", snapshot_loaded);
+      }
     }
   }
   for (int op = 0; op < num_ops; ++op) {
@@ -870,8 +925,8 @@ int Main() {
       &summary, ",\"get_hit_ratio\":", rec.get_hit_ratio(), ",\"capacity_mib\":", capacity >> 20,
       ",\"rss_after_warmup_mib\":", rss_after_warmup >> 20, ",\"rss_end_mib\":", rss_last >> 20,
       ",\"rss_max_mib\":", rss_max >> 20, ",\"rss_growth_mib\":", growth_mib,
-      ",\"errors\":", total_errors, ",\"wrong_bytes\":", total_wrong, ",\"verdict\":\"",
-      pass ? "pass" : "fail", "\"}");
+      ",\"rss_checked\":", watched > 0 ? "true" : "false", ",\"errors\":", total_errors,
+      ",\"wrong_bytes\":", total_wrong, ",\"verdict\":\"", pass ? "pass" : "fail", "\"}");
   std::printf("%s\n", summary.c_str());
   if (!first_error.empty()) std::fprintf(stderr, "first error: %s\n", first_error.c_str());
   if (!first_wrong.empty()) std::fprintf(stderr, "first wrong answer: %s\n", first_wrong.c_str());
@@ -880,6 +935,7 @@ int Main() {
     std::fprintf(stderr, "no node was killed: give --duration_s more than --kill_every_s\n");
   }
   if (!cluster_dir.empty()) std::filesystem::remove_all(cluster_dir);
+  if (!snapshot_dir.empty()) std::filesystem::remove_all(snapshot_dir);
   if (!every_level) {
     std::fprintf(stderr,
                  "no stored answer at some level (per level: %s): the soak did not "
