@@ -65,6 +65,7 @@ bool LoadSnapshot(TierService& core, const std::string& file) {
       << log::Kv("blocks", loaded->blocks) << log::Kv("bytes", loaded->bytes)
       << log::Kv("profiles", loaded->profiles) << log::Kv("skipped", loaded->skipped)
       << log::Kv("no_room_blocks", loaded->no_room) << log::Kv("complete", loaded->complete)
+      << log::Kv("decoded_blocks", loaded->decoded)
       << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
   for (const std::string& p : loaded->problems) {
     PROXIMA_LOG(kWarning) << "snapshot record not loaded" << log::Kv("file", file)

@@ -19,6 +19,7 @@
 #include "common/crc32c.h"
 #include "common/parallel.h"
 #include "common/status_macros.h"
+#include "kernels/codec.h"
 #include "proxima/v1/snapshot.pb.h"
 
 namespace proxima::daemon::snapshot {
@@ -205,6 +206,10 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
       b.set_profile_id(id.profile_id);
       b.set_key(reinterpret_cast<const char*>(id.key.data()), kKeyBytes);
       b.set_level(c->block.level);
+      if (const std::vector<codec::CodecPlan>& plans = core.LevelPlans(id.namespace_index);
+          c->block.level > 0 && c->block.level <= plans.size()) {
+        b.set_plan(plans[c->block.level - 1].ToString());
+      }
       b.set_crc32c(c->block.crc32c);
       b.set_max_level(c->attributes.max_level);
       b.set_first_block(c->attributes.is_first_block);
@@ -297,10 +302,13 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
     uint64_t size = 0;
     uint64_t block_bytes = 0;
     uint32_t crc32c = 0;
-    uint8_t level = 0;
+    uint8_t level = 0;      // of the bytes in the file
+    uint8_t level_now = 0;  // in this daemon's hierarchy
+    bool decode = false;    // stored raw: its level's plan is not in this daemon's hierarchy
     BlockAttributes attributes;
     bool reused = false;
     size_t record = 0;
+    uint64_t tier_bytes() const { return decode ? block_bytes : size; }
   };
   std::vector<Entry> entries;
   uint64_t offset = kFileHeaderBytes;
@@ -398,6 +406,18 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
         return absl::InvalidArgumentError(absl::StrCat("its data ", s.message()));
       }
       e.level = static_cast<uint8_t>(b.level());
+      e.level_now = e.level;
+      if (e.level > 0 && !b.plan().empty()) {
+        // The block keeps its encoding under the level of this daemon's hierarchy with the same
+        // plan; with none (the hierarchy changed), it is stored raw, and the tierer encodes it
+        // down this hierarchy as pressure asks.
+        const std::vector<codec::CodecPlan>& plans = core.LevelPlans(e.id.namespace_index);
+        auto same = std::find_if(plans.begin(), plans.end(), [&](const codec::CodecPlan& p) {
+          return p.ToString() == b.plan();
+        });
+        e.decode = same == plans.end();
+        e.level_now = e.decode ? 0 : static_cast<uint8_t>(same - plans.begin() + 1);
+      }
       e.crc32c = b.crc32c();
       e.attributes.max_level = static_cast<uint8_t>(b.max_level());
       e.attributes.is_first_block = b.first_block();
@@ -419,8 +439,8 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
   BlockStore& store = core.store();
   uint64_t fit = 0;
   size_t keep = 0;
-  while (keep < entries.size() && fit + entries[keep].size <= store.capacity_bytes()) {
-    fit += entries[keep++].size;
+  while (keep < entries.size() && fit + entries[keep].tier_bytes() <= store.capacity_bytes()) {
+    fit += entries[keep++].tier_bytes();
   }
   out.no_room = entries.size() - keep;
   // Read in file order (the disk's readahead follows), a batch at a time: tier memory for each
@@ -434,6 +454,7 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
   struct Item {
     const Entry* e = nullptr;
     std::optional<BlockStore::PendingBlock> p;
+    uint32_t crc32c = 0;  // of the bytes in `p`
     std::string problem;  // empty: read and checked
   };
   std::vector<Item> items;
@@ -443,7 +464,7 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
     for (size_t i = begin; i < std::min(keep, begin + kBatch); ++i) {
       Item item;
       item.e = &entries[i];
-      item.p = store.Reserve(item.e->size);
+      item.p = store.Reserve(item.e->tier_bytes());
       if (!item.p) {
         ++out.no_room;
         continue;
@@ -453,16 +474,30 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
     ParallelFor(items.size() - first, threads, [&](size_t j) {
       Item& item = items[first + j];
       const Entry& e = *item.e;
+      // A block to decode is read into a buffer of its own, then decoded into tier memory.
+      std::string encoded(e.decode ? e.size : 0, '\0');
+      const std::span<std::byte> read_into =
+          e.decode ? std::as_writable_bytes(std::span(encoded.data(), encoded.size()))
+                   : item.p->bytes();
       int read_err = 0;
-      if (!ReadAt(fd.get(), e.offset, item.p->bytes(), &read_err)) {
+      if (!ReadAt(fd.get(), e.offset, read_into, &read_err)) {
         item.problem = absl::StrCat("cannot read its bytes: ",
                                     read_err != 0 ? std::strerror(read_err) : "cut short");
-      } else if (const uint32_t crc = Crc32c(item.p->bytes()); crc != e.crc32c) {
+      } else if (const uint32_t crc = Crc32c(read_into); crc != e.crc32c) {
         item.problem =
             absl::StrFormat("its bytes have CRC32C 0x%08x; expected 0x%08x", crc, e.crc32c);
-      } else if (absl::Status c = CheckStoredContainer(e.level, item.p->bytes(), e.block_bytes);
+      } else if (absl::Status c = CheckStoredContainer(e.level, read_into, e.block_bytes);
                  !c.ok()) {
         item.problem = absl::StrCat("its data ", c.message());
+      } else if (!e.decode) {
+        item.crc32c = e.crc32c;
+      } else if (absl::Status d = codec::DecodeBlock(read_into, item.p->bytes()); !d.ok()) {
+        item.problem = absl::StrCat(
+            "its level's plan is not in this hierarchy, and it does not "
+            "decode: ",
+            d.message());
+      } else {
+        item.crc32c = Crc32c(item.p->bytes());
       }
     });
   }
@@ -475,10 +510,11 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
                            core.NamespaceName(e.id.namespace_index), "') skipped: ", item.problem));
       continue;
     }
-    if (store.Commit(e.id, *std::move(item.p), e.crc32c, e.attributes, e.level) ==
+    if (store.Commit(e.id, *std::move(item.p), item.crc32c, e.attributes, e.level_now) ==
         PutOutcome::kStored) {
       ++out.blocks;
-      out.bytes += e.size;
+      out.bytes += e.tier_bytes();
+      out.decoded += e.decode ? 1 : 0;
       // A block used again before the restart goes back to the protected segment, in the same
       // order (the protected blocks come last here, coldest first).
       if (e.reused) store.Touch(e.id);

@@ -73,7 +73,10 @@ struct Loaded {
   bool complete = false;  // it ended with its end record
   uint64_t profiles = 0;
   uint64_t blocks = 0;  // blocks stored from it
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;   // that they take in the tier
+  // Of `blocks`, those whose level's codec plan the namespace's hierarchy no longer has (its
+  // config changed), stored decoded, raw.
+  uint64_t decoded = 0;
   uint64_t skipped = 0;  // block or profile records refused (`problems` says why)
   uint64_t no_room = 0;  // blocks left out because the hotter ones filled the host tier
   std::vector<std::string> problems;  // the first few reasons, each naming its record
@@ -82,7 +85,9 @@ struct Loaded {
 // Reads the snapshot at `path` into `core` (no file: found = false) and removes the file. The
 // blocks go in coldest first, so the most recently used before the restart are again the most
 // recently used, and those that were in the protected segment (used again) are again; where the
-// host tier is now smaller, the coldest are left out. REQUIRES: `core`
+// host tier is now smaller, the coldest are left out. An encoded block keeps its encoding at the
+// level of the namespace's hierarchy with the same codec plan, and is decoded when the hierarchy
+// has none (a block's level always names a plan of the current config). REQUIRES: `core`
 // serves no call yet. An error (the file cannot be read or removed, its header is not a
 // snapshot's of this version) loads nothing and names the path and what was expected.
 absl::StatusOr<Loaded> Load(TierService& core, const std::string& path);

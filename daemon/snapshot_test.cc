@@ -90,9 +90,11 @@ class SnapshotTest : public ::testing::Test {
     ::rmdir(dir_.c_str());
   }
 
-  // Namespaces "a" (open) and "p" (private prefixes: scopes alice and bob, partitions 1 and 2,
-  // or 2 and 1 with `bob_first`).
-  std::unique_ptr<TierService> Service(uint64_t capacity, bool bob_first = false) {
+  // Namespaces "a" (open; compressed down the hierarchy `a_levels`, plan texts, when given) and
+  // "p" (private prefixes: scopes alice and bob, partitions 1 and 2, or 2 and 1 with
+  // `bob_first`).
+  std::unique_ptr<TierService> Service(uint64_t capacity, bool bob_first = false,
+                                       const std::vector<std::string>& a_levels = {}) {
     DaemonConfig config;
     config.host_tier.capacity_bytes = capacity;
     TokenConfig alice{"alice", "", "PXT_SNAP_ALICE", TokenAccess::kReadWrite, ""};
@@ -100,6 +102,14 @@ class SnapshotTest : public ::testing::Test {
     config.namespaces = {{"a"},
                          {"p", bob_first ? std::vector{bob, alice} : std::vector{alice, bob},
                           /*private_prefixes=*/true}};
+    CompressionConfig& c = config.namespaces[0].compression;
+    c.enabled = !a_levels.empty();
+    c.levels = a_levels;
+    for (const std::string& text : a_levels) {
+      absl::StatusOr<codec::CodecPlan> plan = codec::ParseCodecPlan(text);
+      EXPECT_OK(plan.status());
+      if (plan.ok()) c.plans.push_back(*plan);
+    }
     registries_.push_back(std::make_unique<metrics::Registry>());
     absl::StatusOr<std::unique_ptr<TierService>> s =
         TierService::Create(config, registries_.back().get());
@@ -291,6 +301,81 @@ TEST_F(SnapshotTest, BlocksUsedAgainGoBackToTheProtectedSegmentAndOutliveAScanOf
     EXPECT_EQ(s->first, Pattern(n, block_bytes)) << "block " << n;
   }
   for (int n = 3; n < 8; ++n) EXPECT_FALSE(after->store().Contains({a, profile, Key(n), 0})) << n;
+}
+
+TEST_F(SnapshotTest, AfterAHierarchyChangeABlockKeepsItsEncodingOnlyWhereItsPlanIsStillALevel) {
+  // Written by a daemon whose "a" compresses int8, then int4; read by one that compresses int4,
+  // then int2, and by one that does not compress.
+  std::unique_ptr<TierService> before = Service(4 << 20, false, {"int8", "int4"});
+  const uint32_t a = before->NamespaceIndex("a").value();
+  const v1::ModelProfile tiny = proxima::testing::TinyProfile("snapshot-tiny");
+  ASSERT_OK(before->AddProfile(a, tiny).status());
+  const uint64_t profile = ProfileId(tiny);
+  codec::BlockGeometry g;
+  g.num_layers = 2;
+  g.num_kv_heads = 2;
+  g.head_dim = 8;
+  g.tokens_per_block = 4;
+  g.dtype = codec::DType::kBf16;
+  std::string raw(proxima::testing::kTinyBlockBytes, '\0');
+  for (size_t i = 0; i < raw.size(); i += 2) {
+    raw[i] = static_cast<char>(i * 5 + 1);
+    raw[i + 1] = static_cast<char>(0x3f);
+  }
+  std::string int8, int4;
+  ASSERT_OK(
+      codec::EncodeBlock(g, codec::ParseCodecPlan("int8").value(), false, AsBytes(raw), {}, &int8));
+  ASSERT_OK(
+      codec::EncodeBlock(g, codec::ParseCodecPlan("int4").value(), false, AsBytes(raw), {}, &int4));
+  std::string int8_decoded(raw.size(), '\0');
+  ASSERT_OK(codec::DecodeBlock(
+      AsBytes(int8), std::as_writable_bytes(std::span(int8_decoded.data(), int8_decoded.size()))));
+  std::string int4_decoded(raw.size(), '\0');
+  ASSERT_OK(codec::DecodeBlock(
+      AsBytes(int4), std::as_writable_bytes(std::span(int4_decoded.data(), int4_decoded.size()))));
+  BlockAttributes attributes;
+  attributes.max_level = 2;
+  const BlockId raw_id{a, profile, Key(0), 0}, int8_id{a, profile, Key(1), 0},
+      int4_id{a, profile, Key(2), 0};
+  Store(*before, raw_id, raw, 0, attributes);
+  Store(*before, int8_id, int8, 1, attributes);
+  Store(*before, int4_id, int4, 2, attributes);
+  ASSERT_OK(snapshot::Write(*before, path_, absl::InfiniteFuture()).status());
+  const std::string file = ReadFile(path_);
+
+  {
+    std::unique_ptr<TierService> after = Service(4 << 20, false, {"int4", "int2"});
+    ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+    EXPECT_EQ(l.blocks, 3u);
+    EXPECT_EQ(l.decoded, 1u);
+    EXPECT_EQ(l.skipped, 0u);
+    // int4 is level 1 here: the same bytes, under that level.
+    EXPECT_EQ(Stored(*after, int4_id), std::make_pair(int4, uint8_t{1}));
+    // int8 is no level here: the block, decoded, raw (the tierer takes it down int4 and int2).
+    EXPECT_EQ(Stored(*after, int8_id), std::make_pair(int8_decoded, uint8_t{0}));
+    EXPECT_EQ(Stored(*after, raw_id), std::make_pair(raw, uint8_t{0}));
+    EXPECT_EQ(after->store().level_blocks(1), 1u);
+    EXPECT_EQ(after->store().level_blocks(2), 0u);
+  }
+  {
+    WriteFile(path_, file);
+    std::unique_ptr<TierService> after = Service(4 << 20);  // no compression
+    ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+    EXPECT_EQ(l.blocks, 3u);
+    EXPECT_EQ(l.decoded, 2u);
+    EXPECT_EQ(l.bytes, 3 * raw.size());
+    EXPECT_EQ(Stored(*after, int8_id), std::make_pair(int8_decoded, uint8_t{0}));
+    EXPECT_EQ(Stored(*after, int4_id), std::make_pair(int4_decoded, uint8_t{0}));
+  }
+  {
+    // The same hierarchy: every block as it was.
+    WriteFile(path_, file);
+    std::unique_ptr<TierService> after = Service(4 << 20, false, {"int8", "int4"});
+    ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+    EXPECT_EQ(l.decoded, 0u);
+    EXPECT_EQ(Stored(*after, int8_id), std::make_pair(int8, uint8_t{1}));
+    EXPECT_EQ(Stored(*after, int4_id), std::make_pair(int4, uint8_t{2}));
+  }
 }
 
 TEST_F(SnapshotTest, ADeadlineThatHasPassedWritesTheProfilesAndNoBlock) {

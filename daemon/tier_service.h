@@ -223,6 +223,12 @@ class TierService {
   std::optional<std::string> PartitionScope(uint32_t ns, uint32_t partition) const;
   std::optional<uint32_t> ScopePartition(uint32_t ns, const std::string& scope) const;
 
+  // Namespace `ns`'s compression hierarchy: element k is the plan of level k + 1 (empty when
+  // its compression is off).
+  const std::vector<codec::CodecPlan>& LevelPlans(uint32_t ns) const {
+    return config_.namespaces[ns].compression.plans;
+  }
+
   BlockStore& store() { return *store_; }
   Tierer& tierer() { return *tierer_; }
   uint32_t max_batch_blocks() const { return config_.server.max_batch_blocks; }
