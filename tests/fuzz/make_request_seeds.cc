@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/crc32c.h"
 #include "common/testing/tiny_profile.h"
@@ -134,14 +135,17 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
   }
 }
 
-// Snapshot seeds: one of every kind of block (raw and int8 in "open", alice's and bob's in "p"),
-// and one of the profiles alone (a deadline that had passed).
-void WriteSnapshotSeeds(const std::string& snapshot_dir) {
+// One snapshot seed at `path`, written by a daemon whose "open" namespace compresses down
+// `levels`: the int8 block at `int8_level`; with `all_kinds`, `path` is a directory and it holds
+// every kind of block besides, and one file of the profiles alone.
+void WriteSnapshotSeed(const std::string& path, const std::vector<std::string>& levels,
+                       uint8_t int8_level, bool all_kinds) {
   using proxima::daemon::BlockId;
   proxima::metrics::Registry registry;
-  auto core =
-      proxima::daemon::TierService::Create(proxima::daemon::fuzz::SnapshotFuzzConfig(), &registry);
+  auto core = proxima::daemon::TierService::Create(
+      proxima::daemon::fuzz::SnapshotFuzzConfig(levels), &registry);
   if (!core.ok()) std::abort();
+  (*core)->tierer().Stop();
   const proxima::v1::ModelProfile profile = SmallProfile();
   const uint64_t id = proxima::daemon::ProfileId(profile);
   for (uint32_t ns : {0u, 1u}) {
@@ -164,20 +168,35 @@ void WriteSnapshotSeeds(const std::string& snapshot_dir) {
         proxima::Crc32c(std::as_bytes(std::span<const char>(bytes.data(), bytes.size()))),
         attributes, level);
   };
+  store(0, 0, 'e', encoded, int8_level);
+  if (!all_kinds) {
+    if (!proxima::daemon::snapshot::Write(**core, path, absl::InfiniteFuture()).ok()) std::abort();
+    ++n;
+    return;
+  }
   store(0, 0, 'a', raw, 0);
   store(0, 0, 'b', std::string(512, 'b'), 0);
-  store(0, 0, 'e', encoded, 1);
   store(1, 1, 'a', raw, 0);
   store(1, 2, 'a', std::string(512, 'z'), 0);
-  if (!proxima::daemon::snapshot::Write(**core, snapshot_dir + "/seed_blocks",
-                                        absl::InfiniteFuture())
+  if (!proxima::daemon::snapshot::Write(**core, path + "/seed_blocks", absl::InfiniteFuture())
            .ok() ||
-      !proxima::daemon::snapshot::Write(**core, snapshot_dir + "/seed_profiles_only",
-                                        absl::InfinitePast())
+      !proxima::daemon::snapshot::Write(**core, path + "/seed_profiles_only", absl::InfinitePast())
            .ok()) {
     std::abort();
   }
   n += 2;
+}
+
+// Snapshot seeds: one of every kind of block (raw and int8 in "open", alice's and bob's in "p"),
+// and one of the profiles alone (a deadline that had passed); then the int8 block written by
+// daemons with other hierarchies: at level 2 of "int2;int8" (found at level 1 when loaded) and
+// at level 1 of "fp8" (a plan the loader's hierarchy lacks: decoded).
+void WriteSnapshotSeeds(const std::string& snapshot_dir) {
+  WriteSnapshotSeed(snapshot_dir, {"int8", "int4"}, 1, /*all_kinds=*/true);
+  WriteSnapshotSeed(snapshot_dir + "/seed_int8_at_level_2_of_int2_int8", {"int2", "int8"}, 2,
+                    /*all_kinds=*/false);
+  WriteSnapshotSeed(snapshot_dir + "/seed_int8_under_a_plan_no_longer_a_level", {"fp8"}, 1,
+                    /*all_kinds=*/false);
 }
 
 }  // namespace

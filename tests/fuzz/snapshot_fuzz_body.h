@@ -3,8 +3,8 @@
 //
 // Input: the bytes of a snapshot file (tiers.host.snapshot_file, docs/format.md section 6) as a
 // damaged disk, another version or a hostile local process could leave it. It is loaded by
-// snapshot::Load into a fresh TierService (namespaces "open" and "p", the latter with private
-// prefixes and scopes alice and bob, as the seeds were written with; a 1 MiB host tier). Checked
+// snapshot::Load into a fresh TierService (namespaces "open", compressed int8 then int4, and "p",
+// with private prefixes and scopes alice and bob; a 1 MiB host tier). Checked
 // besides "no crash, no hang, no sanitizer report":
 //  - every error carries a message, and so does every refused record;
 //  - the file is gone afterwards (read once), whether or not it loaded;
@@ -22,15 +22,19 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "daemon/metrics.h"
 #include "daemon/snapshot.h"
 #include "daemon/tier_service.h"
+#include "kernels/codec.h"
 
 namespace proxima::daemon::fuzz {
 
-// The configuration the seeds were written with (tests/fuzz/make_request_seeds.cc).
-inline DaemonConfig SnapshotFuzzConfig() {
+// The configuration the seeds are loaded with, and most were written with
+// (tests/fuzz/make_request_seeds.cc); `open_levels`: the hierarchy of "open" (plan texts).
+inline DaemonConfig SnapshotFuzzConfig(const std::vector<std::string>& open_levels = {"int8",
+                                                                                      "int4"}) {
   setenv("PROXIMA_SNAPSHOT_FUZZ_ALICE", "alice-snapshot-fuzz-token-0123456789", 0);
   setenv("PROXIMA_SNAPSHOT_FUZZ_BOB", "bob-snapshot-fuzz-token-0123456789", 0);
   DaemonConfig config;
@@ -40,6 +44,14 @@ inline DaemonConfig SnapshotFuzzConfig() {
                         {{"alice", "", "PROXIMA_SNAPSHOT_FUZZ_ALICE", TokenAccess::kReadWrite, ""},
                          {"bob", "", "PROXIMA_SNAPSHOT_FUZZ_BOB", TokenAccess::kReadWrite, ""}},
                         /*private_prefixes=*/true}};
+  CompressionConfig& c = config.namespaces[0].compression;
+  c.enabled = true;
+  c.levels = open_levels;
+  for (const std::string& text : open_levels) {
+    absl::StatusOr<codec::CodecPlan> plan = codec::ParseCodecPlan(text);
+    if (!plan.ok()) std::abort();
+    c.plans.push_back(*plan);
+  }
   return config;
 }
 
@@ -59,6 +71,7 @@ inline bool RunSnapshotInput(const uint8_t* data, size_t size) {
   absl::StatusOr<std::unique_ptr<TierService>> core =
       TierService::Create(SnapshotFuzzConfig(), &registry);
   if (!core.ok()) std::abort();
+  (*core)->tierer().Stop();  // "open" compresses: nothing may change the blocks under the checks
   absl::StatusOr<snapshot::Loaded> loaded = snapshot::Load(**core, path);
   if (::access(path.c_str(), F_OK) == 0) std::abort();  // read once, loaded or not
   if (!loaded.ok()) {
