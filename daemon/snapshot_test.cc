@@ -136,6 +136,37 @@ class SnapshotTest : public ::testing::Test {
         std::string(reinterpret_cast<const char*>(r->bytes.data()), r->bytes.size()), r->level);
   }
 
+  // A raw block of the tiny profile: small bf16 values (a random pattern's bytes would hold NaNs
+  // and infinities), varied by `seed`.
+  static std::string TinyRaw(int seed) {
+    std::string raw(proxima::testing::kTinyBlockBytes, '\0');
+    for (size_t i = 0; i < raw.size(); i += 2) {
+      raw[i] = static_cast<char>(i * 7 + seed);
+      raw[i + 1] = static_cast<char>(0x3f);
+    }
+    return raw;
+  }
+  // `raw` (a block of the tiny profile) encoded with `plan_text`, and an encoded block decoded.
+  static std::string TinyEncoded(const std::string& raw, const char* plan_text, bool first) {
+    codec::BlockGeometry g;
+    g.num_layers = 2;
+    g.num_kv_heads = 2;
+    g.head_dim = 8;
+    g.tokens_per_block = 4;
+    g.dtype = codec::DType::kBf16;
+    absl::StatusOr<codec::CodecPlan> plan = codec::ParseCodecPlan(plan_text);
+    EXPECT_OK(plan.status());
+    std::string encoded;
+    if (plan.ok()) EXPECT_OK(codec::EncodeBlock(g, *plan, first, AsBytes(raw), {}, &encoded));
+    return encoded;
+  }
+  static std::string Decoded(const std::string& encoded) {
+    std::string raw(proxima::testing::kTinyBlockBytes, '\0');
+    EXPECT_OK(codec::DecodeBlock(AsBytes(encoded),
+                                 std::as_writable_bytes(std::span(raw.data(), raw.size()))));
+    return raw;
+  }
+
   // A service holding the blocks of `blocks_`: 4 raw and 2 encoded (int8, int4) in "a", one of
   // alice's and one of bob's in "p"; returns it.
   std::unique_ptr<TierService> Filled() {
@@ -146,12 +177,6 @@ class SnapshotTest : public ::testing::Test {
     EXPECT_OK(core->AddProfile(a, tiny).status());
     EXPECT_OK(core->AddProfile(p, tiny).status());
     const uint64_t profile = ProfileId(tiny);
-    codec::BlockGeometry g;
-    g.num_layers = 2;
-    g.num_kv_heads = 2;
-    g.head_dim = 8;
-    g.tokens_per_block = 4;
-    g.dtype = codec::DType::kBf16;
     blocks_.clear();
     for (int n = 0; n < 4; ++n) {
       blocks_.push_back(
@@ -159,16 +184,7 @@ class SnapshotTest : public ::testing::Test {
     }
     int n = 4;
     for (const char* plan_text : {"int8", "int4"}) {
-      absl::StatusOr<codec::CodecPlan> plan = codec::ParseCodecPlan(plan_text);
-      EXPECT_OK(plan.status());
-      // Small bf16 values (a random pattern's bytes would hold NaNs and infinities).
-      std::string raw(proxima::testing::kTinyBlockBytes, '\0');
-      for (size_t i = 0; i < raw.size(); i += 2) {
-        raw[i] = static_cast<char>(i * 7 + n);
-        raw[i + 1] = static_cast<char>(0x3f);
-      }
-      std::string encoded;
-      EXPECT_OK(codec::EncodeBlock(g, *plan, n == 4, AsBytes(raw), {}, &encoded));
+      const std::string encoded = TinyEncoded(TinyRaw(n), plan_text, n == 4);
       BlockAttributes attributes;
       attributes.max_level = 2;
       attributes.is_first_block = n == 4;
@@ -311,28 +327,11 @@ TEST_F(SnapshotTest, AfterAHierarchyChangeABlockKeepsItsEncodingOnlyWhereItsPlan
   const v1::ModelProfile tiny = proxima::testing::TinyProfile("snapshot-tiny");
   ASSERT_OK(before->AddProfile(a, tiny).status());
   const uint64_t profile = ProfileId(tiny);
-  codec::BlockGeometry g;
-  g.num_layers = 2;
-  g.num_kv_heads = 2;
-  g.head_dim = 8;
-  g.tokens_per_block = 4;
-  g.dtype = codec::DType::kBf16;
-  std::string raw(proxima::testing::kTinyBlockBytes, '\0');
-  for (size_t i = 0; i < raw.size(); i += 2) {
-    raw[i] = static_cast<char>(i * 5 + 1);
-    raw[i + 1] = static_cast<char>(0x3f);
-  }
-  std::string int8, int4;
-  ASSERT_OK(
-      codec::EncodeBlock(g, codec::ParseCodecPlan("int8").value(), false, AsBytes(raw), {}, &int8));
-  ASSERT_OK(
-      codec::EncodeBlock(g, codec::ParseCodecPlan("int4").value(), false, AsBytes(raw), {}, &int4));
-  std::string int8_decoded(raw.size(), '\0');
-  ASSERT_OK(codec::DecodeBlock(
-      AsBytes(int8), std::as_writable_bytes(std::span(int8_decoded.data(), int8_decoded.size()))));
-  std::string int4_decoded(raw.size(), '\0');
-  ASSERT_OK(codec::DecodeBlock(
-      AsBytes(int4), std::as_writable_bytes(std::span(int4_decoded.data(), int4_decoded.size()))));
+  const std::string raw = TinyRaw(1);
+  const std::string int8 = TinyEncoded(raw, "int8", false);
+  const std::string int4 = TinyEncoded(raw, "int4", false);
+  const std::string int8_decoded = Decoded(int8);
+  const std::string int4_decoded = Decoded(int4);
   BlockAttributes attributes;
   attributes.max_level = 2;
   const BlockId raw_id{a, profile, Key(0), 0}, int8_id{a, profile, Key(1), 0},
