@@ -114,6 +114,10 @@ struct BlockAttributes {
                                 // committed as the coldest block (the first to be evicted)
   bool handed_off = false;      // with from_peer: handed off by a peer that shut down, committed
                                 // as recently used (its workers go on reading it from here)
+  // The put's own hints, from which the fields above were derived (Tierer::AttributesFor), kept
+  // so that a daemon configured otherwise derives them again (a snapshot read at its start).
+  int64_t position = -1;  // the block's index in its sequence; -1 unknown
+  bool high_priority = false;
 };
 
 struct StoredBlock;

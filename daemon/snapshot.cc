@@ -215,6 +215,8 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
       b.set_first_block(c->attributes.is_first_block);
       b.set_second_chance(c->attributes.second_chance);
       b.set_reused(c->reused);
+      b.set_high_priority(c->attributes.high_priority);
+      b.set_position(c->attributes.position);
       const std::span<const std::byte> bytes = c->block.bytes;
       PROXIMA_RETURN_IF_ERROR(WriteAll(
           fd.get(), AsBytes(RecordHeader(kBlock, b.SerializeAsString(), bytes.size())), tmp));
@@ -422,6 +424,15 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
       e.attributes.max_level = static_cast<uint8_t>(b.max_level());
       e.attributes.is_first_block = b.first_block();
       e.attributes.second_chance = b.second_chance();
+      if (b.has_high_priority()) {
+        // As a Put under this config would have them (its hierarchy may be deeper or shallower,
+        // or compress where the writer's did not).
+        BlockAttributes put;
+        put.position = b.position();
+        put.high_priority = b.high_priority();
+        put.second_chance = b.second_chance();
+        e.attributes = core.AttributesAgain(e.id.namespace_index, e.id.profile_id, put);
+      }
       e.reused = b.reused();
       return absl::OkStatus();
     }();

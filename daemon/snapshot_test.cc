@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -374,6 +375,42 @@ TEST_F(SnapshotTest, AfterAHierarchyChangeABlockKeepsItsEncodingOnlyWhereItsPlan
     EXPECT_EQ(l.decoded, 0u);
     EXPECT_EQ(Stored(*after, int8_id), std::make_pair(int8, uint8_t{1}));
     EXPECT_EQ(Stored(*after, int4_id), std::make_pair(int4, uint8_t{2}));
+  }
+}
+
+TEST_F(SnapshotTest, AfterAConfigChangeTheBlocksMayReachTheNewHierarchysLevels) {
+  // Each block's attributes are derived again from its put's hints: the deepest level it may
+  // reach follows the new hierarchy, and a high-priority put's cap still holds.
+  const v1::ModelProfile tiny = proxima::testing::TinyProfile("snapshot-tiny");
+  const uint64_t profile = ProfileId(tiny);
+  auto max_levels = [&](TierService& core) {
+    std::map<int, int> out;  // key byte -> max_level
+    std::vector<BlockStore::Candidate> taken;
+    while (std::optional<BlockStore::Candidate> c = core.store().HottestForHandoff()) {
+      out[c->id.key[0]] = c->attributes.max_level;
+      taken.push_back(*c);
+    }
+    for (const BlockStore::Candidate& c : taken) core.store().Release(c);
+    return out;
+  };
+  for (const std::vector<std::string>& levels_before :
+       {std::vector<std::string>{"int8"}, std::vector<std::string>{}}) {
+    std::unique_ptr<TierService> before = Service(4 << 20, false, levels_before);
+    const uint32_t a = before->NamespaceIndex("a").value();
+    ASSERT_OK(before->AddProfile(a, tiny).status());
+    const BlockAttributes normal = before->tierer().AttributesFor(a, 4, true, 5, false);
+    const BlockAttributes high = before->tierer().AttributesFor(a, 4, true, 6, true);
+    ASSERT_EQ(normal.max_level, levels_before.size());
+    Store(*before, {a, profile, Key(0), 0}, TinyRaw(0), 0, normal);
+    Store(*before, {a, profile, Key(1), 0}, TinyRaw(1), 0, high);
+    ASSERT_OK(snapshot::Write(*before, path_, absl::InfiniteFuture()).status());
+
+    std::unique_ptr<TierService> after = Service(4 << 20, false, {"int8", "int4", "int2"});
+    ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+    ASSERT_EQ(l.blocks, 2u);
+    const std::map<int, int> got = max_levels(*after);
+    EXPECT_EQ(got.at(Key(0)[0]), 3) << levels_before.size() << " levels before";
+    EXPECT_EQ(got.at(Key(1)[0]), 1) << "priority.high_max_level (1) still caps it";
   }
 }
 

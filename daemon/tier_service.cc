@@ -496,6 +496,14 @@ std::optional<Tierer::ProfileCodec> TierService::ProfileCodecOf(uint32_t ns, uin
   return Tierer::ProfileCodec{g, p->profile.rope_theta(), p->profile.fingerprint()};
 }
 
+BlockAttributes TierService::AttributesAgain(uint32_t ns, uint64_t profile_id,
+                                             const BlockAttributes& put) {
+  absl::StatusOr<RegisteredProfile> p = FindProfile(ns, profile_id);
+  const uint32_t tokens = p.ok() ? p->profile.tokens_per_block() : 0;
+  return tierer_->AttributesFor(ns, tokens, ProfileCodecOf(ns, profile_id).has_value(),
+                                put.position, put.high_priority, put.second_chance ? 1.0f : 0.0f);
+}
+
 absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) const {
   if (name.empty()) return absl::InvalidArgumentError("namespace_name is empty");
   for (uint32_t i = 0; i < namespaces_.size(); ++i) {

@@ -223,6 +223,10 @@ class TierService {
   std::optional<std::string> PartitionScope(uint32_t ns, uint32_t partition) const;
   std::optional<uint32_t> ScopePartition(uint32_t ns, const std::string& scope) const;
 
+  // The attributes a block of profile `profile_id` put into namespace `ns` with the hints of
+  // `put` (position, high priority, importance: second_chance) gets under this daemon's config,
+  // as a Put derives them; for blocks read back from a snapshot written under another config.
+  BlockAttributes AttributesAgain(uint32_t ns, uint64_t profile_id, const BlockAttributes& put);
   // Namespace `ns`'s compression hierarchy: element k is the plan of level k + 1 (empty when
   // its compression is off).
   const std::vector<codec::CodecPlan>& LevelPlans(uint32_t ns) const {

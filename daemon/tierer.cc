@@ -188,6 +188,8 @@ BlockAttributes Tierer::AttributesFor(uint32_t ns, uint32_t tokens_per_block, bo
   BlockAttributes a;
   a.is_first_block = position == 0;
   a.second_chance = importance > 0;
+  a.position = position;
+  a.high_priority = high_priority;
   const CompressionConfig& p = namespaces_[ns]->policy;
   if (!codec_ok || p.plans.empty()) return a;
   if (position >= 0 &&
