@@ -31,7 +31,8 @@
 //
 // Every --report_s seconds it prints one JSON line: throughput per operation, p50/p99 latency,
 // the daemon's RSS, errors and wrong bytes in that interval. At the end, one summary line and
-// the verdict: errors and wrong bytes must be zero, and RSS must be flat after warm-up (the
+// the verdict: errors and wrong bytes must be zero, so must the blocks whose CRC32C failed at a
+// client (twice: the client reports them as misses), and RSS must be flat after warm-up (the
 // largest RSS of the last interval at most --rss_growth_mib above the largest RSS of the first
 // interval after warm-up). Exit status 0 only when the verdict is "pass".
 #include <algorithm>
@@ -170,6 +171,11 @@ class Recorder {
     }
   }
   uint64_t unavailable() const { return unavailable_.load(); }
+  // Blocks a client received whose bytes failed their CRC32C and failed it again when asked for
+  // again (Client::crc_failures): the client reports them as misses, so no wrong byte reaches the
+  // soak's checks, but on loopback nothing damages bytes on their way: the daemon sent them.
+  void ClientCrcFailures(uint64_t n) { client_crc_failures_.fetch_add(n); }
+  uint64_t client_crc_failures() const { return client_crc_failures_.load(); }
   int64_t unavailable_after_up_ms() const { return unavailable_after_up_ms_.load(); }
   std::vector<uint64_t> stored_levels() {
     proxima::MutexLock lock(&mu_);
@@ -191,6 +197,7 @@ class Recorder {
   std::atomic<uint64_t> gets_found_{0};
   std::atomic<uint64_t> unavailable_{0};
   std::atomic<int64_t> unavailable_after_up_ms_{0};
+  std::atomic<uint64_t> client_crc_failures_{0};
 };
 
 // When each node was down (--kill_every_s): from its kill until every node saw it live again.
@@ -312,6 +319,7 @@ void RunClient(int id, const std::string& target, const v1::ModelProfile& model,
       if (found[i] && !client::IsTestBlock(seed, first + i, data[i])) rec->WrongBytes();
     }
   }
+  rec->ClientCrcFailures(c->crc_failures());
 }
 
 // --levels: the two namespaces a compressed soak runs in. Blocks in "long" compress only from
@@ -561,6 +569,9 @@ void RunCompressedClient(int id, const std::vector<std::string>& targets,
       continue;
     }
     Recorded(rec, op, start, status);
+  }
+  for (const auto& node : conns) {
+    for (const std::unique_ptr<Client>& c : node) rec->ClientCrcFailures(c->crc_failures());
   }
 }
 
@@ -860,8 +871,9 @@ int Main() {
   }
   const bool rss_flat =
       watched == 0 || (rss_after_warmup > 0 && growth_mib <= absl::GetFlag(FLAGS_rss_growth_mib));
-  const bool pass = total_errors == 0 && total_wrong == 0 && rss_flat && total_ops > 0 &&
-                    every_level && rejoined && (kill_every_s == 0 || kills > 0);
+  const uint64_t client_crc_failures = rec.client_crc_failures();
+  const bool pass = total_errors == 0 && total_wrong == 0 && client_crc_failures == 0 && rss_flat &&
+                    total_ops > 0 && every_level && rejoined && (kill_every_s == 0 || kills > 0);
   std::string summary =
       absl::StrCat("{\"bench\":\"soak\",\"summary\":true,\"seconds\":", elapsed,
                    ",\"clients\":", absl::GetFlag(FLAGS_clients), ",\"requests\":", total_ops,
@@ -926,11 +938,18 @@ int Main() {
       ",\"rss_after_warmup_mib\":", rss_after_warmup >> 20, ",\"rss_end_mib\":", rss_last >> 20,
       ",\"rss_max_mib\":", rss_max >> 20, ",\"rss_growth_mib\":", growth_mib,
       ",\"rss_checked\":", watched > 0 ? "true" : "false", ",\"errors\":", total_errors,
-      ",\"wrong_bytes\":", total_wrong, ",\"verdict\":\"", pass ? "pass" : "fail", "\"}");
+      ",\"wrong_bytes\":", total_wrong, ",\"client_crc_failures\":", client_crc_failures,
+      ",\"verdict\":\"", pass ? "pass" : "fail", "\"}");
   std::printf("%s\n", summary.c_str());
   if (!first_error.empty()) std::fprintf(stderr, "first error: %s\n", first_error.c_str());
   if (!first_wrong.empty()) std::fprintf(stderr, "first wrong answer: %s\n", first_wrong.c_str());
   if (!kill_failure.empty()) std::fprintf(stderr, "node loss: %s\n", kill_failure.c_str());
+  if (client_crc_failures > 0) {
+    std::fprintf(stderr,
+                 "clients received %llu blocks whose bytes failed their CRC32C twice (reported "
+                 "to them as misses); on loopback the daemon sent those bytes\n",
+                 static_cast<unsigned long long>(client_crc_failures));
+  }
   if (kill_every_s > 0 && kills == 0) {
     std::fprintf(stderr, "no node was killed: give --duration_s more than --kill_every_s\n");
   }
