@@ -498,9 +498,10 @@ std::optional<Tierer::ProfileCodec> TierService::ProfileCodecOf(uint32_t ns, uin
 
 BlockAttributes TierService::AttributesAgain(uint32_t ns, uint64_t profile_id,
                                              const BlockAttributes& put) {
-  absl::StatusOr<RegisteredProfile> p = FindProfile(ns, profile_id);
-  const uint32_t tokens = p.ok() ? p->profile.tokens_per_block() : 0;
-  return tierer_->AttributesFor(ns, tokens, ProfileCodecOf(ns, profile_id).has_value(),
+  // Tokens per block matter only to a profile the codec takes (AttributesFor returns first
+  // otherwise): one lookup.
+  const std::optional<Tierer::ProfileCodec> codec = ProfileCodecOf(ns, profile_id);
+  return tierer_->AttributesFor(ns, codec ? codec->geometry.tokens_per_block : 0, codec.has_value(),
                                 put.position, put.high_priority, put.second_chance ? 1.0f : 0.0f);
 }
 
