@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
+#include <string_view>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -13,6 +16,7 @@
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "daemon/memory_limit.h"
+#include "daemon/metrics.h"
 #include "daemon/snapshot.h"
 #include "kernels/device.h"
 
@@ -45,28 +49,73 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Tl
   return grpc::SslServerCredentials(options);
 }
 
+// What this start took from the snapshot, as metrics: the restart of a daemon that was to come
+// back warm and came back cold (no file, an unreadable one, records refused) is an event an
+// operator alerts on, and the log line of the start has long scrolled away by then.
+void ExportSnapshotLoad(metrics::Registry& registry, std::string_view state,
+                        const snapshot::Loaded& loaded, double seconds) {
+  for (std::string_view s : {"loaded", "partial", "none", "failed"}) {
+    const double value = s == state ? 1 : 0;
+    registry.AddGauge("proxima_snapshot_load_state",
+                      "How this run's start read tiers.host.snapshot_file: 1 for the state it "
+                      "ended in (loaded: all of it; partial: records refused or no end record; "
+                      "none: no file; failed: unreadable, nothing loaded), 0 for the others",
+                      {{"state", std::string(s)}}, [value] { return value; });
+  }
+  const std::pair<const char*, const char*> kCounts[] = {
+      {"proxima_snapshot_loaded_blocks", "Blocks this run's start stored from the snapshot"},
+      {"proxima_snapshot_loaded_bytes",
+       "Tier bytes of the blocks this run's start stored from "
+       "the snapshot"},
+      {"proxima_snapshot_loaded_profiles",
+       "Model profiles this run's start registered from the "
+       "snapshot"},
+      {"proxima_snapshot_decoded_blocks",
+       "Of the loaded blocks, those stored decoded because their level's codec plan is no longer "
+       "a level of their namespace's hierarchy"},
+      {"proxima_snapshot_skipped_records",
+       "Block or profile records of the snapshot this run's start refused (the log names each)"},
+      {"proxima_snapshot_no_room_blocks",
+       "Blocks of the snapshot left out because the hotter ones filled the host tier"},
+  };
+  const double values[] = {
+      static_cast<double>(loaded.blocks),   static_cast<double>(loaded.bytes),
+      static_cast<double>(loaded.profiles), static_cast<double>(loaded.decoded),
+      static_cast<double>(loaded.skipped),  static_cast<double>(loaded.no_room)};
+  for (size_t i = 0; i < std::size(kCounts); ++i) {
+    const double value = values[i];
+    registry.AddGauge(kCounts[i].first, kCounts[i].second, {}, [value] { return value; });
+  }
+  registry.AddGauge("proxima_snapshot_load_seconds",
+                    "Seconds this run's start took to read the snapshot", {},
+                    [seconds] { return seconds; });
+}
+
 // Loads the snapshot the previous run left (if any). A snapshot that cannot be read is logged and
 // the daemon starts empty: it is a cache. Returns whether it read one.
-bool LoadSnapshot(TierService& core, const std::string& file) {
+bool LoadSnapshot(TierService& core, const std::string& file, metrics::Registry& registry) {
   const absl::Time start = absl::Now();
   absl::StatusOr<snapshot::Loaded> loaded = snapshot::Load(core, file);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!loaded.ok()) {
     PROXIMA_LOG(kError) << "snapshot not loaded: starting with empty tiers" << log::Kv("file", file)
                         << log::Kv("error", loaded.status().ToString());
+    ExportSnapshotLoad(registry, "failed", {}, seconds);
     return false;
   }
   if (!loaded->found) {
     PROXIMA_LOG(kInfo) << "no snapshot to load: starting with empty tiers" << log::Kv("file", file);
+    ExportSnapshotLoad(registry, "none", *loaded, seconds);
     return false;
   }
-  log::Line(loaded->complete && loaded->skipped == 0 ? log::Level::kInfo : log::Level::kWarning,
-            __FILE__, __LINE__)
+  const bool whole = loaded->complete && loaded->skipped == 0;
+  ExportSnapshotLoad(registry, whole ? "loaded" : "partial", *loaded, seconds);
+  log::Line(whole ? log::Level::kInfo : log::Level::kWarning, __FILE__, __LINE__)
       << "loaded the blocks of the snapshot the last run wrote" << log::Kv("file", file)
       << log::Kv("blocks", loaded->blocks) << log::Kv("bytes", loaded->bytes)
       << log::Kv("profiles", loaded->profiles) << log::Kv("skipped", loaded->skipped)
       << log::Kv("no_room_blocks", loaded->no_room) << log::Kv("complete", loaded->complete)
-      << log::Kv("decoded_blocks", loaded->decoded)
-      << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+      << log::Kv("decoded_blocks", loaded->decoded) << log::Kv("seconds", seconds);
   for (const std::string& p : loaded->problems) {
     PROXIMA_LOG(kWarning) << "snapshot record not loaded" << log::Kv("file", file)
                           << log::Kv("problem", p);
@@ -141,7 +190,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
   // The snapshot is read as late as can be before serving: a start that fails before this point
   // (a bad certificate, a socket in use) leaves the file for the next one.
   const bool loaded = !config.host_tier.snapshot_file.empty() &&
-                      LoadSnapshot(*d->core_, config.host_tier.snapshot_file);
+                      LoadSnapshot(*d->core_, config.host_tier.snapshot_file, d->registry_);
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!config.server.listen.empty() && d->tcp_port_ == 0)) {
     // The file is gone: the blocks it held go back into it (nothing was served). A server that

@@ -559,7 +559,9 @@ def exported(tmp_path_factory):
     path = os.path.join(tmp, "proxima.yaml")
     with open(os.path.join(ROOT, "deploy", "config", "proxima.yaml")) as f, open(path, "w") as o:
         o.write(f.read())
-    d = Daemon(tmp, path)
+    # With a snapshot file, so that the series of the snapshot's load exist.
+    d = Daemon(tmp, path, extra_args=(
+        "--set=tiers.host.snapshot_file=%s" % os.path.join(tmp, "snapshot"),))
     try:
         # Real calls, so that per-call series (requests by code, latency) exist.
         for args in (["put", "--count=4"], ["get", "--count=4"], ["lookup", "--count=8"],

@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -320,6 +323,41 @@ TEST_F(SnapshotIntegrationTest, ASecondDaemonGivenTheSameFileIsRefusedWhileTheFi
   EXPECT_THAT(r.err, HasSubstr(absl::StrCat("(pid ", daemon->pid(), ",")));
   Stop(*daemon);
   EXPECT_EQ(access(file_.c_str(), F_OK), 0) << "the holder's snapshot is written";
+}
+
+// How a start read the snapshot stays in its metrics for the whole run (the log line scrolls
+// away): a snapshot cut short loads what it holds and says partial; one that is no snapshot loads
+// nothing and says failed; the daemon serves either way.
+TEST_F(SnapshotIntegrationTest, AStartThatCameBackShortOfWarmSaysSoInItsMetrics) {
+  std::unique_ptr<DaemonProcess> daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  const Profile p = Put(*daemon, 10, 6);
+  Stop(*daemon);
+  // Without its end record and the end of its last block record (the coldest block's).
+  const off_t size = std::filesystem::file_size(file_);
+  ASSERT_GT(size, 1000);
+  ASSERT_EQ(truncate(file_.c_str(), size - 1000), 0);
+  ASSERT_OK(daemon->Restart());
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"partial\"}"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"loaded\"}"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_blocks"), 5);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_profiles"), 1);
+  EXPECT_EQ(Served(*daemon, p, 10, 6), 5u);
+
+  ASSERT_OK(daemon->Restart());  // SIGKILL: no snapshot of this run
+  {
+    std::ofstream garbage(file_, std::ios::binary | std::ios::trunc);
+    garbage << "this is not a proximad snapshot";
+  }
+  ASSERT_OK(daemon->Restart());
+  EXPECT_THAT(daemon->Log(), HasSubstr("snapshot not loaded: starting with empty tiers"));
+  ASSERT_OK_AND_ASSIGN(metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"failed\"}"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"partial\"}"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_blocks"), 0);
+  EXPECT_EQ(Put(*daemon, 11, 2).block_bytes, p.block_bytes);
+  EXPECT_EQ(Served(*daemon, p, 11, 2), 2u);
 }
 
 TEST_F(SnapshotIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
