@@ -293,12 +293,13 @@ int DaemonProcess::WaitExit(absl::Duration timeout) {
   return code;
 }
 
-absl::Status DaemonProcess::Restart() {
+absl::Status DaemonProcess::Restart(const std::vector<std::string>& more_sets) {
   if (pid_ > 0) {
     kill(pid_, SIGKILL);
     WaitPid(pid_, absl::Seconds(5));
     pid_ = -1;
   }
+  sets_.insert(sets_.end(), more_sets.begin(), more_sets.end());
   std::vector<std::string> sets = sets_;
   // The same host as configured (the last server.listen wins), on the port it had.
   std::string host = "127.0.0.1";

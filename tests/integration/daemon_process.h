@@ -71,8 +71,10 @@ class DaemonProcess {
   // Waits for the daemon to exit; returns its exit code, or -1 if killed by a signal or if it
   // did not exit in time.
   int WaitExit(absl::Duration timeout);
-  // Kills the daemon (if running) and starts it again on the same TCP address and socket.
-  absl::Status Restart();
+  // Kills the daemon (if running) and starts it again on the same TCP address and socket, with
+  // `more_sets` added after its overrides (a changed config: later ones win), for this start and
+  // the later ones.
+  absl::Status Restart(const std::vector<std::string>& more_sets = {});
   // Everything the daemon wrote to stderr so far.
   std::string Log() const;
   // GET /metrics from the daemon's metrics endpoint.

@@ -1,6 +1,9 @@
 // Integration tests of the tierer through the real proximad: a namespace with a compression
 // hierarchy holds more real KV blocks (SmolLM2-135M) than its host tier holds raw, and Get,
 // GetStored and Decompress give back what the codec promises.
+#include <signal.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +38,7 @@ using ::proxima::client::Profile;
 using ::proxima::client::PutOutcome;
 using ::proxima::testing::CommandResult;
 using ::proxima::testing::DaemonProcess;
+using ::proxima::testing::LogValue;
 using ::proxima::testing::MetricValue;
 using ::proxima::testing::ProximactlPath;
 using ::proxima::testing::ProximadPath;
@@ -245,6 +249,100 @@ TEST_F(TiersTest, CompressedNamespaceHoldsMoreBlocksThanItsRawCapacity) {
   EXPECT_THAT(metrics, HasSubstr("proxima_tierer_encodes_total{level=\"1\"}"));
   EXPECT_THAT(metrics, HasSubstr("proxima_quality_attention_error{namespace=\"default\""));
   EXPECT_THAT(metrics, HasSubstr("proxima_get_decodes_total"));
+}
+
+// A config change is a reason to restart: across a SIGTERM restart with its snapshot, a block
+// keeps its encoding only where the new hierarchy still has its level's codec plan (at that
+// plan's level now), and comes back decoded, raw, where it has none; the start's metrics count
+// both. Blocks put with high priority stop at level 1 (int8) and the others go to level 2 (int4)
+// under a pressure threshold that compresses everything; the next start's hierarchy is int4 then
+// int2, in a tier with room to spare, so its tierer leaves the loaded blocks as they are.
+TEST_F(TiersTest, ARestartWithAnotherHierarchyKeepsOnlyTheEncodingsItStillHas) {
+  char dir[] = "/tmp/proxima-it-hierarchy-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/snapshot";
+  Client* c = StartWithClient(
+      {"tiers.host.capacity_bytes=8MiB", "tiers.host.snapshot_file=" + file,
+       "namespaces=[{name: default, compression: {enabled: true, levels: [int8, int4], trigger: "
+       "{memory_pressure_threshold: 0.05}, quality: {max_attention_error: 0.9}}}]"});
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
+  constexpr uint32_t kBlocks = 12;  // 4.4 MB raw: no eviction in 8 MiB
+  std::vector<BlockKey> keys = client::TestKeyChain(13, 0, kBlocks);
+  std::vector<std::vector<std::byte>> data;
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    data.push_back(Block(n * 11));
+    std::vector<std::span<const std::byte>> one = {data[n]};
+    client::PutOptions options;
+    options.high_priority = n % 2 == 0;
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                         c->Put(p, std::span<const BlockKey>(&keys[n], 1), one, options));
+    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
+  }
+  // Every block at the deepest level it may reach (at most 60 s).
+  std::optional<ReadBack> before;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
+    ASSERT_OK_AND_ASSIGN(ReadBack r, ReadThreeWays(*c, p, keys));
+    bool all = true;
+    for (uint32_t n = 0; n < kBlocks; ++n) {
+      ASSERT_TRUE(r.stored[n].has_value()) << n;
+      all = all && r.stored[n]->level == (n % 2 == 0 ? 1u : 2u);
+    }
+    if (all) {
+      before = std::move(r);
+      break;
+    }
+    ASSERT_LT(absl::Now(), deadline) << "the tierer did not take every block to its level";
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+
+  daemon_->Signal(SIGTERM);
+  ASSERT_EQ(daemon_->WaitExit(absl::Seconds(30)), 0);
+  ASSERT_OK(daemon_->Restart(
+      {"tiers.host.capacity_bytes=64MiB",
+       "namespaces=[{name: default, compression: {enabled: true, levels: [int4, int2], quality: "
+       "{max_attention_error: 0.9}}}]"}));
+  constexpr char kLoaded[] = "loaded the blocks of the snapshot the last run wrote";
+  EXPECT_EQ(LogValue(daemon_->Log(), kLoaded, "blocks"), absl::StrCat(kBlocks));
+  EXPECT_EQ(LogValue(daemon_->Log(), kLoaded, "decoded_blocks"), absl::StrCat(kBlocks / 2));
+  client_ = Connect(*daemon_);
+  ASSERT_NE(client_, nullptr);
+  ASSERT_OK(client_->RegisterProfile(model_).status());
+  ASSERT_OK_AND_ASSIGN(ReadBack after, ReadThreeWays(*client_, p, keys));
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    ASSERT_TRUE(after.found[n]) << n;
+    ASSERT_TRUE(after.stored[n].has_value()) << n;
+    const std::string& old_bytes = before->stored[n]->bytes;
+    if (n % 2 == 1) {  // int4: level 1 of the new hierarchy, the same container
+      EXPECT_EQ(after.stored[n]->level, 1u) << n;
+      EXPECT_EQ(after.stored[n]->bytes, old_bytes) << n;
+    } else {  // int8: no level of the new hierarchy, so raw: the int8 encoding decoded
+      EXPECT_EQ(after.stored[n]->level, 0u) << n;
+      std::vector<std::byte> decoded(p.block_bytes);
+      ASSERT_OK(codec::DecodeBlock(std::as_bytes(std::span(old_bytes.data(), old_bytes.size())),
+                                   decoded));
+      EXPECT_EQ(after.got[n], decoded) << n;
+    }
+    EXPECT_EQ(after.got[n], before->got[n]) << "the same values as before the restart, " << n;
+  }
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon_->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"loaded\"}"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"none\"}"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_blocks"), kBlocks);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_decoded_blocks"), kBlocks / 2);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_skipped_records"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_tier_level_blocks{tier=\"host\",level=\"1\"}"),
+            kBlocks / 2);
+
+  // A SIGKILL writes nothing: the next start finds no file, and says so.
+  ASSERT_OK(daemon_->Restart());
+  ASSERT_OK_AND_ASSIGN(metrics, daemon_->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"none\"}"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"loaded\"}"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_blocks"), 0);
+  daemon_.reset();
+  unlink((file + ".lock").c_str());
+  rmdir(dir);
 }
 
 TEST_F(TiersTest, ProximactlGetsInEveryFormat) {
