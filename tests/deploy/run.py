@@ -3,14 +3,14 @@
 
 Exits 77 (ctest's SKIP_RETURN_CODE for this test) with the reason printed when a Python
 package the tests need is absent; scripts/test.sh installs them (pytest, pyyaml,
-kubernetes-validate). Any other outcome is pytest's own exit status.
+kubernetes-validate, promql-parser). Any other outcome is pytest's own exit status.
 """
 import importlib.util
 import os
 import sys
 
 NEEDED = {"pytest": "pytest", "yaml": "pyyaml", "kubernetes_validate": "kubernetes-validate",
-          "jsonschema": "jsonschema"}
+          "jsonschema": "jsonschema", "promql_parser": "promql-parser"}
 
 missing = [pkg for mod, pkg in NEEDED.items() if importlib.util.find_spec(mod) is None]
 if missing:

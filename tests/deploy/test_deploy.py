@@ -112,10 +112,47 @@ SERVICE_MONITOR_SCHEMA = {
 }
 
 
+PROMETHEUS_RULE_SCHEMA = {
+    # The subset of monitoring.coreos.com/v1 PrometheusRule the chart uses; unknown fields are
+    # errors. The expressions themselves are checked by test_alert_rules_parse_and_use_...
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "required": ["groups"], "additionalProperties": False,
+            "properties": {"groups": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["name", "rules"], "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string"},
+                    "rules": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "required": ["alert", "expr", "labels", "annotations"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "alert": {"type": "string", "pattern": "^[A-Z][A-Za-z]+$"},
+                            "expr": {"type": "string"},
+                            "for": {"type": "string", "pattern": r"^[0-9]+[smh]$"},
+                            "labels": {"type": "object", "required": ["severity"],
+                                       "properties": {"severity": {
+                                           "enum": ["critical", "warning", "info"]}}},
+                            "annotations": {"type": "object",
+                                            "required": ["summary", "description"],
+                                            "additionalProperties": {"type": "string"}},
+                        }}},
+                }}}},
+        },
+    },
+}
+
+
 def validate(doc):
-    if doc["kind"] == "ServiceMonitor":
+    if doc["kind"] in ("ServiceMonitor", "PrometheusRule"):
         import jsonschema
-        jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
+        jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA if doc["kind"] == "ServiceMonitor"
+                            else PROMETHEUS_RULE_SCHEMA)
         return
     for version in K8S_VERSIONS:
         try:
@@ -213,13 +250,15 @@ def test_k8s_manifests_are_valid():
 def test_chart_renders_valid_manifests():
     docs, notes = chart_docs()
     assert sorted(d["kind"] for d in docs) == sorted(
-        ["ConfigMap", "DaemonSet", "Service", "PodDisruptionBudget", "ServiceMonitor"])
+        ["ConfigMap", "DaemonSet", "Service", "PodDisruptionBudget", "ServiceMonitor",
+         "PrometheusRule"])
     for d in docs:
         validate(d)
     assert "unix:/run/proxima/proximad.sock" in notes
     assert "vLLM" in notes and "SGLang" in notes
     # Optional parts switch off, and values reach the manifests.
     docs, _ = chart_docs(sets=["serviceMonitor.enabled=false", "podDisruptionBudget.enabled=false",
+                               "prometheusRule.enabled=false",
                                "config.tiers.host.capacity_bytes=32GiB",
                                "resources.limits.memory=34Gi", "image.tag=1.2.3"])
     assert sorted(d["kind"] for d in docs) == ["ConfigMap", "DaemonSet", "Service"]
@@ -584,7 +623,8 @@ def exported(tmp_path_factory):
         text += c.metrics_text()
     finally:
         c.stop()
-    return scrape_names(text)
+    names, labels = scrape_names(text)
+    return names, labels, text
 
 
 def dashboard_exprs():
@@ -600,7 +640,7 @@ def dashboard_exprs():
 
 
 def test_dashboard_uses_only_exported_metrics(exported):
-    names, labels = exported
+    names, labels, _ = exported
     exprs = dashboard_exprs()
     assert len(exprs) >= 12
     used = set()
@@ -619,8 +659,42 @@ def test_dashboard_uses_only_exported_metrics(exported):
         assert needed in used
 
 
+def test_alert_rules_parse_and_use_exported_metrics(exported):
+    import promql_parser
+    names, labels, text = exported
+    docs, _ = chart_docs(sets=["prometheusRule.labels={release: kube-prometheus}"])
+    rule = find(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus"
+    service = find(docs, "Service")["metadata"]["name"]
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert len(rules) >= 6
+    used = set()
+    for r in rules:
+        try:
+            promql_parser.parse(r["expr"])
+        except ValueError as e:
+            pytest.fail("alert %s: expr %r is not PromQL: %s" % (r["alert"], r["expr"], e))
+        used |= set(re.findall(r"\bproxima_[a-z0-9_]+", r["expr"]))
+        for group in re.findall(r"\bby \(([^)]*)\)", r["expr"]):
+            for label in (x.strip() for x in group.split(",")):
+                assert label in labels, "alert %s groups by %r, which no series has" % (
+                    r["alert"], label)
+        for label in re.findall(r"[{,]([a-z_]+)=~", r["expr"]):
+            assert label in labels, (r["alert"], label)
+    missing = sorted(used - names)
+    assert not missing, "alerts use metrics proximad does not export: %s" % missing
+    # The daemon-down alert watches the job the ServiceMonitor makes (the Service's name).
+    down = next(r for r in rules if r["alert"] == "ProximaDaemonDown")
+    assert down["expr"] == 'up{job="%s"} == 0' % service
+    # The label values the alerts match are values proximad exports: snapshot states by name,
+    # status codes by name (as "OK" is), not by number.
+    for value in ("partial", "failed"):
+        assert 'proxima_snapshot_load_state{state="%s"}' % value in text
+    assert re.search(r'proxima_requests_total\{[^}]*code="OK"', text)
+
+
 def test_docs_use_only_exported_metrics(exported):
-    names, _ = exported
+    names, _, _ = exported
     for doc in ("docs/operations.md", "README.md", "helm/proxima/templates/NOTES.txt"):
         with open(os.path.join(ROOT, doc)) as f:
             used = set(re.findall(r"\bproxima_[a-z0-9_]+", f.read()))
