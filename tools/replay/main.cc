@@ -40,7 +40,10 @@ ABSL_FLAG(std::string, kv_file, "tools/eval/testdata/smollm2-135m_gpl3_t0-256_bf
 ABSL_FLAG(uint32_t, tokens_per_block, 16,
           "tokens of real KV per replayed block (each stands for one 512-token trace block)");
 ABSL_FLAG(uint32_t, sample_one_in, 1, "keep 1 prefix family in N (trace.h); 1 keeps all");
-ABSL_FLAG(uint64_t, max_requests, 0, "replay only the first N sampled requests (0: all)");
+ABSL_FLAG(uint64_t, first_request, 0,
+          "leave out the first N sampled requests (the part of a replay before a restart)");
+ABSL_FLAG(uint64_t, max_requests, 0,
+          "replay only the first N sampled requests after --first_request (0: all)");
 ABSL_FLAG(double, max_rel_l2, 0,
           "0: every block read back must be byte-exact; else the K/V relative L2 error a "
           "lossy block may have");
@@ -130,6 +133,7 @@ absl::Status Simulate(const proxima::replay::Trace& trace, uint32_t sample_one_i
 absl::StatusOr<int> Run() {
   proxima::replay::TraceOptions trace_options;
   trace_options.sample_one_in = absl::GetFlag(FLAGS_sample_one_in);
+  trace_options.first_request = absl::GetFlag(FLAGS_first_request);
   trace_options.max_requests = absl::GetFlag(FLAGS_max_requests);
   PROXIMA_ASSIGN_OR_RETURN(proxima::replay::Trace trace,
                            proxima::replay::ReadTrace(absl::GetFlag(FLAGS_trace), trace_options));
@@ -168,6 +172,7 @@ absl::StatusOr<int> Run() {
   SetString(out, "run", absl::GetFlag(FLAGS_label));
   SetString(out, "namespace", absl::GetFlag(FLAGS_ns));
   Set(out, "sample_one_in", trace_options.sample_one_in);
+  Set(out, "first_request", static_cast<double>(trace_options.first_request));
   Set(out, "requests", static_cast<double>(c.requests));
   Set(out, "block_refs", static_cast<double>(c.block_refs));
   Set(out, "distinct_blocks", static_cast<double>(reuse.distinct_blocks));

@@ -93,6 +93,7 @@ absl::StatusOr<Trace> ReadTrace(const std::string& path, const TraceOptions& opt
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open trace file '", path, "'"));
   Trace trace;
   std::string line;
+  size_t sampled = 0;  // requests in the sample so far, the ones left out first included
   while (std::getline(in, line)) {
     ++trace.lines_read;
     if (line.empty()) {
@@ -105,6 +106,7 @@ absl::StatusOr<Trace> ReadTrace(const std::string& path, const TraceOptions& opt
           absl::StrCat(path, ":", trace.lines_read, ": ", request.status().message()));
     }
     if (!InSample(*request, options.sample_one_in)) continue;
+    if (sampled++ < options.first_request) continue;
     trace.requests.push_back(*std::move(request));
     if (options.max_requests != 0 && trace.requests.size() >= options.max_requests) break;
   }

@@ -38,7 +38,10 @@ struct TraceRequest {
 struct TraceOptions {
   // Keep 1 prefix family in `sample_one_in` (1 keeps everything).
   uint32_t sample_one_in = 1;
-  // After sampling, keep only the first `max_requests` requests in trace order (0: all).
+  // After sampling, leave out the first `first_request` requests (a replay in parts: the rest
+  // of the trace after a daemon's restart), then keep only the first `max_requests` of the
+  // others in trace order (0: all).
+  size_t first_request = 0;
   size_t max_requests = 0;
 };
 

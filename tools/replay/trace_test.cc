@@ -104,6 +104,18 @@ TEST(ReadTrace, SamplingKeepsWholePrefixFamilies) {
   ASSERT_EQ(first->requests.size(), 10u);
   for (size_t i = 0; i < 10; ++i)
     EXPECT_EQ(first->requests[i].hash_ids, sampled->requests[i].hash_ids);
+
+  // In parts (a replay across a restart): the sample's requests from the 10th on, in order.
+  auto rest = ReadTrace(PROXIMA_TRACE_PATH,
+                        {.sample_one_in = 16, .first_request = 10, .max_requests = 5});
+  ASSERT_TRUE(rest.ok());
+  ASSERT_EQ(rest->requests.size(), 5u);
+  for (size_t i = 0; i < 5; ++i)
+    EXPECT_EQ(rest->requests[i].hash_ids, sampled->requests[10 + i].hash_ids);
+  auto after_all = ReadTrace(PROXIMA_TRACE_PATH,
+                             {.sample_one_in = 16, .first_request = sampled->requests.size()});
+  ASSERT_TRUE(after_all.ok());
+  EXPECT_TRUE(after_all->requests.empty());
 }
 
 TEST(BlockSource, PayloadsAreRealKvSlicesChosenByTheId) {
