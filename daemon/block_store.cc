@@ -83,6 +83,7 @@ BlockStore::~BlockStore() {
     for (auto& list : shard->lru) list.clear();
     for (auto& list : shard->compressible) list.clear();
     for (auto& list : shard->on_device) list.clear();
+    for (auto& list : shard->by_namespace) list.clear();
   }
 }
 
@@ -99,6 +100,7 @@ BlockStore::BlockRef BlockStore::Unlink(Shard& shard, const BlockId& id,
   UnlinkFromSegment(shard, it->second, it->second.block->size);
   BlockRef block = std::move(it->second.block);
   if (it->second.in_compressible) shard.compressible[id.namespace_index].erase(it->second.cold);
+  shard.by_namespace[id.namespace_index].erase(it->second.in_namespace);
   shard.map.erase(it);
   if (block->pool != nullptr) {
     device_blocks_[block->device]->fetch_sub(1, std::memory_order_relaxed);
@@ -194,6 +196,56 @@ bool BlockStore::EvictOneFrom(uint8_t segment) {
     if (evicted != nullptr) Depart(*id);
   }
   evictions_.fetch_add(1, std::memory_order_relaxed);
+  return true;  // `evicted` frees its extent here
+}
+
+std::optional<BlockId> BlockStore::UnpinnedOf(const Shard& shard, uint32_t ns,
+                                              uint64_t* stamp) const {
+  const std::list<BlockId>& list = shard.by_namespace[ns];
+  int scanned = 0;
+  for (auto it = list.rbegin(); it != list.rend() && scanned < kEvictionScan; ++it, ++scanned) {
+    const Shard::Entry& entry = shard.map.find(*it)->second;
+    if (entry.block.use_count() != 1) continue;  // a reader holds it
+    *stamp = entry.stamp;
+    return *it;
+  }
+  return std::nullopt;
+}
+
+bool BlockStore::EvictOneOf(uint32_t ns, bool* evicted_one) {
+  if (evicted_one != nullptr) *evicted_one = false;
+  // As EvictOneFrom, over the namespace's own recency lists (every tier).
+  Shard* victim = nullptr;
+  uint64_t oldest = std::numeric_limits<uint64_t>::max();
+  for (auto& shard : shards_) {
+    proxima::MutexLock lock(&shard->mu);
+    uint64_t stamp = 0;
+    if (UnpinnedOf(*shard, ns, &stamp) && stamp < oldest) {
+      oldest = stamp;
+      victim = shard.get();
+    }
+  }
+  if (victim == nullptr) return false;  // none, or everything near the tails is being read
+  BlockRef evicted;
+  {
+    proxima::MutexLock lock(&victim->mu);
+    uint64_t stamp = 0;
+    std::optional<BlockId> id = UnpinnedOf(*victim, ns, &stamp);
+    if (!id) return true;  // raced with a delete or a reader; the caller retries
+    Shard::Entry& e = victim->map.find(*id)->second;
+    if (e.attributes.second_chance) {  // an important block: passed over once
+      e.attributes.second_chance = false;
+      (void)MarkUsed(*victim, e, /*reused=*/false);
+      return true;
+    }
+    evicted = Unlink(*victim, *id, nullptr);
+    if (evicted != nullptr) Depart(*id);
+  }
+  if (evicted != nullptr && evicted_one != nullptr) *evicted_one = true;
+  // A host block is a host tier eviction; a device pool's is not (as for its moves down).
+  if (evicted != nullptr && evicted->pool == nullptr) {
+    evictions_.fetch_add(1, std::memory_order_relaxed);
+  }
   return true;  // `evicted` frees its extent here
 }
 
@@ -304,6 +356,7 @@ bool BlockStore::MarkUsed(Shard& shard, Shard::Entry& entry, bool reused) {
     // The GPU tier has no segments; a block used there joins the protected one on the host.
     auto& list = shard.on_device[entry.device];
     list.splice(list.begin(), list, entry.lru);
+    MarkUsedInNamespace(shard, entry);
     entry.used_on_device |= reused;
     entry.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
     return false;
@@ -325,8 +378,14 @@ bool BlockStore::MarkUsed(Shard& shard, Shard::Entry& entry, bool reused) {
     auto& list = shard.compressible[entry.cold->namespace_index];
     list.splice(list.begin(), list, entry.cold);
   }
+  MarkUsedInNamespace(shard, entry);
   entry.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
   return over;
+}
+
+void BlockStore::MarkUsedInNamespace(Shard& shard, Shard::Entry& entry) {
+  auto& list = shard.by_namespace[entry.in_namespace->namespace_index];
+  list.splice(list.begin(), list, entry.in_namespace);
 }
 
 void BlockStore::DemoteOverflow() {
@@ -491,6 +550,7 @@ BlockStore::InPlace BlockStore::ReplaceInPlace(Candidate candidate,
     // Another thread took the freed room: the block is gone, as if evicted.
     UnlinkFromSegment(shard, e, old_size);
     if (e.in_compressible) shard.compressible[candidate.id.namespace_index].erase(e.cold);
+    shard.by_namespace[candidate.id.namespace_index].erase(e.in_namespace);
     shard.map.erase(it);
     blocks_.fetch_sub(1, std::memory_order_relaxed);
     c.blocks.fetch_sub(1, std::memory_order_relaxed);
@@ -761,6 +821,9 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
       std::list<BlockId>& list = shard.on_device[e.device];
       list.push_front(id);
       e.lru = list.begin();
+      std::list<BlockId>& mine = shard.by_namespace[id.namespace_index];
+      mine.push_front(id);
+      e.in_namespace = mine.begin();
       e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
       e.attributes = attributes;
       device_blocks_[e.device]->fetch_add(1, std::memory_order_relaxed);
@@ -777,15 +840,20 @@ PutOutcome BlockStore::Commit(const BlockId& id, PendingBlock pending, uint32_t 
       e.block = std::move(block);
       Locate(*e.block, id);
       std::list<BlockId>& probation = shard.lru[kProbation];
+      std::list<BlockId>& mine = shard.by_namespace[id.namespace_index];
       if (attributes.from_peer && !attributes.handed_off) {
         // A peer's coldest block, kept in room this node has to spare: the first to go when
         // this node needs the room, unless it is read here first.
         probation.push_back(id);
         e.lru = std::prev(probation.end());
+        mine.push_back(id);
+        e.in_namespace = std::prev(mine.end());
         e.stamp = 0;
       } else {
         probation.push_front(id);
         e.lru = probation.begin();
+        mine.push_front(id);
+        e.in_namespace = mine.begin();
         e.stamp = clock_.fetch_add(1, std::memory_order_relaxed);
       }
       e.attributes = attributes;

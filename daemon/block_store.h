@@ -264,6 +264,16 @@ class BlockStore {
   // as ColdestSpillable's are. nullopt when there is none.
   std::optional<Candidate> HottestForHandoff();
 
+  // Evicts the least recently used block of namespace `ns` (in any tier) that no reader pins,
+  // or passes over an important one once, as EvictOne() does; false when the namespace has
+  // none that may go. `*evicted` (when given) says whether a block left. For
+  // namespaces[].max_bytes: another namespace's blocks never go.
+  bool EvictOneOf(uint32_t ns, bool* evicted = nullptr);
+  // Bytes the blocks of namespace `ns` take in the tiers (proxima_namespace_bytes).
+  uint64_t namespace_bytes(uint32_t ns) const {
+    return counters_[ns].bytes.load(std::memory_order_relaxed);
+  }
+
   // Evicts the globally least recently used probation block that no reader pins (a protected
   // one when probation has none), or passes over an important block once. False when there is
   // none (the index is empty, or every block near the tails is being read).
@@ -347,7 +357,7 @@ class BlockStore {
   static constexpr uint8_t kProtected = 1;
   struct Shard {
     Shard(size_t num_namespaces, size_t num_devices)
-        : compressible(num_namespaces), on_device(num_devices) {}
+        : compressible(num_namespaces), on_device(num_devices), by_namespace(num_namespaces) {}
     mutable proxima::Mutex mu;
     // Recency order of each segment, front most recent: probation ([0]) and protected ([1]).
     // Each entry's `lru` iterator points into the list of its segment.
@@ -356,9 +366,13 @@ class BlockStore {
     std::vector<std::list<BlockId>> compressible ABSL_GUARDED_BY(mu);
     // Per device pool: its blocks in recency order, front most recent (not in `lru`).
     std::vector<std::list<BlockId>> on_device ABSL_GUARDED_BY(mu);
+    // Per namespace: all its blocks, in any tier, in recency order, front most recent (for
+    // namespaces[].max_bytes: the namespace's own least recently used block).
+    std::vector<std::list<BlockId>> by_namespace ABSL_GUARDED_BY(mu);
     struct Entry {
       BlockRef block;
       std::list<BlockId>::iterator lru;  // into lru[segment], or on_device[device]
+      std::list<BlockId>::iterator in_namespace;  // into by_namespace[its namespace]
       uint64_t stamp;  // logical time of the last access
       BlockAttributes attributes;
       bool in_compressible = false;  // `cold` is valid
@@ -390,6 +404,10 @@ class BlockStore {
   // when there is none.
   std::optional<BlockId> Unpinned(const Shard& shard, uint8_t segment, Take take,
                                   uint64_t* stamp) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // The block of namespace `ns` nearest the cold end of `shard`'s by_namespace list (among the
+  // last few) that no reader pins, and its stamp.
+  std::optional<BlockId> UnpinnedOf(const Shard& shard, uint32_t ns, uint64_t* stamp) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // ColdestSpillable (kSpill) and HottestForHandoff (kHandoff).
   std::optional<Candidate> TakeCandidate(Take take);
   // The least recently used block of pool `device` not being moved (the last few of each
@@ -417,6 +435,9 @@ class BlockStore {
   // Returns true when the protected segment is now over its share: the caller then calls
   // DemoteOverflow() after releasing the shard lock.
   [[nodiscard]] bool MarkUsed(Shard& shard, Shard::Entry& entry, bool reused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
+  // Moves an entry to the front of its namespace's list (by_namespace).
+  void MarkUsedInNamespace(Shard& shard, Shard::Entry& entry)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // Takes the entry off its namespace's compressible list for good (it is at its last level).
   static void LeaveCompressible(Shard& shard, Shard::Entry& entry, uint32_t namespace_index)

@@ -66,6 +66,7 @@ namespaces:                        # tenants; a call naming another namespace ge
     #   - {name: worker, file: /etc/proxima/tokens/default, access: read_write}
     #   - {name: reader, env: PROXIMA_TOKEN_READER, access: read_only}
     # private_prefixes: false      # true: a token sees only blocks stored with its own scope
+    # max_bytes: 0                 # most bytes of blocks this namespace may hold; 0 = no limit
     compression:                   # what the tierer does with this namespace's cold blocks
       enabled: false               # off: blocks stay raw and the coldest are evicted
       strategy: hybrid             # none | quantize | star | hybrid (derives `levels`)
@@ -1019,8 +1020,8 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
     absl::flat_hash_set<std::string> seen;
     for (size_t i = 0; i < ns.size(); ++i) {
       std::string path = absl::StrCat("namespaces[", i, "]");
-      PROXIMA_RETURN_IF_ERROR(
-          r.CheckKeys(ns[i], path, {"name", "tokens", "private_prefixes", "compression"}));
+      PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+          ns[i], path, {"name", "tokens", "private_prefixes", "max_bytes", "compression"}));
       NamespaceConfig n;
       std::string name_key = path + ".name";
       if (!ns[i].IsMap() || !ns[i]["name"]) {
@@ -1041,6 +1042,8 @@ absl::StatusOr<DaemonConfig> ParseConfigOrThrow(absl::string_view yaml_text,
                        "false, or tokens to tell the callers apart (private_prefixes scopes "
                        "blocks by token)");
       }
+      PROXIMA_RETURN_IF_ERROR(
+          r.Size(ns[i]["max_bytes"], path + ".max_bytes", 0, 1ull << 50, &n.max_bytes));
       PROXIMA_RETURN_IF_ERROR(
           ParseCompression(r, ns[i]["compression"], path + ".compression", &n.compression));
       c.namespaces.push_back(std::move(n));
@@ -1275,6 +1278,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
       e << YAML::EndSeq;
     }
     if (n.private_prefixes) e << YAML::Key << "private_prefixes" << YAML::Value << true;
+    if (n.max_bytes != 0) e << YAML::Key << "max_bytes" << YAML::Value << n.max_bytes;
     const CompressionConfig& z = n.compression;
     e << YAML::Key << "compression" << YAML::Value << YAML::BeginMap;
     e << YAML::Key << "enabled" << YAML::Value << z.enabled;

@@ -111,6 +111,12 @@ struct NamespaceConfig {
   // Blocks are visible only to tokens of the scope that stored them, so one token holder cannot
   // learn from a hit (a fast prefill) that another sent the same prefix. Needs tokens.
   bool private_prefixes = false;
+  // The most bytes the namespace's blocks may take in the tiers together (what
+  // proxima_namespace_bytes counts: stored bytes, encoded ones at their encoded size); 0: no
+  // limit of its own, only the tiers' capacity. A put that would pass it makes room among the
+  // namespace's own blocks (compressing, then evicting its least recently used), never
+  // another namespace's.
+  uint64_t max_bytes = 0;
   CompressionConfig compression;
 };
 

@@ -30,7 +30,7 @@ TEST(ConfigTest, DefaultYamlEqualsBuiltInDefaults) {
 TEST(ConfigTest, RenderedConfigParsesBackToTheSame) {
   ASSERT_OK_AND_ASSIGN(DaemonConfig c,
                        ParseConfig("tiers: {host: {capacity_bytes: 3GiB, pin_for_gpu: off}}\n"
-                                   "namespaces: [{name: a}, {name: b.c-d_e}]\n",
+                                   "namespaces: [{name: a}, {name: b.c-d_e, max_bytes: 1GiB}]\n",
                                    "x", {}));
   ASSERT_OK_AND_ASSIGN(DaemonConfig again, ParseConfig(ConfigToYaml(c), "rendered", {}));
   EXPECT_EQ(again.host_tier.capacity_bytes, 3ull << 30);
@@ -41,6 +41,8 @@ TEST(ConfigTest, RenderedConfigParsesBackToTheSame) {
                              HasSubstr("auto, on or off"))));
   ASSERT_EQ(again.namespaces.size(), 2u);
   EXPECT_EQ(again.namespaces[1].name, "b.c-d_e");
+  EXPECT_EQ(again.namespaces[0].max_bytes, 0u) << "no limit unless given";
+  EXPECT_EQ(again.namespaces[1].max_bytes, 1ull << 30);
   EXPECT_EQ(again.server.unix_socket_mode, 0660u);
 }
 
@@ -105,6 +107,9 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
        {"namespaces[0].tokens[1].name", "'w'", "earlier token"}},
       {"namespaces: [{name: a, tokens: [{name: w, file: /t, secret: x}]}]",
        {"namespaces[0].tokens[0].secret", "unknown"}},
+      {"namespaces: [{name: a, max_bytes: lots}]",
+       {"namespaces[0].max_bytes", "lots", "a size such as"}},
+      {"namespaces: [{name: a, max_bytes: 2048TiB}]", {"namespaces[0].max_bytes", "2048TiB"}},
       {"namespaces: [{name: a, private_prefixes: true}]",
        {"namespaces[0].private_prefixes", "tokens"}},
       {"namespaces: [{name: a, private_prefixes: yes-please, tokens: [{name: w, file: /t}]}]",

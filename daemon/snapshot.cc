@@ -12,6 +12,7 @@
 #include <span>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -467,12 +468,22 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
   // The hottest that fit, put in coldest first: each Commit makes its block the most recently
   // used, so the order before the restart comes back.
   BlockStore& store = core.store();
+  // Each namespace's hottest within its max_bytes (a limit lowered since the snapshot).
+  absl::flat_hash_map<uint32_t, uint64_t> namespace_fit;
+  const size_t listed = entries.size();
+  std::erase_if(entries, [&](const Entry& e) {
+    uint64_t& taken = namespace_fit[e.id.namespace_index];
+    if (!core.FitsInNamespace(e.id.namespace_index, taken + e.tier_bytes())) return true;
+    taken += e.tier_bytes();
+    return false;
+  });
+  out.no_room = listed - entries.size();
   uint64_t fit = 0;
   size_t keep = 0;
   while (keep < entries.size() && fit + entries[keep].tier_bytes() <= store.capacity_bytes()) {
     fit += entries[keep++].tier_bytes();
   }
-  out.no_room = entries.size() - keep;
+  out.no_room += entries.size() - keep;
   // Read in file order (the disk's readahead follows), a batch at a time: tier memory for each
   // block of the batch, then the batch read into it and checked on several threads (a fresh
   // tier's pages are faulted in on their first write, which costs more than the copy:

@@ -78,7 +78,9 @@ struct Loaded {
   // config changed), stored decoded, raw.
   uint64_t decoded = 0;
   uint64_t skipped = 0;  // block or profile records refused (`problems` says why)
-  uint64_t no_room = 0;  // blocks left out because the hotter ones filled the host tier
+  // Blocks left out because the hotter ones filled the host tier, or their namespace's
+  // max_bytes.
+  uint64_t no_room = 0;
   std::vector<std::string> problems;  // the first few reasons, each naming its record
 };
 

@@ -95,7 +95,8 @@ class SnapshotTest : public ::testing::Test {
   // "p" (private prefixes: scopes alice and bob, partitions 1 and 2, or 2 and 1 with
   // `bob_first`).
   std::unique_ptr<TierService> Service(uint64_t capacity, bool bob_first = false,
-                                       const std::vector<std::string>& a_levels = {}) {
+                                       const std::vector<std::string>& a_levels = {},
+                                       uint64_t a_max_bytes = 0) {
     DaemonConfig config;
     config.host_tier.capacity_bytes = capacity;
     TokenConfig alice{"alice", "", "PXT_SNAP_ALICE", TokenAccess::kReadWrite, ""};
@@ -103,6 +104,7 @@ class SnapshotTest : public ::testing::Test {
     config.namespaces = {{"a"},
                          {"p", bob_first ? std::vector{bob, alice} : std::vector{alice, bob},
                           /*private_prefixes=*/true}};
+    config.namespaces[0].max_bytes = a_max_bytes;
     CompressionConfig& c = config.namespaces[0].compression;
     c.enabled = !a_levels.empty();
     c.levels = a_levels;
@@ -290,6 +292,31 @@ TEST_F(SnapshotTest, TheMostRecentlyUsedComeBackMostRecentlyUsedAndFirstWhenTheT
     ASSERT_TRUE(s.has_value()) << "block " << n;
     EXPECT_EQ(s->first, Pattern(n, block_bytes)) << "block " << n;
   }
+}
+
+// A namespace whose max_bytes is now lower than what it held gets its hottest blocks within it;
+// the rest are left out (no_room), and nothing of another namespace is.
+TEST_F(SnapshotTest, ANamespaceGetsItsHottestBlocksWithinItsMaxBytes) {
+  std::unique_ptr<TierService> before = Service(8 << 20);
+  const uint32_t a = before->NamespaceIndex("a").value();
+  const uint32_t p = before->NamespaceIndex("p").value();
+  ASSERT_OK(before->AddProfile(a, LargeProfile()).status());
+  ASSERT_OK(before->AddProfile(p, LargeProfile()).status());
+  const uint64_t profile = ProfileId(LargeProfile());
+  const uint64_t block_bytes = 512u << 10;
+  for (int n = 0; n < 6; ++n) Store(*before, {a, profile, Key(n), 0}, Pattern(n, block_bytes));
+  Store(*before, {p, profile, Key(20), 1}, Pattern(20, block_bytes));  // the coldest of all
+  ASSERT_TRUE(before->store().Touch({a, profile, Key(0), 0}));         // a's hottest: 0, 5, 4, ...
+  ASSERT_OK(snapshot::Write(*before, path_, absl::Now() + absl::Seconds(30)).status());
+
+  std::unique_ptr<TierService> after = Service(8 << 20, false, {}, /*a_max_bytes=*/3 * block_bytes);
+  ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+  EXPECT_EQ(l.blocks, 4u);
+  EXPECT_EQ(l.no_room, 3u);
+  for (int n : {0, 5, 4}) EXPECT_TRUE(after->store().Contains({a, profile, Key(n), 0})) << n;
+  for (int n : {3, 2, 1}) EXPECT_FALSE(after->store().Contains({a, profile, Key(n), 0})) << n;
+  EXPECT_TRUE(after->store().Contains({p, profile, Key(20), 1}));
+  EXPECT_EQ(after->store().namespace_bytes(a), 3 * block_bytes);
 }
 
 TEST_F(SnapshotTest, BlocksUsedAgainGoBackToTheProtectedSegmentAndOutliveAScanOfNewOnes) {

@@ -360,6 +360,23 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
     ns->lookup_misses =
         registry->AddCounter("proxima_lookup_misses_total",
                              "Lookup calls that stopped before the end of their chain", labels);
+    ns->max_bytes = config.namespaces[i].max_bytes;
+    if (ns->max_bytes > 0) {
+      const double limit = static_cast<double>(ns->max_bytes);
+      registry->AddGauge("proxima_namespace_max_bytes",
+                         "namespaces[].max_bytes: the most bytes the namespace's blocks may take",
+                         labels, [limit] { return limit; });
+      ns->limit_evictions = registry->AddCounter(
+          "proxima_namespace_limit_evictions_total",
+          "The namespace's blocks evicted to keep it within its max_bytes (its puts made room "
+          "among its own blocks)",
+          labels);
+      ns->limit_refusals = registry->AddCounter(
+          "proxima_namespace_limit_refusals_total",
+          "Blocks of the namespace not stored because they would pass its max_bytes and none of "
+          "its blocks could give way (a block larger than the limit, or all of them being read)",
+          labels);
+    }
     NamespaceCounters* c = &counters_[i];
     registry->AddGauge("proxima_namespace_blocks", "Blocks stored in the namespace", labels,
                        [c] { return static_cast<double>(c->blocks.load()); });
@@ -721,7 +738,9 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
     PutOutcome outcome = PutOutcome::kAlreadyPresent;
     if (!store_->Touch(id)) {
       std::optional<BlockStore::PendingBlock> pending;
-      if (store_->num_devices() > 0) {
+      if (!RoomInNamespace(ns, profile.block_bytes)) {
+        // Over the namespace's max_bytes, and none of its blocks could give way.
+      } else if (store_->num_devices() > 0) {
         staging.resize(profile.block_bytes);
         std::span<std::byte> bytes =
             std::as_writable_bytes(std::span<char>(staging.data(), staging.size()));
@@ -742,6 +761,8 @@ absl::Status TierService::PutBlocks(const Caller& caller, const std::string& nam
     if (outcome != PutOutcome::kNoSpace) held.push_back(id.key);
     stored += AppendOutcome(outcome, response);
   }
+  // Puts of the namespace running at once may each have found room that only one had.
+  (void)RoomInNamespace(ns, 0);
   n.puts->Increment(stored);
   TellRemote(ns, scope.partition, profile_id, held);
   bytes_in_->Increment(static_cast<uint64_t>(blocks.size()) * profile.block_bytes);
@@ -767,6 +788,24 @@ std::optional<BlockStore::PendingBlock> TierService::ReserveForPut(uint64_t byte
     RemoteBlocks* remote = remote_.load();
     return remote != nullptr && remote->MakeRoom();
   });
+}
+
+bool TierService::RoomInNamespace(uint32_t ns, uint64_t bytes) {
+  Namespace& n = *namespaces_[ns];
+  if (n.max_bytes == 0) return true;
+  // With `bytes` 0 (after a put): back within the limit, should puts running at once have
+  // taken it past.
+  // Others' puts in flight may take the room made here first: a few rounds, then no.
+  for (int round = 0; bytes <= n.max_bytes && round < 1024; ++round) {
+    const uint64_t used = store_->namespace_bytes(ns);
+    if (used + bytes <= n.max_bytes) return true;
+    if (tierer_->CompressOneOf(ns, used + bytes - n.max_bytes)) continue;
+    bool evicted = false;
+    if (!store_->EvictOneOf(ns, &evicted)) break;
+    if (evicted) n.limit_evictions->Increment();
+  }
+  if (bytes > 0) n.limit_refusals->Increment();
+  return false;
 }
 
 void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
@@ -972,6 +1011,11 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
   size_t device_blocks = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
     if (store_->Touch(id_of(keys[i]))) continue;
+    // Within the namespace's max_bytes with this call's blocks reserved so far (not yet in it).
+    if (!RoomInNamespace(ns, (landing->blocks.size() + 1) * profile.block_bytes)) {
+      outcomes[i] = PutOutcome::kNoSpace;
+      continue;
+    }
     std::optional<BlockStore::PendingBlock> p = tierer_->ReserveOnDevice(profile.block_bytes);
     const bool on_device = p.has_value();
     // As an inline Put: the tierer makes room by compressing before it evicts.
@@ -1021,6 +1065,7 @@ absl::Status TierService::PutPulled(const ResolvedProfile& target, std::span<con
     outcomes[i] = landed ? store_->Commit(id_of(keys[i]), *std::move(landed), got[j], attributes)
                          : PutOutcome::kNoSpace;
   }
+  (void)RoomInNamespace(ns, 0);  // as after an inline Put
   uint64_t stored = 0;
   std::vector<BlockKey> held;
   for (size_t i = 0; i < keys.size(); ++i) {

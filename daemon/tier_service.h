@@ -227,6 +227,19 @@ class TierService {
   // `put` (position, high priority, importance: second_chance) gets under this daemon's config,
   // as a Put derives them; for blocks read back from a snapshot written under another config.
   BlockAttributes AttributesAgain(uint32_t ns, uint64_t profile_id, const BlockAttributes& put);
+  // namespaces[].max_bytes: whether namespace `ns` may take `bytes` more now, making room among
+  // its own blocks first (its coldest compressed a level, then its least recently used evicted)
+  // when they would pass its limit. False (counted) when `bytes` alone pass it or none of its
+  // blocks can give way (all being read). Always true for a namespace without a limit. With
+  // `bytes` 0, brings the namespace back within its limit (after puts that ran at once).
+  bool RoomInNamespace(uint32_t ns, uint64_t bytes);
+  // namespaces[].max_bytes: whether namespace `ns` holds `bytes` more without making room (a
+  // peer's spilled or handed-off blocks never evict the namespace's own).
+  bool FitsInNamespace(uint32_t ns, uint64_t bytes) const {
+    const uint64_t limit = namespaces_[ns]->max_bytes;
+    return limit == 0 || store_->namespace_bytes(ns) + bytes <= limit;
+  }
+
   // Namespace `ns`'s compression hierarchy: element k is the plan of level k + 1 (empty when
   // its compression is off).
   const std::vector<codec::CodecPlan>& LevelPlans(uint32_t ns) const {
@@ -247,6 +260,10 @@ class TierService {
     metrics::Counter* get_misses = nullptr;
     metrics::Counter* lookup_hits = nullptr;
     metrics::Counter* lookup_misses = nullptr;
+    uint64_t max_bytes = 0;  // namespaces[].max_bytes; 0: no limit of its own
+    // Its blocks evicted, and its puts refused, to keep it within max_bytes.
+    metrics::Counter* limit_evictions = nullptr;
+    metrics::Counter* limit_refusals = nullptr;
     proxima::Mutex mu;
     absl::flat_hash_map<uint64_t, RegisteredProfile> profiles ABSL_GUARDED_BY(mu);
   };

@@ -1,7 +1,14 @@
 #include "daemon/tier_service.h"
 
 #include <cstring>
+#include <functional>
+#include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
@@ -565,6 +572,222 @@ TEST(TierServiceCompressionTest, ManyBlocksDecodeOnSeveralThreadsEachIntoItsOwnB
   EXPECT_THAT(registry.RenderText(),
               HasSubstr(absl::StrCat("proxima_get_decode_buffers_total{source=\"reused\"} ",
                                      kBlocks + 2 * kBlocks)));
+}
+
+// namespaces[].max_bytes: a namespace at its limit makes room among its own blocks, least
+// recently used first, and never takes another namespace's.
+class NamespaceLimitTest : public ::testing::Test {
+ protected:
+  // Namespaces "a" (at most `a_max_bytes`) and "b" (no limit of its own), each with the 512-byte
+  // test profile, in a 1 MiB host tier.
+  void Start(uint64_t a_max_bytes) {
+    DaemonConfig config;
+    config.host_tier.capacity_bytes = 1 << 20;
+    config.namespaces = {{"a"}, {"b"}};
+    config.namespaces[0].max_bytes = a_max_bytes;
+    ASSERT_OK_AND_ASSIGN(service_, TierService::Create(config, &registry_));
+    for (const char* ns : {"a", "b"}) {
+      v1::RegisterProfileRequest req;
+      req.set_namespace_name(ns);
+      *req.mutable_profile() = SmallProfile();
+      v1::RegisterProfileResponse resp;
+      ASSERT_OK(service_->RegisterProfile(Caller::Anonymous(), req, &resp));
+      profile_id_ = resp.profile_id();
+      block_bytes_ = resp.block_bytes();
+    }
+  }
+  static std::string Key(int n) { return absl::StrFormat("%032d", n); }
+  v1::PutOutcome Put(const std::string& ns, int key) {
+    v1::PutRequest req;
+    req.set_namespace_name(ns);
+    req.set_profile_id(profile_id_);
+    v1::PutBlock* b = req.add_blocks();
+    b->set_key(Key(key));
+    b->set_data(std::string(block_bytes_, static_cast<char>(key)));
+    v1::PutResponse resp;
+    EXPECT_OK(service_->Put(Caller::Anonymous(), req, &resp));
+    return resp.outcomes_size() == 1 ? resp.outcomes(0) : v1::PUT_OUTCOME_UNSPECIFIED;
+  }
+  BlockId Id(uint32_t ns, int key) const {
+    BlockId id{ns, profile_id_, {}};
+    const std::string k = Key(key);
+    std::memcpy(id.key.data(), k.data(), k.size());
+    return id;
+  }
+  bool Has(uint32_t ns, int key) const { return service_->store().Contains(Id(ns, key)); }
+  double Metric(const std::string& series) const {
+    for (absl::string_view line : absl::StrSplit(registry_.RenderText(), '\n')) {
+      if (absl::StartsWith(line, series + " ")) {
+        double v = 0;
+        if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+      }
+    }
+    return -1;
+  }
+
+  metrics::Registry registry_;
+  std::unique_ptr<TierService> service_;
+  uint64_t profile_id_ = 0;
+  uint64_t block_bytes_ = 0;
+};
+
+TEST_F(NamespaceLimitTest, ANamespaceAtItsLimitEvictsItsOwnLeastRecentlyUsedBlocksOnly) {
+  ASSERT_NO_FATAL_FAILURE(Start(8 * 512));
+  ASSERT_EQ(block_bytes_, 512u);
+  for (int k = 0; k < 4; ++k) ASSERT_EQ(Put("b", 100 + k), v1::PUT_OUTCOME_STORED);
+  for (int k = 0; k < 8; ++k) ASSERT_EQ(Put("a", k), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(service_->store().namespace_bytes(0), 8 * 512u);
+  // Block 0 used again: the next put takes block 1, the least recently used, instead.
+  ASSERT_TRUE(service_->store().Touch(Id(0, 0)));
+  ASSERT_EQ(Put("a", 8), v1::PUT_OUTCOME_STORED);
+  EXPECT_TRUE(Has(0, 0)) << "used again, so not the least recently used";
+  EXPECT_FALSE(Has(0, 1));
+  // Eleven more: blocks 2 to 7, then 0, then 8 to 11 go, oldest use first.
+  for (int k = 9; k < 20; ++k) ASSERT_EQ(Put("a", k), v1::PUT_OUTCOME_STORED) << k;
+  EXPECT_EQ(service_->store().namespace_bytes(0), 8 * 512u);
+  for (int k = 0; k < 12; ++k) EXPECT_FALSE(Has(0, k)) << k;
+  for (int k = 12; k < 20; ++k) EXPECT_TRUE(Has(0, k)) << k;
+  for (int k = 0; k < 4; ++k) EXPECT_TRUE(Has(1, 100 + k)) << "b's blocks never go for a's";
+  EXPECT_EQ(Metric("proxima_namespace_limit_evictions_total{namespace=\"a\"}"), 12);
+  EXPECT_EQ(Metric("proxima_namespace_limit_refusals_total{namespace=\"a\"}"), 0);
+  EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"a\"}"), 8 * 512);
+  EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"b\"}"), -1) << "no limit, no series";
+  // A namespace without a limit is not held to one.
+  for (int k = 0; k < 40; ++k) ASSERT_EQ(Put("b", 200 + k), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(service_->store().namespace_bytes(1), 44 * 512u);
+  // What a peer's spilled block is held to: room under the limit, without making any.
+  EXPECT_FALSE(service_->FitsInNamespace(0, 512));
+  EXPECT_TRUE(service_->FitsInNamespace(1, 1 << 20));
+}
+
+TEST_F(NamespaceLimitTest, ABlockThatCannotFitOrFindsEveryBlockInUseIsNotStored) {
+  ASSERT_NO_FATAL_FAILURE(Start(2 * 512));
+  ASSERT_EQ(Put("a", 1), v1::PUT_OUTCOME_STORED);
+  ASSERT_EQ(Put("a", 2), v1::PUT_OUTCOME_STORED);
+  {
+    // Both being read: neither may go, so the third is refused and both stay.
+    std::optional<BlockStore::ReadBlock> r1 = service_->store().Read(Id(0, 1));
+    std::optional<BlockStore::ReadBlock> r2 = service_->store().Read(Id(0, 2));
+    ASSERT_TRUE(r1 && r2);
+    EXPECT_EQ(Put("a", 3), v1::PUT_OUTCOME_NO_SPACE);
+    EXPECT_TRUE(Has(0, 1) && Has(0, 2));
+    EXPECT_FALSE(Has(0, 3));
+  }
+  EXPECT_EQ(Metric("proxima_namespace_limit_refusals_total{namespace=\"a\"}"), 1);
+  EXPECT_EQ(Put("a", 3), v1::PUT_OUTCOME_STORED);  // read no more: block 1 goes
+  EXPECT_FALSE(Has(0, 1));
+  EXPECT_TRUE(Has(0, 2) && Has(0, 3));
+}
+
+TEST_F(NamespaceLimitTest, ALimitBelowOneBlockStoresNoneAndTakesNothingFromOthers) {
+  ASSERT_NO_FATAL_FAILURE(Start(256));
+  ASSERT_EQ(Put("b", 7), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(Put("a", 1), v1::PUT_OUTCOME_NO_SPACE);
+  EXPECT_TRUE(Has(1, 7));
+  EXPECT_EQ(service_->store().namespace_bytes(0), 0u);
+  EXPECT_EQ(Metric("proxima_namespace_limit_refusals_total{namespace=\"a\"}"), 1);
+}
+
+// A compressing namespace at its limit encodes its own coldest blocks before it evicts any: with
+// int8 (1.85x smaller on these real KV blocks), a limit of 4 raw blocks holds 6.
+// A service whose namespace "z" compresses (int8) under a limit of 4 raw blocks of real
+// SmolLM2 KV (16 tokens), its tierer stopped unless `background`; `put(b)` puts block b under
+// key 'k' + b.
+struct LimitedCompressedService {
+  metrics::Registry registry;
+  DaemonConfig config;
+  std::unique_ptr<TierService> service;
+  uint64_t profile_id = 0;
+  std::function<void(uint32_t)> put;
+};
+BlockId BlockKeyed(const LimitedCompressedService& c, char k) {
+  BlockId id{0, c.profile_id, {}};
+  std::memset(id.key.data(), k, id.key.size());
+  return id;
+}
+void MakeLimitedCompressedService(LimitedCompressedService* out, bool background = false,
+                                  double threshold = 0.8) {
+  static const absl::StatusOr<codec::KvTensor>* kv =
+      new absl::StatusOr<codec::KvTensor>(codec::ReadKvFile(PROXIMA_TEST_KV_FILE));
+  ASSERT_OK(kv->status());
+  constexpr uint32_t kTokens = 16;
+  const codec::BlockGeometry shape = (*kv)->BlockShape(kTokens);
+  DaemonConfig& config = out->config;
+  config.host_tier.capacity_bytes = 16 << 20;  // far below the tier's pressure threshold
+  config.namespaces = {{"z"}};
+  config.namespaces[0].compression.enabled = true;
+  config.namespaces[0].compression.levels = {"int8"};
+  config.namespaces[0].compression.memory_pressure_threshold = threshold;
+  config.namespaces[0].max_bytes = 4 * shape.RawBytes();
+  ASSERT_OK(ResolveCompressionLevels("test", "namespaces[0].compression",
+                                     &config.namespaces[0].compression));
+  ASSERT_OK_AND_ASSIGN(out->service, TierService::Create(config, &out->registry));
+  TierService* service = out->service.get();
+  if (!background) service->tierer().Stop();  // only the puts encode
+  v1::RegisterProfileRequest reg;
+  reg.set_namespace_name("z");
+  v1::ModelProfile* profile = reg.mutable_profile();
+  profile->set_num_layers((*kv)->num_layers);
+  profile->set_num_kv_heads((*kv)->num_kv_heads);
+  profile->set_head_dim((*kv)->head_dim);
+  profile->set_tokens_per_block(kTokens);
+  profile->set_dtype(v1::DTYPE_BF16);
+  v1::RegisterProfileResponse registered;
+  ASSERT_OK(service->RegisterProfile(Caller::Anonymous(), reg, &registered));
+  out->profile_id = registered.profile_id();
+  out->put = [service, profile_id = registered.profile_id(), shape](uint32_t b) {
+    v1::PutRequest put;
+    put.set_namespace_name("z");
+    put.set_profile_id(profile_id);
+    v1::PutBlock* block = put.add_blocks();
+    block->set_key(std::string(32, static_cast<char>('k' + b)));
+    std::string data(shape.RawBytes(), '\0');
+    ASSERT_OK((*kv)->ExtractBlock(b * kTokens, kTokens,
+                                  std::as_writable_bytes(std::span(data.data(), data.size()))));
+    block->set_data(std::move(data));
+    v1::PutResponse response;
+    ASSERT_OK(service->Put(Caller::Anonymous(), put, &response));
+    ASSERT_EQ(response.outcomes(0), v1::PUT_OUTCOME_STORED) << b;
+  };
+}
+
+TEST(NamespaceLimitCompressionTest, ACompressingNamespaceEncodesItsOwnBlocksBeforeEvicting) {
+  LimitedCompressedService c;
+  ASSERT_NO_FATAL_FAILURE(MakeLimitedCompressedService(&c));
+  BlockStore& store = c.service->store();
+  for (uint32_t b = 0; b < 7; ++b) {
+    ASSERT_NO_FATAL_FAILURE(c.put(b));
+    EXPECT_LE(store.namespace_bytes(0), c.config.namespaces[0].max_bytes) << b;
+    if (b == 5) {
+      // Six where four fit raw: five at int8 (199,728 bytes each), the newest raw; none evicted.
+      EXPECT_EQ(store.blocks(), 6u);
+      EXPECT_EQ(store.level_blocks(1), 5u);
+    }
+  }
+  // The seventh: the sixth encoded too, still over, so the oldest (key 'k') goes.
+  EXPECT_EQ(store.blocks(), 6u);
+  EXPECT_FALSE(store.Contains(BlockKeyed(c, 'k')));
+  EXPECT_TRUE(store.Contains(BlockKeyed(c, 'k' + 6)));
+}
+
+// The background tierer encodes a namespace with max_bytes ahead of its puts, as it does the
+// tier: once the namespace's own bytes pass its pressure threshold's share of its limit.
+TEST(NamespaceLimitCompressionTest, TheTiererKeepsANamespaceUnderItsThresholdOfItsLimit) {
+  LimitedCompressedService c;
+  ASSERT_NO_FATAL_FAILURE(MakeLimitedCompressedService(&c, /*background=*/true, 0.5));
+  BlockStore& store = c.service->store();
+  ASSERT_NO_FATAL_FAILURE(c.put(0));
+  ASSERT_NO_FATAL_FAILURE(c.put(1));
+  absl::SleepFor(absl::Milliseconds(200));  // 20 of the tierer's checks: half the limit is not over
+  EXPECT_EQ(store.level_blocks(1), 0u);
+  ASSERT_NO_FATAL_FAILURE(c.put(2));  // 0.75 of the limit; the tier is at 7% of its capacity
+  // Each int8 encoding saves 168,912 bytes: all three go under half the limit (737,280 bytes).
+  for (absl::Time end = absl::Now() + absl::Seconds(20);
+       store.level_blocks(1) < 3 && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(store.level_blocks(1), 3u);
+  EXPECT_LE(store.namespace_bytes(0), c.config.namespaces[0].max_bytes / 2);
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup prof
     ns->name = config.namespaces[i].name;
     ns->policy = config.namespaces[i].compression;
     ns->depth = static_cast<uint8_t>(std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
+    ns->max_bytes = config.namespaces[i].max_bytes;
     caps_.push_back(std::make_unique<std::atomic<uint8_t>>(ns->depth));
     NamespaceState* state = ns.get();
     metrics::Labels labels = {{"namespace", ns->name}};
@@ -211,17 +212,26 @@ std::vector<uint8_t> Tierer::AllCaps() const {
 std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure, uint64_t* room) const {
   std::vector<uint8_t> caps = AllCaps();
   double lowest = 1;
+  uint64_t own_room = 0;  // the most any namespace is over its share of its own max_bytes
   for (size_t i = 0; i < caps.size(); ++i) {
-    const double threshold = namespaces_[i]->policy.memory_pressure_threshold;
-    if (pressure <= threshold) {
+    const NamespaceState& ns = *namespaces_[i];
+    const double threshold = ns.policy.memory_pressure_threshold;
+    // A namespace with max_bytes is also under pressure of its own: its bytes against its limit
+    // (encoded ahead of its puts, as the tier's are ahead of every put).
+    const double own_over =
+        ns.max_bytes == 0 ? 0
+                          : static_cast<double>(store_->namespace_bytes(static_cast<uint32_t>(i))) -
+                                threshold * static_cast<double>(ns.max_bytes);
+    if (pressure <= threshold && own_over <= 0) {
       caps[i] = 0;
     } else if (caps[i] != 0) {
-      lowest = std::min(lowest, threshold);
+      if (pressure > threshold) lowest = std::min(lowest, threshold);
+      if (own_over > 0) own_room = std::max(own_room, static_cast<uint64_t>(std::ceil(own_over)));
     }
   }
   if (room != nullptr) {
     const double over = (pressure - lowest) * static_cast<double>(store_->capacity_bytes());
-    *room = over > 0 ? static_cast<uint64_t>(std::ceil(over)) : 0;
+    *room = std::max(over > 0 ? static_cast<uint64_t>(std::ceil(over)) : 0, own_room);
   }
   return caps;
 }
@@ -258,6 +268,13 @@ std::optional<BlockStore::PendingBlock> Tierer::Reserve(uint64_t bytes,
     }
     return store_->TryReserve(bytes);  // index empty; pinned bytes may have gone meanwhile
   }
+}
+
+bool Tierer::CompressOneOf(uint32_t ns, uint64_t room) {
+  std::vector<uint8_t> caps(namespaces_.size(), 0);
+  caps[ns] = namespaces_[ns]->depth;
+  if (caps[ns] == 0) return false;
+  return CompressOne(caps, room);
 }
 
 codec::CodecPlan Tierer::PlanFor(uint32_t ns, uint8_t level, const ProfileCodec& profile) const {

@@ -137,6 +137,9 @@ class Tierer {
   // passed over need sizes known before encoding (codec::EncodedBytes), each smaller than the
   // last.
   bool CompressOne(std::span<const uint8_t> caps, uint64_t room = 0);
+  // CompressOne over namespace `ns` alone (its own coldest compressible block): room for a put
+  // that would take the namespace over namespaces[].max_bytes.
+  bool CompressOneOf(uint32_t ns, uint64_t room);
   // Runs background passes until the tier is under every namespace's threshold or nothing can
   // be compressed (what each worker does each wake-up). For tests.
   void RelievePressure();
@@ -174,6 +177,7 @@ class Tierer {
     std::string name;
     CompressionConfig policy;
     uint8_t depth = 0;  // levels of its hierarchy (kMaxLevels - 1 at most)
+    uint64_t max_bytes = 0;  // namespaces[].max_bytes (0: none)
     std::atomic<uint64_t> step_backs{0};
     std::atomic<bool> warned_no_gain{false};
   };
@@ -181,8 +185,9 @@ class Tierer {
   // Full caps: every namespace at its hierarchy's depth (the put path may compress any; the
   // quality guard's caps, per model, are applied to each candidate by CompressOne).
   std::vector<uint8_t> AllCaps() const;
-  // Caps for namespaces over their pressure threshold at `pressure`, else 0. `room`, when
-  // given, is set to the bytes above the lowest of those thresholds.
+  // Caps for namespaces over their pressure threshold at `pressure`, or (with max_bytes) whose
+  // own bytes are over that share of their max_bytes, else 0. `room`, when given, is set to the
+  // most bytes any of them is above its threshold.
   std::vector<uint8_t> CapsUnderPressure(double pressure, uint64_t* room = nullptr) const;
   // The plan that blocks of `profile` in namespace `ns` are encoded with at `level` (1 = the
   // first of the hierarchy): the level's plan with the model's RoPE base.

@@ -354,7 +354,9 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     }
     const uint64_t size = data[i].size();
     std::optional<BlockStore::PendingBlock> p;
-    if (!stored && evict) {
+    if (!stored && !core_->FitsInNamespace(ids[i].namespace_index, reserved + size)) {
+      // Past the namespace's max_bytes here: a peer's block never evicts the namespace's own.
+    } else if (!stored && evict) {
       // The leaving peer's most recently used blocks, against this node's least recently used.
       p = store.Reserve(size);
     } else if (!stored && static_cast<double>(store.used_bytes() + size) <= limit) {

@@ -318,6 +318,55 @@ TEST_F(PeerServiceTest, ADeleteSentAgainIsNotedAsOfWhenItWasMade) {
 // peer hands off as it shuts down, evicting its own least recently used blocks for them, and
 // keeps them as recently used: the next local puts evict its older blocks, not these. With
 // handoff_evicts off, a hand-off is kept only below accept_below, as a spill.
+// A namespace's max_bytes holds for its peers' blocks too: a spill or a hand-off past it keeps
+// what fits under it and evicts none of the namespace's own blocks to make more room.
+TEST(PeerServiceLimitTest, PeerBlocksStayWithinTheNamespacesMaxBytesAndEvictNone) {
+  DaemonConfig config;
+  config.host_tier.capacity_bytes = 1 << 20;
+  config.namespaces = {{"open"}};
+  config.namespaces[0].max_bytes = 3 * 512;
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> core, TierService::Create(config, &registry));
+  v1::RegisterProfileRequest reg;
+  reg.set_namespace_name("open");
+  *reg.mutable_profile() = Profile();
+  v1::RegisterProfileResponse registered;
+  ASSERT_OK(core->RegisterProfile(Caller::Anonymous(), reg, &registered));
+  LocationTable records{64};
+  CountingRemote remote;
+  PeerService service(core.get(), &records, &remote, nullptr, "self:1", "token", 1 << 20,
+                      PeerService::Acceptance{0.75, true}, &registry);
+  const std::string raw(512, 'r');
+  BlockId local{0, registered.profile_id(), {}, 0};
+  std::memset(local.key.data(), 'L', kKeyBytes);
+  const auto bytes = std::as_bytes(std::span<const char>(raw.data(), raw.size()));
+  ASSERT_EQ(core->store().Put(local, bytes, Crc32c(bytes)), PutOutcome::kStored);
+
+  for (bool handoff : {false, true}) {
+    SCOPED_TRACE(handoff ? "hand-off" : "spill");
+    v1::StoreBlocksRequest r;
+    r.mutable_blocks()->set_namespace_name("open");
+    r.mutable_blocks()->set_profile_id(registered.profile_id());
+    r.set_block_bytes(512);
+    r.set_handoff(handoff);
+    for (char k : handoff ? std::string("efgh") : std::string("abcd")) {
+      r.mutable_blocks()->add_keys(std::string(kKeyBytes, k));
+      *r.add_data() = Spilled(raw, 0);
+    }
+    v1::StoreBlocksResponse resp;
+    ASSERT_OK(service.ServeStore(r, &resp));
+    if (handoff) {
+      EXPECT_THAT(resp.stored(), ::testing::Each(false)) << "the namespace is at its limit";
+    } else {
+      EXPECT_THAT(resp.stored(), ::testing::ElementsAre(true, true, false, false));
+    }
+    EXPECT_TRUE(resp.full());
+    EXPECT_TRUE(core->store().Contains(local));
+    EXPECT_EQ(core->store().evictions(), 0u);
+    EXPECT_EQ(core->store().namespace_bytes(0), 3 * 512u);
+  }
+}
+
 TEST_F(PeerServiceTest, AFullNodeMakesRoomForAHandOffButNotForASpill) {
   BlockStore& store = core_->store();
   auto local = [&](uint32_t i) {

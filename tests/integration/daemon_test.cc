@@ -105,6 +105,53 @@ TEST(DaemonIntegrationTest, EvictsAtCapacityAndNeverGoesAbove) {
   EXPECT_EQ(GetAndCheck(*c, p, 1, 0, 24), 0u);    // the oldest went first
 }
 
+// namespaces[].max_bytes through a real proximad: a tenant that floods the node with puts
+// (here 100 blocks, 25 MiB, into a 16 MiB tier) keeps within its 2 MiB limit by evicting its
+// own oldest blocks, and another tenant's 40 blocks all stay; its puts go over UCX (the
+// client's default where it reaches the daemon) and inline in turn: each path keeps the limit.
+TEST(DaemonIntegrationTest, AFloodingTenantStaysWithinItsMaxBytesAndOthersKeepTheirBlocks) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=16MiB",
+                                                          "namespaces=[{name: prod}, {name: bulk, "
+                                                          "max_bytes: 2MiB}]"}));
+  auto prod = MustConnect(daemon->unix_target(), "prod");
+  auto bulk = MustConnect(daemon->tcp_target(), "bulk");
+  ClientOptions inline_options;
+  inline_options.target = daemon->tcp_target();
+  inline_options.namespace_name = "bulk";
+  inline_options.transport = client::Transport::kInline;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> bulk_inline, Client::Connect(inline_options));
+  ASSERT_NE(prod, nullptr);
+  ASSERT_NE(bulk, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile pp, prod->RegisterProfile(TestModel()));
+  ASSERT_OK_AND_ASSIGN(Profile bp, bulk->RegisterProfile(TestModel()));
+  ASSERT_EQ(pp.block_bytes, 256u << 10);
+  Blocks kept = MakeBlocks(31, 0, 40, pp.block_bytes);
+  ASSERT_OK_AND_ASSIGN(auto outcomes, prod->Put(pp, kept.keys, kept.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  for (size_t first = 0; first < 100; first += 4) {
+    Blocks flood = MakeBlocks(32, first, 4, bp.block_bytes);
+    Client& c = first % 8 == 0 ? *bulk_inline : *bulk;  // the inline and the UCX put paths
+    ASSERT_OK_AND_ASSIGN(outcomes, c.Put(bp, flood.keys, flood.spans()));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored)) << first;
+  }
+  EXPECT_EQ(GetAndCheck(*prod, pp, 31, 0, 40), 40u) << "the other tenant lost blocks";
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 32, 0, 92), 0u);
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 32, 92, 8), 8u) << "the flooding tenant's newest 8 stay";
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_bytes{namespace=\"bulk\"}"), 2 << 20);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 2 << 20);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_limit_evictions_total{namespace=\"bulk\"}"),
+            92);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_limit_refusals_total{namespace=\"bulk\"}"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"prod\"}"), -1);
+  // Both put paths ran, and each kept the limit.
+  EXPECT_GT(MetricValue(metrics,
+                        "proxima_transfer_bytes_total{transport=\"grpc_inline\",direction=\"in\"}"),
+            0);
+  EXPECT_GT(
+      MetricValue(metrics, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"), 0);
+}
+
 TEST(DaemonIntegrationTest, ConcurrentClientsEachGetTheirOwnBytes) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB"}));
   std::vector<std::thread> threads;
