@@ -616,9 +616,11 @@ def exported(tmp_path_factory):
         f.write("deploy-test-peer-token-0123456789abcdef\n")
     os.chmod(token, 0o600)
     ctmp = str(tmp_path_factory.mktemp("metrics-cluster"))
+    # It also caps its namespace (namespaces[].max_bytes), whose series exist only with a limit.
     c = Daemon(ctmp, path, extra_args=(
         "--set=cluster.enabled=true", "--set=cluster.advertise=127.0.0.1:9",
-        "--set=cluster.peers=[127.0.0.1:9]", "--set=cluster.peer_token={file: %s}" % token))
+        "--set=cluster.peers=[127.0.0.1:9]", "--set=cluster.peer_token={file: %s}" % token,
+        "--set=namespaces=[{name: default, max_bytes: 64MiB}]"))
     try:
         text += c.metrics_text()
     finally:

@@ -9,6 +9,7 @@
 //  - tenant isolation: a call that succeeds acted in a namespace its caller may use (anonymous
 //    callers only in the open namespace, token holders only in their own), and a read-only
 //    token never succeeds in writing;
+//  - namespace "t" never holds more than its max_bytes (1 MiB of the 4 MiB tier);
 //  - every error carries a message.
 // Thread-compatible (one fuzzing thread).
 #ifndef PROXIMA_TESTS_FUZZ_REQUEST_FUZZ_BODY_H_
@@ -41,6 +42,9 @@ inline constexpr const char* kFuzzTokens[kFuzzCallers] = {
     "", "Bearer fuzz-token-t-read-write-0001", "Bearer fuzz-token-t-read-only-00002",
     "Bearer fuzz-token-p-private-0000003", "Bearer fuzz-token-nobody-has-this-4"};
 
+// namespaces[].max_bytes of "t" (a quarter of the tier).
+inline constexpr uint64_t kFuzzLimitedBytes = 1 << 20;
+
 inline TierService& FuzzService() {
   static TierService* service = [] {
     setenv("PROXIMA_FUZZ_TOKEN_T_RW", kFuzzTokens[1] + 7, 1);
@@ -58,6 +62,7 @@ inline TierService& FuzzService() {
          {{"rw", "", "PROXIMA_FUZZ_TOKEN_T_RW", TokenAccess::kReadWrite, ""},
           {"ro", "", "PROXIMA_FUZZ_TOKEN_T_RO", TokenAccess::kReadOnly, ""}}},
         {"p", {{"w", "", "PROXIMA_FUZZ_TOKEN_P", TokenAccess::kReadWrite, ""}}, true}};
+    config.namespaces[1].max_bytes = kFuzzLimitedBytes;
     static metrics::Registry registry;
     absl::StatusOr<std::unique_ptr<TierService>> s = TierService::Create(config, &registry);
     if (!s.ok()) std::abort();
@@ -149,6 +154,8 @@ inline bool RunRequestInput(const uint8_t* data, size_t size) {
     case kFuzzMethods:
       std::abort();
   }
+  // "t" never holds more than its max_bytes once a call returns (calls here run one at a time).
+  if (FuzzService().store().namespace_bytes(1) > kFuzzLimitedBytes) std::abort();
   if (!status.ok()) {
     if (status.message().empty()) std::abort();
     return false;
