@@ -12,6 +12,8 @@
 #                                the same bytes on the same disk (--dir, --gib, --drop_caches=1)
 #   scripts/bench.sh restart     the Mooncake trace replayed across a SIGTERM restart: hit ratio
 #                                after it with the snapshot and without, vs no restart
+#   scripts/bench.sh neighbour   the trace replayed in one namespace while another floods the node
+#                                with puts: hit ratio alone, with the flood, with it capped (max_bytes)
 #   scripts/bench.sh transfer    UCX data plane vs ucx_perftest, inline gRPC, Redis and the bare
 #                                move (a TCP stream over tcp, memcpy over shm); tcp and shm
 #   scripts/bench.sh sim         cluster placement simulated on the trace, 10 to 1,000 nodes (tools/sim)
@@ -22,7 +24,7 @@
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | snapshot | restart | transfer | sim | cluster | call_floor)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | snapshot | restart | neighbour | transfer | sim | cluster | call_floor)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -31,6 +33,7 @@ case "$NAME" in
   kv_layout) export PROXIMA_TARGETS="kv_layout_bench" ;;
   security) export PROXIMA_TARGETS="proximad proximactl" ;;
   replay | restart) export PROXIMA_TARGETS="proximad proxima_replay" ;;
+  neighbour) export PROXIMA_TARGETS="proximad proxima_replay proximactl" ;;
   policy) export PROXIMA_TARGETS="proxima_replay" ;;
   tierer) export PROXIMA_TARGETS="tierer_bench" ;;
   snapshot) export PROXIMA_TARGETS="snapshot_bench" ;;
@@ -53,6 +56,7 @@ case "$NAME" in
               --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
   replay) exec ./scripts/bench-replay.sh "$@" ;;
   restart) exec ./scripts/bench-restart.sh "$@" ;;
+  neighbour) exec ./scripts/bench-neighbour.sh "$@" ;;
   # The whole trace (no sampling: S3-FIFO's small queue and ARC's ghosts see the interleaving of
   # all conversations), sizes from 1% to 35% of its 182,790 distinct blocks.
   policy) exec ./build-bench/tools/replay/proxima_replay \
@@ -68,6 +72,6 @@ case "$NAME" in
   cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
              --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
   call_floor) exec ./build-bench/bench/call_floor_bench "$@" ;;
-  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, snapshot, restart, transfer, sim, cluster, call_floor)" >&2
+  *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, snapshot, restart, neighbour, transfer, sim, cluster, call_floor)" >&2
      exit 2 ;;
 esac
