@@ -167,36 +167,11 @@ std::optional<BlockId> BlockStore::Unpinned(const Shard& shard, uint8_t segment,
 bool BlockStore::EvictOne() { return EvictOneFrom(kProbation) || EvictOneFrom(kProtected); }
 
 bool BlockStore::EvictOneFrom(uint8_t segment) {
-  // Find the shard whose oldest unpinned block is oldest. Stamps can move between this scan and
-  // the lock below; evicting a slightly-less-old block then is harmless.
-  Shard* victim = nullptr;
-  uint64_t oldest = std::numeric_limits<uint64_t>::max();
-  for (auto& shard : shards_) {
-    proxima::MutexLock lock(&shard->mu);
-    uint64_t stamp = 0;
-    if (Unpinned(*shard, segment, Take::kEvict, &stamp) && stamp < oldest) {
-      oldest = stamp;
-      victim = shard.get();
-    }
-  }
-  if (victim == nullptr) return false;  // empty, or everything near the tails is being read
-  BlockRef evicted;
-  {
-    proxima::MutexLock lock(&victim->mu);
-    uint64_t stamp = 0;
-    std::optional<BlockId> id = Unpinned(*victim, segment, Take::kEvict, &stamp);
-    if (!id) return true;  // raced with a delete or a reader; the caller retries
-    Shard::Entry& e = victim->map.find(*id)->second;
-    if (e.attributes.second_chance) {  // an important block: passed over once
-      e.attributes.second_chance = false;
-      (void)MarkUsed(*victim, e, /*reused=*/false);
-      return true;
-    }
-    evicted = Unlink(*victim, *id, nullptr);
-    if (evicted != nullptr) Depart(*id);
-  }
-  evictions_.fetch_add(1, std::memory_order_relaxed);
-  return true;  // `evicted` frees its extent here
+  return EvictColdest(
+      [&](const Shard& shard, uint64_t* stamp) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return Unpinned(shard, segment, Take::kEvict, stamp);
+      },
+      nullptr);
 }
 
 std::optional<BlockId> BlockStore::UnpinnedOf(const Shard& shard, uint32_t ns,
@@ -212,15 +187,25 @@ std::optional<BlockId> BlockStore::UnpinnedOf(const Shard& shard, uint32_t ns,
   return std::nullopt;
 }
 
-bool BlockStore::EvictOneOf(uint32_t ns, bool* evicted_one) {
+bool BlockStore::EvictOneOf(uint32_t ns, bool* evicted) {
+  return EvictColdest(
+      [&](const Shard& shard, uint64_t* stamp) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return UnpinnedOf(shard, ns, stamp);
+      },
+      evicted);
+}
+
+bool BlockStore::EvictColdest(
+    absl::FunctionRef<std::optional<BlockId>(const Shard&, uint64_t*)> find, bool* evicted_one) {
   if (evicted_one != nullptr) *evicted_one = false;
-  // As EvictOneFrom, over the namespace's own recency lists (every tier).
+  // Find the shard whose candidate is oldest. Stamps can move between this scan and the lock
+  // below; evicting a slightly-less-old block then is harmless.
   Shard* victim = nullptr;
   uint64_t oldest = std::numeric_limits<uint64_t>::max();
   for (auto& shard : shards_) {
     proxima::MutexLock lock(&shard->mu);
     uint64_t stamp = 0;
-    if (UnpinnedOf(*shard, ns, &stamp) && stamp < oldest) {
+    if (find(*shard, &stamp) && stamp < oldest) {
       oldest = stamp;
       victim = shard.get();
     }
@@ -230,7 +215,7 @@ bool BlockStore::EvictOneOf(uint32_t ns, bool* evicted_one) {
   {
     proxima::MutexLock lock(&victim->mu);
     uint64_t stamp = 0;
-    std::optional<BlockId> id = UnpinnedOf(*victim, ns, &stamp);
+    std::optional<BlockId> id = find(*victim, &stamp);
     if (!id) return true;  // raced with a delete or a reader; the caller retries
     Shard::Entry& e = victim->map.find(*id)->second;
     if (e.attributes.second_chance) {  // an important block: passed over once

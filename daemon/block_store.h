@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "common/mutex.h"
@@ -421,6 +422,11 @@ class BlockStore {
   std::optional<DeviceTail> OldestOnDevice(size_t device) const;
   // Evicts the oldest unpinned block of `segment` across shards; false when there is none.
   bool EvictOneFrom(uint8_t segment);
+  // Evicts the oldest of the blocks `find` names, one per shard (called under that shard's lock;
+  // its stamp in `*stamp`), or passes over an important one once; false when it names none.
+  // `*evicted_one` (when given) says whether a block left.
+  bool EvictColdest(absl::FunctionRef<std::optional<BlockId>(const Shard&, uint64_t*)> find,
+                    bool* evicted_one);
   std::optional<Extent> AllocateEvicting(uint64_t bytes);
   // A free extent, or the window of a compaction (ReserveCompacting).
   std::optional<Extent> AllocateCompacting(uint64_t bytes);
