@@ -56,14 +56,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-metric() {  # DIR SERIES: the series' value at the daemon's metrics endpoint
-  python3 - "$1/ports.json" "$2" <<'EOF'
-import json, sys, urllib.request
-port = json.load(open(sys.argv[1]))["metrics_port"]
-text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-print(next((l.split()[1] for l in text.splitlines() if l.startswith(sys.argv[2] + " ")), "nan"))
-EOF
-}
+metric() { "$root/scripts/metric-value.py" "$1/ports.json" "$2"; }  # DIR SERIES
 
 for run in alone uncapped capped; do
   dir=$work/$run

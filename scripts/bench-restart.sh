@@ -93,20 +93,7 @@ replay() {
 }
 
 # metric DIR NAME: the value of series NAME at the daemon's metrics endpoint.
-metric() {
-  local port
-  port=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["metrics_port"])' "$1/ports.json")
-  python3 - "$port" "$2" <<'EOF'
-import sys, urllib.request
-text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
-for line in text.splitlines():
-    if line.startswith(sys.argv[2] + " "):
-        print(line.split()[1])
-        break
-else:
-    print("nan")
-EOF
-}
+metric() { "$root/scripts/metric-value.py" "$1/ports.json" "$2"; }
 
 for run in none snapshot cold; do
   dir=$work/$run
