@@ -793,9 +793,8 @@ std::optional<BlockStore::PendingBlock> TierService::ReserveForPut(uint64_t byte
 bool TierService::RoomInNamespace(uint32_t ns, uint64_t bytes) {
   Namespace& n = *namespaces_[ns];
   if (n.max_bytes == 0) return true;
-  // With `bytes` 0 (after a put): back within the limit, should puts running at once have
-  // taken it past.
-  // Others' puts in flight may take the room made here first: a few rounds, then no.
+  // Each round encodes or evicts one of the namespace's blocks. Puts of the namespace running
+  // at once may take the room made here first: a bounded number of rounds, then no.
   for (int round = 0; bytes <= n.max_bytes && round < 1024; ++round) {
     const uint64_t used = store_->namespace_bytes(ns);
     if (used + bytes <= n.max_bytes) return true;
@@ -1186,6 +1185,7 @@ absl::Status TierService::Stats(const Caller& caller, const v1::StatsRequest&,
     s->set_name(n.name);
     s->set_blocks(counters_[i].blocks.load());
     s->set_bytes(counters_[i].bytes.load());
+    s->set_max_bytes(n.max_bytes);
     s->set_puts(n.puts->value());
     s->set_get_hits(n.get_hits->value());
     s->set_get_misses(n.get_misses->value());

@@ -144,6 +144,18 @@ TEST(DaemonIntegrationTest, AFloodingTenantStaysWithinItsMaxBytesAndOthersKeepTh
             92);
   EXPECT_EQ(MetricValue(metrics, "proxima_namespace_limit_refusals_total{namespace=\"bulk\"}"), 0);
   EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"prod\"}"), -1);
+  // A tenant sees its own limit in Stats, and the operator in proximactl stats.
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, bulk->Stats());
+  ASSERT_EQ(stats.namespaces_size(), 2);  // open namespaces: both
+  for (const v1::NamespaceStats& n : stats.namespaces()) {
+    EXPECT_EQ(n.max_bytes(), n.name() == "bulk" ? 2u << 20 : 0u) << n.name();
+    if (n.name() == "bulk") EXPECT_EQ(n.bytes(), 2u << 20);
+  }
+  testing::CommandResult ctl = testing::RunCommand(
+      {testing::ProximactlPath(), "stats", "--target=" + daemon->unix_target()});
+  EXPECT_EQ(ctl.exit_code, 0) << ctl.err;
+  EXPECT_THAT(ctl.out, AllOf(HasSubstr("max_bytes"),
+                             ::testing::ContainsRegex("bulk +8 +2097152 +2097152 ")));
   // Both put paths ran, and each kept the limit.
   EXPECT_GT(MetricValue(metrics,
                         "proxima_transfer_bytes_total{transport=\"grpc_inline\",direction=\"in\"}"),

@@ -347,12 +347,13 @@ int CmdStats() {
                   static_cast<unsigned long long>(l.blocks()), l.level() == 0 ? " (raw)" : "");
     }
   }
-  std::printf("%-12s %8s %14s %8s %9s %9s %11s %11s\n", "namespace", "blocks", "bytes", "puts",
-              "get_hits", "get_miss", "lookup_hits", "lookup_miss");
+  std::printf("%-12s %8s %14s %14s %8s %9s %9s %11s %11s\n", "namespace", "blocks", "bytes",
+              "max_bytes", "puts", "get_hits", "get_miss", "lookup_hits", "lookup_miss");
   for (const auto& n : stats->namespaces()) {
-    std::printf("%-12s %8llu %14llu %8llu %9llu %9llu %11llu %11llu\n", n.name().c_str(),
+    const std::string limit = n.max_bytes() == 0 ? "-" : std::to_string(n.max_bytes());
+    std::printf("%-12s %8llu %14llu %14s %8llu %9llu %9llu %11llu %11llu\n", n.name().c_str(),
                 static_cast<unsigned long long>(n.blocks()),
-                static_cast<unsigned long long>(n.bytes()),
+                static_cast<unsigned long long>(n.bytes()), limit.c_str(),
                 static_cast<unsigned long long>(n.puts()),
                 static_cast<unsigned long long>(n.get_hits()),
                 static_cast<unsigned long long>(n.get_misses()),
