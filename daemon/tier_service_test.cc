@@ -4,13 +4,11 @@
 #include <functional>
 #include <string>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
 #include "common/status_macros.h"
+#include "common/testing/metric_value.h"
 #include "common/testing/status_matchers.h"
 #include "common/testing/tiny_profile.h"
 #include "gmock/gmock.h"
@@ -616,13 +614,7 @@ class NamespaceLimitTest : public ::testing::Test {
   }
   bool Has(uint32_t ns, int key) const { return service_->store().Contains(Id(ns, key)); }
   double Metric(const std::string& series) const {
-    for (absl::string_view line : absl::StrSplit(registry_.RenderText(), '\n')) {
-      if (absl::StartsWith(line, series + " ")) {
-        double v = 0;
-        if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-      }
-    }
-    return -1;
+    return proxima::testing::MetricValue(registry_.RenderText(), series);
   }
 
   metrics::Registry registry_;

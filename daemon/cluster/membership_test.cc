@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/testing/metric_value.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -68,10 +69,7 @@ std::vector<std::string> LiveIds(const Membership& m) {
 }
 
 double Metric(const metrics::Registry& registry, const std::string& series) {
-  const std::string text = registry.RenderText();
-  size_t at = text.find("\n" + series + " ");
-  if (at == std::string::npos) return -1;
-  return std::stod(text.substr(at + series.size() + 2));
+  return proxima::testing::MetricValue(registry.RenderText(), series);
 }
 
 MembershipOptions Options(std::vector<std::string> peers, uint32_t failures = 3) {

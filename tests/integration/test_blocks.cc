@@ -1,8 +1,5 @@
 #include "tests/integration/test_blocks.h"
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
 #include "client/test_pattern.h"
 #include "common/testing/status_matchers.h"
 #include "gtest/gtest.h"
@@ -59,16 +56,6 @@ size_t GetAndCheck(Client& c, const Profile& p, uint64_t seed, size_t first, siz
     EXPECT_TRUE(client::IsTestBlock(seed, first + i, out[i])) << "block " << first + i;
   }
   return hits;
-}
-
-double MetricValue(const std::string& text, const std::string& series) {
-  for (absl::string_view line : absl::StrSplit(text, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = 0;
-      if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
-    }
-  }
-  return -1;
 }
 
 }  // namespace proxima::testing

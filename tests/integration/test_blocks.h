@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "common/testing/metric_value.h"  // MetricValue, for the tests that include this
 
 namespace proxima::testing {
 
@@ -33,10 +34,6 @@ Blocks MakeBlocks(uint64_t seed, size_t first, size_t count, uint64_t block_byte
 // test if any came back wrong.
 size_t GetAndCheck(client::Client& c, const client::Profile& p, uint64_t seed, size_t first,
                    size_t count);
-
-// The value of `series` (name plus labels, exactly as exported) in a Prometheus text scrape, or
-// -1 when absent.
-double MetricValue(const std::string& text, const std::string& series);
 
 }  // namespace proxima::testing
 
