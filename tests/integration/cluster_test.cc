@@ -1573,14 +1573,23 @@ TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
   daemons_[2]->Signal(SIGCONT);
   EXPECT_EQ(daemons_[2]->WaitExit(absl::Seconds(30)), 0);
   const std::string log = daemons_[2]->Log();
+  const double declined =
+      Metric(0, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}") +
+      Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}");
   EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
-  EXPECT_EQ(HandoffCount(log, "deleted_blocks"), static_cast<int64_t>(kBlocks)) << log;
   EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
   EXPECT_EQ(HandoffEnded(log), "every block placed") << log;
-  EXPECT_EQ(
-      Metric(0, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}") +
-          Metric(1, "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}"),
-      kBlocks);
+  // On SIGCONT, C answers the health check A has in flight in the same instant it takes the
+  // SIGTERM: now and then A sees C back in its live set before C says it is leaving, and the
+  // Delete A kept for C reaches it (a CI run, 1 in many). C then deletes the chain itself and
+  // hands off only the other one; as right, but the decline is not what ran.
+  if (HandoffCount(log, "deleted_blocks") == 0 && declined == 0) {
+    std::cout << "A's Delete reached C before C began to leave: nothing for A and B to decline\n";
+    EXPECT_GE(Metric(0, "proxima_cluster_deletes_retried_total"), kBlocks);
+  } else {
+    EXPECT_EQ(HandoffCount(log, "deleted_blocks"), static_cast<int64_t>(kBlocks)) << log;
+    EXPECT_EQ(declined, kBlocks);
+  }
   EXPECT_EQ(GetAndCheck(*clients.a, p, kDeleted, 0, kBlocks), 0u);
   EXPECT_EQ(GetAndCheck(*clients.b, p, kDeleted, 0, kBlocks), 0u);
   EXPECT_THAT(clients.b->Lookup(p, client::TestKeyChain(kDeleted, 0, kBlocks)), IsOkAndHolds(0u));
