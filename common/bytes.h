@@ -5,12 +5,17 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace proxima {
 
 inline std::span<const std::byte> AsBytes(std::string_view s) {
   return std::as_bytes(std::span<const char>(s.data(), s.size()));
+}
+
+inline std::span<std::byte> AsWritableBytes(std::string& s) {
+  return std::as_writable_bytes(std::span<char>(s.data(), s.size()));
 }
 
 }  // namespace proxima

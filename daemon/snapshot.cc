@@ -125,24 +125,6 @@ std::string RecordHeader(Kind kind, const std::string& meta, uint64_t data_bytes
   return h + meta;
 }
 
-// The text of each level's codec plan in a namespace's hierarchy, [level - 1], made once per
-// namespace: a snapshot names a block's level by its plan.
-class PlanTexts {
- public:
-  explicit PlanTexts(const TierService& core) : core_(core) {}
-  const std::vector<std::string>& Of(uint32_t ns) {
-    auto [it, fresh] = texts_.try_emplace(ns);
-    if (fresh) {
-      for (const codec::CodecPlan& p : core_.LevelPlans(ns)) it->second.push_back(p.ToString());
-    }
-    return it->second;
-  }
-
- private:
-  const TierService& core_;
-  absl::flat_hash_map<uint32_t, std::vector<std::string>> texts_;
-};
-
 }  // namespace
 
 Claim::~Claim() { ::close(fd_); }  // closing the last descriptor of the lock drops it
@@ -190,7 +172,6 @@ absl::StatusOr<std::unique_ptr<Claim>> ClaimFile(const std::string& path) {
 absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::Time deadline) {
   const std::string tmp = path + ".tmp";
   Written w;
-  PlanTexts plan_texts(core);
   // Every block taken stays busy until the end, so each is written once.
   std::vector<BlockStore::Candidate> taken;
   BlockStore& store = core.store();
@@ -227,10 +208,7 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
       b.set_profile_id(id.profile_id);
       b.set_key(reinterpret_cast<const char*>(id.key.data()), kKeyBytes);
       b.set_level(c->block.level);
-      if (const std::vector<std::string>& plans = plan_texts.Of(id.namespace_index);
-          c->block.level > 0 && c->block.level <= plans.size()) {
-        b.set_plan(plans[c->block.level - 1]);
-      }
+      b.set_plan(core.LevelPlanText(id.namespace_index, c->block.level));
       b.set_crc32c(c->block.crc32c);
       b.set_max_level(c->attributes.max_level);
       b.set_first_block(c->attributes.is_first_block);
@@ -274,7 +252,6 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
 
 absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
   Loaded out;
-  PlanTexts plan_texts(core);
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return out;
@@ -430,16 +407,12 @@ absl::StatusOr<Loaded> Load(TierService& core, const std::string& path) {
         return absl::InvalidArgumentError(absl::StrCat("its data ", s.message()));
       }
       e.level = static_cast<uint8_t>(b.level());
-      e.level_now = e.level;
-      if (e.level > 0 && !b.plan().empty()) {
-        // The block keeps its encoding under the level of this daemon's hierarchy with the same
-        // plan; with none (the hierarchy changed), it is stored raw, and the tierer encodes it
-        // down this hierarchy as pressure asks.
-        const std::vector<std::string>& plans = plan_texts.Of(e.id.namespace_index);
-        auto same = std::find(plans.begin(), plans.end(), b.plan());
-        e.decode = same == plans.end();
-        e.level_now = e.decode ? 0 : static_cast<uint8_t>(same - plans.begin() + 1);
-      }
+      // The block keeps its encoding under the level of this daemon's hierarchy with the same
+      // plan; with none (the hierarchy changed), it is stored raw, and the tierer encodes it
+      // down this hierarchy as pressure asks.
+      const std::optional<uint8_t> here = core.LevelOfPlan(e.id.namespace_index, e.level, b.plan());
+      e.decode = !here.has_value();
+      e.level_now = here.value_or(0);
       e.crc32c = b.crc32c();
       e.attributes.max_level = static_cast<uint8_t>(b.max_level());
       e.attributes.is_first_block = b.first_block();

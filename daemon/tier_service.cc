@@ -361,6 +361,9 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
         registry->AddCounter("proxima_lookup_misses_total",
                              "Lookup calls that stopped before the end of their chain", labels);
     ns->max_bytes = config.namespaces[i].max_bytes;
+    for (const codec::CodecPlan& plan : config.namespaces[i].compression.plans) {
+      ns->plan_texts.push_back(plan.ToString());
+    }
     if (ns->max_bytes > 0) {
       const double limit = static_cast<double>(ns->max_bytes);
       registry->AddGauge("proxima_namespace_max_bytes",
@@ -520,6 +523,22 @@ BlockAttributes TierService::AttributesAgain(uint32_t ns, uint64_t profile_id,
   const std::optional<Tierer::ProfileCodec> codec = ProfileCodecOf(ns, profile_id);
   return tierer_->AttributesFor(ns, codec ? codec->geometry.tokens_per_block : 0, codec.has_value(),
                                 put.position, put.high_priority, put.second_chance ? 1.0f : 0.0f);
+}
+
+const std::string& TierService::LevelPlanText(uint32_t ns, uint8_t level) const {
+  static const std::string* const kNone = new std::string();
+  const std::vector<std::string>& texts = namespaces_[ns]->plan_texts;
+  return level > 0 && level <= texts.size() ? texts[level - 1] : *kNone;
+}
+
+std::optional<uint8_t> TierService::LevelOfPlan(uint32_t ns, uint8_t level,
+                                                absl::string_view plan) const {
+  if (level == 0 || plan.empty()) return level;
+  const std::vector<std::string>& texts = namespaces_[ns]->plan_texts;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    if (texts[i] == plan) return static_cast<uint8_t>(i + 1);
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<uint32_t> TierService::FindNamespace(const std::string& name) const {

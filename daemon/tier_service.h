@@ -22,12 +22,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
@@ -240,11 +242,16 @@ class TierService {
     return limit == 0 || store_->namespace_bytes(ns) + bytes <= limit;
   }
 
-  // Namespace `ns`'s compression hierarchy: element k is the plan of level k + 1 (empty when
-  // its compression is off).
-  const std::vector<codec::CodecPlan>& LevelPlans(uint32_t ns) const {
-    return config_.namespaces[ns].compression.plans;
-  }
+  // How a block's level is named outside this daemon (to a peer it is spilled or handed off to,
+  // and to the next start, in the snapshot): the text of that level's codec plan
+  // (CodecPlan::ToString) in namespace `ns`'s hierarchy; "" for level 0 or a level it lacks.
+  const std::string& LevelPlanText(uint32_t ns, uint8_t level) const;
+  // The level of namespace `ns`'s hierarchy whose plan has the text `plan`, for a block at
+  // `level` of another hierarchy (a peer's, or this daemon's under its last config); nullopt
+  // when this hierarchy has no such plan: the block is to be decoded to raw (level 0), and the
+  // tierer encodes it down this hierarchy. `level` as it is when it is 0 or `plan` is empty (a
+  // writer from before plans were named).
+  std::optional<uint8_t> LevelOfPlan(uint32_t ns, uint8_t level, absl::string_view plan) const;
 
   BlockStore& store() { return *store_; }
   Tierer& tierer() { return *tierer_; }
@@ -261,6 +268,7 @@ class TierService {
     metrics::Counter* lookup_hits = nullptr;
     metrics::Counter* lookup_misses = nullptr;
     uint64_t max_bytes = 0;  // namespaces[].max_bytes; 0: no limit of its own
+    std::vector<std::string> plan_texts;  // LevelPlanText of each level, [level - 1]
     // Its blocks evicted, and its puts refused, to keep it within max_bytes.
     metrics::Counter* limit_evictions = nullptr;
     metrics::Counter* limit_refusals = nullptr;

@@ -1390,6 +1390,11 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     }
     b->set_crc32c(c->block.crc32c);
     b->set_level(c->block.level);
+    // The level by its plan, and the put's hints: the receiver may run another hierarchy.
+    b->set_plan(core_->LevelPlanText(id.namespace_index, c->block.level));
+    b->set_high_priority(c->attributes.high_priority);
+    b->set_position(c->attributes.position);
+    b->set_second_chance(c->attributes.second_chance);
     // This copy is newer than any Delete of the key seen here (that Delete would have removed
     // it): a receiver that saw the same last Delete keeps it.
     b->set_after_delete(service_->LastDelete(id));

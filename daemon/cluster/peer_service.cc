@@ -11,6 +11,7 @@
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "kernels/codec.h"
 
 namespace proxima::daemon::cluster {
 namespace {
@@ -292,6 +293,9 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     }
   }
   // Every block is checked before any is kept: a request with one bad block stores none.
+  // level_here[i]: the level of this node's hierarchy with block i's plan; none: stored decoded.
+  std::vector<std::optional<uint8_t>> level_here(ids.size());
+  std::string scratch;
   for (int i = 0; i < request.data_size(); ++i) {
     const v1::SpilledBlock& b = request.data(i);
     if (b.level() >= static_cast<uint32_t>(kMaxLevels)) {
@@ -315,6 +319,20 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       return absl::InvalidArgumentError(
           absl::StrCat("StoreBlocks data[", i, "] ", s.message(), "; nothing was stored"));
     }
+    level_here[i] =
+        core_->LevelOfPlan(ids[i].namespace_index, static_cast<uint8_t>(b.level()), b.plan());
+    if (!level_here[i]) {
+      // Its plan is no level here: it is kept decoded, raw. Decoded once now, into a scratch
+      // block, so that one that does not decode refuses the request before anything is
+      // reserved (and a hand-off's reservation evicts); again into tier memory below.
+      scratch.resize(request.block_bytes());
+      if (absl::Status d = codec::DecodeBlock(bytes, AsWritableBytes(scratch)); !d.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "StoreBlocks data[", i, "] is at level ", b.level(), " with plan '",
+            b.plan().substr(0, 200), "', which is no level here, and does not decode: ",
+            d.message(), "; nothing was stored"));
+      }
+    }
   }
   // Which blocks to keep, in room this node has to spare (never evicting for spilled ones; for
   // a hand-off's as for a local put, when allowed), and their tier memory; visible only once
@@ -323,8 +341,10 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   const double limit = accept_.below * static_cast<double>(store.capacity_bytes());
   const bool evict = request.handoff() && accept_.handoff_evicts;
   std::vector<BlockStore::PendingBlock> pending;
-  std::vector<size_t> keep;  // request index of each pending block
-  uint64_t reserved = 0;
+  std::vector<size_t> keep;        // request index of each pending block
+  std::vector<uint32_t> kept_crc;  // CRC32C of each pending block's bytes
+  uint64_t reserved = 0;           // tier bytes of the blocks kept
+  uint64_t received = 0;           // their bytes as sent
   uint64_t declined = 0;
   // A hand-off's blocks already here, pinned until the end: the evictions that make room for the
   // others must not take a block this answer says is held.
@@ -352,7 +372,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       ++declined;
       continue;
     }
-    const uint64_t size = data[i].size();
+    const uint64_t size = level_here[i] ? data[i].size() : request.block_bytes();
     std::optional<BlockStore::PendingBlock> p;
     if (!stored && !core_->FitsInNamespace(ids[i].namespace_index, reserved + size)) {
       // Past the namespace's max_bytes here: a peer's block never evicts the namespace's own.
@@ -363,11 +383,19 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       // Never evicting for a peer's block; moving blocks to make free bytes contiguous is fine.
       p = store.ReserveCompacting(size);
     }
-    if (p) {
+    if (p && level_here[i]) {
       std::memcpy(p->bytes().data(), data[i].data(), size);
+      kept_crc.push_back(request.data(static_cast<int>(i)).crc32c());
+    } else if (p) {
+      // Decoded once already (above): this one does not fail.
+      PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(data[i], p->bytes()));
+      kept_crc.push_back(Crc32c(p->bytes()));
+    }
+    if (p) {
       pending.push_back(*std::move(p));
       keep.push_back(i);
       reserved += size;
+      received += data[i].size();
       stored = true;
     }
     if (!stored) response->set_full(true);
@@ -376,11 +404,20 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   std::vector<BlockKey> kept;
   for (size_t j = 0; j < keep.size(); ++j) {
     const v1::SpilledBlock& b = request.data(static_cast<int>(keep[j]));
+    const BlockId& id = ids[keep[j]];
     BlockAttributes attributes;
+    if (b.has_high_priority()) {
+      // What the tierer may do with it here, as a put here would have it.
+      BlockAttributes put;
+      put.position = b.position();
+      put.high_priority = b.high_priority();
+      put.second_chance = b.second_chance();
+      attributes = core_->AttributesAgain(id.namespace_index, id.profile_id, put);
+    }
     attributes.from_peer = true;
     attributes.handed_off = request.handoff();
-    store.Commit(ids[keep[j]], std::move(pending[j]), b.crc32c(), attributes,
-                 static_cast<uint8_t>(b.level()));
+    store.Commit(id, std::move(pending[j]), kept_crc[j], attributes,
+                 level_here[keep[j]].value_or(0));
     kept.push_back(ids[keep[j]].key);
   }
   const double room = evict ? static_cast<double>(store.capacity_bytes()) -
@@ -393,8 +430,8 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   spill_refused_->Increment(
       ids.size() - declined -
       static_cast<size_t>(std::count(response->stored().begin(), response->stored().end(), true)));
-  spill_bytes_in_->Increment(reserved);
-  if (by_ucx) ucx_->CountIn(reserved);
+  spill_bytes_in_->Increment(received);
+  if (by_ucx) ucx_->CountIn(received);
   if (!kept.empty()) {
     // This node holds them now: their homes learn it as after a local put.
     remote_->Stored({ids[0].namespace_index, request.blocks().namespace_name(), ids[0].partition,

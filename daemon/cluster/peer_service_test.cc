@@ -5,9 +5,12 @@
 #include "daemon/cluster/peer_service.h"
 
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "common/testing/tiny_profile.h"
@@ -33,10 +36,20 @@ v1::SpilledBlock Spilled(const std::string& data, uint32_t level) {
 
 class PeerServiceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Start({}); }
+
+  // The service of a node whose namespace "open" has the compression hierarchy `levels`.
+  void Start(const std::vector<std::string>& levels) {
     DaemonConfig config;
     config.host_tier.capacity_bytes = 1 << 20;
     config.namespaces = {{"open"}};
+    CompressionConfig& c = config.namespaces[0].compression;
+    c.enabled = !levels.empty();
+    c.levels = levels;
+    for (const std::string& text : levels) {
+      ASSERT_OK_AND_ASSIGN(codec::CodecPlan plan, codec::ParseCodecPlan(text));
+      c.plans.push_back(plan);
+    }
     ASSERT_OK_AND_ASSIGN(core_, TierService::Create(config, &registry_));
     v1::RegisterProfileRequest reg;
     reg.set_namespace_name("open");
@@ -61,10 +74,12 @@ class PeerServiceTest : public ::testing::Test {
     return r;
   }
 
-  std::string Int8Block() {
+  std::string Int8Block() { return Encoded("int8"); }
+  // raw_ encoded with the codec plan `plan`.
+  std::string Encoded(const std::string& plan) {
     std::string encoded;
     const codec::BlockGeometry g{2, 2, 8, 4, codec::DType::kBf16};
-    EXPECT_OK(codec::EncodeBlock(g, *codec::ParseCodecPlan("int8"), false,
+    EXPECT_OK(codec::EncodeBlock(g, *codec::ParseCodecPlan(plan), false,
                                  std::as_bytes(std::span<const char>(raw_.data(), raw_.size())), {},
                                  &encoded));
     return encoded;
@@ -429,6 +444,89 @@ TEST_F(PeerServiceTest, AFullNodeMakesRoomForAHandOffButNotForASpill) {
     std::optional<BlockStore::ReadBlock> b = Read(k);
     ASSERT_TRUE(b) << k;
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(b->bytes.data()), b->bytes.size()), raw_);
+  }
+}
+
+// Levels are numbered per config, and a peer may run another hierarchy than this node (a rolling
+// config change): a spilled or handed-off block keeps its encoding at the level of this node's
+// hierarchy with the same codec plan, and is stored decoded (raw, for this node's tierer to
+// encode) where this hierarchy has none. How deep this node's tierer may take it follows from the
+// put's hints under this node's config. A sender that names neither (an older version) has its
+// block kept at its level number, never encoded further, as before.
+class PeerServiceHierarchyTest : public PeerServiceTest {
+ protected:
+  void SetUp() override { Start({"int4", "int2"}); }
+
+  static std::string PlanText(const std::string& plan) {
+    return codec::ParseCodecPlan(plan)->ToString();
+  }
+  // key byte -> max_level of every block stored here.
+  std::map<char, int> MaxLevels() {
+    std::map<char, int> out;
+    std::vector<BlockStore::Candidate> taken;
+    while (std::optional<BlockStore::Candidate> c = core_->store().HottestForHandoff()) {
+      out[static_cast<char>(c->id.key[0])] = c->attributes.max_level;
+      taken.push_back(*c);
+    }
+    for (const BlockStore::Candidate& c : taken) core_->store().Release(c);
+    return out;
+  }
+};
+
+TEST_F(PeerServiceHierarchyTest, ABlockTakesTheLevelOfItsPlanHereOrComesRawWhereThereIsNone) {
+  const std::string int4 = Encoded("int4"), int8 = Encoded("int8");
+  std::string decoded(512, '\0');
+  ASSERT_OK(codec::DecodeBlock(AsBytes(int8), AsWritableBytes(decoded)));
+  ASSERT_NE(decoded, raw_);  // lossy: the test tells a decoded block from the raw one
+  for (const bool handoff : {false, true}) {
+    SCOPED_TRACE(handoff ? "hand-off" : "spill");
+    const char k = handoff ? 'e' : 'a';  // keys k .. k + 3
+    v1::StoreBlocksRequest r = Request({k, char(k + 1), char(k + 2), char(k + 3)}, 512);
+    r.set_handoff(handoff);
+    // The sender's level 2 is int4: level 1 here, the same bytes. High priority, so at most
+    // level 1 here (priority.high_max_level).
+    *r.add_data() = Spilled(int4, 2);
+    r.mutable_data(0)->set_plan(PlanText("int4"));
+    r.mutable_data(0)->set_high_priority(true);
+    r.mutable_data(0)->set_position(5);
+    // int8 is no level here: stored decoded, and may go as deep as this hierarchy does.
+    *r.add_data() = Spilled(int8, 1);
+    r.mutable_data(1)->set_plan(PlanText("int8"));
+    r.mutable_data(1)->set_high_priority(false);
+    r.mutable_data(1)->set_position(0);
+    // An older sender: level 1 as it says, never encoded further here.
+    *r.add_data() = Spilled(int4, 1);
+    // A raw block with its hints.
+    *r.add_data() = Spilled(raw_, 0);
+    r.mutable_data(3)->set_high_priority(false);
+    r.mutable_data(3)->set_position(7);
+    r.mutable_data(3)->set_second_chance(true);
+    v1::StoreBlocksResponse resp;
+    ASSERT_OK(service_->ServeStore(r, &resp));
+    EXPECT_THAT(resp.stored(), ::testing::ElementsAre(true, true, true, true));
+
+    // Checked reads: each one's CRC32C is that of the bytes stored.
+    std::optional<BlockStore::ReadBlock> a = Read(k), b = Read(char(k + 1)), c = Read(char(k + 2)),
+                                         d = Read(char(k + 3));
+    ASSERT_TRUE(a && b && c && d);
+    auto text = [](const BlockStore::ReadBlock& x) {
+      return std::string(reinterpret_cast<const char*>(x.bytes.data()), x.bytes.size());
+    };
+    EXPECT_EQ(a->level, 1);
+    EXPECT_EQ(text(*a), int4);
+    EXPECT_EQ(b->level, 0);
+    EXPECT_EQ(text(*b), decoded);
+    EXPECT_EQ(c->level, 1);
+    EXPECT_EQ(text(*c), int4);
+    EXPECT_EQ(d->level, 0);
+    EXPECT_EQ(text(*d), raw_);
+  }
+  const std::map<char, int> max_levels = MaxLevels();
+  for (const char k : {'a', 'e'}) {
+    EXPECT_EQ(max_levels.at(k), 1) << k;      // high priority
+    EXPECT_EQ(max_levels.at(k + 1), 2) << k;  // the whole hierarchy
+    EXPECT_EQ(max_levels.at(k + 2), 0) << k;  // no hints: stays as it came
+    EXPECT_EQ(max_levels.at(k + 3), 2) << k;
   }
 }
 

@@ -17,7 +17,9 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/test_pattern.h"
+#include "common/bytes.h"
 #include "common/status_macros.h"
+#include "common/testing/free_port.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -342,6 +344,143 @@ TEST_F(TiersTest, ARestartWithAnotherHierarchyKeepsOnlyTheEncodingsItStillHas) {
   EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_blocks"), 0);
   daemon_.reset();
   unlink((file + ".lock").c_str());
+  rmdir(dir);
+}
+
+// The same change, rolled out node by node: a node still on the old hierarchy (int8, int4) hands
+// its blocks off at SIGTERM to a peer already on the new one (int4, int2). Levels are numbered
+// per config, so a block travels with its level's codec plan and its put's hints: the peer keeps
+// an int4 block at its own level 1 (the same container) and decodes an int8 one (no level there)
+// to raw, and its tierer takes each as deep as the worker allowed under its config: the
+// high-priority blocks to level 1 (int4), the others to level 2 (int2). Before, the blocks came
+// with their level numbers and no hints: the int8 blocks sat at level 1 as int8 and the int4
+// ones at level 2 as int4, and the peer's tierer never encoded them further.
+TEST_F(TiersTest, AHandOffToANodeWithAnotherHierarchyKeepsEachEncodingWhereItBelongs) {
+  char dir[] = "/tmp/proxima-it-handoff-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string token_file = std::string(dir) + "/peer-token";
+  {
+    FILE* f = fopen(token_file.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    fputs("tiers-test-peer-token-0123456789abcdef\n", f);
+    fclose(f);
+  }
+  const std::vector<int> ports = testing::FreeLoopbackPorts(2);
+  auto node = [&](size_t i, const char* levels) {
+    std::vector<std::string> sets =
+        testing::ClusterSets(ports, i, token_file, absl::Milliseconds(1000));
+    sets.insert(
+        sets.end(),
+        {"tiers.host.capacity_bytes=8MiB",
+         "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}",
+         absl::StrCat("namespaces=[{name: default, compression: {enabled: true, levels: ", levels,
+                      ", trigger: {memory_pressure_threshold: 0.05}, quality: "
+                      "{max_attention_error: 0.9}}}]")});
+    return sets;
+  };
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> old_node,
+                       DaemonProcess::Start(node(0, "[int8, int4]")));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> new_node,
+                       DaemonProcess::Start(node(1, "[int4, int2]")));
+  std::unique_ptr<Client> a = Connect(*old_node), b = Connect(*new_node);
+  ASSERT_TRUE(a && b);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(model_));
+  ASSERT_OK(b->RegisterProfile(model_).status());
+  for (const absl::Time until = absl::Now() + absl::Seconds(15);;) {
+    ASSERT_OK_AND_ASSIGN(std::string metrics, old_node->ScrapeMetrics());
+    if (MetricValue(metrics, "proxima_cluster_live_nodes") == 2) break;
+    ASSERT_LT(absl::Now(), until) << "the nodes did not see each other";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+
+  constexpr uint32_t kBlocks = 12;
+  std::vector<BlockKey> keys = client::TestKeyChain(17, 0, kBlocks);
+  std::vector<std::vector<std::byte>> data;
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    data.push_back(Block(n * 11));
+    std::vector<std::span<const std::byte>> one = {data[n]};
+    client::PutOptions options;
+    options.high_priority = n % 2 == 0;
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
+                         a->Put(p, std::span<const BlockKey>(&keys[n], 1), one, options));
+    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
+  }
+  // Every block at its deepest level on the old node: int8 (high priority), int4 (the others).
+  std::optional<ReadBack> before;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
+    ASSERT_OK_AND_ASSIGN(ReadBack r, ReadThreeWays(*a, p, keys));
+    bool all = true;
+    for (uint32_t n = 0; n < kBlocks; ++n) {
+      ASSERT_TRUE(r.stored[n].has_value()) << n;
+      all = all && r.stored[n]->level == (n % 2 == 0 ? 1u : 2u);
+    }
+    if (all) {
+      before = std::move(r);
+      break;
+    }
+    ASSERT_LT(absl::Now(), deadline) << "the tierer did not take every block to its level";
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  a.reset();
+  old_node->Signal(SIGTERM);
+  ASSERT_EQ(old_node->WaitExit(absl::Seconds(30)), 0) << old_node->Log();
+  EXPECT_EQ(LogValue(old_node->Log(), "handed blocks off to peers before exit", "blocks"),
+            absl::StrCat(kBlocks))
+      << old_node->Log();
+
+  // What the new node's tierer makes of each block: the old encoding, decoded, encoded at the
+  // level it may reach here (quantizing encoders are deterministic).
+  auto expected = [&](uint32_t n) -> absl::StatusOr<std::string> {
+    const std::string& old_bytes = before->stored[n]->bytes;
+    if (n % 2 == 1) {  // int4, already at level 1 here: on to int2
+      std::vector<std::byte> decoded(p.block_bytes);
+      PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(AsBytes(old_bytes), decoded));
+      std::string out;
+      PROXIMA_ASSIGN_OR_RETURN(codec::CodecPlan int2, codec::ParseCodecPlan("int2"));
+      PROXIMA_RETURN_IF_ERROR(codec::EncodeBlock(geometry_, int2, false, decoded, {}, &out));
+      return out;
+    }
+    // int8, no level here: decoded, then int4 (a high-priority put stops at level 1).
+    std::vector<std::byte> decoded(p.block_bytes);
+    PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(AsBytes(old_bytes), decoded));
+    std::string out;
+    PROXIMA_ASSIGN_OR_RETURN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
+    PROXIMA_RETURN_IF_ERROR(codec::EncodeBlock(geometry_, int4, false, decoded, {}, &out));
+    return out;
+  };
+  std::optional<ReadBack> after;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
+    ASSERT_OK_AND_ASSIGN(ReadBack r, ReadThreeWays(*b, p, keys));
+    bool all = true;
+    for (uint32_t n = 0; n < kBlocks; ++n) {
+      ASSERT_TRUE(r.found[n]) << n;
+      ASSERT_TRUE(r.stored[n].has_value()) << n;
+      all = all && r.stored[n]->level == (n % 2 == 0 ? 1u : 2u);
+    }
+    if (all) {
+      after = std::move(r);
+      break;
+    }
+    if (absl::Now() >= deadline) {
+      std::string levels;
+      for (uint32_t n = 0; n < kBlocks; ++n) absl::StrAppend(&levels, " ", r.stored[n]->level);
+      FAIL() << "the new node's tierer did not take every block to its level; levels:" << levels
+             << "\n"
+             << new_node->Log();
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  for (uint32_t n = 0; n < kBlocks; ++n) {
+    ASSERT_OK_AND_ASSIGN(std::string want, expected(n));
+    EXPECT_EQ(after->stored[n]->bytes, want) << "block " << n;
+    ASSERT_OK_AND_ASSIGN(codec::ErrorSums sums,
+                         codec::MeasureBlockError(geometry_, data[n], after->got[n]));
+    EXPECT_LT(codec::Finish(sums).attn_rel_l2, 0.5) << "block " << n;
+  }
+  b.reset();
+  new_node.reset();
+  old_node.reset();
+  unlink(token_file.c_str());
   rmdir(dir);
 }
 
