@@ -102,6 +102,11 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
   spill_declined_deleted_ = registry->AddCounter("proxima_cluster_spill_received_blocks_total",
                                                  "Blocks peers spilled to this node, by outcome",
                                                  {{"outcome", "deleted_recently"}});
+  spill_decoded_ = registry->AddCounter(
+      "proxima_cluster_spill_decoded_blocks_total",
+      "Encoded blocks peers spilled or handed off to this node whose level's codec plan is no "
+      "level of this node's hierarchy (nodes on different configs): kept decoded, raw, for this "
+      "node's tierer to encode");
   deletes_learned_ = registry->AddCounter(
       "proxima_cluster_recent_deletes_learned_total",
       "Keys of recent Deletes this node learned from its peers after it started (Deletes made "
@@ -390,6 +395,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       // Decoded once already (above): this one does not fail.
       PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(data[i], p->bytes()));
       kept_crc.push_back(Crc32c(p->bytes()));
+      spill_decoded_->Increment();
     }
     if (p) {
       pending.push_back(*std::move(p));

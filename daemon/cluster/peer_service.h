@@ -144,6 +144,7 @@ class PeerService final : public v1::Peer::Service {
   metrics::Counter* spill_kept_ = nullptr;
   metrics::Counter* spill_refused_ = nullptr;
   metrics::Counter* spill_declined_deleted_ = nullptr;
+  metrics::Counter* spill_decoded_ = nullptr;
   metrics::Counter* deletes_learned_ = nullptr;
   metrics::Counter* spill_bytes_in_ = nullptr;
   RecentDeletes recent_deletes_;

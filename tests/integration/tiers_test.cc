@@ -470,6 +470,8 @@ TEST_F(TiersTest, AHandOffToANodeWithAnotherHierarchyKeepsEachEncodingWhereItBel
     }
     absl::SleepFor(absl::Milliseconds(200));
   }
+  ASSERT_OK_AND_ASSIGN(std::string metrics, new_node->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_cluster_spill_decoded_blocks_total"), kBlocks / 2);
   for (uint32_t n = 0; n < kBlocks; ++n) {
     ASSERT_OK_AND_ASSIGN(std::string want, expected(n));
     EXPECT_EQ(after->stored[n]->bytes, want) << "block " << n;
