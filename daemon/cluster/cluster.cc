@@ -96,9 +96,10 @@ bool AnswerFits(log::Limiter& limiter, const std::string& peer, std::string_view
   return false;
 }
 
-void FillSet(const RemoteBlockSet& blocks, std::span<const size_t> which, v1::PeerBlockSet* out) {
+void FillSet(const TierService& core, const RemoteBlockSet& blocks, std::span<const size_t> which,
+             v1::PeerBlockSet* out) {
   out->set_namespace_name(blocks.namespace_name);
-  out->set_partition(blocks.partition);
+  NamePartition(core, blocks.namespace_index, blocks.partition, out);
   out->set_profile_id(blocks.profile_id);
   for (size_t i : which) {
     out->add_keys(reinterpret_cast<const char*>(blocks.keys[i].data()), kKeyBytes);
@@ -147,7 +148,7 @@ void RunAll(const std::vector<Call*>& calls, Prepare prepare) {
 // Calls to `peer` about the keys `which` (indices into the caller's keys), at most `per_call`
 // keys a call, their block sets filled, appended to `calls`.
 template <typename Call>
-void AppendCalls(const RemoteBlockSet& blocks, const std::string& peer,
+void AppendCalls(const TierService& core, const RemoteBlockSet& blocks, const std::string& peer,
                  std::span<const size_t> which, size_t per_call,
                  std::vector<std::unique_ptr<Call>>* calls) {
   for (size_t first = 0; first < which.size(); first += per_call) {
@@ -155,7 +156,7 @@ void AppendCalls(const RemoteBlockSet& blocks, const std::string& peer,
     call->peer = peer;
     call->which.assign(which.begin() + first,
                        which.begin() + std::min(which.size(), first + per_call));
-    FillSet(blocks, call->which, call->request.mutable_blocks());
+    FillSet(core, blocks, call->which, call->request.mutable_blocks());
     calls->push_back(std::move(call));
   }
 }
@@ -163,7 +164,8 @@ void AppendCalls(const RemoteBlockSet& blocks, const std::string& peer,
 // One call per holder (other than `self`) that `holders` names, of at most `per_call` keys
 // each: their indices into the caller's keys in `which`, their block set filled.
 template <typename Call>
-std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
+std::vector<std::unique_ptr<Call>> CallsPerHolder(const TierService& core,
+                                                  const RemoteBlockSet& blocks,
                                                   const std::vector<std::string>& holders,
                                                   const std::string& self, size_t per_call) {
   absl::flat_hash_map<std::string, std::vector<size_t>> per_holder;
@@ -171,19 +173,22 @@ std::vector<std::unique_ptr<Call>> CallsPerHolder(const RemoteBlockSet& blocks,
     if (!holders[i].empty() && holders[i] != self) per_holder[holders[i]].push_back(i);
   }
   std::vector<std::unique_ptr<Call>> calls;
-  for (auto& [holder, which] : per_holder) AppendCalls(blocks, holder, which, per_call, &calls);
+  for (auto& [holder, which] : per_holder) {
+    AppendCalls(core, blocks, holder, which, per_call, &calls);
+  }
   return calls;
 }
 
 // Calls to each of `peers`, each asking about every key, at most `per_call` keys a call.
 template <typename Call>
-std::vector<std::unique_ptr<Call>> CallsToPeers(const RemoteBlockSet& blocks,
+std::vector<std::unique_ptr<Call>> CallsToPeers(const TierService& core,
+                                                const RemoteBlockSet& blocks,
                                                 std::span<const std::string> peers,
                                                 size_t per_call) {
   std::vector<size_t> all(blocks.keys.size());
   std::iota(all.begin(), all.end(), size_t{0});
   std::vector<std::unique_ptr<Call>> calls;
-  for (const std::string& peer : peers) AppendCalls(blocks, peer, all, per_call, &calls);
+  for (const std::string& peer : peers) AppendCalls(core, blocks, peer, all, per_call, &calls);
   return calls;
 }
 
@@ -881,7 +886,11 @@ absl::flat_hash_map<Cluster::BatchKey, Cluster::Intents> Cluster::SendAll(
         call->request.set_forget(forget);
         v1::PeerBlockSet* set = call->request.mutable_blocks();
         set->set_namespace_name(ns);
-        set->set_partition(partition);
+        if (absl::StatusOr<uint32_t> index = core_->NamespaceIndex(ns); index.ok()) {
+          NamePartition(*core_, *index, partition, set);
+        } else {
+          set->set_partition(partition);
+        }
         set->set_profile_id(profile_id);
         for (size_t i = first; i < std::min(keys.size(), first + max_keys); ++i) {
           set->add_keys(reinterpret_cast<const char*>(keys[i]->data()), kKeyBytes);
@@ -952,7 +961,7 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
     auto call = std::make_unique<Call>();
     call->peer = live.id(home);
     call->which = std::move(which);
-    FillSet(blocks, call->which, call->request.mutable_blocks());
+    FillSet(*core_, blocks, call->which, call->request.mutable_blocks());
     calls.push_back(std::move(call));
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations, /*skip_suspects=*/true);
@@ -994,12 +1003,12 @@ std::vector<bool> Cluster::DeleteRemote(const RemoteBlockSet& blocks) {
   for (std::string& peer : membership_->KnownPeers()) {
     if (peer != self_) (live->Contains(peer) ? live_peers : absent).push_back(std::move(peer));
   }
-  for (auto& call : CallsToPeers<Call>(blocks, absent, core_->max_batch_blocks())) {
+  for (auto& call : CallsToPeers<Call>(*core_, blocks, absent, core_->max_batch_blocks())) {
     call->request.set_delete_id(delete_id);
     QueueDeleteRetry({call->peer, std::move(call->request), now, now, kRecordRetryFirst});
   }
   std::vector<std::unique_ptr<Call>> calls =
-      CallsToPeers<Call>(blocks, live_peers, core_->max_batch_blocks());
+      CallsToPeers<Call>(*core_, blocks, live_peers, core_->max_batch_blocks());
   for (const auto& call : calls) call->request.set_delete_id(delete_id);
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncDeleteBlocks, /*skip_suspects=*/true);
   for (const auto& call : calls) {
@@ -1053,7 +1062,8 @@ std::vector<std::optional<RemoteBlock>> Cluster::Fetch(const RemoteBlockSet& blo
   const size_t per_call = std::max<size_t>(
       1, std::min<uint64_t>(core_->max_batch_blocks(),
                             (config_.server.max_message_bytes - 4096) / per_block));
-  std::vector<std::unique_ptr<Call>> calls = CallsPerHolder<Call>(blocks, holders, self_, per_call);
+  std::vector<std::unique_ptr<Call>> calls =
+      CallsPerHolder<Call>(*core_, blocks, holders, self_, per_call);
   // With UCX: the holders send the blocks as messages of one transfer per call, a slot per block.
   std::vector<uint64_t> transfers(calls.size(), 0);
   for (size_t k = 0; k < calls.size() && ucx_ != nullptr; ++k) {
@@ -1363,7 +1373,7 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
       p.call->peer = live->id(target);
       v1::PeerBlockSet* set = p.call->request.mutable_blocks();
       set->set_namespace_name(ns_name);
-      set->set_partition(id.partition);
+      NamePartition(*core_, id.namespace_index, id.partition, set);
       set->set_profile_id(id.profile_id);
       p.call->request.set_block_bytes(*block_bytes);
       p.call->request.set_handoff(handoff != nullptr);

@@ -56,6 +56,22 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
     return absl::InvalidArgumentError(
         absl::StrCat("peer call has ", set.keys_size(), " keys; at most ", max_keys));
   }
+  // Partition numbers are per config; scopes are what the nodes share.
+  uint32_t partition = set.partition();
+  if (set.has_scope()) {
+    std::optional<uint32_t> here = core.ScopePartition(ns, set.scope());
+    if (!here) {
+      return absl::NotFoundError(absl::StrCat(
+          "peer call names token scope '", set.scope().substr(0, 64), "' of namespace '",
+          set.namespace_name(), "', which is not one of its scopes on this daemon (the nodes' ",
+          "namespace configs differ: private_prefixes, or the tokens)"));
+    }
+    partition = *here;
+  } else if (!core.PartitionScope(ns, partition)) {
+    return absl::InvalidArgumentError(absl::StrCat("peer call names partition ", partition,
+                                                   " of namespace '", set.namespace_name(),
+                                                   "', which this daemon does not have"));
+  }
   std::vector<BlockId> ids(set.keys_size());
   for (int i = 0; i < set.keys_size(); ++i) {
     if (set.keys(i).size() != kKeyBytes) {
@@ -64,11 +80,19 @@ absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
                                                      kKeyBytes));
     }
     ids[i].namespace_index = ns;
-    ids[i].partition = set.partition();
+    ids[i].partition = partition;
     ids[i].profile_id = set.profile_id();
     std::memcpy(ids[i].key.data(), set.keys(i).data(), kKeyBytes);
   }
   return ids;
+}
+
+void NamePartition(const TierService& core, uint32_t ns, uint32_t partition,
+                   v1::PeerBlockSet* set) {
+  set->set_partition(partition);
+  if (std::optional<std::string> scope = core.PartitionScope(ns, partition)) {
+    set->set_scope(*std::move(scope));
+  }
 }
 
 PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
@@ -484,7 +508,7 @@ absl::Status PeerService::ServeRejoin(const v1::RejoinRequest& request,
     if (set == nullptr) {
       set = response->add_recent_deletes();
       set->mutable_blocks()->set_namespace_name(core_->NamespaceName(n.id.namespace_index));
-      set->mutable_blocks()->set_partition(n.id.partition);
+      NamePartition(*core_, n.id.namespace_index, n.id.partition, set->mutable_blocks());
       set->mutable_blocks()->set_profile_id(n.id.profile_id);
     }
     set->mutable_blocks()->add_keys(reinterpret_cast<const char*>(n.id.key.data()), kKeyBytes);

@@ -26,11 +26,16 @@
 
 namespace proxima::daemon::cluster {
 
-// The BlockIds a PeerBlockSet names on this daemon. INVALID_ARGUMENT for a malformed key or more
-// than `max_keys` keys; NOT_FOUND for a namespace this daemon does not have.
+// The BlockIds a PeerBlockSet names on this daemon, its scope resolved by name. INVALID_ARGUMENT
+// for a malformed key, more than `max_keys` keys, or (from an older sender, which names no
+// scope) a partition number the namespace does not have here; NOT_FOUND for a namespace, or a
+// token scope of it, this daemon does not have.
 absl::StatusOr<std::vector<BlockId>> ResolveBlockSet(const TierService& core,
                                                      const v1::PeerBlockSet& set,
                                                      size_t max_keys);
+// Names namespace `ns`'s partition `partition` in `set` as peers resolve it: the partition's
+// token scope, and its number here for older receivers.
+void NamePartition(const TierService& core, uint32_t ns, uint32_t partition, v1::PeerBlockSet* set);
 
 class PeerService final : public v1::Peer::Service {
  public:

@@ -530,5 +530,53 @@ TEST_F(PeerServiceHierarchyTest, ABlockTakesTheLevelOfItsPlanHereOrComesRawWhere
   }
 }
 
+// Partition numbers follow the order of each node's token list; a rolling change that adds,
+// removes or reorders tokens gives one scope two numbers on two nodes, and blocks named by number
+// would land in (and be read from) another tenant's partition. A set names its scope: resolved
+// here by name, and a scope this node lacks is NOT_FOUND. A set without one (an older sender)
+// goes by its number, which must be one of the namespace's.
+TEST(PeerServiceScopeTest, ABlockSetIsResolvedByItsScopeNotItsNumber) {
+  setenv("PXT_PEER_ALICE", "peer-scope-test-alice-token-0123456789", 1);
+  setenv("PXT_PEER_BOB", "peer-scope-test-bob-token-0123456789ab", 1);
+  DaemonConfig config;
+  config.host_tier.capacity_bytes = 1 << 20;
+  TokenConfig alice{"alice", "", "PXT_PEER_ALICE", TokenAccess::kReadWrite, ""};
+  TokenConfig bob{"bob", "", "PXT_PEER_BOB", TokenAccess::kReadWrite, ""};
+  config.namespaces = {{"p", {alice, bob}, /*private_prefixes=*/true}};
+  metrics::Registry registry;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<TierService> core, TierService::Create(config, &registry));
+  ASSERT_EQ(core->ScopePartition(0, "alice"), 1u);
+  ASSERT_EQ(core->ScopePartition(0, "bob"), 2u);
+
+  v1::PeerBlockSet set;
+  set.set_namespace_name("p");
+  set.add_keys(std::string(kKeyBytes, 'k'));
+  set.set_partition(1);  // bob on a node whose tokens are [bob, alice]
+  set.set_scope("bob");
+  ASSERT_OK_AND_ASSIGN(std::vector<BlockId> ids, ResolveBlockSet(*core, set, 16));
+  EXPECT_EQ(ids[0].partition, 2u);
+  set.set_scope("");  // the namespace's shared blocks
+  ASSERT_OK_AND_ASSIGN(ids, ResolveBlockSet(*core, set, 16));
+  EXPECT_EQ(ids[0].partition, 0u);
+  set.set_scope("carol");
+  EXPECT_THAT(ResolveBlockSet(*core, set, 16).status(),
+              proxima::testing::StatusIs(absl::StatusCode::kNotFound,
+                                         HasSubstr("token scope 'carol' of namespace 'p'")));
+  set.clear_scope();  // an older sender: its number
+  ASSERT_OK_AND_ASSIGN(ids, ResolveBlockSet(*core, set, 16));
+  EXPECT_EQ(ids[0].partition, 1u);
+  set.set_partition(3);
+  EXPECT_THAT(ResolveBlockSet(*core, set, 16).status(),
+              proxima::testing::StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr("partition 3 of namespace 'p'")));
+
+  // And a set this node names carries both.
+  v1::PeerBlockSet named;
+  NamePartition(*core, 0, 2, &named);
+  EXPECT_EQ(named.partition(), 2u);
+  EXPECT_TRUE(named.has_scope());
+  EXPECT_EQ(named.scope(), "bob");
+}
+
 }  // namespace
 }  // namespace proxima::daemon::cluster

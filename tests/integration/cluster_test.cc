@@ -1597,6 +1597,59 @@ TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
   EXPECT_EQ(GetAndCheck(*clients.b, p, kKept, 0, kBlocks), kBlocks);
 }
 
+// Each node numbers a namespace's token scopes in the order of its own token list, and nodes on
+// different lists (a rolling change that adds, removes or reorders tenants) must still keep the
+// tenants apart. Node A lists [alice, bob], node B [bob, alice]: alice's chain, put on A, is
+// found from B by alice and never by bob, before A leaves and after it has handed its blocks off
+// to B. With partitions named by number between nodes, bob on B read all 12 of alice's blocks
+// (B's partition 1 is bob's, A's is alice's) and alice on B found none.
+TEST_F(ClusterTest, TenantsStayApartBetweenNodesThatListTheirTokensInAnotherOrder) {
+  constexpr char kAlice[] = "cluster-scope-alice-0123456789abcdef";
+  constexpr char kBob[] = "cluster-scope-bob-0123456789abcdef01";
+  char tmpl[] = "/tmp/proxima-cluster-scopes-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string tokens = tmpl;
+  std::ofstream(tokens + "/alice") << kAlice << "\n";
+  std::ofstream(tokens + "/bob") << kBob << "\n";
+  auto token = [&](const char* name) {
+    return absl::StrCat("{name: ", name, ", file: ", tokens, "/", name, "}");
+  };
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(2,
+                   {"ucx.enabled=true", "cluster.transport=auto",
+                    "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"},
+                   [&](int i) -> std::vector<std::string> {
+                     const std::string a = token("alice"), b = token("bob");
+                     return {absl::StrCat("namespaces=[{name: p, private_prefixes: true, tokens: [",
+                                          i == 0 ? a : b, ", ", i == 0 ? b : a, "]}]")};
+                   }));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2)) << "node " << i;
+  auto alice_a = MustConnect(daemons_[0]->tcp_target(), "p", kAlice);
+  auto alice_b = MustConnect(daemons_[1]->tcp_target(), "p", kAlice);
+  auto bob_b = MustConnect(daemons_[1]->tcp_target(), "p", kBob);
+  ASSERT_TRUE(alice_a && alice_b && bob_b);
+  ASSERT_OK_AND_ASSIGN(Profile p, alice_a->RegisterProfile(TestModel()));
+  ASSERT_OK(alice_b->RegisterProfile(TestModel()).status());
+  ASSERT_OK(bob_b->RegisterProfile(TestModel()).status());
+  constexpr size_t kBlocks = 12;
+  constexpr uint64_t kSeed = 91;
+  Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(alice_a->Put(p, blocks.keys, blocks.spans()).status());
+
+  EXPECT_EQ(WaitLookup(*alice_b, p, kSeed, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*alice_b, p, kSeed, 0, kBlocks), kBlocks);
+  EXPECT_THAT(bob_b->Lookup(p, client::TestKeyChain(kSeed, 0, kBlocks)), IsOkAndHolds(0u));
+  EXPECT_EQ(GetAndCheck(*bob_b, p, kSeed, 0, kBlocks), 0u);
+
+  alice_a.reset();
+  const std::string log = StopGracefully(0);
+  EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+  EXPECT_EQ(GetAndCheck(*alice_b, p, kSeed, 0, kBlocks), kBlocks);
+  EXPECT_THAT(bob_b->Lookup(p, client::TestKeyChain(kSeed, 0, kBlocks)), IsOkAndHolds(0u));
+  EXPECT_EQ(GetAndCheck(*bob_b, p, kSeed, 0, kBlocks), 0u);
+  std::filesystem::remove_all(tokens);
+}
+
 TEST_F(ClusterTest, ANodeRestartedJustAfterADeleteLearnsItAndItsBlocksPutAgainAreKept) {
   // A is stopped; B deletes a chain A never held (B and C note the Delete, and B would send it
   // to A once A is back) and is killed (SIGKILL: its Delete for A goes with it); A starts again

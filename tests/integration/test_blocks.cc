@@ -22,10 +22,12 @@ v1::ModelProfile TestModel(uint32_t tokens, std::string fingerprint) {
   return p;
 }
 
-std::unique_ptr<Client> MustConnect(const std::string& target, const std::string& ns) {
+std::unique_ptr<Client> MustConnect(const std::string& target, const std::string& ns,
+                                    const std::string& token) {
   ClientOptions options;
   options.target = target;
   options.namespace_name = ns;
+  options.token = token;
   options.call_timeout = absl::Seconds(20);
   auto c = Client::Connect(options);
   EXPECT_OK(c.status());

@@ -20,7 +20,8 @@ v1::ModelProfile TestModel(uint32_t tokens = 16, std::string fingerprint = "it-m
 
 // Connects with a 20 s call deadline; fails the test (and returns null) when it cannot.
 std::unique_ptr<client::Client> MustConnect(const std::string& target,
-                                            const std::string& ns = "default");
+                                            const std::string& ns = "default",
+                                            const std::string& token = "");
 
 // Blocks [first, first + count) of the test chain `seed` (client/test_pattern.h).
 struct Blocks {
