@@ -16,6 +16,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 
 namespace proxima {
 namespace {
@@ -79,7 +81,50 @@ absl::StatusOr<std::string> CheckToken(absl::string_view setting, absl::string_v
   return std::string(t);
 }
 
+// The value of the environment variable `name`, which is to hold a token.
+absl::StatusOr<std::string> TokenEnvValue(absl::string_view setting, const std::string& name) {
+  const char* value = name.empty() ? nullptr : std::getenv(name.c_str());
+  if (value == nullptr) {
+    return absl::NotFoundError(absl::StrCat(setting, " names the environment variable '", name,
+                                            "', which is not set; expected it to hold a token"));
+  }
+  return std::string(value);
+}
+
+// One token per line of `text` (from `where`, for errors).
+absl::StatusOr<std::vector<std::string>> TokenLines(absl::string_view setting,
+                                                    absl::string_view where,
+                                                    const std::string& text) {
+  std::vector<std::string> tokens;
+  const std::vector<absl::string_view> lines = absl::StrSplit(text, '\n');
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (absl::StripAsciiWhitespace(lines[i]).empty()) continue;
+    PROXIMA_ASSIGN_OR_RETURN(
+        std::string token,
+        CheckToken(setting, absl::StrCat(where, " line ", i + 1), std::string(lines[i])));
+    tokens.push_back(std::move(token));
+  }
+  if (tokens.empty() || tokens.size() > kMaxListedTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(setting, " ", where, ": holds ", tokens.size(),
+                                                   " tokens; expected 1 to ", kMaxListedTokens,
+                                                   ", one per line"));
+  }
+  return tokens;
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> ReadTokenListFile(absl::string_view setting,
+                                                           const std::string& path) {
+  PROXIMA_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(setting, path));
+  return TokenLines(setting, absl::StrCat("'", path, "'"), text);
+}
+
+absl::StatusOr<std::vector<std::string>> ReadTokenListEnv(absl::string_view setting,
+                                                          const std::string& name) {
+  PROXIMA_ASSIGN_OR_RETURN(std::string value, TokenEnvValue(setting, name));
+  return TokenLines(setting, absl::StrCat("(environment variable '", name, "')"), value);
+}
 
 absl::StatusOr<std::string> ReadPemFile(absl::string_view setting, const std::string& path,
                                         PemKind kind) {
@@ -150,11 +195,7 @@ absl::StatusOr<std::string> ReadTokenFile(absl::string_view setting, const std::
 }
 
 absl::StatusOr<std::string> ReadTokenEnv(absl::string_view setting, const std::string& name) {
-  const char* value = name.empty() ? nullptr : std::getenv(name.c_str());
-  if (value == nullptr) {
-    return absl::NotFoundError(absl::StrCat(setting, " names the environment variable '", name,
-                                            "', which is not set; expected it to hold a token"));
-  }
+  PROXIMA_ASSIGN_OR_RETURN(std::string value, TokenEnvValue(setting, name));
   return CheckToken(setting, absl::StrCat("(environment variable '", name, "')"), value);
 }
 

@@ -9,6 +9,7 @@
 #define PROXIMA_COMMON_CREDENTIALS_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -45,6 +46,19 @@ absl::StatusOr<std::string> ReadTokenFile(absl::string_view setting, const std::
 
 // The same for a token held in the environment variable `name`.
 absl::StatusOr<std::string> ReadTokenEnv(absl::string_view setting, const std::string& name);
+
+// The most tokens a token list (below) may hold.
+inline constexpr size_t kMaxListedTokens = 8;
+
+// Reads one token per line from `path` (blank lines skipped, each line checked as a token; an
+// error names the line's number). INVALID_ARGUMENT for no token, or more than kMaxListedTokens.
+// For a secret rotated while in use: its holder presents the first and accepts them all.
+absl::StatusOr<std::vector<std::string>> ReadTokenListFile(absl::string_view setting,
+                                                           const std::string& path);
+
+// The same for tokens held in the environment variable `name`, one per line.
+absl::StatusOr<std::vector<std::string>> ReadTokenListEnv(absl::string_view setting,
+                                                          const std::string& name);
 
 // Compares a presented secret with an expected one in time that depends only on the length of
 // `expected`: no early exit at the first differing byte, so response time does not tell an

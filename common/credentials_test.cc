@@ -61,6 +61,34 @@ TEST_F(CredentialsTest, TokenFromEnvironment) {
                        AllOf(HasSubstr("k.env"), HasSubstr("PROXIMA_TEST_TOKEN_X"))));
 }
 
+TEST_F(CredentialsTest, ATokenListHoldsOneTokenPerLineInOrder) {
+  using ::proxima::testing::IsOkAndHolds;
+  using ::testing::ElementsAre;
+  EXPECT_THAT(ReadTokenListFile("k.file", Write("one", "only-token-0123456789\n")),
+              IsOkAndHolds(ElementsAre("only-token-0123456789")));
+  EXPECT_THAT(ReadTokenListFile(
+                  "k.file", Write("two", "\n  first-token-0123456789 \n\nsecond-token-0123456789")),
+              IsOkAndHolds(ElementsAre("first-token-0123456789", "second-token-0123456789")));
+  // A bad line is named by its number, never by its value.
+  const std::string bad = Write("bad", "first-token-0123456789\nshort-secret\n");
+  EXPECT_THAT(ReadTokenListFile("k.file", bad),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("k.file"), HasSubstr("line 2"), HasSubstr("16"),
+                             Not(HasSubstr("short-secret")))));
+  EXPECT_THAT(ReadTokenListFile("k.file", Write("empty", "\n \n")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("holds 0 tokens")));
+  std::string nine;
+  for (int i = 0; i < 9; ++i) nine += "token-number-" + std::to_string(i) + "-0123456789\n";
+  EXPECT_THAT(ReadTokenListFile("k.file", Write("nine", nine)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expected 1 to 8")));
+  setenv("PROXIMA_TEST_TOKENS_X", "env-token-one-0123456\nenv-token-two-0123456", 1);
+  EXPECT_THAT(ReadTokenListEnv("k.env", "PROXIMA_TEST_TOKENS_X"),
+              IsOkAndHolds(ElementsAre("env-token-one-0123456", "env-token-two-0123456")));
+  unsetenv("PROXIMA_TEST_TOKENS_X");
+  EXPECT_THAT(ReadTokenListEnv("k.env", "PROXIMA_TEST_TOKENS_X"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("PROXIMA_TEST_TOKENS_X")));
+}
+
 TEST_F(CredentialsTest, PemFilesAreParsedNotJustNamed) {
   std::string junk = Write("junk.pem", "-----BEGIN CERTIFICATE-----\nnot base64!\n"
                                        "-----END CERTIFICATE-----\n");

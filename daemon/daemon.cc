@@ -272,6 +272,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
 
 Daemon::~Daemon() { Shutdown(); }
 
+absl::Status Daemon::ReloadTokens() {
+  if (cluster_ == nullptr) return core_->ReloadTokens().status();
+  absl::StatusOr<std::vector<std::string>> peer = cluster::PeerTokens::Read(config_.cluster);
+  // The namespace tokens may take no peer token, those read now or those in force.
+  const std::shared_ptr<const std::vector<std::string>> in_force = cluster_->peer_tokens();
+  std::vector<std::string> reserved = peer.ok() ? *peer : *in_force;
+  if (peer.ok()) reserved.insert(reserved.end(), in_force->begin(), in_force->end());
+  absl::Status tokens = core_->ReloadTokens(reserved).status();
+  absl::Status peer_tokens = cluster_->ReloadPeerTokens(std::move(peer));
+  return tokens.ok() ? peer_tokens : tokens;
+}
+
 void Daemon::Shutdown() {
   proxima::MutexLock lock(&shutdown_mu_);
   if (shut_down_ || server_ == nullptr) return;

@@ -44,6 +44,12 @@ class Daemon {
   // the blocks off to peers (cluster.spill.handoff) or writes them to tiers.host.snapshot_file.
   void Shutdown();
 
+  // SIGHUP: re-reads the namespaces' tokens and, in a cluster, the peer tokens
+  // (cluster.peer_token), together: neither may take a value of the other. Each set that reads
+  // back valid replaces its old one; an error is logged, and the old set stays in force.
+  // Returns the first error.
+  absl::Status ReloadTokens();
+
   // The core the gRPC service calls (for in-process tests, e.g. of corruption in tier memory).
   TierService& core() { return *core_; }
   // The UCX data plane, or null with ucx.enabled: false (for in-process tests).

@@ -35,7 +35,7 @@ constexpr char kUsage[] =
     "--set overrides one config key (value in YAML syntax) and may be repeated, e.g.\n"
     "  --set=tiers.host.capacity_bytes=8GiB --set=server.listen=0.0.0.0:50051\n"
     "SIGTERM or SIGINT drains in-flight calls and exits 0. SIGHUP re-reads the token files and "
-    "variables (token rotation).";
+    "variables, cluster.peer_token's too (token rotation).";
 
 // absl's vector flags keep only the last occurrence; --set is meant to repeat, so it is taken
 // out of argv here before absl parses the rest.
@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
     // Token rotation: errors are logged by ReloadTokens, and the old tokens stay in force.
-    (void)(*daemon)->core().ReloadTokens();
+    (void)(*daemon)->ReloadTokens();
   }
   PROXIMA_LOG(kInfo) << "received signal, shutting down" << proxima::log::Kv("signal", sig);
   (*daemon)->Shutdown();

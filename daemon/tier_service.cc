@@ -226,8 +226,8 @@ absl::Status TierService::LoadTokens(const DaemonConfig& config) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<size_t> TierService::ReloadTokens() {
-  absl::StatusOr<std::vector<Token>> tokens = ReadTokens(config_);
+absl::StatusOr<size_t> TierService::ReloadTokens(std::span<const std::string> reserved) {
+  absl::StatusOr<std::vector<Token>> tokens = ReadTokens(config_, reserved);
   if (!tokens.ok()) {
     PROXIMA_LOG(kError) << "token reload failed; the previous tokens stay in force"
                         << log::Kv("error", tokens.status().message());
@@ -241,7 +241,7 @@ absl::StatusOr<size_t> TierService::ReloadTokens() {
 }
 
 absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
-    const DaemonConfig& config) const {
+    const DaemonConfig& config, std::span<const std::string> reserved) const {
   std::vector<Token> tokens;
   std::vector<std::string> where;  // config key of each token, for duplicate errors
   for (size_t n = 0; n < config.namespaces.size(); ++n) {
@@ -252,6 +252,12 @@ absl::StatusOr<std::vector<TierService::Token>> TierService::ReadTokens(
       absl::StatusOr<std::string> secret =
           t.file.empty() ? ReadTokenEnv(key + ".env", t.env) : ReadTokenFile(key + ".file", t.file);
       if (!secret.ok()) return secret.status();
+      if (std::find(reserved.begin(), reserved.end(), *secret) != reserved.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            key,
+            " holds the same token as cluster.peer_token; a peer token must be a secret of "
+            "the daemons alone"));
+      }
       for (size_t j = 0; j < tokens.size(); ++j) {
         if (tokens[j].secret == *secret) {
           return absl::InvalidArgumentError(absl::StrCat(

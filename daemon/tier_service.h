@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -110,9 +111,10 @@ class TierService {
   // proximad's SIGHUP) and puts the new set in force for every later call; calls in flight keep
   // the caller they were authenticated as. Which namespaces need a token, and each token's
   // namespace, access and scope, stay as configured. On any error (a file gone, empty, two
-  // tokens equal) the previous tokens stay in force and the error names the config key. Returns
-  // how many tokens are in force.
-  absl::StatusOr<size_t> ReloadTokens();
+  // tokens equal, or one equal to one of `reserved`: the cluster's peer tokens) the previous
+  // tokens stay in force and the error names the config key. Returns how many tokens are in
+  // force.
+  absl::StatusOr<size_t> ReloadTokens(std::span<const std::string> reserved = {});
 
   absl::Status GetServerInfo(const Caller& caller, const v1::GetServerInfoRequest& request,
                              v1::GetServerInfoResponse* response);
@@ -331,7 +333,8 @@ class TierService {
   // At start: which namespaces need a token, and their tokens.
   absl::Status LoadTokens(const DaemonConfig& config);
   // Reads every configured token from its file or variable; errors name the config key.
-  absl::StatusOr<std::vector<Token>> ReadTokens(const DaemonConfig& config) const;
+  absl::StatusOr<std::vector<Token>> ReadTokens(const DaemonConfig& config,
+                                                std::span<const std::string> reserved = {}) const;
   absl::StatusOr<uint32_t> FindNamespace(const std::string& name) const;
   absl::StatusOr<RegisteredProfile> FindProfile(uint32_t ns, uint64_t profile_id);
   // Validates namespace, profile and keys of a keyed request; fills `ids`.

@@ -64,6 +64,20 @@ absl::Duration RecentDeleteWindow(const DaemonConfig& config) {
          absl::Seconds(1);
 }
 
+// A tenant holding a peer token could read every namespace through proxima.v1.Peer.
+absl::Status CheckNotANamespaceToken(const TierService& core,
+                                     const std::vector<std::string>& tokens) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    absl::StatusOr<Caller> as_tenant = core.Authenticate("Bearer " + tokens[i]);
+    if (as_tenant.ok() && as_tenant->namespace_index >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cluster.peer_token's token ", i + 1, " is the same as namespace token '",
+          as_tenant->token_name, "'; a peer token must be a secret of the daemons alone"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // A record or delete call that failed so that the next one may not: the peer did not answer in
 // time, could not be reached, or was too busy. Not a refusal (a bad token, an unknown namespace).
 bool RetryPeerCall(grpc::StatusCode code) {
@@ -253,17 +267,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
                                                          metrics::Registry* registry) {
   const ClusterConfig& c = config.cluster;
   std::unique_ptr<Cluster> cluster(new Cluster(config, core, registry));
-  PROXIMA_ASSIGN_OR_RETURN(cluster->token_,
-                           c.peer_token_file.empty()
-                               ? ReadTokenEnv("cluster.peer_token.env", c.peer_token_env)
-                               : ReadTokenFile("cluster.peer_token.file", c.peer_token_file));
-  // A tenant holding the peer token could read every namespace through proxima.v1.Peer.
-  absl::StatusOr<Caller> as_tenant = core->Authenticate("Bearer " + cluster->token_);
-  if (as_tenant.ok() && as_tenant->namespace_index >= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cluster.peer_token holds the same token as namespace token '", as_tenant->token_name,
-        "'; the peer token must be a secret of the daemons alone"));
-  }
+  PROXIMA_ASSIGN_OR_RETURN(std::vector<std::string> tokens, PeerTokens::Read(c));
+  PROXIMA_RETURN_IF_ERROR(CheckNotANamespaceToken(*core, tokens));
+  cluster->tokens_ = std::make_unique<PeerTokens>(std::move(tokens));
   PROXIMA_ASSIGN_OR_RETURN(cluster->membership_,
                            Membership::Create(MembershipOptions::FromConfig(config), registry));
   Cluster* self = cluster.get();
@@ -295,8 +301,8 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
     cluster->ucx_ = std::make_unique<PeerUcx>(ucx->mutable_worker(), registry);
   }
   cluster->service_ = std::make_unique<PeerService>(
-      core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise, cluster->token_,
-      config.server.max_message_bytes,
+      core, &cluster->records_, cluster.get(), cluster->ucx_.get(), c.advertise,
+      cluster->tokens_.get(), config.server.max_message_bytes,
       PeerService::Acceptance{c.spill_enabled ? c.spill_accept_below : 0.0,
                               c.spill_enabled && c.spill_handoff_evicts},
       registry, RecentDeleteWindow(config), 2 * cluster->peer_deadline_ + absl::Seconds(1));
@@ -325,6 +331,10 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "Keys a Lookup found on other nodes (after its local prefix)");
   remote_get_hits_ = registry->AddCounter("proxima_cluster_remote_get_hits_total",
                                           "Blocks a Get read from other nodes");
+  peer_token_reloads_ = registry->AddCounter(
+      "proxima_cluster_peer_token_reloads_total",
+      "Successful re-reads of cluster.peer_token (SIGHUP); a failed one keeps the tokens in force "
+      "and is logged");
   remote_get_misses_ = registry->AddCounter(
       "proxima_cluster_remote_get_misses_total",
       "Local Get misses that no other node served either (no record, holder down, late, or "
@@ -422,8 +432,26 @@ void Cluster::Stop() {
   if (membership_) membership_->Stop();
 }
 
+absl::Status Cluster::ReloadPeerTokens(absl::StatusOr<std::vector<std::string>> tokens) {
+  if (tokens.ok())
+    tokens = [&]() -> absl::StatusOr<std::vector<std::string>> {
+      PROXIMA_RETURN_IF_ERROR(CheckNotANamespaceToken(*core_, *tokens));
+      return tokens;
+    }();
+  if (!tokens.ok()) {
+    PROXIMA_LOG(kError) << "peer token reload failed; the previous peer tokens stay in force"
+                        << log::Kv("error", tokens.status().message());
+    return tokens.status();
+  }
+  const size_t n = tokens->size();
+  tokens_->Set(*std::move(tokens));
+  peer_token_reloads_->Increment();
+  PROXIMA_LOG(kInfo) << "peer tokens reloaded" << log::Kv("tokens", n);
+  return absl::OkStatus();
+}
+
 void Cluster::AddAuth(grpc::ClientContext* context, absl::Time deadline) const {
-  context->AddMetadata("authorization", "Bearer " + token_);
+  context->AddMetadata("authorization", tokens_->Authorization());
   context->set_deadline(absl::ToChronoTime(deadline));
 }
 

@@ -57,6 +57,7 @@
 #include "daemon/cluster/location_table.h"
 #include "daemon/cluster/membership.h"
 #include "daemon/cluster/peer_service.h"
+#include "daemon/cluster/peer_tokens.h"
 #include "daemon/cluster/peer_ucx.h"
 #include "daemon/cluster/remote_blocks.h"
 #include "daemon/config.h"
@@ -81,6 +82,13 @@ class Cluster final : public RemoteBlocks {
   PeerService* service() { return service_.get(); }
   Membership& membership() { return *membership_; }
   LocationTable& records() { return records_; }
+
+  // SIGHUP: cluster.peer_token read again (`tokens`: PeerTokens::Read's result). They replace
+  // the tokens in force when each is valid and none is a namespace token now in force;
+  // otherwise the error is logged and returned, and the tokens in force stay.
+  absl::Status ReloadPeerTokens(absl::StatusOr<std::vector<std::string>> tokens);
+  // The peer tokens in force, the presented one first.
+  std::shared_ptr<const std::vector<std::string>> peer_tokens() const { return tokens_->Get(); }
 
   // Starts membership (health checks, DNS) and the record sender.
   void Start();
@@ -238,7 +246,7 @@ class Cluster final : public RemoteBlocks {
   const std::string self_;
   const absl::Duration peer_deadline_;
   TierService* const core_;
-  std::string token_;
+  std::unique_ptr<PeerTokens> tokens_;
   LocationTable records_;
   std::unique_ptr<Membership> membership_;
   std::unique_ptr<PeerUcx> ucx_;  // null: fetched bytes come inline
@@ -247,6 +255,7 @@ class Cluster final : public RemoteBlocks {
   metrics::Counter* remote_lookup_hits_ = nullptr;
   metrics::Counter* remote_get_hits_ = nullptr;
   metrics::Counter* remote_get_misses_ = nullptr;
+  metrics::Counter* peer_token_reloads_ = nullptr;
   metrics::Counter* crc_failures_ = nullptr;
   metrics::Counter* peer_call_failures_ = nullptr;
   metrics::Counter* skipped_calls_ = nullptr;

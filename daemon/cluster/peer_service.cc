@@ -96,7 +96,7 @@ void NamePartition(const TierService& core, uint32_t ns, uint32_t partition,
 }
 
 PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote,
-                         PeerUcx* ucx, std::string self, std::string token,
+                         PeerUcx* ucx, std::string self, const PeerTokens* tokens,
                          uint64_t max_message_bytes, Acceptance accept, metrics::Registry* registry,
                          absl::Duration recent_delete_window, absl::Duration recent_delete_slack)
     : core_(core),
@@ -104,7 +104,7 @@ PeerService::PeerService(TierService* core, LocationTable* records, RemoteBlocks
       remote_(remote),
       ucx_(ucx),
       self_(std::move(self)),
-      token_(std::move(token)),
+      tokens_(tokens),
       max_message_bytes_(max_message_bytes),
       accept_(accept),
       // Deletes are rare; 64K keys bound the set to a few MiB.
@@ -145,7 +145,7 @@ absl::Status PeerService::Authenticate(const grpc::ServerContext& context) const
   auto it = md.find("authorization");
   const std::string presented =
       it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
-  if (!ConstantTimeEquals(presented, "Bearer " + token_)) {
+  if (!tokens_->Accepts(presented)) {
     unauthenticated_->Increment();
     return absl::UnauthenticatedError(
         "proxima.v1.Peer needs the cluster's peer token (cluster.peer_token)");

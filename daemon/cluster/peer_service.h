@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/cluster/location_table.h"
+#include "daemon/cluster/peer_tokens.h"
 #include "daemon/cluster/peer_ucx.h"
 #include "daemon/cluster/recent_deletes.h"
 #include "daemon/cluster/remote_blocks.h"
@@ -57,8 +58,9 @@ class PeerService final : public v1::Peer::Service {
   // RecentDeleteWindow). `recent_delete_slack`: a Delete's skew between the nodes plus a spill
   // call's transit (RecentDeletes).
   PeerService(TierService* core, LocationTable* records, RemoteBlocks* remote, PeerUcx* ucx,
-              std::string self, std::string token, uint64_t max_message_bytes, Acceptance accept,
-              metrics::Registry* registry, absl::Duration recent_delete_window = absl::Seconds(5),
+              std::string self, const PeerTokens* tokens, uint64_t max_message_bytes,
+              Acceptance accept, metrics::Registry* registry,
+              absl::Duration recent_delete_window = absl::Seconds(5),
               absl::Duration recent_delete_slack = absl::Seconds(5));
 
   grpc::Status RecordLocations(grpc::ServerContext* context,
@@ -140,7 +142,7 @@ class PeerService final : public v1::Peer::Service {
   RemoteBlocks* const remote_;
   PeerUcx* const ucx_;
   const std::string self_;
-  const std::string token_;
+  const PeerTokens* const tokens_;
   const uint64_t max_message_bytes_;
   const Acceptance accept_;
   metrics::Counter* unauthenticated_ = nullptr;

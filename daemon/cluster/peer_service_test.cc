@@ -58,7 +58,7 @@ class PeerServiceTest : public ::testing::Test {
     ASSERT_OK(core_->RegisterProfile(Caller::Anonymous(), reg, &resp));
     profile_id_ = resp.profile_id();
     service_ = std::make_unique<PeerService>(core_.get(), &records_, &remote_, nullptr, "self:1",
-                                             "token", config.server.max_message_bytes,
+                                             &tokens_, config.server.max_message_bytes,
                                              PeerService::Acceptance{0.75, true}, &registry_);
     raw_.resize(512);
     for (size_t i = 0; i < raw_.size(); ++i) raw_[i] = static_cast<char>((i * 13) % 97);
@@ -90,7 +90,7 @@ class PeerServiceTest : public ::testing::Test {
   std::unique_ptr<PeerService> OtherService(metrics::Registry* registry, absl::Duration window,
                                             absl::Duration slack = absl::Seconds(5)) {
     return std::make_unique<PeerService>(core_.get(), &records_, &remote_, nullptr, "self:2",
-                                         "token", 1 << 20, PeerService::Acceptance{0.75, true},
+                                         &tokens_, 1 << 20, PeerService::Acceptance{0.75, true},
                                          registry, window, slack);
   }
 
@@ -101,6 +101,7 @@ class PeerServiceTest : public ::testing::Test {
   }
 
   metrics::Registry registry_;
+  PeerTokens tokens_{{"peer-service-test-token-0123456789"}};
   std::unique_ptr<TierService> core_;
   uint64_t profile_id_ = 0;
   LocationTable records_{64};
@@ -349,7 +350,8 @@ TEST(PeerServiceLimitTest, PeerBlocksStayWithinTheNamespacesMaxBytesAndEvictNone
   ASSERT_OK(core->RegisterProfile(Caller::Anonymous(), reg, &registered));
   LocationTable records{64};
   CountingRemote remote;
-  PeerService service(core.get(), &records, &remote, nullptr, "self:1", "token", 1 << 20,
+  const PeerTokens tokens({"peer-service-test-token-0123456789"});
+  PeerService service(core.get(), &records, &remote, nullptr, "self:1", &tokens, 1 << 20,
                       PeerService::Acceptance{0.75, true}, &registry);
   const std::string raw(512, 'r');
   BlockId local{0, registered.profile_id(), {}, 0};
@@ -408,7 +410,7 @@ TEST_F(PeerServiceTest, AFullNodeMakesRoomForAHandOffButNotForASpill) {
   EXPECT_EQ(store.evictions(), evicted_before);
 
   metrics::Registry other;
-  PeerService no_evict(core_.get(), &records_, &remote_, nullptr, "self:1", "token", 1 << 20,
+  PeerService no_evict(core_.get(), &records_, &remote_, nullptr, "self:1", &tokens_, 1 << 20,
                        PeerService::Acceptance{0.75, false}, &other);
   v1::StoreBlocksRequest handoff = spill;
   handoff.set_handoff(true);

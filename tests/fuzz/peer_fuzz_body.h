@@ -51,6 +51,7 @@ struct PeerFuzzState {
   std::unique_ptr<TierService> core;
   std::unique_ptr<cluster::LocationTable> records;
   cluster::CountingRemote remote;
+  cluster::PeerTokens tokens{{"peer-fuzz-token-0123456789abcdef"}};
   std::unique_ptr<cluster::PeerService> service;
 };
 
@@ -76,7 +77,7 @@ inline PeerFuzzState& PeerFuzz() {
     }
     s->records = std::make_unique<cluster::LocationTable>(256);
     s->service = std::make_unique<cluster::PeerService>(
-        s->core.get(), s->records.get(), &s->remote, /*ucx=*/nullptr, "self:1", "peer-token",
+        s->core.get(), s->records.get(), &s->remote, /*ucx=*/nullptr, "self:1", &s->tokens,
         config.server.max_message_bytes,
         cluster::PeerService::Acceptance{.below = 0.75, .handoff_evicts = true}, &registry);
     return s;

@@ -448,6 +448,120 @@ TEST_F(ClusterTest, AFetchNamingABadUcxWorkerIsRefusedOrAnsweredInline) {
   EXPECT_EQ(GetAndCheck(*worker, p, 4, 0, 2), 2u);
 }
 
+// The peer token rotated while the cluster serves, node by node, with SIGHUP alone: each node's
+// token file first lists the old and the new token (it presents the old one and accepts both),
+// then the new one first, then the new one alone; after every single node's step, blocks put on
+// A are found from B. Then B alone takes a token A does not know: the two no longer serve each
+// other (what a rotation in one step does to a cluster), and A counts B's calls refused. A
+// reload that would take a bad token, or a namespace token, changes nothing.
+TEST_F(ClusterTest, ThePeerTokenRotatesNodeByNodeWithoutSplittingTheCluster) {
+  constexpr char kOld[] = "cluster-rotation-old-0123456789abcdef";
+  constexpr char kNew[] = "cluster-rotation-new-fedcba9876543210";
+  constexpr char kTenant[] = "cluster-rotation-tenant-00112233445566";
+  char tmpl[] = "/tmp/proxima-cluster-rotation-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string files = tmpl;
+  auto file_of = [&](int node) { return absl::StrCat(files, "/peer-token-", node); };
+  auto write = [&](int node, const std::string& text) { std::ofstream(file_of(node)) << text; };
+  write(0, absl::StrCat(kOld, "\n"));
+  write(1, absl::StrCat(kOld, "\n"));
+  std::ofstream(files + "/tenant") << kTenant << "\n";
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, {}, [&](int i) -> std::vector<std::string> {
+    return {absl::StrCat("cluster.peer_token={file: ", file_of(i), "}"),
+            absl::StrCat("namespaces=[{name: default, tokens: [{name: worker, file: ", files,
+                         "/tenant}]}]")};
+  }));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2)) << "node " << i;
+  auto a = MustConnect(daemons_[0]->tcp_target(), "default", kTenant);
+  auto b = MustConnect(daemons_[1]->tcp_target(), "default", kTenant);
+  ASSERT_TRUE(a && b);
+  ASSERT_OK_AND_ASSIGN(Profile p, a->RegisterProfile(TestModel()));
+  ASSERT_OK(b->RegisterProfile(TestModel()).status());
+
+  // Node `node` re-reads its file; waits until it says how that went.
+  auto reload = [&](int node, const std::string& text, bool ok) {
+    const std::string said = ok ? "peer tokens reloaded" : "peer token reload failed";
+    const double reloads = Metric(node, "proxima_cluster_peer_token_reloads_total");
+    const auto count = [&] {
+      const std::string log = daemons_[node]->Log();
+      size_t n = 0;
+      for (size_t at = log.find(said); at != std::string::npos; at = log.find(said, at + 1)) ++n;
+      return n;
+    };
+    const size_t said_before = count();
+    write(node, text);
+    daemons_[node]->Signal(SIGHUP);
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (count() == said_before && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    EXPECT_GT(count(), said_before) << "node " << node << " did not log '" << said << "'";
+    EXPECT_EQ(Metric(node, "proxima_cluster_peer_token_reloads_total"), reloads + (ok ? 1 : 0));
+  };
+  // A chain put on A now: how many of its blocks B finds (all once the records reached it,
+  // waiting up to 10 s for them).
+  uint64_t seed = 200;
+  auto found_from_b = [&] {
+    ++seed;
+    Blocks blocks = MakeBlocks(seed, 0, 4, p.block_bytes);
+    EXPECT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
+    return WaitLookup(*b, p, seed, 4, 4);
+  };
+  ASSERT_EQ(found_from_b(), 4u);
+  const std::string both_old_first = absl::StrCat(kOld, "\n", kNew, "\n");
+  const std::string both_new_first = absl::StrCat("\n", kNew, "\n  ", kOld, "\n\n");
+  const std::vector<std::pair<int, std::string>> steps = {
+      {0, both_old_first}, {1, both_old_first},     {0, both_new_first},
+      {1, both_new_first}, {0, absl::StrCat(kNew)}, {1, absl::StrCat(kNew, "\n")}};
+  for (const auto& [node, text] : steps) {
+    reload(node, text, true);
+    EXPECT_EQ(found_from_b(), 4u) << "after node " << node << " took " << text;
+  }
+
+  // A file that does not read as tokens, and one that holds a namespace's token: refused, and
+  // the new token stays in force.
+  reload(1, "short\n", false);
+  reload(1, absl::StrCat(kNew, "\n", kTenant, "\n"), false);
+  EXPECT_EQ(found_from_b(), 4u);
+  {
+    // Nor may a namespace take a peer token in force: B keeps its tenant's token, which still
+    // works (and its peer file, put back as it was, reads as before).
+    write(1, absl::StrCat(kNew, "\n"));
+    std::ofstream(files + "/tenant") << kNew << "\n";
+    const auto failed = [&] {
+      const std::string log = daemons_[1]->Log();
+      return log.find("holds the same token as cluster.peer_token") != std::string::npos;
+    };
+    daemons_[1]->Signal(SIGHUP);
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (!failed() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    EXPECT_TRUE(failed()) << daemons_[1]->Log();
+    EXPECT_OK(b->Stats().status());
+    std::ofstream(files + "/tenant") << kTenant << "\n";
+  }
+  {
+    // The old token no longer opens A.
+    auto stub = PeerStub(daemons_[0]->tcp_target());
+    v1::LookupLocationsRequest r;
+    r.mutable_blocks()->set_namespace_name("default");
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kOld));
+    v1::LookupLocationsResponse response;
+    EXPECT_EQ(stub->LookupLocations(&context, r, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+
+  // In one step: B on a token A does not accept. Each refuses the other's calls (A's records
+  // of its blocks, B's lookups).
+  auto refused = [&] {
+    return Metric(0, "proxima_cluster_peer_calls_unauthenticated_total") +
+           Metric(1, "proxima_cluster_peer_calls_unauthenticated_total");
+  };
+  const double refused_before = refused();
+  reload(1, "cluster-rotation-other-0123456789abcd\n", true);
+  EXPECT_EQ(found_from_b(), 0u);
+  EXPECT_GT(refused(), refused_before);
+  std::filesystem::remove_all(files);
+}
+
 TEST_F(ClusterTest, SpilledBlocksOfAnotherSizeOrNotBlocksAtAllAreRefusedAndNothingIsKept) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(1, {}));
   auto worker = MustConnect(daemons_[0]->tcp_target());
