@@ -128,6 +128,46 @@ class TiersTest : public ::testing::Test {
     return r;
   }
 
+  // Puts Block(n * 11) under keys[n] one by one, the even ones with high priority; returns the
+  // blocks put.
+  std::vector<std::vector<std::byte>> PutEveryOtherHighPriority(Client& c, const Profile& p,
+                                                                std::span<const BlockKey> keys) {
+    std::vector<std::vector<std::byte>> data;
+    for (uint32_t n = 0; n < keys.size(); ++n) {
+      data.push_back(Block(n * 11));
+      std::vector<std::span<const std::byte>> one = {data[n]};
+      client::PutOptions options;
+      options.high_priority = n % 2 == 0;
+      absl::StatusOr<std::vector<PutOutcome>> out = c.Put(p, keys.subspan(n, 1), one, options);
+      EXPECT_TRUE(out.ok() && (*out)[0] == PutOutcome::kStored)
+          << "block " << n << ": " << out.status();
+    }
+    return data;
+  }
+
+  // Reads the keys back (ReadThreeWays) until every block is stored at level 1 when its index is
+  // even, 2 when odd (the tierer works in the background); DEADLINE_EXCEEDED, with the levels
+  // seen, after 60 s.
+  static absl::StatusOr<ReadBack> WaitForLevelsOneAndTwo(Client& c, const Profile& p,
+                                                         std::span<const BlockKey> keys) {
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
+      PROXIMA_ASSIGN_OR_RETURN(ReadBack r, ReadThreeWays(c, p, keys));
+      bool all = true;
+      std::string levels;
+      for (uint32_t n = 0; n < keys.size(); ++n) {
+        const int level = r.stored[n] ? static_cast<int>(r.stored[n]->level) : -1;
+        all = all && level == (n % 2 == 0 ? 1 : 2);
+        absl::StrAppend(&levels, " ", level);
+      }
+      if (all) return r;
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "the tierer did not take every block to its level; levels (-1: not found):", levels));
+      }
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+  }
+
   // Starts proximad with `sets` (kept in daemon_) and returns a client of it (kept in client_);
   // null, with the test failed, when either cannot be had.
   Client* StartWithClient(std::vector<std::string> sets) {
@@ -271,32 +311,9 @@ TEST_F(TiersTest, ARestartWithAnotherHierarchyKeepsOnlyTheEncodingsItStillHas) {
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(model_));
   constexpr uint32_t kBlocks = 12;  // 4.4 MB raw: no eviction in 8 MiB
   std::vector<BlockKey> keys = client::TestKeyChain(13, 0, kBlocks);
-  std::vector<std::vector<std::byte>> data;
-  for (uint32_t n = 0; n < kBlocks; ++n) {
-    data.push_back(Block(n * 11));
-    std::vector<std::span<const std::byte>> one = {data[n]};
-    client::PutOptions options;
-    options.high_priority = n % 2 == 0;
-    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
-                         c->Put(p, std::span<const BlockKey>(&keys[n], 1), one, options));
-    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
-  }
-  // Every block at the deepest level it may reach (at most 60 s).
-  std::optional<ReadBack> before;
-  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
-    ASSERT_OK_AND_ASSIGN(ReadBack r, ReadThreeWays(*c, p, keys));
-    bool all = true;
-    for (uint32_t n = 0; n < kBlocks; ++n) {
-      ASSERT_TRUE(r.stored[n].has_value()) << n;
-      all = all && r.stored[n]->level == (n % 2 == 0 ? 1u : 2u);
-    }
-    if (all) {
-      before = std::move(r);
-      break;
-    }
-    ASSERT_LT(absl::Now(), deadline) << "the tierer did not take every block to its level";
-    absl::SleepFor(absl::Milliseconds(200));
-  }
+  PutEveryOtherHighPriority(*c, p, keys);
+  // Every block at the deepest level it may reach.
+  ASSERT_OK_AND_ASSIGN(const ReadBack before, WaitForLevelsOneAndTwo(*c, p, keys));
 
   daemon_->Signal(SIGTERM);
   ASSERT_EQ(daemon_->WaitExit(absl::Seconds(30)), 0);
@@ -314,7 +331,7 @@ TEST_F(TiersTest, ARestartWithAnotherHierarchyKeepsOnlyTheEncodingsItStillHas) {
   for (uint32_t n = 0; n < kBlocks; ++n) {
     ASSERT_TRUE(after.found[n]) << n;
     ASSERT_TRUE(after.stored[n].has_value()) << n;
-    const std::string& old_bytes = before->stored[n]->bytes;
+    const std::string& old_bytes = before.stored[n]->bytes;
     if (n % 2 == 1) {  // int4: level 1 of the new hierarchy, the same container
       EXPECT_EQ(after.stored[n]->level, 1u) << n;
       EXPECT_EQ(after.stored[n]->bytes, old_bytes) << n;
@@ -325,7 +342,7 @@ TEST_F(TiersTest, ARestartWithAnotherHierarchyKeepsOnlyTheEncodingsItStillHas) {
                                    decoded));
       EXPECT_EQ(after.got[n], decoded) << n;
     }
-    EXPECT_EQ(after.got[n], before->got[n]) << "the same values as before the restart, " << n;
+    EXPECT_EQ(after.got[n], before.got[n]) << "the same values as before the restart, " << n;
   }
   ASSERT_OK_AND_ASSIGN(std::string metrics, daemon_->ScrapeMetrics());
   EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"loaded\"}"), 1);
@@ -395,32 +412,9 @@ TEST_F(TiersTest, AHandOffToANodeWithAnotherHierarchyKeepsEachEncodingWhereItBel
 
   constexpr uint32_t kBlocks = 12;
   std::vector<BlockKey> keys = client::TestKeyChain(17, 0, kBlocks);
-  std::vector<std::vector<std::byte>> data;
-  for (uint32_t n = 0; n < kBlocks; ++n) {
-    data.push_back(Block(n * 11));
-    std::vector<std::span<const std::byte>> one = {data[n]};
-    client::PutOptions options;
-    options.high_priority = n % 2 == 0;
-    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> out,
-                         a->Put(p, std::span<const BlockKey>(&keys[n], 1), one, options));
-    ASSERT_EQ(out[0], PutOutcome::kStored) << n;
-  }
+  const std::vector<std::vector<std::byte>> data = PutEveryOtherHighPriority(*a, p, keys);
   // Every block at its deepest level on the old node: int8 (high priority), int4 (the others).
-  std::optional<ReadBack> before;
-  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
-    ASSERT_OK_AND_ASSIGN(ReadBack r, ReadThreeWays(*a, p, keys));
-    bool all = true;
-    for (uint32_t n = 0; n < kBlocks; ++n) {
-      ASSERT_TRUE(r.stored[n].has_value()) << n;
-      all = all && r.stored[n]->level == (n % 2 == 0 ? 1u : 2u);
-    }
-    if (all) {
-      before = std::move(r);
-      break;
-    }
-    ASSERT_LT(absl::Now(), deadline) << "the tierer did not take every block to its level";
-    absl::SleepFor(absl::Milliseconds(200));
-  }
+  ASSERT_OK_AND_ASSIGN(const ReadBack before, WaitForLevelsOneAndTwo(*a, p, keys));
   a.reset();
   old_node->Signal(SIGTERM);
   ASSERT_EQ(old_node->WaitExit(absl::Seconds(30)), 0) << old_node->Log();
@@ -431,7 +425,7 @@ TEST_F(TiersTest, AHandOffToANodeWithAnotherHierarchyKeepsEachEncodingWhereItBel
   // What the new node's tierer makes of each block: the old encoding, decoded, encoded at the
   // level it may reach here (quantizing encoders are deterministic).
   auto expected = [&](uint32_t n) -> absl::StatusOr<std::string> {
-    const std::string& old_bytes = before->stored[n]->bytes;
+    const std::string& old_bytes = before.stored[n]->bytes;
     if (n % 2 == 1) {  // int4, already at level 1 here: on to int2
       std::vector<std::byte> decoded(p.block_bytes);
       PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(AsBytes(old_bytes), decoded));
@@ -448,28 +442,8 @@ TEST_F(TiersTest, AHandOffToANodeWithAnotherHierarchyKeepsEachEncodingWhereItBel
     PROXIMA_RETURN_IF_ERROR(codec::EncodeBlock(geometry_, int4, false, decoded, {}, &out));
     return out;
   };
-  std::optional<ReadBack> after;
-  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);;) {
-    ASSERT_OK_AND_ASSIGN(ReadBack r, ReadThreeWays(*b, p, keys));
-    bool all = true;
-    for (uint32_t n = 0; n < kBlocks; ++n) {
-      ASSERT_TRUE(r.found[n]) << n;
-      ASSERT_TRUE(r.stored[n].has_value()) << n;
-      all = all && r.stored[n]->level == (n % 2 == 0 ? 1u : 2u);
-    }
-    if (all) {
-      after = std::move(r);
-      break;
-    }
-    if (absl::Now() >= deadline) {
-      std::string levels;
-      for (uint32_t n = 0; n < kBlocks; ++n) absl::StrAppend(&levels, " ", r.stored[n]->level);
-      FAIL() << "the new node's tierer did not take every block to its level; levels:" << levels
-             << "\n"
-             << new_node->Log();
-    }
-    absl::SleepFor(absl::Milliseconds(200));
-  }
+  absl::StatusOr<ReadBack> after = WaitForLevelsOneAndTwo(*b, p, keys);
+  ASSERT_OK(after.status()) << new_node->Log();
   ASSERT_OK_AND_ASSIGN(std::string metrics, new_node->ScrapeMetrics());
   EXPECT_EQ(MetricValue(metrics, "proxima_cluster_spill_decoded_blocks_total"), kBlocks / 2);
   for (uint32_t n = 0; n < kBlocks; ++n) {
