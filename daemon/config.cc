@@ -44,6 +44,7 @@ server:
     cert_file: ""                  # server certificate chain
     key_file: ""                   # its private key
     client_ca_file: ""             # set: mTLS, clients need a certificate signed by this CA
+    reload_interval: 60s           # how often these files (and cluster.tls's) are read again
 tiers:
   host:
     capacity_bytes: 1GiB           # hard limit on stored block bytes in host memory
@@ -273,10 +274,15 @@ absl::Status ApplyOverride(YAML::Node root, const std::string& override_text) {
   return absl::OkStatus();
 }
 
+absl::Status Duration(Reader& r, const YAML::Node& node, absl::string_view key, double min,
+                      double max, double* out);
+
 absl::Status ParseTls(Reader& r, const YAML::Node& node, TlsConfig* tls) {
-  PROXIMA_RETURN_IF_ERROR(
-      r.CheckKeys(node, "server.tls", {"cert_file", "key_file", "client_ca_file"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
+      node, "server.tls", {"cert_file", "key_file", "client_ca_file", "reload_interval"}));
   if (!node || !node.IsMap()) return absl::OkStatus();
+  PROXIMA_RETURN_IF_ERROR(Duration(r, node["reload_interval"], "server.tls.reload_interval", 1,
+                                   86400, &tls->reload_interval_seconds));
   PROXIMA_RETURN_IF_ERROR(r.String(node["cert_file"], "server.tls.cert_file", &tls->cert_file));
   PROXIMA_RETURN_IF_ERROR(r.String(node["key_file"], "server.tls.key_file", &tls->key_file));
   PROXIMA_RETURN_IF_ERROR(
@@ -1240,6 +1246,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   e << YAML::Key << "key_file" << YAML::Value << YAML::DoubleQuoted << c.server.tls.key_file;
   e << YAML::Key << "client_ca_file" << YAML::Value << YAML::DoubleQuoted
     << c.server.tls.client_ca_file;
+  e << YAML::Key << "reload_interval" << YAML::Value
+    << absl::StrCat(c.server.tls.reload_interval_seconds, "s");
   e << YAML::EndMap;
   e << YAML::EndMap;
   e << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap << YAML::Key << "host" << YAML::Value

@@ -27,6 +27,9 @@ struct TlsConfig {
   std::string cert_file;       // server certificate chain; "" = plaintext TCP
   std::string key_file;        // its private key (unencrypted PEM)
   std::string client_ca_file;  // CA bundle; set = mTLS: clients must present a cert it signed
+  // How often the files above (and cluster.tls's) are read again: a certificate renewed in place
+  // is in force from the next read, without a restart.
+  double reload_interval_seconds = 60;
   bool enabled() const { return !cert_file.empty(); }
 };
 

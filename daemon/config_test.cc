@@ -90,6 +90,7 @@ TEST(ConfigTest, ErrorsNameTheKeyTheValueAndWhatIsAllowed) {
       {"server: {tls: {key_file: /k.pem}}", {"server.tls.cert_file", "key_file is set"}},
       {"server: {tls: {client_ca_file: /ca.pem}}", {"server.tls.cert_file", "mTLS"}},
       {"server: {tls: {crt: /c.pem}}", {"server.tls.crt", "unknown", "cert_file"}},
+      {"server: {tls: {reload_interval: 0s}}", {"server.tls.reload_interval", "0s"}},
       {"server: {max_inflight_bytes_per_client: 1KiB}",
        {"server.max_inflight_bytes_per_client", "1KiB"}},
       {"server: {max_connections: 0}", {"server.max_connections", "'0'"}},
@@ -177,13 +178,15 @@ TEST(ConfigTest, SecuritySettingsRoundTripWithoutSecrets) {
   ASSERT_OK_AND_ASSIGN(
       DaemonConfig c,
       ParseConfig("server: {tls: {cert_file: /etc/p/tls.crt, key_file: /etc/p/tls.key, "
-                  "client_ca_file: /etc/p/ca.crt}, max_connections: 7, decode_threads: 9, "
+                  "client_ca_file: /etc/p/ca.crt, reload_interval: 5m}, max_connections: 7, "
+                  "decode_threads: 9, "
                   "decode_buffer_cache_bytes: 0}\n"
                   "namespaces: [{name: a, private_prefixes: true, tokens: ["
                   "{name: w, file: /etc/p/a.token}, {name: r, env: A_RO, access: read_only, "
                   "scope: w}]}]\n",
                   "test.yaml", {}));
   EXPECT_EQ(c.server.tls.client_ca_file, "/etc/p/ca.crt");
+  EXPECT_EQ(c.server.tls.reload_interval_seconds, 300);
   EXPECT_EQ(c.server.max_connections, 7u);
   EXPECT_EQ(c.server.decode_threads, 9u);
   EXPECT_EQ(c.server.decode_buffer_cache_bytes, 0u);

@@ -2,6 +2,9 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,7 +30,9 @@ constexpr char kServiceName[] = "proxima.v1.KVTier";
 
 // Credentials of the TCP listener: TLS (mTLS with a client CA) when server.tls is set, else
 // plaintext. Every file is read and checked now, so a bad one stops the start with an error that
-// names the key and the path.
+// names the key and the path. From then on gRPC reads the files again every
+// server.tls.reload_interval: a certificate renewed in place (a Secret update, cert-manager)
+// serves the next handshakes without a restart.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const TlsConfig& tls) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();
   PROXIMA_ASSIGN_OR_RETURN(
@@ -36,17 +41,23 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(const Tl
       std::string key, ReadPemFile("server.tls.key_file", tls.key_file, PemKind::kPrivateKey));
   PROXIMA_RETURN_IF_ERROR(
       CheckKeyMatchesCertificate("server.tls.cert_file", "server.tls.key_file", cert, key));
-  grpc::SslServerCredentialsOptions options;
   if (!tls.client_ca_file.empty()) {
-    PROXIMA_ASSIGN_OR_RETURN(options.pem_root_certs,
-                             ReadPemFile("server.tls.client_ca_file", tls.client_ca_file,
-                                         PemKind::kCertificates));
-    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  } else {
-    options.client_certificate_request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
+    PROXIMA_RETURN_IF_ERROR(
+        ReadPemFile("server.tls.client_ca_file", tls.client_ca_file, PemKind::kCertificates)
+            .status());
   }
-  options.pem_key_cert_pairs.push_back({std::move(key), std::move(cert)});
-  return grpc::SslServerCredentials(options);
+  auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      tls.key_file, tls.cert_file, tls.client_ca_file,
+      static_cast<unsigned>(tls.reload_interval_seconds));
+  grpc::experimental::TlsServerCredentialsOptions options(files);
+  options.watch_identity_key_cert_pairs();
+  if (!tls.client_ca_file.empty()) {
+    options.watch_root_certs();
+    options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  return grpc::experimental::TlsServerCredentials(options);
 }
 
 // What this start took from the snapshot, as metrics: the restart of a daemon that was to come

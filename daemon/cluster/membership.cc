@@ -1,6 +1,10 @@
 #include "daemon/cluster/membership.h"
 
 #include <arpa/inet.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_certificate_verifier.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <netdb.h>
 #include <sys/socket.h>
 
@@ -19,28 +23,35 @@ constexpr char kHealthService[] = "proxima.v1.KVTier";
 
 // The credentials of every peer channel: TLS that verifies the peer's server certificate against
 // cluster.tls.ca_file and presents this daemon's certificate as a client certificate (for peers
-// with mTLS), or plaintext when cluster.tls is off.
+// with mTLS), or plaintext when cluster.tls is off. The files are checked now (a bad one stops
+// the start naming the key) and read again every `reload_interval` by gRPC, so that a renewed
+// certificate or CA bundle is presented and trusted on the next connections without a restart.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentials(
-    const PeerTlsConfig& tls, bool require_client_certificate) {
+    const PeerTlsConfig& tls, bool require_client_certificate, absl::Duration reload_interval) {
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
-  grpc::SslCredentialsOptions options;
-  PROXIMA_ASSIGN_OR_RETURN(
-      options.pem_root_certs,
-      ReadPemFile("cluster.tls.ca_file", tls.ca_file, PemKind::kCertificates));
-  PROXIMA_ASSIGN_OR_RETURN(
-      options.pem_cert_chain,
-      ReadPemFile("cluster.tls.cert_file", tls.cert_file, PemKind::kCertificates));
-  PROXIMA_ASSIGN_OR_RETURN(
-      options.pem_private_key,
-      ReadPemFile("cluster.tls.key_file", tls.key_file, PemKind::kPrivateKey));
-  PROXIMA_RETURN_IF_ERROR(CheckKeyMatchesCertificate(
-      "cluster.tls.cert_file", "cluster.tls.key_file", options.pem_cert_chain,
-      options.pem_private_key));
+  PROXIMA_RETURN_IF_ERROR(
+      ReadPemFile("cluster.tls.ca_file", tls.ca_file, PemKind::kCertificates).status());
+  PROXIMA_ASSIGN_OR_RETURN(std::string cert, ReadPemFile("cluster.tls.cert_file", tls.cert_file,
+                                                         PemKind::kCertificates));
+  PROXIMA_ASSIGN_OR_RETURN(std::string key,
+                           ReadPemFile("cluster.tls.key_file", tls.key_file, PemKind::kPrivateKey));
+  PROXIMA_RETURN_IF_ERROR(
+      CheckKeyMatchesCertificate("cluster.tls.cert_file", "cluster.tls.key_file", cert, key));
   if (require_client_certificate) {
-    PROXIMA_RETURN_IF_ERROR(
-        CheckCertificateAllowsClientAuth("cluster.tls.cert_file", options.pem_cert_chain));
+    PROXIMA_RETURN_IF_ERROR(CheckCertificateAllowsClientAuth("cluster.tls.cert_file", cert));
   }
-  return grpc::SslCredentials(options);
+  auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      tls.key_file, tls.cert_file, tls.ca_file,
+      static_cast<unsigned>(absl::ToInt64Seconds(reload_interval)));
+  grpc::experimental::TlsChannelCredentialsOptions options;
+  options.set_certificate_provider(files);
+  options.watch_root_certs();
+  options.watch_identity_key_cert_pairs();
+  // The peer's certificate must name the host called (or cluster.tls.server_name), as well as
+  // chain to the CA.
+  options.set_certificate_verifier(
+      std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  return grpc::experimental::TlsCredentials(options);
 }
 
 }  // namespace
@@ -88,6 +99,7 @@ MembershipOptions MembershipOptions::FromConfig(const DaemonConfig& config) {
   o.max_message_bytes = config.server.max_message_bytes;
   o.tls = c.tls;
   o.peers_require_client_certificate = !config.server.tls.client_ca_file.empty();
+  o.tls_reload_interval = absl::Seconds(config.server.tls.reload_interval_seconds);
   return o;
 }
 
@@ -131,8 +143,8 @@ absl::StatusOr<std::unique_ptr<Membership>> Membership::Create(MembershipOptions
     return absl::InvalidArgumentError("cluster.advertise is empty: a node needs an id");
   }
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
-                           PeerCredentials(options.tls,
-                                           options.peers_require_client_certificate));
+                           PeerCredentials(options.tls, options.peers_require_client_certificate,
+                                           options.tls_reload_interval));
   std::unique_ptr<Membership> m(new Membership(std::move(options)));
   m->credentials_ = std::move(credentials);
   m->check_failures_ = registry->AddCounter(

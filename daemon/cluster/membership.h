@@ -58,6 +58,7 @@ struct MembershipOptions {
   // TLS of the peer channels (resolved cluster.tls; disabled = plaintext). Create() reads and
   // checks its files once; every channel shares the credentials built from them.
   PeerTlsConfig tls;
+  absl::Duration tls_reload_interval = absl::Seconds(60);  // server.tls.reload_interval
   // The peers ask for client certificates (mTLS: this daemon's server.tls.client_ca_file is set,
   // and a cluster shares one configuration): Create() checks that tls.cert_file may be one.
   bool peers_require_client_certificate = false;

@@ -2098,6 +2098,23 @@ TEST_F(ClusterTlsTest, APeerWhoseCertificateIsOfAnotherCaIsNeverLive) {
   }
 }
 
+// The peer channels check the name in a peer's certificate, not only its CA: node 1's certificate
+// is of the cluster's CA but names another host than cluster.tls.server_name. Node 0 never takes
+// it into its live set; node 1, whose peer names the right host, does take node 0.
+TEST_F(ClusterTlsTest, APeerWhoseCertificateNamesAnotherHostIsNeverLive) {
+  ASSERT_TRUE(pki_.MakeCert("misnamed", "ca", "subjectAltName=DNS:other.proxima.test"));
+  ASSERT_NO_FATAL_FAILURE(
+      StartCluster(2, {"cluster.tls.server_name=peers.proxima.test"},
+                   [this](int i) { return MutualTls(i == 0 ? "shared" : "misnamed"); }));
+  ASSERT_TRUE(WaitLive(1, 2)) << daemons_[1]->Log();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (Metric(0, "proxima_cluster_health_check_failures_total") < 5 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_GE(Metric(0, "proxima_cluster_health_check_failures_total"), 5);
+  EXPECT_EQ(Metric(0, "proxima_cluster_live_nodes"), 1) << daemons_[0]->Log();
+}
+
 TEST_F(ClusterTlsTest, BadPeerTlsSettingsStopTheStartNamingTheKey) {
   char tmpl[] = "/tmp/proxima-cluster-XXXXXX";
   dir_ = mkdtemp(tmpl);

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -146,6 +147,51 @@ TEST_F(TlsTest, MutualTlsAcceptsOnlyCertificatesOfItsCa) {
   }
   // The daemon is unharmed.
   RoundTrip(*c, 4, 2);
+}
+
+// A certificate renewed in place (a Secret update, cert-manager) is served without a restart:
+// the daemon reads its files again every server.tls.reload_interval. Here the renewal also moves
+// to another CA, so that a client can tell which certificate the daemon presents: one trusting
+// only the new CA is refused before the files change and served after, within a few intervals;
+// one trusting only the old CA the other way round. The Unix socket serves throughout.
+TEST_F(TlsTest, ACertificateRenewedInPlaceIsServedWithoutARestart) {
+  ASSERT_TRUE(pki_.MakeCert("renewed", "other-ca", "subjectAltName=IP:127.0.0.1,DNS:localhost"));
+  auto copy = [&](const std::string& from, const std::string& to) {
+    std::ifstream in(pki_.Path(from), std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    // Written aside, then renamed over: a reader never sees a file half written.
+    pki_.Write(to + ".tmp", text.str());
+    ASSERT_EQ(std::rename(pki_.Path(to + ".tmp").c_str(), pki_.Path(to).c_str()), 0);
+  };
+  copy("server.crt", "live.crt");
+  copy("server.key", "live.key");
+  ASSERT_OK_AND_ASSIGN(auto daemon,
+                       DaemonProcess::Start({"server.tls.cert_file=" + pki_.Path("live.crt"),
+                                             "server.tls.key_file=" + pki_.Path("live.key"),
+                                             "server.tls.reload_interval=1s"}));
+  auto trusting = [&](const char* ca) {
+    return Connect({.target = daemon->tcp_target(), .tls_ca_file = pki_.Path(ca)});
+  };
+  ASSERT_OK_AND_ASSIGN(auto before, trusting("ca.crt"));
+  RoundTrip(*before, 5, 2);
+  EXPECT_THAT(trusting("other-ca.crt"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot reach proximad")));
+
+  copy("renewed.key", "live.key");
+  copy("renewed.crt", "live.crt");
+  absl::StatusOr<std::unique_ptr<Client>> after = trusting("other-ca.crt");
+  for (const absl::Time until = absl::Now() + absl::Seconds(20);
+       !after.ok() && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(200));
+    after = trusting("other-ca.crt");
+  }
+  ASSERT_OK(after.status()) << "the renewed certificate was not served within 20 s";
+  RoundTrip(**after, 6, 2);
+  EXPECT_THAT(trusting("ca.crt"),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot reach proximad")));
+  ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
+  RoundTrip(*local, 7, 2);
 }
 
 TEST_F(TlsTest, BadTlsFilesStopTheStartWithTheKeyAndPath) {
