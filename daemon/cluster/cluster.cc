@@ -433,15 +433,12 @@ void Cluster::Stop() {
 }
 
 absl::Status Cluster::ReloadPeerTokens(absl::StatusOr<std::vector<std::string>> tokens) {
-  if (tokens.ok())
-    tokens = [&]() -> absl::StatusOr<std::vector<std::string>> {
-      PROXIMA_RETURN_IF_ERROR(CheckNotANamespaceToken(*core_, *tokens));
-      return tokens;
-    }();
-  if (!tokens.ok()) {
+  absl::Status status = tokens.status();
+  if (status.ok()) status = CheckNotANamespaceToken(*core_, *tokens);
+  if (!status.ok()) {
     PROXIMA_LOG(kError) << "peer token reload failed; the previous peer tokens stay in force"
-                        << log::Kv("error", tokens.status().message());
-    return tokens.status();
+                        << log::Kv("error", status.message());
+    return status;
   }
   const size_t n = tokens->size();
   tokens_->Set(*std::move(tokens));

@@ -425,21 +425,13 @@ TEST_F(TiersTest, AHandOffToANodeWithAnotherHierarchyKeepsEachEncodingWhereItBel
   // What the new node's tierer makes of each block: the old encoding, decoded, encoded at the
   // level it may reach here (quantizing encoders are deterministic).
   auto expected = [&](uint32_t n) -> absl::StatusOr<std::string> {
-    const std::string& old_bytes = before.stored[n]->bytes;
-    if (n % 2 == 1) {  // int4, already at level 1 here: on to int2
-      std::vector<std::byte> decoded(p.block_bytes);
-      PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(AsBytes(old_bytes), decoded));
-      std::string out;
-      PROXIMA_ASSIGN_OR_RETURN(codec::CodecPlan int2, codec::ParseCodecPlan("int2"));
-      PROXIMA_RETURN_IF_ERROR(codec::EncodeBlock(geometry_, int2, false, decoded, {}, &out));
-      return out;
-    }
-    // int8, no level here: decoded, then int4 (a high-priority put stops at level 1).
+    // int4, at level 1 here: on to int2. int8, no level here: decoded, then int4 (a
+    // high-priority put stops at level 1).
+    PROXIMA_ASSIGN_OR_RETURN(codec::CodecPlan plan, codec::ParseCodecPlan(n % 2 ? "int2" : "int4"));
     std::vector<std::byte> decoded(p.block_bytes);
-    PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(AsBytes(old_bytes), decoded));
+    PROXIMA_RETURN_IF_ERROR(codec::DecodeBlock(AsBytes(before.stored[n]->bytes), decoded));
     std::string out;
-    PROXIMA_ASSIGN_OR_RETURN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
-    PROXIMA_RETURN_IF_ERROR(codec::EncodeBlock(geometry_, int4, false, decoded, {}, &out));
+    PROXIMA_RETURN_IF_ERROR(codec::EncodeBlock(geometry_, plan, false, decoded, {}, &out));
     return out;
   };
   absl::StatusOr<ReadBack> after = WaitForLevelsOneAndTwo(*b, p, keys);
