@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -2113,6 +2114,52 @@ TEST_F(ClusterTlsTest, APeerWhoseCertificateNamesAnotherHostIsNeverLive) {
   }
   EXPECT_GE(Metric(0, "proxima_cluster_health_check_failures_total"), 5);
   EXPECT_EQ(Metric(0, "proxima_cluster_live_nodes"), 1) << daemons_[0]->Log();
+}
+
+// The peer channels read cluster.tls's files again (server.tls.reload_interval): node 1 restarts
+// on a certificate of a second CA, which node 0's ca_file does not hold, and stays out of node
+// 0's live set; once node 0's CA bundle file is rewritten to hold both CAs, node 0's next
+// handshakes trust it and node 1 joins, without node 0 restarting.
+TEST_F(ClusterTlsTest, APeerCaBundleRenewedInPlaceIsTrustedWithoutARestart) {
+  ASSERT_TRUE(pki_.MakeCert("node2", "other-ca",
+                            "subjectAltName=IP:127.0.0.1\n"
+                            "extendedKeyUsage=serverAuth,clientAuth"));
+  auto read = [&](const std::string& name) {
+    std::ifstream in(pki_.Path(name), std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  const std::string both = read("ca.crt") + read("other-ca.crt");
+  pki_.Write("both-cas.crt", both);
+  // Node 0 trusts its peers' server certificates through a file that is renewed below.
+  pki_.Write("node0-peer-ca.crt", read("ca.crt"));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, {"server.tls.reload_interval=1s"}, [this](int i) {
+    std::vector<std::string> sets = MutualTls("node");
+    if (i == 0) sets.push_back("cluster.tls.ca_file=" + pki_.Path("node0-peer-ca.crt"));
+    return sets;
+  }));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2)) << "node " << i;
+
+  // Node 1 comes back on the second CA's certificate (and trusts both CAs itself).
+  ASSERT_OK(daemons_[1]->Restart({"server.tls.cert_file=" + pki_.Path("node2.crt"),
+                                  "server.tls.key_file=" + pki_.Path("node2.key"),
+                                  "server.tls.client_ca_file=" + pki_.Path("both-cas.crt")}));
+  const double failed = Metric(0, "proxima_cluster_health_check_failures_total");
+  ASSERT_TRUE(WaitLive(0, 1));
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (Metric(0, "proxima_cluster_health_check_failures_total") < failed + 5 &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(Metric(0, "proxima_cluster_live_nodes"), 1) << "node 0 trusted a CA it does not hold";
+
+  // Written aside and renamed over, as a Secret update swaps its files.
+  pki_.Write("node0-peer-ca.crt.tmp", both);
+  ASSERT_EQ(std::rename(pki_.Path("node0-peer-ca.crt.tmp").c_str(),
+                        pki_.Path("node0-peer-ca.crt").c_str()),
+            0);
+  EXPECT_TRUE(WaitLive(0, 2, absl::Seconds(20))) << daemons_[0]->Log();
 }
 
 TEST_F(ClusterTlsTest, BadPeerTlsSettingsStopTheStartNamingTheKey) {
