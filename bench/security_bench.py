@@ -73,8 +73,11 @@ def start(proximad, d, name, sets):
 
 
 def load(proximactl, port, extra, workload, duration, env):
+    # Inline: the block bytes inside the gRPC calls, so inside TLS. With the UCX data plane on
+    # (the default), `auto` would move them over UCX, outside TLS, and measure no encryption.
     cmd = [proximactl, "load", "--json", "--target=127.0.0.1:%d" % port, "--clients=4",
-           "--duration=%g" % duration, "--working_set=64", "--get_fraction=0.8", *extra,
+           "--duration=%g" % duration, "--working_set=64", "--get_fraction=0.8",
+           "--transport=inline", *extra,
            *WORKLOADS[workload]]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=duration + 60)
     out = json.loads(r.stdout.strip().splitlines()[-1])
