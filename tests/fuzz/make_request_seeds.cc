@@ -52,8 +52,8 @@ proxima::v1::SpilledBlock Spilled(const std::string& data, uint32_t level) {
   return b;
 }
 
-// A raw block of SmallProfile() and its int8 encoding.
-std::pair<std::string, std::string> RawAndInt8() {
+// A raw block of SmallProfile() and its encoding with `plan` (a CodecPlan text).
+std::pair<std::string, std::string> RawAnd(const char* plan) {
   const proxima::v1::ModelProfile profile = SmallProfile();
   const proxima::codec::BlockGeometry geometry{profile.num_layers(), profile.num_kv_heads(),
                                                profile.head_dim(), profile.tokens_per_block(),
@@ -61,7 +61,7 @@ std::pair<std::string, std::string> RawAndInt8() {
   std::string raw(512, '\0');
   for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<char>((i * 7) % 61);
   std::string encoded;
-  if (!proxima::codec::EncodeBlock(geometry, *proxima::codec::ParseCodecPlan("int8"), false,
+  if (!proxima::codec::EncodeBlock(geometry, *proxima::codec::ParseCodecPlan(plan), false,
                                    std::as_bytes(std::span<const char>(raw.data(), raw.size())), {},
                                    &encoded)
            .ok()) {
@@ -70,11 +70,25 @@ std::pair<std::string, std::string> RawAndInt8() {
   return {raw, encoded};
 }
 
+// An encoded spilled block as a sender of this version sends it: the plan of its level named,
+// and the put's hints.
+proxima::v1::SpilledBlock SpilledWithPlan(const std::string& data, uint32_t level,
+                                          const std::string& plan, bool high_priority,
+                                          int64_t position) {
+  proxima::v1::SpilledBlock b = Spilled(data, level);
+  b.set_plan(plan);
+  b.set_high_priority(high_priority);
+  b.set_position(position);
+  b.set_second_chance(position == 0);
+  return b;
+}
+
 void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
   enum { kRecord, kLookup, kFetch, kStore, kDelete };
-  const std::pair<std::string, std::string> blocks = RawAndInt8();
+  const std::pair<std::string, std::string> blocks = RawAnd("int8");
   const std::string& raw = blocks.first;
   const std::string& encoded = blocks.second;
+  const std::string int4 = RawAnd("int4").second;
   for (const std::string ns : {"open", "other", "missing"}) {
     auto set = [&](proxima::v1::PeerBlockSet* s, std::initializer_list<char> keys) {
       s->set_namespace_name(ns);
@@ -132,6 +146,41 @@ void WritePeerSeeds(const std::string& peer_dir, uint64_t id) {
     proxima::v1::DeleteBlocksRequest del;
     set(del.mutable_blocks(), {'b'});
     WritePeer(peer_dir, kDelete, del);
+    // Encoded blocks naming their level's plan ("open" compresses int8 then int4; "other" has
+    // no levels): kept at the level here with that plan, or decoded.
+    proxima::v1::StoreBlocksRequest planned;
+    set(planned.mutable_blocks(), {'g', 'h', 'i', 'j'});
+    planned.set_block_bytes(512);
+    *planned.add_data() = SpilledWithPlan(encoded, 1, "int8", true, 0);
+    *planned.add_data() = SpilledWithPlan(int4, 1, "int4", false, 3);    // the sender's level 1
+    *planned.add_data() = SpilledWithPlan(encoded, 2, "fp8", false, 4);  // no level here
+    *planned.add_data() = SpilledWithPlan(int4, 2, "int4", false, -1);
+    WritePeer(peer_dir, kStore, planned);
+    planned.set_handoff(true);
+    WritePeer(peer_dir, kStore, planned);
+  }
+  // Token scopes of "p" (private prefixes; scopes alice and bob): by name, a scope the receiver
+  // lacks, and the numbers of older senders, one past the namespace's partitions.
+  auto scoped = [&](proxima::v1::PeerBlockSet* s, const char* scope, uint32_t partition, char key) {
+    s->set_namespace_name("p");
+    s->set_profile_id(id);
+    if (scope != nullptr) s->set_scope(scope);
+    s->set_partition(partition);
+    s->add_keys(std::string(32, key));
+  };
+  for (const auto& [scope, partition] : std::vector<std::pair<const char*, uint32_t>>{
+           {"alice", 2}, {"bob", 0}, {"carol", 1}, {"", 0}, {nullptr, 1}, {nullptr, 9}}) {
+    proxima::v1::StoreBlocksRequest store;
+    scoped(store.mutable_blocks(), scope, partition, 'k');
+    store.set_block_bytes(512);
+    *store.add_data() = Spilled(raw, 0);
+    WritePeer(peer_dir, kStore, store);
+    proxima::v1::FetchBlocksRequest fetch;
+    scoped(fetch.mutable_blocks(), scope, partition, 'k');
+    WritePeer(peer_dir, kFetch, fetch);
+    proxima::v1::LookupLocationsRequest lookup;
+    scoped(lookup.mutable_blocks(), scope, partition, 'k');
+    WritePeer(peer_dir, kLookup, lookup);
   }
 }
 
@@ -151,7 +200,7 @@ void WriteSnapshotSeed(const std::string& path, const std::vector<std::string>& 
   for (uint32_t ns : {0u, 1u}) {
     if (!(*core)->AddProfile(ns, profile).ok()) std::abort();
   }
-  const std::pair<std::string, std::string> blocks = RawAndInt8();
+  const std::pair<std::string, std::string> blocks = RawAnd("int8");
   const std::string& raw = blocks.first;
   const std::string& encoded = blocks.second;
   auto store = [&](uint32_t ns, uint32_t partition, char key, const std::string& bytes,
