@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
-#include "common/credentials.h"
+#include "common/grpc_tls.h"
 #include "common/log.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
@@ -65,22 +65,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
         "tls_cert_file/tls_key_file are set but tls_ca_file is not; expected the CA that "
         "signed the daemon's certificate");
   }
-  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
-    return absl::InvalidArgumentError(
-        "a client certificate needs both tls_cert_file and tls_key_file; one is empty");
-  }
-  grpc::SslCredentialsOptions ssl;
-  PROXIMA_ASSIGN_OR_RETURN(ssl.pem_root_certs,
-                           ReadPemFile("tls_ca_file", o.tls_ca_file, PemKind::kCertificates));
-  if (!o.tls_cert_file.empty()) {
-    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
-                             ReadPemFile("tls_cert_file", o.tls_cert_file, PemKind::kCertificates));
-    PROXIMA_ASSIGN_OR_RETURN(ssl.pem_private_key,
-                             ReadPemFile("tls_key_file", o.tls_key_file, PemKind::kPrivateKey));
-    PROXIMA_RETURN_IF_ERROR(CheckKeyMatchesCertificate("tls_cert_file", "tls_key_file",
-                                                       ssl.pem_cert_chain, ssl.pem_private_key));
-  }
-  return grpc::SslCredentials(ssl);
+  return WatchedTlsChannelCredentials({.ca = {"tls_ca_file", o.tls_ca_file},
+                                       .cert = {"tls_cert_file", o.tls_cert_file},
+                                       .key = {"tls_key_file", o.tls_key_file}},
+                                      o.tls_reload_interval);
 }
 
 const char* TransportName(Transport t) {

@@ -105,6 +105,10 @@ struct ClientOptions {
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_server_name;  // name to check in the daemon's certificate, if not the target's
+  // How often gRPC reads the three TLS files again (whole seconds, at least 1): a certificate
+  // or CA bundle renewed in place is used for the channel's next connections (after a daemon
+  // restart, say) without a new Client. The C ABI and the Python binding use this default.
+  absl::Duration tls_reload_interval = absl::Seconds(60);
   Transport transport = Transport::kAuto;
   // Block buffers in GPU memory: when true and a GPU is visible, every segment of Put/Get is
   // checked (cudaPointerGetAttributes, which opens the process's CUDA context on that GPU as any
@@ -503,7 +507,8 @@ class Client {
 };
 
 // Channel credentials for `options`' TLS settings (plaintext when none is set). PEM files are
-// read and checked here: a wrong path or a bad file is an error naming the option and the file.
+// read and checked here: a wrong path or a bad file is an error naming the option and the file;
+// gRPC reads them again every `options.tls_reload_interval` (common/grpc_tls.h).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
     const ClientOptions& options);
 

@@ -2,9 +2,6 @@
 
 #include <arpa/inet.h>
 #include <grpcpp/security/credentials.h>
-#include <grpcpp/security/tls_certificate_provider.h>
-#include <grpcpp/security/tls_certificate_verifier.h>
-#include <grpcpp/security/tls_credentials_options.h>
 #include <netdb.h>
 #include <sys/socket.h>
 
@@ -12,7 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/credentials.h"
+#include "common/grpc_tls.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 
@@ -29,29 +26,17 @@ constexpr char kHealthService[] = "proxima.v1.KVTier";
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentials(
     const PeerTlsConfig& tls, bool require_client_certificate, absl::Duration reload_interval) {
   if (!tls.enabled()) return grpc::InsecureChannelCredentials();
-  PROXIMA_RETURN_IF_ERROR(
-      ReadPemFile("cluster.tls.ca_file", tls.ca_file, PemKind::kCertificates).status());
-  PROXIMA_ASSIGN_OR_RETURN(std::string cert, ReadPemFile("cluster.tls.cert_file", tls.cert_file,
-                                                         PemKind::kCertificates));
-  PROXIMA_ASSIGN_OR_RETURN(std::string key,
-                           ReadPemFile("cluster.tls.key_file", tls.key_file, PemKind::kPrivateKey));
-  PROXIMA_RETURN_IF_ERROR(
-      CheckKeyMatchesCertificate("cluster.tls.cert_file", "cluster.tls.key_file", cert, key));
-  if (require_client_certificate) {
-    PROXIMA_RETURN_IF_ERROR(CheckCertificateAllowsClientAuth("cluster.tls.cert_file", cert));
+  if (tls.cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "cluster.tls.cert_file is empty; a daemon presents its certificate to its peers");
   }
-  auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      tls.key_file, tls.cert_file, tls.ca_file,
-      static_cast<unsigned>(absl::ToInt64Seconds(reload_interval)));
-  grpc::experimental::TlsChannelCredentialsOptions options;
-  options.set_certificate_provider(files);
-  options.watch_root_certs();
-  options.watch_identity_key_cert_pairs();
-  // The peer's certificate must name the host called (or cluster.tls.server_name), as well as
-  // chain to the CA.
-  options.set_certificate_verifier(
-      std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
-  return grpc::experimental::TlsCredentials(options);
+  // The peer's certificate must name the host called (or cluster.tls.server_name, the channel's
+  // target name override), as well as chain to the CA.
+  return WatchedTlsChannelCredentials({.ca = {"cluster.tls.ca_file", tls.ca_file},
+                                       .cert = {"cluster.tls.cert_file", tls.cert_file},
+                                       .key = {"cluster.tls.key_file", tls.key_file},
+                                       .cert_must_allow_client_auth = require_client_certificate},
+                                      reload_interval);
 }
 
 }  // namespace

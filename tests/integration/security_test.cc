@@ -98,6 +98,15 @@ class TlsTest : public ::testing::Test {
     if (mtls) sets.push_back("server.tls.client_ca_file=" + pki_.Path("ca.crt"));
     return sets;
   }
+  // Copies the PKI file `from` to `to` as a renewal does: written aside, then renamed over, so
+  // that a reader never sees a file half written.
+  void Install(const std::string& from, const std::string& to) {
+    std::ifstream in(pki_.Path(from), std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    pki_.Write(to + ".tmp", text.str());
+    ASSERT_EQ(std::rename(pki_.Path(to + ".tmp").c_str(), pki_.Path(to).c_str()), 0);
+  }
   Pki pki_;
 };
 
@@ -156,16 +165,8 @@ TEST_F(TlsTest, MutualTlsAcceptsOnlyCertificatesOfItsCa) {
 // one trusting only the old CA the other way round. The Unix socket serves throughout.
 TEST_F(TlsTest, ACertificateRenewedInPlaceIsServedWithoutARestart) {
   ASSERT_TRUE(pki_.MakeCert("renewed", "other-ca", "subjectAltName=IP:127.0.0.1,DNS:localhost"));
-  auto copy = [&](const std::string& from, const std::string& to) {
-    std::ifstream in(pki_.Path(from), std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    // Written aside, then renamed over: a reader never sees a file half written.
-    pki_.Write(to + ".tmp", text.str());
-    ASSERT_EQ(std::rename(pki_.Path(to + ".tmp").c_str(), pki_.Path(to).c_str()), 0);
-  };
-  copy("server.crt", "live.crt");
-  copy("server.key", "live.key");
+  Install("server.crt", "live.crt");
+  Install("server.key", "live.key");
   ASSERT_OK_AND_ASSIGN(auto daemon,
                        DaemonProcess::Start({"server.tls.cert_file=" + pki_.Path("live.crt"),
                                              "server.tls.key_file=" + pki_.Path("live.key"),
@@ -178,8 +179,8 @@ TEST_F(TlsTest, ACertificateRenewedInPlaceIsServedWithoutARestart) {
   EXPECT_THAT(trusting("other-ca.crt"),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot reach proximad")));
 
-  copy("renewed.key", "live.key");
-  copy("renewed.crt", "live.crt");
+  Install("renewed.key", "live.key");
+  Install("renewed.crt", "live.crt");
   absl::StatusOr<std::unique_ptr<Client>> after = trusting("other-ca.crt");
   for (const absl::Time until = absl::Now() + absl::Seconds(20);
        !after.ok() && absl::Now() < until;) {
@@ -192,6 +193,49 @@ TEST_F(TlsTest, ACertificateRenewedInPlaceIsServedWithoutARestart) {
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot reach proximad")));
   ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
   RoundTrip(*local, 7, 2);
+}
+
+// The client reads its TLS files again too (ClientOptions::tls_reload_interval): a worker's
+// client certificate and CA bundle renewed in place are used by its next connections without a
+// new Client. Here the whole PKI moves to another CA while the daemon restarts on it: the
+// client made before, on the old CA's files, must reach the restarted daemon, which accepts
+// only the new CA's client certificates and presents a certificate of the new CA.
+TEST_F(TlsTest, AClientUsesItsRenewedCertificateAndCaWithoutBeingMadeAgain) {
+  ASSERT_TRUE(pki_.MakeCert("renewed", "other-ca", "subjectAltName=IP:127.0.0.1,DNS:localhost"));
+  Install("ca.crt", "client-ca.crt");
+  Install("client.crt", "client-live.crt");
+  Install("client.key", "client-live.key");
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start(TlsSets(true)));
+  ClientOptions options{.target = daemon->tcp_target(),
+                        .tls_ca_file = pki_.Path("client-ca.crt"),
+                        .tls_cert_file = pki_.Path("client-live.crt"),
+                        .tls_key_file = pki_.Path("client-live.key"),
+                        .tls_reload_interval = absl::Seconds(1),
+                        .transport = client::Transport::kInline};
+  ASSERT_OK_AND_ASSIGN(auto c, Connect(options));
+  RoundTrip(*c, 8, 2);
+
+  Install("other-ca.crt", "client-ca.crt");
+  Install("rogue-client.key", "client-live.key");
+  Install("rogue-client.crt", "client-live.crt");
+  ASSERT_OK(daemon->Restart({"server.tls.cert_file=" + pki_.Path("renewed.crt"),
+                             "server.tls.key_file=" + pki_.Path("renewed.key"),
+                             "server.tls.client_ca_file=" + pki_.Path("other-ca.crt")}));
+  // A client on the old files is refused by the restarted daemon (the premise).
+  ClientOptions old_files = options;
+  old_files.tls_ca_file = pki_.Path("ca.crt");
+  old_files.tls_cert_file = pki_.Path("client.crt");
+  old_files.tls_key_file = pki_.Path("client.key");
+  EXPECT_THAT(Connect(old_files),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("cannot reach proximad")));
+  absl::StatusOr<Profile> registered = c->RegisterProfile(SmallModel());
+  for (const absl::Time until = absl::Now() + absl::Seconds(20);
+       !registered.ok() && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(200));
+    registered = c->RegisterProfile(SmallModel());
+  }
+  ASSERT_OK(registered.status()) << "the client did not use its renewed files within 20 s";
+  RoundTrip(*c, 9, 2);
 }
 
 TEST_F(TlsTest, BadTlsFilesStopTheStartWithTheKeyAndPath) {
