@@ -89,7 +89,9 @@ proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_cl
   // Read as the integer a C caller may have stored there: a value outside the enum must reach the
   // error below, and loading it as the enum type would be undefined behaviour.
   int transport = PROXIMA_TRANSPORT_AUTO;
-  if (o->size >= sizeof(proxima_connect_options)) {
+  // Each later field is read only when the caller's struct has it (`size`).
+  auto has = [o](size_t offset, size_t bytes) { return o->size >= offset + bytes; };
+  if (has(offsetof(proxima_connect_options, transport), sizeof(o->transport))) {
     static_assert(sizeof(o->transport) == sizeof(int));
     std::memcpy(&transport, &o->transport, sizeof(transport));
   }
@@ -102,6 +104,9 @@ proxima_status proxima_connect_with(const proxima_connect_options* o, proxima_cl
   options.tls_cert_file = str(o->tls_cert_file);
   options.tls_key_file = str(o->tls_key_file);
   options.tls_server_name = str(o->tls_server_name);
+  if (has(offsetof(proxima_connect_options, token_file), sizeof(o->token_file))) {
+    options.token_file = str(o->token_file);
+  }
   switch (transport) {
     case PROXIMA_TRANSPORT_AUTO:
       options.transport = proxima::client::Transport::kAuto;

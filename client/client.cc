@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
+#include "common/credentials.h"
 #include "common/grpc_tls.h"
 #include "common/log.h"
 #include "common/mutex.h"
@@ -147,6 +148,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   }
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                            ChannelCredentialsFor(options));
+  std::string token = options.token;
+  if (!options.token_file.empty()) {
+    if (!options.token.empty()) {
+      return absl::InvalidArgumentError(
+          "token and token_file are both set; give the token one way");
+    }
+    PROXIMA_ASSIGN_OR_RETURN(token, ReadTokenFile("token_file", options.token_file));
+  }
   auto channel = grpc::CreateCustomChannel(options.target, credentials, args);
   if (!channel->WaitForConnected(Deadline(options.connect_timeout))) {
     const bool tls = !options.tls_ca_file.empty();
@@ -158,6 +167,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
             : " over plaintext (daemon down, or it expects TLS: set tls_ca_file)"));
   }
   std::unique_ptr<Client> client(new Client(options, std::move(channel)));
+  {
+    proxima::MutexLock lock(&client->token_mu_);
+    client->token_ = std::move(token);
+    client->next_token_read_ = absl::Now() + options.token_reload_interval;
+  }
   grpc::ClientContext context;
   client->PrepareContext(&context);
   v1::GetServerInfoResponse info;
@@ -222,12 +236,24 @@ template <typename Call>
 absl::Status Client::CallWithSession(Call&& call) {
   // One deadline for the whole call: re-establishing the session and the call itself.
   const absl::Time deadline = absl::Now() + options_.call_timeout;
-  if (ucx_session_stale_.load()) PROXIMA_RETURN_IF_ERROR(ReopenUcxSession(deadline));
+  Token();  // a token file due to be read is read now: a new token re-opens the session first
+  if (ucx_session_stale_.load() || !SessionTokenIsCurrent()) {
+    PROXIMA_RETURN_IF_ERROR(ReopenUcxSession(deadline));
+  }
   absl::Status status = call(deadline);
   if (absl::IsUnavailable(status)) {
     // The daemon or the path to it failed (killed, restarted, network): this call fails, and the
     // next one re-establishes the connection and the session before it runs.
     ucx_session_stale_.store(true);
+    return status;
+  }
+  if (status.code() == absl::StatusCode::kPermissionDenied &&
+      absl::StrContains(status.message(), "UCX session") && !SessionTokenIsCurrent()) {
+    // Another thread read a new token between this call's check and its call: the session is
+    // the old token's. Re-open it for the new one and call again.
+    status = ReopenUcxSession(deadline);
+    if (status.ok()) status = call(deadline);
+    if (absl::IsUnavailable(status)) ucx_session_stale_.store(true);
     return status;
   }
   if (status.code() != absl::StatusCode::kNotFound ||
@@ -260,7 +286,7 @@ absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* respons
 absl::Status Client::ReopenUcxSession(absl::Time deadline) {
   // One thread re-establishes the session; the others find it fresh when they get the lock.
   proxima::MutexLock lock(&ucx_reopen_mu_);
-  if (!ucx_session_stale_.load()) return absl::OkStatus();
+  if (!ucx_session_stale_.load() && SessionTokenIsCurrent()) return absl::OkStatus();
   // A failed call leaves the channel in TRANSIENT_FAILURE, and the unary calls of the UCX path
   // fail fast there without polling the channel, so nothing would drive gRPC's reconnection
   // (its backoff included) forward: wait for it here, within this call's deadline.
@@ -272,8 +298,10 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
   // A daemon that did not restart may still hold the old session (the failure was on the path):
   // close it, best effort (closing a session the daemon no longer knows is not an error).
   CloseUcxSession(ucx_session_.load(), deadline - absl::Now());
+  const bool after_failure = ucx_session_stale_.load();
   PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
-  PROXIMA_LOG(kInfo) << "UCX session re-established after a failure"
+  PROXIMA_LOG(kInfo) << (after_failure ? "UCX session re-established after a failure"
+                                       : "UCX session re-established for a new token")
                      << log::Kv("target", options_.target);
   return absl::OkStatus();
 }
@@ -288,7 +316,8 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
   request.set_probe_crc32c(Crc32c(ucx_probe_bytes_));
   v1::ConnectUcxResponse response;
   grpc::ClientContext context;
-  PrepareContext(&context, deadline - absl::Now());
+  const std::string token = Token();
+  PrepareContextWith(&context, deadline - absl::Now(), token);
   PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
   // PutUcx messages go over an endpoint of this worker's own to the daemon's worker. Without
   // one (an older daemon, or its worker not reachable from here) the daemon pulls the bytes.
@@ -313,6 +342,10 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
     daemon_ep_.swap(daemon_ep);  // the old one (if any) is closed as `daemon_ep` goes
   }
   ucx_session_.store(response.session_id());
+  {
+    proxima::MutexLock lock(&token_mu_);
+    session_token_ = token;
+  }
   ucx_shared_memory_.store(!response.shared_memory_transport().empty());
   ucx_session_stale_.store(false);
   stage_host_memory_.store(
@@ -328,7 +361,12 @@ void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
   request.set_session_id(session_id);
   v1::DisconnectUcxResponse response;
   grpc::ClientContext context;
-  PrepareContext(&context, timeout);                   // the session is the token's: present it
+  std::string token;
+  {
+    proxima::MutexLock lock(&token_mu_);
+    token = session_token_;
+  }
+  PrepareContextWith(&context, timeout, token);        // the session is the token's: present it
   stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
 }
 
@@ -856,8 +894,40 @@ void Client::PrepareContext(grpc::ClientContext* context) const {
 }
 
 void Client::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
+  PrepareContextWith(context, timeout, Token());
+}
+
+void Client::PrepareContextWith(grpc::ClientContext* context, absl::Duration timeout,
+                                const std::string& token) {
   context->set_deadline(Deadline(timeout));
-  if (!options_.token.empty()) context->AddMetadata("authorization", "Bearer " + options_.token);
+  if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+}
+
+std::string Client::Token() const {
+  proxima::MutexLock lock(&token_mu_);
+  if (options_.token_file.empty() || absl::Now() < next_token_read_) return token_;
+  next_token_read_ = absl::Now() + options_.token_reload_interval;
+  absl::StatusOr<std::string> read = ReadTokenFile("token_file", options_.token_file);
+  if (!read.ok()) {
+    if (read.status().message() != token_read_error_) {
+      token_read_error_ = std::string(read.status().message());
+      PROXIMA_LOG(kWarning) << "cannot read the token file again; the token in force stays"
+                            << log::Kv("reason", token_read_error_);
+    }
+    return token_;
+  }
+  token_read_error_.clear();
+  if (*read != token_) {
+    token_ = *std::move(read);
+    PROXIMA_LOG(kInfo) << "the token file holds another token; calls present it from now on"
+                       << log::Kv("token_file", options_.token_file);
+  }
+  return token_;
+}
+
+bool Client::SessionTokenIsCurrent() const {
+  proxima::MutexLock lock(&token_mu_);
+  return session_token_ == token_;
 }
 
 template <typename Blocks>

@@ -99,6 +99,15 @@ struct ClientOptions {
   // Bearer token of the namespace, sent as `authorization: Bearer <token>` metadata on every
   // call; "" for an open namespace. Never logged. Send tokens over TLS or a Unix socket only.
   std::string token;
+  // Or a file holding the token (one line, as proximad's token files are read): read at Connect
+  // (a bad file fails it, naming the option and the path) and again every
+  // token_reload_interval. A changed token is presented from the next call on (over UCX the
+  // client opens a session for it first: a session belongs to the token that opened it), so a
+  // long-running worker follows a token rotation (docs/security.md) without a restart or a new
+  // Client. A read that fails or finds no valid token keeps the token in force and logs a
+  // warning once. Not together with `token`.
+  std::string token_file;
+  absl::Duration token_reload_interval = absl::Seconds(10);
   // TLS to a daemon with server.tls set: tls_ca_file (PEM) verifies the daemon's certificate;
   // tls_cert_file + tls_key_file add a client certificate (mTLS). All "" = plaintext.
   std::string tls_ca_file;
@@ -292,6 +301,13 @@ class Client {
   // Sets the call's deadline (call_timeout, or `timeout`) and its bearer token, if any.
   void PrepareContext(grpc::ClientContext* context) const;
   void PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const;
+  // The same with `token` (Token() or the UCX session's).
+  static void PrepareContextWith(grpc::ClientContext* context, absl::Duration timeout,
+                                 const std::string& token);
+  // The bearer token to present: options_.token, or token_file's, read again when due.
+  std::string Token() const ABSL_LOCKS_EXCLUDED(token_mu_);
+  // Whether the UCX session was opened with the token presented now.
+  bool SessionTokenIsCurrent() const ABSL_LOCKS_EXCLUDED(token_mu_);
   // One unary call with serialized messages (Put and Get encode their block bytes themselves).
   absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
                        grpc::ByteBuffer* response);
@@ -468,6 +484,14 @@ class Client {
   std::atomic<uint64_t> ucx_session_{0};
   proxima::Mutex ucx_reopen_mu_;  // held by the one thread re-establishing the session
   std::atomic<bool> ucx_session_stale_{false};  // a call failed UNAVAILABLE: reopen first
+  // The bearer token presented (options_.token, or token_file's as last read), when the file is
+  // read next, the last read error logged, and the token that opened the UCX session (presented
+  // to close it; another token re-opens it first).
+  mutable proxima::Mutex token_mu_;
+  mutable std::string token_ ABSL_GUARDED_BY(token_mu_);
+  mutable absl::Time next_token_read_ ABSL_GUARDED_BY(token_mu_) = absl::InfinitePast();
+  mutable std::string token_read_error_ ABSL_GUARDED_BY(token_mu_);
+  std::string session_token_ ABSL_GUARDED_BY(token_mu_);
   // The session runs over a shared-memory transport (ConnectUcxResponse.shared_memory_transport).
   std::atomic<bool> ucx_shared_memory_{false};
   // This worker's endpoint to the daemon's (ConnectUcxResponse.worker_address), which PutUcx

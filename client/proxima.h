@@ -91,6 +91,8 @@ typedef struct {
   proxima_transport transport; /* 0 (PROXIMA_TRANSPORT_AUTO): UCX when usable, else inline;
                                   PROXIMA_TRANSPORT_UCX fails (FAILED_PRECONDITION or
                                   UNAVAILABLE) when UCX cannot be used */
+  const char* token_file;      /* or a file holding the token, read again every 10 s (a rotated
+                                  token is presented without reconnecting); not with `token` */
 } proxima_connect_options;
 
 /* Connects with TLS, a bearer token and/or a transport choice (see proxima_connect_options). */

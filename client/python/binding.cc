@@ -833,13 +833,14 @@ PYBIND11_MODULE(_proxima, m) {
                        const std::string& tls_cert, const std::string& tls_key,
                        const std::string& tls_server_name, double connect_timeout,
                        double call_timeout, size_t async_threads, const std::string& transport,
-                       const std::string& host_staging) {
+                       const std::string& host_staging, const std::string& token_file) {
              ClientOptions o;
              o.transport = ValueOrThrow(ParseTransport(transport));
              o.host_staging = ValueOrThrow(ParseHostStaging(host_staging));
              o.target = target;
              o.namespace_name = namespace_name;
              o.token = token;
+             o.token_file = token_file;
              o.tls_ca_file = tls_ca;
              o.tls_cert_file = tls_cert;
              o.tls_key_file = tls_key;
@@ -853,7 +854,9 @@ PYBIND11_MODULE(_proxima, m) {
            py::arg("tls_key") = "", py::arg("tls_server_name") = "",
            py::arg("connect_timeout") = 5.0, py::arg("call_timeout") = 30.0,
            py::arg("async_threads") = 2, py::arg("transport") = "auto",
-           py::arg("host_staging") = "auto",
+           py::arg("host_staging") = "auto", py::arg("token_file") = "",
+           "token_file: a file holding the token, read again every 10 s, so that a rotated "
+           "token is presented without a new Client (not with token). "
            "transport: 'auto' (UCX when the daemon serves it and reaches this process, else "
            "inline), 'ucx' (UCX or fail) or 'inline'. host_staging: 'auto' (blocks in ordinary "
            "memory move through UCX-allocated staging when the daemon reaches this process over "

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "client/proxima.h"
 
@@ -33,6 +34,20 @@ int main(int argc, char** argv) {
     o.token = "this-token-is-not-configured-anywhere";
     CHECK(proxima_connect_with(&o, &c) == 16 /* UNAUTHENTICATED */, "wrong token refused");
     CHECK(strstr(proxima_last_error(), "bearer token") != NULL, "wrong token message");
+    /* The token from a file (token_file): both ways at once is refused, the file alone works. */
+    char path[] = "/tmp/proxima-c-abi-token-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    FILE* f = fdopen(fd, "w");
+    CHECK(f != NULL && fprintf(f, "%s\n", argv[3]) > 0 && fclose(f) == 0, "write token file");
+    o.token_file = path;
+    CHECK(proxima_connect_with(&o, &c) == 3 /* INVALID_ARGUMENT */, "token and token_file");
+    o.token = NULL;
+    CHECK(proxima_connect_with(&o, &c) == PROXIMA_OK, "connect with token_file");
+    proxima_close(c);
+    c = NULL;
+    unlink(path);
+    o.token_file = NULL;
     o.token = argv[3];
     CHECK(proxima_connect_with(&o, &c) == PROXIMA_OK, "connect with token");
   }

@@ -388,6 +388,69 @@ TEST_F(TokenTest, SighupRotatesTokensAndAFailedReloadKeepsThoseInForce) {
   for (const char* t : {kA, kRotated, kB}) EXPECT_THAT(daemon_->Log(), Not(HasSubstr(t)));
 }
 
+// A worker's client given its token as a file (ClientOptions::token_file) follows the rotation
+// security.md describes without a restart or a new Client: namespace r has two entries; the new
+// secret goes into the idle one, the workers' file is rewritten, then the old entry gets a fresh
+// secret, which revokes the old token. Clients over inline gRPC and over UCX (whose session
+// belongs to the token that opened it) keep working throughout; a file that reads back empty
+// meanwhile leaves the token in force.
+TEST_F(TokenTest, AClientOnATokenFileFollowsARotationWithoutBeingMadeAgain) {
+  static constexpr char kOld[] = "tok-r-old-5c1d2e3f4a5b6c7d";
+  static constexpr char kNew[] = "tok-r-new-8e9f0a1b2c3d4e5f";
+  const std::string worker = pki_.Write("r-worker.token", std::string(kOld) + "\n");
+  const std::string next = pki_.Write("r-next.token", "tok-r-idle-0f1e2d3c4b5a6978\n");
+  ASSERT_OK_AND_ASSIGN(
+      auto daemon, DaemonProcess::Start(
+                       {absl::StrCat("namespaces=[{name: r, tokens: [{name: worker, file: ", worker,
+                                     "}, {name: worker-next, file: ", next, "}]}]")}));
+  const std::string client_file = pki_.Write("client.token", std::string(kOld) + "\n");
+  std::vector<std::unique_ptr<Client>> clients;
+  for (client::Transport t : {client::Transport::kInline, client::Transport::kUcx}) {
+    ASSERT_OK_AND_ASSIGN(auto c, Client::Connect({.target = daemon->unix_target(),
+                                                  .namespace_name = "r",
+                                                  .token_file = client_file,
+                                                  .token_reload_interval = absl::Seconds(1),
+                                                  .transport = t}));
+    RoundTrip(*c, 20 + clients.size(), 2);
+    clients.push_back(std::move(c));
+  }
+  auto as = [&](const char* token) {
+    return Client::Connect({.target = daemon->unix_target(),
+                            .namespace_name = "r",
+                            .token = token,
+                            .transport = client::Transport::kInline});
+  };
+  // 1. The new secret into the idle entry: both are valid.
+  pki_.Write("r-next.token", std::string(kNew) + "\n");
+  daemon->Signal(SIGHUP);
+  absl::StatusOr<std::unique_ptr<Client>> fresh = as(kNew);
+  for (int i = 0; i < 100 && !fresh.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    fresh = as(kNew);
+  }
+  ASSERT_OK(fresh.status());
+  // A renewal caught half way (the file empty when read) keeps the token in force.
+  pki_.Write("client.token", "");
+  absl::SleepFor(absl::Milliseconds(1500));
+  for (size_t i = 0; i < clients.size(); ++i) RoundTrip(*clients[i], 30 + i, 2);
+  // 2. The workers' file gets the new secret; they present it once they read it again.
+  pki_.Write("client.token", std::string(kNew) + "\n");
+  absl::SleepFor(absl::Milliseconds(1500));
+  for (size_t i = 0; i < clients.size(); ++i) RoundTrip(*clients[i], 40 + i, 2);
+  // 3. A fresh secret into the old entry revokes the old token.
+  pki_.Write("r-worker.token", "tok-r-fresh-7a6b5c4d3e2f1a0b\n");
+  daemon->Signal(SIGHUP);
+  absl::StatusOr<std::unique_ptr<Client>> old = as(kOld);
+  for (int i = 0; i < 100 && old.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    old = as(kOld);
+  }
+  EXPECT_THAT(old, StatusIs(absl::StatusCode::kUnauthenticated, HasSubstr("not valid")));
+  for (size_t i = 0; i < clients.size(); ++i) RoundTrip(*clients[i], 50 + i, 2);
+  EXPECT_EQ(clients[1]->transport(), client::Transport::kUcx);
+  for (const char* t : {kOld, kNew}) EXPECT_THAT(daemon->Log(), Not(HasSubstr(t)));
+}
+
 TEST_F(TokenTest, MissingAndWrongTokensAreUnauthenticated) {
   // Connect() calls GetServerInfo, which needs no namespace; a wrong token fails it already.
   EXPECT_THAT(As("a", "tok-a-rw-00000000000000000"),

@@ -37,6 +37,9 @@ class LinkOptions:
     target: str = "unix:/run/proxima/proximad.sock"
     namespace: str = "default"
     token: str = ""
+    # Or a file holding the token, which the client reads again every 10 s: a rotated token
+    # (docs/security.md) reaches a running engine without a restart. `token` wins over it.
+    token_file: str = ""
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -57,10 +60,6 @@ class LinkOptions:
             value = extra.get(name, env)
             if value is not None:
                 setattr(o, name, type(getattr(o, name))(value))
-        token_file = extra.get("token_file", os.environ.get("PROXIMA_TOKEN_FILE"))
-        if token_file and not o.token:
-            with open(token_file) as f:
-                o.token = f.read().strip()
         return o
 
 
@@ -235,6 +234,7 @@ class Link:
         o, s = self.options, self.spec
         try:
             client = proxima.Client(o.target, namespace=o.namespace, token=o.token,
+                                    token_file="" if o.token else o.token_file,
                                     tls_ca=o.tls_ca, tls_cert=o.tls_cert, tls_key=o.tls_key,
                                     connect_timeout=o.connect_timeout,
                                     call_timeout=o.call_timeout, transport=o.transport,

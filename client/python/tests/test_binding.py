@@ -248,6 +248,13 @@ def test_token_namespace():
         anonymous = proxima.Client(d.target, namespace="team")
         with pytest.raises(proxima.Error, match="UNAUTHENTICATED"):
             anonymous.register_profile(1, 1, 8, 4, "fp16")
+        # The token from a file (read again while the client runs: docs/security.md).
+        from_file = proxima.Client(d.target, namespace="team", token_file=path)
+        assert from_file.register_profile(1, 1, 8, 4, "fp16").block_bytes == 2 * 4 * 8 * 2
+        with pytest.raises(ValueError, match="token and token_file are both set"):
+            proxima.Client(d.target, namespace="team", token=token, token_file=path)
+        with pytest.raises(proxima.Error, match="token_file.*/nonexistent/token"):
+            proxima.Client(d.target, namespace="team", token_file="/nonexistent/token")
     finally:
         os.remove(path)
         if d is not None:

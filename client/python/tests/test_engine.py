@@ -151,8 +151,10 @@ def test_options_from_config_and_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PROXIMA_TARGET", "unix:/env.sock")
     monkeypatch.setenv("PROXIMA_CALL_TIMEOUT", "7.5")
     o = LinkOptions.from_config({"namespace": "team", "token_file": str(token)})
-    assert (o.target, o.namespace, o.token, o.call_timeout) == ("unix:/env.sock", "team",
-                                                               "tok-123", 7.5)
+    assert (o.target, o.namespace, o.token, o.token_file, o.call_timeout) == (
+        "unix:/env.sock", "team", "", str(token), 7.5)
+    monkeypatch.setenv("PROXIMA_TOKEN_FILE", "/run/secrets/proxima-token")
+    assert LinkOptions.from_config({}).token_file == "/run/secrets/proxima-token"
     assert LinkOptions.from_config({"target": "127.0.0.1:1"}).target == "127.0.0.1:1"
 
 
