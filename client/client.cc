@@ -357,17 +357,25 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
 
 void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
   if (session_id == 0) return;
-  v1::DisconnectUcxRequest request;
-  request.set_session_id(session_id);
-  v1::DisconnectUcxResponse response;
-  grpc::ClientContext context;
-  std::string token;
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string opened_with;
   {
     proxima::MutexLock lock(&token_mu_);
-    token = session_token_;
+    opened_with = session_token_;
   }
-  PrepareContextWith(&context, timeout, token);        // the session is the token's: present it
-  stub_->DisconnectUcx(&context, request, &response);  // best effort: the daemon also notices
+  // The session is its token's: present the token that opened it. When the daemon no longer
+  // accepts that one (its entry's secret was replaced before this client read the new one),
+  // present the token in force, which belongs to the same entry in that case.
+  for (const std::string& token : {opened_with, Token()}) {
+    v1::DisconnectUcxRequest request;
+    request.set_session_id(session_id);
+    v1::DisconnectUcxResponse response;
+    grpc::ClientContext context;
+    PrepareContextWith(&context, deadline - absl::Now(), token);
+    // Best effort: the daemon also notices a client that goes.
+    const grpc::Status status = stub_->DisconnectUcx(&context, request, &response);
+    if (status.error_code() != grpc::StatusCode::UNAUTHENTICATED || token != opened_with) break;
+  }
 }
 
 Client::~Client() {
