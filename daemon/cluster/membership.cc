@@ -159,11 +159,14 @@ std::shared_ptr<grpc::Channel> Membership::NewChannel(const std::string& peer) c
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   // gRPC's default reconnect backoff grows to 2 minutes: a restarted peer would stay unreachable
-  // long after it serves again. Retry about as often as it is health-checked.
+  // long after it serves again. Retry about as often as it is health-checked. Not
+  // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which gRPC takes as the least time a connection attempt
+  // may take (default 20 s): a connection slower than the backoff (a distant peer, a TLS handshake
+  // on a loaded host) would be given up every time and the peer never be live (libproxima's
+  // channel had the same fault, client.cc).
   const int backoff_ms =
       std::max(100, static_cast<int>(absl::ToInt64Milliseconds(options_.health_interval)));
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_ms);
   // A separate connection per peer channel even when two point at the same address.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

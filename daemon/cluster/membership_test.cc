@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/testing/metric_value.h"
+#include "common/testing/slow_link.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -180,6 +181,29 @@ TEST(MembershipTest, APeerThatNeverAnswersCostsOneTimeoutPerRound) {
   }
   EXPECT_FALSE(m->Live()->Contains(silent.address()));
   EXPECT_TRUE(m->Live()->Contains(a.address()));
+}
+
+// A peer a round trip of 1.2 s away (another region, a congested link): connecting to it takes
+// longer than the channel's reconnect backoff (at most health_interval). gRPC gives a connection
+// attempt max(backoff, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS); set to 100 ms, the attempt was given up
+// before the peer's first HTTP/2 frame arrived, every time, and the peer was never live.
+TEST(MembershipTest, APeerWhoseConnectionTakesLongerThanTheBackoffJoins) {
+  HealthServer a;
+  ASSERT_TRUE(a.ok());
+  proxima::testing::SlowLink link(a.port(), std::chrono::milliseconds(600));
+  ASSERT_TRUE(link.ok());
+  metrics::Registry registry;
+  MembershipOptions o = Options({link.address()});
+  o.health_interval = absl::Milliseconds(200);
+  o.health_timeout = absl::Seconds(5);
+  ASSERT_OK_AND_ASSIGN(auto m, Membership::Create(o, &registry));
+  const absl::Time deadline = absl::Now() + absl::Seconds(15);
+  do {
+    m->CheckOnce();
+  } while (!m->Live()->Contains(link.address()) && absl::Now() < deadline &&
+           (absl::SleepFor(absl::Milliseconds(200)), true));
+  EXPECT_TRUE(m->Live()->Contains(link.address()))
+      << link.connections() << " connection attempts over the slow link";
 }
 
 TEST(MembershipTest, APeerThatSaysItIsLeavingLeavesAtOnceAndRejoinsOnItsNextCheck) {

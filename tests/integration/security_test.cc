@@ -21,6 +21,7 @@
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/testing/metric_value.h"
+#include "common/testing/slow_link.h"
 #include "common/testing/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -119,6 +120,26 @@ TEST_F(TlsTest, RoundTripOverTls) {
   // The Unix socket stays plaintext (protected by its file mode).
   ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
   RoundTrip(*local, 2, 2);
+}
+
+// A daemon a round trip of 1.4 s away: the mTLS handshake takes longer than the client's
+// reconnect backoff (1 s at most). libproxima once set GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which
+// gRPC takes as the least time a connection attempt may take, to 100 ms: every attempt was given
+// up before its handshake ended and the client never connected (first seen under qemu in CI).
+TEST_F(TlsTest, AClientReachesADaemonWhoseHandshakeTakesLongerThanTheReconnectBackoff) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start(TlsSets(true)));
+  proxima::testing::SlowLink link(daemon->tcp_port(), std::chrono::milliseconds(700));
+  ASSERT_TRUE(link.ok());
+  absl::StatusOr<std::unique_ptr<Client>> c =
+      Client::Connect({.target = link.address(),
+                       .connect_timeout = absl::Seconds(20),
+                       .call_timeout = absl::Seconds(20),
+                       .tls_ca_file = pki_.Path("ca.crt"),
+                       .tls_cert_file = pki_.Path("client.crt"),
+                       .tls_key_file = pki_.Path("client.key"),
+                       .transport = client::Transport::kInline});
+  ASSERT_OK(c.status()) << link.connections() << " connection attempts over the slow link";
+  RoundTrip(**c, 10, 2);
 }
 
 TEST_F(TlsTest, MutualTlsAcceptsOnlyCertificatesOfItsCa) {
