@@ -370,7 +370,9 @@ void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
   // The session is its token's: present the token that opened it. When the daemon no longer
   // accepts that one (its entry's secret was replaced before this client read the new one),
   // present the token in force, which belongs to the same entry in that case.
-  for (const std::string& token : {opened_with, Token()}) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const std::string token = attempt == 0 ? opened_with : Token();
+    if (attempt == 1 && token == opened_with) break;
     v1::DisconnectUcxRequest request;
     request.set_session_id(session_id);
     v1::DisconnectUcxResponse response;
@@ -378,7 +380,7 @@ void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
     PrepareContextWith(&context, deadline - absl::Now(), token);
     // Best effort: the daemon also notices a client that goes.
     const grpc::Status status = stub_->DisconnectUcx(&context, request, &response);
-    if (status.error_code() != grpc::StatusCode::UNAUTHENTICATED || token != opened_with) break;
+    if (status.error_code() != grpc::StatusCode::UNAUTHENTICATED) break;
   }
 }
 
