@@ -14,8 +14,18 @@
 #      proximactl through qemu themselves (no binfmt_misc here). The cluster, corruption and
 #      replay integration tests are not built for aarch64.
 # Needs root (or sudo) for apt-get. PROXIMA_SKIP_AARCH64=1 skips all of it, saying so.
+#
+# Usage: scripts/aarch64.sh [all|setup|build|test]. `all` (the default) is the three in order:
+# `setup` is 1 (apt-get and downloads: run it alone, never beside another apt-get), `build` is 2,
+# `test` is 3 and 4 (it builds first whatever `build` has not). scripts/test.sh runs `build` in
+# the background while the native tests run, and `test` after them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PHASE=${1:-all}
+case "$PHASE" in
+  all | setup | build | test) ;;
+  *) echo "usage: scripts/aarch64.sh [all|setup|build|test] (got '$PHASE')" >&2; exit 2 ;;
+esac
 if [ "${PROXIMA_SKIP_AARCH64:-0}" = 1 ]; then
   echo "aarch64: SKIPPED (PROXIMA_SKIP_AARCH64=1): nothing was built or tested for aarch64"
   exit 0
@@ -24,7 +34,11 @@ BUILD_DIR=build-aarch64
 SYSROOT=$PWD/build-aarch64-sysroot
 SUDO=()
 [ "$(id -u)" -ne 0 ] && SUDO=(sudo)
+DEV_PKGS="libgrpc++-dev libprotobuf-dev libyaml-cpp-dev libucx-dev libjemalloc-dev libssl-dev
+  libabsl-dev libgtest-dev libgmock-dev libc6-dev libstdc++-12-dev"
+STAMP="$SYSROOT/.complete"
 
+setup() {
 # --- host tools: the cross compiler and qemu (x86 packages)
 need_apt=0
 for p in g++-aarch64-linux-gnu qemu-user; do
@@ -40,10 +54,7 @@ if [ "$need_apt" = 1 ]; then
     g++-aarch64-linux-gnu qemu-user >/dev/null
 fi
 
-# --- the sysroot (kept between runs; remade when this list changes)
-DEV_PKGS="libgrpc++-dev libprotobuf-dev libyaml-cpp-dev libucx-dev libjemalloc-dev libssl-dev
-  libabsl-dev libgtest-dev libgmock-dev libc6-dev libstdc++-12-dev"
-STAMP="$SYSROOT/.complete"
+# --- the sysroot (kept between runs; remade when DEV_PKGS changes)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(echo $DEV_PKGS)" ]; then
   rm -rf "$SYSROOT"
   mkdir -p "$SYSROOT/.debs"
@@ -73,9 +84,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(echo $DEV_PKGS)" ]; then
   done
   echo $DEV_PKGS > "$STAMP"
 fi
+}
+
 export PROXIMA_AARCH64_SYSROOT=$SYSROOT
 
-# --- build
+build() {
+[ -f "$STAMP" ] || { echo "aarch64: no sysroot in $SYSROOT: run scripts/aarch64.sh setup" >&2; exit 1; }
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 if [ -f "$BUILD_DIR/CMakeCache.txt" ]; then GEN=(); fi
@@ -96,7 +110,9 @@ cmake --build "$BUILD_DIR" -j "${PROXIMA_JOBS:-2}" --target proximad proximactl 
   "${INTEGRATION_TESTS[@]}"
 readelf -h "$BUILD_DIR/daemon/proximad" | grep -q "Machine: *AArch64" ||
   { echo "aarch64: $BUILD_DIR/daemon/proximad is not an aarch64 binary" >&2; exit 1; }
+}
 
+run_tests() {
 # --- unit tests under qemu (qemu's CPU has the CRC32 extension: require the CRC32C tests to have
 # run the instruction path)
 PROXIMA_EXPECT_HW_CRC32C=1 ctest --test-dir "$BUILD_DIR" -L unit --output-on-failure \
@@ -126,3 +142,11 @@ PROXIMA_TEST_RUNNER="$(command -v qemu-aarch64) -L $SYSROOT" ctest --test-dir "$
   -L integration --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 600 \
   -E '^(python_pytest|replay_bench_quick|restart_bench_quick|soak_.*|cluster_over_tcp)$|UcxProbeTest|SigtermDrainsInFlightCalls|SigkillMidBatchesFailsFast|ConnectDisconnectCyclesLeakNothing'
 echo "aarch64: proximad, proximactl, the unit tests and the integration tests ran under qemu-aarch64"
+}
+
+case "$PHASE" in
+  setup) setup ;;
+  build) build ;;
+  test) build; run_tests ;;
+  all) setup; build; run_tests ;;
+esac
