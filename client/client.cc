@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/crc32c.h"
 #include "common/credentials.h"
+#include "common/grpc_channel.h"
 #include "common/grpc_tls.h"
 #include "common/log.h"
 #include "common/mutex.h"
@@ -124,32 +125,11 @@ absl::Status FromGrpc(const grpc::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);  // the daemon enforces its own limit; accept what it sends
-  args.SetMaxSendMessageSize(-1);
-  // One connection per Client: several Clients in a process (load generators, benchmarks, a
-  // worker per GPU) then move bytes in parallel instead of sharing one TCP stream.
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  // Blocks are megabytes: large HTTP/2 frames and a deep flow-control window move them in
-  // fewer, bigger writes than gRPC's defaults (16 KiB frames). Also measured over loopback TCP,
-  // and not set because none moved 256 KiB gets beyond run-to-run noise (docs/benchmarks.md,
-  // run 8): BDP probing off, bigger TCP read chunks, gRPC's SO_RCVLOWAT experiment.
-  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  // gRPC's default reconnect backoff starts at 1 s and grows to 2 minutes while the daemon is
-  // down, and calls fail fast meanwhile: after a 25 s restart, calls still failed 5.3 s after
-  // the daemon served again (proxima_soak --kill_every_s=5 --down_s=25; 0 s with these). The
-  // daemon is local and cheap to reconnect to: retry every 100 ms at first, every second at most.
-  // Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC takes it as the least time a connection attempt
-  // (TCP and TLS handshake) may take before it is given up, and at 100 ms a handshake slower than
-  // the backoff (mTLS under emulation, a loaded host) never completed: under qemu the client of
-  // TlsTest.AClientUsesItsRenewedCertificateAndCaWithoutBeingMadeAgain never reconnected
-  // ("Handshake timed out") with it, and did in 6 s without it. gRPC's default (20 s) stays.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  if (!options.tls_server_name.empty()) {
-    args.SetSslTargetNameOverride(options.tls_server_name);
-  }
+  // The daemon is local and enforces its own message limit.
+  grpc::ChannelArguments args =
+      ProximaChannelArguments({.max_message_bytes = -1,
+                               .max_reconnect_backoff = absl::Seconds(1),
+                               .tls_server_name = options.tls_server_name});
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
                            ChannelCredentialsFor(options));
   std::string token = options.token;

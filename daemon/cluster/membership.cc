@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_channel.h"
 #include "common/grpc_tls.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -153,27 +154,13 @@ absl::StatusOr<std::unique_ptr<Membership>> Membership::Create(MembershipOptions
 Membership::~Membership() { Stop(); }
 
 std::shared_ptr<grpc::Channel> Membership::NewChannel(const std::string& peer) const {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
-  args.SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
-  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 4 << 20);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  // gRPC's default reconnect backoff grows to 2 minutes: a restarted peer would stay unreachable
-  // long after it serves again. Retry about as often as it is health-checked. Not
-  // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, which gRPC takes as the least time a connection attempt
-  // may take (default 20 s): a connection slower than the backoff (a distant peer, a TLS handshake
-  // on a loaded host) would be given up every time and the peer never be live (libproxima's
-  // channel had the same fault, client.cc).
-  const int backoff_ms =
-      std::max(100, static_cast<int>(absl::ToInt64Milliseconds(options_.health_interval)));
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, backoff_ms);
-  // A separate connection per peer channel even when two point at the same address.
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  // Peers advertised by address (a pod IP) whose certificates name a shared DNS name instead.
-  if (!options_.tls.server_name.empty()) {
-    args.SetSslTargetNameOverride(options_.tls.server_name);
-  }
+  // Blocks travel on these channels; a restarted peer is reconnected to about as often as it is
+  // health-checked. The server name: peers advertised by address (a pod IP) whose certificates
+  // name a shared DNS name instead.
+  const grpc::ChannelArguments args =
+      ProximaChannelArguments({.max_message_bytes = static_cast<int>(options_.max_message_bytes),
+                               .max_reconnect_backoff = options_.health_interval,
+                               .tls_server_name = options_.tls.server_name});
   return grpc::CreateCustomChannel(peer, credentials_, args);
 }
 

@@ -6,35 +6,36 @@
 // Every command takes --target, --namespace, --timeout and --json (one JSON object on stdout).
 // put/get/lookup/delete work on deterministic test blocks (client/test_pattern.h) so that what
 // comes back is checked byte for byte.
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <cstdio>
 #include <map>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <google/protobuf/util/json_util.h>
-#include <grpcpp/grpcpp.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/flags/reflection.h"
-#include "common/mutex.h"
 #include "client/client.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "client/test_pattern.h"
 #include "common/credentials.h"
-#include "common/status_macros.h"
+#include "common/grpc_channel.h"
 #include "common/log.h"
+#include "common/mutex.h"
+#include "common/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/codec.h"
 
 ABSL_FLAG(std::string, target, "unix:/run/proxima/proximad.sock",
@@ -287,9 +288,10 @@ int CmdHealth() {
   if (!options.ok()) return Fail("health", options.status());
   auto credentials = proxima::client::ChannelCredentialsFor(*options);
   if (!credentials.ok()) return Fail("health", credentials.status());
-  grpc::ChannelArguments args;
-  if (!options->tls_server_name.empty()) args.SetSslTargetNameOverride(options->tls_server_name);
-  auto channel = grpc::CreateCustomChannel(options->target, *credentials, args);
+  // A daemon still starting is retried every second at most, not on gRPC's growing backoff.
+  auto channel = grpc::CreateCustomChannel(
+      options->target, *credentials,
+      proxima::ProximaChannelArguments({.tls_server_name = options->tls_server_name}));
   auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout))));
