@@ -3,8 +3,9 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
-#include <optional>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -12,11 +13,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/match.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
 
@@ -1210,10 +1211,55 @@ absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_vie
 absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path,
                                             absl::Span<const std::string> overrides) {
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  if (!in) {
+    const int error = errno;  // what the open failed on, e.g. no such file, permission denied
+    return absl::NotFoundError(
+        absl::StrCat("cannot read config file '", path, "': ", std::strerror(error)));
+  }
   std::stringstream text;
   text << in.rdbuf();
   return ParseConfig(text.str(), path, overrides);
+}
+
+namespace {
+
+// ConfigDifferences over two YAML trees, `path` naming `a` and `b`.
+void AddDifferences(const YAML::Node& a, const YAML::Node& b, const std::string& path,
+                    std::vector<std::string>* out) {
+  if (a.IsMap() && b.IsMap()) {
+    const auto key_path = [&](const std::string& key) {
+      return path.empty() ? key : absl::StrCat(path, ".", key);
+    };
+    for (const auto& entry : a) {
+      const std::string key = entry.first.as<std::string>();
+      const YAML::Node other = b[key];
+      if (other) {
+        AddDifferences(entry.second, other, key_path(key), out);
+      } else {
+        out->push_back(key_path(key));  // written only when set (e.g. namespaces[].max_bytes)
+      }
+    }
+    for (const auto& entry : b) {
+      const std::string key = entry.first.as<std::string>();
+      if (!a[key]) out->push_back(key_path(key));
+    }
+    return;
+  }
+  if (a.IsSequence() && b.IsSequence() && a.size() == b.size()) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      AddDifferences(a[i], b[i], absl::StrCat(path, "[", i, "]"), out);
+    }
+    return;
+  }
+  if (YAML::Dump(a) != YAML::Dump(b)) out->push_back(path);
+}
+
+}  // namespace
+
+std::vector<std::string> ConfigDifferences(const DaemonConfig& a, const DaemonConfig& b) {
+  std::vector<std::string> out;
+  AddDifferences(YAML::Load(ConfigToYaml(a)), YAML::Load(ConfigToYaml(b)), "", &out);
+  return out;
 }
 
 std::string ConfigToYaml(const DaemonConfig& c) {

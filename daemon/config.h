@@ -253,6 +253,11 @@ absl::Status ResolveCompressionLevels(absl::string_view source, absl::string_vie
 // Renders `config` back as YAML (what the daemon runs with; proximad --print_config).
 std::string ConfigToYaml(const DaemonConfig& config);
 
+// The keys whose values differ between `a` and `b`, named as the config's errors name them
+// ("server.listen", "namespaces[1].max_bytes"), in ConfigToYaml's order: each differing leaf
+// once, and a list whose length differs as one key ("namespaces"). Empty when they are equal.
+std::vector<std::string> ConfigDifferences(const DaemonConfig& a, const DaemonConfig& b);
+
 // Settings that are valid but will not do what they appear to ask, one sentence each naming the
 // keys (e.g. a k4v3 level under a quality budget its own error exceeds, so the guard would step
 // every encoding back). proximad logs them at start and --check_config prints them.

@@ -9,7 +9,10 @@ namespace {
 
 using ::proxima::testing::StatusIs;
 using ::testing::AllOf;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::UnorderedElementsAre;
 
 TEST(ConfigTest, DefaultYamlEqualsBuiltInDefaults) {
   ASSERT_OK_AND_ASSIGN(DaemonConfig c, ParseConfig(DefaultConfigYaml(), "<default>", {}));
@@ -25,6 +28,29 @@ TEST(ConfigTest, DefaultYamlEqualsBuiltInDefaults) {
   EXPECT_EQ(c.namespaces[0].name, "default");
   ASSERT_OK_AND_ASSIGN(DaemonConfig empty, ParseConfig("", "<empty>", {}));
   EXPECT_EQ(empty.host_tier.capacity_bytes, d.host_tier.capacity_bytes);
+}
+
+// What a reload (SIGHUP) compares: each changed key named as --set spells it, once.
+TEST(ConfigTest, DifferencesNameEachChangedKey) {
+  const char* kBase =
+      "server: {listen: '127.0.0.1:7000'}\n"
+      "namespaces: [{name: a}, {name: b, max_bytes: 1GiB}]\n";
+  ASSERT_OK_AND_ASSIGN(DaemonConfig a, ParseConfig(kBase, "a", {}));
+  ASSERT_OK_AND_ASSIGN(DaemonConfig same, ParseConfig(kBase, "same", {}));
+  EXPECT_THAT(ConfigDifferences(a, same), IsEmpty());
+  ASSERT_OK_AND_ASSIGN(DaemonConfig b,
+                       ParseConfig(kBase, "b",
+                                   {"namespaces=[{name: a, max_bytes: 2GiB}, {name: b}]",
+                                    "log.level=debug", "server.listen=127.0.0.1:7001"}));
+  EXPECT_THAT(ConfigDifferences(a, b),
+              UnorderedElementsAre("server.listen", "log.level", "namespaces[0].max_bytes",
+                                   "namespaces[1].max_bytes"));
+  ASSERT_OK_AND_ASSIGN(DaemonConfig c, ParseConfig(kBase, "c", {"namespaces=[{name: a}]"}));
+  EXPECT_THAT(ConfigDifferences(a, c), ElementsAre("namespaces"));
+  ASSERT_OK_AND_ASSIGN(
+      DaemonConfig d,
+      ParseConfig(kBase, "d", {"namespaces=[{name: a}, {name: c, max_bytes: 1GiB}]"}));
+  EXPECT_THAT(ConfigDifferences(a, d), ElementsAre("namespaces[1].name"));
 }
 
 TEST(ConfigTest, RenderedConfigParsesBackToTheSame) {
@@ -213,7 +239,8 @@ TEST(ConfigTest, ByteSizes) {
 
 TEST(ConfigTest, MissingFileIsNotFound) {
   EXPECT_THAT(LoadConfigFile("/nonexistent/proxima.yaml", {}),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("/nonexistent/proxima.yaml")));
+              StatusIs(absl::StatusCode::kNotFound, AllOf(HasSubstr("/nonexistent/proxima.yaml"),
+                                                          HasSubstr("No such file or directory"))));
 }
 
 TEST(CompressionConfigTest, DefaultsAreOffWithTheDocumentedThreshold) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <iterator>
 #include <string_view>
 #include <thread>
@@ -15,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
@@ -238,6 +240,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                         "Memory this process may use, as found at start (the smallest of physical "
                         "memory and its cgroups' limits)",
                         {{"source", memory.source}}, [memory_limit] { return memory_limit; });
+  d->config_reloads_ = d->registry_.AddCounter(
+      "proxima_config_reloads_total",
+      "Config files read again (SIGHUP with --config) and valid; what could change while "
+      "serving was put in force",
+      {});
+  d->config_reload_failures_ = d->registry_.AddCounter(
+      "proxima_config_reload_failures_total",
+      "Config files read again (SIGHUP) that could not be read or were not valid; the "
+      "configuration in force stayed",
+      {});
+  const std::atomic<int64_t>* pending = &d->restart_pending_;
+  d->registry_.AddGauge("proxima_config_restart_pending",
+                        "Keys of the config file, as last read again, whose values differ from "
+                        "those in force and take effect only at the next start",
+                        {}, [pending] { return static_cast<double>(pending->load()); });
   std::string why_no_gpu;
   std::vector<gpu::DeviceInfo> gpus = gpu::VisibleDevices(&why_no_gpu);
   d->registry_.AddGauge("proxima_build_info", "Build and runtime facts (value is always 1)",
@@ -293,6 +310,61 @@ absl::Status Daemon::ReloadTokens() {
   absl::Status tokens = core_->ReloadTokens(reserved).status();
   absl::Status peer_tokens = cluster_->ReloadPeerTokens(std::move(peer));
   return tokens.ok() ? peer_tokens : tokens;
+}
+
+std::vector<std::string> Daemon::Reconfigure(const absl::StatusOr<DaemonConfig>& next) {
+  if (!next.ok()) {
+    config_reload_failures_->Increment();
+    PROXIMA_LOG(kError) << "config reload failed; the configuration in force stays"
+                        << log::Kv("error", next.status().message());
+    return {};
+  }
+  // Namespaces are matched by position and name: a list reordered, renamed or resized changes
+  // which blocks a limit would apply to, so it waits for a restart, its limits with it.
+  bool same_namespaces = next->namespaces.size() == config_.namespaces.size();
+  for (size_t i = 0; same_namespaces && i < config_.namespaces.size(); ++i) {
+    same_namespaces = next->namespaces[i].name == config_.namespaces[i].name;
+  }
+  std::vector<std::string> restart;
+  for (const std::string& key : ConfigDifferences(config_, *next)) {
+    if (key == "log.level") {
+      log::Level level;
+      log::ParseLevel(next->log_level, &level);  // validated with the config
+      PROXIMA_LOG(kInfo) << "log level changed" << log::Kv("was", config_.log_level)
+                         << log::Kv("now", next->log_level);
+      log::SetMinLevel(level);
+      config_.log_level = next->log_level;
+      continue;
+    }
+    size_t ns = 0;
+    if (same_namespaces && std::sscanf(key.c_str(), "namespaces[%zu].max_bytes", &ns) == 1 &&
+        key == absl::StrCat("namespaces[", ns, "].max_bytes")) {
+      NamespaceConfig& in_force = config_.namespaces[ns];
+      const uint64_t was = in_force.max_bytes;
+      in_force.max_bytes = next->namespaces[ns].max_bytes;
+      const bool within = core_->SetNamespaceLimit(static_cast<uint32_t>(ns), in_force.max_bytes);
+      PROXIMA_LOG(kInfo) << "namespace limit changed" << log::Kv("namespace", in_force.name)
+                         << log::Kv("was", was) << log::Kv("max_bytes", in_force.max_bytes)
+                         << log::Kv("bytes", core_->store().namespace_bytes(ns));
+      if (!within) {
+        PROXIMA_LOG(kWarning) << "namespace still above its lowered limit: its blocks being read "
+                                 "could not give way; its next puts make room"
+                              << log::Kv("namespace", in_force.name);
+      }
+      continue;
+    }
+    restart.push_back(key);
+  }
+  config_reloads_->Increment();
+  restart_pending_.store(static_cast<int64_t>(restart.size()));
+  if (restart.empty()) {
+    PROXIMA_LOG(kInfo) << "config reloaded";
+  } else {
+    PROXIMA_LOG(kWarning) << "config reloaded; changed keys that take effect only at the next "
+                             "start kept their values in force"
+                          << log::Kv("keys", absl::StrJoin(restart, ","));
+  }
+  return restart;
 }
 
 void Daemon::Shutdown() {

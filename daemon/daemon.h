@@ -6,8 +6,10 @@
 #ifndef PROXIMA_DAEMON_DAEMON_H_
 #define PROXIMA_DAEMON_DAEMON_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/mutex.h"
@@ -50,6 +52,14 @@ class Daemon {
   // Returns the first error.
   absl::Status ReloadTokens();
 
+  // SIGHUP with --config: `next` is the config file read again with the --set overrides
+  // applied (or why it could not be: logged, counted, and the configuration in force stays).
+  // Puts in force what changed and can change while serving: namespaces[].max_bytes (a lowered
+  // limit is reached at once) and log.level. Every other changed key is logged as taking effect
+  // at the next start, its value in force kept, and counted in proxima_config_restart_pending.
+  // Returns those keys.
+  std::vector<std::string> Reconfigure(const absl::StatusOr<DaemonConfig>& next);
+
   // The core the gRPC service calls (for in-process tests, e.g. of corruption in tier memory).
   TierService& core() { return *core_; }
   // The UCX data plane, or null with ucx.enabled: false (for in-process tests).
@@ -66,7 +76,10 @@ class Daemon {
   // and logs it, `why` saying for what. REQUIRES: no call runs.
   void WriteSnapshot(absl::string_view why);
 
-  DaemonConfig config_;
+  DaemonConfig config_;  // as started, with what Reconfigure put in force since
+  metrics::Counter* config_reloads_ = nullptr;
+  metrics::Counter* config_reload_failures_ = nullptr;
+  std::atomic<int64_t> restart_pending_{0};  // keys of the file not in force (Reconfigure)
   // Held from the start to the end (after the snapshot is written); null without
   // tiers.host.snapshot_file.
   std::unique_ptr<snapshot::Claim> snapshot_claim_;

@@ -34,8 +34,10 @@ constexpr char kUsage[] =
     "  proximad [--config=FILE] [--set=dotted.key=value ...] [--port_file=FILE]\n\n"
     "--set overrides one config key (value in YAML syntax) and may be repeated, e.g.\n"
     "  --set=tiers.host.capacity_bytes=8GiB --set=server.listen=0.0.0.0:50051\n"
-    "SIGTERM or SIGINT drains in-flight calls and exits 0. SIGHUP re-reads the token files and "
-    "variables, cluster.peer_token's too (token rotation).";
+    "SIGTERM or SIGINT drains in-flight calls and exits 0. SIGHUP reads the --config file again\n"
+    "and puts namespaces[].max_bytes and log.level in force (other changed keys are logged and\n"
+    "wait for a restart), and re-reads the token files and variables, cluster.peer_token's too\n"
+    "(token rotation).";
 
 // absl's vector flags keep only the last occurrence; --set is meant to repeat, so it is taken
 // out of argv here before absl parses the rest.
@@ -112,7 +114,7 @@ int main(int argc, char** argv) {
   proxima::log::SetMinLevel(level);
 
   // Block the signals proximad handles in every thread (gRPC's included); main waits for them
-  // below: SIGTERM and SIGINT shut down, SIGHUP re-reads the token files.
+  // below: SIGTERM and SIGINT shut down, SIGHUP reloads the config file and the token files.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
@@ -135,7 +137,12 @@ int main(int argc, char** argv) {
   }
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
-    // Token rotation: errors are logged by ReloadTokens, and the old tokens stay in force.
+    // The config file again (with the same overrides); what changed and can change while serving
+    // is put in force, the rest logged. Errors are logged, and what is in force stays.
+    if (!config_path.empty()) {
+      (void)(*daemon)->Reconfigure(proxima::daemon::LoadConfigFile(config_path, overrides));
+    }
+    // Token rotation: the token files and variables are read again.
     (void)(*daemon)->ReloadTokens();
   }
   PROXIMA_LOG(kInfo) << "received signal, shutting down" << proxima::log::Kv("signal", sig);

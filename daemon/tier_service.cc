@@ -366,26 +366,26 @@ TierService::TierService(const DaemonConfig& config, std::unique_ptr<HostTier> t
     ns->lookup_misses =
         registry->AddCounter("proxima_lookup_misses_total",
                              "Lookup calls that stopped before the end of their chain", labels);
-    ns->max_bytes = config.namespaces[i].max_bytes;
+    ns->max_bytes.store(config.namespaces[i].max_bytes);
     for (const codec::CodecPlan& plan : config.namespaces[i].compression.plans) {
       ns->plan_texts.push_back(plan.ToString());
     }
-    if (ns->max_bytes > 0) {
-      const double limit = static_cast<double>(ns->max_bytes);
-      registry->AddGauge("proxima_namespace_max_bytes",
-                         "namespaces[].max_bytes: the most bytes the namespace's blocks may take",
-                         labels, [limit] { return limit; });
-      ns->limit_evictions = registry->AddCounter(
-          "proxima_namespace_limit_evictions_total",
-          "The namespace's blocks evicted to keep it within its max_bytes (its puts made room "
-          "among its own blocks)",
-          labels);
-      ns->limit_refusals = registry->AddCounter(
-          "proxima_namespace_limit_refusals_total",
-          "Blocks of the namespace not stored because they would pass its max_bytes and none of "
-          "its blocks could give way (a block larger than the limit, or all of them being read)",
-          labels);
-    }
+    // Registered for every namespace: a limit set by a reload (SIGHUP) shows without a restart.
+    const std::atomic<uint64_t>* limit = &ns->max_bytes;
+    registry->AddGauge("proxima_namespace_max_bytes",
+                       "namespaces[].max_bytes: the most bytes the namespace's blocks may take "
+                       "(0: no limit of its own)",
+                       labels, [limit] { return static_cast<double>(limit->load()); });
+    ns->limit_evictions = registry->AddCounter(
+        "proxima_namespace_limit_evictions_total",
+        "The namespace's blocks evicted to keep it within its max_bytes (its puts made room "
+        "among its own blocks)",
+        labels);
+    ns->limit_refusals = registry->AddCounter(
+        "proxima_namespace_limit_refusals_total",
+        "Blocks of the namespace not stored because they would pass its max_bytes and none of "
+        "its blocks could give way (a block larger than the limit, or all of them being read)",
+        labels);
     NamespaceCounters* c = &counters_[i];
     registry->AddGauge("proxima_namespace_blocks", "Blocks stored in the namespace", labels,
                        [c] { return static_cast<double>(c->blocks.load()); });
@@ -817,19 +817,26 @@ std::optional<BlockStore::PendingBlock> TierService::ReserveForPut(uint64_t byte
 
 bool TierService::RoomInNamespace(uint32_t ns, uint64_t bytes) {
   Namespace& n = *namespaces_[ns];
-  if (n.max_bytes == 0) return true;
+  const uint64_t limit = n.max_bytes.load(std::memory_order_relaxed);
+  if (limit == 0) return true;
   // Each round encodes or evicts one of the namespace's blocks. Puts of the namespace running
   // at once may take the room made here first: a bounded number of rounds, then no.
-  for (int round = 0; bytes <= n.max_bytes && round < 1024; ++round) {
+  for (int round = 0; bytes <= limit && round < 1024; ++round) {
     const uint64_t used = store_->namespace_bytes(ns);
-    if (used + bytes <= n.max_bytes) return true;
-    if (tierer_->CompressOneOf(ns, used + bytes - n.max_bytes)) continue;
+    if (used + bytes <= limit) return true;
+    if (tierer_->CompressOneOf(ns, used + bytes - limit)) continue;
     bool evicted = false;
     if (!store_->EvictOneOf(ns, &evicted)) break;
     if (evicted) n.limit_evictions->Increment();
   }
   if (bytes > 0) n.limit_refusals->Increment();
   return false;
+}
+
+bool TierService::SetNamespaceLimit(uint32_t ns, uint64_t max_bytes) {
+  namespaces_[ns]->max_bytes.store(max_bytes, std::memory_order_relaxed);
+  tierer_->SetNamespaceLimit(ns, max_bytes);
+  return RoomInNamespace(ns, 0);
 }
 
 void TierService::TellRemote(uint32_t ns, uint32_t partition, uint64_t profile_id,
@@ -1210,7 +1217,7 @@ absl::Status TierService::Stats(const Caller& caller, const v1::StatsRequest&,
     s->set_name(n.name);
     s->set_blocks(counters_[i].blocks.load());
     s->set_bytes(counters_[i].bytes.load());
-    s->set_max_bytes(n.max_bytes);
+    s->set_max_bytes(n.max_bytes.load(std::memory_order_relaxed));
     s->set_puts(n.puts->value());
     s->set_get_hits(n.get_hits->value());
     s->set_get_misses(n.get_misses->value());

@@ -237,10 +237,16 @@ class TierService {
   // blocks can give way (all being read). Always true for a namespace without a limit. With
   // `bytes` 0, brings the namespace back within its limit (after puts that ran at once).
   bool RoomInNamespace(uint32_t ns, uint64_t bytes);
+  // SIGHUP with a changed config file (Daemon::Reconfigure): namespace `ns`'s max_bytes becomes
+  // `max_bytes` (0: no limit) for later puts, the tierer's pressure, Stats and the metrics. A
+  // lowered limit is reached at once, by making room among the namespace's blocks as a put would
+  // (its coldest encoded, then its least recently used evicted); false when some could not give
+  // way yet (being read), and later puts go on making room.
+  bool SetNamespaceLimit(uint32_t ns, uint64_t max_bytes);
   // namespaces[].max_bytes: whether namespace `ns` holds `bytes` more without making room (a
   // peer's spilled or handed-off blocks never evict the namespace's own).
   bool FitsInNamespace(uint32_t ns, uint64_t bytes) const {
-    const uint64_t limit = namespaces_[ns]->max_bytes;
+    const uint64_t limit = namespaces_[ns]->max_bytes.load(std::memory_order_relaxed);
     return limit == 0 || store_->namespace_bytes(ns) + bytes <= limit;
   }
 
@@ -269,7 +275,8 @@ class TierService {
     metrics::Counter* get_misses = nullptr;
     metrics::Counter* lookup_hits = nullptr;
     metrics::Counter* lookup_misses = nullptr;
-    uint64_t max_bytes = 0;  // namespaces[].max_bytes; 0: no limit of its own
+    // namespaces[].max_bytes; 0: no limit of its own. Changed by SetNamespaceLimit.
+    std::atomic<uint64_t> max_bytes{0};
     std::vector<std::string> plan_texts;  // LevelPlanText of each level, [level - 1]
     // Its blocks evicted, and its puts refused, to keep it within max_bytes.
     metrics::Counter* limit_evictions = nullptr;

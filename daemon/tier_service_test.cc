@@ -643,7 +643,7 @@ TEST_F(NamespaceLimitTest, ANamespaceAtItsLimitEvictsItsOwnLeastRecentlyUsedBloc
   EXPECT_EQ(Metric("proxima_namespace_limit_evictions_total{namespace=\"a\"}"), 12);
   EXPECT_EQ(Metric("proxima_namespace_limit_refusals_total{namespace=\"a\"}"), 0);
   EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"a\"}"), 8 * 512);
-  EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"b\"}"), -1) << "no limit, no series";
+  EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"b\"}"), 0) << "no limit";
   // A namespace without a limit is not held to one.
   for (int k = 0; k < 40; ++k) ASSERT_EQ(Put("b", 200 + k), v1::PUT_OUTCOME_STORED);
   EXPECT_EQ(service_->store().namespace_bytes(1), 44 * 512u);
@@ -678,6 +678,56 @@ TEST_F(NamespaceLimitTest, ALimitBelowOneBlockStoresNoneAndTakesNothingFromOther
   EXPECT_TRUE(Has(1, 7));
   EXPECT_EQ(service_->store().namespace_bytes(0), 0u);
   EXPECT_EQ(Metric("proxima_namespace_limit_refusals_total{namespace=\"a\"}"), 1);
+}
+
+// A limit changed while the service runs (SIGHUP with a changed config file): lowered, the
+// namespace is brought within it at once, least recently used first, and nothing of another
+// namespace goes; raised or removed, later puts are held to the new one; Stats and the metric
+// show the limit in force.
+TEST_F(NamespaceLimitTest, ALimitChangedWhileRunningHoldsAtOnceAndForLaterPuts) {
+  ASSERT_NO_FATAL_FAILURE(Start(8 * 512));
+  for (int k = 0; k < 2; ++k) ASSERT_EQ(Put("b", 100 + k), v1::PUT_OUTCOME_STORED);
+  for (int k = 0; k < 8; ++k) ASSERT_EQ(Put("a", k), v1::PUT_OUTCOME_STORED);
+  ASSERT_TRUE(service_->store().Touch(Id(0, 0)));  // now the most recently used
+
+  EXPECT_TRUE(service_->SetNamespaceLimit(0, 3 * 512));
+  EXPECT_EQ(service_->store().namespace_bytes(0), 3 * 512u);
+  for (int k : {0, 6, 7}) EXPECT_TRUE(Has(0, k)) << k;
+  for (int k = 1; k < 6; ++k) EXPECT_FALSE(Has(0, k)) << k;
+  for (int k = 0; k < 2; ++k) EXPECT_TRUE(Has(1, 100 + k)) << "b's blocks never go for a's";
+  EXPECT_EQ(Metric("proxima_namespace_limit_evictions_total{namespace=\"a\"}"), 5);
+  EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"a\"}"), 3 * 512);
+  v1::StatsResponse stats;
+  ASSERT_OK(service_->Stats(Caller::Anonymous(), v1::StatsRequest(), &stats));
+  ASSERT_EQ(stats.namespaces(0).name(), "a");
+  EXPECT_EQ(stats.namespaces(0).max_bytes(), 3 * 512u);
+  ASSERT_EQ(Put("a", 8), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(service_->store().namespace_bytes(0), 3 * 512u) << "later puts: the new limit";
+  EXPECT_FALSE(service_->FitsInNamespace(0, 512));
+
+  // Raised: room for more without evicting.
+  EXPECT_TRUE(service_->SetNamespaceLimit(0, 5 * 512));
+  EXPECT_TRUE(service_->FitsInNamespace(0, 2 * 512));
+  for (int k = 9; k < 11; ++k) ASSERT_EQ(Put("a", k), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(service_->store().namespace_bytes(0), 5 * 512u);
+  EXPECT_EQ(Metric("proxima_namespace_limit_evictions_total{namespace=\"a\"}"), 6);
+
+  // Blocks being read cannot give way: false, and the limit holds from the next puts on.
+  {
+    std::vector<std::optional<BlockStore::ReadBlock>> reads;
+    for (int k : {0, 7, 8, 9, 10}) reads.push_back(service_->store().Read(Id(0, k)));
+    for (const auto& r : reads) ASSERT_TRUE(r.has_value());
+    EXPECT_FALSE(service_->SetNamespaceLimit(0, 2 * 512));
+    EXPECT_EQ(service_->store().namespace_bytes(0), 5 * 512u);
+  }
+  ASSERT_EQ(Put("a", 11), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(service_->store().namespace_bytes(0), 2 * 512u);
+
+  // Removed (0): no limit of its own.
+  EXPECT_TRUE(service_->SetNamespaceLimit(0, 0));
+  for (int k = 12; k < 30; ++k) ASSERT_EQ(Put("a", k), v1::PUT_OUTCOME_STORED);
+  EXPECT_EQ(service_->store().namespace_bytes(0), 20 * 512u);
+  EXPECT_EQ(Metric("proxima_namespace_max_bytes{namespace=\"a\"}"), 0);
 }
 
 // A compressing namespace at its limit encodes its own coldest blocks before it evicts any: with
@@ -780,6 +830,29 @@ TEST(NamespaceLimitCompressionTest, TheTiererKeepsANamespaceUnderItsThresholdOfI
   }
   EXPECT_EQ(store.level_blocks(1), 3u);
   EXPECT_LE(store.namespace_bytes(0), c.config.namespaces[0].max_bytes / 2);
+}
+
+// A limit lowered while running (SIGHUP) also moves the tierer's own pressure for the namespace:
+// blocks within the new limit but past its threshold's share of it are encoded ahead of puts.
+TEST(NamespaceLimitCompressionTest, ALoweredLimitMovesTheTierersThresholdToo) {
+  LimitedCompressedService c;
+  ASSERT_NO_FATAL_FAILURE(MakeLimitedCompressedService(&c, /*background=*/true, 0.5));
+  BlockStore& store = c.service->store();
+  ASSERT_NO_FATAL_FAILURE(c.put(0));
+  ASSERT_NO_FATAL_FAILURE(c.put(1));
+  absl::SleepFor(absl::Milliseconds(200));  // 20 of the tierer's checks: half the limit is not over
+  EXPECT_EQ(store.level_blocks(1), 0u);
+  const uint64_t raw = c.config.namespaces[0].max_bytes / 4;
+  // Three raw blocks: the two stored are within it (no room to make, nothing encoded for it) but
+  // past half of it, so the tierer encodes them in the background.
+  EXPECT_TRUE(c.service->SetNamespaceLimit(0, 3 * raw));
+  for (absl::Time end = absl::Now() + absl::Seconds(20);
+       store.level_blocks(1) < 2 && absl::Now() < end;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(store.level_blocks(1), 2u);
+  EXPECT_LE(store.namespace_bytes(0), 3 * raw / 2);
+  EXPECT_EQ(store.blocks(), 2u);
 }
 
 }  // namespace

@@ -35,7 +35,7 @@ Tierer::Tierer(BlockStore* store, const DaemonConfig& config, ProfileLookup prof
     ns->name = config.namespaces[i].name;
     ns->policy = config.namespaces[i].compression;
     ns->depth = static_cast<uint8_t>(std::min<size_t>(ns->policy.plans.size(), kMaxLevels - 1));
-    ns->max_bytes = config.namespaces[i].max_bytes;
+    ns->max_bytes.store(config.namespaces[i].max_bytes);
     caps_.push_back(std::make_unique<std::atomic<uint8_t>>(ns->depth));
     NamespaceState* state = ns.get();
     metrics::Labels labels = {{"namespace", ns->name}};
@@ -218,10 +218,11 @@ std::vector<uint8_t> Tierer::CapsUnderPressure(double pressure, uint64_t* room) 
     const double threshold = ns.policy.memory_pressure_threshold;
     // A namespace with max_bytes is also under pressure of its own: its bytes against its limit
     // (encoded ahead of its puts, as the tier's are ahead of every put).
+    const uint64_t limit = ns.max_bytes.load(std::memory_order_relaxed);
     const double own_over =
-        ns.max_bytes == 0 ? 0
-                          : static_cast<double>(store_->namespace_bytes(static_cast<uint32_t>(i))) -
-                                threshold * static_cast<double>(ns.max_bytes);
+        limit == 0 ? 0
+                   : static_cast<double>(store_->namespace_bytes(static_cast<uint32_t>(i))) -
+                         threshold * static_cast<double>(limit);
     if (pressure <= threshold && own_over <= 0) {
       caps[i] = 0;
     } else if (caps[i] != 0) {

@@ -140,6 +140,11 @@ class Tierer {
   // CompressOne over namespace `ns` alone (its own coldest compressible block): room for a put
   // that would take the namespace over namespaces[].max_bytes.
   bool CompressOneOf(uint32_t ns, uint64_t room);
+  // Namespace `ns`'s max_bytes, changed while the daemon runs (TierService::SetNamespaceLimit):
+  // its own pressure is measured against `max_bytes` (0: none) from the next pass.
+  void SetNamespaceLimit(uint32_t ns, uint64_t max_bytes) {
+    namespaces_[ns]->max_bytes.store(max_bytes, std::memory_order_relaxed);
+  }
   // Runs background passes until the tier is under every namespace's threshold or nothing can
   // be compressed (what each worker does each wake-up). For tests.
   void RelievePressure();
@@ -177,7 +182,7 @@ class Tierer {
     std::string name;
     CompressionConfig policy;
     uint8_t depth = 0;  // levels of its hierarchy (kMaxLevels - 1 at most)
-    uint64_t max_bytes = 0;  // namespaces[].max_bytes (0: none)
+    std::atomic<uint64_t> max_bytes{0};  // namespaces[].max_bytes (0: none); SetNamespaceLimit
     std::atomic<uint64_t> step_backs{0};
     std::atomic<bool> warned_no_gain{false};
   };

@@ -251,7 +251,7 @@ absl::Status DaemonProcess::Launch(const std::vector<std::string>& sets) {
   std::vector<std::string> argv = launcher_;
   argv.push_back(ProximadPath());
   argv.push_back("--port_file=" + port_file);
-  for (const std::string& s : sets) argv.push_back("--set=" + s);
+  for (const std::string& s : sets) argv.push_back(s.starts_with("--") ? s : "--set=" + s);
   ++launches_;
   pid_ = Spawn(ThroughRunner(argv), dir_ + "/stdout.log", dir_ + "/stderr.log");
   if (pid_ <= 0) return absl::InternalError("cannot spawn " + ProximadPath());

@@ -50,7 +50,8 @@ std::optional<std::string> LogValue(const std::string& log, const std::string& m
 class DaemonProcess {
  public:
   // Starts proximad with `sets` as --set overrides on top of a test baseline (port 0, a Unix
-  // socket in the temp dir, metrics on port 0, 64 MiB host tier). Waits until it serves.
+  // socket in the temp dir, metrics on port 0, 64 MiB host tier). Waits until it serves. An
+  // entry that starts with "--" is passed as it is (e.g. "--config=FILE").
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(std::vector<std::string> sets = {});
   // The same, with proximad run through `launcher` (e.g. {"ip", "netns", "exec", "ns1"}: the
   // launcher must exec proximad in its place, so that signals reach the daemon itself).

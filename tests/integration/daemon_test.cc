@@ -105,6 +105,123 @@ TEST(DaemonIntegrationTest, EvictsAtCapacityAndNeverGoesAbove) {
   EXPECT_EQ(GetAndCheck(*c, p, 1, 0, 24), 0u);    // the oldest went first
 }
 
+// SIGHUP with --config: proximad reads its config file again. A lowered namespaces[].max_bytes
+// holds at once (the namespace's oldest blocks go, no other namespace's) and for later puts; a
+// changed key that needs a restart is named in the log and counted, its old value kept; a file
+// that no longer parses changes nothing and says why; a limit removed lets the namespace grow.
+// The --set overrides of the start still apply on top of the file.
+TEST(DaemonIntegrationTest, SighupPutsAChangedNamespaceLimitInForceAndNamesKeysNeedingARestart) {
+  char tmpl[] = "/tmp/proxima-reload-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string config = std::string(tmpl) + "/proximad.yaml";
+  auto write = [&](const std::string& text) {
+    // Replaced whole, as a ConfigMap update does: the daemon never reads half a file.
+    std::ofstream(config + ".tmp") << text;
+    std::filesystem::rename(config + ".tmp", config);
+  };
+  write("namespaces: [{name: prod}, {name: bulk, max_bytes: 4MiB}]\n");
+  ASSERT_OK_AND_ASSIGN(
+      auto daemon, DaemonProcess::Start({"--config=" + config, "tiers.host.capacity_bytes=16MiB"}));
+  auto prod = MustConnect(daemon->unix_target(), "prod");
+  auto bulk = MustConnect(daemon->unix_target(), "bulk");
+  ASSERT_NE(prod, nullptr);
+  ASSERT_NE(bulk, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile pp, prod->RegisterProfile(TestModel()));
+  ASSERT_OK_AND_ASSIGN(Profile bp, bulk->RegisterProfile(TestModel()));
+  ASSERT_EQ(bp.block_bytes, 256u << 10);
+  Blocks kept = MakeBlocks(41, 0, 8, pp.block_bytes);
+  ASSERT_OK_AND_ASSIGN(auto outcomes, prod->Put(pp, kept.keys, kept.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  Blocks first = MakeBlocks(42, 0, 16, bp.block_bytes);  // 4 MiB: bulk at its limit
+  ASSERT_OK_AND_ASSIGN(outcomes, bulk->Put(bp, first.keys, first.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+
+  // Waits for the daemon's log to hold `message` `count` times (each reload logs one line).
+  auto await_log = [&](const std::string& message, size_t count) {
+    for (int i = 0; i < 200; ++i) {
+      const std::string log = daemon->Log();
+      size_t n = 0;
+      for (size_t at = log.find(message); at != std::string::npos; at = log.find(message, at + 1)) {
+        ++n;
+      }
+      if (n >= count) return true;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    return false;
+  };
+  write(
+      "namespaces: [{name: prod}, {name: bulk, max_bytes: 1MiB}]\n"
+      "server: {max_batch_blocks: 64}\n");
+  daemon->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("config reloaded", 1)) << daemon->Log();
+  EXPECT_EQ(testing::LogValue(daemon->Log(), "namespace limit changed", "namespace"), "bulk");
+  EXPECT_EQ(testing::LogValue(daemon->Log(), "namespace limit changed", "max_bytes"), "1048576");
+  EXPECT_EQ(testing::LogValue(daemon->Log(), "config reloaded", "keys"), "server.max_batch_blocks");
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 42, 0, 12), 0u) << "bulk's oldest blocks go at once";
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 42, 12, 4), 4u) << "its newest 1 MiB stays, intact";
+  EXPECT_EQ(GetAndCheck(*prod, pp, 41, 0, 8), 8u) << "the other namespace lost blocks";
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 1 << 20);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_bytes{namespace=\"bulk\"}"), 1 << 20);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_limit_evictions_total{namespace=\"bulk\"}"),
+            12);
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_reloads_total"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_restart_pending"), 1);
+  ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, bulk->Stats());
+  for (const v1::NamespaceStats& n : stats.namespaces()) {
+    EXPECT_EQ(n.max_bytes(), n.name() == "bulk" ? 1u << 20 : 0u) << n.name();
+  }
+  // The key that needs a restart kept its value in force: a client connecting now is told 256.
+  auto later = MustConnect(daemon->tcp_target(), "bulk");
+  ASSERT_NE(later, nullptr);
+  EXPECT_EQ(later->server_info().max_batch_blocks, 256u);
+  Blocks more = MakeBlocks(43, 0, 4, bp.block_bytes);
+  ASSERT_OK_AND_ASSIGN(outcomes, bulk->Put(bp, more.keys, more.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 43, 0, 4), 4u);
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 42, 12, 4), 0u) << "later puts are held to the new limit";
+
+  // A file that no longer parses: the error names the key and value, nothing changes.
+  write("namespaces: [{name: prod}, {name: bulk, max_bytes: lots}]\n");
+  daemon->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("config reload failed", 1)) << daemon->Log();
+  EXPECT_THAT(testing::LogValue(daemon->Log(), "config reload failed", "error"),
+              ::testing::Optional(AllOf(HasSubstr("namespaces[1].max_bytes"), HasSubstr("lots"))));
+  ASSERT_OK_AND_ASSIGN(metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_reload_failures_total"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 1 << 20);
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 43, 0, 4), 4u);
+  EXPECT_EQ(GetAndCheck(*prod, pp, 41, 0, 8), 8u);
+
+  // A namespace renamed: which blocks its limit is for is no longer clear, so the limit waits for
+  // the restart with the name.
+  write("namespaces: [{name: prod}, {name: batch, max_bytes: 512KiB}]\n");
+  daemon->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("config reloaded", 2)) << daemon->Log();
+  EXPECT_EQ(testing::LogValue(daemon->Log(), "config reloaded", "keys"),
+            "namespaces[1].name,namespaces[1].max_bytes");
+  ASSERT_OK_AND_ASSIGN(metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 1 << 20);
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_restart_pending"), 2);
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 43, 0, 4), 4u);
+
+  // The limit removed: bulk grows past 1 MiB; nothing waits for a restart any more.
+  write("namespaces: [{name: prod}, {name: bulk}]\n");
+  daemon->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("config reloaded", 3)) << daemon->Log();
+  Blocks last = MakeBlocks(44, 0, 8, bp.block_bytes);
+  ASSERT_OK_AND_ASSIGN(outcomes, bulk->Put(bp, last.keys, last.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 43, 0, 4), 4u);
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 44, 0, 8), 8u);
+  ASSERT_OK_AND_ASSIGN(metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 0);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_bytes{namespace=\"bulk\"}"), 3 << 20);
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_reloads_total"), 3);
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_restart_pending"), 0);
+  std::filesystem::remove_all(tmpl);
+}
+
 // namespaces[].max_bytes through a real proximad: a tenant that floods the node with puts
 // (here 100 blocks, 25 MiB, into a 16 MiB tier) keeps within its 2 MiB limit by evicting its
 // own oldest blocks, and another tenant's 40 blocks all stay; its puts go over UCX (the
@@ -143,7 +260,7 @@ TEST(DaemonIntegrationTest, AFloodingTenantStaysWithinItsMaxBytesAndOthersKeepTh
   EXPECT_EQ(MetricValue(metrics, "proxima_namespace_limit_evictions_total{namespace=\"bulk\"}"),
             92);
   EXPECT_EQ(MetricValue(metrics, "proxima_namespace_limit_refusals_total{namespace=\"bulk\"}"), 0);
-  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"prod\"}"), -1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"prod\"}"), 0);
   // A tenant sees its own limit in Stats, and the operator in proximactl stats.
   ASSERT_OK_AND_ASSIGN(v1::StatsResponse stats, bulk->Stats());
   ASSERT_EQ(stats.namespaces_size(), 2);  // open namespaces: both
