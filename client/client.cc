@@ -962,25 +962,39 @@ size_t Client::BlocksPerCall(uint64_t block_bytes) const {
 
 absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request,
                              grpc::ByteBuffer* response) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  // The calling thread drives its own completion queue, as gRPC's synchronous stubs do: the
-  // response is read from the socket on this thread, where its bytes are copied out next, instead
-  // of on a gRPC callback thread that would then have to wake this one.
-  grpc::CompletionQueue cq;
-  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
-      generic_stub_->PrepareUnaryCall(&context, method, request, &cq);
-  call->StartCall();
-  grpc::Status status;
-  call->Finish(response, &status, this);
-  void* tag = nullptr;
-  bool ok = false;
-  const bool got = cq.Next(&tag, &ok);  // the call's deadline bounds this wait
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  // A call refused only because this client's earlier calls still held bytes in the daemon
+  // (wire::kRetryWhenReleasedMetadata: they are released a moment after their responses arrive,
+  // longer when the daemon is short of CPU) is sent again once they are, within the deadline.
+  absl::Duration wait = absl::Milliseconds(1);
+  while (true) {
+    grpc::ClientContext context;
+    PrepareContext(&context, deadline - absl::Now());
+    // The calling thread drives its own completion queue, as gRPC's synchronous stubs do: the
+    // response is read from the socket on this thread, where its bytes are copied out next,
+    // instead of on a gRPC callback thread that would then have to wake this one.
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        generic_stub_->PrepareUnaryCall(&context, method, request, &cq);
+    call->StartCall();
+    grpc::Status status;
+    call->Finish(response, &status, this);
+    void* tag = nullptr;
+    bool ok = false;
+    const bool got = cq.Next(&tag, &ok);  // the call's deadline bounds this wait
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    if (!got) return absl::InternalError("gRPC completion queue shut down during a call");
+    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+        context.GetServerTrailingMetadata().count(wire::kRetryWhenReleasedMetadata) > 0 &&
+        absl::Now() + wait < deadline) {
+      absl::SleepFor(wait);
+      wait = std::min(wait * 2, absl::Milliseconds(50));
+      continue;
+    }
+    return FromGrpc(status);
   }
-  if (!got) return absl::InternalError("gRPC completion queue shut down during a call");
-  return FromGrpc(status);
 }
 
 template <typename Call>

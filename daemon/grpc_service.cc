@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -67,12 +68,18 @@ absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
 }  // namespace
 
 absl::Status InflightLedger::OverBytes(const std::string& peer, uint64_t held, uint64_t more,
-                                       absl::string_view what) const {
-  return absl::ResourceExhaustedError(
+                                       absl::string_view what, uint64_t own) const {
+  absl::Status status = absl::ResourceExhaustedError(
       absl::StrCat("client ", peer, " would hold ", held + more, " bytes in proximad (", held,
                    " in calls still running, ", more, " for this call's ", what,
                    "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
                    "; send smaller batches or wait for running calls"));
+  // Fits once the peer's other calls have released theirs (`own` of `held` is this call's):
+  // worth sending again.
+  if (held > own && own + more <= max_bytes_) {
+    status.SetPayload(kRetryWhenReleased, absl::Cord("1"));
+  }
+  return status;
 }
 
 absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_bytes) {
@@ -95,11 +102,12 @@ absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_byt
   return absl::OkStatus();
 }
 
-absl::Status InflightLedger::AddResponse(const std::string& peer, uint64_t response_bytes) {
+absl::Status InflightLedger::AddResponse(const std::string& peer, uint64_t request_bytes,
+                                         uint64_t response_bytes) {
   proxima::MutexLock lock(&mu_);
   Account& a = accounts_[peer];  // exists: Begin() admitted a call of this peer
   if (a.bytes + response_bytes > max_bytes_) {
-    return OverBytes(peer, a.bytes, response_bytes, "response");
+    return OverBytes(peer, a.bytes, response_bytes, "response", request_bytes);
   }
   a.bytes += response_bytes;
   return absl::OkStatus();
@@ -241,7 +249,7 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
       if (accounted && response != nullptr) {
         // The response stays in memory (or pins tier memory) until sent: it counts too.
         const uint64_t response_bytes = response->Length();
-        absl::Status charged = inflight_.AddResponse(peer, response_bytes);
+        absl::Status charged = inflight_.AddResponse(peer, request_bytes, response_bytes);
         if (!charged.ok()) {
           response->Clear();  // drops the pins of a Get's blocks now
           return charged;
@@ -267,6 +275,9 @@ grpc::ServerUnaryReactor* KvTierGrpcService::Handle(Method method,
     if (admitted && !held_until_sent) {
       inflight_.End(peer, held);
       admitted = false;
+    }
+    if (status.GetPayload(InflightLedger::kRetryWhenReleased).has_value()) {
+      context->AddTrailingMetadata(wire::kRetryWhenReleasedMetadata, "1");
     }
     reactor->Finish(
         admitted ? &inflight_ : nullptr, peer, held,

@@ -75,10 +75,15 @@ class InflightLedger {
  public:
   InflightLedger(uint64_t max_bytes_per_peer, uint32_t max_peers)
       : max_bytes_(max_bytes_per_peer), max_peers_(max_peers) {}
+  // The payload (type URL) of a refusal that holds only because `peer`'s other calls still
+  // hold bytes: the call fits once they are released (wire::kRetryWhenReleasedMetadata).
+  static constexpr char kRetryWhenReleased[] = "proxima/inflight-retry-when-released";
   // Starts a call of `peer` holding `request_bytes`; on error nothing is counted.
   absl::Status Begin(const std::string& peer, uint64_t request_bytes);
-  // Adds a running call's response bytes; on error nothing is added.
-  absl::Status AddResponse(const std::string& peer, uint64_t response_bytes);
+  // Adds a running call's response bytes (the call was admitted with `request_bytes`); on error
+  // nothing is added.
+  absl::Status AddResponse(const std::string& peer, uint64_t request_bytes,
+                           uint64_t response_bytes);
   // Ends a call that Begin() admitted, releasing the `bytes` it was charged in total.
   void End(const std::string& peer, uint64_t bytes);
   uint64_t held_bytes(const std::string& peer) const;
@@ -89,8 +94,9 @@ class InflightLedger {
     uint64_t bytes = 0;
     uint32_t calls = 0;
   };
+  // The refusal of `more` bytes for `what` with `held` held already, `own` of them this call's.
   absl::Status OverBytes(const std::string& peer, uint64_t held, uint64_t more,
-                         absl::string_view what) const;
+                         absl::string_view what, uint64_t own = 0) const;
 
   const uint64_t max_bytes_;
   const uint32_t max_peers_;

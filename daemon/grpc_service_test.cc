@@ -21,7 +21,7 @@ using ::testing::HasSubstr;
 TEST(InflightLedgerTest, BytesPerPeerAreCappedAndReleased) {
   InflightLedger ledger(/*max_bytes_per_peer=*/1000, /*max_peers=*/8);
   ASSERT_OK(ledger.Begin("ipv4:1.2.3.4:5", 600));
-  ASSERT_OK(ledger.AddResponse("ipv4:1.2.3.4:5", 300));
+  ASSERT_OK(ledger.AddResponse("ipv4:1.2.3.4:5", 600, 300));
   EXPECT_EQ(ledger.held_bytes("ipv4:1.2.3.4:5"), 900u);
   EXPECT_THAT(ledger.Begin("ipv4:1.2.3.4:5", 200),
               StatusIs(absl::StatusCode::kResourceExhausted,
@@ -32,8 +32,28 @@ TEST(InflightLedgerTest, BytesPerPeerAreCappedAndReleased) {
   ledger.End("ipv4:1.2.3.4:5", 900);
   EXPECT_EQ(ledger.held_bytes("ipv4:1.2.3.4:5"), 0u);
   ASSERT_OK(ledger.Begin("ipv4:1.2.3.4:5", 1000));
-  EXPECT_THAT(ledger.AddResponse("ipv4:1.2.3.4:5", 1),
+  EXPECT_THAT(ledger.AddResponse("ipv4:1.2.3.4:5", 1000, 1),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("response")));
+}
+
+// A refusal says whether the call would fit once the peer's other calls are released: only then
+// may the client send it again (libproxima does, within the call's deadline).
+TEST(InflightLedgerTest, ARefusalSaysWhetherTheCallFitsOnceOtherCallsAreReleased) {
+  const auto retryable = [](const absl::Status& s) {
+    return s.code() == absl::StatusCode::kResourceExhausted &&
+           s.GetPayload(InflightLedger::kRetryWhenReleased).has_value();
+  };
+  InflightLedger ledger(/*max_bytes_per_peer=*/1000, /*max_peers=*/8);
+  EXPECT_FALSE(retryable(ledger.Begin("p", 1001))) << "over the limit alone: never fits";
+  ASSERT_OK(ledger.Begin("p", 700));  // another call of p, running
+  EXPECT_TRUE(retryable(ledger.Begin("p", 400)));
+  EXPECT_FALSE(retryable(ledger.Begin("p", 1001)));
+  ASSERT_OK(ledger.Begin("p", 200));  // this call's request
+  EXPECT_TRUE(retryable(ledger.AddResponse("p", 200, 500))) << "200 + 500 fit alone";
+  EXPECT_FALSE(retryable(ledger.AddResponse("p", 200, 900))) << "200 + 900 never fit";
+  ledger.End("p", 700);
+  EXPECT_FALSE(retryable(ledger.AddResponse("p", 200, 900)));
+  ASSERT_OK(ledger.AddResponse("p", 200, 500));
 }
 
 TEST(InflightLedgerTest, ConnectionsWithCallsRunningAreCapped) {
