@@ -814,21 +814,33 @@ TEST(NamespaceLimitCompressionTest, ACompressingNamespaceEncodesItsOwnBlocksBefo
 
 // The background tierer encodes a namespace with max_bytes ahead of its puts, as it does the
 // tier: once the namespace's own bytes pass its pressure threshold's share of its limit.
-TEST(NamespaceLimitCompressionTest, TheTiererKeepsANamespaceUnderItsThresholdOfItsLimit) {
-  LimitedCompressedService c;
-  ASSERT_NO_FATAL_FAILURE(MakeLimitedCompressedService(&c, /*background=*/true, 0.5));
-  BlockStore& store = c.service->store();
-  ASSERT_NO_FATAL_FAILURE(c.put(0));
-  ASSERT_NO_FATAL_FAILURE(c.put(1));
-  absl::SleepFor(absl::Milliseconds(200));  // 20 of the tierer's checks: half the limit is not over
-  EXPECT_EQ(store.level_blocks(1), 0u);
-  ASSERT_NO_FATAL_FAILURE(c.put(2));  // 0.75 of the limit; the tier is at 7% of its capacity
-  // Each int8 encoding saves 168,912 bytes: all three go under half the limit (737,280 bytes).
+// A compressing service with its background tierer on, a pressure threshold of half the limit,
+// and two raw blocks: half the limit, not over it, so 200 ms (20 of the tierer's checks) encode
+// none.
+void MakeServiceWithTwoBlocksAtHalfItsLimit(LimitedCompressedService* c) {
+  ASSERT_NO_FATAL_FAILURE(MakeLimitedCompressedService(c, /*background=*/true, 0.5));
+  ASSERT_NO_FATAL_FAILURE(c->put(0));
+  ASSERT_NO_FATAL_FAILURE(c->put(1));
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(c->service->store().level_blocks(1), 0u);
+}
+
+// Waits up to 20 s for the background tierer to have encoded `n` blocks to level 1.
+size_t AwaitLevelOneBlocks(const BlockStore& store, size_t n) {
   for (absl::Time end = absl::Now() + absl::Seconds(20);
-       store.level_blocks(1) < 3 && absl::Now() < end;) {
+       store.level_blocks(1) < n && absl::Now() < end;) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  EXPECT_EQ(store.level_blocks(1), 3u);
+  return store.level_blocks(1);
+}
+
+TEST(NamespaceLimitCompressionTest, TheTiererKeepsANamespaceUnderItsThresholdOfItsLimit) {
+  LimitedCompressedService c;
+  ASSERT_NO_FATAL_FAILURE(MakeServiceWithTwoBlocksAtHalfItsLimit(&c));
+  BlockStore& store = c.service->store();
+  ASSERT_NO_FATAL_FAILURE(c.put(2));  // 0.75 of the limit; the tier is at 7% of its capacity
+  // Each int8 encoding saves 168,912 bytes: all three go under half the limit (737,280 bytes).
+  EXPECT_EQ(AwaitLevelOneBlocks(store, 3), 3u);
   EXPECT_LE(store.namespace_bytes(0), c.config.namespaces[0].max_bytes / 2);
 }
 
@@ -836,21 +848,13 @@ TEST(NamespaceLimitCompressionTest, TheTiererKeepsANamespaceUnderItsThresholdOfI
 // blocks within the new limit but past its threshold's share of it are encoded ahead of puts.
 TEST(NamespaceLimitCompressionTest, ALoweredLimitMovesTheTierersThresholdToo) {
   LimitedCompressedService c;
-  ASSERT_NO_FATAL_FAILURE(MakeLimitedCompressedService(&c, /*background=*/true, 0.5));
+  ASSERT_NO_FATAL_FAILURE(MakeServiceWithTwoBlocksAtHalfItsLimit(&c));
   BlockStore& store = c.service->store();
-  ASSERT_NO_FATAL_FAILURE(c.put(0));
-  ASSERT_NO_FATAL_FAILURE(c.put(1));
-  absl::SleepFor(absl::Milliseconds(200));  // 20 of the tierer's checks: half the limit is not over
-  EXPECT_EQ(store.level_blocks(1), 0u);
   const uint64_t raw = c.config.namespaces[0].max_bytes / 4;
   // Three raw blocks: the two stored are within it (no room to make, nothing encoded for it) but
   // past half of it, so the tierer encodes them in the background.
   EXPECT_TRUE(c.service->SetNamespaceLimit(0, 3 * raw));
-  for (absl::Time end = absl::Now() + absl::Seconds(20);
-       store.level_blocks(1) < 2 && absl::Now() < end;) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  EXPECT_EQ(store.level_blocks(1), 2u);
+  EXPECT_EQ(AwaitLevelOneBlocks(store, 2), 2u);
   EXPECT_LE(store.namespace_bytes(0), 3 * raw / 2);
   EXPECT_EQ(store.blocks(), 2u);
 }
