@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <iterator>
 #include <string_view>
 #include <thread>
@@ -319,42 +318,44 @@ std::vector<std::string> Daemon::Reconfigure(const absl::StatusOr<DaemonConfig>&
                         << log::Kv("error", next.status().message());
     return {};
   }
-  // Namespaces are matched by position and name: a list reordered, renamed or resized changes
-  // which blocks a limit would apply to, so it waits for a restart, its limits with it.
-  bool same_namespaces = next->namespaces.size() == config_.namespaces.size();
-  for (size_t i = 0; same_namespaces && i < config_.namespaces.size(); ++i) {
-    same_namespaces = next->namespaces[i].name == config_.namespaces[i].name;
+  // What will be in force: the running configuration with the keys that can change while
+  // serving taken from `next`. Namespaces are matched by position and name: a list reordered,
+  // renamed or resized changes which blocks a limit would apply to, so it waits for a restart,
+  // its limits with it.
+  DaemonConfig live = config_;
+  live.log_level = next->log_level;
+  bool same_namespaces = next->namespaces.size() == live.namespaces.size();
+  for (size_t i = 0; same_namespaces && i < live.namespaces.size(); ++i) {
+    same_namespaces = next->namespaces[i].name == live.namespaces[i].name;
   }
-  std::vector<std::string> restart;
-  for (const std::string& key : ConfigDifferences(config_, *next)) {
-    if (key == "log.level") {
-      log::Level level;
-      log::ParseLevel(next->log_level, &level);  // validated with the config
-      PROXIMA_LOG(kInfo) << "log level changed" << log::Kv("was", config_.log_level)
-                         << log::Kv("now", next->log_level);
-      log::SetMinLevel(level);
-      config_.log_level = next->log_level;
-      continue;
-    }
-    size_t ns = 0;
-    if (same_namespaces && std::sscanf(key.c_str(), "namespaces[%zu].max_bytes", &ns) == 1 &&
-        key == absl::StrCat("namespaces[", ns, "].max_bytes")) {
-      NamespaceConfig& in_force = config_.namespaces[ns];
-      const uint64_t was = in_force.max_bytes;
-      in_force.max_bytes = next->namespaces[ns].max_bytes;
-      const bool within = core_->SetNamespaceLimit(static_cast<uint32_t>(ns), in_force.max_bytes);
-      PROXIMA_LOG(kInfo) << "namespace limit changed" << log::Kv("namespace", in_force.name)
-                         << log::Kv("was", was) << log::Kv("max_bytes", in_force.max_bytes)
-                         << log::Kv("bytes", core_->store().namespace_bytes(ns));
-      if (!within) {
-        PROXIMA_LOG(kWarning) << "namespace still above its lowered limit: its blocks being read "
-                                 "could not give way; its next puts make room"
-                              << log::Kv("namespace", in_force.name);
-      }
-      continue;
-    }
-    restart.push_back(key);
+  for (size_t i = 0; same_namespaces && i < live.namespaces.size(); ++i) {
+    live.namespaces[i].max_bytes = next->namespaces[i].max_bytes;
   }
+  // Whatever still differs waits for the next start.
+  const std::vector<std::string> restart = ConfigDifferences(live, *next);
+  if (live.log_level != config_.log_level) {
+    log::Level level;
+    log::ParseLevel(live.log_level, &level);  // validated with the config
+    PROXIMA_LOG(kInfo) << "log level changed" << log::Kv("was", config_.log_level)
+                       << log::Kv("now", live.log_level);
+    log::SetMinLevel(level);
+  }
+  for (uint32_t ns = 0; ns < live.namespaces.size(); ++ns) {
+    const uint64_t was = config_.namespaces[ns].max_bytes;
+    const uint64_t now = live.namespaces[ns].max_bytes;
+    if (now == was) continue;
+    const bool within = core_->SetNamespaceLimit(ns, now);
+    PROXIMA_LOG(kInfo) << "namespace limit changed"
+                       << log::Kv("namespace", live.namespaces[ns].name) << log::Kv("was", was)
+                       << log::Kv("max_bytes", now)
+                       << log::Kv("bytes", core_->store().namespace_bytes(ns));
+    if (!within) {
+      PROXIMA_LOG(kWarning) << "namespace still above its lowered limit: its blocks being read "
+                               "could not give way; its next puts make room"
+                            << log::Kv("namespace", live.namespaces[ns].name);
+    }
+  }
+  config_ = std::move(live);
   config_reloads_->Increment();
   restart_pending_.store(static_cast<int64_t>(restart.size()));
   if (restart.empty()) {
