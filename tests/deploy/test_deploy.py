@@ -532,14 +532,16 @@ def test_manifest_flags_are_accepted(binaries, tmp_path):
     argvs = [container_argv(k8s_docs()), container_argv(chart_docs()[0])]
     with open(os.path.join(ROOT, "deploy", "systemd", "proximad.service")) as f:
         for line in f:
-            if line.startswith(("ExecStart=", "ExecStartPre=")):
-                argvs.append(shlex.split(line.split("=", 1)[1]))
+            if line.startswith(("ExecStart=", "ExecStartPre=", "ExecReload=")):
+                argv = shlex.split(line.split("=", 1)[1])
+                if argv[0] != "/bin/kill":  # ExecReload's SIGHUP
+                    argvs.append(argv)
     with open(os.path.join(ROOT, "deploy", "Dockerfile")) as f:
         dockerfile = f.read()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.M).group(1))
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1))
     argvs.append(entry + cmd)
-    assert len(argvs) == 5
+    assert len(argvs) == 6
     for argv in argvs:
         assert argv[0] == "/usr/local/bin/proximad", argv
         args = [a.replace("/etc/proxima/proxima.yaml", str(cfg)) for a in argv[1:]]
