@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -1277,14 +1278,28 @@ TEST_P(UcxIntegrationTest, ClientKilledMidTransferLeavesNoPartialBlockAndNoSessi
     GTEST_SKIP() << "UCX 1.13's shared-memory transports have no peer failure detection; a "
                     "killed shared-memory client is caught by its next transfer or deadline";
   }
-  // proximactl load over UCX with 4 MiB blocks, killed (SIGKILL) while it moves bytes.
+  // proximactl load over UCX with 4 MiB blocks, killed (SIGKILL) while it moves bytes: 1.5 s
+  // after its start, and not before the daemon has moved bytes for it over UCX (under qemu its
+  // start alone can take longer than that; a fixed time then killed it before any transfer).
+  // The second round's puts find their blocks stored: its bytes may all go out, as gets.
+  auto moved = [this] {
+    return Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}") +
+           Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"out\"}");
+  };
   for (int round = 0; round < 2; ++round) {
+    const double before = moved();
+    absl::Time next_check = absl::Now() + absl::Milliseconds(1500);
     testing::CommandResult r = testing::RunCommand(
-        {"/usr/bin/timeout", "-s", "KILL", "1.5", testing::ProximactlPath(), "load",
-         "--target=" + daemon_->tcp_target(), "--transport=ucx", "--clients=2", "--duration=30",
-         "--tokens_per_block=256", "--batch=8", "--working_set=16", "--get_fraction=0.5"},
-        absl::Seconds(30));
+        {testing::ProximactlPath(), "load", "--target=" + daemon_->tcp_target(), "--transport=ucx",
+         "--clients=2", "--duration=60", "--tokens_per_block=256", "--batch=8", "--working_set=16",
+         "--get_fraction=0.5"},
+        absl::Seconds(55), [&] {
+          if (absl::Now() < next_check) return false;
+          next_check = absl::Now() + absl::Milliseconds(50);  // a scrape every 50 ms at most
+          return moved() > before;
+        });
     EXPECT_EQ(r.exit_code, -1) << r.out << r.err;  // killed, not finished
+    EXPECT_GT(moved(), before) << "round " << round << ": killed before any transfer";
   }
   // The daemon notices the dead peers and drops their sessions and endpoints.
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
