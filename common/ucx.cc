@@ -27,7 +27,6 @@ namespace {
 // buffer this much larger than itself, zero-filled, so that a truncated or hostile one is read
 // as zeros rather than past the end of our memory.
 constexpr size_t kPeerBlobPadding = 4096;
-constexpr size_t kMaxWorkerAddressBytes = 64 * 1024;
 // After a deadline forces an endpoint closed, how long its operations get to complete.
 constexpr absl::Duration kAbortGrace = absl::Seconds(5);
 // Send()'s messages: their active-message id, and the header each carries.
@@ -401,8 +400,11 @@ absl::Status Endpoint::health() const {
   return absl::UnavailableError(state_->failure);
 }
 
-absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, int copy_helpers) {
-  std::unique_ptr<Worker> w(new Worker(name, std::max(copy_helpers, 0)));
+namespace {
+
+// The context and worker every Worker of this process has, and the address check's child too
+// (whose lane selection must be this daemon's): same features, same transport settings.
+absl::Status OpenContextAndWorker(const char* name, ucp_context_h* context, ucp_worker_h* worker) {
   ucp_config_t* config = nullptr;
   PROXIMA_RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
   // Over tcp, UCX emulates one-sided operations with messages of TX_SEG_SIZE bytes (8 KiB by
@@ -420,24 +422,89 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(const std::string& name, 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  params.name = w->name_.c_str();
-  ucs_status_t s = ucp_init(&params, config, &w->context_);
+  params.name = name;
+  ucs_status_t s = ucp_init(&params, config, context);
   ucp_config_release(config);
   if (s != UCS_OK) {
-    w->context_ = nullptr;
+    *context = nullptr;
     return FromUcs(s, "ucp_init (check UCX_TLS)");
   }
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
-  s = ucp_worker_create(w->context_, &wp, &w->worker_);
+  s = ucp_worker_create(*context, &wp, worker);
   if (s != UCS_OK) {
-    w->worker_ = nullptr;
+    *worker = nullptr;
     return FromUcs(s, "ucp_worker_create");
   }
+  return absl::OkStatus();
+}
+
+// ucp_ep_create to a peer's (zero-padded) worker address, with peer error handling reported to
+// `on_error` or without any.
+ucs_status_t CreateEndpoint(ucp_worker_h worker, const char* padded_address, bool peer_handling,
+                            ucp_err_handler_cb_t on_error, void* arg, ucp_ep_h* ep) {
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+  p.address = reinterpret_cast<const ucp_address_t*>(padded_address);
+  if (peer_handling) {
+    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = on_error;
+    p.err_handler.arg = arg;
+  }
+  return ucp_ep_create(worker, &p, ep);
+}
+
+// What Proxima checks of a peer's worker address itself before UCX parses it. UCX parses the
+// address without a length and asserts on an unknown version (aborting the process): the header
+// byte (format version and flags) must be what this same UCX build writes (`own`), and the rest
+// is read from a zero-padded copy (Padded).
+absl::Status CheckAddressFraming(const std::string& remote, const std::string& own) {
+  if (remote.empty() || remote.size() > kMaxWorkerAddressBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX worker address is ", remote.size(),
+                                                   " bytes; expected 1..", kMaxWorkerAddressBytes));
+  }
+  if (remote.size() < 9 || remote[0] != own[0]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX worker address of ", remote.size(),
+                     " bytes has an unknown header; expected an address packed by UCX ",
+                     UCP_API_MAJOR, ".", UCP_API_MINOR, " (ucp_worker_query)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int ParseAddressInThisProcess(const std::string& address) {
+  if (address.empty() || address.size() > kMaxWorkerAddressBytes) return kAddressCheckBadInput;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  if (!OpenContextAndWorker("proximad-address-check", &context, &worker).ok()) {
+    return kAddressCheckCannotStart;
+  }
+  // As Worker::Connect does: with peer error handling, then without where UCX refuses it.
+  const std::vector<char> padded = Padded(address);
+  ucp_ep_h ep = nullptr;
+  auto ignore = [](void*, ucp_ep_h, ucs_status_t) {};
+  if (CreateEndpoint(worker, padded.data(), /*peer_handling=*/true, ignore, nullptr, &ep) ==
+      UCS_ERR_UNREACHABLE) {
+    CreateEndpoint(worker, padded.data(), /*peer_handling=*/false, nullptr, nullptr, &ep);
+  }
+  // UCX returned, with an endpoint or an error status the caller's own ucp_ep_create will return
+  // too. Nothing is closed or progressed: the endpoint's wire-up would reach the peer.
+  return 0;
+}
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(
+    const std::string& name, int copy_helpers,
+    std::function<absl::Status(const std::string&, absl::Time)> check_address) {
+  std::unique_ptr<Worker> w(new Worker(name, std::max(copy_helpers, 0)));
+  w->check_address_ = std::move(check_address);
+  PROXIMA_RETURN_IF_ERROR(OpenContextAndWorker(w->name_.c_str(), &w->context_, &w->worker_));
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-  s = ucp_worker_query(w->worker_, &attr);
+  ucs_status_t s = ucp_worker_query(w->worker_, &attr);
   if (s != UCS_OK) return FromUcs(s, "ucp_worker_query");
   w->address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(w->worker_, attr.address);
@@ -847,19 +914,8 @@ void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool f
 absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& remote_address,
                                                           absl::Time deadline,
                                                           std::function<void()> on_failure) {
-  if (remote_address.empty() || remote_address.size() > kMaxWorkerAddressBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("UCX worker address is ", remote_address.size(),
-                                                   " bytes; expected 1..", kMaxWorkerAddressBytes));
-  }
-  // UCX parses the address without a length and asserts on an unknown version (aborting the
-  // process): the header byte (format version and flags) must be what this same UCX build
-  // writes, and the rest is read from a zero-padded copy.
-  if (remote_address.size() < 9 || remote_address[0] != address_[0]) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("UCX worker address of ", remote_address.size(),
-                     " bytes has an unknown header; expected an address packed by UCX ",
-                     UCP_API_MAJOR, ".", UCP_API_MINOR, " (ucp_worker_query)"));
-  }
+  PROXIMA_RETURN_IF_ERROR(CheckAddressFraming(remote_address, address_));
+  if (check_address_) PROXIMA_RETURN_IF_ERROR(check_address_(remote_address, deadline));
   auto state = std::make_shared<Endpoint::State>();
   state->worker = this;
   state->id = next_endpoint_id_.fetch_add(1);
@@ -868,25 +924,19 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& rem
   auto address = std::make_shared<std::vector<char>>(Padded(remote_address));
   bool finished = RunAndWait(
       [this, state, status, address] {
-        ucp_ep_params_t p{};
-        p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        p.address = reinterpret_cast<const ucp_address_t*>(address->data());
-        p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-        p.err_handler.cb = &Worker::OnEndpointError;
-        p.err_handler.arg = state.get();
         const std::string remote(address->begin(), address->end());
         const bool known_without = without_peer_handling_.contains(remote);
-        *status = known_without ? UCS_ERR_UNREACHABLE : ucp_ep_create(worker_, &p, &state->ep);
+        *status = known_without ? UCS_ERR_UNREACHABLE
+                                : CreateEndpoint(worker_, address->data(), /*peer_handling=*/true,
+                                                 &Worker::OnEndpointError, state.get(), &state->ep);
         if (*status == UCS_ERR_UNREACHABLE) {
           // UCX 1.13's shared-memory transports cannot detect a failed peer; without peer error
           // handling they connect, and transfer deadlines bound what a dead peer costs. Decided
           // for this remote worker alone: an address that does not answer (a peer that restarted
           // since) fails the same way, and must not take peer error handling away from this
           // worker's endpoints to every other peer.
-          p.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
-          p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-          *status = ucp_ep_create(worker_, &p, &state->ep);
+          *status = CreateEndpoint(worker_, address->data(), /*peer_handling=*/false, nullptr,
+                                   nullptr, &state->ep);
           state->detects_peer_failure = false;
           if (*status == UCS_OK && !known_without) {
             if (without_peer_handling_.size() >= kMaxRemembered) without_peer_handling_.clear();

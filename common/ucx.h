@@ -86,6 +86,8 @@ std::string LaneTransport(std::string_view ep_info, std::span<const std::string_
 // The largest packed rkey Proxima accepts from a peer. UCX's rkey_unpack takes no length, so
 // packed keys are copied into a zero-padded buffer of this size plus headroom before unpacking.
 inline constexpr size_t kMaxPackedRkeyBytes = 1024;
+// The longest worker address Proxima accepts from a peer (UCX 1.13's are a few hundred bytes).
+inline constexpr size_t kMaxWorkerAddressBytes = 64 * 1024;
 
 // A buffer registered with a Worker's context. Move-only through its shared_ptr handle.
 class Registration {
@@ -266,13 +268,25 @@ bool MayUseTcp(const char* tls);
 // posix and sysv layouts), or kNone: keys that name no segment (tcp, cma, ordinary memory).
 enum class SegmentKey : int8_t { kNone, kPosix, kSysv };
 
+// The child's half of AddressCheck (common/ucx_address_check.h): opens a context and worker as
+// Worker::Create does and creates an endpoint to `address` as Worker::Connect does, closing
+// nothing. Returns 0 once UCX returned from parsing the address (with an endpoint or an error
+// status), or one of the codes below; a UCX assertion or fault ends the process instead.
+int ParseAddressInThisProcess(const std::string& address);
+inline constexpr int kAddressCheckBadInput = 3;     // empty, or longer than any address
+inline constexpr int kAddressCheckCannotStart = 4;  // UCX's context or worker did not open
+
 class Worker {
  public:
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
   // shows in UCX's logs. Transports follow UCX's environment (UCX_TLS, ...). `copy_helpers`:
   // threads that help callers copy through mapped shared memory (0: callers copy alone).
-  static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name,
-                                                        int copy_helpers = 0);
+  // `check_address` (may be empty): runs in Connect() on every peer address that passed
+  // Proxima's own framing checks, before this process's UCX parses it, and its error is
+  // Connect's (proximad: AddressCheck, a child process parses it first).
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(
+      const std::string& name, int copy_helpers = 0,
+      std::function<absl::Status(const std::string&, absl::Time)> check_address = {});
   // Closes every endpoint, waits (bounded) for in-flight work, and releases the worker and the
   // context. REQUIRES: every Registration and Endpoint handle has been dropped.
   ~Worker();
@@ -476,6 +490,7 @@ class Worker {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(parked_mu_);
 
   const std::string name_;
+  std::function<absl::Status(const std::string&, absl::Time)> check_address_;  // Create's
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;

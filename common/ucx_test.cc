@@ -10,6 +10,7 @@
 
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
+#include "common/ucx_address_check.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -17,6 +18,7 @@ namespace proxima::ucx {
 namespace {
 
 using ::proxima::testing::StatusIs;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 class UcxTest : public ::testing::TestWithParam<const char*> {
@@ -888,6 +890,69 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,
                            }
                            return n;
                          });
+
+// AddressCheck's side of the check, with stand-ins for the child (the real child, proximad
+// parsing a lying address: RawUcxTest.LyingWorkerAddressesAreRefusedAndTheDaemonLives).
+std::vector<std::string> Shell(const std::string& script) { return {"/bin/sh", "-c", script}; }
+
+TEST(AddressCheckTest, AnAddressTheChildSurvivedIsAcceptedAndRemembered) {
+  // The child gets the address on its standard input: it must match, byte for byte.
+  const std::string address("\x01\x00 worker\xff", 10);
+  AddressCheck check(Shell("test \"$(od -An -tx1 | tr -d ' \\n')\" = 010020776f726b6572ff"));
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  EXPECT_OK(check.Check(address, deadline));
+  EXPECT_OK(check.Check(address, deadline));
+  EXPECT_EQ(check.children_run(), 1u);
+  EXPECT_EQ(check.known(), 1u);
+  EXPECT_THAT(check.Check("another", deadline),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exit code 1")));
+  EXPECT_EQ(check.refused(), 1u);
+}
+
+TEST(AddressCheckTest, AChildThatDiesRefusesTheAddressNamingTheSignalAndUcxsMessage) {
+  AddressCheck check(Shell(
+      "cat > /dev/null; echo 'UCX noise' >&2;"
+      "echo '[vm:1:0:1]  select.c:294  Assertion `(score >= 0.0)'\\'' failed' >&2; kill -ABRT $$"));
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  for (int i = 0; i < 2; ++i) {  // refusals are not remembered: each try runs the child
+    EXPECT_THAT(check.Check("lie", deadline),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("signal 6 (Aborted)"),
+                               HasSubstr("select.c:294  Assertion `(score >= 0.0)' failed"),
+                               HasSubstr("3 bytes"))));
+  }
+  EXPECT_EQ(check.children_run(), 2u);
+  EXPECT_EQ(check.refused(), 2u);
+}
+
+TEST(AddressCheckTest, AChildThatHangsIsKilledAtTheCallsDeadline) {
+  AddressCheck check(Shell("exec sleep 30"));
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(check.Check("slow", start + absl::Milliseconds(300)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // A deadline already past starts no child.
+  EXPECT_THAT(check.Check("late", absl::Now() - absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
+  EXPECT_EQ(check.children_run(), 1u);
+}
+
+TEST(AddressCheckTest, AChildThatHangsPastItsOwnLimitRefusesTheAddress) {
+  AddressCheck check(Shell("exec sleep 30"), absl::Milliseconds(200));
+  EXPECT_THAT(
+      check.Check("hangs", absl::Now() + absl::Seconds(20)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("did not return within 200ms")));
+  EXPECT_EQ(check.refused(), 1u);
+}
+
+TEST(AddressCheckTest, ACommandThatCannotRunIsAnInternalErrorNamingIt) {
+  AddressCheck check({"/nonexistent/proximad", kAddressCheckFlag});
+  EXPECT_THAT(
+      check.Check("address", absl::Now() + absl::Seconds(20)),
+      StatusIs(absl::StatusCode::kInternal, AllOf(HasSubstr("cannot run /nonexistent/proximad"),
+                                                  HasSubstr("ucx.check_worker_addresses: false"))));
+  EXPECT_EQ(check.refused(), 0u);  // not the address's fault
+}
 
 }  // namespace
 }  // namespace proxima::ucx

@@ -87,6 +87,8 @@ ucx:
   max_sessions: 1024               # UCX sessions (client endpoints) open at once
   copy_threads: auto               # helpers of a shared-memory call's copy: auto | 0-64
   rendezvous_get_max_bytes: 1GiB   # blocks pinned for rendezvous gets not yet taken; 0: eager
+  check_worker_addresses: true     # a child process parses each new client or peer address
+                                   # first (UCX aborts on some lying ones); docs/security.md
 cluster:                           # daemons of many nodes sharing their tiers (docs/cluster.md)
   enabled: false                   # off: this daemon serves from its own tiers only
   advertise: ""                    # host:port peers reach this daemon at; its unique node id
@@ -501,8 +503,9 @@ absl::Status ParseCompression(Reader& r, const YAML::Node& node, const std::stri
 
 // The `ucx` section (UCX data plane).
 absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
-  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(
-      ucx, "ucx", {"enabled", "max_sessions", "copy_threads", "rendezvous_get_max_bytes"}));
+  PROXIMA_RETURN_IF_ERROR(r.CheckKeys(ucx, "ucx",
+                                      {"enabled", "max_sessions", "copy_threads",
+                                       "rendezvous_get_max_bytes", "check_worker_addresses"}));
   if (!ucx || !ucx.IsMap()) return absl::OkStatus();
   if (const YAML::Node enabled = ucx["enabled"]) {
     const std::string text = enabled.IsScalar() ? enabled.Scalar() : Reader::Dump(enabled);
@@ -533,6 +536,8 @@ absl::Status ParseUcxConfig(Reader& r, const YAML::Node& ucx, UcxConfig* out) {
   }
   PROXIMA_RETURN_IF_ERROR(r.Size(ucx["rendezvous_get_max_bytes"], "ucx.rendezvous_get_max_bytes", 0,
                                  uint64_t{1} << 50, &out->rendezvous_get_max_bytes));
+  PROXIMA_RETURN_IF_ERROR(r.Bool(ucx["check_worker_addresses"], "ucx.check_worker_addresses",
+                                 &out->check_worker_addresses));
   return absl::OkStatus();
 }
 
@@ -1367,6 +1372,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
     << YAML::Key << "copy_threads" << YAML::Value
     << (c.ucx.copy_threads < 0 ? std::string("auto") : absl::StrCat(c.ucx.copy_threads))
     << YAML::Key << "rendezvous_get_max_bytes" << YAML::Value << c.ucx.rendezvous_get_max_bytes
+    << YAML::Key << "check_worker_addresses" << YAML::Value << c.ucx.check_worker_addresses
     << YAML::EndMap;
   const ClusterConfig& k = c.cluster;
   auto seconds = [](double s) { return absl::StrCat(s, "s"); };

@@ -137,7 +137,8 @@ bool LoadSnapshot(TierService& core, const std::string& file, metrics::Registry&
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config) {
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(
+    const DaemonConfig& config, const std::vector<std::string>& ucx_address_check_command) {
   std::unique_ptr<Daemon> d(new Daemon());
   d->config_ = config;
   // The host tier fills its capacity as blocks arrive: one larger than this process may use
@@ -160,8 +161,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonConfig& config
                              snapshot::ClaimFile(config.host_tier.snapshot_file));
   }
   if (config.ucx.enabled) {
-    PROXIMA_ASSIGN_OR_RETURN(d->ucx_,
-                             UcxTransport::Create(config.ucx, d->core_.get(), &d->registry_));
+    PROXIMA_ASSIGN_OR_RETURN(
+        d->ucx_,
+        UcxTransport::Create(config.ucx, d->core_.get(), &d->registry_, ucx_address_check_command));
   }
   d->service_ = std::make_unique<KvTierGrpcService>(
       d->core_.get(), &d->registry_, config.server.max_inflight_bytes_per_client,

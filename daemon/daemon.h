@@ -33,7 +33,11 @@ class Daemon {
  public:
   // Starts serving. Fails (and leaves nothing running) when an address cannot be bound, the Unix
   // socket is in use by a live server, or the tier cannot be reserved.
-  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonConfig& config);
+  // `ucx_address_check_command`: the command that parses a peer's UCX worker address in a child
+  // process (UcxTransport::Create); proximad's main passes itself. Needed when ucx.enabled and
+  // ucx.check_worker_addresses.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(
+      const DaemonConfig& config, const std::vector<std::string>& ucx_address_check_command = {});
   ~Daemon();  // Shuts down if still running.
 
   // TCP port actually bound (useful with port 0), or 0 without TCP.

@@ -4,16 +4,18 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "common/ucx_address_check.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 
@@ -72,6 +74,11 @@ bool WritePortFile(const std::string& path, int tcp_port, int metrics_port) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The child of ucx::AddressCheck: parses one UCX worker address and ends (see
+  // common/ucx_address_check.h). First, before anything else of the daemon starts.
+  if (argc == 2 && std::strcmp(argv[1], proxima::ucx::kAddressCheckFlag) == 0) {
+    return proxima::ucx::RunAddressCheckChild();
+  }
 #ifdef NDEBUG
   // Debian's Abseil is built without NDEBUG, so by default every absl::Mutex acquisition (gRPC's
   // own included) also records lock order in a process-wide graph under a global lock, to report
@@ -124,7 +131,7 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   absl::StatusOr<std::unique_ptr<proxima::daemon::Daemon>> daemon =
-      proxima::daemon::Daemon::Start(*config);
+      proxima::daemon::Daemon::Start(*config, {"/proc/self/exe", proxima::ucx::kAddressCheckFlag});
   if (!daemon.ok()) {
     PROXIMA_LOG(kError) << "proximad failed to start: " << daemon.status().message();
     return 1;

@@ -140,12 +140,48 @@ absl::Time CollectDeadline(absl::Time transfer_deadline) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxConfig& config,
-                                                                   TierService* core,
-                                                                   metrics::Registry* registry) {
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
+    const UcxConfig& config, TierService* core, metrics::Registry* registry,
+    const std::vector<std::string>& address_check_command) {
   std::unique_ptr<UcxTransport> t(new UcxTransport(config, core));
+  std::function<absl::Status(const std::string&, absl::Time)> check;
+  if (config.check_worker_addresses) {
+    if (address_check_command.empty()) {
+      return absl::FailedPreconditionError(
+          "ucx.check_worker_addresses is true but this process has no command to check worker "
+          "addresses with (proximad runs itself); set it false to embed the daemon");
+    }
+    t->address_check_ = std::make_unique<ucx::AddressCheck>(address_check_command);
+    check = [c = t->address_check_.get()](const std::string& address, absl::Time deadline) {
+      return c->Check(address, deadline);
+    };
+  }
   PROXIMA_ASSIGN_OR_RETURN(
-      t->worker_, ucx::Worker::Create("proximad", CopyPool::HelpersFor(config.copy_threads)));
+      t->worker_,
+      ucx::Worker::Create("proximad", CopyPool::HelpersFor(config.copy_threads), std::move(check)));
+  if (t->address_check_ != nullptr) {
+    // The check itself must work here (the command runs, its UCX opens and accepts a good
+    // address): found now, not at the first client's ConnectUcx.
+    const absl::Status own =
+        t->address_check_->Check(t->worker_->address(), absl::Now() + absl::Seconds(30));
+    if (!own.ok()) {
+      return absl::Status(own.code(),
+                          absl::StrCat("ucx.check_worker_addresses: checking this daemon's own "
+                                       "worker address failed: ",
+                                       own.message()));
+    }
+    ucx::AddressCheck* c = t->address_check_.get();
+    registry->AddCounterFunction(
+        "proxima_ucx_address_checks_total",
+        "New UCX worker addresses of clients and peers that a child process parsed before the "
+        "daemon's UCX did (ucx.check_worker_addresses; monotonic)",
+        {}, [c] { return static_cast<double>(c->children_run()); });
+    registry->AddCounterFunction(
+        "proxima_ucx_addresses_refused_total",
+        "UCX worker addresses refused because UCX could not parse them without failing in the "
+        "child process that tried (monotonic)",
+        {}, [c] { return static_cast<double>(c->refused()); });
+  }
   std::span<std::byte> arena = core->store().arena();
   PROXIMA_ASSIGN_OR_RETURN(t->arena_, t->worker_->Register(arena.data(), arena.size()));
   t->session_ids_.seed(std::random_device{}());

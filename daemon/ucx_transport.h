@@ -51,6 +51,7 @@
 #include "absl/time/time.h"
 #include "common/mutex.h"
 #include "common/ucx.h"
+#include "common/ucx_address_check.h"
 #include "daemon/config.h"
 #include "daemon/metrics.h"
 #include "daemon/tier_service.h"
@@ -72,10 +73,13 @@ class UcxTransport {
   static constexpr absl::Duration kRendezvousGetGrace = absl::Seconds(5);
 
   // Starts the worker and registers the arena of `core`'s host tier. `core` and `registry` must
-  // outlive the transport.
-  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(const UcxConfig& config,
-                                                              TierService* core,
-                                                              metrics::Registry* registry);
+  // outlive the transport. With config.check_worker_addresses, `address_check_command` runs a
+  // child that parses each new peer address first (ucx::AddressCheck; proximad:
+  // {"/proc/self/exe", ucx::kAddressCheckFlag}); it is tried on the worker's own address here,
+  // so a command that cannot run on this host stops the start with the reason.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(
+      const UcxConfig& config, TierService* core, metrics::Registry* registry,
+      const std::vector<std::string>& address_check_command);
   ~UcxTransport();
 
   // `deadline`: the call's; transfers stop short of it so the answer still arrives in time.
@@ -140,6 +144,7 @@ class UcxTransport {
 
   const UcxConfig config_;
   TierService* const core_;
+  std::unique_ptr<ucx::AddressCheck> address_check_;  // null without check_worker_addresses
   std::unique_ptr<ucx::Worker> worker_;
   std::shared_ptr<ucx::Registration> arena_;
   metrics::Counter* put_by_messages_ = nullptr;

@@ -19,9 +19,13 @@ CTL="${RUN[*]} ./$BUILD/tools/proximactl/proximactl"
 # The default config, with the socket moved into a scratch directory so the demo needs no
 # /run/proxima and cannot clash with an installed daemon; TCP on port 0 for the same reason.
 # A snapshot file there too: a restart after SIGTERM keeps the blocks (warm restart).
+# Under an emulator (PROXIMA_DEMO_RUNNER) proximad cannot start itself again to check UCX worker
+# addresses in a child process (the kernel does not know its binaries): that check is off there.
+EMULATED=()
+[ ${#RUN[@]} -gt 0 ] && EMULATED=(--set ucx.check_worker_addresses=false)
 start_daemon() {
   rm -f "$RUN_DIR/ports.json"
-  "${RUN[@]}" "./$BUILD/daemon/proximad" --set "server.unix_socket=$SOCK" \
+  "${RUN[@]}" "./$BUILD/daemon/proximad" "${EMULATED[@]}" --set "server.unix_socket=$SOCK" \
     --set server.listen=127.0.0.1:0 --set server.metrics_listen=127.0.0.1:0 \
     --set "tiers.host.snapshot_file=$RUN_DIR/snapshot" --port_file="$RUN_DIR/ports.json" \
     2> "$RUN_DIR/proximad.log" &

@@ -22,10 +22,12 @@
 #include "client/client.h"
 #include "client/test_pattern.h"
 #include "common/testing/status_matchers.h"
+#include "common/ucx_address_check.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
 
 namespace proxima {
 namespace {
@@ -70,7 +72,9 @@ class CorruptionTest : public ::testing::TestWithParam<Path> {
     config.server.unix_socket = "";
     config.server.metrics_listen = "";
     config.host_tier.capacity_bytes = 64ull << 20;
-    ASSERT_OK_AND_ASSIGN(daemon_, daemon::Daemon::Start(config));
+    // In process, the daemon checks its clients' worker addresses with the real proximad.
+    ASSERT_OK_AND_ASSIGN(
+        daemon_, daemon::Daemon::Start(config, {testing::ProximadPath(), ucx::kAddressCheckFlag}));
     client::ClientOptions options;
     options.target = absl::StrCat("127.0.0.1:", daemon_->tcp_port());
     options.transport = GetParam().transport;

@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,6 +49,7 @@ using ::proxima::client::Transport;
 using ::proxima::testing::DaemonProcess;
 using ::proxima::testing::StatusIs;
 using ::testing::AllOf;
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -680,6 +682,59 @@ TEST_P(RawUcxTest, BadInputGetsClearErrorsAndStoresNothing) {
   EXPECT_TRUE(found[0] && client::IsTestBlock(3, 0, back));
   EXPECT_OK(CloseSession(session));
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
+}
+
+// UCX parses a worker address without a length and trusts the transport attributes it carries:
+// with a negative float written over 4 bytes of a good address, ucp_ep_create ends in an
+// assertion or a segmentation fault for some offsets (a lane's bandwidth or latency; over tcp
+// and shared memory alike), which would end proximad and every block it holds. The daemon has a
+// child process parse each new address first (ucx.check_worker_addresses) and refuses the ones
+// it dies on; every other lie fails its own way (UCX's error status, an unreachable peer) or
+// connects to this worker after all. Every offset is tried: which ones are fatal depends on the
+// transports' layout, not on chance.
+TEST_P(RawUcxTest, LyingWorkerAddressesAreRefusedAndTheDaemonLives) {
+  const std::string good = worker_->address();
+  int refused = 0;
+  int other_errors = 0;
+  int connected = 0;
+  for (size_t at = 1; at + sizeof(float) <= good.size(); ++at) {
+    std::string lie = good;
+    const float minus_one = -1.0f;
+    std::memcpy(lie.data() + at, &minus_one, sizeof(minus_one));
+    const absl::Time start = absl::Now();
+    absl::StatusOr<uint64_t> session = OpenSession(lie);
+    if (session.ok()) {
+      ++connected;
+      EXPECT_OK(CloseSession(*session));
+    } else if (absl::StrContains(session.status().message(), "creating an endpoint to it")) {
+      ++refused;
+      EXPECT_THAT(session.status(),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           AllOf(HasSubstr("worker_address"), HasSubstr("signal"))))
+          << "offset " << at;
+    } else {
+      ++other_errors;
+      EXPECT_THAT(session.status().code(),
+                  AnyOf(absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnavailable))
+          << "offset " << at << ": " << session.status();
+    }
+    int wait_status = 0;
+    ASSERT_EQ(waitpid(daemon_->pid(), &wait_status, WNOHANG), 0)
+        << "proximad ended after the address with -1.0f at offset " << at << " (" << good.size()
+        << " bytes; " << session.status() << ", " << absl::Now() - start << "): " << daemon_->Log();
+  }
+  std::printf("%zu-byte address: %d lies refused by the check, %d failed otherwise, %d connected\n",
+              good.size(), refused, other_errors, connected);
+  EXPECT_GT(refused, 0) << "no lie ended the checking process: the test tests nothing here";
+  EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_addresses_refused_total", refused), refused);
+
+  // The daemon serves: the true address connects and a put lands, byte-exact.
+  RegisterSource(1);
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(good));
+  const BlockKey key = client::TestKeyChain(3, 0, 1)[0];
+  ASSERT_OK(Put(OneBlockPut(session, key)));
+  EXPECT_EQ(Present(key), 1u);
+  EXPECT_OK(CloseSession(session));
 }
 
 // GetUcx says crc32c_checked exactly where the daemon copied the block into the caller's memory
