@@ -21,10 +21,12 @@
 #                                of a stopped daemon's blocks to its peers vs that one-hop get
 #   scripts/bench.sh call_floor  one small call to proximad vs an empty in-process gRPC call and a
 #                                thread wake-up (what a call costs below the daemon)
+#   scripts/bench.sh connect     a client's first UCX connect with ucx.check_worker_addresses vs
+#                                without it (proximactl info --transport=ucx, new worker each run)
 # Extra arguments go to the benchmark binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | snapshot | restart | neighbour | transfer | sim | cluster | call_floor)}
+NAME=${1:?usage: scripts/bench.sh NAME [args...] (NAME: put_get | codec | kv_layout | quality | security | replay | policy | tierer | snapshot | restart | neighbour | transfer | sim | cluster | call_floor | connect)}
 shift
 ./scripts/install-deps.sh >/dev/null
 case "$NAME" in
@@ -41,6 +43,7 @@ case "$NAME" in
   sim) export PROXIMA_TARGETS="proxima_placement_sim" ;;
   cluster) export PROXIMA_TARGETS="proximad proximactl" ;;
   call_floor) export PROXIMA_TARGETS="proximad call_floor_bench" ;;
+  connect) export PROXIMA_TARGETS="proximad proximactl" ;;
   *) export PROXIMA_TARGETS="" ;;
 esac
 ./scripts/build.sh build-bench -DCMAKE_BUILD_TYPE=Release -DPROXIMA_BUILD_TESTS=OFF \
@@ -72,6 +75,8 @@ case "$NAME" in
   cluster) exec python3 bench/cluster_bench.py --proximad=build-bench/daemon/proximad \
              --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
   call_floor) exec ./build-bench/bench/call_floor_bench "$@" ;;
+  connect) exec python3 bench/connect_bench.py --proximad=build-bench/daemon/proximad \
+    --proximactl=build-bench/tools/proximactl/proximactl "$@" ;;
   *) echo "unknown benchmark '$NAME' (known: put_get, codec, kv_layout, quality, security, replay, policy, tierer, snapshot, restart, neighbour, transfer, sim, cluster, call_floor)" >&2
      exit 2 ;;
 esac
