@@ -1,7 +1,10 @@
 #include "common/ucx.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/shm.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -10,11 +13,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <list>
 #include <random>
 #include <string_view>
 #include <type_traits>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/log.h"
@@ -141,6 +146,103 @@ absl::StatusOr<SegmentRange> SegmentBounds(const std::string& k,
     }
   }
   return range;
+}
+
+// The default huge page size (Hugepagesize in /proc/meminfo), or 0 when the host has none.
+uint64_t HugePageBytes() {
+  static const uint64_t bytes = [] {
+    std::ifstream meminfo("/proc/meminfo");
+    for (std::string line; std::getline(meminfo, line);) {
+      unsigned long long kib = 0;
+      if (std::sscanf(line.c_str(), "Hugepagesize: %llu kB", &kib) == 1) return kib * 1024;
+    }
+    return 0ull;
+  }();
+  return bytes;
+}
+
+// UCX 1.13's ucp_ep_rkey_unpack ends the process when a transport cannot attach the segment a
+// key names: its error path releases the transport key that failed (uct_posix_rkey_release
+// dereferences a null handle, SIGSEGV). A posix key whose segment cannot be opened or mapped (a
+// peer's lie, or a peer that closed the segment meanwhile) would end this process. So each posix
+// segment a key names is opened and test-mapped here first, as UCX 1.13 would (procfs
+// /proc/PID/fd/FD, shm_open of /ucx_shm_posix_ID, or a file in the key's directory; the length
+// aligned to pages, to huge pages with MAP_HUGETLB), and the key is pointed at this process's
+// own descriptor (procfs mode): UCX's open then cannot fail whatever the peer does meanwhile.
+// `key` is the zero-padded copy that UCX will parse; `fds` gets the descriptors, to close once
+// UCX has mapped the segments. REQUIRES: CheckPackedRkey accepted the key.
+absl::Status PinPosixSegments(std::vector<char>& key,
+                              const std::array<SegmentKey, 64>& segment_keys,
+                              std::vector<int>* fds) {
+  constexpr uint64_t kProcfs = uint64_t{1} << 63;
+  constexpr uint64_t kShmOpen = uint64_t{1} << 62;
+  constexpr uint64_t kHugetlb = uint64_t{1} << 61;
+  constexpr uint64_t kFlags = kProcfs | kShmOpen | kHugetlb | (uint64_t{1} << 60);
+  constexpr int kProcfsPidBits = 30;
+  uint64_t md_map = 0;
+  std::memcpy(&md_map, key.data(), sizeof(md_map));
+  size_t p = 9;
+  for (int bit = 0; bit < 64; ++bit) {
+    if ((md_map & (uint64_t{1} << bit)) == 0) continue;
+    const size_t size = static_cast<uint8_t>(key[p]);
+    char* body = key.data() + p + 1;
+    p += 1 + size;
+    if (segment_keys[bit] != SegmentKey::kPosix || size < 24) continue;
+    uint64_t seg_id = 0, length = 0;
+    std::memcpy(&seg_id, body, 8);
+    std::memcpy(&length, body + 16, 8);
+    const uint64_t mmid = seg_id & ~kFlags;
+    std::string path;
+    int fd = -1;
+    if (seg_id & kProcfs) {
+      path = absl::StrCat("/proc/", mmid & ((uint64_t{1} << kProcfsPidBits) - 1), "/fd/",
+                          mmid >> kProcfsPidBits);
+      fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    } else {
+      const std::string name = absl::StrCat("/ucx_shm_posix_", absl::Hex(mmid));
+      if (seg_id & kShmOpen) {
+        path = name;
+        fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+      } else {
+        path = std::string(body + 24, strnlen(body + 24, size - 24)) + name;
+        fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      }
+    }
+    if (fd < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("names a shared-memory segment that cannot be opened (", path,
+                       "): ", std::strerror(errno)));
+    }
+    fds->push_back(fd);
+    const long page = sysconf(_SC_PAGESIZE);
+    uint64_t mapped = (length + page - 1) / page * page;
+    int flags = MAP_SHARED;
+    if (seg_id & kHugetlb) {
+      // UCX maps a huge-page segment at most twice its page-aligned length, or fails.
+      const uint64_t huge = HugePageBytes();
+      const uint64_t aligned = huge == 0 ? 0 : (mapped + huge - 1) / huge * huge;
+      if (huge == 0 || aligned > 2 * mapped) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("names a huge-page shared-memory segment of ", length,
+                         " bytes, which this host cannot map (huge page size ", huge, ")"));
+      }
+      mapped = aligned;
+      flags |= MAP_HUGETLB;
+    }
+    void* test = length == 0 || mapped < length
+                     ? MAP_FAILED
+                     : mmap(nullptr, mapped, PROT_READ | PROT_WRITE, flags, fd, 0);
+    if (test == MAP_FAILED) {
+      return absl::InvalidArgumentError(absl::StrCat("names a shared-memory segment (", path,
+                                                     ") that cannot be mapped with ", length,
+                                                     " bytes: ", std::strerror(errno)));
+    }
+    munmap(test, mapped);
+    seg_id = (seg_id & kFlags) | kProcfs | static_cast<uint64_t>(getpid()) |
+             (static_cast<uint64_t>(fd) << kProcfsPidBits);
+    std::memcpy(body, &seg_id, 8);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -1008,6 +1110,11 @@ absl::StatusOr<UnpackedRkey> Worker::UnpackRkey(Endpoint::State& endpoint,
     if (UnpackedRkey cached = CachedRkeyLocked(endpoint, packed, registration_id)) return cached;
   }
   std::vector<char> padded = Padded(packed);
+  std::vector<int> pinned;  // closed once UCX has mapped what they name
+  absl::Cleanup close_pinned = [&pinned] {
+    for (int fd : pinned) close(fd);
+  };
+  PROXIMA_RETURN_IF_ERROR(PinPosixSegments(padded, segment_keys_, &pinned));
   ucp_rkey_h raw = nullptr;
   ucs_status_t s = ucp_ep_rkey_unpack(endpoint.ep, padded.data(), &raw);
   if (s != UCS_OK) return absl::InvalidArgumentError(ucs_status_string(s));

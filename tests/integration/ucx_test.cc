@@ -737,6 +737,92 @@ TEST_P(RawUcxTest, LyingWorkerAddressesAreRefusedAndTheDaemonLives) {
   EXPECT_OK(CloseSession(session));
 }
 
+// The packed remote keys of a put's regions lie the same way (-1.0f, then 0xff bytes, over each
+// offset in turn), for memory UCX allocated (over shared memory its keys name the segment the
+// daemon maps: posix or sysv) and for ordinary registered memory: framing checks refuse what
+// they can, UCX's unpacking or the segment check the rest, and whatever the daemon then reads is
+// checked against the block's CRC32C. No lie ends the daemon or stores a wrong block.
+TEST_P(RawUcxTest, LyingRkeysFailTheirCallsAndTheDaemonLives) {
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  const BlockKey key = client::TestKeyChain(3, 0, 1)[0];
+  auto c = Connect(Transport::kInline);
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  int failed = 0;
+  int tried = 0;
+  for (const bool allocated : {true, false}) {
+    std::shared_ptr<ucx::Registration> region;
+    std::vector<std::byte> own(block_bytes_);
+    if (allocated) {
+      ASSERT_OK_AND_ASSIGN(region, worker_->Allocate(block_bytes_));
+    } else {
+      ASSERT_OK_AND_ASSIGN(region, worker_->Register(own.data(), own.size()));
+    }
+    auto* base = static_cast<std::byte*>(region->address());
+    client::FillTestBlock(3, 0, std::span(base, block_bytes_));
+    const uint32_t crc = Crc32c(std::span(base, block_bytes_));
+    const std::string good = region->packed_rkey();
+    for (const bool as_float : {true, false}) {
+      for (size_t at = 0; at + sizeof(float) <= good.size(); ++at) {
+        std::string lie = good;
+        const float minus_one = -1.0f;
+        if (as_float) {
+          std::memcpy(lie.data() + at, &minus_one, sizeof(minus_one));
+        } else {
+          lie[at] = '\xff';
+        }
+        if (lie == good) continue;
+        ++tried;
+        v1::PutUcxRequest req;
+        req.set_namespace_name("default");
+        req.set_profile_id(profile_id_);
+        req.set_session_id(session);
+        v1::UcxRegion* r = req.add_regions();
+        r->set_rkey(lie);
+        r->set_address(reinterpret_cast<uint64_t>(base));
+        r->set_length(block_bytes_);
+        v1::UcxBlock* b = req.add_blocks();
+        b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+        v1::UcxSegment* seg = b->add_segments();
+        seg->set_region(0);
+        seg->set_address(reinterpret_cast<uint64_t>(base));
+        seg->set_length(block_bytes_);
+        b->set_crc32c(crc);
+        const absl::Status put = Put(req, /*deadline_seconds=*/5);
+        int wait_status = 0;
+        ASSERT_EQ(waitpid(daemon_->pid(), &wait_status, WNOHANG), 0)
+            << "proximad ended after the " << good.size() << "-byte rkey of "
+            << (allocated ? "allocated" : "registered") << " memory with "
+            << (as_float ? "-1.0f" : "0xff") << " at offset " << at << " (" << put
+            << "): " << daemon_->Log();
+        if (put.ok()) {
+          // Accepted: the lie was in a byte that did not change what the key names, so the
+          // block is this buffer's, byte-exact.
+          std::vector<std::byte> back(block_bytes_);
+          std::vector<std::span<std::byte>> out = {back};
+          ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, std::span(&key, 1), out));
+          EXPECT_TRUE(found[0] && client::IsTestBlock(3, 0, back)) << "offset " << at;
+          ASSERT_OK(c->Delete(p, std::span(&key, 1)).status());
+        } else {
+          ++failed;
+          EXPECT_EQ(Present(key), 0u) << "offset " << at << ": " << put;
+        }
+        // A failed transfer may have closed the session: the next try gets a new one.
+        EXPECT_OK(CloseSession(session).code() == absl::StatusCode::kNotFound
+                      ? absl::OkStatus()
+                      : CloseSession(session));
+        ASSERT_OK_AND_ASSIGN(session, OpenSession(worker_->address()));
+      }
+    }
+  }
+  std::printf("%d lying rkeys: %d failed their put, the rest named the same memory\n", tried,
+              failed);
+  EXPECT_GT(failed, 0);
+  RegisterSource(1);
+  ASSERT_OK(Put(OneBlockPut(session, key)));
+  EXPECT_EQ(Present(key), 1u);
+}
+
 // GetUcx says crc32c_checked exactly where the daemon copied the block into the caller's memory
 // itself (UCX-allocated memory over shared memory, mapped into the daemon) and the bytes matched
 // as it copied them; where UCX moved them (tcp, or ordinary memory) the caller checks them.
