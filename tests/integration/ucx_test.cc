@@ -609,6 +609,21 @@ class RawUcxTest : public UcxIntegrationTest {
     EXPECT_TRUE(stub_->Lookup(&ctx, req, &resp).ok());
     return resp.num_prefix_present();
   }
+  // Whether proximad still serves: a Lookup is answered and the process has not ended (a daemon
+  // that crashed may take a moment to end; the Lookup waits for that).
+  bool DaemonServes() {
+    v1::LookupRequest req;
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    const BlockKey probe = client::TestKeyChain(99, 0, 1)[0];
+    req.add_keys(std::string(reinterpret_cast<const char*>(probe.data()), probe.size()));
+    v1::LookupResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const bool answered = stub_->Lookup(&ctx, req, &resp).ok();
+    int wait_status = 0;
+    return answered && waitpid(daemon_->pid(), &wait_status, WNOHANG) == 0;
+  }
   void RegisterSource(size_t blocks) {
     src_.resize(blocks * block_bytes_);
     for (size_t i = 0; i < blocks; ++i) {
@@ -718,10 +733,9 @@ TEST_P(RawUcxTest, LyingWorkerAddressesAreRefusedAndTheDaemonLives) {
                   AnyOf(absl::StatusCode::kInvalidArgument, absl::StatusCode::kUnavailable))
           << "offset " << at << ": " << session.status();
     }
-    int wait_status = 0;
-    ASSERT_EQ(waitpid(daemon_->pid(), &wait_status, WNOHANG), 0)
-        << "proximad ended after the address with -1.0f at offset " << at << " (" << good.size()
-        << " bytes; " << session.status() << ", " << absl::Now() - start << "): " << daemon_->Log();
+    ASSERT_TRUE(DaemonServes()) << "proximad ended after the address with -1.0f at offset " << at
+                                << " (" << good.size() << " bytes; " << session.status() << ", "
+                                << absl::Now() - start << "): " << daemon_->Log();
   }
   std::printf("%zu-byte address: %d lies refused by the check, %d failed otherwise, %d connected\n",
               good.size(), refused, other_errors, connected);
@@ -789,8 +803,7 @@ TEST_P(RawUcxTest, LyingRkeysFailTheirCallsAndTheDaemonLives) {
         seg->set_length(block_bytes_);
         b->set_crc32c(crc);
         const absl::Status put = Put(req, /*deadline_seconds=*/5);
-        int wait_status = 0;
-        ASSERT_EQ(waitpid(daemon_->pid(), &wait_status, WNOHANG), 0)
+        ASSERT_TRUE(DaemonServes())
             << "proximad ended after the " << good.size() << "-byte rkey of "
             << (allocated ? "allocated" : "registered") << " memory with "
             << (as_float ? "-1.0f" : "0xff") << " at offset " << at << " (" << put
@@ -820,6 +833,53 @@ TEST_P(RawUcxTest, LyingRkeysFailTheirCallsAndTheDaemonLives) {
   EXPECT_GT(failed, 0);
   RegisterSource(1);
   ASSERT_OK(Put(OneBlockPut(session, key)));
+  EXPECT_EQ(Present(key), 1u);
+}
+
+// A client that frees a UCX-allocated buffer while a call naming it is on the way (here: before
+// sending it): over shared memory the daemon cannot open the segment the key names any more.
+// UCX 1.13 would end the daemon inside ucp_ep_rkey_unpack; the daemon finds it first, fails the
+// call, and serves on.
+TEST_P(RawUcxTest, AKeyOfABufferTheClientFreedFailsItsCallAndTheDaemonLives) {
+  ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
+  const BlockKey key = client::TestKeyChain(5, 0, 1)[0];
+  v1::PutUcxRequest req;
+  {
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> freed, worker_->Allocate(block_bytes_));
+    auto* base = static_cast<std::byte*>(freed->address());
+    client::FillTestBlock(5, 0, std::span(base, block_bytes_));
+    req.set_namespace_name("default");
+    req.set_profile_id(profile_id_);
+    req.set_session_id(session);
+    v1::UcxRegion* r = req.add_regions();
+    r->set_rkey(freed->packed_rkey());
+    r->set_address(reinterpret_cast<uint64_t>(base));
+    r->set_length(block_bytes_);
+    v1::UcxBlock* b = req.add_blocks();
+    b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
+    v1::UcxSegment* seg = b->add_segments();
+    seg->set_region(0);
+    seg->set_address(reinterpret_cast<uint64_t>(base));
+    seg->set_length(block_bytes_);
+    b->set_crc32c(Crc32c(std::span(base, block_bytes_)));
+  }  // the buffer is freed: UCX unmaps it and closes its segment
+  const absl::Status put = Put(req);
+  ASSERT_TRUE(DaemonServes()) << "proximad ended on a key of a freed buffer (" << put
+                              << "): " << daemon_->Log();
+  if (std::string(GetParam()) == "tcp") {
+    // Over tcp the key names no segment: UCX moves the bytes, and the freed pages fail the
+    // transfer or the block's CRC32C. Either way nothing is stored.
+    EXPECT_FALSE(put.ok());
+  } else {
+    EXPECT_THAT(
+        put, StatusIs(absl::StatusCode::kInvalidArgument,
+                      AllOf(HasSubstr("rkeys[0] does not unpack"), HasSubstr("cannot be opened"))));
+  }
+  EXPECT_EQ(Present(key), 0u);
+  RegisterSource(1);
+  absl::StatusOr<uint64_t> again = OpenSession(worker_->address());
+  ASSERT_OK(again.status());
+  ASSERT_OK(Put(OneBlockPut(*again, key)));
   EXPECT_EQ(Present(key), 1u);
 }
 
