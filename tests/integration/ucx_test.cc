@@ -576,21 +576,26 @@ class RawUcxTest : public UcxIntegrationTest {
 
   // A PutUcx of one block from `src_` (registered), with one segment.
   v1::PutUcxRequest OneBlockPut(uint64_t session, const BlockKey& key) {
+    return OneBlockPut(session, key, reg_->packed_rkey(), src_.data(), src_.size());
+  }
+  // A PutUcx of the one block at `base` of a region of `region_bytes` that `rkey` names.
+  v1::PutUcxRequest OneBlockPut(uint64_t session, const BlockKey& key, const std::string& rkey,
+                                const std::byte* base, size_t region_bytes) {
     v1::PutUcxRequest req;
     req.set_namespace_name("default");
     req.set_profile_id(profile_id_);
     req.set_session_id(session);
     v1::UcxRegion* r = req.add_regions();
-    r->set_rkey(reg_->packed_rkey());
-    r->set_address(reinterpret_cast<uint64_t>(src_.data()));
-    r->set_length(src_.size());
+    r->set_rkey(rkey);
+    r->set_address(reinterpret_cast<uint64_t>(base));
+    r->set_length(region_bytes);
     v1::UcxBlock* b = req.add_blocks();
     b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
     v1::UcxSegment* s = b->add_segments();
     s->set_region(0);
-    s->set_address(reinterpret_cast<uint64_t>(src_.data()));
+    s->set_address(reinterpret_cast<uint64_t>(base));
     s->set_length(block_bytes_);
-    b->set_crc32c(Crc32c(std::span(src_).first(block_bytes_)));
+    b->set_crc32c(Crc32c(std::span(base, block_bytes_)));
     return req;
   }
   absl::Status Put(const v1::PutUcxRequest& req, int deadline_seconds = 20) {
@@ -774,7 +779,6 @@ TEST_P(RawUcxTest, LyingRkeysFailTheirCallsAndTheDaemonLives) {
     }
     auto* base = static_cast<std::byte*>(region->address());
     client::FillTestBlock(3, 0, std::span(base, block_bytes_));
-    const uint32_t crc = Crc32c(std::span(base, block_bytes_));
     const std::string good = region->packed_rkey();
     for (const bool as_float : {true, false}) {
       for (size_t at = 0; at + sizeof(float) <= good.size(); ++at) {
@@ -787,21 +791,7 @@ TEST_P(RawUcxTest, LyingRkeysFailTheirCallsAndTheDaemonLives) {
         }
         if (lie == good) continue;
         ++tried;
-        v1::PutUcxRequest req;
-        req.set_namespace_name("default");
-        req.set_profile_id(profile_id_);
-        req.set_session_id(session);
-        v1::UcxRegion* r = req.add_regions();
-        r->set_rkey(lie);
-        r->set_address(reinterpret_cast<uint64_t>(base));
-        r->set_length(block_bytes_);
-        v1::UcxBlock* b = req.add_blocks();
-        b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
-        v1::UcxSegment* seg = b->add_segments();
-        seg->set_region(0);
-        seg->set_address(reinterpret_cast<uint64_t>(base));
-        seg->set_length(block_bytes_);
-        b->set_crc32c(crc);
+        const v1::PutUcxRequest req = OneBlockPut(session, key, lie, base, block_bytes_);
         const absl::Status put = Put(req, /*deadline_seconds=*/5);
         ASSERT_TRUE(DaemonServes())
             << "proximad ended after the " << good.size() << "-byte rkey of "
@@ -848,20 +838,7 @@ TEST_P(RawUcxTest, AKeyOfABufferTheClientFreedFailsItsCallAndTheDaemonLives) {
     ASSERT_OK_AND_ASSIGN(std::shared_ptr<ucx::Registration> freed, worker_->Allocate(block_bytes_));
     auto* base = static_cast<std::byte*>(freed->address());
     client::FillTestBlock(5, 0, std::span(base, block_bytes_));
-    req.set_namespace_name("default");
-    req.set_profile_id(profile_id_);
-    req.set_session_id(session);
-    v1::UcxRegion* r = req.add_regions();
-    r->set_rkey(freed->packed_rkey());
-    r->set_address(reinterpret_cast<uint64_t>(base));
-    r->set_length(block_bytes_);
-    v1::UcxBlock* b = req.add_blocks();
-    b->set_key(std::string(reinterpret_cast<const char*>(key.data()), key.size()));
-    v1::UcxSegment* seg = b->add_segments();
-    seg->set_region(0);
-    seg->set_address(reinterpret_cast<uint64_t>(base));
-    seg->set_length(block_bytes_);
-    b->set_crc32c(Crc32c(std::span(base, block_bytes_)));
+    req = OneBlockPut(session, key, freed->packed_rkey(), base, block_bytes_);
   }  // the buffer is freed: UCX unmaps it and closes its segment
   const absl::Status put = Put(req);
   ASSERT_TRUE(DaemonServes()) << "proximad ended on a key of a freed buffer (" << put
