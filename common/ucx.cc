@@ -1015,9 +1015,12 @@ void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool f
 
 absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& remote_address,
                                                           absl::Time deadline,
-                                                          std::function<void()> on_failure) {
+                                                          std::function<void()> on_failure,
+                                                          bool untrusted) {
   PROXIMA_RETURN_IF_ERROR(CheckAddressFraming(remote_address, address_));
-  if (check_address_) PROXIMA_RETURN_IF_ERROR(check_address_(remote_address, deadline));
+  if (untrusted && check_address_) {
+    PROXIMA_RETURN_IF_ERROR(check_address_(remote_address, deadline));
+  }
   auto state = std::make_shared<Endpoint::State>();
   state->worker = this;
   state->id = next_endpoint_id_.fetch_add(1);

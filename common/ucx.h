@@ -281,9 +281,9 @@ class Worker {
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
   // shows in UCX's logs. Transports follow UCX's environment (UCX_TLS, ...). `copy_helpers`:
   // threads that help callers copy through mapped shared memory (0: callers copy alone).
-  // `check_address` (may be empty): runs in Connect() on every peer address that passed
+  // `check_address` (may be empty): runs in Connect() on every untrusted address that passed
   // Proxima's own framing checks, before this process's UCX parses it, and its error is
-  // Connect's (proximad: AddressCheck, a child process parses it first).
+  // Connect's (proximad: AddressCheck, a child process parses a client's address first).
   static absl::StatusOr<std::unique_ptr<Worker>> Create(
       const std::string& name, int copy_helpers = 0,
       std::function<absl::Status(const std::string&, absl::Time)> check_address = {});
@@ -306,10 +306,12 @@ class Worker {
   // Opens an endpoint to the worker at `remote_address` and checks that the peer answers (a
   // flush) before `deadline`. `on_failure` (may be empty) runs on the progress thread when the
   // peer fails later; it must not block. INVALID_ARGUMENT when the address is malformed,
-  // UNAVAILABLE when the peer cannot be reached.
+  // UNAVAILABLE when the peer cannot be reached. `untrusted`: the address comes from a client,
+  // so Create's `check_address` runs on it first.
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(const std::string& remote_address,
                                                     absl::Time deadline,
-                                                    std::function<void()> on_failure = {});
+                                                    std::function<void()> on_failure = {},
+                                                    bool untrusted = false);
 
   // Runs `ops` on `endpoint` and flushes, or copies them on the calling thread when every remote
   // buffer is mapped here (see the top of this file). `keep_alive` owns the local buffers; it is

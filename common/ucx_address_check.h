@@ -1,11 +1,12 @@
-// AddressCheck: a peer's UCX worker address is parsed in a child process before this one's UCX
+// AddressCheck: a client's UCX worker address is parsed in a child process before this one's UCX
 // parses it.
 //
 // UCX (1.13, Debian's build, assertions on) parses a worker address without a length and trusts
 // what it says: a well-framed address whose transport attributes lie (a negative bandwidth or
 // latency, a device index past the end) ends ucp_ep_create in an assertion (SIGABRT) or a
 // segmentation fault, whatever the transports. proximad takes these addresses from its clients
-// (ConnectUcx) and its peers, so one such address would end the daemon and every block it holds.
+// (ConnectUcx), so one such address would end the daemon and every block it holds. (Its cluster
+// peers' addresses are not checked: docs/decisions.md says why.)
 // Proxima cannot tell such an address from a good one itself without re-implementing UCX's
 // private format; instead a short-lived child process (proximad itself, run with
 // kAddressCheckFlag) opens a context and worker as the daemon's and creates the endpoint, and
@@ -13,7 +14,7 @@
 // environment (UCX_TLS, ...), so its lane selection is the daemon's.
 //
 // Cost: one process start and UCX context per new address (about 47 ms on 2 vCPUs: scripts/bench.sh
-// connect); addresses that passed are remembered (a client reconnecting, a peer), and at most
+// connect); addresses that passed are remembered (a client reconnecting), and at most
 // kMaxChildren run at once. docs/security.md and docs/decisions.md say what it covers and what it
 // does not.
 #ifndef PROXIMA_COMMON_UCX_ADDRESS_CHECK_H_

@@ -150,7 +150,7 @@ struct UcxConfig {
   // yet, over all sessions (UcxTransport); a get that would pass it sends eager. 0: every get
   // eager.
   uint64_t rendezvous_get_max_bytes = uint64_t{1} << 30;
-  // Whether a child process parses each new worker address of a client (ConnectUcx) or a peer
+  // Whether a child process parses each new worker address of a client (ConnectUcx)
   // before the daemon's UCX does (common/ucx_address_check.h). Off only where proximad cannot run
   // itself, e.g. under an emulator; UCX then aborts the daemon on some lying addresses.
   bool check_worker_addresses = true;

@@ -173,7 +173,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
     ucx::AddressCheck* c = t->address_check_.get();
     registry->AddCounterFunction(
         "proxima_ucx_address_checks_total",
-        "New UCX worker addresses of clients and peers that a child process parsed before the "
+        "New UCX worker addresses of clients that a child process parsed before the "
         "daemon's UCX did (ucx.check_worker_addresses; monotonic)",
         {}, [c] { return static_cast<double>(c->children_run()); });
     registry->AddCounterFunction(
@@ -321,7 +321,8 @@ absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxReq
   }
   UcxTransport* self = this;
   absl::StatusOr<std::shared_ptr<ucx::Endpoint>> ep = worker_->Connect(
-      request.worker_address(), TransferDeadline(deadline), [self, id] { self->DropSession(id); });
+      request.worker_address(), TransferDeadline(deadline), [self, id] { self->DropSession(id); },
+      /*untrusted=*/true);
   if (!ep.ok()) {
     return absl::Status(ep.status().code(),
                         absl::StrCat("ConnectUcx worker_address: ", ep.status().message()));
