@@ -831,6 +831,10 @@ TEST_P(RawUcxTest, LyingRkeysFailTheirCallsAndTheDaemonLives) {
 // UCX 1.13 would end the daemon inside ucp_ep_rkey_unpack; the daemon finds it first, fails the
 // call, and serves on.
 TEST_P(RawUcxTest, AKeyOfABufferTheClientFreedFailsItsCallAndTheDaemonLives) {
+  if (std::string(GetParam()) == "tcp") {
+    GTEST_SKIP() << "over tcp the daemon maps nothing: the client's own UCX would serve the "
+                    "daemon's reads from the freed pages, and fault in this test process";
+  }
   ASSERT_OK_AND_ASSIGN(uint64_t session, OpenSession(worker_->address()));
   const BlockKey key = client::TestKeyChain(5, 0, 1)[0];
   v1::PutUcxRequest req;
@@ -843,15 +847,9 @@ TEST_P(RawUcxTest, AKeyOfABufferTheClientFreedFailsItsCallAndTheDaemonLives) {
   const absl::Status put = Put(req);
   ASSERT_TRUE(DaemonServes()) << "proximad ended on a key of a freed buffer (" << put
                               << "): " << daemon_->Log();
-  if (std::string(GetParam()) == "tcp") {
-    // Over tcp the key names no segment: UCX moves the bytes, and the freed pages fail the
-    // transfer or the block's CRC32C. Either way nothing is stored.
-    EXPECT_FALSE(put.ok());
-  } else {
-    EXPECT_THAT(
-        put, StatusIs(absl::StatusCode::kInvalidArgument,
-                      AllOf(HasSubstr("rkeys[0] does not unpack"), HasSubstr("cannot be opened"))));
-  }
+  EXPECT_THAT(
+      put, StatusIs(absl::StatusCode::kInvalidArgument,
+                    AllOf(HasSubstr("rkeys[0] does not unpack"), HasSubstr("cannot be opened"))));
   EXPECT_EQ(Present(key), 0u);
   RegisterSource(1);
   absl::StatusOr<uint64_t> again = OpenSession(worker_->address());
