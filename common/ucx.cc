@@ -1013,14 +1013,18 @@ void Worker::CloseOnWorker(const std::shared_ptr<Endpoint::State>& state, bool f
   }
 }
 
+absl::Status Worker::CheckAddress(const std::string& remote_address, absl::Time deadline) const {
+  PROXIMA_RETURN_IF_ERROR(CheckAddressFraming(remote_address, address_));
+  if (!check_address_) return absl::OkStatus();
+  return check_address_(remote_address, deadline);
+}
+
 absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(const std::string& remote_address,
                                                           absl::Time deadline,
                                                           std::function<void()> on_failure,
                                                           bool untrusted) {
-  PROXIMA_RETURN_IF_ERROR(CheckAddressFraming(remote_address, address_));
-  if (untrusted && check_address_) {
-    PROXIMA_RETURN_IF_ERROR(check_address_(remote_address, deadline));
-  }
+  PROXIMA_RETURN_IF_ERROR(untrusted ? CheckAddress(remote_address, deadline)
+                                    : CheckAddressFraming(remote_address, address_));
   auto state = std::make_shared<Endpoint::State>();
   state->worker = this;
   state->id = next_endpoint_id_.fetch_add(1);

@@ -281,9 +281,9 @@ class Worker {
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
   // shows in UCX's logs. Transports follow UCX's environment (UCX_TLS, ...). `copy_helpers`:
   // threads that help callers copy through mapped shared memory (0: callers copy alone).
-  // `check_address` (may be empty): runs in Connect() on every untrusted address that passed
-  // Proxima's own framing checks, before this process's UCX parses it, and its error is
-  // Connect's (proximad: AddressCheck, a child process parses a client's address first).
+  // `check_address` (may be empty): runs in CheckAddress() on every address that passed
+  // Proxima's own framing checks, before this process's UCX parses it (proximad: AddressCheck,
+  // a child process parses a client's or peer's address first).
   static absl::StatusOr<std::unique_ptr<Worker>> Create(
       const std::string& name, int copy_helpers = 0,
       std::function<absl::Status(const std::string&, absl::Time)> check_address = {});
@@ -306,12 +306,17 @@ class Worker {
   // Opens an endpoint to the worker at `remote_address` and checks that the peer answers (a
   // flush) before `deadline`. `on_failure` (may be empty) runs on the progress thread when the
   // peer fails later; it must not block. INVALID_ARGUMENT when the address is malformed,
-  // UNAVAILABLE when the peer cannot be reached. `untrusted`: the address comes from a client,
-  // so Create's `check_address` runs on it first.
+  // UNAVAILABLE when the peer cannot be reached. `untrusted`: the address came over the network
+  // and was not checked yet, so CheckAddress() runs on it first.
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(const std::string& remote_address,
                                                     absl::Time deadline,
                                                     std::function<void()> on_failure = {},
                                                     bool untrusted = false);
+
+  // Whether Connect() may hand `remote_address` to this process's UCX: Proxima's framing checks,
+  // then Create's `check_address` (waiting for it until `deadline`; a deadline already past
+  // asks without waiting). OK without a `check_address`; its errors otherwise.
+  absl::Status CheckAddress(const std::string& remote_address, absl::Time deadline) const;
 
   // Runs `ops` on `endpoint` and flushes, or copies them on the calling thread when every remote
   // buffer is mapped here (see the top of this file). `keep_alive` owns the local buffers; it is

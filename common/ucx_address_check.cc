@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -33,6 +32,7 @@ constexpr size_t kKeptErrorBytes = 4096;
 struct ChildEnd {
   std::string start_error;  // non-empty: it never ran
   bool timed_out = false;   // killed at `until`
+  bool stopped = false;     // killed because `stop` was set
   int wait_status = 0;      // waitpid's
   std::string stderr_text;  // the first kKeptErrorBytes of its standard error and output
 };
@@ -42,9 +42,13 @@ void CloseFd(int& fd) {
   fd = -1;
 }
 
-// Runs `command` with `input` on its standard input until it ends, or kills it at `until`.
+// How often a waiting child's parent looks at `stop`.
+constexpr absl::Duration kStopPoll = absl::Milliseconds(100);
+
+// Runs `command` with `input` on its standard input until it ends, or kills it at `until` or
+// once `stop` is set.
 ChildEnd RunChild(const std::vector<std::string>& command, const std::string& input,
-                  absl::Time until) {
+                  absl::Time until, const std::atomic<bool>& stop) {
   ChildEnd end;
   // Standard input is a socket, so that writing to a child that already died is EPIPE
   // (MSG_NOSIGNAL), not SIGPIPE in a process that may not ignore it.
@@ -102,8 +106,13 @@ ChildEnd RunChild(const std::vector<std::string>& command, const std::string& in
       end.timed_out = true;
       break;
     }
+    if (stop.load()) {
+      end.stopped = true;
+      break;
+    }
     pollfd p{out[0], POLLIN, 0};
-    const int ready = poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
+    const int ready =
+        poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(std::min(left, kStopPoll))) + 1);
     if (ready < 0 && errno == EINTR) continue;
     if (ready <= 0) continue;  // the loop's deadline check decides
     char buf[1024];
@@ -114,7 +123,7 @@ ChildEnd RunChild(const std::vector<std::string>& command, const std::string& in
     end.stderr_text.append(buf, keep);
   }
   CloseFd(out[0]);
-  if (end.timed_out) kill(pid, SIGKILL);
+  if (end.timed_out || end.stopped) kill(pid, SIGKILL);
   while (waitpid(pid, &end.wait_status, 0) < 0 && errno == EINTR) {
   }
   return end;
@@ -152,26 +161,89 @@ int RunAddressCheckChild() {
   _exit(code);
 }
 
-absl::Status AddressCheck::Check(const std::string& address, absl::Time deadline) {
+AddressCheck::~AddressCheck() {
+  std::vector<std::thread> threads;
   {
-    proxima::MutexLock lock(&mu_);
-    if (accepted_.contains(address)) {
-      known_.fetch_add(1);
-      return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_.store(true);
+    threads.swap(threads_);
+  }
+  wake_.notify_all();
+  done_.notify_all();
+  for (std::thread& t : threads) t.join();
+}
+
+absl::Status AddressCheck::Check(const std::string& address, absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (accepted_.contains(address)) {
+    known_.fetch_add(1);
+    return absl::OkStatus();
+  }
+  if (auto it = refused_by_.find(address); it != refused_by_.end()) {
+    known_.fetch_add(1);
+    return it->second;
+  }
+  if (stopping_.load()) return absl::UnavailableError("the daemon is stopping");
+  std::shared_ptr<Job> job;
+  if (auto it = pending_.find(address); it != pending_.end()) {
+    job = it->second;
+  } else {
+    if (pending_.size() >= kMaxPending) {
+      return absl::UnavailableError(absl::StrCat(
+          kMaxPending, " UCX worker addresses are already waiting to be checked; try again"));
+    }
+    job = std::make_shared<Job>();
+    job->address = address;
+    pending_.emplace(address, job);
+    queue_.push_back(job);
+    if (idle_ == 0 && threads_.size() < static_cast<size_t>(kMaxChildren)) {
+      threads_.emplace_back([this] { Work(); });
+    } else {
+      wake_.notify_one();
     }
   }
-  if (deadline <= absl::Now() || !slots_.try_acquire_until(absl::ToChronoTime(deadline))) {
-    return absl::UnavailableError(
-        absl::StrCat("the call's deadline passed before the UCX worker address could be checked (",
-                     kMaxChildren, " checks run at once)"));
+  const bool decided = done_.wait_until(lock, absl::ToChronoTime(deadline),
+                                        [&] { return job->done || stopping_.load(); });
+  if (decided && job->done) return job->verdict;
+  if (stopping_.load()) return absl::UnavailableError("the daemon is stopping");
+  return absl::UnavailableError(
+      "the call's deadline passed before the check of the UCX worker address ended (it goes on; "
+      "a later call with the same address gets its verdict)");
+}
+
+void AddressCheck::Work() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    ++idle_;
+    wake_.wait(lock, [this] { return !queue_.empty() || stopping_.load(); });
+    --idle_;
+    if (stopping_.load()) return;
+    std::shared_ptr<Job> job = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    bool same_every_time = false;
+    absl::Status verdict = RunOne(job->address, &same_every_time);
+    lock.lock();
+    if (verdict.ok()) {
+      if (accepted_.size() >= kMaxRemembered) accepted_.clear();
+      accepted_.insert(job->address);
+    } else if (same_every_time) {
+      if (refused_by_.size() >= kMaxRemembered) refused_by_.clear();
+      refused_by_.insert_or_assign(job->address, verdict);
+    }
+    job->verdict = std::move(verdict);
+    job->done = true;
+    pending_.erase(job->address);
+    done_.notify_all();
   }
-  absl::Cleanup release = [this] { slots_.release(); };
-  const absl::Time cap = absl::Now() + child_timeout_;
+}
+
+absl::Status AddressCheck::RunOne(const std::string& address, bool* same_every_time) {
   children_run_.fetch_add(1);
-  ChildEnd end = RunChild(command_, address, std::min(deadline, cap));
+  ChildEnd end = RunChild(command_, address, absl::Now() + child_timeout_, stopping_);
   const int status = end.wait_status;
   // 127: the exec failed in the child (posix_spawn reports it so where it forks, e.g. qemu-user).
-  if (end.start_error.empty() && !end.timed_out && WIFEXITED(status) &&
+  if (end.start_error.empty() && !end.timed_out && !end.stopped && WIFEXITED(status) &&
       WEXITSTATUS(status) == 127) {
     end.start_error = absl::StrCat("cannot run ", command_[0], ": exit code 127");
   }
@@ -180,17 +252,9 @@ absl::Status AddressCheck::Check(const std::string& address, absl::Time deadline
         absl::StrCat("cannot check the UCX worker address in a child process (", end.start_error,
                      "); set ucx.check_worker_addresses: false where proximad cannot run itself"));
   }
-  if (!end.timed_out && WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-    proxima::MutexLock lock(&mu_);
-    if (accepted_.size() >= kMaxRemembered) accepted_.clear();
-    accepted_.insert(address);
-    return absl::OkStatus();
-  }
-  if (end.timed_out && deadline < cap) {
-    return absl::UnavailableError(
-        "the call's deadline passed before the check of the UCX worker address ended");
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == kAddressCheckCannotStart) {
+  if (end.stopped) return absl::UnavailableError("the daemon is stopping");
+  if (!end.timed_out && WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
+  if (!end.timed_out && WIFEXITED(status) && WEXITSTATUS(status) == kAddressCheckCannotStart) {
     return absl::InternalError(
         absl::StrCat("the process that checks UCX worker addresses could not open a UCX context: ",
                      UcxReason(end.stderr_text)));
@@ -206,6 +270,7 @@ absl::Status AddressCheck::Check(const std::string& address, absl::Time deadline
   }
   const std::string reason = UcxReason(end.stderr_text);
   refused_.fetch_add(1);
+  *same_every_time = !end.timed_out;
   PROXIMA_LOG(kWarning) << "refused a UCX worker address that UCX cannot parse"
                         << log::Kv("bytes", address.size()) << log::Kv("how", how)
                         << log::Kv("ucx", reason);

@@ -902,8 +902,9 @@ TEST(AddressCheckTest, AnAddressTheChildSurvivedIsAcceptedAndRemembered) {
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   EXPECT_OK(check.Check(address, deadline));
   EXPECT_OK(check.Check(address, deadline));
+  EXPECT_OK(check.Check(address, absl::InfinitePast()));  // remembered: no wait needed
   EXPECT_EQ(check.children_run(), 1u);
-  EXPECT_EQ(check.known(), 1u);
+  EXPECT_EQ(check.known(), 2u);
   EXPECT_THAT(check.Check("another", deadline),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exit code 1")));
   EXPECT_EQ(check.refused(), 1u);
@@ -914,35 +915,74 @@ TEST(AddressCheckTest, AChildThatDiesRefusesTheAddressNamingTheSignalAndUcxsMess
       "cat > /dev/null; echo 'UCX noise' >&2;"
       "echo '[vm:1:0:1]  select.c:294  Assertion `(score >= 0.0)'\\'' failed' >&2; kill -ABRT $$"));
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  for (int i = 0; i < 2; ++i) {  // refusals are not remembered: each try runs the child
-    EXPECT_THAT(check.Check("lie", deadline),
+  // The same bytes die the same way: the refusal is remembered, and a second try (a peer naming
+  // its address in every call) runs no child.
+  for (const absl::Time d : {deadline, absl::InfinitePast()}) {
+    EXPECT_THAT(check.Check("lie", d),
                 StatusIs(absl::StatusCode::kInvalidArgument,
                          AllOf(HasSubstr("signal 6 (Aborted)"),
                                HasSubstr("select.c:294  Assertion `(score >= 0.0)' failed"),
                                HasSubstr("3 bytes"))));
   }
+  EXPECT_EQ(check.children_run(), 1u);
+  EXPECT_EQ(check.refused(), 1u);
+  EXPECT_EQ(check.known(), 1u);
+}
+
+TEST(AddressCheckTest, ACheckStillRunningAtTheCallsDeadlineGoesOnAndAnswersTheNextCall) {
+  // The child takes about a second and accepts.
+  AddressCheck check(Shell("cat > /dev/null; sleep 1"));
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(check.Check("slow", start + absl::Milliseconds(200)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(900));
+  // A deadline already past does not wait either.
+  EXPECT_THAT(check.Check("slow", absl::InfinitePast()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("goes on")));
+  // The next caller with time joins the same child and gets its verdict.
+  EXPECT_OK(check.Check("slow", absl::Now() + absl::Seconds(20)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));
+  EXPECT_EQ(check.children_run(), 1u);
+  // An ask without waiting starts a check of a new address, whose verdict a later call finds.
+  EXPECT_THAT(check.Check("late", absl::Now() - absl::Seconds(1)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("goes on")));
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_OK(check.Check("late", absl::InfinitePast()));
+  EXPECT_EQ(check.children_run(), 2u);
+}
+
+TEST(AddressCheckTest, AChildThatHangsPastItsOwnLimitRefusesTheAddressForThisTryOnly) {
+  AddressCheck check(Shell("exec sleep 30"), absl::Milliseconds(200));
+  for (int i = 0; i < 2; ++i) {  // a loaded host may pass it next time: each try runs a child
+    EXPECT_THAT(
+        check.Check("hangs", absl::Now() + absl::Seconds(20)),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("did not return within 200ms")));
+  }
   EXPECT_EQ(check.children_run(), 2u);
   EXPECT_EQ(check.refused(), 2u);
 }
 
-TEST(AddressCheckTest, AChildThatHangsIsKilledAtTheCallsDeadline) {
-  AddressCheck check(Shell("exec sleep 30"));
+TEST(AddressCheckTest, AFloodOfAddressesIsBoundedAndTheirChildrenEndWithTheCheck) {
   const absl::Time start = absl::Now();
-  EXPECT_THAT(check.Check("slow", start + absl::Milliseconds(300)),
-              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
+  {
+    AddressCheck check(Shell("exec sleep 30"));
+    for (size_t i = 0; i < AddressCheck::kMaxPending; ++i) {
+      EXPECT_THAT(check.Check(absl::StrCat("address ", i), absl::InfinitePast()),
+                  StatusIs(absl::StatusCode::kUnavailable, HasSubstr("goes on")));
+    }
+    EXPECT_THAT(check.Check("one too many", absl::Now() + absl::Seconds(20)),
+                StatusIs(absl::StatusCode::kUnavailable,
+                         HasSubstr(absl::StrCat(AddressCheck::kMaxPending,
+                                                " UCX worker addresses are already waiting"))));
+    // An address already pending is still answered (joined), not turned away.
+    EXPECT_THAT(check.Check("address 0", absl::Now() + absl::Milliseconds(100)),
+                StatusIs(absl::StatusCode::kUnavailable, HasSubstr("goes on")));
+    // Only kMaxChildren run at once.
+    absl::SleepFor(absl::Milliseconds(500));
+    EXPECT_EQ(check.children_run(), static_cast<uint64_t>(AddressCheck::kMaxChildren));
+  }
+  // The destructor killed the hanging children rather than waiting out their 10 s.
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  // A deadline already past starts no child.
-  EXPECT_THAT(check.Check("late", absl::Now() - absl::Seconds(1)),
-              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("deadline")));
-  EXPECT_EQ(check.children_run(), 1u);
-}
-
-TEST(AddressCheckTest, AChildThatHangsPastItsOwnLimitRefusesTheAddress) {
-  AddressCheck check(Shell("exec sleep 30"), absl::Milliseconds(200));
-  EXPECT_THAT(
-      check.Check("hangs", absl::Now() + absl::Seconds(20)),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("did not return within 200ms")));
-  EXPECT_EQ(check.refused(), 1u);
 }
 
 TEST(AddressCheckTest, ACommandThatCannotRunIsAnInternalErrorNamingIt) {

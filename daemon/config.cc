@@ -87,8 +87,9 @@ ucx:
   max_sessions: 1024               # UCX sessions (client endpoints) open at once
   copy_threads: auto               # helpers of a shared-memory call's copy: auto | 0-64
   rendezvous_get_max_bytes: 1GiB   # blocks pinned for rendezvous gets not yet taken; 0: eager
-  check_worker_addresses: true     # a child process parses each new client worker address
-                                   # first (UCX aborts on some lying ones); docs/security.md
+  check_worker_addresses: true     # a child process parses each new client's or peer's
+                                   # worker address first (UCX aborts on some lying ones);
+                                   # docs/security.md
 cluster:                           # daemons of many nodes sharing their tiers (docs/cluster.md)
   enabled: false                   # off: this daemon serves from its own tiers only
   advertise: ""                    # host:port peers reach this daemon at; its unique node id

@@ -173,8 +173,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(
     ucx::AddressCheck* c = t->address_check_.get();
     registry->AddCounterFunction(
         "proxima_ucx_address_checks_total",
-        "New UCX worker addresses of clients that a child process parsed before the "
-        "daemon's UCX did (ucx.check_worker_addresses; monotonic)",
+        "New UCX worker addresses of clients and cluster peers that a child process parsed "
+        "before the daemon's UCX did (ucx.check_worker_addresses; monotonic)",
         {}, [c] { return static_cast<double>(c->children_run()); });
     registry->AddCounterFunction(
         "proxima_ucx_addresses_refused_total",

@@ -74,7 +74,7 @@ class UcxTransport {
 
   // Starts the worker and registers the arena of `core`'s host tier. `core` and `registry` must
   // outlive the transport. With config.check_worker_addresses, `address_check_command` runs a
-  // child that parses each new client address first (ucx::AddressCheck; proximad:
+  // child that parses each new client or peer address first (ucx::AddressCheck; proximad:
   // {"/proc/self/exe", ucx::kAddressCheckFlag}); it is tried on the worker's own address here,
   // so a command that cannot run on this host stops the start with the reason.
   static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(

@@ -1452,7 +1452,10 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
     PROXIMA_LOG(kInfo) << "spilling to a peer inline: its UCX worker did not take the blocks"
                        << log::Kv("peer", p.call->peer)
                        << log::Kv("error", transfer.status().ToString());
-    rooms_[p.call->peer].ucx_retry_at = now + kUcxRetryAfter;
+    // A worker whose address is still being checked is tried again next round.
+    if (!absl::IsUnavailable(ucx_->Verdict(p.ucx_worker))) {
+      rooms_[p.call->peer].ucx_retry_at = now + kUcxRetryAfter;
+    }
     for (size_t j = 0; j < p.blocks.size(); ++j) {
       const std::span<const std::byte> b = p.blocks[j].block.bytes;
       p.call->request.mutable_data(static_cast<int>(j))
@@ -1493,7 +1496,14 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
       // A peer that names another worker than before has restarted (between two health checks,
       // or the live set would have dropped its room): failing to reach its old worker says
       // nothing of the new one, so UCX is tried again from the next round.
-      if (call.response.ucx_worker() != room.ucx_worker) room.ucx_retry_at = absl::InfinitePast();
+      if (call.response.ucx_worker() != room.ucx_worker) {
+        room.ucx_retry_at = absl::InfinitePast();
+        // Its check (ucx.check_worker_addresses) starts now, so that the verdict is in by the
+        // next round.
+        if (ucx_ != nullptr && !call.response.ucx_worker().empty()) {
+          ucx_->Verdict(call.response.ucx_worker()).IgnoreError();
+        }
+      }
       room.ucx_worker = call.response.ucx_worker();
     }
     if (!answered && call.request.ucx_transfer() != 0) {

@@ -38,7 +38,12 @@ absl::StatusOr<std::shared_ptr<ucx::Endpoint>> PeerUcx::EndpointTo(const std::st
       opened_.erase(std::find(opened_.begin(), opened_.end(), address));
     }
   }
-  // Outside the lock: connecting waits for the peer.
+  // Outside the lock: checking the address and connecting wait. A peer's address reaches this
+  // process's UCX only once a child process survived parsing it (ucx::AddressCheck); its verdict
+  // is waited for during half the call's time at most, so that the endpoint still has the rest.
+  // Past that the caller goes inline, and the verdict is remembered for the next call.
+  const absl::Time now = absl::Now();
+  PROXIMA_RETURN_IF_ERROR(worker_->CheckAddress(address, now + (deadline - now) / 2));
   PROXIMA_ASSIGN_OR_RETURN(std::shared_ptr<ucx::Endpoint> ep, worker_->Connect(address, deadline));
   proxima::MutexLock lock(&mu_);
   auto [it, inserted] = endpoints_.try_emplace(address, ep);
@@ -49,6 +54,10 @@ absl::StatusOr<std::shared_ptr<ucx::Endpoint>> PeerUcx::EndpointTo(const std::st
     opened_.erase(opened_.begin());
   }
   return ep;
+}
+
+absl::Status PeerUcx::Verdict(const std::string& address) {
+  return worker_->CheckAddress(address, absl::InfinitePast());
 }
 
 void PeerUcx::Drop(const std::string& address) {

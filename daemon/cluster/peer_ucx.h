@@ -18,6 +18,11 @@
 //            transfer of the sender's choosing (Push) before the StoreBlocks call that names
 //            the transfer, and the receiver collects them and checks them as inline bytes.
 //
+// A worker address from a peer is parsed by this process's UCX only once a child process
+// survived parsing it (ucx::AddressCheck, ucx.check_worker_addresses): a holder waits for that
+// verdict during half the call's time at most, as does a spill sender (whose check starts when
+// the receiver's answer names the address); both move the blocks inline until it is in, and
+// for good when the address was refused.
 // A holder that cannot reach the reader's worker answers inline; a send that fails or runs past
 // the call's deadline fails the call (UNAVAILABLE), and the reader counts its blocks as misses.
 // Endpoints to peers are kept and reused, and dropped once they fail.
@@ -84,6 +89,11 @@ class PeerUcx {
   absl::StatusOr<uint64_t> Push(const std::string& address,
                                 std::span<const std::span<const std::byte>> blocks,
                                 absl::Time deadline);
+
+  // Spill sender: the verdict so far of ucx.check_worker_addresses on a receiver's worker
+  // `address` (from its answer), without waiting: OK, UNAVAILABLE while there is none yet (the
+  // check is started if it was not), or the refusal.
+  absl::Status Verdict(const std::string& address);
 
   // Counts bytes that arrived as messages.
   void CountIn(uint64_t bytes) { bytes_in_->Increment(bytes); }

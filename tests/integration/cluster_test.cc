@@ -2,10 +2,12 @@
 // joined by static peer lists (cluster.peers), driven through libproxima as workers would.
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -445,6 +447,43 @@ TEST_F(ClusterTest, AFetchNamingABadUcxWorkerIsRefusedOrAnsweredInline) {
   grpc::Status s = fetch("w", 0, p.block_bytes, &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("ucx_transfer is 0"));
+  // A well-framed address that lies (-1.0f over 4 of its bytes, offset after offset, until one
+  // ends UCX's ucp_ep_create in an assertion; RawUcxTest tries every offset on a client's
+  // ConnectUcx): the daemon has a child process parse it first (ucx.check_worker_addresses), so
+  // it answers inline and lives. Without the check it died at offset 60.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ucx::Worker> reader, ucx::Worker::Create("lying-reader"));
+  const std::string good = reader->address();
+  std::string refused;
+  for (size_t at = 1; at + sizeof(float) <= good.size() && refused.empty(); ++at) {
+    std::string lie = good;
+    const float minus_one = -1.0f;
+    std::memcpy(lie.data() + at, &minus_one, sizeof(minus_one));
+    const double refusals = Metric(0, "proxima_ucx_addresses_refused_total");
+    s = fetch(lie, 7, p.block_bytes, &response);
+    ASSERT_TRUE(s.ok()) << "offset " << at << ": " << s.error_code() << " " << s.error_message();
+    int wait_status = 0;
+    ASSERT_EQ(waitpid(daemons_[0]->pid(), &wait_status, WNOHANG), 0)
+        << "proximad ended after a fetch naming the address with -1.0f at offset " << at << ": "
+        << daemons_[0]->Log();
+    if (Metric(0, "proxima_ucx_addresses_refused_total") > refusals) {
+      refused = lie;
+      // Refused: the blocks came inline, byte-exact.
+      ASSERT_EQ(response.blocks_size(), 2);
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_EQ(response.blocks(i).data(),
+                  std::string(reinterpret_cast<const char*>(blocks.spans()[i].data()),
+                              blocks.spans()[i].size()));
+      }
+    }
+  }
+  ASSERT_FALSE(refused.empty()) << "no lie ended the checking process: this part tests nothing";
+  // The refusal is remembered: the same address again runs no child, and is answered inline.
+  const double children = Metric(0, "proxima_ucx_address_checks_total");
+  s = fetch(refused, 8, p.block_bytes, &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.blocks_size(), 2);
+  EXPECT_FALSE(response.ucx_sent());
+  EXPECT_EQ(Metric(0, "proxima_ucx_address_checks_total"), children);
   // The daemon serves on, every block intact.
   EXPECT_EQ(GetAndCheck(*worker, p, 4, 0, 2), 2u);
 }
@@ -2301,6 +2340,14 @@ TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveAL
     }
     return got;
   };
+  // What the daemons logged, for a failure's message (a miss says little on its own).
+  auto logs = [&daemons] {
+    std::string all;
+    for (size_t i = 0; i < daemons.size(); ++i) {
+      absl::StrAppend(&all, "\n--- node ", i, " ---\n", daemons[i]->Log());
+    }
+    return all;
+  };
   auto a = MustConnect(daemons[0]->unix_target());
   auto b = MustConnect(daemons[1]->unix_target());
   auto c = MustConnect(daemons[2]->unix_target());
@@ -2314,10 +2361,10 @@ TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveAL
   do {
     ASSERT_OK(a->Put(p, blocks.keys, blocks.spans()).status());
   } while (wait_lookup(*b, p, 21, 12, absl::Milliseconds(500)) != 12 && absl::Now() < joined);
-  EXPECT_EQ(wait_lookup(*b, p, 21, 12), 12u);
-  EXPECT_EQ(wait_lookup(*c, p, 21, 12), 12u);
-  EXPECT_EQ(GetAndCheck(*b, p, 21, 0, 12), 12u);
-  EXPECT_EQ(GetAndCheck(*c, p, 21, 0, 12), 12u);
+  EXPECT_EQ(wait_lookup(*b, p, 21, 12), 12u) << logs();
+  EXPECT_EQ(wait_lookup(*c, p, 21, 12), 12u) << logs();
+  EXPECT_EQ(GetAndCheck(*b, p, 21, 0, 12), 12u) << logs();
+  EXPECT_EQ(GetAndCheck(*c, p, 21, 0, 12), 12u) << logs();
 
   daemons[0]->Signal(SIGKILL);
   // The others keep answering, within the deadline, and A's blocks become misses.
@@ -2332,7 +2379,7 @@ TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveAL
     ASSERT_OK(n.status());
     still = std::max(*n, got);
   }
-  EXPECT_EQ(still, 0u);
+  EXPECT_EQ(still, 0u) << logs();
   EXPECT_LT(slowest, 2 * kPeerDeadline + absl::Milliseconds(500));
 
   // A comes back in its namespace, rejoins, and its new blocks are read from B and C.
@@ -2345,9 +2392,9 @@ TEST(ClusterNetnsTest, DaemonsInSeparateNetworkNamespacesShareBlocksAndSurviveAL
     ASSERT_OK(a->Put(p, fresh.keys, fresh.spans()).status());
   } while (wait_lookup(*b, p, 22, 12, absl::Milliseconds(500)) != 12 &&
            absl::Now() < rejoined);
-  EXPECT_EQ(wait_lookup(*c, p, 22, 12), 12u);
-  EXPECT_EQ(GetAndCheck(*b, p, 22, 0, 12), 12u);
-  EXPECT_EQ(GetAndCheck(*c, p, 22, 0, 12), 12u);
+  EXPECT_EQ(wait_lookup(*c, p, 22, 12), 12u) << logs();
+  EXPECT_EQ(GetAndCheck(*b, p, 22, 0, 12), 12u) << logs();
+  EXPECT_EQ(GetAndCheck(*c, p, 22, 0, 12), 12u) << logs();
   daemons.clear();
   std::filesystem::remove_all(dir);
 }
