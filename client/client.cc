@@ -156,11 +156,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     client->token_ = std::move(token);
     client->next_token_read_ = absl::Now() + options.token_reload_interval;
   }
-  grpc::ClientContext context;
-  client->PrepareContext(&context);
   v1::GetServerInfoResponse info;
-  PROXIMA_RETURN_IF_ERROR(
-      FromGrpc(client->stub_->GetServerInfo(&context, v1::GetServerInfoRequest(), &info)));
+  PROXIMA_RETURN_IF_ERROR(CallDaemon(
+      absl::Now() + options.call_timeout, client->Token(), [&](grpc::ClientContext* context) {
+        return client->stub_->GetServerInfo(context, v1::GetServerInfoRequest(), &info);
+      }));
   client->server_info_ = ServerInfo{info.version(),          info.max_message_bytes(),
                                     info.max_batch_blocks(), info.max_lookup_keys(),
                                     info.ucx_enabled(),      info.max_inflight_bytes_per_client()};
@@ -258,11 +258,11 @@ absl::Status Client::CallUcx(const Profile& profile, Req& request, Resp* respons
   return CallWithSession([&](absl::Time deadline) {
     return CallWithProfile(profile, [&] {
       if (prepare) PROXIMA_RETURN_IF_ERROR(prepare(request, deadline));
-      grpc::ClientContext context;
-      PrepareContext(&context, deadline - absl::Now());
       request.set_session_id(ucx_session_.load());
-      response->Clear();
-      return FromGrpc((stub_.get()->*method)(&context, request, response));
+      return CallDaemon(deadline, Token(), [&](grpc::ClientContext* context) {
+        response->Clear();
+        return (stub_.get()->*method)(context, request, response);
+      });
     });
   });
 }
@@ -299,10 +299,10 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
   probe->set_length(ucx_probe_bytes_.size());
   request.set_probe_crc32c(Crc32c(ucx_probe_bytes_));
   v1::ConnectUcxResponse response;
-  grpc::ClientContext context;
   const std::string token = Token();
-  PrepareContextWith(&context, deadline - absl::Now(), token);
-  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->ConnectUcx(&context, request, &response)));
+  PROXIMA_RETURN_IF_ERROR(CallDaemon(deadline, token, [&](grpc::ClientContext* context) {
+    return stub_->ConnectUcx(context, request, &response);
+  }));
   // PutUcx messages go over an endpoint of this worker's own to the daemon's worker. Without
   // one (an older daemon, or its worker not reachable from here) the daemon pulls the bytes.
   std::shared_ptr<ucx::Endpoint> daemon_ep;
@@ -356,11 +356,11 @@ void Client::CloseUcxSession(uint64_t session_id, absl::Duration timeout) {
     v1::DisconnectUcxRequest request;
     request.set_session_id(session_id);
     v1::DisconnectUcxResponse response;
-    grpc::ClientContext context;
-    PrepareContextWith(&context, deadline - absl::Now(), token);
     // Best effort: the daemon also notices a client that goes.
-    const grpc::Status status = stub_->DisconnectUcx(&context, request, &response);
-    if (status.error_code() != grpc::StatusCode::UNAUTHENTICATED) break;
+    const absl::Status status = CallDaemon(deadline, token, [&](grpc::ClientContext* context) {
+      return stub_->DisconnectUcx(context, request, &response);
+    });
+    if (!absl::IsUnauthenticated(status)) break;
   }
 }
 
@@ -883,14 +883,6 @@ Client::Client(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
       stub_(v1::KVTier::NewStub(channel_)),
       generic_stub_(std::make_unique<grpc::GenericStub>(channel_)) {}
 
-void Client::PrepareContext(grpc::ClientContext* context) const {
-  PrepareContext(context, options_.call_timeout);
-}
-
-void Client::PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const {
-  PrepareContextWith(context, timeout, Token());
-}
-
 void Client::PrepareContextWith(grpc::ClientContext* context, absl::Duration timeout,
                                 const std::string& token) {
   context->set_deadline(Deadline(timeout));
@@ -960,32 +952,15 @@ size_t Client::BlocksPerCall(uint64_t block_bytes) const {
       std::max<uint64_t>(1, std::min<uint64_t>(by_bytes, server_info_.max_batch_blocks)));
 }
 
-absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request,
-                             grpc::ByteBuffer* response) {
-  const absl::Time deadline = absl::Now() + options_.call_timeout;
-  // A call refused only because this client's earlier calls still held bytes in the daemon
-  // (wire::kRetryWhenReleasedMetadata: they are released a moment after their responses arrive,
-  // longer when the daemon is short of CPU) is sent again once they are, within the deadline.
+absl::Status Client::CallDaemon(absl::Time deadline, const std::string& token,
+                                absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt) {
+  // Refusals that say "retry when released" come from calls still running in the daemon: they
+  // end a moment after their responses arrive (longer when the daemon is short of CPU).
   absl::Duration wait = absl::Milliseconds(1);
   while (true) {
     grpc::ClientContext context;
-    PrepareContext(&context, deadline - absl::Now());
-    // The calling thread drives its own completion queue, as gRPC's synchronous stubs do: the
-    // response is read from the socket on this thread, where its bytes are copied out next,
-    // instead of on a gRPC callback thread that would then have to wake this one.
-    grpc::CompletionQueue cq;
-    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
-        generic_stub_->PrepareUnaryCall(&context, method, request, &cq);
-    call->StartCall();
-    grpc::Status status;
-    call->Finish(response, &status, this);
-    void* tag = nullptr;
-    bool ok = false;
-    const bool got = cq.Next(&tag, &ok);  // the call's deadline bounds this wait
-    cq.Shutdown();
-    while (cq.Next(&tag, &ok)) {
-    }
-    if (!got) return absl::InternalError("gRPC completion queue shut down during a call");
+    PrepareContextWith(&context, deadline - absl::Now(), token);
+    const grpc::Status status = attempt(&context);
     if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
         context.GetServerTrailingMetadata().count(wire::kRetryWhenReleasedMetadata) > 0 &&
         absl::Now() + wait < deadline) {
@@ -995,6 +970,33 @@ absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request
     }
     return FromGrpc(status);
   }
+}
+
+absl::Status Client::CallRaw(const char* method, const grpc::ByteBuffer& request,
+                             grpc::ByteBuffer* response) {
+  return CallDaemon(absl::Now() + options_.call_timeout, Token(),
+                    [&](grpc::ClientContext* context) {
+                      // The calling thread drives its own completion queue, as gRPC's synchronous
+                      // stubs do: the response is read from the socket on this thread, where its
+                      // bytes are copied out next, instead of on a gRPC callback thread that would
+                      // then have to wake this one.
+                      grpc::CompletionQueue cq;
+                      std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+                          generic_stub_->PrepareUnaryCall(context, method, request, &cq);
+                      call->StartCall();
+                      grpc::Status status;
+                      call->Finish(response, &status, this);
+                      void* tag = nullptr;
+                      bool ok = false;
+                      const bool got = cq.Next(&tag, &ok);  // the call's deadline bounds this wait
+                      cq.Shutdown();
+                      while (cq.Next(&tag, &ok)) {
+                      }
+                      if (!got)
+                        return grpc::Status(grpc::StatusCode::INTERNAL,
+                                            "gRPC completion queue shut down during a call");
+                      return status;
+                    });
 }
 
 template <typename Call>
@@ -1020,9 +1022,10 @@ absl::StatusOr<Profile> Client::RegisterProfile(const v1::ModelProfile& profile)
   request.set_namespace_name(options_.namespace_name);
   *request.mutable_profile() = profile;
   v1::RegisterProfileResponse response;
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->RegisterProfile(&context, request, &response)));
+  PROXIMA_RETURN_IF_ERROR(
+      CallDaemon(absl::Now() + options_.call_timeout, Token(), [&](grpc::ClientContext* context) {
+        return stub_->RegisterProfile(context, request, &response);
+      }));
   {
     proxima::MutexLock lock(&mu_);
     profiles_[response.profile_id()] = profile;
@@ -1248,9 +1251,10 @@ absl::Status Client::CallInKeyChunks(const Profile& profile, std::span<const Blo
     for (size_t i = begin; i < end; ++i) request.add_keys(KeyString(keys[i]));
     Response response;
     PROXIMA_RETURN_IF_ERROR(CallWithProfile(profile, [&] {
-      grpc::ClientContext context;
-      PrepareContext(&context);
-      return FromGrpc(((*stub_).*rpc)(&context, request, &response));
+      return CallDaemon(absl::Now() + options_.call_timeout, Token(),
+                        [&](grpc::ClientContext* context) {
+                          return ((*stub_).*rpc)(context, request, &response);
+                        });
     }));
     if (!on_response(response, end - begin)) break;
   }
@@ -1280,10 +1284,11 @@ absl::StatusOr<size_t> Client::Delete(const Profile& profile, std::span<const Bl
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats() {
-  grpc::ClientContext context;
-  PrepareContext(&context);
   v1::StatsResponse response;
-  PROXIMA_RETURN_IF_ERROR(FromGrpc(stub_->Stats(&context, v1::StatsRequest(), &response)));
+  PROXIMA_RETURN_IF_ERROR(
+      CallDaemon(absl::Now() + options_.call_timeout, Token(), [&](grpc::ClientContext* context) {
+        return stub_->Stats(context, v1::StatsRequest(), &response);
+      }));
   return response;
 }
 

@@ -298,16 +298,21 @@ class Client {
   template <typename Request, typename Response, typename Rpc, typename OnResponse>
   absl::Status CallInKeyChunks(const Profile& profile, std::span<const BlockKey> keys,
                                size_t per_call, Rpc rpc, OnResponse&& on_response);
-  // Sets the call's deadline (call_timeout, or `timeout`) and its bearer token, if any.
-  void PrepareContext(grpc::ClientContext* context) const;
-  void PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const;
-  // The same with `token` (Token() or the UCX session's).
+  // Sets the call's deadline (`timeout` from now) and its bearer `token` (Token() or the UCX
+  // session's), if any.
   static void PrepareContextWith(grpc::ClientContext* context, absl::Duration timeout,
                                  const std::string& token);
   // The bearer token to present: options_.token, or token_file's, read again when due.
   std::string Token() const ABSL_LOCKS_EXCLUDED(token_mu_);
   // Whether the UCX session was opened with the token presented now.
   bool SessionTokenIsCurrent() const ABSL_LOCKS_EXCLUDED(token_mu_);
+  // One call: `attempt` makes it on a context whose deadline and bearer `token` are set. Made
+  // again, on a fresh context, while the daemon refuses it only until calls running in it end
+  // (wire::kRetryWhenReleasedMetadata: this client's earlier calls still hold bytes there, or
+  // server.max_connections other connections have calls running), backing off from 1 to 50 ms,
+  // as long as `deadline` allows. Every call to the daemon goes through here.
+  static absl::Status CallDaemon(absl::Time deadline, const std::string& token,
+                                 absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
   // One unary call with serialized messages (Put and Get encode their block bytes themselves).
   absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
                        grpc::ByteBuffer* response);

@@ -86,13 +86,16 @@ absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_byt
   proxima::MutexLock lock(&mu_);
   auto it = accounts_.find(peer);
   if (it == accounts_.end()) {
+    if (request_bytes > max_bytes_) return OverBytes(peer, 0, request_bytes, "request");
     if (accounts_.size() >= max_peers_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
           "client ", peer, " refused: ", accounts_.size(),
           " connections already have calls running; the limit is server.max_connections = ",
           max_peers_, "; retry shortly"));
+      // Admitted once another connection's calls have ended: libproxima sends it again.
+      status.SetPayload(kRetryWhenReleased, absl::Cord("1"));
+      return status;
     }
-    if (request_bytes > max_bytes_) return OverBytes(peer, 0, request_bytes, "request");
     it = accounts_.emplace(peer, Account()).first;
   } else if (it->second.bytes + request_bytes > max_bytes_) {
     return OverBytes(peer, it->second.bytes, request_bytes, "request");

@@ -75,8 +75,10 @@ class InflightLedger {
  public:
   InflightLedger(uint64_t max_bytes_per_peer, uint32_t max_peers)
       : max_bytes_(max_bytes_per_peer), max_peers_(max_peers) {}
-  // The payload (type URL) of a refusal that holds only because `peer`'s other calls still
-  // hold bytes: the call fits once they are released (wire::kRetryWhenReleasedMetadata).
+  // The payload (type URL) of a refusal that holds only because calls still running hold what
+  // the call needs (`peer`'s own calls its bytes, other connections' calls every slot of
+  // server.max_connections): the call fits once they are released
+  // (wire::kRetryWhenReleasedMetadata).
   static constexpr char kRetryWhenReleased[] = "proxima/inflight-retry-when-released";
   // Starts a call of `peer` holding `request_bytes`; on error nothing is counted.
   absl::Status Begin(const std::string& peer, uint64_t request_bytes);

@@ -61,9 +61,18 @@ TEST(InflightLedgerTest, ConnectionsWithCallsRunningAreCapped) {
   ASSERT_OK(ledger.Begin("a", 0));
   ASSERT_OK(ledger.Begin("b", 10));
   ASSERT_OK(ledger.Begin("a", 0));  // a second call on a known connection is fine
-  EXPECT_THAT(ledger.Begin("c", 0),
+  const absl::Status refused = ledger.Begin("c", 0);
+  EXPECT_THAT(refused,
               StatusIs(absl::StatusCode::kResourceExhausted,
                        AllOf(HasSubstr("client c"), HasSubstr("server.max_connections = 2"))));
+  // It fits once another connection's calls end: the client may send it again.
+  EXPECT_TRUE(refused.GetPayload(InflightLedger::kRetryWhenReleased).has_value());
+  // One over the byte limit alone never fits, wherever the connection count is.
+  EXPECT_THAT(ledger.Begin("c", (1 << 20) + 1),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("server.max_inflight_bytes_per_client")));
+  EXPECT_FALSE(
+      ledger.Begin("c", (1 << 20) + 1).GetPayload(InflightLedger::kRetryWhenReleased).has_value());
   ledger.End("a", 0);
   EXPECT_EQ(ledger.active_peers(), 2u);  // a still has a call running
   ledger.End("a", 0);

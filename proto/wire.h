@@ -123,11 +123,13 @@ struct KeyedRequest {
 absl::Status ParseKeyedRequest(const grpc::ByteBuffer& buffer, size_t max_keys,
                                const char* method, KeyedRequest* out);
 
-// Trailing metadata of a RESOURCE_EXHAUSTED refusal by server.max_inflight_bytes_per_client
-// that holds only because the client's earlier calls still hold bytes in the daemon. Those are
-// released once gRPC has finished sending their responses, which can be a while after the
-// client has them (the daemon's threads starved of CPU), so the same call fits a moment later:
-// a client may send it again after a short wait. Absent when the call alone is over the limit.
+// Trailing metadata of a RESOURCE_EXHAUSTED refusal that holds only because calls still running
+// in the daemon hold what this one needs: by server.max_inflight_bytes_per_client, the client's
+// earlier calls still hold bytes (released once gRPC has finished sending their responses,
+// which can be a while after the client has them, the daemon's threads starved of CPU); by
+// server.max_connections, other connections have calls running. The same call fits a moment
+// later: a client may send it again after a short wait. Absent when the call alone is over the
+// byte limit.
 inline constexpr char kRetryWhenReleasedMetadata[] = "proxima-retry-when-released";
 
 }  // namespace proxima::wire

@@ -13,7 +13,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -654,6 +657,70 @@ TEST(LimitsTest, InflightBytesPerClientAreCappedWithAClearError) {
   RoundTrip(*c, 13, 1);
   ASSERT_OK_AND_ASSIGN(auto local, Connect({.target = daemon->unix_target()}));
   RoundTrip(*local, 15, 1);
+}
+
+// server.max_connections caps the connections with calls running at once. A call from one more
+// is refused only until another connection's calls end, and says so (the retry metadata):
+// libproxima sends it again within its deadline, so clients past the cap wait their turn instead
+// of failing. Before stop 64 every such refusal reached the caller.
+TEST(LimitsTest, CallsPastTheConnectionCapWaitForTheirTurn) {
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"server.max_connections=1"}));
+  constexpr int kClients = 3;
+  constexpr int kRounds = 40;
+  constexpr size_t kBlocks = 8;
+  std::vector<std::unique_ptr<Client>> clients;
+  Profile p;
+  for (int i = 0; i < kClients; ++i) {
+    // Each client its own TCP connection (libproxima's channels keep their own subchannels).
+    ASSERT_OK_AND_ASSIGN(
+        auto c, Connect({.target = daemon->tcp_target(), .transport = client::Transport::kInline}));
+    ASSERT_OK_AND_ASSIGN(p, c->RegisterProfile(SmallModel()));
+    clients.push_back(std::move(c));
+  }
+  std::atomic<int> failures{0};
+  std::mutex mu;
+  std::string first_failure;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      Client& c = *clients[i];
+      for (int r = 0; r < kRounds; ++r) {
+        const uint64_t seed = 1000 + i * kRounds + r;
+        std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, kBlocks);
+        std::vector<std::vector<std::byte>> data(kBlocks, std::vector<std::byte>(p.block_bytes));
+        for (size_t b = 0; b < kBlocks; ++b) client::FillTestBlock(seed, b, data[b]);
+        std::vector<std::span<const std::byte>> in(data.begin(), data.end());
+        absl::Status status = c.Put(p, keys, in).status();
+        if (status.ok()) {
+          std::vector<std::span<std::byte>> out(data.begin(), data.end());
+          absl::StatusOr<std::vector<bool>> found = c.Get(p, keys, out);
+          status = found.status();
+          for (size_t b = 0; status.ok() && b < kBlocks; ++b) {
+            if (!(*found)[b] || !client::IsTestBlock(seed, b, data[b])) {
+              status = absl::DataLossError(absl::StrCat("block ", b, " of chain ", seed));
+            }
+          }
+        }
+        if (!status.ok()) {
+          failures.fetch_add(1);
+          std::lock_guard<std::mutex> lock(mu);
+          if (first_failure.empty()) first_failure = status.ToString();
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0) << first_failure;
+  // The premise: the daemon did refuse calls for the cap (each one sent again).
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+  double refused = 0;
+  for (const char* method : {"Put", "Get"}) {
+    refused += std::max(0.0, ::proxima::testing::MetricValue(
+                                 metrics, absl::StrCat("proxima_requests_total{method=\"", method,
+                                                       "\",code=\"RESOURCE_EXHAUSTED\"}")));
+  }
+  std::cout << "calls refused for server.max_connections and sent again: " << refused << "\n";
+  EXPECT_GT(refused, 0) << "no call was refused: this test tested nothing";
 }
 
 }  // namespace
