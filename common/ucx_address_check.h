@@ -16,8 +16,9 @@
 // The children run on this object's own threads (kMaxChildren at most, started as needed), not
 // the caller's: a caller waits for the verdict until its deadline, and when that passes first
 // the check goes on and its verdict is remembered for the next caller of the same address. A
-// cluster peer's spill path asks without waiting (a past deadline) and moves blocks inline until
-// the verdict is in.
+// cluster peer's path waits at most half its call's time and moves blocks inline until the
+// verdict is in; a spill sender starts the check without waiting (a past deadline) as soon as a
+// receiver names a new address.
 //
 // Cost: one process start and UCX context per new address (about 47 ms on 2 vCPUs: scripts/bench.sh
 // connect); verdicts are remembered (a client reconnecting, a peer's every call). docs/security.md
@@ -110,13 +111,13 @@ class AddressCheck {
   std::condition_variable wake_;            // a job was queued, or stopping_
   std::condition_variable done_;            // a job got its verdict, or stopping_
   std::deque<std::shared_ptr<Job>> queue_;  // under mu_
-  absl::flat_hash_map<std::string, std::shared_ptr<Job>> pending_;  // queued or running
+  absl::flat_hash_map<std::string, std::shared_ptr<Job>> pending_;  // queued or running; mu_
   absl::flat_hash_set<std::string> accepted_;                       // under mu_
   // Addresses a child died on (a signal, an exit code): the same bytes die the same way.
   // Children that ran out of time are not remembered (a loaded host may pass them next time).
   absl::flat_hash_map<std::string, absl::Status> refused_by_;  // under mu_
   std::vector<std::thread> threads_;                           // under mu_
-  int idle_ = 0;                                               // threads waiting for a job
+  int idle_ = 0;  // threads waiting for a job; under mu_
   std::atomic<uint64_t> children_run_{0};
   std::atomic<uint64_t> refused_{0};
   std::atomic<uint64_t> known_{0};
