@@ -108,7 +108,8 @@ TEST(DaemonIntegrationTest, EvictsAtCapacityAndNeverGoesAbove) {
 // SIGHUP with --config: proximad reads its config file again. A lowered namespaces[].max_bytes
 // holds at once (the namespace's oldest blocks go, no other namespace's) and for later puts; a
 // changed key that needs a restart is named in the log and counted, its old value kept; a file
-// that no longer parses changes nothing and says why; a limit removed lets the namespace grow.
+// that no longer parses, or is gone, changes nothing and says why; a limit removed lets the
+// namespace grow.
 // The --set overrides of the start still apply on top of the file.
 TEST(DaemonIntegrationTest, SighupPutsAChangedNamespaceLimitInForceAndNamesKeysNeedingARestart) {
   char tmpl[] = "/tmp/proxima-reload-XXXXXX";
@@ -189,6 +190,19 @@ TEST(DaemonIntegrationTest, SighupPutsAChangedNamespaceLimitInForceAndNamesKeysN
               ::testing::Optional(AllOf(HasSubstr("namespaces[1].max_bytes"), HasSubstr("lots"))));
   ASSERT_OK_AND_ASSIGN(metrics, daemon->ScrapeMetrics());
   EXPECT_EQ(MetricValue(metrics, "proxima_config_reload_failures_total"), 1);
+  EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 1 << 20);
+  EXPECT_EQ(GetAndCheck(*bulk, bp, 43, 0, 4), 4u);
+  EXPECT_EQ(GetAndCheck(*prod, pp, 41, 0, 8), 8u);
+
+  // The file gone (a ConfigMap unmounted, a volume not there yet): the same, naming the path;
+  // the daemon serves on with the configuration in force.
+  std::filesystem::remove(config);
+  daemon->Signal(SIGHUP);
+  ASSERT_TRUE(await_log("config reload failed", 2)) << daemon->Log();
+  EXPECT_THAT(testing::LogValue(daemon->Log(), "config reload failed", "error"),
+              ::testing::Optional(HasSubstr(config)));
+  ASSERT_OK_AND_ASSIGN(metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_config_reload_failures_total"), 2);
   EXPECT_EQ(MetricValue(metrics, "proxima_namespace_max_bytes{namespace=\"bulk\"}"), 1 << 20);
   EXPECT_EQ(GetAndCheck(*bulk, bp, 43, 0, 4), 4u);
   EXPECT_EQ(GetAndCheck(*prod, pp, 41, 0, 8), 8u);
