@@ -7,9 +7,11 @@
 // stored, and say what it refused.
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -24,6 +26,8 @@
 #include "common/crc32c.h"
 #include "common/testing/free_port.h"
 #include "common/testing/status_matchers.h"
+#include "common/ucx.h"
+#include "common/ucx_address_check.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proxima/v1/peer.grpc.pb.h"
@@ -175,17 +179,25 @@ class LyingPeer final : public v1::Peer::Service {
   std::atomic<uint64_t> profile_id_{0};
 };
 
+// Serves `peer` at `address` as a daemon would be seen by its peers: passing health checks.
+std::unique_ptr<grpc::Server> ServePeer(v1::Peer::Service* peer, const std::string& address) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials());
+  builder.RegisterService(peer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server != nullptr) {
+    server->GetHealthCheckService()->SetServingStatus("proxima.v1.KVTier", true);
+  }
+  return server;
+}
+
 TEST(LyingPeerTest, ADaemonServesAPeersLiesAsMissesAndKeepsEveryBlockItStored) {
   const std::vector<int> ports = FreeLoopbackPorts(2);  // 0: the daemon, 1: the liar
   const std::string liar_id = absl::StrCat("127.0.0.1:", ports[1]);
   LyingPeer liar(liar_id);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(liar_id, grpc::InsecureServerCredentials());
-  builder.RegisterService(&liar);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServePeer(&liar, liar_id);
   ASSERT_NE(server, nullptr);
-  server->GetHealthCheckService()->SetServingStatus("proxima.v1.KVTier", true);
 
   char tmpl[] = "/tmp/proxima-liar-XXXXXX";
   const std::string dir = mkdtemp(tmpl);
@@ -275,6 +287,109 @@ TEST(LyingPeerTest, ADaemonServesAPeersLiesAsMissesAndKeepsEveryBlockItStored) {
   EXPECT_LE(crc_lines, 3u) << crc_failures << " failures";
   EXPECT_FALSE(absl::StrContains(log, "Fatal"));
 
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->WaitExit(absl::Seconds(30)), 0) << daemon->Log();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  std::filesystem::remove_all(dir);
+}
+
+// A spill receiver that takes nothing and names, in every StoreBlocks answer, a UCX worker
+// address that lies: one that ends UCX's ucp_ep_create (an assertion) in the process that
+// parses it.
+class LyingUcxReceiver final : public v1::Peer::Service {
+ public:
+  explicit LyingUcxReceiver(std::string worker) : worker_(std::move(worker)) {}
+
+  std::atomic<int> stores{0};
+  std::atomic<int> stores_over_ucx{0};  // calls naming a UCX transfer: sent to the lie
+
+  grpc::Status StoreBlocks(grpc::ServerContext*, const v1::StoreBlocksRequest* request,
+                           v1::StoreBlocksResponse* response) override {
+    stores.fetch_add(1);
+    if (request->ucx_transfer() != 0) stores_over_ucx.fetch_add(1);
+    for (int i = 0; i < request->blocks().keys_size(); ++i) response->add_stored(false);
+    response->set_room_bytes(uint64_t{1} << 40);
+    response->set_ucx_worker(worker_);
+    return grpc::Status::OK;
+  }
+  grpc::Status RecordLocations(grpc::ServerContext*, const v1::RecordLocationsRequest*,
+                               v1::RecordLocationsResponse*) override {
+    return grpc::Status::OK;
+  }
+
+ private:
+  const std::string worker_;
+};
+
+// The spill path's side of ucx.check_worker_addresses: a receiver's lying worker address is
+// parsed by a child first and refused, the blocks go inline, and the daemon lives and keeps
+// them. Without the check (mutation: ucx.check_worker_addresses=false) the spiller's first
+// endpoint to the address ended the daemon (the same assertion, select.c:294).
+TEST(LyingPeerTest, ASpillReceiverNamingALyingUcxWorkerGetsNothingOverUcxAndTheDaemonLives) {
+  // A lie that kills: -1.0f over a real worker address, offset after offset, each parsed by
+  // proximad's own check child until one dies.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ucx::Worker> worker, ucx::Worker::Create("lie-source"));
+  std::string lie;
+  {
+    ucx::AddressCheck check({::proxima::testing::ProximadPath(), ucx::kAddressCheckFlag});
+    const std::string good = worker->address();
+    for (size_t at = 1; at + sizeof(float) <= good.size() && lie.empty(); ++at) {
+      std::string candidate = good;
+      const float minus_one = -1.0f;
+      std::memcpy(candidate.data() + at, &minus_one, sizeof(minus_one));
+      if (absl::IsInvalidArgument(check.Check(candidate, absl::Now() + absl::Seconds(20)))) {
+        lie = candidate;
+      }
+    }
+  }
+  ASSERT_FALSE(lie.empty()) << "no lie ended the checking process: this test tests nothing";
+
+  const std::vector<int> ports = FreeLoopbackPorts(2);  // 0: the daemon, 1: the receiver
+  LyingUcxReceiver receiver(lie);
+  std::unique_ptr<grpc::Server> server = ServePeer(&receiver, absl::StrCat("127.0.0.1:", ports[1]));
+  ASSERT_NE(server, nullptr);
+  char tmpl[] = "/tmp/proxima-liar-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string token_file = dir + "/peer-token";
+  std::ofstream(token_file) << "lying-peer-test-token-0123456789\n";
+  std::vector<std::string> sets = ClusterSets(ports, 0, token_file, absl::Milliseconds(1000));
+  sets.insert(sets.end(), {"tiers.host.capacity_bytes=8MiB",
+                           "cluster.spill={threshold: 0.9, accept_below: 0.75}", "ucx.enabled=true",
+                           "cluster.transport=auto"});
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> daemon, DaemonProcess::Start(sets));
+  auto metric = [&](const std::string& series) {
+    absl::StatusOr<std::string> text = daemon->ScrapeMetrics();
+    return text.ok() ? MetricValue(*text, series) : -1;
+  };
+  auto alive = [&] {
+    int wait_status = 0;
+    return waitpid(daemon->pid(), &wait_status, WNOHANG) == 0;
+  };
+  const absl::Time live_by = absl::Now() + absl::Seconds(15);
+  while (metric("proxima_cluster_live_nodes") != 2 && absl::Now() < live_by) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(metric("proxima_cluster_live_nodes"), 2) << daemon->Log();
+  std::unique_ptr<Client> c = MustConnect(daemon->tcp_target());
+  ASSERT_NE(c, nullptr);
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  // 30 blocks of 256 KiB: over the spill threshold (90% of 32), so the daemon spills to the
+  // receiver round after round; it names the lie from its first answer on.
+  Blocks stored = MakeBlocks(5, 0, 30, p.block_bytes);
+  ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, stored.keys, stored.spans()));
+  EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+  const absl::Time spilled_by = absl::Now() + absl::Seconds(15);
+  while ((receiver.stores.load() < 4 || metric("proxima_ucx_addresses_refused_total") < 1) &&
+         absl::Now() < spilled_by && alive()) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(alive()) << "proximad ended on the receiver's address: " << daemon->Log();
+  EXPECT_GE(receiver.stores.load(), 4) << "the daemon did not spill again after the answer";
+  EXPECT_EQ(metric("proxima_ucx_addresses_refused_total"), 1) << daemon->Log();
+  EXPECT_EQ(receiver.stores_over_ucx.load(), 0) << "a spill named a transfer to the lie";
+  EXPECT_EQ(metric("proxima_cluster_ucx_endpoints"), 0);
+  // Everything the daemon stored is still here, byte-exact.
+  EXPECT_EQ(GetAndCheck(*c, p, 5, 0, 30), 30u);
   daemon->Signal(SIGTERM);
   EXPECT_EQ(daemon->WaitExit(absl::Seconds(30)), 0) << daemon->Log();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
