@@ -192,34 +192,45 @@ std::unique_ptr<grpc::Server> ServePeer(v1::Peer::Service* peer, const std::stri
   return server;
 }
 
+// The value of `series` in `daemon`'s metrics, or -1 (absent, or not scraped).
+double Metric(const DaemonProcess& daemon, const std::string& series) {
+  absl::StatusOr<std::string> text = daemon.ScrapeMetrics();
+  return text.ok() ? MetricValue(*text, series) : -1;
+}
+
+// Starts a proximad at ports[0] in a cluster with the fake peer at ports[1] and waits until the
+// peer is live: 32 blocks of 256 KiB of host tier, spilling above 90% (28.8 blocks), with the
+// UCX data plane (fetches ask for UCX messages, spills send them to a worker a receiver names).
+// `dir`: its scratch directory (the peer token), for the caller to remove.
+void StartBesidePeer(const std::vector<int>& ports, std::string* dir,
+                     std::unique_ptr<DaemonProcess>* daemon) {
+  char tmpl[] = "/tmp/proxima-liar-XXXXXX";
+  *dir = mkdtemp(tmpl);
+  const std::string token_file = *dir + "/peer-token";
+  std::ofstream(token_file) << "lying-peer-test-token-0123456789\n";
+  std::vector<std::string> sets = ClusterSets(ports, 0, token_file, absl::Milliseconds(1000));
+  sets.insert(sets.end(), {"tiers.host.capacity_bytes=8MiB",
+                           "cluster.spill={threshold: 0.9, accept_below: 0.75}", "ucx.enabled=true",
+                           "cluster.transport=auto"});
+  ASSERT_OK_AND_ASSIGN(*daemon, DaemonProcess::Start(sets));
+  const absl::Time live_by = absl::Now() + absl::Seconds(15);
+  while (Metric(**daemon, "proxima_cluster_live_nodes") != 2 && absl::Now() < live_by) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(Metric(**daemon, "proxima_cluster_live_nodes"), 2) << (*daemon)->Log();
+}
+
 TEST(LyingPeerTest, ADaemonServesAPeersLiesAsMissesAndKeepsEveryBlockItStored) {
   const std::vector<int> ports = FreeLoopbackPorts(2);  // 0: the daemon, 1: the liar
   const std::string liar_id = absl::StrCat("127.0.0.1:", ports[1]);
   LyingPeer liar(liar_id);
   std::unique_ptr<grpc::Server> server = ServePeer(&liar, liar_id);
   ASSERT_NE(server, nullptr);
-
-  char tmpl[] = "/tmp/proxima-liar-XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
-  const std::string token_file = dir + "/peer-token";
-  std::ofstream(token_file) << "lying-peer-test-token-0123456789"
-                            << "\n";
-  std::vector<std::string> sets = ClusterSets(ports, 0, token_file, absl::Milliseconds(1000));
-  // 32 blocks of 256 KiB; spills start above 90% (28.8 blocks). With the UCX data plane, so
-  // that fetches ask for UCX messages, which the liar says it sent and never sends.
-  sets.insert(sets.end(), {"tiers.host.capacity_bytes=8MiB",
-                           "cluster.spill={threshold: 0.9, accept_below: 0.75}", "ucx.enabled=true",
-                           "cluster.transport=auto"});
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> daemon, DaemonProcess::Start(sets));
-  auto metric = [&](const std::string& series) {
-    absl::StatusOr<std::string> text = daemon->ScrapeMetrics();
-    return text.ok() ? MetricValue(*text, series) : -1;
-  };
-  const absl::Time live_by = absl::Now() + absl::Seconds(15);
-  while (metric("proxima_cluster_live_nodes") != 2 && absl::Now() < live_by) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_EQ(metric("proxima_cluster_live_nodes"), 2) << daemon->Log();
+  // The liar says it sent fetched blocks as UCX messages, and never sends them.
+  std::string dir;
+  std::unique_ptr<DaemonProcess> daemon;
+  ASSERT_NO_FATAL_FAILURE(StartBesidePeer(ports, &dir, &daemon));
+  auto metric = [&](const std::string& series) { return Metric(*daemon, series); };
 
   std::unique_ptr<Client> c = MustConnect(daemon->tcp_target());
   ASSERT_NE(c, nullptr);
@@ -348,28 +359,14 @@ TEST(LyingPeerTest, ASpillReceiverNamingALyingUcxWorkerGetsNothingOverUcxAndTheD
   LyingUcxReceiver receiver(lie);
   std::unique_ptr<grpc::Server> server = ServePeer(&receiver, absl::StrCat("127.0.0.1:", ports[1]));
   ASSERT_NE(server, nullptr);
-  char tmpl[] = "/tmp/proxima-liar-XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
-  const std::string token_file = dir + "/peer-token";
-  std::ofstream(token_file) << "lying-peer-test-token-0123456789\n";
-  std::vector<std::string> sets = ClusterSets(ports, 0, token_file, absl::Milliseconds(1000));
-  sets.insert(sets.end(), {"tiers.host.capacity_bytes=8MiB",
-                           "cluster.spill={threshold: 0.9, accept_below: 0.75}", "ucx.enabled=true",
-                           "cluster.transport=auto"});
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> daemon, DaemonProcess::Start(sets));
-  auto metric = [&](const std::string& series) {
-    absl::StatusOr<std::string> text = daemon->ScrapeMetrics();
-    return text.ok() ? MetricValue(*text, series) : -1;
-  };
+  std::string dir;
+  std::unique_ptr<DaemonProcess> daemon;
+  ASSERT_NO_FATAL_FAILURE(StartBesidePeer(ports, &dir, &daemon));
+  auto metric = [&](const std::string& series) { return Metric(*daemon, series); };
   auto alive = [&] {
     int wait_status = 0;
     return waitpid(daemon->pid(), &wait_status, WNOHANG) == 0;
   };
-  const absl::Time live_by = absl::Now() + absl::Seconds(15);
-  while (metric("proxima_cluster_live_nodes") != 2 && absl::Now() < live_by) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_EQ(metric("proxima_cluster_live_nodes"), 2) << daemon->Log();
   std::unique_ptr<Client> c = MustConnect(daemon->tcp_target());
   ASSERT_NE(c, nullptr);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
