@@ -576,6 +576,25 @@ absl::Status CheckAddressFraming(const std::string& remote, const std::string& o
   return absl::OkStatus();
 }
 
+// Unlinks the files of the shared-memory segments UCX's posix transport created for this
+// process's own worker, where they have names: with UCX_POSIX_USE_PROC_LINK=n, a segment is a
+// file in /dev/shm (or in UCX_POSIX_DIR) that stays until UCX frees the segment, and a check
+// child ends without freeing anything, which would leave its receive FIFO (about 4 MiB of
+// tmpfs) behind for every address checked. The mappings stay valid. REQUIRES: no peer's segment
+// is mapped yet (they are named alike and must not be removed).
+void UnlinkOwnPosixSegmentFiles() {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    const size_t slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string_view path = std::string_view(line).substr(slash);
+    const size_t name = path.rfind('/') + 1;
+    // In procfs mode UCX unlinked the file already: maps calls it "... (deleted)".
+    if (!path.substr(name).starts_with("ucx_shm_posix_") || path.ends_with(" (deleted)")) continue;
+    unlink(std::string(path).c_str());  // a second mapping of the same file finds it gone: fine
+  }
+}
+
 }  // namespace
 
 int ParseAddressInThisProcess(const std::string& address) {
@@ -585,6 +604,7 @@ int ParseAddressInThisProcess(const std::string& address) {
   if (!OpenContextAndWorker("proximad-address-check", &context, &worker).ok()) {
     return kAddressCheckCannotStart;
   }
+  UnlinkOwnPosixSegmentFiles();
   // As Worker::Connect does: with peer error handling, then without where UCX refuses it.
   const std::vector<char> padded = Padded(address);
   ucp_ep_h ep = nullptr;

@@ -137,13 +137,17 @@ PROXIMA_DEMO_PREBUILT="$BUILD_DIR" PROXIMA_DEMO_RUNNER="qemu-aarch64 -L $SYSROOT
 #   RawUcxTest.LyingWorkerAddresses...: under qemu proximad cannot run itself to check worker
 #     addresses in a child (tests/integration/daemon_process.cc turns ucx.check_worker_addresses
 #     off), so a lying address ends the daemon as the check exists to prevent;
+#   PosixKeyModes/RawUcxTest.*: the raw cases again with UCX_POSIX_USE_PROC_LINK=n (posix keys
+#     that name segments by shm_open name and by a file in a directory); which way a key names
+#     its segment does not depend on the architecture, and the cases run natively in the main
+#     suite (the transports' own cases, Transports/RawUcxTest.*, run here);
 #   cluster_over_tcp: it runs cluster_integration_test, which is not built here (like every
 #     cluster test, it runs natively in the main suite).
 # The scripts registered under the label (Python, the replay and restart benchmarks, the soaks)
 # are x86 only.
 PROXIMA_TEST_RUNNER="$(command -v qemu-aarch64) -L $SYSROOT" ctest --test-dir "$BUILD_DIR" \
   -L integration --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 600 \
-  -E '^(python_pytest|replay_bench_quick|restart_bench_quick|soak_.*|cluster_over_tcp)$|UcxProbeTest|SigtermDrainsInFlightCalls|SigkillMidBatchesFailsFast|ConnectDisconnectCyclesLeakNothing|LyingWorkerAddresses'
+  -E '^(python_pytest|replay_bench_quick|restart_bench_quick|soak_.*|cluster_over_tcp)$|UcxProbeTest|SigtermDrainsInFlightCalls|SigkillMidBatchesFailsFast|ConnectDisconnectCyclesLeakNothing|LyingWorkerAddresses|^PosixKeyModes/'
 echo "aarch64: proximad, proximactl, the unit tests and the integration tests ran under qemu-aarch64"
 }
 

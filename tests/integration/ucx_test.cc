@@ -105,18 +105,54 @@ pid_t ProcessWithArgument(const std::string& argument) {
   return found;
 }
 
+// The parameter: UCX_TLS, then optionally ":shm_open" or ":dir", the posix transport's other
+// two ways of naming a segment (UCX_POSIX_USE_PROC_LINK=n; with ":dir", segments are files in a
+// directory of the test's own, UCX_POSIX_DIR, not in /dev/shm). By default a posix key names the
+// segment as /proc/PID/fd/FD.
 class UcxIntegrationTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     // Both processes pick their transports from the environment.
-    setenv("UCX_TLS", GetParam(), 1);
+    const std::string param = GetParam();
+    const size_t colon = param.find(':');
+    setenv("UCX_TLS", param.substr(0, colon).c_str(), 1);
     setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+    if (colon != std::string::npos) {
+      posix_mode_ = param.substr(colon + 1);
+      setenv("UCX_POSIX_USE_PROC_LINK", "n", 1);
+      if (posix_mode_ == "dir") {
+        char tmpl[] = "/tmp/proxima-ucx-posix-XXXXXX";
+        ASSERT_NE(mkdtemp(tmpl), nullptr) << std::strerror(errno);
+        posix_dir_ = tmpl;
+        setenv("UCX_POSIX_DIR", tmpl, 1);
+      }
+    }
     auto d =
         DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB", "server.max_batch_blocks=8"});
     ASSERT_OK(d.status());
     daemon_ = *std::move(d);
   }
-  void TearDown() override { unsetenv("UCX_TLS"); }
+  // Without procfs links a segment's file stays until UCX frees the segment, so the daemon stops
+  // by SIGTERM here, which frees its own. Then nothing may be left in the test's directory: no
+  // segment of this process's workers (freed by now) and none of the daemon's address-check
+  // children, which end without freeing theirs.
+  void TearDown() override {
+    unsetenv("UCX_TLS");
+    if (posix_mode_.empty()) return;
+    unsetenv("UCX_POSIX_USE_PROC_LINK");
+    unsetenv("UCX_POSIX_DIR");
+    if (daemon_ != nullptr && daemon_->pid() > 0) {
+      daemon_->Signal(SIGTERM);
+      EXPECT_EQ(daemon_->WaitExit(absl::Seconds(15)), 0) << daemon_->Log();
+    }
+    if (posix_dir_.empty()) return;
+    std::vector<std::string> left;
+    for (const auto& entry : std::filesystem::directory_iterator(posix_dir_)) {
+      left.push_back(entry.path().filename().string());
+    }
+    EXPECT_THAT(left, ::testing::IsEmpty()) << "shared-memory segment files left in " << posix_dir_;
+    std::filesystem::remove_all(posix_dir_);
+  }
 
   std::unique_ptr<Client> Connect(Transport transport) {
     ClientOptions options;
@@ -129,6 +165,8 @@ class UcxIntegrationTest : public ::testing::TestWithParam<const char*> {
   }
 
   std::unique_ptr<DaemonProcess> daemon_;
+  std::string posix_mode_;  // "", "shm_open" or "dir"
+  std::string posix_dir_;   // UCX_POSIX_DIR in "dir" mode
 };
 
 TEST_P(UcxIntegrationTest, BatchRoundTripsAreByteExactAndInteroperateWithInline) {
@@ -551,6 +589,10 @@ class RawUcxTest : public UcxIntegrationTest {
   void TearDown() override {
     reg_.reset();
     worker_.reset();
+    // An idle gRPC channel would hold a SIGTERMed daemon (UcxIntegrationTest::TearDown) for up
+    // to 5 s: gRPC 1.51's client reads the daemon's GOAWAY on an idle channel only when its
+    // backup poller next runs.
+    stub_.reset();
     UcxIntegrationTest::TearDown();
   }
 
@@ -850,6 +892,11 @@ TEST_P(RawUcxTest, AKeyOfABufferTheClientFreedFailsItsCallAndTheDaemonLives) {
   EXPECT_THAT(
       put, StatusIs(absl::StatusCode::kInvalidArgument,
                     AllOf(HasSubstr("rkeys[0] does not unpack"), HasSubstr("cannot be opened"))));
+  // The key named the segment the way this mode's UCX does, and the daemon looked there.
+  const std::string where = posix_mode_.empty()         ? "(/proc/"
+                            : posix_mode_ == "shm_open" ? "(/ucx_shm_posix_"
+                                                        : "(" + posix_dir_ + "/ucx_shm_posix_";
+  EXPECT_THAT(put.message(), HasSubstr(where));
   EXPECT_EQ(Present(key), 0u);
   RegisterSource(1);
   absl::StatusOr<uint64_t> again = OpenSession(worker_->address());
@@ -861,9 +908,11 @@ TEST_P(RawUcxTest, AKeyOfABufferTheClientFreedFailsItsCallAndTheDaemonLives) {
 // GetUcx says crc32c_checked exactly where the daemon copied the block into the caller's memory
 // itself (UCX-allocated memory over shared memory, mapped into the daemon) and the bytes matched
 // as it copied them; where UCX moved them (tcp, or ordinary memory) the caller checks them.
-// The file descriptor of this process that backs the shared-memory mapping holding `address`
-// (a UCX posix segment: a /dev/shm file, already unlinked), or -1.
-int SegmentFd(const void* address) {
+// Truncates to 0 bytes the shared-memory segment that backs `address` in this process: a UCX
+// posix segment, through this process's descriptor of it (procfs mode, UCX's default: the file is
+// already unlinked) or by its name (UCX_POSIX_USE_PROC_LINK=n: a file in /dev/shm or in
+// UCX_POSIX_DIR, whose descriptor UCX closed once it had mapped it).
+absl::Status TruncateSegment(const void* address) {
   const auto at = reinterpret_cast<uintptr_t>(address);
   std::ifstream maps("/proc/self/maps");
   std::string path;
@@ -874,14 +923,20 @@ int SegmentFd(const void* address) {
     if (slash != std::string::npos) path = line.substr(slash);
     break;
   }
-  if (path.empty()) return -1;
+  if (path.empty()) return absl::NotFoundError("no file backs the mapping");
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     std::error_code ec;
     if (std::filesystem::read_symlink(entry.path(), ec).string() == path && !ec) {
-      return std::atoi(entry.path().filename().c_str());
+      if (ftruncate(std::atoi(entry.path().filename().c_str()), 0) != 0) {
+        return absl::InternalError(std::strerror(errno));
+      }
+      return absl::OkStatus();
     }
   }
-  return -1;
+  if (truncate(path.c_str(), 0) != 0) {
+    return absl::InternalError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
 }
 
 // A client that truncates its own shared-memory segment while the daemon holds it mapped (the
@@ -940,9 +995,8 @@ TEST_P(RawUcxTest, ASegmentTheClientTruncatesFailsItsCallsAndTheDaemonLives) {
   ASSERT_OK(call(0, /*get=*/false));  // the daemon maps the segment and keeps it
   ASSERT_EQ(Present(keys[0]), 1u);
 
-  const int fd = SegmentFd(base);
-  ASSERT_GE(fd, 0) << "no file descriptor backs the UCX segment at " << seg->address();
-  ASSERT_EQ(ftruncate(fd, 0), 0) << std::strerror(errno);  // from here on, never touch `base`
+  // From here on, never touch `base`.
+  ASSERT_OK(TruncateSegment(base)) << "the UCX segment at " << seg->address();
 
   EXPECT_THAT(call(1, /*get=*/false),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("SIGBUS")));
@@ -2180,6 +2234,13 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxIntegrationTest, ::testing::Values("tcp"
 INSTANTIATE_TEST_SUITE_P(Transports, RawUcxTest, ::testing::Values("tcp", "posix,self"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            return std::string(info.param) == "tcp" ? "tcp" : "shm";
+                         });
+// The raw protocol's cases (lying keys, freed and truncated segments among them) with posix keys
+// that name their segments by shm_open name and by a file in a directory.
+INSTANTIATE_TEST_SUITE_P(PosixKeyModes, RawUcxTest,
+                         ::testing::Values("posix,self:shm_open", "posix,self:dir"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param).substr(std::string("posix,self:").size());
                          });
 
 }  // namespace
