@@ -331,6 +331,8 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
     session_token_ = token;
   }
   ucx_shared_memory_.store(!response.shared_memory_transport().empty());
+  ucx_without_posix_.store(response.pid_namespace() != 0 &&
+                           response.pid_namespace() != ucx::PidNamespace());
   ucx_session_stale_.store(false);
   stage_host_memory_.store(
       options_.host_staging == HostStaging::kAlways ||
@@ -465,7 +467,8 @@ absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<c
       auto [it, inserted] = region_index.try_emplace(r.get(), request->regions_size());
       if (inserted) {
         v1::UcxRegion* region = request->add_regions();
-        region->set_rkey(r->packed_rkey());
+        region->set_rkey(ucx_without_posix_.load() ? ucx_worker_->WithoutPosixPart(r->packed_rkey())
+                                                   : r->packed_rkey());
         region->set_address(reinterpret_cast<uint64_t>(r->address()));
         region->set_length(r->length());
         region->set_registration_id(r->id());

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/shm.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -616,6 +617,37 @@ int ParseAddressInThisProcess(const std::string& address) {
   // UCX returned, with an endpoint or an error status the caller's own ucp_ep_create will return
   // too. Nothing is closed or progressed: the endpoint's wire-up would reach the peer.
   return 0;
+}
+
+uint64_t PidNamespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+std::string Worker::WithoutPosixPart(const std::string& packed) const {
+  if (packed.size() < 9) return packed;
+  uint64_t md_map = 0;
+  std::memcpy(&md_map, packed.data(), sizeof(md_map));
+  std::string parts;
+  uint64_t kept = 0;
+  size_t p = 9;
+  for (int bit = 0; bit < 64; ++bit) {
+    if ((md_map & (uint64_t{1} << bit)) == 0) continue;
+    if (p >= packed.size()) return packed;
+    const size_t size = static_cast<uint8_t>(packed[p]);
+    if (p + 1 + size > packed.size()) return packed;
+    if (segment_keys_[bit] != SegmentKey::kPosix) {
+      kept |= uint64_t{1} << bit;
+      parts.append(packed, p, 1 + size);
+    }
+    p += 1 + size;
+  }
+  if (kept == md_map || kept == 0) return packed;
+  std::string out(reinterpret_cast<const char*>(&kept), sizeof(kept));
+  out.push_back(packed[8]);  // memory type
+  out += parts;
+  out.append(packed, p);  // trailing system-device information
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(

@@ -276,6 +276,10 @@ int ParseAddressInThisProcess(const std::string& address);
 inline constexpr int kAddressCheckBadInput = 3;     // empty, or longer than any address
 inline constexpr int kAddressCheckCannotStart = 4;  // UCX's context or worker did not open
 
+// This process's PID namespace: the inode of /proc/self/ns/pid, as UCX compares them (0 where
+// it cannot be read). UCX's posix transport reaches a peer only in the same PID namespace.
+uint64_t PidNamespace();
+
 class Worker {
  public:
   // Creates the context (RMA + wakeup features), the worker and its progress thread. `name`
@@ -296,6 +300,11 @@ class Worker {
 
   // This worker's address, to hand to a peer (over gRPC) so it can Connect() here.
   const std::string& address() const { return address_; }
+  // `packed` (a key this worker packed) without its posix part, for a peer whose UCX cannot
+  // reach this process's posix segments (another PID namespace) and would skip that part, which
+  // proximad would refuse or open (it checks every part against its own). Unchanged when it has
+  // no posix part, or nothing else.
+  std::string WithoutPosixPart(const std::string& packed) const;
 
   // Registers [address, address + length) for remote access.
   absl::StatusOr<std::shared_ptr<Registration>> Register(void* address, size_t length);

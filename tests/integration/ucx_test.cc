@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -2225,6 +2226,61 @@ TEST_F(UcxAuthTest, PrivatePrefixesHoldOverUcx) {
   ASSERT_OK_AND_ASSIGN(found, GetUcx(kAlice, "c", profile_c, alice, key));
   EXPECT_TRUE(found);
   EXPECT_TRUE(GotSourceBlock());
+}
+
+// A daemon in a PID namespace of its own, as in a Kubernetes pod without hostPID, and this
+// client outside it (run directly: in the host's namespace, whose posix keys are 8 bytes
+// shorter than the daemon's; run by the ctest entry ucx_pid_namespaces_apart: in another
+// namespace of its own, whose keys have the daemon's size but name pids of that namespace).
+// UCX's posix transport cannot reach across PID namespaces, so the bytes move over tcp, and the
+// client leaves the posix part out of its memory keys (ConnectUcxResponse.pid_namespace). With
+// it, the daemon refused the keys ("memory domain 2 key is 24 bytes; expected 32") or looked
+// for the segment in its own namespace ("cannot be opened (/proc/1/fd/25)": a file of another
+// process, had it existed), and every Get into such memory failed.
+TEST(UcxPidNamespaceTest, AllocatedMemoryMovesByteExactToADaemonInAnotherPidNamespace) {
+  const std::vector<std::string> own_namespace = {"/usr/bin/unshare", "--pid",        "--fork",
+                                                  "--mount-proc",     "--kill-child", "--"};
+  if (std::system("unshare --pid --fork --mount-proc true > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "cannot create a PID namespace here (unshare --pid needs root or user "
+                    "namespaces)";
+  }
+  setenv("UCX_TLS", "posix,self,tcp", 1);
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  absl::Cleanup unset = [] { unsetenv("UCX_TLS"); };
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> d,
+                       DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB"}, own_namespace));
+  ClientOptions options;
+  options.target = d->tcp_target();
+  options.transport = Transport::kUcx;
+  options.call_timeout = absl::Seconds(20);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  constexpr size_t kBlocks = 4;
+  std::vector<client::MemoryRegion> regions;
+  std::vector<std::span<std::byte>> buffers;
+  for (size_t i = 0; i < kBlocks; ++i) {
+    ASSERT_OK_AND_ASSIGN(client::MemoryRegion r, c->AllocateMemory(p.block_bytes));
+    buffers.push_back(r.bytes());
+    regions.push_back(std::move(r));
+  }
+  for (int round = 0; round < 2; ++round) {
+    const std::vector<BlockKey> keys = client::TestKeyChain(60 + round, 0, kBlocks);
+    std::vector<std::span<const std::byte>> in;
+    for (size_t i = 0; i < kBlocks; ++i) {
+      client::FillTestBlock(60 + round, i, buffers[i]);
+      in.push_back(buffers[i]);
+    }
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    for (auto& b : buffers) std::fill(b.begin(), b.end(), std::byte{0});
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, buffers));
+    for (size_t i = 0; i < kBlocks; ++i) {
+      EXPECT_TRUE(found[i] && client::IsTestBlock(60 + round, i, buffers[i])) << round << " " << i;
+    }
+  }
+  // Nothing went through a mapping of the client's memory: UCX moved every byte.
+  EXPECT_EQ(Metric(*d, "proxima_ucx_direct_transfers_total"), 0);
+  EXPECT_THAT(c->transport_detail(), Not(HasSubstr("over posix")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxIntegrationTest, ::testing::Values("tcp", "posix,self"),
