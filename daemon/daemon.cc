@@ -392,13 +392,21 @@ void Daemon::Shutdown() {
                          << log::Kv("failed", told.failed);
     }
   }
-  while (service_->in_flight() > 0 && std::chrono::system_clock::now() < deadline) {
+  auto busy = [this] {
+    return service_->in_flight() > 0 || (cluster_ && cluster_->service()->in_flight() > 0);
+  };
+  while (busy() && std::chrono::system_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   // New Unix-socket connections were still accepted during the drain (and answered
   // UNAVAILABLE, as over TCP); from here on they are refused.
   if (unix_listener_) unix_listener_->Stop();
-  server_->Shutdown(deadline);
+  // With nothing left to finish, the rest of the grace would only wait for idle clients to close
+  // their connections after the server's GOAWAY, which an idle gRPC client reads only when its
+  // backup poller next runs (every 5 s in gRPC 1.51): such connections are closed at once.
+  server_->Shutdown(busy() ? deadline
+                           : std::min(deadline, std::chrono::system_clock::now() +
+                                                    std::chrono::milliseconds(100)));
   server_->Wait();
   if (cluster_) {  // no call runs anymore: the core may let go of the cluster
     if (config_.cluster.spill_enabled && config_.cluster.spill_handoff_seconds > 0) {

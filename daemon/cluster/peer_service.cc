@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/bytes.h"
@@ -156,6 +157,8 @@ absl::Status PeerService::Authenticate(const grpc::ServerContext& context) const
 template <typename Req, typename Resp, typename Serve>
 grpc::Status PeerService::Handle(grpc::ServerContext* context, const Req* request,
                                  Resp* response, Serve serve) {
+  in_flight_.fetch_add(1);
+  absl::Cleanup served = [this] { in_flight_.fetch_sub(1); };
   absl::Status status = Authenticate(*context);
   if (status.ok()) status = serve(*request, response);
   if (!status.ok()) response->Clear();

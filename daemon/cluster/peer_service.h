@@ -11,6 +11,7 @@
 #ifndef PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_
 #define PROXIMA_DAEMON_CLUSTER_PEER_SERVICE_H_
 
+#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -131,12 +132,16 @@ class PeerService final : public v1::Peer::Service {
   // A set naming a namespace this node does not serve, or malformed, is skipped (logged).
   size_t LearnDeletes(const std::string& peer, const v1::RejoinResponse& response);
 
+  // Peer calls being served now (a draining daemon waits for them; Daemon::Shutdown).
+  int in_flight() const { return in_flight_.load(); }
+
  private:
   absl::Status Authenticate(const grpc::ServerContext& context) const;
   template <typename Req, typename Resp, typename Serve>
   grpc::Status Handle(grpc::ServerContext* context, const Req* request, Resp* response,
                       Serve serve);
 
+  std::atomic<int> in_flight_{0};
   TierService* const core_;
   LocationTable* const records_;
   RemoteBlocks* const remote_;

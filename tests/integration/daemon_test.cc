@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -783,6 +784,29 @@ TEST(DaemonIntegrationTest, SigtermDrainsInFlightCallsAndRefusesNewOnes) {
   EXPECT_GT(ok.load(), 0);
   EXPECT_GT(unavailable.load(), 0);  // calls after the drain began were refused...
   EXPECT_EQ(other.load(), 0);        // ...and nothing failed any other way
+  EXPECT_THAT(daemon->Log(), HasSubstr("shutdown complete"));
+}
+
+// A SIGTERM with nothing in flight ends the drain at once, however many idle clients stay
+// connected. gRPC's server would wait for each of them to close its connection after the
+// GOAWAY, which an idle gRPC 1.51 client reads only when its backup poller runs (every 5 s by
+// default; 60 s here, so that such a wait shows as the whole 20 s grace).
+TEST(DaemonIntegrationTest, SigtermWithNothingInFlightDoesNotWaitForIdleClients) {
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "60000", 1);
+  absl::Cleanup unset = [] { unsetenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS"); };
+  ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start({"server.shutdown_grace_seconds=20"}));
+  std::vector<std::unique_ptr<Client>> idle;
+  for (const std::string& target : {daemon->tcp_target(), daemon->unix_target()}) {
+    idle.push_back(MustConnect(target));
+    ASSERT_NE(idle.back(), nullptr);
+    ASSERT_OK_AND_ASSIGN(Profile p, idle.back()->RegisterProfile(TestModel()));
+    Blocks b = MakeBlocks(77, 0, 1, p.block_bytes);
+    ASSERT_OK(idle.back()->Put(p, b.keys, b.spans()).status());
+  }
+  const absl::Time signalled = absl::Now();
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->WaitExit(absl::Seconds(30)), 0) << daemon->Log();
+  EXPECT_LT(absl::Now() - signalled, absl::Seconds(5)) << daemon->Log();
   EXPECT_THAT(daemon->Log(), HasSubstr("shutdown complete"));
 }
 
