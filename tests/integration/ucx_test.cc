@@ -106,6 +106,36 @@ pid_t ProcessWithArgument(const std::string& argument) {
   return found;
 }
 
+// `rounds` rounds of Put and Get of `blocks` blocks, chains first_seed, first_seed + 1, ..., in
+// memory `c` allocated with UCX (Client::AllocateMemory), every byte checked.
+void RoundTripAllocatedBlocks(Client& c, const Profile& p, size_t blocks, int rounds,
+                              uint64_t first_seed) {
+  std::vector<client::MemoryRegion> regions;
+  std::vector<std::span<std::byte>> buffers;
+  for (size_t i = 0; i < blocks; ++i) {
+    ASSERT_OK_AND_ASSIGN(client::MemoryRegion r, c.AllocateMemory(p.block_bytes));
+    ASSERT_EQ(r.bytes().size(), p.block_bytes);
+    buffers.push_back(r.bytes());
+    regions.push_back(std::move(r));
+  }
+  for (int round = 0; round < rounds; ++round) {
+    const uint64_t seed = first_seed + round;
+    const std::vector<BlockKey> keys = client::TestKeyChain(seed, 0, blocks);
+    std::vector<std::span<const std::byte>> in;
+    for (size_t i = 0; i < blocks; ++i) {
+      client::FillTestBlock(seed, i, buffers[i]);
+      in.push_back(buffers[i]);
+    }
+    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c.Put(p, keys, in));
+    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
+    for (auto& b : buffers) std::fill(b.begin(), b.end(), std::byte{0});
+    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c.Get(p, keys, buffers));
+    for (size_t i = 0; i < blocks; ++i) {
+      EXPECT_TRUE(found[i] && client::IsTestBlock(seed, i, buffers[i])) << round << " " << i;
+    }
+  }
+}
+
 // The parameter: UCX_TLS, then optionally ":shm_open" or ":dir", the posix transport's other
 // two ways of naming a segment (UCX_POSIX_USE_PROC_LINK=n; with ":dir", segments are files in a
 // directory of the test's own, UCX_POSIX_DIR, not in /dev/shm). By default a posix key names the
@@ -253,39 +283,16 @@ TEST_P(UcxIntegrationTest, AllocatedBuffersRoundTripAndEachKeyIsUnpackedOnce) {
   ASSERT_NE(c, nullptr);
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
   constexpr size_t kBlocks = 4;
-  std::vector<client::MemoryRegion> regions;
-  std::vector<std::span<std::byte>> buffers;
-  for (size_t i = 0; i < kBlocks; ++i) {
-    ASSERT_OK_AND_ASSIGN(client::MemoryRegion r, c->AllocateMemory(p.block_bytes));
-    ASSERT_EQ(r.bytes().size(), p.block_bytes);
-    buffers.push_back(r.bytes());
-    regions.push_back(std::move(r));
-  }
   const double unpacked_before = Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total");
   const double direct_before = Metric(*daemon_, "proxima_ucx_direct_transfers_total");
   constexpr int kRounds = 5;
-  for (int round = 0; round < kRounds; ++round) {
-    std::vector<BlockKey> keys = client::TestKeyChain(40 + round, 0, kBlocks);
-    std::vector<std::span<const std::byte>> in;
-    for (size_t i = 0; i < kBlocks; ++i) {
-      client::FillTestBlock(40 + round, i, buffers[i]);
-      in.push_back(buffers[i]);
-    }
-    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
-    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
-    for (auto& b : buffers) std::fill(b.begin(), b.end(), std::byte{0});
-    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, buffers));
-    for (size_t i = 0; i < kBlocks; ++i) {
-      EXPECT_TRUE(found[i] && client::IsTestBlock(40 + round, i, buffers[i])) << round << " " << i;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(RoundTripAllocatedBlocks(*c, p, kBlocks, kRounds, 40));
   // One unpack per buffer, not per call.
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_rkeys_unpacked_total") - unpacked_before, kBlocks);
   // Over shared memory the daemon copied every put and get itself through the mapped segments
   // (puts checksummed as they were copied); over tcp UCX moved them.
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_direct_transfers_total") - direct_before,
             std::string(GetParam()) == "tcp" ? 0 : 2 * kRounds);
-  regions.clear();
   c.reset();
   EXPECT_EQ(WaitForMetric(*daemon_, "proxima_ucx_sessions", 0), 0);
 }
@@ -2255,29 +2262,7 @@ TEST(UcxPidNamespaceTest, AllocatedMemoryMovesByteExactToADaemonInAnotherPidName
   options.call_timeout = absl::Seconds(20);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Client> c, Client::Connect(options));
   ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
-  constexpr size_t kBlocks = 4;
-  std::vector<client::MemoryRegion> regions;
-  std::vector<std::span<std::byte>> buffers;
-  for (size_t i = 0; i < kBlocks; ++i) {
-    ASSERT_OK_AND_ASSIGN(client::MemoryRegion r, c->AllocateMemory(p.block_bytes));
-    buffers.push_back(r.bytes());
-    regions.push_back(std::move(r));
-  }
-  for (int round = 0; round < 2; ++round) {
-    const std::vector<BlockKey> keys = client::TestKeyChain(60 + round, 0, kBlocks);
-    std::vector<std::span<const std::byte>> in;
-    for (size_t i = 0; i < kBlocks; ++i) {
-      client::FillTestBlock(60 + round, i, buffers[i]);
-      in.push_back(buffers[i]);
-    }
-    ASSERT_OK_AND_ASSIGN(std::vector<PutOutcome> outcomes, c->Put(p, keys, in));
-    EXPECT_THAT(outcomes, ::testing::Each(PutOutcome::kStored));
-    for (auto& b : buffers) std::fill(b.begin(), b.end(), std::byte{0});
-    ASSERT_OK_AND_ASSIGN(std::vector<bool> found, c->Get(p, keys, buffers));
-    for (size_t i = 0; i < kBlocks; ++i) {
-      EXPECT_TRUE(found[i] && client::IsTestBlock(60 + round, i, buffers[i])) << round << " " << i;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(RoundTripAllocatedBlocks(*c, p, /*blocks=*/4, /*rounds=*/2, 60));
   // Nothing went through a mapping of the client's memory: UCX moved every byte.
   EXPECT_EQ(Metric(*d, "proxima_ucx_direct_transfers_total"), 0);
   EXPECT_THAT(c->transport_detail(), Not(HasSubstr("over posix")));
