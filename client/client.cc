@@ -333,6 +333,8 @@ absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_mem
   ucx_shared_memory_.store(!response.shared_memory_transport().empty());
   ucx_without_posix_.store(response.pid_namespace() != 0 &&
                            response.pid_namespace() != ucx::PidNamespace());
+  ucx_without_sysv_.store(response.ipc_namespace() != 0 &&
+                          response.ipc_namespace() != ucx::IpcNamespace());
   ucx_session_stale_.store(false);
   stage_host_memory_.store(
       options_.host_staging == HostStaging::kAlways ||
@@ -467,8 +469,8 @@ absl::Status Client::BuildUcxRequest(std::span<const BlockKey> keys, std::span<c
       auto [it, inserted] = region_index.try_emplace(r.get(), request->regions_size());
       if (inserted) {
         v1::UcxRegion* region = request->add_regions();
-        region->set_rkey(ucx_without_posix_.load() ? ucx_worker_->WithoutPosixPart(r->packed_rkey())
-                                                   : r->packed_rkey());
+        region->set_rkey(ucx_worker_->WithoutSegmentParts(
+            r->packed_rkey(), ucx_without_posix_.load(), ucx_without_sysv_.load()));
         region->set_address(reinterpret_cast<uint64_t>(r->address()));
         region->set_length(r->length());
         region->set_registration_id(r->id());

@@ -499,9 +499,11 @@ class Client {
   std::string session_token_ ABSL_GUARDED_BY(token_mu_);
   // The session runs over a shared-memory transport (ConnectUcxResponse.shared_memory_transport).
   std::atomic<bool> ucx_shared_memory_{false};
-  // The daemon runs in another PID namespace (ConnectUcxResponse.pid_namespace): the keys sent
-  // leave out their posix part (ucx::Worker::WithoutPosixPart).
+  // The daemon runs in another PID namespace (ConnectUcxResponse.pid_namespace), or another IPC
+  // namespace: the keys sent leave out their posix part, or their System V part
+  // (ucx::Worker::WithoutSegmentParts).
   std::atomic<bool> ucx_without_posix_{false};
+  std::atomic<bool> ucx_without_sysv_{false};
   // This worker's endpoint to the daemon's (ConnectUcxResponse.worker_address), which PutUcx
   // messages go over; replaced with each session, null when the daemon takes no messages or its
   // worker cannot be reached from here. Dropped before the worker.

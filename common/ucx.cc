@@ -619,13 +619,18 @@ int ParseAddressInThisProcess(const std::string& address) {
   return 0;
 }
 
-uint64_t PidNamespace() {
+namespace {
+uint64_t NamespaceInode(const char* path) {
   struct stat st {};
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  return stat(path, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
+}  // namespace
 
-std::string Worker::WithoutPosixPart(const std::string& packed) const {
-  if (packed.size() < 9) return packed;
+uint64_t PidNamespace() { return NamespaceInode("/proc/self/ns/pid"); }
+uint64_t IpcNamespace() { return NamespaceInode("/proc/self/ns/ipc"); }
+
+std::string Worker::WithoutSegmentParts(const std::string& packed, bool posix, bool sysv) const {
+  if ((!posix && !sysv) || packed.size() < 9) return packed;
   uint64_t md_map = 0;
   std::memcpy(&md_map, packed.data(), sizeof(md_map));
   std::string parts;
@@ -636,7 +641,8 @@ std::string Worker::WithoutPosixPart(const std::string& packed) const {
     if (p >= packed.size()) return packed;
     const size_t size = static_cast<uint8_t>(packed[p]);
     if (p + 1 + size > packed.size()) return packed;
-    if (segment_keys_[bit] != SegmentKey::kPosix) {
+    const SegmentKey kind = segment_keys_[bit];
+    if (!(posix && kind == SegmentKey::kPosix) && !(sysv && kind == SegmentKey::kSysv)) {
       kept |= uint64_t{1} << bit;
       parts.append(packed, p, 1 + size);
     }

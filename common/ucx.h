@@ -276,9 +276,11 @@ int ParseAddressInThisProcess(const std::string& address);
 inline constexpr int kAddressCheckBadInput = 3;     // empty, or longer than any address
 inline constexpr int kAddressCheckCannotStart = 4;  // UCX's context or worker did not open
 
-// This process's PID namespace: the inode of /proc/self/ns/pid, as UCX compares them (0 where
-// it cannot be read). UCX's posix transport reaches a peer only in the same PID namespace.
+// This process's PID and IPC namespaces: the inodes of /proc/self/ns/{pid,ipc}, as UCX compares
+// them (0 where they cannot be read). UCX's posix transport reaches a peer only in the same PID
+// namespace; a System V segment id names a segment only in its IPC namespace.
 uint64_t PidNamespace();
+uint64_t IpcNamespace();
 
 class Worker {
  public:
@@ -300,11 +302,12 @@ class Worker {
 
   // This worker's address, to hand to a peer (over gRPC) so it can Connect() here.
   const std::string& address() const { return address_; }
-  // `packed` (a key this worker packed) without its posix part, for a peer whose UCX cannot
-  // reach this process's posix segments (another PID namespace) and would skip that part, which
-  // proximad would refuse or open (it checks every part against its own). Unchanged when it has
-  // no posix part, or nothing else.
-  std::string WithoutPosixPart(const std::string& packed) const;
+  // `packed` (a key this worker packed) without its posix part (`posix`) and its System V part
+  // (`sysv`), for a peer that cannot reach this process's segments of that kind: in another PID
+  // namespace UCX skips the posix part; in another IPC namespace the sysv part names a segment
+  // id of this one. proximad checks every part against its own and refuses or opens what they
+  // name. Unchanged when it has no such part, or nothing else.
+  std::string WithoutSegmentParts(const std::string& packed, bool posix, bool sysv) const;
 
   // Registers [address, address + length) for remote access.
   absl::StatusOr<std::shared_ptr<Registration>> Register(void* address, size_t length);

@@ -883,41 +883,52 @@ TEST(UcxWorkerTest, AnAddressThatIsGoneLeavesPeerErrorHandlingForOtherPeers) {
   EXPECT_TRUE((*back)->detects_peer_failure());
 }
 
-// A key without its posix part (for a peer in another PID namespace, whose UCX skips that part)
-// still names the memory through the other domains, and moves it byte-exact.
-TEST(UcxWorkerTest, AKeyWithoutItsPosixPartStillReachesTheMemory) {
-  setenv("UCX_TLS", "posix,self,tcp", 1);
+// A key without its posix or System V part (for a peer in another PID or IPC namespace, which
+// cannot use that part) still names the memory through the other domains, and moves it
+// byte-exact. The part of the other kind stays.
+TEST(UcxWorkerTest, AKeyWithoutItsSegmentPartStillReachesTheMemory) {
   setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   absl::Cleanup unset = [] { unsetenv("UCX_TLS"); };
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> a, Worker::Create("ucx-test-a"));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> b, Worker::Create("ucx-test-b"));
-  constexpr size_t kBytes = 64 << 10;
-  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Registration> remote, b->Allocate(kBytes));
-  const std::string key = remote->packed_rkey();
-  const std::string stripped = b->WithoutPosixPart(key);
-  uint64_t map = 0, stripped_map = 0;
-  std::memcpy(&map, key.data(), 8);
-  std::memcpy(&stripped_map, stripped.data(), 8);
-  // One domain (posix, whose part is a size byte and 24 or 32 bytes) less, the others kept.
-  EXPECT_EQ(std::popcount(map) - 1, std::popcount(stripped_map));
-  EXPECT_EQ(stripped_map & ~map, 0u);
-  EXPECT_THAT(key.size() - stripped.size(), ::testing::AnyOf(25u, 33u));
-  // A key with no posix part (ordinary memory) comes back as it is.
-  std::vector<std::byte> plain(4096);
-  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Registration> reg, b->Register(plain.data(), plain.size()));
-  EXPECT_EQ(b->WithoutPosixPart(reg->packed_rkey()), reg->packed_rkey());
+  for (const bool posix : {true, false}) {
+    SCOPED_TRACE(posix ? "posix" : "sysv");
+    setenv("UCX_TLS", posix ? "posix,self,tcp" : "sysv,self,tcp", 1);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> a, Worker::Create("ucx-test-a"));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Worker> b, Worker::Create("ucx-test-b"));
+    constexpr size_t kBytes = 64 << 10;
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Registration> remote, b->Allocate(kBytes));
+    const std::string key = remote->packed_rkey();
+    EXPECT_EQ(b->WithoutSegmentParts(key, !posix, posix), key);  // no part of the other kind
+    const std::string stripped = b->WithoutSegmentParts(key, posix, !posix);
+    uint64_t map = 0, stripped_map = 0;
+    std::memcpy(&map, key.data(), 8);
+    std::memcpy(&stripped_map, stripped.data(), 8);
+    // One domain less, the others kept: posix's part is a size byte and 24 or 32 bytes, sysv's
+    // a size byte and 12.
+    EXPECT_EQ(std::popcount(map) - 1, std::popcount(stripped_map));
+    EXPECT_EQ(stripped_map & ~map, 0u);
+    if (posix) {
+      EXPECT_THAT(key.size() - stripped.size(), ::testing::AnyOf(25u, 33u));
+    } else {
+      EXPECT_EQ(key.size() - stripped.size(), 13u);
+    }
+    // A key with no segment part (ordinary memory) comes back as it is.
+    std::vector<std::byte> plain(4096);
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Registration> reg,
+                         b->Register(plain.data(), plain.size()));
+    EXPECT_EQ(b->WithoutSegmentParts(reg->packed_rkey(), true, true), reg->packed_rkey());
 
-  std::vector<std::byte> pattern(kBytes);
-  for (size_t i = 0; i < kBytes; ++i) pattern[i] = std::byte(static_cast<uint8_t>(i * 7 + 1));
-  std::memcpy(remote->address(), pattern.data(), kBytes);
-  ASSERT_OK_AND_ASSIGN(std::shared_ptr<Endpoint> ep,
-                       a->Connect(b->address(), absl::Now() + absl::Seconds(10)));
-  std::vector<std::byte> got(kBytes);
-  const uint64_t base = reinterpret_cast<uint64_t>(remote->address());
-  std::vector<std::string> rkeys = {stripped};
-  ASSERT_OK(a->Transfer(*ep, rkeys, {{Op::kGet, got.data(), kBytes, base, 0, nullptr}}, nullptr,
-                        absl::Now() + absl::Seconds(10)));
-  EXPECT_EQ(got, pattern);
+    std::vector<std::byte> pattern(kBytes);
+    for (size_t i = 0; i < kBytes; ++i) pattern[i] = std::byte(static_cast<uint8_t>(i * 7 + 1));
+    std::memcpy(remote->address(), pattern.data(), kBytes);
+    ASSERT_OK_AND_ASSIGN(std::shared_ptr<Endpoint> ep,
+                         a->Connect(b->address(), absl::Now() + absl::Seconds(10)));
+    std::vector<std::byte> got(kBytes);
+    const uint64_t base = reinterpret_cast<uint64_t>(remote->address());
+    std::vector<std::string> rkeys = {stripped};
+    ASSERT_OK(a->Transfer(*ep, rkeys, {{Op::kGet, got.data(), kBytes, base, 0, nullptr}}, nullptr,
+                          absl::Now() + absl::Seconds(10)));
+    EXPECT_EQ(got, pattern);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTest,

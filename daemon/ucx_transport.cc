@@ -349,6 +349,7 @@ absl::Status UcxTransport::Connect(const Caller& caller, const v1::ConnectUcxReq
   if (shm.ok()) response->set_shared_memory_transport(*shm);
   response->set_worker_address(worker_->address());
   response->set_pid_namespace(ucx::PidNamespace());
+  response->set_ipc_namespace(ucx::IpcNamespace());
   if (shm.ok() && !shm->empty()) {
     proxima::MutexLock lock(&mu_);
     auto it = sessions_.find(id);

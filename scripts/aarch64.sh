@@ -141,7 +141,7 @@ PROXIMA_DEMO_PREBUILT="$BUILD_DIR" PROXIMA_DEMO_RUNNER="qemu-aarch64 -L $SYSROOT
 #     that name segments by shm_open name and by a file in a directory); which way a key names
 #     its segment does not depend on the architecture, and the cases run natively in the main
 #     suite (the transports' own cases, Transports/RawUcxTest.*, run here);
-#   UcxPidNamespaceTest, ucx_pid_namespaces_apart: a daemon and a client in different PID
+#   UcxNamespaceTest, ucx_namespaces_apart: a daemon and a client in different PID and IPC
 #     namespaces (unshare); the second execs the test binary directly, which the kernel cannot
 #     run here, and what they test (which parts of a memory key a client sends) does not depend
 #     on the architecture; they run natively in the main suite;
@@ -151,7 +151,7 @@ PROXIMA_DEMO_PREBUILT="$BUILD_DIR" PROXIMA_DEMO_RUNNER="qemu-aarch64 -L $SYSROOT
 # are x86 only.
 PROXIMA_TEST_RUNNER="$(command -v qemu-aarch64) -L $SYSROOT" ctest --test-dir "$BUILD_DIR" \
   -L integration --output-on-failure -j "${PROXIMA_JOBS:-2}" --timeout 600 \
-  -E '^(python_pytest|replay_bench_quick|restart_bench_quick|soak_.*|cluster_over_tcp)$|UcxProbeTest|SigtermDrainsInFlightCalls|SigkillMidBatchesFailsFast|ConnectDisconnectCyclesLeakNothing|LyingWorkerAddresses|^PosixKeyModes/|UcxPidNamespaceTest|^ucx_pid_namespaces_apart$'
+  -E '^(python_pytest|replay_bench_quick|restart_bench_quick|soak_.*|cluster_over_tcp)$|UcxProbeTest|SigtermDrainsInFlightCalls|SigkillMidBatchesFailsFast|ConnectDisconnectCyclesLeakNothing|LyingWorkerAddresses|^PosixKeyModes/|UcxNamespaceTest|^ucx_namespaces_apart$'
 echo "aarch64: proximad, proximactl, the unit tests and the integration tests ran under qemu-aarch64"
 }
 

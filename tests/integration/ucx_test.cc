@@ -2235,27 +2235,29 @@ TEST_F(UcxAuthTest, PrivatePrefixesHoldOverUcx) {
   EXPECT_TRUE(GotSourceBlock());
 }
 
-// A daemon in a PID namespace of its own, as in a Kubernetes pod without hostPID, and this
-// client outside it (run directly: in the host's namespace, whose posix keys are 8 bytes
-// shorter than the daemon's; run by the ctest entry ucx_pid_namespaces_apart: in another
-// namespace of its own, whose keys have the daemon's size but name pids of that namespace).
-// UCX's posix transport cannot reach across PID namespaces, so the bytes move over tcp, and the
-// client leaves the posix part out of its memory keys (ConnectUcxResponse.pid_namespace). With
-// it, the daemon refused the keys ("memory domain 2 key is 24 bytes; expected 32") or looked
-// for the segment in its own namespace ("cannot be opened (/proc/1/fd/25)": a file of another
-// process, had it existed), and every Get into such memory failed.
-TEST(UcxPidNamespaceTest, AllocatedMemoryMovesByteExactToADaemonInAnotherPidNamespace) {
-  const std::vector<std::string> own_namespace = {"/usr/bin/unshare", "--pid",        "--fork",
-                                                  "--mount-proc",     "--kill-child", "--"};
-  if (std::system("unshare --pid --fork --mount-proc true > /dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "cannot create a PID namespace here (unshare --pid needs root or user "
+// A daemon in namespaces of its own, as in a Kubernetes pod without hostPID or hostIPC, and this
+// client outside them (run directly: in the host's; run by the ctest entry ucx_namespaces_apart:
+// in namespaces of its own). UCX's posix transport cannot reach across PID namespaces, and a
+// System V segment id names a segment only in its IPC namespace, so the bytes move over tcp, and
+// the client leaves those parts out of its memory keys (ConnectUcxResponse.pid_namespace,
+// ipc_namespace). With them, the daemon refused the keys ("memory domain 2 key is 24 bytes;
+// expected 32", "names System V segment N, which cannot be examined") or looked for the segment
+// in its own namespace ("cannot be opened (/proc/1/fd/25)": a file of another process, had it
+// existed), and every Get into such memory failed. `tls`: UCX_TLS, or null for UCX's default.
+void AllocatedMemoryRoundTripsWithADaemonIn(const std::vector<std::string>& namespaces,
+                                            const char* tls) {
+  if (std::system("unshare --pid --ipc --fork --mount-proc true > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "cannot create PID and IPC namespaces here (unshare needs root or user "
                     "namespaces)";
   }
-  setenv("UCX_TLS", "posix,self,tcp", 1);
+  if (tls != nullptr) setenv("UCX_TLS", tls, 1);
   setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   absl::Cleanup unset = [] { unsetenv("UCX_TLS"); };
+  std::vector<std::string> launcher = {"/usr/bin/unshare"};
+  for (const std::string& ns : namespaces) launcher.push_back("--" + ns);
+  launcher.insert(launcher.end(), {"--fork", "--mount-proc", "--kill-child", "--"});
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<DaemonProcess> d,
-                       DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB"}, own_namespace));
+                       DaemonProcess::Start({"tiers.host.capacity_bytes=256MiB"}, launcher));
   ClientOptions options;
   options.target = d->tcp_target();
   options.transport = Transport::kUcx;
@@ -2265,7 +2267,16 @@ TEST(UcxPidNamespaceTest, AllocatedMemoryMovesByteExactToADaemonInAnotherPidName
   ASSERT_NO_FATAL_FAILURE(RoundTripAllocatedBlocks(*c, p, /*blocks=*/4, /*rounds=*/2, 60));
   // Nothing went through a mapping of the client's memory: UCX moved every byte.
   EXPECT_EQ(Metric(*d, "proxima_ucx_direct_transfers_total"), 0);
-  EXPECT_THAT(c->transport_detail(), Not(HasSubstr("over posix")));
+  EXPECT_THAT(c->transport_detail(), Not(HasSubstr(" over ")));
+}
+
+TEST(UcxNamespaceTest, AllocatedMemoryMovesByteExactToADaemonInAnotherPidNamespace) {
+  AllocatedMemoryRoundTripsWithADaemonIn({"pid"}, "posix,self,tcp");
+}
+
+// UCX's default transports: its allocations are System V segments here.
+TEST(UcxNamespaceTest, AllocatedMemoryMovesByteExactToADaemonInOtherPidAndIpcNamespaces) {
+  AllocatedMemoryRoundTripsWithADaemonIn({"pid", "ipc"}, nullptr);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxIntegrationTest, ::testing::Values("tcp", "posix,self"),
