@@ -442,11 +442,14 @@ void Daemon::WriteSnapshot(absl::string_view why) {
   core_->tierer().Stop();
   absl::StatusOr<snapshot::Written> w = snapshot::Write(*core_, file, until);
   if (w.ok()) {
-    log::Line(w->left_blocks == 0 ? log::Level::kInfo : log::Level::kWarning, __FILE__, __LINE__)
-        << "wrote the blocks to the snapshot " << why << log::Kv("file", file)
-        << log::Kv("blocks", w->blocks) << log::Kv("bytes", w->bytes)
-        << log::Kv("profiles", w->profiles) << log::Kv("left_blocks", w->left_blocks)
-        << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+    log::Line line(w->left_blocks == 0 ? log::Level::kInfo : log::Level::kWarning, __FILE__,
+                   __LINE__);
+    line << "wrote the blocks to the snapshot " << why << log::Kv("file", file)
+         << log::Kv("blocks", w->blocks) << log::Kv("bytes", w->bytes)
+         << log::Kv("profiles", w->profiles) << log::Kv("left_blocks", w->left_blocks)
+         << log::Kv("seconds", absl::ToDoubleSeconds(absl::Now() - start));
+    // The file system filled: the file holds the hottest blocks that fit.
+    if (!w->full.empty()) line << log::Kv("file_system_full", w->full);
   } else {
     PROXIMA_LOG(kError) << "snapshot not written: the next start begins with empty tiers"
                         << log::Kv("file", file) << log::Kv("error", w.status().ToString());

@@ -185,14 +185,24 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
     Put32(header, 0);
     Put32(header, Crc32c(AsBytes(header)));
     PROXIMA_RETURN_IF_ERROR(WriteAll(fd.get(), AsBytes(header), tmp));
+    uint64_t offset = header.size();  // where the next record starts
     for (const auto& [ns, profile] : core.Profiles()) {
       v1::SnapshotProfile p;
       p.set_namespace_name(core.NamespaceName(ns));
       *p.mutable_profile() = profile;
-      PROXIMA_RETURN_IF_ERROR(
-          WriteAll(fd.get(), AsBytes(RecordHeader(kProfile, p.SerializeAsString(), 0)), tmp));
+      const std::string record = RecordHeader(kProfile, p.SerializeAsString(), 0);
+      PROXIMA_RETURN_IF_ERROR(WriteAll(fd.get(), AsBytes(record), tmp));
+      offset += record.size();
       ++w.profiles;
     }
+    // Each block record written: where it starts and its stored bytes. A file system that fills
+    // (ENOSPC, EDQUOT) ends the blocks as the deadline does, at the last whole record, and the
+    // coldest of them make room for the end record if it does not fit after them.
+    struct Record {
+      uint64_t offset;
+      uint64_t bytes;
+    };
+    std::vector<Record> records;
     while (absl::Now() < deadline) {
       std::optional<BlockStore::Candidate> c = store.HottestForHandoff();
       if (!c) break;
@@ -217,19 +227,42 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
       b.set_high_priority(c->attributes.high_priority);
       b.set_position(c->attributes.position);
       const std::span<const std::byte> bytes = c->block.bytes;
-      PROXIMA_RETURN_IF_ERROR(WriteAll(
-          fd.get(), AsBytes(RecordHeader(kBlock, b.SerializeAsString(), bytes.size())), tmp));
-      PROXIMA_RETURN_IF_ERROR(WriteAll(fd.get(), bytes, tmp));
+      const std::string head = RecordHeader(kBlock, b.SerializeAsString(), bytes.size());
+      absl::Status written = WriteAll(fd.get(), AsBytes(head), tmp);
+      if (written.ok()) written = WriteAll(fd.get(), bytes, tmp);
+      if (!written.ok()) {
+        if (!absl::IsResourceExhausted(written)) return written;
+        w.full = std::string(written.message());
+        break;
+      }
+      records.push_back({offset, bytes.size()});
+      offset += head.size() + bytes.size();
       ++w.blocks;
       w.bytes += bytes.size();
     }
-    w.left_blocks = store.blocks() - std::min<uint64_t>(store.blocks(), w.blocks);
-    v1::SnapshotEnd end;
-    end.set_blocks(w.blocks);
-    end.set_block_bytes(w.bytes);
-    end.set_left_blocks(w.left_blocks);
-    PROXIMA_RETURN_IF_ERROR(
-        WriteAll(fd.get(), AsBytes(RecordHeader(kEnd, end.SerializeAsString(), 0)), tmp));
+    while (true) {
+      if (!w.full.empty()) {
+        // Back to the end of the last whole record: what a failed write left after it goes.
+        if (::ftruncate(fd.get(), static_cast<off_t>(offset)) != 0 ||
+            ::lseek(fd.get(), static_cast<off_t>(offset), SEEK_SET) < 0) {
+          return Errno(errno, "cannot cut the snapshot file back to its last whole record", tmp);
+        }
+      }
+      w.left_blocks = store.blocks() - std::min<uint64_t>(store.blocks(), w.blocks);
+      v1::SnapshotEnd end;
+      end.set_blocks(w.blocks);
+      end.set_block_bytes(w.bytes);
+      end.set_left_blocks(w.left_blocks);
+      const absl::Status written =
+          WriteAll(fd.get(), AsBytes(RecordHeader(kEnd, end.SerializeAsString(), 0)), tmp);
+      if (written.ok()) break;
+      if (!absl::IsResourceExhausted(written) || records.empty()) return written;
+      if (w.full.empty()) w.full = std::string(written.message());
+      offset = records.back().offset;
+      w.bytes -= records.back().bytes;
+      --w.blocks;
+      records.pop_back();
+    }
     if (::fsync(fd.get()) != 0) return Errno(errno, "cannot sync the snapshot file", tmp);
     if (fd.Close() != 0) return Errno(errno, "cannot close the snapshot file", tmp);
     if (::rename(tmp.c_str(), path.c_str()) != 0) {

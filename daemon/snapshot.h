@@ -58,14 +58,18 @@ struct Written {
   uint64_t profiles = 0;
   uint64_t blocks = 0;
   uint64_t bytes = 0;        // stored bytes of the blocks written
-  uint64_t left_blocks = 0;  // host tier blocks the deadline left out
+  uint64_t left_blocks = 0;  // host tier blocks the deadline or a full file system left out
+  // Empty, or why the file system took no more blocks (its error: ENOSPC or EDQUOT). The file
+  // then holds the hottest blocks that fit, ends with its end record and loads whole.
+  std::string full;
 };
 
 // Writes every profile registered in `core` and its host tier's blocks, most recently used
 // first, until `deadline`, to `path` (see above). The blocks stay stored (taken as a hand-off
 // takes them, so not handed out to the tierer meanwhile). REQUIRES: no call runs on `core` (the
-// daemon has stopped serving). Errors name the path and the failing system call; `path` is then
-// left as it was and `path`.tmp removed.
+// daemon has stopped serving). A file system that fills keeps the hottest blocks that fit
+// (`Written::full`). Errors name the path and the failing system call; `path` is then left as it
+// was and `path`.tmp removed.
 absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::Time deadline);
 
 struct Loaded {

@@ -1,6 +1,7 @@
 #include "daemon/snapshot.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -10,11 +11,13 @@
 #include <random>
 #include <sstream>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/bytes.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
 #include "common/testing/tiny_profile.h"
+#include "common/testing/tmpfs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
@@ -648,6 +651,108 @@ TEST_F(SnapshotTest, RecordsThisConfigCannotTakeAreSkippedEachWithItsReason) {
   for (const std::string& p : l.problems) all += p + "\n";
   for (const std::string& s : says) EXPECT_THAT(all, HasSubstr(s));
   EXPECT_EQ(l.problems.size(), 11u);
+}
+
+// Where each record of snapshot file `bytes` ends (after the 32-byte file header; the framing
+// of docs/format.md, 24-byte record headers).
+std::vector<uint64_t> RecordEnds(const std::string& bytes) {
+  std::vector<uint64_t> ends;
+  uint64_t offset = 32;
+  while (offset + 24 <= bytes.size()) {
+    uint32_t meta = 0;
+    uint64_t data = 0;
+    std::memcpy(&meta, bytes.data() + offset + 4, 4);
+    std::memcpy(&data, bytes.data() + offset + 8, 8);
+    offset += 24 + meta + data;
+    ends.push_back(offset);
+  }
+  return ends;
+}
+
+// A file system that fills while the snapshot is written (a tmpfs of 1 to 64 pages, mounted
+// here): the file keeps the hottest blocks that fit, as the writer had them, ends with its end
+// record and loads whole. It holds as many blocks as any such file could there: where the end
+// record would not fit after the blocks that did, the coldest of them make room for it. Needs
+// root and a mount namespace of its own (ctest entry snapshot_disk_full); skips elsewhere.
+TEST_F(SnapshotTest, AFileSystemThatFillsKeepsTheHottestBlocksThatFitAndLoadsWhole) {
+  if (!proxima::testing::InMountNamespaceOfItsOwn()) {
+    GTEST_SKIP() << "mounts tmpfs file systems: runs as root in a mount namespace of its own "
+                    "(the ctest entry snapshot_disk_full runs it under unshare --mount)";
+  }
+  constexpr int kBlocks = 600;  // records of about 580 bytes: about 85 pages in all
+  std::unique_ptr<TierService> before = Service(4 << 20);
+  const uint32_t a = before->NamespaceIndex("a").value();
+  const v1::ModelProfile tiny = proxima::testing::TinyProfile("snapshot-full");
+  ASSERT_OK(before->AddProfile(a, tiny).status());
+  const uint64_t profile = ProfileId(tiny);
+  auto id = [&](int n) {
+    BlockKey k = Key(n % 256);
+    k[1] = static_cast<uint8_t>(n / 256);
+    return BlockId{a, profile, k, 0};
+  };
+  // Most recently used first: kBlocks - 1 down to 0.
+  for (int n = 0; n < kBlocks; ++n) {
+    Store(*before, id(n), Pattern(n, proxima::testing::kTinyBlockBytes));
+  }
+  const absl::Time far = absl::Now() + absl::Minutes(5);
+  // The file with room for everything: the one profile record, then the blocks' records.
+  ASSERT_OK_AND_ASSIGN(snapshot::Written all, snapshot::Write(*before, path_, far));
+  ASSERT_EQ(all.blocks, static_cast<uint64_t>(kBlocks));
+  EXPECT_TRUE(all.full.empty());
+  const std::string whole = ReadFile(path_);
+  ::unlink(path_.c_str());
+  const std::vector<uint64_t> ends = RecordEnds(whole);
+  ASSERT_EQ(ends.size(), kBlocks + 2u);  // profile, blocks, end
+
+  const std::string mount = dir_ + "/small";
+  ASSERT_EQ(::mkdir(mount.c_str(), 0700), 0);
+  absl::Cleanup rmdir_mount = [&] { ::rmdir(mount.c_str()); };
+  const std::string file = mount + "/snapshot";
+  int end_made_room = 0;  // sizes where a block that fit was left out for the end record
+  for (uint64_t pages = 1; pages <= 64; ++pages) {
+    SCOPED_TRACE(absl::StrCat(pages, " pages"));
+    const uint64_t room = pages * 4096;
+    std::unique_ptr<proxima::testing::ScopedTmpfs> tmpfs;
+    ASSERT_OK(proxima::testing::ScopedTmpfs::Mount(mount, room, &tmpfs));
+    ASSERT_OK_AND_ASSIGN(snapshot::Written w, snapshot::Write(*before, file, far));
+    EXPECT_THAT(w.full, AllOf(HasSubstr(file + ".tmp"), HasSubstr("No space left on device")));
+    EXPECT_EQ(w.blocks + w.left_blocks, static_cast<uint64_t>(kBlocks));
+    EXPECT_EQ(w.bytes, w.blocks * proxima::testing::kTinyBlockBytes);
+    EXPECT_FALSE(Exists(file + ".tmp"));
+    const std::string bytes = ReadFile(file);
+    ASSERT_LE(bytes.size(), room);
+    // The whole file's records up to its blocks (after the header, which holds the time it was
+    // written), then an end record.
+    const uint64_t blocks_end = ends[w.blocks];  // ends[0] is the profile's
+    ASSERT_LT(blocks_end, bytes.size());
+    EXPECT_TRUE(bytes.compare(32, blocks_end - 32, whole, 32, blocks_end - 32) == 0)
+        << "the records differ from the whole file's";
+    const uint64_t end_record = bytes.size() - blocks_end;
+    uint32_t kind = 0;
+    std::memcpy(&kind, bytes.data() + blocks_end, 4);
+    EXPECT_EQ(kind, 3u);
+    // One block more would not have fitted with an end record (as long as this one, or longer:
+    // its counts are no shorter).
+    ASSERT_LT(w.blocks, static_cast<uint64_t>(kBlocks));
+    EXPECT_GT(ends[w.blocks + 1] + end_record, room);
+    if (ends[w.blocks + 1] <= room) ++end_made_room;
+
+    std::unique_ptr<TierService> after = Service(4 << 20);
+    ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, file));
+    EXPECT_TRUE(l.complete);
+    EXPECT_EQ(l.skipped, 0u);
+    EXPECT_EQ(l.blocks, w.blocks);
+    for (int n = kBlocks - 1; n >= 0; --n) {
+      const bool hot = n >= kBlocks - static_cast<int>(w.blocks);
+      std::optional<std::pair<std::string, uint8_t>> held = Stored(*after, id(n));
+      ASSERT_EQ(held.has_value(), hot) << "block " << n;
+      if (hot) {
+        ASSERT_EQ(held->first, Pattern(n, proxima::testing::kTinyBlockBytes)) << "block " << n;
+      }
+    }
+  }
+  // The sizes tried include ones where the end record took a block's place.
+  EXPECT_GT(end_made_room, 0);
 }
 
 }  // namespace

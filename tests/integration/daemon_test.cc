@@ -21,6 +21,7 @@
 #include "client/test_pattern.h"
 #include "common/crc32c.h"
 #include "common/testing/status_matchers.h"
+#include "common/testing/tmpfs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
@@ -549,6 +550,50 @@ TEST_F(SnapshotIntegrationTest, AStartThatCameBackShortOfWarmSaysSoInItsMetrics)
   EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_loaded_blocks"), 0);
   EXPECT_EQ(Put(*daemon, 11, 2).block_bytes, p.block_bytes);
   EXPECT_EQ(Served(*daemon, p, 11, 2), 2u);
+}
+
+// A snapshot directory whose file system fills before every block is written (a tmpfs of 1.25
+// MiB, room for a few of the 256 KiB blocks): the file keeps the hottest blocks that fit, the log
+// says what the full disk left out, and the next start serves exactly those, byte-exact, and
+// counts the start as loaded. Needs root and a mount namespace of its own (the ctest entry
+// snapshot_disk_full_daemon runs it under unshare --mount); skips elsewhere.
+TEST_F(SnapshotIntegrationTest, AFullDiskKeepsTheHottestBlocksThatFitForTheNextStart) {
+  if (!testing::InMountNamespaceOfItsOwn()) {
+    GTEST_SKIP() << "mounts a tmpfs: runs as root in a mount namespace of its own (the ctest "
+                    "entry snapshot_disk_full_daemon runs it under unshare --mount)";
+  }
+  constexpr size_t kBlocks = 12;
+  std::unique_ptr<testing::ScopedTmpfs> tmpfs;
+  ASSERT_OK(testing::ScopedTmpfs::Mount(dir_, 1280 << 10, &tmpfs));
+  std::unique_ptr<DaemonProcess> daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  auto c = MustConnect(daemon->tcp_target());
+  ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+  for (size_t n = 0; n < kBlocks; ++n) {  // one call each: n + 1 is used more recently than n
+    Blocks b = MakeBlocks(12, n, 1, p.block_bytes);
+    ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+  }
+  c.reset();
+  Stop(*daemon);
+  const std::string stopped = daemon->Log();
+
+  ASSERT_OK(daemon->Restart());
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "proxima_snapshot_load_state{state=\"loaded\"}"), 1);
+  const size_t kept = static_cast<size_t>(MetricValue(metrics, "proxima_snapshot_loaded_blocks"));
+  ASSERT_GT(kept, 0u);
+  ASSERT_LT(kept, kBlocks);
+  EXPECT_THAT(
+      stopped,
+      AllOf(HasSubstr(absl::StrCat("wrote the blocks to the snapshot for the next start file=",
+                                   file_, " blocks=", kept, " bytes=", kept * p.block_bytes)),
+            HasSubstr(absl::StrCat(" left_blocks=", kBlocks - kept, " ")),
+            HasSubstr(absl::StrCat("file_system_full=\"cannot write the snapshot file '", file_,
+                                   ".tmp': No space left on device\""))));
+  c = MustConnect(daemon->tcp_target());
+  ASSERT_OK(c->RegisterProfile(TestModel()).status());
+  EXPECT_EQ(GetAndCheck(*c, p, 12, kBlocks - kept, kept), kept) << "the hottest come back";
+  EXPECT_EQ(GetAndCheck(*c, p, 12, 0, kBlocks - kept), 0u) << "the coldest were left out";
 }
 
 TEST_F(SnapshotIntegrationTest, ASnapshotKeepsTheGpuTiersBlocksToo) {
