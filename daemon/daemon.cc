@@ -19,6 +19,7 @@
 #include "common/credentials.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "daemon/file_limit.h"
 #include "daemon/memory_limit.h"
 #include "daemon/metrics.h"
 #include "daemon/snapshot.h"
@@ -141,6 +142,27 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(
     const DaemonConfig& config, const std::vector<std::string>& ucx_address_check_command) {
   std::unique_ptr<Daemon> d(new Daemon());
   d->config_ = config;
+  // Before any connection: gRPC's TCP listener stops for good at the first accept that finds
+  // the open-file limit reached (daemon/file_limit.h).
+  const FileLimit files = RaiseOpenFileLimit();
+  if (!files.error.empty()) {
+    PROXIMA_LOG(kWarning) << "cannot raise the open-file limit to the hard limit"
+                          << log::Kv("soft", files.soft) << log::Kv("hard", files.hard)
+                          << log::Kv("error", files.error);
+  } else if (files.soft != files.soft_at_start) {
+    PROXIMA_LOG(kInfo) << "raised the open-file limit (RLIMIT_NOFILE) to the hard limit"
+                       << log::Kv("from", files.soft_at_start) << log::Kv("to", files.soft);
+  }
+  if (files.soft < config.server.max_connections + kFileHeadroom) {
+    PROXIMA_LOG(kWarning)
+        << "the open-file limit leaves little room: each client connection, UCX endpoint and "
+           "peer takes descriptors, and once an accept finds none left gRPC's TCP listener "
+           "(server.listen) accepts no more connections until a restart; raise the hard limit "
+           "(LimitNOFILE=, the container runtime's nofile ulimit) to at least "
+           "server.max_connections + 1024"
+        << log::Kv("open_file_limit", files.soft)
+        << log::Kv("max_connections", config.server.max_connections);
+  }
   // The host tier fills its capacity as blocks arrive: one larger than this process may use
   // would end in the OOM killer, not an error.
   const MemoryLimit memory = ProcessMemoryLimit();
@@ -234,6 +256,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(
     d->metrics_ = *std::move(metrics);
   }
 
+  // Prometheus's usual names for them, for an alert before the limit stops the TCP listener.
+  d->registry_.AddGauge("process_open_fds", "File descriptors this process has open", {},
+                        [] { return static_cast<double>(OpenFileDescriptors()); });
+  d->registry_.AddGauge("process_max_fds",
+                        "This process's open-file limit (soft RLIMIT_NOFILE, raised at start to "
+                        "the hard limit)",
+                        {}, [] { return static_cast<double>(OpenFileLimit()); });
   // The limit the host tier's capacity was checked against at start, for alerts on the
   // headroom (capacity vs limit) and on the process's resident memory.
   const double memory_limit = static_cast<double>(memory.bytes);

@@ -149,8 +149,9 @@ void UnixListener::AcceptLoop(grpc::Server* server) {
         if (errno != EAGAIN && errno != EWOULDBLOCK) {
           // EMFILE and the like: the connection waits in the backlog; try again shortly
           // instead of spinning on a listener that stays readable.
-          PROXIMA_LOG(kWarning) << "Unix socket: cannot accept a connection now"
-                                << log::Kv("error", std::strerror(errno));
+          const int err = errno;
+          PROXIMA_LOG_EVERY(kWarning, 10) << "Unix socket: cannot accept a connection now"
+                                          << log::Kv("error", std::strerror(err));
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
         }
         break;

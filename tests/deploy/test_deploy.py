@@ -678,7 +678,7 @@ def test_alert_rules_parse_and_use_exported_metrics(exported):
             promql_parser.parse(r["expr"])
         except ValueError as e:
             pytest.fail("alert %s: expr %r is not PromQL: %s" % (r["alert"], r["expr"], e))
-        used |= set(re.findall(r"\bproxima_[a-z0-9_]+", r["expr"]))
+        used |= set(re.findall(r"\b(?:proxima|process)_[a-z0-9_]+", r["expr"]))
         for group in re.findall(r"\bby \(([^)]*)\)", r["expr"]):
             for label in (x.strip() for x in group.split(",")):
                 assert label in labels, "alert %s groups by %r, which no series has" % (
@@ -701,7 +701,7 @@ def test_docs_use_only_exported_metrics(exported):
     names, _, _ = exported
     for doc in ("docs/operations.md", "README.md", "helm/proxima/templates/NOTES.txt"):
         with open(os.path.join(ROOT, doc)) as f:
-            used = set(re.findall(r"\bproxima_[a-z0-9_]+", f.read()))
+            used = set(re.findall(r"\b(?:proxima|process)_[a-z0-9_]+", f.read()))
         missing = sorted(u for u in used - names)
         assert not missing, "%s names metrics proximad does not export: %s" % (doc, missing)
 

@@ -66,6 +66,82 @@ TEST(DaemonIntegrationTest, RoundTripsAreByteExactOverTcpAndUnixSocket) {
   }
 }
 
+// Opens `n` TCP connections to 127.0.0.1:`port` that say nothing (the server holds each until
+// its handshake times out); returns their descriptors.
+std::vector<int> HoldConnections(int port, int n) {
+  std::vector<int> fds;
+  for (int i = 0; i < n; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      break;
+    }
+    fds.push_back(fd);
+  }
+  return fds;
+}
+
+// gRPC 1.51's TCP listener accepts nothing more, until a restart, once one accept finds the
+// open-file limit reached (daemon/file_limit.h). A daemon started with a soft limit of 96 under a
+// hard one of 8192 (systemd's and containerd's 1024 under 512Ki, scaled down) raises the soft one
+// at start, so 300 idle connections held open at once leave its TCP listener serving: a client
+// that connects over TCP while they are open, and one after they close, put and get byte-exact.
+TEST(DaemonIntegrationTest, ALowSoftOpenFileLimitIsRaisedSoAFloodOfConnectionsLeavesTcpServing) {
+  ASSERT_OK_AND_ASSIGN(auto daemon,
+                       DaemonProcess::Start({}, {"/usr/bin/prlimit", "--nofile=96:8192", "--"}));
+  EXPECT_THAT(daemon->Log(), HasSubstr("raised the open-file limit (RLIMIT_NOFILE) to the hard "
+                                       "limit from=96 to=8192"));
+  std::ifstream limits(absl::StrCat("/proc/", daemon->pid(), "/limits"));
+  std::string line;
+  bool seen = false;
+  while (std::getline(limits, line)) {
+    if (!line.starts_with("Max open files")) continue;
+    seen = true;
+    EXPECT_THAT(std::vector<std::string>(absl::StrSplit(line, ' ', absl::SkipEmpty())),
+                ::testing::ElementsAre("Max", "open", "files", "8192", "8192", "files"));
+  }
+  EXPECT_TRUE(seen);
+
+  std::vector<int> held = HoldConnections(daemon->tcp_port(), 300);
+  absl::Cleanup close_held = [&] {
+    for (int fd : held) close(fd);
+  };
+  ASSERT_EQ(held.size(), 300u);
+  for (uint64_t seed : {41, 42}) {
+    SCOPED_TRACE(seed == 41 ? "while 300 connections are open" : "after they closed");
+    auto c = MustConnect(daemon->tcp_target());
+    ASSERT_NE(c, nullptr);
+    ASSERT_OK_AND_ASSIGN(Profile p, c->RegisterProfile(TestModel()));
+    Blocks b = MakeBlocks(seed, 0, 4, p.block_bytes);
+    ASSERT_OK(c->Put(p, b.keys, b.spans()).status());
+    EXPECT_EQ(GetAndCheck(*c, p, seed, 0, 4), 4u);
+    if (seed == 41) {
+      ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+      EXPECT_GT(MetricValue(metrics, "process_open_fds"), 300);
+      EXPECT_EQ(MetricValue(metrics, "process_max_fds"), 8192);
+      for (int fd : held) close(fd);
+      held.clear();
+    }
+  }
+  EXPECT_THAT(daemon->Log(), ::testing::Not(HasSubstr("Failed accept4")));
+}
+
+// A hard limit too low for server.max_connections (1024 by default) plus room for the rest is
+// said at start.
+TEST(DaemonIntegrationTest, AnOpenFileLimitWithLittleRoomIsWarnedAboutAtStart) {
+  ASSERT_OK_AND_ASSIGN(auto daemon,
+                       DaemonProcess::Start({}, {"/usr/bin/prlimit", "--nofile=512:512", "--"}));
+  EXPECT_THAT(daemon->Log(), AllOf(HasSubstr("the open-file limit leaves little room"),
+                                   HasSubstr("open_file_limit=512 max_connections=1024")));
+  ASSERT_OK_AND_ASSIGN(std::string metrics, daemon->ScrapeMetrics());
+  EXPECT_EQ(MetricValue(metrics, "process_max_fds"), 512);
+}
+
 TEST(DaemonIntegrationTest, LookupCountsLeadingPresentBlocks) {
   ASSERT_OK_AND_ASSIGN(auto daemon, DaemonProcess::Start());
   auto c = MustConnect(daemon->unix_target());
