@@ -10,29 +10,26 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 #include "common/log.h"
 
 namespace proxima::metrics {
 namespace {
 
-constexpr int kReadDeadlineMs = 2000;
+// A client has this long to send its request, and then this long to read the answer; past it
+// the connection is closed. Connections are served together, so a slow or silent one delays no
+// other.
+constexpr auto kReadDeadline = std::chrono::seconds(2);
+constexpr auto kSendDeadline = std::chrono::seconds(10);
 constexpr size_t kMaxRequestBytes = 8192;
-
-void WriteAll(int fd, absl::string_view data) {
-  while (!data.empty()) {
-    ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      return;
-    }
-    data.remove_prefix(static_cast<size_t>(n));
-  }
-}
+// Connections served at once; more wait in the listen backlog.
+constexpr size_t kMaxConnections = 64;
 
 std::string Response(absl::string_view status, absl::string_view content_type,
                      absl::string_view body) {
@@ -58,7 +55,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address '", host_port, "': ", gai_strerror(rc)));
   }
-  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  // Non-blocking: the server accepts until the backlog is empty.
+  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) {
     freeaddrinfo(res);
     return absl::InternalError(absl::StrCat("socket(): ", std::strerror(errno)));
@@ -98,48 +96,102 @@ void MetricsHttpServer::Stop() {
 }
 
 void MetricsHttpServer::Serve() {
+  using Clock = std::chrono::steady_clock;
+  struct Connection {
+    int fd;
+    Clock::time_point deadline;  // to read the request; once answered, to send the answer
+    std::string request;
+    std::string answer;  // empty until the request is read
+    size_t sent = 0;
+  };
+  std::vector<Connection> connections;
+  Clock::time_point accept_after{};  // after an accept that failed (EMFILE): not before
+  std::vector<pollfd> fds;
   while (!stopping_.load()) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    int ready = ::poll(&p, 1, 100);  // wake up regularly to notice Stop()
-    if (ready <= 0) continue;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    HandleConnection(fd);
-    ::close(fd);
+    Clock::time_point now = Clock::now();
+    const bool accepting = connections.size() < kMaxConnections && now >= accept_after;
+    fds.clear();
+    fds.push_back({accepting ? listen_fd_ : -1, POLLIN, 0});  // poll skips a negative fd
+    for (const Connection& c : connections) {
+      fds.push_back({c.fd, static_cast<short>(c.answer.empty() ? POLLIN : POLLOUT), 0});
+    }
+    // Wakes up regularly to notice Stop(), deadlines and the end of an accept pause.
+    if (::poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) {
+      PROXIMA_LOG_EVERY(kError, 10)
+          << "metrics: poll failed" << log::Kv("error", std::strerror(errno));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    now = Clock::now();
+    // Backwards, so that removing one (the last moves into its place) leaves those still to
+    // visit where they were.
+    for (size_t i = connections.size(); i-- > 0;) {
+      Connection& c = connections[i];
+      bool done = now >= c.deadline;
+      if (!done && fds[i + 1].revents != 0 && c.answer.empty()) {
+        char buf[2048];
+        const ssize_t n = ::recv(c.fd, buf, sizeof(buf), 0);
+        if (n > 0) {
+          c.request.append(buf, static_cast<size_t>(n));
+          if (c.request.find("\r\n\r\n") != std::string::npos ||
+              c.request.size() >= kMaxRequestBytes) {
+            c.answer = Answer(c.request);
+            c.deadline = now + kSendDeadline;
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+          done = true;  // closed or failed before a whole request
+        }
+      }
+      if (!done && !c.answer.empty()) {
+        const ssize_t n =
+            ::send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL);
+        if (n > 0) {
+          c.sent += static_cast<size_t>(n);
+          done = c.sent == c.answer.size();
+        } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          done = true;
+        }
+      }
+      if (done) {
+        ::close(c.fd);
+        if (i + 1 != connections.size()) c = std::move(connections.back());
+        connections.pop_back();
+      }
+    }
+    if (!accepting || (fds[0].revents & POLLIN) == 0) continue;
+    while (connections.size() < kMaxConnections) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+          // EMFILE and the like: the connection waits in the backlog. Pause accepting, or the
+          // listener, readable all along, would have this thread spin.
+          const int err = errno;
+          PROXIMA_LOG_EVERY(kWarning, 10)
+              << "metrics: cannot accept a connection now" << log::Kv("error", std::strerror(err));
+          accept_after = now + std::chrono::milliseconds(100);
+        }
+        break;
+      }
+      connections.push_back({fd, now + kReadDeadline, {}, {}, 0});
+    }
   }
+  for (const Connection& c : connections) ::close(c.fd);
 }
 
-void MetricsHttpServer::HandleConnection(int fd) {
-  std::string request;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReadDeadlineMs);
-  while (request.find("\r\n\r\n") == std::string::npos && request.size() < kMaxRequestBytes) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                    deadline - std::chrono::steady_clock::now())
-                    .count();
-    if (left <= 0) return;
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(left)) <= 0) return;
-    char buf[2048];
-    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) return;
-    request.append(buf, static_cast<size_t>(n));
-  }
+std::string MetricsHttpServer::Answer(absl::string_view request) const {
   absl::string_view line(request);
   line = line.substr(0, line.find("\r\n"));
   if (!absl::StartsWith(line, "GET ")) {
-    WriteAll(fd, Response("405 Method Not Allowed", "text/plain", "only GET is served\n"));
-    return;
+    return Response("405 Method Not Allowed", "text/plain", "only GET is served\n");
   }
   absl::string_view path = line.substr(4, line.find(' ', 4) - 4);
   path = path.substr(0, path.find('?'));
   if (path == "/metrics") {
-    WriteAll(fd, Response("200 OK", "text/plain; version=0.0.4; charset=utf-8",
-                          registry_->RenderText()));
-  } else if (path == "/healthz") {
-    WriteAll(fd, Response("200 OK", "text/plain", "ok\n"));
-  } else {
-    WriteAll(fd, Response("404 Not Found", "text/plain", "try /metrics or /healthz\n"));
+    return Response("200 OK", "text/plain; version=0.0.4; charset=utf-8", registry_->RenderText());
   }
+  if (path == "/healthz") return Response("200 OK", "text/plain", "ok\n");
+  return Response("404 Not Found", "text/plain", "try /metrics or /healthz\n");
 }
 
 }  // namespace proxima::metrics

@@ -1,7 +1,9 @@
 // MetricsHttpServer: serves GET /metrics (Prometheus text format) and GET /healthz over plain
-// HTTP/1.1 on one listening socket, from one thread. Scrapes are infrequent and small, so
-// connections are handled one at a time, each with a short read deadline so that a slow or
-// silent client cannot stall the next scrape for long.
+// HTTP/1.1 on one listening socket, from one thread. Its connections are served together (a poll
+// loop over non-blocking sockets, 64 at a time), each with a deadline to send its request and
+// one to read the answer, so a silent client, or one that never reads a large answer, delays no
+// scrape; an accept that fails (out of file descriptors) pauses accepting briefly instead of
+// spinning on the listener.
 //
 // Thread-safe: Start() and Stop() from any thread; the server thread only reads the registry.
 #ifndef PROXIMA_DAEMON_METRICS_HTTP_H_
@@ -13,6 +15,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "daemon/metrics.h"
 
 namespace proxima::metrics {
@@ -31,7 +34,8 @@ class MetricsHttpServer {
  private:
   MetricsHttpServer(int listen_fd, int port, const Registry* registry);
   void Serve();
-  void HandleConnection(int fd);
+  // The whole HTTP response to `request` (its bytes as read: a request line and headers).
+  std::string Answer(absl::string_view request) const;
 
   const int listen_fd_;
   const int port_;
