@@ -31,6 +31,7 @@ constexpr size_t kKeptErrorBytes = 4096;
 // How a child ended.
 struct ChildEnd {
   std::string start_error;  // non-empty: it never ran
+  int start_errno = 0;      // the system's error when it never ran, where there was one
   bool timed_out = false;   // killed at `until`
   bool stopped = false;     // killed because `stop` was set
   int wait_status = 0;      // waitpid's
@@ -55,6 +56,7 @@ ChildEnd RunChild(const std::vector<std::string>& command, const std::string& in
   int in[2] = {-1, -1};
   int out[2] = {-1, -1};
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, in) != 0 || pipe2(out, O_CLOEXEC) != 0) {
+    end.start_errno = errno;
     end.start_error = absl::StrCat("cannot make its pipes: ", std::strerror(errno));
     for (int* fd : {&in[0], &in[1], &out[0], &out[1]}) CloseFd(*fd);
     return end;
@@ -86,6 +88,7 @@ ChildEnd RunChild(const std::vector<std::string>& command, const std::string& in
   CloseFd(in[1]);
   CloseFd(out[1]);
   if (spawned != 0) {
+    end.start_errno = spawned;
     end.start_error = absl::StrCat("cannot run ", command[0], ": ", std::strerror(spawned));
     CloseFd(in[0]);
     CloseFd(out[0]);
@@ -246,6 +249,15 @@ absl::Status AddressCheck::RunOne(const std::string& address, bool* same_every_t
   if (end.start_error.empty() && !end.timed_out && !end.stopped && WIFEXITED(status) &&
       WEXITSTATUS(status) == 127) {
     end.start_error = absl::StrCat("cannot run ", command_[0], ": exit code 127");
+  }
+  if (!end.start_error.empty() && (end.start_errno == EMFILE || end.start_errno == ENFILE ||
+                                   end.start_errno == EAGAIN || end.start_errno == ENOMEM)) {
+    // Out of descriptors, processes or memory for now: nothing wrong with the address or the
+    // command, and the next try may find them.
+    return absl::UnavailableError(absl::StrCat(
+        "cannot check the UCX worker address now (", end.start_error,
+        "): proximad is short of file descriptors, processes or memory; if it is the open-file "
+        "limit, raise its hard limit (docs/operations.md, Open files)"));
   }
   if (!end.start_error.empty()) {
     return absl::InternalError(

@@ -75,8 +75,9 @@ class AddressCheck {
   // OK when a child parsed `address` and ended normally (now or before). Otherwise
   // INVALID_ARGUMENT naming how the child ended (the signal, UCX's message) or that it did not
   // end within its timeout; UNAVAILABLE when `deadline` passed before the verdict (the check
-  // goes on: ask again) or too many addresses are pending; INTERNAL when the child cannot be
-  // started (the command is wrong for this host). With a deadline already past, this never
+  // goes on: ask again), too many addresses are pending, or the child cannot be started for want
+  // of file descriptors, processes or memory; INTERNAL when the child cannot be started
+  // otherwise (the command is wrong for this host). With a deadline already past, this never
   // waits: it answers a remembered verdict or starts the check and says UNAVAILABLE.
   absl::Status Check(const std::string& address, absl::Time deadline);
 

@@ -3,6 +3,7 @@
 #include "common/ucx.h"
 
 #include <stdlib.h>
+#include <sys/resource.h>
 
 #include <bit>
 #include <cstring>
@@ -1033,6 +1034,30 @@ TEST(AddressCheckTest, AFloodOfAddressesIsBoundedAndTheirChildrenEndWithTheCheck
   }
   // The destructor killed the hanging children rather than waiting out their 10 s.
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+// Out of file descriptors (the open-file limit lowered to what is open now), the child cannot be
+// started: UNAVAILABLE, saying why and what to raise, not the INTERNAL error of a command that
+// cannot run (whose advice, turning the check off, would be wrong here); nothing is remembered,
+// so the same address passes once descriptors are free.
+TEST(AddressCheckTest, OutOfDescriptorsTheCheckIsUnavailableForNowNotRefused) {
+  AddressCheck check(Shell("cat > /dev/null"));
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // The lowest free descriptor is where the limit goes: every new one fails with EMFILE.
+  const int probe = dup(0);
+  ASSERT_GE(probe, 0);
+  close(probe);
+  rlimit lowered = saved;
+  lowered.rlim_cur = static_cast<rlim_t>(probe);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  const absl::Status short_of_files = check.Check("address", absl::Now() + absl::Seconds(20));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_THAT(short_of_files,
+              StatusIs(absl::StatusCode::kUnavailable,
+                       AllOf(HasSubstr("Too many open files"), HasSubstr("open-file limit"))));
+  EXPECT_EQ(check.refused(), 0u);
+  EXPECT_OK(check.Check("address", absl::Now() + absl::Seconds(20)));
 }
 
 TEST(AddressCheckTest, ACommandThatCannotRunIsAnInternalErrorNamingIt) {
