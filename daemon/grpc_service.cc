@@ -34,9 +34,12 @@ grpc::ByteBuffer WriteBlocks(std::vector<std::optional<BlockStore::ReadBlock>>& 
   return writer.Finish();
 }
 
+}  // namespace
+
 // Finishes one call; when gRPC is done with it (response sent, or the call cancelled) ends the
 // call in its peer's account (if it was admitted) and deletes itself (the callback API's
-// contract).
+// contract). Outside the anonymous namespace: the lambdas of the member template Handle capture
+// it, and GCC warns (-Wsubobject-linkage) where this file is compiled inside a unity batch.
 class AccountedReactor final : public grpc::ServerUnaryReactor {
  public:
   // Finishes the call with `status`; once gRPC is done with it, `bytes` leave `peer`'s account
@@ -57,6 +60,8 @@ class AccountedReactor final : public grpc::ServerUnaryReactor {
   std::string peer_;
   uint64_t bytes_ = 0;
 };
+
+namespace {
 
 absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
   const auto& md = context.client_metadata();
