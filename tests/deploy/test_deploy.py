@@ -649,7 +649,7 @@ def test_dashboard_uses_only_exported_metrics(exported):
     assert len(exprs) >= 12
     used = set()
     for e in exprs:
-        used |= set(re.findall(r"\bproxima_[a-z0-9_]+", e))
+        used |= set(re.findall(r"\b(?:proxima|process)_[a-z0-9_]+", e))
         for group in re.findall(r"\bby \(([^)]*)\)", e):
             for label in (x.strip() for x in group.split(",")):
                 assert label in labels, "dashboard groups by %r, which no series has" % label
