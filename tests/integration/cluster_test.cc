@@ -124,6 +124,21 @@ class ClusterTest : public ::testing::Test {
     return got;
   }
 
+  // Gets chain `seed` [0, count) from `c` (every byte checked) until `want` blocks come back, for
+  // up to 10 s: a node's first fetch from a peer after one of them restarted includes the peer's
+  // UCX wire-up (and its worker-address check), and a peer call that runs past the deadline has
+  // the node answer misses for that peer for a second (docs/cluster.md), which is no error.
+  size_t WaitGet(Client& c, const Profile& p, uint64_t seed, size_t count, size_t want) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    size_t got = 0;
+    while (absl::Now() < deadline) {
+      got = GetAndCheck(c, p, seed, 0, count);
+      if (got == want) break;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return got;
+  }
+
   // Clients of nodes 0 (`a`) and 1 (`b`), with TestModel() registered on both (`p`).
   struct TwoClients {
     std::unique_ptr<Client> a, b;
@@ -713,7 +728,7 @@ TEST_F(ClusterTest, ARejoinOrALeaveNeedsThePeerTokenAndAPeersNodeId) {
     const std::string name = leave ? "Leave" : "Rejoin";
     SCOPED_TRACE(name);
     EXPECT_EQ(call(leave, "127.0.0.1:1", false).error_code(), grpc::StatusCode::UNAUTHENTICATED);
-    for (const std::string node : {std::string(), std::string(1025, 'n')}) {
+    for (const std::string& node : {std::string(), std::string(1025, 'n')}) {
       grpc::Status s = call(leave, node, true);
       EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << node.size();
       EXPECT_THAT(s.error_message(), ::testing::HasSubstr(absl::StrCat(
@@ -1057,7 +1072,7 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     auto c = MustConnect(daemons_[node]->tcp_target());
     ASSERT_OK(c->RegisterProfile(TestModel()).status());
     EXPECT_EQ(WaitLookup(*c, p, kAfterRestart, kBlocks, kBlocks), kBlocks) << node;
-    EXPECT_EQ(GetAndCheck(*c, p, kAfterRestart, 0, kBlocks), kBlocks) << node;
+    EXPECT_EQ(WaitGet(*c, p, kAfterRestart, kBlocks, kBlocks), kBlocks) << node;
   }
   // The keys of B's blocks whose home is A again: B announced them to the restarted A (which
   // came back with no records), so C and A still find all of them.
@@ -1065,7 +1080,7 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     auto c = MustConnect(daemons_[node]->tcp_target());
     ASSERT_OK(c->RegisterProfile(TestModel()).status());
     EXPECT_EQ(WaitLookup(*c, p, kOnB, kBlocks, kBlocks), kBlocks) << node;
-    EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks) << node;
+    EXPECT_EQ(WaitGet(*c, p, kOnB, kBlocks, kBlocks), kBlocks) << node;
   }
   EXPECT_GT(Metric(1, "proxima_cluster_location_records_reannounced_total"), 0);
 }
