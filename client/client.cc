@@ -157,7 +157,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     client->next_token_read_ = absl::Now() + options.token_reload_interval;
   }
   v1::GetServerInfoResponse info;
-  PROXIMA_RETURN_IF_ERROR(CallDaemon(
+  PROXIMA_RETURN_IF_ERROR(client->CallDaemon(
       absl::Now() + options.call_timeout, client->Token(), [&](grpc::ClientContext* context) {
         return client->stub_->GetServerInfo(context, v1::GetServerInfoRequest(), &info);
       }));
@@ -271,13 +271,23 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
   // One thread re-establishes the session; the others find it fresh when they get the lock.
   proxima::MutexLock lock(&ucx_reopen_mu_);
   if (!ucx_session_stale_.load() && SessionTokenIsCurrent()) return absl::OkStatus();
-  // A failed call leaves the channel in TRANSIENT_FAILURE, and the unary calls of the UCX path
-  // fail fast there without polling the channel, so nothing would drive gRPC's reconnection
-  // (its backoff included) forward: wait for it here, within this call's deadline.
-  if (!channel_->WaitForConnected(absl::ToChronoTime(deadline))) {
+  // As gRPC treats a call that is not wait_for_ready: wait while the channel connects, fail at
+  // once while its last attempt failed (reconnector_ goes on trying: a later call finds it
+  // READY). Waiting out the whole deadline instead held every call of a worker whose daemon was
+  // down for call_timeout (30 s by default), where inline calls failed in microseconds.
+  grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
+  while (state == GRPC_CHANNEL_IDLE || state == GRPC_CHANNEL_CONNECTING) {
+    if (!channel_->WaitForStateChange(state, absl::ToChronoTime(deadline))) break;
+    state = channel_->GetState(/*try_to_connect=*/true);
+  }
+  if (state != GRPC_CHANNEL_READY) {
+    reconnector_.Wake();
     return absl::UnavailableError(absl::StrCat(
-        "proximad at '", options_.target, "' is not reachable again within the call's deadline (",
-        absl::FormatDuration(options_.call_timeout), "); the UCX session is re-opened once it is"));
+        "proximad at '", options_.target, "' is not reachable (",
+        state == GRPC_CHANNEL_TRANSIENT_FAILURE ? "its last connection attempt failed"
+                                                : "no connection within the call's deadline",
+        "); libproxima reconnects in the background and re-opens the UCX session at the first "
+        "call after"));
   }
   // A daemon that did not restart may still hold the old session (the failure was on the path):
   // close it, best effort (closing a session the daemon no longer knows is not an error).
@@ -973,7 +983,9 @@ absl::Status Client::CallDaemon(absl::Time deadline, const std::string& token,
       wait = std::min(wait * 2, absl::Milliseconds(50));
       continue;
     }
-    return FromGrpc(status);
+    absl::Status result = FromGrpc(status);
+    if (absl::IsUnavailable(result)) reconnector_.Wake();
+    return result;
   }
 }
 

@@ -32,6 +32,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_channel.h"
 #include "common/mutex.h"
 #include "proxima/v1/kvtier.grpc.pb.h"
 
@@ -310,9 +311,10 @@ class Client {
   // again, on a fresh context, while the daemon refuses it only until calls running in it end
   // (wire::kRetryWhenReleasedMetadata: this client's earlier calls still hold bytes there, or
   // server.max_connections other connections have calls running), backing off from 1 to 50 ms,
-  // as long as `deadline` allows. Every call to the daemon goes through here.
-  static absl::Status CallDaemon(absl::Time deadline, const std::string& token,
-                                 absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
+  // as long as `deadline` allows. Every call to the daemon goes through here; one that fails
+  // UNAVAILABLE sets reconnector_ going, so that the channel reconnects while calls fail fast.
+  absl::Status CallDaemon(absl::Time deadline, const std::string& token,
+                          absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
   // One unary call with serialized messages (Put and Get encode their block bytes themselves).
   absl::Status CallRaw(const char* method, const grpc::ByteBuffer& request,
                        grpc::ByteBuffer* response);
@@ -341,8 +343,10 @@ class Client {
   // Opens a UCX session. `shared_memory` (optional) receives the daemon's
   // ConnectUcxResponse.shared_memory_transport.
   absl::Status OpenUcxSession(absl::Time deadline, std::string* shared_memory = nullptr);
-  // After a call failed UNAVAILABLE: waits for the daemon to be reachable again (gRPC's
-  // reconnection backoff) and opens a new session, all before `deadline`.
+  // After a call failed UNAVAILABLE: opens a new session once the channel is connected again,
+  // before `deadline`. Fails UNAVAILABLE at once while the channel is in TRANSIENT_FAILURE (the
+  // daemon down or restarting: reconnector_ reconnects meanwhile), as gRPC fails an inline
+  // call; waits, within `deadline`, while a connection attempt is under way.
   absl::Status ReopenUcxSession(absl::Time deadline) ABSL_LOCKS_EXCLUDED(ucx_reopen_mu_);
   // Asks the daemon to close `session_id` (0: none), best effort.
   void CloseUcxSession(uint64_t session_id, absl::Duration timeout);
@@ -471,6 +475,7 @@ class Client {
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
+  ChannelReconnector reconnector_{channel_};
   std::unique_ptr<v1::KVTier::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_stub_;  // Get, parsed without copies (wire.h)
   ServerInfo server_info_;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 namespace proxima {
 
@@ -42,6 +43,63 @@ grpc::ChannelArguments ProximaChannelArguments(const ChannelSettings& settings) 
     args.SetSslTargetNameOverride(settings.tls_server_name);
   }
   return args;
+}
+
+ChannelReconnector::ChannelReconnector(std::shared_ptr<grpc::Channel> channel)
+    : channel_(std::move(channel)) {}
+
+ChannelReconnector::~ChannelReconnector() {
+  std::thread thread;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    thread = std::move(thread_);
+  }
+  cv_.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
+void ChannelReconnector::Wake() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) return;
+  woken_ = true;
+  if (!thread_.joinable()) {
+    thread_ = std::thread([this] { Run(); });
+  } else {
+    cv_.notify_all();
+  }
+}
+
+int ChannelReconnector::reconnected() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reconnected_;
+}
+
+void ChannelReconnector::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return woken_ || stop_; });
+    if (stop_) return;
+    woken_ = false;
+    lock.unlock();
+    // GetState(true) asks an IDLE channel to connect; waiting on its state polls it, which is
+    // what moves the connection attempts (and the backoff between them) along.
+    bool reconnected = false;
+    bool stopping = false;
+    for (grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
+         state != GRPC_CHANNEL_READY; state = channel_->GetState(/*try_to_connect=*/true)) {
+      channel_->WaitForStateChange(state, absl::ToChronoTime(absl::Now() + kSlice));
+      std::lock_guard<std::mutex> check(mu_);
+      if (stop_) {
+        stopping = true;
+        break;
+      }
+      reconnected = true;
+    }
+    lock.lock();
+    if (stopping) return;
+    if (reconnected) ++reconnected_;
+  }
 }
 
 }  // namespace proxima

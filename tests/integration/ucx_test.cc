@@ -1569,11 +1569,12 @@ TEST_P(UcxIntegrationTest, ClientKilledMidTransferLeavesNoPartialBlockAndNoSessi
   EXPECT_EQ(stats.crc_failures(), 0u);
 }
 
-TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadline) {
-  // A client on UCX whose daemon is SIGKILLed: its next call fails UNAVAILABLE within the call's
-  // deadline, and once proximad is back (same port) the call after re-establishes the gRPC
-  // connection and the UCX session by itself, inside one deadline, still on UCX.
-  constexpr absl::Duration kCallTimeout = absl::Seconds(3);
+TEST_P(UcxIntegrationTest, DaemonKilledFailsCallsAtOnceAndOnceBackIsUsedOverUcxAgain) {
+  // A client on UCX whose daemon is SIGKILLed: its calls fail UNAVAILABLE at once while it is
+  // down, not at their deadline (they each waited it out before), and once proximad is back
+  // (same port) the client has reconnected by itself within about the reconnect backoff and its
+  // next call re-establishes the UCX session, still on UCX.
+  constexpr absl::Duration kCallTimeout = absl::Seconds(20);
   ClientOptions options;
   options.target = daemon_->tcp_target();
   options.transport = Transport::kUcx;
@@ -1597,18 +1598,23 @@ TEST_P(UcxIntegrationTest, DaemonKilledAndRestartedIsSurvivedWithinTheCallDeadli
 
   daemon_->Signal(SIGKILL);
   ASSERT_EQ(daemon_->WaitExit(absl::Seconds(10)), -1);
-  absl::Time start = absl::Now();
-  EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
-  EXPECT_LE(absl::Now() - start, kCallTimeout + absl::Seconds(2));
-  start = absl::Now();
-  EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable,
-                               ::testing::_));  // still down: no hang either
-  EXPECT_LE(absl::Now() - start, kCallTimeout + absl::Seconds(2));
+  for (int call = 0; call < 4; ++call) {  // the first finds the connection gone, the rest down
+    const absl::Time start = absl::Now();
+    EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable, ::testing::_)) << call;
+    EXPECT_LE(absl::Now() - start, absl::Milliseconds(500)) << call;
+    absl::SleepFor(absl::Milliseconds(300));
+  }
 
   ASSERT_OK(daemon_->Restart());
-  start = absl::Now();
-  ASSERT_OK(put(2));
-  EXPECT_LE(absl::Now() - start, kCallTimeout);
+  const absl::Time up = absl::Now();
+  absl::Status put2;
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    put2 = put(2);
+  } while (!put2.ok() && absl::Now() - up < absl::Seconds(10));
+  ASSERT_OK(put2);
+  // The reconnect backoff's 1 s maximum, its 20% jitter, and room for a loaded machine.
+  EXPECT_LE(absl::Now() - up, absl::Milliseconds(2500));
   EXPECT_EQ(c->transport(), Transport::kUcx);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
   EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
