@@ -96,7 +96,10 @@ struct ClientOptions {
   std::string target = "unix:/run/proxima/proximad.sock";
   std::string namespace_name = "default";
   absl::Duration connect_timeout = absl::Seconds(5);  // Connect() gives up after this
-  absl::Duration call_timeout = absl::Seconds(30);    // deadline of every call
+  // Deadline of every call. While the daemon cannot be reached (down, restarting) calls fail
+  // UNAVAILABLE at once instead, and the client reconnects in the background
+  // (ChannelReconnector): calls succeed again within about a second of the daemon serving.
+  absl::Duration call_timeout = absl::Seconds(30);
   // Bearer token of the namespace, sent as `authorization: Bearer <token>` metadata on every
   // call; "" for an open namespace. Never logged. Send tokens over TLS or a Unix socket only.
   std::string token;

@@ -38,13 +38,14 @@ case "$KIND" in
           # Debian's gRPC is not built with TSan: its internal synchronization is invisible, so
           # every process that runs a gRPC server or channel reports races inside gRPC. Under
           # TSan only the unit tests run (they drive the concurrent core without gRPC), less the
-          # few that start gRPC in-process (the Unix listener's and membership's, which check
-          # against real gRPC servers). Nor do UcxTest's puts over UCX's shared-memory transports
+          # few that start gRPC in-process (the Unix listener's, membership's and the channel
+          # reconnector's, which check against real gRPC servers; the reconnector's 70 reports,
+          # stop 67, were all inside libgrpc and Abseil's GraphCycles, none on its own state). Nor do UcxTest's puts over UCX's shared-memory transports
           # (posix, sysv): the put lands through libucp's active-message handler on the other
           # worker's progress thread, ordered by atomics inside the uninstrumented libucp/libuct,
           # so TSan reports its memcpy racing with the test's reads of the buffer, and then a
           # signal-unsafe call in libucs; the same test over tcp runs.
-          LABEL=(-L unit -E "^(UnixListenerTest|MembershipTest|LiveSetTest)[.]|^Transports/UcxTest[.]GetAndPutAreByteExact/(posix|sysv)") ;;
+          LABEL=(-L unit -E "^(UnixListenerTest|MembershipTest|LiveSetTest|ChannelReconnectorTest)[.]|^Transports/UcxTest[.]GetAndPutAreByteExact/(posix|sysv)") ;;
   *) echo "unknown sanitizer '$KIND' (address | thread)" >&2; exit 2 ;;
 esac
 case "$KIND:$SCOPE" in
@@ -54,7 +55,7 @@ case "$KIND:$SCOPE" in
     # binaries not built are registered as <target>_NOT_BUILT, without the label).
     export PROXIMA_TARGETS="common_test wire_test kernels_device_test kernels_codec_test
       kernels_simd_test kernels_vec_codec_test kernels_kv_layout_test kernels_crc32c_math_test
-      daemon_test fuzz_corpus_test"
+      daemon_test fuzz_corpus_test grpc_channel_test"
     # Less one test: NumericTest's 70 million fp8 rounding cases are arithmetic on registers,
     # nothing a sanitizer checks, and took 98 s of this run's time at -O0 with instrumentation
     # (they run natively in the main suite and under qemu).
