@@ -70,7 +70,10 @@ PROXIMA_EXPORT int proxima_abi_version(void);
 PROXIMA_EXPORT const char* proxima_last_error(void);
 
 /* Connects to proximad at `target` ("unix:/run/proxima/proximad.sock" or "host:port") for
- * namespace `namespace_name`. Timeouts in milliseconds; 0 picks the default (5 s / 30 s). */
+ * namespace `namespace_name`. Timeouts in milliseconds; 0 picks the default (5 s / 30 s).
+ * While the daemon cannot be reached (down, restarting), calls fail 14 (UNAVAILABLE) at once
+ * rather than wait out call_timeout; the client reconnects by itself in the background, and
+ * calls succeed again within about a second of the daemon serving. */
 PROXIMA_EXPORT proxima_status proxima_connect(const char* target, const char* namespace_name,
                                int64_t connect_timeout_ms, int64_t call_timeout_ms,
                                proxima_client** client_out);
