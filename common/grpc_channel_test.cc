@@ -79,11 +79,11 @@ TEST(ChannelReconnectorTest, AWokenReconnectorBringsTheChannelBackWithNoCallMade
   ASSERT_NE(server, nullptr);
   const absl::Time back = absl::Now();
   // Nothing here calls the channel: it is READY again within the backoff's maximum, its 20%
-  // jitter and room for a loaded machine. (In this process the server's threads poll too, which
-  // moves the channel's connection on as well; what the reconnector is for, a client whose
-  // daemon is another process, is checked by tests/integration:
+  // jitter and room for a loaded or emulated machine. (In this process the server's threads poll
+  // too, which moves the channel's connection on as well; what the reconnector is for, a client
+  // whose daemon is another process, is checked by tests/integration:
   // DaemonIntegrationTest.WhileItsDaemonIsDownAClientFailsAtOnceAndServesSoonAfterItReturns.)
-  EXPECT_TRUE(StateBecomes(*channel, GRPC_CHANNEL_READY, absl::Milliseconds(2500)))
+  EXPECT_TRUE(StateBecomes(*channel, GRPC_CHANNEL_READY, absl::Seconds(5)))
       << "state " << channel->GetState(false) << " after " << absl::Now() - back;
   EXPECT_TRUE(StateBecomes(*channel, GRPC_CHANNEL_READY, absl::ZeroDuration()));
   // Counted once the thread saw it; then it sleeps until the next Wake.
@@ -97,7 +97,8 @@ TEST(ChannelReconnectorTest, AWokenReconnectorBringsTheChannelBackWithNoCallMade
 }
 
 TEST(ChannelReconnectorTest, GoesAtOnceWhileItsServerIsAway) {
-  // Destroyed while it is still trying (its server never came): it stops within its poll slice.
+  // Destroyed while it is still trying (its server never came): it stops within its poll slice
+  // (and room for an emulated machine), where a thread that did not look would go on for good.
   const std::string path = SocketPath("never");
   unlink(path.c_str());
   std::shared_ptr<grpc::Channel> channel = ChannelTo(path);
@@ -107,14 +108,14 @@ TEST(ChannelReconnectorTest, GoesAtOnceWhileItsServerIsAway) {
   EXPECT_NE(channel->GetState(/*try_to_connect=*/false), GRPC_CHANNEL_READY);
   const absl::Time start = absl::Now();
   reconnector.reset();
-  EXPECT_LE(absl::Now() - start, ChannelReconnector::kSlice + absl::Milliseconds(250));
+  EXPECT_LE(absl::Now() - start, ChannelReconnector::kSlice + absl::Seconds(1));
 }
 
 TEST(ChannelReconnectorTest, NeverWokenStartsNoThreadAndGoesAtOnce) {
   std::shared_ptr<grpc::Channel> channel = ChannelTo(SocketPath("idle"));
   const absl::Time start = absl::Now();
   { ChannelReconnector reconnector(channel); }
-  EXPECT_LE(absl::Now() - start, absl::Milliseconds(100));
+  EXPECT_LE(absl::Now() - start, absl::Milliseconds(500));
 }
 
 }  // namespace

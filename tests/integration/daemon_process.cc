@@ -145,6 +145,11 @@ std::string SocketsOnPort(int port) {
 
 }  // namespace
 
+int EmulationFactor() {
+  const char* runner = std::getenv("PROXIMA_TEST_RUNNER");
+  return runner != nullptr && *runner != '\0' ? 5 : 1;
+}
+
 std::string ProximadPath() {
   // PROXIMAD: the binary where the build tree is not (scripts/gpu-check.sh on the GPU machine).
   const char* env = std::getenv("PROXIMAD");

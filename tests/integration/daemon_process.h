@@ -29,6 +29,10 @@ CommandResult RunCommand(const std::vector<std::string>& argv,
                          absl::Duration deadline = absl::Seconds(60),
                          const std::function<bool()>& kill_when = nullptr);
 
+// What a time bound of a test is multiplied by where the binaries run under an emulator
+// (PROXIMA_TEST_RUNNER set: scripts/aarch64.sh's qemu-user): 5, else 1.
+int EmulationFactor();
+
 // Paths of the binaries under test (set by CMake).
 std::string ProximadPath();
 std::string ProximactlPath();

@@ -1575,6 +1575,7 @@ TEST_P(UcxIntegrationTest, DaemonKilledFailsCallsAtOnceAndOnceBackIsUsedOverUcxA
   // (same port) the client has reconnected by itself within about the reconnect backoff and its
   // next call re-establishes the UCX session, still on UCX.
   constexpr absl::Duration kCallTimeout = absl::Seconds(20);
+  const int slow = testing::EmulationFactor();  // bounds x5 under qemu
   ClientOptions options;
   options.target = daemon_->tcp_target();
   options.transport = Transport::kUcx;
@@ -1601,7 +1602,7 @@ TEST_P(UcxIntegrationTest, DaemonKilledFailsCallsAtOnceAndOnceBackIsUsedOverUcxA
   for (int call = 0; call < 4; ++call) {  // the first finds the connection gone, the rest down
     const absl::Time start = absl::Now();
     EXPECT_THAT(put(1), StatusIs(absl::StatusCode::kUnavailable, ::testing::_)) << call;
-    EXPECT_LE(absl::Now() - start, absl::Milliseconds(500)) << call;
+    EXPECT_LE(absl::Now() - start, absl::Milliseconds(500) * slow) << call;
     absl::SleepFor(absl::Milliseconds(300));
   }
 
@@ -1611,10 +1612,10 @@ TEST_P(UcxIntegrationTest, DaemonKilledFailsCallsAtOnceAndOnceBackIsUsedOverUcxA
   do {
     absl::SleepFor(absl::Milliseconds(20));
     put2 = put(2);
-  } while (!put2.ok() && absl::Now() - up < absl::Seconds(10));
+  } while (!put2.ok() && absl::Now() - up < absl::Seconds(10) * slow);
   ASSERT_OK(put2);
   // The reconnect backoff's 1 s maximum, its 20% jitter, and room for a loaded machine.
-  EXPECT_LE(absl::Now() - up, absl::Milliseconds(2500));
+  EXPECT_LE(absl::Now() - up, absl::Milliseconds(2500) * slow);
   EXPECT_EQ(c->transport(), Transport::kUcx);
   EXPECT_EQ(Metric(*daemon_, "proxima_ucx_sessions"), 1);
   EXPECT_GT(Metric(*daemon_, "proxima_transfer_bytes_total{transport=\"ucx\",direction=\"in\"}"),
