@@ -277,21 +277,20 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
   // down for call_timeout (30 s by default), where inline calls failed in microseconds.
   grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
   while (state == GRPC_CHANNEL_IDLE || state == GRPC_CHANNEL_CONNECTING) {
-    if (!channel_->WaitForStateChange(state, absl::ToChronoTime(deadline))) break;
+    if (!channel_->WaitForStateChange(state, absl::ToChronoTime(deadline))) {
+      reconnector_.Wake();
+      return absl::UnavailableError(
+          absl::StrCat("proximad at '", options_.target,
+                       "' is not reachable: no connection within the call's deadline (",
+                       absl::FormatDuration(options_.call_timeout), ")"));
+    }
     state = channel_->GetState(/*try_to_connect=*/true);
-  }
-  if (state != GRPC_CHANNEL_READY) {
-    reconnector_.Wake();
-    return absl::UnavailableError(absl::StrCat(
-        "proximad at '", options_.target, "' is not reachable (",
-        state == GRPC_CHANNEL_TRANSIENT_FAILURE ? "its last connection attempt failed"
-                                                : "no connection within the call's deadline",
-        "); libproxima reconnects in the background and re-opens the UCX session at the first "
-        "call after"));
   }
   // A daemon that did not restart may still hold the old session (the failure was on the path):
   // close it, best effort (closing a session the daemon no longer knows is not an error).
-  CloseUcxSession(ucx_session_.load(), deadline - absl::Now());
+  // Without a connection (TRANSIENT_FAILURE), OpenUcxSession below fails at once with gRPC's
+  // reason (refused, TLS handshake, ...), as an inline call does, and wakes reconnector_.
+  if (state == GRPC_CHANNEL_READY) CloseUcxSession(ucx_session_.load(), deadline - absl::Now());
   const bool after_failure = ucx_session_stale_.load();
   PROXIMA_RETURN_IF_ERROR(OpenUcxSession(deadline));
   PROXIMA_LOG(kInfo) << (after_failure ? "UCX session re-established after a failure"

@@ -543,15 +543,18 @@ TEST(DaemonIntegrationTest, WhileItsDaemonIsDownAClientFailsAtOnceAndServesSoonA
       // Down for 1.5 s, long enough for the reconnect backoff to reach its 1 s maximum.
       const absl::Time down = absl::Now();
       int calls = 0;
+      absl::Status last;
       while (absl::Now() - down < absl::Milliseconds(1500)) {
         const absl::Time start = absl::Now();
-        EXPECT_THAT(c->Lookup(p, b.keys).status(),
-                    StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
+        last = c->Lookup(p, b.keys).status();
+        EXPECT_THAT(last, StatusIs(absl::StatusCode::kUnavailable, ::testing::_));
         EXPECT_LE(absl::Now() - start, absl::Milliseconds(500) * slow) << "call " << calls;
         ++calls;
         absl::SleepFor(absl::Milliseconds(100));
       }
       EXPECT_GE(calls, 5 / slow);
+      // Over either transport the failure says why: gRPC's own reason (the daemon refused).
+      EXPECT_THAT(last.message(), HasSubstr("failed to connect")) << last;
 
       ASSERT_OK(daemon->Restart());  // on the same port and socket, serving when it returns
       const absl::Time up = absl::Now();
