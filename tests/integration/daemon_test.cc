@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -163,6 +164,15 @@ TEST(DaemonIntegrationTest, OutOfDescriptorsTheMetricsListenerWaitsInsteadOfSpin
     for (int fd : held) close(fd);
   };
   ASSERT_EQ(held.size(), 100u);
+  // The kernel completes those connections; gRPC accepts them after, on a thread of its own.
+  // Only once it ran out (its accept failed) is the metrics listener sure to find no
+  // descriptor: connected before, a scrape could take one first (a flake in a loaded ctest run).
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (!absl::StrContains(daemon->Log(), "Failed accept4: Too many open files") &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_THAT(daemon->Log(), HasSubstr("Failed accept4: Too many open files"));
   std::vector<int> waiting = HoldConnections(daemon->metrics_port(), 1);
   ASSERT_EQ(waiting.size(), 1u);
   const std::string get = "GET /metrics HTTP/1.1\r\n\r\n";
