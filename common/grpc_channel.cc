@@ -85,19 +85,15 @@ void ChannelReconnector::Run() {
     // GetState(true) asks an IDLE channel to connect; waiting on its state polls it, which is
     // what moves the connection attempts (and the backoff between them) along.
     bool reconnected = false;
-    bool stopping = false;
     for (grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
          state != GRPC_CHANNEL_READY; state = channel_->GetState(/*try_to_connect=*/true)) {
       channel_->WaitForStateChange(state, absl::ToChronoTime(absl::Now() + kSlice));
       std::lock_guard<std::mutex> check(mu_);
-      if (stop_) {
-        stopping = true;
-        break;
-      }
+      if (stop_) break;
       reconnected = true;
     }
     lock.lock();
-    if (stopping) return;
+    if (stop_) return;
     if (reconnected) ++reconnected_;
   }
 }

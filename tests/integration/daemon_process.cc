@@ -59,6 +59,12 @@ int ElfMachine(const std::string& path) {
   return header[5] == 1 ? header[18] | header[19] << 8 : header[19] | header[18] << 8;
 }
 
+// PROXIMA_TEST_RUNNER's value, or nullptr where it is unset or empty.
+const char* TestRunner() {
+  const char* runner = std::getenv("PROXIMA_TEST_RUNNER");
+  return runner != nullptr && *runner != '\0' ? runner : nullptr;
+}
+
 // PROXIMA_TEST_RUNNER (words separated by spaces, e.g. "/usr/bin/qemu-aarch64 -L /sysroot"): how
 // to run a binary built for this test's own machine when the kernel cannot (scripts/aarch64.sh
 // runs the aarch64 tests under qemu-user, whose processes exec the host's way, without
@@ -67,8 +73,8 @@ int ElfMachine(const std::string& path) {
 // host tool in front (`ip netns exec`, `timeout`) still runs as it is and runs the binary
 // through it.
 std::vector<std::string> ThroughRunner(std::vector<std::string> argv) {
-  const char* runner = std::getenv("PROXIMA_TEST_RUNNER");
-  if (runner == nullptr || *runner == '\0') return argv;
+  const char* runner = TestRunner();
+  if (runner == nullptr) return argv;
   static const int self = ElfMachine("/proc/self/exe");
   if (self < 0) return argv;
   for (size_t i = 0; i < argv.size(); ++i) {
@@ -145,10 +151,7 @@ std::string SocketsOnPort(int port) {
 
 }  // namespace
 
-int EmulationFactor() {
-  const char* runner = std::getenv("PROXIMA_TEST_RUNNER");
-  return runner != nullptr && *runner != '\0' ? 5 : 1;
-}
+int EmulationFactor() { return TestRunner() != nullptr ? 5 : 1; }
 
 std::string ProximadPath() {
   // PROXIMAD: the binary where the build tree is not (scripts/gpu-check.sh on the GPU machine).
