@@ -1030,6 +1030,14 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     EXPECT_EQ(WaitLookup(*c, p, kOnA, kBlocks, kBlocks), kBlocks);
     EXPECT_EQ(WaitLookup(*c, p, kOnB, kBlocks, kBlocks), kBlocks);
   }
+  // Until the readers on B and C have fetched from peers over UCX (the premise checked below):
+  // on a loaded machine, 500 ms once held only 2 reader rounds, none of them B's.
+  const std::string peer_ucx_in =
+      "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}";
+  const absl::Time fetched_by = absl::Now() + absl::Seconds(20);
+  while ((Metric(1, peer_ucx_in) <= 0 || Metric(2, peer_ucx_in) <= 0) && absl::Now() < fetched_by) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   absl::SleepFor(absl::Milliseconds(500));
   const int calls_before_kill = calls.load();
   daemons_[0]->Signal(SIGKILL);  // the holder of chain kOnA dies mid-traffic
@@ -1056,8 +1064,7 @@ TEST_F(ClusterTest, KillingTheHolderMidTrafficCostsOnlyItsBlocksAndItRejoins) {
     EXPECT_EQ(GetAndCheck(*c, p, kOnB, 0, kBlocks), kBlocks);
     EXPECT_EQ(Metric(node, "proxima_cluster_fetch_crc_failures_total"), 0);
     // The fetches moved as UCX messages (the premise).
-    EXPECT_GT(Metric(node, "proxima_transfer_bytes_total{transport=\"peer_ucx\",direction=\"in\"}"),
-              0);
+    EXPECT_GT(Metric(node, peer_ucx_in), 0);
   }
   // A restarts (same port, empty tiers): it rejoins, and serves new puts to the others.
   ASSERT_OK(daemons_[0]->Restart());
