@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/codec_cuda.h"
+#include "kernels/crc32c_cuda.h"
 #include "kernels/device.h"
 
 namespace proxima::daemon {
@@ -26,18 +27,25 @@ class CudaMemory final : public DeviceMemory {
     return buffer_->CopyOut(offset, dst);
   }
 
+  absl::Status Checksum(std::span<const uint64_t> offsets, uint64_t bytes,
+                        std::span<uint32_t> crcs) override {
+    std::vector<gpu::DeviceSpan> spans;
+    spans.reserve(offsets.size());
+    for (const uint64_t offset : offsets) {
+      PROXIMA_RETURN_IF_ERROR(InPool(offset, bytes, "checksum"));
+      spans.push_back({buffer_->data() + offset, bytes});
+    }
+    PROXIMA_RETURN_IF_ERROR(gpu::UseDevice(buffer_->device()));
+    return gpu::Crc32cBatchCudaToHost(spans, crcs, /*stream=*/nullptr);
+  }
+
   absl::Status Encode(const codec::BlockGeometry& geometry, const codec::CodecPlan& plan,
                       std::span<const EncodeJob> jobs) override {
     const uint64_t raw_bytes = geometry.RawBytes();
     std::vector<codec::CudaEncodeJob> cuda_jobs;
     cuda_jobs.reserve(jobs.size());
     for (const EncodeJob& job : jobs) {
-      if (job.offset > buffer_->size() || raw_bytes > buffer_->size() - job.offset) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("encode of a ", raw_bytes, "-byte block at offset ", job.offset,
-                         " does not lie in the ", buffer_->size(), "-byte pool of CUDA device ",
-                         buffer_->device()));
-      }
+      PROXIMA_RETURN_IF_ERROR(InPool(job.offset, raw_bytes, "encode"));
       cuda_jobs.push_back(
           codec::CudaEncodeJob{buffer_->data() + job.offset, job.is_first_block, job.out, nullptr});
     }
@@ -47,6 +55,15 @@ class CudaMemory final : public DeviceMemory {
   }
 
  private:
+  absl::Status InPool(uint64_t offset, uint64_t bytes, const char* what) const {
+    if (offset > buffer_->size() || bytes > buffer_->size() - offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " of a ", bytes, "-byte block at offset ", offset, " does not lie in the ",
+          buffer_->size(), "-byte pool of CUDA device ", buffer_->device()));
+    }
+    return absl::OkStatus();
+  }
+
   const std::unique_ptr<gpu::DeviceBuffer> buffer_;
 };
 

@@ -38,6 +38,12 @@ class DeviceMemory {
   // [offset, offset + dst.size()) to host bytes `dst`; returns once they are there.
   virtual absl::Status CopyOut(uint64_t offset, std::span<std::byte> dst) = 0;
 
+  // The CRC32C (common/crc32c.h) of `bytes` bytes at each of `offsets`, into crcs (REQUIRES:
+  // crcs.size() == offsets.size()), computed where the bytes are (on a GPU, by its kernels:
+  // nothing is copied out). What the tierer checks a block against before encoding it there.
+  virtual absl::Status Checksum(std::span<const uint64_t> offsets, uint64_t bytes,
+                                std::span<uint32_t> crcs) = 0;
+
   // Encodes raw blocks of `geometry` (RawBytes() bytes at each job's offset) with `plan`, on the
   // device, in one batch; each job's `out` receives its STAR-KV container (host memory), the
   // same bytes codec::EncodeBlock gives for the codecs the GPU encodes bit-identically (every

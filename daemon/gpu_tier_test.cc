@@ -208,6 +208,36 @@ TEST_P(GpuTierTest, ACorruptDeviceByteIsCaughtOnReadAndTheBlockDropped) {
   EXPECT_TRUE(Same(ReadRaw(1, 1), blocks_->Block(1)));  // its neighbour is untouched
 }
 
+// A bit flipped in device memory must not go down encoded: the encoding's container would carry
+// a CRC32C of its own and the corrupt bytes would be served as good. The block is dropped and
+// counted as a Get's check would; its neighbours go down as ever. Namespace a compresses (the
+// block is checked on the device before the encode), b does not (checked on the raw read-back).
+TEST_P(GpuTierTest, ACorruptDeviceBlockOnItsWayDownIsDroppedNotEncodedAsGood) {
+  ASSERT_NO_FATAL_FAILURE(Make(1, 4, 8, {"int4"}));
+  if (IsSkipped()) return;
+  for (uint32_t ns = 0; ns < 2; ++ns) {
+    for (uint32_t n = 0; n < 2; ++n) ASSERT_TRUE(Put(n, ns)) << n << " in " << ns;
+  }
+  ASSERT_TRUE(store_->CorruptForTesting(PoolTestId(0, 0), 12345));  // will be encoded
+  ASSERT_TRUE(store_->CorruptForTesting(PoolTestId(0, 1), 777));    // will go down raw
+  EXPECT_EQ(tierer_->MoveDown(0, 0, 4), 4u);
+  EXPECT_EQ(DeviceBlocks(), 0u);
+  EXPECT_EQ(store_->crc_failures(), 2u);
+  EXPECT_EQ(tierer_->device_move_drops(), 2u);
+  EXPECT_FALSE(store_->Contains(PoolTestId(0, 0)));
+  EXPECT_FALSE(store_->Contains(PoolTestId(0, 1)));
+  EXPECT_EQ(store_->level_blocks(1), 1u);  // block 1 of namespace a, encoded
+  EXPECT_EQ(store_->level_blocks(0), 1u);  // block 1 of namespace b, raw
+  EXPECT_TRUE(Same(ReadRaw(1, 1), blocks_->Block(1)));
+  std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(1, 0));
+  ASSERT_TRUE(r);
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
+  std::string expected;
+  ASSERT_OK(codec::EncodeBlock(Geometry(), int4, false, AsBytes(blocks_->Block(1)), {}, &expected));
+  EXPECT_TRUE(Same(S(r->bytes), expected));
+  EXPECT_EQ(store_->crc_failures(), 2u);
+}
+
 TEST_P(GpuTierTest, TheColdestBlockMovesDownWithItsBytes) {
   ASSERT_NO_FATAL_FAILURE(Make(1, 4, 8));
   if (IsSkipped()) return;
@@ -521,6 +551,28 @@ TEST_P(GpuTierTest, WhenTheDeviceCannotEncodeTheCpuDoes) {
     std::string expected;
     ASSERT_OK(codec::EncodeBlock(blocks_->geometry(), int4, n == 0, AsBytes(blocks_->Block(n)), {},
                                  &expected));
+    EXPECT_TRUE(Same(S(r->bytes), expected)) << n;
+  }
+}
+
+// The same when the device cannot checksum or encode and the CPU encodes from a copy.
+TEST_P(GpuTierTest, ACorruptDeviceBlockTheCpuWouldEncodeIsDroppedToo) {
+  if (GetParam() != MemoryKind::kHostBacked) GTEST_SKIP() << "a fault of the stand-in";
+  ASSERT_NO_FATAL_FAILURE(Make(1, 4, 8, {"int4"}));
+  for (uint32_t n = 0; n < 3; ++n) ASSERT_TRUE(Put(n, 0));
+  ASSERT_TRUE(store_->CorruptForTesting(PoolTestId(1, 0), 4321));
+  stand_ins_[0]->fail_encodes = true;
+  EXPECT_EQ(tierer_->MoveDown(0, 0, 3), 3u);
+  EXPECT_EQ(store_->crc_failures(), 1u);
+  EXPECT_FALSE(store_->Contains(PoolTestId(1, 0)));
+  EXPECT_EQ(store_->level_blocks(1), 2u);
+  ASSERT_OK_AND_ASSIGN(codec::CodecPlan int4, codec::ParseCodecPlan("int4"));
+  for (uint32_t n : {0u, 2u}) {
+    std::optional<BlockStore::ReadBlock> r = store_->Read(PoolTestId(n, 0));
+    ASSERT_TRUE(r) << n;
+    std::string expected;
+    ASSERT_OK(
+        codec::EncodeBlock(Geometry(), int4, n == 0, AsBytes(blocks_->Block(n)), {}, &expected));
     EXPECT_TRUE(Same(S(r->bytes), expected)) << n;
   }
 }

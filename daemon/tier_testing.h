@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/status_macros.h"
 #include "common/testing/status_matchers.h"
 #include "daemon/device_pool.h"
@@ -102,6 +103,16 @@ class HostBackedDeviceMemory final : public DeviceMemory {
     copies_out.fetch_add(1);
     return absl::OkStatus();
   }
+  absl::Status Checksum(std::span<const uint64_t> offsets, uint64_t bytes,
+                        std::span<uint32_t> crcs) override {
+    if (fail_encodes.load()) return absl::InternalError("checksum failed (test fault)");
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      PROXIMA_RETURN_IF_ERROR(Check(offsets[i], bytes));
+      crcs[i] = Crc32c(std::span<const std::byte>(bytes_.data() + offsets[i], bytes));
+    }
+    checksums.fetch_add(offsets.size());
+    return absl::OkStatus();
+  }
   absl::Status Encode(const codec::BlockGeometry& geometry, const codec::CodecPlan& plan,
                       std::span<const EncodeJob> jobs) override {
     if (fail_encodes.load()) return absl::InternalError("encode failed (test fault)");
@@ -118,10 +129,11 @@ class HostBackedDeviceMemory final : public DeviceMemory {
   }
 
   std::atomic<bool> fail_copies{false};
-  std::atomic<bool> fail_encodes{false};
+  std::atomic<bool> fail_encodes{false};  // Checksum and Encode fail: the device computes nothing
   std::atomic<uint64_t> copies_in{0};
   std::atomic<uint64_t> copies_out{0};
   std::atomic<uint64_t> encode_batches{0};
+  std::atomic<uint64_t> checksums{0};  // blocks checksummed
   std::atomic<uint64_t> encoded_blocks{0};
 
  private:

@@ -520,13 +520,32 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     const codec::BlockGeometry* geometry = &profile->geometry;
     const codec::CodecPlan plan = PlanFor(ns, 1, *profile);
     std::vector<DeviceMemory::EncodeJob> jobs;
+    std::vector<uint64_t> offsets;
     for (size_t i : members) {
       if (candidates[i].device_bytes != geometry->RawBytes()) continue;  // not a raw block: raw
       jobs.push_back(
           {candidates[i].device_offset, candidates[i].attributes.is_first_block, &(*encoded)[i]});
+      offsets.push_back(candidates[i].device_offset);
     }
+    // The candidate a job encodes.
+    auto candidate_of = [&](const DeviceMemory::EncodeJob& job) -> const BlockStore::Candidate& {
+      return candidates[static_cast<size_t>(job.out - encoded->data())];
+    };
     const auto start = std::chrono::steady_clock::now();
-    absl::Status status = memory.Encode(*geometry, plan, jobs);
+    // Bytes that no longer match their CRC32C (a flipped bit in device memory) must not be
+    // encoded: the container would carry a CRC of its own and be served as good. Checked on the
+    // device first; a block that fails stays unencoded, and MoveDown, reading it back raw, finds
+    // the mismatch and drops it as a corrupt block.
+    std::vector<uint32_t> crcs(offsets.size());
+    absl::Status status = memory.Checksum(offsets, geometry->RawBytes(), std::span(crcs));
+    if (status.ok()) {
+      size_t kept = 0;
+      for (size_t j = 0; j < jobs.size(); ++j) {
+        if (crcs[j] == candidate_of(jobs[j]).block.crc32c) jobs[kept++] = jobs[j];
+      }
+      jobs.resize(kept);
+      status = memory.Encode(*geometry, plan, jobs);
+    }
     device_encode_microseconds_->Increment(
         static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                   std::chrono::steady_clock::now() - start)
@@ -540,7 +559,7 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     if (!status.ok()) {
       // What the device does not encode (lossless) or could not: the CPU codec, from a copy.
       if (!absl::IsUnimplemented(status)) {
-        PROXIMA_LOG(kWarning) << "tierer: GPU encode failed; encoding on the CPU"
+        PROXIMA_LOG(kWarning) << "tierer: GPU checksum or encode failed; encoding on the CPU"
                               << log::Kv("device", memory.device())
                               << log::Kv("namespace", state.name)
                               << log::Kv("error", status.ToString());
@@ -548,6 +567,9 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
       for (const DeviceMemory::EncodeJob& job : jobs) {
         std::string raw;
         absl::Status s = copy_out(job, &raw);
+        if (s.ok() && Crc32c(AsBytes(raw)) != candidate_of(job).block.crc32c) {
+          s = absl::DataLossError("corrupt");  // dropped by MoveDown, as above
+        }
         if (s.ok())
           s = codec::EncodeBlock(*geometry, plan, job.is_first_block, AsBytes(raw), {}, job.out);
         if (!s.ok()) job.out->clear();
@@ -616,8 +638,18 @@ size_t Tierer::MoveDown(size_t device, uint64_t room, size_t max_blocks, uint64_
       std::memcpy(host->bytes().data(), encoded[i].data(), size);
       crc = Crc32c(host->bytes());
     }
+    if (absl::IsDataLoss(read)) {
+      // Corrupt in device memory: a checked read drops it and counts it, as a Get would (a
+      // reader that pinned it meanwhile gets a miss the same way).
+      host.reset();
+      store_->Release(c);
+      store_->Read(c.id, BlockStore::CrcCheck::kHere);
+      device_move_drops_->Increment();
+      ++left;
+      continue;
+    }
     if (!host || !read.ok()) {
-      // Nowhere to go (every host block pinned by a reader), or bytes that cannot be trusted:
+      // Nowhere to go (every host block pinned by a reader), or bytes that could not be read:
       // the block leaves the cache, unless a reader holds it now (then it stays for a later try).
       if (!read.ok()) {
         PROXIMA_LOG(kError) << "tierer: a GPU block could not be read back; dropped"
