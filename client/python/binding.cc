@@ -26,7 +26,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -347,15 +349,22 @@ class Operation {
     std::lock_guard<std::mutex> lock(mu_);
     return result_.has_value();
   }
-  // Waits (GIL released) up to `timeout` seconds (forever when None); returns the call's value
-  // or raises its error; TimeoutError when it has not completed in time.
+  // Waits (GIL released) up to `timeout` seconds (forever when None, inf, or any wait longer
+  // than kForeverSeconds; a negative one does not wait); returns the call's value or raises its
+  // error; TimeoutError when it has not completed in time, ValueError for a NaN timeout.
   py::object Wait(std::optional<double> timeout) {
+    // Past about 292 years a wait's nanoseconds overflow, and the wait returned at once.
+    constexpr double kForeverSeconds = 1e9;
+    if (timeout.has_value() && std::isnan(*timeout)) {
+      throw py::value_error("wait(timeout=nan): expected seconds (a number) or None");
+    }
+    if (timeout.has_value() && *timeout >= kForeverSeconds) timeout.reset();
     {
       GilReleased release;
       std::unique_lock<std::mutex> lock(mu_);
       auto ready = [&] { return result_.has_value(); };
       if (timeout.has_value()) {
-        cv_.wait_for(lock, std::chrono::duration<double>(*timeout), ready);
+        cv_.wait_for(lock, std::chrono::duration<double>(std::max(*timeout, 0.0)), ready);
       } else {
         cv_.wait(lock, ready);
       }

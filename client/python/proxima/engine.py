@@ -231,6 +231,11 @@ class Link:
         return self.connection(wait) is not None
 
     def _connect(self) -> None:
+        """One connection attempt. Whatever it fails on, the link tries again after
+        retry_seconds: an unreachable daemon (proxima.Error), and equally a token file caught
+        empty or half-written by a rotation, a TLS file mid-renewal or a profile the daemon
+        refuses (ValueError). An attempt never stays pending: before, a ValueError escaped and
+        left the link disconnected for the life of the process."""
         o, s = self.options, self.spec
         try:
             client = proxima.Client(o.target, namespace=o.namespace, token=o.token,
@@ -242,19 +247,20 @@ class Link:
             profile = client.register_profile(s.num_layers, s.num_kv_heads, s.head_dim,
                                               s.tokens_per_block, s.dtype, s.fingerprint,
                                               s.rope_theta)
-        except proxima.Error as e:
+            staging = self._alloc_staging(client)
+            with self._lock:
+                for address, length in self._buffers.items():
+                    with contextlib.suppress(ValueError):  # inside another: covered by it
+                        client.register_buffer(address, length)
+                self._conn = Connection(client, profile, staging)
+                self._profile = profile
+                self._recovered()
+        except (proxima.Error, ValueError) as e:
+            with self._lock:
+                self._failed(e)
+        finally:
             with self._lock:
                 self._connecting = False
-                self._failed(e)
-            return
-        staging = self._alloc_staging(client)
-        with self._lock:
-            for address, length in self._buffers.items():
-                with contextlib.suppress(ValueError):  # inside another: covered by it
-                    client.register_buffer(address, length)
-            self._conn = Connection(client, profile, staging)
-            self._profile, self._connecting = profile, False
-            self._recovered()
 
     def _alloc_staging(self, client: proxima.Client) -> Optional[proxima.Buffer]:
         nbytes = self._staging_bytes

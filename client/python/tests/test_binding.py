@@ -210,8 +210,13 @@ def test_gil_released_and_unavailable_when_daemon_stops():
         h = patient.lookup_async(profile, keys_for("gil", 4))
         with pytest.raises(TimeoutError):
             h.wait(timeout=0.1)
-        d.signal(signal.SIGCONT)
-        assert h.wait(timeout=10) == 0  # answered once the daemon runs again
+        with pytest.raises(ValueError, match="nan"):
+            h.wait(timeout=float("nan"))
+        # A wait without a limit, however it is written, lasts until the answer (an infinite
+        # one overflowed and raised TimeoutError at once).
+        threading.Timer(0.3, d.signal, (signal.SIGCONT,)).start()
+        assert h.wait(timeout=float("inf")) == 0  # answered once the daemon runs again
+        assert h.wait(timeout=1e300) == 0
     finally:
         d.kill()
 

@@ -130,6 +130,39 @@ def test_link_survives_a_killed_daemon_and_comes_back(caplog):
         d.kill()
 
 
+def test_a_connect_that_fails_on_a_bad_token_file_is_tried_again(tmp_path, caplog):
+    # A token file caught empty by a rotation is a ValueError, not proxima.Error: the link logs
+    # it once, as any failure, and connects once the file holds the token again.
+    token = "engine-test-token-0123456789abcdef"
+    valid = tmp_path / "valid.token"
+    valid.write_text(token + "\n")
+    d = Daemon(config_text="namespaces:\n  - name: team\n    tokens:\n"
+                           f"      - {{name: worker, file: {valid}, access: read_write}}\n")
+    try:
+        path = tmp_path / "worker.token"
+        path.write_text("")
+        link = Link(options(d.target, namespace="team", token_file=str(path), retry_seconds=0),
+                    SPEC)
+        with caplog.at_level(logging.WARNING, logger="proxima"):
+            assert link.connection(wait=True) is None
+            assert link.connection() is None  # tried again in the background: fails the same
+            path.write_text(token + "\n")
+            deadline = time.monotonic() + 10
+            while link.connection() is None:
+                assert time.monotonic() < deadline, "the link did not connect within 10 s"
+                time.sleep(0.02)
+        messages = [r.getMessage() for r in caplog.records if r.name == "proxima"]
+        assert "the token is 0 bytes" in messages[0], messages
+        assert "answers again" in messages[-1], messages
+        pool = layer_first_pool(1, 4)
+        link.register_buffer(pool.ctypes.data, pool.nbytes)
+        keys = chain_keys(b"token-file", ["a"])
+        assert link.put(keys, [page_pieces(pool, 0)]) == [True]
+        assert link.lookup(keys) == 1
+    finally:
+        d.kill()
+
+
 def test_staging_memory_follows_the_transport(daemon):
     # Asked after connecting: allocated at once, by the client connected.
     link = Link(options(daemon.target), SPEC)
