@@ -1475,7 +1475,9 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
   for (size_t k = 0; k < calls.size(); ++k) {
     const Call& call = *calls[k];
     std::vector<BlockStore::Candidate>& blocks = pending[k].blocks;
-    DeleteCall* withdrawal = nullptr;
+    // By the Delete each names (DeleteBlocksRequest.delete_id): the peer then declines older
+    // copies of those keys, as that Delete would, and keeps copies put again after it.
+    absl::flat_hash_map<uint64_t, DeleteCall*> withdrawal_of;
     static log::Limiter bad_answers(kBadPeerLogEvery);
     const bool answered =
         call.status.ok() && AnswerFits(bad_answers, call.peer, "StoreBlocks", "stored",
@@ -1554,12 +1556,18 @@ Cluster::SpillRound Cluster::SpillOnce(HandoffState* handoff) {
       // copy here as well (both are the same bytes). A copy deleted here meanwhile (put again or
       // not) is withdrawn: the peer may have kept it as newer than that Delete (after_delete was
       // read after the block was taken).
+      // It names the Delete this node saw (before, it named none, and the peer took it for a
+      // Delete of its own that no spill names: it then declined, and the sender dropped, the
+      // copies put again after that Delete, for the whole window).
       if (!store.EvictCandidate(blocks[j], /*count=*/false) && !store.Indexed(blocks[j])) {
+        const uint64_t delete_id = service_->LastDelete(blocks[j].id);
+        DeleteCall*& withdrawal = withdrawal_of[delete_id];
         if (withdrawal == nullptr) {
           withdrawal = withdrawals.emplace_back(std::make_unique<DeleteCall>()).get();
           withdrawal->peer = call.peer;
           *withdrawal->request.mutable_blocks() = call.request.blocks();
           withdrawal->request.mutable_blocks()->clear_keys();
+          withdrawal->request.set_delete_id(delete_id);  // 0 (none seen): the peer makes one
         }
         withdrawal->request.mutable_blocks()->add_keys(
             reinterpret_cast<const char*>(blocks[j].id.key.data()), kKeyBytes);

@@ -381,6 +381,9 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
   // A hand-off's blocks already here, pinned until the end: the evictions that make room for the
   // others must not take a block this answer says is held.
   std::vector<BlockStore::ReadBlock> held;
+  // Blocks answered as held because this node had them already: their homes may record another
+  // holder (the sender, which drops its copy now), so they learn of this one as of those kept.
+  std::vector<BlockKey> had;
   const absl::Duration sender_reach = request.deletes_known_ms() > 0
                                           ? absl::Milliseconds(request.deletes_known_ms())
                                           : absl::InfiniteDuration();
@@ -394,6 +397,7 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
     } else {
       stored = store.Contains(ids[i]);
     }
+    if (stored) had.push_back(ids[i].key);
     if (!stored && recent_deletes_.Stale(ids[i], request.data(static_cast<int>(i)).after_delete(),
                                          sender_reach)) {
       // Deleted here by a Delete the sender had not seen when it sent the block: the sender
@@ -465,10 +469,12 @@ absl::Status PeerService::ServeStore(const v1::StoreBlocksRequest& request,
       static_cast<size_t>(std::count(response->stored().begin(), response->stored().end(), true)));
   spill_bytes_in_->Increment(received);
   if (by_ucx) ucx_->CountIn(received);
-  if (!kept.empty()) {
+  if (!kept.empty() || !had.empty()) {
     // This node holds them now: their homes learn it as after a local put.
+    std::vector<BlockKey> holds = std::move(kept);
+    holds.insert(holds.end(), had.begin(), had.end());
     remote_->Stored({ids[0].namespace_index, request.blocks().namespace_name(), ids[0].partition,
-                     ids[0].profile_id, kept, request.block_bytes()});
+                     ids[0].profile_id, std::move(holds), request.block_bytes()});
   }
   return absl::OkStatus();
 }

@@ -125,6 +125,28 @@ TEST_F(PeerServiceTest, KeepsRawAndEncodedBlocksAndTellsTheirHomes) {
   EXPECT_EQ(remote_.stored, 2u);
 }
 
+TEST_F(PeerServiceTest, ABlockHeldHereAlreadyIsAnsweredHeldAndItsHomeToldOfThisHolder) {
+  // The sender drops its copy when told "stored", and its home may record the sender, not this
+  // node: the home must learn of this holder, or the block is found from nowhere but here.
+  v1::StoreBlocksRequest r = Request({'a'}, 512);
+  *r.add_data() = Spilled(raw_, 0);
+  v1::StoreBlocksResponse first;
+  ASSERT_OK(service_->ServeStore(r, &first));
+  EXPECT_THAT(first.stored(), ::testing::ElementsAre(true));
+  EXPECT_EQ(remote_.stored, 1u);
+  for (const bool handoff : {false, true}) {
+    SCOPED_TRACE(handoff ? "hand-off" : "spill");
+    r.set_handoff(handoff);
+    v1::StoreBlocksResponse again;
+    ASSERT_OK(service_->ServeStore(r, &again));
+    EXPECT_THAT(again.stored(), ::testing::ElementsAre(true));
+    EXPECT_EQ(remote_.stored, handoff ? 3u : 2u);
+  }
+  EXPECT_EQ(core_->store().blocks(), 1u);
+  EXPECT_THAT(registry_.RenderText(),
+              HasSubstr("proxima_cluster_spill_received_blocks_total{outcome=\"kept\"} 1\n"));
+}
+
 TEST_F(PeerServiceTest, ABlockSizeOtherThanTheRegisteredProfilesIsRefusedAndNothingStored) {
   v1::StoreBlocksRequest r = Request({'a', 'b'}, 1024);
   *r.add_data() = Spilled(raw_ + raw_, 0);

@@ -1712,6 +1712,117 @@ TEST_F(ClusterTest, AHandOffKeepsBlocksPutAgainAfterTheirDelete) {
   }
 }
 
+TEST_F(ClusterTest, BlocksHandedToAPeerThatHoldsThemAlreadyStayFindableFromEveryNode) {
+  // The same chain put through B and then through A: both hold it, and each key's home records
+  // A, the last holder it heard of (one record per key). A shuts down: its peers drop the
+  // records naming it, and it hands its blocks off. C is too full to take any (its 4 MiB tier
+  // at 14 of 16 blocks, past accept_below, and handoff_evicts off), so every block goes to B,
+  // which answers them held. B must tell their homes so; before, it told them nothing, and C's
+  // lookups of the chain stopped at its first key homed at C, though B held every block.
+  constexpr size_t kBlocks = 24, kOwn = 14;
+  ASSERT_NO_FATAL_FAILURE(StartCluster(
+      3,
+      {"ucx.enabled=true", "cluster.transport=auto",
+       "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s, handoff_evicts: false}"},
+      [](int i) {
+        return i == 2 ? std::vector<std::string>{"tiers.host.capacity_bytes=4MiB"}
+                      : std::vector<std::string>{};
+      }));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(WaitLive(i, 3)) << "node " << i;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  std::unique_ptr<Client> c = RegisteredClient(2);
+  ASSERT_TRUE(c);
+  const Profile p = clients.p;
+  Blocks own = MakeBlocks(63, 0, kOwn, p.block_bytes);
+  ASSERT_THAT(c->Put(p, own.keys, own.spans()),
+              IsOkAndHolds(std::vector<PutOutcome>(kOwn, PutOutcome::kStored)));
+  Blocks blocks = MakeBlocks(62, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(clients.b->Put(p, blocks.keys, blocks.spans()).status());
+  ASSERT_EQ(WaitLookup(*c, p, 62, kBlocks, kBlocks), kBlocks);
+  ASSERT_THAT(clients.a->Put(p, blocks.keys, blocks.spans()),
+              IsOkAndHolds(std::vector<PutOutcome>(kBlocks, PutOutcome::kStored)));
+  absl::SleepFor(absl::Milliseconds(500));  // A's records reach the homes (about 100 ms)
+  clients.a.reset();
+  const std::string log = StopGracefully(0);
+  EXPECT_EQ(HandoffCount(log, "blocks"), static_cast<int64_t>(kBlocks)) << log;
+  EXPECT_EQ(Metric(2, "proxima_cluster_spill_received_blocks_total{outcome=\"kept\"}"), 0);
+  ASSERT_TRUE(WaitLive(1, 2));
+  ASSERT_TRUE(WaitLive(2, 2));
+  EXPECT_EQ(WaitLookup(*c, p, 62, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*c, p, 62, 0, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*c, p, 63, 0, kOwn), kOwn);
+}
+
+TEST_F(ClusterTest, ASpillWithdrawnAfterADeleteLeavesThePeerKeepingTheKeysPutAgain) {
+  // A spills its coldest blocks (chain 70's first ones) to B, which hangs (SIGSTOP) with the
+  // call; meanwhile the chain is deleted through A. Once B runs again it stores the spill, then
+  // takes the Delete, and A withdraws the copies it spilled, older than the Delete. The chain
+  // is put again on A and A shuts down, handing it to B, naming the Delete it saw. B must keep
+  // it: before, the withdrawal named no Delete, B noted one of its own that no spill names, and
+  // for its whole recent-delete window declined A's new copies as deleted, which A then
+  // dropped: the chain was lost.
+  // Blocks of 16 KiB, so that the spill (3 of them) is in B's socket, ahead of the Delete,
+  // when B stops: B then takes them in that order (with larger blocks, HTTP/2 flow control held
+  // the spill back and the Delete overtook it; B declined the spill, and nothing was withdrawn).
+  constexpr size_t kChain = 8, kMore = 51;  // 59 blocks in A's 1 MiB (64): past 0.9
+  ASSERT_NO_FATAL_FAILURE(StartCluster(
+      2,
+      {"tiers.host.capacity_bytes=1MiB", "cluster.peer_deadline=10s", "cluster.health_interval=10s",
+       "cluster.health_timeout=1s", "cluster.failures_before_down=3",
+       "cluster.spill={threshold: 0.9, accept_below: 0.75, handoff: 10s}"},
+      [](int i) {
+        return i == 1 ? std::vector<std::string>{"tiers.host.capacity_bytes=64MiB"}
+                      : std::vector<std::string>{};
+      }));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2)) << "node " << i;
+  auto a = MustConnect(daemons_[0]->tcp_target());
+  auto b = MustConnect(daemons_[1]->tcp_target());
+  ASSERT_TRUE(a && b);
+  ASSERT_OK_AND_ASSIGN(const Profile p, a->RegisterProfile(TestModel(1)));
+  ASSERT_OK(b->RegisterProfile(TestModel(1)).status());
+  ASSERT_EQ(p.block_bytes, 16u << 10);
+  // B takes the spill and the Delete on threads of its own, in either order; when the Delete
+  // comes first, B declines the spill and there is nothing to withdraw. So the round is tried
+  // again, with a new chain, until a withdrawal happens (1 in 3 rounds took the Delete first
+  // here).
+  uint64_t seed = 70;
+  double withdrawn = 0;
+  for (int round = 0; round < 8 && withdrawn == 0; ++round, seed += 2) {
+    Blocks chain = MakeBlocks(seed, 0, kChain, p.block_bytes);
+    Blocks more = MakeBlocks(seed + 1, 0, kMore, p.block_bytes);
+    ASSERT_OK(a->Put(p, chain.keys, chain.spans()).status());
+    daemons_[1]->Signal(SIGSTOP);
+    ASSERT_OK(a->Put(p, more.keys, more.spans()).status());
+    absl::SleepFor(absl::Milliseconds(700));  // the spiller's call to B is under way
+    std::thread deleter([&] {                 // waits for B like the spill
+      EXPECT_THAT(a->Delete(p, chain.keys), IsOkAndHolds(kChain));
+    });
+    absl::SleepFor(absl::Milliseconds(300));
+    daemons_[1]->Signal(SIGCONT);
+    deleter.join();
+    const absl::Time by = absl::Now() + absl::Seconds(3);
+    while ((withdrawn = Metric(0, "proxima_cluster_spill_withdrawn_blocks_total")) <= 0 &&
+           absl::Now() < by) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (withdrawn == 0) ASSERT_OK(a->Delete(p, more.keys).status());  // A under 0.9 again
+  }
+  ASSERT_GT(withdrawn, 0) << "no round withdrew a spill";
+  Blocks chain = MakeBlocks(seed - 2, 0, kChain, p.block_bytes);
+  ASSERT_OK(a->Put(p, chain.keys, chain.spans()).status());
+  a.reset();
+  const std::string declined =
+      "proxima_cluster_spill_received_blocks_total{outcome=\"deleted_recently\"}";
+  const double declined_before = Metric(1, declined);  // the spills of rounds B declined
+  const std::string log = StopGracefully(0);
+  EXPECT_EQ(HandoffCount(log, "left_blocks"), 0) << log;
+  EXPECT_EQ(HandoffCount(log, "deleted_blocks"), 0) << log;
+  EXPECT_EQ(Metric(1, declined), declined_before);
+  EXPECT_EQ(WaitLookup(*b, p, seed - 2, kChain, kChain), kChain);
+  EXPECT_EQ(GetAndCheck(*b, p, seed - 2, 0, kChain), kChain);
+}
+
 TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
   // C holds two chains and hangs (SIGSTOP) long enough to leave the others' live sets; A deletes
   // the chain C put last (A and B note the Delete; C misses it, and A keeps it to send C again),
