@@ -657,6 +657,46 @@ std::optional<BlockStore::Candidate> BlockStore::TakeCandidate(Take take) {
   return std::nullopt;
 }
 
+std::vector<BlockId> BlockStore::HostBlocksHottestFirst() const {
+  struct Ranked {
+    uint8_t segment_rank;  // 0: protected, 1: probation
+    uint64_t stamp;
+    BlockId id;
+  };
+  std::vector<Ranked> all;
+  for (const auto& shard : shards_) {
+    proxima::MutexLock lock(&shard->mu);
+    for (uint8_t segment : {kProtected, kProbation}) {
+      const uint8_t rank = segment == kProtected ? 0 : 1;
+      for (const BlockId& id : shard->lru[segment]) {
+        all.push_back({rank, shard->map.find(id)->second.stamp, id});
+      }
+    }
+  }
+  std::sort(all.begin(), all.end(), [](const Ranked& a, const Ranked& b) {
+    return a.segment_rank != b.segment_rank ? a.segment_rank < b.segment_rank : a.stamp > b.stamp;
+  });
+  std::vector<BlockId> out;
+  out.reserve(all.size());
+  for (const Ranked& r : all) out.push_back(r.id);
+  return out;
+}
+
+std::optional<BlockStore::Candidate> BlockStore::TakeHostBlock(const BlockId& id) {
+  Shard& shard = ShardFor(id);
+  proxima::MutexLock lock(&shard.mu);
+  auto it = shard.map.find(id);
+  if (it == shard.map.end()) return std::nullopt;
+  Shard::Entry& e = it->second;
+  // As Unpinned's kHandoff: not on a device, not taken, not pinned by a reader.
+  if (e.device >= 0 || e.busy || e.block.use_count() != 1) return std::nullopt;
+  e.busy = true;
+  const StoredBlock& b = *e.block;
+  Candidate c{id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
+  c.reused = e.segment == kProtected;
+  return c;
+}
+
 uint64_t BlockStore::host_blocks() const {
   uint64_t on_devices = 0;
   for (const auto& n : device_blocks_) on_devices += n->load(std::memory_order_relaxed);

@@ -264,6 +264,14 @@ class BlockStore {
   // reader pins and none has taken, protected first, blocks peers spilled here included; taken
   // as ColdestSpillable's are. nullopt when there is none.
   std::optional<Candidate> HottestForHandoff();
+  // For a snapshot of the whole host tier: its blocks in the order HottestForHandoff would hand
+  // them out (protected first, each segment most recently used first across the shards), in
+  // one pass (n log n). Repeated HottestForHandoff calls rescan the blocks already taken, which
+  // stay busy at the hot end (quadratic), and look only 4096 deep per list.
+  std::vector<BlockId> HostBlocksHottestFirst() const;
+  // Takes `id` as HottestForHandoff would (busy, pinned: hand it back with Release()); nullopt
+  // when it is no longer in the host tier, a reader pins it or another has taken it.
+  std::optional<Candidate> TakeHostBlock(const BlockId& id);
 
   // Evicts the least recently used block of namespace `ns` (in any tier) that no reader pins,
   // or passes over an important one once, as EvictOne() does; false when the namespace has

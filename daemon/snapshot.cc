@@ -172,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Claim>> ClaimFile(const std::string& path) {
 absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::Time deadline) {
   const std::string tmp = path + ".tmp";
   Written w;
-  // Every block taken stays busy until the end, so each is written once.
+  // Every block taken stays busy until the end (the tierer leaves it alone).
   std::vector<BlockStore::Candidate> taken;
   BlockStore& store = core.store();
   absl::Status status = [&]() -> absl::Status {
@@ -203,9 +203,12 @@ absl::StatusOr<Written> Write(TierService& core, const std::string& path, absl::
       uint64_t bytes;
     };
     std::vector<Record> records;
-    while (absl::Now() < deadline) {
-      std::optional<BlockStore::Candidate> c = store.HottestForHandoff();
-      if (!c) break;
+    // Hottest first, each block once: the order is taken in one pass (the daemon has stopped
+    // serving; a block gone or pinned meanwhile is passed over).
+    for (const BlockId& hot : store.HostBlocksHottestFirst()) {
+      if (absl::Now() >= deadline) break;
+      std::optional<BlockStore::Candidate> c = store.TakeHostBlock(hot);
+      if (!c) continue;
       const BlockId& id = c->id;
       std::optional<std::string> scope = core.PartitionScope(id.namespace_index, id.partition);
       taken.push_back(*c);

@@ -99,9 +99,10 @@ class SnapshotTest : public ::testing::Test {
   // `bob_first`).
   std::unique_ptr<TierService> Service(uint64_t capacity, bool bob_first = false,
                                        const std::vector<std::string>& a_levels = {},
-                                       uint64_t a_max_bytes = 0) {
+                                       uint64_t a_max_bytes = 0, uint32_t index_shards = 64) {
     DaemonConfig config;
     config.host_tier.capacity_bytes = capacity;
+    config.index_shards = index_shards;
     TokenConfig alice{"alice", "", "PXT_SNAP_ALICE", TokenAccess::kReadWrite, ""};
     TokenConfig bob{"bob", "", "PXT_SNAP_BOB", TokenAccess::kReadWrite, ""};
     config.namespaces = {{"a"},
@@ -299,6 +300,46 @@ TEST_F(SnapshotTest, TheMostRecentlyUsedComeBackMostRecentlyUsedAndFirstWhenTheT
 
 // A namespace whose max_bytes is now lower than what it held gets its hottest blocks within it;
 // the rest are left out (no_room), and nothing of another namespace is.
+TEST_F(SnapshotTest, TensOfThousandsOfBlocksInOneShardAreAllWrittenHottestFirst) {
+  // Before, each block was found by a scan from its list's hot end past every block already
+  // written (they stay taken there): at most 4096 per list and shard were ever written, and the
+  // work grew with the square of the blocks.
+  constexpr int kBlocks = 20000;
+  std::unique_ptr<TierService> before = Service(16 << 20, false, {}, 0, /*index_shards=*/1);
+  const uint32_t a = before->NamespaceIndex("a").value();
+  const v1::ModelProfile tiny = proxima::testing::TinyProfile("snapshot-many");
+  ASSERT_OK(before->AddProfile(a, tiny).status());
+  const uint64_t profile = ProfileId(tiny);
+  auto id = [&](int n) {
+    BlockId b{a, profile, {}, 0};
+    std::memcpy(b.key.data(), &n, sizeof(n));
+    return b;
+  };
+  for (int n = 0; n < kBlocks; ++n) {
+    ASSERT_NO_FATAL_FAILURE(Store(*before, id(n), Pattern(n, proxima::testing::kTinyBlockBytes)));
+  }
+  for (int n = 0; n < kBlocks; n += 2) ASSERT_TRUE(before->store().Touch(id(n)));  // protected
+  const absl::Time start = absl::Now();
+  ASSERT_OK_AND_ASSIGN(snapshot::Written w,
+                       snapshot::Write(*before, path_, absl::Now() + absl::Seconds(60)));
+  std::cout << "wrote " << w.blocks << " blocks in " << absl::Now() - start << "\n";
+  EXPECT_EQ(w.blocks, static_cast<uint64_t>(kBlocks));
+  EXPECT_EQ(w.left_blocks, 0u);
+  // Room for a quarter: the even ones, touched last, most recently used first.
+  std::unique_ptr<TierService> after =
+      Service(kBlocks / 4 * proxima::testing::kTinyBlockBytes + (1 << 20), false, {}, 0, 1);
+  ASSERT_OK(after->AddProfile(a, tiny).status());
+  ASSERT_OK_AND_ASSIGN(snapshot::Loaded l, snapshot::Load(*after, path_));
+  EXPECT_EQ(l.blocks + l.no_room, static_cast<uint64_t>(kBlocks));
+  ASSERT_GE(l.blocks, static_cast<uint64_t>(kBlocks / 4));
+  for (int n = kBlocks - 2; n >= kBlocks - kBlocks / 2; n -= 2) {
+    ASSERT_TRUE(after->store().Contains(id(n))) << n;
+  }
+  std::optional<std::pair<std::string, uint8_t>> s = Stored(*after, id(kBlocks - 2));
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->first, Pattern(kBlocks - 2, proxima::testing::kTinyBlockBytes));
+}
+
 TEST_F(SnapshotTest, ANamespaceGetsItsHottestBlocksWithinItsMaxBytes) {
   std::unique_ptr<TierService> before = Service(8 << 20);
   const uint32_t a = before->NamespaceIndex("a").value();
