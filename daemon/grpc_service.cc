@@ -74,14 +74,15 @@ absl::string_view AuthorizationOf(const grpc::CallbackServerContext& context) {
 
 absl::Status InflightLedger::OverBytes(const std::string& peer, uint64_t held, uint64_t more,
                                        absl::string_view what, uint64_t own) const {
-  absl::Status status = absl::ResourceExhaustedError(
-      absl::StrCat("client ", peer, " would hold ", held + more, " bytes in proximad (", held,
-                   " in calls still running, ", more, " for this call's ", what,
-                   "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
-                   "; send smaller batches or wait for running calls"));
+  absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
+      "client ", peer, " would hold ",
+      held + std::min(more, std::numeric_limits<uint64_t>::max() - held), " bytes in proximad (",
+      held, " in calls still running, ", more, " for this call's ", what,
+      "); the limit is server.max_inflight_bytes_per_client = ", max_bytes_,
+      "; send smaller batches or wait for running calls"));
   // Fits once the peer's other calls have released theirs (`own` of `held` is this call's):
   // worth sending again.
-  if (held > own && own + more <= max_bytes_) {
+  if (held > own && Fits(own, more)) {
     status.SetPayload(kRetryWhenReleased, absl::Cord("1"));
   }
   return status;
@@ -91,7 +92,7 @@ absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_byt
   proxima::MutexLock lock(&mu_);
   auto it = accounts_.find(peer);
   if (it == accounts_.end()) {
-    if (request_bytes > max_bytes_) return OverBytes(peer, 0, request_bytes, "request");
+    if (!Fits(0, request_bytes)) return OverBytes(peer, 0, request_bytes, "request");
     if (accounts_.size() >= max_peers_) {
       absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
           "client ", peer, " refused: ", accounts_.size(),
@@ -102,7 +103,7 @@ absl::Status InflightLedger::Begin(const std::string& peer, uint64_t request_byt
       return status;
     }
     it = accounts_.emplace(peer, Account()).first;
-  } else if (it->second.bytes + request_bytes > max_bytes_) {
+  } else if (!Fits(it->second.bytes, request_bytes)) {
     return OverBytes(peer, it->second.bytes, request_bytes, "request");
   }
   it->second.bytes += request_bytes;
@@ -114,7 +115,7 @@ absl::Status InflightLedger::AddResponse(const std::string& peer, uint64_t reque
                                          uint64_t response_bytes) {
   proxima::MutexLock lock(&mu_);
   Account& a = accounts_[peer];  // exists: Begin() admitted a call of this peer
-  if (a.bytes + response_bytes > max_bytes_) {
+  if (!Fits(a.bytes, response_bytes)) {
     return OverBytes(peer, a.bytes, response_bytes, "response", request_bytes);
   }
   a.bytes += response_bytes;

@@ -92,6 +92,11 @@ class InflightLedger {
   size_t active_peers() const;
 
  private:
+  // Whether `more` bytes fit beside `held` under the limit; no sum that could wrap around (a
+  // UCX call's declared lengths add up, saturating, to as much as 2^64 - 1).
+  bool Fits(uint64_t held, uint64_t more) const {
+    return held <= max_bytes_ && more <= max_bytes_ - held;
+  }
   struct Account {
     uint64_t bytes = 0;
     uint32_t calls = 0;

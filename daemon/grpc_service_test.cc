@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -15,6 +16,7 @@ namespace proxima::daemon {
 namespace {
 
 using ::proxima::testing::StatusIs;
+using ::testing::_;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
@@ -34,6 +36,25 @@ TEST(InflightLedgerTest, BytesPerPeerAreCappedAndReleased) {
   ASSERT_OK(ledger.Begin("ipv4:1.2.3.4:5", 1000));
   EXPECT_THAT(ledger.AddResponse("ipv4:1.2.3.4:5", 1000, 1),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("response")));
+}
+
+// A UCX call's declared lengths add up (saturating) to as much as 2^64 - 1: refused as too large
+// beside a running call, never wrapped around into an admission that then zeroes the account.
+TEST(InflightLedgerTest, AHugeDeclaredSizeIsRefusedNotWrappedAround) {
+  InflightLedger ledger(/*max_bytes_per_peer=*/1000, /*max_peers=*/8);
+  constexpr uint64_t kHuge = std::numeric_limits<uint64_t>::max();
+  ASSERT_OK(ledger.Begin("p", 10));
+  EXPECT_THAT(ledger.Begin("p", kHuge),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("would hold 18446744073709551615 bytes"),
+                             HasSubstr("server.max_inflight_bytes_per_client = 1000"))));
+  EXPECT_THAT(ledger.Begin("p", kHuge - 5), StatusIs(absl::StatusCode::kResourceExhausted, _));
+  EXPECT_THAT(ledger.AddResponse("p", 10, kHuge),
+              StatusIs(absl::StatusCode::kResourceExhausted, _));
+  EXPECT_FALSE(ledger.Begin("p", kHuge).GetPayload(InflightLedger::kRetryWhenReleased));
+  EXPECT_EQ(ledger.held_bytes("p"), 10u);
+  EXPECT_THAT(ledger.Begin("q", kHuge), StatusIs(absl::StatusCode::kResourceExhausted, _));
+  EXPECT_EQ(ledger.held_bytes("q"), 0u);
 }
 
 // A refusal says whether the call would fit once the peer's other calls are released: only then

@@ -624,7 +624,11 @@ absl::Status TierService::RegisterProfile(const Caller& caller,
 
 absl::StatusOr<uint64_t> TierService::AddProfile(uint32_t ns, const v1::ModelProfile& profile) {
   PROXIMA_ASSIGN_OR_RETURN(uint64_t block_bytes, ProfileBlockBytes(profile));
-  const uint64_t max_block = config_.server.max_message_bytes - kMessageOverhead;
+  // As GetBlocks counts an inline Get's response: a block that fits one alone. (Before, the
+  // per-block overhead was left out: a profile 64 bytes short of that was taken, and every
+  // inline Get of its blocks refused, "ask for at most 0 blocks per call".)
+  const uint64_t max_block =
+      config_.server.max_message_bytes - kMessageOverhead - kPerBlockOverhead;
   if (block_bytes > max_block || block_bytes > store_->capacity_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "profile's block is ", block_bytes, " bytes; this daemon takes blocks of at most ",

@@ -4,6 +4,7 @@
 #include <functional>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/crc32c.h"
@@ -138,7 +139,7 @@ TEST_F(TierServiceTest, GetThatCannotFitOneMessageIsRefusedUpFront) {
   v1::RegisterProfileRequest reg;
   reg.set_namespace_name("default");
   *reg.mutable_profile() = SmallProfile();
-  reg.mutable_profile()->set_tokens_per_block(256);  // 64 KiB blocks
+  reg.mutable_profile()->set_tokens_per_block(256);  // 32 KiB blocks
   v1::RegisterProfileResponse reg_resp;
   ASSERT_OK(service->RegisterProfile(Caller::Anonymous(), reg, &reg_resp));
   v1::GetRequest get;
@@ -148,6 +149,45 @@ TEST_F(TierServiceTest, GetThatCannotFitOneMessageIsRefusedUpFront) {
   v1::GetResponse resp;
   EXPECT_THAT(service->Get(Caller::Anonymous(), get, &resp),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("at most 31 blocks")));
+}
+
+TEST_F(TierServiceTest, AProfileIsTakenOnlyWhenAnInlineGetCanReturnOneOfItsBlocks) {
+  for (const uint64_t room : {uint64_t{4096}, uint64_t{4096 + 64}}) {
+    SCOPED_TRACE(absl::StrCat("max_message_bytes = 64 KiB + ", room));
+    DaemonConfig config;
+    config.host_tier.capacity_bytes = 8 << 20;
+    config.server.max_message_bytes = (64 << 10) + room;
+    metrics::Registry registry;
+    ASSERT_OK_AND_ASSIGN(auto service, TierService::Create(config, &registry));
+    v1::RegisterProfileRequest reg;
+    reg.set_namespace_name("default");
+    *reg.mutable_profile() = SmallProfile();
+    reg.mutable_profile()->set_tokens_per_block(512);  // 64 KiB blocks
+    v1::RegisterProfileResponse reg_resp;
+    const absl::Status registered = service->RegisterProfile(Caller::Anonymous(), reg, &reg_resp);
+    if (room == 4096) {
+      EXPECT_THAT(registered, StatusIs(absl::StatusCode::kInvalidArgument,
+                                       HasSubstr("blocks of at most 65472 bytes")));
+      continue;
+    }
+    ASSERT_OK(registered);
+    v1::PutRequest put;
+    put.set_namespace_name("default");
+    put.set_profile_id(reg_resp.profile_id());
+    v1::PutBlock* b = put.add_blocks();
+    b->set_key(std::string(32, 'k'));
+    b->set_data(std::string(64 << 10, 'x'));
+    v1::PutResponse put_resp;
+    ASSERT_OK(service->Put(Caller::Anonymous(), put, &put_resp));
+    v1::GetRequest get;
+    get.set_namespace_name("default");
+    get.set_profile_id(reg_resp.profile_id());
+    get.add_keys(std::string(32, 'k'));
+    v1::GetResponse got;
+    ASSERT_OK(service->Get(Caller::Anonymous(), get, &got));
+    ASSERT_EQ(got.results_size(), 1);
+    EXPECT_EQ(got.results(0).data(), std::string(64 << 10, 'x'));
+  }
 }
 
 TEST_F(TierServiceTest, LookupCountsTheLeadingPresentKeys) {

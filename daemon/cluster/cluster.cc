@@ -982,12 +982,20 @@ std::vector<std::string> Cluster::Locate(const RemoteBlockSet& blocks, const Liv
   }
   using Call = PeerCall<v1::LookupLocationsRequest, v1::LookupLocationsResponse>;
   std::vector<std::unique_ptr<Call>> calls;
+  // A home refuses more keys per call than its server.max_lookup_keys (this node's is taken as
+  // theirs), which a Get's batch (server.max_batch_blocks) may exceed: every key of the call
+  // was then a miss.
+  const size_t per_call = std::max<size_t>(1, core_->max_lookup_keys());
   for (auto& [home, which] : per_home) {
-    auto call = std::make_unique<Call>();
-    call->peer = live.id(home);
-    call->which = std::move(which);
-    FillSet(*core_, blocks, call->which, call->request.mutable_blocks());
-    calls.push_back(std::move(call));
+    for (size_t first = 0; first < which.size(); first += per_call) {
+      auto call = std::make_unique<Call>();
+      call->peer = live.id(home);
+      call->which.assign(
+          which.begin() + static_cast<std::ptrdiff_t>(first),
+          which.begin() + static_cast<std::ptrdiff_t>(std::min(which.size(), first + per_call)));
+      FillSet(*core_, blocks, call->which, call->request.mutable_blocks());
+      calls.push_back(std::move(call));
+    }
   }
   CallAll(calls, deadline, &v1::Peer::Stub::PrepareAsyncLookupLocations, /*skip_suspects=*/true);
   for (const auto& call : calls) {

@@ -1823,6 +1823,22 @@ TEST_F(ClusterTest, ASpillWithdrawnAfterADeleteLeavesThePeerKeepingTheKeysPutAga
   EXPECT_EQ(GetAndCheck(*b, p, seed - 2, 0, kChain), kChain);
 }
 
+TEST_F(ClusterTest, AGetOfMoreKeysThanAHomeLooksUpInOneCallFindsThemAll) {
+  // server.max_lookup_keys below server.max_batch_blocks: a Get of 64 blocks held on B asks
+  // each home where its keys are in calls of at most 16 keys. Before, one call per home carried
+  // all of its keys; B refused it (more than 16), and every key homed at B was a miss.
+  constexpr size_t kBlocks = 64;
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, {"server.max_lookup_keys=16"}));
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(WaitLive(i, 2)) << "node " << i;
+  TwoClients clients;
+  ASSERT_NO_FATAL_FAILURE(ConnectAB(&clients));
+  const Profile p = clients.p;
+  Blocks blocks = MakeBlocks(80, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(clients.b->Put(p, blocks.keys, blocks.spans()).status());
+  EXPECT_EQ(WaitGet(*clients.a, p, 80, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(Metric(0, "proxima_cluster_peer_call_failures_total"), 0);
+}
+
 TEST_F(ClusterTest, AHandOffAfterAHangDoesNotBringBackBlocksDeletedMeanwhile) {
   // C holds two chains and hangs (SIGSTOP) long enough to leave the others' live sets; A deletes
   // the chain C put last (A and B note the Delete; C misses it, and A keeps it to send C again),
