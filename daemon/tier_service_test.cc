@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -130,61 +131,70 @@ TEST_F(TierServiceTest, BadRequestsAreRejectedWithPreciseErrorsAndChangeNothing)
   EXPECT_FALSE(got.results(2).found());
 }
 
-TEST_F(TierServiceTest, GetThatCannotFitOneMessageIsRefusedUpFront) {
+// A core with an 8 MiB host tier and messages of at most `max_message_bytes`, and the outcome
+// of registering SmallProfile() with `tokens` per block in its namespace "default".
+struct LimitedCore {
+  metrics::Registry registry;
+  std::unique_ptr<TierService> service;
+  absl::Status registered;
+  v1::RegisterProfileResponse profile;
+};
+std::unique_ptr<LimitedCore> CoreWithMessageLimit(uint64_t max_message_bytes, uint32_t tokens) {
+  auto core = std::make_unique<LimitedCore>();
   DaemonConfig config;
   config.host_tier.capacity_bytes = 8 << 20;
-  config.server.max_message_bytes = 1 << 20;
-  metrics::Registry registry;
-  ASSERT_OK_AND_ASSIGN(auto service, TierService::Create(config, &registry));
+  config.server.max_message_bytes = max_message_bytes;
+  absl::StatusOr<std::unique_ptr<TierService>> service =
+      TierService::Create(config, &core->registry);
+  EXPECT_OK(service.status());
+  if (!service.ok()) return nullptr;
+  core->service = *std::move(service);
   v1::RegisterProfileRequest reg;
   reg.set_namespace_name("default");
   *reg.mutable_profile() = SmallProfile();
-  reg.mutable_profile()->set_tokens_per_block(256);  // 32 KiB blocks
-  v1::RegisterProfileResponse reg_resp;
-  ASSERT_OK(service->RegisterProfile(Caller::Anonymous(), reg, &reg_resp));
+  reg.mutable_profile()->set_tokens_per_block(tokens);
+  core->registered = core->service->RegisterProfile(Caller::Anonymous(), reg, &core->profile);
+  return core;
+}
+
+TEST_F(TierServiceTest, GetThatCannotFitOneMessageIsRefusedUpFront) {
+  auto core = CoreWithMessageLimit(1 << 20, /*tokens=*/256);  // 32 KiB blocks
+  ASSERT_TRUE(core);
+  ASSERT_OK(core->registered);
   v1::GetRequest get;
   get.set_namespace_name("default");
-  get.set_profile_id(reg_resp.profile_id());
+  get.set_profile_id(core->profile.profile_id());
   for (int i = 0; i < 40; ++i) get.add_keys(std::string(32, static_cast<char>(i)));
   v1::GetResponse resp;
-  EXPECT_THAT(service->Get(Caller::Anonymous(), get, &resp),
+  EXPECT_THAT(core->service->Get(Caller::Anonymous(), get, &resp),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("at most 31 blocks")));
 }
 
 TEST_F(TierServiceTest, AProfileIsTakenOnlyWhenAnInlineGetCanReturnOneOfItsBlocks) {
   for (const uint64_t room : {uint64_t{4096}, uint64_t{4096 + 64}}) {
     SCOPED_TRACE(absl::StrCat("max_message_bytes = 64 KiB + ", room));
-    DaemonConfig config;
-    config.host_tier.capacity_bytes = 8 << 20;
-    config.server.max_message_bytes = (64 << 10) + room;
-    metrics::Registry registry;
-    ASSERT_OK_AND_ASSIGN(auto service, TierService::Create(config, &registry));
-    v1::RegisterProfileRequest reg;
-    reg.set_namespace_name("default");
-    *reg.mutable_profile() = SmallProfile();
-    reg.mutable_profile()->set_tokens_per_block(512);  // 64 KiB blocks
-    v1::RegisterProfileResponse reg_resp;
-    const absl::Status registered = service->RegisterProfile(Caller::Anonymous(), reg, &reg_resp);
+    auto core = CoreWithMessageLimit((64 << 10) + room, /*tokens=*/512);  // 64 KiB blocks
+    ASSERT_TRUE(core);
     if (room == 4096) {
-      EXPECT_THAT(registered, StatusIs(absl::StatusCode::kInvalidArgument,
-                                       HasSubstr("blocks of at most 65472 bytes")));
+      EXPECT_THAT(core->registered, StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("blocks of at most 65472 bytes")));
       continue;
     }
-    ASSERT_OK(registered);
+    ASSERT_OK(core->registered);
     v1::PutRequest put;
     put.set_namespace_name("default");
-    put.set_profile_id(reg_resp.profile_id());
+    put.set_profile_id(core->profile.profile_id());
     v1::PutBlock* b = put.add_blocks();
     b->set_key(std::string(32, 'k'));
     b->set_data(std::string(64 << 10, 'x'));
     v1::PutResponse put_resp;
-    ASSERT_OK(service->Put(Caller::Anonymous(), put, &put_resp));
+    ASSERT_OK(core->service->Put(Caller::Anonymous(), put, &put_resp));
     v1::GetRequest get;
     get.set_namespace_name("default");
-    get.set_profile_id(reg_resp.profile_id());
+    get.set_profile_id(core->profile.profile_id());
     get.add_keys(std::string(32, 'k'));
     v1::GetResponse got;
-    ASSERT_OK(service->Get(Caller::Anonymous(), get, &got));
+    ASSERT_OK(core->service->Get(Caller::Anonymous(), get, &got));
     ASSERT_EQ(got.results_size(), 1);
     EXPECT_EQ(got.results(0).data(), std::string(64 << 10, 'x'));
   }
