@@ -311,6 +311,16 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const DaemonConfig& con
   cluster->service_->OnLeave(
       [self](const std::string& node) { return self->membership_->MarkLeft(node); });
   cluster->service_->OnRejoin([self](const std::string& node) {
+    if (self->membership_->Live()->Contains(node)) {
+      // It may have restarted empty, faster than health checks notice: the records naming it
+      // are of blocks it may no longer hold, and lookups would count them until a get missed
+      // each. It sends the records of what it holds after its Rejoin calls (RunSender).
+      const size_t dropped = self->records_.DropHolder(node);
+      self->records_dropped_->Increment(dropped);
+      PROXIMA_LOG(kInfo) << "a peer rejoined; the location records naming it dropped until it "
+                            "sends them again"
+                         << log::Kv("peer", node) << log::Kv("records", dropped);
+    }
     {
       std::lock_guard<std::mutex> lock(self->queue_mu_);
       self->announce_to_.push_back(node);
@@ -361,8 +371,9 @@ Cluster::Cluster(const DaemonConfig& config, TierService* core, metrics::Registr
       "evicted, spilled or dropped here, or found gone by a fetch");
   records_dropped_ = registry->AddCounter(
       "proxima_cluster_location_records_dropped_total",
-      "Location records dropped: holder left the live set, a fetch missed, a queue or the table "
-      "was full, or their home failed every call for 60 s");
+      "Location records dropped: holder left the live set or rejoined it (it sends its records "
+      "again), a fetch missed, a queue or the table was full, or their home failed every call "
+      "for 60 s");
   records_retried_ = registry->AddCounter(
       "proxima_cluster_location_records_retried_total",
       "Location records and forgets sent again because their call to the home failed (timed "
@@ -554,6 +565,9 @@ void Cluster::RunSender() {
       SendDeleteRetries();  // a Delete made here still reaches the peers that missed it
       continue;
     }
+    // Rejoins first: a peer drops the records naming this node when it takes one, so those this
+    // round sends it must come after.
+    if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     std::shared_ptr<const LiveSet> live = membership_->Live();
     const std::vector<PlacementNode> before = announced_for_;
     const bool changed =
@@ -568,7 +582,6 @@ void Cluster::RunSender() {
                                   [&node](const PlacementNode& n) { return n.id == node; });
       if (!covered) AnnounceTo(*live, node);
     }
-    if (!rejoin_to.empty()) SendRejoins(rejoin_to);
     SendQueued();
     SendDeleteRetries();
   }

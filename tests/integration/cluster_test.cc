@@ -1533,6 +1533,44 @@ TEST_F(ClusterTest, AHomeRestartedBeforeItsPeersNoticeGetsTheirRecordsBack) {
   EXPECT_EQ(Metric(1, "proxima_cluster_peer_transitions_total{to=\"down\"}"), left_before);
 }
 
+TEST_F(ClusterTest, AHolderRestartedEmptyBeforeItsPeersNoticeLeavesNoRecordsNamingIt) {
+  // Node 1 holds a 24-block chain, whose homes (nodes 0 and 2 for two thirds of it) record it
+  // as the holder. It is killed and started again at once, empty, unnoticed by health checks
+  // every 5 s. When it rejoins, its peers drop the records naming it (it sends again those of
+  // what it holds: nothing). Before, they kept them: a lookup from node 2 counted blocks no
+  // node held, for as long as no get of each missed.
+  constexpr size_t kBlocks = 24;
+  constexpr uint64_t kSeed = 64;
+  NodeClients n;
+  ASSERT_NO_FATAL_FAILURE(PutChainThroughBWithSlowChecks(kSeed, kBlocks, &n));
+  const Profile p = n.p;
+  ASSERT_GT(
+      Metric(0, "proxima_cluster_location_records") + Metric(2, "proxima_cluster_location_records"),
+      0);
+  const double left_before = Metric(2, "proxima_cluster_peer_transitions_total{to=\"down\"}");
+  ASSERT_OK(daemons_[1]->Restart());
+  ASSERT_TRUE(WaitLive(1, 3));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  double records = -1;
+  while (absl::Now() < deadline) {
+    records = Metric(0, "proxima_cluster_location_records") +
+              Metric(2, "proxima_cluster_location_records");
+    if (records == 0) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(records, 0);
+  EXPECT_THAT(n.c->Lookup(p, client::TestKeyChain(kSeed, 0, kBlocks)), IsOkAndHolds(0u));
+  // The premise: node 2 never saw node 1 leave.
+  EXPECT_EQ(Metric(2, "proxima_cluster_peer_transitions_total{to=\"down\"}"), left_before);
+  // Blocks put again on it are found from the others as before.
+  auto b = RegisteredClient(1);
+  ASSERT_TRUE(b);
+  Blocks blocks = MakeBlocks(kSeed, 0, kBlocks, p.block_bytes);
+  ASSERT_OK(b->Put(p, blocks.keys, blocks.spans()).status());
+  EXPECT_EQ(WaitLookup(*n.c, p, kSeed, kBlocks, kBlocks), kBlocks);
+  EXPECT_EQ(GetAndCheck(*n.c, p, kSeed, 0, kBlocks), kBlocks);
+}
+
 TEST_F(ClusterTest, ANodeShuttingDownLeavesItsPeersLiveSetsAtOnce) {
   // Health checks every 5 s, 3 failures to leave: without being told, node 0's peers would count
   // it live for 10 s or more after it stopped, and keep the records it held as home there. It
