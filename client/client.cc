@@ -224,6 +224,7 @@ absl::Status Client::CallWithSession(Call&& call) {
   if (ucx_session_stale_.load() || !SessionTokenIsCurrent()) {
     PROXIMA_RETURN_IF_ERROR(ReopenUcxSession(deadline));
   }
+  const uint64_t session = ucx_session_.load();  // the one the call uses (unless replaced)
   absl::Status status = call(deadline);
   if (absl::IsUnavailable(status)) {
     // The daemon or the path to it failed (killed, restarted, network): this call fails, and the
@@ -244,9 +245,10 @@ absl::Status Client::CallWithSession(Call&& call) {
       !absl::StrContains(status.message(), "UCX session")) {
     return status;
   }
-  PROXIMA_LOG(kInfo) << "proximad forgot this client's UCX session (restart?); opening a new one"
+  PROXIMA_LOG(kInfo) << "proximad forgot this client's UCX session (restart?), or this client's "
+                        "endpoint to it failed; opening a new one"
                      << log::Kv("target", options_.target);
-  status = OpenUcxSession(deadline);
+  status = ReplaceUcxSession(session, deadline);
   if (status.ok()) status = call(deadline);
   if (absl::IsUnavailable(status)) ucx_session_stale_.store(true);
   return status;
@@ -297,6 +299,17 @@ absl::Status Client::ReopenUcxSession(absl::Time deadline) {
                                        : "UCX session re-established for a new token")
                      << log::Kv("target", options_.target);
   return absl::OkStatus();
+}
+
+absl::Status Client::ReplaceUcxSession(uint64_t failed, absl::Time deadline) {
+  proxima::MutexLock lock(&ucx_reopen_mu_);
+  // Another thread whose call failed the same way has replaced it already.
+  if (ucx_session_.load() != failed) return absl::OkStatus();
+  // A daemon that did not restart still holds it when the failure was this side's (its endpoint
+  // to the daemon's worker closed by force after a send missed its deadline): close it, best
+  // effort, or it stays open until this client goes, one more each time (ucx.max_sessions).
+  CloseUcxSession(failed, deadline - absl::Now());
+  return OpenUcxSession(deadline);
 }
 
 absl::Status Client::OpenUcxSession(absl::Time deadline, std::string* shared_memory) {

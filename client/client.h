@@ -351,6 +351,10 @@ class Client {
   // daemon down or restarting: reconnector_ reconnects meanwhile), as gRPC fails an inline
   // call; waits, within `deadline`, while a connection attempt is under way.
   absl::Status ReopenUcxSession(absl::Time deadline) ABSL_LOCKS_EXCLUDED(ucx_reopen_mu_);
+  // After a call found the session `failed` unknown or its endpoint dead: closes it (best effort)
+  // and opens a new one, unless another thread has replaced it meanwhile.
+  absl::Status ReplaceUcxSession(uint64_t failed, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(ucx_reopen_mu_);
   // Asks the daemon to close `session_id` (0: none), best effort.
   void CloseUcxSession(uint64_t session_id, absl::Duration timeout);
   // Runs a UCX call, `call(deadline)`, within one call_timeout. A call that fails UNAVAILABLE

@@ -335,6 +335,41 @@ def ucx_daemon(request, monkeypatch):
     d.kill()
 
 
+@pytest.mark.parametrize("ucx_daemon", ["tcp"], indirect=True)
+def test_a_session_replaced_after_a_stalled_put_is_closed_on_the_daemon(ucx_daemon):
+    """A put of 1 MiB blocks (rendezvous messages) to a daemon that stalls (SIGSTOP) past the
+    call's deadline fails, and its sends' endpoint is closed by force; the next put finds the
+    endpoint dead and opens a new session. The old one, which the daemon still held, is closed
+    first: before, each stall left one more session open on the daemon (1, 2, 3, 4) until the
+    client went, toward ucx.max_sessions, which every client of the node shares."""
+    d = ucx_daemon
+    c = proxima.Client(f"127.0.0.1:{d.tcp_port}", transport="ucx", call_timeout=1.0)
+    p = c.register_profile(4, 8, 128, 64, "bf16")
+    assert p.block_bytes == 1 << 20 and c.transport == "ucx", c.transport_detail
+    buf = np.random.default_rng(7).integers(0, 256, (4, p.block_bytes), dtype=np.uint8)
+    c.register_buffer(buf.ctypes.data, buf.nbytes)
+    blocks = [[(buf.ctypes.data + i * p.block_bytes, p.block_bytes)] for i in range(4)]
+    assert c.put(p, keys_for("stall-0", 4), blocks) == ["stored"] * 4
+    assert d.metric("proxima_ucx_sessions") == 1
+    for stall in range(1, 4):
+        d.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(proxima.Unavailable, match="DEADLINE_EXCEEDED"):
+                c.put(p, keys_for(f"stall-{stall}", 4), blocks)
+        finally:
+            d.signal(signal.SIGCONT)
+        assert c.put(p, keys_for(f"stall-{stall}", 4), blocks) == ["stored"] * 4
+        deadline = time.monotonic() + 5
+        while d.metric("proxima_ucx_sessions") != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.metric("proxima_ucx_sessions") == 1, f"after stall {stall}"
+    got = np.zeros_like(buf)
+    c.register_buffer(got.ctypes.data, got.nbytes)
+    out = [[(got.ctypes.data + i * p.block_bytes, p.block_bytes)] for i in range(4)]
+    assert c.get(p, keys_for("stall-3", 4), out) == [True] * 4
+    assert np.array_equal(got, buf)
+
+
 @pytest.mark.parametrize("ucx_daemon", [None], indirect=True)
 def test_registered_buffers_are_registered_with_ucx_once(ucx_daemon):
     """Every call on a registered buffer names the same UCX registration, so the daemon unpacks
