@@ -647,12 +647,7 @@ std::optional<BlockStore::Candidate> BlockStore::TakeCandidate(Take take) {
     uint64_t stamp = 0;
     std::optional<BlockId> id = Unpinned(*best, segment, take, &stamp);
     if (!id) return std::nullopt;
-    Shard::Entry& e = best->map.find(*id)->second;
-    e.busy = true;
-    const StoredBlock& b = *e.block;
-    Candidate c{*id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
-    c.reused = segment == kProtected;
-    return c;
+    return Taken(*id, best->map.find(*id)->second);
   }
   return std::nullopt;
 }
@@ -690,10 +685,14 @@ std::optional<BlockStore::Candidate> BlockStore::TakeHostBlock(const BlockId& id
   Shard::Entry& e = it->second;
   // As Unpinned's kHandoff: not on a device, not taken, not pinned by a reader.
   if (e.device >= 0 || e.busy || e.block.use_count() != 1) return std::nullopt;
-  e.busy = true;
-  const StoredBlock& b = *e.block;
-  Candidate c{id, ReadBlock{e.block, b.bytes(), b.crc32c, b.level}, e.attributes};
-  c.reused = e.segment == kProtected;
+  return Taken(id, e);
+}
+
+BlockStore::Candidate BlockStore::Taken(const BlockId& id, Shard::Entry& entry) {
+  entry.busy = true;
+  const StoredBlock& b = *entry.block;
+  Candidate c{id, ReadBlock{entry.block, b.bytes(), b.crc32c, b.level}, entry.attributes};
+  c.reused = entry.segment == kProtected;
   return c;
 }
 

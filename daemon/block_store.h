@@ -419,6 +419,9 @@ class BlockStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shard.mu);
   // ColdestSpillable (kSpill) and HottestForHandoff (kHandoff).
   std::optional<Candidate> TakeCandidate(Take take);
+  // Marks the host block `entry` (of `id`) busy and hands it out as a candidate, pinned. The
+  // caller holds its shard's lock.
+  static Candidate Taken(const BlockId& id, Shard::Entry& entry);
   // The least recently used block of pool `device` not being moved (the last few of each
   // shard's list looked at), with its shard and stamp, as the shards' locks saw it one at a
   // time: ColdestOnDevice claims it, ColdestStampOnDevice reads its stamp.

@@ -520,12 +520,10 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     const codec::BlockGeometry* geometry = &profile->geometry;
     const codec::CodecPlan plan = PlanFor(ns, 1, *profile);
     std::vector<DeviceMemory::EncodeJob> jobs;
-    std::vector<uint64_t> offsets;
     for (size_t i : members) {
       if (candidates[i].device_bytes != geometry->RawBytes()) continue;  // not a raw block: raw
       jobs.push_back(
           {candidates[i].device_offset, candidates[i].attributes.is_first_block, &(*encoded)[i]});
-      offsets.push_back(candidates[i].device_offset);
     }
     // The candidate a job encodes.
     auto candidate_of = [&](const DeviceMemory::EncodeJob& job) -> const BlockStore::Candidate& {
@@ -536,6 +534,8 @@ void Tierer::EncodeForMove(size_t device, std::span<const BlockStore::Candidate>
     // encoded: the container would carry a CRC of its own and be served as good. Checked on the
     // device first; a block that fails stays unencoded, and MoveDown, reading it back raw, finds
     // the mismatch and drops it as a corrupt block.
+    std::vector<uint64_t> offsets;
+    for (const DeviceMemory::EncodeJob& job : jobs) offsets.push_back(job.offset);
     std::vector<uint32_t> crcs(offsets.size());
     absl::Status status = memory.Checksum(offsets, geometry->RawBytes(), std::span(crcs));
     if (status.ok()) {
